@@ -1,0 +1,38 @@
+//! The lockstep compute protocol.
+//!
+//! A controller drives a multi-process timely replica by sending the same
+//! stream of [`Command`]s to every process itself (the protocol is symmetric:
+//! no process forwards commands to another). This crate is the one place that
+//! knows the wire format:
+//!
+//! - [`proto`]: the prost types generated from `proto/lockstep/compute/v1`,
+//!   used only at the edges;
+//! - [`types`]: the plain Rust types used everywhere else, with fallible
+//!   conversions from the wire types in [`convert`] (a malformed message is an
+//!   error, never a panic);
+//! - [`codec`]: length-delimited framing with a maximum frame size;
+//! - [`handshake`]: the checks a process makes on `Hello`;
+//! - [`history`]: the compacted command history and its stable hash, which
+//!   rehydration and the history check are built on.
+
+pub mod codec;
+pub mod convert;
+pub mod handshake;
+pub mod history;
+pub mod types;
+
+pub use codec::{CodecError, ControllerCodec, FrameCodec, ReplicaCodec, WireMessage, DEFAULT_MAX_FRAME_LEN};
+pub use convert::ConvertError;
+pub use handshake::{HandshakeError, ProcessIdentity};
+pub use history::CommandHistory;
+pub use types::*;
+
+/// The protocol version this build speaks. A process refuses a `Hello` with any
+/// other version.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The generated wire types. Use [`types`] inside the code; these only at the edges.
+#[allow(missing_docs, clippy::all)]
+pub mod proto {
+    include!(concat!(env!("OUT_DIR"), "/lockstep.compute.v1.rs"));
+}

@@ -1,0 +1,515 @@
+//! Plain Rust types of the compute protocol.
+//!
+//! These mirror `proto/lockstep/compute/v1/compute.proto`; the .proto file is
+//! the specification of what each message means and which rules it obeys.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// A logical timestamp.
+pub type Timestamp = u64;
+
+/// A frontier over totally ordered time: `Some(t)` is the antichain `[t]`,
+/// `None` is the empty antichain (complete, or dropped).
+pub type Frontier = Option<Timestamp>;
+
+/// A row: a vector of 64-bit integers.
+pub type Row = Vec<i64>;
+
+/// A 32-byte digest (BLAKE3).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Digest(pub [u8; 32]);
+
+impl fmt::Debug for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+impl fmt::Display for Digest {
+    /// The first 8 bytes in hex, enough to tell digests apart in logs.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// How a command is distributed to the workers. See `DESIGN.md`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Strategy {
+    /// Ordered by one sequencing worker over a timely dataflow.
+    Broadcast,
+    /// Applied on arrival; dataflow creation waits for all workers to agree.
+    Barrier,
+    /// Read from a durable totally ordered log.
+    Log,
+    /// No protection: the negative control.
+    Naive,
+}
+
+impl Strategy {
+    /// Every strategy, in a fixed order.
+    pub const ALL: [Strategy; 4] = [
+        Strategy::Broadcast,
+        Strategy::Barrier,
+        Strategy::Log,
+        Strategy::Naive,
+    ];
+
+    /// The lower-case name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Broadcast => "broadcast",
+            Strategy::Barrier => "barrier",
+            Strategy::Log => "log",
+            Strategy::Naive => "naive",
+        }
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Strategy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Strategy::ALL
+            .into_iter()
+            .find(|st| st.name() == s)
+            .ok_or_else(|| format!("unknown strategy {s:?}: expected broadcast, barrier, log or naive"))
+    }
+}
+
+/// One command, as sent to every process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Command {
+    /// Position in the stream of this connection nonce (Hello is 0).
+    pub seqno: u64,
+    /// The distribution strategy chosen for this command.
+    pub strategy: Strategy,
+    /// What to do.
+    pub kind: CommandKind,
+}
+
+/// The command variants. Their rules are documented in the .proto file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CommandKind {
+    /// First command on every connection.
+    Hello(Hello),
+    /// Creates the compute instance with its settings.
+    CreateInstance(BTreeMap<String, String>),
+    /// Ends reconciliation.
+    InitializationComplete,
+    /// Changes configuration parameters.
+    UpdateConfiguration(BTreeMap<String, String>),
+    /// Builds a dataflow on every worker.
+    CreateDataflow(DataflowDescription),
+    /// Hint that a dataflow may run.
+    Schedule {
+        /// The dataflow.
+        dataflow_id: u64,
+    },
+    /// Allows compaction of a collection; `None` drops it.
+    AllowCompaction {
+        /// The collection.
+        collection_id: u64,
+        /// The new compaction frontier.
+        frontier: Frontier,
+    },
+    /// Reads a collection at a time.
+    Peek(Peek),
+    /// Cancels a peek.
+    CancelPeek {
+        /// The peek.
+        peek_id: u64,
+    },
+    /// Streams a collection's changes.
+    Subscribe(Subscribe),
+    /// Appends updates to an input collection.
+    WriteInput(WriteInput),
+    /// Asks every worker for its Status (the heartbeat).
+    StatusRequest,
+}
+
+impl CommandKind {
+    /// A short name of the variant, for logs, errors and policies.
+    pub fn name(&self) -> &'static str {
+        match self {
+            CommandKind::Hello(_) => "hello",
+            CommandKind::CreateInstance(_) => "create-instance",
+            CommandKind::InitializationComplete => "initialization-complete",
+            CommandKind::UpdateConfiguration(_) => "update-configuration",
+            CommandKind::CreateDataflow(_) => "create-dataflow",
+            CommandKind::Schedule { .. } => "schedule",
+            CommandKind::AllowCompaction { .. } => "allow-compaction",
+            CommandKind::Peek(_) => "peek",
+            CommandKind::CancelPeek { .. } => "cancel-peek",
+            CommandKind::Subscribe(_) => "subscribe",
+            CommandKind::WriteInput(_) => "write-input",
+            CommandKind::StatusRequest => "status-request",
+        }
+    }
+}
+
+/// The handshake command.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// The controller's protocol version.
+    pub protocol_version: u32,
+    /// The controller's epoch.
+    pub epoch: u64,
+    /// Random per controller session.
+    pub nonce: u64,
+    /// The replica's catalog ID.
+    pub replica_id: u64,
+    /// The index of the receiving process.
+    pub process_index: u32,
+    /// How many processes the replica has.
+    pub process_count: u32,
+    /// How many timely workers each process runs.
+    pub workers_per_process: u32,
+}
+
+/// A scalar expression over a row.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Expr {
+    /// A column of the input row.
+    Column(u32),
+    /// A constant.
+    Literal(i64),
+    /// Wrapping addition.
+    Add(Box<Expr>, Box<Expr>),
+    /// Wrapping subtraction.
+    Sub(Box<Expr>, Box<Expr>),
+    /// Wrapping multiplication.
+    Mul(Box<Expr>, Box<Expr>),
+}
+
+impl Expr {
+    /// Evaluates the expression; `None` if a column is out of range.
+    pub fn eval(&self, row: &[i64]) -> Option<i64> {
+        Some(match self {
+            Expr::Column(c) => *row.get(*c as usize)?,
+            Expr::Literal(v) => *v,
+            Expr::Add(a, b) => a.eval(row)?.wrapping_add(b.eval(row)?),
+            Expr::Sub(a, b) => a.eval(row)?.wrapping_sub(b.eval(row)?),
+            Expr::Mul(a, b) => a.eval(row)?.wrapping_mul(b.eval(row)?),
+        })
+    }
+}
+
+/// A comparison operator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CompareOp {
+    /// `==`
+    Eq,
+    /// `!=`
+    Ne,
+    /// `<`
+    Lt,
+    /// `<=`
+    Le,
+    /// `>`
+    Gt,
+    /// `>=`
+    Ge,
+}
+
+/// A predicate `left op right`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Predicate {
+    /// The operator.
+    pub op: CompareOp,
+    /// Left operand.
+    pub left: Expr,
+    /// Right operand.
+    pub right: Expr,
+}
+
+impl Predicate {
+    /// Evaluates the predicate; `None` if a column is out of range.
+    pub fn eval(&self, row: &[i64]) -> Option<bool> {
+        let (l, r) = (self.left.eval(row)?, self.right.eval(row)?);
+        Some(match self.op {
+            CompareOp::Eq => l == r,
+            CompareOp::Ne => l != r,
+            CompareOp::Lt => l < r,
+            CompareOp::Le => l <= r,
+            CompareOp::Gt => l > r,
+            CompareOp::Ge => l >= r,
+        })
+    }
+}
+
+/// An aggregate of a reduce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Aggregate {
+    /// The number of rows (with multiplicity).
+    Count,
+    /// The sum of a column (with multiplicity).
+    Sum(u32),
+}
+
+/// The plan IR every worker renders into the same differential operators.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Plan {
+    /// Reads an input collection.
+    Get {
+        /// The input collection.
+        collection_id: u64,
+    },
+    /// Replaces each row by the values of `exprs`.
+    Map {
+        /// The input.
+        input: Box<Plan>,
+        /// One expression per output column.
+        exprs: Vec<Expr>,
+    },
+    /// Keeps rows for which every predicate holds.
+    Filter {
+        /// The input.
+        input: Box<Plan>,
+        /// The predicates.
+        predicates: Vec<Predicate>,
+    },
+    /// Equi-join on one key column each side; output is left ++ right.
+    Join {
+        /// Left input.
+        left: Box<Plan>,
+        /// Right input.
+        right: Box<Plan>,
+        /// Key column of the left input.
+        left_key: u32,
+        /// Key column of the right input.
+        right_key: u32,
+    },
+    /// Group by `key`; output is key values ++ one value per aggregate.
+    Reduce {
+        /// The input.
+        input: Box<Plan>,
+        /// Key columns.
+        key: Vec<u32>,
+        /// Aggregates.
+        aggregates: Vec<Aggregate>,
+    },
+    /// Arranges the input by `key` columns.
+    Arrange {
+        /// The input.
+        input: Box<Plan>,
+        /// Key columns.
+        key: Vec<u32>,
+    },
+}
+
+impl Plan {
+    /// Every input collection the plan reads, in order of appearance.
+    pub fn inputs(&self) -> Vec<u64> {
+        let mut out = Vec::new();
+        self.visit_inputs(&mut out);
+        out
+    }
+
+    fn visit_inputs(&self, out: &mut Vec<u64>) {
+        match self {
+            Plan::Get { collection_id } => out.push(*collection_id),
+            Plan::Map { input, .. }
+            | Plan::Filter { input, .. }
+            | Plan::Reduce { input, .. }
+            | Plan::Arrange { input, .. } => input.visit_inputs(out),
+            Plan::Join { left, right, .. } => {
+                left.visit_inputs(out);
+                right.visit_inputs(out);
+            }
+        }
+    }
+}
+
+/// An exported, arranged collection of a dataflow.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Export {
+    /// The collection's ID.
+    pub collection_id: u64,
+    /// How to compute it.
+    pub plan: Plan,
+}
+
+/// What every worker builds for one CreateDataflow.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct DataflowDescription {
+    /// The dataflow's catalog ID.
+    pub id: u64,
+    /// Results are correct from this time on.
+    pub as_of: Timestamp,
+    /// The input collections it reads.
+    pub inputs: Vec<u64>,
+    /// Its exports (at least one).
+    pub exports: Vec<Export>,
+    /// For logs only.
+    pub debug_name: String,
+}
+
+/// A read of a collection at a time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Peek {
+    /// Unique among outstanding peeks.
+    pub peek_id: u64,
+    /// The collection.
+    pub collection_id: u64,
+    /// The time to read at.
+    pub timestamp: Timestamp,
+}
+
+/// A subscription to a collection's changes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Subscribe {
+    /// Unique among subscriptions.
+    pub subscribe_id: u64,
+    /// The collection.
+    pub collection_id: u64,
+    /// Changes from this time on.
+    pub as_of: Timestamp,
+}
+
+/// `diff` copies of `row` at `time`.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Update {
+    /// The row.
+    pub row: Row,
+    /// When.
+    pub time: Timestamp,
+    /// How many copies (negative: retraction).
+    pub diff: i64,
+}
+
+/// Updates to an input collection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WriteInput {
+    /// The input collection.
+    pub collection_id: u64,
+    /// The updates, each at or above the current upper and below `upper`.
+    pub updates: Vec<Update>,
+    /// The new upper.
+    pub upper: Timestamp,
+}
+
+/// One response from one process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Response {
+    /// The sending process.
+    pub process_index: u32,
+    /// What it says.
+    pub kind: ResponseKind,
+}
+
+/// The response variants.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ResponseKind {
+    /// Frontier advances: (collection, new upper).
+    Frontiers(Vec<(u64, Frontier)>),
+    /// This process's share of a peek answer.
+    PeekResponse(PeekResponse),
+    /// This process's changes of a subscription.
+    SubscribeResponse(SubscribeBatch),
+    /// A worker's state.
+    Status(Status),
+    /// An error.
+    Error(ErrorResponse),
+}
+
+/// A process's share of a peek's answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeekResponse {
+    /// The peek.
+    pub peek_id: u64,
+    /// The answer.
+    pub result: PeekResult,
+}
+
+/// The outcome of a peek.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PeekResult {
+    /// Rows with their multiplicities.
+    Rows(Vec<(Row, i64)>),
+    /// The peek could not be answered.
+    Error(String),
+    /// The peek was canceled.
+    Canceled,
+}
+
+/// Changes of a subscribed collection in `[lower, upper)`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SubscribeBatch {
+    /// The subscription.
+    pub subscribe_id: u64,
+    /// Lower bound of the batch's times.
+    pub lower: Timestamp,
+    /// Upper bound of the batch's times; `None` if the subscription ended.
+    pub upper: Frontier,
+    /// The changes.
+    pub updates: Vec<Update>,
+}
+
+/// One dataflow a worker built (invariant I1).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CreationLogEntry {
+    /// The timely dataflow index the worker allocated.
+    pub timely_index: u64,
+    /// The dataflow's catalog ID.
+    pub dataflow_id: u64,
+    /// Hash of the description.
+    pub description_hash: Digest,
+}
+
+/// A worker's state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Status {
+    /// The worker's global index.
+    pub worker_index: u32,
+    /// The epoch of the controller it last accepted.
+    pub epoch: u64,
+    /// The nonce it last accepted.
+    pub nonce: u64,
+    /// The last sequence number it applied for that nonce.
+    pub applied_seqno: u64,
+    /// Hash of its compacted applied history.
+    pub history_hash: Digest,
+    /// Every dataflow it built since the process started, in order.
+    pub creation_log: Vec<CreationLogEntry>,
+    /// The dataflows installed now.
+    pub installed: Vec<u64>,
+}
+
+/// Kinds of protocol errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// The controller speaks another protocol version.
+    VersionMismatch,
+    /// The controller's epoch is older than one already seen.
+    StaleEpoch,
+    /// Hello's replica shape does not match the process.
+    ConfigMismatch,
+    /// A frame or message could not be decoded.
+    Malformed,
+    /// A sequence number gap or repeat.
+    Sequence,
+    /// A well-formed command that cannot be applied.
+    InvalidCommand,
+    /// The process cannot prove it is in lockstep; it halts.
+    LockstepLost,
+}
+
+/// An error response.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ErrorResponse {
+    /// What kind.
+    pub kind: ErrorKind,
+    /// A message for people.
+    pub message: String,
+    /// The command it refers to (0 if none).
+    pub seqno: u64,
+}

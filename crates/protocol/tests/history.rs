@@ -1,0 +1,182 @@
+//! History compaction and the history digest.
+
+use lockstep_protocol::*;
+
+fn dataflow(id: u64, collection: u64) -> DataflowDescription {
+    DataflowDescription {
+        id,
+        as_of: 0,
+        inputs: vec![1],
+        exports: vec![Export {
+            collection_id: collection,
+            plan: Plan::Get { collection_id: 1 },
+        }],
+        debug_name: format!("df{id}"),
+    }
+}
+
+fn write(updates: &[(i64, u64, i64)], upper: u64) -> CommandKind {
+    CommandKind::WriteInput(WriteInput {
+        collection_id: 1,
+        updates: updates
+            .iter()
+            .map(|&(v, time, diff)| Update { row: vec![v], time, diff })
+            .collect(),
+        upper,
+    })
+}
+
+fn reduced(cmds: Vec<CommandKind>) -> Vec<CommandKind> {
+    let mut h = CommandHistory::new();
+    for c in cmds {
+        h.push(c);
+    }
+    h.reduce();
+    h.commands().to_vec()
+}
+
+#[test]
+fn created_then_dropped_dataflow_vanishes() {
+    let got = reduced(vec![
+        CommandKind::CreateInstance(Default::default()),
+        CommandKind::CreateDataflow(dataflow(10, 100)),
+        CommandKind::Schedule { dataflow_id: 10 },
+        CommandKind::AllowCompaction { collection_id: 100, frontier: Some(3) },
+        CommandKind::Subscribe(Subscribe { subscribe_id: 1, collection_id: 100, as_of: 0 }),
+        CommandKind::CreateDataflow(dataflow(11, 101)),
+        CommandKind::AllowCompaction { collection_id: 100, frontier: None },
+    ]);
+    assert_eq!(
+        got,
+        vec![
+            CommandKind::CreateInstance(Default::default()),
+            CommandKind::CreateDataflow(dataflow(11, 101)),
+        ]
+    );
+}
+
+#[test]
+fn only_the_last_compaction_stays() {
+    let got = reduced(vec![
+        CommandKind::CreateDataflow(dataflow(10, 100)),
+        CommandKind::AllowCompaction { collection_id: 100, frontier: Some(3) },
+        CommandKind::AllowCompaction { collection_id: 100, frontier: Some(7) },
+    ]);
+    assert_eq!(
+        got,
+        vec![
+            CommandKind::CreateDataflow(dataflow(10, 100)),
+            CommandKind::AllowCompaction { collection_id: 100, frontier: Some(7) },
+        ]
+    );
+}
+
+#[test]
+fn peeks_retire_when_answered_or_canceled() {
+    let peek = |id| CommandKind::Peek(Peek { peek_id: id, collection_id: 100, timestamp: 1 });
+    let mut h = CommandHistory::new();
+    h.push(CommandKind::CreateDataflow(dataflow(10, 100)));
+    h.push(peek(1));
+    h.push(peek(2));
+    h.push(peek(3));
+    h.push(CommandKind::CancelPeek { peek_id: 2 });
+    h.retire_peek(1);
+    h.reduce();
+    assert_eq!(h.commands(), &[CommandKind::CreateDataflow(dataflow(10, 100)), peek(3)]);
+}
+
+#[test]
+fn configuration_updates_merge() {
+    let cfg = |pairs: &[(&str, &str)]| {
+        CommandKind::UpdateConfiguration(
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        )
+    };
+    let got = reduced(vec![
+        cfg(&[("a", "1"), ("b", "1")]),
+        CommandKind::CreateDataflow(dataflow(10, 100)),
+        cfg(&[("b", "2"), ("c", "3")]),
+    ]);
+    assert_eq!(
+        got,
+        vec![
+            cfg(&[("a", "1"), ("b", "2"), ("c", "3")]),
+            CommandKind::CreateDataflow(dataflow(10, 100)),
+        ]
+    );
+}
+
+#[test]
+fn writes_consolidate() {
+    let got = reduced(vec![write(&[(1, 0, 1), (2, 0, 1)], 1), write(&[(1, 0, -1), (3, 1, 2)], 2)]);
+    assert_eq!(got, vec![write(&[(2, 0, 1), (3, 1, 2)], 2)]);
+}
+
+#[test]
+fn hello_and_status_requests_are_not_history() {
+    let mut h = CommandHistory::new();
+    h.push(CommandKind::StatusRequest);
+    h.push(CommandKind::Hello(Hello {
+        protocol_version: 1,
+        epoch: 1,
+        nonce: 1,
+        replica_id: 1,
+        process_index: 0,
+        process_count: 1,
+        workers_per_process: 1,
+    }));
+    assert!(h.is_empty());
+}
+
+#[test]
+fn equal_histories_hash_equal_different_ones_differ() {
+    let a = |extra: bool| {
+        let mut h = CommandHistory::new();
+        h.push(CommandKind::CreateInstance(Default::default()));
+        h.push(CommandKind::CreateDataflow(dataflow(10, 100)));
+        if extra {
+            // Created then dropped: compacts away, so the digest is unchanged.
+            h.push(CommandKind::CreateDataflow(dataflow(11, 101)));
+            h.push(CommandKind::AllowCompaction { collection_id: 101, frontier: None });
+        }
+        h
+    };
+    assert_eq!(a(false).digest(), a(true).digest());
+
+    let mut b = a(false);
+    b.push(CommandKind::CreateDataflow(dataflow(12, 102)));
+    assert_ne!(a(false).digest(), b.digest());
+
+    // Order matters: timely needs the same creation order everywhere.
+    let mut c1 = CommandHistory::new();
+    c1.push(CommandKind::CreateDataflow(dataflow(1, 100)));
+    c1.push(CommandKind::CreateDataflow(dataflow(2, 101)));
+    let mut c2 = CommandHistory::new();
+    c2.push(CommandKind::CreateDataflow(dataflow(2, 101)));
+    c2.push(CommandKind::CreateDataflow(dataflow(1, 100)));
+    assert_ne!(c1.digest(), c2.digest());
+
+    // Frank's case: one process saw build+drop, the other only build.
+    let mut p1 = CommandHistory::new();
+    p1.push(CommandKind::CreateDataflow(dataflow(1, 100)));
+    p1.push(CommandKind::AllowCompaction { collection_id: 100, frontier: None });
+    let mut p2 = CommandHistory::new();
+    p2.push(CommandKind::CreateDataflow(dataflow(1, 100)));
+    assert_ne!(p1.digest(), p2.digest());
+}
+
+#[test]
+fn description_hash_is_stable_and_sensitive() {
+    assert_eq!(dataflow(1, 100).hash(), dataflow(1, 100).hash());
+    assert_ne!(dataflow(1, 100).hash(), dataflow(1, 101).hash());
+}
+
+#[test]
+fn long_histories_stay_small() {
+    let mut h = CommandHistory::new();
+    for i in 0..10_000u64 {
+        h.push(CommandKind::CreateDataflow(dataflow(i, 1000 + i)));
+        h.push(CommandKind::AllowCompaction { collection_id: 1000 + i, frontier: None });
+    }
+    assert!(h.len() < 100, "history holds {} commands", h.len());
+}

@@ -1,0 +1,43 @@
+//! `cargo xtask`: the project's tasks as a plain Rust binary (the rust-analyzer
+//! pattern), so that building, testing and running the demo need nothing but
+//! cargo. Each task lives in its own module; `main` only dispatches.
+
+mod policies;
+mod tasks;
+mod util;
+
+use clap::{Parser, Subcommand};
+
+/// lockstep's project tasks.
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "lockstep's project tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Build every host crate and every WASM policy.
+    Build,
+    /// Build the WASM policies under policies/ to target/lockstep/policies/*.wasm.
+    BuildPolicies,
+    /// Everything CI checks: fmt, clippy -D warnings, policies, every test.
+    Test {
+        /// Skip `cargo fmt --check` and clippy (faster local iteration).
+        #[arg(long)]
+        no_lint: bool,
+    },
+    /// The main job: run the demo on the embedded default.
+    Demo,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.task {
+        Task::Build => tasks::build(),
+        Task::BuildPolicies => policies::build_all().map(|_| ()),
+        Task::Test { no_lint } => tasks::test(!no_lint),
+        Task::Demo => tasks::demo(),
+    }
+}
