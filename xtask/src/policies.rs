@@ -78,10 +78,28 @@ pub fn build_all() -> anyhow::Result<Vec<PathBuf>> {
     std::fs::create_dir_all(out_dir())?;
     let mut outputs = Vec::new();
     for (i, name) in crates.iter().enumerate() {
-        step(&format!("building policy {name} ({}/{})", i + 1, crates.len()));
+        step(&format!(
+            "building policy {name} ({}/{})",
+            i + 1,
+            crates.len()
+        ));
         let mut cmd = cargo();
-        cmd.args(["rustc", "--release", "--quiet", "-p", name, "--target", WASM_TARGET])
-            .args(["--crate-type", "cdylib", "--", "-C", "linker=wasm-component-ld"]);
+        cmd.args([
+            "rustc",
+            "--release",
+            "--quiet",
+            "-p",
+            name,
+            "--target",
+            WASM_TARGET,
+        ])
+        .args([
+            "--crate-type",
+            "cdylib",
+            "--",
+            "-C",
+            "linker=wasm-component-ld",
+        ]);
         run(cmd)?;
         let file = name.replace('-', "_");
         let built = root().join(format!("target/{WASM_TARGET}/release/{file}.wasm"));
@@ -93,6 +111,10 @@ pub fn build_all() -> anyhow::Result<Vec<PathBuf>> {
             .with_context(|| format!("copying {} to {}", built.display(), dest.display()))?;
         outputs.push(dest);
     }
-    eprintln!("xtask: {} policies in {}", outputs.len(), out_dir().display());
+    eprintln!(
+        "xtask: {} policies in {}",
+        outputs.len(),
+        out_dir().display()
+    );
     Ok(outputs)
 }

@@ -23,7 +23,14 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
         run(cmd)?;
         step("cargo clippy -D warnings");
         let mut cmd = cargo();
-        cmd.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
+        cmd.args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]);
         run(cmd)?;
     }
     step("building the policies");

@@ -135,7 +135,10 @@ impl<Out, In: WireMessage> Decoder for FrameCodec<Out, In> {
             None if src.is_empty() => Ok(None),
             None => Err(CodecError::Io(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
-                format!("connection closed inside a frame ({} bytes left)", src.len()),
+                format!(
+                    "connection closed inside a frame ({} bytes left)",
+                    src.len()
+                ),
             ))),
         }
     }
@@ -152,7 +155,8 @@ impl<Out: WireMessage, In> Encoder<Out> for FrameCodec<Out, In> {
         }
         dst.reserve(4 + len);
         dst.put_u32(len as u32);
-        wire.encode(dst).map_err(|e| CodecError::Io(std::io::Error::other(e)))?;
+        wire.encode(dst)
+            .map_err(|e| CodecError::Io(std::io::Error::other(e)))?;
         Ok(())
     }
 }

@@ -189,8 +189,14 @@ impl TryFrom<p::Predicate> for Predicate {
         };
         Ok(Predicate {
             op,
-            left: pr.left.ok_or_else(|| missing("Predicate", "left"))?.try_into()?,
-            right: pr.right.ok_or_else(|| missing("Predicate", "right"))?.try_into()?,
+            left: pr
+                .left
+                .ok_or_else(|| missing("Predicate", "left"))?
+                .try_into()?,
+            right: pr
+                .right
+                .ok_or_else(|| missing("Predicate", "right"))?
+                .try_into()?,
         })
     }
 }
@@ -273,7 +279,9 @@ fn sub_plan(
     message: &'static str,
     field: &'static str,
 ) -> Result<Box<Plan>, ConvertError> {
-    Ok(Box::new((*plan.ok_or_else(|| missing(message, field))?).try_into()?))
+    Ok(Box::new(
+        (*plan.ok_or_else(|| missing(message, field))?).try_into()?,
+    ))
 }
 
 impl TryFrom<p::Plan> for Plan {
@@ -286,7 +294,11 @@ impl TryFrom<p::Plan> for Plan {
             },
             Node::Map(m) => Plan::Map {
                 input: sub_plan(m.input, "Map", "input")?,
-                exprs: m.exprs.into_iter().map(TryInto::try_into).collect::<Result<_, _>>()?,
+                exprs: m
+                    .exprs
+                    .into_iter()
+                    .map(TryInto::try_into)
+                    .collect::<Result<_, _>>()?,
             },
             Node::Filter(f) => Plan::Filter {
                 input: sub_plan(f.input, "Filter", "input")?,
@@ -351,7 +363,10 @@ impl TryFrom<p::DataflowDescription> for DataflowDescription {
                 .map(|e| {
                     Ok(Export {
                         collection_id: e.collection_id,
-                        plan: e.plan.ok_or_else(|| missing("Export", "plan"))?.try_into()?,
+                        plan: e
+                            .plan
+                            .ok_or_else(|| missing("Export", "plan"))?
+                            .try_into()?,
                     })
                 })
                 .collect::<Result<_, ConvertError>>()?,
@@ -505,7 +520,10 @@ impl From<Command> for p::Command {
 impl TryFrom<p::Command> for Command {
     type Error = ConvertError;
     fn try_from(c: p::Command) -> Result<Self, ConvertError> {
-        let kind = c.kind.ok_or_else(|| missing("Command", "kind"))?.try_into()?;
+        let kind = c
+            .kind
+            .ok_or_else(|| missing("Command", "kind"))?
+            .try_into()?;
         Ok(Command {
             seqno: c.seqno,
             strategy: strategy_from(c.strategy)?,
@@ -618,15 +636,20 @@ impl TryFrom<p::response::Kind> for ResponseKind {
             Kind::Frontiers(f) => ResponseKind::Frontiers(
                 f.updates
                     .into_iter()
-                    .map(|u| Ok((u.collection_id, frontier_from("FrontierUpdate.upper", u.upper)?)))
+                    .map(|u| {
+                        Ok((
+                            u.collection_id,
+                            frontier_from("FrontierUpdate.upper", u.upper)?,
+                        ))
+                    })
                     .collect::<Result<_, ConvertError>>()?,
             ),
             Kind::PeekResponse(r) => {
                 use p::peek_response::Result as R;
                 let result = match r.result.ok_or_else(|| missing("PeekResponse", "result"))? {
-                    R::Rows(rows) => {
-                        PeekResult::Rows(rows.rows.into_iter().map(|r| (r.values, r.diff)).collect())
-                    }
+                    R::Rows(rows) => PeekResult::Rows(
+                        rows.rows.into_iter().map(|r| (r.values, r.diff)).collect(),
+                    ),
                     R::Error(e) => PeekResult::Error(e),
                     R::Canceled(_) => PeekResult::Canceled,
                 };
@@ -686,7 +709,10 @@ impl TryFrom<p::Response> for Response {
     fn try_from(r: p::Response) -> Result<Self, ConvertError> {
         Ok(Response {
             process_index: r.process_index,
-            kind: r.kind.ok_or_else(|| missing("Response", "kind"))?.try_into()?,
+            kind: r
+                .kind
+                .ok_or_else(|| missing("Response", "kind"))?
+                .try_into()?,
         })
     }
 }

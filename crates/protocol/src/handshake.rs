@@ -117,8 +117,16 @@ pub fn check_hello(
     }
     let checks: [(&'static str, u64, u64); 4] = [
         ("replica_id", me.replica_id, hello.replica_id),
-        ("process_index", me.process_index.into(), hello.process_index.into()),
-        ("process_count", me.process_count.into(), hello.process_count.into()),
+        (
+            "process_index",
+            me.process_index.into(),
+            hello.process_index.into(),
+        ),
+        (
+            "process_count",
+            me.process_count.into(),
+            hello.process_count.into(),
+        ),
         (
             "workers_per_process",
             me.workers_per_process.into(),
@@ -171,8 +179,14 @@ mod tests {
         h.protocol_version = PROTOCOL_VERSION + 1;
         let err = check_hello(&cmd(h), &me(), 0).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains(&format!("version {PROTOCOL_VERSION}")), "{msg}");
-        assert!(msg.contains(&format!("version {}", PROTOCOL_VERSION + 1)), "{msg}");
+        assert!(
+            msg.contains(&format!("version {PROTOCOL_VERSION}")),
+            "{msg}"
+        );
+        assert!(
+            msg.contains(&format!("version {}", PROTOCOL_VERSION + 1)),
+            "{msg}"
+        );
         assert_eq!(err.to_response().kind, ErrorKind::VersionMismatch);
     }
 
@@ -193,7 +207,13 @@ mod tests {
         let mut h = me().hello(1, 1);
         h.process_count = 3;
         let err = check_hello(&cmd(h), &me(), 0).unwrap_err();
-        assert!(matches!(err, HandshakeError::ConfigMismatch { field: "process_count", .. }));
+        assert!(matches!(
+            err,
+            HandshakeError::ConfigMismatch {
+                field: "process_count",
+                ..
+            }
+        ));
     }
 
     #[test]
@@ -203,6 +223,9 @@ mod tests {
             strategy: Strategy::Naive,
             kind: CommandKind::InitializationComplete,
         };
-        assert!(matches!(check_hello(&c, &me(), 0), Err(HandshakeError::NotHello { .. })));
+        assert!(matches!(
+            check_hello(&c, &me(), 0),
+            Err(HandshakeError::NotHello { .. })
+        ));
     }
 }

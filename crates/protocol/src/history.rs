@@ -148,7 +148,9 @@ impl CommandHistory {
         let commands = std::mem::take(&mut self.commands);
         for (i, c) in commands.into_iter().enumerate() {
             match c {
-                CommandKind::Hello(_) | CommandKind::StatusRequest | CommandKind::CancelPeek { .. } => {}
+                CommandKind::Hello(_)
+                | CommandKind::StatusRequest
+                | CommandKind::CancelPeek { .. } => {}
                 CommandKind::CreateInstance(_) => {
                     if Some(i) == last_instance {
                         out.push(c);
@@ -162,7 +164,9 @@ impl CommandHistory {
                 CommandKind::UpdateConfiguration(_) => {
                     if !config_done {
                         config_done = true;
-                        out.push(CommandKind::UpdateConfiguration(std::mem::take(&mut config)));
+                        out.push(CommandKind::UpdateConfiguration(std::mem::take(
+                            &mut config,
+                        )));
                     }
                 }
                 CommandKind::WriteInput(w) => {

@@ -21,7 +21,9 @@ pub mod handshake;
 pub mod history;
 pub mod types;
 
-pub use codec::{CodecError, ControllerCodec, FrameCodec, ReplicaCodec, WireMessage, DEFAULT_MAX_FRAME_LEN};
+pub use codec::{
+    CodecError, ControllerCodec, FrameCodec, ReplicaCodec, WireMessage, DEFAULT_MAX_FRAME_LEN,
+};
 pub use convert::ConvertError;
 pub use handshake::{HandshakeError, ProcessIdentity};
 pub use history::CommandHistory;

@@ -81,7 +81,9 @@ impl std::str::FromStr for Strategy {
         Strategy::ALL
             .into_iter()
             .find(|st| st.name() == s)
-            .ok_or_else(|| format!("unknown strategy {s:?}: expected broadcast, barrier, log or naive"))
+            .ok_or_else(|| {
+                format!("unknown strategy {s:?}: expected broadcast, barrier, log or naive")
+            })
     }
 }
 

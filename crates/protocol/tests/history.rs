@@ -20,7 +20,11 @@ fn write(updates: &[(i64, u64, i64)], upper: u64) -> CommandKind {
         collection_id: 1,
         updates: updates
             .iter()
-            .map(|&(v, time, diff)| Update { row: vec![v], time, diff })
+            .map(|&(v, time, diff)| Update {
+                row: vec![v],
+                time,
+                diff,
+            })
             .collect(),
         upper,
     })
@@ -41,10 +45,20 @@ fn created_then_dropped_dataflow_vanishes() {
         CommandKind::CreateInstance(Default::default()),
         CommandKind::CreateDataflow(dataflow(10, 100)),
         CommandKind::Schedule { dataflow_id: 10 },
-        CommandKind::AllowCompaction { collection_id: 100, frontier: Some(3) },
-        CommandKind::Subscribe(Subscribe { subscribe_id: 1, collection_id: 100, as_of: 0 }),
+        CommandKind::AllowCompaction {
+            collection_id: 100,
+            frontier: Some(3),
+        },
+        CommandKind::Subscribe(Subscribe {
+            subscribe_id: 1,
+            collection_id: 100,
+            as_of: 0,
+        }),
         CommandKind::CreateDataflow(dataflow(11, 101)),
-        CommandKind::AllowCompaction { collection_id: 100, frontier: None },
+        CommandKind::AllowCompaction {
+            collection_id: 100,
+            frontier: None,
+        },
     ]);
     assert_eq!(
         got,
@@ -59,21 +73,36 @@ fn created_then_dropped_dataflow_vanishes() {
 fn only_the_last_compaction_stays() {
     let got = reduced(vec![
         CommandKind::CreateDataflow(dataflow(10, 100)),
-        CommandKind::AllowCompaction { collection_id: 100, frontier: Some(3) },
-        CommandKind::AllowCompaction { collection_id: 100, frontier: Some(7) },
+        CommandKind::AllowCompaction {
+            collection_id: 100,
+            frontier: Some(3),
+        },
+        CommandKind::AllowCompaction {
+            collection_id: 100,
+            frontier: Some(7),
+        },
     ]);
     assert_eq!(
         got,
         vec![
             CommandKind::CreateDataflow(dataflow(10, 100)),
-            CommandKind::AllowCompaction { collection_id: 100, frontier: Some(7) },
+            CommandKind::AllowCompaction {
+                collection_id: 100,
+                frontier: Some(7)
+            },
         ]
     );
 }
 
 #[test]
 fn peeks_retire_when_answered_or_canceled() {
-    let peek = |id| CommandKind::Peek(Peek { peek_id: id, collection_id: 100, timestamp: 1 });
+    let peek = |id| {
+        CommandKind::Peek(Peek {
+            peek_id: id,
+            collection_id: 100,
+            timestamp: 1,
+        })
+    };
     let mut h = CommandHistory::new();
     h.push(CommandKind::CreateDataflow(dataflow(10, 100)));
     h.push(peek(1));
@@ -82,14 +111,20 @@ fn peeks_retire_when_answered_or_canceled() {
     h.push(CommandKind::CancelPeek { peek_id: 2 });
     h.retire_peek(1);
     h.reduce();
-    assert_eq!(h.commands(), &[CommandKind::CreateDataflow(dataflow(10, 100)), peek(3)]);
+    assert_eq!(
+        h.commands(),
+        &[CommandKind::CreateDataflow(dataflow(10, 100)), peek(3)]
+    );
 }
 
 #[test]
 fn configuration_updates_merge() {
     let cfg = |pairs: &[(&str, &str)]| {
         CommandKind::UpdateConfiguration(
-            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         )
     };
     let got = reduced(vec![
@@ -108,7 +143,10 @@ fn configuration_updates_merge() {
 
 #[test]
 fn writes_consolidate() {
-    let got = reduced(vec![write(&[(1, 0, 1), (2, 0, 1)], 1), write(&[(1, 0, -1), (3, 1, 2)], 2)]);
+    let got = reduced(vec![
+        write(&[(1, 0, 1), (2, 0, 1)], 1),
+        write(&[(1, 0, -1), (3, 1, 2)], 2),
+    ]);
     assert_eq!(got, vec![write(&[(2, 0, 1), (3, 1, 2)], 2)]);
 }
 
@@ -137,7 +175,10 @@ fn equal_histories_hash_equal_different_ones_differ() {
         if extra {
             // Created then dropped: compacts away, so the digest is unchanged.
             h.push(CommandKind::CreateDataflow(dataflow(11, 101)));
-            h.push(CommandKind::AllowCompaction { collection_id: 101, frontier: None });
+            h.push(CommandKind::AllowCompaction {
+                collection_id: 101,
+                frontier: None,
+            });
         }
         h
     };
@@ -159,7 +200,10 @@ fn equal_histories_hash_equal_different_ones_differ() {
     // Frank's case: one process saw build+drop, the other only build.
     let mut p1 = CommandHistory::new();
     p1.push(CommandKind::CreateDataflow(dataflow(1, 100)));
-    p1.push(CommandKind::AllowCompaction { collection_id: 100, frontier: None });
+    p1.push(CommandKind::AllowCompaction {
+        collection_id: 100,
+        frontier: None,
+    });
     let mut p2 = CommandHistory::new();
     p2.push(CommandKind::CreateDataflow(dataflow(1, 100)));
     assert_ne!(p1.digest(), p2.digest());
@@ -176,7 +220,10 @@ fn long_histories_stay_small() {
     let mut h = CommandHistory::new();
     for i in 0..10_000u64 {
         h.push(CommandKind::CreateDataflow(dataflow(i, 1000 + i)));
-        h.push(CommandKind::AllowCompaction { collection_id: 1000 + i, frontier: None });
+        h.push(CommandKind::AllowCompaction {
+            collection_id: 1000 + i,
+            frontier: None,
+        });
     }
     assert!(h.len() < 100, "history holds {} commands", h.len());
 }

@@ -28,7 +28,10 @@ fn truncated_frame_waits_then_fails_at_eof() {
         .unwrap();
     let mut cut = BytesMut::from(&full[..full.len() - 1]);
     let mut dec = ReplicaCodec::default();
-    assert!(dec.decode(&mut cut).unwrap().is_none(), "a partial frame waits");
+    assert!(
+        dec.decode(&mut cut).unwrap().is_none(),
+        "a partial frame waits"
+    );
     let err = dec.decode_eof(&mut cut).unwrap_err();
     assert!(err.to_string().contains("closed inside a frame"), "{err}");
 }
@@ -39,7 +42,16 @@ fn oversized_frame_is_refused_before_reading_it() {
     let mut buf = BytesMut::new();
     buf.put_u32(1_000_000);
     let err = dec.decode(&mut buf).unwrap_err();
-    assert!(matches!(err, CodecError::FrameTooLarge { len: 1_000_000, max: 100 }), "{err}");
+    assert!(
+        matches!(
+            err,
+            CodecError::FrameTooLarge {
+                len: 1_000_000,
+                max: 100
+            }
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("exceeds the maximum"));
 }
 
@@ -51,12 +63,19 @@ fn oversized_message_is_not_sent() {
         strategy: lockstep_protocol::Strategy::Log,
         kind: CommandKind::WriteInput(WriteInput {
             collection_id: 1,
-            updates: vec![Update { row: vec![1; 100], time: 0, diff: 1 }],
+            updates: vec![Update {
+                row: vec![1; 100],
+                time: 0,
+                diff: 1,
+            }],
             upper: 1,
         }),
     };
     let mut buf = BytesMut::new();
-    assert!(matches!(enc.encode(big, &mut buf), Err(CodecError::FrameTooLarge { .. })));
+    assert!(matches!(
+        enc.encode(big, &mut buf),
+        Err(CodecError::FrameTooLarge { .. })
+    ));
     assert!(buf.is_empty(), "nothing partial was written");
 }
 
@@ -83,7 +102,9 @@ fn unknown_command_variant_is_an_error() {
     prost::encoding::uint64::encode(1, &5, &mut body);
     prost::encoding::int32::encode(2, &2, &mut body);
     prost::encoding::string::encode(99, &"from the future".to_string(), &mut body);
-    let err = ReplicaCodec::default().decode(&mut frame(&body)).unwrap_err();
+    let err = ReplicaCodec::default()
+        .decode(&mut frame(&body))
+        .unwrap_err();
     assert!(matches!(
         err,
         CodecError::Invalid(ConvertError::Missing { field: "kind", .. })
@@ -99,9 +120,12 @@ fn unknown_strategy_is_an_error() {
         .unwrap_err();
     assert!(err.to_string().contains("unknown value 42"), "{err}");
     wire.strategy = 0;
-    assert!(ReplicaCodec::default()
-        .decode(&mut frame(&wire.encode_to_vec()))
-        .is_err(), "UNSPECIFIED is refused");
+    assert!(
+        ReplicaCodec::default()
+            .decode(&mut frame(&wire.encode_to_vec()))
+            .is_err(),
+        "UNSPECIFIED is refused"
+    );
 }
 
 #[test]
@@ -109,10 +133,12 @@ fn multi_element_frontier_is_an_error() {
     let wire = proto::Command {
         seqno: 1,
         strategy: proto::Strategy::Barrier as i32,
-        kind: Some(proto::command::Kind::AllowCompaction(proto::AllowCompaction {
-            collection_id: 1,
-            frontier: vec![1, 2],
-        })),
+        kind: Some(proto::command::Kind::AllowCompaction(
+            proto::AllowCompaction {
+                collection_id: 1,
+                frontier: vec![1, 2],
+            },
+        )),
     };
     let err = Command::try_from(wire).unwrap_err();
     assert!(matches!(err, ConvertError::Frontier { len: 2, .. }));
@@ -123,19 +149,27 @@ fn plan_without_node_is_an_error() {
     let wire = proto::Command {
         seqno: 1,
         strategy: proto::Strategy::Barrier as i32,
-        kind: Some(proto::command::Kind::CreateDataflow(proto::CreateDataflow {
-            dataflow: Some(proto::DataflowDescription {
-                id: 1,
-                exports: vec![proto::Export {
-                    collection_id: 2,
-                    plan: Some(proto::Plan { node: None }),
-                }],
-                ..Default::default()
-            }),
-        })),
+        kind: Some(proto::command::Kind::CreateDataflow(
+            proto::CreateDataflow {
+                dataflow: Some(proto::DataflowDescription {
+                    id: 1,
+                    exports: vec![proto::Export {
+                        collection_id: 2,
+                        plan: Some(proto::Plan { node: None }),
+                    }],
+                    ..Default::default()
+                }),
+            },
+        )),
     };
     let err = Command::try_from(wire).unwrap_err();
-    assert_eq!(err, ConvertError::Missing { message: "Plan", field: "node" });
+    assert_eq!(
+        err,
+        ConvertError::Missing {
+            message: "Plan",
+            field: "node"
+        }
+    );
 }
 
 #[test]

@@ -73,11 +73,13 @@ pub fn plan() -> impl Strategy<Value = Plan> {
                 input: Box::new(i),
                 predicates
             }),
-            (inner.clone(), inner.clone(), 0u32..4, 0u32..4).prop_map(|(l, r, lk, rk)| Plan::Join {
-                left: Box::new(l),
-                right: Box::new(r),
-                left_key: lk,
-                right_key: rk
+            (inner.clone(), inner.clone(), 0u32..4, 0u32..4).prop_map(|(l, r, lk, rk)| {
+                Plan::Join {
+                    left: Box::new(l),
+                    right: Box::new(r),
+                    left_key: lk,
+                    right_key: rk,
+                }
             }),
             (inner.clone(), vec(0u32..4, 0..3), vec(aggregate(), 0..3)).prop_map(
                 |(i, key, aggregates)| Plan::Reduce {
@@ -102,24 +104,34 @@ pub fn dataflow() -> impl Strategy<Value = DataflowDescription> {
         vec((any::<u64>(), plan()), 1..3),
         "[a-z ]{0,10}",
     )
-        .prop_map(|(id, as_of, inputs, exports, debug_name)| DataflowDescription {
-            id,
-            as_of,
-            inputs,
-            exports: exports
-                .into_iter()
-                .map(|(collection_id, plan)| Export {
-                    collection_id,
-                    plan,
-                })
-                .collect(),
-            debug_name,
-        })
+        .prop_map(
+            |(id, as_of, inputs, exports, debug_name)| DataflowDescription {
+                id,
+                as_of,
+                inputs,
+                exports: exports
+                    .into_iter()
+                    .map(|(collection_id, plan)| Export {
+                        collection_id,
+                        plan,
+                    })
+                    .collect(),
+                debug_name,
+            },
+        )
 }
 
 pub fn command_kind() -> impl Strategy<Value = CommandKind> {
     prop_oneof![
-        (any::<u32>(), any::<u64>(), any::<u64>(), any::<u64>(), any::<u32>(), any::<u32>(), any::<u32>())
+        (
+            any::<u32>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u32>(),
+            any::<u32>(),
+            any::<u32>()
+        )
             .prop_map(|(v, e, n, r, pi, pc, w)| CommandKind::Hello(Hello {
                 protocol_version: v,
                 epoch: e,
@@ -134,9 +146,11 @@ pub fn command_kind() -> impl Strategy<Value = CommandKind> {
         map().prop_map(CommandKind::UpdateConfiguration),
         dataflow().prop_map(CommandKind::CreateDataflow),
         any::<u64>().prop_map(|dataflow_id| CommandKind::Schedule { dataflow_id }),
-        (any::<u64>(), frontier()).prop_map(|(collection_id, frontier)| CommandKind::AllowCompaction {
-            collection_id,
-            frontier
+        (any::<u64>(), frontier()).prop_map(|(collection_id, frontier)| {
+            CommandKind::AllowCompaction {
+                collection_id,
+                frontier,
+            }
         }),
         (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(a, b, c)| CommandKind::Peek(Peek {
             peek_id: a,
@@ -144,18 +158,22 @@ pub fn command_kind() -> impl Strategy<Value = CommandKind> {
             timestamp: c
         })),
         any::<u64>().prop_map(|peek_id| CommandKind::CancelPeek { peek_id }),
-        (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(a, b, c)| CommandKind::Subscribe(Subscribe {
-            subscribe_id: a,
-            collection_id: b,
-            as_of: c
-        })),
-        (any::<u64>(), vec(update(), 0..4), any::<u64>()).prop_map(|(collection_id, updates, upper)| {
-            CommandKind::WriteInput(WriteInput {
-                collection_id,
-                updates,
-                upper,
-            })
-        }),
+        (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(a, b, c)| CommandKind::Subscribe(
+            Subscribe {
+                subscribe_id: a,
+                collection_id: b,
+                as_of: c
+            }
+        )),
+        (any::<u64>(), vec(update(), 0..4), any::<u64>()).prop_map(
+            |(collection_id, updates, upper)| {
+                CommandKind::WriteInput(WriteInput {
+                    collection_id,
+                    updates,
+                    upper,
+                })
+            }
+        ),
         Just(CommandKind::StatusRequest),
     ]
 }
@@ -195,14 +213,18 @@ pub fn response() -> impl Strategy<Value = Response> {
                 Just(PeekResult::Canceled),
             ]
         )
-            .prop_map(|(peek_id, result)| ResponseKind::PeekResponse(PeekResponse { peek_id, result })),
+            .prop_map(
+                |(peek_id, result)| ResponseKind::PeekResponse(PeekResponse { peek_id, result })
+            ),
         (any::<u64>(), any::<u64>(), frontier(), vec(update(), 0..4)).prop_map(
-            |(subscribe_id, lower, upper, updates)| ResponseKind::SubscribeResponse(SubscribeBatch {
-                subscribe_id,
-                lower,
-                upper,
-                updates
-            })
+            |(subscribe_id, lower, upper, updates)| ResponseKind::SubscribeResponse(
+                SubscribeBatch {
+                    subscribe_id,
+                    lower,
+                    upper,
+                    updates
+                }
+            )
         ),
         (
             any::<u32>(),
@@ -213,25 +235,36 @@ pub fn response() -> impl Strategy<Value = Response> {
             vec((any::<u64>(), any::<u64>(), digest()), 0..4),
             vec(any::<u64>(), 0..4)
         )
-            .prop_map(|(w, e, n, s, h, log, installed)| ResponseKind::Status(Status {
-                worker_index: w,
-                epoch: e,
-                nonce: n,
-                applied_seqno: s,
-                history_hash: h,
-                creation_log: log
-                    .into_iter()
-                    .map(|(timely_index, dataflow_id, description_hash)| CreationLogEntry {
-                        timely_index,
-                        dataflow_id,
-                        description_hash
-                    })
-                    .collect(),
-                installed
-            })),
+            .prop_map(
+                |(w, e, n, s, h, log, installed)| ResponseKind::Status(Status {
+                    worker_index: w,
+                    epoch: e,
+                    nonce: n,
+                    applied_seqno: s,
+                    history_hash: h,
+                    creation_log: log
+                        .into_iter()
+                        .map(
+                            |(timely_index, dataflow_id, description_hash)| CreationLogEntry {
+                                timely_index,
+                                dataflow_id,
+                                description_hash
+                            }
+                        )
+                        .collect(),
+                    installed
+                })
+            ),
         (error_kind(), ".{0,20}", any::<u64>()).prop_map(|(kind, message, seqno)| {
-            ResponseKind::Error(ErrorResponse { kind, message, seqno })
+            ResponseKind::Error(ErrorResponse {
+                kind,
+                message,
+                seqno,
+            })
         }),
     ];
-    (any::<u32>(), kind).prop_map(|(process_index, kind)| Response { process_index, kind })
+    (any::<u32>(), kind).prop_map(|(process_index, kind)| Response {
+        process_index,
+        kind,
+    })
 }
