@@ -1,0 +1,254 @@
+use super::*;
+
+fn d(n: u8) -> Digest {
+    Digest([n; 32])
+}
+
+fn k(id: u64, h: u8) -> DataflowKey {
+    DataflowKey { id, hash: d(h) }
+}
+
+/// A worker as far as I1 is concerned: what it runs and what it has built.
+#[derive(Default, Clone)]
+struct Worker {
+    installed: Vec<DataflowKey>,
+    log: Vec<CreationEntry>,
+    next_index: u64,
+}
+
+impl Worker {
+    fn build(&mut self, key: DataflowKey) {
+        self.log.push((self.next_index, key.id, key.hash));
+        self.next_index += 1;
+        self.installed.push(key);
+    }
+    fn drop_id(&mut self, id: u64) {
+        self.installed.retain(|k| k.id != id);
+    }
+    fn apply_local(&mut self, plan: &LocalPlan) {
+        for id in &plan.drop {
+            self.drop_id(*id);
+        }
+        for key in &plan.build {
+            self.build(*key);
+        }
+    }
+}
+
+fn logs(ws: &[Worker]) -> Vec<Vec<CreationEntry>> {
+    ws.iter().map(|w| w.log.clone()).collect()
+}
+
+/// Frank's case: both processes built A; process 1 (index 0 here) then saw
+/// the drop, process 2 did not; the restarted controller wants A again.
+fn franks_case() -> (Vec<Worker>, Vec<DataflowKey>) {
+    let a = k(1, 1);
+    let mut p1 = Worker::default();
+    let mut p2 = Worker::default();
+    p1.build(a);
+    p2.build(a);
+    p1.drop_id(a.id);
+    (vec![p1, p2], vec![a])
+}
+
+#[test]
+fn franks_case_collective_rebuilds_a_everywhere() {
+    let (mut ws, target) = franks_case();
+    let installed: Vec<_> = ws.iter().map(|w| w.installed.clone()).collect();
+    let plan = collective(&installed, &target);
+    assert_eq!(plan.keep, Vec::<u64>::new());
+    assert_eq!(plan.drop_per_worker, vec![vec![], vec![1]]);
+    assert_eq!(plan.build, target);
+    for (w, drops) in ws.iter_mut().zip(&plan.drop_per_worker) {
+        for id in drops {
+            w.drop_id(*id);
+        }
+        for key in &plan.build {
+            w.build(*key);
+        }
+    }
+    assert_eq!(lockstep_check(&logs(&ws)), Ok(()));
+    for w in &ws {
+        assert_eq!(w.installed, target);
+    }
+}
+
+#[test]
+fn franks_case_local_diverges() {
+    let (mut ws, target) = franks_case();
+    let plans: Vec<_> = ws.iter().map(|w| local(&w.installed, &target)).collect();
+    // Process 1 builds a new A alone; process 2 keeps its old A.
+    assert_eq!(plans[0].build, target);
+    assert_eq!(plans[1].keep, vec![1]);
+    assert!(plans[1].build.is_empty());
+    for (w, p) in ws.iter_mut().zip(&plans) {
+        w.apply_local(p);
+    }
+    let err = lockstep_check(&logs(&ws)).unwrap_err();
+    assert_eq!(err.worker, 1);
+    assert_eq!(err.position, 1);
+    assert_eq!(err.expected, Some((1, 1, d(1))));
+    assert_eq!(err.found, None);
+    assert!(err
+        .to_string()
+        .contains("worker 1 created nothing at position 1"));
+    // Not even a lagging prefix: process 2 will never build that second A.
+    // (Its log is a prefix here, so the prefix check alone cannot see it; the
+    // quiet check does.)
+    assert_eq!(lockstep_prefix_check(&logs(&ws)), Ok(()));
+}
+
+#[test]
+fn collective_keeps_only_what_every_worker_has_with_the_same_hash() {
+    let installed = vec![
+        vec![k(1, 1), k(2, 2), k(3, 3), k(9, 9)],
+        vec![k(3, 3), k(2, 7), k(1, 1)],
+        vec![k(1, 1), k(2, 2), k(3, 3)],
+    ];
+    let target = vec![k(3, 3), k(2, 2), k(1, 1), k(4, 4)];
+    let plan = collective(&installed, &target);
+    assert_eq!(plan.keep, vec![3, 1]);
+    assert_eq!(plan.drop_per_worker, vec![vec![2, 9], vec![2], vec![2]]);
+    assert_eq!(plan.build, vec![k(2, 2), k(4, 4)]);
+    // Every worker computing it gets the same plan.
+    assert_eq!(plan, collective(&installed, &target));
+}
+
+#[test]
+fn collective_edge_cases() {
+    // No workers: nothing kept, everything built.
+    let plan = collective(&[], &[k(1, 1)]);
+    assert_eq!(plan.keep, Vec::<u64>::new());
+    assert!(plan.drop_per_worker.is_empty());
+    assert_eq!(plan.build, vec![k(1, 1)]);
+    // A duplicate ID on one worker is never kept, and dropped once.
+    let plan = collective(&[vec![k(1, 1), k(1, 1)], vec![k(1, 1)]], &[k(1, 1)]);
+    assert_eq!(plan.keep, Vec::<u64>::new());
+    assert_eq!(plan.drop_per_worker, vec![vec![1], vec![1]]);
+    assert_eq!(plan.build, vec![k(1, 1)]);
+    // A duplicated target ID: the first entry wins.
+    let plan = collective(&[vec![k(1, 1)], vec![k(1, 1)]], &[k(1, 1), k(1, 2)]);
+    assert_eq!(plan.keep, vec![1]);
+    assert!(plan.build.is_empty());
+    // An empty target drops everything.
+    let plan = collective(&[vec![k(1, 1)], vec![k(2, 2)]], &[]);
+    assert_eq!(plan.drop_per_worker, vec![vec![1], vec![2]]);
+}
+
+#[test]
+fn local_plan_reaches_the_target() {
+    let installed = vec![k(1, 1), k(2, 2), k(5, 5)];
+    let target = vec![k(2, 3), k(1, 1), k(4, 4)];
+    let plan = local(&installed, &target);
+    assert_eq!(plan.keep, vec![1]);
+    assert_eq!(plan.drop, vec![2, 5]);
+    assert_eq!(plan.build, vec![k(2, 3), k(4, 4)]);
+}
+
+fn ann(worker: usize, seqno: u64, h: u8) -> Announcement {
+    Announcement {
+        worker,
+        seqno,
+        hash: d(h),
+    }
+}
+
+#[test]
+fn barrier_passes_only_when_every_worker_announced_the_same() {
+    let mine = ann(0, 3, 7);
+    assert_eq!(barrier(2, &[mine], &mine), BarrierDecision::Wait);
+    assert_eq!(
+        barrier(2, &[mine, ann(1, 2, 1)], &mine),
+        BarrierDecision::Wait
+    );
+    assert_eq!(
+        barrier(2, &[mine, ann(1, 2, 1), ann(1, 3, 7)], &mine),
+        BarrierDecision::Pass
+    );
+    // Three workers: two are not enough.
+    assert_eq!(
+        barrier(3, &[mine, ann(1, 3, 7)], &mine),
+        BarrierDecision::Wait
+    );
+    // Announcements from outside the replica are ignored.
+    assert_eq!(
+        barrier(1, &[mine, ann(5, 3, 9)], &mine),
+        BarrierDecision::Pass
+    );
+    assert_eq!(barrier(0, &[mine], &mine), BarrierDecision::Wait);
+}
+
+#[test]
+fn barrier_detects_divergence() {
+    let mine = ann(1, 4, 7);
+    assert_eq!(
+        barrier(3, &[ann(0, 4, 7), mine, ann(2, 4, 8)], &mine),
+        BarrierDecision::Diverged {
+            worker: 2,
+            theirs: (4, d(8)),
+            ours: (4, d(7)),
+        }
+    );
+}
+
+#[test]
+fn barrier_abandons_a_round_someone_skipped() {
+    let mine = ann(0, 4, 7);
+    // Worker 1 left the session without announcing round 4.
+    let anns = [mine, ann(1, 2, 1), Announcement::session_end(1)];
+    assert_eq!(
+        barrier(2, &anns, &mine),
+        BarrierDecision::Abandoned { worker: 1 }
+    );
+    // Worker 1 announced round 4 before leaving: the round passes everywhere.
+    let anns = [mine, ann(1, 4, 7), Announcement::session_end(1)];
+    assert_eq!(barrier(2, &anns, &mine), BarrierDecision::Pass);
+    // And worker 1 (which left) decides the same.
+    assert_eq!(barrier(2, &anns, &ann(1, 4, 7)), BarrierDecision::Pass);
+}
+
+#[test]
+fn history_check_counts() {
+    assert_eq!(history_check(d(1), &[d(1), d(1)]), HistoryVerdict::InSync);
+    assert_eq!(
+        history_check(d(1), &[d(1), d(2), d(3)]),
+        HistoryVerdict::Mismatch {
+            distinct: 3,
+            matching_controller: 1
+        }
+    );
+    assert_eq!(
+        history_check(d(1), &[d(2), d(2)]),
+        HistoryVerdict::Mismatch {
+            distinct: 1,
+            matching_controller: 0
+        }
+    );
+    assert_eq!(
+        history_check(d(1), &[]),
+        HistoryVerdict::Mismatch {
+            distinct: 0,
+            matching_controller: 0
+        }
+    );
+}
+
+#[test]
+fn lockstep_checks() {
+    let a = (0, 1, d(1));
+    let b = (1, 2, d(2));
+    let c = (1, 3, d(3));
+    assert_eq!(lockstep_check(&[]), Ok(()));
+    assert_eq!(lockstep_check(&[vec![a, b], vec![a, b]]), Ok(()));
+    let err = lockstep_check(&[vec![a, b], vec![a, b], vec![a, c]]).unwrap_err();
+    assert_eq!((err.worker, err.position), (2, 1));
+    assert_eq!((err.expected, err.found), (Some(b), Some(c)));
+    assert!(err.to_string().contains("dataflow 3"));
+    // A lagging worker is fine while in flight, not once quiet.
+    assert_eq!(lockstep_prefix_check(&[vec![a], vec![a, b]]), Ok(()));
+    assert!(lockstep_check(&[vec![a], vec![a, b]]).is_err());
+    let err = lockstep_prefix_check(&[vec![a, b], vec![a, c]]).unwrap_err();
+    assert_eq!((err.worker, err.position, err.reference), (1, 1, 0));
+    let err = lockstep_prefix_check(&[vec![c], vec![a, b]]).unwrap_err();
+    assert_eq!((err.worker, err.position, err.reference), (0, 0, 1));
+}
