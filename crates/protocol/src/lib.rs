@@ -19,6 +19,7 @@ pub mod codec;
 pub mod convert;
 pub mod handshake;
 pub mod history;
+pub mod merge;
 pub mod types;
 
 pub use codec::{

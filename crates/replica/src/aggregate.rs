@@ -1,0 +1,156 @@
+//! Merging the responses of a process's workers into one response per process.
+//!
+//! - A collection's frontier on this process is the meet (minimum) over its
+//!   local workers, reported once every local worker has reported, and again
+//!   whenever it changes; the empty frontier only when all are empty.
+//! - A peek is answered once every local worker answered: rows are summed per
+//!   row; any error makes the answer an error; any cancellation cancels it.
+//! - A subscription's batch covers `[lower, meet of the workers' uppers)` and
+//!   carries every update below that meet.
+//!
+//! The merging itself is `lockstep_protocol::merge`, shared with the controller.
+
+use std::collections::BTreeMap;
+
+use lockstep_protocol::merge::{meet, merge_peek, SubscribeMerge};
+use lockstep_protocol::{Frontier, PeekResponse, PeekResult, ResponseKind};
+
+
+use crate::worker::FromWorker;
+
+/// Merges worker responses of one process.
+pub struct Aggregator {
+    local_workers: usize,
+    nonce: Option<u64>,
+    frontiers: BTreeMap<u64, BTreeMap<usize, Frontier>>,
+    reported: BTreeMap<u64, Frontier>,
+    peeks: BTreeMap<u64, BTreeMap<usize, PeekResult>>,
+    subs: BTreeMap<u64, SubscribeMerge>,
+}
+
+impl Aggregator {
+    /// An aggregator for a process with `local_workers` workers.
+    pub fn new(local_workers: usize) -> Self {
+        Aggregator {
+            local_workers,
+            nonce: None,
+            frontiers: BTreeMap::new(),
+            reported: BTreeMap::new(),
+            peeks: BTreeMap::new(),
+            subs: BTreeMap::new(),
+        }
+    }
+
+    /// Takes one worker message; returns the process-level responses it completes.
+    pub fn on(&mut self, msg: FromWorker) -> Vec<ResponseKind> {
+        match msg {
+            FromWorker::NewSession { nonce, .. } => {
+                if self.nonce != Some(nonce) {
+                    self.nonce = Some(nonce);
+                    self.frontiers.clear();
+                    self.reported.clear();
+                    self.peeks.clear();
+                    self.subs.clear();
+                }
+                vec![]
+            }
+            FromWorker::Status(s) => vec![ResponseKind::Status(s)],
+            FromWorker::Error(e) => vec![ResponseKind::Error(e)],
+            FromWorker::Frontier {
+                worker,
+                collection,
+                upper,
+            } => {
+                let per = self.frontiers.entry(collection).or_default();
+                per.insert(worker, upper);
+                if per.len() < self.local_workers {
+                    return vec![];
+                }
+                let m = meet(per.values());
+                if m.is_none() {
+                    self.frontiers.remove(&collection);
+                }
+                if self.reported.get(&collection) == Some(&m) {
+                    return vec![];
+                }
+                if m.is_none() {
+                    self.reported.remove(&collection);
+                } else {
+                    self.reported.insert(collection, m);
+                }
+                vec![ResponseKind::Frontiers(vec![(collection, m)])]
+            }
+            FromWorker::Peek {
+                worker,
+                peek_id,
+                result,
+            } => {
+                let per = self.peeks.entry(peek_id).or_default();
+                per.insert(worker, result);
+                if per.len() < self.local_workers {
+                    return vec![];
+                }
+                let per = self.peeks.remove(&peek_id).unwrap_or_default();
+                vec![ResponseKind::PeekResponse(PeekResponse {
+                    peek_id,
+                    result: merge_peek(per.into_values()),
+                })]
+            }
+            FromWorker::Subscribe { worker, batch } => {
+                let id = batch.subscribe_id;
+                let merge = self
+                    .subs
+                    .entry(id)
+                    .or_insert_with(|| SubscribeMerge::new(self.local_workers));
+                let out = merge.push(worker, batch);
+                if merge.is_done() {
+                    self.subs.remove(&id);
+                }
+                out.map(ResponseKind::SubscribeResponse).into_iter().collect()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockstep_protocol::Row;
+
+    fn fr(worker: usize, upper: Frontier) -> FromWorker {
+        FromWorker::Frontier {
+            worker,
+            collection: 7,
+            upper,
+        }
+    }
+
+    #[test]
+    fn frontier_is_the_meet_once_all_reported() {
+        let mut a = Aggregator::new(2);
+        assert!(a.on(fr(0, Some(5))).is_empty());
+        assert_eq!(a.on(fr(1, Some(3))), vec![ResponseKind::Frontiers(vec![(7, Some(3))])]);
+        assert!(a.on(fr(0, Some(6))).is_empty(), "meet unchanged");
+        assert_eq!(a.on(fr(1, None)), vec![ResponseKind::Frontiers(vec![(7, Some(6))])]);
+        assert_eq!(a.on(fr(0, None)), vec![ResponseKind::Frontiers(vec![(7, None)])]);
+    }
+
+    #[test]
+    fn peek_waits_for_every_worker_and_sums() {
+        let mut a = Aggregator::new(2);
+        let p = |w, rows: Vec<(Row, i64)>| FromWorker::Peek {
+            worker: w,
+            peek_id: 1,
+            result: PeekResult::Rows(rows),
+        };
+        assert!(a.on(p(0, vec![(vec![1], 1), (vec![2], 1)])).is_empty());
+        let out = a.on(p(1, vec![(vec![1], 2), (vec![2], -1)]));
+        assert_eq!(
+            out,
+            vec![ResponseKind::PeekResponse(PeekResponse {
+                peek_id: 1,
+                result: PeekResult::Rows(vec![(vec![1], 3)])
+            })]
+        );
+    }
+}

@@ -1,0 +1,24 @@
+//! One process of a lockstep replica.
+//!
+//! A replica is `process_count` OS processes whose timely workers form one
+//! cluster. Each process:
+//!
+//! - forms the timely cluster itself over TCP ([`cluster`]), in milliseconds
+//!   rather than timely's one-second retry steps;
+//! - accepts controller connections ([`server`]): every process receives every
+//!   command itself, Hello included; there is no command-forwarding dataflow;
+//! - hands each command to each of its workers ([`worker`]), which render
+//!   dataflows from the plan IR with differential ([`render`]), keep inputs,
+//!   answer peeks and subscribes, and keep the dataflow-creation log that
+//!   invariant I1 is checked against;
+//! - merges its workers' responses into one response per process
+//!   ([`aggregate`]): frontiers as the meet, peeks once every local worker
+//!   answered, subscribe batches by time.
+
+pub mod aggregate;
+pub mod cluster;
+pub mod render;
+pub mod server;
+pub mod worker;
+
+pub use server::{run, ReplicaConfig};

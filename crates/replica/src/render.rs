@@ -1,0 +1,147 @@
+//! Rendering the plan IR into differential-dataflow operators.
+//!
+//! Rendering is deterministic: the same description renders the same timely
+//! operators in the same order on every worker, which is what keeps the
+//! workers' channel identifiers aligned. A description is validated *before*
+//! anything is built ([`validate`]), so a bad plan is refused identically on
+//! every worker and never leaves a half-built dataflow behind.
+//!
+//! Rows are `Vec<i64>`. An expression naming a column a row does not have
+//! drops that row (map, filter, join key, reduce key); a summed column a row
+//! lacks contributes 0.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use differential_dataflow::VecCollection;
+use lockstep_protocol::{Aggregate, DataflowDescription, Plan, Row};
+
+/// A collection of rows at u64 times with i64 multiplicities.
+pub type Coll<'s> = VecCollection<'s, u64, Row, i64>;
+
+/// Why a description cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RenderError {
+    /// A Get names a collection the dataflow does not list as an input.
+    #[error("dataflow {dataflow}: plan reads collection {collection}, which is not among its inputs {inputs:?}")]
+    UnknownCollection {
+        /// The dataflow.
+        dataflow: u64,
+        /// The collection read.
+        collection: u64,
+        /// The declared inputs.
+        inputs: Vec<u64>,
+    },
+    /// No exports.
+    #[error("dataflow {0} exports nothing")]
+    NoExports(u64),
+    /// Two exports share an ID, or an export reuses an input's ID.
+    #[error("dataflow {dataflow}: collection ID {collection} is used twice")]
+    DuplicateCollection {
+        /// The dataflow.
+        dataflow: u64,
+        /// The ID.
+        collection: u64,
+    },
+}
+
+/// Checks a description before building it.
+pub fn validate(desc: &DataflowDescription) -> Result<(), RenderError> {
+    if desc.exports.is_empty() {
+        return Err(RenderError::NoExports(desc.id));
+    }
+    let inputs: BTreeSet<u64> = desc.inputs.iter().copied().collect();
+    let mut seen = inputs.clone();
+    for e in &desc.exports {
+        if !seen.insert(e.collection_id) {
+            return Err(RenderError::DuplicateCollection {
+                dataflow: desc.id,
+                collection: e.collection_id,
+            });
+        }
+        for c in e.plan.inputs() {
+            if !inputs.contains(&c) {
+                return Err(RenderError::UnknownCollection {
+                    dataflow: desc.id,
+                    collection: c,
+                    inputs: desc.inputs.clone(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn key_of(row: &[i64], key: &[u32]) -> Option<Row> {
+    key.iter().map(|&c| row.get(c as usize).copied()).collect()
+}
+
+/// Renders `plan` over the given input collections. The plan must have been
+/// validated, so every Get finds its input.
+pub fn render<'s>(plan: &Plan, inputs: &BTreeMap<u64, Coll<'s>>) -> Coll<'s> {
+    match plan {
+        Plan::Get { collection_id } => inputs[collection_id].clone(),
+        Plan::Map { input, exprs } => {
+            let exprs = exprs.clone();
+            render(input, inputs).flat_map(move |row: Row| {
+                exprs.iter().map(|e| e.eval(&row)).collect::<Option<Row>>()
+            })
+        }
+        Plan::Filter { input, predicates } => {
+            let predicates = predicates.clone();
+            render(input, inputs)
+                .filter(move |row: &Row| predicates.iter().all(|p| p.eval(row) == Some(true)))
+        }
+        Plan::Join {
+            left,
+            right,
+            left_key,
+            right_key,
+        } => {
+            let (lk, rk) = (*left_key as usize, *right_key as usize);
+            let l = render(left, inputs).flat_map(move |r: Row| r.get(lk).copied().map(|k| (k, r)));
+            let r = render(right, inputs).flat_map(move |r: Row| r.get(rk).copied().map(|k| (k, r)));
+            l.join(r).map(|(_k, (mut l, r)): (i64, (Row, Row))| {
+                l.extend(r);
+                l
+            })
+        }
+        Plan::Reduce {
+            input,
+            key,
+            aggregates,
+        } => {
+            let key = key.clone();
+            let aggregates = aggregates.clone();
+            render(input, inputs)
+                .flat_map(move |row: Row| key_of(&row, &key).map(|k| (k, row)))
+                .reduce(move |_key: &Row, vals: &[(&Row, i64)], out: &mut Vec<(Row, i64)>| {
+                    let count: i64 = vals.iter().map(|(_, d)| *d).sum();
+                    if count == 0 {
+                        return;
+                    }
+                    let aggs = aggregates
+                        .iter()
+                        .map(|a| match a {
+                            Aggregate::Count => count,
+                            Aggregate::Sum(c) => vals
+                                .iter()
+                                .map(|(row, d)| row.get(*c as usize).copied().unwrap_or(0).wrapping_mul(*d))
+                                .fold(0i64, i64::wrapping_add),
+                        })
+                        .collect();
+                    out.push((aggs, 1));
+                })
+                .map(|(mut k, aggs): (Row, Row)| {
+                    k.extend(aggs);
+                    k
+                })
+        }
+        Plan::Arrange { input, key } => {
+            let key = key.clone();
+            render(input, inputs)
+                .flat_map(move |row: Row| key_of(&row, &key).map(|k| (k, row)))
+                .arrange_by_key()
+                .as_collection(|_k: &Row, v: &Row| v.clone())
+        }
+    }
+}

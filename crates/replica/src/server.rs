@@ -1,0 +1,297 @@
+//! The process: timely cluster, workers, and the controller connections.
+//!
+//! The controller connects to every process directly. A connection starts
+//! with Hello, checked by [`lockstep_protocol::handshake::check_hello`]
+//! (version, epoch, replica shape). An accepted Hello makes that connection
+//! the current one: a connection opened by an older controller session stops
+//! being read and its responses stop. Commands must arrive with consecutive
+//! sequence numbers; a gap, a malformed frame or an unknown variant gets an
+//! Error response and closes the connection, never a panic. Each accepted
+//! command goes, in order, to every local worker.
+
+use std::net::SocketAddr;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::Thread;
+use std::time::Duration;
+
+use anyhow::Context;
+use futures::{SinkExt, StreamExt};
+use lockstep_protocol::handshake::check_hello;
+use lockstep_protocol::{
+    CodecError, Command, CommandKind, ErrorKind, ErrorResponse, ProcessIdentity, ReplicaCodec,
+    Response, ResponseKind,
+};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_util::codec::Framed;
+
+use crate::aggregate::Aggregator;
+use crate::cluster;
+use crate::worker::{run_worker, FromWorker};
+
+/// How a replica process is started.
+#[derive(Clone, Debug)]
+pub struct ReplicaConfig {
+    /// Who this process is.
+    pub identity: ProcessIdentity,
+    /// Every process's timely address, in process order.
+    pub timely_addrs: Vec<SocketAddr>,
+    /// Where controllers connect.
+    pub listen: SocketAddr,
+    /// The bound on forming the timely cluster.
+    pub cluster_timeout: Duration,
+    /// The largest frame accepted.
+    pub max_frame_len: usize,
+}
+
+struct Shared {
+    newest_epoch: u64,
+    generation: u64,
+    writer: Option<mpsc::UnboundedSender<Response>>,
+}
+
+struct Workers {
+    senders: Vec<std_mpsc::Sender<Command>>,
+    threads: Mutex<Vec<Thread>>,
+}
+
+impl Workers {
+    fn send(&self, cmd: &Command) {
+        for s in &self.senders {
+            // A closed channel means the worker is gone; the process is exiting.
+            let _ = s.send(cmd.clone());
+        }
+        for t in self.threads.lock().expect("not poisoned").iter() {
+            t.unpark();
+        }
+    }
+}
+
+/// Makes every panic, on any thread, end the process: a timely peer that died
+/// poisons the cluster, and a half-alive process must not pretend to work.
+pub fn install_panic_exit() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default(info);
+        eprintln!("lockstep-replica: a thread panicked; exiting so the replica can be restarted");
+        std::process::exit(70);
+    }));
+}
+
+/// Runs one replica process until it is killed.
+pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
+    let id = config.identity;
+    let me = id.process_index as usize;
+    let workers = id.workers_per_process as usize;
+    if config.timely_addrs.len() != id.process_count as usize {
+        anyhow::bail!(
+            "{} timely addresses given for a replica of {} processes",
+            config.timely_addrs.len(),
+            id.process_count
+        );
+    }
+    if me >= config.timely_addrs.len() {
+        anyhow::bail!("process index {me} is out of range for {} processes", id.process_count);
+    }
+    if workers == 0 {
+        anyhow::bail!("a process needs at least one worker");
+    }
+    let listener = std::net::TcpListener::bind(config.listen)
+        .with_context(|| format!("cannot listen for controllers on {}", config.listen))?;
+    listener.set_nonblocking(true)?;
+
+    let started = std::time::Instant::now();
+    let sockets = cluster::connect_mesh(&config.timely_addrs, me, id.replica_id, config.cluster_timeout)?;
+    let (builders, guard) = cluster::allocators(sockets, me, workers)?;
+    tracing::info!(elapsed = ?started.elapsed(), "timely cluster formed");
+
+    let (tx, rx) = mpsc::unbounded_channel::<FromWorker>();
+    let mut senders = Vec::new();
+    let mut receivers = Vec::new();
+    for _ in 0..workers {
+        let (s, r) = std_mpsc::channel();
+        senders.push(s);
+        receivers.push(Some(r));
+    }
+    let receivers = Arc::new(Mutex::new(receivers));
+    let handles = Arc::new(Workers {
+        senders,
+        threads: Mutex::new(Vec::new()),
+    });
+    let handles2 = Arc::clone(&handles);
+    let _guards = timely::execute::execute_from(builders, Box::new(guard), timely::WorkerConfig::default(), move |worker| {
+        let local = worker.index() % workers;
+        handles2.threads.lock().expect("not poisoned").push(std::thread::current());
+        let commands = receivers.lock().expect("not poisoned")[local]
+            .take()
+            .expect("each local worker starts once");
+        run_worker(worker, commands, tx.clone(), workers);
+    })
+    .map_err(|e| anyhow::anyhow!("starting timely workers: {e}"))?;
+
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(serve(listener, config, handles, rx))
+}
+
+async fn serve(
+    listener: std::net::TcpListener,
+    config: ReplicaConfig,
+    workers: Arc<Workers>,
+    mut from_workers: mpsc::UnboundedReceiver<FromWorker>,
+) -> anyhow::Result<()> {
+    let listener = TcpListener::from_std(listener)?;
+    let shared = Arc::new(Mutex::new(Shared {
+        newest_epoch: 0,
+        generation: 0,
+        writer: None,
+    }));
+    let process_index = config.identity.process_index;
+    let local_workers = config.identity.workers_per_process as usize;
+
+    // Worker responses -> the current connection.
+    let shared2 = Arc::clone(&shared);
+    tokio::spawn(async move {
+        let mut agg = Aggregator::new(local_workers);
+        while let Some(msg) = from_workers.recv().await {
+            for kind in agg.on(msg) {
+                let writer = shared2.lock().expect("not poisoned").writer.clone();
+                if let Some(w) = writer {
+                    let _ = w.send(Response { process_index, kind });
+                }
+            }
+        }
+    });
+
+    loop {
+        let (sock, peer) = listener.accept().await?;
+        let _ = sock.set_nodelay(true);
+        tracing::debug!(%peer, "controller connected");
+        let shared = Arc::clone(&shared);
+        let workers = Arc::clone(&workers);
+        let config = config.clone();
+        tokio::spawn(async move {
+            if let Err(e) = connection(sock, config, shared, workers).await {
+                tracing::warn!(%peer, "controller connection ended: {e}");
+            }
+        });
+    }
+}
+
+fn error_response(process_index: u32, kind: ErrorKind, message: String, seqno: u64) -> Response {
+    Response {
+        process_index,
+        kind: ResponseKind::Error(ErrorResponse { kind, message, seqno }),
+    }
+}
+
+async fn connection(
+    sock: TcpStream,
+    config: ReplicaConfig,
+    shared: Arc<Mutex<Shared>>,
+    workers: Arc<Workers>,
+) -> anyhow::Result<()> {
+    let me = config.identity.process_index;
+    let (mut sink, mut stream) = Framed::new(sock, ReplicaCodec::new(config.max_frame_len)).split();
+
+    // Handshake.
+    let first = match tokio::time::timeout(Duration::from_secs(10), stream.next()).await {
+        Err(_) => anyhow::bail!("no Hello within 10 s"),
+        Ok(None) => return Ok(()),
+        Ok(Some(Err(e))) => {
+            let _ = sink
+                .send(error_response(me, ErrorKind::Malformed, e.to_string(), 0))
+                .await;
+            anyhow::bail!("malformed first frame: {e}");
+        }
+        Ok(Some(Ok(cmd))) => cmd,
+    };
+    let newest = shared.lock().expect("not poisoned").newest_epoch;
+    let hello = match check_hello(&first, &config.identity, newest) {
+        Ok(h) => h,
+        Err(e) => {
+            let _ = sink
+                .send(Response {
+                    process_index: me,
+                    kind: ResponseKind::Error(e.to_response()),
+                })
+                .await;
+            anyhow::bail!("refused Hello: {e}");
+        }
+    };
+
+    // This connection becomes the current one.
+    let (wtx, mut wrx) = mpsc::unbounded_channel::<Response>();
+    let generation = {
+        let mut s = shared.lock().expect("not poisoned");
+        if hello.epoch < s.newest_epoch {
+            anyhow::bail!("stale epoch {} (newest {})", hello.epoch, s.newest_epoch);
+        }
+        s.newest_epoch = hello.epoch;
+        s.generation += 1;
+        s.writer = Some(wtx);
+        workers.send(&first);
+        s.generation
+    };
+    tracing::info!(epoch = hello.epoch, nonce = hello.nonce, "controller session started");
+
+    let writer = tokio::spawn(async move {
+        while let Some(r) = wrx.recv().await {
+            if sink.send(r).await.is_err() {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    });
+
+    let mut expected = 1u64;
+    let result = loop {
+        let next = stream.next().await;
+        let current = shared.lock().expect("not poisoned").generation == generation;
+        if !current {
+            break Ok(()); // a newer controller session took over
+        }
+        let cmd: Command = match next {
+            None => break Ok(()),
+            Some(Err(CodecError::Io(e))) => break Err(anyhow::anyhow!("connection lost: {e}")),
+            Some(Err(e)) => {
+                send_current(&shared, generation, error_response(me, ErrorKind::Malformed, e.to_string(), expected));
+                break Err(anyhow::anyhow!("malformed frame: {e}"));
+            }
+            Some(Ok(cmd)) => cmd,
+        };
+        if matches!(cmd.kind, CommandKind::Hello(_)) || cmd.seqno != expected {
+            let msg = if matches!(cmd.kind, CommandKind::Hello(_)) {
+                "Hello in the middle of a connection".to_string()
+            } else {
+                format!("expected sequence number {expected}, got {}", cmd.seqno)
+            };
+            send_current(&shared, generation, error_response(me, ErrorKind::Sequence, msg.clone(), cmd.seqno));
+            break Err(anyhow::anyhow!(msg));
+        }
+        expected += 1;
+        let s = shared.lock().expect("not poisoned");
+        if s.generation != generation {
+            break Ok(());
+        }
+        workers.send(&cmd);
+    };
+    {
+        let mut s = shared.lock().expect("not poisoned");
+        if s.generation == generation {
+            s.writer = None;
+        }
+    }
+    // Give queued responses (an error, say) a moment to leave.
+    let _ = tokio::time::timeout(Duration::from_millis(200), writer).await;
+    result
+}
+
+fn send_current(shared: &Arc<Mutex<Shared>>, generation: u64, r: Response) {
+    let s = shared.lock().expect("not poisoned");
+    if s.generation == generation {
+        if let Some(w) = &s.writer {
+            let _ = w.send(r);
+        }
+    }
+}

@@ -1,0 +1,739 @@
+//! What one timely worker does with the commands its process hands it.
+//!
+//! Every worker of every process receives the same command stream and applies
+//! it in the same order, so every worker builds the same dataflows in the same
+//! order (invariant I1). Each worker keeps:
+//!
+//! - the input collections' updates *it* introduced (each WriteInput update is
+//!   introduced on exactly one worker of the replica, chosen by a hash of the
+//!   row), so that a dataflow built later replays them;
+//! - its installed dataflows: input sessions, and per export an arrangement
+//!   (for peeks), a tap after the arrangement (for subscribes) and a probe
+//!   (for frontiers);
+//! - its dataflow-creation log (timely index, dataflow ID, description hash);
+//! - the history of what it applied, whose digest it reports in Status.
+//!
+//! A Hello with a new nonce starts reconciliation: commands are buffered until
+//! InitializationComplete, then the worker keeps the installed dataflows the
+//! controller asked for again (same ID and description hash), drops the
+//! others, and builds the missing ones in the controller's order. This is the
+//! per-worker reconciliation; it is correct while every worker has the same
+//! installed set, which the strategies (barrier, log, broadcast) guarantee.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::hash::{Hash, Hasher};
+use std::rc::Rc;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Duration;
+
+use differential_dataflow::input::InputSession;
+use differential_dataflow::operators::arrange::TraceAgent;
+use differential_dataflow::trace::cursor::{cursor_list, Cursor};
+use differential_dataflow::trace::implementations::KeySpine;
+use differential_dataflow::trace::TraceReader;
+use lockstep_protocol::history::consolidate;
+use lockstep_protocol::{
+    Command, CommandHistory, CommandKind, CreationLogEntry, DataflowDescription, Digest,
+    ErrorKind, ErrorResponse, Frontier, Peek, PeekResult, Row, Status, Subscribe, SubscribeBatch,
+    Update, WriteInput,
+};
+use timely::dataflow::ProbeHandle;
+use timely::progress::Antichain;
+use timely::worker::Worker;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::render::{render, validate, Coll};
+
+/// What a worker reports to its process's aggregator.
+#[derive(Debug)]
+pub enum FromWorker {
+    /// A collection's frontier on this worker changed.
+    Frontier {
+        /// Global worker index.
+        worker: usize,
+        /// The collection.
+        collection: u64,
+        /// Its new upper.
+        upper: Frontier,
+    },
+    /// This worker's share of a peek.
+    Peek {
+        /// Global worker index.
+        worker: usize,
+        /// The peek.
+        peek_id: u64,
+        /// Its rows, error or cancellation.
+        result: PeekResult,
+    },
+    /// This worker's changes of a subscription.
+    Subscribe {
+        /// Global worker index.
+        worker: usize,
+        /// The batch.
+        batch: SubscribeBatch,
+    },
+    /// A worker's Status.
+    Status(Status),
+    /// An error about a command (sent by the first local worker only).
+    Error(ErrorResponse),
+    /// The worker accepted a Hello with a new nonce: forget per-session state.
+    NewSession {
+        /// Global worker index.
+        worker: usize,
+        /// The new nonce.
+        nonce: u64,
+    },
+}
+
+type Trace = TraceAgent<KeySpine<Row, u64, i64>>;
+
+/// The updates an export emitted that subscribers may still need.
+#[derive(Default)]
+struct Tap {
+    /// Updates at or beyond the last trim point (all subscribers start there or later).
+    recent: Vec<Update>,
+    /// Per subscription: updates not yet emitted.
+    subs: BTreeMap<u64, Vec<Update>>,
+}
+
+struct ExportState {
+    trace: Trace,
+    probe: ProbeHandle<u64>,
+    tap: Rc<RefCell<Tap>>,
+    since: u64,
+    reported: Option<Frontier>,
+}
+
+struct Installed {
+    desc: DataflowDescription,
+    hash: Digest,
+    timely_index: usize,
+    sessions: Vec<(u64, InputSession<u64, Row, i64>)>,
+    exports: BTreeMap<u64, ExportState>,
+}
+
+#[derive(Default)]
+struct InputStore {
+    updates: Vec<Update>,
+    upper: u64,
+}
+
+struct SubState {
+    sub: Subscribe,
+    /// `None` until the snapshot was emitted; then the next lower bound.
+    lower: Option<Frontier>,
+}
+
+/// One worker's state.
+pub struct WorkerState {
+    index: usize,
+    peers: usize,
+    reports_errors: bool,
+    epoch: u64,
+    nonce: u64,
+    applied_seqno: u64,
+    history: CommandHistory,
+    reconciling: Option<Vec<Command>>,
+    inputs: BTreeMap<u64, InputStore>,
+    dataflows: BTreeMap<u64, Installed>,
+    collections: BTreeMap<u64, u64>,
+    creation_log: Vec<CreationLogEntry>,
+    peeks: Vec<Peek>,
+    subs: BTreeMap<u64, SubState>,
+    tx: UnboundedSender<FromWorker>,
+}
+
+fn passed(upper: Frontier, t: u64) -> bool {
+    upper.is_none_or(|u| u > t)
+}
+
+fn probe_frontier(probe: &ProbeHandle<u64>) -> Frontier {
+    probe.with_frontier(|f| f.iter().min().copied())
+}
+
+/// The worker of the replica that introduces an update of `row`.
+pub fn owner(row: &Row, peers: usize) -> usize {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    row.hash(&mut h);
+    (h.finish() % peers as u64) as usize
+}
+
+/// Every (row, time, diff) in a trace.
+fn read_trace(trace: &mut Trace) -> Vec<Update> {
+    let Some(batches) = trace.batches_through(Antichain::new().borrow()) else {
+        return Vec::new();
+    };
+    let (mut cursor, storage) = cursor_list(batches);
+    let mut out = Vec::new();
+    for ((row, ()), times) in cursor.to_vec(&storage, |k: &Row| k.clone(), |_v| ()) {
+        for (time, diff) in times {
+            out.push(Update {
+                row: row.clone(),
+                time,
+                diff,
+            });
+        }
+    }
+    out
+}
+
+impl WorkerState {
+    /// A worker with global index `index` of `peers`; `reports_errors` for the
+    /// first worker of each process, which alone reports command errors.
+    pub fn new(index: usize, peers: usize, reports_errors: bool, tx: UnboundedSender<FromWorker>) -> Self {
+        WorkerState {
+            index,
+            peers,
+            reports_errors,
+            epoch: 0,
+            nonce: 0,
+            applied_seqno: 0,
+            history: CommandHistory::new(),
+            reconciling: None,
+            inputs: BTreeMap::new(),
+            dataflows: BTreeMap::new(),
+            collections: BTreeMap::new(),
+            creation_log: Vec::new(),
+            peeks: Vec::new(),
+            subs: BTreeMap::new(),
+            tx,
+        }
+    }
+
+    fn send(&self, msg: FromWorker) {
+        // The aggregator is gone only when the process shuts down.
+        let _ = self.tx.send(msg);
+    }
+
+    fn error(&self, seqno: u64, kind: ErrorKind, message: String) {
+        tracing::warn!(worker = self.index, seqno, %message, "command error");
+        if self.reports_errors {
+            self.send(FromWorker::Error(ErrorResponse { kind, message, seqno }));
+        }
+    }
+
+    /// This worker's Status.
+    pub fn status(&self) -> Status {
+        Status {
+            worker_index: self.index as u32,
+            epoch: self.epoch,
+            nonce: self.nonce,
+            applied_seqno: self.applied_seqno,
+            history_hash: self.history.digest(),
+            creation_log: self.creation_log.clone(),
+            installed: self.dataflows.keys().copied().collect(),
+        }
+    }
+
+    /// Handles one command from the controller.
+    pub fn handle(&mut self, worker: &mut Worker, cmd: Command) {
+        if let CommandKind::Hello(h) = &cmd.kind {
+            self.epoch = h.epoch;
+            if h.nonce != self.nonce {
+                self.nonce = h.nonce;
+                self.reconciling = Some(Vec::new());
+                self.peeks.clear();
+                self.subs.clear();
+                for inst in self.dataflows.values_mut() {
+                    for e in inst.exports.values_mut() {
+                        e.reported = None;
+                        e.tap.borrow_mut().subs.clear();
+                    }
+                }
+                self.send(FromWorker::NewSession {
+                    worker: self.index,
+                    nonce: h.nonce,
+                });
+            }
+            self.applied_seqno = 0;
+            self.send(FromWorker::Status(self.status()));
+            return;
+        }
+        if let Some(buffer) = &mut self.reconciling {
+            if matches!(cmd.kind, CommandKind::StatusRequest) {
+                self.send(FromWorker::Status(self.status()));
+                return;
+            }
+            let done = matches!(cmd.kind, CommandKind::InitializationComplete);
+            buffer.push(cmd);
+            if done {
+                let buffer = self.reconciling.take().unwrap_or_default();
+                self.reconcile(worker, buffer);
+            }
+            return;
+        }
+        self.apply(worker, cmd);
+    }
+
+    /// Per-worker reconciliation at InitializationComplete.
+    fn reconcile(&mut self, worker: &mut Worker, buffer: Vec<Command>) {
+        let target: BTreeMap<u64, Digest> = buffer
+            .iter()
+            .filter_map(|c| match &c.kind {
+                CommandKind::CreateDataflow(d) => Some((d.id, d.hash())),
+                _ => None,
+            })
+            .collect();
+        let stale: Vec<u64> = self
+            .dataflows
+            .iter()
+            .filter(|(id, inst)| target.get(id) != Some(&inst.hash))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stale {
+            tracing::info!(worker = self.index, dataflow = id, "reconciliation drops dataflow");
+            self.drop_dataflow(worker, id);
+        }
+        self.history = CommandHistory::new();
+        for cmd in buffer {
+            self.apply(worker, cmd);
+        }
+    }
+
+    fn apply(&mut self, worker: &mut Worker, cmd: Command) {
+        let seqno = cmd.seqno;
+        self.applied_seqno = seqno;
+        match &cmd.kind {
+            CommandKind::Hello(_) => {}
+            CommandKind::StatusRequest => {
+                self.send(FromWorker::Status(self.status()));
+                return;
+            }
+            CommandKind::CreateInstance(_)
+            | CommandKind::InitializationComplete
+            | CommandKind::UpdateConfiguration(_)
+            | CommandKind::Schedule { .. } => {}
+            CommandKind::CreateDataflow(desc) => {
+                if let Some(inst) = self.dataflows.get(&desc.id) {
+                    if inst.hash != desc.hash() {
+                        self.error(
+                            seqno,
+                            ErrorKind::InvalidCommand,
+                            format!("dataflow {} already exists with another description", desc.id),
+                        );
+                        return;
+                    }
+                    // Same description: kept (reconciliation), nothing to build.
+                } else if let Err(e) = validate(desc) {
+                    self.error(seqno, ErrorKind::InvalidCommand, e.to_string());
+                    return;
+                } else if let Some(c) = desc
+                    .exports
+                    .iter()
+                    .find(|e| self.collections.contains_key(&e.collection_id))
+                {
+                    self.error(
+                        seqno,
+                        ErrorKind::InvalidCommand,
+                        format!("collection {} already exists", c.collection_id),
+                    );
+                    return;
+                } else {
+                    self.build(worker, desc.clone());
+                }
+            }
+            CommandKind::AllowCompaction {
+                collection_id,
+                frontier,
+            } => {
+                if !self.allow_compaction(worker, *collection_id, *frontier) {
+                    self.error(
+                        seqno,
+                        ErrorKind::InvalidCommand,
+                        format!("AllowCompaction names unknown collection {collection_id}"),
+                    );
+                    return;
+                }
+            }
+            CommandKind::Peek(p) => self.peeks.push(p.clone()),
+            CommandKind::CancelPeek { peek_id } => {
+                if let Some(pos) = self.peeks.iter().position(|p| p.peek_id == *peek_id) {
+                    self.peeks.remove(pos);
+                    self.history.retire_peek(*peek_id);
+                    self.send(FromWorker::Peek {
+                        worker: self.index,
+                        peek_id: *peek_id,
+                        result: PeekResult::Canceled,
+                    });
+                }
+            }
+            CommandKind::Subscribe(s) => {
+                if let Some(df) = self.collections.get(&s.collection_id) {
+                    let export = &self.dataflows[df].exports[&s.collection_id];
+                    if s.as_of < export.since {
+                        self.error(
+                            seqno,
+                            ErrorKind::InvalidCommand,
+                            format!(
+                                "subscribe {} at {} is below collection {}'s compaction frontier {}",
+                                s.subscribe_id, s.as_of, s.collection_id, export.since
+                            ),
+                        );
+                        return;
+                    }
+                    self.subs.insert(
+                        s.subscribe_id,
+                        SubState {
+                            sub: s.clone(),
+                            lower: None,
+                        },
+                    );
+                } else {
+                    self.error(
+                        seqno,
+                        ErrorKind::InvalidCommand,
+                        format!("subscribe {} names unknown collection {}", s.subscribe_id, s.collection_id),
+                    );
+                    return;
+                }
+            }
+            CommandKind::WriteInput(w) => {
+                if let Some(u) = w.updates.iter().find(|u| u.time >= w.upper) {
+                    self.error(
+                        seqno,
+                        ErrorKind::InvalidCommand,
+                        format!("WriteInput to {}: update at time {} is not below the new upper {}", w.collection_id, u.time, w.upper),
+                    );
+                    return;
+                }
+                self.write_input(w);
+            }
+        }
+        self.history.push(cmd.kind);
+    }
+
+    fn write_input(&mut self, w: &WriteInput) {
+        let store = self.inputs.entry(w.collection_id).or_default();
+        let fresh: Vec<Update> = w
+            .updates
+            .iter()
+            .filter(|u| u.time >= store.upper && owner(&u.row, self.peers) == self.index)
+            .cloned()
+            .collect();
+        let new_upper = store.upper.max(w.upper);
+        store.upper = new_upper;
+        store.updates.extend(fresh.iter().cloned());
+        for inst in self.dataflows.values_mut() {
+            for (id, session) in &mut inst.sessions {
+                if *id == w.collection_id {
+                    for u in &fresh {
+                        session.update_at(u.row.clone(), u.time, u.diff);
+                    }
+                    session.advance_to(new_upper);
+                    session.flush();
+                }
+            }
+        }
+    }
+
+    fn build(&mut self, worker: &mut Worker, desc: DataflowDescription) {
+        let timely_index = worker.next_dataflow_index();
+        let hash = desc.hash();
+        let name = format!("dataflow-{}-{}", desc.id, desc.debug_name);
+        let (mut sessions, exports) = worker.dataflow_named::<u64, _, _>(&name, |scope| {
+            let mut sessions = Vec::new();
+            let mut colls: BTreeMap<u64, Coll<'_>> = BTreeMap::new();
+            for &id in &desc.inputs {
+                let mut session = InputSession::new();
+                colls.insert(id, session.to_collection(scope));
+                sessions.push((id, session));
+            }
+            let mut exports = BTreeMap::new();
+            for e in &desc.exports {
+                let tap: Rc<RefCell<Tap>> = Rc::default();
+                let tap2 = Rc::clone(&tap);
+                let probe = ProbeHandle::new();
+                let arranged = render(&e.plan, &colls).arrange_by_self();
+                let trace = arranged.trace.clone();
+                arranged
+                    .as_collection(|k: &Row, _v: &()| k.clone())
+                    .inspect(move |(row, time, diff): &(Row, u64, i64)| {
+                        let u = Update {
+                            row: row.clone(),
+                            time: *time,
+                            diff: *diff,
+                        };
+                        let mut tap = tap2.borrow_mut();
+                        for buf in tap.subs.values_mut() {
+                            buf.push(u.clone());
+                        }
+                        tap.recent.push(u);
+                    })
+                    .probe_with(&probe);
+                exports.insert(
+                    e.collection_id,
+                    ExportState {
+                        trace,
+                        probe,
+                        tap,
+                        since: 0,
+                        reported: None,
+                    },
+                );
+            }
+            (sessions, exports)
+        });
+        for (id, session) in &mut sessions {
+            let store = self.inputs.entry(*id).or_default();
+            for u in &store.updates {
+                session.update_at(u.row.clone(), u.time, u.diff);
+            }
+            session.advance_to(store.upper);
+            session.flush();
+        }
+        for id in exports.keys() {
+            self.collections.insert(*id, desc.id);
+        }
+        tracing::debug!(worker = self.index, dataflow = desc.id, timely_index, "built dataflow");
+        self.creation_log.push(CreationLogEntry {
+            timely_index: timely_index as u64,
+            dataflow_id: desc.id,
+            description_hash: hash,
+        });
+        self.dataflows.insert(
+            desc.id,
+            Installed {
+                desc,
+                hash,
+                timely_index,
+                sessions,
+                exports,
+            },
+        );
+    }
+
+    /// Returns false if the collection is unknown.
+    fn allow_compaction(&mut self, worker: &mut Worker, collection: u64, frontier: Frontier) -> bool {
+        let Some(&df) = self.collections.get(&collection) else {
+            return false;
+        };
+        let inst = self.dataflows.get_mut(&df).expect("collections index is in sync");
+        match frontier {
+            Some(t) => {
+                let export = inst.exports.get_mut(&collection).expect("in sync");
+                if t > export.since {
+                    export.since = t;
+                    export.trace.set_logical_compaction(Antichain::from_elem(t).borrow());
+                    export.trace.set_physical_compaction(Antichain::from_elem(t).borrow());
+                }
+            }
+            None => {
+                inst.exports.remove(&collection);
+                let now_empty = inst.exports.is_empty();
+                self.collections.remove(&collection);
+                self.send(FromWorker::Frontier {
+                    worker: self.index,
+                    collection,
+                    upper: None,
+                });
+                for p in self.peeks.iter().filter(|p| p.collection_id == collection) {
+                    let _ = self.tx.send(FromWorker::Peek {
+                        worker: self.index,
+                        peek_id: p.peek_id,
+                        result: PeekResult::Error(format!("collection {collection} was dropped")),
+                    });
+                }
+                self.peeks.retain(|p| p.collection_id != collection);
+                self.subs.retain(|_, s| s.sub.collection_id != collection);
+                if now_empty {
+                    self.drop_dataflow(worker, df);
+                }
+            }
+        }
+        true
+    }
+
+    fn drop_dataflow(&mut self, worker: &mut Worker, id: u64) {
+        if let Some(inst) = self.dataflows.remove(&id) {
+            for c in &inst.desc.exports {
+                self.collections.remove(&c.collection_id);
+            }
+            let timely_index = inst.timely_index;
+            drop(inst);
+            worker.drop_dataflow(timely_index);
+        }
+    }
+
+    /// Reports frontiers, answers peeks that are ready, emits subscribe batches.
+    pub fn maintain(&mut self) {
+        // Frontiers.
+        let mut changes = Vec::new();
+        for inst in self.dataflows.values_mut() {
+            for (id, e) in inst.exports.iter_mut() {
+                let f = probe_frontier(&e.probe);
+                if e.reported != Some(f) {
+                    e.reported = Some(f);
+                    changes.push((*id, f));
+                }
+                // Subscribers start at or beyond the probe frontier: older
+                // tapped updates are in the trace.
+                if let Some(f) = f {
+                    e.tap.borrow_mut().recent.retain(|u| u.time >= f);
+                }
+            }
+        }
+        for (collection, upper) in changes {
+            self.send(FromWorker::Frontier {
+                worker: self.index,
+                collection,
+                upper,
+            });
+        }
+
+        // Peeks.
+        let mut answered = Vec::new();
+        let peeks = std::mem::take(&mut self.peeks);
+        for p in peeks {
+            match self.try_peek(&p) {
+                Some(result) => answered.push((p.peek_id, result)),
+                None => self.peeks.push(p),
+            }
+        }
+        for (peek_id, result) in answered {
+            self.history.retire_peek(peek_id);
+            self.send(FromWorker::Peek {
+                worker: self.index,
+                peek_id,
+                result,
+            });
+        }
+
+        // Subscribes.
+        let mut batches = Vec::new();
+        let mut finished = Vec::new();
+        for (sid, s) in self.subs.iter_mut() {
+            let Some(df) = self.collections.get(&s.sub.collection_id) else {
+                continue;
+            };
+            let Some(e) = self
+                .dataflows
+                .get_mut(df)
+                .and_then(|i| i.exports.get_mut(&s.sub.collection_id))
+            else {
+                continue;
+            };
+            let upper = probe_frontier(&e.probe);
+            match s.lower {
+                None => {
+                    if !passed(upper, s.sub.as_of) {
+                        continue;
+                    }
+                    let as_of = s.sub.as_of;
+                    let snapshot = read_trace(&mut e.trace)
+                        .into_iter()
+                        .filter(|u| passed(upper, u.time))
+                        .map(|mut u| {
+                            u.time = u.time.max(as_of);
+                            u
+                        })
+                        .collect();
+                    let mut tap = e.tap.borrow_mut();
+                    let pending: Vec<Update> = tap
+                        .recent
+                        .iter()
+                        .filter(|u| !passed(upper, u.time))
+                        .cloned()
+                        .collect();
+                    tap.subs.insert(*sid, pending);
+                    batches.push(SubscribeBatch {
+                        subscribe_id: *sid,
+                        lower: as_of,
+                        upper,
+                        updates: consolidate(snapshot),
+                    });
+                    s.lower = Some(upper);
+                }
+                Some(Some(lower)) if upper != Some(lower) => {
+                    let mut tap = e.tap.borrow_mut();
+                    let buf = tap.subs.entry(*sid).or_default();
+                    let (ready, rest): (Vec<Update>, Vec<Update>) =
+                        buf.drain(..).filter(|u| u.time >= lower).partition(|u| passed(upper, u.time));
+                    *buf = rest;
+                    batches.push(SubscribeBatch {
+                        subscribe_id: *sid,
+                        lower,
+                        upper,
+                        updates: consolidate(ready),
+                    });
+                    s.lower = Some(upper);
+                }
+                _ => {}
+            }
+            if upper.is_none() {
+                finished.push(*sid);
+            }
+        }
+        for sid in finished {
+            self.subs.remove(&sid);
+        }
+        for batch in batches {
+            self.send(FromWorker::Subscribe {
+                worker: self.index,
+                batch,
+            });
+        }
+    }
+
+    fn try_peek(&mut self, p: &Peek) -> Option<PeekResult> {
+        let Some(df) = self.collections.get(&p.collection_id) else {
+            return Some(PeekResult::Error(format!("peek {}: unknown collection {}", p.peek_id, p.collection_id)));
+        };
+        let e = self.dataflows.get_mut(df)?.exports.get_mut(&p.collection_id)?;
+        if p.timestamp < e.since {
+            return Some(PeekResult::Error(format!(
+                "peek {} at {} is below collection {}'s compaction frontier {}",
+                p.peek_id, p.timestamp, p.collection_id, e.since
+            )));
+        }
+        if !passed(probe_frontier(&e.probe), p.timestamp) {
+            return None;
+        }
+        let mut acc: BTreeMap<Row, i64> = BTreeMap::new();
+        for u in read_trace(&mut e.trace) {
+            if u.time <= p.timestamp {
+                *acc.entry(u.row).or_default() += u.diff;
+            }
+        }
+        Some(PeekResult::Rows(acc.into_iter().filter(|(_, d)| *d != 0).collect()))
+    }
+
+    /// The IDs of installed dataflows.
+    pub fn installed(&self) -> BTreeSet<u64> {
+        self.dataflows.keys().copied().collect()
+    }
+
+    /// Drops every dataflow, so that the worker can shut down.
+    pub fn shutdown(&mut self, worker: &mut Worker) {
+        let ids: Vec<u64> = self.dataflows.keys().copied().collect();
+        for id in ids {
+            self.drop_dataflow(worker, id);
+        }
+    }
+}
+
+/// The worker loop: apply commands as they come, step the dataflows, report.
+/// Returns when the command channel closes.
+pub fn run_worker(
+    worker: &mut Worker,
+    commands: Receiver<Command>,
+    tx: UnboundedSender<FromWorker>,
+    workers_per_process: usize,
+) {
+    let index = worker.index();
+    let mut state = WorkerState::new(index, worker.peers(), index % workers_per_process == 0, tx);
+    loop {
+        loop {
+            match commands.try_recv() {
+                Ok(cmd) => state.handle(worker, cmd),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    state.shutdown(worker);
+                    return;
+                }
+            }
+        }
+        worker.step_or_park(Some(Duration::from_millis(5)));
+        state.maintain();
+    }
+}
