@@ -1,0 +1,959 @@
+//! The process backend: every process of a service is a supervised OS process
+//! on this machine.
+//!
+//! # State directory
+//!
+//! ```text
+//! STATE_DIR/orchestrator.lock      flock'd around every read-modify-write
+//! STATE_DIR/services/NAME.json     one file per service: spec, labels (epoch,
+//!                                  ID), and per process its argv, ports, PID
+//!                                  and the PID's start time
+//! STATE_DIR/logs/NAME-I.log        stdout and stderr of process I
+//! ```
+//!
+//! The files are the truth, not this process's memory: [`list_services`]
+//! reads them, so a controller restarted on the same directory lists the
+//! services an earlier one started, and [`ensure_service`] with an unchanged
+//! spec adopts their running processes instead of restarting them. Several
+//! orchestrators (several controllers) may share a directory; the lock file
+//! serializes their writes, which is what makes `ensure` a real conditional
+//! write.
+//!
+//! A PID alone can be reused by the OS after the process exits; each record
+//! also stores the process's start time (field 22 of `/proc/PID/stat`), and a
+//! PID counts as ours only if both match. We never signal a PID that fails
+//! this check.
+//!
+//! # Processes
+//!
+//! Each process runs in its own process group (its PGID is its PID), so that
+//! dropping a service kills whatever the process spawned too (`killpg`
+//! SIGKILL). Processes are *not* killed when the orchestrator is dropped or
+//! the controller exits: surviving a controller restart is the point. Tests
+//! tear down with [`kill_all_services`].
+//!
+//! Each process is watched by a supervisor task in every orchestrator that
+//! ensured its service. When it exits, the supervisor waits a backoff
+//! (doubling from [`Backoff::initial`] to [`Backoff::max`]), then, under the
+//! lock, restarts it unless the service was dropped or another supervisor
+//! already replaced the process, in which case it watches the replacement.
+//!
+//! [`list_services`]: crate::Orchestrator::list_services
+//! [`ensure_service`]: crate::Orchestrator::ensure_service
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+use tokio::task::JoinHandle;
+
+use crate::{
+    DropError, EnsureError, ListError, Orchestrator, ProcessStatus, ServiceAssignment,
+    ServiceConfig, ServiceEvent, ServiceEventKind, ServiceStatus, StateError, EPOCH_LABEL,
+    ID_LABEL,
+};
+
+/// The host every process listens on.
+const HOST: &str = "127.0.0.1";
+/// The version of the state file format.
+const RECORD_VERSION: u32 = 1;
+
+/// Restart backoff of crashed processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Backoff {
+    /// The first wait.
+    pub initial: Duration,
+    /// The longest wait.
+    pub max: Duration,
+    /// A process that ran at least this long restarts with the initial wait again.
+    pub reset_after: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(5),
+            reset_after: Duration::from_secs(10),
+        }
+    }
+}
+
+/// How to build a [`ProcessOrchestrator`].
+#[derive(Clone, Debug)]
+pub struct ProcessOrchestratorConfig {
+    /// The state directory; must exist and be writable.
+    pub state_dir: PathBuf,
+    /// The controller's epoch, which labels every service it ensures.
+    pub epoch: u64,
+    /// Whether `ensure_service` refuses to overwrite a service with a newer
+    /// epoch (O4). Only the negative tests turn this off.
+    pub conditional_writes: bool,
+    /// Restart backoff.
+    pub backoff: Backoff,
+    /// How often supervisors check their process.
+    pub poll_interval: Duration,
+}
+
+impl ProcessOrchestratorConfig {
+    /// Defaults: conditional writes on, default backoff, 100 ms polling.
+    pub fn new(state_dir: impl Into<PathBuf>, epoch: u64) -> Self {
+        ProcessOrchestratorConfig {
+            state_dir: state_dir.into(),
+            epoch,
+            conditional_writes: true,
+            backoff: Backoff::default(),
+            poll_interval: Duration::from_millis(100),
+        }
+    }
+}
+
+/// Why a [`ProcessOrchestrator`] could not be created.
+#[derive(Debug, thiserror::Error)]
+pub enum NewError {
+    /// The state directory does not exist.
+    #[error("orchestrator state directory {0} does not exist")]
+    Missing(PathBuf),
+    /// The state directory is not a directory.
+    #[error("orchestrator state directory {0} is not a directory")]
+    NotADirectory(PathBuf),
+    /// The state directory cannot be written.
+    #[error("orchestrator state directory {path} is not writable: {source}")]
+    Unwritable {
+        /// The directory.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+}
+
+/// The process backend. Cheap to share behind an `Arc`; dropping it stops its
+/// supervisors but leaves the processes running.
+pub struct ProcessOrchestrator {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: ProcessOrchestratorConfig,
+    events: broadcast::Sender<ServiceEvent>,
+    /// Supervisor tasks by service name.
+    supervisors: Mutex<HashMap<String, Vec<JoinHandle<()>>>>,
+    /// Children this orchestrator spawned, by PID, so exits can be reaped.
+    children: Mutex<HashMap<u32, Child>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct ServiceRecord {
+    version: u32,
+    name: String,
+    id: u64,
+    epoch: u64,
+    labels: BTreeMap<String, String>,
+    program: PathBuf,
+    env: BTreeMap<String, String>,
+    port_names: Vec<String>,
+    processes: Vec<ProcessRecord>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct ProcessRecord {
+    argv: Vec<String>,
+    ports: BTreeMap<String, u16>,
+    pid: Option<u32>,
+    start_time: Option<u64>,
+    restarts: u32,
+}
+
+impl ProcessRecord {
+    fn handle(&self) -> Option<(u32, u64)> {
+        Some((self.pid?, self.start_time?))
+    }
+}
+
+impl ProcessOrchestrator {
+    /// Opens the state directory (it must exist and be writable) and creates
+    /// its subdirectories. Adopts nothing yet: `ensure_service` with an
+    /// unchanged spec adopts a running service.
+    pub fn new(config: ProcessOrchestratorConfig) -> Result<Self, NewError> {
+        let dir = &config.state_dir;
+        match std::fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(NewError::NotADirectory(dir.clone())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(NewError::Missing(dir.clone()))
+            }
+            Err(source) => {
+                return Err(NewError::Unwritable {
+                    path: dir.clone(),
+                    source,
+                })
+            }
+        }
+        let unwritable = |source| NewError::Unwritable {
+            path: dir.clone(),
+            source,
+        };
+        std::fs::create_dir_all(dir.join("services")).map_err(unwritable)?;
+        std::fs::create_dir_all(dir.join("logs")).map_err(unwritable)?;
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("orchestrator.lock"))
+            .map_err(unwritable)?;
+        let (events, _) = broadcast::channel(1024);
+        Ok(ProcessOrchestrator {
+            inner: Arc::new(Inner {
+                config,
+                events,
+                supervisors: Mutex::new(HashMap::new()),
+                children: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// The state directory.
+    pub fn state_dir(&self) -> &Path {
+        &self.inner.config.state_dir
+    }
+}
+
+impl Drop for ProcessOrchestrator {
+    fn drop(&mut self) {
+        for (_, tasks) in self.inner.supervisors.lock().expect("poisoned").drain() {
+            for t in tasks {
+                t.abort();
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Orchestrator for ProcessOrchestrator {
+    fn epoch(&self) -> u64 {
+        self.inner.config.epoch
+    }
+
+    async fn ensure_service(&self, config: ServiceConfig) -> Result<ServiceStatus, EnsureError> {
+        let inner = self.inner.clone();
+        let name = config.name.clone();
+        let (record, spawned) = tokio::task::spawn_blocking(move || inner.ensure(config))
+            .await
+            .expect("ensure panicked")?;
+        self.inner.supervise(&name, &record, spawned);
+        Ok(self.inner.status(&record))
+    }
+
+    async fn drop_service(&self, name: &str) -> Result<bool, DropError> {
+        if let Some(tasks) = self.inner.supervisors.lock().expect("poisoned").remove(name) {
+            for t in tasks {
+                t.abort();
+            }
+        }
+        let inner = self.inner.clone();
+        let name = name.to_string();
+        tokio::task::spawn_blocking(move || inner.drop_service(&name))
+            .await
+            .expect("drop panicked")
+    }
+
+    async fn list_services(&self) -> Result<Vec<ServiceStatus>, ListError> {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || {
+            let _lock = inner.lock()?;
+            let records = inner.read_all()?;
+            Ok(records.iter().map(|r| inner.status(r)).collect())
+        })
+        .await
+        .expect("list panicked")
+    }
+
+    fn watch_services(&self) -> broadcast::Receiver<ServiceEvent> {
+        self.inner.events.subscribe()
+    }
+}
+
+/// The held directory lock; released on drop.
+struct DirLock(File);
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        let _ = self.0.unlock();
+    }
+}
+
+impl Inner {
+    fn state_err(path: &Path, source: std::io::Error) -> StateError {
+        StateError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
+    fn lock(&self) -> Result<DirLock, StateError> {
+        let path = self.config.state_dir.join("orchestrator.lock");
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| Self::state_err(&path, e))?;
+        file.lock().map_err(|e| Self::state_err(&path, e))?;
+        Ok(DirLock(file))
+    }
+
+    fn record_path(&self, name: &str) -> PathBuf {
+        self.config
+            .state_dir
+            .join("services")
+            .join(format!("{name}.json"))
+    }
+
+    fn read(&self, name: &str) -> Result<Option<ServiceRecord>, StateError> {
+        read_record(&self.record_path(name))
+    }
+
+    fn read_all(&self) -> Result<Vec<ServiceRecord>, StateError> {
+        read_all_records(&self.config.state_dir)
+    }
+
+    fn write(&self, record: &ServiceRecord) -> Result<(), StateError> {
+        let path = self.record_path(&record.name);
+        let tmp = path.with_extension("json.tmp");
+        let bytes = serde_json::to_vec_pretty(record).expect("records serialize");
+        let result = (|| {
+            let mut f = File::create(&tmp)?;
+            f.write_all(&bytes)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            File::open(path.parent().expect("has a parent"))?.sync_all()
+        })();
+        result.map_err(|e| Self::state_err(&path, e))
+    }
+
+    fn emit(&self, service: &str, process: Option<usize>, kind: ServiceEventKind) {
+        let _ = self.events.send(ServiceEvent {
+            service: service.to_string(),
+            process,
+            kind,
+        });
+    }
+
+    /// Whether the process we recorded still runs; reaps it if it is our child.
+    fn alive(&self, pid: u32, start_time: u64) -> bool {
+        let mut children = self.children.lock().expect("poisoned");
+        if let Some(child) = children.get_mut(&pid) {
+            // A reaped child stays in the map (its status cached) until
+            // `exit_status` takes it.
+            return matches!(child.try_wait(), Ok(None));
+        }
+        drop(children);
+        proc_alive(pid, start_time)
+    }
+
+    fn exit_status(&self, pid: u32) -> String {
+        match self.children.lock().expect("poisoned").remove(&pid) {
+            Some(mut child) => match child.try_wait() {
+                Ok(Some(status)) => status.to_string(),
+                _ => "exited".to_string(),
+            },
+            None => "exited (not our child)".to_string(),
+        }
+    }
+
+    fn ensure(&self, config: ServiceConfig) -> Result<(ServiceRecord, Vec<u32>), EnsureError> {
+        validate_name(&config.name)?;
+        if config.scale == 0 {
+            return Err(EnsureError::Invalid(format!(
+                "service {} needs at least one process",
+                config.name
+            )));
+        }
+        let program = resolve_program(&config.program).ok_or_else(|| {
+            EnsureError::ProgramNotFound {
+                service: config.name.clone(),
+                program: config.program.clone(),
+            }
+        })?;
+        let _lock = self.lock()?;
+        let existing = self.read(&config.name)?;
+        let ours = self.config.epoch;
+        if let Some(existing) = &existing {
+            if self.config.conditional_writes && existing.epoch > ours {
+                return Err(EnsureError::StaleEpoch {
+                    service: config.name.clone(),
+                    stored: existing.epoch,
+                    ours,
+                });
+            }
+        }
+        // Reuse the ports of an existing service of the same shape, so an
+        // unchanged spec yields the same command lines and is adopted.
+        let ports: Vec<BTreeMap<String, u16>> = match &existing {
+            Some(e) if e.processes.len() == config.scale && e.port_names == config.ports => {
+                e.processes.iter().map(|p| p.ports.clone()).collect()
+            }
+            _ => allocate_ports(config.scale, &config.ports).map_err(|e| {
+                EnsureError::Spawn {
+                    service: config.name.clone(),
+                    program: program.clone(),
+                    source: e,
+                }
+            })?,
+        };
+        let argv: Vec<Vec<String>> = (0..config.scale)
+            .map(|i| {
+                (config.args)(&ServiceAssignment {
+                    process: i,
+                    scale: config.scale,
+                    host: HOST,
+                    ports: &ports,
+                })
+            })
+            .collect();
+        let mut labels = config.labels.clone();
+        labels.insert(EPOCH_LABEL.to_string(), ours.to_string());
+        labels.insert(ID_LABEL.to_string(), config.id.to_string());
+
+        let same_spec = existing.as_ref().is_some_and(|e| {
+            e.program == program
+                && e.env == config.env
+                && e.processes.iter().map(|p| &p.argv).eq(argv.iter())
+        });
+        if let (true, Some(mut record)) = (same_spec, existing.clone()) {
+            // Adopt: keep the processes, rewrite the labels. Dead processes
+            // are restarted by the supervisors.
+            record.epoch = ours;
+            record.id = config.id;
+            record.labels = labels;
+            self.write(&record)?;
+            for (i, p) in record.processes.iter().enumerate() {
+                if let Some((pid, start)) = p.handle() {
+                    if self.alive(pid, start) {
+                        self.emit(&record.name, Some(i), ServiceEventKind::Adopted { pid });
+                    }
+                }
+            }
+            return Ok((record, Vec::new()));
+        }
+
+        // A new or changed spec: start the new processes first, so that a
+        // failure leaves the old service untouched.
+        let mut record = ServiceRecord {
+            version: RECORD_VERSION,
+            name: config.name.clone(),
+            id: config.id,
+            epoch: ours,
+            labels,
+            program: program.clone(),
+            env: config.env.clone(),
+            port_names: config.ports.clone(),
+            processes: argv
+                .into_iter()
+                .zip(ports)
+                .map(|(argv, ports)| ProcessRecord {
+                    argv,
+                    ports,
+                    pid: None,
+                    start_time: None,
+                    restarts: 0,
+                })
+                .collect(),
+        };
+        let mut spawned = Vec::new();
+        for i in 0..record.processes.len() {
+            match self.spawn(&record, i) {
+                Ok((pid, start)) => {
+                    record.processes[i].pid = Some(pid);
+                    record.processes[i].start_time = Some(start);
+                    spawned.push(pid);
+                }
+                Err(source) => {
+                    for (j, p) in record.processes.iter().enumerate().take(i) {
+                        if let Some((pid, start)) = p.handle() {
+                            self.kill(&record.name, j, pid, start);
+                        }
+                    }
+                    return Err(EnsureError::Spawn {
+                        service: config.name,
+                        program,
+                        source,
+                    });
+                }
+            }
+        }
+        if let Some(old) = &existing {
+            for (i, p) in old.processes.iter().enumerate() {
+                if let Some((pid, start)) = p.handle() {
+                    self.kill(&old.name, i, pid, start);
+                }
+            }
+        }
+        if let Err(e) = self.write(&record) {
+            for (i, p) in record.processes.iter().enumerate() {
+                if let Some((pid, start)) = p.handle() {
+                    self.kill(&record.name, i, pid, start);
+                }
+            }
+            return Err(e.into());
+        }
+        for (i, pid) in spawned.iter().enumerate() {
+            self.emit(&record.name, Some(i), ServiceEventKind::Started { pid: *pid });
+        }
+        Ok((record, spawned))
+    }
+
+    /// Starts process `i` of `record`; returns its PID and start time.
+    fn spawn(&self, record: &ServiceRecord, i: usize) -> std::io::Result<(u32, u64)> {
+        let log_path = self
+            .config
+            .state_dir
+            .join("logs")
+            .join(format!("{}-{i}.log", record.name));
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)?;
+        let mut cmd = Command::new(&record.program);
+        cmd.args(&record.processes[i].argv)
+            .envs(&record.env)
+            .env("LOCKSTEP_SERVICE", &record.name)
+            .env("LOCKSTEP_PROCESS", i.to_string())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .process_group(0);
+        let child = cmd.spawn()?;
+        let pid = child.id();
+        let start = match proc_start_time(pid) {
+            Some(s) => s,
+            None => {
+                // It died at once (and is a zombie we can read no more of);
+                // record a start time that can never match, so it counts as dead.
+                0
+            }
+        };
+        self.children.lock().expect("poisoned").insert(pid, child);
+        tracing::info!(service = %record.name, process = i, pid, "started");
+        Ok((pid, start))
+    }
+
+    /// Kills the process group of a recorded process, if it is still ours.
+    fn kill(&self, service: &str, i: usize, pid: u32, start_time: u64) {
+        let ours = self.children.lock().expect("poisoned").contains_key(&pid)
+            || proc_alive(pid, start_time);
+        if ours {
+            let pg = nix::unistd::Pid::from_raw(pid as i32);
+            if let Err(e) = nix::sys::signal::killpg(pg, nix::sys::signal::Signal::SIGKILL) {
+                if e != nix::errno::Errno::ESRCH {
+                    tracing::warn!(service, process = i, pid, "killpg failed: {e}");
+                }
+            }
+        }
+        if let Some(mut child) = self.children.lock().expect("poisoned").remove(&pid) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        // Wait (bounded) until it is gone, so callers see it dead.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while proc_alive(pid, start_time) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn drop_service(&self, name: &str) -> Result<bool, DropError> {
+        validate_name(name).map_err(|e| {
+            DropError::State(StateError::Corrupt {
+                path: self.record_path("?"),
+                reason: e.to_string(),
+            })
+        })?;
+        let _lock = self.lock()?;
+        let Some(record) = self.read(name)? else {
+            return Ok(false);
+        };
+        for (i, p) in record.processes.iter().enumerate() {
+            if let Some((pid, start)) = p.handle() {
+                self.kill(name, i, pid, start);
+                if proc_alive(pid, start) {
+                    return Err(DropError::Kill {
+                        service: name.to_string(),
+                        pid,
+                        reason: "still alive 5 s after SIGKILL".to_string(),
+                    });
+                }
+            }
+        }
+        let path = self.record_path(name);
+        std::fs::remove_file(&path).map_err(|e| Self::state_err(&path, e))?;
+        tracing::info!(service = name, "dropped");
+        self.emit(name, None, ServiceEventKind::Dropped);
+        Ok(true)
+    }
+
+    fn status(&self, record: &ServiceRecord) -> ServiceStatus {
+        ServiceStatus {
+            name: record.name.clone(),
+            id: record.id,
+            epoch: record.epoch,
+            labels: record.labels.clone(),
+            processes: record
+                .processes
+                .iter()
+                .enumerate()
+                .map(|(index, p)| ProcessStatus {
+                    index,
+                    pid: p.pid,
+                    running: p.handle().is_some_and(|(pid, s)| self.alive(pid, s)),
+                    addresses: p
+                        .ports
+                        .iter()
+                        .map(|(n, port)| {
+                            (
+                                n.clone(),
+                                SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), *port),
+                            )
+                        })
+                        .collect(),
+                    restarts: p.restarts,
+                })
+                .collect(),
+        }
+    }
+
+    /// Starts one supervisor per process of `record`, replacing this
+    /// orchestrator's earlier supervisors of the service.
+    fn supervise(self: &Arc<Self>, name: &str, record: &ServiceRecord, _spawned: Vec<u32>) {
+        let tasks: Vec<JoinHandle<()>> = (0..record.processes.len())
+            .map(|i| {
+                let inner = self.clone();
+                let name = name.to_string();
+                let watched = record.processes[i].handle();
+                tokio::spawn(async move { inner.supervisor(name, i, watched).await })
+            })
+            .collect();
+        if let Some(old) = self
+            .supervisors
+            .lock()
+            .expect("poisoned")
+            .insert(name.to_string(), tasks)
+        {
+            for t in old {
+                t.abort();
+            }
+        }
+    }
+
+    async fn supervisor(self: Arc<Self>, name: String, i: usize, mut watched: Option<(u32, u64)>) {
+        let backoff = self.config.backoff;
+        let mut wait = backoff.initial;
+        let mut attempt = 0u32;
+        let mut since = Instant::now();
+        loop {
+            tokio::time::sleep(self.config.poll_interval).await;
+            if let Some((pid, start)) = watched {
+                if self.alive(pid, start) {
+                    if since.elapsed() >= backoff.reset_after {
+                        wait = backoff.initial;
+                        attempt = 0;
+                    }
+                    continue;
+                }
+                let status = self.exit_status(pid);
+                tracing::warn!(service = %name, process = i, pid, %status, "process exited");
+                self.emit(&name, Some(i), ServiceEventKind::Exited { pid, status });
+            }
+            // Dead (or never started): check the record before restarting.
+            match self.check_record(&name, i, watched).await {
+                Decision::Stop => return,
+                Decision::Watch(h) => {
+                    watched = Some(h);
+                    since = Instant::now();
+                    continue;
+                }
+                Decision::Restart => {}
+            }
+            attempt += 1;
+            self.emit(
+                &name,
+                Some(i),
+                ServiceEventKind::Restarting {
+                    attempt,
+                    backoff: wait,
+                },
+            );
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(backoff.max);
+            let inner = self.clone();
+            let n = name.clone();
+            let result = tokio::task::spawn_blocking(move || inner.restart(&n, i, watched))
+                .await
+                .expect("restart panicked");
+            match result {
+                Ok(Decision::Watch(h)) => {
+                    watched = Some(h);
+                    since = Instant::now();
+                }
+                Ok(Decision::Stop) => return,
+                Ok(Decision::Restart) => {}
+                Err(reason) => {
+                    tracing::error!(service = %name, process = i, %reason, "restart failed");
+                    self.emit(&name, Some(i), ServiceEventKind::Failed { reason });
+                    watched = None;
+                }
+            }
+        }
+    }
+
+    async fn check_record(
+        self: &Arc<Self>,
+        name: &str,
+        i: usize,
+        watched: Option<(u32, u64)>,
+    ) -> Decision {
+        let inner = self.clone();
+        let name = name.to_string();
+        tokio::task::spawn_blocking(move || {
+            let _lock = match inner.lock() {
+                Ok(l) => l,
+                Err(_) => return Decision::Restart,
+            };
+            inner.decide(&name, i, watched)
+        })
+        .await
+        .expect("check panicked")
+    }
+
+    /// Under the lock: what to do about a dead process `watched`.
+    fn decide(&self, name: &str, i: usize, watched: Option<(u32, u64)>) -> Decision {
+        match self.read(name) {
+            Ok(Some(record)) => match record.processes.get(i) {
+                None => Decision::Stop,
+                Some(p) => match p.handle() {
+                    Some(h) if Some(h) != watched => Decision::Watch(h),
+                    Some(h) if self.alive(h.0, h.1) => Decision::Watch(h),
+                    _ => Decision::Restart,
+                },
+            },
+            // Dropped, or unreadable: not ours to restart.
+            _ => Decision::Stop,
+        }
+    }
+
+    /// Under the lock: restarts process `i` unless someone else did already.
+    fn restart(
+        &self,
+        name: &str,
+        i: usize,
+        watched: Option<(u32, u64)>,
+    ) -> Result<Decision, String> {
+        let _lock = self.lock().map_err(|e| e.to_string())?;
+        match self.decide(name, i, watched) {
+            Decision::Restart => {}
+            other => return Ok(other),
+        }
+        let mut record = match self.read(name) {
+            Ok(Some(r)) => r,
+            _ => return Ok(Decision::Stop),
+        };
+        let (pid, start) = self.spawn(&record, i).map_err(|e| {
+            format!(
+                "could not start {}: {e}",
+                record.program.as_path().display()
+            )
+        })?;
+        let p = &mut record.processes[i];
+        p.pid = Some(pid);
+        p.start_time = Some(start);
+        p.restarts += 1;
+        if let Err(e) = self.write(&record) {
+            self.kill(name, i, pid, start);
+            return Err(e.to_string());
+        }
+        self.emit(name, Some(i), ServiceEventKind::Started { pid });
+        Ok(Decision::Watch((pid, start)))
+    }
+}
+
+enum Decision {
+    Stop,
+    Watch((u32, u64)),
+    Restart,
+}
+
+fn validate_name(name: &str) -> Result<(), EnsureError> {
+    let ok = !name.is_empty()
+        && name.len() <= 200
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(EnsureError::Invalid(format!(
+            "service name {name:?} must be letters, digits, '-', '_' or '.', not starting with '.'"
+        )))
+    }
+}
+
+/// Finds an executable: a path with a slash is checked as is, a bare name is
+/// looked up in `PATH`. Returns the absolute path.
+fn resolve_program(program: &Path) -> Option<PathBuf> {
+    let executable = |p: &Path| {
+        std::fs::metadata(p)
+            .ok()
+            .filter(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .map(|_| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()))
+    };
+    if program.components().count() > 1 || program.is_absolute() {
+        return executable(program);
+    }
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths).find_map(|dir| executable(&dir.join(program)))
+    })
+}
+
+fn allocate_ports(
+    scale: usize,
+    names: &[String],
+) -> std::io::Result<Vec<BTreeMap<String, u16>>> {
+    // Hold every listener until all are allocated, so no two coincide.
+    let mut held = Vec::new();
+    let mut out = Vec::new();
+    for _ in 0..scale {
+        let mut ports = BTreeMap::new();
+        for n in names {
+            let l = TcpListener::bind((HOST, 0))?;
+            ports.insert(n.clone(), l.local_addr()?.port());
+            held.push(l);
+        }
+        out.push(ports);
+    }
+    Ok(out)
+}
+
+/// The start time of a live (non-zombie) process, from `/proc/PID/stat`.
+fn proc_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may contain spaces.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // fields[0] is field 3 (state); field 22 (starttime) is fields[19].
+    if matches!(fields.first(), Some(&"Z") | Some(&"X")) {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+/// Whether `pid` is alive and is the process that started at `start_time`.
+fn proc_alive(pid: u32, start_time: u64) -> bool {
+    proc_start_time(pid) == Some(start_time)
+}
+
+fn read_record(path: &Path) -> Result<Option<ServiceRecord>, StateError> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Inner::state_err(path, e)),
+    };
+    let record: ServiceRecord =
+        serde_json::from_slice(&bytes).map_err(|e| StateError::Corrupt {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    if record.version != RECORD_VERSION {
+        return Err(StateError::Corrupt {
+            path: path.to_path_buf(),
+            reason: format!("unknown record version {}", record.version),
+        });
+    }
+    Ok(Some(record))
+}
+
+fn read_all_records(state_dir: &Path) -> Result<Vec<ServiceRecord>, StateError> {
+    let dir = state_dir.join("services");
+    let entries = std::fs::read_dir(&dir).map_err(|e| Inner::state_err(&dir, e))?;
+    let mut records = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| Inner::state_err(&dir, e))?;
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "json") {
+            if let Some(r) = read_record(&path)? {
+                records.push(r);
+            }
+        }
+    }
+    records.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(records)
+}
+
+/// Kills every process recorded under `state_dir` and removes the records:
+/// the teardown for tests and for decommissioning a machine. Only processes
+/// whose PID and start time both match are signalled. Returns how many
+/// processes were killed.
+pub fn kill_all_services(state_dir: &Path) -> Result<usize, StateError> {
+    let dir = state_dir.join("services");
+    if !dir.exists() {
+        return Ok(0);
+    }
+    let mut killed = 0;
+    let entries = std::fs::read_dir(&dir).map_err(|e| Inner::state_err(&dir, e))?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        if let Ok(Some(record)) = read_record(&path) {
+            for p in &record.processes {
+                if let Some((pid, start)) = p.handle() {
+                    if proc_alive(pid, start) {
+                        let _ = nix::sys::signal::killpg(
+                            nix::unistd::Pid::from_raw(pid as i32),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                        killed += 1;
+                    }
+                }
+            }
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+    Ok(killed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_time_of_self_is_stable_and_pid_reuse_is_detected() {
+        let me = std::process::id();
+        let a = proc_start_time(me).unwrap();
+        assert_eq!(proc_start_time(me), Some(a));
+        assert!(proc_alive(me, a));
+        assert!(!proc_alive(me, a + 1), "a different start time is another process");
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(validate_name("replica-1").is_ok());
+        assert!(validate_name("../x").is_err());
+        assert!(validate_name("").is_err());
+        assert!(validate_name(".hidden").is_err());
+    }
+
+    #[test]
+    fn programs_are_resolved() {
+        assert!(resolve_program(Path::new("sleep")).is_some());
+        assert!(resolve_program(Path::new("/nonexistent/bin/x")).is_none());
+        assert!(resolve_program(Path::new("no-such-program-lockstep")).is_none());
+    }
+}
