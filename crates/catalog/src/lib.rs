@@ -504,7 +504,10 @@ impl Catalog {
 /// Takes the next value of a monotonic allocator.
 fn allocate(tx: &rusqlite::Transaction<'_>, key: &str) -> rusqlite::Result<u64> {
     let id: i64 = tx.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))?;
-    tx.execute("UPDATE meta SET value = ?1 WHERE key = ?2", params![id + 1, key])?;
+    tx.execute(
+        "UPDATE meta SET value = ?1 WHERE key = ?2",
+        params![id + 1, key],
+    )?;
     Ok(id as u64)
 }
 
@@ -651,13 +654,22 @@ mod tests {
         old.create_replica("r1", cfg(1)).unwrap();
         let mut new = Catalog::open(&path).unwrap();
         let err = old.create_replica("r2", cfg(1)).unwrap_err();
-        assert_eq!(err.fenced(), Some(Fenced { ours: 1, current: 2 }));
+        assert_eq!(
+            err.fenced(),
+            Some(Fenced {
+                ours: 1,
+                current: 2
+            })
+        );
         assert!(err.to_string().contains("another controller took over"));
         assert!(old.drop_replica("r1").unwrap_err().fenced().is_some());
         assert!(old.check_fence().unwrap_err().fenced().is_some());
         let state = new.state().unwrap();
         assert_eq!(state.replicas.len(), 1);
-        assert_eq!(state.next_replica_id, 2, "the fenced write allocated nothing");
+        assert_eq!(
+            state.next_replica_id, 2,
+            "the fenced write allocated nothing"
+        );
         new.create_replica("r2", cfg(1)).unwrap();
         new.check_fence().unwrap();
     }

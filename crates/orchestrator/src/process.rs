@@ -253,7 +253,13 @@ impl Orchestrator for ProcessOrchestrator {
     }
 
     async fn drop_service(&self, name: &str) -> Result<bool, DropError> {
-        if let Some(tasks) = self.inner.supervisors.lock().expect("poisoned").remove(name) {
+        if let Some(tasks) = self
+            .inner
+            .supervisors
+            .lock()
+            .expect("poisoned")
+            .remove(name)
+        {
             for t in tasks {
                 t.abort();
             }
@@ -376,12 +382,11 @@ impl Inner {
                 config.name
             )));
         }
-        let program = resolve_program(&config.program).ok_or_else(|| {
-            EnsureError::ProgramNotFound {
+        let program =
+            resolve_program(&config.program).ok_or_else(|| EnsureError::ProgramNotFound {
                 service: config.name.clone(),
                 program: config.program.clone(),
-            }
-        })?;
+            })?;
         let _lock = self.lock()?;
         let existing = self.read(&config.name)?;
         let ours = self.config.epoch;
@@ -400,12 +405,10 @@ impl Inner {
             Some(e) if e.processes.len() == config.scale && e.port_names == config.ports => {
                 e.processes.iter().map(|p| p.ports.clone()).collect()
             }
-            _ => allocate_ports(config.scale, &config.ports).map_err(|e| {
-                EnsureError::Spawn {
-                    service: config.name.clone(),
-                    program: program.clone(),
-                    source: e,
-                }
+            _ => allocate_ports(config.scale, &config.ports).map_err(|e| EnsureError::Spawn {
+                service: config.name.clone(),
+                program: program.clone(),
+                source: e,
             })?,
         };
         let argv: Vec<Vec<String>> = (0..config.scale)
@@ -505,7 +508,11 @@ impl Inner {
             return Err(e.into());
         }
         for (i, pid) in spawned.iter().enumerate() {
-            self.emit(&record.name, Some(i), ServiceEventKind::Started { pid: *pid });
+            self.emit(
+                &record.name,
+                Some(i),
+                ServiceEventKind::Started { pid: *pid },
+            );
         }
         Ok((record, spawned))
     }
@@ -821,10 +828,7 @@ fn resolve_program(program: &Path) -> Option<PathBuf> {
     })
 }
 
-fn allocate_ports(
-    scale: usize,
-    names: &[String],
-) -> std::io::Result<Vec<BTreeMap<String, u16>>> {
+fn allocate_ports(scale: usize, names: &[String]) -> std::io::Result<Vec<BTreeMap<String, u16>>> {
     // Hold every listener until all are allocated, so no two coincide.
     let mut held = Vec::new();
     let mut out = Vec::new();
@@ -939,7 +943,10 @@ mod tests {
         let a = proc_start_time(me).unwrap();
         assert_eq!(proc_start_time(me), Some(a));
         assert!(proc_alive(me, a));
-        assert!(!proc_alive(me, a + 1), "a different start time is another process");
+        assert!(
+            !proc_alive(me, a + 1),
+            "a different start time is another process"
+        );
     }
 
     #[test]

@@ -1,0 +1,63 @@
+//! `lockstep-chaos`: runs the orphan fault scenarios against the `lockstep`
+//! binary beside it (both built with the `failpoints` feature) and prints,
+//! per variant, what broke and then one JSON summary line (the reporting
+//! contract of DESIGN.md). `cargo xtask chaos orphans` runs it.
+//!
+//! Exit status: 0 when `epoch` and `id-watermark` pass every scenario and
+//! `catalog-only` is caught; 1 otherwise.
+
+use std::process::ExitCode;
+
+use lockstep_environment::chaos::{run_variant, VARIANTS};
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let suite = args.first().map(String::as_str).unwrap_or("orphans");
+    if suite != "orphans" {
+        eprintln!("lockstep-chaos: unknown suite {suite:?} (known: orphans)");
+        return ExitCode::FAILURE;
+    }
+    let only: Vec<&str> = args[1.min(args.len())..]
+        .iter()
+        .map(String::as_str)
+        .collect();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("LOCKSTEP_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    let bin = match std::env::current_exe() {
+        Ok(exe) => exe.with_file_name("lockstep"),
+        Err(e) => {
+            eprintln!("lockstep-chaos: cannot find myself: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if !bin.is_file() {
+        eprintln!(
+            "lockstep-chaos: {} is missing; build it with --features failpoints",
+            bin.display()
+        );
+        return ExitCode::FAILURE;
+    }
+    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    let mut ok = true;
+    for (variant, _) in VARIANTS {
+        if !only.is_empty() && !only.contains(&variant) {
+            continue;
+        }
+        let report = runtime.block_on(run_variant(variant, Some(&bin)));
+        for line in report.failures() {
+            println!("{line}");
+        }
+        println!("{}", report.summary_line());
+        ok &= report.ok();
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

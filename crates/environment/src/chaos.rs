@@ -1,0 +1,802 @@
+//! The orphan fault scenarios, shared by the integration tests and by
+//! `cargo xtask chaos orphans` (through the `lockstep-chaos` binary).
+//!
+//! Every scenario runs real processes: services are real OS processes
+//! (`sleep`, bounded to five minutes so nothing can leak for long), and the
+//! crash scenarios run the real `lockstep` binary, crash it at a failpoint and
+//! restart it. A scenario ends in one of three [`Outcome`]s: it passed, it saw
+//! an invariant broken ([`Outcome::Violation`], naming the invariant and what
+//! was seen), or the harness itself failed ([`Outcome::Harness`]). Only a
+//! violation counts as "caught" for the negative control.
+//!
+//! Two kinds of scenario:
+//!
+//! - **Library scenarios** drive [`Environment`]s step by step
+//!   (load / ensure / remove_orphans / serve), several on one state directory,
+//!   to produce exactly the interleavings of the seed's three-controller
+//!   timeline. They need no failpoints.
+//! - **Crash scenarios** start `lockstep serve`, crash it with
+//!   `FAILPOINTS=<point>=panic` during create or drop replica, restart it and
+//!   check O1/O2 and that the surviving replica was adopted, not restarted.
+//!   They need a `lockstep` binary built with the `failpoints` feature.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use lockstep_catalog::ReplicaConfig;
+use lockstep_orchestrator::process::{
+    kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
+};
+use lockstep_orchestrator::{Orchestrator, ServiceStatus};
+use tokio::io::AsyncBufReadExt;
+
+use crate::proto::environment_client::EnvironmentClient;
+use crate::{proto, EnvError, Environment, EnvironmentConfig, ServiceTemplate, ORCHESTRATOR_DIR};
+
+/// The rules the suite runs, and whether each must pass (`catalog-only` is
+/// the negative control that must be caught).
+pub const VARIANTS: [(&str, bool); 3] = [
+    ("epoch", true),
+    ("id-watermark", true),
+    ("catalog-only", false),
+];
+
+/// Failpoints of create replica, in path order.
+pub const CREATE_FAILPOINTS: [&str; 3] = [
+    "before_catalog_create_replica",
+    "after_catalog_create_replica",
+    "after_orchestrator_create_replica",
+];
+
+/// Failpoints of drop replica, in path order.
+pub const DROP_FAILPOINTS: [&str; 3] = [
+    "before_catalog_drop_replica",
+    "after_catalog_drop_replica",
+    "after_orchestrator_drop_replica",
+];
+
+/// Every bounded wait of the harness.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// How a scenario ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every checked invariant held.
+    Pass,
+    /// An invariant broke: which one, and what was seen.
+    Violation(String),
+    /// The harness failed (a timeout, a process that would not start).
+    Harness(String),
+}
+
+/// One scenario's name and outcome.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScenarioResult {
+    /// The scenario.
+    pub name: String,
+    /// How it ended.
+    pub outcome: Outcome,
+}
+
+/// A variant's results, and its summary line in the reporting contract.
+#[derive(Clone, Debug)]
+pub struct SuiteReport {
+    /// The orphan rule.
+    pub variant: String,
+    /// Whether the variant must pass (false for the negative control).
+    pub must_pass: bool,
+    /// Every scenario's result.
+    pub results: Vec<ScenarioResult>,
+}
+
+impl SuiteReport {
+    /// Scenarios that passed.
+    pub fn passed(&self) -> usize {
+        self.results
+            .iter()
+            .filter(|r| r.outcome == Outcome::Pass)
+            .count()
+    }
+
+    /// Whether some scenario saw an invariant broken.
+    pub fn caught(&self) -> bool {
+        self.results
+            .iter()
+            .any(|r| matches!(r.outcome, Outcome::Violation(_)))
+    }
+
+    /// Whether the variant did what it must: all passed, or, for the negative
+    /// control, a violation was caught.
+    pub fn ok(&self) -> bool {
+        if self.must_pass {
+            self.passed() == self.results.len()
+        } else {
+            self.caught()
+        }
+    }
+
+    /// The reporting contract's JSON line.
+    pub fn summary_line(&self) -> String {
+        // Written by hand to keep the contract's key order.
+        let mut line = format!(
+            "{{\"suite\":\"orphans\",\"variant\":{},\"scenarios\":{},\"passed\":{},\"failed\":{}",
+            serde_json::Value::String(self.variant.clone()),
+            self.results.len(),
+            self.passed(),
+            self.results.len() - self.passed(),
+        );
+        if !self.must_pass {
+            line.push_str(&format!(",\"caught\":{}", self.caught()));
+        }
+        line.push('}');
+        line
+    }
+
+    /// What broke, one line per failed scenario.
+    pub fn failures(&self) -> Vec<String> {
+        self.results
+            .iter()
+            .filter_map(|r| match &r.outcome {
+                Outcome::Pass => None,
+                Outcome::Violation(v) => Some(format!(
+                    "orphans/{}/{}: VIOLATION {v}",
+                    self.variant, r.name
+                )),
+                Outcome::Harness(h) => Some(format!(
+                    "orphans/{}/{}: HARNESS ERROR {h}",
+                    self.variant, r.name
+                )),
+            })
+            .collect()
+    }
+}
+
+/// Runs every scenario for one rule. `lockstep_bin` (built with the
+/// `failpoints` feature) enables the crash scenarios; without it only the
+/// library scenarios run.
+pub async fn run_variant(rule: &str, lockstep_bin: Option<&Path>) -> SuiteReport {
+    let must_pass = VARIANTS
+        .iter()
+        .find(|(v, _)| *v == rule)
+        .is_none_or(|(_, must)| *must);
+    let mut results = Vec::new();
+    if let Some(bin) = lockstep_bin {
+        for fp in CREATE_FAILPOINTS.iter().chain(&DROP_FAILPOINTS) {
+            let name = format!("crash-at-{fp}");
+            results.push(ScenarioResult {
+                outcome: crash_scenario(bin, rule, fp).await,
+                name,
+            });
+        }
+        results.push(ScenarioResult {
+            name: "stale-binary-halts-on-write".into(),
+            outcome: stale_binary_halts(bin, rule).await,
+        });
+    }
+    results.push(ScenarioResult {
+        name: "three-controller-timeline".into(),
+        outcome: timeline(rule, true).await,
+    });
+    results.push(ScenarioResult {
+        name: "o4-control-unconditional-ensure-goes-backwards".into(),
+        outcome: o4_control(rule).await,
+    });
+    results.push(ScenarioResult {
+        name: "stale-loads-before-newer-creates".into(),
+        outcome: stale_loads_before_newer_creates(rule).await,
+    });
+    results.push(ScenarioResult {
+        name: "stale-halts-on-catalog-write".into(),
+        outcome: stale_halts_on_write(rule).await,
+    });
+    SuiteReport {
+        variant: rule.to_string(),
+        must_pass,
+        results,
+    }
+}
+
+/// A temporary state directory whose services are killed on drop.
+#[derive(Debug)]
+pub struct Sandbox {
+    dir: tempfile::TempDir,
+}
+
+impl Sandbox {
+    /// A fresh, empty state directory.
+    pub fn new() -> anyhow::Result<Sandbox> {
+        Ok(Sandbox {
+            dir: tempfile::Builder::new()
+                .prefix("lockstep-chaos-")
+                .tempdir()?,
+        })
+    }
+
+    /// The state directory.
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Lists the services recorded in the state directory (any epoch).
+    pub async fn services(&self) -> anyhow::Result<Vec<ServiceStatus>> {
+        let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(
+            self.path().join(ORCHESTRATOR_DIR),
+            0,
+        ))?;
+        Ok(orchestrator.list_services().await?)
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        let _ = kill_all_services(&self.path().join(ORCHESTRATOR_DIR));
+    }
+}
+
+/// The service template of the scenarios: `sleep 300`, the same command line
+/// for every controller (so an ensure of an unchanged replica adopts it).
+pub fn sleep_template() -> ServiceTemplate {
+    ServiceTemplate {
+        program: PathBuf::from("sleep"),
+        args: vec!["300".to_string()],
+    }
+}
+
+fn replica_config(processes: u32) -> ReplicaConfig {
+    ReplicaConfig {
+        processes,
+        workers_per_process: 1,
+        config: String::new(),
+    }
+}
+
+/// Loads an environment on `dir` with the native rule `rule`.
+pub fn load(dir: &Path, rule: &str, conditional_writes: bool) -> anyhow::Result<Environment> {
+    let orphan_policy =
+        lockstep_policy::native_orphan_rule(rule).ok_or_else(|| anyhow!("no rule {rule}"))?;
+    Ok(Environment::load(EnvironmentConfig {
+        state_dir: dir.to_path_buf(),
+        orphan_policy,
+        service: sleep_template(),
+        conditional_writes,
+    })?)
+}
+
+/// Checks O1 and O2 of the services against the newest catalog's replica IDs.
+fn check_o1_o2(newest: &BTreeSet<u64>, services: &[ServiceStatus]) -> Result<(), String> {
+    let listed: BTreeMap<u64, &ServiceStatus> = services.iter().map(|s| (s.id, s)).collect();
+    for id in newest {
+        match listed.get(id) {
+            None => {
+                return Err(format!(
+                    "O1: replica {id} of the newest catalog has no service (listed: {:?})",
+                    listed.keys().collect::<Vec<_>>()
+                ))
+            }
+            Some(s) if !s.processes.iter().all(|p| p.running) => {
+                return Err(format!(
+                    "O1: replica {id}'s service {} has processes down: {:?}",
+                    s.name, s.processes
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    for s in services {
+        if !newest.contains(&s.id) {
+            return Err(format!(
+                "O2: orphan service {} (id {}, epoch {}) survived; the newest catalog holds {:?}",
+                s.name, s.id, s.epoch, newest
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Records every service's epoch label after each step and reports the first
+/// label that went backwards (O4).
+#[derive(Default)]
+struct LabelWatch {
+    max: BTreeMap<String, u64>,
+    violation: Option<String>,
+}
+
+impl LabelWatch {
+    async fn observe(&mut self, sandbox: &Sandbox, after: &str) -> anyhow::Result<()> {
+        for s in sandbox.services().await? {
+            let max = self.max.entry(s.name.clone()).or_insert(s.epoch);
+            if s.epoch < *max && self.violation.is_none() {
+                self.violation = Some(format!(
+                    "O4: service {}'s epoch label went back from {} to {} after step '{after}'",
+                    s.name, max, s.epoch
+                ));
+            }
+            *max = (*max).max(s.epoch);
+        }
+        Ok(())
+    }
+}
+
+/// What a step of a stale or current controller did.
+enum StepResult {
+    Done,
+    Halted,
+}
+
+fn step<T>(result: Result<T, EnvError>) -> anyhow::Result<StepResult> {
+    match result {
+        Ok(_) => Ok(StepResult::Done),
+        Err(EnvError::Halted(_)) => Ok(StepResult::Halted),
+        Err(e) => Err(anyhow!(e)),
+    }
+}
+
+fn outcome(result: anyhow::Result<Result<(), String>>) -> Outcome {
+    match result {
+        Ok(Ok(())) => Outcome::Pass,
+        Ok(Err(v)) => Outcome::Violation(v),
+        Err(e) => Outcome::Harness(format!("{e:#}")),
+    }
+}
+
+/// Sets up an environment with replicas `r1` (two processes) and `r2`, then
+/// makes `r2` an orphan the way a crash after the catalog transaction of drop
+/// replica does: a controller drops it from the catalog and dies before the
+/// orchestrator call. Returns the IDs of r1 and r2.
+async fn setup_with_orphan(sandbox: &Sandbox, rule: &str) -> anyhow::Result<(u64, u64)> {
+    let env0 = load(sandbox.path(), rule, true)?;
+    env0.ensure_replicas().await?;
+    env0.remove_orphans().await?;
+    let r1 = env0.create_replica("r1", replica_config(2)).await?;
+    let r2 = env0.create_replica("r2", replica_config(1)).await?;
+    drop(env0);
+    let mut crashed = lockstep_catalog::Catalog::open(sandbox.path().join(crate::CATALOG_FILE))?;
+    crashed.drop_replica("r2")?;
+    Ok((r1.replica.id, r2.replica.id))
+}
+
+/// The seed's three-controller timeline (PR 16114): three environments load
+/// the same catalog; their ensure, remove_orphans and serve steps interleave
+/// as in the PR's diagram; serving is a catalog write (create a replica).
+/// Checks O1–O4 after it.
+pub async fn timeline(rule: &str, conditional_writes: bool) -> Outcome {
+    outcome(timeline_inner(rule, conditional_writes).await)
+}
+
+async fn timeline_inner(rule: &str, conditional: bool) -> anyhow::Result<Result<(), String>> {
+    let sandbox = Sandbox::new()?;
+    let (_r1, orphan) = setup_with_orphan(&sandbox, rule).await?;
+    let mut watch = LabelWatch::default();
+    watch.observe(&sandbox, "setup").await?;
+    // envd@1 loads first, so it has the lowest epoch of the three.
+    let e1 = load(sandbox.path(), rule, conditional)?;
+    let e2 = load(sandbox.path(), rule, conditional)?;
+    let e3 = load(sandbox.path(), rule, conditional)?;
+    let envs = [&e1, &e2, &e3];
+    let mut halted = [false; 3];
+    let mut stale_writes = Vec::new();
+    let steps: [(usize, &str); 9] = [
+        (1, "ensure"),
+        (2, "ensure"),
+        (0, "ensure"),
+        (2, "remove_orphans"),
+        (0, "remove_orphans"),
+        (2, "serve"),
+        (1, "remove_orphans"),
+        (0, "serve"),
+        (1, "serve"),
+    ];
+    for (i, what) in steps {
+        if halted[i] {
+            continue;
+        }
+        let env = envs[i];
+        let r = match what {
+            "ensure" => step(env.ensure_replicas().await)?,
+            "remove_orphans" => step(env.remove_orphans().await)?,
+            _ => {
+                let name = format!("created-by-epoch-{}", env.epoch());
+                match env.create_replica(&name, replica_config(1)).await {
+                    Ok(_) if i != 2 => {
+                        stale_writes.push(format!("envd@{} created {name}", i + 1));
+                        StepResult::Done
+                    }
+                    other => step(other)?,
+                }
+            }
+        };
+        if let StepResult::Halted = r {
+            halted[i] = true;
+        }
+        watch
+            .observe(&sandbox, &format!("envd@{} {what}", i + 1))
+            .await?;
+    }
+    let services = sandbox.services().await?;
+    let newest: BTreeSet<u64> = e3.view().replicas.keys().copied().collect();
+    if let Some(v) = watch.violation {
+        return Ok(Err(v));
+    }
+    if halted[2] {
+        return Ok(Err(format!(
+            "O3: the newest controller (epoch {}) halted: {:?}",
+            e3.epoch(),
+            e3.halted()
+        )));
+    }
+    if let Err(v) = check_o1_o2(&newest, &services) {
+        return Ok(Err(v));
+    }
+    if services.iter().any(|s| s.id == orphan) {
+        return Ok(Err(format!("O2: the orphan {orphan} survived")));
+    }
+    if !stale_writes.is_empty() {
+        return Ok(Err(format!(
+            "O3: stale controllers wrote: {}",
+            stale_writes.join("; ")
+        )));
+    }
+    if !halted[0] || !halted[1] {
+        return Ok(Err(format!(
+            "O3: stale controllers still running at the end (envd@1 halted: {}, envd@2 halted: {})",
+            halted[0], halted[1]
+        )));
+    }
+    Ok(Ok(()))
+}
+
+/// The negative control of conditional writes: with the condition off, the
+/// timeline must show an epoch label going backwards (O4), or the harness
+/// cannot see O4 violations. Passes when it does.
+pub async fn o4_control(rule: &str) -> Outcome {
+    match timeline(rule, false).await {
+        Outcome::Violation(v) if v.starts_with("O4") => Outcome::Pass,
+        Outcome::Violation(v) => Outcome::Harness(format!(
+            "with conditional writes off the timeline broke something else first: {v}"
+        )),
+        Outcome::Pass => Outcome::Harness(
+            "with conditional writes off, no epoch label went backwards: the harness cannot see O4"
+                .into(),
+        ),
+        h => h,
+    }
+}
+
+/// The case that catches `catalog-only`: a stale controller loads its
+/// catalog, a newer one opens the catalog and creates a replica, then the
+/// stale one removes orphans. The newer replica must survive (O1) and the
+/// stale controller must halt (O3).
+pub async fn stale_loads_before_newer_creates(rule: &str) -> Outcome {
+    outcome(stale_loads_inner(rule).await)
+}
+
+async fn stale_loads_inner(rule: &str) -> anyhow::Result<Result<(), String>> {
+    let sandbox = Sandbox::new()?;
+    let env0 = load(sandbox.path(), rule, true)?;
+    env0.create_replica("r1", replica_config(1)).await?;
+    drop(env0);
+    let stale = load(sandbox.path(), rule, true)?;
+    stale.ensure_replicas().await?;
+    let newer = load(sandbox.path(), rule, true)?;
+    newer.ensure_replicas().await?;
+    newer.remove_orphans().await?;
+    let fresh = newer.create_replica("fresh", replica_config(2)).await?;
+    let stale_halted = match stale.remove_orphans().await {
+        Ok(_) => matches!(
+            stale.create_replica("by-stale", replica_config(1)).await,
+            Err(EnvError::Halted(_))
+        ),
+        Err(EnvError::Halted(_)) => true,
+        Err(e) => return Err(e.into()),
+    };
+    let newest: BTreeSet<u64> = newer.view().replicas.keys().copied().collect();
+    let services = sandbox.services().await?;
+    if !services.iter().any(|s| s.id == fresh.replica.id) {
+        return Ok(Err(format!(
+            "O1: stale controller (epoch {}, rule {rule}) deleted replica 'fresh' (id {}) that the newer controller (epoch {}) created after the stale one loaded its catalog",
+            stale.epoch(),
+            fresh.replica.id,
+            newer.epoch()
+        )));
+    }
+    if let Err(v) = check_o1_o2(&newest, &services) {
+        return Ok(Err(v));
+    }
+    if !stale_halted {
+        return Ok(Err(format!(
+            "O3: the stale controller (epoch {}) did not halt",
+            stale.epoch()
+        )));
+    }
+    Ok(Ok(()))
+}
+
+/// A stale controller that was overtaken halts on its next catalog write
+/// and changes nothing (O3).
+pub async fn stale_halts_on_write(rule: &str) -> Outcome {
+    outcome(stale_halts_inner(rule).await)
+}
+
+async fn stale_halts_inner(rule: &str) -> anyhow::Result<Result<(), String>> {
+    let sandbox = Sandbox::new()?;
+    let a = load(sandbox.path(), rule, true)?;
+    a.ensure_replicas().await?;
+    a.remove_orphans().await?;
+    let r1 = a.create_replica("r1", replica_config(1)).await?;
+    let b = load(sandbox.path(), rule, true)?;
+    b.ensure_replicas().await?;
+    b.remove_orphans().await?;
+    let before = sandbox.services().await?;
+    match a.drop_replica("r1").await {
+        Err(EnvError::Halted(reason)) if reason.contains("another controller took over") => {}
+        Err(EnvError::Halted(reason)) => {
+            return Ok(Err(format!(
+                "O3: halted without saying why clearly: {reason}"
+            )))
+        }
+        other => {
+            return Ok(Err(format!(
+                "O3: the stale controller's drop was not refused: {other:?}"
+            )))
+        }
+    }
+    if a.halted().is_none() {
+        return Ok(Err("O3: the stale controller is not marked halted".into()));
+    }
+    if !matches!(a.list_replicas().await, Err(EnvError::Halted(_))) {
+        return Ok(Err("O3: the halted controller still answers".into()));
+    }
+    let after = sandbox.services().await?;
+    if before != after || !after.iter().any(|s| s.id == r1.replica.id) {
+        return Ok(Err(format!(
+            "O1: the stale controller's refused drop changed the services: {before:?} -> {after:?}"
+        )));
+    }
+    let newest: BTreeSet<u64> = b.view().replicas.keys().copied().collect();
+    Ok(check_o1_o2(&newest, &after))
+}
+
+/// A running `lockstep serve` process.
+#[derive(Debug)]
+pub struct EnvProcess {
+    child: tokio::process::Child,
+    /// The gRPC address, `http://host:port`.
+    pub url: String,
+    /// Where its stderr goes.
+    pub stderr_path: PathBuf,
+}
+
+impl EnvProcess {
+    /// Starts `lockstep serve` on `state_dir` with `rule`, the `sleep`
+    /// service, and `failpoints` (the `FAILPOINTS` value) if given, and waits
+    /// (bounded) until it serves.
+    pub async fn start(
+        bin: &Path,
+        state_dir: &Path,
+        rule: &str,
+        failpoints: Option<&str>,
+        extra_args: &[&str],
+    ) -> anyhow::Result<EnvProcess> {
+        let n = std::fs::read_dir(state_dir)?.count();
+        let stderr_path = state_dir.join(format!("lockstep-{n}.stderr"));
+        let stderr = std::fs::File::create(&stderr_path)?;
+        let mut cmd = tokio::process::Command::new(bin);
+        cmd.args(["serve", "--state-dir"])
+            .arg(state_dir)
+            .args(["--listen", "127.0.0.1:0", "--orphan-rule", rule])
+            .args(["--service-binary", "sleep", "--service-arg", "300"])
+            .args(extra_args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .kill_on_drop(true);
+        match failpoints {
+            Some(fp) => cmd.env("FAILPOINTS", fp),
+            None => cmd.env_remove("FAILPOINTS"),
+        };
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start {}", bin.display()))?;
+        let stdout = child.stdout.take().expect("piped");
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(WAIT, lines.next_line()).await;
+        let stderr_text = || std::fs::read_to_string(&stderr_path).unwrap_or_default();
+        let line = match line {
+            Ok(Ok(Some(line))) => line,
+            Ok(_) => bail!(
+                "lockstep serve exited before serving: {:?}; stderr:\n{}",
+                child.wait().await,
+                stderr_text()
+            ),
+            Err(_) => bail!(
+                "lockstep serve did not serve within {WAIT:?}; stderr:\n{}",
+                stderr_text()
+            ),
+        };
+        let addr = line
+            .strip_prefix("lockstep: serving on ")
+            .and_then(|r| r.split_whitespace().next())
+            .ok_or_else(|| anyhow!("unexpected first line {line:?}"))?;
+        // Keep draining stdout so the server never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(EnvProcess {
+            child,
+            url: format!("http://{addr}"),
+            stderr_path,
+        })
+    }
+
+    /// A gRPC client of it.
+    pub async fn client(&self) -> anyhow::Result<EnvironmentClient<tonic::transport::Channel>> {
+        Ok(
+            tokio::time::timeout(WAIT, EnvironmentClient::connect(self.url.clone()))
+                .await
+                .context("connect timed out")??,
+        )
+    }
+
+    /// Waits (bounded) for it to exit; returns its status and stderr.
+    pub async fn wait_exit(&mut self) -> anyhow::Result<(std::process::ExitStatus, String)> {
+        let status = tokio::time::timeout(WAIT, self.child.wait())
+            .await
+            .context("lockstep did not exit in time")??;
+        Ok((status, std::fs::read_to_string(&self.stderr_path)?))
+    }
+
+    /// Kills it (SIGKILL, a crash) and waits for it.
+    pub async fn kill(&mut self) -> anyhow::Result<()> {
+        self.child.kill().await?;
+        Ok(())
+    }
+}
+
+/// Runs the `lockstep replica ...` CLI against `url` (bounded).
+pub async fn cli(bin: &Path, url: &str, args: &[&str]) -> anyhow::Result<std::process::Output> {
+    let mut cmd = tokio::process::Command::new(bin);
+    cmd.arg("replica")
+        .args(args)
+        .args(["--server", url])
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    Ok(tokio::time::timeout(WAIT, cmd.output())
+        .await
+        .context("the CLI did not finish in time")??)
+}
+
+async fn list(env: &EnvProcess) -> anyhow::Result<Vec<proto::Replica>> {
+    Ok(env
+        .client()
+        .await?
+        .list_replicas(proto::ListReplicasRequest {})
+        .await?
+        .into_inner()
+        .replicas)
+}
+
+fn pids(services: &[ServiceStatus], id: u64) -> Vec<Option<u32>> {
+    services
+        .iter()
+        .filter(|s| s.id == id)
+        .flat_map(|s| s.processes.iter().map(|p| p.pid))
+        .collect()
+}
+
+/// Crashes `lockstep serve` at `failpoint` during create replica (for the
+/// create failpoints) or drop replica, restarts it, and checks: O1 and O2
+/// against the restarted controller's catalog, and that the replica that was
+/// never touched kept its processes (adopted, not restarted).
+pub async fn crash_scenario(bin: &Path, rule: &str, failpoint: &str) -> Outcome {
+    outcome(crash_inner(bin, rule, failpoint).await)
+}
+
+async fn crash_inner(
+    bin: &Path,
+    rule: &str,
+    failpoint: &str,
+) -> anyhow::Result<Result<(), String>> {
+    let sandbox = Sandbox::new()?;
+    let dir = sandbox.path();
+    let dropping = failpoint.contains("drop");
+    // A: creates the replicas, then crashes (SIGKILL) with them running.
+    let mut a = EnvProcess::start(bin, dir, rule, None, &[]).await?;
+    let ok = |o: std::process::Output, what: &str| -> anyhow::Result<()> {
+        if !o.status.success() {
+            bail!("{what} failed: {}", String::from_utf8_lossy(&o.stderr));
+        }
+        Ok(())
+    };
+    ok(
+        cli(bin, &a.url, &["create", "keep", "--processes", "2"]).await?,
+        "create keep",
+    )?;
+    if dropping {
+        ok(
+            cli(bin, &a.url, &["create", "doomed", "--processes", "2"]).await?,
+            "create doomed",
+        )?;
+    }
+    let keep_id = list(&a)
+        .await?
+        .iter()
+        .find(|r| r.name == "keep")
+        .map(|r| r.id)
+        .ok_or_else(|| anyhow!("keep is not listed"))?;
+    a.kill().await?;
+    let keep_pids = pids(&sandbox.services().await?, keep_id);
+
+    // B: crashes at the failpoint.
+    let mut b = EnvProcess::start(bin, dir, rule, Some(&format!("{failpoint}=panic")), &[]).await?;
+    let out = if dropping {
+        cli(bin, &b.url, &["drop", "doomed"]).await?
+    } else {
+        cli(bin, &b.url, &["create", "doomed", "--processes", "2"]).await?
+    };
+    let (status, stderr) = b.wait_exit().await?;
+    if status.success() || out.status.success() || !stderr.contains(failpoint) {
+        bail!(
+            "the environment did not crash at {failpoint} (is `lockstep` built with the failpoints feature?): exit {status}, CLI {:?}; stderr:\n{stderr}",
+            out.status
+        );
+    }
+
+    // C: restarts; loads, ensures, removes orphans, serves.
+    let c = EnvProcess::start(bin, dir, rule, None, &[]).await?;
+    let catalog = list(&c).await?;
+    let services = sandbox.services().await?;
+    let newest: BTreeSet<u64> = catalog.iter().map(|r| r.id).collect();
+    if let Err(v) = check_o1_o2(&newest, &services) {
+        return Ok(Err(format!(
+            "after a crash at {failpoint} and a restart: {v}"
+        )));
+    }
+    if !catalog.iter().any(|r| r.name == "keep") {
+        return Ok(Err(format!(
+            "O1: replica 'keep' vanished from the catalog after a crash at {failpoint}"
+        )));
+    }
+    let now = pids(&services, keep_id);
+    if now != keep_pids {
+        return Ok(Err(format!(
+            "adoption: replica 'keep' was restarted instead of adopted across two controller restarts (pids {keep_pids:?} -> {now:?})"
+        )));
+    }
+    Ok(Ok(()))
+}
+
+/// A stale `lockstep serve` halts (exits 2, saying another controller took
+/// over) on its next catalog write, and the newer one is unaffected (O3).
+pub async fn stale_binary_halts(bin: &Path, rule: &str) -> Outcome {
+    outcome(stale_binary_inner(bin, rule).await)
+}
+
+async fn stale_binary_inner(bin: &Path, rule: &str) -> anyhow::Result<Result<(), String>> {
+    let sandbox = Sandbox::new()?;
+    let dir = sandbox.path();
+    let mut a = EnvProcess::start(bin, dir, rule, None, &[]).await?;
+    let out = cli(bin, &a.url, &["create", "r1"]).await?;
+    if !out.status.success() {
+        bail!("create r1 failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let b = EnvProcess::start(bin, dir, rule, None, &[]).await?;
+    let out = cli(bin, &a.url, &["create", "r2"]).await?;
+    if out.status.success() {
+        return Ok(Err("O3: the stale controller accepted a create".into()));
+    }
+    let (status, stderr) = a.wait_exit().await?;
+    if status.code() != Some(2) || !stderr.contains("another controller took over") {
+        return Ok(Err(format!(
+            "O3: the stale controller did not halt with a clear message: exit {status}; stderr:\n{stderr}"
+        )));
+    }
+    let catalog = list(&b).await?;
+    if catalog.iter().map(|r| r.name.as_str()).collect::<Vec<_>>() != ["r1"] {
+        return Ok(Err(format!(
+            "O3: the stale controller changed the catalog: {catalog:?}"
+        )));
+    }
+    let newest: BTreeSet<u64> = catalog.iter().map(|r| r.id).collect();
+    Ok(check_o1_o2(&newest, &sandbox.services().await?))
+}

@@ -1,0 +1,576 @@
+//! The lockstep environment: the controller process that owns the catalog,
+//! starts replicas through the orchestrator, removes orphans and serves the
+//! user-facing gRPC API (`proto/lockstep/environment/v1/environment.proto`).
+//!
+//! # Why it is shaped like this
+//!
+//! A controller can crash between its catalog transaction and the
+//! orchestrator call, and a restarted controller can overlap with the one it
+//! replaces. The seed discussion (Materialize PR 16114) shows both. So:
+//!
+//! - Every mutation is **a catalog transaction, then the orchestrator call**.
+//!   A crash in between leaves either a wanted replica without a service
+//!   (fixed by the next start, which ensures every catalog replica) or a
+//!   service without a replica, an orphan (removed by the next start).
+//! - On start, in this order: [`Environment::load`] opens the catalog (which
+//!   bumps the epoch and fences every older controller),
+//!   [`Environment::ensure_replicas`] ensures every catalog replica (adopting
+//!   running processes), [`Environment::remove_orphans`] lists the services and
+//!   asks the [`OrphanPolicy`] which to delete or whether to halt, and only
+//!   then [`Environment::serve`] serves. The steps are public so tests can
+//!   interleave several controllers step by step, as in the seed's timeline.
+//! - A controller that finds it was overtaken — its catalog write is fenced,
+//!   its conditional ensure is refused, or its orphan policy says so —
+//!   **halts** ([`EnvError::Halted`]): the `lockstep` binary exits non-zero
+//!   with a message saying another controller took over (O3).
+//! - The orphan rule is a `Box<dyn OrphanPolicy>` chosen by the caller: the
+//!   binary maps `--orphan-rule epoch|id-watermark|catalog-only` to the native
+//!   rules; a WASM policy implements the same trait and plugs in the same way.
+//!
+//! The server logic lives here rather than in the binary so that dataflow,
+//! peek and subscribe RPCs can be added next to the replica ones
+//! ([`server::EnvironmentService`]).
+//!
+//! # Failpoints
+//!
+//! With the cargo feature `failpoints`, the create and drop paths carry
+//! failpoints (the `fail` crate, configured by the `FAILPOINTS` environment
+//! variable, e.g. `FAILPOINTS=after_catalog_drop_replica=panic`):
+//! `before_catalog_create_replica`, `after_catalog_create_replica`,
+//! `after_orchestrator_create_replica`, and the same three for
+//! `drop_replica`. The `lockstep` binary turns a panic into an abort, so a
+//! `panic` action crashes the whole controller as a real crash would.
+
+pub mod chaos;
+pub mod server;
+pub mod template;
+
+/// The generated gRPC types and services of `lockstep.environment.v1`.
+#[allow(missing_docs, clippy::all)]
+pub mod proto {
+    tonic::include_proto!("lockstep.environment.v1");
+}
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use lockstep_catalog::{Catalog, CatalogState, Replica, ReplicaConfig, WriteError};
+use lockstep_orchestrator::process::{ProcessOrchestrator, ProcessOrchestratorConfig};
+use lockstep_orchestrator::{EnsureError, Orchestrator, ServiceStatus};
+use lockstep_policy::{CatalogView, OrphanDecision, OrphanPolicy, PolicyError, Service};
+use tokio::sync::watch;
+
+pub use template::ServiceTemplate;
+
+/// The catalog file inside the state directory.
+pub const CATALOG_FILE: &str = "catalog.db";
+/// The orchestrator's directory inside the state directory.
+pub const ORCHESTRATOR_DIR: &str = "orchestrator";
+
+/// How to start an environment.
+pub struct EnvironmentConfig {
+    /// Holds `catalog.db` and `orchestrator/`; must exist and be writable.
+    pub state_dir: PathBuf,
+    /// Decides which services are orphans.
+    pub orphan_policy: Box<dyn OrphanPolicy + Send>,
+    /// The program and arguments of replica services.
+    pub service: ServiceTemplate,
+    /// Whether orchestrator ensures are conditional on the epoch (O4). Only
+    /// the negative tests turn this off.
+    pub conditional_writes: bool,
+}
+
+impl std::fmt::Debug for EnvironmentConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EnvironmentConfig")
+            .field("state_dir", &self.state_dir)
+            .field("orphan_policy", &self.orphan_policy.name())
+            .field("service", &self.service)
+            .field("conditional_writes", &self.conditional_writes)
+            .finish()
+    }
+}
+
+/// Why an environment could not start. Nothing was changed: no service was
+/// deleted and, for every case but a failing orchestrator, the catalog was
+/// not touched.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The state directory does not exist.
+    #[error("state directory {0} does not exist (create it first)")]
+    StateDirMissing(PathBuf),
+    /// The state directory is not a directory.
+    #[error("state directory {0} is not a directory")]
+    StateDirNotADirectory(PathBuf),
+    /// The state directory cannot be written.
+    #[error("state directory {path} is not writable: {source}")]
+    StateDirUnwritable {
+        /// The directory.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The replica service program does not exist.
+    #[error(
+        "service binary {0} does not exist or is not executable (set it with --service-binary)"
+    )]
+    ServiceBinaryMissing(PathBuf),
+    /// The catalog could not be opened.
+    #[error(transparent)]
+    Catalog(#[from] lockstep_catalog::OpenError),
+    /// The catalog could not be read after opening.
+    #[error(transparent)]
+    CatalogRead(#[from] lockstep_catalog::ReadError),
+    /// The orchestrator could not be created.
+    #[error(transparent)]
+    Orchestrator(#[from] lockstep_orchestrator::process::NewError),
+}
+
+/// Why an environment operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvError {
+    /// Another controller took over; this one has halted and must exit (O3).
+    #[error("halting: another controller took over: {0}")]
+    Halted(String),
+    /// The request was refused by the catalog (name taken, unknown, invalid).
+    #[error(transparent)]
+    Catalog(WriteError),
+    /// The orchestrator failed.
+    #[error("orchestrator: {0}")]
+    Orchestrator(String),
+}
+
+/// A replica with the status of its service, as listed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaInfo {
+    /// The catalog replica.
+    pub replica: Replica,
+    /// Its service, if the orchestrator lists one.
+    pub service: Option<ServiceStatus>,
+}
+
+/// What orphan removal did.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct OrphanReport {
+    /// Services deleted.
+    pub deleted: Vec<String>,
+    /// Set when the policy failed or answered nonsense and nothing was
+    /// deleted (the safe default).
+    pub policy_error: Option<String>,
+}
+
+/// A running environment. See the crate docs for the start-up steps.
+pub struct Environment {
+    catalog: Mutex<Catalog>,
+    /// Our view of the catalog: what we loaded plus our own writes.
+    view: Mutex<CatalogState>,
+    orchestrator: Arc<dyn Orchestrator>,
+    policy: Mutex<Box<dyn OrphanPolicy + Send>>,
+    template: ServiceTemplate,
+    epoch: u64,
+    halt: watch::Sender<Option<String>>,
+    orphans_removed: Mutex<Vec<String>>,
+}
+
+impl std::fmt::Debug for Environment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Environment")
+            .field("epoch", &self.epoch)
+            .field("template", &self.template)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Checks that `dir` exists, is a directory and is writable (by creating and
+/// removing a probe file).
+pub fn check_state_dir(dir: &Path) -> Result<(), StartError> {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(StartError::StateDirNotADirectory(dir.to_path_buf())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(StartError::StateDirMissing(dir.to_path_buf()))
+        }
+        Err(source) => {
+            return Err(StartError::StateDirUnwritable {
+                path: dir.to_path_buf(),
+                source,
+            })
+        }
+    }
+    let probe = dir.join(format!(".lockstep-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"probe")
+        .and_then(|_| std::fs::remove_file(&probe))
+        .map_err(|source| StartError::StateDirUnwritable {
+            path: dir.to_path_buf(),
+            source,
+        })
+}
+
+impl Environment {
+    /// Step 1: checks the state directory and the service binary, opens the
+    /// catalog (bumping the epoch) and loads it, and creates the process
+    /// orchestrator on `STATE_DIR/orchestrator` with our epoch.
+    pub fn load(config: EnvironmentConfig) -> Result<Environment, StartError> {
+        check_state_dir(&config.state_dir)?;
+        if !program_exists(&config.service.program) {
+            return Err(StartError::ServiceBinaryMissing(config.service.program));
+        }
+        let orchestrator_dir = config.state_dir.join(ORCHESTRATOR_DIR);
+        std::fs::create_dir_all(&orchestrator_dir).map_err(|source| {
+            StartError::StateDirUnwritable {
+                path: orchestrator_dir.clone(),
+                source,
+            }
+        })?;
+        let catalog = Catalog::open(config.state_dir.join(CATALOG_FILE))?;
+        let mut orchestrator_config =
+            ProcessOrchestratorConfig::new(orchestrator_dir, catalog.epoch());
+        orchestrator_config.conditional_writes = config.conditional_writes;
+        let orchestrator = ProcessOrchestrator::new(orchestrator_config)?;
+        Self::with_orchestrator(
+            catalog,
+            Arc::new(orchestrator),
+            config.orphan_policy,
+            config.service,
+        )
+    }
+
+    /// Step 1 with any orchestrator backend: loads the already opened
+    /// `catalog`. The orchestrator must label with the catalog's epoch.
+    pub fn with_orchestrator(
+        mut catalog: Catalog,
+        orchestrator: Arc<dyn Orchestrator>,
+        orphan_policy: Box<dyn OrphanPolicy + Send>,
+        template: ServiceTemplate,
+    ) -> Result<Environment, StartError> {
+        let view = catalog.state()?;
+        let epoch = catalog.epoch();
+        assert_eq!(
+            orchestrator.epoch(),
+            epoch,
+            "the orchestrator must label services with the catalog's epoch"
+        );
+        tracing::info!(
+            epoch,
+            replicas = view.replicas.len(),
+            next_replica_id = view.next_replica_id,
+            rule = orphan_policy.name(),
+            "catalog loaded"
+        );
+        Ok(Environment {
+            catalog: Mutex::new(catalog),
+            view: Mutex::new(view),
+            orchestrator,
+            policy: Mutex::new(orphan_policy),
+            template,
+            epoch,
+            halt: watch::channel(None).0,
+            orphans_removed: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Steps 1 to 3: load, ensure every catalog replica, remove orphans.
+    /// Ready to [`serve`](Self::serve) afterwards.
+    pub async fn start(config: EnvironmentConfig) -> anyhow::Result<Arc<Environment>> {
+        let env = Environment::load(config)?;
+        env.ensure_replicas().await?;
+        env.remove_orphans().await?;
+        Ok(Arc::new(env))
+    }
+
+    /// The epoch this environment owns.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The orchestrator.
+    pub fn orchestrator(&self) -> &Arc<dyn Orchestrator> {
+        &self.orchestrator
+    }
+
+    /// The orphan policy's name.
+    pub fn orphan_rule(&self) -> String {
+        self.policy.lock().expect("poisoned").name().to_string()
+    }
+
+    /// Services removed as orphans so far.
+    pub fn orphans_removed(&self) -> Vec<String> {
+        self.orphans_removed.lock().expect("poisoned").clone()
+    }
+
+    /// Our view of the catalog (what we loaded, plus our own writes).
+    pub fn view(&self) -> CatalogState {
+        self.view.lock().expect("poisoned").clone()
+    }
+
+    /// Why we halted, if we did.
+    pub fn halted(&self) -> Option<String> {
+        self.halt.borrow().clone()
+    }
+
+    /// Resolves once this environment has halted, with the reason.
+    pub async fn wait_halted(&self) -> String {
+        let mut rx = self.halt.subscribe();
+        loop {
+            if let Some(reason) = rx.borrow_and_update().clone() {
+                return reason;
+            }
+            if rx.changed().await.is_err() {
+                // The sender lives as long as `self`; unreachable in practice.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Marks this environment halted and returns the error to propagate.
+    fn halt(&self, reason: String) -> EnvError {
+        tracing::error!(epoch = self.epoch, %reason, "another controller took over: halting");
+        self.halt.send_if_modified(|h| {
+            if h.is_none() {
+                *h = Some(reason.clone());
+                true
+            } else {
+                false
+            }
+        });
+        EnvError::Halted(reason)
+    }
+
+    fn check_not_halted(&self) -> Result<(), EnvError> {
+        match self.halted() {
+            Some(reason) => Err(EnvError::Halted(reason)),
+            None => Ok(()),
+        }
+    }
+
+    fn catalog_error(&self, e: WriteError) -> EnvError {
+        match e.fenced() {
+            Some(f) => self.halt(f.to_string()),
+            None => EnvError::Catalog(e),
+        }
+    }
+
+    fn ensure_error(&self, e: EnsureError) -> EnvError {
+        match e {
+            EnsureError::StaleEpoch { .. } => self.halt(e.to_string()),
+            other => EnvError::Orchestrator(other.to_string()),
+        }
+    }
+
+    /// Step 2: ensures the service of every replica in our catalog view,
+    /// adopting running processes. A refused (stale) ensure halts.
+    pub async fn ensure_replicas(&self) -> Result<(), EnvError> {
+        self.check_not_halted()?;
+        let replicas: Vec<Replica> = self.view().replicas.into_values().collect();
+        for replica in replicas {
+            let config = self.template.service_config(&replica);
+            match self.orchestrator.ensure_service(config).await {
+                Ok(status) => {
+                    tracing::info!(replica = %replica.name, service = %status.name, "ensured")
+                }
+                Err(e @ EnsureError::StaleEpoch { .. }) => return Err(self.ensure_error(e)),
+                // The replica stays wanted; the error is for the operator.
+                Err(e) => tracing::error!(replica = %replica.name, "could not ensure: {e}"),
+            }
+        }
+        Ok(())
+    }
+
+    /// Step 3: lists the services and lets the orphan policy delete orphans
+    /// or halt us. A failing or nonsensical policy deletes nothing.
+    pub async fn remove_orphans(&self) -> Result<OrphanReport, EnvError> {
+        self.check_not_halted()?;
+        let services = self
+            .orchestrator
+            .list_services()
+            .await
+            .map_err(|e| EnvError::Orchestrator(e.to_string()))?;
+        let view = {
+            let v = self.view.lock().expect("poisoned");
+            CatalogView {
+                keep: v.replicas.keys().copied().collect(),
+                our_epoch: self.epoch,
+                next_id: v.next_replica_id,
+            }
+        };
+        let listed: Vec<Service> = services
+            .iter()
+            .map(|s| Service {
+                id: s.id,
+                name: s.name.clone(),
+                epoch: s.epoch,
+                labels: s.labels.clone(),
+            })
+            .collect();
+        let decision = {
+            let mut policy = self.policy.lock().expect("poisoned");
+            let name = policy.name().to_string();
+            policy
+                .classify(&listed, &view)
+                .and_then(|d| check_decision(&name, d, &listed, &view))
+        };
+        let mut report = OrphanReport::default();
+        match decision {
+            Ok(OrphanDecision::Halt(reason)) => return Err(self.halt(reason)),
+            Err(e) => {
+                tracing::error!("orphan policy gave no usable answer, deleting nothing: {e}");
+                report.policy_error = Some(e.to_string());
+            }
+            Ok(OrphanDecision::Delete(ids)) => {
+                for s in services.iter().filter(|s| ids.contains(&s.id)) {
+                    tracing::info!(service = %s.name, id = s.id, epoch = s.epoch, "removing orphan");
+                    self.orchestrator
+                        .drop_service(&s.name)
+                        .await
+                        .map_err(|e| EnvError::Orchestrator(e.to_string()))?;
+                    report.deleted.push(s.name.clone());
+                }
+            }
+        }
+        self.orphans_removed
+            .lock()
+            .expect("poisoned")
+            .extend(report.deleted.iter().cloned());
+        Ok(report)
+    }
+
+    /// Creates a replica: catalog transaction, then the orchestrator call.
+    pub async fn create_replica(
+        &self,
+        name: &str,
+        config: ReplicaConfig,
+    ) -> Result<ReplicaInfo, EnvError> {
+        self.check_not_halted()?;
+        fail::fail_point!("before_catalog_create_replica");
+        let replica = {
+            let mut catalog = self.catalog.lock().expect("poisoned");
+            let replica = catalog
+                .create_replica(name, config)
+                .map_err(|e| self.catalog_error(e))?;
+            let mut view = self.view.lock().expect("poisoned");
+            view.replicas.insert(replica.id, replica.clone());
+            view.next_replica_id = view.next_replica_id.max(replica.id + 1);
+            replica
+        };
+        fail::fail_point!("after_catalog_create_replica");
+        let status = self
+            .orchestrator
+            .ensure_service(self.template.service_config(&replica))
+            .await
+            .map_err(|e| self.ensure_error(e))?;
+        fail::fail_point!("after_orchestrator_create_replica");
+        tracing::info!(replica = %replica.name, id = replica.id, "created");
+        Ok(ReplicaInfo {
+            replica,
+            service: Some(status),
+        })
+    }
+
+    /// Drops a replica: catalog transaction, then the orchestrator call.
+    pub async fn drop_replica(&self, name: &str) -> Result<Replica, EnvError> {
+        self.check_not_halted()?;
+        fail::fail_point!("before_catalog_drop_replica");
+        let replica = {
+            let mut catalog = self.catalog.lock().expect("poisoned");
+            let replica = catalog
+                .drop_replica(name)
+                .map_err(|e| self.catalog_error(e))?;
+            let mut view = self.view.lock().expect("poisoned");
+            view.replicas.remove(&replica.id);
+            view.dataflows.retain(|_, d| d.replica_id != replica.id);
+            replica
+        };
+        fail::fail_point!("after_catalog_drop_replica");
+        self.orchestrator
+            .drop_service(&ServiceTemplate::service_name(replica.id))
+            .await
+            .map_err(|e| EnvError::Orchestrator(e.to_string()))?;
+        fail::fail_point!("after_orchestrator_drop_replica");
+        tracing::info!(replica = %replica.name, id = replica.id, "dropped");
+        Ok(replica)
+    }
+
+    /// Lists our catalog's replicas with their services' status.
+    pub async fn list_replicas(&self) -> Result<Vec<ReplicaInfo>, EnvError> {
+        self.check_not_halted()?;
+        let mut services: BTreeMap<u64, ServiceStatus> = self
+            .orchestrator
+            .list_services()
+            .await
+            .map_err(|e| EnvError::Orchestrator(e.to_string()))?
+            .into_iter()
+            .map(|s| (s.id, s))
+            .collect();
+        Ok(self
+            .view()
+            .replicas
+            .into_values()
+            .map(|replica| ReplicaInfo {
+                service: services.remove(&replica.id),
+                replica,
+            })
+            .collect())
+    }
+
+    /// Step 4: serves the gRPC API on `listener` until this environment
+    /// halts, which is returned as [`EnvError::Halted`]. In-flight requests
+    /// are answered before it returns.
+    pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) -> Result<(), EnvError> {
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let me = self.clone();
+        let shutdown = async move {
+            me.wait_halted().await;
+        };
+        tonic::transport::Server::builder()
+            .add_service(server::EnvironmentService::new(self.clone()).into_server())
+            .serve_with_incoming_shutdown(incoming, shutdown)
+            .await
+            .map_err(|e| EnvError::Orchestrator(format!("gRPC server failed: {e}")))?;
+        match self.halted() {
+            Some(reason) => Err(EnvError::Halted(reason)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Refuses answers that make no sense: IDs that were not listed, or that our
+/// catalog holds (deleting a wanted service is never an orphan removal).
+fn check_decision(
+    policy: &str,
+    decision: OrphanDecision,
+    listed: &[Service],
+    view: &CatalogView,
+) -> Result<OrphanDecision, PolicyError> {
+    if let OrphanDecision::Delete(ids) = &decision {
+        for id in ids {
+            if !listed.iter().any(|s| s.id == *id) {
+                return Err(PolicyError::Nonsense {
+                    policy: policy.to_string(),
+                    reason: format!("asked to delete ID {id}, which was not listed"),
+                });
+            }
+            if view.keep.contains(id) {
+                return Err(PolicyError::Nonsense {
+                    policy: policy.to_string(),
+                    reason: format!("asked to delete ID {id}, which our catalog holds"),
+                });
+            }
+        }
+    }
+    Ok(decision)
+}
+
+/// Whether `program` names an executable file (a path, or a name in `PATH`).
+fn program_exists(program: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.components().count() > 1 || program.is_absolute() {
+        return executable(program);
+    }
+    std::env::var_os("PATH").is_some_and(|paths| {
+        std::env::split_paths(&paths).any(|dir| executable(&dir.join(program)))
+    })
+}

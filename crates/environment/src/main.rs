@@ -1,0 +1,283 @@
+//! `lockstep`: the environment (controller) server and its CLI client.
+//!
+//! ```text
+//! lockstep serve --state-dir DIR --listen 127.0.0.1:6875 --orphan-rule id-watermark
+//! lockstep replica create r1 --processes 2 --workers 4
+//! lockstep replica list
+//! lockstep replica drop r1
+//! ```
+//!
+//! Exit codes: 0 success, 1 error, 2 halted because another controller took
+//! over (O3).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use lockstep_environment::proto::environment_client::EnvironmentClient;
+use lockstep_environment::{proto, EnvError, Environment, EnvironmentConfig, ServiceTemplate};
+
+/// The exit code of a controller that halted because another took over.
+const EXIT_HALTED: u8 = 2;
+
+#[derive(Parser)]
+#[command(
+    name = "lockstep",
+    version,
+    about = "lockstep's environment: controller server and CLI"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the environment: open the catalog, ensure replicas, remove orphans, serve.
+    Serve(ServeArgs),
+    /// Manage replicas on a running environment.
+    Replica {
+        /// The environment's address.
+        #[arg(
+            long,
+            global = true,
+            env = "LOCKSTEP_ADDR",
+            default_value = "http://127.0.0.1:6875"
+        )]
+        server: String,
+        #[command(subcommand)]
+        command: ReplicaCommand,
+    },
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Directory holding the catalog and the orchestrator state; must exist.
+    #[arg(long)]
+    state_dir: PathBuf,
+    /// Address to serve the gRPC API on (port 0 picks one; the chosen address
+    /// is printed as `lockstep: serving on ADDR`).
+    #[arg(long, default_value = "127.0.0.1:6875")]
+    listen: SocketAddr,
+    /// The orphan rule.
+    #[arg(long, value_enum, default_value_t = OrphanRule::IdWatermark)]
+    orphan_rule: OrphanRule,
+    /// The replica program (default: lockstep-replica beside this binary, or in PATH).
+    #[arg(long)]
+    service_binary: Option<PathBuf>,
+    /// An argument template for replica processes (repeat for several; see
+    /// `ServiceTemplate` for placeholders such as {process} and {peers:timely}).
+    /// Default: the lockstep-replica arguments.
+    #[arg(long = "service-arg", allow_hyphen_values = true)]
+    service_args: Vec<String>,
+    /// Let a stale ensure overwrite a newer controller's service (negative tests only).
+    #[arg(long, hide = true)]
+    unconditional_writes: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum OrphanRule {
+    /// Delete services absent from the catalog with an older epoch.
+    Epoch,
+    /// Halt on a service ID at or above our next ID, else delete every service absent from the catalog.
+    IdWatermark,
+    /// Negative control: delete every service absent from the catalog.
+    CatalogOnly,
+}
+
+impl OrphanRule {
+    fn name(self) -> &'static str {
+        match self {
+            OrphanRule::Epoch => "epoch",
+            OrphanRule::IdWatermark => "id-watermark",
+            OrphanRule::CatalogOnly => "catalog-only",
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum ReplicaCommand {
+    /// Create a replica.
+    Create {
+        /// Its unique name.
+        name: String,
+        /// OS processes.
+        #[arg(long, default_value_t = 1)]
+        processes: u32,
+        /// Workers per process.
+        #[arg(long, default_value_t = 1)]
+        workers: u32,
+        /// Free-form configuration for the replica.
+        #[arg(long, default_value = "")]
+        config: String,
+    },
+    /// Drop a replica.
+    Drop {
+        /// Its name.
+        name: String,
+    },
+    /// List replicas and their processes.
+    List,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("LOCKSTEP_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("lockstep: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match cli.command {
+        Command::Serve(args) => {
+            // A panic anywhere (a failpoint included) crashes the controller,
+            // as a real crash would, instead of killing one request's task.
+            let default_hook = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                default_hook(info);
+                std::process::abort();
+            }));
+            let _failpoints = fail::FailScenario::setup();
+            match runtime.block_on(serve(args)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => match e.downcast_ref::<EnvError>() {
+                    Some(EnvError::Halted(reason)) => {
+                        eprintln!("lockstep: halting: another controller took over: {reason}");
+                        ExitCode::from(EXIT_HALTED)
+                    }
+                    _ => {
+                        eprintln!("lockstep: error: {e:#}");
+                        ExitCode::FAILURE
+                    }
+                },
+            }
+        }
+        Command::Replica { server, command } => match runtime.block_on(client(server, command)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("lockstep: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    // Bind first: failing to listen must not fence the running controller.
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let mut service = ServiceTemplate::lockstep_replica();
+    if let Some(program) = args.service_binary {
+        service.program = program;
+    }
+    if !args.service_args.is_empty() {
+        service.args = args.service_args;
+    }
+    let orphan_policy = lockstep_policy::native_orphan_rule(args.orphan_rule.name())
+        .expect("every OrphanRule value names a native rule");
+    let config = EnvironmentConfig {
+        state_dir: args.state_dir,
+        orphan_policy,
+        service,
+        conditional_writes: !args.unconditional_writes,
+    };
+    let env = Environment::start(config).await?;
+    println!("lockstep: serving on {addr} (epoch {})", env.epoch());
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    tracing::info!(%addr, epoch = env.epoch(), "serving");
+    env.serve(listener).await?;
+    Ok(())
+}
+
+async fn client(server: String, command: ReplicaCommand) -> anyhow::Result<()> {
+    let mut client = EnvironmentClient::connect(server.clone())
+        .await
+        .with_context(|| format!("cannot connect to the environment at {server}"))?;
+    let status_err = |s: tonic::Status| anyhow::anyhow!("{}: {}", s.code(), s.message());
+    match command {
+        ReplicaCommand::Create {
+            name,
+            processes,
+            workers,
+            config,
+        } => {
+            let r = client
+                .create_replica(proto::CreateReplicaRequest {
+                    name,
+                    processes,
+                    workers_per_process: workers,
+                    config,
+                })
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            if let Some(r) = r.replica {
+                println!("created replica {} (id {})", r.name, r.id);
+                print_processes(&r);
+            }
+        }
+        ReplicaCommand::Drop { name } => {
+            let r = client
+                .drop_replica(proto::DropReplicaRequest { name: name.clone() })
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            println!("dropped replica {name} (id {})", r.id);
+        }
+        ReplicaCommand::List => {
+            let r = client
+                .list_replicas(proto::ListReplicasRequest {})
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            println!(
+                "{:<6} {:<20} {:>9} {:>7} {:<14} EPOCH",
+                "ID", "NAME", "PROCESSES", "WORKERS", "SERVICE"
+            );
+            for r in &r.replicas {
+                let service = if r.service.is_empty() {
+                    "-"
+                } else {
+                    &r.service
+                };
+                println!(
+                    "{:<6} {:<20} {:>9} {:>7} {:<14} {}",
+                    r.id, r.name, r.processes, r.workers_per_process, service, r.service_epoch
+                );
+                print_processes(r);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn print_processes(r: &proto::Replica) {
+    for p in &r.process_status {
+        let addrs: Vec<String> = p
+            .addresses
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        println!(
+            "    process {} pid {} {} restarts {} {}",
+            p.index,
+            p.pid,
+            if p.running { "running" } else { "down" },
+            p.restarts,
+            addrs.join(" ")
+        );
+    }
+}

@@ -1,0 +1,186 @@
+//! How a catalog replica becomes an orchestrator service: the program and an
+//! argument template expanded per process.
+
+use std::path::PathBuf;
+
+use lockstep_catalog::Replica;
+use lockstep_orchestrator::{ServiceAssignment, ServiceConfig};
+
+/// The named ports every replica process gets.
+pub const REPLICA_PORTS: [&str; 2] = ["timely", "controller"];
+
+/// The arguments a replica process gets when no template is given, for the
+/// `lockstep-replica` binary.
+pub const DEFAULT_REPLICA_ARGS: [&str; 7] = [
+    "--replica-id={replica-id}",
+    "--process={process}",
+    "--processes={processes}",
+    "--workers={workers}",
+    "--timely-port={port:timely}",
+    "--controller-port={port:controller}",
+    "--peers={peers:timely}",
+];
+
+/// The program and argument template of replica services.
+///
+/// Placeholders, expanded for each process:
+///
+/// | placeholder | value |
+/// | --- | --- |
+/// | `{replica-id}`, `{replica-name}` | the catalog replica |
+/// | `{process}`, `{processes}` | this process's index, the process count |
+/// | `{workers}` | workers per process |
+/// | `{config}` | the replica's free-form config |
+/// | `{port:NAME}` | this process's port `NAME` (`timely`, `controller`) |
+/// | `{addr:NAME}` | this process's `127.0.0.1:port` |
+/// | `{peers:NAME}` | every process's `host:port` for `NAME`, comma-separated, in process order |
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceTemplate {
+    /// The program: a path, or a bare name looked up in `PATH`.
+    pub program: PathBuf,
+    /// The argument template.
+    pub args: Vec<String>,
+}
+
+impl ServiceTemplate {
+    /// `lockstep-replica` (next to the running executable if it is there,
+    /// else from `PATH`) with [`DEFAULT_REPLICA_ARGS`].
+    pub fn lockstep_replica() -> Self {
+        let beside = std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(|d| d.join("lockstep-replica")))
+            .filter(|p| p.is_file());
+        ServiceTemplate {
+            program: beside.unwrap_or_else(|| PathBuf::from("lockstep-replica")),
+            args: DEFAULT_REPLICA_ARGS.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    /// The service name of a replica.
+    pub fn service_name(replica_id: u64) -> String {
+        format!("replica-{replica_id}")
+    }
+
+    /// The orchestrator service for a catalog replica.
+    pub fn service_config(&self, replica: &Replica) -> ServiceConfig {
+        let template = self.args.clone();
+        let r = replica.clone();
+        let mut config = ServiceConfig::new(
+            Self::service_name(replica.id),
+            replica.id,
+            self.program.clone(),
+        )
+        .scale(replica.config.processes as usize)
+        .label("replica-name", replica.name.clone())
+        .args(move |a| template.iter().map(|t| expand(t, &r, a)).collect());
+        for p in REPLICA_PORTS {
+            config = config.port(p);
+        }
+        config
+    }
+}
+
+/// Expands the placeholders of one argument.
+fn expand(template: &str, replica: &Replica, a: &ServiceAssignment<'_>) -> String {
+    let mut out = String::new();
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + 1..];
+        let Some(close) = after.find('}') else {
+            out.push_str(&rest[open..]);
+            return out;
+        };
+        let key = &after[..close];
+        let value = match key {
+            "replica-id" => Some(replica.id.to_string()),
+            "replica-name" => Some(replica.name.clone()),
+            "process" => Some(a.process.to_string()),
+            "processes" => Some(a.scale.to_string()),
+            "workers" => Some(replica.config.workers_per_process.to_string()),
+            "config" => Some(replica.config.config.clone()),
+            _ => match key.split_once(':') {
+                Some(("port", n)) if a.ports[a.process].contains_key(n) => {
+                    Some(a.port(n).to_string())
+                }
+                Some(("addr", n)) if a.ports[a.process].contains_key(n) => Some(a.addr(n)),
+                Some(("peers", n)) if a.ports[a.process].contains_key(n) => {
+                    Some(a.peer_addrs(n).join(","))
+                }
+                _ => None,
+            },
+        };
+        match value {
+            Some(v) => out.push_str(&v),
+            // Unknown placeholders are kept verbatim.
+            None => out.push_str(&rest[open..open + close + 2]),
+        }
+        rest = &after[close + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use lockstep_catalog::ReplicaConfig;
+
+    use super::*;
+
+    #[test]
+    fn placeholders_expand_per_process() {
+        let replica = Replica {
+            id: 7,
+            name: "r1".into(),
+            config: ReplicaConfig {
+                processes: 2,
+                workers_per_process: 3,
+                config: "x=1".into(),
+            },
+        };
+        let ports: Vec<BTreeMap<String, u16>> = vec![
+            [
+                ("timely".to_string(), 1000),
+                ("controller".to_string(), 2000),
+            ]
+            .into(),
+            [
+                ("timely".to_string(), 1001),
+                ("controller".to_string(), 2001),
+            ]
+            .into(),
+        ];
+        let a = ServiceAssignment {
+            process: 1,
+            scale: 2,
+            host: "127.0.0.1",
+            ports: &ports,
+        };
+        let args: Vec<String> = DEFAULT_REPLICA_ARGS
+            .iter()
+            .map(|t| expand(t, &replica, &a))
+            .collect();
+        assert_eq!(
+            args,
+            [
+                "--replica-id=7",
+                "--process=1",
+                "--processes=2",
+                "--workers=3",
+                "--timely-port=1001",
+                "--controller-port=2001",
+                "--peers=127.0.0.1:1000,127.0.0.1:1001",
+            ]
+        );
+        assert_eq!(
+            expand("{replica-name}/{config}/{addr:controller}", &replica, &a),
+            "r1/x=1/127.0.0.1:2001"
+        );
+        assert_eq!(
+            expand("{nope} {port:nope} {", &replica, &a),
+            "{nope} {port:nope} {"
+        );
+    }
+}
