@@ -2,6 +2,7 @@
 //! pattern), so that building, testing and running the demo need nothing but
 //! cargo. Each task lives in its own module; `main` only dispatches.
 
+mod chaos;
 mod policies;
 mod tasks;
 mod util;
@@ -30,6 +31,11 @@ enum Task {
     },
     /// The main job: run the demo on the embedded default.
     Demo,
+    /// Fault suites on real processes (`orphans`); prints the JSON summary lines.
+    Chaos {
+        /// The suite to run.
+        suite: String,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -39,5 +45,6 @@ fn main() -> anyhow::Result<()> {
         Task::BuildPolicies => policies::build_all().map(|_| ()),
         Task::Test { no_lint } => tasks::test(!no_lint),
         Task::Demo => tasks::demo(),
+        Task::Chaos { suite } => chaos::run_suite(&suite),
     }
 }

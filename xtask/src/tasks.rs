@@ -39,6 +39,9 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     let mut cmd = cargo();
     cmd.args(["test", "--workspace"]);
     run(cmd)?;
+    for suite in crate::chaos::SUITES {
+        crate::chaos::run_suite(suite)?;
+    }
     eprintln!("\nxtask: test: ok");
     Ok(())
 }

@@ -1,0 +1,82 @@
+//! `cargo xtask chaos SUITE`: the fault suites on real processes.
+//!
+//! Each suite builds what it needs with the `failpoints` feature, runs its
+//! scenarios, passes on the lines that say what broke and the one-JSON-line
+//! summaries of the reporting contract (DESIGN.md), and fails when a variant
+//! that must pass failed or a negative control was not caught.
+//!
+//! Suites: `orphans` (the orphan rules `epoch`, `id-watermark` and the
+//! negative control `catalog-only`; scenarios in
+//! `crates/environment/src/chaos.rs`).
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use anyhow::{bail, Context};
+
+use crate::util::{cargo, root, run, step};
+
+/// The suites `run` knows.
+pub const SUITES: [&str; 1] = ["orphans"];
+
+/// Runs one suite by name.
+pub fn run_suite(suite: &str) -> anyhow::Result<()> {
+    match suite {
+        "orphans" => orphans(),
+        other => bail!(
+            "unknown chaos suite {other:?}; known: {}",
+            SUITES.join(", ")
+        ),
+    }
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"))
+}
+
+/// Runs a suite binary, echoes its stdout, and checks the summary lines.
+fn run_suite_binary(
+    bin: PathBuf,
+    args: &[&str],
+    suite: &str,
+    variants: usize,
+) -> anyhow::Result<()> {
+    step(&format!("chaos {suite}"));
+    let out = Command::new(&bin)
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("could not start {}", bin.display()))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    print!("{stdout}");
+    let prefix = format!("{{\"suite\":\"{suite}\"");
+    let summaries = stdout.lines().filter(|l| l.starts_with(&prefix)).count();
+    if summaries != variants {
+        bail!("chaos {suite}: expected {variants} summary lines, got {summaries}");
+    }
+    if !out.status.success() {
+        bail!("chaos {suite}: a variant that must pass failed, or a negative control was not caught ({})", out.status);
+    }
+    eprintln!("xtask: chaos {suite}: ok");
+    Ok(())
+}
+
+/// The orphan-removal suite.
+fn orphans() -> anyhow::Result<()> {
+    step("building lockstep and lockstep-chaos with failpoints");
+    let mut cmd = cargo();
+    cmd.args([
+        "build",
+        "-p",
+        "lockstep-environment",
+        "--features",
+        "failpoints",
+        "--bins",
+    ]);
+    run(cmd)?;
+    let bin = target_dir().join("debug").join("lockstep-chaos");
+    run_suite_binary(bin, &["orphans"], "orphans", 3)
+}
