@@ -3,6 +3,7 @@
 //! cargo. Each task lives in its own module; `main` only dispatches.
 
 mod chaos;
+mod new_policy;
 mod policies;
 mod tasks;
 mod util;
@@ -31,6 +32,14 @@ enum Task {
     },
     /// The main job: run the demo on the embedded default.
     Demo,
+    /// Scaffold a WASM policy crate under policies/NAME.
+    NewPolicy {
+        /// The policy's name (lower-case, dashes): policies/NAME, NAME.wasm.
+        name: String,
+        /// Which world it implements.
+        #[arg(long, value_enum)]
+        kind: new_policy::Kind,
+    },
     /// Fault suites on real processes (`orphans`); prints the JSON summary lines.
     Chaos {
         /// The suite to run.
@@ -46,5 +55,6 @@ fn main() -> anyhow::Result<()> {
         Task::Test { no_lint } => tasks::test(!no_lint),
         Task::Demo => tasks::demo(),
         Task::Chaos { suite } => chaos::run_suite(&suite),
+        Task::NewPolicy { name, kind } => new_policy::scaffold(&name, kind),
     }
 }

@@ -1,9 +1,14 @@
 //! Building the WASM policies.
 //!
 //! Each crate under `policies/` is built as a WebAssembly *component* with no
-//! imports: `cargo rustc --target wasm32-unknown-unknown --crate-type cdylib`
-//! linked by `wasm-component-ld` (shipped with rustup). A plain `cargo build`
-//! for that target would silently write a core module instead.
+//! imports but `log`: `cargo rustc --target wasm32-unknown-unknown --crate-type
+//! cdylib` linked by `wasm-component-ld` (shipped with rustup), debug info
+//! stripped (it would make a 28 KB policy 1.6 MB). A plain `cargo build` for
+//! that target would silently write a core module instead.
+//!
+//! `policies/NAME` becomes `target/lockstep/policies/NAME.wasm`. The hostile
+//! policies the policy host's tests load (`crates/policy-host/tests/fixtures`,
+//! a separate workspace) become `target/lockstep/test-policies/NAME.wasm`.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -38,14 +43,37 @@ pub fn ensure_wasm_target() -> anyhow::Result<()> {
     run(cmd)
 }
 
+/// Where the policy host's test fixtures go.
+pub fn test_out_dir() -> PathBuf {
+    root().join("target/lockstep/test-policies")
+}
+
+/// The workspace of the policy host's hostile test policies.
+fn fixtures_dir() -> PathBuf {
+    root().join("crates/policy-host/tests/fixtures")
+}
+
+/// A policy crate: its directory name (the `.wasm` file's name) and its
+/// package name.
+pub struct PolicyCrate {
+    /// The directory under `policies/`.
+    pub dir: String,
+    /// The package name in its Cargo.toml.
+    pub package: String,
+}
+
 /// The policy crates: every directory under `policies/` with a Cargo.toml.
-pub fn policy_crates() -> anyhow::Result<Vec<String>> {
-    let dir = root().join("policies");
+pub fn policy_crates() -> anyhow::Result<Vec<PolicyCrate>> {
+    crates_in(&root().join("policies"))
+}
+
+/// Every directory under `dir` with a Cargo.toml, sorted.
+fn crates_in(dir: &std::path::Path) -> anyhow::Result<Vec<PolicyCrate>> {
     let mut names = Vec::new();
     if !dir.exists() {
         return Ok(names);
     }
-    for entry in std::fs::read_dir(&dir)? {
+    for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
         let manifest = path.join("Cargo.toml");
         if !manifest.exists() {
@@ -61,9 +89,13 @@ pub fn policy_crates() -> anyhow::Result<Vec<String>> {
                     .map(|r| r.trim().trim_matches('"').to_string())
             })
             .with_context(|| format!("no package name in {}", manifest.display()))?;
-        names.push(name);
+        let dir = path
+            .file_name()
+            .map(|d| d.to_string_lossy().into_owned())
+            .unwrap_or_else(|| name.clone());
+        names.push(PolicyCrate { dir, package: name });
     }
-    names.sort();
+    names.sort_by(|a, b| a.dir.cmp(&b.dir));
     Ok(names)
 }
 
@@ -77,44 +109,97 @@ pub fn build_all() -> anyhow::Result<Vec<PathBuf>> {
     ensure_wasm_target()?;
     std::fs::create_dir_all(out_dir())?;
     let mut outputs = Vec::new();
-    for (i, name) in crates.iter().enumerate() {
+    for (i, krate) in crates.iter().enumerate() {
         step(&format!(
-            "building policy {name} ({}/{})",
+            "building policy {} ({}/{})",
+            krate.dir,
             i + 1,
             crates.len()
         ));
-        let mut cmd = cargo();
-        cmd.args([
-            "rustc",
-            "--release",
-            "--quiet",
-            "-p",
-            name,
-            "--target",
-            WASM_TARGET,
-        ])
-        .args([
-            "--crate-type",
-            "cdylib",
-            "--",
-            "-C",
-            "linker=wasm-component-ld",
-        ]);
-        run(cmd)?;
-        let file = name.replace('-', "_");
-        let built = root().join(format!("target/{WASM_TARGET}/release/{file}.wasm"));
-        if !built.exists() {
-            bail!("policy {name} built but {} is missing", built.display());
-        }
-        let dest = out_dir().join(format!("{name}.wasm"));
-        std::fs::copy(&built, &dest)
-            .with_context(|| format!("copying {} to {}", built.display(), dest.display()))?;
-        outputs.push(dest);
+        let built = build_component(None, &krate.package, &root().join("target"))?;
+        outputs.push(copy_out(&built, &out_dir(), &krate.dir)?);
     }
     eprintln!(
         "xtask: {} policies in {}",
         outputs.len(),
         out_dir().display()
     );
+    build_test_policies()?;
     Ok(outputs)
+}
+
+/// Builds the policy host's hostile test policies. Crates whose name ends in
+/// `core-module` are built without the component linker, on purpose.
+pub fn build_test_policies() -> anyhow::Result<Vec<PathBuf>> {
+    let crates = crates_in(&fixtures_dir())?;
+    std::fs::create_dir_all(test_out_dir())?;
+    let manifest = fixtures_dir().join("Cargo.toml");
+    // A separate target directory: the fixtures are another workspace, and
+    // building them must not touch the shipped policies' artefacts.
+    let target = root().join("target/lockstep/test-policies-build");
+    let mut outputs = Vec::new();
+    step(&format!("building {} test policies", crates.len()));
+    for krate in &crates {
+        let built = if krate.dir.ends_with("core-module") {
+            let mut cmd = cargo();
+            cmd.args(["build", "--release", "--quiet", "-p", &krate.package])
+                .args(["--target", WASM_TARGET, "--manifest-path"])
+                .arg(&manifest)
+                .arg("--target-dir")
+                .arg(&target);
+            run(cmd)?;
+            artefact(&target, &krate.package)
+        } else {
+            build_component(Some(&manifest), &krate.package, &target)?
+        };
+        outputs.push(copy_out(&built, &test_out_dir(), &krate.dir)?);
+    }
+    Ok(outputs)
+}
+
+/// Builds one crate as a component and returns the built file.
+fn build_component(
+    manifest: Option<&std::path::Path>,
+    package: &str,
+    target_dir: &std::path::Path,
+) -> anyhow::Result<PathBuf> {
+    let mut cmd = cargo();
+    cmd.args([
+        "rustc",
+        "--release",
+        "--quiet",
+        "-p",
+        package,
+        "--target",
+        WASM_TARGET,
+    ]);
+    if let Some(manifest) = manifest {
+        cmd.arg("--manifest-path").arg(manifest);
+    }
+    cmd.arg("--target-dir").arg(target_dir).args([
+        "--crate-type",
+        "cdylib",
+        "--",
+        "-C",
+        "linker=wasm-component-ld",
+        "-C",
+        "strip=debuginfo",
+    ]);
+    run(cmd)?;
+    Ok(artefact(target_dir, package))
+}
+
+fn artefact(target_dir: &std::path::Path, package: &str) -> PathBuf {
+    let file = package.replace('-', "_");
+    target_dir.join(format!("{WASM_TARGET}/release/{file}.wasm"))
+}
+
+fn copy_out(built: &std::path::Path, dir: &std::path::Path, name: &str) -> anyhow::Result<PathBuf> {
+    if !built.exists() {
+        bail!("{name} built but {} is missing", built.display());
+    }
+    let dest = dir.join(format!("{name}.wasm"));
+    std::fs::copy(built, &dest)
+        .with_context(|| format!("copying {} to {}", built.display(), dest.display()))?;
+    Ok(dest)
 }

@@ -1,0 +1,204 @@
+//! An orphan policy running as a WebAssembly component.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use lockstep_policy::{CatalogView, OrphanDecision, OrphanPolicy, PolicyError, Service};
+use wasmtime::component::{HasSelf, Linker};
+use wasmtime::Store;
+
+use crate::load::{self, Loaded};
+use crate::state::{HostState, Instantiate, Runner};
+use crate::{CallError, ComponentCache, Limits, LoadError, PolicyKind};
+
+mod bindings {
+    wasmtime::component::bindgen!({
+        path: "../../wit/lockstep-policy.wit",
+        world: "orphans",
+    });
+}
+
+use bindings::lockstep::policy::types as wit;
+
+/// The types interface has no functions: nothing to provide.
+impl wit::Host for HostState {}
+
+impl bindings::OrphansImports for HostState {
+    fn log(&mut self, msg: String) {
+        HostState::log(self, msg);
+    }
+}
+
+impl Instantiate for bindings::OrphansPre<HostState> {
+    type Bindings = bindings::Orphans;
+    fn instantiate(&self, store: &mut Store<HostState>) -> wasmtime::Result<Self::Bindings> {
+        bindings::OrphansPre::instantiate(self, store)
+    }
+    fn engine(&self) -> &wasmtime::Engine {
+        self.instance_pre().engine()
+    }
+}
+
+/// An orphan policy loaded from a component file.
+///
+/// Every answer is checked with [`check_decision`] before it is returned. On
+/// error the safe default is to **delete nothing** (and serve: orphans wait
+/// for the next start); [`crate::SafeOrphans`] applies it.
+pub struct WasmOrphanPolicy {
+    runner: Runner<bindings::OrphansPre<HostState>>,
+}
+
+impl std::fmt::Debug for WasmOrphanPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmOrphanPolicy")
+            .field("name", &self.runner.name())
+            .field("limits", &self.runner.limits())
+            .finish_non_exhaustive()
+    }
+}
+
+impl WasmOrphanPolicy {
+    /// Loads, compiles and checks the component at `path`. Its name (for logs)
+    /// is the file name without `.wasm`.
+    pub fn load(path: impl AsRef<Path>, limits: Limits) -> Result<Self, LoadError> {
+        Self::load_inner(path.as_ref(), limits, None)
+    }
+
+    /// Like [`load`](Self::load), reusing and filling a [`ComponentCache`].
+    pub fn load_cached(
+        path: impl AsRef<Path>,
+        limits: Limits,
+        cache: &ComponentCache,
+    ) -> Result<Self, LoadError> {
+        Self::load_inner(path.as_ref(), limits, Some(cache))
+    }
+
+    fn load_inner(
+        path: &Path,
+        limits: Limits,
+        cache: Option<&ComponentCache>,
+    ) -> Result<Self, LoadError> {
+        let loaded = load::compile(path, cache)?;
+        load::check_world(&loaded, PolicyKind::Orphans)?;
+        let pre = prepare(&loaded)?;
+        let runner = Runner::new(loaded.name.clone(), limits, pre).map_err(|source| {
+            LoadError::Instantiate {
+                path: loaded.path.clone(),
+                source,
+            }
+        })?;
+        tracing::info!(policy = %loaded.name, path = %loaded.path.display(), "orphan policy loaded");
+        Ok(Self { runner })
+    }
+
+    /// Classifies the listed services, checking the answer, or says why the
+    /// policy gave no usable answer.
+    pub fn call_classify(
+        &mut self,
+        services: &[Service],
+        view: &CatalogView,
+    ) -> Result<OrphanDecision, CallError> {
+        let wit_services: Vec<wit::Service> = services
+            .iter()
+            .map(|s| wit::Service {
+                id: s.id,
+                name: s.name.clone(),
+                epoch: s.epoch,
+                labels: s
+                    .labels
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+            })
+            .collect();
+        let wit_view = wit::CatalogView {
+            keep: view.keep.iter().copied().collect(),
+            our_epoch: view.our_epoch,
+            next_id: view.next_id,
+        };
+        let decision = self
+            .runner
+            .call(|b, store| b.call_classify(store, &wit_services, &wit_view))?;
+        let decision = match decision {
+            wit::OrphanDecision::Delete(ids) => OrphanDecision::Delete(ids),
+            wit::OrphanDecision::Halt(reason) => OrphanDecision::Halt(reason),
+        };
+        check_decision(services, view, &decision).map_err(|reason| CallError::Nonsense {
+            policy: self.runner.name().to_string(),
+            reason,
+        })?;
+        Ok(decision)
+    }
+
+    /// The limits each call runs under.
+    pub fn limits(&self) -> Limits {
+        self.runner.limits()
+    }
+
+    /// Drops the live instance; the next call starts from a fresh one.
+    pub fn reset(&mut self) {
+        self.runner.reset();
+    }
+}
+
+fn prepare(loaded: &Loaded) -> Result<bindings::OrphansPre<HostState>, LoadError> {
+    let kind = PolicyKind::Orphans;
+    let mut linker = Linker::<HostState>::new(load::engine());
+    bindings::Orphans::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
+        .expect("the orphan imports are defined once");
+    let pre = linker
+        .instantiate_pre(&loaded.component)
+        .map_err(|e| load::wrong_world(loaded, kind, e))?;
+    bindings::OrphansPre::new(pre).map_err(|e| load::wrong_world(loaded, kind, e))
+}
+
+/// Whether an orphan decision makes sense for the question: every deleted ID
+/// is one of the listed services, appears once, and is not kept by the
+/// catalog (deleting a kept service would break O1 whatever the rule); a
+/// halt gives a reason. `Err` says what is wrong. Any policy's answer,
+/// native or WASM, can be checked with it.
+pub fn check_decision(
+    services: &[Service],
+    view: &CatalogView,
+    decision: &OrphanDecision,
+) -> Result<(), String> {
+    match decision {
+        OrphanDecision::Delete(ids) => {
+            let listed: BTreeSet<u64> = services.iter().map(|s| s.id).collect();
+            let mut seen = BTreeSet::new();
+            for id in ids {
+                if !listed.contains(id) {
+                    return Err(format!("it deletes service ID {id}, which was not listed"));
+                }
+                if !seen.insert(*id) {
+                    return Err(format!("it deletes service ID {id} more than once"));
+                }
+                if view.keep.contains(id) {
+                    return Err(format!(
+                        "it deletes service ID {id}, which the catalog keeps"
+                    ));
+                }
+            }
+            Ok(())
+        }
+        OrphanDecision::Halt(reason) if reason.trim().is_empty() => {
+            Err("it halts without a reason".to_string())
+        }
+        OrphanDecision::Halt(_) => Ok(()),
+    }
+}
+
+impl OrphanPolicy for WasmOrphanPolicy {
+    fn name(&self) -> &str {
+        self.runner.name()
+    }
+
+    fn classify(
+        &mut self,
+        services: &[Service],
+        view: &CatalogView,
+    ) -> Result<OrphanDecision, PolicyError> {
+        self.call_classify(services, view)
+            .map_err(PolicyError::from)
+    }
+}

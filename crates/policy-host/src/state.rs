@@ -1,0 +1,252 @@
+//! The store's data and the instance lifecycle shared by both policy kinds.
+
+use wasmtime::{ResourceLimiter, Store, StoreLimits, StoreLimitsBuilder, Trap};
+
+use crate::{CallError, Limits};
+
+/// Messages kept per call (the rest are counted, not kept).
+const MAX_MESSAGES: usize = 16;
+/// Characters kept per message.
+const MAX_MESSAGE_CHARS: usize = 4096;
+
+/// What the host keeps per instance.
+pub(crate) struct HostState {
+    policy: String,
+    limits: MemoryCap,
+    messages: Vec<String>,
+    dropped_messages: usize,
+}
+
+impl HostState {
+    fn new(policy: &str, limits: &Limits) -> Self {
+        Self {
+            policy: policy.to_string(),
+            limits: MemoryCap::new(limits.memory_bytes),
+            messages: Vec::new(),
+            dropped_messages: 0,
+        }
+    }
+
+    /// Forgets what the previous call logged.
+    fn begin_call(&mut self) {
+        self.messages.clear();
+        self.dropped_messages = 0;
+        self.limits.denied = None;
+    }
+
+    /// The `log` import: to `tracing`, and kept for the error if the call fails.
+    pub(crate) fn log(&mut self, msg: String) {
+        if self.messages.len() >= MAX_MESSAGES {
+            self.dropped_messages += 1;
+            return;
+        }
+        let msg: String = msg.chars().take(MAX_MESSAGE_CHARS).collect();
+        tracing::info!(target: "lockstep_policy", policy = %self.policy, "{msg}");
+        self.messages.push(msg);
+    }
+
+    /// What the guest logged during this call, joined, if anything.
+    fn logged(&self) -> Option<String> {
+        if self.messages.is_empty() {
+            return None;
+        }
+        let mut text = self.messages.join("; ");
+        if self.dropped_messages > 0 {
+            text.push_str(&format!(" (and {} more messages)", self.dropped_messages));
+        }
+        Some(text)
+    }
+}
+
+/// `StoreLimits`, remembering whether it refused to grow a memory so that
+/// the resulting trap can be reported as a memory limit.
+struct MemoryCap {
+    inner: StoreLimits,
+    limit: usize,
+    denied: Option<usize>,
+}
+
+impl MemoryCap {
+    fn new(limit: usize) -> Self {
+        Self {
+            inner: StoreLimitsBuilder::new()
+                .memory_size(limit)
+                .table_elements(1 << 16)
+                .instances(64)
+                .tables(64)
+                .memories(16)
+                .trap_on_grow_failure(true)
+                .build(),
+            limit,
+            denied: None,
+        }
+    }
+}
+
+impl ResourceLimiter for MemoryCap {
+    fn memory_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.limit {
+            self.denied = Some(desired);
+        }
+        self.inner.memory_growing(current, desired, maximum)
+    }
+
+    fn memory_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.inner.memory_grow_failed(error)
+    }
+
+    fn table_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        self.inner.table_growing(current, desired, maximum)
+    }
+
+    fn table_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.inner.table_grow_failed(error)
+    }
+
+    fn instances(&self) -> usize {
+        self.inner.instances()
+    }
+
+    fn tables(&self) -> usize {
+        self.inner.tables()
+    }
+
+    fn memories(&self) -> usize {
+        self.inner.memories()
+    }
+}
+
+/// Something that instantiates a pre-instantiated component in a store: the
+/// `*Pre` types that `bindgen!` generates.
+pub(crate) trait Instantiate {
+    /// The bindings of a live instance.
+    type Bindings;
+    /// Instantiates in `store`.
+    fn instantiate(&self, store: &mut Store<HostState>) -> wasmtime::Result<Self::Bindings>;
+    /// The engine the component was compiled for.
+    fn engine(&self) -> &wasmtime::Engine;
+}
+
+/// One loaded policy: its pre-instantiated component and, between calls, a
+/// live instance. Any failure drops the instance (and its store); the next
+/// call instantiates again, so a trap never leaves the host unusable.
+pub(crate) struct Runner<P: Instantiate> {
+    name: String,
+    limits: Limits,
+    pre: P,
+    live: Option<(Store<HostState>, P::Bindings)>,
+}
+
+impl<P: Instantiate> Runner<P> {
+    /// A runner; it instantiates once right away so that a component that
+    /// cannot even start is refused at load time.
+    pub(crate) fn new(name: String, limits: Limits, pre: P) -> Result<Self, CallError> {
+        let mut runner = Self {
+            name,
+            limits,
+            pre,
+            live: None,
+        };
+        runner.ensure_live()?;
+        Ok(runner)
+    }
+
+    /// The policy's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The limits calls run under.
+    pub(crate) fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    fn ensure_live(&mut self) -> Result<(), CallError> {
+        if self.live.is_some() {
+            return Ok(());
+        }
+        let mut store = Store::new(self.pre.engine(), HostState::new(&self.name, &self.limits));
+        store.limiter(|s| &mut s.limits);
+        store
+            .set_fuel(self.limits.fuel_per_call)
+            .expect("the engine is configured to consume fuel");
+        match self.pre.instantiate(&mut store) {
+            Ok(bindings) => {
+                self.live = Some((store, bindings));
+                Ok(())
+            }
+            Err(e) => Err(classify(&self.name, &self.limits, &store, e)),
+        }
+    }
+
+    /// Runs one call with a fresh fuel budget. On any error the instance is
+    /// dropped and the error says what happened.
+    pub(crate) fn call<R>(
+        &mut self,
+        f: impl FnOnce(&P::Bindings, &mut Store<HostState>) -> wasmtime::Result<R>,
+    ) -> Result<R, CallError> {
+        self.ensure_live()?;
+        let (store, bindings) = self.live.as_mut().expect("instantiated above");
+        store
+            .set_fuel(self.limits.fuel_per_call)
+            .expect("the engine is configured to consume fuel");
+        store.data_mut().begin_call();
+        match f(bindings, store) {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                let err = classify(&self.name, &self.limits, store, e);
+                tracing::debug!(policy = %self.name, "dropping the policy's instance after: {err}");
+                self.live = None;
+                Err(err)
+            }
+        }
+    }
+
+    /// Drops the live instance (the next call instantiates again).
+    pub(crate) fn reset(&mut self) {
+        self.live = None;
+    }
+}
+
+/// Turns wasmtime's error into what happened, using what the store saw.
+fn classify(
+    policy: &str,
+    limits: &Limits,
+    store: &Store<HostState>,
+    e: wasmtime::Error,
+) -> CallError {
+    let state = store.data();
+    let policy = policy.to_string();
+    if let Some(requested) = state.limits.denied {
+        return CallError::MemoryLimit {
+            policy,
+            limit: limits.memory_bytes,
+            requested,
+        };
+    }
+    match e.downcast_ref::<Trap>() {
+        Some(Trap::OutOfFuel) => CallError::OutOfFuel {
+            policy,
+            fuel: limits.fuel_per_call,
+        },
+        Some(trap) => CallError::Trap {
+            policy,
+            trap: trap.to_string(),
+            message: state.logged(),
+        },
+        None => CallError::Failed {
+            policy,
+            reason: format!("{e:#}"),
+        },
+    }
+}

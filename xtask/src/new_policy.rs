@@ -1,0 +1,177 @@
+//! `cargo xtask new-policy NAME --kind distribution|orphans`: scaffolds a
+//! policy crate under `policies/NAME` that builds with `cargo xtask
+//! build-policies` and passes the conformance check as it is, so a user
+//! starts from something that works and changes the rule.
+
+use anyhow::{bail, Context};
+
+use crate::util::{root, step};
+
+/// The two kinds of policy, one per world of `wit/lockstep-policy.wit`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Kind {
+    /// Chooses the distribution strategy of every command.
+    Distribution,
+    /// Decides which orchestrator services are orphans.
+    Orphans,
+}
+
+/// Writes `policies/NAME` (Cargo.toml and src/lib.rs). Refuses to overwrite.
+pub fn scaffold(name: &str, kind: Kind) -> anyhow::Result<()> {
+    check_name(name)?;
+    let dir = root().join("policies").join(name);
+    if dir.exists() {
+        bail!("{} already exists: pick another name", dir.display());
+    }
+    step(&format!("scaffolding policies/{name} ({kind:?} policy)"));
+    std::fs::create_dir_all(dir.join("src"))
+        .with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(dir.join("Cargo.toml"), manifest(name, kind))?;
+    std::fs::write(dir.join("src/lib.rs"), source(name, kind))?;
+    eprintln!(
+        "xtask: wrote policies/{name}\n\
+         xtask: build it with `cargo xtask build-policies` (-> target/lockstep/policies/{name}.wasm)\n\
+         xtask: check it with `lockstep policy check target/lockstep/policies/{name}.wasm`"
+    );
+    Ok(())
+}
+
+/// A name is a crate directory and a file name: lower-case ASCII letters,
+/// digits and dashes, starting with a letter.
+fn check_name(name: &str) -> anyhow::Result<()> {
+    let ok = name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !name.ends_with('-');
+    if !ok {
+        bail!("policy name {name:?}: use lower-case letters, digits and dashes, starting with a letter");
+    }
+    Ok(())
+}
+
+fn manifest(name: &str, kind: Kind) -> String {
+    let what = match kind {
+        Kind::Distribution => "distribution",
+        Kind::Orphans => "orphan",
+    };
+    format!(
+        r#"[package]
+name = "{name}"
+description = "A lockstep {what} policy."
+version.workspace = true
+edition.workspace = true
+rust-version.workspace = true
+license.workspace = true
+publish.workspace = true
+
+[dependencies]
+lockstep-policy-sdk.workspace = true
+
+[lints]
+workspace = true
+"#
+    )
+}
+
+/// The type name: `my-policy` -> `MyPolicy`.
+fn type_name(name: &str) -> String {
+    name.split('-')
+        .map(|part| {
+            let mut c = part.chars();
+            c.next()
+                .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+fn source(name: &str, kind: Kind) -> String {
+    let ty = type_name(name);
+    match kind {
+        Kind::Distribution => format!(
+            r#"//! The `{name}` distribution policy.
+//!
+//! Called by the controller for every command; every process receives the
+//! strategy chosen here with the command. Start: barrier for commands that
+//! change the set of dataflows, broadcast for the rest. Change the rule and
+//! run `cargo xtask build-policies`.
+
+use lockstep_policy_sdk::distribution::{{
+    CommandInfo, CommandKind, Distribution, MismatchAction, MismatchInfo, Strategy,
+}};
+
+/// The policy.
+pub struct {ty};
+
+impl Distribution for {ty} {{
+    fn choose(info: &CommandInfo) -> Strategy {{
+        match info.kind {{
+            CommandKind::CreateDataflow | CommandKind::AllowCompaction => Strategy::Barrier,
+            _ => Strategy::Broadcast,
+        }}
+    }}
+
+    fn on_mismatch(_info: &MismatchInfo) -> MismatchAction {{
+        MismatchAction::ReconcileCollectively
+    }}
+}}
+
+lockstep_policy_sdk::export_distribution!({ty});
+"#
+        ),
+        Kind::Orphans => format!(
+            r#"//! The `{name}` orphan policy.
+//!
+//! Called once on controller start with the listed services and the
+//! catalog's view. Start: benesch's ID-watermark rule (halt if a service has
+//! an ID at or above our next ID, else delete every service the catalog does
+//! not keep). Change the rule and run `cargo xtask build-policies`.
+
+use lockstep_policy_sdk::orphans::{{CatalogView, OrphanDecision, Orphans, Service}};
+
+/// The policy.
+pub struct {ty};
+
+impl Orphans for {ty} {{
+    fn classify(services: &[Service], view: &CatalogView) -> OrphanDecision {{
+        if let Some(s) = services.iter().find(|s| s.id >= view.next_id) {{
+            return OrphanDecision::Halt(format!(
+                "service {{}} has ID {{}} at or above our next ID {{}}",
+                s.name, s.id, view.next_id
+            ));
+        }}
+        OrphanDecision::Delete(
+            services
+                .iter()
+                .filter(|s| view.keep.binary_search(&s.id).is_err())
+                .map(|s| s.id)
+                .collect(),
+        )
+    }}
+}}
+
+lockstep_policy_sdk::export_orphans!({ty});
+"#
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        assert!(check_name("my-policy2").is_ok());
+        for bad in ["", "My", "2x", "a_b", "a-", "a/b", "a b"] {
+            assert!(check_name(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn type_names_are_camel_case() {
+        assert_eq!(type_name("my-policy"), "MyPolicy");
+        assert_eq!(type_name("x"), "X");
+    }
+}
