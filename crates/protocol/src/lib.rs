@@ -20,6 +20,7 @@ pub mod convert;
 pub mod handshake;
 pub mod history;
 pub mod merge;
+pub mod reference;
 pub mod types;
 
 pub use codec::{

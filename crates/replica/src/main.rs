@@ -8,24 +8,36 @@ use lockstep_protocol::{ProcessIdentity, DEFAULT_MAX_FRAME_LEN};
 use lockstep_replica::{run, ReplicaConfig};
 
 /// One process of a lockstep replica.
+///
+/// The argument names match the orchestrator's default replica template
+/// (`lockstep-environment`'s `DEFAULT_REPLICA_ARGS`).
 #[derive(Parser, Debug)]
 #[command(name = "lockstep-replica", version)]
 struct Args {
     /// The replica's catalog ID.
     #[arg(long)]
     replica_id: u64,
-    /// This process's index, in 0..process-count.
+    /// This process's index, in 0..processes.
     #[arg(long)]
-    process_index: u32,
+    process: u32,
+    /// How many processes the replica has.
+    #[arg(long)]
+    processes: u32,
     /// Timely workers in this process.
     #[arg(long, default_value_t = 1)]
     workers: u32,
-    /// Every process's timely address, comma-separated, in process order.
+    /// Every process's timely address (host:port), comma-separated, in process order.
     #[arg(long, value_delimiter = ',', required = true)]
-    timely_addrs: Vec<SocketAddr>,
-    /// Where controllers connect.
+    peers: Vec<SocketAddr>,
+    /// The port this process listens on for timely peers (must match its entry in --peers).
     #[arg(long)]
-    listen: SocketAddr,
+    timely_port: u16,
+    /// The port this process listens on for controllers.
+    #[arg(long)]
+    controller_port: u16,
+    /// The host to listen on for controllers.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
     /// Seconds to wait for every peer before giving up.
     #[arg(long, default_value_t = 30)]
     cluster_timeout_secs: u64,
@@ -43,15 +55,30 @@ fn main() {
         .init();
     lockstep_replica::server::install_panic_exit();
     let args = Args::parse();
+    if args.peers.len() != args.processes as usize {
+        eprintln!(
+            "lockstep-replica: error: --peers lists {} addresses but --processes is {}",
+            args.peers.len(),
+            args.processes
+        );
+        std::process::exit(2);
+    }
+    if args.peers.get(args.process as usize).map(|a| a.port()) != Some(args.timely_port) {
+        eprintln!(
+            "lockstep-replica: error: --timely-port {} is not process {}'s entry in --peers",
+            args.timely_port, args.process
+        );
+        std::process::exit(2);
+    }
     let config = ReplicaConfig {
         identity: ProcessIdentity {
             replica_id: args.replica_id,
-            process_index: args.process_index,
-            process_count: args.timely_addrs.len() as u32,
+            process_index: args.process,
+            process_count: args.processes,
             workers_per_process: args.workers,
         },
-        timely_addrs: args.timely_addrs,
-        listen: args.listen,
+        timely_addrs: args.peers,
+        listen: SocketAddr::new(args.host, args.controller_port),
         cluster_timeout: Duration::from_secs(args.cluster_timeout_secs),
         max_frame_len: args.max_frame_len,
     };

@@ -1,0 +1,499 @@
+//! The task that owns a controller's state: connections, history, merges.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockstep_policy::{CommandClass, CommandInfo, DistributionPolicy};
+use lockstep_protocol::merge::{merge_peek, meet, SubscribeMerge};
+use lockstep_protocol::{
+    Command, CommandHistory, CommandKind, ErrorResponse, Frontier, Peek, PeekResult, ResponseKind,
+    Row, Status, Strategy, Subscribe, SubscribeBatch, WireMessage,
+};
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::connection::{self, Conn, ConnEvent, FromConn};
+use crate::{ControllerError, ReplicaAddrs, Request, Timeouts};
+
+/// Something the owner of a controller should know.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// Every process is connected and was sent the history under `nonce`.
+    Connected {
+        /// The session's nonce.
+        nonce: u64,
+    },
+    /// A connection ended; the controller reconnects every process.
+    Disconnected {
+        /// The process.
+        process: usize,
+        /// Why.
+        reason: String,
+    },
+    /// Connecting to every process did not succeed within the bound; the
+    /// controller keeps trying.
+    ConnectFailed {
+        /// Why.
+        reason: String,
+    },
+    /// A process has not answered for longer than the heartbeat timeout: a
+    /// stopped or hung process. The replica must be restarted.
+    ProcessSilent {
+        /// The process.
+        process: usize,
+        /// For how long.
+        silent_for: Duration,
+    },
+    /// A process reported an error.
+    ReplicaError {
+        /// The process.
+        process: usize,
+        /// The error.
+        error: ErrorResponse,
+    },
+}
+
+struct PendingPeek {
+    results: BTreeMap<usize, PeekResult>,
+    reply: oneshot::Sender<Result<Vec<(Row, i64)>, ControllerError>>,
+}
+
+struct Actor {
+    replica: ReplicaAddrs,
+    epoch: u64,
+    timeouts: Timeouts,
+    policy: Box<dyn DistributionPolicy + Send>,
+    fallback: Strategy,
+    history: CommandHistory,
+    nonce: u64,
+    generation: u64,
+    current_generation: Arc<AtomicU64>,
+    seqno: u64,
+    conns: Vec<Option<Conn>>,
+    connected: bool,
+    connecting: bool,
+    reconciling: bool,
+    last_heard: Vec<Instant>,
+    silent_reported: Vec<bool>,
+    frontiers: BTreeMap<u64, BTreeMap<usize, Frontier>>,
+    peeks: BTreeMap<u64, PendingPeek>,
+    next_peek_id: u64,
+    next_subscribe_id: u64,
+    subs: BTreeMap<u64, (SubscribeMerge, mpsc::UnboundedSender<SubscribeBatch>)>,
+    statuses: BTreeMap<u32, (Instant, Status)>,
+    status_waiters: Vec<(Instant, oneshot::Sender<Vec<Status>>)>,
+    events: broadcast::Sender<Event>,
+    to_self: mpsc::UnboundedSender<FromConn>,
+    connected_tx: mpsc::UnboundedSender<(u64, Result<Vec<tokio::net::TcpStream>, String>)>,
+}
+
+pub(crate) fn spawn(
+    replica: ReplicaAddrs,
+    epoch: u64,
+    mut history: CommandHistory,
+    policy: Box<dyn DistributionPolicy + Send>,
+    timeouts: Timeouts,
+    mut requests: mpsc::UnboundedReceiver<Request>,
+    events: broadcast::Sender<Event>,
+) {
+    if !history
+        .commands()
+        .iter()
+        .any(|c| matches!(c, CommandKind::CreateInstance(_)))
+    {
+        history.push(CommandKind::CreateInstance(Default::default()));
+    }
+    let n = replica.processes.len();
+    let (to_self, mut from_conns) = mpsc::unbounded_channel();
+    let (connected_tx, mut connected_rx) = mpsc::unbounded_channel();
+    let mut actor = Actor {
+        replica,
+        epoch,
+        timeouts,
+        policy,
+        fallback: Strategy::Barrier,
+        history,
+        nonce: 0,
+        generation: 0,
+        current_generation: Arc::new(AtomicU64::new(0)),
+        seqno: 0,
+        conns: (0..n).map(|_| None).collect(),
+        connected: false,
+        connecting: false,
+        reconciling: false,
+        last_heard: vec![Instant::now(); n],
+        silent_reported: vec![false; n],
+        frontiers: BTreeMap::new(),
+        peeks: BTreeMap::new(),
+        next_peek_id: 1,
+        next_subscribe_id: 1,
+        subs: BTreeMap::new(),
+        statuses: BTreeMap::new(),
+        status_waiters: Vec::new(),
+        events,
+        to_self,
+        connected_tx,
+    };
+    tokio::spawn(async move {
+        actor.start_connecting();
+        let mut tick = tokio::time::interval(actor.timeouts.heartbeat_interval);
+        loop {
+            tokio::select! {
+                req = requests.recv() => match req {
+                    None | Some(Request::Shutdown) => break,
+                    Some(r) => actor.on_request(r),
+                },
+                Some(msg) = from_conns.recv() => actor.on_conn(msg),
+                Some((generation, result)) = connected_rx.recv() => actor.on_connected(generation, result),
+                _ = tick.tick() => actor.on_tick(),
+            }
+        }
+        actor.current_generation.store(u64::MAX, Ordering::SeqCst);
+        tracing::info!("controller shut down");
+    });
+}
+
+impl Actor {
+    fn emit(&self, e: Event) {
+        let _ = self.events.send(e);
+    }
+
+    fn start_connecting(&mut self) {
+        if self.connecting {
+            return;
+        }
+        self.connecting = true;
+        self.generation += 1;
+        let generation = self.generation;
+        self.current_generation.store(generation, Ordering::SeqCst);
+        let current = Arc::clone(&self.current_generation);
+        let addrs = self.replica.processes.clone();
+        let bound = self.timeouts.connect;
+        let tx = self.connected_tx.clone();
+        // Keeps trying until every process is connected, or a newer attempt
+        // (or shutdown) supersedes this one; each failed round is reported.
+        tokio::spawn(async move {
+            'attempt: loop {
+                let deadline = Instant::now() + bound;
+                let mut socks = Vec::new();
+                for a in &addrs {
+                    match connection::connect(*a, deadline).await {
+                        Ok(s) => socks.push(s),
+                        Err(e) => {
+                            if current.load(Ordering::SeqCst) != generation
+                                || tx.send((generation, Err(e))).is_err()
+                            {
+                                return;
+                            }
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            continue 'attempt;
+                        }
+                    }
+                }
+                let _ = tx.send((generation, Ok(socks)));
+                return;
+            }
+        });
+    }
+
+    fn on_connected(&mut self, generation: u64, result: Result<Vec<tokio::net::TcpStream>, String>) {
+        if generation != self.generation {
+            return;
+        }
+        let socks = match result {
+            Ok(s) => s,
+            Err(reason) => {
+                tracing::warn!(%reason, "connecting to every replica process failed; still trying");
+                self.emit(Event::ConnectFailed { reason });
+                return;
+            }
+        };
+        self.connecting = false;
+        if socks.is_empty() {
+            return;
+        }
+        self.nonce = rand::random::<u64>() | 1;
+        self.seqno = 0;
+        self.conns = socks
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| Some(connection::spawn(s, i, generation, self.to_self.clone())))
+            .collect();
+        self.connected = true;
+        let now = Instant::now();
+        self.last_heard = vec![now; self.conns.len()];
+        self.silent_reported = vec![false; self.conns.len()];
+        self.frontiers.clear();
+        self.statuses.clear();
+        for p in self.peeks.values_mut() {
+            p.results.clear();
+        }
+        for (m, _) in self.subs.values_mut() {
+            m.restart();
+        }
+        // Hello to every process, then the compacted history, then
+        // InitializationComplete: the replica reconciles to this target.
+        for i in 0..self.conns.len() {
+            let hello = self.replica.identity(i).hello(self.epoch, self.nonce);
+            self.write(i, Command {
+                seqno: 0,
+                strategy: self.fallback,
+                kind: CommandKind::Hello(hello),
+            });
+        }
+        self.reconciling = true;
+        self.history.reduce();
+        let commands: Vec<CommandKind> = self
+            .history
+            .commands()
+            .iter()
+            .filter(|c| !matches!(c, CommandKind::InitializationComplete))
+            .cloned()
+            .collect();
+        let replayed = commands.len();
+        for c in commands {
+            self.broadcast(c);
+        }
+        self.broadcast(CommandKind::InitializationComplete);
+        self.reconciling = false;
+        tracing::info!(nonce = self.nonce, replayed, "connected to every process and rehydrated");
+        self.emit(Event::Connected { nonce: self.nonce });
+    }
+
+    fn write(&mut self, i: usize, cmd: Command) {
+        if let Some(c) = &self.conns[i] {
+            if c.writer.send(cmd).is_err() {
+                self.conns[i] = None;
+            }
+        }
+    }
+
+    fn strategy_for(&mut self, kind: &CommandKind) -> Strategy {
+        let info = CommandInfo {
+            class: CommandClass::of(kind),
+            size_bytes: encoded_size(kind),
+            dataflow_id: match kind {
+                CommandKind::CreateDataflow(d) => Some(d.id),
+                CommandKind::Schedule { dataflow_id } => Some(*dataflow_id),
+                _ => None,
+            },
+            process_count: self.replica.processes.len() as u32,
+            workers_per_process: self.replica.workers_per_process,
+            reconciling: self.reconciling,
+        };
+        match self.policy.choose(&info) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, fallback = %self.fallback, "distribution policy failed; using the fallback");
+                self.fallback
+            }
+        }
+    }
+
+    /// Sends a command to every process (if connected).
+    fn broadcast(&mut self, kind: CommandKind) {
+        if !self.connected {
+            return;
+        }
+        let strategy = self.strategy_for(&kind);
+        self.seqno += 1;
+        let cmd = Command {
+            seqno: self.seqno,
+            strategy,
+            kind,
+        };
+        for i in 0..self.conns.len() {
+            self.write(i, cmd.clone());
+        }
+    }
+
+    /// Records a command in the history and sends it.
+    fn send(&mut self, kind: CommandKind) {
+        if !matches!(kind, CommandKind::InitializationComplete | CommandKind::StatusRequest) {
+            self.history.push(kind.clone());
+        }
+        self.broadcast(kind);
+    }
+
+    fn on_request(&mut self, r: Request) {
+        match r {
+            Request::Send(kind) => self.send(kind),
+            Request::Peek {
+                collection,
+                timestamp,
+                reply,
+            } => {
+                let peek_id = self.next_peek_id;
+                self.next_peek_id += 1;
+                self.peeks.insert(peek_id, PendingPeek {
+                    results: BTreeMap::new(),
+                    reply,
+                });
+                self.send(CommandKind::Peek(Peek {
+                    peek_id,
+                    collection_id: collection,
+                    timestamp,
+                }));
+            }
+            Request::Subscribe {
+                collection,
+                as_of,
+                sink,
+            } => {
+                let id = self.next_subscribe_id;
+                self.next_subscribe_id += 1;
+                self.subs
+                    .insert(id, (SubscribeMerge::new(self.replica.processes.len()), sink));
+                self.send(CommandKind::Subscribe(Subscribe {
+                    subscribe_id: id,
+                    collection_id: collection,
+                    as_of,
+                }));
+            }
+            Request::Statuses { reply } => {
+                self.status_waiters.push((Instant::now(), reply));
+                self.broadcast(CommandKind::StatusRequest);
+            }
+            Request::Frontier { collection, reply } => {
+                let f = self.frontiers.get(&collection).and_then(|per| {
+                    (per.len() == self.replica.processes.len()).then(|| meet(per.values()))
+                });
+                let _ = reply.send(f);
+            }
+            Request::History { reply } => {
+                let mut h = self.history.clone();
+                h.reduce();
+                let _ = reply.send(h);
+            }
+            Request::Reconnect => self.disconnect("reconnect requested".into()),
+            Request::Shutdown => {}
+        }
+    }
+
+    fn disconnect(&mut self, reason: String) {
+        self.connected = false;
+        self.conns.iter_mut().for_each(|c| *c = None);
+        self.connecting = false;
+        tracing::info!(%reason, "reconnecting to every process");
+        self.start_connecting();
+    }
+
+    fn on_conn(&mut self, msg: FromConn) {
+        if msg.generation != self.generation || !self.connected {
+            return;
+        }
+        let p = msg.process;
+        self.last_heard[p] = Instant::now();
+        self.silent_reported[p] = false;
+        let resp = match msg.event {
+            ConnEvent::Closed(reason) => {
+                tracing::warn!(process = p, %reason, "connection to replica process lost");
+                self.emit(Event::Disconnected {
+                    process: p,
+                    reason: reason.clone(),
+                });
+                self.disconnect(format!("process {p}: {reason}"));
+                return;
+            }
+            ConnEvent::Response(r) => r,
+        };
+        match resp.kind {
+            ResponseKind::Frontiers(updates) => {
+                for (c, f) in updates {
+                    self.frontiers.entry(c).or_default().insert(p, f);
+                }
+            }
+            ResponseKind::PeekResponse(r) => {
+                let n = self.replica.processes.len();
+                if let Some(pending) = self.peeks.get_mut(&r.peek_id) {
+                    pending.results.insert(p, r.result);
+                    if pending.results.len() == n {
+                        let pending = self.peeks.remove(&r.peek_id).expect("present");
+                        self.history.retire_peek(r.peek_id);
+                        let answer = match merge_peek(pending.results.into_values()) {
+                            PeekResult::Rows(rows) => Ok(rows),
+                            PeekResult::Error(e) => Err(ControllerError::Replica(e)),
+                            PeekResult::Canceled => Err(ControllerError::Replica("peek canceled".into())),
+                        };
+                        let _ = pending.reply.send(answer);
+                    }
+                }
+            }
+            ResponseKind::SubscribeResponse(b) => {
+                let id = b.subscribe_id;
+                if let Some((merge, sink)) = self.subs.get_mut(&id) {
+                    if let Some(out) = merge.push(p, b) {
+                        let _ = sink.send(out);
+                    }
+                    if merge.is_done() {
+                        self.subs.remove(&id);
+                    }
+                }
+            }
+            ResponseKind::Status(s) => {
+                self.statuses.insert(s.worker_index, (Instant::now(), s));
+                self.answer_status_waiters();
+            }
+            ResponseKind::Error(error) => {
+                tracing::warn!(process = p, ?error, "replica error");
+                self.emit(Event::ReplicaError { process: p, error });
+            }
+        }
+    }
+
+    fn answer_status_waiters(&mut self) {
+        let total = self.replica.total_workers();
+        let waiters = std::mem::take(&mut self.status_waiters);
+        for (since, reply) in waiters {
+            let fresh = self.statuses.values().filter(|(t, _)| *t >= since).count();
+            if fresh == total {
+                let _ = reply.send(self.statuses.values().map(|(_, s)| s.clone()).collect());
+            } else if !reply.is_closed() {
+                self.status_waiters.push((since, reply));
+            }
+        }
+    }
+
+    fn on_tick(&mut self) {
+        if !self.connected {
+            return;
+        }
+        // Peeks whose caller gave up are canceled.
+        let abandoned: Vec<u64> = self
+            .peeks
+            .iter()
+            .filter(|(_, p)| p.reply.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in abandoned {
+            self.peeks.remove(&id);
+            self.send(CommandKind::CancelPeek { peek_id: id });
+        }
+        self.broadcast(CommandKind::StatusRequest);
+        let now = Instant::now();
+        for p in 0..self.last_heard.len() {
+            let silent = now - self.last_heard[p];
+            if silent > self.timeouts.heartbeat_timeout && !self.silent_reported[p] {
+                self.silent_reported[p] = true;
+                tracing::error!(process = p, ?silent, "replica process is silent");
+                self.emit(Event::ProcessSilent {
+                    process: p,
+                    silent_for: silent,
+                });
+            }
+        }
+    }
+}
+
+/// The encoded size of a command, for policies.
+fn encoded_size(kind: &CommandKind) -> u64 {
+    Command {
+        seqno: 0,
+        strategy: Strategy::Naive,
+        kind: kind.clone(),
+    }
+    .encode_to_vec()
+    .len() as u64
+}

@@ -1,0 +1,101 @@
+//! One controller connection to one replica process: a writer task fed by a
+//! channel and a reader task that forwards every response, or the reason the
+//! connection ended, to the controller task, tagged with the process index
+//! and the connection generation so that stale connections are ignored.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use futures::{SinkExt, StreamExt};
+use lockstep_protocol::{Command, ControllerCodec, Response, DEFAULT_MAX_FRAME_LEN};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_util::codec::Framed;
+
+/// What a connection reports to the controller task.
+pub(crate) enum ConnEvent {
+    Response(Response),
+    Closed(String),
+}
+
+/// A message from connection `process` of generation `generation`.
+pub(crate) struct FromConn {
+    pub process: usize,
+    pub generation: u64,
+    pub event: ConnEvent,
+}
+
+/// The write side of a live connection.
+pub(crate) struct Conn {
+    pub writer: mpsc::UnboundedSender<Command>,
+}
+
+/// Connects to `addr`, retrying every 20 ms until `deadline`.
+pub(crate) async fn connect(addr: SocketAddr, deadline: tokio::time::Instant) -> Result<TcpStream, String> {
+    loop {
+        match tokio::time::timeout(Duration::from_millis(500), TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Ok(Err(e)) if tokio::time::Instant::now() >= deadline => {
+                return Err(format!("cannot connect to {addr}: {e}"))
+            }
+            Err(_) if tokio::time::Instant::now() >= deadline => {
+                return Err(format!("cannot connect to {addr}: connect timed out"))
+            }
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+/// Starts the reader and writer tasks of a connected socket.
+pub(crate) fn spawn(
+    sock: TcpStream,
+    process: usize,
+    generation: u64,
+    to_actor: mpsc::UnboundedSender<FromConn>,
+) -> Conn {
+    let (mut sink, mut stream) = Framed::new(sock, ControllerCodec::new(DEFAULT_MAX_FRAME_LEN)).split();
+    let (writer, mut commands) = mpsc::unbounded_channel::<Command>();
+    let to_actor2 = to_actor.clone();
+    tokio::spawn(async move {
+        while let Some(cmd) = commands.recv().await {
+            if let Err(e) = sink.send(cmd).await {
+                let _ = to_actor2.send(FromConn {
+                    process,
+                    generation,
+                    event: ConnEvent::Closed(format!("write failed: {e}")),
+                });
+                return;
+            }
+        }
+        let _ = sink.close().await;
+    });
+    tokio::spawn(async move {
+        let reason = loop {
+            match stream.next().await {
+                None => break "connection closed by the process".to_string(),
+                Some(Err(e)) => break format!("read failed: {e}"),
+                Some(Ok(r)) => {
+                    if to_actor
+                        .send(FromConn {
+                            process,
+                            generation,
+                            event: ConnEvent::Response(r),
+                        })
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            }
+        };
+        let _ = to_actor.send(FromConn {
+            process,
+            generation,
+            event: ConnEvent::Closed(reason),
+        });
+    });
+    Conn { writer }
+}

@@ -1,0 +1,301 @@
+//! The lockstep compute controller.
+//!
+//! A [`Controller`] drives one replica: it connects to **every** process
+//! itself (the protocol is symmetric: no process forwards commands), sends
+//! every command to all of them with the strategy the distribution policy
+//! chose, keeps the compacted [`CommandHistory`], and merges the processes'
+//! responses ([`lockstep_protocol::merge`]): a frontier is the meet over the
+//! processes, a peek is answered once every process answered, subscribe
+//! batches are merged by time.
+//!
+//! Failures are never silent:
+//! - a lost connection makes the controller reconnect to every process with a
+//!   new nonce and rehydrate it from the compacted history;
+//! - a process that stops answering heartbeats (a stopped timely peer hangs
+//!   the others without an error) is reported as [`Event::ProcessSilent`]
+//!   within the configured timeout, so the owner can restart the replica;
+//! - every wait has a bound and a message ([`ControllerError::Timeout`]).
+//!
+//! The controller is an actor: [`Controller`] is a cheap handle that sends
+//! requests to one task owning all state, so responses and commands are
+//! processed in one order.
+
+mod actor;
+mod connection;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use lockstep_policy::DistributionPolicy;
+pub use lockstep_protocol::CommandHistory;
+use lockstep_protocol::{
+    CommandKind, DataflowDescription, Frontier, ProcessIdentity, Row, Status, SubscribeBatch,
+    Timestamp, Update, WriteInput,
+};
+use tokio::sync::{broadcast, mpsc, oneshot};
+
+pub use actor::Event;
+
+/// What the controller needs to know about a replica.
+#[derive(Clone, Debug)]
+pub struct ReplicaAddrs {
+    /// The replica's catalog ID.
+    pub replica_id: u64,
+    /// Every process's controller address, in process order.
+    pub processes: Vec<SocketAddr>,
+    /// Timely workers per process.
+    pub workers_per_process: u32,
+}
+
+impl ReplicaAddrs {
+    /// The identity of process `i`.
+    pub fn identity(&self, i: usize) -> ProcessIdentity {
+        ProcessIdentity {
+            replica_id: self.replica_id,
+            process_index: i as u32,
+            process_count: self.processes.len() as u32,
+            workers_per_process: self.workers_per_process,
+        }
+    }
+
+    /// Workers in the whole replica.
+    pub fn total_workers(&self) -> usize {
+        self.processes.len() * self.workers_per_process as usize
+    }
+}
+
+/// Timeouts and intervals.
+#[derive(Clone, Debug)]
+pub struct Timeouts {
+    /// How long to keep trying to connect to every process.
+    pub connect: Duration,
+    /// How often to send heartbeats.
+    pub heartbeat_interval: Duration,
+    /// A process that has not answered for this long is reported silent.
+    pub heartbeat_timeout: Duration,
+    /// The default bound on peeks, status requests and frontier waits.
+    pub request: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            connect: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_millis(250),
+            heartbeat_timeout: Duration::from_secs(2),
+            request: Duration::from_secs(20),
+        }
+    }
+}
+
+/// Why a controller operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ControllerError {
+    /// A wait ran past its bound.
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout {
+        /// What was awaited.
+        what: String,
+        /// The bound.
+        after: Duration,
+    },
+    /// The replica answered with an error.
+    #[error("replica error: {0}")]
+    Replica(String),
+    /// The controller task is gone.
+    #[error("the controller has shut down")]
+    Shutdown,
+}
+
+pub(crate) enum Request {
+    Send(CommandKind),
+    Peek {
+        collection: u64,
+        timestamp: Timestamp,
+        reply: oneshot::Sender<Result<Vec<(Row, i64)>, ControllerError>>,
+    },
+    Subscribe {
+        collection: u64,
+        as_of: Timestamp,
+        sink: mpsc::UnboundedSender<SubscribeBatch>,
+    },
+    Statuses {
+        reply: oneshot::Sender<Vec<Status>>,
+    },
+    Frontier {
+        collection: u64,
+        reply: oneshot::Sender<Option<Frontier>>,
+    },
+    History {
+        reply: oneshot::Sender<CommandHistory>,
+    },
+    Reconnect,
+    Shutdown,
+}
+
+/// A handle to a running controller.
+#[derive(Clone)]
+pub struct Controller {
+    tx: mpsc::UnboundedSender<Request>,
+    events: broadcast::Sender<Event>,
+    timeouts: Timeouts,
+}
+
+impl Controller {
+    /// Starts a controller for `replica` at `epoch`, with the distribution
+    /// `policy`, rehydrating it from `history` (empty for a new replica). It
+    /// connects in the background; commands sent before it is connected are
+    /// kept in the history and replayed.
+    pub fn start(
+        replica: ReplicaAddrs,
+        epoch: u64,
+        history: CommandHistory,
+        policy: Box<dyn DistributionPolicy + Send>,
+        timeouts: Timeouts,
+    ) -> Controller {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (events, _) = broadcast::channel(1024);
+        actor::spawn(replica, epoch, history, policy, timeouts.clone(), rx, events.clone());
+        Controller { tx, events, timeouts }
+    }
+
+    fn request(&self, r: Request) -> Result<(), ControllerError> {
+        self.tx.send(r).map_err(|_| ControllerError::Shutdown)
+    }
+
+    async fn ask<T>(
+        &self,
+        what: &str,
+        make: impl FnOnce(oneshot::Sender<T>) -> Request,
+        bound: Duration,
+    ) -> Result<T, ControllerError> {
+        let (reply, rx) = oneshot::channel();
+        self.request(make(reply))?;
+        match tokio::time::timeout(bound, rx).await {
+            Err(_) => Err(ControllerError::Timeout {
+                what: what.to_string(),
+                after: bound,
+            }),
+            Ok(Err(_)) => Err(ControllerError::Shutdown),
+            Ok(Ok(v)) => Ok(v),
+        }
+    }
+
+    /// Subscribes to the controller's events (connections, silent processes, errors).
+    pub fn events(&self) -> broadcast::Receiver<Event> {
+        self.events.subscribe()
+    }
+
+    /// Builds a dataflow on every worker.
+    pub fn create_dataflow(&self, desc: DataflowDescription) -> Result<(), ControllerError> {
+        let id = desc.id;
+        self.request(Request::Send(CommandKind::CreateDataflow(desc)))?;
+        self.request(Request::Send(CommandKind::Schedule { dataflow_id: id }))
+    }
+
+    /// Allows compaction of a collection; `None` drops it.
+    pub fn allow_compaction(&self, collection: u64, frontier: Frontier) -> Result<(), ControllerError> {
+        self.request(Request::Send(CommandKind::AllowCompaction {
+            collection_id: collection,
+            frontier,
+        }))
+    }
+
+    /// Drops every export of a dataflow, and with them the dataflow.
+    pub fn drop_dataflow(&self, desc: &DataflowDescription) -> Result<(), ControllerError> {
+        for e in &desc.exports {
+            self.allow_compaction(e.collection_id, None)?;
+        }
+        Ok(())
+    }
+
+    /// Appends updates to an input collection and advances its upper.
+    pub fn write_input(&self, collection: u64, updates: Vec<Update>, upper: Timestamp) -> Result<(), ControllerError> {
+        self.request(Request::Send(CommandKind::WriteInput(WriteInput {
+            collection_id: collection,
+            updates,
+            upper,
+        })))
+    }
+
+    /// Sends an UpdateConfiguration.
+    pub fn update_configuration(
+        &self,
+        params: std::collections::BTreeMap<String, String>,
+    ) -> Result<(), ControllerError> {
+        self.request(Request::Send(CommandKind::UpdateConfiguration(params)))
+    }
+
+    /// Reads a collection at `timestamp`, once every process answered.
+    pub async fn peek(&self, collection: u64, timestamp: Timestamp) -> Result<Vec<(Row, i64)>, ControllerError> {
+        let what = format!("peek of collection {collection} at {timestamp}");
+        self.ask(
+            &what,
+            |reply| Request::Peek {
+                collection,
+                timestamp,
+                reply,
+            },
+            self.timeouts.request,
+        )
+        .await?
+    }
+
+    /// Streams a collection's changes from `as_of`, merged over all processes.
+    pub fn subscribe(&self, collection: u64, as_of: Timestamp) -> Result<mpsc::UnboundedReceiver<SubscribeBatch>, ControllerError> {
+        let (sink, rx) = mpsc::unbounded_channel();
+        self.request(Request::Subscribe {
+            collection,
+            as_of,
+            sink,
+        })?;
+        Ok(rx)
+    }
+
+    /// One Status per worker, fresher than this call.
+    pub async fn statuses(&self) -> Result<Vec<Status>, ControllerError> {
+        self.ask("a Status from every worker", |reply| Request::Statuses { reply }, self.timeouts.request)
+            .await
+    }
+
+    /// The collection's frontier (meet over processes), if every process reported it.
+    pub async fn frontier(&self, collection: u64) -> Result<Option<Frontier>, ControllerError> {
+        self.ask("a frontier", |reply| Request::Frontier { collection, reply }, self.timeouts.request)
+            .await
+    }
+
+    /// Waits until the collection's frontier is beyond `t` on every process.
+    pub async fn wait_for_frontier(&self, collection: u64, t: Timestamp) -> Result<(), ControllerError> {
+        let start = tokio::time::Instant::now();
+        loop {
+            if let Some(f) = self.frontier(collection).await? {
+                if f.is_none_or(|f| f > t) {
+                    return Ok(());
+                }
+            }
+            if start.elapsed() > self.timeouts.request {
+                return Err(ControllerError::Timeout {
+                    what: format!("collection {collection}'s frontier to pass {t}"),
+                    after: self.timeouts.request,
+                });
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+    }
+
+    /// A copy of the compacted command history.
+    pub async fn history(&self) -> Result<CommandHistory, ControllerError> {
+        self.ask("the history", |reply| Request::History { reply }, self.timeouts.request)
+            .await
+    }
+
+    /// Reconnects to every process with a new nonce and rehydrates it.
+    pub fn reconnect(&self) -> Result<(), ControllerError> {
+        self.request(Request::Reconnect)
+    }
+
+    /// Stops the controller task and closes its connections.
+    pub fn shutdown(&self) {
+        let _ = self.request(Request::Shutdown);
+    }
+}

@@ -1,0 +1,187 @@
+//! Test support: real replica processes launched through the orchestrator's
+//! process backend, and a controller driving them.
+#![allow(dead_code, missing_docs)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use lockstep_controller::{Controller, ReplicaAddrs, Timeouts};
+use lockstep_orchestrator::process::{kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig};
+use lockstep_orchestrator::{Orchestrator, ServiceConfig, ServiceStatus};
+use lockstep_policy::FixedStrategy;
+use lockstep_protocol::reference::{evaluate, Multiset};
+use lockstep_protocol::{
+    Aggregate, CommandHistory, CompareOp, DataflowDescription, Export, Expr, Plan, Predicate,
+    Strategy, Update,
+};
+
+pub struct TestReplica {
+    pub dir: tempfile::TempDir,
+    pub orchestrator: ProcessOrchestrator,
+    pub status: ServiceStatus,
+    pub addrs: ReplicaAddrs,
+}
+
+impl Drop for TestReplica {
+    fn drop(&mut self) {
+        let _ = kill_all_services(self.dir.path());
+    }
+}
+
+/// The service config of a replica of the real `lockstep-replica` binary.
+pub fn replica_service(replica_id: u64, processes: usize, workers: u32) -> ServiceConfig {
+    ServiceConfig::new(format!("replica-{replica_id}"), replica_id, env!("CARGO_BIN_EXE_lockstep-replica"))
+        .scale(processes)
+        .port("timely")
+        .port("controller")
+        .env("RUST_LOG", "warn")
+        .args(move |a| {
+            vec![
+                format!("--replica-id={replica_id}"),
+                format!("--process={}", a.process),
+                format!("--processes={}", a.scale),
+                format!("--workers={workers}"),
+                format!("--timely-port={}", a.port("timely")),
+                format!("--controller-port={}", a.port("controller")),
+                format!("--peers={}", a.peer_addrs("timely").join(",")),
+            ]
+        })
+}
+
+pub async fn start_replica(replica_id: u64, processes: usize, workers: u32) -> TestReplica {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1)).expect("orchestrator");
+    let status = orchestrator
+        .ensure_service(replica_service(replica_id, processes, workers))
+        .await
+        .expect("ensure replica");
+    let addrs = ReplicaAddrs {
+        replica_id,
+        processes: status.processes.iter().map(|p| p.addresses["controller"]).collect(),
+        workers_per_process: workers,
+    };
+    TestReplica {
+        dir,
+        orchestrator,
+        status,
+        addrs,
+    }
+}
+
+pub fn test_timeouts() -> Timeouts {
+    Timeouts {
+        connect: Duration::from_secs(20),
+        heartbeat_interval: Duration::from_millis(100),
+        heartbeat_timeout: Duration::from_secs(2),
+        request: Duration::from_secs(20),
+    }
+}
+
+pub fn controller(r: &TestReplica, epoch: u64, history: CommandHistory) -> Controller {
+    Controller::start(
+        r.addrs.clone(),
+        epoch,
+        history,
+        Box::new(FixedStrategy(Strategy::Barrier)),
+        test_timeouts(),
+    )
+}
+
+pub fn u(row: &[i64], time: u64, diff: i64) -> Update {
+    Update {
+        row: row.to_vec(),
+        time,
+        diff,
+    }
+}
+
+pub fn get(c: u64) -> Box<Plan> {
+    Box::new(Plan::Get { collection_id: c })
+}
+
+pub fn dataflow(id: u64, inputs: &[u64], plan: Plan) -> DataflowDescription {
+    DataflowDescription {
+        id,
+        as_of: 0,
+        inputs: inputs.to_vec(),
+        exports: vec![Export {
+            collection_id: 1000 + id,
+            plan,
+        }],
+        debug_name: format!("test-{id}"),
+    }
+}
+
+/// One dataflow per plan operator, reading inputs 1 and 2.
+pub fn operator_dataflows() -> Vec<DataflowDescription> {
+    vec![
+        dataflow(10, &[1], Plan::Get { collection_id: 1 }),
+        dataflow(
+            11,
+            &[1],
+            Plan::Map {
+                input: get(1),
+                exprs: vec![
+                    Expr::Column(0),
+                    Expr::Mul(Box::new(Expr::Column(1)), Box::new(Expr::Literal(2))),
+                ],
+            },
+        ),
+        dataflow(
+            12,
+            &[1],
+            Plan::Filter {
+                input: get(1),
+                predicates: vec![Predicate {
+                    op: CompareOp::Ge,
+                    left: Expr::Column(1),
+                    right: Expr::Literal(20),
+                }],
+            },
+        ),
+        dataflow(
+            13,
+            &[1, 2],
+            Plan::Join {
+                left: get(1),
+                right: get(2),
+                left_key: 0,
+                right_key: 0,
+            },
+        ),
+        dataflow(
+            14,
+            &[1],
+            Plan::Reduce {
+                input: get(1),
+                key: vec![0],
+                aggregates: vec![Aggregate::Count, Aggregate::Sum(1)],
+            },
+        ),
+        dataflow(15, &[2], Plan::Arrange { input: get(2), key: vec![1] }),
+    ]
+}
+
+/// Inputs with retractions over several timestamps: (collection, updates, upper).
+pub fn operator_writes() -> Vec<(u64, Vec<Update>, u64)> {
+    vec![
+        (1, vec![u(&[1, 10], 0, 1), u(&[2, 20], 0, 1), u(&[3, 30], 0, 2)], 1),
+        (2, vec![u(&[1, 100], 0, 1), u(&[2, 200], 0, 1), u(&[9, 900], 0, 1)], 1),
+        (1, vec![u(&[1, 10], 1, -1), u(&[1, 11], 1, 1), u(&[4, 40], 1, 1)], 2),
+        (2, vec![u(&[2, 200], 2, -1), u(&[4, 400], 2, 3)], 3),
+        (1, vec![u(&[3, 30], 3, -2), u(&[2, 25], 3, 1)], 4),
+        (2, vec![], 4),
+    ]
+}
+
+pub fn reference(desc: &DataflowDescription, writes: &[(u64, Vec<Update>, u64)], t: u64) -> Multiset {
+    let mut inputs: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
+    for (c, ups, _) in writes {
+        inputs.entry(*c).or_default().extend(ups.iter().cloned());
+    }
+    evaluate(&desc.exports[0].plan, &inputs, t)
+}
+
+pub fn as_multiset(rows: Vec<(Vec<i64>, i64)>) -> Multiset {
+    rows.into_iter().collect()
+}
