@@ -3,6 +3,7 @@
 
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use wasmtime::component::Component;
 use wasmtime::Engine;
@@ -23,9 +24,11 @@ const FORMAT: &str = "lockstep-policy-host component cache v1";
 ///
 /// A cache that cannot be read or written is logged and ignored: it only
 /// ever costs time.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct ComponentCache {
     dir: PathBuf,
+    hits: AtomicU64,
+    writes: AtomicU64,
 }
 
 /// Feeds `Hash` output into BLAKE3, so the engine's compatibility hash gives
@@ -44,7 +47,21 @@ impl Hasher for Blake3Hasher<'_> {
 impl ComponentCache {
     /// A cache in `dir` (created on the first write).
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        Self { dir: dir.into() }
+        Self {
+            dir: dir.into(),
+            hits: AtomicU64::new(0),
+            writes: AtomicU64::new(0),
+        }
+    }
+
+    /// How many loads through this cache object deserialized an entry.
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+
+    /// How many entries this cache object wrote.
+    pub fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
     }
 
     /// The cache's directory.
@@ -99,7 +116,10 @@ impl ComponentCache {
         #[allow(unsafe_code)]
         let component = unsafe { Component::deserialize(engine, &data[32..]) };
         match component {
-            Ok(c) => Some(c),
+            Ok(c) => {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                Some(c)
+            }
             Err(e) => {
                 tracing::warn!(path = %path.display(), "ignoring a component cache entry wasmtime refused: {e:#}");
                 None
@@ -124,8 +144,13 @@ impl ComponentCache {
                 e.to_string()
             })
         })();
-        if let Err(e) = result {
-            tracing::warn!(path = %path.display(), "cannot write the component cache: {e}");
+        match result {
+            Ok(()) => {
+                self.writes.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), "cannot write the component cache: {e}")
+            }
         }
     }
 }

@@ -202,3 +202,78 @@ impl OrphanPolicy for WasmOrphanPolicy {
             .map_err(PolicyError::from)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    fn svc(id: u64) -> Service {
+        Service {
+            id,
+            name: format!("replica-{id}"),
+            epoch: 1,
+            labels: BTreeMap::new(),
+        }
+    }
+
+    fn view(keep: &[u64]) -> CatalogView {
+        CatalogView {
+            keep: keep.iter().copied().collect(),
+            our_epoch: 2,
+            next_id: 10,
+        }
+    }
+
+    #[test]
+    fn sane_decisions_pass() {
+        let services = [svc(1), svc(2), svc(3)];
+        for d in [
+            OrphanDecision::Delete(vec![]),
+            OrphanDecision::Delete(vec![3, 2]),
+            OrphanDecision::Halt("another controller".into()),
+        ] {
+            assert_eq!(check_decision(&services, &view(&[1]), &d), Ok(()), "{d:?}");
+        }
+    }
+
+    #[test]
+    fn nonsense_is_named() {
+        let services = [svc(1), svc(2)];
+        let v = view(&[1]);
+        let err = |d| check_decision(&services, &v, &d).unwrap_err();
+        assert!(err(OrphanDecision::Delete(vec![5])).contains("5, which was not listed"));
+        assert!(err(OrphanDecision::Delete(vec![2, 2])).contains("2 more than once"));
+        assert!(err(OrphanDecision::Delete(vec![1])).contains("1, which the catalog keeps"));
+        assert!(err(OrphanDecision::Halt(" \n".into())).contains("without a reason"));
+    }
+
+    #[test]
+    fn call_errors_become_policy_errors_without_repeating_the_name() {
+        let e: PolicyError = CallError::OutOfFuel {
+            policy: "p".into(),
+            fuel: 7,
+        }
+        .into();
+        assert_eq!(
+            e,
+            PolicyError::Failed {
+                policy: "p".into(),
+                reason: "ran out of fuel (7 units per call): it loops or works too hard".into()
+            }
+        );
+        let e: PolicyError = CallError::Nonsense {
+            policy: "p".into(),
+            reason: "r".into(),
+        }
+        .into();
+        assert_eq!(
+            e,
+            PolicyError::Nonsense {
+                policy: "p".into(),
+                reason: "r".into()
+            }
+        );
+    }
+}

@@ -5,7 +5,7 @@
 //! easy to get wrong, so this crate wraps [`wit_bindgen`] behind two small
 //! traits with plain Rust types and two macros:
 //!
-//! ```ignore
+//! ```no_run
 //! use lockstep_policy_sdk::distribution::{CommandInfo, Distribution, Strategy};
 //!
 //! struct Barrier;
