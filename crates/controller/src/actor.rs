@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_policy::{CommandClass, CommandInfo, DistributionPolicy};
-use lockstep_protocol::merge::{merge_peek, meet, SubscribeMerge};
+use lockstep_protocol::merge::{meet, merge_peek, SubscribeMerge};
 use lockstep_protocol::{
     Command, CommandHistory, CommandKind, ErrorResponse, Frontier, Peek, PeekResult, ResponseKind,
     Row, Status, Strategy, Subscribe, SubscribeBatch, WireMessage,
@@ -55,6 +55,9 @@ pub enum Event {
     },
 }
 
+/// A caller waiting for statuses, and the (nonce, seqno) of its request.
+type StatusWaiter = (Option<(u64, u64)>, oneshot::Sender<Vec<Status>>);
+
 struct PendingPeek {
     results: BTreeMap<usize, PeekResult>,
     reply: oneshot::Sender<Result<Vec<(Row, i64)>, ControllerError>>,
@@ -82,8 +85,10 @@ struct Actor {
     next_peek_id: u64,
     next_subscribe_id: u64,
     subs: BTreeMap<u64, (SubscribeMerge, mpsc::UnboundedSender<SubscribeBatch>)>,
-    statuses: BTreeMap<u32, (Instant, Status)>,
-    status_waiters: Vec<(Instant, oneshot::Sender<Vec<Status>>)>,
+    statuses: BTreeMap<u32, Status>,
+    /// Callers waiting for a Status from every worker that answers the
+    /// StatusRequest with this (nonce, sequence number), or a later one.
+    status_waiters: Vec<StatusWaiter>,
     events: broadcast::Sender<Event>,
     to_self: mpsc::UnboundedSender<FromConn>,
     connected_tx: mpsc::UnboundedSender<(u64, Result<Vec<tokio::net::TcpStream>, String>)>,
@@ -198,7 +203,11 @@ impl Actor {
         });
     }
 
-    fn on_connected(&mut self, generation: u64, result: Result<Vec<tokio::net::TcpStream>, String>) {
+    fn on_connected(
+        &mut self,
+        generation: u64,
+        result: Result<Vec<tokio::net::TcpStream>, String>,
+    ) {
         if generation != self.generation {
             return;
         }
@@ -237,11 +246,14 @@ impl Actor {
         // InitializationComplete: the replica reconciles to this target.
         for i in 0..self.conns.len() {
             let hello = self.replica.identity(i).hello(self.epoch, self.nonce);
-            self.write(i, Command {
-                seqno: 0,
-                strategy: self.fallback,
-                kind: CommandKind::Hello(hello),
-            });
+            self.write(
+                i,
+                Command {
+                    seqno: 0,
+                    strategy: self.fallback,
+                    kind: CommandKind::Hello(hello),
+                },
+            );
         }
         self.reconciling = true;
         self.history.reduce();
@@ -258,7 +270,25 @@ impl Actor {
         }
         self.broadcast(CommandKind::InitializationComplete);
         self.reconciling = false;
-        tracing::info!(nonce = self.nonce, replayed, "connected to every process and rehydrated");
+        tracing::info!(
+            nonce = self.nonce,
+            replayed,
+            "connected to every process and rehydrated"
+        );
+        // Status requests made before this session are asked again.
+        let nonce = self.nonce;
+        if self
+            .status_waiters
+            .iter()
+            .any(|(at, _)| at.is_none_or(|(n, _)| n != nonce))
+        {
+            let at = self.request_status();
+            for (w, _) in self.status_waiters.iter_mut() {
+                if w.is_none_or(|(n, _)| n != nonce) {
+                    *w = at;
+                }
+            }
+        }
         self.emit(Event::Connected { nonce: self.nonce });
     }
 
@@ -311,7 +341,10 @@ impl Actor {
 
     /// Records a command in the history and sends it.
     fn send(&mut self, kind: CommandKind) {
-        if !matches!(kind, CommandKind::InitializationComplete | CommandKind::StatusRequest) {
+        if !matches!(
+            kind,
+            CommandKind::InitializationComplete | CommandKind::StatusRequest
+        ) {
             self.history.push(kind.clone());
         }
         self.broadcast(kind);
@@ -327,10 +360,13 @@ impl Actor {
             } => {
                 let peek_id = self.next_peek_id;
                 self.next_peek_id += 1;
-                self.peeks.insert(peek_id, PendingPeek {
-                    results: BTreeMap::new(),
-                    reply,
-                });
+                self.peeks.insert(
+                    peek_id,
+                    PendingPeek {
+                        results: BTreeMap::new(),
+                        reply,
+                    },
+                );
                 self.send(CommandKind::Peek(Peek {
                     peek_id,
                     collection_id: collection,
@@ -344,8 +380,10 @@ impl Actor {
             } => {
                 let id = self.next_subscribe_id;
                 self.next_subscribe_id += 1;
-                self.subs
-                    .insert(id, (SubscribeMerge::new(self.replica.processes.len()), sink));
+                self.subs.insert(
+                    id,
+                    (SubscribeMerge::new(self.replica.processes.len()), sink),
+                );
                 self.send(CommandKind::Subscribe(Subscribe {
                     subscribe_id: id,
                     collection_id: collection,
@@ -353,8 +391,8 @@ impl Actor {
                 }));
             }
             Request::Statuses { reply } => {
-                self.status_waiters.push((Instant::now(), reply));
-                self.broadcast(CommandKind::StatusRequest);
+                let at = self.request_status();
+                self.status_waiters.push((at, reply));
             }
             Request::Frontier { collection, reply } => {
                 let f = self.frontiers.get(&collection).and_then(|per| {
@@ -415,7 +453,9 @@ impl Actor {
                         let answer = match merge_peek(pending.results.into_values()) {
                             PeekResult::Rows(rows) => Ok(rows),
                             PeekResult::Error(e) => Err(ControllerError::Replica(e)),
-                            PeekResult::Canceled => Err(ControllerError::Replica("peek canceled".into())),
+                            PeekResult::Canceled => {
+                                Err(ControllerError::Replica("peek canceled".into()))
+                            }
                         };
                         let _ = pending.reply.send(answer);
                     }
@@ -433,7 +473,7 @@ impl Actor {
                 }
             }
             ResponseKind::Status(s) => {
-                self.statuses.insert(s.worker_index, (Instant::now(), s));
+                self.statuses.insert(s.worker_index, s);
                 self.answer_status_waiters();
             }
             ResponseKind::Error(error) => {
@@ -443,15 +483,35 @@ impl Actor {
         }
     }
 
+    /// Sends a StatusRequest; returns its (nonce, sequence number) if connected.
+    fn request_status(&mut self) -> Option<(u64, u64)> {
+        if !self.connected {
+            return None;
+        }
+        self.broadcast(CommandKind::StatusRequest);
+        Some((self.nonce, self.seqno))
+    }
+
     fn answer_status_waiters(&mut self) {
         let total = self.replica.total_workers();
         let waiters = std::mem::take(&mut self.status_waiters);
-        for (since, reply) in waiters {
-            let fresh = self.statuses.values().filter(|(t, _)| *t >= since).count();
+        for (at, reply) in waiters {
+            if reply.is_closed() {
+                continue;
+            }
+            let Some((nonce, seqno)) = at else {
+                self.status_waiters.push((at, reply));
+                continue;
+            };
+            let fresh = self
+                .statuses
+                .values()
+                .filter(|s| s.nonce == nonce && s.applied_seqno >= seqno)
+                .count();
             if fresh == total {
-                let _ = reply.send(self.statuses.values().map(|(_, s)| s.clone()).collect());
-            } else if !reply.is_closed() {
-                self.status_waiters.push((since, reply));
+                let _ = reply.send(self.statuses.values().cloned().collect());
+            } else {
+                self.status_waiters.push((at, reply));
             }
         }
     }

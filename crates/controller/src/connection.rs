@@ -31,7 +31,10 @@ pub(crate) struct Conn {
 }
 
 /// Connects to `addr`, retrying every 20 ms until `deadline`.
-pub(crate) async fn connect(addr: SocketAddr, deadline: tokio::time::Instant) -> Result<TcpStream, String> {
+pub(crate) async fn connect(
+    addr: SocketAddr,
+    deadline: tokio::time::Instant,
+) -> Result<TcpStream, String> {
     loop {
         match tokio::time::timeout(Duration::from_millis(500), TcpStream::connect(addr)).await {
             Ok(Ok(s)) => {
@@ -56,7 +59,8 @@ pub(crate) fn spawn(
     generation: u64,
     to_actor: mpsc::UnboundedSender<FromConn>,
 ) -> Conn {
-    let (mut sink, mut stream) = Framed::new(sock, ControllerCodec::new(DEFAULT_MAX_FRAME_LEN)).split();
+    let (mut sink, mut stream) =
+        Framed::new(sock, ControllerCodec::new(DEFAULT_MAX_FRAME_LEN)).split();
     let (writer, mut commands) = mpsc::unbounded_channel::<Command>();
     let to_actor2 = to_actor.clone();
     tokio::spawn(async move {

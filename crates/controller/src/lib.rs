@@ -155,8 +155,20 @@ impl Controller {
     ) -> Controller {
         let (tx, rx) = mpsc::unbounded_channel();
         let (events, _) = broadcast::channel(1024);
-        actor::spawn(replica, epoch, history, policy, timeouts.clone(), rx, events.clone());
-        Controller { tx, events, timeouts }
+        actor::spawn(
+            replica,
+            epoch,
+            history,
+            policy,
+            timeouts.clone(),
+            rx,
+            events.clone(),
+        );
+        Controller {
+            tx,
+            events,
+            timeouts,
+        }
     }
 
     fn request(&self, r: Request) -> Result<(), ControllerError> {
@@ -194,7 +206,11 @@ impl Controller {
     }
 
     /// Allows compaction of a collection; `None` drops it.
-    pub fn allow_compaction(&self, collection: u64, frontier: Frontier) -> Result<(), ControllerError> {
+    pub fn allow_compaction(
+        &self,
+        collection: u64,
+        frontier: Frontier,
+    ) -> Result<(), ControllerError> {
         self.request(Request::Send(CommandKind::AllowCompaction {
             collection_id: collection,
             frontier,
@@ -210,7 +226,12 @@ impl Controller {
     }
 
     /// Appends updates to an input collection and advances its upper.
-    pub fn write_input(&self, collection: u64, updates: Vec<Update>, upper: Timestamp) -> Result<(), ControllerError> {
+    pub fn write_input(
+        &self,
+        collection: u64,
+        updates: Vec<Update>,
+        upper: Timestamp,
+    ) -> Result<(), ControllerError> {
         self.request(Request::Send(CommandKind::WriteInput(WriteInput {
             collection_id: collection,
             updates,
@@ -227,7 +248,11 @@ impl Controller {
     }
 
     /// Reads a collection at `timestamp`, once every process answered.
-    pub async fn peek(&self, collection: u64, timestamp: Timestamp) -> Result<Vec<(Row, i64)>, ControllerError> {
+    pub async fn peek(
+        &self,
+        collection: u64,
+        timestamp: Timestamp,
+    ) -> Result<Vec<(Row, i64)>, ControllerError> {
         let what = format!("peek of collection {collection} at {timestamp}");
         self.ask(
             &what,
@@ -242,7 +267,11 @@ impl Controller {
     }
 
     /// Streams a collection's changes from `as_of`, merged over all processes.
-    pub fn subscribe(&self, collection: u64, as_of: Timestamp) -> Result<mpsc::UnboundedReceiver<SubscribeBatch>, ControllerError> {
+    pub fn subscribe(
+        &self,
+        collection: u64,
+        as_of: Timestamp,
+    ) -> Result<mpsc::UnboundedReceiver<SubscribeBatch>, ControllerError> {
         let (sink, rx) = mpsc::unbounded_channel();
         self.request(Request::Subscribe {
             collection,
@@ -254,18 +283,30 @@ impl Controller {
 
     /// One Status per worker, fresher than this call.
     pub async fn statuses(&self) -> Result<Vec<Status>, ControllerError> {
-        self.ask("a Status from every worker", |reply| Request::Statuses { reply }, self.timeouts.request)
-            .await
+        self.ask(
+            "a Status from every worker",
+            |reply| Request::Statuses { reply },
+            self.timeouts.request,
+        )
+        .await
     }
 
     /// The collection's frontier (meet over processes), if every process reported it.
     pub async fn frontier(&self, collection: u64) -> Result<Option<Frontier>, ControllerError> {
-        self.ask("a frontier", |reply| Request::Frontier { collection, reply }, self.timeouts.request)
-            .await
+        self.ask(
+            "a frontier",
+            |reply| Request::Frontier { collection, reply },
+            self.timeouts.request,
+        )
+        .await
     }
 
     /// Waits until the collection's frontier is beyond `t` on every process.
-    pub async fn wait_for_frontier(&self, collection: u64, t: Timestamp) -> Result<(), ControllerError> {
+    pub async fn wait_for_frontier(
+        &self,
+        collection: u64,
+        t: Timestamp,
+    ) -> Result<(), ControllerError> {
         let start = tokio::time::Instant::now();
         loop {
             if let Some(f) = self.frontier(collection).await? {
@@ -285,8 +326,12 @@ impl Controller {
 
     /// A copy of the compacted command history.
     pub async fn history(&self) -> Result<CommandHistory, ControllerError> {
-        self.ask("the history", |reply| Request::History { reply }, self.timeouts.request)
-            .await
+        self.ask(
+            "the history",
+            |reply| Request::History { reply },
+            self.timeouts.request,
+        )
+        .await
     }
 
     /// Reconnects to every process with a new nonce and rehydrates it.

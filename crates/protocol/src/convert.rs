@@ -123,6 +123,7 @@ impl TryFrom<p::Expr> for Expr {
     type Error = ConvertError;
     fn try_from(e: p::Expr) -> Result<Self, ConvertError> {
         use p::expr::Kind;
+        #[allow(clippy::boxed_local)]
         fn bin(b: Box<p::BinaryExpr>) -> Result<(Box<Expr>, Box<Expr>), ConvertError> {
             let l = b.left.ok_or_else(|| missing("BinaryExpr", "left"))?;
             let r = b.right.ok_or_else(|| missing("BinaryExpr", "right"))?;

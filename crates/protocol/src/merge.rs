@@ -84,8 +84,12 @@ impl SubscribeMerge {
             Some(None) => return None,
             None => None,
         };
-        self.updates
-            .extend(batch.updates.into_iter().filter(|u| floor.is_none_or(|f| u.time >= f)));
+        self.updates.extend(
+            batch
+                .updates
+                .into_iter()
+                .filter(|u| floor.is_none_or(|f| u.time >= f)),
+        );
         if self.uppers.len() < self.parts {
             return None;
         }
@@ -122,7 +126,11 @@ mod tests {
             upper,
             updates: updates
                 .into_iter()
-                .map(|(v, t)| Update { row: vec![v], time: t, diff: 1 })
+                .map(|(v, t)| Update {
+                    row: vec![v],
+                    time: t,
+                    diff: 1,
+                })
                 .collect(),
         }
     }
@@ -135,7 +143,14 @@ mod tests {
         assert_eq!((out.lower, out.upper, out.updates.len()), (0, Some(2), 2));
         let out = m.push(1, b(2, Some(5), vec![])).unwrap();
         assert_eq!((out.lower, out.upper), (2, Some(4)));
-        assert_eq!(out.updates, vec![Update { row: vec![2], time: 3, diff: 1 }]);
+        assert_eq!(
+            out.updates,
+            vec![Update {
+                row: vec![2],
+                time: 3,
+                diff: 1
+            }]
+        );
     }
 
     #[test]
@@ -145,9 +160,18 @@ mod tests {
         assert_eq!(out.updates.len(), 2);
         m.restart();
         // The part starts over from as_of 0 and resends everything.
-        let out = m.push(0, b(0, Some(5), vec![(1, 0), (2, 2), (3, 4)])).unwrap();
+        let out = m
+            .push(0, b(0, Some(5), vec![(1, 0), (2, 2), (3, 4)]))
+            .unwrap();
         assert_eq!((out.lower, out.upper), (3, Some(5)));
-        assert_eq!(out.updates, vec![Update { row: vec![3], time: 4, diff: 1 }]);
+        assert_eq!(
+            out.updates,
+            vec![Update {
+                row: vec![3],
+                time: 4,
+                diff: 1
+            }]
+        );
     }
 
     #[test]

@@ -65,7 +65,9 @@ pub fn evaluate(plan: &Plan, inputs: &BTreeMap<u64, Vec<Update>>, t: Timestamp) 
             let r = evaluate(right, inputs, t);
             let mut out = Multiset::new();
             for (lrow, ld) in &l {
-                let Some(lk) = lrow.get(*left_key as usize) else { continue };
+                let Some(lk) = lrow.get(*left_key as usize) else {
+                    continue;
+                };
                 for (rrow, rd) in &r {
                     if rrow.get(*right_key as usize) == Some(lk) {
                         let mut row = lrow.clone();
@@ -98,7 +100,9 @@ pub fn evaluate(plan: &Plan, inputs: &BTreeMap<u64, Vec<Update>>, t: Timestamp) 
                         Aggregate::Count => count,
                         Aggregate::Sum(c) => rows
                             .iter()
-                            .map(|(row, d)| row.get(*c as usize).copied().unwrap_or(0).wrapping_mul(*d))
+                            .map(|(row, d)| {
+                                row.get(*c as usize).copied().unwrap_or(0).wrapping_mul(*d)
+                            })
                             .fold(0i64, i64::wrapping_add),
                     });
                 }
@@ -119,13 +123,20 @@ mod tests {
     use crate::types::{CompareOp, Expr, Predicate};
 
     fn u(row: &[i64], time: u64, diff: i64) -> Update {
-        Update { row: row.to_vec(), time, diff }
+        Update {
+            row: row.to_vec(),
+            time,
+            diff,
+        }
     }
 
     #[test]
     fn join_reduce_filter_map() {
         let mut inputs = BTreeMap::new();
-        inputs.insert(1, vec![u(&[1, 10], 0, 1), u(&[2, 20], 0, 1), u(&[1, 10], 2, -1)]);
+        inputs.insert(
+            1,
+            vec![u(&[1, 10], 0, 1), u(&[2, 20], 0, 1), u(&[1, 10], 2, -1)],
+        );
         inputs.insert(2, vec![u(&[1, 100], 0, 1), u(&[2, 200], 1, 2)]);
         let join = Plan::Join {
             left: Box::new(Plan::Get { collection_id: 1 }),
@@ -144,7 +155,10 @@ mod tests {
             key: vec![],
             aggregates: vec![Aggregate::Count, Aggregate::Sum(1)],
         };
-        assert_eq!(evaluate(&reduce, &inputs, 1), [(vec![3, 500], 1)].into_iter().collect());
+        assert_eq!(
+            evaluate(&reduce, &inputs, 1),
+            [(vec![3, 500], 1)].into_iter().collect()
+        );
 
         let fm = Plan::Map {
             input: Box::new(Plan::Filter {
@@ -155,8 +169,14 @@ mod tests {
                     right: Expr::Literal(15),
                 }],
             }),
-            exprs: vec![Expr::Add(Box::new(Expr::Column(1)), Box::new(Expr::Literal(1)))],
+            exprs: vec![Expr::Add(
+                Box::new(Expr::Column(1)),
+                Box::new(Expr::Literal(1)),
+            )],
         };
-        assert_eq!(evaluate(&fm, &inputs, 5), [(vec![21], 1)].into_iter().collect());
+        assert_eq!(
+            evaluate(&fm, &inputs, 5),
+            [(vec![21], 1)].into_iter().collect()
+        );
     }
 }

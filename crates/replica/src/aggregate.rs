@@ -15,7 +15,6 @@ use std::collections::BTreeMap;
 use lockstep_protocol::merge::{meet, merge_peek, SubscribeMerge};
 use lockstep_protocol::{Frontier, PeekResponse, PeekResult, ResponseKind};
 
-
 use crate::worker::FromWorker;
 
 /// Merges worker responses of one process.
@@ -106,7 +105,9 @@ impl Aggregator {
                 if merge.is_done() {
                     self.subs.remove(&id);
                 }
-                out.map(ResponseKind::SubscribeResponse).into_iter().collect()
+                out.map(ResponseKind::SubscribeResponse)
+                    .into_iter()
+                    .collect()
             }
         }
     }
@@ -129,10 +130,19 @@ mod tests {
     fn frontier_is_the_meet_once_all_reported() {
         let mut a = Aggregator::new(2);
         assert!(a.on(fr(0, Some(5))).is_empty());
-        assert_eq!(a.on(fr(1, Some(3))), vec![ResponseKind::Frontiers(vec![(7, Some(3))])]);
+        assert_eq!(
+            a.on(fr(1, Some(3))),
+            vec![ResponseKind::Frontiers(vec![(7, Some(3))])]
+        );
         assert!(a.on(fr(0, Some(6))).is_empty(), "meet unchanged");
-        assert_eq!(a.on(fr(1, None)), vec![ResponseKind::Frontiers(vec![(7, Some(6))])]);
-        assert_eq!(a.on(fr(0, None)), vec![ResponseKind::Frontiers(vec![(7, None)])]);
+        assert_eq!(
+            a.on(fr(1, None)),
+            vec![ResponseKind::Frontiers(vec![(7, Some(6))])]
+        );
+        assert_eq!(
+            a.on(fr(0, None)),
+            vec![ResponseKind::Frontiers(vec![(7, None)])]
+        );
     }
 
     #[test]

@@ -78,15 +78,18 @@ pub fn connect_mesh(
     // that neither side waits on the other.
     let mut pending_connect: Vec<usize> = (0..me).collect();
     loop {
-        pending_connect.retain(|&i| match TcpStream::connect_timeout(&addrs[i], Duration::from_millis(100)) {
-            Ok(mut s) => {
-                let ok = s.set_nodelay(true).is_ok() && s.write_all(&header(replica_id, me)).is_ok();
-                if ok {
-                    sockets[i] = Some(s);
+        pending_connect.retain(|&i| {
+            match TcpStream::connect_timeout(&addrs[i], Duration::from_millis(100)) {
+                Ok(mut s) => {
+                    let ok =
+                        s.set_nodelay(true).is_ok() && s.write_all(&header(replica_id, me)).is_ok();
+                    if ok {
+                        sockets[i] = Some(s);
+                    }
+                    !ok
                 }
-                !ok
+                Err(_) => true,
             }
-            Err(_) => true,
         });
         loop {
             match listener.accept() {
@@ -102,7 +105,12 @@ pub fn connect_mesh(
                     let rid = u64::from_be_bytes(h[8..16].try_into().expect("8 bytes"));
                     let idx = u64::from_be_bytes(h[16..].try_into().expect("8 bytes")) as usize;
                     if magic != MAGIC || rid != replica_id || idx <= me || idx >= n {
-                        tracing::warn!(magic, rid, idx, "refusing a timely connection that is not one of our peers");
+                        tracing::warn!(
+                            magic,
+                            rid,
+                            idx,
+                            "refusing a timely connection that is not one of our peers"
+                        );
                         continue;
                     }
                     s.set_nodelay(true)?;
@@ -112,7 +120,9 @@ pub fn connect_mesh(
                 Err(e) => return Err(e.into()),
             }
         }
-        let missing: Vec<usize> = (0..n).filter(|&i| i != me && sockets[i].is_none()).collect();
+        let missing: Vec<usize> = (0..n)
+            .filter(|&i| i != me && sockets[i].is_none())
+            .collect();
         if missing.is_empty() {
             return Ok(sockets);
         }
@@ -130,7 +140,12 @@ pub fn allocators(
     workers: usize,
 ) -> Result<(Vec<AllocatorBuilder>, CommsGuard), ClusterError> {
     let hooks = Hooks::default();
-    let process = ProcessBuilder::new_bytes_vector(workers, hooks.refill.clone(), hooks.spill.clone());
-    let (builders, guard) = initialize_networking_from_sockets(process, sockets, me, workers, hooks)?;
-    Ok((builders.into_iter().map(AllocatorBuilder::Tcp).collect(), guard))
+    let process =
+        ProcessBuilder::new_bytes_vector(workers, hooks.refill.clone(), hooks.spill.clone());
+    let (builders, guard) =
+        initialize_networking_from_sockets(process, sockets, me, workers, hooks)?;
+    Ok((
+        builders.into_iter().map(AllocatorBuilder::Tcp).collect(),
+        guard,
+    ))
 }

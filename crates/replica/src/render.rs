@@ -99,7 +99,8 @@ pub fn render<'s>(plan: &Plan, inputs: &BTreeMap<u64, Coll<'s>>) -> Coll<'s> {
         } => {
             let (lk, rk) = (*left_key as usize, *right_key as usize);
             let l = render(left, inputs).flat_map(move |r: Row| r.get(lk).copied().map(|k| (k, r)));
-            let r = render(right, inputs).flat_map(move |r: Row| r.get(rk).copied().map(|k| (k, r)));
+            let r =
+                render(right, inputs).flat_map(move |r: Row| r.get(rk).copied().map(|k| (k, r)));
             l.join(r).map(|(_k, (mut l, r)): (i64, (Row, Row))| {
                 l.extend(r);
                 l
@@ -114,23 +115,27 @@ pub fn render<'s>(plan: &Plan, inputs: &BTreeMap<u64, Coll<'s>>) -> Coll<'s> {
             let aggregates = aggregates.clone();
             render(input, inputs)
                 .flat_map(move |row: Row| key_of(&row, &key).map(|k| (k, row)))
-                .reduce(move |_key: &Row, vals: &[(&Row, i64)], out: &mut Vec<(Row, i64)>| {
-                    let count: i64 = vals.iter().map(|(_, d)| *d).sum();
-                    if count == 0 {
-                        return;
-                    }
-                    let aggs = aggregates
-                        .iter()
-                        .map(|a| match a {
-                            Aggregate::Count => count,
-                            Aggregate::Sum(c) => vals
-                                .iter()
-                                .map(|(row, d)| row.get(*c as usize).copied().unwrap_or(0).wrapping_mul(*d))
-                                .fold(0i64, i64::wrapping_add),
-                        })
-                        .collect();
-                    out.push((aggs, 1));
-                })
+                .reduce(
+                    move |_key: &Row, vals: &[(&Row, i64)], out: &mut Vec<(Row, i64)>| {
+                        let count: i64 = vals.iter().map(|(_, d)| *d).sum();
+                        if count == 0 {
+                            return;
+                        }
+                        let aggs = aggregates
+                            .iter()
+                            .map(|a| match a {
+                                Aggregate::Count => count,
+                                Aggregate::Sum(c) => vals
+                                    .iter()
+                                    .map(|(row, d)| {
+                                        row.get(*c as usize).copied().unwrap_or(0).wrapping_mul(*d)
+                                    })
+                                    .fold(0i64, i64::wrapping_add),
+                            })
+                            .collect();
+                        out.push((aggs, 1));
+                    },
+                )
                 .map(|(mut k, aggs): (Row, Row)| {
                     k.extend(aggs);
                     k

@@ -92,7 +92,10 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
         );
     }
     if me >= config.timely_addrs.len() {
-        anyhow::bail!("process index {me} is out of range for {} processes", id.process_count);
+        anyhow::bail!(
+            "process index {me} is out of range for {} processes",
+            id.process_count
+        );
     }
     if workers == 0 {
         anyhow::bail!("a process needs at least one worker");
@@ -102,7 +105,12 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
     listener.set_nonblocking(true)?;
 
     let started = std::time::Instant::now();
-    let sockets = cluster::connect_mesh(&config.timely_addrs, me, id.replica_id, config.cluster_timeout)?;
+    let sockets = cluster::connect_mesh(
+        &config.timely_addrs,
+        me,
+        id.replica_id,
+        config.cluster_timeout,
+    )?;
     let (builders, guard) = cluster::allocators(sockets, me, workers)?;
     tracing::info!(elapsed = ?started.elapsed(), "timely cluster formed");
 
@@ -120,17 +128,28 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
         threads: Mutex::new(Vec::new()),
     });
     let handles2 = Arc::clone(&handles);
-    let _guards = timely::execute::execute_from(builders, Box::new(guard), timely::WorkerConfig::default(), move |worker| {
-        let local = worker.index() % workers;
-        handles2.threads.lock().expect("not poisoned").push(std::thread::current());
-        let commands = receivers.lock().expect("not poisoned")[local]
-            .take()
-            .expect("each local worker starts once");
-        run_worker(worker, commands, tx.clone(), workers);
-    })
+    let _guards = timely::execute::execute_from(
+        builders,
+        Box::new(guard),
+        timely::WorkerConfig::default(),
+        move |worker| {
+            let local = worker.index() % workers;
+            handles2
+                .threads
+                .lock()
+                .expect("not poisoned")
+                .push(std::thread::current());
+            let commands = receivers.lock().expect("not poisoned")[local]
+                .take()
+                .expect("each local worker starts once");
+            run_worker(worker, commands, tx.clone(), workers);
+        },
+    )
     .map_err(|e| anyhow::anyhow!("starting timely workers: {e}"))?;
 
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     runtime.block_on(serve(listener, config, handles, rx))
 }
 
@@ -157,7 +176,10 @@ async fn serve(
             for kind in agg.on(msg) {
                 let writer = shared2.lock().expect("not poisoned").writer.clone();
                 if let Some(w) = writer {
-                    let _ = w.send(Response { process_index, kind });
+                    let _ = w.send(Response {
+                        process_index,
+                        kind,
+                    });
                 }
             }
         }
@@ -181,7 +203,11 @@ async fn serve(
 fn error_response(process_index: u32, kind: ErrorKind, message: String, seqno: u64) -> Response {
     Response {
         process_index,
-        kind: ResponseKind::Error(ErrorResponse { kind, message, seqno }),
+        kind: ResponseKind::Error(ErrorResponse {
+            kind,
+            message,
+            seqno,
+        }),
     }
 }
 
@@ -233,7 +259,11 @@ async fn connection(
         workers.send(&first);
         s.generation
     };
-    tracing::info!(epoch = hello.epoch, nonce = hello.nonce, "controller session started");
+    tracing::info!(
+        epoch = hello.epoch,
+        nonce = hello.nonce,
+        "controller session started"
+    );
 
     let writer = tokio::spawn(async move {
         while let Some(r) = wrx.recv().await {
@@ -255,7 +285,11 @@ async fn connection(
             None => break Ok(()),
             Some(Err(CodecError::Io(e))) => break Err(anyhow::anyhow!("connection lost: {e}")),
             Some(Err(e)) => {
-                send_current(&shared, generation, error_response(me, ErrorKind::Malformed, e.to_string(), expected));
+                send_current(
+                    &shared,
+                    generation,
+                    error_response(me, ErrorKind::Malformed, e.to_string(), expected),
+                );
                 break Err(anyhow::anyhow!("malformed frame: {e}"));
             }
             Some(Ok(cmd)) => cmd,
@@ -266,7 +300,11 @@ async fn connection(
             } else {
                 format!("expected sequence number {expected}, got {}", cmd.seqno)
             };
-            send_current(&shared, generation, error_response(me, ErrorKind::Sequence, msg.clone(), cmd.seqno));
+            send_current(
+                &shared,
+                generation,
+                error_response(me, ErrorKind::Sequence, msg.clone(), cmd.seqno),
+            );
             break Err(anyhow::anyhow!(msg));
         }
         expected += 1;

@@ -34,9 +34,9 @@ use differential_dataflow::trace::implementations::KeySpine;
 use differential_dataflow::trace::TraceReader;
 use lockstep_protocol::history::consolidate;
 use lockstep_protocol::{
-    Command, CommandHistory, CommandKind, CreationLogEntry, DataflowDescription, Digest,
-    ErrorKind, ErrorResponse, Frontier, Peek, PeekResult, Row, Status, Subscribe, SubscribeBatch,
-    Update, WriteInput,
+    Command, CommandHistory, CommandKind, CreationLogEntry, DataflowDescription, Digest, ErrorKind,
+    ErrorResponse, Frontier, Peek, PeekResult, Row, Status, Subscribe, SubscribeBatch, Update,
+    WriteInput,
 };
 use timely::dataflow::ProbeHandle;
 use timely::progress::Antichain;
@@ -181,7 +181,12 @@ fn read_trace(trace: &mut Trace) -> Vec<Update> {
 impl WorkerState {
     /// A worker with global index `index` of `peers`; `reports_errors` for the
     /// first worker of each process, which alone reports command errors.
-    pub fn new(index: usize, peers: usize, reports_errors: bool, tx: UnboundedSender<FromWorker>) -> Self {
+    pub fn new(
+        index: usize,
+        peers: usize,
+        reports_errors: bool,
+        tx: UnboundedSender<FromWorker>,
+    ) -> Self {
         WorkerState {
             index,
             peers,
@@ -209,7 +214,11 @@ impl WorkerState {
     fn error(&self, seqno: u64, kind: ErrorKind, message: String) {
         tracing::warn!(worker = self.index, seqno, %message, "command error");
         if self.reports_errors {
-            self.send(FromWorker::Error(ErrorResponse { kind, message, seqno }));
+            self.send(FromWorker::Error(ErrorResponse {
+                kind,
+                message,
+                seqno,
+            }));
         }
     }
 
@@ -251,10 +260,6 @@ impl WorkerState {
             return;
         }
         if let Some(buffer) = &mut self.reconciling {
-            if matches!(cmd.kind, CommandKind::StatusRequest) {
-                self.send(FromWorker::Status(self.status()));
-                return;
-            }
             let done = matches!(cmd.kind, CommandKind::InitializationComplete);
             buffer.push(cmd);
             if done {
@@ -282,7 +287,11 @@ impl WorkerState {
             .map(|(id, _)| *id)
             .collect();
         for id in stale {
-            tracing::info!(worker = self.index, dataflow = id, "reconciliation drops dataflow");
+            tracing::info!(
+                worker = self.index,
+                dataflow = id,
+                "reconciliation drops dataflow"
+            );
             self.drop_dataflow(worker, id);
         }
         self.history = CommandHistory::new();
@@ -310,7 +319,10 @@ impl WorkerState {
                         self.error(
                             seqno,
                             ErrorKind::InvalidCommand,
-                            format!("dataflow {} already exists with another description", desc.id),
+                            format!(
+                                "dataflow {} already exists with another description",
+                                desc.id
+                            ),
                         );
                         return;
                     }
@@ -383,7 +395,10 @@ impl WorkerState {
                     self.error(
                         seqno,
                         ErrorKind::InvalidCommand,
-                        format!("subscribe {} names unknown collection {}", s.subscribe_id, s.collection_id),
+                        format!(
+                            "subscribe {} names unknown collection {}",
+                            s.subscribe_id, s.collection_id
+                        ),
                     );
                     return;
                 }
@@ -393,7 +408,10 @@ impl WorkerState {
                     self.error(
                         seqno,
                         ErrorKind::InvalidCommand,
-                        format!("WriteInput to {}: update at time {} is not below the new upper {}", w.collection_id, u.time, w.upper),
+                        format!(
+                            "WriteInput to {}: update at time {} is not below the new upper {}",
+                            w.collection_id, u.time, w.upper
+                        ),
                     );
                     return;
                 }
@@ -485,7 +503,12 @@ impl WorkerState {
         for id in exports.keys() {
             self.collections.insert(*id, desc.id);
         }
-        tracing::debug!(worker = self.index, dataflow = desc.id, timely_index, "built dataflow");
+        tracing::debug!(
+            worker = self.index,
+            dataflow = desc.id,
+            timely_index,
+            "built dataflow"
+        );
         self.creation_log.push(CreationLogEntry {
             timely_index: timely_index as u64,
             dataflow_id: desc.id,
@@ -504,18 +527,30 @@ impl WorkerState {
     }
 
     /// Returns false if the collection is unknown.
-    fn allow_compaction(&mut self, worker: &mut Worker, collection: u64, frontier: Frontier) -> bool {
+    fn allow_compaction(
+        &mut self,
+        worker: &mut Worker,
+        collection: u64,
+        frontier: Frontier,
+    ) -> bool {
         let Some(&df) = self.collections.get(&collection) else {
             return false;
         };
-        let inst = self.dataflows.get_mut(&df).expect("collections index is in sync");
+        let inst = self
+            .dataflows
+            .get_mut(&df)
+            .expect("collections index is in sync");
         match frontier {
             Some(t) => {
                 let export = inst.exports.get_mut(&collection).expect("in sync");
                 if t > export.since {
                     export.since = t;
-                    export.trace.set_logical_compaction(Antichain::from_elem(t).borrow());
-                    export.trace.set_physical_compaction(Antichain::from_elem(t).borrow());
+                    export
+                        .trace
+                        .set_logical_compaction(Antichain::from_elem(t).borrow());
+                    export
+                        .trace
+                        .set_physical_compaction(Antichain::from_elem(t).borrow());
                 }
             }
             None => {
@@ -647,8 +682,10 @@ impl WorkerState {
                 Some(Some(lower)) if upper != Some(lower) => {
                     let mut tap = e.tap.borrow_mut();
                     let buf = tap.subs.entry(*sid).or_default();
-                    let (ready, rest): (Vec<Update>, Vec<Update>) =
-                        buf.drain(..).filter(|u| u.time >= lower).partition(|u| passed(upper, u.time));
+                    let (ready, rest): (Vec<Update>, Vec<Update>) = buf
+                        .drain(..)
+                        .filter(|u| u.time >= lower)
+                        .partition(|u| passed(upper, u.time));
                     *buf = rest;
                     batches.push(SubscribeBatch {
                         subscribe_id: *sid,
@@ -677,9 +714,16 @@ impl WorkerState {
 
     fn try_peek(&mut self, p: &Peek) -> Option<PeekResult> {
         let Some(df) = self.collections.get(&p.collection_id) else {
-            return Some(PeekResult::Error(format!("peek {}: unknown collection {}", p.peek_id, p.collection_id)));
+            return Some(PeekResult::Error(format!(
+                "peek {}: unknown collection {}",
+                p.peek_id, p.collection_id
+            )));
         };
-        let e = self.dataflows.get_mut(df)?.exports.get_mut(&p.collection_id)?;
+        let e = self
+            .dataflows
+            .get_mut(df)?
+            .exports
+            .get_mut(&p.collection_id)?;
         if p.timestamp < e.since {
             return Some(PeekResult::Error(format!(
                 "peek {} at {} is below collection {}'s compaction frontier {}",
@@ -695,7 +739,9 @@ impl WorkerState {
                 *acc.entry(u.row).or_default() += u.diff;
             }
         }
-        Some(PeekResult::Rows(acc.into_iter().filter(|(_, d)| *d != 0).collect()))
+        Some(PeekResult::Rows(
+            acc.into_iter().filter(|(_, d)| *d != 0).collect(),
+        ))
     }
 
     /// The IDs of installed dataflows.
@@ -721,7 +767,12 @@ pub fn run_worker(
     workers_per_process: usize,
 ) {
     let index = worker.index();
-    let mut state = WorkerState::new(index, worker.peers(), index % workers_per_process == 0, tx);
+    let mut state = WorkerState::new(
+        index,
+        worker.peers(),
+        index.is_multiple_of(workers_per_process),
+        tx,
+    );
     loop {
         loop {
             match commands.try_recv() {

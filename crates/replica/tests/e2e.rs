@@ -22,15 +22,220 @@ async fn every_operator_matches_the_reference() {
         let coll = d.exports[0].collection_id;
         for t in 0..4 {
             let got = as_multiset(c.peek(coll, t).await.unwrap());
-            assert_eq!(got, reference(d, &writes, t), "dataflow {} at time {t}", d.id);
+            assert_eq!(
+                got,
+                reference(d, &writes, t),
+                "dataflow {} at time {t}",
+                d.id
+            );
         }
     }
     // I1: every worker built the same dataflows in the same order.
     let statuses = c.statuses().await.unwrap();
     assert_eq!(statuses.len(), 4);
     for s in &statuses {
-        assert_eq!(s.creation_log, statuses[0].creation_log, "worker {}", s.worker_index);
+        assert_eq!(
+            s.creation_log, statuses[0].creation_log,
+            "worker {}",
+            s.worker_index
+        );
         assert_eq!(s.creation_log.len(), dataflows.len());
     }
     c.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribe_streams_every_change() {
+    let r = start_replica(2, 2, 2).await;
+    let c = controller(&r, 1, CommandHistory::new());
+    let dataflows = operator_dataflows();
+    let reduce = dataflows.iter().find(|d| d.id == 14).unwrap().clone();
+    let join = dataflows.iter().find(|d| d.id == 13).unwrap().clone();
+    c.create_dataflow(reduce.clone()).unwrap();
+    c.create_dataflow(join.clone()).unwrap();
+    let writes = operator_writes();
+    // Half the writes before subscribing (the snapshot), half after.
+    for (coll, ups, upper) in &writes[..2] {
+        c.write_input(*coll, ups.clone(), *upper).unwrap();
+    }
+    let mut subs = Vec::new();
+    for d in [&reduce, &join] {
+        let coll = d.exports[0].collection_id;
+        c.wait_for_frontier(coll, 0).await.unwrap();
+        subs.push((d, c.subscribe(coll, 0).unwrap()));
+    }
+    for (coll, ups, upper) in &writes[2..] {
+        c.write_input(*coll, ups.clone(), *upper).unwrap();
+    }
+    for (d, mut rx) in subs {
+        let mut acc: Vec<lockstep_protocol::Update> = Vec::new();
+        let mut upper = Some(0);
+        while upper.is_some_and(|u| u < 4) {
+            let b = tokio::time::timeout(std::time::Duration::from_secs(20), rx.recv())
+                .await
+                .expect("subscribe batch within 20 s")
+                .expect("subscription open");
+            assert!(b
+                .updates
+                .iter()
+                .all(|u| b.upper.is_none_or(|up| u.time < up)));
+            acc.extend(b.updates);
+            upper = b.upper;
+        }
+        for t in 0..4 {
+            let got = lockstep_protocol::reference::at_time(&acc, t);
+            assert_eq!(
+                got,
+                reference(d, &writes, t),
+                "subscription to dataflow {} at {t}",
+                d.id
+            );
+        }
+    }
+    c.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_restart_keeps_unchanged_dataflows() {
+    let r = start_replica(3, 2, 2).await;
+    let a = controller(&r, 1, CommandHistory::new());
+    let dataflows = operator_dataflows();
+    for d in &dataflows {
+        a.create_dataflow(d.clone()).unwrap();
+    }
+    let writes = operator_writes();
+    for (coll, ups, upper) in &writes {
+        a.write_input(*coll, ups.clone(), *upper).unwrap();
+    }
+    for d in &dataflows {
+        a.wait_for_frontier(d.exports[0].collection_id, 3)
+            .await
+            .unwrap();
+    }
+    let before = a.statuses().await.unwrap();
+    let history = a.history().await.unwrap();
+    a.shutdown();
+
+    // A new controller (a restarted environment) with the same target state.
+    let b = controller(&r, 2, history.clone());
+    let after = b.statuses().await.unwrap();
+    for (x, y) in before.iter().zip(&after) {
+        assert_eq!(
+            x.creation_log, y.creation_log,
+            "worker {} rebuilt a dataflow",
+            x.worker_index
+        );
+    }
+    for d in &dataflows {
+        let coll = d.exports[0].collection_id;
+        for t in 0..4 {
+            assert_eq!(
+                as_multiset(b.peek(coll, t).await.unwrap()),
+                reference(d, &writes, t)
+            );
+        }
+    }
+    // A third controller wants one dataflow fewer and one new one.
+    let mut changed = history;
+    let gone = &dataflows[0];
+    changed.push(lockstep_protocol::CommandKind::AllowCompaction {
+        collection_id: gone.exports[0].collection_id,
+        frontier: None,
+    });
+    let new = dataflow(
+        20,
+        &[1, 2],
+        lockstep_protocol::Plan::Join {
+            left: get(2),
+            right: get(1),
+            left_key: 0,
+            right_key: 0,
+        },
+    );
+    changed.push(lockstep_protocol::CommandKind::CreateDataflow(new.clone()));
+    b.shutdown();
+    let c = controller(&r, 3, changed);
+    let statuses = c.statuses().await.unwrap();
+    for s in &statuses {
+        assert!(
+            !s.installed.contains(&gone.id),
+            "worker {} still runs dataflow {}",
+            s.worker_index,
+            gone.id
+        );
+        assert!(s.installed.contains(&new.id));
+        assert_eq!(
+            s.creation_log.len(),
+            before[0].creation_log.len() + 1,
+            "only the new dataflow was built"
+        );
+        assert_eq!(s.creation_log, statuses[0].creation_log);
+    }
+    assert_eq!(
+        as_multiset(c.peek(1020, 3).await.unwrap()),
+        reference(&new, &writes, 3)
+    );
+    c.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_process_is_reported_and_the_replica_recovers() {
+    use lockstep_controller::Event;
+    use lockstep_orchestrator::Orchestrator;
+    let r = start_replica(4, 2, 2).await;
+    let c = controller(&r, 1, CommandHistory::new());
+    let mut events = c.events();
+    let d = operator_dataflows().remove(4); // the reduce
+    c.create_dataflow(d.clone()).unwrap();
+    let writes = operator_writes();
+    for (coll, ups, upper) in &writes {
+        c.write_input(*coll, ups.clone(), *upper).unwrap();
+    }
+    assert_eq!(
+        as_multiset(c.peek(1014, 3).await.unwrap()),
+        reference(&d, &writes, 3)
+    );
+
+    let services = r.orchestrator.list_services().await.unwrap();
+    let pid = services[0].processes[1].pid.expect("process 1 runs");
+    let killed = std::time::Instant::now();
+    let rc = unsafe_free_kill(pid);
+    assert!(rc, "kill -9 {pid}");
+    // Reported within the bound: a lost connection is noticed at once.
+    let reported = loop {
+        let e = tokio::time::timeout(std::time::Duration::from_secs(5), events.recv())
+            .await
+            .expect("an event within 5 s of the kill")
+            .unwrap();
+        if matches!(e, Event::Disconnected { .. } | Event::ProcessSilent { .. }) {
+            break killed.elapsed();
+        }
+    };
+    assert!(
+        reported < std::time::Duration::from_secs(3),
+        "reported after {reported:?}"
+    );
+    // The orchestrator restarts the processes, the controller reconnects and
+    // rehydrates, and the answers are right again.
+    assert_eq!(
+        as_multiset(c.peek(1014, 3).await.unwrap()),
+        reference(&d, &writes, 3)
+    );
+    let statuses = c.statuses().await.unwrap();
+    for s in &statuses {
+        assert_eq!(s.creation_log, statuses[0].creation_log);
+    }
+    eprintln!(
+        "kill reported after {reported:?}, recovered after {:?}",
+        killed.elapsed()
+    );
+    c.shutdown();
+}
+
+fn unsafe_free_kill(pid: u32) -> bool {
+    std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
 }

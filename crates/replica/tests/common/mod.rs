@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use lockstep_controller::{Controller, ReplicaAddrs, Timeouts};
-use lockstep_orchestrator::process::{kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig};
+use lockstep_orchestrator::process::{
+    kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
+};
 use lockstep_orchestrator::{Orchestrator, ServiceConfig, ServiceStatus};
 use lockstep_policy::FixedStrategy;
 use lockstep_protocol::reference::{evaluate, Multiset};
@@ -30,34 +32,43 @@ impl Drop for TestReplica {
 
 /// The service config of a replica of the real `lockstep-replica` binary.
 pub fn replica_service(replica_id: u64, processes: usize, workers: u32) -> ServiceConfig {
-    ServiceConfig::new(format!("replica-{replica_id}"), replica_id, env!("CARGO_BIN_EXE_lockstep-replica"))
-        .scale(processes)
-        .port("timely")
-        .port("controller")
-        .env("RUST_LOG", "warn")
-        .args(move |a| {
-            vec![
-                format!("--replica-id={replica_id}"),
-                format!("--process={}", a.process),
-                format!("--processes={}", a.scale),
-                format!("--workers={workers}"),
-                format!("--timely-port={}", a.port("timely")),
-                format!("--controller-port={}", a.port("controller")),
-                format!("--peers={}", a.peer_addrs("timely").join(",")),
-            ]
-        })
+    ServiceConfig::new(
+        format!("replica-{replica_id}"),
+        replica_id,
+        env!("CARGO_BIN_EXE_lockstep-replica"),
+    )
+    .scale(processes)
+    .port("timely")
+    .port("controller")
+    .env("RUST_LOG", "warn")
+    .args(move |a| {
+        vec![
+            format!("--replica-id={replica_id}"),
+            format!("--process={}", a.process),
+            format!("--processes={}", a.scale),
+            format!("--workers={workers}"),
+            format!("--timely-port={}", a.port("timely")),
+            format!("--controller-port={}", a.port("controller")),
+            format!("--peers={}", a.peer_addrs("timely").join(",")),
+        ]
+    })
 }
 
 pub async fn start_replica(replica_id: u64, processes: usize, workers: u32) -> TestReplica {
     let dir = tempfile::tempdir().expect("tempdir");
-    let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1)).expect("orchestrator");
+    let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
+        .expect("orchestrator");
     let status = orchestrator
         .ensure_service(replica_service(replica_id, processes, workers))
         .await
         .expect("ensure replica");
     let addrs = ReplicaAddrs {
         replica_id,
-        processes: status.processes.iter().map(|p| p.addresses["controller"]).collect(),
+        processes: status
+            .processes
+            .iter()
+            .map(|p| p.addresses["controller"])
+            .collect(),
         workers_per_process: workers,
     };
     TestReplica {
@@ -158,23 +169,46 @@ pub fn operator_dataflows() -> Vec<DataflowDescription> {
                 aggregates: vec![Aggregate::Count, Aggregate::Sum(1)],
             },
         ),
-        dataflow(15, &[2], Plan::Arrange { input: get(2), key: vec![1] }),
+        dataflow(
+            15,
+            &[2],
+            Plan::Arrange {
+                input: get(2),
+                key: vec![1],
+            },
+        ),
     ]
 }
 
 /// Inputs with retractions over several timestamps: (collection, updates, upper).
 pub fn operator_writes() -> Vec<(u64, Vec<Update>, u64)> {
     vec![
-        (1, vec![u(&[1, 10], 0, 1), u(&[2, 20], 0, 1), u(&[3, 30], 0, 2)], 1),
-        (2, vec![u(&[1, 100], 0, 1), u(&[2, 200], 0, 1), u(&[9, 900], 0, 1)], 1),
-        (1, vec![u(&[1, 10], 1, -1), u(&[1, 11], 1, 1), u(&[4, 40], 1, 1)], 2),
+        (
+            1,
+            vec![u(&[1, 10], 0, 1), u(&[2, 20], 0, 1), u(&[3, 30], 0, 2)],
+            1,
+        ),
+        (
+            2,
+            vec![u(&[1, 100], 0, 1), u(&[2, 200], 0, 1), u(&[9, 900], 0, 1)],
+            1,
+        ),
+        (
+            1,
+            vec![u(&[1, 10], 1, -1), u(&[1, 11], 1, 1), u(&[4, 40], 1, 1)],
+            2,
+        ),
         (2, vec![u(&[2, 200], 2, -1), u(&[4, 400], 2, 3)], 3),
         (1, vec![u(&[3, 30], 3, -2), u(&[2, 25], 3, 1)], 4),
         (2, vec![], 4),
     ]
 }
 
-pub fn reference(desc: &DataflowDescription, writes: &[(u64, Vec<Update>, u64)], t: u64) -> Multiset {
+pub fn reference(
+    desc: &DataflowDescription,
+    writes: &[(u64, Vec<Update>, u64)],
+    t: u64,
+) -> Multiset {
     let mut inputs: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
     for (c, ups, _) in writes {
         inputs.entry(*c).or_default().extend(ups.iter().cloned());

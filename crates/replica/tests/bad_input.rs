@@ -1,0 +1,133 @@
+//! Bad input on real processes: each gets a clear error and disturbs nothing.
+
+mod common;
+
+use common::*;
+use futures::{SinkExt, StreamExt};
+use lockstep_controller::Event;
+use lockstep_protocol::{
+    Command, CommandHistory, CommandKind, ControllerCodec, ErrorKind, ResponseKind, Strategy,
+    PROTOCOL_VERSION,
+};
+use tokio::io::AsyncWriteExt;
+use tokio_util::codec::Framed;
+
+async fn first_error(
+    addr: std::net::SocketAddr,
+    send: impl FnOnce(&mut Framed<tokio::net::TcpStream, ControllerCodec>) -> Option<Command>,
+    raw: Option<&[u8]>,
+) -> lockstep_protocol::ErrorResponse {
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    if let Some(bytes) = raw {
+        sock.write_all(bytes).await.unwrap();
+    }
+    let mut framed = Framed::new(sock, ControllerCodec::default());
+    if let Some(cmd) = send(&mut framed) {
+        framed.send(cmd).await.unwrap();
+    }
+    let resp = tokio::time::timeout(std::time::Duration::from_secs(10), framed.next())
+        .await
+        .expect("an answer within 10 s")
+        .expect("a frame")
+        .expect("a valid frame");
+    match resp.kind {
+        ResponseKind::Error(e) => e,
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
+    let r = start_replica(5, 2, 2).await;
+    let c = controller(&r, 5, CommandHistory::new());
+    let mut events = c.events();
+    let d = operator_dataflows().remove(3); // the join
+    c.create_dataflow(d.clone()).unwrap();
+    let writes = operator_writes();
+    for (coll, ups, upper) in &writes {
+        c.write_input(*coll, ups.clone(), *upper).unwrap();
+    }
+    assert_eq!(
+        as_multiset(c.peek(1013, 3).await.unwrap()),
+        reference(&d, &writes, 3)
+    );
+    let addr = r.addrs.processes[1];
+
+    // A peer speaking another protocol version.
+    let mut hello = r.addrs.identity(1).hello(9, 42);
+    hello.protocol_version = PROTOCOL_VERSION + 1;
+    let e = first_error(
+        addr,
+        |_| {
+            Some(Command {
+                seqno: 0,
+                strategy: Strategy::Barrier,
+                kind: CommandKind::Hello(hello),
+            })
+        },
+        None,
+    )
+    .await;
+    assert_eq!(e.kind, ErrorKind::VersionMismatch);
+    assert!(
+        e.message.contains(&format!("version {PROTOCOL_VERSION}"))
+            && e.message
+                .contains(&format!("version {}", PROTOCOL_VERSION + 1)),
+        "{}",
+        e.message
+    );
+
+    // A stale controller.
+    let stale = r.addrs.identity(1).hello(4, 43);
+    let e = first_error(
+        addr,
+        |_| {
+            Some(Command {
+                seqno: 0,
+                strategy: Strategy::Barrier,
+                kind: CommandKind::Hello(stale),
+            })
+        },
+        None,
+    )
+    .await;
+    assert_eq!(e.kind, ErrorKind::StaleEpoch, "{}", e.message);
+
+    // A malformed frame: a length prefix followed by garbage.
+    let e = first_error(addr, |_| None, Some(&[0, 0, 0, 3, 0xff, 0xff, 0xff])).await;
+    assert_eq!(e.kind, ErrorKind::Malformed, "{}", e.message);
+
+    // A plan naming an unknown collection.
+    let mut bad = dataflow(30, &[1], lockstep_protocol::Plan::Get { collection_id: 77 });
+    bad.debug_name = "bad".into();
+    c.create_dataflow(bad).unwrap();
+    let err = loop {
+        let e = tokio::time::timeout(std::time::Duration::from_secs(10), events.recv())
+            .await
+            .expect("an error event")
+            .unwrap();
+        if let Event::ReplicaError { error, .. } = e {
+            break error;
+        }
+    };
+    assert_eq!(err.kind, ErrorKind::InvalidCommand);
+    assert!(err.message.contains("collection 77"), "{}", err.message);
+
+    // A peek at a compacted time.
+    c.allow_compaction(1013, Some(2)).unwrap();
+    let e = c.peek(1013, 1).await.unwrap_err();
+    assert!(e.to_string().contains("compaction frontier"), "{e}");
+
+    // Nothing else was disturbed: same answers, workers in lockstep, the bad
+    // dataflow built nowhere.
+    assert_eq!(
+        as_multiset(c.peek(1013, 3).await.unwrap()),
+        reference(&d, &writes, 3)
+    );
+    let statuses = c.statuses().await.unwrap();
+    for s in &statuses {
+        assert_eq!(s.creation_log, statuses[0].creation_log);
+        assert_eq!(s.installed, vec![13]);
+    }
+    c.shutdown();
+}
