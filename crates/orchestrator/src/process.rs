@@ -539,14 +539,9 @@ impl Inner {
             .process_group(0);
         let child = cmd.spawn()?;
         let pid = child.id();
-        let start = match proc_start_time(pid) {
-            Some(s) => s,
-            None => {
-                // It died at once (and is a zombie we can read no more of);
-                // record a start time that can never match, so it counts as dead.
-                0
-            }
-        };
+        // If it died at once (a zombie we can read no more of), 0 is a start
+        // time that never matches, so it counts as dead.
+        let start = proc_start_time(pid).unwrap_or_default();
         self.children.lock().expect("poisoned").insert(pid, child);
         tracing::info!(service = %record.name, process = i, pid, "started");
         Ok((pid, start))
@@ -908,6 +903,16 @@ pub fn kill_all_services(state_dir: &Path) -> Result<usize, StateError> {
     if !dir.exists() {
         return Ok(0);
     }
+    // Under the lock, so that no supervisor restarts a process in between:
+    // one that restarts later finds the record gone and stops.
+    let lock_path = state_dir.join("orchestrator.lock");
+    let lock = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&lock_path)
+        .map_err(|e| Inner::state_err(&lock_path, e))?;
+    lock.lock().map_err(|e| Inner::state_err(&lock_path, e))?;
+    let _lock = DirLock(lock);
     let mut killed = 0;
     let entries = std::fs::read_dir(&dir).map_err(|e| Inner::state_err(&dir, e))?;
     for entry in entries.flatten() {

@@ -1,0 +1,210 @@
+//! The environment on real processes: the seed's three-controller timeline
+//! and the other orphan scenarios for every rule (the negative control must
+//! be caught), the `lockstep` CLI, halting when overtaken, and bad input.
+
+use std::path::Path;
+use std::process::Output;
+
+use lockstep_environment::chaos::{
+    cli, o4_control, stale_binary_halts, stale_halts_on_write, stale_loads_before_newer_creates,
+    timeline, EnvProcess, Outcome, Sandbox,
+};
+
+fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_lockstep"))
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn is_o1_violation(o: &Outcome) -> bool {
+    matches!(o, Outcome::Violation(v) if v.starts_with("O1"))
+}
+
+#[tokio::test]
+async fn the_seed_timeline_keeps_o1_to_o4_with_epoch_and_id_watermark() {
+    for rule in ["epoch", "id-watermark"] {
+        assert_eq!(timeline(rule, true).await, Outcome::Pass, "rule {rule}");
+    }
+}
+
+#[tokio::test]
+async fn the_seed_timeline_catches_catalog_only() {
+    let o = timeline("catalog-only", true).await;
+    assert!(is_o1_violation(&o), "{o:?}");
+}
+
+#[tokio::test]
+async fn without_conditional_writes_a_stale_ensure_sends_the_label_backwards() {
+    // o4_control passes only when the harness saw the label go backwards.
+    for rule in ["epoch", "id-watermark", "catalog-only"] {
+        assert_eq!(o4_control(rule).await, Outcome::Pass, "rule {rule}");
+    }
+}
+
+#[tokio::test]
+async fn a_replica_created_after_a_stale_load_survives_only_the_safe_rules() {
+    for rule in ["epoch", "id-watermark"] {
+        assert_eq!(
+            stale_loads_before_newer_creates(rule).await,
+            Outcome::Pass,
+            "rule {rule}"
+        );
+    }
+    let o = stale_loads_before_newer_creates("catalog-only").await;
+    assert!(is_o1_violation(&o), "catalog-only must be caught: {o:?}");
+}
+
+#[tokio::test]
+async fn a_stale_environment_halts_on_its_next_catalog_write() {
+    for rule in ["epoch", "id-watermark", "catalog-only"] {
+        assert_eq!(
+            stale_halts_on_write(rule).await,
+            Outcome::Pass,
+            "rule {rule}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_stale_lockstep_process_exits_saying_another_controller_took_over() {
+    assert_eq!(
+        stale_binary_halts(bin(), "id-watermark").await,
+        Outcome::Pass
+    );
+}
+
+#[tokio::test]
+async fn the_cli_creates_lists_and_drops_replicas() {
+    let sandbox = Sandbox::new().unwrap();
+    let env = EnvProcess::start(bin(), sandbox.path(), "epoch", None, &[])
+        .await
+        .unwrap();
+    let url = env.url.as_str();
+    let o = cli(
+        bin(),
+        url,
+        &["create", "r1", "--processes", "2", "--workers", "3"],
+    )
+    .await
+    .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("created replica r1 (id 1)"),
+        "{}",
+        stdout(&o)
+    );
+    let o = cli(bin(), url, &["list"]).await.unwrap();
+    let list = stdout(&o);
+    assert!(list.contains("r1"), "{list}");
+    assert_eq!(list.matches(" running ").count(), 2, "{list}");
+    assert!(list.contains("timely=127.0.0.1:"), "{list}");
+    let services = sandbox.services().await.unwrap();
+    assert_eq!(services.len(), 1);
+    assert_eq!(services[0].processes.len(), 2);
+
+    let o = cli(bin(), url, &["create", "r1"]).await.unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("exists already"), "{}", stderr(&o));
+    let o = cli(bin(), url, &["create", "r2", "--processes", "0"])
+        .await
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("at least one process"),
+        "{}",
+        stderr(&o)
+    );
+    let o = cli(bin(), url, &["drop", "nope"]).await.unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no replica"), "{}", stderr(&o));
+
+    let o = cli(bin(), url, &["drop", "r1"]).await.unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(sandbox.services().await.unwrap().is_empty());
+    let o = cli(bin(), url, &["list"]).await.unwrap();
+    assert!(!stdout(&o).contains("r1"));
+}
+
+async fn serve_fails(state_dir: &Path, extra: &[&str]) -> String {
+    let o = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        tokio::process::Command::new(bin())
+            .args(["serve", "--state-dir"])
+            .arg(state_dir)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(extra)
+            .output(),
+    )
+    .await
+    .expect("lockstep serve did not exit")
+    .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    stderr(&o)
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_clearly_and_deletes_nothing() {
+    let sandbox = Sandbox::new().unwrap();
+    let sleep = ["--service-binary", "sleep", "--service-arg", "300"];
+
+    let err = serve_fails(&sandbox.path().join("missing"), &sleep).await;
+    assert!(err.contains("does not exist"), "{err}");
+    assert!(!sandbox.path().join("missing").exists(), "not created");
+    let file = sandbox.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    let err = serve_fails(&file, &sleep).await;
+    assert!(err.contains("is not a directory"), "{err}");
+    // Even root cannot create files in /proc.
+    let err = serve_fails(Path::new("/proc"), &sleep).await;
+    assert!(err.contains("not writable"), "{err}");
+
+    // A running environment with a replica, then crashed.
+    let state_sandbox = Sandbox::new().unwrap();
+    let state = state_sandbox.path().to_path_buf();
+    let mut env = EnvProcess::start(bin(), &state, "id-watermark", None, &[])
+        .await
+        .unwrap();
+    let o = cli(bin(), &env.url, &["create", "r1", "--processes", "2"])
+        .await
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    env.kill().await.unwrap();
+    let services_dir = state.join("orchestrator");
+    let list = |dir: std::path::PathBuf| async move {
+        let o = lockstep_orchestrator::process::ProcessOrchestrator::new(
+            lockstep_orchestrator::process::ProcessOrchestratorConfig::new(dir, 0),
+        )
+        .unwrap();
+        use lockstep_orchestrator::Orchestrator;
+        o.list_services().await.unwrap()
+    };
+    let before = list(services_dir.clone()).await;
+    assert!(before[0].processes.iter().all(|p| p.running));
+    let catalog = state.join("catalog.db");
+    let catalog_bytes = std::fs::read(&catalog).unwrap();
+
+    let err = serve_fails(
+        &state,
+        &["--service-binary", "/nonexistent/lockstep-replica"],
+    )
+    .await;
+    assert!(
+        err.contains("service binary /nonexistent/lockstep-replica does not exist"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&catalog).unwrap(), catalog_bytes);
+    assert_eq!(list(services_dir.clone()).await, before, "nothing deleted");
+
+    let garbage = b"definitely not SQLite".repeat(300);
+    std::fs::write(&catalog, &garbage).unwrap();
+    let err = serve_fails(&state, &sleep).await;
+    assert!(err.contains("corrupt"), "{err}");
+    assert_eq!(std::fs::read(&catalog).unwrap(), garbage, "not modified");
+    assert_eq!(list(services_dir).await, before, "nothing deleted");
+}

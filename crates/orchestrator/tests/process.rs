@@ -1,0 +1,407 @@
+//! The process backend on real OS processes: assignment of ports and
+//! arguments, adoption across orchestrator instances, restart on crash with
+//! watch events, conditional writes (O4), process-group kill, PID-reuse
+//! guard, and bad input.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use lockstep_orchestrator::process::{
+    kill_all_services, Backoff, NewError, ProcessOrchestrator, ProcessOrchestratorConfig,
+};
+use lockstep_orchestrator::{
+    EnsureError, Orchestrator, ServiceConfig, ServiceEventKind, EPOCH_LABEL, ID_LABEL,
+};
+
+/// A state directory whose services are killed when the test ends, however it ends.
+struct Sandbox(tempfile::TempDir);
+
+impl Sandbox {
+    fn new() -> Sandbox {
+        Sandbox(tempfile::tempdir().unwrap())
+    }
+    fn path(&self) -> &Path {
+        self.0.path()
+    }
+    fn orchestrator(&self, epoch: u64) -> ProcessOrchestrator {
+        let mut config = ProcessOrchestratorConfig::new(self.path(), epoch);
+        config.backoff = Backoff {
+            initial: Duration::from_millis(50),
+            max: Duration::from_millis(200),
+            reset_after: Duration::from_secs(10),
+        };
+        config.poll_interval = Duration::from_millis(20);
+        ProcessOrchestrator::new(config).unwrap()
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        let _ = kill_all_services(self.path());
+    }
+}
+
+fn sleeper(name: &str, id: u64, scale: usize) -> ServiceConfig {
+    ServiceConfig::new(name, id, "sleep")
+        .scale(scale)
+        .fixed_args(["300"])
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            let state = s[s.rfind(')').unwrap() + 2..].chars().next();
+            state != Some('Z')
+        })
+        .unwrap_or(false)
+}
+
+async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn every_process_is_told_its_ports_and_its_peers() {
+    let sandbox = Sandbox::new();
+    let out: PathBuf = sandbox.path().join("args");
+    std::fs::create_dir(&out).unwrap();
+    let o = sandbox.orchestrator(1);
+    let dir = out.clone();
+    let config = ServiceConfig::new("replica-1", 1, "sh")
+        .scale(3)
+        .port("timely")
+        .port("controller")
+        .label("replica-name", "r1")
+        .args(move |a| {
+            vec![
+                "-c".into(),
+                format!(
+                    "echo \"$@\" > {}/{}; exec sleep 300",
+                    dir.display(),
+                    a.process
+                ),
+                "sh".into(),
+                format!("--process={}", a.process),
+                format!("--processes={}", a.scale),
+                format!("--timely-port={}", a.port("timely")),
+                format!("--controller-port={}", a.port("controller")),
+                format!("--peers={}", a.peer_addrs("timely").join(",")),
+            ]
+        });
+    let status = o.ensure_service(config).await.unwrap();
+    assert_eq!(status.processes.len(), 3);
+    assert_eq!(status.labels[EPOCH_LABEL], "1");
+    assert_eq!(status.labels[ID_LABEL], "1");
+    assert_eq!(status.labels["replica-name"], "r1");
+    let peers: Vec<String> = status
+        .processes
+        .iter()
+        .map(|p| p.addresses["timely"].to_string())
+        .collect();
+    let mut all_ports: Vec<u16> = status
+        .processes
+        .iter()
+        .flat_map(|p| p.addresses.values().map(|a| a.port()))
+        .collect();
+    all_ports.sort();
+    all_ports.dedup();
+    assert_eq!(
+        all_ports.len(),
+        6,
+        "every port of every process is distinct"
+    );
+    for p in &status.processes {
+        let file = out.join(p.index.to_string());
+        eventually("the process to write its args", || file.exists()).await;
+        let mut args = String::new();
+        eventually("the args to be complete", || {
+            args = std::fs::read_to_string(&file).unwrap();
+            args.ends_with('\n')
+        })
+        .await;
+        assert_eq!(
+            args.trim(),
+            format!(
+                "--process={} --processes=3 --timely-port={} --controller-port={} --peers={}",
+                p.index,
+                p.addresses["timely"].port(),
+                p.addresses["controller"].port(),
+                peers.join(",")
+            )
+        );
+    }
+    assert!(o.drop_service("replica-1").await.unwrap());
+    assert!(!o.drop_service("replica-1").await.unwrap());
+    for p in &status.processes {
+        assert!(!alive(p.pid.unwrap()));
+    }
+}
+
+#[tokio::test]
+async fn a_new_orchestrator_adopts_running_services_without_restarting_them() {
+    let sandbox = Sandbox::new();
+    let first = sandbox.orchestrator(1);
+    let before = first
+        .ensure_service(sleeper("replica-1", 1, 2).port("timely"))
+        .await
+        .unwrap();
+    drop(first); // the controller goes away; its services stay
+    for p in &before.processes {
+        assert!(alive(p.pid.unwrap()));
+    }
+    let second = sandbox.orchestrator(2);
+    let listed = second.list_services().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].epoch, 1);
+    assert!(listed[0].processes.iter().all(|p| p.running));
+    let mut events = second.watch_services();
+    let after = second
+        .ensure_service(sleeper("replica-1", 1, 2).port("timely"))
+        .await
+        .unwrap();
+    assert_eq!(after.epoch, 2, "the label moves forward");
+    let pids = |s: &lockstep_orchestrator::ServiceStatus| {
+        s.processes.iter().map(|p| p.pid).collect::<Vec<_>>()
+    };
+    assert_eq!(pids(&before), pids(&after), "adopted, not restarted");
+    assert!(matches!(
+        events.try_recv().unwrap().kind,
+        ServiceEventKind::Adopted { .. }
+    ));
+
+    // A changed spec replaces the processes.
+    let changed = second
+        .ensure_service(sleeper("replica-1", 1, 3).port("timely"))
+        .await
+        .unwrap();
+    assert_eq!(changed.processes.len(), 3);
+    for p in &before.processes {
+        assert!(!alive(p.pid.unwrap()), "the old processes are gone");
+    }
+}
+
+#[tokio::test]
+async fn a_crashed_process_is_restarted_with_backoff_and_reported() {
+    let sandbox = Sandbox::new();
+    let o = sandbox.orchestrator(1);
+    let mut events = o.watch_services();
+    let status = o.ensure_service(sleeper("replica-1", 1, 2)).await.unwrap();
+    let victim = status.processes[1].pid.unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !seen
+        .iter()
+        .any(|k| matches!(k, ServiceEventKind::Started { pid } if *pid != victim))
+    {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let e = tokio::time::timeout(left, events.recv())
+            .await
+            .expect("no restart within 10 s")
+            .unwrap();
+        if e.process == Some(1) {
+            seen.push(e.kind);
+        }
+    }
+    assert!(seen
+        .iter()
+        .any(|k| matches!(k, ServiceEventKind::Exited { pid, .. } if *pid == victim)));
+    assert!(seen
+        .iter()
+        .any(|k| matches!(k, ServiceEventKind::Restarting { attempt: 1, .. })));
+    let listed = o.list_services().await.unwrap();
+    let p = &listed[0].processes[1];
+    assert!(p.running);
+    assert_eq!(p.restarts, 1);
+    assert_ne!(p.pid, Some(victim));
+    assert_eq!(
+        listed[0].processes[0].pid, status.processes[0].pid,
+        "the other process was left alone"
+    );
+}
+
+#[tokio::test]
+async fn an_adopted_process_that_crashes_is_restarted_too() {
+    let sandbox = Sandbox::new();
+    let first = sandbox.orchestrator(1);
+    first
+        .ensure_service(sleeper("replica-1", 1, 1))
+        .await
+        .unwrap();
+    drop(first);
+    let second = sandbox.orchestrator(2);
+    let status = second
+        .ensure_service(sleeper("replica-1", 1, 1))
+        .await
+        .unwrap();
+    let victim = status.processes[0].pid.unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let listed = second.list_services().await.unwrap();
+        let p = &listed[0].processes[0];
+        if p.running && p.pid != Some(victim) {
+            assert_eq!(p.restarts, 1);
+            break;
+        }
+        assert!(Instant::now() < deadline, "not restarted: {p:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn ensure_is_conditional_on_the_epoch_unless_switched_off() {
+    let sandbox = Sandbox::new();
+    let newer = sandbox.orchestrator(3);
+    let stale = sandbox.orchestrator(2);
+    let s = newer
+        .ensure_service(sleeper("replica-1", 1, 1))
+        .await
+        .unwrap();
+    let err = stale
+        .ensure_service(sleeper("replica-1", 1, 2))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EnsureError::StaleEpoch {
+                stored: 3,
+                ours: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("another controller took over"));
+    let listed = newer.list_services().await.unwrap();
+    assert_eq!(listed[0].epoch, 3);
+    assert_eq!(listed[0].processes.len(), 1, "the spec was not overwritten");
+    assert_eq!(listed[0].processes[0].pid, s.processes[0].pid);
+
+    // The negative test: without the condition the stale write goes through
+    // and the label goes backwards.
+    let mut config = ProcessOrchestratorConfig::new(sandbox.path(), 2);
+    config.conditional_writes = false;
+    let unconditional = ProcessOrchestrator::new(config).unwrap();
+    let s = unconditional
+        .ensure_service(sleeper("replica-1", 1, 2))
+        .await
+        .unwrap();
+    assert_eq!(s.epoch, 2);
+    assert_eq!(s.processes.len(), 2);
+    assert_eq!(newer.list_services().await.unwrap()[0].epoch, 2);
+}
+
+#[tokio::test]
+async fn dropping_kills_the_whole_process_group() {
+    let sandbox = Sandbox::new();
+    let o = sandbox.orchestrator(1);
+    let pidfile = sandbox.path().join("grandchild.pid");
+    let config = ServiceConfig::new("replica-1", 1, "sh").fixed_args([
+        "-c".to_string(),
+        format!("sleep 300 & echo $! > {}; wait", pidfile.display()),
+    ]);
+    o.ensure_service(config).await.unwrap();
+    eventually("the grandchild", || {
+        std::fs::read_to_string(&pidfile).is_ok_and(|s| s.ends_with('\n'))
+    })
+    .await;
+    let grandchild: u32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(alive(grandchild));
+    assert!(o.drop_service("replica-1").await.unwrap());
+    eventually("the grandchild to die", || !alive(grandchild)).await;
+}
+
+#[tokio::test]
+async fn a_reused_pid_is_never_ours() {
+    let sandbox = Sandbox::new();
+    let o = sandbox.orchestrator(1);
+    o.ensure_service(sleeper("replica-1", 1, 1)).await.unwrap();
+    drop(o); // no supervisor may react to the rewrite below
+             // Rewrite the record as if the process had died and the OS had given its
+             // PID to this test process: same PID scheme, different start time.
+    let path = sandbox.path().join("services/replica-1.json");
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let real = record["processes"][0]["pid"].as_u64().unwrap() as u32;
+    record["processes"][0]["pid"] = std::process::id().into();
+    record["processes"][0]["start_time"] = 1.into();
+    std::fs::write(&path, serde_json::to_vec(&record).unwrap()).unwrap();
+    let o = sandbox.orchestrator(1);
+    let listed = o.list_services().await.unwrap();
+    assert!(!listed[0].processes[0].running);
+    // Dropping must not signal our (reused) PID; reaching the next line proves it.
+    assert!(o.drop_service("replica-1").await.unwrap());
+    // The real process was left behind by the rewrite; clean it up.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(real as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+}
+
+#[tokio::test]
+async fn bad_input_gives_clear_errors() {
+    let sandbox = Sandbox::new();
+    let missing = sandbox.path().join("missing");
+    assert!(matches!(
+        ProcessOrchestrator::new(ProcessOrchestratorConfig::new(&missing, 1)),
+        Err(NewError::Missing(_))
+    ));
+    let file = sandbox.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    assert!(matches!(
+        ProcessOrchestrator::new(ProcessOrchestratorConfig::new(&file, 1)),
+        Err(NewError::NotADirectory(_))
+    ));
+    // Root may write anywhere a mode allows nothing; /proc refuses everyone.
+    assert!(matches!(
+        ProcessOrchestrator::new(ProcessOrchestratorConfig::new("/proc", 1)),
+        Err(NewError::Unwritable { .. })
+    ));
+
+    let o = sandbox.orchestrator(1);
+    let err = o
+        .ensure_service(ServiceConfig::new(
+            "replica-1",
+            1,
+            "/nonexistent/lockstep-replica",
+        ))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, EnsureError::ProgramNotFound { .. }), "{err}");
+    assert!(err.to_string().contains("/nonexistent/lockstep-replica"));
+    assert!(matches!(
+        o.ensure_service(sleeper("../escape", 1, 1)).await,
+        Err(EnsureError::Invalid(_))
+    ));
+    assert!(matches!(
+        o.ensure_service(sleeper("replica-1", 1, 0)).await,
+        Err(EnsureError::Invalid(_))
+    ));
+    assert!(o.list_services().await.unwrap().is_empty());
+
+    // A corrupt state file is reported, not deleted.
+    let path = sandbox.path().join("services/replica-9.json");
+    std::fs::write(&path, b"{ not json").unwrap();
+    let err = o.list_services().await.unwrap_err();
+    assert!(err.to_string().contains("corrupt"), "{err}");
+    assert_eq!(std::fs::read(&path).unwrap(), b"{ not json");
+}
