@@ -618,6 +618,17 @@ mod tests {
         let r3 = a.create_replica("r3", cfg(1)).unwrap();
         assert!(r3.id > r2.id, "IDs are never reused");
         let d = a.create_dataflow(r1.id, b"desc").unwrap();
+        let gone = a.create_dataflow(r1.id, b"gone").unwrap();
+        assert!(gone.id > d.id);
+        a.drop_dataflow(gone.id).unwrap();
+        assert!(matches!(
+            a.drop_dataflow(gone.id),
+            Err(WriteError::NoSuchDataflow(_))
+        ));
+        assert!(matches!(
+            a.create_dataflow(r2.id, b"on a dropped replica"),
+            Err(WriteError::NoSuchReplica(_))
+        ));
         drop(a);
         let mut b = Catalog::open(&path).unwrap();
         assert_eq!(b.epoch(), 2);
@@ -630,6 +641,8 @@ mod tests {
         );
         assert_eq!(state.replicas[&r1.id].config, cfg(2));
         assert_eq!(state.dataflows[&d.id].description, b"desc");
+        assert_eq!(state.dataflows.len(), 1);
+        assert_eq!(state.next_dataflow_id, gone.id + 1);
         b.drop_replica("r1").unwrap();
         assert!(b.state().unwrap().dataflows.is_empty());
         assert!(matches!(

@@ -67,6 +67,8 @@ pub use template::ServiceTemplate;
 pub const CATALOG_FILE: &str = "catalog.db";
 /// The orchestrator's directory inside the state directory.
 pub const ORCHESTRATOR_DIR: &str = "orchestrator";
+/// How long a halted environment keeps answering in-flight requests.
+const HALT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// How to start an environment.
 pub struct EnvironmentConfig {
@@ -125,6 +127,14 @@ pub enum StartError {
     /// The orchestrator could not be created.
     #[error(transparent)]
     Orchestrator(#[from] lockstep_orchestrator::process::NewError),
+    /// The orchestrator was built for another epoch than the catalog's.
+    #[error("the orchestrator labels with epoch {orchestrator}, but the catalog was opened at epoch {catalog}")]
+    EpochMismatch {
+        /// The catalog's epoch.
+        catalog: u64,
+        /// The orchestrator's epoch.
+        orchestrator: u64,
+    },
 }
 
 /// Why an environment operation failed.
@@ -246,11 +256,12 @@ impl Environment {
     ) -> Result<Environment, StartError> {
         let view = catalog.state()?;
         let epoch = catalog.epoch();
-        assert_eq!(
-            orchestrator.epoch(),
-            epoch,
-            "the orchestrator must label services with the catalog's epoch"
-        );
+        if orchestrator.epoch() != epoch {
+            return Err(StartError::EpochMismatch {
+                catalog: epoch,
+                orchestrator: orchestrator.epoch(),
+            });
+        }
         tracing::info!(
             epoch,
             replicas = view.replicas.len(),
@@ -518,15 +529,41 @@ impl Environment {
     /// are answered before it returns.
     pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) -> Result<(), EnvError> {
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        // Log every service event (crashes, restarts) while we serve.
+        let mut events = self.orchestrator.watch_services();
+        let logger = tokio::spawn(async move {
+            use tokio::sync::broadcast::error::RecvError;
+            loop {
+                match events.recv().await {
+                    Ok(e) => {
+                        tracing::info!(service = %e.service, process = ?e.process, event = ?e.kind, "service event")
+                    }
+                    Err(RecvError::Lagged(n)) => {
+                        tracing::warn!("{n} service events were not logged")
+                    }
+                    Err(RecvError::Closed) => return,
+                }
+            }
+        });
         let me = self.clone();
         let shutdown = async move {
             me.wait_halted().await;
         };
-        tonic::transport::Server::builder()
+        let server = tonic::transport::Server::builder()
             .add_service(server::EnvironmentService::new(self.clone()).into_server())
-            .serve_with_incoming_shutdown(incoming, shutdown)
-            .await
-            .map_err(|e| EnvError::Orchestrator(format!("gRPC server failed: {e}")))?;
+            .serve_with_incoming_shutdown(incoming, shutdown);
+        // Once halted, in-flight requests get a bounded grace period.
+        let me = self.clone();
+        let grace = async move {
+            me.wait_halted().await;
+            tokio::time::sleep(HALT_GRACE).await;
+        };
+        let result = tokio::select! {
+            r = server => r.map_err(|e| EnvError::Orchestrator(format!("gRPC server failed: {e}"))),
+            () = grace => Ok(()),
+        };
+        logger.abort();
+        result?;
         match self.halted() {
             Some(reason) => Err(EnvError::Halted(reason)),
             None => Ok(()),
