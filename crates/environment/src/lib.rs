@@ -181,6 +181,9 @@ pub struct Environment {
     epoch: u64,
     halt: watch::Sender<Option<String>>,
     orphans_removed: Mutex<Vec<String>>,
+    /// Serializes mutations and orphan removal, so that a background orphan
+    /// removal never classifies against a half-applied create or drop.
+    ops: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Environment {
@@ -278,6 +281,7 @@ impl Environment {
             epoch,
             halt: watch::channel(None).0,
             orphans_removed: Mutex::new(Vec::new()),
+            ops: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -373,6 +377,7 @@ impl Environment {
     /// adopting running processes. A refused (stale) ensure halts.
     pub async fn ensure_replicas(&self) -> Result<(), EnvError> {
         self.check_not_halted()?;
+        let _ops = self.ops.lock().await;
         let replicas: Vec<Replica> = self.view().replicas.into_values().collect();
         for replica in replicas {
             let config = self.template.service_config(&replica);
@@ -392,6 +397,7 @@ impl Environment {
     /// or halt us. A failing or nonsensical policy deletes nothing.
     pub async fn remove_orphans(&self) -> Result<OrphanReport, EnvError> {
         self.check_not_halted()?;
+        let _ops = self.ops.lock().await;
         let services = self
             .orchestrator
             .list_services()
@@ -453,6 +459,7 @@ impl Environment {
         config: ReplicaConfig,
     ) -> Result<ReplicaInfo, EnvError> {
         self.check_not_halted()?;
+        let _ops = self.ops.lock().await;
         fail::fail_point!("before_catalog_create_replica");
         let replica = {
             let mut catalog = self.catalog.lock().expect("poisoned");
@@ -481,6 +488,7 @@ impl Environment {
     /// Drops a replica: catalog transaction, then the orchestrator call.
     pub async fn drop_replica(&self, name: &str) -> Result<Replica, EnvError> {
         self.check_not_halted()?;
+        let _ops = self.ops.lock().await;
         fail::fail_point!("before_catalog_drop_replica");
         let replica = {
             let mut catalog = self.catalog.lock().expect("poisoned");
@@ -522,6 +530,30 @@ impl Environment {
                 replica,
             })
             .collect())
+    }
+
+    /// Runs [`remove_orphans`](Self::remove_orphans) every `every` in the
+    /// background (O2: orphans left by a crash of another controller go
+    /// without waiting for our restart). Stops when we halt; a policy that
+    /// says halt halts us, which stops [`serve`](Self::serve).
+    pub fn spawn_orphan_removal(
+        self: &Arc<Self>,
+        every: std::time::Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                match me.remove_orphans().await {
+                    Ok(report) if !report.deleted.is_empty() => {
+                        tracing::info!(deleted = ?report.deleted, "background orphan removal")
+                    }
+                    Ok(_) => {}
+                    Err(EnvError::Halted(_)) => return,
+                    Err(e) => tracing::warn!("background orphan removal failed: {e}"),
+                }
+            }
+        })
     }
 
     /// Step 4: serves the gRPC API on `listener` until this environment

@@ -72,6 +72,9 @@ struct ServeArgs {
     /// Default: the lockstep-replica arguments.
     #[arg(long = "service-arg", allow_hyphen_values = true)]
     service_args: Vec<String>,
+    /// Seconds between background orphan removals while serving (0: only at start).
+    #[arg(long, default_value_t = 30)]
+    orphan_interval_secs: u64,
     /// Let a stale ensure overwrite a newer controller's service (negative tests only).
     #[arg(long, hide = true)]
     unconditional_writes: bool,
@@ -198,14 +201,27 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     use std::io::Write;
     std::io::stdout().flush()?;
     tracing::info!(%addr, epoch = env.epoch(), "serving");
-    env.serve(listener).await?;
+    let background = (args.orphan_interval_secs > 0).then(|| {
+        env.spawn_orphan_removal(std::time::Duration::from_secs(args.orphan_interval_secs))
+    });
+    let result = env.serve(listener).await;
+    if let Some(task) = background {
+        task.abort();
+    }
+    result?;
     Ok(())
 }
 
 async fn client(server: String, command: ReplicaCommand) -> anyhow::Result<()> {
-    let mut client = EnvironmentClient::connect(server.clone())
+    let endpoint = tonic::transport::Endpoint::from_shared(server.clone())
+        .with_context(|| format!("bad server address {server:?}"))?
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .timeout(std::time::Duration::from_secs(60));
+    let channel = endpoint
+        .connect()
         .await
         .with_context(|| format!("cannot connect to the environment at {server}"))?;
+    let mut client = EnvironmentClient::new(channel);
     let status_err = |s: tonic::Status| anyhow::anyhow!("{}: {}", s.code(), s.message());
     match command {
         ReplicaCommand::Create {

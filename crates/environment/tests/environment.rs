@@ -208,3 +208,83 @@ async fn bad_input_is_refused_clearly_and_deletes_nothing() {
     assert_eq!(std::fs::read(&catalog).unwrap(), garbage, "not modified");
     assert_eq!(list(services_dir).await, before, "nothing deleted");
 }
+
+async fn stray_service(sandbox: &Sandbox, epoch: u64, id: u64) {
+    use lockstep_orchestrator::process::{ProcessOrchestrator, ProcessOrchestratorConfig};
+    use lockstep_orchestrator::{Orchestrator, ServiceConfig};
+    let stray = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(
+        sandbox.path().join("orchestrator"),
+        epoch,
+    ))
+    .unwrap();
+    stray
+        .ensure_service(
+            ServiceConfig::new(format!("replica-{id}"), id, "sleep").fixed_args(["300"]),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn orphans_are_removed_in_the_background_while_serving() {
+    use std::time::{Duration, Instant};
+    for rule in ["epoch", "id-watermark"] {
+        let sandbox = Sandbox::new().unwrap();
+        let env = std::sync::Arc::new(
+            lockstep_environment::chaos::load(sandbox.path(), rule, true).unwrap(),
+        );
+        env.ensure_replicas().await.unwrap();
+        env.remove_orphans().await.unwrap();
+        let r1 = env
+            .create_replica(
+                "r1",
+                lockstep_catalog::ReplicaConfig {
+                    processes: 1,
+                    workers_per_process: 1,
+                    config: String::new(),
+                },
+            )
+            .await
+            .unwrap();
+        let task = env.spawn_orphan_removal(Duration::from_millis(50));
+        // What a crashed older controller left behind: an older epoch, an ID
+        // below our next ID, absent from the catalog.
+        stray_service(&sandbox, env.epoch() - 1, r1.replica.id - 1).await;
+        assert_eq!(sandbox.services().await.unwrap().len(), 2);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let ids: Vec<u64> = sandbox
+                .services()
+                .await
+                .unwrap()
+                .iter()
+                .map(|s| s.id)
+                .collect();
+            if ids == [r1.replica.id] {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "rule {rule}: the orphan stayed: {ids:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(env.halted().is_none());
+        assert_eq!(env.orphans_removed(), ["replica-0"]);
+
+        if rule == "id-watermark" {
+            // A service with an ID we never allocated: someone took over.
+            stray_service(&sandbox, env.epoch() + 1, r1.replica.id + 5).await;
+            let reason = tokio::time::timeout(Duration::from_secs(10), env.wait_halted())
+                .await
+                .expect("did not halt");
+            assert!(reason.contains("another controller"), "{reason}");
+            assert_eq!(
+                sandbox.services().await.unwrap().len(),
+                2,
+                "a halting controller deletes nothing"
+            );
+        }
+        task.abort();
+    }
+}
