@@ -367,6 +367,9 @@ pub enum EnsureError {
 /// Why `drop_service` failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DropError {
+    /// The service name is not a valid name.
+    #[error("{0}")]
+    Invalid(String),
     /// The state could not be read or written.
     #[error(transparent)]
     State(#[from] StateError),

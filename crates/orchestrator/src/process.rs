@@ -401,26 +401,41 @@ impl Inner {
         }
         // Reuse the ports of an existing service of the same shape, so an
         // unchanged spec yields the same command lines and is adopted.
-        let ports: Vec<BTreeMap<String, u16>> = match &existing {
-            Some(e) if e.processes.len() == config.scale && e.port_names == config.ports => {
-                e.processes.iter().map(|p| p.ports.clone()).collect()
-            }
-            _ => allocate_ports(config.scale, &config.ports).map_err(|e| EnsureError::Spawn {
+        let alloc = || {
+            allocate_ports(config.scale, &config.ports).map_err(|e| EnsureError::Spawn {
                 service: config.name.clone(),
                 program: program.clone(),
                 source: e,
-            })?,
-        };
-        let argv: Vec<Vec<String>> = (0..config.scale)
-            .map(|i| {
-                (config.args)(&ServiceAssignment {
-                    process: i,
-                    scale: config.scale,
-                    host: HOST,
-                    ports: &ports,
-                })
             })
-            .collect();
+        };
+        let args_for = |ports: &[BTreeMap<String, u16>]| -> Vec<Vec<String>> {
+            (0..config.scale)
+                .map(|i| {
+                    (config.args)(&ServiceAssignment {
+                        process: i,
+                        scale: config.scale,
+                        host: HOST,
+                        ports,
+                    })
+                })
+                .collect()
+        };
+        // Try the ports of an existing service of the same shape first, so an
+        // unchanged spec yields the same command lines and is adopted.
+        let reused = match &existing {
+            Some(e) if e.processes.len() == config.scale && e.port_names == config.ports => Some(
+                e.processes
+                    .iter()
+                    .map(|p| p.ports.clone())
+                    .collect::<Vec<_>>(),
+            ),
+            _ => None,
+        };
+        let mut ports = match reused {
+            Some(p) => p,
+            None => alloc()?,
+        };
+        let mut argv = args_for(&ports);
         let mut labels = config.labels.clone();
         labels.insert(EPOCH_LABEL.to_string(), ours.to_string());
         labels.insert(ID_LABEL.to_string(), config.id.to_string());
@@ -448,7 +463,12 @@ impl Inner {
         }
 
         // A new or changed spec: start the new processes first, so that a
-        // failure leaves the old service untouched.
+        // failure leaves the old service untouched. They get fresh ports, as
+        // the old processes still hold theirs until they are killed.
+        if existing.is_some() {
+            ports = alloc()?;
+            argv = args_for(&ports);
+        }
         let mut record = ServiceRecord {
             version: RECORD_VERSION,
             name: config.name.clone(),
@@ -530,6 +550,8 @@ impl Inner {
             .open(&log_path)?;
         let mut cmd = Command::new(&record.program);
         cmd.args(&record.processes[i].argv)
+            // The controller's failpoints are not the service's.
+            .env_remove("FAILPOINTS")
             .envs(&record.env)
             .env("LOCKSTEP_SERVICE", &record.name)
             .env("LOCKSTEP_PROCESS", i.to_string())
@@ -549,8 +571,12 @@ impl Inner {
 
     /// Kills the process group of a recorded process, if it is still ours.
     fn kill(&self, service: &str, i: usize, pid: u32, start_time: u64) {
-        let ours = self.children.lock().expect("poisoned").contains_key(&pid)
-            || proc_alive(pid, start_time);
+        // Signal only a leader that is alive and ours: a PID whose process
+        // exited may already belong to someone else.
+        let ours = match self.children.lock().expect("poisoned").get_mut(&pid) {
+            Some(child) => matches!(child.try_wait(), Ok(None)),
+            None => proc_alive(pid, start_time),
+        };
         if ours {
             let pg = nix::unistd::Pid::from_raw(pid as i32);
             if let Err(e) = nix::sys::signal::killpg(pg, nix::sys::signal::Signal::SIGKILL) {
@@ -571,12 +597,7 @@ impl Inner {
     }
 
     fn drop_service(&self, name: &str) -> Result<bool, DropError> {
-        validate_name(name).map_err(|e| {
-            DropError::State(StateError::Corrupt {
-                path: self.record_path("?"),
-                reason: e.to_string(),
-            })
-        })?;
+        validate_name(name).map_err(|e| DropError::Invalid(e.to_string()))?;
         let _lock = self.lock()?;
         let Some(record) = self.read(name)? else {
             return Ok(false);

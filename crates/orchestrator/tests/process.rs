@@ -173,13 +173,38 @@ async fn a_new_orchestrator_adopts_running_services_without_restarting_them() {
         ServiceEventKind::Adopted { .. }
     ));
 
-    // A changed spec replaces the processes.
+    // Changed arguments, same shape: new processes on fresh ports (the old
+    // processes hold theirs until they are killed).
+    let relabelled = second
+        .ensure_service(
+            ServiceConfig::new("replica-1", 1, "sleep")
+                .scale(2)
+                .port("timely")
+                .fixed_args(["299"]),
+        )
+        .await
+        .unwrap();
+    assert_ne!(pids(&relabelled), pids(&after));
+    let ports = |s: &lockstep_orchestrator::ServiceStatus| {
+        s.processes
+            .iter()
+            .map(|p| p.addresses["timely"].port())
+            .collect::<Vec<_>>()
+    };
+    assert!(ports(&relabelled)
+        .iter()
+        .all(|p| !ports(&after).contains(p)));
+    for p in &after.processes {
+        assert!(!alive(p.pid.unwrap()), "the old processes are gone");
+    }
+
+    // A changed shape replaces the processes too.
     let changed = second
         .ensure_service(sleeper("replica-1", 1, 3).port("timely"))
         .await
         .unwrap();
     assert_eq!(changed.processes.len(), 3);
-    for p in &before.processes {
+    for p in &relabelled.processes {
         assert!(!alive(p.pid.unwrap()), "the old processes are gone");
     }
 }
