@@ -189,6 +189,10 @@ pub async fn run_variant(rule: &str, lockstep_bin: Option<&Path>) -> SuiteReport
         outcome: stale_loads_before_newer_creates(rule).await,
     });
     results.push(ScenarioResult {
+        name: "stale-ensure-cannot-resurrect-a-dropped-replica".into(),
+        outcome: stale_cannot_resurrect(rule).await,
+    });
+    results.push(ScenarioResult {
         name: "stale-halts-on-catalog-write".into(),
         outcome: stale_halts_on_write(rule).await,
     });
@@ -512,6 +516,49 @@ async fn stale_loads_inner(rule: &str) -> anyhow::Result<Result<(), String>> {
         )));
     }
     Ok(Ok(()))
+}
+
+/// A stale controller loads a catalog holding `r2`; a newer one drops `r2`;
+/// then the stale one ensures its replicas. It must not re-create `r2` (O4:
+/// a drop is a write, and never goes back to an older controller's
+/// version), and it must halt (O3); the newest state keeps O1 and O2.
+pub async fn stale_cannot_resurrect(rule: &str) -> Outcome {
+    outcome(stale_resurrect_inner(rule).await)
+}
+
+async fn stale_resurrect_inner(rule: &str) -> anyhow::Result<Result<(), String>> {
+    let sandbox = Sandbox::new()?;
+    let env0 = load(sandbox.path(), rule, true)?;
+    env0.create_replica("r1", replica_config(2)).await?;
+    let r2 = env0.create_replica("r2", replica_config(1)).await?;
+    drop(env0);
+    let stale = load(sandbox.path(), rule, true)?;
+    let newer = load(sandbox.path(), rule, true)?;
+    newer.ensure_replicas().await?;
+    newer.remove_orphans().await?;
+    newer.drop_replica("r2").await?;
+    let halted = match stale.ensure_replicas().await {
+        Ok(()) => false,
+        Err(EnvError::Halted(_)) => true,
+        Err(e) => return Err(e.into()),
+    };
+    let services = sandbox.services().await?;
+    if services.iter().any(|s| s.id == r2.replica.id) {
+        return Ok(Err(format!(
+            "O4: the stale controller (epoch {}) re-created replica r2 (id {}) that the newer controller (epoch {}) dropped",
+            stale.epoch(),
+            r2.replica.id,
+            newer.epoch()
+        )));
+    }
+    if !halted {
+        return Ok(Err(format!(
+            "O3: the stale controller (epoch {}) did not halt when its ensure was refused",
+            stale.epoch()
+        )));
+    }
+    let newest: BTreeSet<u64> = newer.view().replicas.keys().copied().collect();
+    Ok(check_o1_o2(&newest, &services))
 }
 
 /// A stale controller that was overtaken halts on its next catalog write

@@ -368,7 +368,9 @@ impl Environment {
 
     fn ensure_error(&self, e: EnsureError) -> EnvError {
         match e {
-            EnsureError::StaleEpoch { .. } => self.halt(e.to_string()),
+            EnsureError::StaleEpoch { .. } | EnsureError::DroppedByNewer { .. } => {
+                self.halt(e.to_string())
+            }
             other => EnvError::Orchestrator(other.to_string()),
         }
     }
@@ -385,7 +387,9 @@ impl Environment {
                 Ok(status) => {
                     tracing::info!(replica = %replica.name, service = %status.name, "ensured")
                 }
-                Err(e @ EnsureError::StaleEpoch { .. }) => return Err(self.ensure_error(e)),
+                Err(e @ (EnsureError::StaleEpoch { .. } | EnsureError::DroppedByNewer { .. })) => {
+                    return Err(self.ensure_error(e))
+                }
                 // The replica stays wanted; the error is for the operator.
                 Err(e) => tracing::error!(replica = %replica.name, "could not ensure: {e}"),
             }

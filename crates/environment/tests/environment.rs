@@ -6,8 +6,8 @@ use std::path::Path;
 use std::process::Output;
 
 use lockstep_environment::chaos::{
-    cli, o4_control, stale_binary_halts, stale_halts_on_write, stale_loads_before_newer_creates,
-    timeline, EnvProcess, Outcome, Sandbox,
+    cli, o4_control, stale_binary_halts, stale_cannot_resurrect, stale_halts_on_write,
+    stale_loads_before_newer_creates, timeline, EnvProcess, Outcome, Sandbox,
 };
 
 fn bin() -> &'static Path {
@@ -58,6 +58,17 @@ async fn a_replica_created_after_a_stale_load_survives_only_the_safe_rules() {
     }
     let o = stale_loads_before_newer_creates("catalog-only").await;
     assert!(is_o1_violation(&o), "catalog-only must be caught: {o:?}");
+}
+
+#[tokio::test]
+async fn a_stale_environment_cannot_resurrect_a_replica_a_newer_one_dropped() {
+    for rule in ["epoch", "id-watermark", "catalog-only"] {
+        assert_eq!(
+            stale_cannot_resurrect(rule).await,
+            Outcome::Pass,
+            "rule {rule}"
+        );
+    }
 }
 
 #[tokio::test]

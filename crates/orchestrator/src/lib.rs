@@ -16,9 +16,12 @@
 //! - `ensure_service` is a **conditional write**: it refuses with
 //!   [`EnsureError::StaleEpoch`] to overwrite a service whose stored epoch is
 //!   newer than the caller's, so a service's spec and epoch label never go
-//!   back to an older controller's version (O4). `drop_service` is not
-//!   conditional (a Kubernetes delete is not either); the orphan policy is what
-//!   keeps a stale controller from dropping a newer one's services.
+//!   back to an older controller's version (O4). A drop leaves a tombstone
+//!   with the dropper's epoch, and `ensure_service` likewise refuses
+//!   ([`EnsureError::DroppedByNewer`]) to re-create a service that a newer
+//!   controller dropped. `drop_service` itself is not conditional (a
+//!   Kubernetes delete is not either); the orphan policy is what keeps a stale
+//!   controller from dropping a newer one's services.
 //!
 //! The embedded default backend is [`process::ProcessOrchestrator`]: each
 //! process of a service is a supervised OS process on this machine, restarted
@@ -338,6 +341,19 @@ pub enum EnsureError {
         /// The caller's epoch.
         ours: u64,
     },
+    /// The service was dropped by a newer controller; an older one may not
+    /// re-create it (O4: a drop is a write too).
+    #[error(
+        "service {service} was dropped by epoch {dropped_at}, newer than ours ({ours}): refusing to re-create it; another controller took over"
+    )]
+    DroppedByNewer {
+        /// The service.
+        service: String,
+        /// The epoch that dropped it.
+        dropped_at: u64,
+        /// The caller's epoch.
+        ours: u64,
+    },
     /// The program does not exist or is not executable.
     #[error("service {service}: program {program} does not exist or is not executable")]
     ProgramNotFound {
@@ -401,13 +417,14 @@ pub trait Orchestrator: Send + Sync {
 
     /// Creates the service, or updates it to `config`, labelled with our
     /// epoch. Conditional: refuses with [`EnsureError::StaleEpoch`] if the
-    /// stored service carries a newer epoch. A service whose spec is unchanged
+    /// stored service carries a newer epoch, and with
+    /// [`EnsureError::DroppedByNewer`] if a newer epoch dropped it. A service whose spec is unchanged
     /// keeps its running processes (that is how a restarted controller adopts
     /// them); only its labels are rewritten.
     async fn ensure_service(&self, config: ServiceConfig) -> Result<ServiceStatus, EnsureError>;
 
-    /// Kills every process of the service and forgets it. Returns whether it
-    /// existed. Unconditional.
+    /// Kills every process of the service, forgets it and records that our
+    /// epoch dropped it. Returns whether it existed. Unconditional.
     async fn drop_service(&self, name: &str) -> Result<bool, DropError>;
 
     /// Every service, sorted by name.

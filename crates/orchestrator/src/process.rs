@@ -8,6 +8,8 @@
 //! STATE_DIR/services/NAME.json     one file per service: spec, labels (epoch,
 //!                                  ID), and per process its argv, ports, PID
 //!                                  and the PID's start time
+//! STATE_DIR/services/NAME.dropped  the highest epoch that dropped NAME: an
+//!                                  older controller may not re-create it
 //! STATE_DIR/logs/NAME-I.log        stdout and stderr of process I
 //! ```
 //!
@@ -326,6 +328,38 @@ impl Inner {
         read_record(&self.record_path(name))
     }
 
+    fn tombstone_path(&self, name: &str) -> PathBuf {
+        self.config
+            .state_dir
+            .join("services")
+            .join(format!("{name}.dropped"))
+    }
+
+    /// The epoch of the newest controller that dropped the service, if any.
+    fn read_tombstone(&self, name: &str) -> Result<Option<u64>, StateError> {
+        let path = self.tombstone_path(name);
+        match std::fs::read_to_string(&path) {
+            Ok(s) => s.trim().parse().map(Some).map_err(|e| StateError::Corrupt {
+                path,
+                reason: format!("tombstone: {e}"),
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Self::state_err(&path, e)),
+        }
+    }
+
+    fn write_tombstone(&self, name: &str, epoch: u64) -> Result<(), StateError> {
+        let path = self.tombstone_path(name);
+        let tmp = path.with_extension("dropped.tmp");
+        let result = (|| {
+            let mut f = File::create(&tmp)?;
+            writeln!(f, "{epoch}")?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)
+        })();
+        result.map_err(|e| Self::state_err(&path, e))
+    }
+
     fn read_all(&self) -> Result<Vec<ServiceRecord>, StateError> {
         read_all_records(&self.config.state_dir)
     }
@@ -395,6 +429,17 @@ impl Inner {
                 return Err(EnsureError::StaleEpoch {
                     service: config.name.clone(),
                     stored: existing.epoch,
+                    ours,
+                });
+            }
+        }
+        // A drop is a write too: a stale controller must not resurrect a
+        // service that a newer one dropped.
+        if let Some(dropped_at) = self.read_tombstone(&config.name)? {
+            if self.config.conditional_writes && dropped_at > ours {
+                return Err(EnsureError::DroppedByNewer {
+                    service: config.name.clone(),
+                    dropped_at,
                     ours,
                 });
             }
@@ -599,6 +644,13 @@ impl Inner {
     fn drop_service(&self, name: &str) -> Result<bool, DropError> {
         validate_name(name).map_err(|e| DropError::Invalid(e.to_string()))?;
         let _lock = self.lock()?;
+        // Record the drop first (the highest epoch that dropped it), so that
+        // even a drop of an absent service fences stale re-creations.
+        let tombstone = self
+            .read_tombstone(name)?
+            .unwrap_or(0)
+            .max(self.config.epoch);
+        self.write_tombstone(name, tombstone)?;
         let Some(record) = self.read(name)? else {
             return Ok(false);
         };

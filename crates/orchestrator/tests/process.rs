@@ -430,3 +430,52 @@ async fn bad_input_gives_clear_errors() {
     assert!(err.to_string().contains("corrupt"), "{err}");
     assert_eq!(std::fs::read(&path).unwrap(), b"{ not json");
 }
+
+#[tokio::test]
+async fn a_stale_ensure_cannot_resurrect_a_service_a_newer_epoch_dropped() {
+    let sandbox = Sandbox::new();
+    let stale = sandbox.orchestrator(2);
+    let newer = sandbox.orchestrator(3);
+    stale
+        .ensure_service(sleeper("replica-1", 1, 1))
+        .await
+        .unwrap();
+    assert!(newer.drop_service("replica-1").await.unwrap());
+    let err = stale
+        .ensure_service(sleeper("replica-1", 1, 1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EnsureError::DroppedByNewer {
+                dropped_at: 3,
+                ours: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(stale.list_services().await.unwrap().is_empty());
+    // The same or a newer epoch may create it again.
+    newer
+        .ensure_service(sleeper("replica-1", 1, 1))
+        .await
+        .unwrap();
+    assert_eq!(newer.list_services().await.unwrap().len(), 1);
+    // A stale drop does not lower the tombstone.
+    assert!(stale.drop_service("replica-1").await.unwrap());
+    assert!(matches!(
+        stale.ensure_service(sleeper("replica-1", 1, 1)).await,
+        Err(EnsureError::DroppedByNewer { dropped_at: 3, .. })
+    ));
+    // Without the condition the stale controller resurrects it.
+    let mut config = ProcessOrchestratorConfig::new(sandbox.path(), 2);
+    config.conditional_writes = false;
+    let unconditional = ProcessOrchestrator::new(config).unwrap();
+    unconditional
+        .ensure_service(sleeper("replica-1", 1, 1))
+        .await
+        .unwrap();
+    assert_eq!(newer.list_services().await.unwrap()[0].epoch, 2);
+}
