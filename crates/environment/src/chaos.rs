@@ -382,6 +382,7 @@ async fn timeline_inner(rule: &str, conditional: bool) -> anyhow::Result<Result<
     let envs = [&e1, &e2, &e3];
     let mut halted = [false; 3];
     let mut stale_writes = Vec::new();
+    let mut first_violation = None;
     let steps: [(usize, &str); 9] = [
         (1, "ensure"),
         (2, "ensure"),
@@ -415,9 +416,26 @@ async fn timeline_inner(rule: &str, conditional: bool) -> anyhow::Result<Result<
         if let StepResult::Halted = r {
             halted[i] = true;
         }
-        watch
-            .observe(&sandbox, &format!("envd@{} {what}", i + 1))
-            .await?;
+        let label = format!("envd@{} {what}", i + 1);
+        watch.observe(&sandbox, &label).await?;
+        // O4 and O1 after every step, so a violation names the step that
+        // broke it; the first one is reported.
+        if first_violation.is_none() {
+            first_violation = watch.violation.clone();
+        }
+        if first_violation.is_none() {
+            let newest: BTreeSet<u64> = e3.view().replicas.keys().copied().collect();
+            let listed: BTreeSet<u64> = sandbox.services().await?.iter().map(|s| s.id).collect();
+            if let Some(id) = newest.difference(&listed).next() {
+                first_violation = Some(format!(
+                    "O1: after step '{label}' (rule {rule}), replica {id} of the newest catalog (epoch {}) has no service",
+                    e3.epoch()
+                ));
+            }
+        }
+    }
+    if let Some(v) = first_violation {
+        return Ok(Err(v));
     }
     let services = sandbox.services().await?;
     let newest: BTreeSet<u64> = e3.view().replicas.keys().copied().collect();
