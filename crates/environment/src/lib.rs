@@ -378,8 +378,9 @@ impl Environment {
     /// Step 2: ensures the service of every replica in our catalog view,
     /// adopting running processes. A refused (stale) ensure halts.
     pub async fn ensure_replicas(&self) -> Result<(), EnvError> {
-        self.check_not_halted()?;
+        // Check after taking the lock: the operation before us may have halted us.
         let _ops = self.ops.lock().await;
+        self.check_not_halted()?;
         let replicas: Vec<Replica> = self.view().replicas.into_values().collect();
         for replica in replicas {
             let config = self.template.service_config(&replica);
@@ -400,8 +401,9 @@ impl Environment {
     /// Step 3: lists the services and lets the orphan policy delete orphans
     /// or halt us. A failing or nonsensical policy deletes nothing.
     pub async fn remove_orphans(&self) -> Result<OrphanReport, EnvError> {
-        self.check_not_halted()?;
+        // Check after taking the lock: the operation before us may have halted us.
         let _ops = self.ops.lock().await;
+        self.check_not_halted()?;
         let services = self
             .orchestrator
             .list_services()
@@ -462,8 +464,9 @@ impl Environment {
         name: &str,
         config: ReplicaConfig,
     ) -> Result<ReplicaInfo, EnvError> {
-        self.check_not_halted()?;
+        // Check after taking the lock: the operation before us may have halted us.
         let _ops = self.ops.lock().await;
+        self.check_not_halted()?;
         fail::fail_point!("before_catalog_create_replica");
         let replica = {
             let mut catalog = self.catalog.lock().expect("poisoned");
@@ -491,8 +494,9 @@ impl Environment {
 
     /// Drops a replica: catalog transaction, then the orchestrator call.
     pub async fn drop_replica(&self, name: &str) -> Result<Replica, EnvError> {
-        self.check_not_halted()?;
+        // Check after taking the lock: the operation before us may have halted us.
         let _ops = self.ops.lock().await;
+        self.check_not_halted()?;
         fail::fail_point!("before_catalog_drop_replica");
         let replica = {
             let mut catalog = self.catalog.lock().expect("poisoned");

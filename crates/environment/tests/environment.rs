@@ -299,3 +299,63 @@ async fn orphans_are_removed_in_the_background_while_serving() {
         task.abort();
     }
 }
+
+/// A policy that answers what it is told to, to check the safe default.
+struct Scripted(Result<lockstep_policy::OrphanDecision, lockstep_policy::PolicyError>);
+
+impl lockstep_policy::OrphanPolicy for Scripted {
+    fn name(&self) -> &str {
+        "scripted"
+    }
+    fn classify(
+        &mut self,
+        _services: &[lockstep_policy::Service],
+        _view: &lockstep_policy::CatalogView,
+    ) -> Result<lockstep_policy::OrphanDecision, lockstep_policy::PolicyError> {
+        self.0.clone()
+    }
+}
+
+#[tokio::test]
+async fn a_failing_or_nonsensical_policy_deletes_nothing() {
+    use lockstep_environment::{chaos::sleep_template, Environment, EnvironmentConfig};
+    use lockstep_policy::{OrphanDecision, PolicyError};
+    let sandbox = Sandbox::new().unwrap();
+    let answers = [
+        // Deleting a replica our catalog holds is never an orphan removal.
+        Ok(OrphanDecision::Delete(vec![1])),
+        // Deleting something that was not listed.
+        Ok(OrphanDecision::Delete(vec![42])),
+        Err(PolicyError::Failed {
+            policy: "scripted".into(),
+            reason: "trapped".into(),
+        }),
+    ];
+    for (i, answer) in answers.into_iter().enumerate() {
+        let env = Environment::load(EnvironmentConfig {
+            state_dir: sandbox.path().to_path_buf(),
+            orphan_policy: Box::new(Scripted(answer)),
+            service: sleep_template(),
+            conditional_writes: true,
+        })
+        .unwrap();
+        env.ensure_replicas().await.unwrap();
+        if i == 0 {
+            env.create_replica(
+                "r1",
+                lockstep_catalog::ReplicaConfig {
+                    processes: 1,
+                    workers_per_process: 1,
+                    config: String::new(),
+                },
+            )
+            .await
+            .unwrap();
+        }
+        let report = env.remove_orphans().await.unwrap();
+        assert!(report.deleted.is_empty(), "answer {i}: {report:?}");
+        assert!(report.policy_error.is_some(), "answer {i}: {report:?}");
+        assert_eq!(sandbox.services().await.unwrap().len(), 1, "answer {i}");
+        assert!(env.halted().is_none());
+    }
+}
