@@ -31,6 +31,18 @@
 //! peek and subscribe RPCs can be added next to the replica ones
 //! ([`server::EnvironmentService`]).
 //!
+//! # State directory
+//!
+//! ```text
+//! STATE_DIR/catalog.db       the fenced catalog (lockstep-catalog)
+//! STATE_DIR/orchestrator/    the process backend's state: one file per
+//!                            service, tombstones, process logs
+//! ```
+//!
+//! Replica *N* runs as the service `replica-N` ([`ServiceTemplate`] builds
+//! its command line), labelled with its catalog ID, its name and the epoch of
+//! the controller that last ensured it.
+//!
 //! # Failpoints
 //!
 //! With the cargo feature `failpoints`, the create and drop paths carry
