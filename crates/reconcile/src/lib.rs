@@ -21,7 +21,8 @@
 //! - [`local`]: the plan one worker applies alone. Safe only when every worker
 //!   is known to hold the same state (broadcast and log strategies); unsafe
 //!   under partial installs, which the model shows for the naive strategy.
-//! - [`barrier`]: whether a worker may apply a barrier-guarded command.
+//! - [`barrier`]: whether a worker may apply a barrier-guarded command, and
+//!   [`barrier_view`]: which announcements it must consider.
 //! - [`history_check`]: what the controller learns from the processes'
 //!   history digests on connect (Frank's option 1).
 //! - [`lockstep_check`] and [`lockstep_prefix_check`]: invariant I1 over the
@@ -313,6 +314,43 @@ pub fn barrier(
     } else {
         BarrierDecision::Wait
     }
+}
+
+/// The announcements [`barrier`] must see for a round of `session`, built from
+/// everything the mesh carried.
+///
+/// Sessions (one per Hello a worker accepts) are totally ordered: by epoch,
+/// then by connection attempt within the epoch. `joined[w]` is the newest
+/// session worker `w` announced it joined (it announces that when it accepts
+/// a Hello, and it accepts one only once it has no barrier round pending);
+/// `announced` holds every round announcement as (session, announcement).
+///
+/// Guarantees: the result holds every announcement of `session`, plus
+/// [`Announcement::session_end`] for every worker that joined a newer session:
+/// such a worker will never announce anything more in `session` (it may have
+/// skipped it entirely, when its connection was truncated before that Hello
+/// reached it), so a round it has not announced is abandoned rather than
+/// waited on forever. Without this, a worker waiting in a session that a peer
+/// skipped would block for good (the model checker finds that deadlock with
+/// two controller faults).
+pub fn barrier_view(
+    session: u64,
+    joined: &[u64],
+    announced: &[(u64, Announcement)],
+) -> Vec<Announcement> {
+    let mut view: Vec<Announcement> = announced
+        .iter()
+        .filter(|(s, _)| *s == session)
+        .map(|(_, a)| *a)
+        .collect();
+    view.extend(
+        joined
+            .iter()
+            .enumerate()
+            .filter(|(_, j)| **j > session)
+            .map(|(w, _)| Announcement::session_end(w)),
+    );
+    view
 }
 
 /// What the controller learns from the history digests the processes report

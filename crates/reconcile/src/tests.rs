@@ -252,3 +252,19 @@ fn lockstep_checks() {
     let err = lockstep_prefix_check(&[vec![c], vec![a, b]]).unwrap_err();
     assert_eq!((err.worker, err.position, err.reference), (0, 0, 1));
 }
+
+#[test]
+fn barrier_view_ends_the_sessions_a_worker_skipped() {
+    let mine = ann(0, 1, 7);
+    let announced = [(2, mine), (1, ann(1, 1, 7)), (2, ann(0, 2, 8))];
+    // Worker 1 is still in session 1: round (2, 1) waits.
+    let view = barrier_view(2, &[2, 1], &announced);
+    assert_eq!(view, vec![mine, ann(0, 2, 8)]);
+    assert_eq!(barrier(2, &view, &mine), BarrierDecision::Wait);
+    // Worker 1 skipped session 2 and joined 3: the round is abandoned.
+    let view = barrier_view(2, &[2, 3], &announced);
+    assert_eq!(
+        barrier(2, &view, &mine),
+        BarrierDecision::Abandoned { worker: 1 }
+    );
+}

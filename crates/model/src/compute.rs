@@ -1,0 +1,979 @@
+//! Model 1: the compute protocol, one strategy at a time.
+//!
+//! # What is modelled
+//!
+//! - A **controller** with a durable catalog (the compacted target: the
+//!   dataflows it wants, in creation order) and epoch. It issues user commands
+//!   (create or drop a dataflow from a small pool), can **crash** (in-flight
+//!   messages are lost, the catalog and epoch survive) and **restart** (epoch
+//!   and session bump, then Hello and the target to every process), and can
+//!   lose **one connection** (that channel is truncated; the controller
+//!   reconnects every process with a new session).
+//! - **Replica processes** with one timely worker each. A worker has a
+//!   creation log (timely index, dataflow ID, description hash), the set of
+//!   dataflows it runs (with the timely index each was built at, so an "A" built
+//!   at another index on another worker is told apart), and the session it is in.
+//! - **Channels**: one ordered queue per controller→process connection.
+//! - **Strategies**:
+//!   - `naive`: apply commands as they arrive; on a new session reconcile alone
+//!     with [`lockstep_reconcile::local`].
+//!   - `broadcast`: process 0 sequences what it receives into a stream every
+//!     worker applies in order (the other processes' copies are
+//!     acknowledgements only and are not modelled); reconciliation is
+//!     [`lockstep_reconcile::local`] applied at the same point of the stream
+//!     on every worker.
+//!   - `barrier`: drops apply on arrival; a create, and the reconciliation that
+//!     ends a Hello, are announced over the mesh and applied only when
+//!     [`lockstep_reconcile::barrier`] (over [`lockstep_reconcile::barrier_view`])
+//!     says `Pass`; reconciliation applies [`lockstep_reconcile::collective`]
+//!     to the installed sets every worker announced. A `Diverged` worker halts
+//!     and the controller restarts the replica.
+//!   - `log`: the controller appends commands, epoch markers and targets to a
+//!     durable log (it survives crashes); every worker tails it and reconciles
+//!     with [`lockstep_reconcile::local`] at the target entry.
+//! - **Mesh**: the replica's timely mesh, reliable while the replica lives.
+//!   Announcements are visible to every worker as soon as they are made. This
+//!   loses no behaviour: a barrier decision depends on each worker's
+//!   announcements separately and is monotone, so a delayed view only delays a
+//!   decision, it never changes it.
+//!
+//! # Properties
+//!
+//! - **I1**: at every state every worker's creation log is a prefix of the
+//!   longest ([`lockstep_reconcile::lockstep_prefix_check`]), and once the
+//!   replica is quiet all logs are equal ([`lockstep_reconcile::lockstep_check`]).
+//! - **I4**: once quiet, every worker runs the same dataflows, built at the
+//!   same timely index.
+//! - **I2** (liveness): from every reachable state, the target (quiet, I1,
+//!   every worker running exactly the catalog) is reachable with no further
+//!   fault and no new user command. Checked exactly, by a search over the
+//!   fault-free successors of each state.
+//!
+//! "Quiet": the controller is up, no message is in flight, every worker has
+//! joined the controller's session, reconciled, has no barrier round pending,
+//! has applied the whole stream (broadcast, log) and is not halted.
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use lockstep_protocol::{DataflowDescription, Digest, Export, Plan, Strategy};
+use lockstep_reconcile::{
+    barrier, barrier_view, collective, local, lockstep_check, lockstep_prefix_check, Announcement,
+    BarrierDecision, CreationEntry, DataflowKey,
+};
+use stateright::{Model, Property};
+
+/// The bounds of one check of the compute model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ComputeBounds {
+    /// Replica processes (one worker each).
+    pub processes: usize,
+    /// Dataflows in the pool the controller creates and drops from (named A, B, ...).
+    pub dataflows: usize,
+    /// User commands (create or drop) the controller issues in total.
+    pub commands: usize,
+    /// Faults in total: controller crashes plus dropped connections.
+    pub faults: usize,
+}
+
+impl fmt::Display for ComputeBounds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} processes x 1 worker, {} dataflows, {} commands, {} faults (crash or dropped connection)",
+            self.processes, self.dataflows, self.commands, self.faults
+        )
+    }
+}
+
+/// A deliberate flaw in the barrier strategy, to show that the model
+/// catches it (a model that cannot fail proves nothing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mutation {
+    /// The strategy as implemented.
+    None,
+    /// Barrier reconciliation applies each worker's own
+    /// [`lockstep_reconcile::local`] plan instead of the collective one.
+    LocalReconcile,
+    /// Barrier rounds ignore peers that joined a newer session (announcements
+    /// of the round's own session only, no [`lockstep_reconcile::barrier_view`]).
+    NoSessionEnd,
+}
+
+/// The compute-protocol model for one strategy.
+#[derive(Clone, Debug)]
+pub struct ComputeModel {
+    /// The strategy under check.
+    pub strategy: Strategy,
+    /// A deliberate flaw, for the model's own tests; [`Mutation::None`] otherwise.
+    pub mutation: Mutation,
+    /// Its bounds.
+    pub bounds: ComputeBounds,
+    pool: Vec<DataflowKey>,
+    /// Liveness answers already known, shared by the clones the checker
+    /// makes (a pure cache: it never changes an answer).
+    reachable: Arc<Mutex<HashMap<ComputeState, bool>>>,
+}
+
+/// A command from the controller, as carried by a channel, the broadcast
+/// stream or the durable log.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Msg {
+    /// Starts a session (log: the epoch marker).
+    Hello {
+        /// The session.
+        session: u64,
+    },
+    /// The compacted target followed by InitializationComplete.
+    Target {
+        /// The session.
+        session: u64,
+        /// The sequence number in the session.
+        seqno: u64,
+        /// Every dataflow the controller wants, in catalog order.
+        keys: Vec<DataflowKey>,
+    },
+    /// Create one dataflow.
+    Create {
+        /// The session.
+        session: u64,
+        /// The sequence number in the session.
+        seqno: u64,
+        /// The dataflow.
+        key: DataflowKey,
+    },
+    /// Drop one dataflow (AllowCompaction to the empty frontier).
+    Drop {
+        /// The session.
+        session: u64,
+        /// The dataflow's ID.
+        id: u64,
+    },
+}
+
+/// The controller.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Controller {
+    /// Running (not crashed).
+    pub up: bool,
+    /// Its epoch (durable).
+    pub epoch: u64,
+    /// Its current session (one per Hello broadcast).
+    pub session: u64,
+    /// The next sequence number in the session.
+    pub seqno: u64,
+    /// The durable catalog: the target, in creation order.
+    pub catalog: Vec<DataflowKey>,
+    /// User commands issued so far.
+    pub commands: usize,
+    /// Faults so far.
+    pub faults: usize,
+}
+
+/// A barrier round a worker announced and waits on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Pending {
+    /// A create.
+    Create {
+        /// The session.
+        session: u64,
+        /// The round.
+        seqno: u64,
+        /// The dataflow.
+        key: DataflowKey,
+    },
+    /// The collective reconciliation of a session.
+    Reconcile {
+        /// The session.
+        session: u64,
+        /// The round.
+        seqno: u64,
+        /// The target.
+        target: Vec<DataflowKey>,
+    },
+}
+
+/// One timely worker (one per process).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Worker {
+    /// The newest session it joined (announced on the mesh under barrier).
+    pub session: u64,
+    /// It reconciled in that session.
+    pub reconciled: bool,
+    /// What it runs: (timely index, dataflow).
+    pub installed: Vec<(u64, DataflowKey)>,
+    /// Every dataflow it built, in order.
+    pub log: Vec<CreationEntry>,
+    /// Its next timely dataflow index.
+    pub next_index: u64,
+    /// The barrier round it waits on.
+    pub pending: Option<Pending>,
+    /// Position in the broadcast stream or durable log.
+    pub cursor: usize,
+    /// It halted (a barrier diverged).
+    pub halted: bool,
+}
+
+impl Worker {
+    fn keys(&self) -> Vec<DataflowKey> {
+        self.installed.iter().map(|(_, k)| *k).collect()
+    }
+    fn build(&mut self, key: DataflowKey) {
+        self.log.push((self.next_index, key.id, key.hash));
+        self.installed.push((self.next_index, key));
+        self.next_index += 1;
+    }
+    fn drop_id(&mut self, id: u64) {
+        self.installed.retain(|(_, k)| k.id != id);
+    }
+}
+
+/// A barrier announcement on the mesh, with the announcer's installed set for
+/// a reconciliation round.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct MeshMsg {
+    /// The session of the round.
+    pub session: u64,
+    /// The announcement.
+    pub ann: Announcement,
+    /// Reconciliation rounds: what the announcer runs.
+    pub installed: Vec<DataflowKey>,
+}
+
+/// A state of the compute model.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ComputeState {
+    /// The controller.
+    pub ctl: Controller,
+    /// Controller→process channels.
+    pub channels: Vec<VecDeque<Msg>>,
+    /// The workers.
+    pub workers: Vec<Worker>,
+    /// Barrier announcements.
+    pub mesh: Vec<MeshMsg>,
+    /// Broadcast: the sequenced stream. Log: the durable log.
+    pub stream: Vec<Msg>,
+    /// Replica restarts after a halt.
+    pub replica_restarts: usize,
+}
+
+/// A step of the compute model.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ComputeAction {
+    /// The controller creates dataflow `pool[i]`.
+    Create(usize),
+    /// The controller drops dataflow `pool[i]`.
+    Drop(usize),
+    /// The controller crashes (fault).
+    Crash,
+    /// The controller restarts with a new epoch.
+    Restart,
+    /// The connection to a process drops (fault); the controller reconnects all.
+    DropConnection(usize),
+    /// A worker halted: the controller restarts the whole replica.
+    RestartReplica,
+    /// A process takes the next message off its channel.
+    Receive(usize),
+    /// A worker's pending barrier round is decided.
+    Decide(usize),
+    /// A worker applies the next entry of the stream (broadcast, log).
+    Apply(usize),
+}
+
+impl ComputeAction {
+    /// Faults and new user commands: what the liveness search may not use.
+    fn is_fault_or_user(&self) -> bool {
+        matches!(
+            self,
+            ComputeAction::Crash
+                | ComputeAction::DropConnection(_)
+                | ComputeAction::Create(_)
+                | ComputeAction::Drop(_)
+        )
+    }
+}
+
+/// The description of pool dataflow `i`: its hash is the real
+/// [`DataflowDescription::hash`].
+fn description(i: usize) -> DataflowDescription {
+    let id = i as u64 + 1;
+    DataflowDescription {
+        id,
+        as_of: 0,
+        inputs: vec![100],
+        exports: vec![Export {
+            collection_id: 1000 + id,
+            plan: Plan::Get { collection_id: 100 },
+        }],
+        debug_name: name(id).to_string(),
+    }
+}
+
+/// A readable name for a dataflow ID.
+fn name(id: u64) -> &'static str {
+    ["?", "A", "B", "C", "D"]
+        .get(id as usize)
+        .copied()
+        .unwrap_or("?")
+}
+
+/// A model-local digest of a target, for the reconciliation round's
+/// announcement (the replica uses the hash of the Target command). Injective
+/// on the model's small targets.
+fn target_digest(keys: &[DataflowKey]) -> Digest {
+    let mut d = [0u8; 32];
+    d[0] = 0xff;
+    d[1] = keys.len() as u8;
+    for (i, k) in keys.iter().enumerate().take(10) {
+        d[2 + 3 * i] = k.id as u8;
+        d[3 + 3 * i] = k.hash.0[0];
+        d[4 + 3 * i] = k.hash.0[1];
+    }
+    Digest(d)
+}
+
+impl ComputeModel {
+    /// The model of `strategy` within `bounds`.
+    pub fn new(strategy: Strategy, bounds: ComputeBounds) -> Self {
+        let pool = (0..bounds.dataflows)
+            .map(|i| {
+                let d = description(i);
+                DataflowKey {
+                    id: d.id,
+                    hash: d.hash(),
+                }
+            })
+            .collect();
+        ComputeModel {
+            strategy,
+            mutation: Mutation::None,
+            bounds,
+            pool,
+            reachable: Arc::default(),
+        }
+    }
+
+    /// The same model with a deliberate flaw.
+    pub fn with_mutation(mut self, mutation: Mutation) -> Self {
+        self.mutation = mutation;
+        self
+    }
+
+    fn uses_channels(&self) -> bool {
+        self.strategy != Strategy::Log
+    }
+
+    /// Sends one command: to every channel (naive, barrier), to the
+    /// sequencer's channel (broadcast), or appended to the log (log).
+    fn send(&self, s: &mut ComputeState, msg: Msg) {
+        match self.strategy {
+            Strategy::Naive | Strategy::Barrier => {
+                for c in &mut s.channels {
+                    c.push_back(msg.clone());
+                }
+            }
+            Strategy::Broadcast => s.channels[0].push_back(msg),
+            Strategy::Log => s.stream.push(msg),
+        }
+    }
+
+    /// A new session: Hello, then the target.
+    fn start_session(&self, s: &mut ComputeState) {
+        s.ctl.session += 1;
+        let session = s.ctl.session;
+        self.send(s, Msg::Hello { session });
+        let keys = s.ctl.catalog.clone();
+        self.send(
+            s,
+            Msg::Target {
+                session,
+                seqno: 1,
+                keys,
+            },
+        );
+        s.ctl.seqno = 2;
+    }
+
+    /// Applies a command on arrival, with no protection (naive, and every
+    /// worker of broadcast and log, where the stream is totally ordered).
+    fn apply_unprotected(w: &mut Worker, msg: &Msg) {
+        match msg {
+            Msg::Hello { session } => {
+                if *session > w.session {
+                    w.session = *session;
+                    w.reconciled = false;
+                }
+            }
+            Msg::Target { session, keys, .. } => {
+                if *session == w.session && !w.reconciled {
+                    let plan = local(&w.keys(), keys);
+                    for id in &plan.drop {
+                        w.drop_id(*id);
+                    }
+                    for k in &plan.build {
+                        w.build(*k);
+                    }
+                    w.reconciled = true;
+                }
+            }
+            Msg::Create { key, .. } => w.build(*key),
+            Msg::Drop { id, .. } => w.drop_id(*id),
+        }
+    }
+
+    /// Barrier: what a worker does with a message it receives.
+    fn receive_barrier(s: &mut ComputeState, me: usize, msg: Msg) {
+        let w = &mut s.workers[me];
+        match msg {
+            Msg::Hello { session } => {
+                if session > w.session {
+                    w.session = session;
+                    w.reconciled = false;
+                }
+            }
+            Msg::Target {
+                session,
+                seqno,
+                keys,
+            } => {
+                if session == w.session && !w.reconciled {
+                    let installed = w.keys();
+                    w.pending = Some(Pending::Reconcile {
+                        session,
+                        seqno,
+                        target: keys.clone(),
+                    });
+                    s.mesh.push(MeshMsg {
+                        session,
+                        ann: Announcement {
+                            worker: me,
+                            seqno,
+                            hash: target_digest(&keys),
+                        },
+                        installed,
+                    });
+                }
+            }
+            Msg::Create {
+                session,
+                seqno,
+                key,
+            } => {
+                if session == w.session {
+                    w.pending = Some(Pending::Create {
+                        session,
+                        seqno,
+                        key,
+                    });
+                    s.mesh.push(MeshMsg {
+                        session,
+                        ann: Announcement {
+                            worker: me,
+                            seqno,
+                            hash: key.hash,
+                        },
+                        installed: Vec::new(),
+                    });
+                }
+            }
+            Msg::Drop { session, id } => {
+                if session == w.session {
+                    w.drop_id(id);
+                }
+            }
+        }
+    }
+
+    /// Barrier: the decision on worker `me`'s pending round.
+    fn decision(&self, s: &ComputeState, me: usize) -> Option<BarrierDecision> {
+        let pending = s.workers[me].pending.as_ref()?;
+        let (session, mine) = match pending {
+            Pending::Create {
+                session,
+                seqno,
+                key,
+            } => (
+                *session,
+                Announcement {
+                    worker: me,
+                    seqno: *seqno,
+                    hash: key.hash,
+                },
+            ),
+            Pending::Reconcile {
+                session,
+                seqno,
+                target,
+            } => (
+                *session,
+                Announcement {
+                    worker: me,
+                    seqno: *seqno,
+                    hash: target_digest(target),
+                },
+            ),
+        };
+        let joined: Vec<u64> = s.workers.iter().map(|w| w.session).collect();
+        let announced: Vec<(u64, Announcement)> =
+            s.mesh.iter().map(|m| (m.session, m.ann)).collect();
+        let view = if self.mutation == Mutation::NoSessionEnd {
+            announced
+                .iter()
+                .filter(|(s, _)| *s == session)
+                .map(|(_, a)| *a)
+                .collect()
+        } else {
+            barrier_view(session, &joined, &announced)
+        };
+        Some(barrier(s.workers.len(), &view, &mine))
+    }
+
+    /// Barrier: apply a decided round.
+    fn decide(&self, s: &mut ComputeState, me: usize, decision: BarrierDecision) {
+        let pending = s.workers[me]
+            .pending
+            .take()
+            .expect("decide needs a pending round");
+        match decision {
+            BarrierDecision::Wait => unreachable!("Decide is enabled only when decided"),
+            BarrierDecision::Abandoned { .. } => {}
+            BarrierDecision::Diverged { .. } => s.workers[me].halted = true,
+            BarrierDecision::Pass => match pending {
+                Pending::Create { key, .. } => s.workers[me].build(key),
+                Pending::Reconcile {
+                    session,
+                    seqno,
+                    target,
+                } => {
+                    let installed: Vec<Vec<DataflowKey>> = (0..s.workers.len())
+                        .map(|w| {
+                            s.mesh
+                                .iter()
+                                .find(|m| {
+                                    m.session == session
+                                        && m.ann.worker == w
+                                        && m.ann.seqno == seqno
+                                })
+                                .map(|m| m.installed.clone())
+                                .expect("Pass means every worker announced")
+                        })
+                        .collect();
+                    let (drops, builds) = if self.mutation == Mutation::LocalReconcile {
+                        let plan = local(&installed[me], &target);
+                        (plan.drop, plan.build)
+                    } else {
+                        let mut plan = collective(&installed, &target);
+                        (plan.drop_per_worker.swap_remove(me), plan.build)
+                    };
+                    let w = &mut s.workers[me];
+                    for id in &drops {
+                        w.drop_id(*id);
+                    }
+                    for k in &builds {
+                        w.build(*k);
+                    }
+                    w.reconciled = true;
+                }
+            },
+        }
+    }
+
+    /// The replica is quiet (see the module docs).
+    pub fn quiet(&self, s: &ComputeState) -> bool {
+        s.ctl.up
+            && s.channels.iter().all(|c| c.is_empty())
+            && s.workers.iter().all(|w| {
+                !w.halted
+                    && w.pending.is_none()
+                    && w.session == s.ctl.session
+                    && w.reconciled
+                    && (!matches!(self.strategy, Strategy::Broadcast | Strategy::Log)
+                        || w.cursor == s.stream.len())
+            })
+    }
+
+    fn logs(s: &ComputeState) -> Vec<Vec<CreationEntry>> {
+        s.workers.iter().map(|w| w.log.clone()).collect()
+    }
+
+    /// I1 at this state: `Err` says what diverged.
+    pub fn check_i1(&self, s: &ComputeState) -> Result<(), String> {
+        let logs = Self::logs(s);
+        lockstep_prefix_check(&logs).map_err(|d| d.to_string())?;
+        if self.quiet(s) {
+            lockstep_check(&logs).map_err(|d| format!("{d} (replica quiet)"))?;
+        }
+        Ok(())
+    }
+
+    /// I4 at this state: `Err` names a dataflow installed on some workers only.
+    pub fn check_i4(&self, s: &ComputeState) -> Result<(), String> {
+        if !self.quiet(s) {
+            return Ok(());
+        }
+        let sets: Vec<BTreeSet<(u64, DataflowKey)>> = s
+            .workers
+            .iter()
+            .map(|w| w.installed.iter().copied().collect())
+            .collect();
+        for (w, set) in sets.iter().enumerate().skip(1) {
+            if let Some((idx, k)) = set.symmetric_difference(&sets[0]).next() {
+                let (on, off) = if sets[0].contains(&(*idx, *k)) {
+                    (0, w)
+                } else {
+                    (w, 0)
+                };
+                return Err(format!(
+                    "I4 broken: dataflow {} built at timely index {idx} runs on worker {on} but not on worker {off} (replica quiet)",
+                    name(k.id)
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The target: quiet, lockstep, every worker runs exactly the catalog.
+    pub fn done(&self, s: &ComputeState) -> bool {
+        if !self.quiet(s) || self.check_i1(s).is_err() || self.check_i4(s).is_err() {
+            return false;
+        }
+        let want: BTreeSet<DataflowKey> = s.ctl.catalog.iter().copied().collect();
+        s.workers.iter().all(|w| {
+            w.installed.len() == want.len() && w.keys().into_iter().collect::<BTreeSet<_>>() == want
+        })
+    }
+
+    /// Whether the target is reachable from `s` with no fault and no new
+    /// user command (an exhaustive search over those successors).
+    pub fn target_reachable(&self, s: &ComputeState) -> bool {
+        if let Some(known) = self.known(s) {
+            return known;
+        }
+        let mut stack = vec![s.clone()];
+        let mut seen: HashSet<ComputeState> = HashSet::new();
+        let mut actions = Vec::new();
+        while let Some(st) = stack.pop() {
+            match self.known(&st) {
+                Some(true) => {
+                    self.remember(s, true);
+                    return true;
+                }
+                Some(false) => continue,
+                None => {}
+            }
+            if self.done(&st) {
+                self.remember(s, true);
+                return true;
+            }
+            if !seen.insert(st.clone()) {
+                continue;
+            }
+            actions.clear();
+            self.actions(&st, &mut actions);
+            for a in actions.drain(..).rev() {
+                if a.is_fault_or_user() {
+                    continue;
+                }
+                if let Some(next) = self.next_state(&st, a) {
+                    stack.push(next);
+                }
+            }
+        }
+        // The search was exhaustive: no state it saw reaches the target.
+        let mut memo = self.reachable.lock().expect("liveness cache poisoned");
+        for st in seen {
+            memo.insert(st, false);
+        }
+        false
+    }
+
+    fn known(&self, s: &ComputeState) -> Option<bool> {
+        self.reachable
+            .lock()
+            .expect("liveness cache poisoned")
+            .get(s)
+            .copied()
+    }
+
+    fn remember(&self, s: &ComputeState, reachable: bool) {
+        self.reachable
+            .lock()
+            .expect("liveness cache poisoned")
+            .insert(s.clone(), reachable);
+    }
+
+    /// A one-line summary of a state: controller, then each worker.
+    pub fn summary(&self, s: &ComputeState) -> String {
+        let mut out = format!(
+            "controller {} epoch {} session {} catalog [{}]",
+            if s.ctl.up { "up" } else { "DOWN" },
+            s.ctl.epoch,
+            s.ctl.session,
+            s.ctl
+                .catalog
+                .iter()
+                .map(|k| name(k.id))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        for (i, w) in s.workers.iter().enumerate() {
+            let log: Vec<String> = w
+                .log
+                .iter()
+                .map(|(idx, id, _)| format!("{}@{idx}", name(*id)))
+                .collect();
+            let inst: Vec<String> = w
+                .installed
+                .iter()
+                .map(|(idx, k)| format!("{}@{idx}", name(k.id)))
+                .collect();
+            out.push_str(&format!(
+                " | p{i}: built [{}] runs [{}]{}{}",
+                log.join(","),
+                inst.join(","),
+                if w.pending.is_some() {
+                    " (at barrier)"
+                } else {
+                    ""
+                },
+                if w.halted { " HALTED" } else { "" }
+            ));
+        }
+        out
+    }
+
+    /// A readable description of a step taken from `s`.
+    pub fn describe(&self, s: &ComputeState, a: &ComputeAction) -> String {
+        let show = |m: &Msg| match m {
+            Msg::Hello { session } => format!("Hello(session {session})"),
+            Msg::Target { keys, .. } => format!(
+                "Target[{}]+InitializationComplete",
+                keys.iter()
+                    .map(|k| name(k.id))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+            Msg::Create { key, .. } => format!("CreateDataflow {}", name(key.id)),
+            Msg::Drop { id, .. } => format!("Drop {}", name(*id)),
+        };
+        match a {
+            ComputeAction::Create(i) => format!("controller: create {}", name(self.pool[*i].id)),
+            ComputeAction::Drop(i) => format!("controller: drop {}", name(self.pool[*i].id)),
+            ComputeAction::Crash => "controller CRASHES (in-flight messages lost)".into(),
+            ComputeAction::Restart => "controller restarts, sends Hello and its target".into(),
+            ComputeAction::DropConnection(p) => {
+                format!("connection to p{p} DROPS; controller reconnects every process")
+            }
+            ComputeAction::RestartReplica => "controller restarts the replica".into(),
+            ComputeAction::Receive(p) => match s.channels[*p].front() {
+                Some(m) => format!("p{p} receives {}", show(m)),
+                None => format!("p{p} receives nothing"),
+            },
+            ComputeAction::Decide(p) => {
+                format!("p{p} barrier decides {:?}", self.decision(s, *p))
+            }
+            ComputeAction::Apply(p) => match s.stream.get(s.workers[*p].cursor) {
+                Some(m) => format!("p{p} applies {} from the stream", show(m)),
+                None => format!("p{p} applies nothing"),
+            },
+        }
+    }
+}
+
+impl Model for ComputeModel {
+    type State = ComputeState;
+    type Action = ComputeAction;
+
+    fn init_states(&self) -> Vec<ComputeState> {
+        let n = self.bounds.processes;
+        let worker = Worker {
+            session: 1,
+            reconciled: true,
+            ..Worker::default()
+        };
+        vec![ComputeState {
+            ctl: Controller {
+                up: true,
+                epoch: 1,
+                session: 1,
+                seqno: 2,
+                catalog: Vec::new(),
+                commands: 0,
+                faults: 0,
+            },
+            channels: vec![VecDeque::new(); n],
+            workers: vec![worker; n],
+            mesh: Vec::new(),
+            stream: Vec::new(),
+            replica_restarts: 0,
+        }]
+    }
+
+    fn actions(&self, s: &ComputeState, actions: &mut Vec<ComputeAction>) {
+        let b = &self.bounds;
+        if s.ctl.up {
+            if s.ctl.commands < b.commands {
+                for (i, k) in self.pool.iter().enumerate() {
+                    if s.ctl.catalog.iter().any(|c| c.id == k.id) {
+                        actions.push(ComputeAction::Drop(i));
+                    } else {
+                        actions.push(ComputeAction::Create(i));
+                    }
+                }
+            }
+            if s.ctl.faults < b.faults {
+                actions.push(ComputeAction::Crash);
+                if self.uses_channels() {
+                    let connections = if self.strategy == Strategy::Broadcast {
+                        1
+                    } else {
+                        b.processes
+                    };
+                    for p in 0..connections {
+                        actions.push(ComputeAction::DropConnection(p));
+                    }
+                }
+            }
+            if s.workers.iter().any(|w| w.halted) {
+                actions.push(ComputeAction::RestartReplica);
+            }
+        } else {
+            actions.push(ComputeAction::Restart);
+        }
+        for (p, w) in s.workers.iter().enumerate() {
+            if w.halted {
+                continue;
+            }
+            match self.strategy {
+                Strategy::Naive | Strategy::Broadcast => {
+                    if !s.channels[p].is_empty() {
+                        actions.push(ComputeAction::Receive(p));
+                    }
+                }
+                Strategy::Barrier => {
+                    if w.pending.is_none() {
+                        if !s.channels[p].is_empty() {
+                            actions.push(ComputeAction::Receive(p));
+                        }
+                    } else if !matches!(self.decision(s, p), Some(BarrierDecision::Wait) | None) {
+                        actions.push(ComputeAction::Decide(p));
+                    }
+                }
+                Strategy::Log => {}
+            }
+            if matches!(self.strategy, Strategy::Broadcast | Strategy::Log)
+                && w.cursor < s.stream.len()
+            {
+                actions.push(ComputeAction::Apply(p));
+            }
+        }
+    }
+
+    fn next_state(&self, last: &ComputeState, action: ComputeAction) -> Option<ComputeState> {
+        let mut s = last.clone();
+        match action {
+            ComputeAction::Create(i) => {
+                let key = self.pool[i];
+                s.ctl.commands += 1;
+                s.ctl.catalog.push(key);
+                let (session, seqno) = (s.ctl.session, s.ctl.seqno);
+                s.ctl.seqno += 1;
+                self.send(
+                    &mut s,
+                    Msg::Create {
+                        session,
+                        seqno,
+                        key,
+                    },
+                );
+            }
+            ComputeAction::Drop(i) => {
+                let id = self.pool[i].id;
+                s.ctl.commands += 1;
+                s.ctl.catalog.retain(|k| k.id != id);
+                let session = s.ctl.session;
+                s.ctl.seqno += 1;
+                self.send(&mut s, Msg::Drop { session, id });
+            }
+            ComputeAction::Crash => {
+                s.ctl.faults += 1;
+                s.ctl.up = false;
+                for c in &mut s.channels {
+                    c.clear();
+                }
+            }
+            ComputeAction::Restart => {
+                s.ctl.up = true;
+                s.ctl.epoch += 1;
+                self.start_session(&mut s);
+            }
+            ComputeAction::DropConnection(p) => {
+                s.ctl.faults += 1;
+                s.channels[p].clear();
+                self.start_session(&mut s);
+            }
+            ComputeAction::RestartReplica => {
+                s.replica_restarts += 1;
+                for c in &mut s.channels {
+                    c.clear();
+                }
+                s.mesh.clear();
+                if self.strategy == Strategy::Broadcast {
+                    s.stream.clear();
+                }
+                let cursor = if self.strategy == Strategy::Log {
+                    s.stream.len()
+                } else {
+                    0
+                };
+                for w in &mut s.workers {
+                    *w = Worker {
+                        cursor,
+                        ..Worker::default()
+                    };
+                }
+                self.start_session(&mut s);
+            }
+            ComputeAction::Receive(p) => {
+                let msg = s.channels[p].pop_front()?;
+                match self.strategy {
+                    Strategy::Naive => Self::apply_unprotected(&mut s.workers[p], &msg),
+                    Strategy::Barrier => Self::receive_barrier(&mut s, p, msg),
+                    Strategy::Broadcast => s.stream.push(msg),
+                    Strategy::Log => return None,
+                }
+            }
+            ComputeAction::Decide(p) => {
+                let d = self.decision(&s, p)?;
+                if d == BarrierDecision::Wait {
+                    return None;
+                }
+                self.decide(&mut s, p, d);
+            }
+            ComputeAction::Apply(p) => {
+                let msg = s.stream.get(s.workers[p].cursor)?.clone();
+                s.workers[p].cursor += 1;
+                Self::apply_unprotected(&mut s.workers[p], &msg);
+            }
+        }
+        Some(s)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always("I1 lockstep", |m: &Self, s| m.check_i1(s).is_ok()),
+            Property::always("I4 no partial install", |m: &Self, s| m.check_i4(s).is_ok()),
+            Property::always(
+                "I2 target reachable without another fault",
+                |m: &Self, s| m.target_reachable(s),
+            ),
+            Property::sometimes(
+                "recovers from a fault with dataflows running",
+                |m: &Self, s: &ComputeState| {
+                    s.ctl.faults > 0 && !s.ctl.catalog.is_empty() && m.done(s)
+                },
+            ),
+        ]
+    }
+}

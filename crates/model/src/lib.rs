@@ -1,0 +1,390 @@
+//! Model checking of lockstep's protocols with stateright.
+//!
+//! Tests on real processes sample faults; a model checker tries every
+//! interleaving of deliveries, crashes and dropped connections, for small
+//! sizes. That is the cheapest place to find a flaw in collective
+//! reconciliation or in an orphan rule, so both live here:
+//!
+//! - [`compute`]: the compute protocol under each distribution strategy
+//!   (naive, broadcast, barrier, log), with invariants I1, I4 and liveness.
+//!   Wherever the replica makes a decision (which dataflows to keep after a
+//!   reconnect, when a barrier may pass), the model calls the very function
+//!   the replica calls, from `lockstep-reconcile`: the model checks the
+//!   code's logic, not a paraphrase of it.
+//! - [`orphan`]: three controllers overlapping on a fenced catalog and a
+//!   labelled orchestrator, with the real orphan rules from `lockstep-policy`,
+//!   and invariants O1, O3, O4.
+//!
+//! [`run_variant`] checks one named variant ([`VARIANTS`]) in each of its
+//! CI-sized scenarios ([`scenarios`]) and returns a [`VariantReport`] that
+//! prints the reporting contract's JSON line; each scenario's [`Report`]
+//! holds, for every violated property, the shortest counterexample as a
+//! readable trace. The `lockstep-model` binary (what
+//! `cargo xtask model` runs) checks them all. The negative controls (`naive`,
+//! `catalog-only`) must be caught; every other variant must pass, and must
+//! also show its `sometimes` examples, so that a model that does nothing
+//! cannot pass.
+
+pub mod compute;
+pub mod orphan;
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use stateright::{Checker, Expectation, HasDiscoveries, Model, Path, Property};
+
+pub use compute::{ComputeBounds, ComputeModel};
+pub use lockstep_protocol::Strategy;
+pub use orphan::{OrphanBounds, OrphanModel};
+
+/// How a model explains itself in a trace.
+pub trait Explain: Model {
+    /// The step `action` taken from `state`, in words.
+    fn describe_step(&self, state: &Self::State, action: &Self::Action) -> String;
+    /// The state in one line.
+    fn summarize(&self, state: &Self::State) -> String;
+    /// What is broken in `state`, if anything.
+    fn broken(&self, state: &Self::State) -> Vec<String>;
+}
+
+impl Explain for ComputeModel {
+    fn describe_step(&self, s: &Self::State, a: &Self::Action) -> String {
+        self.describe(s, a)
+    }
+    fn summarize(&self, s: &Self::State) -> String {
+        self.summary(s)
+    }
+    fn broken(&self, s: &Self::State) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Err(e) = self.check_i1(s) {
+            out.push(e);
+        }
+        if let Err(e) = self.check_i4(s) {
+            out.push(e);
+        }
+        if !self.target_reachable(s) {
+            out.push(
+                "I2 broken: from this state no fault-free continuation reaches the target".into(),
+            );
+        }
+        out
+    }
+}
+
+impl Explain for OrphanModel {
+    fn describe_step(&self, s: &Self::State, a: &Self::Action) -> String {
+        self.describe(s, a)
+    }
+    fn summarize(&self, s: &Self::State) -> String {
+        self.summary(s)
+    }
+    fn broken(&self, s: &Self::State) -> Vec<String> {
+        s.violations
+            .iter()
+            .map(|(inv, what)| format!("{inv:?} broken: {what}"))
+            .collect()
+    }
+}
+
+/// A property the checker found violated, with its shortest counterexample.
+#[derive(Clone, Debug)]
+pub struct Violation {
+    /// The property's name.
+    pub property: &'static str,
+    /// Steps in the counterexample.
+    pub steps: usize,
+    /// The counterexample, one numbered step per line, then what broke.
+    pub trace: String,
+}
+
+/// The result of checking one variant.
+#[derive(Clone, Debug)]
+pub struct Report {
+    /// The variant's name.
+    pub variant: &'static str,
+    /// The bounds, in words.
+    pub bounds: String,
+    /// Unique states explored.
+    pub states: usize,
+    /// Whether this variant is a negative control that must be caught.
+    pub negative_control: bool,
+    /// Violated properties, in property order.
+    pub violations: Vec<Violation>,
+    /// `sometimes` properties with no example (a vacuous model).
+    pub missing_examples: Vec<&'static str>,
+    /// Wall-clock seconds.
+    pub seconds: f64,
+}
+
+impl Report {
+    /// Whether the variant met its expectation: a negative control was
+    /// caught; any other variant had no violation and every example.
+    pub fn ok(&self) -> bool {
+        if self.negative_control {
+            !self.violations.is_empty()
+        } else {
+            self.violations.is_empty() && self.missing_examples.is_empty()
+        }
+    }
+
+    /// The reporting contract's line (suite `model`, one scenario per variant).
+    pub fn json(&self) -> String {
+        let passed = usize::from(self.violations.is_empty() && self.missing_examples.is_empty());
+        let mut line = format!(
+            r#"{{"suite":"model","variant":"{}","scenarios":1,"passed":{},"failed":{},"states":{}"#,
+            self.variant,
+            passed,
+            1 - passed,
+            self.states
+        );
+        if self.negative_control {
+            line.push_str(&format!(r#","caught":{}"#, !self.violations.is_empty()));
+        }
+        line.push('}');
+        line
+    }
+}
+
+/// The first violating path found for each property, by name.
+type FirstPaths<M> =
+    Arc<Mutex<BTreeMap<&'static str, Path<<M as Model>::State, <M as Model>::Action>>>>;
+
+/// Checks `model` exhaustively (breadth first, one thread, so every
+/// counterexample is a shortest one) and reports.
+pub fn check<M>(model: M, variant: &'static str, bounds: String, negative_control: bool) -> Report
+where
+    M: Model + Explain + Clone + Send + Sync + 'static,
+    M::State: Hash + Clone + Debug + PartialEq + Send + Sync + 'static,
+    M::Action: Clone + Debug + PartialEq + Send + Sync + 'static,
+{
+    let start = Instant::now();
+    let properties = model.properties();
+    // stateright keeps the *last* violating path it meets for a property, so
+    // the first one (the shortest, since the search is breadth first on one
+    // thread) is recorded here, by a visitor that sees every state in order.
+    let first: FirstPaths<M> = Arc::default();
+    let visitor = {
+        let first = Arc::clone(&first);
+        let model = model.clone();
+        let failures: Vec<Property<M>> = properties
+            .iter()
+            .filter(|p| p.expectation != Expectation::Sometimes)
+            .cloned()
+            .collect();
+        move |path: Path<M::State, M::Action>| {
+            let mut first = first.lock().expect("visitor lock poisoned");
+            for p in &failures {
+                if !first.contains_key(p.name) && !(p.condition)(&model, path.last_state()) {
+                    first.insert(p.name, path.clone());
+                }
+            }
+        }
+    };
+    let checker = model
+        .clone()
+        .checker()
+        .threads(1)
+        .visitor(visitor)
+        .finish_when(HasDiscoveries::AllFailures)
+        .spawn_bfs()
+        .join();
+    let discoveries = checker.discoveries();
+    let first = first.lock().expect("visitor lock poisoned").clone();
+    let mut violations = Vec::new();
+    let mut missing_examples = Vec::new();
+    for p in &properties {
+        if p.expectation == Expectation::Sometimes {
+            if !discoveries.contains_key(p.name) {
+                missing_examples.push(p.name);
+            }
+            continue;
+        }
+        let Some(path) = first.get(p.name).or(discoveries.get(p.name)) else {
+            continue;
+        };
+        let steps = path.clone().into_vec();
+        let mut trace = String::new();
+        for (i, (state, action)) in steps.iter().enumerate() {
+            if i == 0 {
+                trace.push_str(&format!("   0. start: {}\n", model.summarize(state)));
+            }
+            if let Some(a) = action {
+                let next = &steps[i + 1].0;
+                trace.push_str(&format!(
+                    "  {:>2}. {}\n      -> {}\n",
+                    i + 1,
+                    model.describe_step(state, a),
+                    model.summarize(next)
+                ));
+            }
+        }
+        if let Some((last, _)) = steps.last() {
+            for b in model.broken(last) {
+                trace.push_str(&format!("  => {b}\n"));
+            }
+        }
+        violations.push(Violation {
+            property: p.name,
+            steps: steps.len() - 1,
+            trace,
+        });
+    }
+    Report {
+        variant,
+        bounds,
+        states: checker.unique_state_count(),
+        negative_control,
+        violations,
+        missing_examples,
+        seconds: start.elapsed().as_secs_f64(),
+    }
+}
+
+/// One scenario: a model and the bounds to check it within.
+#[derive(Clone, Copy, Debug)]
+pub enum Variant {
+    /// The compute model with a strategy.
+    Compute(Strategy, ComputeBounds),
+    /// The orphan model with a rule.
+    Orphan(&'static str, OrphanBounds),
+}
+
+/// The compute model's CI scenarios: two processes with more commands and
+/// faults, three processes with fewer.
+const COMPUTE: [ComputeBounds; 2] = [
+    ComputeBounds {
+        processes: 2,
+        dataflows: 2,
+        commands: 3,
+        faults: 2,
+    },
+    ComputeBounds {
+        processes: 3,
+        dataflows: 2,
+        commands: 2,
+        faults: 1,
+    },
+];
+
+/// The orphan model's CI scenario.
+const ORPHANS: OrphanBounds = OrphanBounds {
+    controllers: 3,
+    serve_ops: 4,
+    crashes: 2,
+};
+
+/// Every variant `cargo xtask model` checks, in report order.
+pub const VARIANTS: [&str; 7] = [
+    "naive",
+    "broadcast",
+    "barrier",
+    "log",
+    "epoch",
+    "id-watermark",
+    "catalog-only",
+];
+
+/// Whether a variant is a negative control (must be caught).
+pub fn is_negative_control(name: &str) -> bool {
+    matches!(name, "naive" | "catalog-only")
+}
+
+/// The CI scenarios of a variant of [`VARIANTS`], if the name is one.
+pub fn scenarios(name: &str) -> Option<Vec<Variant>> {
+    let strategy = match name {
+        "naive" => Strategy::Naive,
+        "broadcast" => Strategy::Broadcast,
+        "barrier" => Strategy::Barrier,
+        "log" => Strategy::Log,
+        "epoch" => return Some(vec![Variant::Orphan("epoch", ORPHANS)]),
+        "id-watermark" => return Some(vec![Variant::Orphan("id-watermark", ORPHANS)]),
+        "catalog-only" => return Some(vec![Variant::Orphan("catalog-only", ORPHANS)]),
+        _ => return None,
+    };
+    Some(
+        COMPUTE
+            .iter()
+            .map(|b| Variant::Compute(strategy, *b))
+            .collect(),
+    )
+}
+
+/// Checks one scenario of a variant.
+pub fn run(name: &'static str, variant: Variant) -> Report {
+    let negative = is_negative_control(name);
+    match variant {
+        Variant::Compute(strategy, bounds) => check(
+            ComputeModel::new(strategy, bounds),
+            name,
+            bounds.to_string(),
+            negative,
+        ),
+        Variant::Orphan(rule, bounds) => check(
+            OrphanModel::new(rule, bounds),
+            name,
+            bounds.to_string(),
+            negative,
+        ),
+    }
+}
+
+/// The results of every scenario of one variant.
+#[derive(Clone, Debug)]
+pub struct VariantReport {
+    /// The variant's name.
+    pub variant: &'static str,
+    /// Whether it is a negative control.
+    pub negative_control: bool,
+    /// One report per scenario.
+    pub scenarios: Vec<Report>,
+}
+
+impl VariantReport {
+    /// A negative control is caught when every scenario caught it.
+    pub fn caught(&self) -> bool {
+        self.scenarios.iter().all(|r| !r.violations.is_empty())
+    }
+
+    /// Whether every scenario met its expectation.
+    pub fn ok(&self) -> bool {
+        self.scenarios.iter().all(Report::ok)
+    }
+
+    /// The reporting contract's line for the variant: scenarios that found no
+    /// violation (and every example) passed; `states` sums the scenarios.
+    pub fn json(&self) -> String {
+        let passed = self
+            .scenarios
+            .iter()
+            .filter(|r| r.violations.is_empty() && r.missing_examples.is_empty())
+            .count();
+        let states: usize = self.scenarios.iter().map(|r| r.states).sum();
+        let mut line = format!(
+            r#"{{"suite":"model","variant":"{}","scenarios":{},"passed":{},"failed":{},"states":{}"#,
+            self.variant,
+            self.scenarios.len(),
+            passed,
+            self.scenarios.len() - passed,
+            states
+        );
+        if self.negative_control {
+            line.push_str(&format!(r#","caught":{}"#, self.caught()));
+        }
+        line.push('}');
+        line
+    }
+}
+
+/// Checks every CI scenario of the variant of [`VARIANTS`] with this name.
+pub fn run_variant(name: &str) -> Option<VariantReport> {
+    let name = *VARIANTS.iter().find(|n| **n == name)?;
+    let scenarios = scenarios(name)?.into_iter().map(|v| run(name, v)).collect();
+    Some(VariantReport {
+        variant: name,
+        negative_control: is_negative_control(name),
+        scenarios,
+    })
+}

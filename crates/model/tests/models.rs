@@ -1,0 +1,225 @@
+//! The models' own checks, at bounds small enough for `cargo test` in debug
+//! mode: the negative controls and deliberate flaws are caught, the real
+//! strategies and rules pass, and Frank McSherry's case replays as expected.
+//! `cargo xtask model` checks the larger CI bounds in release mode.
+
+use std::collections::HashSet;
+
+use lockstep_model::compute::{ComputeAction as A, ComputeState, Mutation};
+use lockstep_model::{check, ComputeBounds, ComputeModel, OrphanBounds, OrphanModel, Strategy};
+use stateright::Model;
+
+const SMALL: ComputeBounds = ComputeBounds {
+    processes: 2,
+    dataflows: 1,
+    commands: 3,
+    faults: 1,
+};
+
+fn compute(strategy: Strategy, bounds: ComputeBounds) -> ComputeModel {
+    ComputeModel::new(strategy, bounds)
+}
+
+fn violated(report: &lockstep_model::Report) -> Vec<&'static str> {
+    report.violations.iter().map(|v| v.property).collect()
+}
+
+#[test]
+fn naive_is_caught() {
+    let r = check(
+        compute(Strategy::Naive, SMALL),
+        "naive",
+        String::new(),
+        true,
+    );
+    assert!(r.ok(), "naive must be caught");
+    assert!(violated(&r).contains(&"I1 lockstep"), "{:?}", violated(&r));
+    let i1 = &r.violations[0];
+    assert!(i1.trace.contains("I1 broken"), "{}", i1.trace);
+    assert!(r.json().contains(r#""caught":true"#));
+}
+
+#[test]
+fn protected_strategies_pass() {
+    for s in [Strategy::Broadcast, Strategy::Barrier, Strategy::Log] {
+        let r = check(compute(s, SMALL), s.name(), String::new(), false);
+        assert!(
+            r.ok(),
+            "{s}: {:?} {:?}",
+            r.violations.first().map(|v| &v.trace),
+            r.missing_examples
+        );
+        assert!(r.states > 100, "{s}: only {} states", r.states);
+        assert!(r.json().contains(r#""passed":1,"failed":0"#));
+    }
+}
+
+#[test]
+fn barrier_with_local_reconciliation_is_caught() {
+    let m = compute(Strategy::Barrier, SMALL).with_mutation(Mutation::LocalReconcile);
+    let r = check(m, "barrier-local", String::new(), false);
+    assert!(!r.ok());
+    assert!(violated(&r).contains(&"I1 lockstep"), "{:?}", violated(&r));
+}
+
+#[test]
+fn barrier_that_ignores_skipped_sessions_deadlocks() {
+    // Two faults: a worker can skip a whole session, and a peer waiting in
+    // that session's reconciliation round would wait forever.
+    let bounds = ComputeBounds {
+        processes: 2,
+        dataflows: 1,
+        commands: 0,
+        faults: 2,
+    };
+    let m = compute(Strategy::Barrier, bounds).with_mutation(Mutation::NoSessionEnd);
+    let r = check(m, "barrier-no-session-end", String::new(), false);
+    assert!(!r.ok());
+    assert_eq!(
+        violated(&r),
+        vec!["I2 target reachable without another fault"]
+    );
+    // And the real barrier (with `barrier_view`) passes the same bounds.
+    let r = check(
+        compute(Strategy::Barrier, bounds),
+        "barrier",
+        String::new(),
+        false,
+    );
+    assert!(r.violations.is_empty(), "{}", r.violations[0].trace);
+}
+
+/// Runs `script` from the initial state; every action must be enabled.
+fn replay(m: &ComputeModel, script: &[A]) -> ComputeState {
+    let mut s = m.init_states().remove(0);
+    for a in script {
+        let mut enabled = Vec::new();
+        m.actions(&s, &mut enabled);
+        assert!(
+            enabled.contains(a),
+            "{a:?} not enabled in {}",
+            m.summary(&s)
+        );
+        s = m.next_state(&s, a.clone()).expect("enabled action");
+    }
+    s
+}
+
+/// Every fault-free continuation without new commands keeps I1 and I4, and
+/// every one that ends, ends at the target.
+fn all_continuations_reach_the_target(m: &ComputeModel, s: ComputeState) {
+    let mut stack = vec![s];
+    let mut seen = HashSet::new();
+    while let Some(st) = stack.pop() {
+        if !seen.insert(st.clone()) {
+            continue;
+        }
+        assert_eq!(m.check_i1(&st), Ok(()), "{}", m.summary(&st));
+        assert_eq!(m.check_i4(&st), Ok(()), "{}", m.summary(&st));
+        let mut next = Vec::new();
+        m.actions(&st, &mut next);
+        next.retain(|a| matches!(a, A::Receive(_) | A::Decide(_) | A::Apply(_) | A::Restart));
+        if next.is_empty() {
+            assert!(m.done(&st), "stuck short of the target: {}", m.summary(&st));
+        }
+        stack.extend(next.into_iter().filter_map(|a| m.next_state(&st, a)));
+    }
+}
+
+/// Frank's case: the controller builds A, drops it and asks for it again;
+/// p0 sees build and drop, p1 only build; the controller crashes (the last
+/// create is lost in flight but durable in the catalog) and restarts wanting A.
+#[test]
+fn franks_case_breaks_naive() {
+    let m = compute(Strategy::Naive, SMALL);
+    let s = replay(
+        &m,
+        &[
+            A::Create(0),
+            A::Receive(0),
+            A::Receive(1),
+            A::Drop(0),
+            A::Receive(0),
+            A::Create(0),
+            A::Crash,
+            A::Restart,
+            A::Receive(0),
+            A::Receive(0),
+            A::Receive(1),
+            A::Receive(1),
+        ],
+    );
+    assert!(m.quiet(&s));
+    let err = m.check_i1(&s).unwrap_err();
+    // p0 built a second A alone; p1 still runs the first one.
+    assert!(
+        err.contains("worker 1 created nothing at position 1"),
+        "{err}"
+    );
+    assert!(m.check_i4(&s).is_err());
+    assert!(!m.target_reachable(&s));
+}
+
+#[test]
+fn franks_case_is_safe_under_barrier() {
+    let m = compute(Strategy::Barrier, SMALL);
+    let s = replay(
+        &m,
+        &[
+            A::Create(0),
+            A::Receive(0),
+            A::Receive(1),
+            A::Decide(0),
+            A::Decide(1),
+            A::Drop(0),
+            A::Receive(0),
+            A::Create(0),
+            A::Crash,
+            A::Restart,
+        ],
+    );
+    // Collective reconciliation drops p1's old A and rebuilds A everywhere.
+    all_continuations_reach_the_target(&m, s);
+}
+
+const ORPHANS: OrphanBounds = OrphanBounds {
+    controllers: 3,
+    serve_ops: 2,
+    crashes: 1,
+};
+
+#[test]
+fn orphan_rules() {
+    for rule in ["epoch", "id-watermark"] {
+        let r = check(OrphanModel::new(rule, ORPHANS), rule, String::new(), false);
+        assert!(
+            r.ok(),
+            "{rule}: {:?} {:?}",
+            r.violations.first().map(|v| &v.trace),
+            r.missing_examples
+        );
+    }
+    let r = check(
+        OrphanModel::new("catalog-only", ORPHANS),
+        "catalog-only",
+        String::new(),
+        true,
+    );
+    assert!(r.ok(), "catalog-only must be caught");
+    assert!(violated(&r).contains(&"O1 no wanted service removed"));
+    assert!(r.violations[0].trace.contains("O1 broken"));
+}
+
+#[test]
+fn unconditional_ensure_lets_labels_go_back() {
+    // lluki's PR: ensure overwrites, so a stale controller can put an older
+    // epoch (and spec) back on a newer controller's service.
+    let mut m = OrphanModel::new("epoch", ORPHANS);
+    m.conditional_ensure = false;
+    let r = check(m, "epoch-unconditional", String::new(), false);
+    assert!(
+        violated(&r).contains(&"O4 no stale overwrite"),
+        "{:?}",
+        violated(&r)
+    );
+}
