@@ -3,6 +3,7 @@
 //! cargo. Each task lives in its own module; `main` only dispatches.
 
 mod chaos;
+mod model;
 mod new_policy;
 mod policies;
 mod tasks;
@@ -45,6 +46,11 @@ enum Task {
         /// The suite to run.
         suite: String,
     },
+    /// Model-check the protocols (stateright, CI-sized bounds); prints the JSON summary lines.
+    Model {
+        /// Variants to check (default: all).
+        variants: Vec<String>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -55,6 +61,7 @@ fn main() -> anyhow::Result<()> {
         Task::Test { no_lint } => tasks::test(!no_lint),
         Task::Demo => tasks::demo(),
         Task::Chaos { suite } => chaos::run_suite(&suite),
+        Task::Model { variants } => model::run(&variants),
         Task::NewPolicy { name, kind } => new_policy::scaffold(&name, kind),
     }
 }

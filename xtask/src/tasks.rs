@@ -42,6 +42,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     for suite in crate::chaos::SUITES {
         crate::chaos::run_suite(suite)?;
     }
+    crate::model::run(&[])?;
     eprintln!("\nxtask: test: ok");
     Ok(())
 }
