@@ -8,7 +8,9 @@
 //!   messages are lost, the catalog and epoch survive) and **restart** (epoch
 //!   and session bump, then Hello and the target to every process), and can
 //!   lose **one connection** (that channel is truncated; the controller
-//!   reconnects every process with a new session).
+//!   reconnects every process with a new session). A **replica process can
+//!   die**: timely's mesh fails, every worker stops, and the controller
+//!   restarts the replica (fresh processes, a new session with the target).
 //! - **Replica processes** with one timely worker each. A worker has a
 //!   creation log (timely index, dataflow ID, description hash), the set of
 //!   dataflows it runs (with the timely index each was built at, so an "A" built
@@ -73,7 +75,8 @@ pub struct ComputeBounds {
     pub dataflows: usize,
     /// User commands (create or drop) the controller issues in total.
     pub commands: usize,
-    /// Faults in total: controller crashes plus dropped connections.
+    /// Faults in total: controller crashes, dropped connections and process
+    /// crashes.
     pub faults: usize,
 }
 
@@ -81,7 +84,7 @@ impl fmt::Display for ComputeBounds {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} processes x 1 worker, {} dataflows, {} commands, {} faults (crash or dropped connection)",
+            "{} processes x 1 worker, {} dataflows, {} commands, {} faults (controller crash, dropped connection or process crash)",
             self.processes, self.dataflows, self.commands, self.faults
         )
     }
@@ -271,6 +274,9 @@ pub enum ComputeAction {
     Restart,
     /// The connection to a process drops (fault); the controller reconnects all.
     DropConnection(usize),
+    /// A replica process dies (fault): timely's mesh fails, so every worker
+    /// of the replica stops.
+    ProcessCrash(usize),
     /// A worker halted: the controller restarts the whole replica.
     RestartReplica,
     /// A process takes the next message off its channel.
@@ -288,6 +294,7 @@ impl ComputeAction {
             self,
             ComputeAction::Crash
                 | ComputeAction::DropConnection(_)
+                | ComputeAction::ProcessCrash(_)
                 | ComputeAction::Create(_)
                 | ComputeAction::Drop(_)
         )
@@ -765,7 +772,13 @@ impl ComputeModel {
             ComputeAction::DropConnection(p) => {
                 format!("connection to p{p} DROPS; controller reconnects every process")
             }
-            ComputeAction::RestartReplica => "controller restarts the replica".into(),
+            ComputeAction::ProcessCrash(p) => {
+                format!("process p{p} DIES; the mesh fails and every worker stops")
+            }
+            ComputeAction::RestartReplica => {
+                "controller restarts the replica (fresh processes), sends Hello and its target"
+                    .into()
+            }
             ComputeAction::Receive(p) => match s.channels[*p].front() {
                 Some(m) => format!("p{p} receives {}", show(m)),
                 None => format!("p{p} receives nothing"),
@@ -833,6 +846,10 @@ impl Model for ComputeModel {
                     for p in 0..connections {
                         actions.push(ComputeAction::DropConnection(p));
                     }
+                }
+                // Which process dies makes no difference: the whole replica stops.
+                if !s.workers.iter().any(|w| w.halted) {
+                    actions.push(ComputeAction::ProcessCrash(b.processes - 1));
                 }
             }
             if s.workers.iter().any(|w| w.halted) {
@@ -912,6 +929,12 @@ impl Model for ComputeModel {
                 s.ctl.faults += 1;
                 s.channels[p].clear();
                 self.start_session(&mut s);
+            }
+            ComputeAction::ProcessCrash(_) => {
+                s.ctl.faults += 1;
+                for w in &mut s.workers {
+                    w.halted = true;
+                }
             }
             ComputeAction::RestartReplica => {
                 s.replica_restarts += 1;
