@@ -99,12 +99,15 @@ impl std::fmt::Display for SuiteLine {
     }
 }
 
-/// The report as the contract prints it: each failure above its line, then
-/// one JSON line per suite and variant. Ends with a newline.
+/// The report as the contract prints it: each failure on a line of its own
+/// above its summary, then one JSON line per suite and variant. Ends with a
+/// newline.
 pub fn report(lines: &[SuiteLine]) -> String {
     let mut out = String::new();
     for line in lines {
         for failure in &line.failures {
+            // One line per failure, even when a panic message spans several.
+            let failure = failure.replace('\n', " ");
             out.push_str(&format!("{SUITE} {}: FAILED {failure}\n", line.variant));
         }
         out.push_str(&line.to_json());

@@ -159,3 +159,34 @@ pub(crate) fn workspace_root() -> PathBuf {
         .expect("crates/policy-host lives two levels below the workspace root")
         .to_path_buf()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The controller and the environment keep policies as
+    /// `Box<dyn ... + Send>` and may move them between threads.
+    #[test]
+    fn policies_are_send() {
+        fn send<T: Send>() {}
+        send::<WasmDistributionPolicy>();
+        send::<WasmOrphanPolicy>();
+        send::<SafeDistribution<WasmDistributionPolicy>>();
+        send::<SafeOrphans<WasmOrphanPolicy>>();
+        send::<ComponentCache>();
+    }
+
+    #[test]
+    fn names_and_paths() {
+        assert_eq!(
+            policy_name(Path::new("a/b/id-watermark.wasm")),
+            "id-watermark"
+        );
+        assert!(shipped_policy("epoch").ends_with("target/lockstep/policies/epoch.wasm"));
+        assert_eq!(PolicyKind::Orphans.to_string(), "orphans");
+        assert_eq!(
+            PolicyKind::Distribution.exports(),
+            ["choose", "on-mismatch"]
+        );
+    }
+}
