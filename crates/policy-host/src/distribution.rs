@@ -123,6 +123,12 @@ impl WasmDistributionPolicy {
         self.runner.limits()
     }
 
+    /// The fuel the last call used, copying its arguments in included
+    /// (`None` before the first call): to size [`Limits::fuel_per_call`].
+    pub fn last_fuel_used(&self) -> Option<u64> {
+        self.runner.last_fuel_used()
+    }
+
     /// Drops the live instance; the next call starts from a fresh one (as
     /// after a failure).
     pub fn reset(&mut self) {

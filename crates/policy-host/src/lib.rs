@@ -91,8 +91,12 @@ pub struct Limits {
 }
 
 impl Default for Limits {
-    /// 100,000,000 fuel per call (about 10 ms of guest work; classifying
-    /// 10,000 services takes a fraction of it) and 64 MiB of memory.
+    /// 100,000,000 fuel per call and 64 MiB of memory.
+    ///
+    /// A looping policy is stopped after about 10 ms. Copying arguments in
+    /// costs fuel too: classifying 10,000 services with one label each uses
+    /// about 20,000,000 (see `last_fuel_used`), so raise the fuel for much
+    /// larger listings; a distribution decision uses a few hundred.
     fn default() -> Self {
         Self {
             fuel_per_call: 100_000_000,

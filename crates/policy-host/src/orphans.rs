@@ -135,6 +135,12 @@ impl WasmOrphanPolicy {
         self.runner.limits()
     }
 
+    /// The fuel the last call used, copying its arguments in included
+    /// (`None` before the first call): to size [`Limits::fuel_per_call`].
+    pub fn last_fuel_used(&self) -> Option<u64> {
+        self.runner.last_fuel_used()
+    }
+
     /// Drops the live instance; the next call starts from a fresh one.
     pub fn reset(&mut self) {
         self.runner.reset();

@@ -145,6 +145,7 @@ pub(crate) struct Runner<P: Instantiate> {
     limits: Limits,
     pre: P,
     live: Option<(Store<HostState>, P::Bindings)>,
+    last_fuel_used: Option<u64>,
 }
 
 impl<P: Instantiate> Runner<P> {
@@ -156,6 +157,7 @@ impl<P: Instantiate> Runner<P> {
             limits,
             pre,
             live: None,
+            last_fuel_used: None,
         };
         runner.ensure_live()?;
         Ok(runner)
@@ -201,7 +203,12 @@ impl<P: Instantiate> Runner<P> {
             .set_fuel(self.limits.fuel_per_call)
             .expect("the engine is configured to consume fuel");
         store.data_mut().begin_call();
-        match f(bindings, store) {
+        let result = f(bindings, store);
+        self.last_fuel_used = store
+            .get_fuel()
+            .ok()
+            .map(|left| self.limits.fuel_per_call.saturating_sub(left));
+        match result {
             Ok(r) => Ok(r),
             Err(e) => {
                 let err = classify(&self.name, &self.limits, store, e);
@@ -210,6 +217,11 @@ impl<P: Instantiate> Runner<P> {
                 Err(err)
             }
         }
+    }
+
+    /// The fuel the last call used (argument copying included).
+    pub(crate) fn last_fuel_used(&self) -> Option<u64> {
+        self.last_fuel_used
     }
 
     /// Drops the live instance (the next call instantiates again).

@@ -34,6 +34,8 @@ fn distribution_policies_choose_their_strategy_for_every_command() {
                     };
                     let got = wasm.choose(&info).unwrap();
                     assert_eq!(got, strategy, "{name} for {info:?}");
+                    let fuel = wasm.last_fuel_used().unwrap();
+                    assert!(fuel < 1_000, "{name} used {fuel} fuel for one decision");
                     assert_eq!(got, native.choose(&info).unwrap());
                 }
             }
@@ -198,4 +200,10 @@ fn a_large_listing_fits_the_default_limits() {
         OrphanDecision::Delete(ids) => assert_eq!(ids.len(), 5_000),
         other => panic!("{other:?}"),
     }
+    let used = p.last_fuel_used().unwrap();
+    assert!(
+        used < Limits::default().fuel_per_call / 4,
+        "10,000 services used {used} fuel: the default leaves too little room"
+    );
+    eprintln!("classifying 10,000 services used {used} fuel");
 }
