@@ -33,6 +33,14 @@
 //!   - `log`: the controller appends commands, epoch markers and targets to a
 //!     durable log (it survives crashes); every worker tails it and reconciles
 //!     with [`lockstep_reconcile::local`] at the target entry.
+//! - **History check** (Frank's option 1, optional, on top of naive): on
+//!   Hello every process reports a digest of its history, and the controller
+//!   sends the target only if [`lockstep_reconcile::history_check`] finds the
+//!   reports in sync, restarting the replica otherwise. With the *compacted*
+//!   history (what `lockstep_protocol::CommandHistory::digest` hashes) it
+//!   misses a dataflow that one process built and dropped and another never
+//!   built: both compacted histories are empty, but their timely counters
+//!   differ. A digest of everything the process did catches it.
 //! - **Mesh**: the replica's timely mesh, reliable while the replica lives.
 //!   Announcements are visible to every worker as soon as they are made. This
 //!   loses no behaviour: a barrier decision depends on each worker's
@@ -61,8 +69,8 @@ use std::sync::{Arc, Mutex};
 
 use lockstep_protocol::{DataflowDescription, Digest, Export, Plan, Strategy};
 use lockstep_reconcile::{
-    barrier, barrier_view, collective, local, lockstep_check, lockstep_prefix_check, Announcement,
-    BarrierDecision, CreationEntry, DataflowKey,
+    barrier, barrier_view, collective, history_check, local, lockstep_check, lockstep_prefix_check,
+    Announcement, BarrierDecision, CreationEntry, DataflowKey, HistoryVerdict,
 };
 use stateright::{Model, Property};
 
@@ -104,6 +112,23 @@ pub enum Mutation {
     NoSessionEnd,
 }
 
+/// Frank's option 1 on top of the naive strategy: on Hello every process
+/// reports a digest of its history; the controller sends the target only if
+/// [`lockstep_reconcile::history_check`] finds the processes in sync with each
+/// other, and restarts the replica otherwise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HistoryCheck {
+    /// No history check (plain naive).
+    Off,
+    /// The digest of the *compacted* history (what
+    /// `lockstep_protocol::CommandHistory::digest` hashes: a dropped dataflow
+    /// vanishes).
+    Compacted,
+    /// A digest of everything the process did (its creation log and what it
+    /// runs).
+    Full,
+}
+
 /// The compute-protocol model for one strategy.
 #[derive(Clone, Debug)]
 pub struct ComputeModel {
@@ -111,6 +136,8 @@ pub struct ComputeModel {
     pub strategy: Strategy,
     /// A deliberate flaw, for the model's own tests; [`Mutation::None`] otherwise.
     pub mutation: Mutation,
+    /// The history check on reconnect (naive only).
+    pub history: HistoryCheck,
     /// Its bounds.
     pub bounds: ComputeBounds,
     pool: Vec<DataflowKey>,
@@ -172,6 +199,8 @@ pub struct Controller {
     pub commands: usize,
     /// Faults so far.
     pub faults: usize,
+    /// History check: Hello sent, waiting for every process's report.
+    pub awaiting: bool,
 }
 
 /// A barrier round a worker announced and waits on.
@@ -259,6 +288,8 @@ pub struct ComputeState {
     pub stream: Vec<Msg>,
     /// Replica restarts after a halt.
     pub replica_restarts: usize,
+    /// History check: each process's report, (session, digest).
+    pub reports: Vec<Option<(u64, Digest)>>,
 }
 
 /// A step of the compute model.
@@ -279,6 +310,8 @@ pub enum ComputeAction {
     ProcessCrash(usize),
     /// A worker halted: the controller restarts the whole replica.
     RestartReplica,
+    /// History check: every process reported; the controller decides.
+    CheckHistories,
     /// A process takes the next message off its channel.
     Receive(usize),
     /// A worker's pending barrier round is decided.
@@ -340,7 +373,27 @@ fn target_digest(keys: &[DataflowKey]) -> Digest {
     Digest(d)
 }
 
+/// A model-local digest of anything hashable (the model is tiny, so a 64-bit
+/// hash stands in for BLAKE3).
+fn digest_of<T: std::hash::Hash>(value: &T) -> Digest {
+    use std::hash::Hasher;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    value.hash(&mut h);
+    let mut d = [0u8; 32];
+    d[..8].copy_from_slice(&h.finish().to_le_bytes());
+    Digest(d)
+}
+
 impl ComputeModel {
+    /// The digest a worker reports on Hello under the history check.
+    fn history_digest(&self, w: &Worker) -> Digest {
+        match self.history {
+            // The compacted history: the creates of what still runs, in order.
+            HistoryCheck::Compacted | HistoryCheck::Off => digest_of(&w.keys()),
+            HistoryCheck::Full => digest_of(&(&w.log, &w.installed)),
+        }
+    }
+
     /// The model of `strategy` within `bounds`.
     pub fn new(strategy: Strategy, bounds: ComputeBounds) -> Self {
         let pool = (0..bounds.dataflows)
@@ -355,10 +408,22 @@ impl ComputeModel {
         ComputeModel {
             strategy,
             mutation: Mutation::None,
+            history: HistoryCheck::Off,
             bounds,
             pool,
             reachable: Arc::default(),
         }
+    }
+
+    /// The naive model with a history check on reconnect.
+    pub fn with_history_check(mut self, history: HistoryCheck) -> Self {
+        assert_eq!(
+            self.strategy,
+            Strategy::Naive,
+            "the history check rides on naive"
+        );
+        self.history = history;
+        self
     }
 
     /// The same model with a deliberate flaw.
@@ -390,6 +455,16 @@ impl ComputeModel {
         s.ctl.session += 1;
         let session = s.ctl.session;
         self.send(s, Msg::Hello { session });
+        if self.history != HistoryCheck::Off {
+            s.ctl.awaiting = true;
+            return;
+        }
+        self.send_target(s);
+    }
+
+    /// The target and InitializationComplete, after Hello.
+    fn send_target(&self, s: &mut ComputeState) {
+        let session = s.ctl.session;
         let keys = s.ctl.catalog.clone();
         self.send(
             s,
@@ -400,6 +475,31 @@ impl ComputeModel {
             },
         );
         s.ctl.seqno = 2;
+    }
+
+    /// Restarts the replica: fresh processes, an empty mesh, a new session.
+    fn restart_replica(&self, s: &mut ComputeState) {
+        s.replica_restarts += 1;
+        for c in &mut s.channels {
+            c.clear();
+        }
+        s.mesh.clear();
+        if self.strategy == Strategy::Broadcast {
+            s.stream.clear();
+        }
+        let cursor = if self.strategy == Strategy::Log {
+            s.stream.len()
+        } else {
+            0
+        };
+        for w in &mut s.workers {
+            *w = Worker {
+                cursor,
+                ..Worker::default()
+            };
+        }
+        s.reports = vec![None; s.workers.len()];
+        self.start_session(s);
     }
 
     /// Applies a command on arrival, with no protection (naive, and every
@@ -589,6 +689,7 @@ impl ComputeModel {
     /// The replica is quiet (see the module docs).
     pub fn quiet(&self, s: &ComputeState) -> bool {
         s.ctl.up
+            && !s.ctl.awaiting
             && s.channels.iter().all(|c| c.is_empty())
             && s.workers.iter().all(|w| {
                 !w.halted
@@ -768,12 +869,27 @@ impl ComputeModel {
             ComputeAction::Create(i) => format!("controller: create {}", name(self.pool[*i].id)),
             ComputeAction::Drop(i) => format!("controller: drop {}", name(self.pool[*i].id)),
             ComputeAction::Crash => "controller CRASHES (in-flight messages lost)".into(),
+            ComputeAction::Restart if self.history != HistoryCheck::Off => {
+                "controller restarts, sends Hello and awaits the history reports".into()
+            }
             ComputeAction::Restart => "controller restarts, sends Hello and its target".into(),
             ComputeAction::DropConnection(p) => {
                 format!("connection to p{p} DROPS; controller reconnects every process")
             }
             ComputeAction::ProcessCrash(p) => {
                 format!("process p{p} DIES; the mesh fails and every worker stops")
+            }
+            ComputeAction::CheckHistories => {
+                let reported: Vec<String> = s
+                    .reports
+                    .iter()
+                    .flatten()
+                    .map(|(_, d)| d.to_string())
+                    .collect();
+                format!(
+                    "controller checks the reported history digests [{}]",
+                    reported.join(", ")
+                )
             }
             ComputeAction::RestartReplica => {
                 "controller restarts the replica (fresh processes), sends Hello and its target"
@@ -814,19 +930,28 @@ impl Model for ComputeModel {
                 catalog: Vec::new(),
                 commands: 0,
                 faults: 0,
+                awaiting: false,
             },
             channels: vec![VecDeque::new(); n],
             workers: vec![worker; n],
             mesh: Vec::new(),
             stream: Vec::new(),
             replica_restarts: 0,
+            reports: vec![None; n],
         }]
     }
 
     fn actions(&self, s: &ComputeState, actions: &mut Vec<ComputeAction>) {
         let b = &self.bounds;
         if s.ctl.up {
-            if s.ctl.commands < b.commands {
+            if s.ctl.awaiting
+                && s.reports
+                    .iter()
+                    .all(|r| matches!(r, Some((session, _)) if *session == s.ctl.session))
+            {
+                actions.push(ComputeAction::CheckHistories);
+            }
+            if s.ctl.commands < b.commands && !s.ctl.awaiting {
                 for (i, k) in self.pool.iter().enumerate() {
                     if s.ctl.catalog.iter().any(|c| c.id == k.id) {
                         actions.push(ComputeAction::Drop(i));
@@ -936,32 +1061,31 @@ impl Model for ComputeModel {
                     w.halted = true;
                 }
             }
-            ComputeAction::RestartReplica => {
-                s.replica_restarts += 1;
-                for c in &mut s.channels {
-                    c.clear();
+            ComputeAction::CheckHistories => {
+                let reported: Vec<Digest> = s.reports.iter().flatten().map(|(_, d)| *d).collect();
+                // The processes must agree with each other: after a crash the
+                // controller cannot know what they applied (it lost what was
+                // in flight), and fresh processes have no history at all.
+                match history_check(reported[0], &reported) {
+                    HistoryVerdict::InSync => {
+                        s.ctl.awaiting = false;
+                        self.send_target(&mut s);
+                    }
+                    HistoryVerdict::Mismatch { .. } => self.restart_replica(&mut s),
                 }
-                s.mesh.clear();
-                if self.strategy == Strategy::Broadcast {
-                    s.stream.clear();
-                }
-                let cursor = if self.strategy == Strategy::Log {
-                    s.stream.len()
-                } else {
-                    0
-                };
-                for w in &mut s.workers {
-                    *w = Worker {
-                        cursor,
-                        ..Worker::default()
-                    };
-                }
-                self.start_session(&mut s);
             }
+            ComputeAction::RestartReplica => self.restart_replica(&mut s),
             ComputeAction::Receive(p) => {
                 let msg = s.channels[p].pop_front()?;
                 match self.strategy {
-                    Strategy::Naive => Self::apply_unprotected(&mut s.workers[p], &msg),
+                    Strategy::Naive => {
+                        Self::apply_unprotected(&mut s.workers[p], &msg);
+                        if let (Msg::Hello { session }, true) =
+                            (&msg, self.history != HistoryCheck::Off)
+                        {
+                            s.reports[p] = Some((*session, self.history_digest(&s.workers[p])));
+                        }
+                    }
                     Strategy::Barrier => Self::receive_barrier(&mut s, p, msg),
                     Strategy::Broadcast => s.stream.push(msg),
                     Strategy::Log => return None,

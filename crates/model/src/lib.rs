@@ -250,6 +250,8 @@ pub enum Variant {
     Compute(Strategy, ComputeBounds),
     /// The orphan model with a rule.
     Orphan(&'static str, OrphanBounds),
+    /// The naive compute model with a history check on reconnect.
+    History(compute::HistoryCheck, ComputeBounds),
 }
 
 /// The compute model's CI scenarios: two processes with more commands and
@@ -287,9 +289,16 @@ pub const VARIANTS: [&str; 7] = [
     "catalog-only",
 ];
 
+/// Variants checked only when named (not part of the CI report): Frank's
+/// option 1 (the history check) on top of naive, with the compacted history
+/// digest the protocol crate computes (a negative control: it misses a
+/// dataflow one process built and dropped and another never built) and with a
+/// digest of everything a process did.
+pub const EXTRA_VARIANTS: [&str; 2] = ["history-compacted", "history-full"];
+
 /// Whether a variant is a negative control (must be caught).
 pub fn is_negative_control(name: &str) -> bool {
-    matches!(name, "naive" | "catalog-only")
+    matches!(name, "naive" | "catalog-only" | "history-compacted")
 }
 
 /// The CI scenarios of a variant of [`VARIANTS`], if the name is one.
@@ -302,6 +311,19 @@ pub fn scenarios(name: &str) -> Option<Vec<Variant>> {
         "epoch" => return Some(vec![Variant::Orphan("epoch", ORPHANS)]),
         "id-watermark" => return Some(vec![Variant::Orphan("id-watermark", ORPHANS)]),
         "catalog-only" => return Some(vec![Variant::Orphan("catalog-only", ORPHANS)]),
+        "history-compacted" | "history-full" => {
+            let check = if name == "history-full" {
+                compute::HistoryCheck::Full
+            } else {
+                compute::HistoryCheck::Compacted
+            };
+            return Some(
+                COMPUTE
+                    .iter()
+                    .map(|b| Variant::History(check, *b))
+                    .collect(),
+            );
+        }
         _ => return None,
     };
     Some(
@@ -324,6 +346,12 @@ pub fn run(name: &'static str, variant: Variant) -> Report {
         ),
         Variant::Orphan(rule, bounds) => check(
             OrphanModel::new(rule, bounds),
+            name,
+            bounds.to_string(),
+            negative,
+        ),
+        Variant::History(history, bounds) => check(
+            ComputeModel::new(Strategy::Naive, bounds).with_history_check(history),
             name,
             bounds.to_string(),
             negative,
@@ -380,7 +408,10 @@ impl VariantReport {
 
 /// Checks every CI scenario of the variant of [`VARIANTS`] with this name.
 pub fn run_variant(name: &str) -> Option<VariantReport> {
-    let name = *VARIANTS.iter().find(|n| **n == name)?;
+    let name = *VARIANTS
+        .iter()
+        .chain(&EXTRA_VARIANTS)
+        .find(|n| **n == name)?;
     let scenarios = scenarios(name)?.into_iter().map(|v| run(name, v)).collect();
     Some(VariantReport {
         variant: name,

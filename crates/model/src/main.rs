@@ -4,13 +4,16 @@
 //! `model`). Exits non-zero when a variant that must pass fails or a negative
 //! control (`naive`, `catalog-only`) is not caught.
 //!
+//! The extra variants (`history-compacted`, `history-full`) run only when
+//! named.
+//!
 //! Usage: `lockstep-model [VARIANT...] [--processes N] [--dataflows N]
 //! [--commands N] [--faults N] [--serve-ops N] [--crashes N]`; the flags
 //! override the CI bounds (for exploring larger sizes by hand).
 
 use std::process::ExitCode;
 
-use lockstep_model::{run, scenarios, Variant, VariantReport, VARIANTS};
+use lockstep_model::{run, scenarios, Variant, VariantReport, EXTRA_VARIANTS, VARIANTS};
 
 fn main() -> ExitCode {
     let mut wanted: Vec<String> = Vec::new();
@@ -29,16 +32,26 @@ fn main() -> ExitCode {
             wanted.push(arg);
         }
     }
-    if let Some(unknown) = wanted.iter().find(|w| !VARIANTS.iter().any(|n| n == w)) {
+    if let Some(unknown) = wanted
+        .iter()
+        .find(|w| !VARIANTS.iter().chain(&EXTRA_VARIANTS).any(|n| n == w))
+    {
         eprintln!(
             "lockstep-model: unknown variant {unknown}; known: {}",
-            VARIANTS.join(", ")
+            VARIANTS
+                .iter()
+                .chain(&EXTRA_VARIANTS)
+                .copied()
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         return ExitCode::from(2);
     }
     let mut all_ok = true;
-    for name in VARIANTS {
-        if !wanted.is_empty() && !wanted.iter().any(|w| w == name) {
+    // The CI variants by default; the extra ones only when named.
+    for name in VARIANTS.iter().chain(&EXTRA_VARIANTS).copied() {
+        let named = wanted.iter().any(|w| w == name);
+        if !named && (!wanted.is_empty() || EXTRA_VARIANTS.contains(&name)) {
             continue;
         }
         let mut variants = Vec::new();
@@ -110,10 +123,12 @@ fn apply(mut variant: Variant, overrides: &[(String, usize)]) -> Result<Variant,
     for (flag, n) in overrides {
         let n = *n;
         match (&mut variant, flag.as_str()) {
-            (Variant::Compute(_, b), "processes") => b.processes = n,
-            (Variant::Compute(_, b), "dataflows") => b.dataflows = n.min(4),
-            (Variant::Compute(_, b), "commands") => b.commands = n,
-            (Variant::Compute(_, b), "faults") => b.faults = n,
+            (Variant::Compute(_, b) | Variant::History(_, b), "processes") => b.processes = n,
+            (Variant::Compute(_, b) | Variant::History(_, b), "dataflows") => {
+                b.dataflows = n.min(4)
+            }
+            (Variant::Compute(_, b) | Variant::History(_, b), "commands") => b.commands = n,
+            (Variant::Compute(_, b) | Variant::History(_, b), "faults") => b.faults = n,
             (Variant::Orphan(_, b), "serve-ops") => b.serve_ops = n,
             (Variant::Orphan(_, b), "crashes") => b.crashes = n,
             (_, "processes" | "dataflows" | "commands" | "faults" | "serve-ops" | "crashes") => {}

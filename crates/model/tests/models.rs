@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 
-use lockstep_model::compute::{ComputeAction as A, ComputeState, Mutation};
+use lockstep_model::compute::{ComputeAction as A, ComputeState, HistoryCheck, Mutation};
 use lockstep_model::{check, ComputeBounds, ComputeModel, OrphanBounds, OrphanModel, Strategy};
 use stateright::Model;
 
@@ -221,5 +221,36 @@ fn unconditional_ensure_lets_labels_go_back() {
         violated(&r).contains(&"O4 no stale overwrite"),
         "{:?}",
         violated(&r)
+    );
+}
+
+/// Frank's option 1 with the *compacted* history digest (what
+/// `CommandHistory::digest` hashes) cannot see a dataflow that one process
+/// built and dropped and another never built: both compacted histories are
+/// empty, yet their timely counters differ.
+#[test]
+fn history_check_on_compacted_histories_misses_a_dropped_partial_install() {
+    let m = compute(Strategy::Naive, SMALL).with_history_check(HistoryCheck::Compacted);
+    let r = check(m, "history-compacted", String::new(), true);
+    assert!(violated(&r).contains(&"I1 lockstep"), "{:?}", violated(&r));
+    let i1 = &r.violations[0];
+    assert!(
+        i1.trace.contains("checks the reported history digests"),
+        "{}",
+        i1.trace
+    );
+}
+
+/// With a digest of everything a process did, a mismatch restarts the
+/// replica and naive delivery becomes safe.
+#[test]
+fn history_check_on_full_histories_protects_naive() {
+    let m = compute(Strategy::Naive, SMALL).with_history_check(HistoryCheck::Full);
+    let r = check(m, "history-full", String::new(), false);
+    assert!(
+        r.ok(),
+        "{:?} {:?}",
+        r.violations.first().map(|v| &v.trace),
+        r.missing_examples
     );
 }
