@@ -27,6 +27,33 @@
 //!   history digests on connect (Frank's option 1).
 //! - [`lockstep_check`] and [`lockstep_prefix_check`]: invariant I1 over the
 //!   workers' dataflow-creation logs.
+//!
+//! # How the replica uses these (the protocol the model checks)
+//!
+//! Under the barrier strategy, per worker:
+//!
+//! 1. **Hello** of a newer session: the worker first resolves any barrier
+//!    round it has announced (it never abandons one on its own: a peer may
+//!    already have passed it), then joins the new session and tells its peers
+//!    over the mesh ("joined session S"). Sessions must be totally ordered
+//!    (epoch, then connection attempt within the epoch): Hello's random nonce
+//!    alone cannot order two sessions of one epoch.
+//! 2. **CreateDataflow** (seqno N): announce `(N, description hash)` and wait.
+//!    Decide with [`barrier`] over [`barrier_view`]: `Pass` builds, `Abandoned`
+//!    skips (the session is being replaced), `Diverged` halts the process.
+//! 3. **InitializationComplete** (seqno N, after the compacted target):
+//!    announce `(N, hash of the target)` together with the worker's installed
+//!    set (the [`DataflowKey`]s it runs); on `Pass`, apply [`collective`] to
+//!    the installed sets every worker announced, in worker order: drop
+//!    `drop_per_worker[me]`, then build `build` in order.
+//! 4. Drops (AllowCompaction to the empty frontier) apply on arrival: they
+//!    allocate no timely identifiers, and reconciliation repairs a drop that
+//!    only some workers saw.
+//!
+//! Under broadcast and log every worker applies the same totally ordered
+//! stream, so [`local`] at the stream's target entry gives every worker the
+//! same plan. `lockstep-model` checks all of this exhaustively for small sizes
+//! (`cargo xtask model`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
