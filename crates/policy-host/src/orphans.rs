@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use lockstep_policy::{CatalogView, OrphanDecision, OrphanPolicy, PolicyError, Service};
-use wasmtime::component::{HasSelf, Linker};
+use wasmtime::component::{ComponentType, Func, HasSelf, Linker, Lower};
 use wasmtime::Store;
 
 use crate::load::{self, Loaded};
@@ -29,10 +29,39 @@ impl bindings::OrphansImports for HostState {
     }
 }
 
+/// The `service` record, borrowing from the caller's [`Service`]s, so that
+/// lowering copies strings straight from them into the guest with no copy
+/// on the host first (10,000 services carry tens of thousands of strings).
+/// Its type is checked against the WIT record when the call is made.
+#[derive(ComponentType, Lower)]
+#[component(record)]
+struct ServiceRef<'a> {
+    id: u64,
+    name: &'a str,
+    epoch: u64,
+    labels: Vec<(&'a str, &'a str)>,
+}
+
+/// The `catalog-view` record (keep as a sorted list).
+#[derive(ComponentType, Lower)]
+#[component(record)]
+struct CatalogViewRef {
+    keep: Vec<u64>,
+    #[component(name = "our-epoch")]
+    our_epoch: u64,
+    #[component(name = "next-id")]
+    next_id: u64,
+}
+
 impl Instantiate for bindings::OrphansPre<HostState> {
-    type Bindings = bindings::Orphans;
+    /// The `classify` export; its type was checked against the world by
+    /// `OrphansPre::new` at load time.
+    type Bindings = Func;
     fn instantiate(&self, store: &mut Store<HostState>) -> wasmtime::Result<Self::Bindings> {
-        bindings::OrphansPre::instantiate(self, store)
+        let instance = self.instance_pre().instantiate(&mut *store)?;
+        instance
+            .get_func(&mut *store, "classify")
+            .ok_or_else(|| wasmtime::format_err!("the component exports no `classify`"))
     }
     fn engine(&self) -> &wasmtime::Engine {
         self.instance_pre().engine()
@@ -98,27 +127,29 @@ impl WasmOrphanPolicy {
         services: &[Service],
         view: &CatalogView,
     ) -> Result<OrphanDecision, CallError> {
-        let wit_services: Vec<wit::Service> = services
+        let refs: Vec<ServiceRef<'_>> = services
             .iter()
-            .map(|s| wit::Service {
+            .map(|s| ServiceRef {
                 id: s.id,
-                name: s.name.clone(),
+                name: &s.name,
                 epoch: s.epoch,
                 labels: s
                     .labels
                     .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
                     .collect(),
             })
             .collect();
-        let wit_view = wit::CatalogView {
+        let view_ref = CatalogViewRef {
             keep: view.keep.iter().copied().collect(),
             our_epoch: view.our_epoch,
             next_id: view.next_id,
         };
-        let decision = self
-            .runner
-            .call(|b, store| b.call_classify(store, &wit_services, &wit_view))?;
+        let (decision,) = self.runner.call(|classify, store| {
+            classify
+                .typed::<(&[ServiceRef<'_>], &CatalogViewRef), (wit::OrphanDecision,)>(&*store)?
+                .call(&mut *store, (&refs, &view_ref))
+        })?;
         let decision = match decision {
             wit::OrphanDecision::Delete(ids) => OrphanDecision::Delete(ids),
             wit::OrphanDecision::Halt(reason) => OrphanDecision::Halt(reason),
