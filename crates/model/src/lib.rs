@@ -13,7 +13,7 @@
 //!   code's logic, not a paraphrase of it.
 //! - [`orphan`]: three controllers overlapping on a fenced catalog and a
 //!   labelled orchestrator, with the real orphan rules from `lockstep-policy`,
-//!   and invariants O1, O3, O4.
+//!   and invariants O1, O3, O4 (and O2 in settled states).
 //!
 //! [`run_variant`] checks one named variant ([`VARIANTS`]) in each of its
 //! CI-sized scenarios ([`scenarios`]) and returns a [`VariantReport`] that
@@ -82,10 +82,15 @@ impl Explain for OrphanModel {
         self.summary(s)
     }
     fn broken(&self, s: &Self::State) -> Vec<String> {
-        s.violations
+        let mut out: Vec<String> = s
+            .violations
             .iter()
             .map(|(inv, what)| format!("{inv:?} broken: {what}"))
-            .collect()
+            .collect();
+        if let Err(e) = self.check_o2(s) {
+            out.push(e);
+        }
+        out
     }
 }
 

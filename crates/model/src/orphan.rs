@@ -10,7 +10,9 @@
 //!   of the controller that last ensured it. `ensure` is conditional (it never
 //!   overwrites a service labelled with a newer epoch; the controller that
 //!   finds one halts), as DESIGN.md requires; the unconditional ensure of
-//!   lluki's PR can be modelled to show what it breaks (O4).
+//!   lluki's PR can be modelled to show what it breaks (O4). A delete leaves
+//!   a tombstone with the deleter's epoch, which a conditional ensure also
+//!   respects (as in `lockstep-orchestrator`).
 //! - **Three controllers**, each running the seed's steps: load the catalog
 //!   (taking epoch 1, 2 or 3 in load order), ensure every replica it holds
 //!   (one step each), list the services and ask the orphan rule which to
@@ -38,6 +40,12 @@
 //!   at or above its next ID (it must spare or halt instead).
 //! - **O4**: a service's epoch label (and so its spec) never goes back to an
 //!   older controller's.
+//! - **O2** (in settled states): once the newest controller has started and
+//!   serves, and no controller is mid-way through a step, every service the
+//!   newest catalog lacks is gone. This needs the orchestrator's tombstones
+//!   (a delete records the deleter's epoch, and a conditional ensure refuses
+//!   to re-create a service a newer controller deleted); without them a stale
+//!   controller's ensure resurrects a replica the newest one dropped.
 //!
 //! Two `sometimes` properties guard against a vacuous model: an orphan is
 //! removed, and a stale controller halts.
@@ -76,6 +84,10 @@ pub struct OrphanModel {
     pub rule: &'static str,
     /// Whether `ensure` is conditional (the project's orchestrators are).
     pub conditional_ensure: bool,
+    /// Whether a delete leaves a tombstone with the deleter's epoch that a
+    /// conditional ensure respects (the project's orchestrators do), so a
+    /// stale controller cannot re-create a service a newer one deleted.
+    pub tombstones: bool,
     /// The bounds.
     pub bounds: OrphanBounds,
 }
@@ -145,6 +157,8 @@ pub struct OrphanState {
     pub catalog: Catalog,
     /// Services: replica ID -> epoch label.
     pub services: BTreeMap<u64, u64>,
+    /// Tombstones: replica ID -> the newest epoch that deleted its service.
+    pub tombstones: BTreeMap<u64, u64>,
     /// The controllers.
     pub ctls: Vec<Ctl>,
     /// Serve operations so far.
@@ -204,6 +218,7 @@ impl OrphanModel {
         OrphanModel {
             rule,
             conditional_ensure: true,
+            tombstones: true,
             bounds,
         }
     }
@@ -215,6 +230,12 @@ impl OrphanModel {
     /// Ensure `id` labelled with `c`'s epoch; false if `c` must halt.
     fn ensure(&self, s: &mut OrphanState, c: usize, id: u64) -> bool {
         let epoch = s.ctls[c].epoch;
+        let dropped_by_newer = s.tombstones.get(&id).is_some_and(|t| *t > epoch);
+        if self.tombstones && self.conditional_ensure && dropped_by_newer {
+            s.ctls[c].phase = Phase::Halted(HaltReason::NewerService);
+            s.stale_halts += 1;
+            return false;
+        }
         let newer = s.services.get(&id).copied().filter(|l| *l > epoch);
         if let Some(label) = newer {
             if self.conditional_ensure {
@@ -237,6 +258,41 @@ impl OrphanModel {
         }
         s.services.insert(id, epoch);
         true
+    }
+
+    /// Deletes service `id` on behalf of `c` (not conditional, like a
+    /// Kubernetes delete); returns its label if it existed.
+    fn delete(&self, s: &mut OrphanState, c: usize, id: u64) -> Option<u64> {
+        if self.tombstones {
+            let epoch = s.ctls[c].epoch;
+            let t = s.tombstones.entry(id).or_insert(0);
+            *t = (*t).max(epoch);
+        }
+        s.services.remove(&id)
+    }
+
+    /// O2 in a settled state: once the newest controller serves (it neither
+    /// crashed nor halted) and no controller is mid-way through anything,
+    /// every service the newest catalog lacks is gone.
+    pub fn check_o2(&self, s: &OrphanState) -> Result<(), String> {
+        let settled = s
+            .ctls
+            .iter()
+            .all(|c| matches!(c.phase, Phase::Serving | Phase::Halted(_) | Phase::Crashed));
+        let newest_serves = s
+            .ctls
+            .iter()
+            .any(|c| c.epoch == s.catalog.epoch && c.phase == Phase::Serving);
+        if !(settled && newest_serves) {
+            return Ok(());
+        }
+        match s.services.keys().find(|id| !s.catalog.replicas.contains(id)) {
+            Some(id) => Err(format!(
+                "O2 broken: orphan r{id} survives although the newest controller (epoch {}) started and serves",
+                s.catalog.epoch
+            )),
+            None => Ok(()),
+        }
     }
 
     /// A catalog write by `c`: false (and `c` halts) if it is fenced off.
@@ -352,6 +408,7 @@ impl Model for OrphanModel {
                 next_id: 2,
             },
             services: [(0, 0), (1, 0)].into_iter().collect(),
+            tombstones: BTreeMap::new(),
             ctls: vec![ctl; self.bounds.controllers],
             serve_ops: 0,
             crashes: 0,
@@ -454,7 +511,7 @@ impl Model for OrphanModel {
                 };
                 let id = todo.remove(0);
                 let (epoch, next_id) = (s.ctls[c].epoch, s.ctls[c].next_id);
-                if let Some(label) = s.services.remove(&id) {
+                if let Some(label) = self.delete(&mut s, c, id) {
                     s.orphans_removed += 1;
                     if s.catalog.replicas.contains(&id) {
                         let what = format!(
@@ -509,7 +566,7 @@ impl Model for OrphanModel {
                 let Phase::Dropping(id) = s.ctls[c].phase else {
                     return None;
                 };
-                s.services.remove(&id);
+                self.delete(&mut s, c, id);
                 s.ctls[c].phase = Phase::Serving;
             }
             OrphanAction::Crash(c) => {
@@ -530,6 +587,9 @@ impl Model for OrphanModel {
             }),
             Property::always("O3 stale controllers stop", |_, s| none(s, Invariant::O3)),
             Property::always("O4 no stale overwrite", |_, s| none(s, Invariant::O4)),
+            Property::always("O2 orphans go", |m: &Self, s: &OrphanState| {
+                m.check_o2(s).is_ok()
+            }),
             Property::sometimes("an orphan is removed", |_, s: &OrphanState| {
                 s.orphans_removed > 0
             }),

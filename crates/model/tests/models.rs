@@ -254,3 +254,12 @@ fn history_check_on_full_histories_protects_naive() {
         r.missing_examples
     );
 }
+
+#[test]
+fn without_tombstones_a_stale_ensure_resurrects_a_dropped_replica() {
+    let mut m = OrphanModel::new("epoch", ORPHANS);
+    m.tombstones = false;
+    let r = check(m, "epoch-no-tombstones", String::new(), false);
+    assert_eq!(violated(&r), vec!["O2 orphans go"]);
+    assert!(r.violations[0].trace.contains("O2 broken"));
+}
