@@ -24,6 +24,18 @@
 //! `catalog-only`) must be caught; every other variant must pass, and must
 //! also show its `sometimes` examples, so that a model that does nothing
 //! cannot pass.
+//!
+//! The models are checked against themselves too (`tests/models.rs`): a
+//! barrier that reconciles locally, or that waits on a peer that skipped a
+//! session, is caught ([`compute::Mutation`]); so are an unconditional ensure
+//! (O4) and an orchestrator without tombstones (O2). [`EXTRA_VARIANTS`] adds
+//! Frank's option 1, the history check, over naive: with the compacted
+//! history digest it is caught, with a digest of everything a process did it
+//! passes.
+//!
+//! Counterexamples are shortest because the search is breadth first on one
+//! thread and the first violating path is kept (stateright itself keeps the
+//! last one it meets).
 
 pub mod compute;
 pub mod orphan;
