@@ -118,6 +118,34 @@ impl Distribution for {ty} {{
 }}
 
 lockstep_policy_sdk::export_distribution!({ty});
+
+#[cfg(test)]
+mod tests {{
+    use super::*;
+
+    fn command(kind: CommandKind) -> CommandInfo {{
+        CommandInfo {{
+            kind,
+            size_bytes: 64,
+            dataflow_id: Some(1),
+            process_count: 2,
+            workers_per_process: 2,
+            reconciling: false,
+        }}
+    }}
+
+    #[test]
+    fn dataflow_changes_wait_at_the_barrier() {{
+        assert!(matches!(
+            {ty}::choose(&command(CommandKind::CreateDataflow)),
+            Strategy::Barrier
+        ));
+        assert!(matches!(
+            {ty}::choose(&command(CommandKind::Peek)),
+            Strategy::Broadcast
+        ));
+    }}
+}}
 "#
         ),
         Kind::Orphans => format!(
@@ -152,6 +180,46 @@ impl Orphans for {ty} {{
 }}
 
 lockstep_policy_sdk::export_orphans!({ty});
+
+#[cfg(test)]
+mod tests {{
+    use super::*;
+
+    fn svc(id: u64) -> Service {{
+        Service {{
+            id,
+            name: format!("replica-{{id}}"),
+            epoch: 1,
+            labels: vec![],
+        }}
+    }}
+
+    #[test]
+    fn deletes_what_the_catalog_does_not_keep() {{
+        let view = CatalogView {{
+            keep: vec![1],
+            our_epoch: 2,
+            next_id: 5,
+        }};
+        match {ty}::classify(&[svc(1), svc(2)], &view) {{
+            OrphanDecision::Delete(ids) => assert_eq!(ids, vec![2]),
+            other => panic!("expected a deletion, got {{other:?}}"),
+        }}
+    }}
+
+    #[test]
+    fn halts_on_an_id_above_the_watermark() {{
+        let view = CatalogView {{
+            keep: vec![1],
+            our_epoch: 2,
+            next_id: 5,
+        }};
+        assert!(matches!(
+            {ty}::classify(&[svc(1), svc(5)], &view),
+            OrphanDecision::Halt(_)
+        ));
+    }}
+}}
 "#
         ),
     }

@@ -18,9 +18,13 @@ pub use bindings::lockstep::policy::types::{
     CommandInfo, CommandKind, MismatchAction, MismatchInfo, Strategy,
 };
 
-/// Writes a message to the host's log (at info level).
+/// Writes a message to the host's log (at info level). Outside WebAssembly
+/// (a policy's native unit tests) it writes to stderr instead.
 pub fn log(msg: &str) {
+    #[cfg(target_family = "wasm")]
     bindings::log(msg);
+    #[cfg(not(target_family = "wasm"))]
+    eprintln!("policy log: {msg}");
 }
 
 /// A distribution policy.

@@ -28,6 +28,25 @@
 //! invokes ends up in its component (wit-bindgen embeds a world's exports
 //! with the macro invocation, and unused imports are dropped).
 //!
+//! # A policy crate
+//!
+//! ```toml
+//! [package]
+//! name = "my-policy"
+//!
+//! [dependencies]
+//! lockstep-policy-sdk.workspace = true
+//! ```
+//!
+//! The types ([`distribution::CommandInfo`], [`orphans::Service`], ...) are
+//! plain structs and enums generated from the WIT file, and the trait
+//! functions are plain Rust: a policy's rule can be unit tested natively by
+//! calling them. The host checks every answer; an orphan decision that
+//! deletes a service that was not listed, twice, or that the catalog keeps
+//! is refused, and the controller deletes nothing. A policy must be a pure
+//! function of its arguments: the host may drop and re-create its instance
+//! at any time, and every call has a fuel and a memory limit.
+//!
 //! # Panics
 //!
 //! A WebAssembly panic traps with no message. The export macros install a

@@ -17,9 +17,13 @@ pub mod bindings {
 
 pub use bindings::lockstep::policy::types::{CatalogView, OrphanDecision, Service};
 
-/// Writes a message to the host's log (at info level).
+/// Writes a message to the host's log (at info level). Outside WebAssembly
+/// (a policy's native unit tests) it writes to stderr instead.
 pub fn log(msg: &str) {
+    #[cfg(target_family = "wasm")]
     bindings::log(msg);
+    #[cfg(not(target_family = "wasm"))]
+    eprintln!("policy log: {msg}");
 }
 
 /// An orphan policy.
