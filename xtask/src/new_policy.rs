@@ -3,6 +3,8 @@
 //! build-policies` and passes the conformance check as it is, so a user
 //! starts from something that works and changes the rule.
 
+use std::path::Path;
+
 use anyhow::{bail, Context};
 
 use crate::util::{root, step};
@@ -24,15 +26,24 @@ pub fn scaffold(name: &str, kind: Kind) -> anyhow::Result<()> {
         bail!("{} already exists: pick another name", dir.display());
     }
     step(&format!("scaffolding policies/{name} ({kind:?} policy)"));
-    std::fs::create_dir_all(dir.join("src"))
-        .with_context(|| format!("creating {}", dir.display()))?;
-    std::fs::write(dir.join("Cargo.toml"), manifest(name, kind))?;
-    std::fs::write(dir.join("src/lib.rs"), source(name, kind))?;
+    write(&dir, name, kind)?;
     eprintln!(
         "xtask: wrote policies/{name}\n\
          xtask: build it with `cargo xtask build-policies` (-> target/lockstep/policies/{name}.wasm)\n\
          xtask: check it with `lockstep policy check target/lockstep/policies/{name}.wasm`"
     );
+    Ok(())
+}
+
+/// Writes the crate `name` into `dir` (which must be a member of a workspace
+/// that defines the package fields, `lockstep-policy-sdk` and the lints).
+/// `cargo xtask build-policies` also uses it to check that a fresh scaffold
+/// builds and passes the conformance check.
+pub fn write(dir: &Path, name: &str, kind: Kind) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir.join("src"))
+        .with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(dir.join("Cargo.toml"), manifest(name, kind))?;
+    std::fs::write(dir.join("src/lib.rs"), source(name, kind))?;
     Ok(())
 }
 

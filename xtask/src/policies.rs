@@ -8,7 +8,8 @@
 //!
 //! `policies/NAME` becomes `target/lockstep/policies/NAME.wasm`. The hostile
 //! policies the policy host's tests load (`crates/policy-host/tests/fixtures`,
-//! a separate workspace) become `target/lockstep/test-policies/NAME.wasm`.
+//! a separate workspace) become `target/lockstep/test-policies/NAME.wasm`,
+//! with one fresh `new-policy` scaffold of each kind beside them.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -153,6 +154,65 @@ pub fn build_test_policies() -> anyhow::Result<Vec<PathBuf>> {
             build_component(Some(&manifest), &krate.package, &target)?
         };
         outputs.push(copy_out(&built, &test_out_dir(), &krate.dir)?);
+    }
+    outputs.extend(build_scaffolds(&target)?);
+    Ok(outputs)
+}
+
+/// Scaffolds one policy of each kind with `new-policy`'s templates into a
+/// scratch workspace and builds them to
+/// `target/lockstep/test-policies/scaffold-{distribution,orphans}.wasm`; the
+/// policy host's tests run the conformance check on them, so a fresh
+/// scaffold is known to build and pass.
+fn build_scaffolds(target: &std::path::Path) -> anyhow::Result<Vec<PathBuf>> {
+    use crate::new_policy::{write, Kind};
+    let dir = root().join("target/lockstep/scaffold-check");
+    let sdk = root().join("crates/policy-sdk");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(
+        dir.join("Cargo.toml"),
+        format!(
+            r#"# Written by `cargo xtask build-policies`: fresh `new-policy` scaffolds.
+[workspace]
+resolver = "2"
+members = ["scaffold-distribution", "scaffold-orphans"]
+
+[workspace.package]
+version = "0.0.0"
+edition = "2021"
+rust-version = "1.95"
+license = "Apache-2.0"
+publish = false
+
+[workspace.dependencies]
+lockstep-policy-sdk = {{ path = {sdk:?} }}
+
+[workspace.lints.rust]
+missing_docs = "deny"
+"#
+        ),
+    )?;
+    // Start from the fixtures' lock file so no new versions are resolved.
+    let lock = dir.join("Cargo.lock");
+    if !lock.exists() {
+        std::fs::copy(fixtures_dir().join("Cargo.lock"), &lock)?;
+    }
+    let manifest = dir.join("Cargo.toml");
+    let scaffolds = [
+        ("scaffold-distribution", Kind::Distribution),
+        ("scaffold-orphans", Kind::Orphans),
+    ];
+    for (name, kind) in scaffolds {
+        let crate_dir = dir.join(name);
+        if crate_dir.exists() {
+            std::fs::remove_dir_all(&crate_dir)?;
+        }
+        write(&crate_dir, name, kind)?;
+    }
+    let mut outputs = Vec::new();
+    for (name, _) in scaffolds {
+        let built = build_component(Some(&manifest), name, target)?;
+        outputs.push(copy_out(&built, &test_out_dir(), name)?);
     }
     Ok(outputs)
 }
