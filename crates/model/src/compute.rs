@@ -141,9 +141,9 @@ pub struct ComputeModel {
     /// Its bounds.
     pub bounds: ComputeBounds,
     pool: Vec<DataflowKey>,
-    /// Liveness answers already known, shared by the clones the checker
-    /// makes (a pure cache: it never changes an answer).
-    reachable: Arc<Mutex<HashMap<ComputeState, bool>>>,
+    /// Liveness answers already known, by state fingerprint (64 bits, as
+    /// stateright's own), shared by the clones the checker makes.
+    reachable: Arc<Mutex<HashMap<u64, bool>>>,
 }
 
 /// A command from the controller, as carried by a channel, the broadcast
@@ -371,6 +371,14 @@ fn target_digest(keys: &[DataflowKey]) -> Digest {
         d[4 + 3 * i] = k.hash.0[1];
     }
     Digest(d)
+}
+
+/// A state's 64-bit fingerprint, for the liveness cache.
+fn fingerprint(s: &ComputeState) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    s.hash(&mut h);
+    h.finish()
 }
 
 /// A model-local digest of anything hashable (the model is tiny, so a 64-bit
@@ -791,7 +799,7 @@ impl ComputeModel {
         // The search was exhaustive: no state it saw reaches the target.
         let mut memo = self.reachable.lock().expect("liveness cache poisoned");
         for st in seen {
-            memo.insert(st, false);
+            memo.insert(fingerprint(&st), false);
         }
         false
     }
@@ -800,7 +808,7 @@ impl ComputeModel {
         self.reachable
             .lock()
             .expect("liveness cache poisoned")
-            .get(s)
+            .get(&fingerprint(s))
             .copied()
     }
 
@@ -808,7 +816,7 @@ impl ComputeModel {
         self.reachable
             .lock()
             .expect("liveness cache poisoned")
-            .insert(s.clone(), reachable);
+            .insert(fingerprint(s), reachable);
     }
 
     /// A one-line summary of a state: controller, then each worker.
