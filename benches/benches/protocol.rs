@@ -1,5 +1,7 @@
 //! Protocol costs: framing a command and compacting a history.
 
+#![allow(missing_docs)] // criterion_group! generates undocumented functions
+
 use bytes::BytesMut;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use lockstep_benches::small_dataflow;

@@ -16,3 +16,83 @@ pub fn small_dataflow(id: u64) -> DataflowDescription {
         debug_name: format!("bench-{id}"),
     }
 }
+
+/// Real replicas for benchmarks, launched through the orchestrator's process
+/// backend.
+pub mod replica {
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use lockstep_controller::{launch, Controller, ReplicaAddrs, Timeouts};
+    use lockstep_orchestrator::process::{
+        kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
+    };
+    use lockstep_orchestrator::Orchestrator;
+    use lockstep_policy::FixedStrategy;
+    use lockstep_protocol::{CommandHistory, Strategy};
+
+    /// The `lockstep-replica` binary: `$LOCKSTEP_REPLICA_BIN`, or the release
+    /// build in this workspace's `target/` (`cargo xtask bench` builds it).
+    pub fn binary() -> PathBuf {
+        if let Ok(p) = std::env::var("LOCKSTEP_REPLICA_BIN") {
+            return PathBuf::from(p);
+        }
+        let p =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/lockstep-replica");
+        assert!(
+            p.exists(),
+            "{} is missing: run `cargo build --release -p lockstep-replica` (cargo xtask bench does) or set LOCKSTEP_REPLICA_BIN",
+            p.display()
+        );
+        p
+    }
+
+    /// A running replica and its orchestrator; killed on drop.
+    pub struct BenchReplica {
+        /// The orchestrator's state directory.
+        pub dir: tempfile::TempDir,
+        /// The orchestrator.
+        pub orchestrator: ProcessOrchestrator,
+        /// Where the controller connects.
+        pub addrs: ReplicaAddrs,
+    }
+
+    impl Drop for BenchReplica {
+        fn drop(&mut self) {
+            let _ = kill_all_services(self.dir.path());
+        }
+    }
+
+    /// Starts a replica of `processes` x `workers`.
+    pub async fn start(replica_id: u64, processes: usize, workers: u32) -> BenchReplica {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
+            .expect("orchestrator");
+        let config = launch::replica_service(&binary(), replica_id, processes, workers)
+            .env("RUST_LOG", "error");
+        let status = orchestrator
+            .ensure_service(config)
+            .await
+            .expect("ensure replica");
+        let addrs = launch::replica_addrs(&status, workers).expect("controller ports");
+        BenchReplica {
+            dir,
+            orchestrator,
+            addrs,
+        }
+    }
+
+    /// A controller of `r` with one strategy for every command.
+    pub fn controller(r: &BenchReplica, strategy: Strategy) -> Controller {
+        Controller::start(
+            r.addrs.clone(),
+            1,
+            CommandHistory::new(),
+            Box::new(FixedStrategy(strategy)),
+            Timeouts {
+                request: Duration::from_secs(30),
+                ..Timeouts::default()
+            },
+        )
+    }
+}

@@ -89,6 +89,7 @@ struct Actor {
     /// Callers waiting for a Status from every worker that answers the
     /// StatusRequest with this (nonce, sequence number), or a later one.
     status_waiters: Vec<StatusWaiter>,
+    frontier_waiters: Vec<(u64, u64, oneshot::Sender<()>)>,
     events: broadcast::Sender<Event>,
     to_self: mpsc::UnboundedSender<FromConn>,
     connected_tx: mpsc::UnboundedSender<(u64, Result<Vec<tokio::net::TcpStream>, String>)>,
@@ -137,6 +138,7 @@ pub(crate) fn spawn(
         subs: BTreeMap::new(),
         statuses: BTreeMap::new(),
         status_waiters: Vec::new(),
+        frontier_waiters: Vec::new(),
         events,
         to_self,
         connected_tx,
@@ -343,7 +345,7 @@ impl Actor {
     fn send(&mut self, kind: CommandKind) {
         if !matches!(
             kind,
-            CommandKind::InitializationComplete | CommandKind::StatusRequest
+            CommandKind::InitializationComplete | CommandKind::StatusRequest { .. }
         ) {
             self.history.push(kind.clone());
         }
@@ -395,10 +397,15 @@ impl Actor {
                 self.status_waiters.push((at, reply));
             }
             Request::Frontier { collection, reply } => {
-                let f = self.frontiers.get(&collection).and_then(|per| {
-                    (per.len() == self.replica.processes.len()).then(|| meet(per.values()))
-                });
-                let _ = reply.send(f);
+                let _ = reply.send(self.frontier_of(collection));
+            }
+            Request::WaitFrontier {
+                collection,
+                beyond,
+                reply,
+            } => {
+                self.frontier_waiters.push((collection, beyond, reply));
+                self.answer_frontier_waiters();
             }
             Request::History { reply } => {
                 let mut h = self.history.clone();
@@ -442,6 +449,7 @@ impl Actor {
                 for (c, f) in updates {
                     self.frontiers.entry(c).or_default().insert(p, f);
                 }
+                self.answer_frontier_waiters();
             }
             ResponseKind::PeekResponse(r) => {
                 let n = self.replica.processes.len();
@@ -483,12 +491,37 @@ impl Actor {
         }
     }
 
+    /// The meet of a collection's frontier over all processes, once every
+    /// process reported it.
+    fn frontier_of(&self, collection: u64) -> Option<Frontier> {
+        self.frontiers
+            .get(&collection)
+            .and_then(|per| (per.len() == self.replica.processes.len()).then(|| meet(per.values())))
+    }
+
+    fn answer_frontier_waiters(&mut self) {
+        let waiters = std::mem::take(&mut self.frontier_waiters);
+        for (c, t, reply) in waiters {
+            if reply.is_closed() {
+                continue;
+            }
+            match self.frontier_of(c) {
+                Some(f) if f.is_none_or(|f| f > t) => {
+                    let _ = reply.send(());
+                }
+                _ => self.frontier_waiters.push((c, t, reply)),
+            }
+        }
+    }
+
     /// Sends a StatusRequest; returns its (nonce, sequence number) if connected.
     fn request_status(&mut self) -> Option<(u64, u64)> {
         if !self.connected {
             return None;
         }
-        self.broadcast(CommandKind::StatusRequest);
+        self.broadcast(CommandKind::StatusRequest {
+            with_history_hash: true,
+        });
         Some((self.nonce, self.seqno))
     }
 
@@ -531,7 +564,9 @@ impl Actor {
             self.peeks.remove(&id);
             self.send(CommandKind::CancelPeek { peek_id: id });
         }
-        self.broadcast(CommandKind::StatusRequest);
+        self.broadcast(CommandKind::StatusRequest {
+            with_history_hash: false,
+        });
         let now = Instant::now();
         for p in 0..self.last_heard.len() {
             let silent = now - self.last_heard[p];

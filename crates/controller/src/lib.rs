@@ -22,6 +22,7 @@
 
 mod actor;
 mod connection;
+pub mod launch;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -125,6 +126,11 @@ pub(crate) enum Request {
     Frontier {
         collection: u64,
         reply: oneshot::Sender<Option<Frontier>>,
+    },
+    WaitFrontier {
+        collection: u64,
+        beyond: Timestamp,
+        reply: oneshot::Sender<()>,
     },
     History {
         reply: oneshot::Sender<CommandHistory>,
@@ -307,21 +313,17 @@ impl Controller {
         collection: u64,
         t: Timestamp,
     ) -> Result<(), ControllerError> {
-        let start = tokio::time::Instant::now();
-        loop {
-            if let Some(f) = self.frontier(collection).await? {
-                if f.is_none_or(|f| f > t) {
-                    return Ok(());
-                }
-            }
-            if start.elapsed() > self.timeouts.request {
-                return Err(ControllerError::Timeout {
-                    what: format!("collection {collection}'s frontier to pass {t}"),
-                    after: self.timeouts.request,
-                });
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-        }
+        let what = format!("collection {collection}'s frontier to pass {t}");
+        self.ask(
+            &what,
+            |reply| Request::WaitFrontier {
+                collection,
+                beyond: t,
+                reply,
+            },
+            self.timeouts.request,
+        )
+        .await
     }
 
     /// A copy of the compacted command history.

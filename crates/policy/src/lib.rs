@@ -83,7 +83,7 @@ impl CommandClass {
             K::CancelPeek { .. } => Self::CancelPeek,
             K::Subscribe(_) => Self::Subscribe,
             K::WriteInput(_) => Self::WriteInput,
-            K::StatusRequest => Self::StatusRequest,
+            K::StatusRequest { .. } => Self::StatusRequest,
         }
     }
 }

@@ -453,7 +453,9 @@ impl From<CommandKind> for p::command::Kind {
                 updates: w.updates.into_iter().map(update_to).collect(),
                 upper: w.upper,
             }),
-            CommandKind::StatusRequest => Kind::StatusRequest(p::StatusRequest {}),
+            CommandKind::StatusRequest { with_history_hash } => {
+                Kind::StatusRequest(p::StatusRequest { with_history_hash })
+            }
         }
     }
 }
@@ -503,7 +505,9 @@ impl TryFrom<p::command::Kind> for CommandKind {
                 updates: w.updates.into_iter().map(update_from).collect(),
                 upper: w.upper,
             }),
-            Kind::StatusRequest(_) => CommandKind::StatusRequest,
+            Kind::StatusRequest(s) => CommandKind::StatusRequest {
+                with_history_hash: s.with_history_hash,
+            },
         })
     }
 }
@@ -608,7 +612,7 @@ impl From<ResponseKind> for p::response::Kind {
                 epoch: s.epoch,
                 nonce: s.nonce,
                 applied_seqno: s.applied_seqno,
-                history_hash: s.history_hash.0.to_vec(),
+                history_hash: s.history_hash.map(|d| d.0.to_vec()).unwrap_or_default(),
                 creation_log: s
                     .creation_log
                     .into_iter()
@@ -670,7 +674,11 @@ impl TryFrom<p::response::Kind> for ResponseKind {
                 epoch: s.epoch,
                 nonce: s.nonce,
                 applied_seqno: s.applied_seqno,
-                history_hash: digest_from("Status.history_hash", s.history_hash)?,
+                history_hash: if s.history_hash.is_empty() {
+                    None
+                } else {
+                    Some(digest_from("Status.history_hash", s.history_hash)?)
+                },
                 creation_log: s
                     .creation_log
                     .into_iter()

@@ -43,7 +43,10 @@ impl CommandHistory {
     /// ignored. Compacts now and then so that the history stays proportional
     /// to the live state rather than to the number of commands sent.
     pub fn push(&mut self, kind: CommandKind) {
-        if matches!(kind, CommandKind::Hello(_) | CommandKind::StatusRequest) {
+        if matches!(
+            kind,
+            CommandKind::Hello(_) | CommandKind::StatusRequest { .. }
+        ) {
             return;
         }
         self.commands.push(kind);
@@ -149,7 +152,7 @@ impl CommandHistory {
         for (i, c) in commands.into_iter().enumerate() {
             match c {
                 CommandKind::Hello(_)
-                | CommandKind::StatusRequest
+                | CommandKind::StatusRequest { .. }
                 | CommandKind::CancelPeek { .. } => {}
                 CommandKind::CreateInstance(_) => {
                     if Some(i) == last_instance {

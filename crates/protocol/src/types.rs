@@ -135,7 +135,10 @@ pub enum CommandKind {
     /// Appends updates to an input collection.
     WriteInput(WriteInput),
     /// Asks every worker for its Status (the heartbeat).
-    StatusRequest,
+    StatusRequest {
+        /// Whether the Status carries the history digest (costly).
+        with_history_hash: bool,
+    },
 }
 
 impl CommandKind {
@@ -153,7 +156,7 @@ impl CommandKind {
             CommandKind::CancelPeek { .. } => "cancel-peek",
             CommandKind::Subscribe(_) => "subscribe",
             CommandKind::WriteInput(_) => "write-input",
-            CommandKind::StatusRequest => "status-request",
+            CommandKind::StatusRequest { .. } => "status-request",
         }
     }
 }
@@ -478,8 +481,8 @@ pub struct Status {
     pub nonce: u64,
     /// The last sequence number it applied for that nonce.
     pub applied_seqno: u64,
-    /// Hash of its compacted applied history.
-    pub history_hash: Digest,
+    /// Hash of its compacted applied history, when it was asked for.
+    pub history_hash: Option<Digest>,
     /// Every dataflow it built since the process started, in order.
     pub creation_log: Vec<CreationLogEntry>,
     /// The dataflows installed now.

@@ -139,9 +139,11 @@ pub fn allocators(
     me: usize,
     workers: usize,
 ) -> Result<(Vec<AllocatorBuilder>, CommsGuard), ClusterError> {
+    // The typed (mpsc) intra-process allocator, as timely's own cluster
+    // configuration uses by default.
     let hooks = Hooks::default();
     let process =
-        ProcessBuilder::new_bytes_vector(workers, hooks.refill.clone(), hooks.spill.clone());
+        ProcessBuilder::new_typed_vector(workers, hooks.refill.clone(), hooks.spill.clone());
     let (builders, guard) =
         initialize_networking_from_sockets(process, sockets, me, workers, hooks)?;
     Ok((

@@ -222,14 +222,15 @@ impl WorkerState {
         }
     }
 
-    /// This worker's Status.
-    pub fn status(&self) -> Status {
+    /// This worker's Status; the history digest costs time proportional to
+    /// the history, so it is computed only when asked for.
+    pub fn status(&self, with_history_hash: bool) -> Status {
         Status {
             worker_index: self.index as u32,
             epoch: self.epoch,
             nonce: self.nonce,
             applied_seqno: self.applied_seqno,
-            history_hash: self.history.digest(),
+            history_hash: with_history_hash.then(|| self.history.digest()),
             creation_log: self.creation_log.clone(),
             installed: self.dataflows.keys().copied().collect(),
         }
@@ -256,7 +257,7 @@ impl WorkerState {
                 });
             }
             self.applied_seqno = 0;
-            self.send(FromWorker::Status(self.status()));
+            self.send(FromWorker::Status(self.status(true)));
             return;
         }
         if let Some(buffer) = &mut self.reconciling {
@@ -305,8 +306,8 @@ impl WorkerState {
         self.applied_seqno = seqno;
         match &cmd.kind {
             CommandKind::Hello(_) => {}
-            CommandKind::StatusRequest => {
-                self.send(FromWorker::Status(self.status()));
+            CommandKind::StatusRequest { with_history_hash } => {
+                self.send(FromWorker::Status(self.status(*with_history_hash)));
                 return;
             }
             CommandKind::CreateInstance(_)
@@ -430,6 +431,13 @@ impl WorkerState {
             .cloned()
             .collect();
         let new_upper = store.upper.max(w.upper);
+        tracing::trace!(
+            worker = self.index,
+            collection = w.collection_id,
+            fresh = fresh.len(),
+            new_upper,
+            "write input"
+        );
         store.upper = new_upper;
         store.updates.extend(fresh.iter().cloned());
         for inst in self.dataflows.values_mut() {
@@ -598,6 +606,7 @@ impl WorkerState {
             for (id, e) in inst.exports.iter_mut() {
                 let f = probe_frontier(&e.probe);
                 if e.reported != Some(f) {
+                    tracing::trace!(worker = self.index, collection = id, upper = ?f, "frontier");
                     e.reported = Some(f);
                     changes.push((*id, f));
                 }
@@ -774,9 +783,13 @@ pub fn run_worker(
         tx,
     );
     loop {
+        let mut handled = false;
         loop {
             match commands.try_recv() {
-                Ok(cmd) => state.handle(worker, cmd),
+                Ok(cmd) => {
+                    handled = true;
+                    state.handle(worker, cmd);
+                }
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     state.shutdown(worker);
@@ -784,7 +797,16 @@ pub fn run_worker(
                 }
             }
         }
-        worker.step_or_park(Some(Duration::from_millis(5)));
+        if handled {
+            // Answer what is ready now (a peek at a passed time, say), then
+            // step without parking.
+            state.maintain();
+            worker.step();
+        } else {
+            // Commands unpark this thread (see `server::Workers::send`), as
+            // do timely's channels; the timeout bounds everything else.
+            worker.step_or_park(Some(Duration::from_millis(5)));
+        }
         state.maintain();
     }
 }

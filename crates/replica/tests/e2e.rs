@@ -239,3 +239,24 @@ fn unsafe_free_kill(pid: u32) -> bool {
         .map(|s| s.success())
         .unwrap_or(false)
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_writes_keep_frontiers_moving() {
+    // Regression: a Status carrying the history digest on every heartbeat
+    // cost time proportional to the history, until workers did nothing else.
+    let r = start_replica(6, 2, 2).await;
+    let c = controller(&r, 1, CommandHistory::new());
+    let d = operator_dataflows().remove(0);
+    c.create_dataflow(d.clone()).unwrap();
+    for time in 0..400u64 {
+        let rows: Vec<_> = (0..200).map(|i| u(&[i, time as i64], time, 1)).collect();
+        c.write_input(1, rows, time + 1).unwrap();
+        if let Err(e) = c.wait_for_frontier(1010, time).await {
+            let f = c.frontier(1010).await;
+            panic!("at time {time}: {e}; frontier {f:?}\n{}", logs(&r, 400));
+        }
+    }
+    let rows = c.peek(1010, 399).await.unwrap();
+    assert_eq!(rows.len(), 400 * 200);
+    c.shutdown();
+}

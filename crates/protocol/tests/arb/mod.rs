@@ -174,7 +174,8 @@ pub fn command_kind() -> impl Strategy<Value = CommandKind> {
                 })
             }
         ),
-        Just(CommandKind::StatusRequest),
+        any::<bool>()
+            .prop_map(|with_history_hash| CommandKind::StatusRequest { with_history_hash }),
     ]
 }
 
@@ -231,7 +232,7 @@ pub fn response() -> impl Strategy<Value = Response> {
             any::<u64>(),
             any::<u64>(),
             any::<u64>(),
-            digest(),
+            prop::option::of(digest()),
             vec((any::<u64>(), any::<u64>(), digest()), 0..4),
             vec(any::<u64>(), 0..4)
         )

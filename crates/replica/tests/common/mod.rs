@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use lockstep_controller::{Controller, ReplicaAddrs, Timeouts};
+use lockstep_controller::{launch, Controller, ReplicaAddrs, Timeouts};
 use lockstep_orchestrator::process::{
     kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
 };
@@ -32,26 +32,33 @@ impl Drop for TestReplica {
 
 /// The service config of a replica of the real `lockstep-replica` binary.
 pub fn replica_service(replica_id: u64, processes: usize, workers: u32) -> ServiceConfig {
-    ServiceConfig::new(
-        format!("replica-{replica_id}"),
+    launch::replica_service(
+        std::path::Path::new(env!("CARGO_BIN_EXE_lockstep-replica")),
         replica_id,
-        env!("CARGO_BIN_EXE_lockstep-replica"),
+        processes,
+        workers,
     )
-    .scale(processes)
-    .port("timely")
-    .port("controller")
-    .env("RUST_LOG", "warn")
-    .args(move |a| {
-        vec![
-            format!("--replica-id={replica_id}"),
-            format!("--process={}", a.process),
-            format!("--processes={}", a.scale),
-            format!("--workers={workers}"),
-            format!("--timely-port={}", a.port("timely")),
-            format!("--controller-port={}", a.port("controller")),
-            format!("--peers={}", a.peer_addrs("timely").join(",")),
-        ]
-    })
+    .env(
+        "RUST_LOG",
+        std::env::var("REPLICA_LOG").unwrap_or_else(|_| "warn".into()),
+    )
+}
+
+/// The last lines of every replica process's log, for failure messages.
+pub fn logs(r: &TestReplica, lines: usize) -> String {
+    let mut out = String::new();
+    if let Ok(entries) = std::fs::read_dir(r.dir.path().join("logs")) {
+        for e in entries.flatten() {
+            let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+            let all: Vec<&str> = text.lines().collect();
+            out.push_str(&format!("--- {}\n", e.path().display()));
+            for l in &all[all.len().saturating_sub(lines)..] {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+    }
+    out
 }
 
 pub async fn start_replica(replica_id: u64, processes: usize, workers: u32) -> TestReplica {

@@ -1,0 +1,72 @@
+//! Launching replicas through an orchestrator.
+//!
+//! The command line of the `lockstep-replica` binary, as an orchestrator
+//! [`ServiceConfig`], and the [`ReplicaAddrs`] a controller needs from the
+//! service the orchestrator reports. Tests, benchmarks and the demo launch
+//! replicas only this way: there is no ad hoc launcher.
+
+use std::path::Path;
+
+use lockstep_orchestrator::{ServiceConfig, ServiceStatus};
+
+use crate::ReplicaAddrs;
+
+/// The orchestrator service of a replica of `processes` processes with
+/// `workers` timely workers each, running the `lockstep-replica` binary.
+pub fn replica_service(
+    binary: &Path,
+    replica_id: u64,
+    processes: usize,
+    workers: u32,
+) -> ServiceConfig {
+    ServiceConfig::new(format!("replica-{replica_id}"), replica_id, binary)
+        .scale(processes)
+        .port("timely")
+        .port("controller")
+        .args(move |a| {
+            vec![
+                format!("--replica-id={replica_id}"),
+                format!("--process={}", a.process),
+                format!("--processes={}", a.scale),
+                format!("--workers={workers}"),
+                format!("--timely-port={}", a.port("timely")),
+                format!("--controller-port={}", a.port("controller")),
+                format!("--peers={}", a.peer_addrs("timely").join(",")),
+            ]
+        })
+}
+
+/// Why a service cannot be driven as a replica.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("service {service}: process {process} has no `controller` address")]
+pub struct NoControllerPort {
+    /// The service.
+    pub service: String,
+    /// The process.
+    pub process: usize,
+}
+
+/// The controller addresses of a replica service.
+pub fn replica_addrs(
+    status: &ServiceStatus,
+    workers_per_process: u32,
+) -> Result<ReplicaAddrs, NoControllerPort> {
+    let processes = status
+        .processes
+        .iter()
+        .map(|p| {
+            p.addresses
+                .get("controller")
+                .copied()
+                .ok_or(NoControllerPort {
+                    service: status.name.clone(),
+                    process: p.index,
+                })
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(ReplicaAddrs {
+        replica_id: status.id,
+        processes,
+        workers_per_process,
+    })
+}
