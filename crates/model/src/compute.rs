@@ -4,7 +4,9 @@
 //!
 //! - A **controller** with a durable catalog (the compacted target: the
 //!   dataflows it wants, in creation order) and epoch. It issues user commands
-//!   (create or drop a dataflow from a small pool), can **crash** (in-flight
+//!   (create or drop a dataflow from a small pool: A, B, then A', which is
+//!   A's ID with another description, as when a restarted controller plans
+//!   A anew), can **crash** (in-flight
 //!   messages are lost, the catalog and epoch survive) and **restart** (epoch
 //!   and session bump, then Hello and the target to every process), and can
 //!   lose **one connection** (that channel is truncated; the controller
@@ -334,28 +336,32 @@ impl ComputeAction {
     }
 }
 
+/// The pool's dataflows, by index: A, B, then A' (A's ID with another
+/// description, as when a restarted controller plans A anew), then C.
+const LABELS: [&str; 4] = ["A", "B", "A'", "C"];
+
+/// The most dataflows the pool holds.
+pub const MAX_DATAFLOWS: usize = LABELS.len();
+
 /// The description of pool dataflow `i`: its hash is the real
 /// [`DataflowDescription::hash`].
 fn description(i: usize) -> DataflowDescription {
-    let id = i as u64 + 1;
+    let (id, as_of) = match i {
+        0 => (1, 0),
+        1 => (2, 0),
+        2 => (1, 1),
+        _ => (3, 0),
+    };
     DataflowDescription {
         id,
-        as_of: 0,
+        as_of,
         inputs: vec![100],
         exports: vec![Export {
             collection_id: 1000 + id,
             plan: Plan::Get { collection_id: 100 },
         }],
-        debug_name: name(id).to_string(),
+        debug_name: LABELS[i.min(MAX_DATAFLOWS - 1)].to_string(),
     }
-}
-
-/// A readable name for a dataflow ID.
-fn name(id: u64) -> &'static str {
-    ["?", "A", "B", "C", "D"]
-        .get(id as usize)
-        .copied()
-        .unwrap_or("?")
 }
 
 /// A model-local digest of a target, for the reconciliation round's
@@ -402,8 +408,28 @@ impl ComputeModel {
         }
     }
 
+    /// A dataflow's name in traces.
+    fn label(&self, k: &DataflowKey) -> &'static str {
+        self.pool
+            .iter()
+            .position(|p| p == k)
+            .map_or("?", |i| LABELS[i])
+    }
+
+    /// The name of a dataflow ID in traces (the first pool entry with it).
+    fn id_label(&self, id: u64) -> &'static str {
+        self.pool
+            .iter()
+            .position(|p| p.id == id)
+            .map_or("?", |i| LABELS[i])
+    }
+
     /// The model of `strategy` within `bounds`.
     pub fn new(strategy: Strategy, bounds: ComputeBounds) -> Self {
+        assert!(
+            bounds.dataflows <= MAX_DATAFLOWS,
+            "at most {MAX_DATAFLOWS} dataflows"
+        );
         let pool = (0..bounds.dataflows)
             .map(|i| {
                 let d = description(i);
@@ -742,7 +768,7 @@ impl ComputeModel {
                 };
                 return Err(format!(
                     "I4 broken: dataflow {} built at timely index {idx} runs on worker {on} but not on worker {off} (replica quiet)",
-                    name(k.id)
+                    self.label(k)
                 ));
             }
         }
@@ -829,7 +855,7 @@ impl ComputeModel {
             s.ctl
                 .catalog
                 .iter()
-                .map(|k| name(k.id))
+                .map(|k| self.label(k))
                 .collect::<Vec<_>>()
                 .join(",")
         );
@@ -837,12 +863,18 @@ impl ComputeModel {
             let log: Vec<String> = w
                 .log
                 .iter()
-                .map(|(idx, id, _)| format!("{}@{idx}", name(*id)))
+                .map(|(idx, id, hash)| {
+                    let key = DataflowKey {
+                        id: *id,
+                        hash: *hash,
+                    };
+                    format!("{}@{idx}", self.label(&key))
+                })
                 .collect();
             let inst: Vec<String> = w
                 .installed
                 .iter()
-                .map(|(idx, k)| format!("{}@{idx}", name(k.id)))
+                .map(|(idx, k)| format!("{}@{idx}", self.label(k)))
                 .collect();
             out.push_str(&format!(
                 " | p{i}: built [{}] runs [{}]{}{}",
@@ -866,16 +898,16 @@ impl ComputeModel {
             Msg::Target { keys, .. } => format!(
                 "Target[{}]+InitializationComplete",
                 keys.iter()
-                    .map(|k| name(k.id))
+                    .map(|k| self.label(k))
                     .collect::<Vec<_>>()
                     .join(",")
             ),
-            Msg::Create { key, .. } => format!("CreateDataflow {}", name(key.id)),
-            Msg::Drop { id, .. } => format!("Drop {}", name(*id)),
+            Msg::Create { key, .. } => format!("CreateDataflow {}", self.label(key)),
+            Msg::Drop { id, .. } => format!("Drop {}", self.id_label(*id)),
         };
         match a {
-            ComputeAction::Create(i) => format!("controller: create {}", name(self.pool[*i].id)),
-            ComputeAction::Drop(i) => format!("controller: drop {}", name(self.pool[*i].id)),
+            ComputeAction::Create(i) => format!("controller: create {}", LABELS[*i]),
+            ComputeAction::Drop(i) => format!("controller: drop {}", LABELS[*i]),
             ComputeAction::Crash => "controller CRASHES (in-flight messages lost)".into(),
             ComputeAction::Restart if self.history != HistoryCheck::Off => {
                 "controller restarts, sends Hello and awaits the history reports".into()
@@ -961,9 +993,9 @@ impl Model for ComputeModel {
             }
             if s.ctl.commands < b.commands && !s.ctl.awaiting {
                 for (i, k) in self.pool.iter().enumerate() {
-                    if s.ctl.catalog.iter().any(|c| c.id == k.id) {
+                    if s.ctl.catalog.contains(k) {
                         actions.push(ComputeAction::Drop(i));
-                    } else {
+                    } else if !s.ctl.catalog.iter().any(|c| c.id == k.id) {
                         actions.push(ComputeAction::Create(i));
                     }
                 }

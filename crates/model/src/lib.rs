@@ -272,8 +272,9 @@ pub enum Variant {
 }
 
 /// The compute model's CI scenarios: two processes with more commands and
-/// faults, three processes with fewer.
-const COMPUTE: [ComputeBounds; 2] = [
+/// faults, three processes with fewer, and a pool with A' (A's ID with
+/// another description) so that a changed description is reconciled too.
+const COMPUTE: [ComputeBounds; 3] = [
     ComputeBounds {
         processes: 2,
         dataflows: 2,
@@ -284,6 +285,12 @@ const COMPUTE: [ComputeBounds; 2] = [
         processes: 3,
         dataflows: 2,
         commands: 2,
+        faults: 1,
+    },
+    ComputeBounds {
+        processes: 2,
+        dataflows: 3,
+        commands: 3,
         faults: 1,
     },
 ];

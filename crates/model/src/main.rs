@@ -125,7 +125,7 @@ fn apply(mut variant: Variant, overrides: &[(String, usize)]) -> Result<Variant,
         match (&mut variant, flag.as_str()) {
             (Variant::Compute(_, b) | Variant::History(_, b), "processes") => b.processes = n,
             (Variant::Compute(_, b) | Variant::History(_, b), "dataflows") => {
-                b.dataflows = n.min(4)
+                b.dataflows = n.min(lockstep_model::compute::MAX_DATAFLOWS)
             }
             (Variant::Compute(_, b) | Variant::History(_, b), "commands") => b.commands = n,
             (Variant::Compute(_, b) | Variant::History(_, b), "faults") => b.faults = n,
