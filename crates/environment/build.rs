@@ -7,8 +7,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let file = root.join("lockstep/environment/v1/environment.proto");
     println!("cargo:rerun-if-changed={}", file.display());
     let fds = protox::compile([&file], [&root])?;
+    println!(
+        "cargo:rerun-if-changed={}",
+        root.join("lockstep/compute/v1/compute.proto").display()
+    );
     tonic_prost_build::configure()
         .btree_map(".")
+        // The compute protocol's types are lockstep-protocol's.
+        .extern_path(".lockstep.compute.v1", "::lockstep_protocol::proto")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -63,6 +63,12 @@ CREATE TABLE dataflows (
     replica_id  INTEGER NOT NULL REFERENCES replicas (id) ON DELETE CASCADE,
     description BLOB NOT NULL
 ) STRICT;
+CREATE TABLE input_writes (
+    seq           INTEGER PRIMARY KEY AUTOINCREMENT,
+    replica_id    INTEGER NOT NULL REFERENCES replicas (id) ON DELETE CASCADE,
+    collection_id INTEGER NOT NULL,
+    write         BLOB NOT NULL
+) STRICT;
 ";
 
 /// Why a catalog could not be opened. In every case the file was not modified.
@@ -199,6 +205,19 @@ pub struct Dataflow {
     pub description: Vec<u8>,
 }
 
+/// One write to an input collection, as the catalog holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InputWrite {
+    /// Its position among all writes (increasing).
+    pub seq: u64,
+    /// The replica whose input collection it writes.
+    pub replica_id: u64,
+    /// The input collection.
+    pub collection_id: u64,
+    /// The write, opaque to the catalog (an encoded protocol message).
+    pub write: Vec<u8>,
+}
+
 /// Everything the catalog holds, read in one transaction.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CatalogState {
@@ -212,6 +231,8 @@ pub struct CatalogState {
     pub replicas: BTreeMap<u64, Replica>,
     /// Dataflows by ID.
     pub dataflows: BTreeMap<u64, Dataflow>,
+    /// Writes to input collections, in the order they were made.
+    pub input_writes: Vec<InputWrite>,
 }
 
 /// An open catalog, owning the epoch it bumped when it was opened.
@@ -354,6 +375,23 @@ impl Catalog {
                 dataflows.insert(dataflow.id, dataflow);
             }
         }
+        let mut input_writes = Vec::new();
+        {
+            let mut stmt = tx.prepare(
+                "SELECT seq, replica_id, collection_id, write FROM input_writes ORDER BY seq",
+            )?;
+            let rows = stmt.query_map([], |r| {
+                Ok(InputWrite {
+                    seq: r.get::<_, i64>(0)? as u64,
+                    replica_id: r.get::<_, i64>(1)? as u64,
+                    collection_id: r.get::<_, i64>(2)? as u64,
+                    write: r.get(3)?,
+                })
+            })?;
+            for row in rows {
+                input_writes.push(row?);
+            }
+        }
         tx.commit()?;
         Ok(CatalogState {
             epoch,
@@ -361,6 +399,7 @@ impl Catalog {
             next_dataflow_id,
             replicas,
             dataflows,
+            input_writes,
         })
     }
 
@@ -430,6 +469,10 @@ impl Catalog {
                 "DELETE FROM dataflows WHERE replica_id = ?1",
                 [replica.id as i64],
             )?;
+            tx.execute(
+                "DELETE FROM input_writes WHERE replica_id = ?1",
+                [replica.id as i64],
+            )?;
             tx.execute("DELETE FROM replicas WHERE id = ?1", [replica.id as i64])?;
             Ok(replica)
         })
@@ -440,6 +483,17 @@ impl Catalog {
         &mut self,
         replica_id: u64,
         description: &[u8],
+    ) -> Result<Dataflow, WriteError> {
+        self.create_dataflow_with(replica_id, |_| description.to_vec())
+    }
+
+    /// Records a dataflow on a replica, allocating its ID and passing it to
+    /// `describe`, which returns the description to store (descriptions that
+    /// embed their own ID need it).
+    pub fn create_dataflow_with(
+        &mut self,
+        replica_id: u64,
+        describe: impl FnOnce(u64) -> Vec<u8>,
     ) -> Result<Dataflow, WriteError> {
         self.write(|tx| {
             let exists: Option<i64> = tx
@@ -453,6 +507,7 @@ impl Catalog {
                 return Err(WriteError::NoSuchReplica(format!("with ID {replica_id}")));
             }
             let id = allocate(tx, "next_dataflow_id")?;
+            let description = describe(id);
             tx.execute(
                 "INSERT INTO dataflows (id, replica_id, description) VALUES (?1, ?2, ?3)",
                 params![id as i64, replica_id as i64, description],
@@ -460,7 +515,40 @@ impl Catalog {
             Ok(Dataflow {
                 id,
                 replica_id,
-                description: description.to_vec(),
+                description,
+            })
+        })
+    }
+
+    /// Records a write to an input collection of a replica. Durable before
+    /// the write is sent, so that a restarted controller (or a restarted
+    /// replica) gets every input back.
+    pub fn append_input(
+        &mut self,
+        replica_id: u64,
+        collection_id: u64,
+        write: &[u8],
+    ) -> Result<InputWrite, WriteError> {
+        self.write(|tx| {
+            let exists: Option<i64> = tx
+                .query_row(
+                    "SELECT id FROM replicas WHERE id = ?1",
+                    [replica_id as i64],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            if exists.is_none() {
+                return Err(WriteError::NoSuchReplica(format!("with ID {replica_id}")));
+            }
+            tx.execute(
+                "INSERT INTO input_writes (replica_id, collection_id, write) VALUES (?1, ?2, ?3)",
+                params![replica_id as i64, collection_id as i64, write],
+            )?;
+            Ok(InputWrite {
+                seq: tx.last_insert_rowid() as u64,
+                replica_id,
+                collection_id,
+                write: write.to_vec(),
             })
         })
     }
@@ -596,6 +684,34 @@ fn classify_open_error(path: &Path, e: rusqlite::Error) -> OpenError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn inputs_and_dataflows_survive_reopen_and_go_with_their_replica() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let mut c = Catalog::open(&path).unwrap();
+        let r = c.create_replica("r", cfg(2)).unwrap();
+        let d = c
+            .create_dataflow_with(r.id, |id| format!("df{id}").into_bytes())
+            .unwrap();
+        assert_eq!(d.description, format!("df{}", d.id).into_bytes());
+        let w1 = c.append_input(r.id, 7, b"one").unwrap();
+        let w2 = c.append_input(r.id, 7, b"two").unwrap();
+        assert!(w2.seq > w1.seq);
+        assert!(matches!(
+            c.append_input(r.id + 100, 7, b"x"),
+            Err(WriteError::NoSuchReplica(_))
+        ));
+        drop(c);
+        let mut c = Catalog::open(&path).unwrap();
+        let state = c.state().unwrap();
+        assert_eq!(state.dataflows[&d.id].description, d.description);
+        let writes: Vec<&[u8]> = state.input_writes.iter().map(|w| &w.write[..]).collect();
+        assert_eq!(writes, vec![&b"one"[..], &b"two"[..]]);
+        c.drop_replica("r").unwrap();
+        let state = c.state().unwrap();
+        assert!(state.input_writes.is_empty() && state.dataflows.is_empty());
+    }
 
     fn cfg(processes: u32) -> ReplicaConfig {
         ReplicaConfig {

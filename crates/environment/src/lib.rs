@@ -54,6 +54,8 @@
 //! `panic` action crashes the whole controller as a real crash would.
 
 pub mod chaos;
+pub mod compute;
+pub mod demo;
 pub mod server;
 pub mod template;
 
@@ -196,6 +198,8 @@ pub struct Environment {
     /// Serializes mutations and orphan removal, so that a background orphan
     /// removal never classifies against a half-applied create or drop.
     ops: tokio::sync::Mutex<()>,
+    /// One controller per replica.
+    compute: compute::Compute,
 }
 
 impl std::fmt::Debug for Environment {
@@ -294,6 +298,7 @@ impl Environment {
             halt: watch::channel(None).0,
             orphans_removed: Mutex::new(Vec::new()),
             ops: tokio::sync::Mutex::new(()),
+            compute: compute::Compute::default(),
         })
     }
 
@@ -303,6 +308,7 @@ impl Environment {
         let env = Environment::load(config)?;
         env.ensure_replicas().await?;
         env.remove_orphans().await?;
+        env.start_compute().await?;
         Ok(Arc::new(env))
     }
 
@@ -497,6 +503,7 @@ impl Environment {
             .await
             .map_err(|e| self.ensure_error(e))?;
         fail::fail_point!("after_orchestrator_create_replica");
+        self.compute_started(&replica, &status);
         tracing::info!(replica = %replica.name, id = replica.id, "created");
         Ok(ReplicaInfo {
             replica,
@@ -521,6 +528,7 @@ impl Environment {
             replica
         };
         fail::fail_point!("after_catalog_drop_replica");
+        self.compute_stopped(replica.id);
         self.orchestrator
             .drop_service(&ServiceTemplate::service_name(replica.id))
             .await

@@ -5,6 +5,11 @@
 //! lockstep replica create r1 --processes 2 --workers 4
 //! lockstep replica list
 //! lockstep replica drop r1
+//! lockstep dataflow create --replica r1 --input 1 --export '101=reduce(get(1), [#0], count)'
+//! lockstep input write --replica r1 --collection 1 --upper 1 --update 1,10@0
+//! lockstep peek --replica r1 --collection 101 --at 0
+//! lockstep subscribe --replica r1 --collection 101 --as-of 0 --until 5
+//! lockstep demo
 //! ```
 //!
 //! Exit codes: 0 success, 1 error, 2 halted because another controller took
@@ -13,6 +18,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+mod compute_cli;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -49,6 +56,92 @@ enum Command {
         server: String,
         #[command(subcommand)]
         command: ReplicaCommand,
+    },
+    /// Manage dataflows on a running environment.
+    Dataflow {
+        /// The environment's address.
+        #[arg(
+            long,
+            global = true,
+            env = "LOCKSTEP_ADDR",
+            default_value = "http://127.0.0.1:6875"
+        )]
+        server: String,
+        #[command(subcommand)]
+        command: compute_cli::DataflowCommand,
+    },
+    /// Write to input collections.
+    Input {
+        /// The environment's address.
+        #[arg(
+            long,
+            global = true,
+            env = "LOCKSTEP_ADDR",
+            default_value = "http://127.0.0.1:6875"
+        )]
+        server: String,
+        #[command(subcommand)]
+        command: InputCommand,
+    },
+    /// Read a collection at a time (prints `row<TAB>count` lines).
+    Peek {
+        /// The environment's address.
+        #[arg(long, env = "LOCKSTEP_ADDR", default_value = "http://127.0.0.1:6875")]
+        server: String,
+        /// The replica's name.
+        #[arg(long)]
+        replica: String,
+        /// The collection.
+        #[arg(long)]
+        collection: u64,
+        /// The time to read at.
+        #[arg(long)]
+        at: u64,
+    },
+    /// Stream a collection's changes (prints `time<TAB>row<TAB>diff` lines).
+    Subscribe {
+        /// The environment's address.
+        #[arg(long, env = "LOCKSTEP_ADDR", default_value = "http://127.0.0.1:6875")]
+        server: String,
+        /// The replica's name.
+        #[arg(long)]
+        replica: String,
+        /// The collection.
+        #[arg(long)]
+        collection: u64,
+        /// Changes from this time on.
+        #[arg(long, default_value_t = 0)]
+        as_of: u64,
+        /// Stop once the stream has passed this time.
+        #[arg(long)]
+        until: Option<u64>,
+    },
+    /// The demo: an environment, a 2x2 replica, three dataflows, every answer
+    /// checked against a plain-Rust reference, the environment killed and
+    /// restarted, the answers checked again.
+    Demo {
+        /// Keep the state directory (printed) instead of deleting it.
+        #[arg(long)]
+        keep: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum InputCommand {
+    /// Append updates to an input collection and advance its upper.
+    Write {
+        /// The replica's name.
+        #[arg(long)]
+        replica: String,
+        /// The input collection.
+        #[arg(long)]
+        collection: u64,
+        /// An update as `ROW@TIME[:DIFF]`, e.g. `1,10@0` or `1,10@2:-1` (repeat).
+        #[arg(long = "update", allow_hyphen_values = true)]
+        updates: Vec<String>,
+        /// The new upper: every update's time must be below it.
+        #[arg(long)]
+        upper: u64,
     },
 }
 
@@ -165,14 +258,77 @@ fn main() -> ExitCode {
                 },
             }
         }
-        Command::Replica { server, command } => match runtime.block_on(client(server, command)) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("lockstep: error: {e:#}");
-                ExitCode::FAILURE
-            }
-        },
+        Command::Replica { server, command } => finish(runtime.block_on(client(server, command))),
+        Command::Dataflow { server, command } => finish(runtime.block_on(async move {
+            compute_cli::dataflow(&mut connect(&server).await?, command).await
+        })),
+        Command::Input {
+            server,
+            command:
+                InputCommand::Write {
+                    replica,
+                    collection,
+                    updates,
+                    upper,
+                },
+        } => finish(runtime.block_on(async move {
+            compute_cli::write_input(
+                &mut connect(&server).await?,
+                replica,
+                collection,
+                updates,
+                upper,
+            )
+            .await
+        })),
+        Command::Peek {
+            server,
+            replica,
+            collection,
+            at,
+        } => finish(runtime.block_on(async move {
+            compute_cli::peek(&mut connect(&server).await?, replica, collection, at).await
+        })),
+        Command::Subscribe {
+            server,
+            replica,
+            collection,
+            as_of,
+            until,
+        } => finish(runtime.block_on(async move {
+            compute_cli::subscribe(
+                &mut connect(&server).await?,
+                replica,
+                collection,
+                as_of,
+                until,
+            )
+            .await
+        })),
+        Command::Demo { keep } => finish(runtime.block_on(lockstep_environment::demo::run(keep))),
     }
+}
+
+fn finish(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("lockstep: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn connect(server: &str) -> anyhow::Result<EnvironmentClient<tonic::transport::Channel>> {
+    let endpoint = tonic::transport::Endpoint::from_shared(server.to_string())
+        .with_context(|| format!("bad server address {server:?}"))?
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .timeout(std::time::Duration::from_secs(60));
+    let channel = endpoint
+        .connect()
+        .await
+        .with_context(|| format!("cannot connect to the environment at {server}"))?;
+    Ok(EnvironmentClient::new(channel))
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -213,15 +369,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn client(server: String, command: ReplicaCommand) -> anyhow::Result<()> {
-    let endpoint = tonic::transport::Endpoint::from_shared(server.clone())
-        .with_context(|| format!("bad server address {server:?}"))?
-        .connect_timeout(std::time::Duration::from_secs(5))
-        .timeout(std::time::Duration::from_secs(60));
-    let channel = endpoint
-        .connect()
-        .await
-        .with_context(|| format!("cannot connect to the environment at {server}"))?;
-    let mut client = EnvironmentClient::new(channel);
+    let mut client = connect(&server).await?;
     let status_err = |s: tonic::Status| anyhow::anyhow!("{}: {}", s.code(), s.message());
     match command {
         ReplicaCommand::Create {

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use futures::StreamExt;
 use lockstep_catalog::{ReplicaConfig, WriteError};
 use tonic::{Request, Response, Status};
 
@@ -128,5 +129,147 @@ impl EnvironmentApi for EnvironmentService {
             orphan_rule: self.env.orphan_rule(),
             orphans_removed: self.env.orphans_removed(),
         }))
+    }
+
+    async fn create_dataflow(
+        &self,
+        request: Request<proto::CreateDataflowRequest>,
+    ) -> Result<Response<proto::CreateDataflowResponse>, Status> {
+        let r = request.into_inner();
+        let exports = r
+            .exports
+            .into_iter()
+            .map(|e| {
+                Ok(lockstep_protocol::Export {
+                    collection_id: e.collection_id,
+                    plan: e
+                        .plan
+                        .ok_or_else(|| Status::invalid_argument("an export has no plan"))?
+                        .try_into()
+                        .map_err(|e: lockstep_protocol::ConvertError| {
+                            Status::invalid_argument(e.to_string())
+                        })?,
+                })
+            })
+            .collect::<Result<Vec<_>, Status>>()?;
+        let desc = self
+            .env
+            .create_dataflow(&r.replica, &r.name, r.as_of, r.inputs, exports)
+            .await
+            .map_err(compute_status)?;
+        Ok(Response::new(proto::CreateDataflowResponse {
+            dataflow: Some(desc.into()),
+        }))
+    }
+
+    async fn drop_dataflow(
+        &self,
+        request: Request<proto::DropDataflowRequest>,
+    ) -> Result<Response<proto::DropDataflowResponse>, Status> {
+        self.env
+            .drop_dataflow(request.into_inner().id)
+            .await
+            .map_err(compute_status)?;
+        Ok(Response::new(proto::DropDataflowResponse {}))
+    }
+
+    async fn list_dataflows(
+        &self,
+        _request: Request<proto::ListDataflowsRequest>,
+    ) -> Result<Response<proto::ListDataflowsResponse>, Status> {
+        let list = self.env.list_dataflows().map_err(compute_status)?;
+        Ok(Response::new(proto::ListDataflowsResponse {
+            dataflows: list
+                .into_iter()
+                .map(|(replica, d)| proto::list_dataflows_response::Entry {
+                    replica,
+                    dataflow: Some(d.into()),
+                })
+                .collect(),
+        }))
+    }
+
+    async fn write_input(
+        &self,
+        request: Request<proto::WriteInputRequest>,
+    ) -> Result<Response<proto::WriteInputResponse>, Status> {
+        let r = request.into_inner();
+        let updates = r
+            .updates
+            .into_iter()
+            .map(|u| lockstep_protocol::Update {
+                row: u.row,
+                time: u.time,
+                diff: u.diff,
+            })
+            .collect();
+        self.env
+            .write_input(&r.replica, r.collection_id, updates, r.upper)
+            .await
+            .map_err(compute_status)?;
+        Ok(Response::new(proto::WriteInputResponse {}))
+    }
+
+    async fn peek(
+        &self,
+        request: Request<proto::PeekRequest>,
+    ) -> Result<Response<proto::PeekResponse>, Status> {
+        let r = request.into_inner();
+        let rows = self
+            .env
+            .peek(&r.replica, r.collection_id, r.timestamp)
+            .await
+            .map_err(compute_status)?;
+        Ok(Response::new(proto::PeekResponse {
+            rows: rows
+                .into_iter()
+                .map(|(values, diff)| lockstep_protocol::proto::Row { values, diff })
+                .collect(),
+        }))
+    }
+
+    type SubscribeStream = std::pin::Pin<
+        Box<
+            dyn futures::Stream<Item = Result<lockstep_protocol::proto::SubscribeResponse, Status>>
+                + Send,
+        >,
+    >;
+
+    async fn subscribe(
+        &self,
+        request: Request<proto::SubscribeRequest>,
+    ) -> Result<Response<Self::SubscribeStream>, Status> {
+        let r = request.into_inner();
+        let rx = self
+            .env
+            .subscribe(&r.replica, r.collection_id, r.as_of)
+            .map_err(compute_status)?;
+        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|b| {
+            let kind: lockstep_protocol::proto::response::Kind =
+                lockstep_protocol::ResponseKind::SubscribeResponse(b).into();
+            match kind {
+                lockstep_protocol::proto::response::Kind::SubscribeResponse(s) => Ok(s),
+                _ => Err(Status::internal("not a subscribe batch")),
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// Maps a compute error to a gRPC status.
+pub fn compute_status(e: crate::compute::ComputeError) -> Status {
+    use crate::compute::ComputeError as E;
+    match e {
+        E::Env(e) => status(e),
+        E::NoSuchReplica(_) | E::NoSuchDataflow(_) => Status::not_found(e.to_string()),
+        E::Invalid(_) => Status::invalid_argument(e.to_string()),
+        E::Controller(lockstep_controller::ControllerError::Timeout { .. }) => {
+            Status::deadline_exceeded(e.to_string())
+        }
+        E::Controller(lockstep_controller::ControllerError::Replica(_)) => {
+            Status::failed_precondition(e.to_string())
+        }
+        E::Controller(_) => Status::unavailable(e.to_string()),
+        E::Corrupt(_) => Status::data_loss(e.to_string()),
     }
 }

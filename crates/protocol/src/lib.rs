@@ -21,6 +21,7 @@ pub mod handshake;
 pub mod history;
 pub mod merge;
 pub mod reference;
+pub mod text;
 pub mod types;
 
 pub use codec::{

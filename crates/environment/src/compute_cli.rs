@@ -1,0 +1,237 @@
+//! The compute commands of the `lockstep` CLI: dataflows, inputs, peeks and
+//! subscribes against a running environment.
+
+use anyhow::Context;
+use clap::Subcommand;
+use futures::StreamExt;
+use lockstep_environment::proto;
+use lockstep_environment::proto::environment_client::EnvironmentClient;
+use lockstep_protocol::proto as wire;
+use lockstep_protocol::text::parse_plan;
+use tonic::transport::Channel;
+
+/// Dataflow commands.
+#[derive(Subcommand)]
+pub enum DataflowCommand {
+    /// Create a dataflow on a replica.
+    Create {
+        /// The replica's name.
+        #[arg(long)]
+        replica: String,
+        /// A name for logs.
+        #[arg(long, default_value = "")]
+        name: String,
+        /// An input collection the plans read (repeat for several).
+        #[arg(long = "input", required = true)]
+        inputs: Vec<u64>,
+        /// An export as `COLLECTION_ID=PLAN`, e.g.
+        /// `101=reduce(get(1), [#0], count, sum(#1))` (repeat for several).
+        #[arg(long = "export", required = true)]
+        exports: Vec<String>,
+    },
+    /// Drop a dataflow.
+    Drop {
+        /// Its ID.
+        id: u64,
+    },
+    /// List dataflows.
+    List,
+}
+
+/// Parses `ROW@TIME[:DIFF]`, e.g. `1,10@0` or `1,10@2:-1`.
+pub fn parse_update(s: &str) -> anyhow::Result<wire::Update> {
+    let (row, rest) = s
+        .split_once('@')
+        .with_context(|| format!("update {s:?}: expected ROW@TIME[:DIFF], e.g. 1,10@0:1"))?;
+    let (time, diff) = match rest.split_once(':') {
+        Some((t, d)) => (
+            t,
+            d.parse()
+                .with_context(|| format!("update {s:?}: bad diff"))?,
+        ),
+        None => (rest, 1),
+    };
+    let row = if row.is_empty() {
+        vec![]
+    } else {
+        row.split(',')
+            .map(|v| v.trim().parse::<i64>())
+            .collect::<Result<_, _>>()
+            .with_context(|| format!("update {s:?}: a row is comma-separated integers"))?
+    };
+    Ok(wire::Update {
+        row,
+        time: time
+            .parse()
+            .with_context(|| format!("update {s:?}: bad time"))?,
+        diff,
+    })
+}
+
+fn status_err(s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{}: {}", s.code(), s.message())
+}
+
+fn show_rows(rows: &[wire::Row]) {
+    for r in rows {
+        let vals: Vec<String> = r.values.iter().map(|v| v.to_string()).collect();
+        println!("{}\t{}", vals.join(","), r.diff);
+    }
+}
+
+/// Runs a dataflow command.
+pub async fn dataflow(
+    client: &mut EnvironmentClient<Channel>,
+    command: DataflowCommand,
+) -> anyhow::Result<()> {
+    match command {
+        DataflowCommand::Create {
+            replica,
+            name,
+            inputs,
+            exports,
+        } => {
+            let exports = exports
+                .iter()
+                .map(|e| {
+                    let (id, plan) = e
+                        .split_once('=')
+                        .with_context(|| format!("export {e:?}: expected COLLECTION_ID=PLAN"))?;
+                    let collection_id = id
+                        .trim()
+                        .parse()
+                        .with_context(|| format!("export {e:?}: bad collection ID"))?;
+                    let plan = parse_plan(plan.trim()).with_context(|| format!("export {e:?}"))?;
+                    Ok(wire::Export {
+                        collection_id,
+                        plan: Some(plan.into()),
+                    })
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let r = client
+                .create_dataflow(proto::CreateDataflowRequest {
+                    replica,
+                    name,
+                    inputs,
+                    exports,
+                    as_of: 0,
+                })
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            if let Some(d) = r.dataflow {
+                println!("created dataflow {}", d.id);
+            }
+        }
+        DataflowCommand::Drop { id } => {
+            client
+                .drop_dataflow(proto::DropDataflowRequest { id })
+                .await
+                .map_err(status_err)?;
+            println!("dropped dataflow {id}");
+        }
+        DataflowCommand::List => {
+            let r = client
+                .list_dataflows(proto::ListDataflowsRequest {})
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            println!("{:<6} {:<12} {:<16} EXPORTS", "ID", "REPLICA", "NAME");
+            for e in r.dataflows {
+                let Some(d) = e.dataflow else { continue };
+                let d = lockstep_protocol::DataflowDescription::try_from(d)?;
+                let exports: Vec<String> = d
+                    .exports
+                    .iter()
+                    .map(|x| format!("{}={}", x.collection_id, x.plan))
+                    .collect();
+                println!(
+                    "{:<6} {:<12} {:<16} {}",
+                    d.id,
+                    e.replica,
+                    d.debug_name,
+                    exports.join("  ")
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes updates to an input collection.
+pub async fn write_input(
+    client: &mut EnvironmentClient<Channel>,
+    replica: String,
+    collection_id: u64,
+    updates: Vec<String>,
+    upper: u64,
+) -> anyhow::Result<()> {
+    let updates = updates
+        .iter()
+        .map(|u| parse_update(u))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let n = updates.len();
+    client
+        .write_input(proto::WriteInputRequest {
+            replica,
+            collection_id,
+            updates,
+            upper,
+        })
+        .await
+        .map_err(status_err)?;
+    println!("wrote {n} updates to collection {collection_id}; upper {upper}");
+    Ok(())
+}
+
+/// Peeks a collection and prints `row<TAB>count` lines.
+pub async fn peek(
+    client: &mut EnvironmentClient<Channel>,
+    replica: String,
+    collection_id: u64,
+    timestamp: u64,
+) -> anyhow::Result<()> {
+    let r = client
+        .peek(proto::PeekRequest {
+            replica,
+            collection_id,
+            timestamp,
+        })
+        .await
+        .map_err(status_err)?
+        .into_inner();
+    show_rows(&r.rows);
+    Ok(())
+}
+
+/// Subscribes and prints `time<TAB>row<TAB>diff` lines until `until` (or forever).
+pub async fn subscribe(
+    client: &mut EnvironmentClient<Channel>,
+    replica: String,
+    collection_id: u64,
+    as_of: u64,
+    until: Option<u64>,
+) -> anyhow::Result<()> {
+    let mut stream = client
+        .subscribe(proto::SubscribeRequest {
+            replica,
+            collection_id,
+            as_of,
+        })
+        .await
+        .map_err(status_err)?
+        .into_inner();
+    while let Some(batch) = stream.next().await {
+        let batch = batch.map_err(status_err)?;
+        for u in &batch.updates {
+            let vals: Vec<String> = u.row.iter().map(|v| v.to_string()).collect();
+            println!("{}\t{}\t{}", u.time, vals.join(","), u.diff);
+        }
+        match batch.upper.first() {
+            None => break,
+            Some(&upper) if until.is_some_and(|t| upper > t) => break,
+            _ => {}
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,382 @@
+//! The demo, the README's main job: every piece on the embedded default.
+//!
+//! It starts `lockstep serve` (this very binary) on a fresh state directory,
+//! creates a replica of 2 processes x 2 workers through the orchestrator's
+//! process backend, creates three dataflows (a join, a reduce, a filter+map),
+//! writes inputs with retractions over several timestamps, and checks every
+//! peek and a subscription against a reference computed in plain Rust
+//! ([`lockstep_protocol::reference`]). Then it kills the environment with
+//! SIGKILL, starts it again on the same state directory, and checks that the
+//! replica's processes were adopted (same PIDs), that the new controller
+//! reconnected, and that the answers, old and new, are still right.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use futures::StreamExt;
+use lockstep_protocol::proto as wire;
+use lockstep_protocol::reference::{at_time, evaluate, Multiset};
+use lockstep_protocol::text::parse_plan;
+use lockstep_protocol::{Plan, Update};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tonic::transport::Channel;
+
+use crate::proto;
+use crate::proto::environment_client::EnvironmentClient;
+
+const STEPS: usize = 9;
+
+fn step(n: usize, what: &str) {
+    println!("demo: [{n}/{STEPS}] {what}");
+}
+
+struct Env {
+    child: Child,
+    url: String,
+}
+
+async fn start_env(bin: &Path, state: &Path) -> anyhow::Result<Env> {
+    let mut child = Command::new(bin)
+        .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(state)
+        .env(
+            "LOCKSTEP_LOG",
+            std::env::var("LOCKSTEP_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .context("the environment did not report its address within 30 s")??
+        .context("the environment exited before serving")?;
+    let addr = line
+        .strip_prefix("lockstep: serving on ")
+        .and_then(|r| r.split_whitespace().next())
+        .with_context(|| format!("unexpected first line from the environment: {line:?}"))?;
+    // Keep draining stdout so the child never blocks on it.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok(Env {
+        child,
+        url: format!("http://{addr}"),
+    })
+}
+
+async fn client(url: &str) -> anyhow::Result<EnvironmentClient<Channel>> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(60))
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {url}"))?;
+    Ok(EnvironmentClient::new(channel))
+}
+
+fn u(row: &[i64], time: u64, diff: i64) -> Update {
+    Update {
+        row: row.to_vec(),
+        time,
+        diff,
+    }
+}
+
+/// The demo's inputs: collection 1 is (key, value) orders, collection 2 is
+/// (key, price) items; times 0 to 3 with retractions.
+fn writes() -> Vec<(u64, Vec<Update>, u64)> {
+    vec![
+        (
+            1,
+            vec![u(&[1, 10], 0, 1), u(&[2, 20], 0, 1), u(&[3, 30], 0, 2)],
+            1,
+        ),
+        (
+            2,
+            vec![u(&[1, 100], 0, 1), u(&[2, 200], 0, 1), u(&[4, 400], 0, 1)],
+            1,
+        ),
+        (
+            1,
+            vec![u(&[1, 10], 1, -1), u(&[1, 15], 1, 1), u(&[4, 40], 1, 1)],
+            2,
+        ),
+        (2, vec![u(&[2, 200], 2, -1), u(&[2, 250], 2, 1)], 3),
+        (1, vec![u(&[3, 30], 2, -1)], 3),
+        (1, vec![], 4),
+        (2, vec![u(&[3, 300], 3, 3)], 4),
+    ]
+}
+
+/// Writes after the restart.
+fn later_writes() -> Vec<(u64, Vec<Update>, u64)> {
+    vec![
+        (1, vec![u(&[2, 20], 4, -1), u(&[5, 50], 4, 1)], 5),
+        (2, vec![u(&[5, 500], 4, 1)], 5),
+    ]
+}
+
+/// A demo dataflow: name, inputs, exported collection, plan.
+type DemoDataflow = (&'static str, Vec<u64>, u64, Plan);
+
+fn dataflows() -> anyhow::Result<Vec<DemoDataflow>> {
+    Ok(vec![
+        (
+            "join",
+            vec![1, 2],
+            101,
+            parse_plan("join(get(1), get(2), #0, #0)")?,
+        ),
+        (
+            "reduce",
+            vec![1],
+            102,
+            parse_plan("reduce(get(1), [#0], count, sum(#1))")?,
+        ),
+        (
+            "filter-map",
+            vec![2],
+            103,
+            parse_plan("map(filter(get(2), #1 >= 200), #0, mul(#1, 2))")?,
+        ),
+    ])
+}
+
+fn reference(plan: &Plan, writes: &[(u64, Vec<Update>, u64)], t: u64) -> Multiset {
+    let mut inputs: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
+    for (c, ups, _) in writes {
+        inputs.entry(*c).or_default().extend(ups.iter().cloned());
+    }
+    evaluate(plan, &inputs, t)
+}
+
+async fn write_all(
+    c: &mut EnvironmentClient<Channel>,
+    writes: &[(u64, Vec<Update>, u64)],
+) -> anyhow::Result<()> {
+    for (collection, ups, upper) in writes {
+        c.write_input(proto::WriteInputRequest {
+            replica: "demo".into(),
+            collection_id: *collection,
+            updates: ups
+                .iter()
+                .map(|u| wire::Update {
+                    row: u.row.clone(),
+                    time: u.time,
+                    diff: u.diff,
+                })
+                .collect(),
+            upper: *upper,
+        })
+        .await
+        .with_context(|| format!("write to collection {collection}"))?;
+    }
+    Ok(())
+}
+
+async fn check_peeks(
+    c: &mut EnvironmentClient<Channel>,
+    writes: &[(u64, Vec<Update>, u64)],
+    times: std::ops::Range<u64>,
+) -> anyhow::Result<usize> {
+    let mut checked = 0;
+    for (name, _, collection, plan) in dataflows()? {
+        for t in times.clone() {
+            let rows = c
+                .peek(proto::PeekRequest {
+                    replica: "demo".into(),
+                    collection_id: collection,
+                    timestamp: t,
+                })
+                .await
+                .with_context(|| format!("peek {name} at {t}"))?
+                .into_inner()
+                .rows;
+            let got: Multiset = rows.into_iter().map(|r| (r.values, r.diff)).collect();
+            let want = reference(&plan, writes, t);
+            if got != want {
+                bail!("peek of {name} (collection {collection}) at time {t}: got {got:?}, the reference says {want:?}");
+            }
+            checked += 1;
+        }
+    }
+    Ok(checked)
+}
+
+async fn replica_pids(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<Vec<u32>> {
+    let r = c
+        .list_replicas(proto::ListReplicasRequest {})
+        .await?
+        .into_inner();
+    let demo = r
+        .replicas
+        .iter()
+        .find(|r| r.name == "demo")
+        .context("replica demo is not listed")?;
+    Ok(demo.process_status.iter().map(|p| p.pid).collect())
+}
+
+/// Runs the demo; `keep` keeps the state directory.
+pub async fn run(keep: bool) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let bin = std::env::current_exe().context("locating the lockstep binary")?;
+    let dir = tempfile::Builder::new()
+        .prefix("lockstep-demo-")
+        .tempdir()?;
+    let state = dir.path().to_path_buf();
+    let result = run_in(&bin, &state).await;
+    // Whatever happened, stop the replica's processes.
+    let _ = lockstep_orchestrator::process::kill_all_services(&state.join(crate::ORCHESTRATOR_DIR));
+    if keep {
+        println!("demo: state kept in {}", dir.keep().display());
+    }
+    result?;
+    println!("demo: ok ({:.1} s)", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+async fn run_in(bin: &Path, state: &Path) -> anyhow::Result<()> {
+    step(
+        1,
+        &format!("starting the environment on {}", state.display()),
+    );
+    let mut env = start_env(bin, state).await?;
+    let mut c = client(&env.url).await?;
+
+    step(
+        2,
+        "creating replica `demo`: 2 processes x 2 workers, through the process orchestrator",
+    );
+    let r = c
+        .create_replica(proto::CreateReplicaRequest {
+            name: "demo".into(),
+            processes: 2,
+            workers_per_process: 2,
+            config: String::new(),
+        })
+        .await
+        .context("create replica")?
+        .into_inner();
+    let pids: Vec<u32> = r
+        .replica
+        .iter()
+        .flat_map(|r| r.process_status.iter().map(|p| p.pid))
+        .collect();
+    println!("demo:       replica processes {pids:?}");
+
+    step(
+        3,
+        "creating three dataflows: a join, a reduce (count, sum), a filter+map",
+    );
+    for (name, inputs, collection, plan) in dataflows()? {
+        let d = c
+            .create_dataflow(proto::CreateDataflowRequest {
+                replica: "demo".into(),
+                name: name.into(),
+                inputs,
+                exports: vec![wire::Export {
+                    collection_id: collection,
+                    plan: Some(plan.clone().into()),
+                }],
+                as_of: 0,
+            })
+            .await
+            .with_context(|| format!("create dataflow {name}"))?
+            .into_inner();
+        println!(
+            "demo:       dataflow {} `{name}`: {collection} = {plan}",
+            d.dataflow.map(|d| d.id).unwrap_or_default()
+        );
+    }
+
+    step(
+        4,
+        "subscribing to the reduce, then writing inputs at times 0..3 with retractions",
+    );
+    let mut sub = c
+        .subscribe(proto::SubscribeRequest {
+            replica: "demo".into(),
+            collection_id: 102,
+            as_of: 0,
+        })
+        .await
+        .context("subscribe")?
+        .into_inner();
+    let writes = writes();
+    write_all(&mut c, &writes).await?;
+
+    step(
+        5,
+        "checking every peek at every time against the plain-Rust reference",
+    );
+    let n = check_peeks(&mut c, &writes, 0..4).await?;
+    println!("demo:       {n} peeks equal the reference");
+
+    step(6, "checking the subscription against the reference");
+    let mut changes: Vec<Update> = Vec::new();
+    loop {
+        let batch = tokio::time::timeout(Duration::from_secs(30), sub.next())
+            .await
+            .context("no subscribe batch within 30 s")?
+            .context("the subscription ended early")??;
+        changes.extend(batch.updates.into_iter().map(|u| Update {
+            row: u.row,
+            time: u.time,
+            diff: u.diff,
+        }));
+        if batch.upper.first().is_none_or(|&t| t >= 4) {
+            break;
+        }
+    }
+    let (_, _, _, reduce) = dataflows()?.remove(1);
+    for t in 0..4 {
+        let want = reference(&reduce, &writes, t);
+        if at_time(&changes, t) != want {
+            bail!("the subscription's changes accumulated at time {t} differ from the reference {want:?}");
+        }
+    }
+    println!(
+        "demo:       {} changes, accumulating to the reference at times 0..3",
+        changes.len()
+    );
+    drop(sub);
+
+    step(
+        7,
+        "killing the environment (SIGKILL) and starting it again on the same state",
+    );
+    env.child.kill().await.context("killing the environment")?;
+    let status = env.child.wait().await?;
+    println!("demo:       environment exited: {status}");
+    let env2 = start_env(bin, state).await?;
+    let mut c = client(&env2.url).await?;
+    let after = replica_pids(&mut c).await?;
+    if after != pids {
+        bail!("the restarted environment did not adopt the replica: processes {pids:?} became {after:?}");
+    }
+    println!("demo:       the replica's processes {after:?} were adopted, not restarted");
+
+    step(
+        8,
+        "checking that the new controller reconnected and the answers are still right",
+    );
+    let n = check_peeks(&mut c, &writes, 0..4).await?;
+    println!("demo:       {n} peeks equal the reference after the restart");
+
+    step(
+        9,
+        "writing more inputs through the new controller and checking again",
+    );
+    write_all(&mut c, &later_writes()).await?;
+    let mut all = writes.clone();
+    all.extend(later_writes());
+    let n = check_peeks(&mut c, &all, 3..5).await?;
+    println!("demo:       {n} more peeks equal the reference");
+    drop(env2);
+    Ok(())
+}
