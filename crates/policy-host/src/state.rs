@@ -1,10 +1,12 @@
 //! The store's data and the instance lifecycle shared by both policy kinds.
 
+use std::collections::VecDeque;
+
 use wasmtime::{ResourceLimiter, Store, StoreLimits, StoreLimitsBuilder, Trap};
 
 use crate::{CallError, Limits};
 
-/// Messages kept per call (the rest are counted, not kept).
+/// Messages logged to `tracing`, and kept, per call.
 const MAX_MESSAGES: usize = 16;
 /// Characters kept per message.
 const MAX_MESSAGE_CHARS: usize = 4096;
@@ -13,8 +15,11 @@ const MAX_MESSAGE_CHARS: usize = 4096;
 pub(crate) struct HostState {
     policy: String,
     limits: MemoryCap,
-    messages: Vec<String>,
-    dropped_messages: usize,
+    /// The last messages of the current call (the panic message, if any,
+    /// is the last one).
+    messages: VecDeque<String>,
+    /// Messages of the current call, kept or not.
+    logged: usize,
 }
 
 impl HostState {
@@ -22,27 +27,33 @@ impl HostState {
         Self {
             policy: policy.to_string(),
             limits: MemoryCap::new(limits.memory_bytes),
-            messages: Vec::new(),
-            dropped_messages: 0,
+            messages: VecDeque::new(),
+            logged: 0,
         }
     }
 
     /// Forgets what the previous call logged.
     fn begin_call(&mut self) {
         self.messages.clear();
-        self.dropped_messages = 0;
+        self.logged = 0;
         self.limits.denied = None;
     }
 
-    /// The `log` import: to `tracing`, and kept for the error if the call fails.
+    /// The `log` import: the first messages of a call go to `tracing`, the
+    /// last ones are kept for the error if the call fails. A chatty policy
+    /// costs neither unbounded logs nor unbounded memory.
     pub(crate) fn log(&mut self, msg: String) {
-        if self.messages.len() >= MAX_MESSAGES {
-            self.dropped_messages += 1;
-            return;
-        }
         let msg: String = msg.chars().take(MAX_MESSAGE_CHARS).collect();
-        tracing::info!(target: "lockstep_policy", policy = %self.policy, "{msg}");
-        self.messages.push(msg);
+        self.logged += 1;
+        if self.logged <= MAX_MESSAGES {
+            tracing::info!(target: "lockstep_policy", policy = %self.policy, "{msg}");
+        } else if self.logged == MAX_MESSAGES + 1 {
+            tracing::info!(target: "lockstep_policy", policy = %self.policy, "(more messages in this call are not logged)");
+        }
+        if self.messages.len() == MAX_MESSAGES {
+            self.messages.pop_front();
+        }
+        self.messages.push_back(msg);
     }
 
     /// What the guest logged during this call, joined, if anything.
@@ -50,10 +61,12 @@ impl HostState {
         if self.messages.is_empty() {
             return None;
         }
-        let mut text = self.messages.join("; ");
-        if self.dropped_messages > 0 {
-            text.push_str(&format!(" (and {} more messages)", self.dropped_messages));
+        let earlier = self.logged - self.messages.len();
+        let mut text = String::new();
+        if earlier > 0 {
+            text.push_str(&format!("({earlier} earlier messages) "));
         }
+        text.push_str(&self.messages.iter().cloned().collect::<Vec<_>>().join("; "));
         Some(text)
     }
 }

@@ -329,3 +329,31 @@ fn a_memory_limit_below_the_initial_memory_refuses_the_load() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn a_chatty_policy_keeps_its_last_messages_and_its_panic() {
+    let mut p = load_dist("chatty");
+    assert_eq!(
+        p.call_choose(&command(CommandClass::Hello)).unwrap(),
+        Strategy::Barrier
+    );
+    match p
+        .call_choose(&command(CommandClass::CreateDataflow))
+        .unwrap_err()
+    {
+        CallError::Trap { message, .. } => {
+            let message = message.unwrap();
+            assert!(
+                message.starts_with("(9986 earlier messages) noise 9985; "),
+                "{message}"
+            );
+            assert!(message.ends_with("chatty policy gives up"), "{message}");
+            assert!(message.len() < 2_000, "{} bytes kept", message.len());
+        }
+        other => panic!("expected a trap, got {other:?}"),
+    }
+    assert_eq!(
+        p.call_choose(&command(CommandClass::Peek)).unwrap(),
+        Strategy::Barrier
+    );
+}
