@@ -225,7 +225,10 @@ impl Actor {
         if socks.is_empty() {
             return;
         }
-        self.nonce = rand::random::<u64>() | 1;
+        // Increasing per connection attempt within our epoch: replicas order
+        // sessions by (epoch, nonce), and a barrier round of an older
+        // session is abandoned once a worker joined a newer one.
+        self.nonce += 1;
         self.seqno = 0;
         self.conns = socks
             .into_iter()

@@ -20,7 +20,7 @@ use crate::worker::FromWorker;
 /// Merges worker responses of one process.
 pub struct Aggregator {
     local_workers: usize,
-    nonce: Option<u64>,
+    session: Option<u64>,
     frontiers: BTreeMap<u64, BTreeMap<usize, Frontier>>,
     reported: BTreeMap<u64, Frontier>,
     peeks: BTreeMap<u64, BTreeMap<usize, PeekResult>>,
@@ -32,7 +32,7 @@ impl Aggregator {
     pub fn new(local_workers: usize) -> Self {
         Aggregator {
             local_workers,
-            nonce: None,
+            session: None,
             frontiers: BTreeMap::new(),
             reported: BTreeMap::new(),
             peeks: BTreeMap::new(),
@@ -43,9 +43,9 @@ impl Aggregator {
     /// Takes one worker message; returns the process-level responses it completes.
     pub fn on(&mut self, msg: FromWorker) -> Vec<ResponseKind> {
         match msg {
-            FromWorker::NewSession { nonce, .. } => {
-                if self.nonce != Some(nonce) {
-                    self.nonce = Some(nonce);
+            FromWorker::NewSession { session, .. } => {
+                if self.session != Some(session) {
+                    self.session = Some(session);
                     self.frontiers.clear();
                     self.reported.clear();
                     self.peeks.clear();

@@ -17,11 +17,34 @@
 //! InitializationComplete, then the worker keeps the installed dataflows the
 //! controller asked for again (same ID and description hash), drops the
 //! others, and builds the missing ones in the controller's order. This is the
-//! per-worker reconciliation; it is correct while every worker has the same
-//! installed set, which the strategies (barrier, log, broadcast) guarantee.
+//! per-worker reconciliation, used for commands sent with the `naive`
+//! strategy: it is wrong as soon as workers disagree on what is installed,
+//! which is what the fault suite shows.
+//!
+//! Under the `barrier` strategy:
+//! - a CreateDataflow is a *round*: the worker announces (session, seqno,
+//!   description hash) on the control mesh, a timely dataflow every worker
+//!   builds first, at start-up, and waits (still stepping, still reading the
+//!   mesh, but applying nothing else) until `lockstep_reconcile::barrier`
+//!   says every worker announced the same (pass: build), that a worker moved
+//!   on to a newer session without it (abandoned: build nowhere), or that the
+//!   workers received different commands (diverged: halt, so the controller
+//!   restarts the replica);
+//! - reconciliation is collective: at InitializationComplete every worker
+//!   announces its installed dataflows in one round, and every worker applies
+//!   the same `lockstep_reconcile::collective` plan: keep what every worker
+//!   has with the target's hash, drop the rest, build the missing ones in the
+//!   target's order, together.
+//!
+//! A session is one controller connection attempt (epoch, then the Hello's
+//! nonce, which increases per attempt within an epoch). The model checker
+//! (crates/model) runs the same `lockstep_reconcile` functions.
+//!
+//! The `broadcast` and `log` strategies are not built yet: commands sent with
+//! them are refused, identically on every worker, with an error.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::rc::Rc;
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -35,10 +58,15 @@ use differential_dataflow::trace::TraceReader;
 use lockstep_protocol::history::consolidate;
 use lockstep_protocol::{
     Command, CommandHistory, CommandKind, CreationLogEntry, DataflowDescription, Digest, ErrorKind,
-    ErrorResponse, Frontier, Peek, PeekResult, Row, Status, Subscribe, SubscribeBatch, Update,
-    WriteInput,
+    ErrorResponse, Frontier, Peek, PeekResult, Row, Status, Strategy, Subscribe, SubscribeBatch,
+    Update, WriteInput,
 };
-use timely::dataflow::ProbeHandle;
+use lockstep_reconcile::{
+    barrier, barrier_view, collective, Announcement, BarrierDecision, DataflowKey,
+};
+use timely::dataflow::operators::vec::Broadcast;
+use timely::dataflow::operators::Inspect;
+use timely::dataflow::{InputHandleVec, ProbeHandle};
 use timely::progress::Antichain;
 use timely::worker::Worker;
 use tokio::sync::mpsc::UnboundedSender;
@@ -77,12 +105,12 @@ pub enum FromWorker {
     Status(Status),
     /// An error about a command (sent by the first local worker only).
     Error(ErrorResponse),
-    /// The worker accepted a Hello with a new nonce: forget per-session state.
+    /// The worker accepted a Hello of a new session: forget per-session state.
     NewSession {
         /// Global worker index.
         worker: usize,
-        /// The new nonce.
-        nonce: u64,
+        /// The new session (see [`session_of`]).
+        session: u64,
     },
 }
 
@@ -125,6 +153,77 @@ struct SubState {
     lower: Option<Frontier>,
 }
 
+/// A record on the control mesh: (kind, session, worker, seqno, hash,
+/// installed dataflows as (id, hash)).
+type MeshRecord = (u8, u64, u64, u64, Vec<u8>, Vec<(u64, Vec<u8>)>);
+const MESH_JOINED: u8 = 0;
+const MESH_ROUND: u8 = 1;
+
+/// The longest a worker waits at a barrier before it halts.
+pub const BARRIER_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The control mesh: a broadcast dataflow every worker builds first.
+pub struct Mesh {
+    input: InputHandleVec<u64, MeshRecord>,
+    received: Rc<RefCell<Vec<MeshRecord>>>,
+}
+
+impl Mesh {
+    /// Builds the mesh dataflow; must be the first dataflow of every worker.
+    pub fn build(worker: &mut Worker) -> Mesh {
+        let mut input = InputHandleVec::new();
+        let received: Rc<RefCell<Vec<MeshRecord>>> = Rc::default();
+        let sink = Rc::clone(&received);
+        worker.dataflow_named::<u64, _, _>("lockstep-control-mesh", |scope| {
+            input
+                .to_stream(scope)
+                .broadcast()
+                .inspect(move |r: &MeshRecord| sink.borrow_mut().push(r.clone()));
+        });
+        Mesh { input, received }
+    }
+
+    fn send(&mut self, r: MeshRecord) {
+        self.input.send(r);
+        self.input.flush();
+    }
+}
+
+/// The session of a Hello: epoch first, then the connection attempt.
+pub fn session_of(epoch: u64, nonce: u64) -> u64 {
+    (epoch << 32) | (nonce & 0xffff_ffff)
+}
+
+enum Pending {
+    Create {
+        cmd: Command,
+        mine: Announcement,
+        since: std::time::Instant,
+    },
+    Reconcile {
+        buffer: Vec<Command>,
+        target: Vec<DataflowKey>,
+        mine: Announcement,
+        since: std::time::Instant,
+    },
+}
+
+/// An order-sensitive digest of a reconciliation target.
+fn target_hash(target: &[DataflowKey]) -> Digest {
+    let mut history = CommandHistory::new();
+    for k in target {
+        history.push(CommandKind::Schedule { dataflow_id: k.id });
+        history.push(CommandKind::UpdateConfiguration(
+            [(k.id.to_string(), format!("{:?}", k.hash.0))]
+                .into_iter()
+                .collect(),
+        ));
+    }
+    let mut d = history.digest();
+    d.0[..8].copy_from_slice(&(target.len() as u64).to_le_bytes());
+    d
+}
+
 /// One worker's state.
 pub struct WorkerState {
     index: usize,
@@ -142,6 +241,13 @@ pub struct WorkerState {
     peeks: Vec<Peek>,
     subs: BTreeMap<u64, SubState>,
     tx: UnboundedSender<FromWorker>,
+    mesh: Option<Mesh>,
+    session: u64,
+    joined: Vec<u64>,
+    announced: Vec<(u64, Announcement)>,
+    installed_reports: BTreeMap<(u64, usize), Vec<DataflowKey>>,
+    queue: VecDeque<Command>,
+    pending: Option<Pending>,
 }
 
 fn passed(upper: Frontier, t: u64) -> bool {
@@ -203,6 +309,13 @@ impl WorkerState {
             peeks: Vec::new(),
             subs: BTreeMap::new(),
             tx,
+            mesh: None,
+            session: 0,
+            joined: vec![0; peers],
+            announced: Vec::new(),
+            installed_reports: BTreeMap::new(),
+            queue: VecDeque::new(),
+            pending: None,
         }
     }
 
@@ -240,7 +353,15 @@ impl WorkerState {
     pub fn handle(&mut self, worker: &mut Worker, cmd: Command) {
         if let CommandKind::Hello(h) = &cmd.kind {
             self.epoch = h.epoch;
-            if h.nonce != self.nonce {
+            let session = session_of(h.epoch, h.nonce);
+            if session > self.session {
+                self.session = session;
+                self.announced.retain(|(s, _)| *s >= session);
+                self.installed_reports.retain(|(s, _), _| *s >= session);
+                let me = self.index as u64;
+                if let Some(mesh) = &mut self.mesh {
+                    mesh.send((MESH_JOINED, session, me, 0, vec![], vec![]));
+                }
                 self.nonce = h.nonce;
                 self.reconciling = Some(Vec::new());
                 self.peeks.clear();
@@ -253,7 +374,7 @@ impl WorkerState {
                 }
                 self.send(FromWorker::NewSession {
                     worker: self.index,
-                    nonce: h.nonce,
+                    session,
                 });
             }
             self.applied_seqno = 0;
@@ -262,14 +383,260 @@ impl WorkerState {
         }
         if let Some(buffer) = &mut self.reconciling {
             let done = matches!(cmd.kind, CommandKind::InitializationComplete);
+            let naive = cmd.strategy == Strategy::Naive;
+            let seqno = cmd.seqno;
             buffer.push(cmd);
             if done {
                 let buffer = self.reconciling.take().unwrap_or_default();
-                self.reconcile(worker, buffer);
+                if naive || self.mesh.is_none() {
+                    self.reconcile(worker, buffer);
+                } else {
+                    self.start_collective(buffer, seqno);
+                }
             }
             return;
         }
+        if let Some(refused) = self.refuse_strategy(&cmd) {
+            self.error(cmd.seqno, ErrorKind::InvalidCommand, refused);
+            return;
+        }
+        if let CommandKind::CreateDataflow(desc) = &cmd.kind {
+            let new = !self.dataflows.contains_key(&desc.id);
+            if cmd.strategy == Strategy::Barrier
+                && self.mesh.is_some()
+                && new
+                && validate(desc).is_ok()
+            {
+                let mine = Announcement {
+                    worker: self.index,
+                    seqno: cmd.seqno,
+                    hash: desc.hash(),
+                };
+                self.announce(&mine, vec![]);
+                self.pending = Some(Pending::Create {
+                    cmd,
+                    mine,
+                    since: std::time::Instant::now(),
+                });
+                return;
+            }
+        }
         self.apply(worker, cmd);
+    }
+
+    /// Commands with a strategy this build does not implement are refused,
+    /// identically on every worker, so refusing them keeps lockstep.
+    fn refuse_strategy(&self, cmd: &Command) -> Option<String> {
+        match cmd.strategy {
+            Strategy::Barrier | Strategy::Naive => None,
+            other => Some(format!(
+                "strategy {other} is not implemented by this replica (barrier and naive are); {} not applied",
+                cmd.kind.name()
+            )),
+        }
+    }
+
+    fn announce(&mut self, a: &Announcement, installed: Vec<DataflowKey>) {
+        let session = self.session;
+        let record = (
+            MESH_ROUND,
+            session,
+            a.worker as u64,
+            a.seqno,
+            a.hash.0.to_vec(),
+            installed
+                .iter()
+                .map(|k| (k.id, k.hash.0.to_vec()))
+                .collect(),
+        );
+        if let Some(mesh) = &mut self.mesh {
+            mesh.send(record);
+        }
+    }
+
+    fn installed_keys(&self) -> Vec<DataflowKey> {
+        // In creation order, so that plans keep that order.
+        let mut keys: Vec<DataflowKey> = Vec::new();
+        for e in &self.creation_log {
+            if let Some(inst) = self.dataflows.get(&e.dataflow_id) {
+                if inst.timely_index as u64 == e.timely_index {
+                    keys.push(DataflowKey {
+                        id: e.dataflow_id,
+                        hash: inst.hash,
+                    });
+                }
+            }
+        }
+        keys
+    }
+
+    fn start_collective(&mut self, buffer: Vec<Command>, seqno: u64) {
+        let target: Vec<DataflowKey> = buffer
+            .iter()
+            .filter_map(|c| match &c.kind {
+                CommandKind::CreateDataflow(d) => Some(DataflowKey {
+                    id: d.id,
+                    hash: d.hash(),
+                }),
+                _ => None,
+            })
+            .collect();
+        let mine = Announcement {
+            worker: self.index,
+            seqno,
+            hash: target_hash(&target),
+        };
+        let installed = self.installed_keys();
+        self.announce(&mine, installed);
+        self.pending = Some(Pending::Reconcile {
+            buffer,
+            target,
+            mine,
+            since: std::time::Instant::now(),
+        });
+    }
+
+    /// Moves what the mesh delivered into the barrier's view.
+    fn absorb_mesh(&mut self) {
+        let Some(mesh) = &self.mesh else { return };
+        let records = std::mem::take(&mut *mesh.received.borrow_mut());
+        for (kind, session, worker, seqno, hash, installed) in records {
+            let worker = worker as usize;
+            if worker >= self.peers {
+                continue;
+            }
+            if kind == MESH_JOINED {
+                self.joined[worker] = self.joined[worker].max(session);
+                continue;
+            }
+            let Ok(hash) = <[u8; 32]>::try_from(hash) else {
+                continue;
+            };
+            self.announced.push((
+                session,
+                Announcement {
+                    worker,
+                    seqno,
+                    hash: Digest(hash),
+                },
+            ));
+            let keys = installed
+                .into_iter()
+                .filter_map(|(id, h)| {
+                    Some(DataflowKey {
+                        id,
+                        hash: Digest(h.try_into().ok()?),
+                    })
+                })
+                .collect();
+            self.installed_reports.insert((session, worker), keys);
+        }
+    }
+
+    /// Applies queued commands until one waits at a barrier. Returns whether
+    /// anything happened.
+    pub fn drive(&mut self, worker: &mut Worker) -> bool {
+        let mut progressed = false;
+        loop {
+            self.absorb_mesh();
+            if let Some(p) = self.pending.take() {
+                match self.resolve(worker, p) {
+                    Some(p) => {
+                        self.pending = Some(p);
+                        return progressed;
+                    }
+                    None => progressed = true,
+                }
+            }
+            let Some(cmd) = self.queue.pop_front() else {
+                return progressed;
+            };
+            progressed = true;
+            self.handle(worker, cmd);
+        }
+    }
+
+    fn resolve(&mut self, worker: &mut Worker, p: Pending) -> Option<Pending> {
+        let (mine, since) = match &p {
+            Pending::Create { mine, since, .. } | Pending::Reconcile { mine, since, .. } => {
+                (*mine, *since)
+            }
+        };
+        let view = barrier_view(self.session, &self.joined, &self.announced);
+        match barrier(self.peers, &view, &mine) {
+            BarrierDecision::Wait => {
+                if since.elapsed() > BARRIER_TIMEOUT {
+                    self.halt(format!(
+                        "worker {} waited {:?} at the barrier for command {} of session {:#x} without every worker announcing it",
+                        self.index, BARRIER_TIMEOUT, mine.seqno, self.session
+                    ));
+                }
+                Some(p)
+            }
+            BarrierDecision::Diverged {
+                worker: w,
+                theirs,
+                ours,
+            } => {
+                self.halt(format!(
+                    "workers received different commands: worker {w} announced {theirs:?}, worker {} {ours:?}",
+                    self.index
+                ));
+                None
+            }
+            BarrierDecision::Abandoned { worker: w } => {
+                tracing::info!(
+                    worker = self.index,
+                    seqno = mine.seqno,
+                    by = w,
+                    "barrier round abandoned: a newer session started"
+                );
+                None
+            }
+            BarrierDecision::Pass => {
+                match p {
+                    Pending::Create { cmd, .. } => self.apply(worker, cmd),
+                    Pending::Reconcile { buffer, target, .. } => {
+                        let lists: Vec<Vec<DataflowKey>> = (0..self.peers)
+                            .map(|w| {
+                                self.installed_reports
+                                    .get(&(self.session, w))
+                                    .cloned()
+                                    .unwrap_or_default()
+                            })
+                            .collect();
+                        let plan = collective(&lists, &target);
+                        for id in plan.drop_per_worker[self.index].clone() {
+                            tracing::info!(
+                                worker = self.index,
+                                dataflow = id,
+                                "collective reconciliation drops dataflow"
+                            );
+                            self.drop_dataflow(worker, id);
+                        }
+                        self.history = CommandHistory::new();
+                        for cmd in buffer {
+                            self.apply(worker, cmd);
+                        }
+                    }
+                }
+                None
+            }
+        }
+    }
+
+    /// Stops the process: it cannot prove it is in lockstep (I4). The
+    /// orchestrator restarts it and the controller reconnects.
+    fn halt(&self, reason: String) {
+        tracing::error!(worker = self.index, %reason, "halting: lockstep lost");
+        self.send(FromWorker::Error(ErrorResponse {
+            kind: ErrorKind::LockstepLost,
+            message: reason.clone(),
+            seqno: 0,
+        }));
+        std::thread::sleep(Duration::from_millis(100));
+        eprintln!("lockstep-replica: halting: lockstep lost: {reason}");
+        std::process::exit(71);
     }
 
     /// Per-worker reconciliation at InitializationComplete.
@@ -782,13 +1149,15 @@ pub fn run_worker(
         index.is_multiple_of(workers_per_process),
         tx,
     );
+    // The control mesh is every worker's first dataflow.
+    state.mesh = Some(Mesh::build(worker));
     loop {
         let mut handled = false;
         loop {
             match commands.try_recv() {
                 Ok(cmd) => {
                     handled = true;
-                    state.handle(worker, cmd);
+                    state.queue.push_back(cmd);
                 }
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
@@ -797,11 +1166,18 @@ pub fn run_worker(
                 }
             }
         }
-        if handled {
+        let waiting = state.pending.is_some();
+        if state.drive(worker) {
+            handled = true;
+        }
+        if handled || waiting {
             // Answer what is ready now (a peek at a passed time, say), then
-            // step without parking.
+            // step without parking: a barrier waits on the mesh.
             state.maintain();
             worker.step();
+            if waiting && !handled {
+                std::thread::sleep(Duration::from_micros(200));
+            }
         } else {
             // Commands unpark this thread (see `server::Workers::send`), as
             // do timely's channels; the timeout bounds everything else.

@@ -159,9 +159,10 @@ async fn controller_restart_keeps_unchanged_dataflows() {
     for s in &statuses {
         assert!(
             !s.installed.contains(&gone.id),
-            "worker {} still runs dataflow {}",
+            "worker {} still runs dataflow {}\n{}",
             s.worker_index,
-            gone.id
+            gone.id,
+            logs(&r, 30)
         );
         assert!(s.installed.contains(&new.id));
         assert_eq!(
