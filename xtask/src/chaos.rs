@@ -7,7 +7,9 @@
 //!
 //! Suites: `orphans` (the orphan rules `epoch`, `id-watermark` and the
 //! negative control `catalog-only`; scenarios in
-//! `crates/environment/src/chaos.rs`).
+//! `crates/environment/src/chaos.rs`) and `distribution` (the strategies
+//! `barrier` and the negative control `naive` on real 2x2 replicas; scenarios
+//! in `crates/chaos/src/main.rs`; `broadcast` and `log` are not built yet).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -17,12 +19,22 @@ use anyhow::{bail, Context};
 use crate::util::{cargo, root, run, step};
 
 /// The suites `run` knows.
-pub const SUITES: [&str; 1] = ["orphans"];
+pub const SUITES: [&str; 2] = ["orphans", "distribution"];
+
+/// Runs one suite by name (`strategies` only matters for `distribution`;
+/// empty means the default set).
+pub fn run_suite_with(suite: &str, strategies: &[String]) -> anyhow::Result<()> {
+    match suite {
+        "distribution" => distribution(strategies),
+        other => run_suite(other),
+    }
+}
 
 /// Runs one suite by name.
 pub fn run_suite(suite: &str) -> anyhow::Result<()> {
     match suite {
         "orphans" => orphans(),
+        "distribution" => distribution(&[]),
         other => bail!(
             "unknown chaos suite {other:?}; known: {}",
             SUITES.join(", ")
@@ -79,4 +91,34 @@ fn orphans() -> anyhow::Result<()> {
     run(cmd)?;
     let bin = target_dir().join("debug").join("lockstep-chaos");
     run_suite_binary(bin, &["orphans"], "orphans", 3)
+}
+
+/// The distribution fault suite.
+fn distribution(strategies: &[String]) -> anyhow::Result<()> {
+    step("building lockstep-replica and lockstep-chaos-distribution (with failpoints)");
+    let mut cmd = cargo();
+    cmd.args([
+        "build",
+        "-p",
+        "lockstep-replica",
+        "-p",
+        "lockstep-chaos",
+        "--bins",
+    ]);
+    run(cmd)?;
+    let bin = target_dir()
+        .join("debug")
+        .join("lockstep-chaos-distribution");
+    let defaults = ["barrier".to_string(), "naive".to_string()];
+    let strategies = if strategies.is_empty() {
+        &defaults[..]
+    } else {
+        strategies
+    };
+    let implemented = strategies
+        .iter()
+        .filter(|s| s.as_str() != "broadcast" && s.as_str() != "log")
+        .count();
+    let args: Vec<&str> = strategies.iter().map(String::as_str).collect();
+    run_suite_binary(bin, &args, "distribution", implemented)
 }

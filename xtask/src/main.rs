@@ -43,8 +43,11 @@ enum Task {
     },
     /// Fault suites on real processes (`orphans`); prints the JSON summary lines.
     Chaos {
-        /// The suite to run.
+        /// The suite to run: `orphans` or `distribution`.
         suite: String,
+        /// For `distribution`: the strategies to run (default: barrier naive).
+        #[arg(long = "strategy")]
+        strategies: Vec<String>,
     },
     /// Model-check the protocols (stateright, CI-sized bounds); prints the JSON summary lines.
     Model {
@@ -60,7 +63,7 @@ fn main() -> anyhow::Result<()> {
         Task::BuildPolicies => policies::build_all().map(|_| ()),
         Task::Test { no_lint } => tasks::test(!no_lint),
         Task::Demo => tasks::demo(),
-        Task::Chaos { suite } => chaos::run_suite(&suite),
+        Task::Chaos { suite, strategies } => chaos::run_suite_with(&suite, &strategies),
         Task::Model { variants } => model::run(&variants),
         Task::NewPolicy { name, kind } => new_policy::scaffold(&name, kind),
     }

@@ -77,6 +77,7 @@ struct Actor {
     conns: Vec<Option<Conn>>,
     connected: bool,
     connecting: bool,
+    crashed: bool,
     reconciling: bool,
     last_heard: Vec<Instant>,
     silent_reported: Vec<bool>,
@@ -128,6 +129,7 @@ pub(crate) fn spawn(
         conns: (0..n).map(|_| None).collect(),
         connected: false,
         connecting: false,
+        crashed: false,
         reconciling: false,
         last_heard: vec![Instant::now(); n],
         silent_reported: vec![false; n],
@@ -155,6 +157,9 @@ pub(crate) fn spawn(
                 Some(msg) = from_conns.recv() => actor.on_conn(msg),
                 Some((generation, result)) = connected_rx.recv() => actor.on_connected(generation, result),
                 _ = tick.tick() => actor.on_tick(),
+            }
+            if actor.crashed {
+                break;
             }
         }
         actor.current_generation.store(u64::MAX, Ordering::SeqCst);
@@ -333,6 +338,7 @@ impl Actor {
             return;
         }
         let strategy = self.strategy_for(&kind);
+        let crash_after = partial_broadcast(kind.name());
         self.seqno += 1;
         let cmd = Command {
             seqno: self.seqno,
@@ -340,8 +346,26 @@ impl Actor {
             kind,
         };
         for i in 0..self.conns.len() {
+            if crash_after.is_some_and(|n| i >= n) {
+                self.crash(i);
+                return;
+            }
             self.write(i, cmd.clone());
         }
+    }
+
+    /// The failpoint `controller_partial_broadcast` (value `KIND:N`, e.g.
+    /// `create-dataflow:1`): the controller crashes while broadcasting a
+    /// command of that kind, after it reached the first N processes.
+    fn crash(&mut self, reached: usize) {
+        tracing::error!(
+            reached,
+            "failpoint: controller crashes in the middle of a broadcast"
+        );
+        self.crashed = true;
+        self.connected = false;
+        self.conns.iter_mut().for_each(|c| *c = None);
+        self.current_generation.store(u64::MAX, Ordering::SeqCst);
     }
 
     /// Records a command in the history and sends it.
@@ -583,6 +607,22 @@ impl Actor {
             }
         }
     }
+}
+
+/// How many processes a broadcast of `kind` reaches before the controller
+/// crashes, if the failpoint `controller_partial_broadcast` says so.
+fn partial_broadcast(kind: &str) -> Option<usize> {
+    let _ = kind;
+    fail::fail_point!("controller_partial_broadcast", |arg: Option<String>| {
+        let arg = arg?;
+        let (k, n) = arg.split_once(':')?;
+        if k == kind {
+            n.parse().ok()
+        } else {
+            None
+        }
+    });
+    None
 }
 
 /// The encoded size of a command, for policies.

@@ -149,7 +149,10 @@ impl DistributionPolicy for FixedStrategy {
         Ok(self.0)
     }
     fn on_mismatch(&mut self, _info: &MismatchInfo) -> Result<MismatchAction, PolicyError> {
-        Ok(MismatchAction::ReconcileCollectively)
+        Ok(match self.0 {
+            Strategy::Naive => MismatchAction::RestartReplica,
+            _ => MismatchAction::ReconcileCollectively,
+        })
     }
 }
 
