@@ -262,6 +262,7 @@ pub fn load(dir: &Path, rule: &str, conditional_writes: bool) -> anyhow::Result<
     let orphan_policy =
         lockstep_policy::native_orphan_rule(rule).ok_or_else(|| anyhow!("no rule {rule}"))?;
     Ok(Environment::load(EnvironmentConfig {
+        distribution_policy: None,
         state_dir: dir.to_path_buf(),
         orphan_policy,
         service: sleep_template(),

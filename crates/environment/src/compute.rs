@@ -54,6 +54,7 @@ pub enum ComputeError {
 pub struct Compute {
     controllers: Mutex<BTreeMap<u64, Controller>>,
     timeouts: Timeouts,
+    distribution: Mutex<Option<std::path::PathBuf>>,
 }
 
 impl std::fmt::Debug for Compute {
@@ -74,6 +75,7 @@ impl Default for Compute {
         Compute {
             controllers: Mutex::new(BTreeMap::new()),
             timeouts: Timeouts::default(),
+            distribution: Mutex::new(None),
         }
     }
 }
@@ -86,6 +88,34 @@ impl Compute {
             .expect("poisoned")
             .get(&replica_id)
             .cloned()
+    }
+
+    /// Uses the WASM distribution policy at `path` for every controller
+    /// started from now on (`None`: the native rule, barrier for everything).
+    pub fn set_distribution_policy(&self, path: Option<std::path::PathBuf>) {
+        *self.distribution.lock().expect("poisoned") = path;
+    }
+
+    /// The distribution policy for one controller: the WASM policy wrapped so
+    /// that a failing call falls back to `barrier` (the safe default), or the
+    /// native rule.
+    fn policy(&self) -> Box<dyn lockstep_policy::DistributionPolicy + Send> {
+        let path = self.distribution.lock().expect("poisoned").clone();
+        if let Some(path) = path {
+            match lockstep_policy_host::WasmDistributionPolicy::load(&path, Default::default()) {
+                Ok(p) => {
+                    return Box::new(lockstep_policy_host::SafeDistribution::new(
+                        p,
+                        Strategy::Barrier,
+                    ))
+                }
+                Err(e) => tracing::error!(
+                    path = %path.display(),
+                    "distribution policy failed to load; using the native barrier rule: {e}"
+                ),
+            }
+        }
+        Box::new(FixedStrategy(Strategy::Barrier))
     }
 
     fn start(
@@ -102,7 +132,7 @@ impl Compute {
                 return;
             }
         };
-        let policy = Box::new(FixedStrategy(Strategy::Barrier));
+        let policy = self.policy();
         let controller = Controller::start(addrs, epoch, history, policy, self.timeouts.clone());
         let mut events = controller.events();
         let name = replica.name.clone();

@@ -28,7 +28,7 @@ use tonic::transport::Channel;
 use crate::proto;
 use crate::proto::environment_client::EnvironmentClient;
 
-const STEPS: usize = 9;
+const STEPS: usize = 10;
 
 fn step(n: usize, what: &str) {
     println!("demo: [{n}/{STEPS}] {what}");
@@ -208,6 +208,86 @@ async fn check_peeks(
     Ok(checked)
 }
 
+async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> {
+    use tonic::Code;
+    let undeclared = c
+        .create_dataflow(proto::CreateDataflowRequest {
+            replica: "demo".into(),
+            name: "bad".into(),
+            inputs: vec![1],
+            exports: vec![wire::Export {
+                collection_id: 900,
+                plan: Some(parse_plan("get(7)")?.into()),
+            }],
+            as_of: 0,
+        })
+        .await;
+    let taken = c
+        .create_dataflow(proto::CreateDataflowRequest {
+            replica: "demo".into(),
+            name: "bad".into(),
+            inputs: vec![1],
+            exports: vec![wire::Export {
+                collection_id: 101,
+                plan: Some(parse_plan("get(1)")?.into()),
+            }],
+            as_of: 0,
+        })
+        .await;
+    let backwards = c
+        .write_input(proto::WriteInputRequest {
+            replica: "demo".into(),
+            collection_id: 1,
+            updates: vec![wire::Update {
+                row: vec![9, 9],
+                time: 0,
+                diff: 1,
+            }],
+            upper: 5,
+        })
+        .await;
+    let unknown = c
+        .peek(proto::PeekRequest {
+            replica: "nope".into(),
+            collection_id: 101,
+            timestamp: 0,
+        })
+        .await;
+    for (what, result, code) in [
+        (
+            "a plan reading an undeclared collection",
+            undeclared.map(|_| ()),
+            Code::InvalidArgument,
+        ),
+        (
+            "a collection ID already in use",
+            taken.map(|_| ()),
+            Code::InvalidArgument,
+        ),
+        (
+            "a write below the collection's upper",
+            backwards.map(|_| ()),
+            Code::InvalidArgument,
+        ),
+        (
+            "a peek on an unknown replica",
+            unknown.map(|_| ()),
+            Code::NotFound,
+        ),
+    ] {
+        match result {
+            Err(s) if s.code() == code => println!("demo:       refused {what}: {}", s.message()),
+            Err(s) => bail!(
+                "{what}: expected {code:?}, got {:?}: {}",
+                s.code(),
+                s.message()
+            ),
+            Ok(()) => bail!("{what} was accepted"),
+        }
+    }
+    Ok(())
+}
+
 async fn replica_pids(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<Vec<u32>> {
     let r = c
         .list_replicas(proto::ListReplicasRequest {})
@@ -377,6 +457,14 @@ async fn run_in(bin: &Path, state: &Path) -> anyhow::Result<()> {
     all.extend(later_writes());
     let n = check_peeks(&mut c, &all, 3..5).await?;
     println!("demo:       {n} more peeks equal the reference");
+
+    step(
+        10,
+        "sending bad requests: each must be refused with a clear error, changing nothing",
+    );
+    bad_requests(&mut c).await?;
+    let n = check_peeks(&mut c, &all, 4..5).await?;
+    println!("demo:       {n} peeks still equal the reference");
     drop(env2);
     Ok(())
 }

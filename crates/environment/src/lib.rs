@@ -95,6 +95,9 @@ pub struct EnvironmentConfig {
     /// Whether orchestrator ensures are conditional on the epoch (O4). Only
     /// the negative tests turn this off.
     pub conditional_writes: bool,
+    /// A WASM distribution policy for the replicas' controllers; `None` uses
+    /// the native rule: `barrier` for every command.
+    pub distribution_policy: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for EnvironmentConfig {
@@ -104,6 +107,7 @@ impl std::fmt::Debug for EnvironmentConfig {
             .field("orphan_policy", &self.orphan_policy.name())
             .field("service", &self.service)
             .field("conditional_writes", &self.conditional_writes)
+            .field("distribution_policy", &self.distribution_policy)
             .finish()
     }
 }
@@ -257,12 +261,15 @@ impl Environment {
             ProcessOrchestratorConfig::new(orchestrator_dir, catalog.epoch());
         orchestrator_config.conditional_writes = config.conditional_writes;
         let orchestrator = ProcessOrchestrator::new(orchestrator_config)?;
-        Self::with_orchestrator(
+        let env = Self::with_orchestrator(
             catalog,
             Arc::new(orchestrator),
             config.orphan_policy,
             config.service,
-        )
+        )?;
+        env.compute
+            .set_distribution_policy(config.distribution_policy);
+        Ok(env)
     }
 
     /// Step 1 with any orchestrator backend: loads the already opened

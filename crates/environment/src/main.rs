@@ -116,6 +116,11 @@ enum Command {
         #[arg(long)]
         until: Option<u64>,
     },
+    /// Policies: the conformance check.
+    Policy {
+        #[command(subcommand)]
+        command: PolicyCommand,
+    },
     /// The demo: an environment, a 2x2 replica, three dataflows, every answer
     /// checked against a plain-Rust reference, the environment killed and
     /// restarted, the answers checked again.
@@ -123,6 +128,17 @@ enum Command {
         /// Keep the state directory (printed) instead of deleting it.
         #[arg(long)]
         keep: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum PolicyCommand {
+    /// Load WASM policies, run the scenarios of their kind, and print one
+    /// JSON line per policy (the reporting contract); exit 1 on a failure.
+    Check {
+        /// Policy files (.wasm components).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
     },
 }
 
@@ -165,6 +181,17 @@ struct ServeArgs {
     /// Default: the lockstep-replica arguments.
     #[arg(long = "service-arg", allow_hyphen_values = true)]
     service_args: Vec<String>,
+    /// A WASM orphan policy (a component of the `orphans` world) instead of
+    /// `--orphan-rule`, e.g. target/lockstep/policies/id-watermark.wasm. On a
+    /// failing call it deletes nothing.
+    #[arg(long)]
+    orphan_policy: Option<PathBuf>,
+    /// A WASM distribution policy (the `distribution` world) choosing the
+    /// strategy of every command, e.g. target/lockstep/policies/barrier.wasm.
+    /// Default: the native rule, `barrier` for every command. On a failing
+    /// call the command is sent with `barrier`.
+    #[arg(long)]
+    distribution_policy: Option<PathBuf>,
     /// Seconds between background orphan removals while serving (0: only at start).
     #[arg(long, default_value_t = 30)]
     orphan_interval_secs: u64,
@@ -305,7 +332,31 @@ fn main() -> ExitCode {
             )
             .await
         })),
+        Command::Policy {
+            command: PolicyCommand::Check { files },
+        } => policy_check(&files),
         Command::Demo { keep } => finish(runtime.block_on(lockstep_environment::demo::run(keep))),
+    }
+}
+
+fn policy_check(files: &[PathBuf]) -> ExitCode {
+    let mut ok = true;
+    for file in files {
+        match lockstep_policy_host::conformance::check(file) {
+            Ok(lines) => {
+                print!("{}", lockstep_policy_host::conformance::report(&lines));
+                ok &= lines.iter().all(|l| l.ok());
+            }
+            Err(e) => {
+                eprintln!("lockstep: policy {}: {e}", file.display());
+                ok = false;
+            }
+        }
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }
 
@@ -344,13 +395,39 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if !args.service_args.is_empty() {
         service.args = args.service_args;
     }
-    let orphan_policy = lockstep_policy::native_orphan_rule(args.orphan_rule.name())
-        .expect("every OrphanRule value names a native rule");
+    let orphan_policy: Box<dyn lockstep_policy::OrphanPolicy + Send> = match &args.orphan_policy {
+        Some(path) => {
+            let p = lockstep_policy_host::WasmOrphanPolicy::load(path, Default::default())
+                .with_context(|| format!("loading the orphan policy {}", path.display()))?;
+            Box::new(lockstep_policy_host::SafeOrphans::new(p))
+        }
+        None => lockstep_policy::native_orphan_rule(args.orphan_rule.name())
+            .expect("every OrphanRule value names a native rule"),
+    };
+    if let Some(path) = &args.distribution_policy {
+        // Load once now, so that a bad file fails the start with a clear error.
+        lockstep_policy_host::WasmDistributionPolicy::load(path, Default::default())
+            .with_context(|| format!("loading the distribution policy {}", path.display()))?;
+    }
+    let orphan_in_force = match &args.orphan_policy {
+        Some(p) => p.display().to_string(),
+        None => format!("native {}", args.orphan_rule.name()),
+    };
+    let distribution_in_force = match &args.distribution_policy {
+        Some(p) => p.display().to_string(),
+        None => "native barrier".to_string(),
+    };
+    tracing::info!(
+        orphan_policy = %orphan_in_force,
+        distribution_policy = %distribution_in_force,
+        "policies in force"
+    );
     let config = EnvironmentConfig {
         state_dir: args.state_dir,
         orphan_policy,
         service,
         conditional_writes: !args.unconditional_writes,
+        distribution_policy: args.distribution_policy,
     };
     let env = Environment::start(config).await?;
     println!("lockstep: serving on {addr} (epoch {})", env.epoch());

@@ -333,6 +333,7 @@ async fn a_failing_or_nonsensical_policy_deletes_nothing() {
     ];
     for (i, answer) in answers.into_iter().enumerate() {
         let env = Environment::load(EnvironmentConfig {
+            distribution_policy: None,
             state_dir: sandbox.path().to_path_buf(),
             orphan_policy: Box::new(Scripted(answer)),
             service: sleep_template(),
