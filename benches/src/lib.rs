@@ -84,10 +84,20 @@ pub mod replica {
 
     /// A controller of `r` with one strategy for every command.
     pub fn controller(r: &BenchReplica, strategy: Strategy) -> Controller {
+        controller_with(r, strategy, 1, CommandHistory::new())
+    }
+
+    /// A controller of `r` at `epoch`, rehydrating `history`.
+    pub fn controller_with(
+        r: &BenchReplica,
+        strategy: Strategy,
+        epoch: u64,
+        history: CommandHistory,
+    ) -> Controller {
         Controller::start(
             r.addrs.clone(),
-            1,
-            CommandHistory::new(),
+            epoch,
+            history,
             Box::new(FixedStrategy(strategy)),
             Timeouts {
                 request: Duration::from_secs(30),

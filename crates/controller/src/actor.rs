@@ -56,7 +56,7 @@ pub enum Event {
 }
 
 /// A caller waiting for statuses, and the (nonce, seqno) of its request.
-type StatusWaiter = (Option<(u64, u64)>, oneshot::Sender<Vec<Status>>);
+type StatusWaiter = (Option<(u64, u64)>, bool, oneshot::Sender<Vec<Status>>);
 
 struct PendingPeek {
     results: BTreeMap<usize, PeekResult>,
@@ -87,6 +87,8 @@ struct Actor {
     next_subscribe_id: u64,
     subs: BTreeMap<u64, (SubscribeMerge, mpsc::UnboundedSender<SubscribeBatch>)>,
     statuses: BTreeMap<u32, Status>,
+    /// The latest full status (history digest and creation log) per worker.
+    full_statuses: BTreeMap<u32, Status>,
     /// Callers waiting for a Status from every worker that answers the
     /// StatusRequest with this (nonce, sequence number), or a later one.
     status_waiters: Vec<StatusWaiter>,
@@ -139,6 +141,7 @@ pub(crate) fn spawn(
         next_subscribe_id: 1,
         subs: BTreeMap::new(),
         statuses: BTreeMap::new(),
+        full_statuses: BTreeMap::new(),
         status_waiters: Vec::new(),
         frontier_waiters: Vec::new(),
         events,
@@ -246,6 +249,7 @@ impl Actor {
         self.silent_reported = vec![false; self.conns.len()];
         self.frontiers.clear();
         self.statuses.clear();
+        self.full_statuses.clear();
         for p in self.peeks.values_mut() {
             p.results.clear();
         }
@@ -290,10 +294,10 @@ impl Actor {
         if self
             .status_waiters
             .iter()
-            .any(|(at, _)| at.is_none_or(|(n, _)| n != nonce))
+            .any(|(at, _, _)| at.is_none_or(|(n, _)| n != nonce))
         {
-            let at = self.request_status();
-            for (w, _) in self.status_waiters.iter_mut() {
+            let at = self.request_status(true);
+            for (w, _, _) in self.status_waiters.iter_mut() {
                 if w.is_none_or(|(n, _)| n != nonce) {
                     *w = at;
                 }
@@ -381,7 +385,15 @@ impl Actor {
 
     fn on_request(&mut self, r: Request) {
         match r {
-            Request::Send(kind) => self.send(kind),
+            Request::Send(kind) => {
+                // A (re)created collection starts with no reported frontier.
+                if let CommandKind::CreateDataflow(d) = &kind {
+                    for e in &d.exports {
+                        self.frontiers.remove(&e.collection_id);
+                    }
+                }
+                self.send(kind)
+            }
             Request::Peek {
                 collection,
                 timestamp,
@@ -419,9 +431,9 @@ impl Actor {
                     as_of,
                 }));
             }
-            Request::Statuses { reply } => {
-                let at = self.request_status();
-                self.status_waiters.push((at, reply));
+            Request::Statuses { full, reply } => {
+                let at = self.request_status(full);
+                self.status_waiters.push((at, full, reply));
             }
             Request::Frontier { collection, reply } => {
                 let _ = reply.send(self.frontier_of(collection));
@@ -508,6 +520,9 @@ impl Actor {
                 }
             }
             ResponseKind::Status(s) => {
+                if s.history_hash.is_some() {
+                    self.full_statuses.insert(s.worker_index, s.clone());
+                }
                 self.statuses.insert(s.worker_index, s);
                 self.answer_status_waiters();
             }
@@ -542,36 +557,38 @@ impl Actor {
     }
 
     /// Sends a StatusRequest; returns its (nonce, sequence number) if connected.
-    fn request_status(&mut self) -> Option<(u64, u64)> {
+    fn request_status(&mut self, full: bool) -> Option<(u64, u64)> {
         if !self.connected {
             return None;
         }
-        self.broadcast(CommandKind::StatusRequest {
-            with_history_hash: true,
-        });
+        self.broadcast(CommandKind::StatusRequest { full });
         Some((self.nonce, self.seqno))
     }
 
     fn answer_status_waiters(&mut self) {
         let total = self.replica.total_workers();
         let waiters = std::mem::take(&mut self.status_waiters);
-        for (at, reply) in waiters {
+        for (at, full, reply) in waiters {
             if reply.is_closed() {
                 continue;
             }
             let Some((nonce, seqno)) = at else {
-                self.status_waiters.push((at, reply));
+                self.status_waiters.push((at, full, reply));
                 continue;
             };
-            let fresh = self
-                .statuses
+            let map = if full {
+                &self.full_statuses
+            } else {
+                &self.statuses
+            };
+            let fresh = map
                 .values()
                 .filter(|s| s.nonce == nonce && s.applied_seqno >= seqno)
                 .count();
             if fresh == total {
-                let _ = reply.send(self.statuses.values().cloned().collect());
+                let _ = reply.send(map.values().cloned().collect());
             } else {
-                self.status_waiters.push((at, reply));
+                self.status_waiters.push((at, full, reply));
             }
         }
     }
@@ -591,9 +608,7 @@ impl Actor {
             self.peeks.remove(&id);
             self.send(CommandKind::CancelPeek { peek_id: id });
         }
-        self.broadcast(CommandKind::StatusRequest {
-            with_history_hash: false,
-        });
+        self.broadcast(CommandKind::StatusRequest { full: false });
         let now = Instant::now();
         for p in 0..self.last_heard.len() {
             let silent = now - self.last_heard[p];

@@ -121,6 +121,7 @@ pub(crate) enum Request {
         sink: mpsc::UnboundedSender<SubscribeBatch>,
     },
     Statuses {
+        full: bool,
         reply: oneshot::Sender<Vec<Status>>,
     },
     Frontier {
@@ -287,14 +288,27 @@ impl Controller {
         Ok(rx)
     }
 
-    /// One Status per worker, fresher than this call.
+    /// One full Status per worker (history digest and creation log included),
+    /// fresher than this call.
     pub async fn statuses(&self) -> Result<Vec<Status>, ControllerError> {
         self.ask(
             "a Status from every worker",
-            |reply| Request::Statuses { reply },
+            |reply| Request::Statuses { full: true, reply },
             self.timeouts.request,
         )
         .await
+    }
+
+    /// A small command every worker applies (a StatusRequest without digest
+    /// or creation log); returns once every worker has answered it.
+    pub async fn ping(&self) -> Result<(), ControllerError> {
+        self.ask(
+            "every worker to answer a ping",
+            |reply| Request::Statuses { full: false, reply },
+            self.timeouts.request,
+        )
+        .await
+        .map(|_| ())
     }
 
     /// The collection's frontier (meet over processes), if every process reported it.

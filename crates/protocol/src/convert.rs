@@ -453,9 +453,7 @@ impl From<CommandKind> for p::command::Kind {
                 updates: w.updates.into_iter().map(update_to).collect(),
                 upper: w.upper,
             }),
-            CommandKind::StatusRequest { with_history_hash } => {
-                Kind::StatusRequest(p::StatusRequest { with_history_hash })
-            }
+            CommandKind::StatusRequest { full } => Kind::StatusRequest(p::StatusRequest { full }),
         }
     }
 }
@@ -505,9 +503,7 @@ impl TryFrom<p::command::Kind> for CommandKind {
                 updates: w.updates.into_iter().map(update_from).collect(),
                 upper: w.upper,
             }),
-            Kind::StatusRequest(s) => CommandKind::StatusRequest {
-                with_history_hash: s.with_history_hash,
-            },
+            Kind::StatusRequest(s) => CommandKind::StatusRequest { full: s.full },
         })
     }
 }

@@ -137,7 +137,7 @@ pub enum CommandKind {
     /// Asks every worker for its Status (the heartbeat).
     StatusRequest {
         /// Whether the Status carries the history digest (costly).
-        with_history_hash: bool,
+        full: bool,
     },
 }
 
@@ -483,7 +483,8 @@ pub struct Status {
     pub applied_seqno: u64,
     /// Hash of its compacted applied history, when it was asked for.
     pub history_hash: Option<Digest>,
-    /// Every dataflow it built since the process started, in order.
+    /// Every dataflow it built since the process started, in order (only in
+    /// full statuses; empty in heartbeats).
     pub creation_log: Vec<CreationLogEntry>,
     /// The dataflows installed now.
     pub installed: Vec<u64>,

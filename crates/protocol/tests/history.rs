@@ -153,9 +153,7 @@ fn writes_consolidate() {
 #[test]
 fn hello_and_status_requests_are_not_history() {
     let mut h = CommandHistory::new();
-    h.push(CommandKind::StatusRequest {
-        with_history_hash: true,
-    });
+    h.push(CommandKind::StatusRequest { full: true });
     h.push(CommandKind::Hello(Hello {
         protocol_version: 1,
         epoch: 1,

@@ -337,14 +337,18 @@ impl WorkerState {
 
     /// This worker's Status; the history digest costs time proportional to
     /// the history, so it is computed only when asked for.
-    pub fn status(&self, with_history_hash: bool) -> Status {
+    pub fn status(&self, full: bool) -> Status {
         Status {
             worker_index: self.index as u32,
             epoch: self.epoch,
             nonce: self.nonce,
             applied_seqno: self.applied_seqno,
-            history_hash: with_history_hash.then(|| self.history.digest()),
-            creation_log: self.creation_log.clone(),
+            history_hash: full.then(|| self.history.digest()),
+            creation_log: if full {
+                self.creation_log.clone()
+            } else {
+                Vec::new()
+            },
             installed: self.dataflows.keys().copied().collect(),
         }
     }
@@ -591,9 +595,11 @@ impl WorkerState {
                     by = w,
                     "barrier round abandoned: a newer session started"
                 );
+                self.prune_round(mine.seqno);
                 None
             }
             BarrierDecision::Pass => {
+                self.prune_round(mine.seqno);
                 match p {
                     Pending::Create { cmd, .. } => self.apply(worker, cmd),
                     Pending::Reconcile { buffer, target, .. } => {
@@ -623,6 +629,14 @@ impl WorkerState {
                 None
             }
         }
+    }
+
+    /// Forgets the announcements of decided rounds (up to `seqno`) of the
+    /// current session: later rounds never look at them.
+    fn prune_round(&mut self, seqno: u64) {
+        let session = self.session;
+        self.announced
+            .retain(|(s, a)| *s > session || a.seqno > seqno);
     }
 
     /// Stops the process: it cannot prove it is in lockstep (I4). The
@@ -673,8 +687,8 @@ impl WorkerState {
         self.applied_seqno = seqno;
         match &cmd.kind {
             CommandKind::Hello(_) => {}
-            CommandKind::StatusRequest { with_history_hash } => {
-                self.send(FromWorker::Status(self.status(*with_history_hash)));
+            CommandKind::StatusRequest { full } => {
+                self.send(FromWorker::Status(self.status(*full)));
                 return;
             }
             CommandKind::CreateInstance(_)

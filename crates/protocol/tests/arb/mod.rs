@@ -174,8 +174,7 @@ pub fn command_kind() -> impl Strategy<Value = CommandKind> {
                 })
             }
         ),
-        any::<bool>()
-            .prop_map(|with_history_hash| CommandKind::StatusRequest { with_history_hash }),
+        any::<bool>().prop_map(|full| CommandKind::StatusRequest { full }),
     ]
 }
 
