@@ -2,6 +2,7 @@
 //! pattern), so that building, testing and running the demo need nothing but
 //! cargo. Each task lives in its own module; `main` only dispatches.
 
+mod bench;
 mod chaos;
 mod model;
 mod new_policy;
@@ -33,6 +34,12 @@ enum Task {
     },
     /// The main job: run the demo on the embedded default.
     Demo,
+    /// Run the criterion benchmarks; write target/lockstep/bench.json and print a Markdown table.
+    Bench {
+        /// A short run for CI-sized machines.
+        #[arg(long)]
+        quick: bool,
+    },
     /// Scaffold a WASM policy crate under policies/NAME.
     NewPolicy {
         /// The policy's name (lower-case, dashes): policies/NAME, NAME.wasm.
@@ -63,6 +70,7 @@ fn main() -> anyhow::Result<()> {
         Task::BuildPolicies => policies::build_all().map(|_| ()),
         Task::Test { no_lint } => tasks::test(!no_lint),
         Task::Demo => tasks::demo(),
+        Task::Bench { quick } => bench::bench(quick),
         Task::Chaos { suite, strategies } => chaos::run_suite_with(&suite, &strategies),
         Task::Model { variants } => model::run(&variants),
         Task::NewPolicy { name, kind } => new_policy::scaffold(&name, kind),
