@@ -81,7 +81,7 @@ pub fn bench(quick: bool) -> anyhow::Result<()> {
         "criterion"
     });
     let mut cmd = cargo();
-    cmd.args(["bench", "-p", "lockstep-benches", "--"]);
+    cmd.args(["bench", "-p", "lockstep-benches", "--benches", "--"]);
     if quick {
         cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1"]);
     }

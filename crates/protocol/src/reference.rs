@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::types::{Aggregate, Plan, Row, Timestamp, Update};
+use crate::types::{aggregate_group, Plan, Row, Timestamp, Update};
 
 /// A multiset of rows: row -> multiplicity (never zero).
 pub type Multiset = BTreeMap<Row, i64>;
@@ -91,22 +91,11 @@ pub fn evaluate(plan: &Plan, inputs: &BTreeMap<u64, Vec<Update>>, t: Timestamp) 
             }
             let mut out = Multiset::new();
             for (mut k, rows) in groups {
-                let count: i64 = rows.iter().map(|(_, d)| *d).sum();
-                if count == 0 {
-                    continue;
+                let rows = rows.iter().map(|(row, d)| (&row[..], *d));
+                if let Some(aggs) = aggregate_group(aggregates, rows) {
+                    k.extend(aggs);
+                    add(&mut out, k, 1);
                 }
-                for a in aggregates {
-                    k.push(match a {
-                        Aggregate::Count => count,
-                        Aggregate::Sum(c) => rows
-                            .iter()
-                            .map(|(row, d)| {
-                                row.get(*c as usize).copied().unwrap_or(0).wrapping_mul(*d)
-                            })
-                            .fold(0i64, i64::wrapping_add),
-                    });
-                }
-                add(&mut out, k, 1);
             }
             out
         }
@@ -120,7 +109,7 @@ pub fn evaluate(plan: &Plan, inputs: &BTreeMap<u64, Vec<Update>>, t: Timestamp) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::{CompareOp, Expr, Predicate};
+    use crate::types::{Aggregate, CompareOp, Expr, Predicate};
 
     fn u(row: &[i64], time: u64, diff: i64) -> Update {
         Update {

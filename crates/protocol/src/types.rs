@@ -260,6 +260,32 @@ pub enum Aggregate {
     Sum(u32),
 }
 
+/// The aggregates of one reduce group, given its rows with multiplicities:
+/// `None` when the group's count is zero (it produces no row). A summed
+/// column a row lacks contributes 0; arithmetic wraps. The replica's
+/// rendering and the plain-Rust reference both call this, so they agree.
+pub fn aggregate_group<'a>(
+    aggregates: &[Aggregate],
+    rows: impl Iterator<Item = (&'a [i64], i64)> + Clone,
+) -> Option<Row> {
+    let count: i64 = rows.clone().map(|(_, d)| d).fold(0, i64::wrapping_add);
+    if count == 0 {
+        return None;
+    }
+    Some(
+        aggregates
+            .iter()
+            .map(|a| match a {
+                Aggregate::Count => count,
+                Aggregate::Sum(c) => rows
+                    .clone()
+                    .map(|(row, d)| row.get(*c as usize).copied().unwrap_or(0).wrapping_mul(d))
+                    .fold(0i64, i64::wrapping_add),
+            })
+            .collect(),
+    )
+}
+
 /// The plan IR every worker renders into the same differential operators.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Plan {

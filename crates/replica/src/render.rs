@@ -13,7 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use differential_dataflow::VecCollection;
-use lockstep_protocol::{Aggregate, DataflowDescription, Plan, Row};
+use lockstep_protocol::{aggregate_group, DataflowDescription, Plan, Row};
 
 /// A collection of rows at u64 times with i64 multiplicities.
 pub type Coll<'s> = VecCollection<'s, u64, Row, i64>;
@@ -117,23 +117,10 @@ pub fn render<'s>(plan: &Plan, inputs: &BTreeMap<u64, Coll<'s>>) -> Coll<'s> {
                 .flat_map(move |row: Row| key_of(&row, &key).map(|k| (k, row)))
                 .reduce(
                     move |_key: &Row, vals: &[(&Row, i64)], out: &mut Vec<(Row, i64)>| {
-                        let count: i64 = vals.iter().map(|(_, d)| *d).sum();
-                        if count == 0 {
-                            return;
+                        let rows = vals.iter().map(|(row, d)| (&row[..], *d));
+                        if let Some(aggs) = aggregate_group(&aggregates, rows) {
+                            out.push((aggs, 1));
                         }
-                        let aggs = aggregates
-                            .iter()
-                            .map(|a| match a {
-                                Aggregate::Count => count,
-                                Aggregate::Sum(c) => vals
-                                    .iter()
-                                    .map(|(row, d)| {
-                                        row.get(*c as usize).copied().unwrap_or(0).wrapping_mul(*d)
-                                    })
-                                    .fold(0i64, i64::wrapping_add),
-                            })
-                            .collect();
-                        out.push((aggs, 1));
                     },
                 )
                 .map(|(mut k, aggs): (Row, Row)| {
