@@ -1184,14 +1184,15 @@ pub fn run_worker(
         if state.drive(worker) {
             handled = true;
         }
-        if handled || waiting {
+        if handled {
             // Answer what is ready now (a peek at a passed time, say), then
-            // step without parking: a barrier waits on the mesh.
+            // step without parking.
             state.maintain();
             worker.step();
-            if waiting && !handled {
-                std::thread::sleep(Duration::from_micros(200));
-            }
+        } else if waiting {
+            // A barrier waits on the mesh: park briefly; mesh data arriving
+            // from other workers unparks this thread.
+            worker.step_or_park(Some(Duration::from_micros(500)));
         } else {
             // Commands unpark this thread (see `server::Workers::send`), as
             // do timely's channels; the timeout bounds everything else.
