@@ -48,7 +48,7 @@ enum Task {
         #[arg(long, value_enum)]
         kind: new_policy::Kind,
     },
-    /// Fault suites on real processes (`orphans`); prints the JSON summary lines.
+    /// Fault suites on real processes (`orphans`, `distribution`); prints the JSON summary lines.
     Chaos {
         /// The suite to run: `orphans` or `distribution`.
         suite: String,
