@@ -496,16 +496,7 @@ impl Catalog {
         describe: impl FnOnce(u64) -> Vec<u8>,
     ) -> Result<Dataflow, WriteError> {
         self.write(|tx| {
-            let exists: Option<i64> = tx
-                .query_row(
-                    "SELECT id FROM replicas WHERE id = ?1",
-                    [replica_id as i64],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            if exists.is_none() {
-                return Err(WriteError::NoSuchReplica(format!("with ID {replica_id}")));
-            }
+            replica_exists(tx, replica_id)?;
             let id = allocate(tx, "next_dataflow_id")?;
             let description = describe(id);
             tx.execute(
@@ -530,16 +521,7 @@ impl Catalog {
         write: &[u8],
     ) -> Result<InputWrite, WriteError> {
         self.write(|tx| {
-            let exists: Option<i64> = tx
-                .query_row(
-                    "SELECT id FROM replicas WHERE id = ?1",
-                    [replica_id as i64],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            if exists.is_none() {
-                return Err(WriteError::NoSuchReplica(format!("with ID {replica_id}")));
-            }
+            replica_exists(tx, replica_id)?;
             tx.execute(
                 "INSERT INTO input_writes (replica_id, collection_id, write) VALUES (?1, ?2, ?3)",
                 params![replica_id as i64, collection_id as i64, write],
@@ -586,6 +568,21 @@ impl Catalog {
         let out = f(&tx)?;
         tx.commit()?;
         Ok(out)
+    }
+}
+
+/// Fails with `NoSuchReplica` unless the replica is in the catalog.
+fn replica_exists(tx: &rusqlite::Transaction<'_>, replica_id: u64) -> Result<(), WriteError> {
+    let exists: Option<i64> = tx
+        .query_row(
+            "SELECT id FROM replicas WHERE id = ?1",
+            [replica_id as i64],
+            |r| r.get(0),
+        )
+        .optional()?;
+    match exists {
+        Some(_) => Ok(()),
+        None => Err(WriteError::NoSuchReplica(format!("with ID {replica_id}"))),
     }
 }
 

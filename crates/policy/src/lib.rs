@@ -215,14 +215,24 @@ impl OrphanPolicy for EpochRule {
         services: &[Service],
         view: &CatalogView,
     ) -> Result<OrphanDecision, PolicyError> {
-        Ok(OrphanDecision::Delete(
-            services
-                .iter()
-                .filter(|s| !view.keep.contains(&s.id) && s.epoch < view.our_epoch)
-                .map(|s| s.id)
-                .collect(),
-        ))
+        Ok(delete_unkept(services, view, |s| s.epoch < view.our_epoch))
     }
+}
+
+/// Deletes every listed service the catalog does not keep and for which
+/// `also` holds.
+fn delete_unkept(
+    services: &[Service],
+    view: &CatalogView,
+    also: impl Fn(&Service) -> bool,
+) -> OrphanDecision {
+    OrphanDecision::Delete(
+        services
+            .iter()
+            .filter(|s| !view.keep.contains(&s.id) && also(s))
+            .map(|s| s.id)
+            .collect(),
+    )
 }
 
 /// benesch's rule: a service with an ID at or above our next ID means another
@@ -246,13 +256,7 @@ impl OrphanPolicy for IdWatermarkRule {
                 s.name, s.id, view.next_id
             )));
         }
-        Ok(OrphanDecision::Delete(
-            services
-                .iter()
-                .filter(|s| !view.keep.contains(&s.id))
-                .map(|s| s.id)
-                .collect(),
-        ))
+        Ok(delete_unkept(services, view, |_| true))
     }
 }
 
@@ -271,13 +275,7 @@ impl OrphanPolicy for CatalogOnlyRule {
         services: &[Service],
         view: &CatalogView,
     ) -> Result<OrphanDecision, PolicyError> {
-        Ok(OrphanDecision::Delete(
-            services
-                .iter()
-                .filter(|s| !view.keep.contains(&s.id))
-                .map(|s| s.id)
-                .collect(),
-        ))
+        Ok(delete_unkept(services, view, |_| true))
     }
 }
 
