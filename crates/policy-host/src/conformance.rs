@@ -337,20 +337,7 @@ pub fn check_orphans(policy: &mut dyn OrphanPolicy, variant: &str) -> SuiteLine 
 
 // ----------------------------------------------------------- distribution
 
-const CLASSES: [CommandClass; 12] = [
-    CommandClass::Hello,
-    CommandClass::CreateInstance,
-    CommandClass::InitializationComplete,
-    CommandClass::UpdateConfiguration,
-    CommandClass::CreateDataflow,
-    CommandClass::Schedule,
-    CommandClass::AllowCompaction,
-    CommandClass::Peek,
-    CommandClass::CancelPeek,
-    CommandClass::Subscribe,
-    CommandClass::WriteInput,
-    CommandClass::StatusRequest,
-];
+const CLASSES: [CommandClass; 12] = CommandClass::ALL;
 
 /// Runs the distribution scenarios against any distribution policy: every
 /// command class, in and out of reconciliation, gets a strategy, and the

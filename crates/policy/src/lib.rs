@@ -68,6 +68,22 @@ pub enum CommandClass {
 }
 
 impl CommandClass {
+    /// Every command class, in protocol order.
+    pub const ALL: [CommandClass; 12] = [
+        Self::Hello,
+        Self::CreateInstance,
+        Self::InitializationComplete,
+        Self::UpdateConfiguration,
+        Self::CreateDataflow,
+        Self::Schedule,
+        Self::AllowCompaction,
+        Self::Peek,
+        Self::CancelPeek,
+        Self::Subscribe,
+        Self::WriteInput,
+        Self::StatusRequest,
+    ];
+
     /// The class of a protocol command.
     pub fn of(kind: &lockstep_protocol::CommandKind) -> Self {
         use lockstep_protocol::CommandKind as K;

@@ -34,20 +34,7 @@ pub fn hostile(name: &str) -> PathBuf {
     existing(root().join(format!("target/lockstep/test-policies/{name}.wasm")))
 }
 
-pub const CLASSES: [CommandClass; 12] = [
-    CommandClass::Hello,
-    CommandClass::CreateInstance,
-    CommandClass::InitializationComplete,
-    CommandClass::UpdateConfiguration,
-    CommandClass::CreateDataflow,
-    CommandClass::Schedule,
-    CommandClass::AllowCompaction,
-    CommandClass::Peek,
-    CommandClass::CancelPeek,
-    CommandClass::Subscribe,
-    CommandClass::WriteInput,
-    CommandClass::StatusRequest,
-];
+pub const CLASSES: [CommandClass; 12] = CommandClass::ALL;
 
 pub fn command(class: CommandClass) -> CommandInfo {
     CommandInfo {
