@@ -46,48 +46,29 @@ enum Command {
     Serve(ServeArgs),
     /// Manage replicas on a running environment.
     Replica {
-        /// The environment's address.
-        #[arg(
-            long,
-            global = true,
-            env = "LOCKSTEP_ADDR",
-            default_value = "http://127.0.0.1:6875"
-        )]
-        server: String,
+        #[command(flatten)]
+        server: ServerArg,
         #[command(subcommand)]
         command: ReplicaCommand,
     },
     /// Manage dataflows on a running environment.
     Dataflow {
-        /// The environment's address.
-        #[arg(
-            long,
-            global = true,
-            env = "LOCKSTEP_ADDR",
-            default_value = "http://127.0.0.1:6875"
-        )]
-        server: String,
+        #[command(flatten)]
+        server: ServerArg,
         #[command(subcommand)]
         command: compute_cli::DataflowCommand,
     },
     /// Write to input collections.
     Input {
-        /// The environment's address.
-        #[arg(
-            long,
-            global = true,
-            env = "LOCKSTEP_ADDR",
-            default_value = "http://127.0.0.1:6875"
-        )]
-        server: String,
+        #[command(flatten)]
+        server: ServerArg,
         #[command(subcommand)]
         command: InputCommand,
     },
     /// Read a collection at a time (prints `row<TAB>count` lines).
     Peek {
-        /// The environment's address.
-        #[arg(long, env = "LOCKSTEP_ADDR", default_value = "http://127.0.0.1:6875")]
-        server: String,
+        #[command(flatten)]
+        server: ServerArg,
         /// The replica's name.
         #[arg(long)]
         replica: String,
@@ -100,9 +81,8 @@ enum Command {
     },
     /// Stream a collection's changes (prints `time<TAB>row<TAB>diff` lines).
     Subscribe {
-        /// The environment's address.
-        #[arg(long, env = "LOCKSTEP_ADDR", default_value = "http://127.0.0.1:6875")]
-        server: String,
+        #[command(flatten)]
+        server: ServerArg,
         /// The replica's name.
         #[arg(long)]
         replica: String,
@@ -129,6 +109,19 @@ enum Command {
         #[arg(long)]
         keep: bool,
     },
+}
+
+/// Where a client command finds the environment.
+#[derive(clap::Args)]
+struct ServerArg {
+    /// The environment's address.
+    #[arg(
+        long = "server",
+        global = true,
+        env = "LOCKSTEP_ADDR",
+        default_value = "http://127.0.0.1:6875"
+    )]
+    url: String,
 }
 
 #[derive(Subcommand)]
@@ -285,9 +278,11 @@ fn main() -> ExitCode {
                 },
             }
         }
-        Command::Replica { server, command } => finish(runtime.block_on(client(server, command))),
+        Command::Replica { server, command } => {
+            finish(runtime.block_on(client(server.url, command)))
+        }
         Command::Dataflow { server, command } => finish(runtime.block_on(async move {
-            compute_cli::dataflow(&mut connect(&server).await?, command).await
+            compute_cli::dataflow(&mut connect(&server.url).await?, command).await
         })),
         Command::Input {
             server,
@@ -300,7 +295,7 @@ fn main() -> ExitCode {
                 },
         } => finish(runtime.block_on(async move {
             compute_cli::write_input(
-                &mut connect(&server).await?,
+                &mut connect(&server.url).await?,
                 replica,
                 collection,
                 updates,
@@ -314,7 +309,7 @@ fn main() -> ExitCode {
             collection,
             at,
         } => finish(runtime.block_on(async move {
-            compute_cli::peek(&mut connect(&server).await?, replica, collection, at).await
+            compute_cli::peek(&mut connect(&server.url).await?, replica, collection, at).await
         })),
         Command::Subscribe {
             server,
@@ -324,7 +319,7 @@ fn main() -> ExitCode {
             until,
         } => finish(runtime.block_on(async move {
             compute_cli::subscribe(
-                &mut connect(&server).await?,
+                &mut connect(&server.url).await?,
                 replica,
                 collection,
                 as_of,
