@@ -210,18 +210,13 @@ enum Pending {
 
 /// An order-sensitive digest of a reconciliation target.
 fn target_hash(target: &[DataflowKey]) -> Digest {
-    let mut history = CommandHistory::new();
+    let mut h = blake3::Hasher::new();
+    h.update(&(target.len() as u64).to_le_bytes());
     for k in target {
-        history.push(CommandKind::Schedule { dataflow_id: k.id });
-        history.push(CommandKind::UpdateConfiguration(
-            [(k.id.to_string(), format!("{:?}", k.hash.0))]
-                .into_iter()
-                .collect(),
-        ));
+        h.update(&k.id.to_le_bytes());
+        h.update(&k.hash.0);
     }
-    let mut d = history.digest();
-    d.0[..8].copy_from_slice(&(target.len() as u64).to_le_bytes());
-    d
+    Digest(*h.finalize().as_bytes())
 }
 
 /// One worker's state.
