@@ -68,13 +68,18 @@ pub mod replica {
         let dir = tempfile::tempdir().expect("tempdir");
         let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
             .expect("orchestrator");
-        let config = launch::replica_service(&binary(), replica_id, processes, workers)
-            .env("RUST_LOG", "error");
+        let log = dir.path().join("command-log.sqlite");
+        let config = launch::with_command_log(
+            launch::replica_service(&binary(), replica_id, processes, workers),
+            &log,
+        )
+        .env("RUST_LOG", "error");
         let status = orchestrator
             .ensure_service(config)
             .await
             .expect("ensure replica");
-        let addrs = launch::replica_addrs(&status, workers).expect("controller ports");
+        let mut addrs = launch::replica_addrs(&status, workers).expect("controller ports");
+        addrs.command_log = Some(log);
         BenchReplica {
             dir,
             orchestrator,

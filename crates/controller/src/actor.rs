@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockstep_command_log::{CommandLog, SqliteLog};
 use lockstep_policy::{CommandClass, CommandInfo, DistributionPolicy};
 use lockstep_protocol::merge::{meet, merge_peek, SubscribeMerge};
 use lockstep_protocol::{
@@ -46,6 +47,12 @@ pub enum Event {
         /// For how long.
         silent_for: Duration,
     },
+    /// Appending to the command log failed (fenced out by a newer
+    /// controller, or a broken store): the controller stopped.
+    LogFailed {
+        /// Why.
+        message: String,
+    },
     /// A process reported an error.
     ReplicaError {
         /// The process.
@@ -63,12 +70,29 @@ struct PendingPeek {
     reply: oneshot::Sender<Result<Vec<(Row, i64)>, ControllerError>>,
 }
 
+/// The start of a log session, appended to the log in one transaction.
+#[derive(Default)]
+struct LogBatch {
+    hellos: Vec<Command>,
+    commands: Vec<(Command, Option<usize>)>,
+}
+
 struct Actor {
     replica: ReplicaAddrs,
     epoch: u64,
     timeouts: Timeouts,
     policy: Box<dyn DistributionPolicy + Send>,
     fallback: Strategy,
+    /// The strategy chosen for this session's Hello. Broadcast and log order
+    /// commands themselves, so a session that starts with one of them sends
+    /// every command with it; a socket-ordered session (barrier, naive) asks
+    /// the policy per command.
+    session_strategy: Strategy,
+    /// The replica's command log, opened at the first log session.
+    log: Option<SqliteLog>,
+    /// While a log session starts: the commands to append in one go, each
+    /// with the failpoint's crash point, and the per-process Hellos.
+    log_batch: Option<LogBatch>,
     history: CommandHistory,
     nonce: u64,
     generation: u64,
@@ -123,6 +147,9 @@ pub(crate) fn spawn(
         timeouts,
         policy,
         fallback: Strategy::Barrier,
+        session_strategy: Strategy::Barrier,
+        log: None,
+        log_batch: None,
         history,
         nonce: 0,
         generation: 0,
@@ -258,16 +285,21 @@ impl Actor {
         }
         // Hello to every process, then the compacted history, then
         // InitializationComplete: the replica reconciles to this target.
+        let first = CommandKind::Hello(self.replica.identity(0).hello(self.epoch, self.nonce));
+        self.session_strategy = self.choose(&first);
+        if matches!(self.session_strategy, Strategy::Log) {
+            self.log_batch = Some(LogBatch::default());
+        }
         for i in 0..self.conns.len() {
-            let hello = self.replica.identity(i).hello(self.epoch, self.nonce);
-            self.write(
-                i,
-                Command {
-                    seqno: 0,
-                    strategy: self.fallback,
-                    kind: CommandKind::Hello(hello),
-                },
-            );
+            let hello = Command {
+                seqno: 0,
+                strategy: self.session_strategy,
+                kind: CommandKind::Hello(self.replica.identity(i).hello(self.epoch, self.nonce)),
+            };
+            match &mut self.log_batch {
+                Some(batch) => batch.hellos.push(hello),
+                None => self.write(i, hello),
+            }
         }
         self.reconciling = true;
         self.history.reduce();
@@ -283,6 +315,10 @@ impl Actor {
             self.broadcast(c);
         }
         self.broadcast(CommandKind::InitializationComplete);
+        self.flush_log_batch();
+        if self.crashed {
+            return;
+        }
         self.reconciling = false;
         tracing::info!(
             nonce = self.nonce,
@@ -314,7 +350,28 @@ impl Actor {
         }
     }
 
+    /// The strategy of a command in this session (see `session_strategy`).
     fn strategy_for(&mut self, kind: &CommandKind) -> Strategy {
+        match self.session_strategy {
+            s @ (Strategy::Broadcast | Strategy::Log) => s,
+            _ => match self.choose(kind) {
+                s @ (Strategy::Broadcast | Strategy::Log) => {
+                    tracing::warn!(
+                        chosen = %s,
+                        session = %self.session_strategy,
+                        fallback = %self.fallback,
+                        "the policy chose an ordering strategy for a command of a socket-ordered session; using the fallback (choose it for Hello to use it for a whole session)"
+                    );
+                    self.fallback
+                }
+                s => s,
+            },
+        }
+    }
+
+    /// What the policy chooses for `kind`; a log choice without a command
+    /// log, or a failing policy, gets the fallback.
+    fn choose(&mut self, kind: &CommandKind) -> Strategy {
         let info = CommandInfo {
             class: CommandClass::of(kind),
             size_bytes: encoded_size(kind),
@@ -328,6 +385,10 @@ impl Actor {
             reconciling: self.reconciling,
         };
         match self.policy.choose(&info) {
+            Ok(Strategy::Log) if self.replica.command_log.is_none() => {
+                tracing::warn!(fallback = %self.fallback, "the policy chose the log strategy but the replica has no command log; using the fallback");
+                self.fallback
+            }
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, fallback = %self.fallback, "distribution policy failed; using the fallback");
@@ -349,12 +410,98 @@ impl Actor {
             strategy,
             kind,
         };
+        if strategy == Strategy::Log {
+            if let Some(batch) = &mut self.log_batch {
+                batch.commands.push((cmd, crash_after));
+                return;
+            }
+            // The log is the truth: append first; the socket copies only
+            // wake the processes. A crash before any process got its copy
+            // is a crash before the append.
+            if crash_after == Some(0) {
+                self.crash(0);
+                return;
+            }
+            if !self.append_log(std::slice::from_ref(&cmd)) {
+                return;
+            }
+        }
         for i in 0..self.conns.len() {
             if crash_after.is_some_and(|n| i >= n) {
                 self.crash(i);
                 return;
             }
             self.write(i, cmd.clone());
+        }
+    }
+
+    /// Appends to the command log; a failure (fenced by a newer controller,
+    /// a broken store) stops this controller: it must not go on without its
+    /// log.
+    fn append_log(&mut self, commands: &[Command]) -> bool {
+        if self.log.is_none() {
+            let Some(path) = &self.replica.command_log else {
+                unreachable!("the log strategy is chosen only with a command log")
+            };
+            match SqliteLog::open(path) {
+                Ok(l) => self.log = Some(l),
+                Err(e) => {
+                    self.fail_log(e.to_string());
+                    return false;
+                }
+            }
+        }
+        let log = self.log.as_mut().expect("opened above");
+        match log.append(self.epoch, commands) {
+            Ok(_) => true,
+            Err(e) => {
+                self.fail_log(e.to_string());
+                false
+            }
+        }
+    }
+
+    fn fail_log(&mut self, message: String) {
+        tracing::error!(%message, "command log append failed; the controller stops");
+        self.emit(Event::LogFailed { message });
+        self.crashed = true;
+        self.connected = false;
+        self.conns.iter_mut().for_each(|c| *c = None);
+        self.current_generation.store(u64::MAX, Ordering::SeqCst);
+    }
+
+    /// Appends the start of a log session in one transaction, then sends
+    /// the socket copies; honours the failpoint's crash point.
+    fn flush_log_batch(&mut self) {
+        let Some(batch) = self.log_batch.take() else {
+            return;
+        };
+        let crash = batch
+            .commands
+            .iter()
+            .position(|(_, c)| c.is_some())
+            .map(|i| (i, batch.commands[i].1.unwrap_or(0)));
+        let appended = match crash {
+            Some((i, 0)) => i,
+            Some((i, _)) => i + 1,
+            None => batch.commands.len(),
+        };
+        let mut entries = vec![batch.hellos[0].clone()];
+        entries.extend(batch.commands[..appended].iter().map(|(c, _)| c.clone()));
+        if !self.append_log(&entries) {
+            return;
+        }
+        for (i, hello) in batch.hellos.into_iter().enumerate() {
+            self.write(i, hello);
+        }
+        for (n, (cmd, crash_after)) in batch.commands.into_iter().enumerate() {
+            for i in 0..self.conns.len() {
+                if n == appended || crash_after.is_some_and(|k| i >= k) {
+                    self.crash(i);
+                    return;
+                }
+                self.write(i, cmd.clone());
+            }
         }
     }
 

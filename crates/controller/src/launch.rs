@@ -36,6 +36,17 @@ pub fn replica_service(
         })
 }
 
+/// The environment variable through which a replica process learns its
+/// command log (`lockstep-replica --command-log`).
+pub const COMMAND_LOG_ENV: &str = "LOCKSTEP_COMMAND_LOG";
+
+/// Gives the replica service a command log at `path` (a SQLite file shared
+/// by its processes), so that the `log` strategy can be used; pass the same
+/// path in [`ReplicaAddrs::command_log`].
+pub fn with_command_log(config: ServiceConfig, path: &Path) -> ServiceConfig {
+    config.env(COMMAND_LOG_ENV, path.display().to_string())
+}
+
 /// Why a service cannot be driven as a replica.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("service {service}: process {process} has no `controller` address")]
@@ -68,5 +79,6 @@ pub fn replica_addrs(
         replica_id: status.id,
         processes,
         workers_per_process,
+        command_log: None,
     })
 }

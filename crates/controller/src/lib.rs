@@ -46,6 +46,9 @@ pub struct ReplicaAddrs {
     pub processes: Vec<SocketAddr>,
     /// Timely workers per process.
     pub workers_per_process: u32,
+    /// The replica's command log, needed by the `log` strategy; the replica's
+    /// processes must have been started with the same file.
+    pub command_log: Option<std::path::PathBuf>,
 }
 
 impl ReplicaAddrs {

@@ -44,6 +44,10 @@ struct Args {
     /// The largest frame accepted from a controller, in bytes.
     #[arg(long, default_value_t = DEFAULT_MAX_FRAME_LEN)]
     max_frame_len: usize,
+    /// The replica's command log (a SQLite file shared by its processes),
+    /// needed by commands sent with the `log` strategy.
+    #[arg(long, env = "LOCKSTEP_COMMAND_LOG")]
+    command_log: Option<std::path::PathBuf>,
 }
 
 fn main() {
@@ -81,6 +85,7 @@ fn main() {
         listen: SocketAddr::new(args.host, args.controller_port),
         cluster_timeout: Duration::from_secs(args.cluster_timeout_secs),
         max_frame_len: args.max_frame_len,
+        command_log: args.command_log,
     };
     if let Err(e) = run(config) {
         eprintln!("lockstep-replica: error: {e:#}");

@@ -43,6 +43,8 @@ pub struct ReplicaConfig {
     pub cluster_timeout: Duration,
     /// The largest frame accepted.
     pub max_frame_len: usize,
+    /// The command log of the `log` strategy, if the replica has one.
+    pub command_log: Option<std::path::PathBuf>,
 }
 
 struct Shared {
@@ -100,6 +102,10 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
     if workers == 0 {
         anyhow::bail!("a process needs at least one worker");
     }
+    if let Some(path) = &config.command_log {
+        // Fail fast, before forming the cluster, on a log that cannot be used.
+        lockstep_command_log::SqliteLog::open(path)?;
+    }
     let listener = std::net::TcpListener::bind(config.listen)
         .with_context(|| format!("cannot listen for controllers on {}", config.listen))?;
     listener.set_nonblocking(true)?;
@@ -128,6 +134,7 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
         threads: Mutex::new(Vec::new()),
     });
     let handles2 = Arc::clone(&handles);
+    let command_log = config.command_log.clone();
     let _guards = timely::execute::execute_from(
         builders,
         Box::new(guard),
@@ -142,7 +149,13 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
             let commands = receivers.lock().expect("not poisoned")[local]
                 .take()
                 .expect("each local worker starts once");
-            run_worker(worker, commands, tx.clone(), workers);
+            let log = command_log.as_deref().map(|p| {
+                lockstep_command_log::SqliteLog::open(p).unwrap_or_else(|e| {
+                    // Opened once already above: only a vanished file gets here.
+                    panic!("worker {}: {e}", worker.index())
+                })
+            });
+            run_worker(worker, commands, tx.clone(), workers, log);
         },
     )
     .map_err(|e| anyhow::anyhow!("starting timely workers: {e}"))?;

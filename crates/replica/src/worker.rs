@@ -40,8 +40,24 @@
 //! nonce, which increases per attempt within an epoch). The model checker
 //! (crates/model) runs the same `lockstep_reconcile` functions.
 //!
-//! The `broadcast` and `log` strategies are not built yet: commands sent with
-//! them are refused, identically on every worker, with an error.
+//! Under the `broadcast` strategy (the Materialize baseline) global worker 0
+//! is the sequencer: it forwards each broadcast command it receives from its
+//! controller connection onto the control mesh, and every worker applies
+//! broadcast commands only in the order the mesh delivers them from worker 0;
+//! the copies other workers receive from their own connections only wake
+//! them. A Hello sent with `broadcast` is sequenced too, so a session starts
+//! at the same point of the stream on every worker.
+//!
+//! Under the `log` strategy the controller appends every command to the
+//! replica's command log (`lockstep_command_log`) before sending it; workers
+//! apply log commands only as they read them from the log, from one start
+//! offset that worker 0 chooses (the newest epoch marker) and announces on
+//! the mesh, so every worker applies the same sequence. The socket copy only
+//! makes the worker read the log at once (it also polls every
+//! [`LOG_POLL`]).
+//!
+//! Broadcast and log sessions reconcile collectively, like barrier sessions:
+//! earlier sessions may have used another strategy.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -55,11 +71,12 @@ use differential_dataflow::operators::arrange::TraceAgent;
 use differential_dataflow::trace::cursor::{cursor_list, Cursor};
 use differential_dataflow::trace::implementations::KeySpine;
 use differential_dataflow::trace::TraceReader;
+use lockstep_command_log::{CommandLog, SqliteLog};
 use lockstep_protocol::history::consolidate;
 use lockstep_protocol::{
     Command, CommandHistory, CommandKind, CreationLogEntry, DataflowDescription, Digest, ErrorKind,
     ErrorResponse, Frontier, Peek, PeekResult, Row, Status, Strategy, Subscribe, SubscribeBatch,
-    Update, WriteInput,
+    Update, WireMessage, WriteInput,
 };
 use lockstep_reconcile::{
     barrier, barrier_view, collective, Announcement, BarrierDecision, DataflowKey,
@@ -158,6 +175,26 @@ struct SubState {
 type MeshRecord = (u8, u64, u64, u64, Vec<u8>, Vec<(u64, Vec<u8>)>);
 const MESH_JOINED: u8 = 0;
 const MESH_ROUND: u8 = 1;
+/// A broadcast command from the sequencer: seqno, encoded command in the hash field.
+const MESH_COMMAND: u8 = 2;
+/// Where every worker starts reading the command log: the offset in the seqno field.
+const MESH_LOG_START: u8 = 3;
+
+/// How often a worker reads the command log when nothing woke it.
+pub const LOG_POLL: Duration = Duration::from_millis(2);
+
+/// How many log entries a worker reads at once.
+const LOG_BATCH: usize = 256;
+
+/// A worker's position in the command log.
+struct LogTail {
+    log: SqliteLog,
+    /// `None` until worker 0 announced the start offset on the mesh.
+    next: Option<u64>,
+    /// A socket copy of a log command arrived: read the log now.
+    poked: bool,
+    last_read: std::time::Instant,
+}
 
 /// The longest a worker waits at a barrier before it halts.
 pub const BARRIER_TIMEOUT: Duration = Duration::from_secs(20);
@@ -243,6 +280,7 @@ pub struct WorkerState {
     installed_reports: BTreeMap<(u64, usize), Vec<DataflowKey>>,
     queue: VecDeque<Command>,
     pending: Option<Pending>,
+    log: Option<LogTail>,
 }
 
 fn passed(upper: Frontier, t: u64) -> bool {
@@ -311,6 +349,7 @@ impl WorkerState {
             installed_reports: BTreeMap::new(),
             queue: VecDeque::new(),
             pending: None,
+            log: None,
         }
     }
 
@@ -348,7 +387,82 @@ impl WorkerState {
         }
     }
 
-    /// Handles one command from the controller.
+    /// Takes one command from this process's controller connection. Commands
+    /// of the socket-ordered strategies (barrier, naive) are queued; a
+    /// broadcast command is forwarded to the mesh by the sequencer (worker 0)
+    /// and otherwise only acknowledged; a log command makes the worker read
+    /// the log now.
+    pub fn admit(&mut self, cmd: Command) {
+        match cmd.strategy {
+            Strategy::Barrier | Strategy::Naive => self.queue.push_back(cmd),
+            Strategy::Broadcast => {
+                if self.index == 0 {
+                    let seqno = cmd.seqno;
+                    let bytes = cmd.encode_to_vec();
+                    if let Some(mesh) = &mut self.mesh {
+                        mesh.send((MESH_COMMAND, self.session, 0, seqno, bytes, vec![]));
+                    } else {
+                        self.error(
+                            seqno,
+                            ErrorKind::InvalidCommand,
+                            "broadcast needs the control mesh".into(),
+                        );
+                    }
+                }
+            }
+            Strategy::Log => match &mut self.log {
+                Some(tail) => tail.poked = true,
+                None => self.error(
+                    cmd.seqno,
+                    ErrorKind::InvalidCommand,
+                    format!(
+                        "{} was sent with the log strategy, but this replica was started without a command log (--command-log); not applied",
+                        cmd.kind.name()
+                    ),
+                ),
+            },
+        }
+    }
+
+    /// Reads new command-log entries into the queue, if it is time to.
+    fn read_log(&mut self) -> bool {
+        let Some(tail) = &mut self.log else {
+            return false;
+        };
+        let Some(next) = tail.next else { return false };
+        if !tail.poked && tail.last_read.elapsed() < LOG_POLL {
+            return false;
+        }
+        tail.poked = false;
+        tail.last_read = std::time::Instant::now();
+        match tail.log.read_from(next, LOG_BATCH) {
+            Ok(entries) => {
+                let got = entries.len();
+                if got == LOG_BATCH {
+                    tail.poked = true; // more to read
+                }
+                if let Some(last) = entries.last() {
+                    tail.next = Some(last.offset + 1);
+                }
+                for e in entries {
+                    if e.command.strategy == Strategy::Log {
+                        self.queue.push_back(e.command);
+                    }
+                }
+                got > 0
+            }
+            Err(e @ lockstep_command_log::LogError::Corrupt { .. }) => {
+                self.halt(format!("cannot read the command log: {e}"));
+                false
+            }
+            Err(e) => {
+                tracing::warn!(worker = self.index, error = %e, "command log read failed; retrying");
+                false
+            }
+        }
+    }
+
+    /// Handles one command, in the order its strategy defines.
     pub fn handle(&mut self, worker: &mut Worker, cmd: Command) {
         if let CommandKind::Hello(h) = &cmd.kind {
             self.epoch = h.epoch;
@@ -395,10 +509,6 @@ impl WorkerState {
             }
             return;
         }
-        if let Some(refused) = self.refuse_strategy(&cmd) {
-            self.error(cmd.seqno, ErrorKind::InvalidCommand, refused);
-            return;
-        }
         if let CommandKind::CreateDataflow(desc) = &cmd.kind {
             let new = !self.dataflows.contains_key(&desc.id);
             if cmd.strategy == Strategy::Barrier
@@ -421,18 +531,6 @@ impl WorkerState {
             }
         }
         self.apply(worker, cmd);
-    }
-
-    /// Commands with a strategy this build does not implement are refused,
-    /// identically on every worker, so refusing them keeps lockstep.
-    fn refuse_strategy(&self, cmd: &Command) -> Option<String> {
-        match cmd.strategy {
-            Strategy::Barrier | Strategy::Naive => None,
-            other => Some(format!(
-                "strategy {other} is not implemented by this replica (barrier and naive are); {} not applied",
-                cmd.kind.name()
-            )),
-        }
     }
 
     fn announce(&mut self, a: &Announcement, installed: Vec<DataflowKey>) {
@@ -504,9 +602,36 @@ impl WorkerState {
             if worker >= self.peers {
                 continue;
             }
-            if kind == MESH_JOINED {
-                self.joined[worker] = self.joined[worker].max(session);
-                continue;
+            match kind {
+                MESH_JOINED => {
+                    self.joined[worker] = self.joined[worker].max(session);
+                    continue;
+                }
+                MESH_COMMAND if worker == 0 => {
+                    match Command::decode_from(&hash) {
+                        Ok(cmd) => self.queue.push_back(cmd),
+                        // Worker 0 encoded it: only a broken build gets here,
+                        // and every worker sees the same bytes.
+                        Err(e) => self.halt(format!(
+                            "undecodable broadcast command {seqno} from the sequencer: {e}"
+                        )),
+                    }
+                    continue;
+                }
+                MESH_LOG_START if worker == 0 => {
+                    if let Some(tail) = &mut self.log {
+                        tracing::info!(
+                            worker = self.index,
+                            offset = seqno,
+                            "tailing the command log"
+                        );
+                        tail.next = Some(seqno);
+                        tail.poked = true;
+                    }
+                    continue;
+                }
+                MESH_ROUND => {}
+                _ => continue,
             }
             let Ok(hash) = <[u8; 32]>::try_from(hash) else {
                 continue;
@@ -538,6 +663,9 @@ impl WorkerState {
         let mut progressed = false;
         loop {
             self.absorb_mesh();
+            if self.read_log() {
+                progressed = true;
+            }
             if let Some(p) = self.pending.take() {
                 match self.resolve(worker, p) {
                     Some(p) => {
@@ -1150,6 +1278,7 @@ pub fn run_worker(
     commands: Receiver<Command>,
     tx: UnboundedSender<FromWorker>,
     workers_per_process: usize,
+    log: Option<SqliteLog>,
 ) {
     let index = worker.index();
     let mut state = WorkerState::new(
@@ -1160,13 +1289,36 @@ pub fn run_worker(
     );
     // The control mesh is every worker's first dataflow.
     state.mesh = Some(Mesh::build(worker));
+    if let Some(mut log) = log {
+        if index == 0 {
+            // Every worker starts reading where worker 0 says: the newest
+            // epoch marker now. Before it, everything is summarized by the
+            // target state that follows it.
+            let start = match log.start_offset() {
+                Ok(o) => o,
+                Err(e) => {
+                    state.halt(format!("cannot read the command log: {e}"));
+                    1
+                }
+            };
+            if let Some(mesh) = &mut state.mesh {
+                mesh.send((MESH_LOG_START, 0, 0, start, vec![], vec![]));
+            }
+        }
+        state.log = Some(LogTail {
+            log,
+            next: None,
+            poked: false,
+            last_read: std::time::Instant::now(),
+        });
+    }
     loop {
         let mut handled = false;
         loop {
             match commands.try_recv() {
                 Ok(cmd) => {
                     handled = true;
-                    state.queue.push_back(cmd);
+                    state.admit(cmd);
                 }
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
@@ -1191,7 +1343,12 @@ pub fn run_worker(
         } else {
             // Commands unpark this thread (see `server::Workers::send`), as
             // do timely's channels; the timeout bounds everything else.
-            worker.step_or_park(Some(Duration::from_millis(5)));
+            let park = if state.log.is_some() {
+                LOG_POLL
+            } else {
+                Duration::from_millis(5)
+            };
+            worker.step_or_park(Some(park));
         }
         state.maintain();
     }

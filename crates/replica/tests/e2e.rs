@@ -4,12 +4,26 @@
 mod common;
 
 use common::*;
-use lockstep_protocol::CommandHistory;
+use lockstep_protocol::{CommandHistory, Strategy};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_operator_matches_the_reference() {
-    let r = start_replica(1, 2, 2).await;
-    let c = controller(&r, 1, CommandHistory::new());
+    operators_match_the_reference(1, Strategy::Barrier).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_operator_matches_the_reference_broadcast() {
+    operators_match_the_reference(11, Strategy::Broadcast).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_operator_matches_the_reference_log() {
+    operators_match_the_reference(12, Strategy::Log).await;
+}
+
+async fn operators_match_the_reference(replica_id: u64, strategy: Strategy) {
+    let r = start_replica(replica_id, 2, 2).await;
+    let c = controller_with(&r, 1, CommandHistory::new(), strategy);
     let dataflows = operator_dataflows();
     for d in &dataflows {
         c.create_dataflow(d.clone()).unwrap();
@@ -29,6 +43,24 @@ async fn every_operator_matches_the_reference() {
                 d.id
             );
         }
+    }
+    if strategy == Strategy::Log {
+        // The commands went through the log, not around it.
+        use lockstep_command_log::CommandLog;
+        let mut log =
+            lockstep_command_log::SqliteLog::open(r.addrs.command_log.as_ref().unwrap()).unwrap();
+        let creates = log
+            .read_from(1, 10_000)
+            .unwrap()
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e.command.kind,
+                    lockstep_protocol::CommandKind::CreateDataflow(_)
+                )
+            })
+            .count();
+        assert_eq!(creates, dataflows.len());
     }
     // I1: every worker built the same dataflows in the same order.
     let statuses = c.statuses().await.unwrap();
@@ -97,8 +129,22 @@ async fn subscribe_streams_every_change() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_restart_keeps_unchanged_dataflows() {
-    let r = start_replica(3, 2, 2).await;
-    let a = controller(&r, 1, CommandHistory::new());
+    restart_keeps_unchanged_dataflows(3, Strategy::Barrier).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_restart_keeps_unchanged_dataflows_broadcast() {
+    restart_keeps_unchanged_dataflows(13, Strategy::Broadcast).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_restart_keeps_unchanged_dataflows_log() {
+    restart_keeps_unchanged_dataflows(14, Strategy::Log).await;
+}
+
+async fn restart_keeps_unchanged_dataflows(replica_id: u64, strategy: Strategy) {
+    let r = start_replica(replica_id, 2, 2).await;
+    let a = controller_with(&r, 1, CommandHistory::new(), strategy);
     let dataflows = operator_dataflows();
     for d in &dataflows {
         a.create_dataflow(d.clone()).unwrap();
@@ -117,7 +163,7 @@ async fn controller_restart_keeps_unchanged_dataflows() {
     a.shutdown();
 
     // A new controller (a restarted environment) with the same target state.
-    let b = controller(&r, 2, history.clone());
+    let b = controller_with(&r, 2, history.clone(), strategy);
     let after = b.statuses().await.unwrap();
     for (x, y) in before.iter().zip(&after) {
         assert_eq!(
@@ -154,7 +200,7 @@ async fn controller_restart_keeps_unchanged_dataflows() {
     );
     changed.push(lockstep_protocol::CommandKind::CreateDataflow(new.clone()));
     b.shutdown();
-    let c = controller(&r, 3, changed);
+    let c = controller_with(&r, 3, changed, strategy);
     let statuses = c.statuses().await.unwrap();
     for s in &statuses {
         assert!(

@@ -65,8 +65,12 @@ pub async fn start_replica(replica_id: u64, processes: usize, workers: u32) -> T
     let dir = tempfile::tempdir().expect("tempdir");
     let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
         .expect("orchestrator");
+    let log = dir.path().join("command-log.sqlite");
     let status = orchestrator
-        .ensure_service(replica_service(replica_id, processes, workers))
+        .ensure_service(launch::with_command_log(
+            replica_service(replica_id, processes, workers),
+            &log,
+        ))
         .await
         .expect("ensure replica");
     let addrs = ReplicaAddrs {
@@ -77,6 +81,7 @@ pub async fn start_replica(replica_id: u64, processes: usize, workers: u32) -> T
             .map(|p| p.addresses["controller"])
             .collect(),
         workers_per_process: workers,
+        command_log: Some(log),
     };
     TestReplica {
         dir,
@@ -96,11 +101,21 @@ pub fn test_timeouts() -> Timeouts {
 }
 
 pub fn controller(r: &TestReplica, epoch: u64, history: CommandHistory) -> Controller {
+    controller_with(r, epoch, history, Strategy::Barrier)
+}
+
+/// A controller that sends every command with `strategy`.
+pub fn controller_with(
+    r: &TestReplica,
+    epoch: u64,
+    history: CommandHistory,
+    strategy: Strategy,
+) -> Controller {
     Controller::start(
         r.addrs.clone(),
         epoch,
         history,
-        Box::new(FixedStrategy(Strategy::Barrier)),
+        Box::new(FixedStrategy(strategy)),
         test_timeouts(),
     )
 }
