@@ -8,8 +8,8 @@
 //! Suites: `orphans` (the orphan rules `epoch`, `id-watermark` and the
 //! negative control `catalog-only`; scenarios in
 //! `crates/environment/src/chaos.rs`) and `distribution` (the strategies
-//! `barrier` and the negative control `naive` on real 2x2 replicas; scenarios
-//! in `crates/chaos/src/main.rs`; `broadcast` and `log` are not built yet).
+//! `broadcast`, `barrier`, `log` and the negative control `naive` on real
+//! 2x2 and 3x1 replicas; scenarios in `crates/chaos/src/main.rs`).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -109,16 +109,12 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
     let bin = target_dir()
         .join("debug")
         .join("lockstep-chaos-distribution");
-    let defaults = ["barrier".to_string(), "naive".to_string()];
+    let defaults = ["broadcast", "barrier", "log", "naive"].map(String::from);
     let strategies = if strategies.is_empty() {
         &defaults[..]
     } else {
         strategies
     };
-    let implemented = strategies
-        .iter()
-        .filter(|s| s.as_str() != "broadcast" && s.as_str() != "log")
-        .count();
     let args: Vec<&str> = strategies.iter().map(String::as_str).collect();
-    run_suite_binary(bin, &args, "distribution", implemented)
+    run_suite_binary(bin, &args, "distribution", strategies.len())
 }

@@ -4,6 +4,7 @@
 
 mod bench;
 mod chaos;
+mod chart;
 mod model;
 mod new_policy;
 mod policies;
@@ -34,11 +35,15 @@ enum Task {
     },
     /// The main job: run the demo on the embedded default.
     Demo,
-    /// Run the criterion benchmarks; write target/lockstep/bench.json and print a Markdown table.
+    /// Run the criterion benchmarks; write target/lockstep/bench.json, a latency chart and
+    /// docs/bench/results.md, and print a Markdown table.
     Bench {
         /// A short run for CI-sized machines.
         #[arg(long)]
         quick: bool,
+        /// Also replace README.md's Results section (between the bench markers).
+        #[arg(long)]
+        readme: bool,
     },
     /// Scaffold a WASM policy crate under policies/NAME.
     NewPolicy {
@@ -52,7 +57,7 @@ enum Task {
     Chaos {
         /// The suite to run: `orphans` or `distribution`.
         suite: String,
-        /// For `distribution`: the strategies to run (default: barrier naive).
+        /// For `distribution`: the strategies to run (default: broadcast barrier log naive).
         #[arg(long = "strategy")]
         strategies: Vec<String>,
     },
@@ -70,7 +75,7 @@ fn main() -> anyhow::Result<()> {
         Task::BuildPolicies => policies::build_all().map(|_| ()),
         Task::Test { no_lint } => tasks::test(!no_lint),
         Task::Demo => tasks::demo(),
-        Task::Bench { quick } => bench::bench(quick),
+        Task::Bench { quick, readme } => bench::bench(quick, readme),
         Task::Chaos { suite, strategies } => chaos::run_suite_with(&suite, &strategies),
         Task::Model { variants } => model::run(&variants),
         Task::NewPolicy { name, kind } => new_policy::scaffold(&name, kind),

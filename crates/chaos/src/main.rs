@@ -1,6 +1,7 @@
 //! `lockstep-chaos-distribution`: the distribution fault suite.
 //!
-//! Every scenario starts a fresh replica of 2 processes x 2 workers through
+//! Every scenario starts a fresh replica of 2 processes x 2 workers (3 x 1
+//! where a third process adds coverage) through
 //! the orchestrator's process backend, drives it with a controller whose
 //! distribution policy picks one strategy for every command, injects one real
 //! fault, and then checks the invariants of DESIGN.md on the real processes:
@@ -14,13 +15,17 @@
 //!
 //! Faults: the controller crashed by the failpoint
 //! `controller_partial_broadcast` after a command reached process 0 and not
-//! process 1 (create, drop, write, peek, and InitializationComplete during
-//! reconciliation itself); Frank's case; every connection dropped; a replica
-//! process killed; a replica process stopped (SIGSTOP) and resumed; a restart
-//! with a changed target.
+//! process 1, or process 1 and not process 0 (create, drop, write, peek, and
+//! InitializationComplete during reconciliation itself), twice in a row, or
+//! on 2 of 3 processes; Frank's case, both ways round; every connection
+//! dropped, also between two creates; a replica process killed (process 0,
+//! process 1, during reconciliation); a replica process stopped (SIGSTOP) and
+//! resumed, or stopped and the replica restarted; a stale controller that
+//! keeps sending after its successor connected; a restart with a changed
+//! target. Every replica has a command log, so the `log` strategy runs too.
 //!
-//! Usage: `lockstep-chaos-distribution [STRATEGY...]` (default: barrier
-//! naive). Prints what broke, then one JSON line per strategy. Exits non-zero
+//! Usage: `lockstep-chaos-distribution [STRATEGY...]` (default: broadcast
+//! barrier log naive). Prints what broke, then one JSON line per strategy. Exits non-zero
 //! if a strategy that must pass failed, or if `naive`, the negative control,
 //! was not caught.
 
@@ -60,16 +65,22 @@ fn replica_binary() -> PathBuf {
     exe.parent().expect("a directory").join("lockstep-replica")
 }
 
-async fn start_replica(id: u64) -> Result<Replica, String> {
+async fn start_replica(id: u64, processes: usize, workers: u32) -> Result<Replica, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
         .map_err(|e| e.to_string())?;
-    let config = launch::replica_service(&replica_binary(), id, 2, 2).env("RUST_LOG", "error");
+    let log = dir.path().join("command-log.sqlite");
+    let config = launch::with_command_log(
+        launch::replica_service(&replica_binary(), id, processes, workers),
+        &log,
+    )
+    .env("RUST_LOG", "error");
     let status = orchestrator
         .ensure_service(config)
         .await
         .map_err(|e| e.to_string())?;
-    let addrs = launch::replica_addrs(&status, 2).map_err(|e| e.to_string())?;
+    let mut addrs = launch::replica_addrs(&status, workers).map_err(|e| e.to_string())?;
+    addrs.command_log = Some(log);
     Ok(Replica {
         dir,
         orchestrator,
@@ -222,7 +233,13 @@ async fn check(c: &Controller, target: &[DataflowDescription]) -> Result<(), Str
 
 /// Sets the failpoint so that the next broadcast of `kind` reaches process 0 only.
 fn crash_on(kind: &str) {
-    fail::cfg(FAILPOINT, &format!("return({kind}:1)")).expect("failpoint");
+    crash_reaching(kind, "1");
+}
+
+/// Sets the failpoint so that the next broadcast of `kind` reaches the
+/// processes `reach` says (`N`: the first N, `lastN`: the last N).
+fn crash_reaching(kind: &str, reach: &str) {
+    fail::cfg(FAILPOINT, &format!("return({kind}:{reach})")).expect("failpoint");
 }
 
 async fn crashed(c: &Controller) {
@@ -246,7 +263,12 @@ async fn ready(c: &Controller, dataflows: &[DataflowDescription]) -> Result<(), 
 }
 
 async fn scenario(name: &str, id: u64, s: Strategy) -> Result<(), String> {
-    let r = start_replica(id).await?;
+    let (processes, workers) = if name.starts_with("three-processes") {
+        (3, 1)
+    } else {
+        (2, 2)
+    };
+    let r = start_replica(id, processes, workers).await?;
     let base = vec![d1(), d2()];
     let a = controller(&r, 1, s, history(&base));
     ready(&a, &base).await?;
@@ -335,35 +357,142 @@ async fn scenario(name: &str, id: u64, s: Strategy) -> Result<(), String> {
             let t = vec![d2(), x()];
             check(&controller(&r, 2, s, history(&t)), &t).await
         }
+        "partial-create-last" => {
+            crash_reaching("create-dataflow", "last1");
+            // The controller crashes inside this call: what it returns does not matter.
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            check(&controller(&r, 2, s, history(&base)), &base).await
+        }
+        "partial-create-last-wanted" => {
+            crash_reaching("create-dataflow", "last1");
+            // The controller crashes inside this call: what it returns does not matter.
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            let t = vec![d1(), d2(), x()];
+            check(&controller(&r, 2, s, history(&t)), &t).await
+        }
+        "frank-mirrored" => {
+            // Process 1 sees build and drop of X, process 0 only the build.
+            a.create_dataflow(x()).map_err(|e| e.to_string())?;
+            ready(&a, &[x()]).await?;
+            crash_reaching("allow-compaction", "last1");
+            let _ = a.drop_dataflow(&x());
+            crashed(&a).await;
+            let t = vec![d1(), d2(), x()];
+            check(&controller(&r, 2, s, history(&t)), &t).await
+        }
+        "partial-write-last" => {
+            crash_reaching("write-input", "last1");
+            let _ = a.write_input(1, vec![], LAST_TIME + 1);
+            crashed(&a).await;
+            check(&controller(&r, 2, s, history(&base)), &base).await
+        }
+        "double-crash" => {
+            // A crash in a create, then the successor crashes reconciling.
+            crash_on("create-dataflow");
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            let t = vec![d1(), d2(), y()];
+            crash_on("initialization-complete");
+            let b = controller(&r, 2, s, history(&t));
+            crashed(&b).await;
+            check(&controller(&r, 3, s, history(&t)), &t).await
+        }
+        "three-processes-partial-create" => {
+            crash_reaching("create-dataflow", "2");
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            check(&controller(&r, 2, s, history(&base)), &base).await
+        }
+        "three-processes-frank" => {
+            a.create_dataflow(x()).map_err(|e| e.to_string())?;
+            ready(&a, &[x()]).await?;
+            crash_reaching("allow-compaction", "last2");
+            let _ = a.drop_dataflow(&x());
+            crashed(&a).await;
+            let t = vec![d1(), d2(), x()];
+            check(&controller(&r, 2, s, history(&t)), &t).await
+        }
+        "reconnect-between-creates" => {
+            a.create_dataflow(x()).map_err(|e| e.to_string())?;
+            a.reconnect().map_err(|e| e.to_string())?;
+            a.create_dataflow(y()).map_err(|e| e.to_string())?;
+            check(&a, &[d1(), d2(), x(), y()]).await
+        }
+        "stale-controller" => {
+            // The successor connects while the old controller still runs;
+            // what the old one sends afterwards must change nothing.
+            let t = vec![d1(), d2(), x()];
+            let b = controller(&r, 2, s, history(&t));
+            ready(&b, &[x()]).await?;
+            let _ = a.create_dataflow(y());
+            let _ = a.drop_dataflow(&d1());
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            check(&b, &t).await
+        }
         "killed-process" => {
             let pid = pid_of(&r, 1).await?;
             signal(pid, libc::SIGKILL)?;
             check(&a, &base).await
         }
-        "stopped-process" => {
+        "killed-process-0" => {
+            let pid = pid_of(&r, 0).await?;
+            signal(pid, libc::SIGKILL)?;
+            check(&a, &base).await
+        }
+        "killed-during-reconcile" => {
+            a.shutdown();
+            let t = vec![d1(), d2(), x()];
+            let b = controller(&r, 2, s, history(&t));
             let pid = pid_of(&r, 1).await?;
-            let mut events = a.events();
-            signal(pid, libc::SIGSTOP)?;
-            let silent = tokio::time::timeout(Duration::from_secs(5), async {
-                loop {
-                    if let Ok(lockstep_controller::Event::ProcessSilent { process, .. }) =
-                        events.recv().await
-                    {
-                        return process;
-                    }
-                }
-            })
-            .await;
-            signal(pid, libc::SIGCONT)?;
-            if silent != Ok(1) {
-                return Err(format!(
-                    "I2: the stopped process was not reported silent within 5 s ({silent:?})"
-                ));
-            }
+            signal(pid, libc::SIGKILL)?;
+            check(&b, &t).await
+        }
+        "stopped-process" => {
+            stop_until_silent(&r, &a, 1).await?;
+            signal(pid_of(&r, 1).await?, libc::SIGCONT)?;
+            check(&a, &base).await
+        }
+        "stopped-process-0" => {
+            stop_until_silent(&r, &a, 0).await?;
+            signal(pid_of(&r, 0).await?, libc::SIGCONT)?;
+            check(&a, &base).await
+        }
+        "stopped-process-restarted" => {
+            // What the environment does with a silent process: restart the
+            // replica (here: kill the stopped process; the orchestrator's
+            // supervisors restart it, and its peer exits with the cluster).
+            stop_until_silent(&r, &a, 1).await?;
+            signal(pid_of(&r, 1).await?, libc::SIGKILL)?;
             check(&a, &base).await
         }
         other => Err(format!("unknown scenario {other}")),
     }
+}
+
+/// Stops (SIGSTOP) a process and waits until the controller reports it silent.
+async fn stop_until_silent(r: &Replica, a: &Controller, process: usize) -> Result<(), String> {
+    let pid = pid_of(r, process).await?;
+    let mut events = a.events();
+    signal(pid, libc::SIGSTOP)?;
+    let silent = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if let Ok(lockstep_controller::Event::ProcessSilent { process, .. }) =
+                events.recv().await
+            {
+                return process;
+            }
+        }
+    })
+    .await;
+    if silent != Ok(process) {
+        signal(pid, libc::SIGCONT)?;
+        return Err(format!(
+            "I2: the stopped process {process} was not reported silent within 5 s ({silent:?})"
+        ));
+    }
+    Ok(())
 }
 
 async fn pid_of(r: &Replica, process: usize) -> Result<i32, String> {
@@ -399,7 +528,7 @@ fn signal(pid: i32, sig: i32) -> Result<(), String> {
     }
 }
 
-const SCENARIOS: [&str; 13] = [
+const SCENARIOS: [&str; 26] = [
     "partial-create-unwanted",
     "partial-create-wanted",
     "partial-create-then-create",
@@ -413,12 +542,30 @@ const SCENARIOS: [&str; 13] = [
     "changed-target",
     "killed-process",
     "stopped-process",
+    "partial-create-last",
+    "partial-create-last-wanted",
+    "frank-mirrored",
+    "partial-write-last",
+    "double-crash",
+    "three-processes-partial-create",
+    "three-processes-frank",
+    "reconnect-between-creates",
+    "stale-controller",
+    "killed-process-0",
+    "killed-during-reconcile",
+    "stopped-process-0",
+    "stopped-process-restarted",
 ];
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let strategies: Vec<Strategy> = if args.is_empty() {
-        vec![Strategy::Barrier, Strategy::Naive]
+        vec![
+            Strategy::Broadcast,
+            Strategy::Barrier,
+            Strategy::Log,
+            Strategy::Naive,
+        ]
     } else {
         match args
             .iter()
@@ -448,10 +595,6 @@ fn main() {
     let mut ok = true;
     let mut next_id = 1;
     for s in strategies {
-        if matches!(s, Strategy::Broadcast | Strategy::Log) {
-            eprintln!("distribution/{s}: not implemented yet; not run");
-            continue;
-        }
         let mut passed = 0;
         let mut failed = 0;
         for name in SCENARIOS {

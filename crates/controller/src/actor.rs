@@ -74,7 +74,7 @@ struct PendingPeek {
 #[derive(Default)]
 struct LogBatch {
     hellos: Vec<Command>,
-    commands: Vec<(Command, Option<usize>)>,
+    commands: Vec<(Command, Option<Reach>)>,
 }
 
 struct Actor {
@@ -403,7 +403,7 @@ impl Actor {
             return;
         }
         let strategy = self.strategy_for(&kind);
-        let crash_after = partial_broadcast(kind.name());
+        let crash = partial_broadcast(kind.name());
         self.seqno += 1;
         let cmd = Command {
             seqno: self.seqno,
@@ -412,25 +412,26 @@ impl Actor {
         };
         if strategy == Strategy::Log {
             if let Some(batch) = &mut self.log_batch {
-                batch.commands.push((cmd, crash_after));
+                batch.commands.push((cmd, crash));
                 return;
             }
             // The log is the truth: append first; the socket copies only
             // wake the processes. A crash before any process got its copy
             // is a crash before the append.
-            if crash_after == Some(0) {
-                self.crash(0);
+            if crash.is_some_and(|r| r.count(self.conns.len()) == 0) {
+                self.crash();
                 return;
             }
             if !self.append_log(std::slice::from_ref(&cmd)) {
                 return;
             }
         }
+        if let Some(reach) = crash {
+            self.write_reached(&cmd, reach);
+            self.crash();
+            return;
+        }
         for i in 0..self.conns.len() {
-            if crash_after.is_some_and(|n| i >= n) {
-                self.crash(i);
-                return;
-            }
             self.write(i, cmd.clone());
         }
     }
@@ -476,13 +477,14 @@ impl Actor {
         let Some(batch) = self.log_batch.take() else {
             return;
         };
+        let n = self.conns.len();
         let crash = batch
             .commands
             .iter()
             .position(|(_, c)| c.is_some())
-            .map(|i| (i, batch.commands[i].1.unwrap_or(0)));
+            .map(|i| (i, batch.commands[i].1.expect("found")));
         let appended = match crash {
-            Some((i, 0)) => i,
+            Some((i, r)) if r.count(n) == 0 => i,
             Some((i, _)) => i + 1,
             None => batch.commands.len(),
         };
@@ -494,12 +496,27 @@ impl Actor {
         for (i, hello) in batch.hellos.into_iter().enumerate() {
             self.write(i, hello);
         }
-        for (n, (cmd, crash_after)) in batch.commands.into_iter().enumerate() {
-            for i in 0..self.conns.len() {
-                if n == appended || crash_after.is_some_and(|k| i >= k) {
-                    self.crash(i);
-                    return;
-                }
+        for (k, (cmd, crash)) in batch.commands.into_iter().enumerate() {
+            if k == appended {
+                self.crash();
+                return;
+            }
+            if let Some(reach) = crash {
+                self.write_reached(&cmd, reach);
+                self.crash();
+                return;
+            }
+            for i in 0..n {
+                self.write(i, cmd.clone());
+            }
+        }
+    }
+
+    /// Sends `cmd` to the processes the failpoint lets it reach.
+    fn write_reached(&mut self, cmd: &Command, reach: Reach) {
+        let n = self.conns.len();
+        for i in 0..n {
+            if reach.reaches(i, n) {
                 self.write(i, cmd.clone());
             }
         }
@@ -508,11 +525,8 @@ impl Actor {
     /// The failpoint `controller_partial_broadcast` (value `KIND:N`, e.g.
     /// `create-dataflow:1`): the controller crashes while broadcasting a
     /// command of that kind, after it reached the first N processes.
-    fn crash(&mut self, reached: usize) {
-        tracing::error!(
-            reached,
-            "failpoint: controller crashes in the middle of a broadcast"
-        );
+    fn crash(&mut self) {
+        tracing::error!("failpoint: controller crashes in the middle of a broadcast");
         self.crashed = true;
         self.connected = false;
         self.conns.iter_mut().for_each(|c| *c = None);
@@ -771,17 +785,42 @@ impl Actor {
     }
 }
 
-/// How many processes a broadcast of `kind` reaches before the controller
-/// crashes, if the failpoint `controller_partial_broadcast` says so.
-fn partial_broadcast(kind: &str) -> Option<usize> {
+/// Which processes a broadcast reaches before the controller crashes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reach {
+    /// The first N processes.
+    First(usize),
+    /// The last N processes (process 0 last to be reached).
+    Last(usize),
+}
+
+impl Reach {
+    fn reaches(self, i: usize, n: usize) -> bool {
+        match self {
+            Reach::First(k) => i < k,
+            Reach::Last(k) => i + k >= n,
+        }
+    }
+
+    fn count(self, n: usize) -> usize {
+        (0..n).filter(|&i| self.reaches(i, n)).count()
+    }
+}
+
+/// Which processes a broadcast of `kind` reaches before the controller
+/// crashes, if the failpoint `controller_partial_broadcast` says so: value
+/// `KIND:N` for the first N processes, `KIND:lastN` for the last N.
+fn partial_broadcast(kind: &str) -> Option<Reach> {
     let _ = kind;
     fail::fail_point!("controller_partial_broadcast", |arg: Option<String>| {
         let arg = arg?;
         let (k, n) = arg.split_once(':')?;
-        if k == kind {
-            n.parse().ok()
-        } else {
-            None
+        if k != kind {
+            return None;
+        }
+        match n.strip_prefix("last") {
+            Some(n) => n.parse().ok().map(Reach::Last),
+            None => n.parse().ok().map(Reach::First),
         }
     });
     None
