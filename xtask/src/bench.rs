@@ -1,26 +1,108 @@
-//! `cargo xtask bench [--quick]`: runs the criterion suite in `benches/`,
-//! then writes `target/lockstep/bench.json` (one object per benchmark: name,
-//! median in nanoseconds, and the ratio to its baseline where one exists) and
-//! prints the same as a Markdown table (the reporting contract of DESIGN.md).
+//! `cargo xtask bench [--quick] [--readme]`: runs the criterion suite in
+//! `benches/` and reports it.
 //!
-//! Baselines: a strategy's figures are compared with `naive` on the same
-//! replica in the same run (DESIGN.md names `broadcast` as the baseline, but
-//! broadcast is not built yet); a WASM policy's with the same logic in native
-//! Rust. Not built yet: the latency-against-process-count chart of issue 7.
+//! It writes:
+//! - `target/lockstep/bench.json`: one object per benchmark: its name, its
+//!   median in nanoseconds, and its baseline and the ratio to it where one
+//!   exists (the reporting contract of DESIGN.md), plus bytes per second for
+//!   the write benchmarks;
+//! - `target/lockstep/bench-latency.svg` (copied to `docs/bench/latency.svg`):
+//!   latency against process count, one line per strategy;
+//! - `docs/bench/results.md`: the tables, the machine, the date and the
+//!   command;
+//! - with `--readme`, the text between `<!-- bench:start -->` and
+//!   `<!-- bench:end -->` in README.md: the generated Results section.
+//!
+//! It prints the reporting contract's Markdown table.
+//!
+//! Baselines: a strategy's figure (`strategies/{measurement}/{strategy}/{shape}`)
+//! is compared with `broadcast`'s figure for the same measurement and shape;
+//! a WASM policy's figure with the same logic in native Rust.
 
+use std::collections::BTreeMap;
 use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 
+use crate::chart::{self, Panel, Point};
 use crate::util::{cargo, root, run, step};
 
 /// One measured benchmark.
 struct Row {
     name: String,
     median_ns: f64,
+    /// Bytes per iteration, for throughput benchmarks.
+    bytes: Option<u64>,
+}
+
+/// A strategy benchmark's name, split.
+struct StrategyId<'a> {
+    measurement: &'a str,
+    strategy: &'a str,
+    processes: u32,
+    workers: u32,
+}
+
+/// The strategy baseline DESIGN.md names.
+const BASELINE_STRATEGY: &str = "broadcast";
+/// The strategies in report order.
+const STRATEGIES: [&str; 4] = ["broadcast", "barrier", "log", "naive"];
+/// The strategy measurements in report order, with their descriptions.
+const MEASUREMENTS: [(&str, &str); 9] = [
+    (
+        "small_command",
+        "small command until every worker applied it",
+    ),
+    ("peek", "peek of 100 rows"),
+    ("install", "dataflow install until its frontier passes"),
+    (
+        "write_1KiB",
+        "WriteInput of 1 KiB until the frontier passes",
+    ),
+    (
+        "write_64KiB",
+        "WriteInput of 64 KiB until the frontier passes",
+    ),
+    (
+        "write_1MiB",
+        "WriteInput of 1 MiB until the frontier passes",
+    ),
+    (
+        "reconcile_10",
+        "reconciliation of 10 dataflows after a controller restart",
+    ),
+    ("reconcile_100", "the same, 100 dataflows"),
+    ("reconcile_1000", "the same, 1,000 dataflows"),
+];
+/// The marker pair `--readme` replaces the text between.
+const README_START: &str = "<!-- bench:start -->";
+const README_END: &str = "<!-- bench:end -->";
+
+fn parse_strategy_id(name: &str) -> Option<StrategyId<'_>> {
+    let mut parts = name.split('/');
+    if parts.next()? != "strategies" {
+        return None;
+    }
+    let measurement = parts.next()?;
+    let strategy = parts.next()?;
+    let (p, w) = parts.next()?.split_once('x')?;
+    if parts.next().is_some() {
+        return None;
+    }
+    Some(StrategyId {
+        measurement,
+        strategy,
+        processes: p.parse().ok()?,
+        workers: w.parse().ok()?,
+    })
 }
 
 fn collect(dir: &Path, out: &mut Vec<Row>) -> anyhow::Result<()> {
+    if !dir.exists() {
+        return Ok(());
+    }
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
         if !path.is_dir() {
@@ -33,7 +115,12 @@ fn collect(dir: &Path, out: &mut Vec<Row>) -> anyhow::Result<()> {
             let est: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&est)?)?;
             let name = meta["full_id"].as_str().unwrap_or_default().to_string();
             let median_ns = est["median"]["point_estimate"].as_f64().unwrap_or(f64::NAN);
-            out.push(Row { name, median_ns });
+            let bytes = meta["throughput"]["Bytes"].as_u64();
+            out.push(Row {
+                name,
+                median_ns,
+                bytes,
+            });
         } else {
             collect(&path, out)?;
         }
@@ -41,9 +128,16 @@ fn collect(dir: &Path, out: &mut Vec<Row>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The benchmark `name` is compared with, if any.
 fn baseline_of(name: &str) -> Option<String> {
-    if name.contains("/barrier/") {
-        return Some(name.replace("/barrier/", "/naive/"));
+    if let Some(id) = parse_strategy_id(name) {
+        if id.strategy == BASELINE_STRATEGY {
+            return None;
+        }
+        return Some(format!(
+            "strategies/{}/{BASELINE_STRATEGY}/{}x{}",
+            id.measurement, id.processes, id.workers
+        ));
     }
     if name.contains("wasm") {
         return Some(name.replace("wasm", "native"));
@@ -51,7 +145,8 @@ fn baseline_of(name: &str) -> Option<String> {
     None
 }
 
-fn human(ns: f64) -> String {
+/// A duration in nanoseconds, for people.
+pub fn human(ns: f64) -> String {
     if ns >= 1e9 {
         format!("{:.2} s", ns / 1e9)
     } else if ns >= 1e6 {
@@ -63,8 +158,329 @@ fn human(ns: f64) -> String {
     }
 }
 
+fn mib_per_s(bytes: u64, ns: f64) -> f64 {
+    bytes as f64 / (ns / 1e9) / (1024.0 * 1024.0)
+}
+
+/// The measured figures of one run, with their baselines.
+struct Report {
+    rows: Vec<Row>,
+    medians: BTreeMap<String, f64>,
+}
+
+impl Report {
+    fn new(mut rows: Vec<Row>) -> Report {
+        rows.sort_by(|a, b| a.name.cmp(&b.name));
+        let medians = rows.iter().map(|r| (r.name.clone(), r.median_ns)).collect();
+        Report { rows, medians }
+    }
+
+    /// A measured baseline of `name` and the ratio to it.
+    fn ratio(&self, name: &str) -> Option<(String, f64)> {
+        let base = baseline_of(name)?;
+        let b = *self.medians.get(&base)?;
+        Some((base, self.medians[name] / b))
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let objs: Vec<serde_json::Value> = self
+            .rows
+            .iter()
+            .map(|r| {
+                let mut obj = serde_json::json!({ "name": r.name, "median_ns": r.median_ns });
+                if let Some((b, x)) = self.ratio(&r.name) {
+                    obj["baseline"] = serde_json::json!(b);
+                    obj["ratio"] = serde_json::json!(x);
+                }
+                if let Some(bytes) = r.bytes {
+                    obj["bytes"] = serde_json::json!(bytes);
+                    obj["mib_per_s"] = serde_json::json!(mib_per_s(bytes, r.median_ns));
+                }
+                obj
+            })
+            .collect();
+        serde_json::Value::Array(objs)
+    }
+
+    /// The reporting contract's table: every benchmark, its median, its
+    /// baseline and the ratio.
+    fn contract_table(&self, filter: impl Fn(&str) -> bool) -> String {
+        let mut t = String::from(
+            "| benchmark | median | baseline | ratio |\n| --- | ---: | --- | ---: |\n",
+        );
+        for r in self.rows.iter().filter(|r| filter(&r.name)) {
+            let (base, ratio) = match self.ratio(&r.name) {
+                Some((b, x)) => (b, format!("{x:.2}x")),
+                None => ("-".into(), "-".into()),
+            };
+            let mut median = human(r.median_ns);
+            if let Some(bytes) = r.bytes {
+                median.push_str(&format!(" ({:.1} MiB/s)", mib_per_s(bytes, r.median_ns)));
+            }
+            t.push_str(&format!("| {} | {median} | {base} | {ratio} |\n", r.name));
+        }
+        t
+    }
+
+    /// The strategies that have at least one figure, in report order.
+    fn strategies(&self) -> Vec<&'static str> {
+        STRATEGIES
+            .into_iter()
+            .filter(|s| {
+                self.rows
+                    .iter()
+                    .any(|r| parse_strategy_id(&r.name).is_some_and(|id| id.strategy == *s))
+            })
+            .collect()
+    }
+
+    /// The shapes measured, ordered by workers in all, then processes.
+    fn shapes(&self) -> Vec<(u32, u32)> {
+        let mut shapes: Vec<(u32, u32)> = self
+            .rows
+            .iter()
+            .filter_map(|r| parse_strategy_id(&r.name).map(|id| (id.processes, id.workers)))
+            .collect();
+        shapes.sort_by_key(|&(p, w)| (p * w, p));
+        shapes.dedup();
+        shapes
+    }
+
+    /// One row per measurement and shape, one column per strategy: the
+    /// median and, in brackets, the ratio to broadcast.
+    fn strategy_table(&self, only_shape: Option<(u32, u32)>) -> String {
+        let strategies = self.strategies();
+        if strategies.is_empty() {
+            return "No strategy was measured.\n".into();
+        }
+        let mut t = String::from("| measurement | shape |");
+        for s in &strategies {
+            t.push_str(&format!(" {s} |"));
+        }
+        t.push_str("\n| --- | --- |");
+        for _ in &strategies {
+            t.push_str(" ---: |");
+        }
+        t.push('\n');
+        for (m, _) in MEASUREMENTS {
+            for (p, w) in self.shapes() {
+                if only_shape.is_some_and(|s| s != (p, w)) {
+                    continue;
+                }
+                let mut line = format!("| {m} | {p}x{w} |");
+                let mut any = false;
+                for s in &strategies {
+                    let name = format!("strategies/{m}/{s}/{p}x{w}");
+                    match self.medians.get(&name) {
+                        Some(&ns) => {
+                            any = true;
+                            line.push_str(&format!(" {}", human(ns)));
+                            if let Some((_, x)) = self.ratio(&name) {
+                                line.push_str(&format!(" ({x:.2}x)"));
+                            }
+                            line.push_str(" |");
+                        }
+                        None => line.push_str(" - |"),
+                    }
+                }
+                if any {
+                    t.push_str(&line);
+                    t.push('\n');
+                }
+            }
+        }
+        t
+    }
+
+    fn panel(&self, measurement: &str, title: &str) -> Panel {
+        let points = self
+            .rows
+            .iter()
+            .filter_map(|r| {
+                let id = parse_strategy_id(&r.name)?;
+                (id.measurement == measurement).then(|| Point {
+                    strategy: id.strategy.to_string(),
+                    processes: id.processes,
+                    workers: id.workers,
+                    median_ns: r.median_ns,
+                })
+            })
+            .collect();
+        Panel {
+            title: title.into(),
+            points,
+        }
+    }
+}
+
+/// Facts about the machine and the tree, for the report.
+struct Machine {
+    cores: String,
+    kernel: String,
+    cpu: String,
+    date: String,
+    commit: String,
+}
+
+fn output(cmd: &str, args: &[&str]) -> String {
+    Command::new(cmd)
+        .args(args)
+        .current_dir(root())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+impl Machine {
+    fn probe() -> Machine {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split_once(':'))
+                    .map(|(_, v)| v.trim().to_string())
+            })
+            .unwrap_or_else(|| "unknown".into());
+        let mut commit = output("git", &["rev-parse", "--short", "HEAD"]);
+        if !output("git", &["status", "--porcelain", "--untracked-files=no"]).is_empty() {
+            commit.push_str(" (with uncommitted changes)");
+        }
+        Machine {
+            cores: output("nproc", &[]),
+            kernel: output("uname", &["-sr"]),
+            cpu,
+            date: output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+            commit,
+        }
+    }
+}
+
+/// What one run was: how it was invoked and how long it took.
+struct RunInfo {
+    command: String,
+    quick: bool,
+    wall_secs: f64,
+    skipped: Vec<String>,
+}
+
+fn machine_paragraph(m: &Machine, run: &RunInfo) -> String {
+    format!(
+        "One run of `{}` on {}: {} cores ({}), {}, commit {}. It took {:.0} s of wall time, \
+         building included. {} The machine is shared, so read ratios measured in the same run \
+         rather than absolute figures.\n",
+        run.command,
+        m.date,
+        m.cores,
+        m.cpu,
+        m.kernel,
+        m.commit,
+        run.wall_secs,
+        if run.quick {
+            "Strategy figures are criterion medians of 10 samples after 0.2 s of warm-up and \
+             0.6 s of measurement each (quick mode); the rest had 0.5 s of warm-up and 1 s of \
+             measurement."
+        } else {
+            "Strategy figures are criterion medians of 20 samples after 1 s of warm-up and 3 s \
+             of measurement each."
+        }
+    )
+}
+
+fn skipped_paragraph(run: &RunInfo) -> String {
+    if run.skipped.is_empty() {
+        return String::new();
+    }
+    let mut s = String::from("Not measured in this run (the suite skipped them and went on):\n\n");
+    for line in &run.skipped {
+        let mut parts = line.splitn(3, '\t');
+        let strategy = parts.next().unwrap_or("?");
+        let shape = parts.next().unwrap_or("?");
+        let why = parts.next().unwrap_or("?");
+        s.push_str(&format!("- `{strategy}` on {shape}: {why}\n"));
+    }
+    s.push('\n');
+    s
+}
+
+const HOW_TO_READ: &str = "Each strategy figure is `median (ratio to broadcast)` for the same \
+measurement on the same replica shape (processes x workers per process), every replica a set \
+of real OS processes on this machine. Reconciliation figures are the time from starting a new \
+controller at a new epoch until every worker reported a full status; every iteration checks \
+that no dataflow was rebuilt (creation logs unchanged).";
+
+/// `docs/bench/results.md`: everything.
+fn results_md(report: &Report, m: &Machine, run: &RunInfo) -> String {
+    let mut s = String::from("# Benchmark results\n\n");
+    s.push_str("Generated by `cargo xtask bench`; do not edit by hand.\n\n");
+    s.push_str(&machine_paragraph(m, run));
+    s.push_str(&format!(
+        "\nTo reproduce: `{}`. The raw figures are in `target/lockstep/bench.json`.\n\n",
+        run.command
+    ));
+    s.push_str("![Latency against process count, per strategy](latency.svg)\n\n");
+    s.push_str("## Strategies\n\n");
+    s.push_str(HOW_TO_READ);
+    s.push_str("\n\n");
+    for (m, what) in MEASUREMENTS {
+        s.push_str(&format!("- `{m}`: {what}\n"));
+    }
+    s.push('\n');
+    s.push_str(&skipped_paragraph(run));
+    s.push_str(&report.strategy_table(None));
+    s.push_str("\n## Every benchmark\n\n");
+    s.push_str("The reporting contract's table (`target/lockstep/bench.json` holds the same).\n\n");
+    s.push_str(&report.contract_table(|_| true));
+    s
+}
+
+/// The README's Results section.
+fn readme_section(report: &Report, m: &Machine, run: &RunInfo) -> String {
+    let mut s = String::from("### Results\n\n");
+    s.push_str(
+        "<!-- Generated by `cargo xtask bench --readme` from one run; do not edit by hand. -->\n\n",
+    );
+    s.push_str(&machine_paragraph(m, run));
+    s.push_str(&format!(
+        "To reproduce: `{}`. Every figure, for every shape, is in \
+         [docs/bench/results.md](docs/bench/results.md).\n\n",
+        run.command
+    ));
+    s.push_str("![Latency against process count, per strategy](docs/bench/latency.svg)\n\n");
+    s.push_str(HOW_TO_READ);
+    s.push_str(" The table shows the 2x2 replica; the chart and results.md show every shape.\n\n");
+    s.push_str(&skipped_paragraph(run));
+    let shape = report
+        .shapes()
+        .into_iter()
+        .find(|s| *s == (2, 2))
+        .or_else(|| report.shapes().last().copied());
+    s.push_str(&report.strategy_table(shape));
+    s.push_str("\nPolicies, protocol and replica start:\n\n");
+    s.push_str(&report.contract_table(|n| parse_strategy_id(n).is_none()));
+    s
+}
+
+fn replace_between_markers(text: &str, section: &str) -> anyhow::Result<String> {
+    let Some(start) = text.find(README_START) else {
+        bail!("README.md has no {README_START} marker");
+    };
+    let Some(end) = text[start..].find(README_END).map(|e| start + e) else {
+        bail!("README.md has no {README_END} marker after {README_START}");
+    };
+    Ok(format!(
+        "{}{README_START}\n{}{}",
+        &text[..start],
+        section.trim_end().to_string() + "\n",
+        &text[end..]
+    ))
+}
+
 /// Builds what the benchmarks need, runs them, writes the report.
-pub fn bench(quick: bool) -> anyhow::Result<()> {
+pub fn bench(quick: bool, readme: bool) -> anyhow::Result<()> {
+    let started = Instant::now();
     step("building the release replica and the policies");
     let mut cmd = cargo();
     cmd.args(["build", "--release", "--quiet", "-p", "lockstep-replica"]);
@@ -75,6 +491,12 @@ pub fn bench(quick: bool) -> anyhow::Result<()> {
         // Only this run's figures go into the report.
         std::fs::remove_dir_all(&criterion_dir).context("clearing old criterion results")?;
     }
+    let out_dir = root().join("target/lockstep");
+    std::fs::create_dir_all(&out_dir)?;
+    let skips = out_dir.join("bench-skipped.tsv");
+    if skips.exists() {
+        std::fs::remove_file(&skips)?;
+    }
     step(if quick {
         "criterion (quick)"
     } else {
@@ -83,41 +505,125 @@ pub fn bench(quick: bool) -> anyhow::Result<()> {
     let mut cmd = cargo();
     cmd.args(["bench", "-p", "lockstep-benches", "--benches", "--"]);
     if quick {
+        // The strategies bench sets its own shorter times (it reads
+        // LOCKSTEP_BENCH_QUICK); these apply to the others.
         cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1"]);
+        cmd.env("LOCKSTEP_BENCH_QUICK", "1");
+    } else {
+        cmd.env_remove("LOCKSTEP_BENCH_QUICK");
     }
+    cmd.env("LOCKSTEP_BENCH_SKIPS", &skips);
     run(cmd)?;
 
     let mut rows = Vec::new();
     collect(&criterion_dir, &mut rows)?;
-    rows.sort_by(|a, b| a.name.cmp(&b.name));
-    let medians: std::collections::BTreeMap<String, f64> =
-        rows.iter().map(|r| (r.name.clone(), r.median_ns)).collect();
-    let mut json = Vec::new();
-    let mut table =
-        String::from("| benchmark | median | baseline | ratio |\n| --- | ---: | --- | ---: |\n");
-    for r in &rows {
-        let base = baseline_of(&r.name).filter(|b| medians.contains_key(b));
-        let ratio = base.as_ref().map(|b| r.median_ns / medians[b]);
-        let mut obj = serde_json::json!({ "name": r.name, "median_ns": r.median_ns });
-        if let (Some(b), Some(x)) = (&base, ratio) {
-            obj["baseline"] = serde_json::json!(b);
-            obj["ratio"] = serde_json::json!(x);
-        }
-        json.push(obj);
-        table.push_str(&format!(
-            "| {} | {} | {} | {} |\n",
-            r.name,
-            human(r.median_ns),
-            base.clone().unwrap_or_else(|| "-".into()),
-            ratio
-                .map(|x| format!("{x:.2}x"))
-                .unwrap_or_else(|| "-".into())
-        ));
+    let report = Report::new(rows);
+    let skipped: Vec<String> = std::fs::read_to_string(&skips)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_string)
+        .collect();
+    let mut command = String::from("cargo xtask bench");
+    if quick {
+        command.push_str(" --quick");
     }
-    let out = root().join("target/lockstep/bench.json");
-    std::fs::create_dir_all(out.parent().expect("a parent"))?;
-    std::fs::write(&out, serde_json::to_string_pretty(&json)?)?;
-    println!("\n{table}");
-    eprintln!("xtask: wrote {} ({} benchmarks)", out.display(), rows.len());
+    if readme {
+        command.push_str(" --readme");
+    }
+    let run_info = RunInfo {
+        command,
+        quick,
+        wall_secs: started.elapsed().as_secs_f64(),
+        skipped,
+    };
+    let machine = Machine::probe();
+
+    let json_path = out_dir.join("bench.json");
+    std::fs::write(&json_path, serde_json::to_string_pretty(&report.json())?)?;
+
+    let svg = chart::svg(
+        "lockstep: latency against process count, per strategy",
+        &format!(
+            "{}, {} cores, {}{}",
+            machine.date,
+            machine.cores,
+            run_info.command,
+            if quick { " (quick)" } else { "" }
+        ),
+        &[
+            report.panel(
+                "small_command",
+                "small command until every worker applied it",
+            ),
+            report.panel("install", "dataflow install"),
+            report.panel("peek", "peek of 100 rows"),
+            report.panel("reconcile_1000", "reconciliation of 1,000 dataflows"),
+        ],
+    );
+    let svg_path = out_dir.join("bench-latency.svg");
+    std::fs::write(&svg_path, &svg)?;
+    let docs = root().join("docs/bench");
+    std::fs::create_dir_all(&docs)?;
+    std::fs::write(docs.join("latency.svg"), &svg)?;
+    std::fs::write(
+        docs.join("results.md"),
+        results_md(&report, &machine, &run_info),
+    )?;
+
+    println!("\n{}", report.contract_table(|_| true));
+    println!("{}", report.strategy_table(None));
+    for line in &run_info.skipped {
+        eprintln!("xtask: bench: not measured: {}", line.replace('\t', " "));
+    }
+    if readme {
+        let path = root().join("README.md");
+        let text = std::fs::read_to_string(&path)?;
+        let new = replace_between_markers(&text, &readme_section(&report, &machine, &run_info))?;
+        std::fs::write(&path, new)?;
+        eprintln!("xtask: bench: replaced the Results section of README.md");
+    }
+    eprintln!(
+        "xtask: wrote {} ({} benchmarks), {}, docs/bench/latency.svg and docs/bench/results.md in {:.0} s",
+        json_path.display(),
+        report.rows.len(),
+        svg_path.display(),
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strategy_ids_parse_and_compare_with_broadcast() {
+        let id = parse_strategy_id("strategies/write_1MiB/barrier/4x1").unwrap();
+        assert_eq!(
+            (id.measurement, id.strategy, id.processes, id.workers),
+            ("write_1MiB", "barrier", 4, 1)
+        );
+        assert!(parse_strategy_id("replica/start_2x2_to_hello_answered").is_none());
+        assert_eq!(
+            baseline_of("strategies/peek/log/2x2").as_deref(),
+            Some("strategies/peek/broadcast/2x2")
+        );
+        assert_eq!(baseline_of("strategies/peek/broadcast/2x2"), None);
+        assert_eq!(
+            baseline_of("policy/choose_wasm").as_deref(),
+            Some("policy/choose_native")
+        );
+    }
+
+    #[test]
+    fn readme_markers_are_replaced_and_the_rest_kept() {
+        let text = "a\n<!-- bench:start -->\nold\n<!-- bench:end -->\nb\n";
+        let new = replace_between_markers(text, "### Results\n\nnew\n").unwrap();
+        assert_eq!(
+            new,
+            "a\n<!-- bench:start -->\n### Results\n\nnew\n<!-- bench:end -->\nb\n"
+        );
+        assert!(replace_between_markers("no markers", "x").is_err());
+    }
 }

@@ -1,0 +1,474 @@
+//! Every distribution strategy side by side, on real replicas, in one run.
+//!
+//! For each replica shape (processes x workers per process: 1x1, 2x1, 2x2,
+//! 4x1, and 4x2 outside quick mode) and each strategy (`broadcast`,
+//! `barrier`, `log`, `naive`), it starts a fresh replica with a controller
+//! that sends every command with that strategy, and measures:
+//!
+//! - `small_command`: a light StatusRequest, until every worker answered it;
+//! - `peek`: a peek of 100 rows, until every process answered;
+//! - `install`: creating a small dataflow until its frontier passes 0 on
+//!   every worker (then dropping it, outside the measurement's meaning but
+//!   inside its loop);
+//! - `write_1KiB`, `write_64KiB`, `write_1MiB`: a WriteInput whose rows hold
+//!   that many bytes of row data (16 columns of 8 bytes each), until the
+//!   frontier of a dataflow reading it passes the write's time (criterion
+//!   reports bytes per second);
+//! - `reconcile_10`, `reconcile_100`, `reconcile_1000`: on a second fresh
+//!   replica with that many dataflows installed, a new controller at a new
+//!   epoch connects, rehydrates its history and waits for a full Status from
+//!   every worker. Every worker's creation log must be unchanged: nothing was
+//!   rebuilt (asserted each iteration).
+//!
+//! Benchmark IDs are `strategies/{measurement}/{strategy}/{p}x{w}`, which
+//! `cargo xtask bench` parses to compare each strategy with `broadcast`.
+//!
+//! A strategy whose setup fails on a shape (the replica refuses it, or a
+//! wait times out) is skipped there with a message on stderr, and appended
+//! to the file named by `$LOCKSTEP_BENCH_SKIPS` if set, so the rest of the
+//! run goes on. A failure in the middle of a measurement is caught and
+//! reported the same way.
+//!
+//! Quick mode (`$LOCKSTEP_BENCH_QUICK=1`, or `--quick` on the command line)
+//! drops the 4x2 shape and shortens warm-up and measurement.
+//! `$LOCKSTEP_BENCH_STRATEGIES` (e.g. `barrier,naive`) and
+//! `$LOCKSTEP_BENCH_SHAPES` (e.g. `1x1,2x2`) restrict the run.
+//!
+//! Needs the release replica: `cargo build --release -p lockstep-replica`.
+
+#![allow(missing_docs)] // criterion_group! generates undocumented functions
+
+use std::io::Write as _;
+use std::panic::AssertUnwindSafe;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use criterion::{
+    criterion_group, criterion_main, BatchSize, BenchmarkGroup, Criterion, SamplingMode, Throughput,
+};
+use lockstep_benches::replica::{self, BenchReplica};
+use lockstep_benches::small_dataflow;
+use lockstep_controller::{Controller, Event};
+use lockstep_protocol::{
+    Command, CommandKind, ControllerCodec, DataflowDescription, Export, Plan, Row, Strategy,
+    Update, WriteInput,
+};
+use tokio::runtime::Runtime;
+use tokio_util::codec::Encoder;
+
+/// The input collection every small dataflow reads.
+const INPUT: u64 = 1;
+/// The input collection the writes go to.
+const WRITE_INPUT: u64 = 2;
+/// The dataflow that is peeked (it exports `1000 + PEEK_DATAFLOW`).
+const PEEK_DATAFLOW: u64 = 1;
+/// The dataflow over [`WRITE_INPUT`] whose frontier the writes wait for.
+const WRITE_DATAFLOW: u64 = 2;
+const WRITE_EXPORT: u64 = 3002;
+/// Columns per written row; each value takes 8 bytes on the wire.
+const COLUMNS: usize = 16;
+/// The write benchmarks: name and bytes of row data per WriteInput.
+const PAYLOADS: [(&str, usize); 3] = [
+    ("write_1KiB", 1 << 10),
+    ("write_64KiB", 64 << 10),
+    ("write_1MiB", 1 << 20),
+];
+/// How long setup may take before the strategy is skipped.
+const SETUP_BOUND: Duration = Duration::from_secs(20);
+
+/// What this run measures.
+struct Run {
+    quick: bool,
+    shapes: Vec<(usize, u32)>,
+    strategies: Vec<Strategy>,
+}
+
+impl Run {
+    fn from_env() -> Run {
+        let quick = std::env::var("LOCKSTEP_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0")
+            || std::env::args().any(|a| a == "--quick");
+        let mut shapes = vec![(1, 1), (2, 1), (2, 2), (4, 1)];
+        if !quick {
+            shapes.push((4, 2));
+        }
+        if let Ok(only) = std::env::var("LOCKSTEP_BENCH_SHAPES") {
+            let wanted: Vec<String> = only.split(',').map(|s| s.trim().to_string()).collect();
+            shapes.retain(|(p, w)| wanted.contains(&format!("{p}x{w}")));
+        }
+        let mut strategies = Strategy::ALL.to_vec();
+        if let Ok(only) = std::env::var("LOCKSTEP_BENCH_STRATEGIES") {
+            let wanted: Vec<&str> = only.split(',').map(str::trim).collect();
+            strategies.retain(|s| wanted.contains(&s.name()));
+        }
+        Run {
+            quick,
+            shapes,
+            strategies,
+        }
+    }
+
+    /// A benchmark group with this run's timing.
+    fn group<'a>(
+        &self,
+        c: &'a mut Criterion,
+        measurement: &str,
+    ) -> BenchmarkGroup<'a, criterion::measurement::WallTime> {
+        let mut g = c.benchmark_group(format!("strategies/{measurement}"));
+        if self.quick {
+            g.sample_size(10)
+                .warm_up_time(Duration::from_millis(200))
+                .measurement_time(Duration::from_millis(600))
+                .nresamples(2_000);
+        } else {
+            g.sample_size(20)
+                .warm_up_time(Duration::from_secs(1))
+                .measurement_time(Duration::from_secs(3));
+        }
+        g
+    }
+}
+
+fn rt() -> Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// Records a skipped strategy on stderr and in `$LOCKSTEP_BENCH_SKIPS`.
+fn skip(strategy: Strategy, shape: &str, why: &str) {
+    let why = why.replace(['\n', '\t'], " ");
+    eprintln!("strategies: SKIPPED {strategy} on {shape}: {why}");
+    if let Ok(path) = std::env::var("LOCKSTEP_BENCH_SKIPS") {
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{strategy}\t{shape}\t{why}");
+        }
+    }
+}
+
+/// The first error a replica reports to `ctl`.
+async fn first_replica_error(mut events: tokio::sync::broadcast::Receiver<Event>) -> String {
+    loop {
+        match events.recv().await {
+            Ok(Event::ReplicaError { process, error }) => {
+                return format!("process {process} refused: {}", error.message)
+            }
+            Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                return "the controller shut down".into()
+            }
+        }
+    }
+}
+
+/// Sends `setup` and waits until `collection`'s frontier passes `t`, or the
+/// replica reports an error, or [`SETUP_BOUND`] passes.
+fn settle(
+    rt: &Runtime,
+    ctl: &Controller,
+    setup: impl FnOnce(&Controller) -> Result<(), lockstep_controller::ControllerError>,
+    collection: u64,
+    t: u64,
+) -> Result<(), String> {
+    let events = ctl.events();
+    setup(ctl).map_err(|e| e.to_string())?;
+    rt.block_on(async {
+        let wait = tokio::time::timeout(SETUP_BOUND, ctl.wait_for_frontier(collection, t));
+        tokio::select! {
+            r = wait => match r {
+                Ok(r) => r.map_err(|e| e.to_string()),
+                Err(_) => Err(format!("setup did not finish within {SETUP_BOUND:?}")),
+            },
+            e = first_replica_error(events) => Err(e),
+        }
+    })
+}
+
+/// A dataflow exporting `get(input)` as `export`.
+fn dataflow_over(id: u64, input: u64, export: u64) -> DataflowDescription {
+    DataflowDescription {
+        id,
+        as_of: 0,
+        inputs: vec![input],
+        exports: vec![Export {
+            collection_id: export,
+            plan: Plan::Get {
+                collection_id: input,
+            },
+        }],
+        debug_name: format!("bench-write-{id}"),
+    }
+}
+
+/// Rows holding `bytes` bytes of row data: [`COLUMNS`] values per row, each
+/// large enough to take 8 bytes as a protobuf varint.
+fn payload(bytes: usize) -> Vec<Row> {
+    let per_row = COLUMNS * 8;
+    (0..bytes / per_row)
+        .map(|r| {
+            (0..COLUMNS)
+                .map(|c| (1i64 << 50) + (r * COLUMNS + c) as i64)
+                .collect()
+        })
+        .collect()
+}
+
+/// The size of a WriteInput of `rows` on the wire (one process's copy).
+fn frame_len(rows: &[Row]) -> usize {
+    let cmd = Command {
+        seqno: 1,
+        strategy: Strategy::Barrier,
+        kind: CommandKind::WriteInput(WriteInput {
+            collection_id: WRITE_INPUT,
+            updates: rows
+                .iter()
+                .map(|row| Update {
+                    row: row.clone(),
+                    time: 1,
+                    diff: 1,
+                })
+                .collect(),
+            upper: 2,
+        }),
+    };
+    let mut buf = BytesMut::new();
+    ControllerCodec::default()
+        .encode(cmd, &mut buf)
+        .expect("encode");
+    buf.len()
+}
+
+fn strategies(c: &mut Criterion) {
+    let run = Run::from_env();
+    for (name, bytes) in PAYLOADS {
+        let rows = payload(bytes);
+        eprintln!(
+            "strategies: {name}: {} rows of {COLUMNS} columns, {bytes} bytes of row data, a {}-byte WriteInput frame to each process",
+            rows.len(),
+            frame_len(&rows)
+        );
+    }
+    let rt = rt();
+    let _guard = rt.enter();
+    let mut replica_id = 1000;
+    for &(p, w) in &run.shapes {
+        let shape = format!("{p}x{w}");
+        for &strategy in &run.strategies {
+            replica_id += 2;
+            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                measure(c, &run, &rt, replica_id, strategy, p, w)
+            }));
+            match outcome {
+                Ok(Ok(())) => {}
+                Ok(Err(why)) => skip(strategy, &shape, &why),
+                Err(panic) => {
+                    let why = panic
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "a panic".into());
+                    skip(strategy, &shape, &format!("failed mid-run: {why}"));
+                }
+            }
+        }
+    }
+}
+
+/// Every measurement of one strategy on one shape. `Err` means the setup
+/// failed and nothing was measured past that point.
+fn measure(
+    c: &mut Criterion,
+    run: &Run,
+    rt: &Runtime,
+    replica_id: u64,
+    strategy: Strategy,
+    p: usize,
+    w: u32,
+) -> Result<(), String> {
+    let id = format!("{strategy}/{p}x{w}");
+    eprintln!("strategies: {id}: starting a {p}x{w} replica");
+    let r = rt.block_on(replica::start(replica_id, p, w));
+    let ctl = replica::controller(&r, strategy);
+    let rows: Vec<Update> = (0..100)
+        .map(|i| Update {
+            row: vec![i, i * 10],
+            time: 0,
+            diff: 1,
+        })
+        .collect();
+    settle(
+        rt,
+        &ctl,
+        |ctl| {
+            ctl.write_input(INPUT, rows, 1)?;
+            ctl.create_dataflow(small_dataflow(PEEK_DATAFLOW))
+        },
+        1000 + PEEK_DATAFLOW,
+        0,
+    )
+    .map_err(|e| format!("setup (write 100 rows, install a dataflow): {e}"))?;
+
+    let mut g = run.group(c, "small_command");
+    g.bench_function(&id, |b| b.iter(|| rt.block_on(ctl.ping()).expect("ping")));
+    g.finish();
+
+    let mut g = run.group(c, "peek");
+    g.bench_function(&id, |b| {
+        b.iter(|| {
+            let rows = rt
+                .block_on(ctl.peek(1000 + PEEK_DATAFLOW, 0))
+                .expect("peek");
+            assert_eq!(rows.len(), 100, "peek answered a wrong row count");
+        })
+    });
+    g.finish();
+
+    // IDs are never reused: a new dataflow each iteration.
+    let mut next = 20_000u64;
+    let mut g = run.group(c, "install");
+    g.bench_function(&id, |b| {
+        b.iter(|| {
+            next += 1;
+            let d = small_dataflow(next);
+            ctl.create_dataflow(d.clone()).expect("create");
+            rt.block_on(ctl.wait_for_frontier(1000 + next, 0))
+                .expect("installed");
+            ctl.drop_dataflow(&d).expect("drop");
+        })
+    });
+    g.finish();
+
+    settle(
+        rt,
+        &ctl,
+        |ctl| {
+            ctl.write_input(WRITE_INPUT, vec![], 1)?;
+            ctl.create_dataflow(dataflow_over(WRITE_DATAFLOW, WRITE_INPUT, WRITE_EXPORT))
+        },
+        WRITE_EXPORT,
+        0,
+    )
+    .map_err(|e| format!("setup of the write benchmarks: {e}"))?;
+    // Each write inserts the payload at a new time, the next retracts it, so
+    // the arranged collection stays small.
+    let mut time = 1u64;
+    for (name, bytes) in PAYLOADS {
+        let rows = payload(bytes);
+        let mut g = run.group(c, name);
+        g.throughput(Throughput::Bytes(bytes as u64));
+        g.bench_function(&id, |b| {
+            b.iter_batched(
+                || {
+                    let t = time;
+                    time += 1;
+                    let diff = if t % 2 == 1 { 1 } else { -1 };
+                    let updates: Vec<Update> = rows
+                        .iter()
+                        .map(|row| Update {
+                            row: row.clone(),
+                            time: t,
+                            diff,
+                        })
+                        .collect();
+                    (t, updates)
+                },
+                |(t, updates)| {
+                    ctl.write_input(WRITE_INPUT, updates, t + 1).expect("write");
+                    rt.block_on(ctl.wait_for_frontier(WRITE_EXPORT, t))
+                        .expect("frontier");
+                },
+                BatchSize::PerIteration,
+            )
+        });
+        g.finish();
+    }
+    ctl.shutdown();
+    drop(r);
+
+    reconcile(c, run, rt, replica_id + 1, strategy, p, w, &id)
+}
+
+/// Reconciliation after a controller restart with 10, 100 and 1,000
+/// dataflows installed, on a fresh replica.
+#[allow(clippy::too_many_arguments)]
+fn reconcile(
+    c: &mut Criterion,
+    run: &Run,
+    rt: &Runtime,
+    replica_id: u64,
+    strategy: Strategy,
+    p: usize,
+    w: u32,
+    id: &str,
+) -> Result<(), String> {
+    let r: BenchReplica = rt.block_on(replica::start(replica_id, p, w));
+    let mut ctl = replica::controller(&r, strategy);
+    let mut epoch = 1;
+    let mut installed = 0u64;
+    for n in [10u64, 100, 1000] {
+        let t = Instant::now();
+        settle(
+            rt,
+            &ctl,
+            |ctl| {
+                if installed == 0 {
+                    ctl.write_input(INPUT, vec![], 1)?;
+                }
+                for d in installed + 1..=n {
+                    ctl.create_dataflow(small_dataflow(d))?;
+                }
+                Ok(())
+            },
+            1000 + n,
+            0,
+        )
+        .map_err(|e| format!("setup (install {n} dataflows): {e}"))?;
+        eprintln!(
+            "strategies: {id}: {} more dataflows installed in {:.2?}",
+            n - installed,
+            t.elapsed()
+        );
+        installed = n;
+        let before = rt.block_on(ctl.statuses()).map_err(|e| e.to_string())?;
+        let history = rt.block_on(ctl.history()).map_err(|e| e.to_string())?;
+        ctl.shutdown();
+
+        let mut g = run.group(c, &format!("reconcile_{n}"));
+        g.sampling_mode(SamplingMode::Flat);
+        g.bench_function(id, |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    epoch += 1;
+                    let t = Instant::now();
+                    let c = replica::controller_with(&r, strategy, epoch, history.clone());
+                    let after = rt.block_on(c.statuses()).expect("statuses");
+                    total += t.elapsed();
+                    assert_eq!(before.len(), after.len(), "a worker is missing");
+                    for (x, y) in before.iter().zip(&after) {
+                        assert_eq!(
+                            x.creation_log, y.creation_log,
+                            "worker {} rebuilt a dataflow",
+                            y.worker_index
+                        );
+                    }
+                    c.shutdown();
+                }
+                total
+            })
+        });
+        g.finish();
+        epoch += 1;
+        ctl = replica::controller_with(&r, strategy, epoch, history);
+    }
+    ctl.shutdown();
+    Ok(())
+}
+
+criterion_group!(benches, strategies);
+criterion_main!(benches);
