@@ -9,23 +9,40 @@
 //! nonce; the replica keeps the dataflows that did not change and rebuilds
 //! nothing else. Every compute mutation is, like the replica ones, a catalog
 //! transaction followed by the call to the replica.
+//!
+//! Each controller's events are watched by a task of its own, which restarts
+//! the replica through the orchestrator when the controller reports a silent
+//! process or a process reports that it lost lockstep (see the crate docs).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Mutex;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use lockstep_catalog::{CatalogState, Replica};
-use lockstep_controller::{launch, Controller, ControllerError, Timeouts};
-use lockstep_orchestrator::ServiceStatus;
+use lockstep_controller::{launch, Controller, ControllerError, Event, Timeouts};
+use lockstep_orchestrator::{Orchestrator, RestartError, ServiceStatus};
 use lockstep_policy::{FixedStrategy, Strategy};
 use lockstep_protocol::proto as wire;
 use lockstep_protocol::{
-    CommandHistory, CommandKind, DataflowDescription, Export, Row, SubscribeBatch, Timestamp,
-    Update, WriteInput,
+    CommandHistory, CommandKind, DataflowDescription, ErrorKind, Export, Row, SubscribeBatch,
+    Timestamp, Update, WriteInput,
 };
 use prost::Message;
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
-use crate::{EnvError, Environment};
+use crate::{EnvError, Environment, ServiceTemplate};
+
+/// A replica is restarted through the orchestrator at most once per this
+/// interval. A restart reason that comes sooner is checked again when the
+/// interval has passed.
+pub const REPLICA_RESTART_INTERVAL: Duration = Duration::from_secs(10);
+
+/// How long a replica may take to answer a ping before a deferred restart
+/// goes ahead.
+const PING_BOUND: Duration = Duration::from_secs(5);
 
 /// Why a compute request failed.
 #[derive(Debug, thiserror::Error)]
@@ -53,8 +70,29 @@ pub enum ComputeError {
 /// The controllers of the replicas, by replica ID.
 pub struct Compute {
     controllers: Mutex<BTreeMap<u64, Controller>>,
+    /// The task watching each controller's events, by replica ID.
+    watchers: Mutex<BTreeMap<u64, JoinHandle<()>>>,
     timeouts: Timeouts,
     distribution: Mutex<Option<std::path::PathBuf>>,
+    restart_interval: Duration,
+}
+
+impl Drop for Compute {
+    fn drop(&mut self) {
+        // A watcher holds a controller handle; it must not outlive us.
+        for (_, w) in std::mem::take(&mut *self.watchers.lock().expect("poisoned")) {
+            w.abort();
+        }
+    }
+}
+
+/// What a replica's watcher needs to restart it: the orchestrator, and the
+/// environment's halt channel (a newer controller's service is not ours to
+/// restart: we halt).
+pub(crate) struct Restarter {
+    pub(crate) orchestrator: Arc<dyn Orchestrator>,
+    pub(crate) halt: watch::Sender<Option<String>>,
+    pub(crate) epoch: u64,
 }
 
 impl std::fmt::Debug for Compute {
@@ -74,8 +112,10 @@ impl Default for Compute {
     fn default() -> Self {
         Compute {
             controllers: Mutex::new(BTreeMap::new()),
+            watchers: Mutex::new(BTreeMap::new()),
             timeouts: Timeouts::default(),
             distribution: Mutex::new(None),
+            restart_interval: REPLICA_RESTART_INTERVAL,
         }
     }
 }
@@ -120,27 +160,46 @@ impl Compute {
 
     fn start(
         &self,
-        epoch: u64,
         replica: &Replica,
         status: &ServiceStatus,
         history: CommandHistory,
+        command_log: Option<PathBuf>,
+        restarter: Restarter,
     ) {
-        let addrs = match launch::replica_addrs(status, replica.config.workers_per_process) {
+        let mut addrs = match launch::replica_addrs(status, replica.config.workers_per_process) {
             Ok(a) => a,
             Err(e) => {
                 tracing::error!(replica = %replica.name, "cannot drive replica: {e}");
                 return;
             }
         };
+        addrs.command_log = command_log;
         let policy = self.policy();
-        let controller = Controller::start(addrs, epoch, history, policy, self.timeouts.clone());
-        let mut events = controller.events();
-        let name = replica.name.clone();
-        tokio::spawn(async move {
-            while let Ok(e) = events.recv().await {
-                tracing::info!(replica = %name, event = ?e, "controller event");
-            }
-        });
+        let controller = Controller::start(
+            addrs,
+            restarter.epoch,
+            history,
+            policy,
+            self.timeouts.clone(),
+        );
+        let watcher = Watcher {
+            replica: replica.name.clone(),
+            service: ServiceTemplate::service_name(replica.id),
+            controller: controller.clone(),
+            restarter,
+            interval: self.restart_interval,
+            ping_bound: PING_BOUND,
+        };
+        let events = controller.events();
+        let task = tokio::spawn(watcher.run(events));
+        if let Some(old) = self
+            .watchers
+            .lock()
+            .expect("poisoned")
+            .insert(replica.id, task)
+        {
+            old.abort();
+        }
         if let Some(old) = self
             .controllers
             .lock()
@@ -152,6 +211,9 @@ impl Compute {
     }
 
     fn stop(&self, replica_id: u64) {
+        if let Some(w) = self.watchers.lock().expect("poisoned").remove(&replica_id) {
+            w.abort();
+        }
         if let Some(c) = self
             .controllers
             .lock()
@@ -159,6 +221,134 @@ impl Compute {
             .remove(&replica_id)
         {
             c.shutdown();
+        }
+    }
+}
+
+/// Why a controller event calls for restarting the replica, if it does.
+fn restart_reason(event: &Event) -> Option<String> {
+    match event {
+        Event::ProcessSilent {
+            process,
+            silent_for,
+        } => Some(format!(
+            "process {process} has not answered for {silent_for:.1?} (stopped or hung)"
+        )),
+        Event::ReplicaError { process, error } if error.kind == ErrorKind::LockstepLost => Some(
+            format!("process {process} lost lockstep: {}", error.message),
+        ),
+        _ => None,
+    }
+}
+
+/// Watches one controller's events: logs them, and restarts the replica
+/// through the orchestrator when one calls for it, at most once per
+/// `interval`.
+struct Watcher {
+    replica: String,
+    service: String,
+    controller: Controller,
+    restarter: Restarter,
+    interval: Duration,
+    ping_bound: Duration,
+}
+
+impl Watcher {
+    async fn run(self, mut events: broadcast::Receiver<Event>) {
+        use tokio::sync::broadcast::error::RecvError;
+        let mut last_restart: Option<Instant> = None;
+        // A reason that came within the interval, to check at its end.
+        let mut pending: Option<String> = None;
+        loop {
+            let recheck_at = match (&pending, last_restart) {
+                (Some(_), Some(t)) => Some(t + self.interval),
+                _ => None,
+            };
+            let recheck = async {
+                match recheck_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let reason = tokio::select! {
+                e = events.recv() => match e {
+                    Ok(e) => {
+                        tracing::info!(replica = %self.replica, event = ?e, "controller event");
+                        let Some(reason) = restart_reason(&e) else { continue };
+                        if let Some(t) = last_restart.filter(|t| t.elapsed() < self.interval) {
+                            tracing::warn!(
+                                replica = %self.replica,
+                                %reason,
+                                "the replica was restarted {:.1?} ago; checking it again in {:.1?}",
+                                t.elapsed(),
+                                self.interval.saturating_sub(t.elapsed()),
+                            );
+                            pending.get_or_insert(reason);
+                            continue;
+                        }
+                        reason
+                    }
+                    Err(RecvError::Lagged(n)) => {
+                        tracing::warn!(replica = %self.replica, "{n} controller events were not seen");
+                        continue;
+                    }
+                    Err(RecvError::Closed) => return,
+                },
+                () = recheck => {
+                    let reason = pending.take().expect("a recheck only with a pending reason");
+                    match tokio::time::timeout(self.ping_bound, self.controller.ping()).await {
+                        Ok(Ok(())) => {
+                            tracing::info!(replica = %self.replica, earlier = %reason, "the replica answers again; not restarting it");
+                            continue;
+                        }
+                        Ok(Err(e)) => format!("{reason}; it still does not answer: {e}"),
+                        Err(_) => format!("{reason}; it still does not answer a ping within {:?}", self.ping_bound),
+                    }
+                }
+            };
+            pending = None;
+            last_restart = Some(Instant::now());
+            if !self.restart(&reason).await {
+                return;
+            }
+        }
+    }
+
+    /// Restarts the replica's service; returns false if this watcher must
+    /// stop (we halted).
+    async fn restart(&self, reason: &str) -> bool {
+        if self.restarter.halt.borrow().is_some() {
+            return false;
+        }
+        tracing::warn!(
+            replica = %self.replica,
+            service = %self.service,
+            %reason,
+            "restarting the replica through the orchestrator"
+        );
+        match self
+            .restarter
+            .orchestrator
+            .restart_service(&self.service)
+            .await
+        {
+            Ok(status) => {
+                let pids: Vec<Option<u32>> = status.processes.iter().map(|p| p.pid).collect();
+                tracing::warn!(
+                    replica = %self.replica,
+                    ?pids,
+                    "replica restarted; its controller reconnects"
+                );
+                true
+            }
+            Err(e @ RestartError::StaleEpoch { .. }) => {
+                crate::halt_with(&self.restarter.halt, self.restarter.epoch, e.to_string());
+                false
+            }
+            Err(e) => {
+                tracing::error!(replica = %self.replica, %reason, "could not restart the replica: {e}");
+                true
+            }
         }
     }
 }
@@ -280,18 +470,33 @@ impl Environment {
             };
             let history = history_for(&view, replica.id)?;
             tracing::info!(replica = %replica.name, commands = history.len(), "driving replica");
-            self.compute.start(self.epoch, replica, status, history);
+            self.compute.start(
+                replica,
+                status,
+                history,
+                self.command_log(replica.id),
+                self.restarter(),
+            );
         }
         Ok(())
     }
 
     pub(crate) fn compute_started(&self, replica: &Replica, status: &ServiceStatus) {
         self.compute.start(
-            self.epoch,
             replica,
             status,
             history_for(&self.view(), replica.id).unwrap_or_default(),
+            self.command_log(replica.id),
+            self.restarter(),
         );
+    }
+
+    fn restarter(&self) -> Restarter {
+        Restarter {
+            orchestrator: self.orchestrator.clone(),
+            halt: self.halt.clone(),
+            epoch: self.epoch,
+        }
     }
 
     pub(crate) fn compute_stopped(&self, replica_id: u64) {
@@ -487,5 +692,202 @@ impl Environment {
         Ok(self
             .controller_of(&replica)?
             .subscribe(collection_id, as_of)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use lockstep_controller::ReplicaAddrs;
+    use lockstep_orchestrator::{DropError, EnsureError, ListError, ServiceConfig, ServiceEvent};
+    use lockstep_protocol::ErrorResponse;
+
+    use super::*;
+
+    /// Counts restarts; refuses them as stale when told to.
+    struct Fake {
+        restarts: AtomicUsize,
+        stale: bool,
+    }
+
+    #[async_trait::async_trait]
+    impl Orchestrator for Fake {
+        fn epoch(&self) -> u64 {
+            1
+        }
+        async fn ensure_service(&self, _: ServiceConfig) -> Result<ServiceStatus, EnsureError> {
+            Err(EnsureError::Invalid("the fake ensures nothing".into()))
+        }
+        async fn drop_service(&self, _: &str) -> Result<bool, DropError> {
+            Ok(false)
+        }
+        async fn restart_service(&self, name: &str) -> Result<ServiceStatus, RestartError> {
+            if self.stale {
+                return Err(RestartError::StaleEpoch {
+                    service: name.to_string(),
+                    stored: 2,
+                    ours: 1,
+                });
+            }
+            self.restarts.fetch_add(1, Ordering::SeqCst);
+            Ok(ServiceStatus {
+                name: name.to_string(),
+                id: 1,
+                epoch: 1,
+                labels: BTreeMap::new(),
+                processes: Vec::new(),
+            })
+        }
+        async fn list_services(&self) -> Result<Vec<ServiceStatus>, ListError> {
+            Ok(Vec::new())
+        }
+        fn watch_services(&self) -> broadcast::Receiver<ServiceEvent> {
+            broadcast::channel(1).1
+        }
+    }
+
+    /// A watcher over a controller of a replica that does not exist (so
+    /// every ping fails), fed events by hand.
+    fn watcher(
+        fake: Arc<Fake>,
+    ) -> (
+        broadcast::Sender<Event>,
+        watch::Receiver<Option<String>>,
+        JoinHandle<()>,
+    ) {
+        let controller = Controller::start(
+            ReplicaAddrs {
+                replica_id: 1,
+                processes: vec!["127.0.0.1:1".parse().unwrap()],
+                workers_per_process: 1,
+                command_log: None,
+            },
+            1,
+            CommandHistory::new(),
+            Box::new(FixedStrategy(Strategy::Barrier)),
+            Timeouts::default(),
+        );
+        let (halt, halted) = watch::channel(None);
+        let w = Watcher {
+            replica: "r1".into(),
+            service: "replica-1".into(),
+            controller,
+            restarter: Restarter {
+                orchestrator: fake,
+                halt,
+                epoch: 1,
+            },
+            interval: INTERVAL,
+            ping_bound: Duration::from_millis(100),
+        };
+        let (tx, rx) = broadcast::channel(16);
+        (tx, halted, tokio::spawn(w.run(rx)))
+    }
+
+    const INTERVAL: Duration = Duration::from_secs(1);
+
+    async fn eventually(what: &str, f: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    fn silent() -> Event {
+        Event::ProcessSilent {
+            process: 1,
+            silent_for: Duration::from_secs(2),
+        }
+    }
+
+    fn error(kind: ErrorKind) -> Event {
+        Event::ReplicaError {
+            process: 0,
+            error: ErrorResponse {
+                kind,
+                message: "diverged".into(),
+                seqno: 3,
+            },
+        }
+    }
+
+    async fn settle() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    #[test]
+    fn only_silence_and_lost_lockstep_call_for_a_restart() {
+        assert!(restart_reason(&silent()).unwrap().contains("process 1"));
+        assert!(restart_reason(&error(ErrorKind::LockstepLost))
+            .unwrap()
+            .contains("lost lockstep: diverged"));
+        assert_eq!(restart_reason(&error(ErrorKind::InvalidCommand)), None);
+        assert_eq!(restart_reason(&Event::Connected { nonce: 1 }), None);
+        assert_eq!(
+            restart_reason(&Event::Disconnected {
+                process: 0,
+                reason: "eof".into()
+            }),
+            None
+        );
+    }
+
+    #[tokio::test]
+    async fn restarts_are_rate_limited_and_a_reason_within_the_interval_is_checked_again() {
+        let fake = Arc::new(Fake {
+            restarts: AtomicUsize::new(0),
+            stale: false,
+        });
+        let (tx, _halted, task) = watcher(fake.clone());
+        let count = || fake.restarts.load(Ordering::SeqCst);
+
+        tx.send(Event::Connected { nonce: 1 }).unwrap();
+        tx.send(error(ErrorKind::InvalidCommand)).unwrap();
+        settle().await;
+        assert_eq!(count(), 0, "nothing to restart for");
+
+        tx.send(silent()).unwrap();
+        eventually("the first restart", || count() == 1).await;
+        let first = Instant::now();
+
+        // A burst (every worker reports the halt) within the interval: no
+        // restart now, one check when the interval ends.
+        for _ in 0..4 {
+            tx.send(error(ErrorKind::LockstepLost)).unwrap();
+        }
+        settle().await;
+        assert_eq!(count(), 1, "not again within the interval");
+        // The replica does not answer the ping (it does not exist): restarted.
+        eventually("the deferred restart", || count() == 2).await;
+        assert!(first.elapsed() >= INTERVAL, "not before the interval ended");
+        tokio::time::sleep(INTERVAL + Duration::from_millis(200)).await;
+        assert_eq!(count(), 2, "the burst gave one restart, not four");
+        assert!(!task.is_finished());
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn a_newer_controllers_service_halts_the_environment() {
+        let fake = Arc::new(Fake {
+            restarts: AtomicUsize::new(0),
+            stale: true,
+        });
+        let (tx, mut halted, task) = watcher(fake);
+        tx.send(silent()).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), halted.wait_for(|h| h.is_some()))
+            .await
+            .expect("halted")
+            .unwrap();
+        assert!(halted
+            .borrow()
+            .as_deref()
+            .unwrap()
+            .contains("another controller took over"));
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("the watcher stops")
+            .unwrap();
     }
 }

@@ -37,11 +37,31 @@
 //! STATE_DIR/catalog.db       the fenced catalog (lockstep-catalog)
 //! STATE_DIR/orchestrator/    the process backend's state: one file per
 //!                            service, tombstones, process logs
+//! STATE_DIR/command-logs/    replica-N.sqlite: replica N's command log, for
+//!                            the `log` distribution strategy
 //! ```
 //!
 //! Replica *N* runs as the service `replica-N` ([`ServiceTemplate`] builds
 //! its command line), labelled with its catalog ID, its name and the epoch of
-//! the controller that last ensured it.
+//! the controller that last ensured it. Its processes get its command log in
+//! the environment variable `LOCKSTEP_COMMAND_LOG` (read by
+//! `lockstep-replica --command-log`), and its controller gets the same path.
+//! The path depends only on the state directory and the replica ID, so a
+//! restarted environment ensures the same spec and adopts the processes.
+//!
+//! # Restarting a replica that is not working
+//!
+//! The orchestrator's supervisors restart a process that exits (a crash, or
+//! a halt on lost lockstep). A process that is alive but silent (stopped or
+//! hung) is seen only by the replica's controller, as
+//! [`Event::ProcessSilent`](lockstep_controller::Event::ProcessSilent). On
+//! that event, and on a `LOCKSTEP_LOST` error from a process, the environment
+//! restarts every process of the replica through
+//! [`Orchestrator::restart_service`] (same ports), at most once per
+//! [`REPLICA_RESTART_INTERVAL`] per replica, logging the reason; the
+//! controller reconnects and rehydrates the new processes by itself. An event
+//! that comes within the interval is checked again when the interval ends:
+//! if the replica then does not answer a ping, it is restarted again.
 //!
 //! # Failpoints
 //!
@@ -75,12 +95,15 @@ use lockstep_orchestrator::{EnsureError, Orchestrator, ServiceStatus};
 use lockstep_policy::{CatalogView, OrphanDecision, OrphanPolicy, PolicyError, Service};
 use tokio::sync::watch;
 
+pub use compute::REPLICA_RESTART_INTERVAL;
 pub use template::ServiceTemplate;
 
 /// The catalog file inside the state directory.
 pub const CATALOG_FILE: &str = "catalog.db";
 /// The orchestrator's directory inside the state directory.
 pub const ORCHESTRATOR_DIR: &str = "orchestrator";
+/// The directory of the replicas' command logs inside the state directory.
+pub const COMMAND_LOG_DIR: &str = "command-logs";
 /// How long a halted environment keeps answering in-flight requests.
 const HALT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -204,6 +227,8 @@ pub struct Environment {
     ops: tokio::sync::Mutex<()>,
     /// One controller per replica.
     compute: compute::Compute,
+    /// Where the replicas' command logs live (`None`: no command logs).
+    command_logs: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Environment {
@@ -261,12 +286,19 @@ impl Environment {
             ProcessOrchestratorConfig::new(orchestrator_dir, catalog.epoch());
         orchestrator_config.conditional_writes = config.conditional_writes;
         let orchestrator = ProcessOrchestrator::new(orchestrator_config)?;
+        let command_logs = std::path::absolute(config.state_dir.join(COMMAND_LOG_DIR))
+            .and_then(|dir| std::fs::create_dir_all(&dir).map(|()| dir))
+            .map_err(|source| StartError::StateDirUnwritable {
+                path: config.state_dir.join(COMMAND_LOG_DIR),
+                source,
+            })?;
         let env = Self::with_orchestrator(
             catalog,
             Arc::new(orchestrator),
             config.orphan_policy,
             config.service,
-        )?;
+        )?
+        .with_command_logs(command_logs);
         env.compute
             .set_distribution_policy(config.distribution_policy);
         Ok(env)
@@ -306,7 +338,36 @@ impl Environment {
             orphans_removed: Mutex::new(Vec::new()),
             ops: tokio::sync::Mutex::new(()),
             compute: compute::Compute::default(),
+            command_logs: None,
         })
+    }
+
+    /// Gives every replica a command log in `dir` (which must exist):
+    /// `DIR/replica-N.sqlite`, passed to the replica's processes and to its
+    /// controller, so that the `log` strategy can be used. [`load`](Self::load)
+    /// uses `STATE_DIR/command-logs`; without this the replicas have no
+    /// command log and a `log` choice falls back to `barrier`. Call it before
+    /// ensuring replicas: the path is part of each replica's service spec.
+    pub fn with_command_logs(mut self, dir: PathBuf) -> Self {
+        self.command_logs = Some(dir);
+        self
+    }
+
+    /// The command log of replica `replica_id`, if replicas have command logs.
+    pub fn command_log(&self, replica_id: u64) -> Option<PathBuf> {
+        self.command_logs
+            .as_ref()
+            .map(|dir| dir.join(format!("replica-{replica_id}.sqlite")))
+    }
+
+    /// The orchestrator service of a replica: the template's command line,
+    /// plus the replica's command log.
+    fn service_config(&self, replica: &Replica) -> lockstep_orchestrator::ServiceConfig {
+        let config = self.template.service_config(replica);
+        match self.command_log(replica.id) {
+            Some(path) => lockstep_controller::launch::with_command_log(config, &path),
+            None => config,
+        }
     }
 
     /// Steps 1 to 3: load, ensure every catalog replica, remove orphans.
@@ -365,16 +426,7 @@ impl Environment {
 
     /// Marks this environment halted and returns the error to propagate.
     fn halt(&self, reason: String) -> EnvError {
-        tracing::error!(epoch = self.epoch, %reason, "another controller took over: halting");
-        self.halt.send_if_modified(|h| {
-            if h.is_none() {
-                *h = Some(reason.clone());
-                true
-            } else {
-                false
-            }
-        });
-        EnvError::Halted(reason)
+        halt_with(&self.halt, self.epoch, reason)
     }
 
     fn check_not_halted(&self) -> Result<(), EnvError> {
@@ -408,7 +460,7 @@ impl Environment {
         self.check_not_halted()?;
         let replicas: Vec<Replica> = self.view().replicas.into_values().collect();
         for replica in replicas {
-            let config = self.template.service_config(&replica);
+            let config = self.service_config(&replica);
             match self.orchestrator.ensure_service(config).await {
                 Ok(status) => {
                     tracing::info!(replica = %replica.name, service = %status.name, "ensured")
@@ -506,7 +558,7 @@ impl Environment {
         fail::fail_point!("after_catalog_create_replica");
         let status = self
             .orchestrator
-            .ensure_service(self.template.service_config(&replica))
+            .ensure_service(self.service_config(&replica))
             .await
             .map_err(|e| self.ensure_error(e))?;
         fail::fail_point!("after_orchestrator_create_replica");
@@ -636,6 +688,21 @@ impl Environment {
             None => Ok(()),
         }
     }
+}
+
+/// Marks an environment halted through its halt channel and returns the
+/// error to propagate.
+fn halt_with(halt: &watch::Sender<Option<String>>, epoch: u64, reason: String) -> EnvError {
+    tracing::error!(epoch, %reason, "another controller took over: halting");
+    halt.send_if_modified(|h| {
+        if h.is_none() {
+            *h = Some(reason.clone());
+            true
+        } else {
+            false
+        }
+    });
+    EnvError::Halted(reason)
 }
 
 /// Refuses answers that make no sense: IDs that were not listed, or that our

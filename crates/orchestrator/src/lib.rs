@@ -4,6 +4,7 @@
 //! The [`Orchestrator`] trait is deliberately small (the Materialize lesson:
 //! "small but powerful"): [`ensure_service`](Orchestrator::ensure_service),
 //! [`drop_service`](Orchestrator::drop_service),
+//! [`restart_service`](Orchestrator::restart_service),
 //! [`list_services`](Orchestrator::list_services) and
 //! [`watch_services`](Orchestrator::watch_services). Orphan removal is built
 //! *on top of* it by the environment, not inside it.
@@ -401,6 +402,57 @@ pub enum DropError {
     },
 }
 
+/// Why `restart_service` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RestartError {
+    /// No service with this name exists (it was never ensured, or it was
+    /// dropped).
+    #[error("no service named {0:?} to restart")]
+    NoSuchService(String),
+    /// The service name is not a valid name.
+    #[error("{0}")]
+    Invalid(String),
+    /// The stored service was ensured by a newer controller: another
+    /// controller took over, and an older one must not disturb its processes.
+    #[error(
+        "service {service} was ensured by epoch {stored}, newer than ours ({ours}): refusing to restart it; another controller took over"
+    )]
+    StaleEpoch {
+        /// The service.
+        service: String,
+        /// The epoch stored in its label.
+        stored: u64,
+        /// The caller's epoch.
+        ours: u64,
+    },
+    /// An old process could not be killed; nothing new was started.
+    #[error("service {service}: could not kill process {pid}: {reason}")]
+    Kill {
+        /// The service.
+        service: String,
+        /// The PID.
+        pid: u32,
+        /// What the OS said.
+        reason: String,
+    },
+    /// A new process could not be started. The old processes are gone; the
+    /// supervisors keep trying to start the missing ones with backoff.
+    #[error("service {service}: could not start process {process} ({program}): {source}")]
+    Spawn {
+        /// The service.
+        service: String,
+        /// The process index.
+        process: usize,
+        /// The program.
+        program: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The state could not be read or written.
+    #[error(transparent)]
+    State(#[from] StateError),
+}
+
 /// Why `list_services` failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ListError {
@@ -426,6 +478,35 @@ pub trait Orchestrator: Send + Sync {
     /// Kills every process of the service, forgets it and records that our
     /// epoch dropped it. Returns whether it existed. Unconditional.
     async fn drop_service(&self, name: &str) -> Result<bool, DropError>;
+
+    /// Restarts every process of the service: the way out for a replica
+    /// that is alive but not working (a stopped or hung process, or one that
+    /// lost lockstep), which the supervisors cannot see, as they restart only
+    /// processes that exited.
+    ///
+    /// - It kills every process of the service, whatever its state: the
+    ///   process backend sends SIGKILL to each process's group, which also
+    ///   kills a stopped (SIGSTOP) process and whatever a process spawned. It
+    ///   waits until they are gone.
+    /// - Then it starts them again with the same spec: the same program,
+    ///   arguments, environment and ports (so a controller reconnects to the
+    ///   addresses it knows), and the same labels. Each process's `restarts`
+    ///   count goes up by one.
+    /// - It returns the service's new status once the new processes run.
+    ///
+    /// It must not race with the backend's own supervision, which restarts
+    /// processes that exit: the kill and the start happen under the same
+    /// exclusion as every other write (the process backend holds its state
+    /// directory lock throughout), so a supervisor that sees a killed process
+    /// finds the replacement already recorded and watches it instead of
+    /// starting a second one.
+    ///
+    /// Errors: [`RestartError::NoSuchService`] for a service that does not
+    /// exist or was dropped (nothing is started); [`RestartError::StaleEpoch`]
+    /// if a newer controller ensured it (with conditional writes on; nothing
+    /// is killed); [`RestartError::Spawn`] if a new process could not start
+    /// (the old ones are gone; the supervisors keep trying).
+    async fn restart_service(&self, name: &str) -> Result<ServiceStatus, RestartError>;
 
     /// Every service, sorted by name.
     async fn list_services(&self) -> Result<Vec<ServiceStatus>, ListError>;

@@ -40,8 +40,15 @@
 //! lock, restarts it unless the service was dropped or another supervisor
 //! already replaced the process, in which case it watches the replacement.
 //!
+//! [`restart_service`] kills every process of a service (SIGKILL to each
+//! process group, which kills a stopped process too) and starts them again
+//! from the record (same argv, environment and ports), all under the lock. A
+//! supervisor that then sees its process dead finds the replacement in the
+//! record and watches it, so nothing is started twice.
+//!
 //! [`list_services`]: crate::Orchestrator::list_services
 //! [`ensure_service`]: crate::Orchestrator::ensure_service
+//! [`restart_service`]: crate::Orchestrator::restart_service
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
@@ -59,9 +66,9 @@ use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 
 use crate::{
-    DropError, EnsureError, ListError, Orchestrator, ProcessStatus, ServiceAssignment,
-    ServiceConfig, ServiceEvent, ServiceEventKind, ServiceStatus, StateError, EPOCH_LABEL,
-    ID_LABEL,
+    DropError, EnsureError, ListError, Orchestrator, ProcessStatus, RestartError,
+    ServiceAssignment, ServiceConfig, ServiceEvent, ServiceEventKind, ServiceStatus, StateError,
+    EPOCH_LABEL, ID_LABEL,
 };
 
 /// The host every process listens on.
@@ -271,6 +278,21 @@ impl Orchestrator for ProcessOrchestrator {
         tokio::task::spawn_blocking(move || inner.drop_service(&name))
             .await
             .expect("drop panicked")
+    }
+
+    async fn restart_service(&self, name: &str) -> Result<ServiceStatus, RestartError> {
+        let inner = self.inner.clone();
+        let n = name.to_string();
+        let (record, spawn_failed) = tokio::task::spawn_blocking(move || inner.restart_service(&n))
+            .await
+            .expect("restart panicked")?;
+        // Watch the new processes (and start a missing one) from here on,
+        // even if an earlier orchestrator ensured the service.
+        self.inner.supervise(name, &record, Vec::new());
+        match spawn_failed {
+            Some(e) => Err(e),
+            None => Ok(self.inner.status(&record)),
+        }
     }
 
     async fn list_services(&self) -> Result<Vec<ServiceStatus>, ListError> {
@@ -671,6 +693,84 @@ impl Inner {
         tracing::info!(service = name, "dropped");
         self.emit(name, None, ServiceEventKind::Dropped);
         Ok(true)
+    }
+
+    /// Under the lock: kills every process of the service, then starts each
+    /// again from its record. Returns the new record, and the first spawn
+    /// failure if a process could not be started (the record then has no PID
+    /// for it, and a supervisor starts it later).
+    fn restart_service(
+        &self,
+        name: &str,
+    ) -> Result<(ServiceRecord, Option<RestartError>), RestartError> {
+        validate_name(name).map_err(|e| RestartError::Invalid(e.to_string()))?;
+        let _lock = self.lock()?;
+        let Some(mut record) = self.read(name)? else {
+            return Err(RestartError::NoSuchService(name.to_string()));
+        };
+        let ours = self.config.epoch;
+        if self.config.conditional_writes && record.epoch > ours {
+            return Err(RestartError::StaleEpoch {
+                service: name.to_string(),
+                stored: record.epoch,
+                ours,
+            });
+        }
+        // Every old process must be gone before a new one binds its ports.
+        for (i, p) in record.processes.iter().enumerate() {
+            if let Some((pid, start)) = p.handle() {
+                self.kill(name, i, pid, start);
+                if proc_alive(pid, start) {
+                    return Err(RestartError::Kill {
+                        service: name.to_string(),
+                        pid,
+                        reason: "still alive 5 s after SIGKILL".to_string(),
+                    });
+                }
+            }
+        }
+        let mut failure = None;
+        let mut spawned = Vec::new();
+        for i in 0..record.processes.len() {
+            let result = self.spawn(&record, i);
+            let p = &mut record.processes[i];
+            match result {
+                Ok((pid, start)) => {
+                    p.restarts += 1;
+                    p.pid = Some(pid);
+                    p.start_time = Some(start);
+                    spawned.push((i, pid, start));
+                }
+                Err(source) => {
+                    tracing::error!(
+                        service = name,
+                        process = i,
+                        "restart could not start the process: {source}"
+                    );
+                    p.pid = None;
+                    p.start_time = None;
+                    failure.get_or_insert(RestartError::Spawn {
+                        service: name.to_string(),
+                        process: i,
+                        program: record.program.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+        if let Err(e) = self.write(&record) {
+            // The record still names the old (dead) processes, which the
+            // supervisors restart; the new ones must not run unrecorded.
+            for (i, pid, start) in spawned {
+                self.kill(name, i, pid, start);
+            }
+            return Err(e.into());
+        }
+        tracing::info!(service = name, "restarted every process");
+        for (i, pid, _) in spawned {
+            self.emit(name, Some(i), ServiceEventKind::Started { pid });
+        }
+        Ok((record, failure))
     }
 
     fn status(&self, record: &ServiceRecord) -> ServiceStatus {

@@ -1,7 +1,7 @@
 //! The process backend on real OS processes: assignment of ports and
 //! arguments, adoption across orchestrator instances, restart on crash with
 //! watch events, conditional writes (O4), process-group kill, PID-reuse
-//! guard, and bad input.
+//! guard, restarting a whole service (a stopped one included), and bad input.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -10,7 +10,8 @@ use lockstep_orchestrator::process::{
     kill_all_services, Backoff, NewError, ProcessOrchestrator, ProcessOrchestratorConfig,
 };
 use lockstep_orchestrator::{
-    EnsureError, Orchestrator, ServiceConfig, ServiceEventKind, EPOCH_LABEL, ID_LABEL,
+    EnsureError, Orchestrator, RestartError, ServiceConfig, ServiceEventKind, ServiceStatus,
+    EPOCH_LABEL, ID_LABEL,
 };
 
 /// A state directory whose services are killed when the test ends, however it ends.
@@ -478,4 +479,167 @@ async fn a_stale_ensure_cannot_resurrect_a_service_a_newer_epoch_dropped() {
         .await
         .unwrap();
     assert_eq!(newer.list_services().await.unwrap()[0].epoch, 2);
+}
+
+/// The state letter of `/proc/PID/stat` (`T` for a stopped process).
+fn proc_state(pid: u32) -> Option<char> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    s[s.rfind(')')? + 2..].chars().next()
+}
+
+fn stop(pid: u32) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+}
+
+fn pids_of(s: &ServiceStatus) -> Vec<Option<u32>> {
+    s.processes.iter().map(|p| p.pid).collect()
+}
+
+fn ports_of(s: &ServiceStatus) -> Vec<u16> {
+    s.processes
+        .iter()
+        .map(|p| p.addresses["timely"].port())
+        .collect()
+}
+
+/// Restarts a service with one stopped process through `o`, and checks
+/// that every process was replaced on the same ports, that the stopped one
+/// is gone, and that no supervisor started anything on top.
+async fn restart_with_a_stopped_process(o: &ProcessOrchestrator, victim: usize) {
+    let before = o.list_services().await.unwrap().remove(0);
+    let stopped = before.processes[victim].pid.unwrap();
+    stop(stopped);
+    eventually("the process to stop", || proc_state(stopped) == Some('T')).await;
+    let mut events = o.watch_services();
+
+    let after = o.restart_service("replica-1").await.unwrap();
+
+    assert!(after.processes.iter().all(|p| p.running), "{after:?}");
+    for (old, new) in before.processes.iter().zip(&after.processes) {
+        assert_ne!(old.pid, new.pid, "process {} has a new PID", old.index);
+        assert!(
+            !alive(old.pid.unwrap()),
+            "old process {} is gone",
+            old.index
+        );
+        assert_eq!(new.restarts, old.restarts + 1);
+    }
+    assert!(!alive(stopped), "the stopped process was killed");
+    assert_eq!(ports_of(&after), ports_of(&before), "the same ports");
+    assert_eq!(after.labels, before.labels, "the same labels");
+    let started: Vec<u32> = std::iter::from_fn(|| events.try_recv().ok())
+        .filter_map(|e| match e.kind {
+            ServiceEventKind::Started { pid } => Some(pid),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        started.iter().map(|p| Some(*p)).collect::<Vec<_>>(),
+        pids_of(&after)
+    );
+    // The supervisors see their old processes dead and must adopt the
+    // replacements rather than start more.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let listed = o.list_services().await.unwrap().remove(0);
+    assert_eq!(pids_of(&listed), pids_of(&after), "nothing restarted twice");
+    assert!(listed.processes.iter().all(|p| p.running));
+    assert_eq!(
+        listed
+            .processes
+            .iter()
+            .map(|p| p.restarts)
+            .collect::<Vec<_>>(),
+        after
+            .processes
+            .iter()
+            .map(|p| p.restarts)
+            .collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test]
+async fn restarting_a_service_replaces_a_stopped_process_on_the_same_ports() {
+    let sandbox = Sandbox::new();
+    let first = sandbox.orchestrator(1);
+    first
+        .ensure_service(sleeper("replica-1", 1, 2).port("timely"))
+        .await
+        .unwrap();
+    // Processes this orchestrator spawned.
+    restart_with_a_stopped_process(&first, 0).await;
+    drop(first);
+    // Processes an earlier orchestrator spawned, adopted by a new one.
+    let second = sandbox.orchestrator(2);
+    second
+        .ensure_service(sleeper("replica-1", 1, 2).port("timely"))
+        .await
+        .unwrap();
+    restart_with_a_stopped_process(&second, 1).await;
+    // And the process that crashes next is still restarted by a supervisor.
+    let now = second.list_services().await.unwrap().remove(0);
+    let victim = now.processes[0].pid.unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let mut listed = now.clone();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(listed.processes[0].running && listed.processes[0].pid != Some(victim)) {
+        assert!(Instant::now() < deadline, "not restarted: {listed:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        listed = second.list_services().await.unwrap().remove(0);
+    }
+    assert_eq!(listed.processes[1].pid, now.processes[1].pid);
+}
+
+#[tokio::test]
+async fn restarting_an_unknown_dropped_or_newer_service_is_refused() {
+    let sandbox = Sandbox::new();
+    let o = sandbox.orchestrator(2);
+    let err = o.restart_service("replica-9").await.unwrap_err();
+    assert!(matches!(err, RestartError::NoSuchService(_)), "{err}");
+    assert_eq!(err.to_string(), "no service named \"replica-9\" to restart");
+    assert!(matches!(
+        o.restart_service("../escape").await,
+        Err(RestartError::Invalid(_))
+    ));
+
+    o.ensure_service(sleeper("replica-1", 1, 1)).await.unwrap();
+    assert!(o.drop_service("replica-1").await.unwrap());
+    assert!(matches!(
+        o.restart_service("replica-1").await,
+        Err(RestartError::NoSuchService(_))
+    ));
+    assert!(
+        o.list_services().await.unwrap().is_empty(),
+        "nothing started"
+    );
+
+    // A newer controller's service is not ours to disturb.
+    let newer = sandbox.orchestrator(3);
+    let s = newer
+        .ensure_service(sleeper("replica-2", 2, 1))
+        .await
+        .unwrap();
+    let err = o.restart_service("replica-2").await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            RestartError::StaleEpoch {
+                stored: 3,
+                ours: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("another controller took over"));
+    let listed = newer.list_services().await.unwrap();
+    assert_eq!(pids_of(&listed[0]), pids_of(&s), "nothing was killed");
+    assert!(listed[0].processes[0].running);
 }

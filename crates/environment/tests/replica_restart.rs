@@ -1,0 +1,256 @@
+//! The environment restarts a replica that cannot prove it is working: a
+//! replica process is stopped with SIGSTOP (alive, so no supervisor restarts
+//! it, but silent), the controller reports it silent, and the environment
+//! restarts the whole replica through the orchestrator, after which a peek of
+//! an existing dataflow answers correctly again. Also: every replica gets its
+//! command log, and an environment restarted on the same state directory
+//! still adopts the replica's processes.
+//!
+//! This runs real `lockstep-replica` processes: the binary next to the
+//! `lockstep` binary under test (which `cargo test --workspace`, and so
+//! `cargo xtask test`, builds), or `$LOCKSTEP_REPLICA_BIN`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use lockstep_catalog::ReplicaConfig;
+use lockstep_environment::chaos::Sandbox;
+use lockstep_environment::template::DEFAULT_REPLICA_ARGS;
+use lockstep_environment::{Environment, EnvironmentConfig, ServiceTemplate};
+use lockstep_orchestrator::ServiceStatus;
+use lockstep_protocol::reference::{evaluate, Multiset};
+use lockstep_protocol::text::parse_plan;
+use lockstep_protocol::{Export, Update};
+
+/// How long the environment may take from the SIGSTOP to a correct answer:
+/// the controller's 2 s heartbeat timeout, the restart, the reconnection and
+/// the rehydration, with room for a slow shared machine.
+const RECOVERY_BOUND: Duration = Duration::from_secs(60);
+
+fn replica_binary() -> PathBuf {
+    let path = std::env::var_os("LOCKSTEP_REPLICA_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_BIN_EXE_lockstep")).with_file_name("lockstep-replica")
+        });
+    assert!(
+        path.is_file(),
+        "{} is missing: build it first with `cargo build -p lockstep-replica` \
+         (`cargo test --workspace` and `cargo xtask test` do), or set LOCKSTEP_REPLICA_BIN",
+        path.display()
+    );
+    path
+}
+
+fn load(state_dir: &Path) -> Environment {
+    Environment::load(EnvironmentConfig {
+        state_dir: state_dir.to_path_buf(),
+        orphan_policy: lockstep_policy::native_orphan_rule("id-watermark").unwrap(),
+        service: ServiceTemplate {
+            program: replica_binary(),
+            args: DEFAULT_REPLICA_ARGS.iter().map(|s| s.to_string()).collect(),
+        },
+        conditional_writes: true,
+        distribution_policy: None,
+    })
+    .unwrap()
+}
+
+/// The start-up steps of `lockstep serve`, without serving.
+async fn start(state_dir: &Path) -> Environment {
+    let env = load(state_dir);
+    env.ensure_replicas().await.unwrap();
+    env.remove_orphans().await.unwrap();
+    env.start_compute().await.unwrap();
+    env
+}
+
+fn u(row: &[i64], time: u64, diff: i64) -> Update {
+    Update {
+        row: row.to_vec(),
+        time,
+        diff,
+    }
+}
+
+async fn service(env: &Environment) -> ServiceStatus {
+    let mut services = env.orchestrator().list_services().await.unwrap();
+    assert_eq!(services.len(), 1, "{services:?}");
+    services.remove(0)
+}
+
+fn pids(s: &ServiceStatus) -> Vec<Option<u32>> {
+    s.processes.iter().map(|p| p.pid).collect()
+}
+
+/// The state letter of `/proc/PID/stat` (`T`: stopped), if the process exists.
+fn proc_state(pid: u32) -> Option<char> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    s[s.rfind(')')? + 2..].chars().next()
+}
+
+/// One variable of a process's environment.
+fn environ(pid: u32, key: &str) -> Option<String> {
+    let bytes = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    bytes.split(|b| *b == 0).find_map(|kv| {
+        let kv = String::from_utf8_lossy(kv);
+        kv.strip_prefix(&format!("{key}=")).map(|v| v.to_string())
+    })
+}
+
+/// Peeks until the answer is `expected`, each attempt bounded, up to `bound`;
+/// returns the last answer or error otherwise.
+async fn peek_until(
+    env: &Environment,
+    collection: u64,
+    at: u64,
+    expected: &Multiset,
+    bound: Duration,
+) -> Result<Duration, String> {
+    let started = Instant::now();
+    let mut last = String::from("no answer yet");
+    while started.elapsed() < bound {
+        match tokio::time::timeout(Duration::from_secs(5), env.peek("r1", collection, at)).await {
+            Ok(Ok(rows)) => {
+                let got: Multiset = rows.into_iter().collect();
+                if &got == expected {
+                    return Ok(started.elapsed());
+                }
+                last = format!("wrong answer {got:?}");
+            }
+            Ok(Err(e)) => last = e.to_string(),
+            Err(_) => last = "the peek did not answer within 5 s".to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(last)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_replica_process_is_restarted_and_the_replica_answers_again() {
+    let sandbox = Sandbox::new().unwrap();
+    let env = start(sandbox.path()).await;
+    let created = env
+        .create_replica(
+            "r1",
+            ReplicaConfig {
+                processes: 2,
+                workers_per_process: 2,
+                config: String::new(),
+            },
+        )
+        .await
+        .unwrap();
+    let id = created.replica.id;
+
+    // The replica has its command log: the processes were given the path
+    // (and opened the file at start), and it lies in the state directory.
+    let log = env.command_log(id).unwrap();
+    assert_eq!(
+        log,
+        std::path::absolute(sandbox.path())
+            .unwrap()
+            .join(format!("command-logs/replica-{id}.sqlite"))
+    );
+    let before = service(&env).await;
+    for p in &before.processes {
+        assert_eq!(
+            environ(p.pid.unwrap(), "LOCKSTEP_COMMAND_LOG").as_deref(),
+            Some(log.to_str().unwrap()),
+            "process {}",
+            p.index
+        );
+    }
+
+    // An existing dataflow with data, answering correctly.
+    let plan = parse_plan("reduce(get(1), [#0], count, sum(#1))").unwrap();
+    env.create_dataflow(
+        "r1",
+        "reduce",
+        0,
+        vec![1],
+        vec![Export {
+            collection_id: 101,
+            plan: plan.clone(),
+        }],
+    )
+    .await
+    .unwrap();
+    let updates = vec![
+        u(&[1, 10], 0, 1),
+        u(&[1, 20], 0, 1),
+        u(&[2, 5], 1, 1),
+        u(&[3, 7], 1, 2),
+        u(&[1, 10], 1, -1),
+    ];
+    env.write_input("r1", 1, updates.clone(), 2).await.unwrap();
+    let expected = evaluate(&plan, &BTreeMap::from([(1, updates)]), 1);
+    assert!(!expected.is_empty());
+    peek_until(&env, 101, 1, &expected, Duration::from_secs(30))
+        .await
+        .expect("the replica answers before the fault");
+    assert!(log.is_file(), "the command log {} exists", log.display());
+
+    // Stop process 1: alive, so the supervisors leave it alone, but silent.
+    let stopped = before.processes[1].pid.unwrap();
+    let status = std::process::Command::new("kill")
+        .args(["-STOP", &stopped.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(proc_state(stopped), Some('T'));
+    let fault = Instant::now();
+
+    // The environment notices and restarts the replica, and the peek answers
+    // correctly again.
+    if let Err(last) = peek_until(&env, 101, 1, &expected, RECOVERY_BOUND).await {
+        panic!(
+            "no correct answer within {RECOVERY_BOUND:?} of the SIGSTOP; last: {last}; service: {:?}",
+            service(&env).await
+        );
+    }
+    let recovered = fault.elapsed();
+    let after = service(&env).await;
+    assert!(after.processes.iter().all(|p| p.running), "{after:?}");
+    for (old, new) in before.processes.iter().zip(&after.processes) {
+        assert_ne!(old.pid, new.pid, "process {} was restarted", old.index);
+        assert_eq!(old.addresses, new.addresses, "on the same ports");
+    }
+    assert_ne!(
+        proc_state(stopped),
+        Some('T'),
+        "the stopped process is gone"
+    );
+    eprintln!("recovered {recovered:.1?} after the SIGSTOP");
+
+    // Writes after the restart reach the new processes too.
+    let more = vec![u(&[2, 5], 2, -1), u(&[4, 1], 2, 1)];
+    env.write_input("r1", 1, more.clone(), 3).await.unwrap();
+    let all: Vec<Update> = [
+        vec![
+            u(&[1, 10], 0, 1),
+            u(&[1, 20], 0, 1),
+            u(&[2, 5], 1, 1),
+            u(&[3, 7], 1, 2),
+            u(&[1, 10], 1, -1),
+        ],
+        more,
+    ]
+    .concat();
+    let expected2 = evaluate(&plan, &BTreeMap::from([(1, all)]), 2);
+    peek_until(&env, 101, 2, &expected2, Duration::from_secs(30))
+        .await
+        .expect("the restarted replica takes new writes");
+
+    // An environment restarted on the same state directory ensures the same
+    // spec (command log included), so it adopts the processes: same PIDs.
+    drop(env);
+    let env = start(sandbox.path()).await;
+    let adopted = service(&env).await;
+    assert_eq!(pids(&adopted), pids(&after), "adopted, not restarted");
+    assert_eq!(env.command_log(id), Some(log));
+    peek_until(&env, 101, 2, &expected2, Duration::from_secs(30))
+        .await
+        .expect("the new environment's controller answers");
+}
