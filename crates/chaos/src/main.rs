@@ -37,20 +37,24 @@ use lockstep_controller::{launch, Controller, ReplicaAddrs, Timeouts};
 use lockstep_orchestrator::process::{
     kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
 };
-use lockstep_orchestrator::Orchestrator;
-use lockstep_policy::FixedStrategy;
+use lockstep_orchestrator::{Orchestrator, ServiceStatus};
+use lockstep_policy::{
+    CommandInfo, DistributionPolicy, FixedStrategy, MismatchAction, MismatchInfo, PolicyError,
+};
 use lockstep_protocol::reference::evaluate;
 use lockstep_protocol::text::parse_plan;
 use lockstep_protocol::{
     CommandHistory, CommandKind, DataflowDescription, Export, Strategy, Update,
 };
+use std::sync::Arc;
 
 const LAST_TIME: u64 = 3;
 const FAILPOINT: &str = "controller_partial_broadcast";
 
 struct Replica {
     dir: tempfile::TempDir,
-    orchestrator: ProcessOrchestrator,
+    orchestrator: Arc<ProcessOrchestrator>,
+    service: String,
     addrs: ReplicaAddrs,
 }
 
@@ -75,7 +79,7 @@ async fn start_replica(id: u64, processes: usize, workers: u32) -> Result<Replic
         &log,
     )
     .env("RUST_LOG", "error");
-    let status = orchestrator
+    let status: ServiceStatus = orchestrator
         .ensure_service(config)
         .await
         .map_err(|e| e.to_string())?;
@@ -83,24 +87,105 @@ async fn start_replica(id: u64, processes: usize, workers: u32) -> Result<Replic
     addrs.command_log = Some(log);
     Ok(Replica {
         dir,
-        orchestrator,
+        orchestrator: Arc::new(orchestrator),
+        service: status.name.clone(),
         addrs,
     })
 }
 
-fn controller(r: &Replica, epoch: u64, strategy: Strategy, history: CommandHistory) -> Controller {
-    Controller::start(
+/// What a scenario runs: one strategy for every command, and what the
+/// history check on connect does on a mismatch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Variant {
+    strategy: Strategy,
+    /// `naive+history-check`: naive delivery, but the history check on
+    /// connect (Frank's option 1) restarts the replica on a mismatch, which
+    /// the harness then does through the orchestrator, as the environment
+    /// does. Plain `naive` is the negative control: its mismatches are
+    /// reported and nobody acts on them.
+    check_reconciles: bool,
+}
+
+impl std::fmt::Display for Variant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.check_reconciles {
+            write!(f, "{}+history-check", self.strategy)
+        } else {
+            write!(f, "{}", self.strategy)
+        }
+    }
+}
+
+impl std::str::FromStr for Variant {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (name, check_reconciles) = match s.strip_suffix("+history-check") {
+            Some(n) => (n, true),
+            None => (s, false),
+        };
+        Ok(Variant {
+            strategy: name.parse()?,
+            check_reconciles,
+        })
+    }
+}
+
+/// Naive delivery whose history check restarts the replica on a mismatch.
+/// (Reconciling collectively cannot repair naive delivery: a dataflow built
+/// on some workers only has already shifted their timely dataflow indices.)
+struct CheckThenRestart;
+
+impl DistributionPolicy for CheckThenRestart {
+    fn name(&self) -> &str {
+        "naive+history-check"
+    }
+    fn choose(&mut self, _info: &CommandInfo) -> Result<Strategy, PolicyError> {
+        Ok(Strategy::Naive)
+    }
+    fn on_mismatch(&mut self, _info: &MismatchInfo) -> Result<MismatchAction, PolicyError> {
+        Ok(MismatchAction::RestartReplica)
+    }
+}
+
+fn controller(r: &Replica, epoch: u64, v: Variant, history: CommandHistory) -> Controller {
+    let policy: Box<dyn DistributionPolicy + Send> = if v.check_reconciles {
+        Box::new(CheckThenRestart)
+    } else {
+        Box::new(FixedStrategy(v.strategy))
+    };
+    let c = Controller::start(
         r.addrs.clone(),
         epoch,
         history,
-        Box::new(FixedStrategy(strategy)),
+        policy,
         Timeouts {
             connect: Duration::from_secs(20),
             heartbeat_interval: Duration::from_millis(100),
             heartbeat_timeout: Duration::from_secs(1),
             request: Duration::from_secs(15),
         },
-    )
+    );
+    if v.check_reconciles {
+        // What the environment does with a restart request.
+        let mut events = c.events();
+        let orchestrator = Arc::clone(&r.orchestrator);
+        let service = r.service.clone();
+        tokio::spawn(async move {
+            while let Ok(e) = events.recv().await {
+                if let lockstep_controller::Event::HistoryMismatch {
+                    action: MismatchAction::RestartReplica,
+                    ..
+                } = e
+                {
+                    eprintln!("history check: the workers disagree; restarting {service}");
+                    if let Err(e) = orchestrator.restart_service(&service).await {
+                        eprintln!("restarting {service} failed: {e}");
+                    }
+                }
+            }
+        });
+    }
+    c
 }
 
 fn u(row: &[i64], time: u64, diff: i64) -> Update {
@@ -262,7 +347,7 @@ async fn ready(c: &Controller, dataflows: &[DataflowDescription]) -> Result<(), 
     Ok(())
 }
 
-async fn scenario(name: &str, id: u64, s: Strategy) -> Result<(), String> {
+async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), String> {
     let (processes, workers) = if name.starts_with("three-processes") {
         (3, 1)
     } else {
@@ -461,10 +546,12 @@ async fn scenario(name: &str, id: u64, s: Strategy) -> Result<(), String> {
         }
         "stopped-process-restarted" => {
             // What the environment does with a silent process: restart the
-            // replica (here: kill the stopped process; the orchestrator's
-            // supervisors restart it, and its peer exits with the cluster).
+            // replica through the orchestrator.
             stop_until_silent(&r, &a, 1).await?;
-            signal(pid_of(&r, 1).await?, libc::SIGKILL)?;
+            r.orchestrator
+                .restart_service(&r.service)
+                .await
+                .map_err(|e| format!("restart: {e}"))?;
             check(&a, &base).await
         }
         other => Err(format!("unknown scenario {other}")),
@@ -528,6 +615,16 @@ fn signal(pid: i32, sig: i32) -> Result<(), String> {
     }
 }
 
+/// The variants run by default: the three strategies that must pass, the
+/// negative control, and naive delivery repaired by the history check.
+const DEFAULT_VARIANTS: [&str; 5] = [
+    "broadcast",
+    "barrier",
+    "log",
+    "naive",
+    "naive+history-check",
+];
+
 const SCENARIOS: [&str; 26] = [
     "partial-create-unwanted",
     "partial-create-wanted",
@@ -559,18 +656,16 @@ const SCENARIOS: [&str; 26] = [
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let strategies: Vec<Strategy> = if args.is_empty() {
-        vec![
-            Strategy::Broadcast,
-            Strategy::Barrier,
-            Strategy::Log,
-            Strategy::Naive,
-        ]
+    let args = if args.is_empty() {
+        DEFAULT_VARIANTS.map(String::from).to_vec()
     } else {
+        args
+    };
+    let strategies: Vec<Variant> = {
         match args
             .iter()
             .map(|a| a.parse())
-            .collect::<Result<Vec<Strategy>, String>>()
+            .collect::<Result<Vec<Variant>, String>>()
         {
             Ok(s) => s,
             Err(e) => {
@@ -619,7 +714,7 @@ fn main() {
                 }
             }
         }
-        let caught = if s == Strategy::Naive {
+        let caught = if s.strategy == Strategy::Naive && !s.check_reconciles {
             ok &= failed > 0;
             format!(",\"caught\":{}", failed > 0)
         } else {

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_command_log::{CommandLog, SqliteLog};
-use lockstep_policy::{CommandClass, CommandInfo, DistributionPolicy};
+use lockstep_policy::{
+    CommandClass, CommandInfo, DistributionPolicy, MismatchAction, MismatchInfo,
+};
 use lockstep_protocol::merge::{meet, merge_peek, SubscribeMerge};
 use lockstep_protocol::{
     Command, CommandHistory, CommandKind, ErrorResponse, Frontier, Peek, PeekResult, ResponseKind,
@@ -53,6 +55,15 @@ pub enum Event {
         /// Why.
         message: String,
     },
+    /// On connect, the workers reported different histories (creation logs
+    /// or installed dataflows); the distribution policy chose `action`.
+    /// `RestartReplica` asks the owner to restart the replica.
+    HistoryMismatch {
+        /// How many different histories were reported.
+        distinct_digests: u32,
+        /// What the policy decided.
+        action: MismatchAction,
+    },
     /// A process reported an error.
     ReplicaError {
         /// The process.
@@ -93,6 +104,9 @@ struct Actor {
     /// While a log session starts: the commands to append in one go, each
     /// with the failpoint's crash point, and the per-process Hellos.
     log_batch: Option<LogBatch>,
+    /// Since when this session waits for every worker's answer to Hello
+    /// (the history check); `None` once InitializationComplete was sent.
+    hello_check: Option<Instant>,
     history: CommandHistory,
     nonce: u64,
     generation: u64,
@@ -150,6 +164,7 @@ pub(crate) fn spawn(
         session_strategy: Strategy::Barrier,
         log: None,
         log_batch: None,
+        hello_check: None,
         history,
         nonce: 0,
         generation: 0,
@@ -314,15 +329,113 @@ impl Actor {
         for c in commands {
             self.broadcast(c);
         }
-        self.broadcast(CommandKind::InitializationComplete);
         self.flush_log_batch();
         if self.crashed {
+            return;
+        }
+        tracing::debug!(
+            nonce = self.nonce,
+            replayed,
+            "Hello and target sent; waiting for every worker's history before InitializationComplete"
+        );
+        self.hello_check = Some(Instant::now());
+    }
+
+    /// The history check (Frank's option 1): once every worker answered
+    /// this session's Hello with its full status, compare what they report
+    /// (their creation logs and installed dataflows); if they differ, the
+    /// distribution policy decides: reconcile collectively (a naive session's
+    /// InitializationComplete is then sent with `barrier`, which makes the
+    /// replica reconcile collectively), or restart the replica (reported as
+    /// [`Event::HistoryMismatch`]; the environment restarts it). Then
+    /// InitializationComplete ends the reconciliation. Without every answer
+    /// within the request bound, it goes ahead unchecked, and says so.
+    fn check_histories(&mut self, timed_out: bool) {
+        let Some(since) = self.hello_check else {
+            return;
+        };
+        let nonce = self.nonce;
+        let reported: Vec<&Status> = self
+            .full_statuses
+            .values()
+            .filter(|s| s.epoch == self.epoch && s.nonce == nonce)
+            .collect();
+        let total = self.replica.total_workers();
+        let mut collective = false;
+        if reported.len() < total {
+            if !timed_out {
+                return;
+            }
+            tracing::warn!(
+                answered = reported.len(),
+                total,
+                waited = ?since.elapsed(),
+                "not every worker answered Hello in time; completing initialization without the history check"
+            );
+        } else {
+            let digests: Vec<lockstep_protocol::Digest> =
+                reported.iter().map(|s| state_digest(s)).collect();
+            let distinct = digests
+                .iter()
+                .collect::<std::collections::BTreeSet<_>>()
+                .len();
+            if distinct > 1 {
+                let own = self.history.digest();
+                let info = MismatchInfo {
+                    process_count: self.replica.processes.len() as u32,
+                    distinct_digests: distinct as u32,
+                    matching_controller: reported
+                        .iter()
+                        .filter(|s| s.history_hash == Some(own))
+                        .count() as u32,
+                };
+                let action = match self.policy.on_mismatch(&info) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "distribution policy failed on a history mismatch; reconciling collectively");
+                        MismatchAction::ReconcileCollectively
+                    }
+                };
+                tracing::warn!(
+                    distinct,
+                    ?action,
+                    "workers disagree about what they applied"
+                );
+                collective = action == MismatchAction::ReconcileCollectively;
+                self.emit(Event::HistoryMismatch {
+                    distinct_digests: distinct as u32,
+                    action,
+                });
+                if action == MismatchAction::RestartReplica {
+                    // Not in lockstep: serve nothing until the replica was
+                    // restarted (the connections drop, and the next session
+                    // checks again). Asked again after every request bound.
+                    tracing::error!(
+                        "the replica must be restarted; initialization stays incomplete until it is"
+                    );
+                    self.hello_check = Some(Instant::now());
+                    return;
+                }
+            }
+        }
+        self.hello_check = None;
+        self.complete_initialization(collective);
+    }
+
+    fn complete_initialization(&mut self, collective: bool) {
+        let strategy = self.strategy_for(&CommandKind::InitializationComplete);
+        let strategy = if collective && strategy == Strategy::Naive {
+            Strategy::Barrier
+        } else {
+            strategy
+        };
+        self.broadcast_with(CommandKind::InitializationComplete, strategy);
+        if self.crashed || !self.connected {
             return;
         }
         self.reconciling = false;
         tracing::info!(
             nonce = self.nonce,
-            replayed,
             "connected to every process and rehydrated"
         );
         // Status requests made before this session are asked again.
@@ -403,6 +516,14 @@ impl Actor {
             return;
         }
         let strategy = self.strategy_for(&kind);
+        self.broadcast_with(kind, strategy);
+    }
+
+    /// Sends a command to every process with `strategy`.
+    fn broadcast_with(&mut self, kind: CommandKind, strategy: Strategy) {
+        if !self.connected {
+            return;
+        }
         let crash = partial_broadcast(kind.name());
         self.seqno += 1;
         let cmd = Command {
@@ -619,6 +740,7 @@ impl Actor {
 
     fn disconnect(&mut self, reason: String) {
         self.connected = false;
+        self.hello_check = None;
         self.conns.iter_mut().for_each(|c| *c = None);
         self.connecting = false;
         tracing::info!(%reason, "reconnecting to every process");
@@ -681,10 +803,14 @@ impl Actor {
                 }
             }
             ResponseKind::Status(s) => {
-                if s.history_hash.is_some() {
+                let full = s.history_hash.is_some();
+                if full {
                     self.full_statuses.insert(s.worker_index, s.clone());
                 }
                 self.statuses.insert(s.worker_index, s);
+                if full {
+                    self.check_histories(false);
+                }
                 self.answer_status_waiters();
             }
             ResponseKind::Error(error) => {
@@ -728,6 +854,7 @@ impl Actor {
 
     fn answer_status_waiters(&mut self) {
         let total = self.replica.total_workers();
+        let epoch = self.epoch;
         let waiters = std::mem::take(&mut self.status_waiters);
         for (at, full, reply) in waiters {
             if reply.is_closed() {
@@ -744,7 +871,7 @@ impl Actor {
             };
             let fresh = map
                 .values()
-                .filter(|s| s.nonce == nonce && s.applied_seqno >= seqno)
+                .filter(|s| s.epoch == epoch && s.nonce == nonce && s.applied_seqno >= seqno)
                 .count();
             if fresh == total {
                 let _ = reply.send(map.values().cloned().collect());
@@ -757,6 +884,12 @@ impl Actor {
     fn on_tick(&mut self) {
         if !self.connected {
             return;
+        }
+        if self
+            .hello_check
+            .is_some_and(|t| t.elapsed() > self.timeouts.request)
+        {
+            self.check_histories(true);
         }
         // Peeks whose caller gave up are canceled.
         let abandoned: Vec<u64> = self
@@ -787,6 +920,7 @@ impl Actor {
 
 /// Which processes a broadcast reaches before the controller crashes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(feature = "failpoints"), allow(dead_code))] // built by the failpoint only
 enum Reach {
     /// The first N processes.
     First(usize),
@@ -824,6 +958,25 @@ fn partial_broadcast(kind: &str) -> Option<Reach> {
         }
     });
     None
+}
+
+/// What a worker reported about its state on Hello, as one digest: its
+/// dataflow-creation log and its installed dataflows. Two workers in
+/// lockstep report the same. (The compacted history digest alone misses a
+/// dataflow built and dropped on one worker only; the creation log does not.)
+fn state_digest(s: &Status) -> lockstep_protocol::Digest {
+    let mut h = blake3::Hasher::new();
+    h.update(&(s.creation_log.len() as u64).to_le_bytes());
+    for e in &s.creation_log {
+        h.update(&e.timely_index.to_le_bytes());
+        h.update(&e.dataflow_id.to_le_bytes());
+        h.update(&e.description_hash.0);
+    }
+    h.update(&(s.installed.len() as u64).to_le_bytes());
+    for id in &s.installed {
+        h.update(&id.to_le_bytes());
+    }
+    lockstep_protocol::Digest(*h.finalize().as_bytes())
 }
 
 /// The encoded size of a command, for policies.

@@ -237,6 +237,12 @@ fn restart_reason(event: &Event) -> Option<String> {
         Event::ReplicaError { process, error } if error.kind == ErrorKind::LockstepLost => Some(
             format!("process {process} lost lockstep: {}", error.message),
         ),
+        Event::HistoryMismatch {
+            distinct_digests,
+            action: lockstep_policy::MismatchAction::RestartReplica,
+        } => Some(format!(
+            "the history check found {distinct_digests} different worker histories and the distribution policy asks for a restart"
+        )),
         _ => None,
     }
 }
@@ -818,12 +824,25 @@ mod tests {
     }
 
     #[test]
-    fn only_silence_and_lost_lockstep_call_for_a_restart() {
+    fn only_silence_lost_lockstep_and_a_restart_verdict_call_for_a_restart() {
         assert!(restart_reason(&silent()).unwrap().contains("process 1"));
         assert!(restart_reason(&error(ErrorKind::LockstepLost))
             .unwrap()
             .contains("lost lockstep: diverged"));
         assert_eq!(restart_reason(&error(ErrorKind::InvalidCommand)), None);
+        assert!(restart_reason(&Event::HistoryMismatch {
+            distinct_digests: 2,
+            action: lockstep_policy::MismatchAction::RestartReplica,
+        })
+        .unwrap()
+        .contains("2 different worker histories"));
+        assert_eq!(
+            restart_reason(&Event::HistoryMismatch {
+                distinct_digests: 2,
+                action: lockstep_policy::MismatchAction::ReconcileCollectively,
+            }),
+            None
+        );
         assert_eq!(restart_reason(&Event::Connected { nonce: 1 }), None);
         assert_eq!(
             restart_reason(&Event::Disconnected {
