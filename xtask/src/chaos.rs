@@ -8,8 +8,10 @@
 //! Suites: `orphans` (the orphan rules `epoch`, `id-watermark` and the
 //! negative control `catalog-only`; scenarios in
 //! `crates/environment/src/chaos.rs`) and `distribution` (the strategies
-//! `broadcast`, `barrier`, `log` and the negative control `naive` on real
-//! 2x2 and 3x1 replicas; scenarios in `crates/chaos/src/main.rs`).
+//! `broadcast`, `barrier`, `log`, the negative control `naive`, and
+//! `naive+history-check` (naive delivery, history check restarting the
+//! replica) on real 2x2 and 3x1 replicas; scenarios in
+//! `crates/chaos/src/main.rs`).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -109,7 +111,14 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
     let bin = target_dir()
         .join("debug")
         .join("lockstep-chaos-distribution");
-    let defaults = ["broadcast", "barrier", "log", "naive"].map(String::from);
+    let defaults = [
+        "broadcast",
+        "barrier",
+        "log",
+        "naive",
+        "naive+history-check",
+    ]
+    .map(String::from);
     let strategies = if strategies.is_empty() {
         &defaults[..]
     } else {

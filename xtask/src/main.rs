@@ -57,7 +57,7 @@ enum Task {
     Chaos {
         /// The suite to run: `orphans` or `distribution`.
         suite: String,
-        /// For `distribution`: the strategies to run (default: broadcast barrier log naive).
+        /// For `distribution`: the strategies to run (default: broadcast barrier log naive naive+history-check).
         #[arg(long = "strategy")]
         strategies: Vec<String>,
     },
