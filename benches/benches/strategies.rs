@@ -48,7 +48,7 @@ use criterion::{
 };
 use lockstep_benches::replica::{self, BenchReplica};
 use lockstep_benches::small_dataflow;
-use lockstep_controller::{Controller, Event};
+use lockstep_controller::{Controller, ControllerError, Event};
 use lockstep_protocol::{
     Command, CommandKind, ControllerCodec, DataflowDescription, Export, Plan, Row, Strategy,
     Update, WriteInput,
@@ -75,6 +75,10 @@ const PAYLOADS: [(&str, usize); 3] = [
 ];
 /// How long setup may take before the strategy is skipped.
 const SETUP_BOUND: Duration = Duration::from_secs(20);
+/// How long one measured operation may take before the strategy is skipped
+/// on this shape (the controller's own bound is 30 s; a hung replica should
+/// not cost that much of a quick run).
+const OP_BOUND: Duration = Duration::from_secs(10);
 
 /// What this run measures.
 struct Run {
@@ -138,8 +142,9 @@ fn rt() -> Runtime {
 
 /// Records a skipped strategy on stderr and in `$LOCKSTEP_BENCH_SKIPS`.
 fn skip(strategy: Strategy, shape: &str, why: &str) {
-    let why = why.replace(['\n', '\t'], " ");
     eprintln!("strategies: SKIPPED {strategy} on {shape}: {why}");
+    // The first line says what failed; the rest (log tails) is on stderr.
+    let why = why.lines().next().unwrap_or_default().replace('\t', " ");
     if let Ok(path) = std::env::var("LOCKSTEP_BENCH_SKIPS") {
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)
@@ -151,14 +156,19 @@ fn skip(strategy: Strategy, shape: &str, why: &str) {
     }
 }
 
-/// The first error a replica reports to `ctl`.
-async fn first_replica_error(mut events: tokio::sync::broadcast::Receiver<Event>) -> String {
+/// The first error a replica reports to `ctl`; the other events before it
+/// are kept in `seen`, for the message.
+async fn first_replica_error(
+    mut events: tokio::sync::broadcast::Receiver<Event>,
+    seen: &mut Vec<String>,
+) -> String {
     loop {
         match events.recv().await {
             Ok(Event::ReplicaError { process, error }) => {
                 return format!("process {process} refused: {}", error.message)
             }
-            Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+            Ok(other) => seen.push(format!("{other:?}")),
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
             Err(tokio::sync::broadcast::error::RecvError::Closed) => {
                 return "the controller shut down".into()
             }
@@ -171,22 +181,60 @@ async fn first_replica_error(mut events: tokio::sync::broadcast::Receiver<Event>
 fn settle(
     rt: &Runtime,
     ctl: &Controller,
-    setup: impl FnOnce(&Controller) -> Result<(), lockstep_controller::ControllerError>,
+    setup: impl FnOnce(&Controller) -> Result<(), ControllerError>,
     collection: u64,
     t: u64,
 ) -> Result<(), String> {
     let events = ctl.events();
     setup(ctl).map_err(|e| e.to_string())?;
-    rt.block_on(async {
+    let mut seen = Vec::new();
+    let result = rt.block_on(async {
         let wait = tokio::time::timeout(SETUP_BOUND, ctl.wait_for_frontier(collection, t));
         tokio::select! {
             r = wait => match r {
                 Ok(r) => r.map_err(|e| e.to_string()),
-                Err(_) => Err(format!("setup did not finish within {SETUP_BOUND:?}")),
+                Err(_) => Err(format!(
+                    "collection {collection}'s frontier did not pass {t} within {SETUP_BOUND:?}"
+                )),
             },
-            e = first_replica_error(events) => Err(e),
+            e = first_replica_error(events, &mut seen) => Err(e),
         }
-    })
+    });
+    result.map_err(|e| format!("{e} (controller events: [{}])", seen.join(", ")))
+}
+
+/// Runs one controller operation within [`OP_BOUND`]; panics (caught by
+/// [`strategies`], which skips the strategy on this shape) if it fails.
+fn op<T>(
+    rt: &Runtime,
+    what: &str,
+    fut: impl std::future::Future<Output = Result<T, ControllerError>>,
+) -> T {
+    match rt.block_on(tokio::time::timeout(OP_BOUND, fut)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => panic!("{what}: {e}"),
+        Err(_) => panic!("{what}: no answer within {OP_BOUND:?}"),
+    }
+}
+
+/// The last `n` lines of each of the replica's process logs.
+fn log_tail(r: &BenchReplica, n: usize) -> String {
+    let mut out = String::new();
+    let Ok(entries) = std::fs::read_dir(r.dir.path().join("logs")) else {
+        return out;
+    };
+    let mut paths: Vec<_> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    paths.sort();
+    for path in paths {
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        out.push_str(&format!("--- {}\n", path.display()));
+        for l in &lines[lines.len().saturating_sub(n)..] {
+            out.push_str(l);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 /// A dataflow exporting `get(input)` as `export`.
@@ -311,18 +359,21 @@ fn measure(
         1000 + PEEK_DATAFLOW,
         0,
     )
-    .map_err(|e| format!("setup (write 100 rows, install a dataflow): {e}"))?;
+    .map_err(|e| {
+        format!(
+            "setup (write 100 rows, install a dataflow): {e}\n{}",
+            log_tail(&r, 10)
+        )
+    })?;
 
     let mut g = run.group(c, "small_command");
-    g.bench_function(&id, |b| b.iter(|| rt.block_on(ctl.ping()).expect("ping")));
+    g.bench_function(&id, |b| b.iter(|| op(rt, "ping", ctl.ping())));
     g.finish();
 
     let mut g = run.group(c, "peek");
     g.bench_function(&id, |b| {
         b.iter(|| {
-            let rows = rt
-                .block_on(ctl.peek(1000 + PEEK_DATAFLOW, 0))
-                .expect("peek");
+            let rows = op(rt, "peek", ctl.peek(1000 + PEEK_DATAFLOW, 0));
             assert_eq!(rows.len(), 100, "peek answered a wrong row count");
         })
     });
@@ -336,8 +387,7 @@ fn measure(
             next += 1;
             let d = small_dataflow(next);
             ctl.create_dataflow(d.clone()).expect("create");
-            rt.block_on(ctl.wait_for_frontier(1000 + next, 0))
-                .expect("installed");
+            op(rt, "install", ctl.wait_for_frontier(1000 + next, 0));
             ctl.drop_dataflow(&d).expect("drop");
         })
     });
@@ -353,7 +403,7 @@ fn measure(
         WRITE_EXPORT,
         0,
     )
-    .map_err(|e| format!("setup of the write benchmarks: {e}"))?;
+    .map_err(|e| format!("setup of the write benchmarks: {e}\n{}", log_tail(&r, 10)))?;
     // Each write inserts the payload at a new time, the next retracts it, so
     // the arranged collection stays small.
     let mut time = 1u64;
@@ -379,8 +429,7 @@ fn measure(
                 },
                 |(t, updates)| {
                     ctl.write_input(WRITE_INPUT, updates, t + 1).expect("write");
-                    rt.block_on(ctl.wait_for_frontier(WRITE_EXPORT, t))
-                        .expect("frontier");
+                    op(rt, "write", ctl.wait_for_frontier(WRITE_EXPORT, t));
                 },
                 BatchSize::PerIteration,
             )
@@ -427,7 +476,7 @@ fn reconcile(
             1000 + n,
             0,
         )
-        .map_err(|e| format!("setup (install {n} dataflows): {e}"))?;
+        .map_err(|e| format!("setup (install {n} dataflows): {e}\n{}", log_tail(&r, 10)))?;
         eprintln!(
             "strategies: {id}: {} more dataflows installed in {:.2?}",
             n - installed,
@@ -447,7 +496,27 @@ fn reconcile(
                     epoch += 1;
                     let t = Instant::now();
                     let c = replica::controller_with(&r, strategy, epoch, history.clone());
-                    let after = rt.block_on(c.statuses()).expect("statuses");
+                    let mut events = c.events();
+                    let after = match rt.block_on(tokio::time::timeout(OP_BOUND, c.statuses())) {
+                        Ok(Ok(after)) => after,
+                        failed => {
+                            let e = match failed {
+                                Ok(Err(e)) => e.to_string(),
+                                _ => {
+                                    format!("no full status from every worker within {OP_BOUND:?}")
+                                }
+                            };
+                            let mut seen = Vec::new();
+                            while let Ok(ev) = events.try_recv() {
+                                seen.push(format!("{ev:?}"));
+                            }
+                            panic!(
+                                "reconciliation at epoch {epoch}: {e}; controller events: [{}]\n{}",
+                                seen.join(", "),
+                                log_tail(&r, 10)
+                            )
+                        }
+                    };
                     total += t.elapsed();
                     assert_eq!(before.len(), after.len(), "a worker is missing");
                     for (x, y) in before.iter().zip(&after) {
