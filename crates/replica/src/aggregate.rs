@@ -40,6 +40,11 @@ impl Aggregator {
         }
     }
 
+    /// The session the workers last started, if any.
+    pub fn session(&self) -> Option<u64> {
+        self.session
+    }
+
     /// Takes one worker message; returns the process-level responses it completes.
     pub fn on(&mut self, msg: FromWorker) -> Vec<ResponseKind> {
         match msg {

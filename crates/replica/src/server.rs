@@ -4,7 +4,9 @@
 //! with Hello, checked by [`lockstep_protocol::handshake::check_hello`]
 //! (version, epoch, replica shape). An accepted Hello makes that connection
 //! the current one: a connection opened by an older controller session stops
-//! being read and its responses stop. Commands must arrive with consecutive
+//! being read and its responses stop. Under broadcast and log, workers may
+//! start a session (a Hello from the mesh or the log) before this process
+//! accepted that session's connection: their responses wait for it. Commands must arrive with consecutive
 //! sequence numbers; a gap, a malformed frame or an unknown variant gets an
 //! Error response and closes the connection, never a panic. Each accepted
 //! command goes, in order, to every local worker.
@@ -28,7 +30,7 @@ use tokio_util::codec::Framed;
 
 use crate::aggregate::Aggregator;
 use crate::cluster;
-use crate::worker::{run_worker, FromWorker};
+use crate::worker::{run_worker, session_of, FromWorker};
 
 /// How a replica process is started.
 #[derive(Clone, Debug)]
@@ -51,7 +53,21 @@ struct Shared {
     newest_epoch: u64,
     generation: u64,
     writer: Option<mpsc::UnboundedSender<Response>>,
+    /// The session (see `session_of`) of the current connection.
+    writer_session: u64,
+    /// The newest session the local workers started.
+    workers_session: u64,
+    /// Responses produced while no connection of the workers' session was
+    /// current. Under broadcast
+    /// and log a worker can start a session (a Hello read from the mesh or
+    /// the log) before this process accepted that session's connection;
+    /// what it answers then waits here for the connection. Emptied when a
+    /// newer session starts; bounded by [`MAX_PENDING_RESPONSES`].
+    pending: std::collections::VecDeque<Response>,
 }
+
+/// The most responses kept while no controller is connected.
+pub const MAX_PENDING_RESPONSES: usize = 100_000;
 
 struct Workers {
     senders: Vec<std_mpsc::Sender<Command>>,
@@ -177,6 +193,9 @@ async fn serve(
         newest_epoch: 0,
         generation: 0,
         writer: None,
+        writer_session: 0,
+        workers_session: 0,
+        pending: std::collections::VecDeque::new(),
     }));
     let process_index = config.identity.process_index;
     let local_workers = config.identity.workers_per_process as usize;
@@ -186,13 +205,32 @@ async fn serve(
     tokio::spawn(async move {
         let mut agg = Aggregator::new(local_workers);
         while let Some(msg) = from_workers.recv().await {
+            if let FromWorker::NewSession { session, .. } = &msg {
+                if agg.session() != Some(*session) {
+                    let mut s = shared2.lock().expect("not poisoned");
+                    s.pending.clear();
+                    s.workers_session = s.workers_session.max(*session);
+                }
+            }
             for kind in agg.on(msg) {
-                let writer = shared2.lock().expect("not poisoned").writer.clone();
-                if let Some(w) = writer {
-                    let _ = w.send(Response {
-                        process_index,
-                        kind,
-                    });
+                let response = Response {
+                    process_index,
+                    kind,
+                };
+                let mut s = shared2.lock().expect("not poisoned");
+                match &s.writer {
+                    Some(w) if s.writer_session >= s.workers_session => {
+                        let _ = w.send(response);
+                    }
+                    _ => {
+                        if s.pending.len() == MAX_PENDING_RESPONSES {
+                            s.pending.pop_front();
+                            tracing::warn!(
+                                "no controller connected; dropping the oldest kept response"
+                            );
+                        }
+                        s.pending.push_back(response);
+                    }
                 }
             }
         }
@@ -268,6 +306,12 @@ async fn connection(
         }
         s.newest_epoch = hello.epoch;
         s.generation += 1;
+        s.writer_session = session_of(hello.epoch, hello.nonce);
+        if s.writer_session >= s.workers_session {
+            for r in s.pending.drain(..) {
+                let _ = wtx.send(r);
+            }
+        }
         s.writer = Some(wtx);
         workers.send(&first);
         s.generation
