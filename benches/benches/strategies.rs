@@ -120,8 +120,8 @@ impl Run {
         let mut g = c.benchmark_group(format!("strategies/{measurement}"));
         if self.quick {
             g.sample_size(10)
-                .warm_up_time(Duration::from_millis(200))
-                .measurement_time(Duration::from_millis(600))
+                .warm_up_time(Duration::from_millis(300))
+                .measurement_time(Duration::from_secs(1))
                 .nresamples(2_000);
         } else {
             g.sample_size(20)
@@ -160,20 +160,48 @@ fn skip(strategy: Strategy, shape: &str, why: &str) {
 /// are kept in `seen`, for the message.
 async fn first_replica_error(
     mut events: tokio::sync::broadcast::Receiver<Event>,
-    seen: &mut Vec<String>,
+    seen: &mut Vec<Event>,
 ) -> String {
     loop {
         match events.recv().await {
             Ok(Event::ReplicaError { process, error }) => {
                 return format!("process {process} refused: {}", error.message)
             }
-            Ok(other) => seen.push(format!("{other:?}")),
+            Ok(other) => seen.push(other),
             Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
             Err(tokio::sync::broadcast::error::RecvError::Closed) => {
                 return "the controller shut down".into()
             }
         }
     }
+}
+
+/// What the controller saw, in a few words: which processes went silent
+/// (stopped answering heartbeats), and any other event.
+fn summarize(events: &[Event]) -> String {
+    let mut silent = std::collections::BTreeSet::new();
+    let mut other = Vec::new();
+    for e in events {
+        match e {
+            Event::ProcessSilent { process, .. } => {
+                silent.insert(*process);
+            }
+            Event::Connected { .. } => {}
+            e => other.push(format!("{e:?}")),
+        }
+    }
+    let mut s = String::new();
+    if !silent.is_empty() {
+        let list: Vec<String> = silent.iter().map(|p| p.to_string()).collect();
+        s.push_str(&format!(
+            "; process(es) {} went silent (no heartbeat answer for 2 s)",
+            list.join(", ")
+        ));
+    }
+    if !other.is_empty() {
+        s.push_str(&format!("; controller events: {}", other.join(", ")));
+    }
+    s
 }
 
 /// Sends `setup` and waits until `collection`'s frontier passes `t`, or the
@@ -200,7 +228,7 @@ fn settle(
             e = first_replica_error(events, &mut seen) => Err(e),
         }
     });
-    result.map_err(|e| format!("{e} (controller events: [{}])", seen.join(", ")))
+    result.map_err(|e| format!("{e}{}", summarize(&seen)))
 }
 
 /// Runs one controller operation within [`OP_BOUND`]; panics (caught by
@@ -508,11 +536,11 @@ fn reconcile(
                             };
                             let mut seen = Vec::new();
                             while let Ok(ev) = events.try_recv() {
-                                seen.push(format!("{ev:?}"));
+                                seen.push(ev);
                             }
                             panic!(
-                                "reconciliation at epoch {epoch}: {e}; controller events: [{}]\n{}",
-                                seen.join(", "),
+                                "reconciliation at epoch {epoch}: {e}{}\n{}",
+                                summarize(&seen),
                                 log_tail(&r, 10)
                             )
                         }

@@ -379,8 +379,8 @@ fn machine_paragraph(m: &Machine, run: &RunInfo) -> String {
         m.commit,
         run.wall_secs,
         if run.quick {
-            "Strategy figures are criterion medians of 10 samples after 0.2 s of warm-up and \
-             0.6 s of measurement each (quick mode); the rest had 0.5 s of warm-up and 1 s of \
+            "Strategy figures are criterion medians of 10 samples after 0.3 s of warm-up and \
+             1 s of measurement each (quick mode); the rest had 0.5 s of warm-up and 1 s of \
              measurement."
         } else {
             "Strategy figures are criterion medians of 20 samples after 1 s of warm-up and 3 s \
@@ -393,7 +393,10 @@ fn skipped_paragraph(run: &RunInfo) -> String {
     if run.skipped.is_empty() {
         return String::new();
     }
-    let mut s = String::from("Not measured in this run (the suite skipped them and went on):\n\n");
+    let mut s = String::from(
+        "Where a strategy failed on a shape, the suite reported it, kept the figures measured \
+         before the failure and went on with the next one. Failures in this run:\n\n",
+    );
     for line in &run.skipped {
         let mut parts = line.splitn(3, '\t');
         let strategy = parts.next().unwrap_or("?");
@@ -545,11 +548,8 @@ pub fn bench(quick: bool, readme: bool) -> anyhow::Result<()> {
     let svg = chart::svg(
         "lockstep: latency against process count, per strategy",
         &format!(
-            "{}, {} cores, {}{}",
-            machine.date,
-            machine.cores,
-            run_info.command,
-            if quick { " (quick)" } else { "" }
+            "{}, {} cores, {}",
+            machine.date, machine.cores, run_info.command
         ),
         &[
             report.panel(

@@ -205,16 +205,21 @@ fn draw_panel(s: &mut String, panel: &Panel, x0: f64, y0: f64) {
         } else {
             ""
         };
-        let path: Vec<String> = pts
-            .iter()
-            .map(|p| format!("{:.1},{:.1}", xs(p.processes), ys(p.median_ns)))
-            .collect();
-        if path.len() > 1 {
-            let _ = writeln!(
-                s,
-                r#"<polyline points="{}" fill="none" stroke="{c}" stroke-width="2"{dash}/>"#,
-                path.join(" ")
-            );
+        // A line joins neighbouring process counts only: a shape that was
+        // not measured leaves a gap rather than a made-up segment.
+        let slot = |p: &Point| counts.iter().position(|c| *c == p.processes);
+        for pair in pts.windows(2) {
+            let (a, b) = (pair[0], pair[1]);
+            if slot(b).zip(slot(a)).is_some_and(|(j, i)| j == i + 1) {
+                let _ = writeln!(
+                    s,
+                    r#"<line x1="{:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{c}" stroke-width="2"{dash}/>"#,
+                    xs(a.processes),
+                    ys(a.median_ns),
+                    xs(b.processes),
+                    ys(b.median_ns)
+                );
+            }
         }
         let fill = if workers > 1 { "#ffffff" } else { c };
         for p in pts {
@@ -311,7 +316,8 @@ mod tests {
             }],
         );
         assert!(svg.starts_with("<svg"));
-        assert_eq!(svg.matches("<polyline").count(), 1);
+        // barrier 1x1 -> 2x1 is joined; nothing else has a neighbour.
+        assert_eq!(svg.matches("stroke-width=\"2\"/>").count(), 1);
         assert_eq!(svg.matches("<circle").count(), 4 + 2);
         assert!(svg.contains("median latency (µs)"));
         assert!(svg.contains(">processes<"));
