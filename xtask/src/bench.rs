@@ -313,6 +313,110 @@ impl Report {
     }
 }
 
+/// How a goal is measured.
+enum GoalFigure {
+    /// One benchmark's median, against a bound in nanoseconds.
+    Median(&'static str, f64),
+    /// The largest, over the shapes, of `measurement`'s ratio of the first
+    /// strategy to the second, against a bound.
+    WorstRatio(&'static str, &'static str, &'static str, f64),
+    /// The largest median of `measurement`, over strategies and shapes,
+    /// against a bound in nanoseconds.
+    WorstMedian(&'static str, f64),
+}
+
+/// The issues' goals that this suite measures.
+const GOALS: [(&str, GoalFigure); 8] = [
+    (
+        "a 2x2 replica is ready (Hello answered) in under 100 ms",
+        GoalFigure::Median("replica/start_2x2_to_hello_answered", 100e6),
+    ),
+    (
+        "create, peek and drop of a small dataflow in under 2 ms",
+        GoalFigure::Median("replica/create_peek_drop_small_dataflow", 2e6),
+    ),
+    (
+        "barrier install within 1.5x of naive",
+        GoalFigure::WorstRatio("install", "barrier", "naive", 1.5),
+    ),
+    (
+        "symmetric (barrier) small-command latency at most half of broadcast's",
+        GoalFigure::WorstRatio("small_command", "barrier", "broadcast", 0.5),
+    ),
+    (
+        "1,000 unchanged dataflows reconciled in under 2 s, none rebuilt",
+        GoalFigure::WorstMedian("reconcile_1000", 2e9),
+    ),
+    (
+        "a WASM distribution decision in at most 1 µs",
+        GoalFigure::Median("policy/choose_wasm", 1e3),
+    ),
+    (
+        "classifying 10,000 services (WASM) in under 10 ms",
+        GoalFigure::Median("policy/classify_10000_wasm", 10e6),
+    ),
+    (
+        "loading a policy cold in under 50 ms",
+        GoalFigure::Median("policy/load_cold", 50e6),
+    ),
+];
+
+impl Report {
+    /// The goals table: each goal, what was measured, and whether it is met.
+    fn goals_table(&self) -> String {
+        let mut t = String::from("| goal | measured | met |\n| --- | --- | --- |\n");
+        for (goal, figure) in &GOALS {
+            let (measured, met) = match figure {
+                GoalFigure::Median(name, bound) => match self.medians.get(*name) {
+                    Some(&ns) => (format!("{} (`{name}`)", human(ns)), Some(ns <= *bound)),
+                    None => ("not measured".into(), None),
+                },
+                GoalFigure::WorstRatio(m, a, b, bound) => {
+                    let worst = self
+                        .shapes()
+                        .into_iter()
+                        .filter_map(|(p, w)| {
+                            let x = self.medians.get(&format!("strategies/{m}/{a}/{p}x{w}"))?;
+                            let y = self.medians.get(&format!("strategies/{m}/{b}/{p}x{w}"))?;
+                            Some((x / y, p, w))
+                        })
+                        .max_by(|x, y| x.0.total_cmp(&y.0));
+                    match worst {
+                        Some((r, p, w)) => (
+                            format!("{r:.2}x at worst ({p}x{w}; {m}, {a} / {b})"),
+                            Some(r <= *bound),
+                        ),
+                        None => ("not measured".into(), None),
+                    }
+                }
+                GoalFigure::WorstMedian(m, bound) => {
+                    let worst = self
+                        .rows
+                        .iter()
+                        .filter(|r| {
+                            parse_strategy_id(&r.name).is_some_and(|id| id.measurement == *m)
+                        })
+                        .max_by(|x, y| x.median_ns.total_cmp(&y.median_ns));
+                    match worst {
+                        Some(r) => (
+                            format!("{} at worst (`{}`)", human(r.median_ns), r.name),
+                            Some(r.median_ns <= *bound),
+                        ),
+                        None => ("not measured".into(), None),
+                    }
+                }
+            };
+            let met = match met {
+                Some(true) => "yes",
+                Some(false) => "**no**",
+                None => "-",
+            };
+            t.push_str(&format!("| {goal} | {measured} | {met} |\n"));
+        }
+        t
+    }
+}
+
 /// Facts about the machine and the tree, for the report.
 struct Machine {
     cores: String,
@@ -424,7 +528,9 @@ fn results_md(report: &Report, m: &Machine, run: &RunInfo) -> String {
         run.command
     ));
     s.push_str("![Latency against process count, per strategy](latency.svg)\n\n");
-    s.push_str("## Strategies\n\n");
+    s.push_str("## Against the issues' goals\n\n");
+    s.push_str(&report.goals_table());
+    s.push_str("\n## Strategies\n\n");
     s.push_str(HOW_TO_READ);
     s.push_str("\n\n");
     for (m, what) in MEASUREMENTS {
@@ -447,7 +553,7 @@ fn readme_section(report: &Report, m: &Machine, run: &RunInfo) -> String {
     );
     s.push_str(&machine_paragraph(m, run));
     s.push_str(&format!(
-        "To reproduce: `{}`. Every figure, for every shape, is in \
+        "\nTo reproduce: `{}`. Every figure, for every shape, is in \
          [docs/bench/results.md](docs/bench/results.md).\n\n",
         run.command
     ));
@@ -461,6 +567,8 @@ fn readme_section(report: &Report, m: &Machine, run: &RunInfo) -> String {
         .find(|s| *s == (2, 2))
         .or_else(|| report.shapes().last().copied());
     s.push_str(&report.strategy_table(shape));
+    s.push_str("\nAgainst the issues' goals:\n\n");
+    s.push_str(&report.goals_table());
     s.push_str("\nPolicies, protocol and replica start:\n\n");
     s.push_str(&report.contract_table(|n| parse_strategy_id(n).is_none()));
     s
@@ -614,6 +722,31 @@ mod tests {
             baseline_of("policy/choose_wasm").as_deref(),
             Some("policy/choose_native")
         );
+    }
+
+    #[test]
+    fn goals_take_the_worst_shape() {
+        let row = |name: &str, ns: f64| Row {
+            name: name.into(),
+            median_ns: ns,
+            bytes: None,
+        };
+        let report = Report::new(vec![
+            row("strategies/install/barrier/1x1", 120.0),
+            row("strategies/install/naive/1x1", 100.0),
+            row("strategies/install/barrier/2x2", 300.0),
+            row("strategies/install/naive/2x2", 100.0),
+            row("policy/load_cold", 10e6),
+        ]);
+        let t = report.goals_table();
+        assert!(t.contains("| barrier install within 1.5x of naive | 3.00x at worst (2x2; install, barrier / naive) | **no** |"), "{t}");
+        assert!(
+            t.contains(
+                "| loading a policy cold in under 50 ms | 10.00 ms (`policy/load_cold`) | yes |"
+            ),
+            "{t}"
+        );
+        assert!(t.contains("not measured | - |"), "{t}");
     }
 
     #[test]
