@@ -81,6 +81,7 @@ use lockstep_protocol::{
 use lockstep_reconcile::{
     barrier, barrier_view, collective, Announcement, BarrierDecision, DataflowKey,
 };
+use serde_bytes::ByteBuf;
 use timely::dataflow::operators::vec::Broadcast;
 use timely::dataflow::operators::Inspect;
 use timely::dataflow::{InputHandleVec, ProbeHandle};
@@ -172,7 +173,10 @@ struct SubState {
 
 /// A record on the control mesh: (kind, session, worker, seqno, hash,
 /// installed dataflows as (id, hash)).
-type MeshRecord = (u8, u64, u64, u64, Vec<u8>, Vec<(u64, Vec<u8>)>);
+/// The payload is a `ByteBuf`: bincode encodes a `Vec<u8>` byte by byte,
+/// which made 1 MiB broadcast commands 3x slower (see
+/// ../shared/notes/timely-differential.md).
+type MeshRecord = (u8, u64, u64, u64, ByteBuf, Vec<(u64, ByteBuf)>);
 const MESH_JOINED: u8 = 0;
 const MESH_ROUND: u8 = 1;
 /// A broadcast command from the sequencer: seqno, encoded command in the hash field.
@@ -400,7 +404,14 @@ impl WorkerState {
                     let seqno = cmd.seqno;
                     let bytes = cmd.encode_to_vec();
                     if let Some(mesh) = &mut self.mesh {
-                        mesh.send((MESH_COMMAND, self.session, 0, seqno, bytes, vec![]));
+                        mesh.send((
+                            MESH_COMMAND,
+                            self.session,
+                            0,
+                            seqno,
+                            ByteBuf::from(bytes),
+                            vec![],
+                        ));
                     } else {
                         self.error(
                             seqno,
@@ -473,7 +484,7 @@ impl WorkerState {
                 self.installed_reports.retain(|(s, _), _| *s >= session);
                 let me = self.index as u64;
                 if let Some(mesh) = &mut self.mesh {
-                    mesh.send((MESH_JOINED, session, me, 0, vec![], vec![]));
+                    mesh.send((MESH_JOINED, session, me, 0, ByteBuf::new(), vec![]));
                 }
                 self.nonce = h.nonce;
                 self.reconciling = Some(Vec::new());
@@ -540,10 +551,10 @@ impl WorkerState {
             session,
             a.worker as u64,
             a.seqno,
-            a.hash.0.to_vec(),
+            ByteBuf::from(a.hash.0.to_vec()),
             installed
                 .iter()
-                .map(|k| (k.id, k.hash.0.to_vec()))
+                .map(|k| (k.id, ByteBuf::from(k.hash.0.to_vec())))
                 .collect(),
         );
         if let Some(mesh) = &mut self.mesh {
@@ -633,7 +644,7 @@ impl WorkerState {
                 MESH_ROUND => {}
                 _ => continue,
             }
-            let Ok(hash) = <[u8; 32]>::try_from(hash) else {
+            let Ok(hash) = <[u8; 32]>::try_from(hash.into_vec()) else {
                 continue;
             };
             self.announced.push((
@@ -649,7 +660,7 @@ impl WorkerState {
                 .filter_map(|(id, h)| {
                     Some(DataflowKey {
                         id,
-                        hash: Digest(h.try_into().ok()?),
+                        hash: Digest(h.into_vec().try_into().ok()?),
                     })
                 })
                 .collect();
@@ -1302,7 +1313,7 @@ pub fn run_worker(
                 }
             };
             if let Some(mesh) = &mut state.mesh {
-                mesh.send((MESH_LOG_START, 0, 0, start, vec![], vec![]));
+                mesh.send((MESH_LOG_START, 0, 0, start, ByteBuf::new(), vec![]));
             }
         }
         state.log = Some(LogTail {
