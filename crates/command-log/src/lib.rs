@@ -89,6 +89,12 @@ pub trait CommandLog: Send {
     /// Where a fresh replica starts tailing: the newest epoch marker, or 1
     /// if the log has none.
     fn start_offset(&mut self) -> Result<u64, LogError>;
+    /// Deletes the entries before `offset`, for a controller at `epoch`
+    /// (fenced like [`CommandLog::append`]); returns how many went. The
+    /// caller must know that no process still needs them: every worker read
+    /// past `offset`, and `offset` is a marker, so a fresh replica starts
+    /// there or later. Offsets of the remaining entries do not change.
+    fn truncate_before(&mut self, epoch: u64, offset: u64) -> Result<usize, LogError>;
 }
 
 /// The on-disk format this build reads and writes.
@@ -200,10 +206,15 @@ impl CommandLog for SqliteLog {
             params![epoch as i64],
         )
         .map_err(store)?;
+        // The marker at the truncation point always stays, so MAX(offset)
+        // never goes back; `truncated` covers a log emptied by hand.
         let mut last: i64 = tx
-            .query_row("SELECT COALESCE(MAX(offset), 0) FROM entries", [], |r| {
-                r.get(0)
-            })
+            .query_row(
+                "SELECT MAX(COALESCE((SELECT MAX(offset) FROM entries), 0), \
+                 COALESCE((SELECT value FROM meta WHERE key = 'truncated'), 0))",
+                [],
+                |r| r.get(0),
+            )
             .map_err(store)?;
         {
             let mut insert = tx
@@ -253,6 +264,44 @@ impl CommandLog for SqliteLog {
                     })
             })
             .collect()
+    }
+
+    fn truncate_before(&mut self, epoch: u64, offset: u64) -> Result<usize, LogError> {
+        let path = self.path.clone();
+        let store = |source| LogError::Store {
+            path: path.clone(),
+            source,
+        };
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(store)?;
+        let newest: Option<i64> = tx
+            .query_row("SELECT epoch FROM fence WHERE id = 0", [], |r| r.get(0))
+            .optional()
+            .map_err(store)?;
+        let newest = newest.unwrap_or(0) as u64;
+        if epoch < newest {
+            return Err(LogError::Fenced {
+                path,
+                epoch,
+                newest,
+            });
+        }
+        let gone = tx
+            .execute(
+                "DELETE FROM entries WHERE offset < ?1",
+                params![offset as i64],
+            )
+            .map_err(store)?;
+        tx.execute(
+            "INSERT INTO meta (key, value) VALUES ('truncated', ?1) \
+             ON CONFLICT (key) DO UPDATE SET value = MAX(value, ?1)",
+            params![offset as i64 - 1],
+        )
+        .map_err(store)?;
+        tx.commit().map_err(store)?;
+        Ok(gone)
     }
 
     fn start_offset(&mut self) -> Result<u64, LogError> {

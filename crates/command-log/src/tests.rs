@@ -138,3 +138,33 @@ fn corrupt_entries_are_reported_with_their_offset() {
     let err = log.read_from(1, 10).unwrap_err();
     assert!(matches!(err, LogError::Corrupt { offset: 2, .. }), "{err}");
 }
+
+#[test]
+fn truncation_keeps_offsets_and_is_fenced() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    let mut log = SqliteLog::open(&path).unwrap();
+    log.append(
+        1,
+        &[hello(1, 1), cmd(1, CommandKind::InitializationComplete)],
+    )
+    .unwrap();
+    log.append(
+        1,
+        &[hello(1, 2), cmd(1, CommandKind::InitializationComplete)],
+    )
+    .unwrap();
+    assert_eq!(log.truncate_before(1, 3).unwrap(), 2);
+    assert_eq!(log.read_from(1, 10).unwrap()[0].offset, 3);
+    assert_eq!(log.start_offset().unwrap(), 3);
+    // New entries continue the numbering, even after everything went.
+    assert_eq!(log.truncate_before(1, 5).unwrap(), 2);
+    assert_eq!(log.append(1, &[hello(1, 3)]).unwrap(), 5);
+    // A newer epoch fences truncation too.
+    log.append(2, &[hello(2, 1)]).unwrap();
+    assert!(matches!(
+        log.truncate_before(1, 6),
+        Err(LogError::Fenced { .. })
+    ));
+    assert_eq!(log.read_from(1, 10).unwrap().len(), 2);
+}

@@ -107,6 +107,8 @@ struct Actor {
     /// Since when this session waits for every worker's answer to Hello
     /// (the history check); `None` once InitializationComplete was sent.
     hello_check: Option<Instant>,
+    /// The log offset of this session's Hello marker (log sessions).
+    log_marker: Option<u64>,
     history: CommandHistory,
     nonce: u64,
     generation: u64,
@@ -165,6 +167,7 @@ pub(crate) fn spawn(
         log: None,
         log_batch: None,
         hello_check: None,
+        log_marker: None,
         history,
         nonce: 0,
         generation: 0,
@@ -355,10 +358,11 @@ impl Actor {
             return;
         };
         let nonce = self.nonce;
-        let reported: Vec<&Status> = self
+        let reported: Vec<Status> = self
             .full_statuses
             .values()
             .filter(|s| s.epoch == self.epoch && s.nonce == nonce)
+            .cloned()
             .collect();
         let total = self.replica.total_workers();
         let mut collective = false;
@@ -373,6 +377,7 @@ impl Actor {
                 "not every worker answered Hello in time; completing initialization without the history check"
             );
         } else {
+            self.truncate_log();
             let digests: Vec<lockstep_protocol::Digest> =
                 reported.iter().map(|s| state_digest(s)).collect();
             let distinct = digests
@@ -420,6 +425,19 @@ impl Actor {
         }
         self.hello_check = None;
         self.complete_initialization(collective);
+    }
+
+    /// Every worker read this log session's marker (it answered the Hello
+    /// there), and a fresh replica starts at the newest marker: what came
+    /// before it is needed by no one. A failure only leaves the entries.
+    fn truncate_log(&mut self) {
+        let (Some(marker), Some(log)) = (self.log_marker.take(), self.log.as_mut()) else {
+            return;
+        };
+        match log.truncate_before(self.epoch, marker) {
+            Ok(gone) => tracing::debug!(marker, gone, "command log truncated"),
+            Err(e) => tracing::warn!(error = %e, "command log truncation failed; entries kept"),
+        }
     }
 
     fn complete_initialization(&mut self, collective: bool) {
@@ -561,6 +579,11 @@ impl Actor {
     /// a broken store) stops this controller: it must not go on without its
     /// log.
     fn append_log(&mut self, commands: &[Command]) -> bool {
+        self.append_log_at(commands).is_some()
+    }
+
+    /// Appends; returns the offset of the first appended entry.
+    fn append_log_at(&mut self, commands: &[Command]) -> Option<u64> {
         if self.log.is_none() {
             let Some(path) = &self.replica.command_log else {
                 unreachable!("the log strategy is chosen only with a command log")
@@ -569,16 +592,16 @@ impl Actor {
                 Ok(l) => self.log = Some(l),
                 Err(e) => {
                     self.fail_log(e.to_string());
-                    return false;
+                    return None;
                 }
             }
         }
         let log = self.log.as_mut().expect("opened above");
         match log.append(self.epoch, commands) {
-            Ok(_) => true,
+            Ok(last) => Some(last + 1 - commands.len() as u64),
             Err(e) => {
                 self.fail_log(e.to_string());
-                false
+                None
             }
         }
     }
@@ -611,8 +634,9 @@ impl Actor {
         };
         let mut entries = vec![batch.hellos[0].clone()];
         entries.extend(batch.commands[..appended].iter().map(|(c, _)| c.clone()));
-        if !self.append_log(&entries) {
-            return;
+        match self.append_log_at(&entries) {
+            Some(marker) => self.log_marker = Some(marker),
+            None => return,
         }
         for (i, hello) in batch.hellos.into_iter().enumerate() {
             self.write(i, hello);

@@ -165,6 +165,19 @@ async fn restart_keeps_unchanged_dataflows(replica_id: u64, strategy: Strategy) 
     // A new controller (a restarted environment) with the same target state.
     let b = controller_with(&r, 2, history.clone(), strategy);
     let after = b.statuses().await.unwrap();
+    if strategy == Strategy::Log {
+        // Every worker read b's marker: a's session was truncated away, and
+        // the log now starts with b's Hello.
+        use lockstep_command_log::CommandLog;
+        let mut log =
+            lockstep_command_log::SqliteLog::open(r.addrs.command_log.as_ref().unwrap()).unwrap();
+        let first = log.read_from(1, 1).unwrap().remove(0);
+        assert!(first.offset > 1, "nothing was truncated");
+        match first.command.kind {
+            lockstep_protocol::CommandKind::Hello(h) => assert_eq!(h.epoch, 2),
+            other => panic!("the log starts with {other:?}, not b's marker"),
+        }
+    }
     for (x, y) in before.iter().zip(&after) {
         assert_eq!(
             x.creation_log, y.creation_log,
