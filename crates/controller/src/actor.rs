@@ -379,7 +379,7 @@ impl Actor {
         } else {
             self.truncate_log();
             let digests: Vec<lockstep_protocol::Digest> =
-                reported.iter().map(|s| state_digest(s)).collect();
+                reported.iter().map(state_digest).collect();
             let distinct = digests
                 .iter()
                 .collect::<std::collections::BTreeSet<_>>()
