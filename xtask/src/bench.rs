@@ -449,7 +449,20 @@ impl Machine {
             })
             .unwrap_or_else(|| "unknown".into());
         let mut commit = output("git", &["rev-parse", "--short", "HEAD"]);
-        if !output("git", &["status", "--porcelain", "--untracked-files=no"]).is_empty() {
+        // The report's own outputs do not count as changes to what was measured.
+        let changed = output(
+            "git",
+            &[
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!README.md",
+                ":!docs",
+            ],
+        );
+        if !changed.is_empty() {
             commit.push_str(" (with uncommitted changes)");
         }
         Machine {
