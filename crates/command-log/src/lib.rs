@@ -170,6 +170,42 @@ impl SqliteLog {
         })
     }
 
+    /// Opens an existing log for reading and tailing only: changes nothing
+    /// in the file (no schema creation), so that many readers can open it at
+    /// once without taking the write lock. Refuses a file that is not a
+    /// command log of this format.
+    pub fn open_reader(path: &Path) -> Result<Self, LogError> {
+        let store = |source| LogError::Store {
+            path: path.to_path_buf(),
+            source,
+        };
+        let conn = Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(store)?;
+        conn.busy_timeout(Duration::from_secs(10)).map_err(store)?;
+        let format: Option<i64> = conn
+            .query_row("SELECT value FROM meta WHERE key = 'format'", [], |r| {
+                r.get(0)
+            })
+            .optional()
+            .map_err(|e| LogError::Format {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
+        if format != Some(FORMAT) {
+            return Err(LogError::Format {
+                path: path.to_path_buf(),
+                message: format!("format {format:?}"),
+            });
+        }
+        Ok(SqliteLog {
+            path: path.to_path_buf(),
+            conn,
+        })
+    }
+
     fn store(&self, source: rusqlite::Error) -> LogError {
         LogError::Store {
             path: self.path.clone(),

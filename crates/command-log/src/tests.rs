@@ -42,8 +42,8 @@ fn appends_are_ordered_and_read_back() {
         .append(1, &[cmd(2, CommandKind::StatusRequest { full: false })])
         .unwrap();
     assert_eq!(last, 3);
-    // A second handle (another process) sees the same entries in order.
-    let mut other = SqliteLog::open(&path).unwrap();
+    // A reader (another process) sees the same entries in order.
+    let mut other = SqliteLog::open_reader(&path).unwrap();
     let entries = other.read_from(1, 10).unwrap();
     assert_eq!(
         entries.iter().map(|e| e.offset).collect::<Vec<_>>(),
@@ -167,4 +167,21 @@ fn truncation_keeps_offsets_and_is_fenced() {
         Err(LogError::Fenced { .. })
     ));
     assert_eq!(log.read_from(1, 10).unwrap().len(), 2);
+}
+
+#[test]
+fn readers_need_an_existing_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = SqliteLog::open_reader(&dir.path().join("missing")).unwrap_err();
+    assert!(err.to_string().contains("missing"), "{err}");
+    let other = dir.path().join("other.sqlite");
+    rusqlite::Connection::open(&other)
+        .unwrap()
+        .execute_batch("CREATE TABLE users (name TEXT);")
+        .unwrap();
+    let err = SqliteLog::open_reader(&other).unwrap_err();
+    assert!(
+        err.to_string().contains("not a lockstep command log"),
+        "{err}"
+    );
 }

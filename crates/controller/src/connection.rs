@@ -47,7 +47,8 @@ pub(crate) async fn connect(
             Err(_) if tokio::time::Instant::now() >= deadline => {
                 return Err(format!("cannot connect to {addr}: connect timed out"))
             }
-            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+            // Refused (not listening yet, say): a replica starts in ~10 ms.
+            _ => tokio::time::sleep(Duration::from_millis(5)).await,
         }
     }
 }

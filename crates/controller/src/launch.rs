@@ -43,7 +43,15 @@ pub const COMMAND_LOG_ENV: &str = "LOCKSTEP_COMMAND_LOG";
 /// Gives the replica service a command log at `path` (a SQLite file shared
 /// by its processes), so that the `log` strategy can be used; pass the same
 /// path in [`ReplicaAddrs::command_log`].
+///
+/// Creates the log now if it is missing, so that the replica's processes,
+/// which start together, only read it: creating one SQLite file from several
+/// processes at once makes all but one back off for up to ~200 ms. If that
+/// fails, it is logged here and the replica processes report it clearly.
 pub fn with_command_log(config: ServiceConfig, path: &Path) -> ServiceConfig {
+    if let Err(e) = lockstep_command_log::SqliteLog::open(path) {
+        tracing::warn!(path = %path.display(), "cannot create the command log: {e}");
+    }
     config.env(COMMAND_LOG_ENV, path.display().to_string())
 }
 

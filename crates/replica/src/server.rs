@@ -118,13 +118,17 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
     if workers == 0 {
         anyhow::bail!("a process needs at least one worker");
     }
-    if let Some(path) = &config.command_log {
-        // Fail fast, before forming the cluster, on a log that cannot be used.
-        lockstep_command_log::SqliteLog::open(path)?;
-    }
     let listener = std::net::TcpListener::bind(config.listen)
         .with_context(|| format!("cannot listen for controllers on {}", config.listen))?;
     listener.set_nonblocking(true)?;
+    if let Some(path) = &config.command_log {
+        // Fail fast, before forming the cluster, on a log that cannot be
+        // used. The launcher normally created it already (reading needs no
+        // lock); a process started by hand creates it.
+        if lockstep_command_log::SqliteLog::open_reader(path).is_err() {
+            lockstep_command_log::SqliteLog::open(path)?;
+        }
+    }
 
     let started = std::time::Instant::now();
     let sockets = cluster::connect_mesh(
@@ -166,7 +170,7 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
                 .take()
                 .expect("each local worker starts once");
             let log = command_log.as_deref().map(|p| {
-                lockstep_command_log::SqliteLog::open(p).unwrap_or_else(|e| {
+                lockstep_command_log::SqliteLog::open_reader(p).unwrap_or_else(|e| {
                     // Opened once already above: only a vanished file gets here.
                     panic!("worker {}: {e}", worker.index())
                 })

@@ -320,3 +320,60 @@ async fn many_writes_keep_frontiers_moving() {
     assert_eq!(rows.len(), 400 * 200);
     c.shutdown();
 }
+
+/// Many controllers in quick succession (each reconciles and leaves), then
+/// one that creates more dataflows: every new dataflow must come up. (The
+/// benchmark of reconciliation after restarts found a hang here.)
+async fn restarts_then_more_creates(replica_id: u64, strategy: Strategy) {
+    let r = start_replica(replica_id, 2, 2).await;
+    let small = |id: u64| dataflow(id, &[1], lockstep_protocol::Plan::Get { collection_id: 1 });
+    let a = controller_with(&r, 1, CommandHistory::new(), strategy);
+    a.write_input(1, vec![u(&[1, 1], 0, 1)], 1).unwrap();
+    for id in 1..=100 {
+        a.create_dataflow(small(id)).unwrap();
+    }
+    a.wait_for_frontier(1100, 0).await.unwrap();
+    let history = a.history().await.unwrap();
+    a.shutdown();
+    let mut epoch = 1;
+    for _ in 0..50 {
+        epoch += 1;
+        let c = controller_with(&r, epoch, history.clone(), strategy);
+        c.statuses().await.unwrap();
+        c.shutdown();
+    }
+    epoch += 1;
+    let c = controller_with(&r, epoch, history, strategy);
+    for id in 101..=400 {
+        c.create_dataflow(small(id)).unwrap();
+    }
+    if let Err(e) = tokio::time::timeout(
+        std::time::Duration::from_secs(15),
+        c.wait_for_frontier(1400, 0),
+    )
+    .await
+    {
+        panic!("dataflow 400 did not come up: {e}\n{}", logs(&r, 20));
+    }
+    let statuses = c.statuses().await.unwrap();
+    for s in &statuses {
+        assert_eq!(s.installed.len(), 400, "worker {}", s.worker_index);
+        assert_eq!(s.creation_log, statuses[0].creation_log);
+    }
+    c.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarts_then_more_creates_barrier() {
+    restarts_then_more_creates(21, Strategy::Barrier).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarts_then_more_creates_broadcast() {
+    restarts_then_more_creates(22, Strategy::Broadcast).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarts_then_more_creates_log() {
+    restarts_then_more_creates(23, Strategy::Log).await;
+}
