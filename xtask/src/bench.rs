@@ -142,6 +142,11 @@ fn baseline_of(name: &str) -> Option<String> {
     if name.contains("wasm") {
         return Some(name.replace("wasm", "native"));
     }
+    // How broadcast orders commands: the replica's exchange against
+    // timely's Sequencer.
+    if let Some(rest) = name.strip_prefix("sequencing/exchange/") {
+        return Some(format!("sequencing/sequencer/{rest}"));
+    }
     None
 }
 
@@ -735,6 +740,11 @@ mod tests {
             baseline_of("policy/choose_wasm").as_deref(),
             Some("policy/choose_native")
         );
+        assert_eq!(
+            baseline_of("sequencing/exchange/1MiB").as_deref(),
+            Some("sequencing/sequencer/1MiB")
+        );
+        assert_eq!(baseline_of("sequencing/sequencer/small"), None);
     }
 
     #[test]
