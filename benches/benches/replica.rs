@@ -50,13 +50,7 @@ fn dataflows(c: &mut Criterion) {
     let _guard = rt.enter();
     let r = rt.block_on(replica::start(1, 2, 2));
     let ctl = replica::controller(&r, Strategy::Barrier);
-    let rows: Vec<Update> = (0..100)
-        .map(|i| Update {
-            row: vec![i, i * 10],
-            time: 0,
-            diff: 1,
-        })
-        .collect();
+    let rows: Vec<Update> = lockstep_benches::rows(100);
     ctl.write_input(1, rows, 1).expect("write");
     let base = small_dataflow(1);
     ctl.create_dataflow(base.clone()).expect("create");

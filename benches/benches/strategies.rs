@@ -370,13 +370,7 @@ fn measure(
     eprintln!("strategies: {id}: starting a {p}x{w} replica");
     let r = rt.block_on(replica::start(replica_id, p, w));
     let ctl = replica::controller(&r, strategy);
-    let rows: Vec<Update> = (0..100)
-        .map(|i| Update {
-            row: vec![i, i * 10],
-            time: 0,
-            diff: 1,
-        })
-        .collect();
+    let rows: Vec<Update> = lockstep_benches::rows(100);
     settle(
         rt,
         &ctl,

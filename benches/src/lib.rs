@@ -1,7 +1,18 @@
 //! Criterion benchmarks of lockstep. The benchmarks live in `benches/`; this
 //! library holds the fixtures they share.
 
-use lockstep_protocol::{DataflowDescription, Export, Plan};
+use lockstep_protocol::{DataflowDescription, Export, Plan, Update};
+
+/// `n` rows `[i, 10 i]` at time 0, the input the peek benchmarks read.
+pub fn rows(n: i64) -> Vec<Update> {
+    (0..n)
+        .map(|i| Update {
+            row: vec![i, i * 10],
+            time: 0,
+            diff: 1,
+        })
+        .collect()
+}
 
 /// A small dataflow description: a filter over one input, exported.
 pub fn small_dataflow(id: u64) -> DataflowDescription {

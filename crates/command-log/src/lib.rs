@@ -214,6 +214,35 @@ impl SqliteLog {
     }
 }
 
+/// Starts a write transaction for a writer at `epoch`, or fails with
+/// [`LogError::Fenced`] if a newer epoch wrote before.
+fn fenced<'c>(
+    conn: &'c mut Connection,
+    path: &Path,
+    epoch: u64,
+) -> Result<rusqlite::Transaction<'c>, LogError> {
+    let store = |source| LogError::Store {
+        path: path.to_path_buf(),
+        source,
+    };
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(store)?;
+    let newest: Option<i64> = tx
+        .query_row("SELECT epoch FROM fence WHERE id = 0", [], |r| r.get(0))
+        .optional()
+        .map_err(store)?;
+    let newest = newest.unwrap_or(0) as u64;
+    if epoch < newest {
+        return Err(LogError::Fenced {
+            path: path.to_path_buf(),
+            epoch,
+            newest,
+        });
+    }
+    Ok(tx)
+}
+
 impl CommandLog for SqliteLog {
     fn append(&mut self, epoch: u64, commands: &[Command]) -> Result<u64, LogError> {
         let path = self.path.clone();
@@ -221,22 +250,7 @@ impl CommandLog for SqliteLog {
             path: path.clone(),
             source,
         };
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(store)?;
-        let newest: Option<i64> = tx
-            .query_row("SELECT epoch FROM fence WHERE id = 0", [], |r| r.get(0))
-            .optional()
-            .map_err(store)?;
-        let newest = newest.unwrap_or(0) as u64;
-        if epoch < newest {
-            return Err(LogError::Fenced {
-                path,
-                epoch,
-                newest,
-            });
-        }
+        let tx = fenced(&mut self.conn, &self.path, epoch)?;
         tx.execute(
             "INSERT INTO fence (id, epoch) VALUES (0, ?1) ON CONFLICT (id) DO UPDATE SET epoch = ?1",
             params![epoch as i64],
@@ -308,22 +322,7 @@ impl CommandLog for SqliteLog {
             path: path.clone(),
             source,
         };
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(store)?;
-        let newest: Option<i64> = tx
-            .query_row("SELECT epoch FROM fence WHERE id = 0", [], |r| r.get(0))
-            .optional()
-            .map_err(store)?;
-        let newest = newest.unwrap_or(0) as u64;
-        if epoch < newest {
-            return Err(LogError::Fenced {
-                path,
-                epoch,
-                newest,
-            });
-        }
+        let tx = fenced(&mut self.conn, &self.path, epoch)?;
         let gone = tx
             .execute(
                 "DELETE FROM entries WHERE offset < ?1",
