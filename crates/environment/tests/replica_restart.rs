@@ -44,6 +44,10 @@ fn replica_binary() -> PathBuf {
 }
 
 fn load(state_dir: &Path) -> Environment {
+    load_with(state_dir, None)
+}
+
+fn load_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environment {
     Environment::load(EnvironmentConfig {
         state_dir: state_dir.to_path_buf(),
         orphan_policy: lockstep_policy::native_orphan_rule("id-watermark").unwrap(),
@@ -52,7 +56,7 @@ fn load(state_dir: &Path) -> Environment {
             args: DEFAULT_REPLICA_ARGS.iter().map(|s| s.to_string()).collect(),
         },
         conditional_writes: true,
-        distribution_policy: None,
+        distribution_policy,
     })
     .unwrap()
 }
@@ -199,6 +203,11 @@ async fn a_stopped_replica_process_is_restarted_and_the_replica_answers_again() 
         .status()
         .unwrap();
     assert!(status.success());
+    // kill(2) returns before the process is stopped: wait (bounded) for it.
+    let stop_seen = Instant::now();
+    while proc_state(stopped) != Some('T') && stop_seen.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert_eq!(proc_state(stopped), Some('T'));
     let fault = Instant::now();
 
@@ -253,4 +262,99 @@ async fn a_stopped_replica_process_is_restarted_and_the_replica_answers_again() 
     peek_until(&env, 101, 2, &expected2, Duration::from_secs(30))
         .await
         .expect("the new environment's controller answers");
+}
+
+/// The shipped `log` distribution policy drives a replica through its
+/// command log under the environment: answers are right, the commands are in
+/// the log, and a restarted environment (a new controller epoch) reconnects,
+/// answers again, and truncates the log before its own marker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_policy_sends_commands_through_the_command_log() {
+    let policy = lockstep_policy_host::shipped_policy("log");
+    assert!(
+        policy.is_file(),
+        "{} is missing: run `cargo xtask build-policies` first (`cargo xtask test` does)",
+        policy.display()
+    );
+    let sandbox = Sandbox::new().unwrap();
+    let start_with_log = |dir: &Path| {
+        let env = load_with(dir, Some(policy.clone()));
+        async move {
+            env.ensure_replicas().await.unwrap();
+            env.remove_orphans().await.unwrap();
+            env.start_compute().await.unwrap();
+            env
+        }
+    };
+    let env = start_with_log(sandbox.path()).await;
+    let created = env
+        .create_replica(
+            "r1",
+            ReplicaConfig {
+                processes: 2,
+                workers_per_process: 2,
+                config: String::new(),
+            },
+        )
+        .await
+        .unwrap();
+    let log_path = env.command_log(created.replica.id).unwrap();
+    let plan = parse_plan("reduce(get(1), [#0], count, sum(#1))").unwrap();
+    env.create_dataflow(
+        "r1",
+        "reduce",
+        0,
+        vec![1],
+        vec![Export {
+            collection_id: 101,
+            plan: plan.clone(),
+        }],
+    )
+    .await
+    .unwrap();
+    let updates = vec![u(&[1, 10], 0, 1), u(&[1, 5], 0, 1), u(&[2, 7], 1, 1)];
+    env.write_input("r1", 1, updates.clone(), 2).await.unwrap();
+    let expected = evaluate(&plan, &BTreeMap::from([(1, updates)]), 1);
+    peek_until(&env, 101, 1, &expected, Duration::from_secs(30))
+        .await
+        .expect("the replica answers under the log policy");
+
+    use lockstep_command_log::CommandLog;
+    let mut log = lockstep_command_log::SqliteLog::open_reader(&log_path).unwrap();
+    let entries = log.read_from(1, 100_000).unwrap();
+    assert!(
+        entries
+            .iter()
+            .all(|e| e.command.strategy == lockstep_protocol::Strategy::Log),
+        "every logged command was sent with the log strategy"
+    );
+    let creates = entries
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.command.kind,
+                lockstep_protocol::CommandKind::CreateDataflow(_)
+            )
+        })
+        .count();
+    assert_eq!(creates, 1, "the dataflow went through the log");
+
+    // A restarted environment: a new epoch, a new marker, the same answers,
+    // and everything before the new marker truncated.
+    drop(env);
+    let env = start_with_log(sandbox.path()).await;
+    peek_until(&env, 101, 1, &expected, Duration::from_secs(30))
+        .await
+        .expect("the replica answers after the environment restarted");
+    let first = log.read_from(1, 1).unwrap().remove(0);
+    match first.command.kind {
+        lockstep_protocol::CommandKind::Hello(h) => {
+            assert!(
+                h.epoch >= 2,
+                "the log starts at the new epoch's marker: {h:?}"
+            )
+        }
+        other => panic!("the log starts with {other:?}, not the new marker"),
+    }
+    assert!(first.offset > 1, "nothing was truncated");
 }
