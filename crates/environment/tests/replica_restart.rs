@@ -43,10 +43,6 @@ fn replica_binary() -> PathBuf {
     path
 }
 
-fn load(state_dir: &Path) -> Environment {
-    load_with(state_dir, None)
-}
-
 fn load_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environment {
     Environment::load(EnvironmentConfig {
         state_dir: state_dir.to_path_buf(),
@@ -63,7 +59,12 @@ fn load_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environm
 
 /// The start-up steps of `lockstep serve`, without serving.
 async fn start(state_dir: &Path) -> Environment {
-    let env = load(state_dir);
+    start_with(state_dir, None).await
+}
+
+/// [`start`] with a WASM distribution policy.
+async fn start_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environment {
+    let env = load_with(state_dir, distribution_policy);
     env.ensure_replicas().await.unwrap();
     env.remove_orphans().await.unwrap();
     env.start_compute().await.unwrap();
@@ -82,6 +83,25 @@ async fn service(env: &Environment) -> ServiceStatus {
     let mut services = env.orchestrator().list_services().await.unwrap();
     assert_eq!(services.len(), 1, "{services:?}");
     services.remove(0)
+}
+
+/// Creates the dataflow both tests peek: a reduce over input 1, exported as
+/// collection 101 on replica `r1`; returns its plan.
+async fn create_reduce(env: &Environment) -> lockstep_protocol::Plan {
+    let plan = parse_plan("reduce(get(1), [#0], count, sum(#1))").unwrap();
+    env.create_dataflow(
+        "r1",
+        "reduce",
+        0,
+        vec![1],
+        vec![Export {
+            collection_id: 101,
+            plan: plan.clone(),
+        }],
+    )
+    .await
+    .unwrap();
+    plan
 }
 
 fn pids(s: &ServiceStatus) -> Vec<Option<u32>> {
@@ -168,19 +188,7 @@ async fn a_stopped_replica_process_is_restarted_and_the_replica_answers_again() 
     }
 
     // An existing dataflow with data, answering correctly.
-    let plan = parse_plan("reduce(get(1), [#0], count, sum(#1))").unwrap();
-    env.create_dataflow(
-        "r1",
-        "reduce",
-        0,
-        vec![1],
-        vec![Export {
-            collection_id: 101,
-            plan: plan.clone(),
-        }],
-    )
-    .await
-    .unwrap();
+    let plan = create_reduce(&env).await;
     let updates = vec![
         u(&[1, 10], 0, 1),
         u(&[1, 20], 0, 1),
@@ -277,16 +285,7 @@ async fn the_log_policy_sends_commands_through_the_command_log() {
         policy.display()
     );
     let sandbox = Sandbox::new().unwrap();
-    let start_with_log = |dir: &Path| {
-        let env = load_with(dir, Some(policy.clone()));
-        async move {
-            env.ensure_replicas().await.unwrap();
-            env.remove_orphans().await.unwrap();
-            env.start_compute().await.unwrap();
-            env
-        }
-    };
-    let env = start_with_log(sandbox.path()).await;
+    let env = start_with(sandbox.path(), Some(policy.clone())).await;
     let created = env
         .create_replica(
             "r1",
@@ -299,19 +298,7 @@ async fn the_log_policy_sends_commands_through_the_command_log() {
         .await
         .unwrap();
     let log_path = env.command_log(created.replica.id).unwrap();
-    let plan = parse_plan("reduce(get(1), [#0], count, sum(#1))").unwrap();
-    env.create_dataflow(
-        "r1",
-        "reduce",
-        0,
-        vec![1],
-        vec![Export {
-            collection_id: 101,
-            plan: plan.clone(),
-        }],
-    )
-    .await
-    .unwrap();
+    let plan = create_reduce(&env).await;
     let updates = vec![u(&[1, 10], 0, 1), u(&[1, 5], 0, 1), u(&[2, 7], 1, 1)];
     env.write_input("r1", 1, updates.clone(), 2).await.unwrap();
     let expected = evaluate(&plan, &BTreeMap::from([(1, updates)]), 1);
@@ -342,7 +329,7 @@ async fn the_log_policy_sends_commands_through_the_command_log() {
     // A restarted environment: a new epoch, a new marker, the same answers,
     // and everything before the new marker truncated.
     drop(env);
-    let env = start_with_log(sandbox.path()).await;
+    let env = start_with(sandbox.path(), Some(policy)).await;
     peek_until(&env, 101, 1, &expected, Duration::from_secs(30))
         .await
         .expect("the replica answers after the environment restarted");
