@@ -106,6 +106,8 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
         "-p",
         "lockstep-chaos",
         "--bins",
+        "--features",
+        crate::tasks::TEST_FEATURES,
     ]);
     run(cmd)?;
     let bin = target_dir()

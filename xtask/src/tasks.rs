@@ -14,7 +14,12 @@ pub fn build() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// fmt, clippy, policies, every test.
+/// Features the workspace's tests and lints build with: the replica's test
+/// hooks (failpoints). The distribution suite builds with the same, so one
+/// build of the replica serves both.
+pub const TEST_FEATURES: &str = "lockstep-replica/failpoints";
+
+/// Runs every check CI runs.
 pub fn test(lint: bool) -> anyhow::Result<()> {
     if lint {
         step("cargo fmt --check");
@@ -27,6 +32,8 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
             "clippy",
             "--workspace",
             "--all-targets",
+            "--features",
+            TEST_FEATURES,
             "--",
             "-D",
             "warnings",
@@ -37,7 +44,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     policies::build_all()?;
     step("cargo test (every crate)");
     let mut cmd = cargo();
-    cmd.args(["test", "--workspace"]);
+    cmd.args(["test", "--workspace", "--features", TEST_FEATURES]);
     run(cmd)?;
     demo()?;
     for suite in crate::chaos::SUITES {

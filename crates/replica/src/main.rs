@@ -58,6 +58,9 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     lockstep_replica::server::install_panic_exit();
+    // Test hooks: FAILPOINTS="name=actions;..." (feature `failpoints` only).
+    #[cfg(feature = "failpoints")]
+    std::mem::forget(fail::FailScenario::setup());
     let args = Args::parse();
     if args.peers.len() != args.processes as usize {
         eprintln!(

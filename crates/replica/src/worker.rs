@@ -281,7 +281,10 @@ pub struct WorkerState {
     session: u64,
     joined: Vec<u64>,
     announced: Vec<(u64, Announcement)>,
-    installed_reports: BTreeMap<(u64, usize), Vec<DataflowKey>>,
+    /// The installed dataflows each worker announced with a round, by
+    /// (session, worker, seqno): a reconciliation round's report must not be
+    /// replaced by the same worker's next round (a create announces none).
+    installed_reports: BTreeMap<(u64, usize, u64), Vec<DataflowKey>>,
     queue: VecDeque<Command>,
     pending: Option<Pending>,
     log: Option<LogTail>,
@@ -481,7 +484,7 @@ impl WorkerState {
             if session > self.session {
                 self.session = session;
                 self.announced.retain(|(s, _)| *s >= session);
-                self.installed_reports.retain(|(s, _), _| *s >= session);
+                self.installed_reports.retain(|(s, _, _), _| *s >= session);
                 let me = self.index as u64;
                 if let Some(mesh) = &mut self.mesh {
                     mesh.send((MESH_JOINED, session, me, 0, ByteBuf::new(), vec![]));
@@ -606,6 +609,10 @@ impl WorkerState {
 
     /// Moves what the mesh delivered into the barrier's view.
     fn absorb_mesh(&mut self) {
+        #[cfg(feature = "failpoints")]
+        if self.hold_mesh_for_test() {
+            return;
+        }
         let Some(mesh) = &self.mesh else { return };
         let records = std::mem::take(&mut *mesh.received.borrow_mut());
         for (kind, session, worker, seqno, hash, installed) in records {
@@ -664,8 +671,37 @@ impl WorkerState {
                     })
                 })
                 .collect();
-            self.installed_reports.insert((session, worker), keys);
+            self.installed_reports
+                .insert((session, worker, seqno), keys);
         }
+    }
+
+    /// Test hook (feature `failpoints`), failpoint
+    /// `replica_hold_mesh_in_reconcile` with value `return(W)`: worker W,
+    /// while its collective reconciliation round is pending and it has
+    /// dataflows installed, takes nothing from the mesh until a peer's round
+    /// of a later command of the session has arrived (for at most 10 s). It
+    /// then reads that peer's reconcile record and its next record together,
+    /// the interleaving a slow worker meets when creates follow a reconnect.
+    #[cfg(feature = "failpoints")]
+    fn hold_mesh_for_test(&self) -> bool {
+        let Some(Some(arg)) = fail::eval("replica_hold_mesh_in_reconcile", |a| a) else {
+            return false;
+        };
+        if arg.trim().parse::<usize>().ok() != Some(self.index) || self.dataflows.is_empty() {
+            return false;
+        }
+        let Some(Pending::Reconcile { mine, since, .. }) = &self.pending else {
+            return false;
+        };
+        let Some(mesh) = &self.mesh else { return false };
+        if since.elapsed() > Duration::from_secs(10) {
+            return false;
+        }
+        let later_round_in = mesh.received.borrow().iter().any(|r| {
+            r.0 == MESH_ROUND && r.1 == self.session && r.2 != self.index as u64 && r.3 > mine.seqno
+        });
+        !later_round_in
     }
 
     /// Applies queued commands until one waits at a barrier. Returns whether
@@ -733,18 +769,25 @@ impl WorkerState {
                 None
             }
             BarrierDecision::Pass => {
+                // Read the round's reports before the round is forgotten.
+                let lists: Option<Vec<Vec<DataflowKey>>> = (0..self.peers)
+                    .map(|w| {
+                        self.installed_reports
+                            .get(&(self.session, w, mine.seqno))
+                            .cloned()
+                    })
+                    .collect();
                 self.prune_round(mine.seqno);
                 match p {
                     Pending::Create { cmd, .. } => self.apply(worker, cmd),
                     Pending::Reconcile { buffer, target, .. } => {
-                        let lists: Vec<Vec<DataflowKey>> = (0..self.peers)
-                            .map(|w| {
-                                self.installed_reports
-                                    .get(&(self.session, w))
-                                    .cloned()
-                                    .unwrap_or_default()
-                            })
-                            .collect();
+                        let Some(lists) = lists else {
+                            self.halt(format!(
+                                "the reconciliation round {} of session {:#x} passed without every worker's installed dataflows",
+                                mine.seqno, self.session
+                            ));
+                            return None;
+                        };
                         let plan = collective(&lists, &target);
                         for id in plan.drop_per_worker[self.index].clone() {
                             tracing::info!(
@@ -771,6 +814,8 @@ impl WorkerState {
         let session = self.session;
         self.announced
             .retain(|(s, a)| *s > session || a.seqno > seqno);
+        self.installed_reports
+            .retain(|(s, _, n), _| *s > session || *n > seqno);
     }
 
     /// Stops the process: it cannot prove it is in lockstep (I4). The

@@ -62,15 +62,26 @@ pub fn logs(r: &TestReplica, lines: usize) -> String {
 }
 
 pub async fn start_replica(replica_id: u64, processes: usize, workers: u32) -> TestReplica {
+    start_replica_with_env(replica_id, processes, workers, &[]).await
+}
+
+/// A replica whose processes get `env` on top of the usual environment.
+pub async fn start_replica_with_env(
+    replica_id: u64,
+    processes: usize,
+    workers: u32,
+    env: &[(&str, &str)],
+) -> TestReplica {
     let dir = tempfile::tempdir().expect("tempdir");
     let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
         .expect("orchestrator");
     let log = dir.path().join("command-log.sqlite");
+    let service = env.iter().fold(
+        replica_service(replica_id, processes, workers),
+        |s, (k, v)| s.env(*k, *v),
+    );
     let status = orchestrator
-        .ensure_service(launch::with_command_log(
-            replica_service(replica_id, processes, workers),
-            &log,
-        ))
+        .ensure_service(launch::with_command_log(service, &log))
         .await
         .expect("ensure replica");
     let addrs = ReplicaAddrs {
