@@ -163,7 +163,7 @@ mod tests {{
             r#"//! The `{name}` orphan policy.
 //!
 //! Called once on controller start with the listed services and the
-//! catalog's view. Start: benesch's ID-watermark rule (halt if a service has
+//! catalog's view. Start: the ID-watermark rule (halt if a service has
 //! an ID at or above our next ID, else delete every service the catalog does
 //! not keep). Change the rule and run `cargo xtask build-policies`.
 

@@ -17,7 +17,7 @@
 //! `controller_partial_broadcast` after a command reached process 0 and not
 //! process 1, or process 1 and not process 0 (create, drop, write, peek, and
 //! InitializationComplete during reconciliation itself), twice in a row, or
-//! on 2 of 3 processes; Frank's case, both ways round; every connection
+//! on 2 of 3 processes; the partial drop, both ways round; every connection
 //! dropped, also between two creates; a replica process killed (process 0,
 //! process 1, during reconciliation); a replica process stopped (SIGSTOP) and
 //! resumed, or stopped and the replica restarted; a stale controller that
@@ -99,7 +99,7 @@ async fn start_replica(id: u64, processes: usize, workers: u32) -> Result<Replic
 struct Variant {
     strategy: Strategy,
     /// `naive+history-check`: naive delivery, but the history check on
-    /// connect (Frank's option 1) restarts the replica on a mismatch, which
+    /// connect (history check) restarts the replica on a mismatch, which
     /// the harness then does through the orchestrator, as the environment
     /// does. Plain `naive` is the negative control: its mismatches are
     /// reported and nobody acts on them.
@@ -382,7 +382,7 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), String> {
             b.create_dataflow(y()).map_err(|e| e.to_string())?;
             check(&b, &[d1(), d2(), y()]).await
         }
-        "frank" => {
+        "partial-drop-wanted-again" => {
             // Process 0 sees build and drop of X, process 1 only the build;
             // the restarted controller wants X again.
             a.create_dataflow(x()).map_err(|e| e.to_string())?;
@@ -457,7 +457,7 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), String> {
             let t = vec![d1(), d2(), x()];
             check(&controller(&r, 2, s, history(&t)), &t).await
         }
-        "frank-mirrored" => {
+        "partial-drop-wanted-again-mirrored" => {
             // Process 1 sees build and drop of X, process 0 only the build.
             a.create_dataflow(x()).map_err(|e| e.to_string())?;
             ready(&a, &[x()]).await?;
@@ -490,7 +490,7 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), String> {
             crashed(&a).await;
             check(&controller(&r, 2, s, history(&base)), &base).await
         }
-        "three-processes-frank" => {
+        "three-processes-partial-drop-wanted-again" => {
             a.create_dataflow(x()).map_err(|e| e.to_string())?;
             ready(&a, &[x()]).await?;
             crash_reaching("allow-compaction", "last2");
@@ -629,7 +629,7 @@ const SCENARIOS: [&str; 26] = [
     "partial-create-unwanted",
     "partial-create-wanted",
     "partial-create-then-create",
-    "frank",
+    "partial-drop-wanted-again",
     "partial-drop-unwanted",
     "partial-peek",
     "partial-write",
@@ -641,11 +641,11 @@ const SCENARIOS: [&str; 26] = [
     "stopped-process",
     "partial-create-last",
     "partial-create-last-wanted",
-    "frank-mirrored",
+    "partial-drop-wanted-again-mirrored",
     "partial-write-last",
     "double-crash",
     "three-processes-partial-create",
-    "three-processes-frank",
+    "three-processes-partial-drop-wanted-again",
     "reconnect-between-creates",
     "stale-controller",
     "killed-process-0",

@@ -344,7 +344,7 @@ impl Actor {
         self.hello_check = Some(Instant::now());
     }
 
-    /// The history check (Frank's option 1): once every worker answered
+    /// The history check: once every worker answered
     /// this session's Hello with its full status, compare what they report
     /// (their creation logs and installed dataflows); if they differ, the
     /// distribution policy decides: reconcile collectively (a naive session's

@@ -35,7 +35,7 @@
 //!   - `log`: the controller appends commands, epoch markers and targets to a
 //!     durable log (it survives crashes); every worker tails it and reconciles
 //!     with [`lockstep_reconcile::local`] at the target entry.
-//! - **History check** (Frank's option 1, optional, on top of naive): on
+//! - **History check** (history check, optional, on top of naive): on
 //!   Hello every process reports a digest of its history, and the controller
 //!   sends the target only if [`lockstep_reconcile::history_check`] finds the
 //!   reports in sync, restarting the replica otherwise. With the *compacted*
@@ -114,7 +114,7 @@ pub enum Mutation {
     NoSessionEnd,
 }
 
-/// Frank's option 1 on top of the naive strategy: on Hello every process
+/// the history check on top of the naive strategy: on Hello every process
 /// reports a digest of its history; the controller sends the target only if
 /// [`lockstep_reconcile::history_check`] finds the processes in sync with each
 /// other, and restarts the replica otherwise.

@@ -29,7 +29,7 @@
 //! barrier that reconciles locally, or that waits on a peer that skipped a
 //! session, is caught ([`compute::Mutation`]); so are an unconditional ensure
 //! (O4) and an orchestrator without tombstones (O2). [`EXTRA_VARIANTS`] adds
-//! Frank's option 1, the history check, over naive: with the compacted
+//! the history check, over naive: with the compacted
 //! history digest it is caught, with a digest of everything a process did it
 //! passes.
 //!
@@ -313,8 +313,8 @@ pub const VARIANTS: [&str; 7] = [
     "catalog-only",
 ];
 
-/// Variants checked only when named (not part of the CI report): Frank's
-/// option 1 (the history check) on top of naive, with the compacted history
+/// Variants checked only when named (not part of the CI report): the history
+/// check on top of naive, with the compacted history
 /// digest the protocol crate computes (a negative control: it misses a
 /// dataflow one process built and dropped and another never built) and with a
 /// digest of everything a process did.

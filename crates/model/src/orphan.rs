@@ -10,7 +10,7 @@
 //!   of the controller that last ensured it. `ensure` is conditional (it never
 //!   overwrites a service labelled with a newer epoch; the controller that
 //!   finds one halts), as DESIGN.md requires; the unconditional ensure of
-//!   lluki's PR can be modelled to show what it breaks (O4). A delete leaves
+//!   the epoch rule's first version can be modelled to show what it breaks (O4). A delete leaves
 //!   a tombstone with the deleter's epoch, which a conditional ensure also
 //!   respects (as in `lockstep-orchestrator`).
 //! - **Three controllers**, each running the seed's steps: load the catalog

@@ -1,6 +1,6 @@
 //! The models' own checks, at bounds small enough for `cargo test` in debug
 //! mode: the negative controls and deliberate flaws are caught, the real
-//! strategies and rules pass, and Frank McSherry's case replays as expected.
+//! strategies and rules pass, and the partial drop replays as expected.
 //! `cargo xtask model` checks the larger CI bounds in release mode.
 
 use std::collections::HashSet;
@@ -126,11 +126,11 @@ fn all_continuations_reach_the_target(m: &ComputeModel, s: ComputeState) {
     }
 }
 
-/// Frank's case: the controller builds A, drops it and asks for it again;
+/// The partial drop: the controller builds A, drops it and asks for it again;
 /// p0 sees build and drop, p1 only build; the controller crashes (the last
 /// create is lost in flight but durable in the catalog) and restarts wanting A.
 #[test]
-fn franks_case_breaks_naive() {
+fn partial_drop_breaks_naive() {
     let m = compute(Strategy::Naive, SMALL);
     let s = replay(
         &m,
@@ -161,7 +161,7 @@ fn franks_case_breaks_naive() {
 }
 
 #[test]
-fn franks_case_is_safe_under_barrier() {
+fn partial_drop_is_safe_under_barrier() {
     let m = compute(Strategy::Barrier, SMALL);
     let s = replay(
         &m,
@@ -212,7 +212,7 @@ fn orphan_rules() {
 
 #[test]
 fn unconditional_ensure_lets_labels_go_back() {
-    // lluki's PR: ensure overwrites, so a stale controller can put an older
+    // The epoch rule's first version: ensure overwrites, so a stale controller can put an older
     // epoch (and spec) back on a newer controller's service.
     let mut m = OrphanModel::new("epoch", ORPHANS);
     m.conditional_ensure = false;
@@ -224,7 +224,7 @@ fn unconditional_ensure_lets_labels_go_back() {
     );
 }
 
-/// Frank's option 1 with the *compacted* history digest (what
+/// the history check with the *compacted* history digest (what
 /// `CommandHistory::digest` hashes) cannot see a dataflow that one process
 /// built and dropped and another never built: both compacted histories are
 /// empty, yet their timely counters differ.

@@ -217,7 +217,7 @@ pub trait OrphanPolicy {
     ) -> Result<OrphanDecision, PolicyError>;
 }
 
-/// lluki's rule: delete services absent from the catalog whose epoch is older
+/// The epoch rule: delete services absent from the catalog whose epoch is older
 /// than ours.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct EpochRule;
@@ -251,7 +251,7 @@ fn delete_unkept(
     )
 }
 
-/// benesch's rule: a service with an ID at or above our next ID means another
+/// The ID-watermark rule: a service with an ID at or above our next ID means another
 /// controller allocated it after we loaded the catalog: halt. Otherwise delete
 /// every service absent from the catalog.
 #[derive(Clone, Copy, Debug, Default)]

@@ -4,7 +4,7 @@
 //! that reconnects (or a new replica) can be brought to the target state by
 //! replaying the history. Each replica process keeps the history of what it
 //! applied too, and the two are compared by [`CommandHistory::digest`] when a
-//! controller connects (Frank's option 1, the history check).
+//! controller connects (the history check).
 //!
 //! Compaction follows Materialize's `ComputeCommandHistory::reduce`:
 //! - a dataflow whose exports were all dropped (empty compaction frontier)

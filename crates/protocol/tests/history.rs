@@ -197,7 +197,7 @@ fn equal_histories_hash_equal_different_ones_differ() {
     c2.push(CommandKind::CreateDataflow(dataflow(1, 100)));
     assert_ne!(c1.digest(), c2.digest());
 
-    // Frank's case: one process saw build+drop, the other only build.
+    // The partial drop: one process saw build+drop, the other only build.
     let mut p1 = CommandHistory::new();
     p1.push(CommandKind::CreateDataflow(dataflow(1, 100)));
     p1.push(CommandKind::AllowCompaction {

@@ -2,7 +2,7 @@
 //!
 //! Timely requires every worker of a replica to build the same dataflows in
 //! the same order (invariant I1): dataflow indices and channel identifiers come
-//! from per-worker counters. Frank McSherry's case shows why reconciling a
+//! from per-worker counters. The partial drop shows why reconciling a
 //! reconnected replica is *not* a local action: process 1 saw "build A, drop A",
 //! process 2 saw only "build A"; a restarted controller asks for A again. If each
 //! worker reconciles alone, process 1 builds a new A that process 2 never joins
@@ -24,7 +24,7 @@
 //! - [`barrier`]: whether a worker may apply a barrier-guarded command, and
 //!   [`barrier_view`]: which announcements it must consider.
 //! - [`history_check`]: what the controller learns from the processes'
-//!   history digests on connect (Frank's option 1).
+//!   history digests on connect (history check).
 //! - [`lockstep_check`] and [`lockstep_prefix_check`]: invariant I1 over the
 //!   workers' dataflow-creation logs.
 //!
@@ -206,7 +206,7 @@ fn drops(installed: &[DataflowKey], kept: &BTreeSet<u64>) -> Vec<u64> {
 /// Safety condition: this is correct for the *replica* only when every worker
 /// holds the same installed set (the broadcast and log strategies apply the
 /// same totally ordered commands on every worker). Under a partial install
-/// (Frank's case) workers compute different plans, build different dataflows
+/// (the partial drop) workers compute different plans, build different dataflows
 /// and break I1; the model checker demonstrates this with the naive strategy.
 pub fn local(installed: &[DataflowKey], target: &[DataflowKey]) -> LocalPlan {
     let target = dedup_target(target);

@@ -39,9 +39,9 @@ fn logs(ws: &[Worker]) -> Vec<Vec<CreationEntry>> {
     ws.iter().map(|w| w.log.clone()).collect()
 }
 
-/// Frank's case: both processes built A; process 1 (index 0 here) then saw
+/// The partial drop: both processes built A; process 1 (index 0 here) then saw
 /// the drop, process 2 did not; the restarted controller wants A again.
-fn franks_case() -> (Vec<Worker>, Vec<DataflowKey>) {
+fn partial_drop() -> (Vec<Worker>, Vec<DataflowKey>) {
     let a = k(1, 1);
     let mut p1 = Worker::default();
     let mut p2 = Worker::default();
@@ -52,8 +52,8 @@ fn franks_case() -> (Vec<Worker>, Vec<DataflowKey>) {
 }
 
 #[test]
-fn franks_case_collective_rebuilds_a_everywhere() {
-    let (mut ws, target) = franks_case();
+fn partial_drop_collective_rebuilds_a_everywhere() {
+    let (mut ws, target) = partial_drop();
     let installed: Vec<_> = ws.iter().map(|w| w.installed.clone()).collect();
     let plan = collective(&installed, &target);
     assert_eq!(plan.keep, Vec::<u64>::new());
@@ -74,8 +74,8 @@ fn franks_case_collective_rebuilds_a_everywhere() {
 }
 
 #[test]
-fn franks_case_local_diverges() {
-    let (mut ws, target) = franks_case();
+fn partial_drop_local_diverges() {
+    let (mut ws, target) = partial_drop();
     let plans: Vec<_> = ws.iter().map(|w| local(&w.installed, &target)).collect();
     // Process 1 builds a new A alone; process 2 keeps its old A.
     assert_eq!(plans[0].build, target);

@@ -1,4 +1,4 @@
-//! The `epoch` orphan policy (lluki's rule): delete every listed service that
+//! The `epoch` orphan policy (the epoch rule): delete every listed service that
 //! the catalog does not keep and whose epoch label is older than ours.
 //!
 //! A service with our epoch or a newer one was ensured by this controller or
@@ -8,7 +8,7 @@
 
 use lockstep_policy_sdk::orphans::{CatalogView, OrphanDecision, Orphans, Service};
 
-/// lluki's epoch rule.
+/// The epoch rule.
 pub struct Epoch;
 
 impl Orphans for Epoch {

@@ -1,4 +1,4 @@
-//! The `id-watermark` orphan policy (benesch's rule, what Materialize merged).
+//! The `id-watermark` orphan policy (the ID-watermark rule, what Materialize merged).
 //!
 //! Catalog IDs are allocated monotonically, so a listed service with an ID at
 //! or above our next ID was created by a controller that loaded the catalog
@@ -8,7 +8,7 @@
 
 use lockstep_policy_sdk::orphans::{CatalogView, OrphanDecision, Orphans, Service};
 
-/// benesch's ID-watermark rule.
+/// The ID-watermark rule.
 pub struct IdWatermark;
 
 impl Orphans for IdWatermark {
