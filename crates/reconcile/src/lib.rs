@@ -60,6 +60,9 @@ use std::fmt;
 
 pub use lockstep_protocol::Digest;
 
+pub mod rounds;
+pub use rounds::{RoundBook, RoundMutant};
+
 /// One dataflow as reconciliation sees it: its catalog ID and the hash of its
 /// description ([`lockstep_protocol::DataflowDescription::hash`]).
 ///

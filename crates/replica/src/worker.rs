@@ -78,9 +78,7 @@ use lockstep_protocol::{
     ErrorResponse, Frontier, Peek, PeekResult, Row, Status, Strategy, Subscribe, SubscribeBatch,
     Update, WireMessage, WriteInput,
 };
-use lockstep_reconcile::{
-    barrier, barrier_view, collective, Announcement, BarrierDecision, DataflowKey,
-};
+use lockstep_reconcile::{Announcement, BarrierDecision, DataflowKey, RoundBook};
 use serde_bytes::ByteBuf;
 use timely::dataflow::operators::vec::Broadcast;
 use timely::dataflow::operators::Inspect;
@@ -171,18 +169,50 @@ struct SubState {
     lower: Option<Frontier>,
 }
 
-/// A record on the control mesh: (kind, session, worker, seqno, hash,
-/// installed dataflows as (id, hash)).
-/// The payload is a `ByteBuf`: bincode encodes a `Vec<u8>` byte by byte,
-/// which made 1 MiB broadcast commands 3x slower (see
-/// ../shared/notes/timely-differential.md).
-type MeshRecord = (u8, u64, u64, u64, ByteBuf, Vec<(u64, ByteBuf)>);
-const MESH_JOINED: u8 = 0;
-const MESH_ROUND: u8 = 1;
-/// A broadcast command from the sequencer: seqno, encoded command in the hash field.
-const MESH_COMMAND: u8 = 2;
-/// Where every worker starts reading the command log: the offset in the seqno field.
-const MESH_LOG_START: u8 = 3;
+/// A record on the control mesh, from the worker `from`.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct MeshRecord {
+    /// The sender's global worker index.
+    pub from: u64,
+    /// What it says.
+    pub message: MeshMessage,
+}
+
+/// What a worker tells every worker over the control mesh.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub enum MeshMessage {
+    /// The sender accepted the Hello of `session`.
+    Joined {
+        /// The session.
+        session: u64,
+    },
+    /// The sender reached the barrier round `seqno` of `session`.
+    Round {
+        /// The session.
+        session: u64,
+        /// The round's command.
+        seqno: u64,
+        /// The command's hash (a reconciliation round: the target's hash).
+        hash: [u8; 32],
+        /// A reconciliation round: the sender's installed dataflows as (ID,
+        /// description hash), in creation order. `None` for a create.
+        report: Option<Vec<(u64, [u8; 32])>>,
+    },
+    /// A broadcast command from the sequencer (worker 0). The payload is a
+    /// `ByteBuf`: bincode encodes a `Vec<u8>` byte by byte, which made 1 MiB
+    /// broadcast commands 3x slower (see ../shared/notes/timely-differential.md).
+    Command {
+        /// Its sequence number.
+        seqno: u64,
+        /// The encoded command.
+        bytes: ByteBuf,
+    },
+    /// Where every worker starts reading the command log (from worker 0).
+    LogStart {
+        /// The first offset to read.
+        offset: u64,
+    },
+}
 
 /// How often a worker reads the command log when nothing woke it.
 pub const LOG_POLL: Duration = Duration::from_millis(2);
@@ -224,8 +254,11 @@ impl Mesh {
         Mesh { input, received }
     }
 
-    fn send(&mut self, r: MeshRecord) {
-        self.input.send(r);
+    fn send(&mut self, from: usize, message: MeshMessage) {
+        self.input.send(MeshRecord {
+            from: from as u64,
+            message,
+        });
         self.input.flush();
     }
 }
@@ -279,12 +312,8 @@ pub struct WorkerState {
     tx: UnboundedSender<FromWorker>,
     mesh: Option<Mesh>,
     session: u64,
-    joined: Vec<u64>,
-    announced: Vec<(u64, Announcement)>,
-    /// The installed dataflows each worker announced with a round, by
-    /// (session, worker, seqno): a reconciliation round's report must not be
-    /// replaced by the same worker's next round (a create announces none).
-    installed_reports: BTreeMap<(u64, usize, u64), Vec<DataflowKey>>,
+    /// What the mesh said about barrier rounds (shared with the model).
+    rounds: RoundBook,
     queue: VecDeque<Command>,
     pending: Option<Pending>,
     log: Option<LogTail>,
@@ -351,9 +380,7 @@ impl WorkerState {
             tx,
             mesh: None,
             session: 0,
-            joined: vec![0; peers],
-            announced: Vec::new(),
-            installed_reports: BTreeMap::new(),
+            rounds: RoundBook::new(peers),
             queue: VecDeque::new(),
             pending: None,
             log: None,
@@ -407,14 +434,13 @@ impl WorkerState {
                     let seqno = cmd.seqno;
                     let bytes = cmd.encode_to_vec();
                     if let Some(mesh) = &mut self.mesh {
-                        mesh.send((
-                            MESH_COMMAND,
-                            self.session,
+                        mesh.send(
                             0,
-                            seqno,
-                            ByteBuf::from(bytes),
-                            vec![],
-                        ));
+                            MeshMessage::Command {
+                                seqno,
+                                bytes: ByteBuf::from(bytes),
+                            },
+                        );
                     } else {
                         self.error(
                             seqno,
@@ -483,11 +509,9 @@ impl WorkerState {
             let session = session_of(h.epoch, h.nonce);
             if session > self.session {
                 self.session = session;
-                self.announced.retain(|(s, _)| *s >= session);
-                self.installed_reports.retain(|(s, _, _), _| *s >= session);
-                let me = self.index as u64;
+                self.rounds.start_session(session);
                 if let Some(mesh) = &mut self.mesh {
-                    mesh.send((MESH_JOINED, session, me, 0, ByteBuf::new(), vec![]));
+                    mesh.send(self.index, MeshMessage::Joined { session });
                 }
                 self.nonce = h.nonce;
                 self.reconciling = Some(Vec::new());
@@ -535,7 +559,7 @@ impl WorkerState {
                     seqno: cmd.seqno,
                     hash: desc.hash(),
                 };
-                self.announce(&mine, vec![]);
+                self.announce(&mine, None);
                 self.pending = Some(Pending::Create {
                     cmd,
                     mine,
@@ -547,21 +571,17 @@ impl WorkerState {
         self.apply(worker, cmd);
     }
 
-    fn announce(&mut self, a: &Announcement, installed: Vec<DataflowKey>) {
-        let session = self.session;
-        let record = (
-            MESH_ROUND,
-            session,
-            a.worker as u64,
-            a.seqno,
-            ByteBuf::from(a.hash.0.to_vec()),
-            installed
-                .iter()
-                .map(|k| (k.id, ByteBuf::from(k.hash.0.to_vec())))
-                .collect(),
-        );
+    /// Announces this worker's round `a`, with its report for a
+    /// reconciliation round.
+    fn announce(&mut self, a: &Announcement, report: Option<Vec<DataflowKey>>) {
+        let message = MeshMessage::Round {
+            session: self.session,
+            seqno: a.seqno,
+            hash: a.hash.0,
+            report: report.map(|r| r.iter().map(|k| (k.id, k.hash.0)).collect()),
+        };
         if let Some(mesh) = &mut self.mesh {
-            mesh.send(record);
+            mesh.send(self.index, message);
         }
     }
 
@@ -598,7 +618,7 @@ impl WorkerState {
             hash: target_hash(&target),
         };
         let installed = self.installed_keys();
-        self.announce(&mine, installed);
+        self.announce(&mine, Some(installed));
         self.pending = Some(Pending::Reconcile {
             buffer,
             target,
@@ -615,18 +635,17 @@ impl WorkerState {
         }
         let Some(mesh) = &self.mesh else { return };
         let records = std::mem::take(&mut *mesh.received.borrow_mut());
-        for (kind, session, worker, seqno, hash, installed) in records {
-            let worker = worker as usize;
-            if worker >= self.peers {
+        for MeshRecord { from, message } in records {
+            let Ok(from) = usize::try_from(from) else {
+                continue;
+            };
+            if from >= self.peers {
                 continue;
             }
-            match kind {
-                MESH_JOINED => {
-                    self.joined[worker] = self.joined[worker].max(session);
-                    continue;
-                }
-                MESH_COMMAND if worker == 0 => {
-                    match Command::decode_from(&hash) {
+            match message {
+                MeshMessage::Joined { session } => self.rounds.joined(from, session),
+                MeshMessage::Command { seqno, bytes } if from == 0 => {
+                    match Command::decode_from(&bytes) {
                         Ok(cmd) => self.queue.push_back(cmd),
                         // Worker 0 encoded it: only a broken build gets here,
                         // and every worker sees the same bytes.
@@ -634,45 +653,37 @@ impl WorkerState {
                             "undecodable broadcast command {seqno} from the sequencer: {e}"
                         )),
                     }
-                    continue;
                 }
-                MESH_LOG_START if worker == 0 => {
+                MeshMessage::LogStart { offset } if from == 0 => {
                     if let Some(tail) = &mut self.log {
-                        tracing::info!(
-                            worker = self.index,
-                            offset = seqno,
-                            "tailing the command log"
-                        );
-                        tail.next = Some(seqno);
+                        tracing::info!(worker = self.index, offset, "tailing the command log");
+                        tail.next = Some(offset);
                         tail.poked = true;
                     }
-                    continue;
                 }
-                MESH_ROUND => {}
-                _ => continue,
-            }
-            let Ok(hash) = <[u8; 32]>::try_from(hash.into_vec()) else {
-                continue;
-            };
-            self.announced.push((
-                session,
-                Announcement {
-                    worker,
+                MeshMessage::Round {
+                    session,
                     seqno,
-                    hash: Digest(hash),
-                },
-            ));
-            let keys = installed
-                .into_iter()
-                .filter_map(|(id, h)| {
-                    Some(DataflowKey {
-                        id,
-                        hash: Digest(h.into_vec().try_into().ok()?),
-                    })
-                })
-                .collect();
-            self.installed_reports
-                .insert((session, worker, seqno), keys);
+                    hash,
+                    report,
+                } => {
+                    let report = report.map(|r| {
+                        r.into_iter()
+                            .map(|(id, h)| DataflowKey {
+                                id,
+                                hash: Digest(h),
+                            })
+                            .collect()
+                    });
+                    let announcement = Announcement {
+                        worker: from,
+                        seqno,
+                        hash: Digest(hash),
+                    };
+                    self.rounds.announced(session, announcement, report);
+                }
+                MeshMessage::Command { .. } | MeshMessage::LogStart { .. } => {}
+            }
         }
     }
 
@@ -699,7 +710,9 @@ impl WorkerState {
             return false;
         }
         let later_round_in = mesh.received.borrow().iter().any(|r| {
-            r.0 == MESH_ROUND && r.1 == self.session && r.2 != self.index as u64 && r.3 > mine.seqno
+            r.from != self.index as u64
+                && matches!(r.message, MeshMessage::Round { session, seqno, .. }
+                    if session == self.session && seqno > mine.seqno)
         });
         !later_round_in
     }
@@ -736,8 +749,7 @@ impl WorkerState {
                 (*mine, *since)
             }
         };
-        let view = barrier_view(self.session, &self.joined, &self.announced);
-        match barrier(self.peers, &view, &mine) {
+        match self.rounds.decide(self.session, &mine) {
             BarrierDecision::Wait => {
                 if since.elapsed() > BARRIER_TIMEOUT {
                     self.halt(format!(
@@ -769,27 +781,30 @@ impl WorkerState {
                 None
             }
             BarrierDecision::Pass => {
-                // Read the round's reports before the round is forgotten.
-                let lists: Option<Vec<Vec<DataflowKey>>> = (0..self.peers)
-                    .map(|w| {
-                        self.installed_reports
-                            .get(&(self.session, w, mine.seqno))
-                            .cloned()
-                    })
-                    .collect();
+                // Plan from the round's reports before the round is forgotten.
+                let plan = match &p {
+                    Pending::Reconcile { target, .. } => Some(self.rounds.reconcile_plan(
+                        self.session,
+                        mine.seqno,
+                        self.index,
+                        target,
+                    )),
+                    Pending::Create { .. } => None,
+                };
                 self.prune_round(mine.seqno);
                 match p {
                     Pending::Create { cmd, .. } => self.apply(worker, cmd),
-                    Pending::Reconcile { buffer, target, .. } => {
-                        let Some(lists) = lists else {
+                    Pending::Reconcile { buffer, .. } => {
+                        let Some(Some((drops, _builds))) = plan else {
                             self.halt(format!(
                                 "the reconciliation round {} of session {:#x} passed without every worker's installed dataflows",
                                 mine.seqno, self.session
                             ));
                             return None;
                         };
-                        let plan = collective(&lists, &target);
-                        for id in plan.drop_per_worker[self.index].clone() {
+                        // The builds are the target's missing dataflows, which
+                        // the buffer's creates build in target order.
+                        for id in drops {
                             tracing::info!(
                                 worker = self.index,
                                 dataflow = id,
@@ -812,10 +827,7 @@ impl WorkerState {
     /// current session: later rounds never look at them.
     fn prune_round(&mut self, seqno: u64) {
         let session = self.session;
-        self.announced
-            .retain(|(s, a)| *s > session || a.seqno > seqno);
-        self.installed_reports
-            .retain(|(s, _, n), _| *s > session || *n > seqno);
+        self.rounds.forget_through(session, seqno);
     }
 
     /// Stops the process: it cannot prove it is in lockstep (I4). The
@@ -1358,7 +1370,7 @@ pub fn run_worker(
                 }
             };
             if let Some(mesh) = &mut state.mesh {
-                mesh.send((MESH_LOG_START, 0, 0, start, ByteBuf::new(), vec![]));
+                mesh.send(0, MeshMessage::LogStart { offset: start });
             }
         }
         state.log = Some(LogTail {
