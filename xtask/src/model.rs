@@ -18,7 +18,7 @@ use anyhow::{bail, Context};
 use crate::util::{cargo, step};
 
 /// Every variant the model binary checks, in report order.
-pub const VARIANTS: [&str; 7] = [
+pub const VARIANTS: [&str; 11] = [
     "naive",
     "broadcast",
     "barrier",
@@ -26,9 +26,13 @@ pub const VARIANTS: [&str; 7] = [
     "epoch",
     "id-watermark",
     "catalog-only",
+    "mutant-overwrite-reports",
+    "mutant-local-reconcile-under-barrier",
+    "mutant-skip-barrier",
+    "mutant-complete-before-history-check",
 ];
 
-/// The variants that must be caught.
+/// The variants that must be caught (and every `mutant-*` variant).
 const NEGATIVE_CONTROLS: [&str; 2] = ["naive", "catalog-only"];
 
 /// Runs the model checker on `variants` (every variant when empty).
@@ -71,7 +75,7 @@ pub fn run(variants: &[String]) -> anyhow::Result<()> {
             problems.push(format!("{variant}: no summary line"));
             continue;
         };
-        if NEGATIVE_CONTROLS.contains(variant) {
+        if NEGATIVE_CONTROLS.contains(variant) || variant.starts_with("mutant-") {
             if !line.contains(r#""caught":true"#) {
                 problems.push(format!("{variant}: negative control not caught"));
             }

@@ -14,6 +14,7 @@ use lockstep_protocol::{
     Command, CommandHistory, CommandKind, ErrorResponse, Frontier, Peek, PeekResult, ResponseKind,
     Row, Status, Strategy, Subscribe, SubscribeBatch, WireMessage,
 };
+use lockstep_reconcile::{InitializationDecision, InitializationGate};
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
 
@@ -364,31 +365,26 @@ impl Actor {
             .filter(|s| s.epoch == self.epoch && s.nonce == nonce)
             .cloned()
             .collect();
-        let total = self.replica.total_workers();
+        let digests: Vec<lockstep_protocol::Digest> = reported.iter().map(state_digest).collect();
+        let gate = InitializationGate::new(self.replica.total_workers());
         let mut collective = false;
-        if reported.len() < total {
-            if !timed_out {
-                return;
+        match gate.decide(&digests, timed_out) {
+            InitializationDecision::Wait => return,
+            InitializationDecision::Unchecked { answered } => {
+                tracing::warn!(
+                    answered,
+                    total = self.replica.total_workers(),
+                    waited = ?since.elapsed(),
+                    "not every worker answered Hello in time; completing initialization without the history check"
+                );
             }
-            tracing::warn!(
-                answered = reported.len(),
-                total,
-                waited = ?since.elapsed(),
-                "not every worker answered Hello in time; completing initialization without the history check"
-            );
-        } else {
-            self.truncate_log();
-            let digests: Vec<lockstep_protocol::Digest> =
-                reported.iter().map(state_digest).collect();
-            let distinct = digests
-                .iter()
-                .collect::<std::collections::BTreeSet<_>>()
-                .len();
-            if distinct > 1 {
+            InitializationDecision::Complete => self.truncate_log(),
+            InitializationDecision::Mismatch { distinct } => {
+                self.truncate_log();
                 let own = self.history.digest();
                 let info = MismatchInfo {
                     process_count: self.replica.processes.len() as u32,
-                    distinct_digests: distinct as u32,
+                    distinct_digests: distinct,
                     matching_controller: reported
                         .iter()
                         .filter(|s| s.history_hash == Some(own))
@@ -408,7 +404,7 @@ impl Actor {
                 );
                 collective = action == MismatchAction::ReconcileCollectively;
                 self.emit(Event::HistoryMismatch {
-                    distinct_digests: distinct as u32,
+                    distinct_digests: distinct,
                     action,
                 });
                 if action == MismatchAction::RestartReplica {

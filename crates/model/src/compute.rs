@@ -27,11 +27,11 @@
 //!     [`lockstep_reconcile::local`] applied at the same point of the stream
 //!     on every worker.
 //!   - `barrier`: drops apply on arrival; a create, and the reconciliation that
-//!     ends a Hello, are announced over the mesh and applied only when
-//!     [`lockstep_reconcile::barrier`] (over [`lockstep_reconcile::barrier_view`])
-//!     says `Pass`; reconciliation applies [`lockstep_reconcile::collective`]
-//!     to the installed sets every worker announced. A `Diverged` worker halts
-//!     and the controller restarts the replica.
+//!     ends a Hello, are announced over the mesh and applied only when the
+//!     worker's [`RoundBook`] (the type the replica's workers run) decides
+//!     `Pass`; reconciliation applies the book's plan (the collective plan over
+//!     every worker's report of the round). A `Diverged` worker halts and the
+//!     controller restarts the replica.
 //!   - `log`: the controller appends commands, epoch markers and targets to a
 //!     durable log (it survives crashes); every worker tails it and reconciles
 //!     with [`lockstep_reconcile::local`] at the target entry.
@@ -43,11 +43,14 @@
 //!   misses a dataflow that one process built and dropped and another never
 //!   built: both compacted histories are empty, but their timely counters
 //!   differ. A digest of everything the process did catches it.
-//! - **Mesh**: the replica's timely mesh, reliable while the replica lives.
-//!   Announcements are visible to every worker as soon as they are made. This
-//!   loses no behaviour: a barrier decision depends on each worker's
-//!   announcements separately and is monotone, so a delayed view only delays a
-//!   decision, it never changes it.
+//! - **Mesh**: the replica's timely mesh, reliable and ordered per sender
+//!   while the replica lives. Each worker has its own queue of records not yet
+//!   read (a join, a round announcement with its report), fed by every peer
+//!   and read into that worker's [`RoundBook`] when it decides a round, any
+//!   number of them ([`ComputeAction::Decide`]): a slow worker may read a
+//!   peer's reconciliation report and that peer's next create before it
+//!   decides, or decide after the first. A worker's own records reach its
+//!   book at once.
 //!
 //! # Properties
 //!
@@ -71,10 +74,15 @@ use std::sync::{Arc, Mutex};
 
 use lockstep_protocol::{DataflowDescription, Digest, Export, Plan, Strategy};
 use lockstep_reconcile::{
-    barrier, barrier_view, collective, history_check, local, lockstep_check, lockstep_prefix_check,
-    Announcement, BarrierDecision, CreationEntry, DataflowKey, HistoryVerdict,
+    local, lockstep_check, lockstep_prefix_check, Announcement, BarrierDecision, CreationEntry,
+    DataflowKey, GateMutant, InitializationDecision, InitializationGate, RoundBook, RoundMutant,
 };
 use stateright::{Model, Property};
+
+/// How many times the controller restarts a halted replica in one run of
+/// the model (a flaw that halts after every restart would otherwise make the
+/// state space infinite).
+pub const MAX_REPLICA_RESTARTS: usize = 3;
 
 /// The bounds of one check of the compute model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,21 +108,7 @@ impl fmt::Display for ComputeBounds {
     }
 }
 
-/// A deliberate flaw in the barrier strategy, to show that the model
-/// catches it (a model that cannot fail proves nothing).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Mutation {
-    /// The strategy as implemented.
-    None,
-    /// Barrier reconciliation applies each worker's own
-    /// [`lockstep_reconcile::local`] plan instead of the collective one.
-    LocalReconcile,
-    /// Barrier rounds ignore peers that joined a newer session (announcements
-    /// of the round's own session only, no [`lockstep_reconcile::barrier_view`]).
-    NoSessionEnd,
-}
-
-/// the history check on top of the naive strategy: on Hello every process
+/// The history check on top of the naive strategy: on Hello every process
 /// reports a digest of its history; the controller sends the target only if
 /// [`lockstep_reconcile::history_check`] finds the processes in sync with each
 /// other, and restarts the replica otherwise.
@@ -136,8 +130,11 @@ pub enum HistoryCheck {
 pub struct ComputeModel {
     /// The strategy under check.
     pub strategy: Strategy,
-    /// A deliberate flaw, for the model's own tests; [`Mutation::None`] otherwise.
-    pub mutation: Mutation,
+    /// A flaw planted in every worker's [`RoundBook`] (`mutant-*` variants,
+    /// the model's own tests); [`RoundMutant::None`] otherwise.
+    pub mutant: RoundMutant,
+    /// A flaw planted in the controller's [`InitializationGate`].
+    pub gate_mutant: GateMutant,
     /// The history check on reconnect (naive only).
     pub history: HistoryCheck,
     /// Its bounds.
@@ -229,7 +226,7 @@ pub enum Pending {
 }
 
 /// One timely worker (one per process).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Worker {
     /// The newest session it joined (announced on the mesh under barrier).
     pub session: u64,
@@ -247,9 +244,27 @@ pub struct Worker {
     pub cursor: usize,
     /// It halted (a barrier diverged).
     pub halted: bool,
+    /// What its mesh told it about barrier rounds (barrier only).
+    pub book: RoundBook,
 }
 
 impl Worker {
+    /// A fresh worker of a replica of `peers` workers, in session 0.
+    fn fresh(peers: usize, mutant: RoundMutant, cursor: usize) -> Self {
+        let book = RoundBook::new(peers).with_mutant(mutant);
+        Worker {
+            session: 0,
+            reconciled: false,
+            installed: Vec::new(),
+            log: Vec::new(),
+            next_index: 0,
+            pending: None,
+            cursor,
+            halted: false,
+            book,
+        }
+    }
+
     fn keys(&self) -> Vec<DataflowKey> {
         self.installed.iter().map(|(_, k)| *k).collect()
     }
@@ -263,16 +278,26 @@ impl Worker {
     }
 }
 
-/// A barrier announcement on the mesh, with the announcer's installed set for
-/// a reconciliation round.
+/// A record on the mesh, as the replica's `MeshMessage` carries it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct MeshMsg {
-    /// The session of the round.
-    pub session: u64,
-    /// The announcement.
-    pub ann: Announcement,
-    /// Reconciliation rounds: what the announcer runs.
-    pub installed: Vec<DataflowKey>,
+pub enum MeshMsg {
+    /// `worker` joined `session`.
+    Joined {
+        /// The session.
+        session: u64,
+        /// The worker.
+        worker: usize,
+    },
+    /// A round announcement, with the announcer's report for a
+    /// reconciliation round.
+    Round {
+        /// The session of the round.
+        session: u64,
+        /// The announcement.
+        ann: Announcement,
+        /// Reconciliation rounds: what the announcer runs.
+        report: Option<Vec<DataflowKey>>,
+    },
 }
 
 /// A state of the compute model.
@@ -284,8 +309,8 @@ pub struct ComputeState {
     pub channels: Vec<VecDeque<Msg>>,
     /// The workers.
     pub workers: Vec<Worker>,
-    /// Barrier announcements.
-    pub mesh: Vec<MeshMsg>,
+    /// Per worker: the mesh records it has not read yet, in order.
+    pub inboxes: Vec<VecDeque<MeshMsg>>,
     /// Broadcast: the sequenced stream. Log: the durable log.
     pub stream: Vec<Msg>,
     /// Replica restarts after a halt.
@@ -316,8 +341,12 @@ pub enum ComputeAction {
     CheckHistories,
     /// A process takes the next message off its channel.
     Receive(usize),
-    /// A worker's pending barrier round is decided.
-    Decide(usize),
+    /// Worker `.0` reads the next `.1` records its mesh delivered into its
+    /// book, then decides its pending barrier round. (Reading and deciding
+    /// are one step: the book is read only to decide, so reading earlier
+    /// leads to the same decision; exploring every count of records read
+    /// covers every state the worker's book can be in when it decides.)
+    Decide(usize, usize),
     /// A worker applies the next entry of the stream (broadcast, log).
     Apply(usize),
 }
@@ -441,7 +470,8 @@ impl ComputeModel {
             .collect();
         ComputeModel {
             strategy,
-            mutation: Mutation::None,
+            mutant: RoundMutant::None,
+            gate_mutant: GateMutant::None,
             history: HistoryCheck::Off,
             bounds,
             pool,
@@ -460,9 +490,30 @@ impl ComputeModel {
         self
     }
 
-    /// The same model with a deliberate flaw.
-    pub fn with_mutation(mut self, mutation: Mutation) -> Self {
-        self.mutation = mutation;
+    /// The same model with a flaw planted in the controller's history check.
+    pub fn with_gate_mutant(mut self, mutant: GateMutant) -> Self {
+        self.gate_mutant = mutant;
+        self
+    }
+
+    /// The controller's decision on initialization, from the reports of its
+    /// session so far (what the controller's actor runs).
+    pub fn initialization(&self, s: &ComputeState) -> InitializationDecision {
+        let reports: Vec<Digest> = s
+            .reports
+            .iter()
+            .flatten()
+            .filter(|(session, _)| *session == s.ctl.session)
+            .map(|(_, d)| *d)
+            .collect();
+        InitializationGate::new(s.workers.len())
+            .with_mutant(self.gate_mutant)
+            .decide(&reports, false)
+    }
+
+    /// The same model with a flaw planted in every worker's round book.
+    pub fn with_mutant(mut self, mutant: RoundMutant) -> Self {
+        self.mutant = mutant;
         self
     }
 
@@ -517,7 +568,9 @@ impl ComputeModel {
         for c in &mut s.channels {
             c.clear();
         }
-        s.mesh.clear();
+        for inbox in &mut s.inboxes {
+            inbox.clear();
+        }
         if self.strategy == Strategy::Broadcast {
             s.stream.clear();
         }
@@ -526,11 +579,9 @@ impl ComputeModel {
         } else {
             0
         };
+        let peers = s.workers.len();
         for w in &mut s.workers {
-            *w = Worker {
-                cursor,
-                ..Worker::default()
-            };
+            *w = Worker::fresh(peers, self.mutant, cursor);
         }
         s.reports = vec![None; s.workers.len()];
         self.start_session(s);
@@ -563,6 +614,29 @@ impl ComputeModel {
         }
     }
 
+    /// Barrier: worker `me` sends `msg` on the mesh; its own book reads it at
+    /// once, every peer's queue gets it.
+    fn mesh_send(s: &mut ComputeState, me: usize, msg: MeshMsg) {
+        Self::absorb(&mut s.workers[me].book, msg.clone());
+        for (w, inbox) in s.inboxes.iter_mut().enumerate() {
+            if w != me {
+                inbox.push_back(msg.clone());
+            }
+        }
+    }
+
+    /// A mesh record read into a worker's book.
+    fn absorb(book: &mut RoundBook, msg: MeshMsg) {
+        match msg {
+            MeshMsg::Joined { session, worker } => book.joined(worker, session),
+            MeshMsg::Round {
+                session,
+                ann,
+                report,
+            } => book.announced(session, ann, report),
+        }
+    }
+
     /// Barrier: what a worker does with a message it receives.
     fn receive_barrier(s: &mut ComputeState, me: usize, msg: Msg) {
         let w = &mut s.workers[me];
@@ -571,6 +645,15 @@ impl ComputeModel {
                 if session > w.session {
                     w.session = session;
                     w.reconciled = false;
+                    w.book.start_session(session);
+                    Self::mesh_send(
+                        s,
+                        me,
+                        MeshMsg::Joined {
+                            session,
+                            worker: me,
+                        },
+                    );
                 }
             }
             Msg::Target {
@@ -580,20 +663,26 @@ impl ComputeModel {
             } => {
                 if session == w.session && !w.reconciled {
                     let installed = w.keys();
+                    let hash = target_digest(&keys);
                     w.pending = Some(Pending::Reconcile {
                         session,
                         seqno,
-                        target: keys.clone(),
+                        target: keys,
                     });
-                    s.mesh.push(MeshMsg {
-                        session,
-                        ann: Announcement {
-                            worker: me,
-                            seqno,
-                            hash: target_digest(&keys),
+                    let ann = Announcement {
+                        worker: me,
+                        seqno,
+                        hash,
+                    };
+                    Self::mesh_send(
+                        s,
+                        me,
+                        MeshMsg::Round {
+                            session,
+                            ann,
+                            report: Some(installed),
                         },
-                        installed,
-                    });
+                    );
                 }
             }
             Msg::Create {
@@ -607,15 +696,20 @@ impl ComputeModel {
                         seqno,
                         key,
                     });
-                    s.mesh.push(MeshMsg {
-                        session,
-                        ann: Announcement {
-                            worker: me,
-                            seqno,
-                            hash: key.hash,
+                    let ann = Announcement {
+                        worker: me,
+                        seqno,
+                        hash: key.hash,
+                    };
+                    Self::mesh_send(
+                        s,
+                        me,
+                        MeshMsg::Round {
+                            session,
+                            ann,
+                            report: None,
                         },
-                        installed: Vec::new(),
-                    });
+                    );
                 }
             }
             Msg::Drop { session, id } => {
@@ -626,10 +720,23 @@ impl ComputeModel {
         }
     }
 
-    /// Barrier: the decision on worker `me`'s pending round.
-    fn decision(&self, s: &ComputeState, me: usize) -> Option<BarrierDecision> {
-        let pending = s.workers[me].pending.as_ref()?;
-        let (session, mine) = match pending {
+    /// Barrier: the decision on worker `me`'s pending round, by its book
+    /// after it read the next `read` records of its mesh queue.
+    fn decision(&self, s: &ComputeState, me: usize, read: usize) -> Option<BarrierDecision> {
+        let (session, mine) = Self::round_of(s.workers[me].pending.as_ref()?, me);
+        if read > s.inboxes[me].len() {
+            return None;
+        }
+        let mut book = s.workers[me].book.clone();
+        for msg in s.inboxes[me].iter().take(read) {
+            Self::absorb(&mut book, msg.clone());
+        }
+        Some(book.decide(session, &mine))
+    }
+
+    /// The session and announcement of a pending round.
+    fn round_of(pending: &Pending, me: usize) -> (u64, Announcement) {
+        match pending {
             Pending::Create {
                 session,
                 seqno,
@@ -654,69 +761,47 @@ impl ComputeModel {
                     hash: target_digest(target),
                 },
             ),
-        };
-        let joined: Vec<u64> = s.workers.iter().map(|w| w.session).collect();
-        let announced: Vec<(u64, Announcement)> =
-            s.mesh.iter().map(|m| (m.session, m.ann)).collect();
-        let view = if self.mutation == Mutation::NoSessionEnd {
-            announced
-                .iter()
-                .filter(|(s, _)| *s == session)
-                .map(|(_, a)| *a)
-                .collect()
-        } else {
-            barrier_view(session, &joined, &announced)
-        };
-        Some(barrier(s.workers.len(), &view, &mine))
+        }
     }
 
-    /// Barrier: apply a decided round.
+    /// Barrier: apply a decided round, as the replica's worker does.
     fn decide(&self, s: &mut ComputeState, me: usize, decision: BarrierDecision) {
         let pending = s.workers[me]
             .pending
             .take()
             .expect("decide needs a pending round");
+        let (session, mine) = Self::round_of(&pending, me);
+        let w = &mut s.workers[me];
         match decision {
             BarrierDecision::Wait => unreachable!("Decide is enabled only when decided"),
-            BarrierDecision::Abandoned { .. } => {}
-            BarrierDecision::Diverged { .. } => s.workers[me].halted = true,
-            BarrierDecision::Pass => match pending {
-                Pending::Create { key, .. } => s.workers[me].build(key),
-                Pending::Reconcile {
-                    session,
-                    seqno,
-                    target,
-                } => {
-                    let installed: Vec<Vec<DataflowKey>> = (0..s.workers.len())
-                        .map(|w| {
-                            s.mesh
-                                .iter()
-                                .find(|m| {
-                                    m.session == session
-                                        && m.ann.worker == w
-                                        && m.ann.seqno == seqno
-                                })
-                                .map(|m| m.installed.clone())
-                                .expect("Pass means every worker announced")
-                        })
-                        .collect();
-                    let (drops, builds) = if self.mutation == Mutation::LocalReconcile {
-                        let plan = local(&installed[me], &target);
-                        (plan.drop, plan.build)
-                    } else {
-                        let mut plan = collective(&installed, &target);
-                        (plan.drop_per_worker.swap_remove(me), plan.build)
-                    };
-                    let w = &mut s.workers[me];
-                    for id in &drops {
-                        w.drop_id(*id);
+            BarrierDecision::Abandoned { .. } => w.book.forget_through(session, mine.seqno),
+            BarrierDecision::Diverged { .. } => w.halted = true,
+            BarrierDecision::Pass => {
+                let plan = match &pending {
+                    Pending::Reconcile { target, .. } => {
+                        w.book.reconcile_plan(session, mine.seqno, me, target)
                     }
-                    for k in &builds {
-                        w.build(*k);
+                    Pending::Create { .. } => None,
+                };
+                w.book.forget_through(session, mine.seqno);
+                match pending {
+                    Pending::Create { key, .. } => w.build(key),
+                    Pending::Reconcile { .. } => {
+                        // A missing report: the replica halts.
+                        let Some((drops, builds)) = plan else {
+                            w.halted = true;
+                            return;
+                        };
+                        for id in &drops {
+                            w.drop_id(*id);
+                        }
+                        for k in &builds {
+                            w.build(*k);
+                        }
+                        w.reconciled = true;
                     }
-                    w.reconciled = true;
                 }
-            },
+            }
         }
     }
 
@@ -939,8 +1024,37 @@ impl ComputeModel {
                 Some(m) => format!("p{p} receives {}", show(m)),
                 None => format!("p{p} receives nothing"),
             },
-            ComputeAction::Decide(p) => {
-                format!("p{p} barrier decides {:?}", self.decision(s, *p))
+            ComputeAction::Decide(p, read) => {
+                let records: Vec<String> = s.inboxes[*p]
+                    .iter()
+                    .take(*read)
+                    .map(|m| match m {
+                        MeshMsg::Joined { session, worker } => {
+                            format!("p{worker} joined session {session}")
+                        }
+                        MeshMsg::Round {
+                            ann,
+                            report: Some(r),
+                            ..
+                        } => format!(
+                            "p{} reconciles at round {} with [{}]",
+                            ann.worker,
+                            ann.seqno,
+                            r.iter()
+                                .map(|k| self.label(k))
+                                .collect::<Vec<_>>()
+                                .join(",")
+                        ),
+                        MeshMsg::Round { ann, .. } => {
+                            format!("p{} reached create round {}", ann.worker, ann.seqno)
+                        }
+                    })
+                    .collect();
+                format!(
+                    "p{p} reads [{}] from the mesh, then its barrier decides {:?}",
+                    records.join("; "),
+                    self.decision(s, *p, *read)
+                )
             }
             ComputeAction::Apply(p) => match s.stream.get(s.workers[*p].cursor) {
                 Some(m) => format!("p{p} applies {} from the stream", show(m)),
@@ -956,11 +1070,12 @@ impl Model for ComputeModel {
 
     fn init_states(&self) -> Vec<ComputeState> {
         let n = self.bounds.processes;
-        let worker = Worker {
-            session: 1,
-            reconciled: true,
-            ..Worker::default()
-        };
+        let mut worker = Worker::fresh(n, self.mutant, 0);
+        worker.session = 1;
+        worker.reconciled = true;
+        for w in 0..n {
+            worker.book.joined(w, 1);
+        }
         vec![ComputeState {
             ctl: Controller {
                 up: true,
@@ -974,7 +1089,7 @@ impl Model for ComputeModel {
             },
             channels: vec![VecDeque::new(); n],
             workers: vec![worker; n],
-            mesh: Vec::new(),
+            inboxes: vec![VecDeque::new(); n],
             stream: Vec::new(),
             replica_restarts: 0,
             reports: vec![None; n],
@@ -984,11 +1099,7 @@ impl Model for ComputeModel {
     fn actions(&self, s: &ComputeState, actions: &mut Vec<ComputeAction>) {
         let b = &self.bounds;
         if s.ctl.up {
-            if s.ctl.awaiting
-                && s.reports
-                    .iter()
-                    .all(|r| matches!(r, Some((session, _)) if *session == s.ctl.session))
-            {
+            if s.ctl.awaiting && self.initialization(s) != InitializationDecision::Wait {
                 actions.push(ComputeAction::CheckHistories);
             }
             if s.ctl.commands < b.commands && !s.ctl.awaiting {
@@ -1017,7 +1128,10 @@ impl Model for ComputeModel {
                     actions.push(ComputeAction::ProcessCrash(b.processes - 1));
                 }
             }
-            if s.workers.iter().any(|w| w.halted) {
+            // A replica that halts again after every restart never reaches
+            // the target: past MAX_REPLICA_RESTARTS the state is stuck, which
+            // the liveness property reports (and the state space stays finite).
+            if s.workers.iter().any(|w| w.halted) && s.replica_restarts < MAX_REPLICA_RESTARTS {
                 actions.push(ComputeAction::RestartReplica);
             }
         } else {
@@ -1038,8 +1152,15 @@ impl Model for ComputeModel {
                         if !s.channels[p].is_empty() {
                             actions.push(ComputeAction::Receive(p));
                         }
-                    } else if !matches!(self.decision(s, p), Some(BarrierDecision::Wait) | None) {
-                        actions.push(ComputeAction::Decide(p));
+                    } else {
+                        for read in 0..=s.inboxes[p].len() {
+                            if !matches!(
+                                self.decision(s, p, read),
+                                Some(BarrierDecision::Wait) | None
+                            ) {
+                                actions.push(ComputeAction::Decide(p, read));
+                            }
+                        }
                     }
                 }
                 Strategy::Log => {}
@@ -1102,16 +1223,18 @@ impl Model for ComputeModel {
                 }
             }
             ComputeAction::CheckHistories => {
-                let reported: Vec<Digest> = s.reports.iter().flatten().map(|(_, d)| *d).collect();
                 // The processes must agree with each other: after a crash the
                 // controller cannot know what they applied (it lost what was
                 // in flight), and fresh processes have no history at all.
-                match history_check(reported[0], &reported) {
-                    HistoryVerdict::InSync => {
+                match self.initialization(&s) {
+                    InitializationDecision::Complete => {
                         s.ctl.awaiting = false;
                         self.send_target(&mut s);
                     }
-                    HistoryVerdict::Mismatch { .. } => self.restart_replica(&mut s),
+                    InitializationDecision::Mismatch { .. } => self.restart_replica(&mut s),
+                    InitializationDecision::Wait | InitializationDecision::Unchecked { .. } => {
+                        return None
+                    }
                 }
             }
             ComputeAction::RestartReplica => self.restart_replica(&mut s),
@@ -1131,10 +1254,14 @@ impl Model for ComputeModel {
                     Strategy::Log => return None,
                 }
             }
-            ComputeAction::Decide(p) => {
-                let d = self.decision(&s, p)?;
+            ComputeAction::Decide(p, read) => {
+                let d = self.decision(&s, p, read)?;
                 if d == BarrierDecision::Wait {
                     return None;
+                }
+                for _ in 0..read {
+                    let msg = s.inboxes[p].pop_front()?;
+                    Self::absorb(&mut s.workers[p].book, msg);
                 }
                 self.decide(&mut s, p, d);
             }

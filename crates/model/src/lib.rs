@@ -27,7 +27,7 @@
 //!
 //! The models are checked against themselves too (`tests/models.rs`): a
 //! barrier that reconciles locally, or that waits on a peer that skipped a
-//! session, is caught ([`compute::Mutation`]); so are an unconditional ensure
+//! session, is caught ([`lockstep_reconcile::RoundMutant`]); so are an unconditional ensure
 //! (O4) and an orchestrator without tombstones (O2). [`EXTRA_VARIANTS`] adds
 //! the history check, over naive: with the compacted
 //! history digest it is caught, with a digest of everything a process did it
@@ -269,6 +269,47 @@ pub enum Variant {
     Orphan(&'static str, OrphanBounds),
     /// The naive compute model with a history check on reconnect.
     History(compute::HistoryCheck, ComputeBounds),
+    /// A flaw planted in a production machine the model runs.
+    Mutant(Mutant, ComputeBounds),
+}
+
+/// A flaw planted in one of the production types the compute model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mutant {
+    /// In every worker's round book, under the barrier strategy.
+    Round(lockstep_reconcile::RoundMutant),
+    /// In the controller's history check, over naive delivery.
+    Gate(lockstep_reconcile::GateMutant),
+}
+
+/// The bounds the mutants are checked within: small, and enough for each
+/// to show (a restart between two creates; a partial drop wanted again).
+const MUTANT_BOUNDS: ComputeBounds = ComputeBounds {
+    processes: 2,
+    dataflows: 2,
+    commands: 3,
+    faults: 1,
+};
+
+/// The mutant variants: each must be caught.
+pub const MUTANT_VARIANTS: [&str; 4] = [
+    "mutant-overwrite-reports",
+    "mutant-local-reconcile-under-barrier",
+    "mutant-skip-barrier",
+    "mutant-complete-before-history-check",
+];
+
+/// The planted flaw of a mutant variant.
+pub fn mutant(name: &str) -> Option<Mutant> {
+    if name == lockstep_reconcile::GateMutant::NAME {
+        return Some(Mutant::Gate(
+            lockstep_reconcile::GateMutant::CompleteBeforeHistoryCheck,
+        ));
+    }
+    lockstep_reconcile::RoundMutant::ALL
+        .iter()
+        .find(|(_, n)| *n == name)
+        .map(|(m, _)| Mutant::Round(*m))
 }
 
 /// The compute model's CI scenarios: two processes with more commands and
@@ -303,7 +344,7 @@ const ORPHANS: OrphanBounds = OrphanBounds {
 };
 
 /// Every variant `cargo xtask model` checks, in report order.
-pub const VARIANTS: [&str; 7] = [
+pub const VARIANTS: [&str; 11] = [
     "naive",
     "broadcast",
     "barrier",
@@ -311,6 +352,10 @@ pub const VARIANTS: [&str; 7] = [
     "epoch",
     "id-watermark",
     "catalog-only",
+    MUTANT_VARIANTS[0],
+    MUTANT_VARIANTS[1],
+    MUTANT_VARIANTS[2],
+    MUTANT_VARIANTS[3],
 ];
 
 /// Variants checked only when named (not part of the CI report): the history
@@ -322,11 +367,14 @@ pub const EXTRA_VARIANTS: [&str; 2] = ["history-compacted", "history-full"];
 
 /// Whether a variant is a negative control (must be caught).
 pub fn is_negative_control(name: &str) -> bool {
-    matches!(name, "naive" | "catalog-only" | "history-compacted")
+    matches!(name, "naive" | "catalog-only" | "history-compacted") || name.starts_with("mutant-")
 }
 
 /// The CI scenarios of a variant of [`VARIANTS`], if the name is one.
 pub fn scenarios(name: &str) -> Option<Vec<Variant>> {
+    if let Some(m) = mutant(name) {
+        return Some(vec![Variant::Mutant(m, MUTANT_BOUNDS)]);
+    }
     let strategy = match name {
         "naive" => Strategy::Naive,
         "broadcast" => Strategy::Broadcast,
@@ -376,6 +424,20 @@ pub fn run(name: &'static str, variant: Variant) -> Report {
         ),
         Variant::History(history, bounds) => check(
             ComputeModel::new(Strategy::Naive, bounds).with_history_check(history),
+            name,
+            bounds.to_string(),
+            negative,
+        ),
+        Variant::Mutant(Mutant::Round(m), bounds) => check(
+            ComputeModel::new(Strategy::Barrier, bounds).with_mutant(m),
+            name,
+            bounds.to_string(),
+            negative,
+        ),
+        Variant::Mutant(Mutant::Gate(m), bounds) => check(
+            ComputeModel::new(Strategy::Naive, bounds)
+                .with_history_check(compute::HistoryCheck::Full)
+                .with_gate_mutant(m),
             name,
             bounds.to_string(),
             negative,

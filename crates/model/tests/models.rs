@@ -5,8 +5,9 @@
 
 use std::collections::HashSet;
 
-use lockstep_model::compute::{ComputeAction as A, ComputeState, HistoryCheck, Mutation};
+use lockstep_model::compute::{ComputeAction as A, ComputeState, HistoryCheck};
 use lockstep_model::{check, ComputeBounds, ComputeModel, OrphanBounds, OrphanModel, Strategy};
+use lockstep_reconcile::RoundMutant;
 use stateright::Model;
 
 const SMALL: ComputeBounds = ComputeBounds {
@@ -56,7 +57,7 @@ fn protected_strategies_pass() {
 
 #[test]
 fn barrier_with_local_reconciliation_is_caught() {
-    let m = compute(Strategy::Barrier, SMALL).with_mutation(Mutation::LocalReconcile);
+    let m = compute(Strategy::Barrier, SMALL).with_mutant(RoundMutant::LocalReconcileUnderBarrier);
     let r = check(m, "barrier-local", String::new(), false);
     assert!(!r.ok());
     assert!(violated(&r).contains(&"I1 lockstep"), "{:?}", violated(&r));
@@ -72,7 +73,7 @@ fn barrier_that_ignores_skipped_sessions_deadlocks() {
         commands: 0,
         faults: 2,
     };
-    let m = compute(Strategy::Barrier, bounds).with_mutation(Mutation::NoSessionEnd);
+    let m = compute(Strategy::Barrier, bounds).with_mutant(RoundMutant::IgnoreNewerSessions);
     let r = check(m, "barrier-no-session-end", String::new(), false);
     assert!(!r.ok());
     assert_eq!(
@@ -118,7 +119,7 @@ fn all_continuations_reach_the_target(m: &ComputeModel, s: ComputeState) {
         assert_eq!(m.check_i4(&st), Ok(()), "{}", m.summary(&st));
         let mut next = Vec::new();
         m.actions(&st, &mut next);
-        next.retain(|a| matches!(a, A::Receive(_) | A::Decide(_) | A::Apply(_) | A::Restart));
+        next.retain(|a| matches!(a, A::Receive(_) | A::Decide(..) | A::Apply(_) | A::Restart));
         if next.is_empty() {
             assert!(m.done(&st), "stuck short of the target: {}", m.summary(&st));
         }
@@ -169,8 +170,8 @@ fn partial_drop_is_safe_under_barrier() {
             A::Create(0),
             A::Receive(0),
             A::Receive(1),
-            A::Decide(0),
-            A::Decide(1),
+            A::Decide(0, 1),
+            A::Decide(1, 1),
             A::Drop(0),
             A::Receive(0),
             A::Create(0),
@@ -262,4 +263,15 @@ fn without_tombstones_a_stale_ensure_resurrects_a_dropped_replica() {
     let r = check(m, "epoch-no-tombstones", String::new(), false);
     assert_eq!(violated(&r), vec!["O2 orphans go"]);
     assert!(r.violations[0].trace.contains("O2 broken"));
+}
+
+/// Every flaw planted in a production machine the model runs is caught, by a
+/// violated invariant (M1).
+#[test]
+fn every_production_mutant_is_caught() {
+    for name in lockstep_model::MUTANT_VARIANTS {
+        let report = lockstep_model::run_variant(name).expect("a listed variant");
+        assert!(report.caught(), "{name} was not caught");
+        assert!(report.json().contains(r#""caught":true"#), "{name}");
+    }
 }

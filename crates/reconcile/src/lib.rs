@@ -60,7 +60,9 @@ use std::fmt;
 
 pub use lockstep_protocol::Digest;
 
+pub mod initialization;
 pub mod rounds;
+pub use initialization::{GateMutant, InitializationDecision, InitializationGate};
 pub use rounds::{RoundBook, RoundMutant};
 
 /// One dataflow as reconciliation sees it: its catalog ID and the hash of its

@@ -41,6 +41,9 @@ pub enum RoundMutant {
     LocalReconcileUnderBarrier,
     /// A round passes as soon as the worker itself announced it.
     SkipBarrier,
+    /// Rounds wait on peers that already joined a newer session (the
+    /// announcements of the round's own session only, no [`barrier_view`]).
+    IgnoreNewerSessions,
 }
 
 impl RoundMutant {
@@ -53,6 +56,8 @@ impl RoundMutant {
         ),
         (RoundMutant::SkipBarrier, "mutant-skip-barrier"),
     ];
+    // `IgnoreNewerSessions` deadlocks only with two faults and no command,
+    // a bound of its own: the model's tests check it (tests/models.rs).
 }
 
 /// What one worker knows of the barrier rounds of its replica.
@@ -142,7 +147,15 @@ impl RoundBook {
         if self.mutant == RoundMutant::SkipBarrier {
             return BarrierDecision::Pass;
         }
-        let view = barrier_view(session, &self.joined, &self.announced);
+        let view = if self.mutant == RoundMutant::IgnoreNewerSessions {
+            self.announced
+                .iter()
+                .filter(|(s, _)| *s == session)
+                .map(|(_, a)| *a)
+                .collect()
+        } else {
+            barrier_view(session, &self.joined, &self.announced)
+        };
         barrier(self.peers, &view, mine)
     }
 
