@@ -24,10 +24,17 @@
 //! keeps sending after its successor connected; a restart with a changed
 //! target. Every replica has a command log, so the `log` strategy runs too.
 //!
-//! Usage: `lockstep-chaos-distribution [STRATEGY...]` (default: broadcast
-//! barrier log naive). Prints what broke, then one JSON line per strategy. Exits non-zero
-//! if a strategy that must pass failed, or if `naive`, the negative control,
-//! was not caught.
+//! Every scenario ends in one of three outcomes ([`outcome`]): pass, a
+//! violation of a named invariant, or a harness error (the replica did not
+//! start, the setup before the fault failed, a signal could not be sent). A
+//! harness error fails the run whatever the variant; `naive`, the negative
+//! control, is caught only by violations.
+//!
+//! Usage: `lockstep-chaos-distribution [VARIANT...]` (default: broadcast
+//! barrier log naive naive+history-check). Prints what broke, then one JSON
+//! line per variant. Exits non-zero if a variant that must pass had a
+//! violation, if any scenario had a harness error, or if `naive` was not
+//! caught.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -47,6 +54,9 @@ use lockstep_protocol::{
     CommandHistory, CommandKind, DataflowDescription, Export, Strategy, Update,
 };
 use std::sync::Arc;
+
+mod outcome;
+use outcome::{violation, Failure, Tally};
 
 const LAST_TIME: u64 = 3;
 const FAILPOINT: &str = "controller_partial_broadcast";
@@ -254,16 +264,16 @@ fn history(dataflows: &[DataflowDescription]) -> CommandHistory {
     h
 }
 
-/// Checks I1 to I4 against `target`.
-async fn check(c: &Controller, target: &[DataflowDescription]) -> Result<(), String> {
+/// Checks I1 to I4 against `target`: a broken invariant is a violation.
+async fn check(c: &Controller, target: &[DataflowDescription]) -> Result<(), Failure> {
     for d in target {
         for e in &d.exports {
             c.wait_for_frontier(e.collection_id, LAST_TIME)
                 .await
                 .map_err(|err| {
-                    format!(
-                        "I2 broken: dataflow {} did not reach time {LAST_TIME}: {err}",
-                        d.id
+                    violation(
+                        "I2",
+                        format!("dataflow {} did not reach time {LAST_TIME}: {err}", d.id),
                     )
                 })?;
         }
@@ -271,7 +281,7 @@ async fn check(c: &Controller, target: &[DataflowDescription]) -> Result<(), Str
     let statuses = c
         .statuses()
         .await
-        .map_err(|e| format!("I2 broken: no status from every worker: {e}"))?;
+        .map_err(|e| violation("I2", format!("no status from every worker: {e}")))?;
     let logs: Vec<Vec<lockstep_reconcile::CreationEntry>> = statuses
         .iter()
         .map(|s| {
@@ -281,14 +291,17 @@ async fn check(c: &Controller, target: &[DataflowDescription]) -> Result<(), Str
                 .collect()
         })
         .collect();
-    lockstep_reconcile::lockstep_check(&logs).map_err(|d| d.to_string())?;
+    lockstep_reconcile::lockstep_check(&logs).map_err(|d| violation("I1", d.to_string()))?;
     let want: BTreeSet<u64> = target.iter().map(|d| d.id).collect();
     for s in &statuses {
         let got: BTreeSet<u64> = s.installed.iter().copied().collect();
         if got != want {
-            return Err(format!(
-                "I4 broken: worker {} has dataflows {got:?} installed, the target is {want:?}",
-                s.worker_index
+            return Err(violation(
+                "I4",
+                format!(
+                    "worker {} has dataflows {got:?} installed, the target is {want:?}",
+                    s.worker_index
+                ),
             ));
         }
     }
@@ -301,14 +314,19 @@ async fn check(c: &Controller, target: &[DataflowDescription]) -> Result<(), Str
             let got: BTreeMap<Vec<i64>, i64> = c
                 .peek(e.collection_id, LAST_TIME)
                 .await
-                .map_err(|err| format!("I3: peek of {} failed: {err}", e.collection_id))?
+                .map_err(|err| {
+                    violation("I3", format!("peek of {} failed: {err}", e.collection_id))
+                })?
                 .into_iter()
                 .collect();
             let want = evaluate(&e.plan, &inputs, LAST_TIME);
             if got != want {
-                return Err(format!(
-                    "I3 broken: collection {} at {LAST_TIME} is {got:?}, the reference says {want:?}",
-                    e.collection_id
+                return Err(violation(
+                    "I3",
+                    format!(
+                        "collection {} at {LAST_TIME} is {got:?}, the reference says {want:?}",
+                        e.collection_id
+                    ),
                 ));
             }
         }
@@ -338,6 +356,8 @@ async fn crashed(c: &Controller) {
     fail::remove(FAILPOINT);
 }
 
+/// Waits for the dataflows of the setup, before any fault: a failure here is
+/// the harness's (the system never got going), not a violation.
 async fn ready(c: &Controller, dataflows: &[DataflowDescription]) -> Result<(), String> {
     for d in dataflows {
         c.wait_for_frontier(d.exports[0].collection_id, LAST_TIME)
@@ -347,7 +367,11 @@ async fn ready(c: &Controller, dataflows: &[DataflowDescription]) -> Result<(), 
     Ok(())
 }
 
-async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), String> {
+/// Runs one scenario. Errors of the harness's own steps (starting the
+/// replica, the setup before the fault, sending signals, finding PIDs) are
+/// [`Failure::Harness`]; only what [`check`] finds broken, and a stopped
+/// process not reported silent, are violations.
+async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
     let (processes, workers) = if name.starts_with("three-processes") {
         (3, 1)
     } else {
@@ -554,12 +578,12 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), String> {
                 .map_err(|e| format!("restart: {e}"))?;
             check(&a, &base).await
         }
-        other => Err(format!("unknown scenario {other}")),
+        other => Err(Failure::Harness(format!("unknown scenario {other}"))),
     }
 }
 
 /// Stops (SIGSTOP) a process and waits until the controller reports it silent.
-async fn stop_until_silent(r: &Replica, a: &Controller, process: usize) -> Result<(), String> {
+async fn stop_until_silent(r: &Replica, a: &Controller, process: usize) -> Result<(), Failure> {
     let pid = pid_of(r, process).await?;
     let mut events = a.events();
     signal(pid, libc::SIGSTOP)?;
@@ -575,8 +599,11 @@ async fn stop_until_silent(r: &Replica, a: &Controller, process: usize) -> Resul
     .await;
     if silent != Ok(process) {
         signal(pid, libc::SIGCONT)?;
-        return Err(format!(
-            "I2: the stopped process {process} was not reported silent within 5 s ({silent:?})"
+        return Err(violation(
+            "I2",
+            format!(
+                "the stopped process {process} was not reported silent within 5 s ({silent:?})"
+            ),
         ));
     }
     Ok(())
@@ -690,8 +717,7 @@ fn main() {
     let mut ok = true;
     let mut next_id = 1;
     for s in strategies {
-        let mut passed = 0;
-        let mut failed = 0;
+        let mut tally = Tally::default();
         for name in SCENARIOS {
             next_id += 1;
             let result = runtime.block_on(async {
@@ -699,31 +725,24 @@ fn main() {
                     .await
                 {
                     Ok(r) => r,
-                    Err(_) => Err("I2 broken: the scenario did not finish within 90 s".to_string()),
+                    Err(_) => Err(violation(
+                        "I2",
+                        "the scenario did not finish within 90 s".to_string(),
+                    )),
                 }
             });
             fail::remove(FAILPOINT);
+            let line = tally.record(&result);
             match result {
-                Ok(()) => {
-                    passed += 1;
-                    eprintln!("distribution/{s}/{name}: ok");
-                }
-                Err(e) => {
-                    failed += 1;
-                    println!("distribution/{s}/{name}: {e}");
-                }
+                Ok(()) => eprintln!("distribution/{s}/{name}: {line}"),
+                Err(_) => println!("distribution/{s}/{name}: {line}"),
             }
         }
-        let caught = if s.strategy == Strategy::Naive && !s.check_reconciles {
-            ok &= failed > 0;
-            format!(",\"caught\":{}", failed > 0)
-        } else {
-            ok &= failed == 0;
-            String::new()
-        };
+        let negative_control = s.strategy == Strategy::Naive && !s.check_reconciles;
+        ok &= tally.ok(negative_control);
         println!(
-            "{{\"suite\":\"distribution\",\"variant\":\"{s}\",\"scenarios\":{},\"passed\":{passed},\"failed\":{failed}{caught}}}",
-            SCENARIOS.len()
+            "{}",
+            tally.summary_line("distribution", &s.to_string(), negative_control)
         );
     }
     if !ok {

@@ -1,0 +1,135 @@
+//! How a fault scenario ends, and the suite's reporting-contract line.
+//!
+//! A scenario passes, or fails with a [`Failure`]: a violation of a named
+//! invariant (what the suite exists to find) or a harness error (the suite
+//! itself could not do its job). A harness error fails the run for every
+//! variant and never counts as catching a negative control.
+
+/// Why a scenario did not pass.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// An invariant broke: which one (`I1`..`I4`), and what was seen.
+    Violation {
+        /// The invariant, as DESIGN.md names it.
+        invariant: &'static str,
+        /// What was seen.
+        what: String,
+    },
+    /// The harness failed: nothing is known about the invariants.
+    Harness(String),
+}
+
+/// A violation of `invariant`.
+pub fn violation(invariant: &'static str, what: String) -> Failure {
+    Failure::Violation { invariant, what }
+}
+
+/// Errors of the harness's own steps (`?` on a `Result<_, String>`).
+impl From<String> for Failure {
+    fn from(e: String) -> Self {
+        Failure::Harness(e)
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Violation { invariant, what } => {
+                write!(f, "VIOLATION of {invariant}: {what}")
+            }
+            Failure::Harness(e) => write!(f, "HARNESS ERROR: {e}"),
+        }
+    }
+}
+
+/// The outcomes of one variant's scenarios.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// Scenarios that passed.
+    pub passed: usize,
+    /// Scenarios that found an invariant broken.
+    pub violations: usize,
+    /// Scenarios whose harness failed.
+    pub harness_errors: usize,
+}
+
+impl Tally {
+    /// Counts one outcome and returns its one-line description.
+    pub fn record(&mut self, outcome: &Result<(), Failure>) -> String {
+        match outcome {
+            Ok(()) => {
+                self.passed += 1;
+                "ok".into()
+            }
+            Err(f @ Failure::Violation { .. }) => {
+                self.violations += 1;
+                f.to_string()
+            }
+            Err(f @ Failure::Harness(_)) => {
+                self.harness_errors += 1;
+                f.to_string()
+            }
+        }
+    }
+
+    /// A negative control is caught by violations alone, with a working
+    /// harness.
+    pub fn caught(&self) -> bool {
+        self.violations > 0 && self.harness_errors == 0
+    }
+
+    /// Whether the variant met its expectation.
+    pub fn ok(&self, negative_control: bool) -> bool {
+        if negative_control {
+            self.caught()
+        } else {
+            self.violations == 0 && self.harness_errors == 0
+        }
+    }
+
+    /// The reporting contract's JSON line.
+    pub fn summary_line(&self, suite: &str, variant: &str, negative_control: bool) -> String {
+        let scenarios = self.passed + self.violations + self.harness_errors;
+        let mut line = format!(
+            r#"{{"suite":"{suite}","variant":"{variant}","scenarios":{scenarios},"passed":{},"failed":{},"violations":{},"harness_errors":{}"#,
+            self.passed,
+            self.violations + self.harness_errors,
+            self.violations,
+            self.harness_errors
+        );
+        if negative_control {
+            line.push_str(&format!(r#","caught":{}"#, self.caught()));
+        }
+        line.push('}');
+        line
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_harness_error_never_catches_a_negative_control() {
+        let mut t = Tally::default();
+        t.record(&Err(Failure::Harness("replica did not start".into())));
+        assert!(!t.caught());
+        assert!(!t.ok(true));
+        assert!(!t.ok(false));
+        t.record(&Err(violation("I1", "logs differ".into())));
+        assert!(!t.caught(), "a harness error still fails the run");
+        assert!(t.summary_line("s", "v", true).contains(r#""caught":false"#));
+    }
+
+    #[test]
+    fn violations_catch_a_negative_control_and_fail_the_others() {
+        let mut t = Tally::default();
+        t.record(&Ok(()));
+        t.record(&Err(violation("I2", "hung".into())));
+        assert!(t.caught());
+        assert!(t.ok(true));
+        assert!(!t.ok(false));
+        let line = t.summary_line("distribution", "naive", true);
+        assert!(line.contains(r#""scenarios":2,"passed":1,"failed":1,"violations":1,"harness_errors":0,"caught":true"#), "{line}");
+    }
+}
