@@ -18,10 +18,14 @@
 //!
 //! The controller is an actor: [`Controller`] is a cheap handle that sends
 //! requests to one task owning all state, so responses and commands are
-//! processed in one order.
+//! processed in one order. That task is `actor` (its session lifecycle, one
+//! phase enum, in `actor::session`); which strategy a command is sent with,
+//! and what each strategy does when it is sent, is `deliver`, one file per
+//! strategy; `connection` reads and writes one process's socket.
 
 mod actor;
 mod connection;
+mod deliver;
 pub mod launch;
 
 use std::net::SocketAddr;

@@ -1,0 +1,478 @@
+//! The task that owns a controller's state: connections, history, merges.
+//!
+//! One task handles, in one order, the owner's requests, what the
+//! connections forward and a heartbeat tick. This module holds the state
+//! ([`Actor`]), [`spawn`] and the event loop, request handling and the
+//! merging of responses; the rest is split by concern:
+//!
+//! - `session`: the session lifecycle, one [`Phase`] (connect, Hello and
+//!   replay, the history check, InitializationComplete, disconnect);
+//! - `failpoint`: the partial-broadcast failpoint;
+//! - [`crate::deliver`]: which strategy a command is sent with, and what each
+//!   strategy does when it is sent.
+
+mod failpoint;
+mod session;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockstep_command_log::SqliteLog;
+use lockstep_policy::{DistributionPolicy, MismatchAction};
+use lockstep_protocol::merge::{meet, merge_peek, SubscribeMerge};
+use lockstep_protocol::{
+    CommandHistory, CommandKind, ErrorResponse, Frontier, Peek, PeekResult, ResponseKind, Row,
+    Status, Strategy, Subscribe, SubscribeBatch,
+};
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::connection::{Conn, ConnEvent, FromConn};
+use crate::deliver::LogBatch;
+use crate::{ControllerError, ReplicaAddrs, Request, Timeouts};
+
+pub(crate) use failpoint::{partial_broadcast, Reach};
+pub(crate) use session::Phase;
+
+/// Something the owner of a controller should know.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// Every process is connected and was sent the history under `nonce`.
+    Connected {
+        /// The session's nonce.
+        nonce: u64,
+    },
+    /// A connection ended; the controller reconnects every process.
+    Disconnected {
+        /// The process.
+        process: usize,
+        /// Why.
+        reason: String,
+    },
+    /// Connecting to every process did not succeed within the bound; the
+    /// controller keeps trying.
+    ConnectFailed {
+        /// Why.
+        reason: String,
+    },
+    /// A process has not answered for longer than the heartbeat timeout: a
+    /// stopped or hung process. The replica must be restarted.
+    ProcessSilent {
+        /// The process.
+        process: usize,
+        /// For how long.
+        silent_for: Duration,
+    },
+    /// Appending to the command log failed (fenced out by a newer
+    /// controller, or a broken store): the controller stopped.
+    LogFailed {
+        /// Why.
+        message: String,
+    },
+    /// On connect, the workers reported different histories (creation logs
+    /// or installed dataflows); the distribution policy chose `action`.
+    /// `RestartReplica` asks the owner to restart the replica.
+    HistoryMismatch {
+        /// How many different histories were reported.
+        distinct_digests: u32,
+        /// What the policy decided.
+        action: MismatchAction,
+    },
+    /// A process reported an error.
+    ReplicaError {
+        /// The process.
+        process: usize,
+        /// The error.
+        error: ErrorResponse,
+    },
+}
+
+/// A caller waiting for statuses, and the (nonce, seqno) of its request.
+type StatusWaiter = (Option<(u64, u64)>, bool, oneshot::Sender<Vec<Status>>);
+
+struct PendingPeek {
+    results: BTreeMap<usize, PeekResult>,
+    reply: oneshot::Sender<Result<Vec<(Row, i64)>, ControllerError>>,
+}
+
+/// The state of one controller, owned by its task. The fields
+/// [`crate::deliver`] uses are `pub(crate)`; the rest belongs to this module
+/// and its submodules. `phase` is changed only by `Actor::enter`.
+pub(crate) struct Actor {
+    pub(crate) replica: ReplicaAddrs,
+    pub(crate) epoch: u64,
+    timeouts: Timeouts,
+    pub(crate) policy: Box<dyn DistributionPolicy + Send>,
+    pub(crate) fallback: Strategy,
+    /// The strategy chosen for this session's Hello. Broadcast and log order
+    /// commands themselves, so a session that starts with one of them sends
+    /// every command with it; a socket-ordered session (barrier, naive) asks
+    /// the policy per command.
+    pub(crate) session_strategy: Strategy,
+    /// The replica's command log, opened at the first log session.
+    pub(crate) log: Option<SqliteLog>,
+    /// While a log session starts: the commands to append in one go, each
+    /// with the failpoint's crash point, and the per-process Hellos.
+    pub(crate) log_batch: Option<LogBatch>,
+    /// The log offset of this session's Hello marker (log sessions).
+    pub(crate) log_marker: Option<u64>,
+    /// Where the session is: connecting, rehydrating, waiting for the
+    /// history check, serving, or crashed.
+    phase: Phase,
+    history: CommandHistory,
+    nonce: u64,
+    generation: u64,
+    current_generation: Arc<AtomicU64>,
+    pub(crate) seqno: u64,
+    pub(crate) conns: Vec<Option<Conn>>,
+    last_heard: Vec<Instant>,
+    silent_reported: Vec<bool>,
+    frontiers: BTreeMap<u64, BTreeMap<usize, Frontier>>,
+    peeks: BTreeMap<u64, PendingPeek>,
+    next_peek_id: u64,
+    next_subscribe_id: u64,
+    subs: BTreeMap<u64, (SubscribeMerge, mpsc::UnboundedSender<SubscribeBatch>)>,
+    statuses: BTreeMap<u32, Status>,
+    /// The latest full status (history digest and creation log) per worker.
+    full_statuses: BTreeMap<u32, Status>,
+    /// Callers waiting for a Status from every worker that answers the
+    /// StatusRequest with this (nonce, sequence number), or a later one.
+    status_waiters: Vec<StatusWaiter>,
+    frontier_waiters: Vec<(u64, u64, oneshot::Sender<()>)>,
+    events: broadcast::Sender<Event>,
+    to_self: mpsc::UnboundedSender<FromConn>,
+    connected_tx: mpsc::UnboundedSender<(u64, Result<Vec<tokio::net::TcpStream>, String>)>,
+}
+
+pub(crate) fn spawn(
+    replica: ReplicaAddrs,
+    epoch: u64,
+    mut history: CommandHistory,
+    policy: Box<dyn DistributionPolicy + Send>,
+    timeouts: Timeouts,
+    mut requests: mpsc::UnboundedReceiver<Request>,
+    events: broadcast::Sender<Event>,
+) {
+    if !history
+        .commands()
+        .iter()
+        .any(|c| matches!(c, CommandKind::CreateInstance(_)))
+    {
+        history.push(CommandKind::CreateInstance(Default::default()));
+    }
+    let n = replica.processes.len();
+    let (to_self, mut from_conns) = mpsc::unbounded_channel();
+    let (connected_tx, mut connected_rx) = mpsc::unbounded_channel();
+    let mut actor = Actor {
+        replica,
+        epoch,
+        timeouts,
+        policy,
+        fallback: Strategy::Barrier,
+        session_strategy: Strategy::Barrier,
+        log: None,
+        log_batch: None,
+        log_marker: None,
+        phase: Phase::Disconnected,
+        history,
+        nonce: 0,
+        generation: 0,
+        current_generation: Arc::new(AtomicU64::new(0)),
+        seqno: 0,
+        conns: (0..n).map(|_| None).collect(),
+        last_heard: vec![Instant::now(); n],
+        silent_reported: vec![false; n],
+        frontiers: BTreeMap::new(),
+        peeks: BTreeMap::new(),
+        next_peek_id: 1,
+        next_subscribe_id: 1,
+        subs: BTreeMap::new(),
+        statuses: BTreeMap::new(),
+        full_statuses: BTreeMap::new(),
+        status_waiters: Vec::new(),
+        frontier_waiters: Vec::new(),
+        events,
+        to_self,
+        connected_tx,
+    };
+    tokio::spawn(async move {
+        actor.start_connecting();
+        let mut tick = tokio::time::interval(actor.timeouts.heartbeat_interval);
+        loop {
+            tokio::select! {
+                req = requests.recv() => match req {
+                    None | Some(Request::Shutdown) => break,
+                    Some(r) => actor.on_request(r),
+                },
+                Some(msg) = from_conns.recv() => actor.on_conn(msg),
+                Some((generation, result)) = connected_rx.recv() => actor.on_connected(generation, result),
+                _ = tick.tick() => actor.on_tick(),
+            }
+            if actor.phase == Phase::Crashed {
+                break;
+            }
+        }
+        actor.current_generation.store(u64::MAX, Ordering::SeqCst);
+        tracing::info!("controller shut down");
+    });
+}
+
+impl Actor {
+    pub(crate) fn emit(&self, e: Event) {
+        let _ = self.events.send(e);
+    }
+
+    /// Records a command in the history and sends it.
+    fn send(&mut self, kind: CommandKind) {
+        if !matches!(
+            kind,
+            CommandKind::InitializationComplete | CommandKind::StatusRequest { .. }
+        ) {
+            self.history.push(kind.clone());
+        }
+        self.broadcast(kind);
+    }
+
+    fn on_request(&mut self, r: Request) {
+        match r {
+            Request::Send(kind) => {
+                // A (re)created collection starts with no reported frontier.
+                if let CommandKind::CreateDataflow(d) = &kind {
+                    for e in &d.exports {
+                        self.frontiers.remove(&e.collection_id);
+                    }
+                }
+                self.send(kind)
+            }
+            Request::Peek {
+                collection,
+                timestamp,
+                reply,
+            } => {
+                let peek_id = self.next_peek_id;
+                self.next_peek_id += 1;
+                self.peeks.insert(
+                    peek_id,
+                    PendingPeek {
+                        results: BTreeMap::new(),
+                        reply,
+                    },
+                );
+                self.send(CommandKind::Peek(Peek {
+                    peek_id,
+                    collection_id: collection,
+                    timestamp,
+                }));
+            }
+            Request::Subscribe {
+                collection,
+                as_of,
+                sink,
+            } => {
+                let id = self.next_subscribe_id;
+                self.next_subscribe_id += 1;
+                self.subs.insert(
+                    id,
+                    (SubscribeMerge::new(self.replica.processes.len()), sink),
+                );
+                self.send(CommandKind::Subscribe(Subscribe {
+                    subscribe_id: id,
+                    collection_id: collection,
+                    as_of,
+                }));
+            }
+            Request::Statuses { full, reply } => {
+                let at = self.request_status(full);
+                self.status_waiters.push((at, full, reply));
+            }
+            Request::Frontier { collection, reply } => {
+                let _ = reply.send(self.frontier_of(collection));
+            }
+            Request::WaitFrontier {
+                collection,
+                beyond,
+                reply,
+            } => {
+                self.frontier_waiters.push((collection, beyond, reply));
+                self.answer_frontier_waiters();
+            }
+            Request::History { reply } => {
+                let mut h = self.history.clone();
+                h.reduce();
+                let _ = reply.send(h);
+            }
+            Request::Reconnect => self.disconnect("reconnect requested".into()),
+            Request::Shutdown => {}
+        }
+    }
+
+    fn on_conn(&mut self, msg: FromConn) {
+        if msg.generation != self.generation || !self.phase.is_connected() {
+            return;
+        }
+        let p = msg.process;
+        self.last_heard[p] = Instant::now();
+        self.silent_reported[p] = false;
+        let resp = match msg.event {
+            ConnEvent::Closed(reason) => {
+                tracing::warn!(process = p, %reason, "connection to replica process lost");
+                self.emit(Event::Disconnected {
+                    process: p,
+                    reason: reason.clone(),
+                });
+                self.disconnect(format!("process {p}: {reason}"));
+                return;
+            }
+            ConnEvent::Response(r) => r,
+        };
+        match resp.kind {
+            ResponseKind::Frontiers(updates) => {
+                for (c, f) in updates {
+                    self.frontiers.entry(c).or_default().insert(p, f);
+                }
+                self.answer_frontier_waiters();
+            }
+            ResponseKind::PeekResponse(r) => {
+                let n = self.replica.processes.len();
+                if let Some(pending) = self.peeks.get_mut(&r.peek_id) {
+                    pending.results.insert(p, r.result);
+                    if pending.results.len() == n {
+                        let pending = self.peeks.remove(&r.peek_id).expect("present");
+                        self.history.retire_peek(r.peek_id);
+                        let answer = match merge_peek(pending.results.into_values()) {
+                            PeekResult::Rows(rows) => Ok(rows),
+                            PeekResult::Error(e) => Err(ControllerError::Replica(e)),
+                            PeekResult::Canceled => {
+                                Err(ControllerError::Replica("peek canceled".into()))
+                            }
+                        };
+                        let _ = pending.reply.send(answer);
+                    }
+                }
+            }
+            ResponseKind::SubscribeResponse(b) => {
+                let id = b.subscribe_id;
+                if let Some((merge, sink)) = self.subs.get_mut(&id) {
+                    if let Some(out) = merge.push(p, b) {
+                        let _ = sink.send(out);
+                    }
+                    if merge.is_done() {
+                        self.subs.remove(&id);
+                    }
+                }
+            }
+            ResponseKind::Status(s) => {
+                let full = s.history_hash.is_some();
+                if full {
+                    self.full_statuses.insert(s.worker_index, s.clone());
+                }
+                self.statuses.insert(s.worker_index, s);
+                if full {
+                    self.check_histories(false);
+                }
+                self.answer_status_waiters();
+            }
+            ResponseKind::Error(error) => {
+                tracing::warn!(process = p, ?error, "replica error");
+                self.emit(Event::ReplicaError { process: p, error });
+            }
+        }
+    }
+
+    /// The meet of a collection's frontier over all processes, once every
+    /// process reported it.
+    fn frontier_of(&self, collection: u64) -> Option<Frontier> {
+        self.frontiers
+            .get(&collection)
+            .and_then(|per| (per.len() == self.replica.processes.len()).then(|| meet(per.values())))
+    }
+
+    fn answer_frontier_waiters(&mut self) {
+        let waiters = std::mem::take(&mut self.frontier_waiters);
+        for (c, t, reply) in waiters {
+            if reply.is_closed() {
+                continue;
+            }
+            match self.frontier_of(c) {
+                Some(f) if f.is_none_or(|f| f > t) => {
+                    let _ = reply.send(());
+                }
+                _ => self.frontier_waiters.push((c, t, reply)),
+            }
+        }
+    }
+
+    /// Sends a StatusRequest; returns its (nonce, sequence number) if connected.
+    fn request_status(&mut self, full: bool) -> Option<(u64, u64)> {
+        if !self.phase.is_connected() {
+            return None;
+        }
+        self.broadcast(CommandKind::StatusRequest { full });
+        Some((self.nonce, self.seqno))
+    }
+
+    fn answer_status_waiters(&mut self) {
+        let total = self.replica.total_workers();
+        let epoch = self.epoch;
+        let waiters = std::mem::take(&mut self.status_waiters);
+        for (at, full, reply) in waiters {
+            if reply.is_closed() {
+                continue;
+            }
+            let Some((nonce, seqno)) = at else {
+                self.status_waiters.push((at, full, reply));
+                continue;
+            };
+            let map = if full {
+                &self.full_statuses
+            } else {
+                &self.statuses
+            };
+            let fresh = map
+                .values()
+                .filter(|s| s.epoch == epoch && s.nonce == nonce && s.applied_seqno >= seqno)
+                .count();
+            if fresh == total {
+                let _ = reply.send(map.values().cloned().collect());
+            } else {
+                self.status_waiters.push((at, full, reply));
+            }
+        }
+    }
+
+    fn on_tick(&mut self) {
+        if !self.phase.is_connected() {
+            return;
+        }
+        if matches!(self.phase, Phase::AwaitingHistories { since } if since.elapsed() > self.timeouts.request)
+        {
+            self.check_histories(true);
+        }
+        // Peeks whose caller gave up are canceled.
+        let abandoned: Vec<u64> = self
+            .peeks
+            .iter()
+            .filter(|(_, p)| p.reply.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in abandoned {
+            self.peeks.remove(&id);
+            self.send(CommandKind::CancelPeek { peek_id: id });
+        }
+        self.broadcast(CommandKind::StatusRequest { full: false });
+        let now = Instant::now();
+        for p in 0..self.last_heard.len() {
+            let silent = now - self.last_heard[p];
+            if silent > self.timeouts.heartbeat_timeout && !self.silent_reported[p] {
+                self.silent_reported[p] = true;
+                tracing::error!(process = p, ?silent, "replica process is silent");
+                self.emit(Event::ProcessSilent {
+                    process: p,
+                    silent_for: silent,
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,18 @@
+//! `barrier` on the controller side. Each worker applies the copy from its
+//! own process's connection; a `CreateDataflow` of a new dataflow waits at a
+//! barrier round among the workers, on the replica. The controller's part
+//! is one copy per process. A `naive` session's InitializationComplete is
+//! sent with `barrier` when the replica must reconcile collectively
+//! (`complete_initialization`). (The replica's side:
+//! `crates/replica/src/order/barrier.rs`.)
+
+use lockstep_protocol::Command;
+
+use crate::actor::{Actor, Reach};
+
+impl Actor {
+    /// Sends a `barrier` command: a copy to every process.
+    pub(super) fn deliver_barrier(&mut self, cmd: Command, crash: Option<Reach>) {
+        self.send_copies(cmd, crash);
+    }
+}

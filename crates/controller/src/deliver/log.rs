@@ -1,0 +1,141 @@
+//! `log` on the controller side: the command log is the truth. Each command
+//! is appended to the replica's command log before its socket copies are
+//! written; the copies only make the workers read the log at once. A log
+//! session starts with one append (`LogBatch`: process 0's Hello, which is
+//! the session's epoch marker, and the replayed history); once every worker
+//! answered that Hello, the log is truncated before the marker
+//! (`truncate_log`). A failed append stops the controller
+//! (`Event::LogFailed`). (The replica's side:
+//! `crates/replica/src/order/log.rs`.)
+
+use lockstep_command_log::{CommandLog, SqliteLog};
+use lockstep_protocol::Command;
+
+use crate::actor::{Actor, Event, Reach};
+
+/// The start of a log session, appended to the log in one transaction.
+#[derive(Default)]
+pub(crate) struct LogBatch {
+    /// The Hello of each process, in process order.
+    pub(crate) hellos: Vec<Command>,
+    /// The commands sent while the session starts, each with the
+    /// failpoint's crash point.
+    pub(crate) commands: Vec<(Command, Option<Reach>)>,
+}
+
+impl Actor {
+    /// Sends a `log` command: appended first (or batched while the session
+    /// starts), then a copy to every process. A crash before any process
+    /// got its copy is a crash before the append.
+    pub(super) fn deliver_log(&mut self, cmd: Command, crash: Option<Reach>) {
+        if let Some(batch) = &mut self.log_batch {
+            batch.commands.push((cmd, crash));
+            return;
+        }
+        // The log is the truth: append first; the socket copies only
+        // wake the processes. A crash before any process got its copy
+        // is a crash before the append.
+        if crash.is_some_and(|r| r.count(self.conns.len()) == 0) {
+            self.crash();
+            return;
+        }
+        if !self.append_log(std::slice::from_ref(&cmd)) {
+            return;
+        }
+        self.send_copies(cmd, crash);
+    }
+
+    /// Appends to the command log; a failure (fenced by a newer controller,
+    /// a broken store) stops this controller: it must not go on without its
+    /// log.
+    fn append_log(&mut self, commands: &[Command]) -> bool {
+        self.append_log_at(commands).is_some()
+    }
+
+    /// Appends; returns the offset of the first appended entry.
+    fn append_log_at(&mut self, commands: &[Command]) -> Option<u64> {
+        if self.log.is_none() {
+            let Some(path) = &self.replica.command_log else {
+                unreachable!("the log strategy is chosen only with a command log")
+            };
+            match SqliteLog::open(path) {
+                Ok(l) => self.log = Some(l),
+                Err(e) => {
+                    self.fail_log(e.to_string());
+                    return None;
+                }
+            }
+        }
+        let log = self.log.as_mut().expect("opened above");
+        match log.append(self.epoch, commands) {
+            Ok(last) => Some(last + 1 - commands.len() as u64),
+            Err(e) => {
+                self.fail_log(e.to_string());
+                None
+            }
+        }
+    }
+
+    /// A failed append: reported as [`Event::LogFailed`], and the
+    /// controller stops.
+    fn fail_log(&mut self, message: String) {
+        tracing::error!(%message, "command log append failed; the controller stops");
+        self.emit(Event::LogFailed { message });
+        self.stop();
+    }
+
+    /// Appends the start of a log session in one transaction, then sends
+    /// the socket copies; honours the failpoint's crash point.
+    pub(crate) fn flush_log_batch(&mut self) {
+        let Some(batch) = self.log_batch.take() else {
+            return;
+        };
+        let n = self.conns.len();
+        let crash = batch
+            .commands
+            .iter()
+            .position(|(_, c)| c.is_some())
+            .map(|i| (i, batch.commands[i].1.expect("found")));
+        let appended = match crash {
+            Some((i, r)) if r.count(n) == 0 => i,
+            Some((i, _)) => i + 1,
+            None => batch.commands.len(),
+        };
+        let mut entries = vec![batch.hellos[0].clone()];
+        entries.extend(batch.commands[..appended].iter().map(|(c, _)| c.clone()));
+        match self.append_log_at(&entries) {
+            Some(marker) => self.log_marker = Some(marker),
+            None => return,
+        }
+        for (i, hello) in batch.hellos.into_iter().enumerate() {
+            self.write(i, hello);
+        }
+        for (k, (cmd, crash)) in batch.commands.into_iter().enumerate() {
+            if k == appended {
+                self.crash();
+                return;
+            }
+            if let Some(reach) = crash {
+                self.write_reached(&cmd, reach);
+                self.crash();
+                return;
+            }
+            for i in 0..n {
+                self.write(i, cmd.clone());
+            }
+        }
+    }
+
+    /// Every worker read this log session's marker (it answered the Hello
+    /// there), and a fresh replica starts at the newest marker: what came
+    /// before it is needed by no one. A failure only leaves the entries.
+    pub(crate) fn truncate_log(&mut self) {
+        let (Some(marker), Some(log)) = (self.log_marker.take(), self.log.as_mut()) else {
+            return;
+        };
+        match log.truncate_before(self.epoch, marker) {
+            Ok(gone) => tracing::debug!(marker, gone, "command log truncated"),
+            Err(e) => tracing::warn!(error = %e, "command log truncation failed; entries kept"),
+        }
+    }
+}

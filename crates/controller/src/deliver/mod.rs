@@ -1,0 +1,134 @@
+//! Delivering a command to the replica's processes: which strategy it is
+//! sent with (`strategy_for`, `choose`), then what that strategy does with
+//! it on the controller side (`broadcast_with` dispatches).
+//!
+//! Every command gets the session's next sequence number and one socket
+//! copy per process; what differs is which copy a worker applies. One file
+//! per strategy, named like the replica's side (`crates/replica/src/order/`):
+//! `naive`, `barrier`, `broadcast` and `log` (which also appends to the
+//! command log, before the copies). The partial-broadcast failpoint
+//! (`crate::actor::partial_broadcast`) may cut any of them short.
+
+mod barrier;
+mod broadcast;
+mod log;
+mod naive;
+
+use lockstep_policy::{CommandClass, CommandInfo};
+use lockstep_protocol::{Command, CommandKind, Strategy, WireMessage};
+
+use crate::actor::{partial_broadcast, Actor, Reach};
+
+pub(crate) use log::LogBatch;
+
+impl Actor {
+    /// Sends a command to every process (if connected).
+    pub(crate) fn broadcast(&mut self, kind: CommandKind) {
+        if !self.phase().is_connected() {
+            return;
+        }
+        let strategy = self.strategy_for(&kind);
+        self.broadcast_with(kind, strategy);
+    }
+
+    /// Sends a command to every process with `strategy`.
+    pub(crate) fn broadcast_with(&mut self, kind: CommandKind, strategy: Strategy) {
+        if !self.phase().is_connected() {
+            return;
+        }
+        let crash = partial_broadcast(kind.name());
+        self.seqno += 1;
+        let cmd = Command {
+            seqno: self.seqno,
+            strategy,
+            kind,
+        };
+        match strategy {
+            Strategy::Naive => self.deliver_naive(cmd, crash),
+            Strategy::Barrier => self.deliver_barrier(cmd, crash),
+            Strategy::Broadcast => self.deliver_broadcast(cmd, crash),
+            Strategy::Log => self.deliver_log(cmd, crash),
+        }
+    }
+
+    /// Writes a copy of `cmd` to every process, or, if the failpoint says
+    /// so, to the processes it reaches, and then crashes.
+    fn send_copies(&mut self, cmd: Command, crash: Option<Reach>) {
+        if let Some(reach) = crash {
+            self.write_reached(&cmd, reach);
+            self.crash();
+            return;
+        }
+        for i in 0..self.conns.len() {
+            self.write(i, cmd.clone());
+        }
+    }
+
+    /// Writes `cmd` to process `i`'s connection; a closed one is dropped
+    /// (its reader reports why).
+    pub(crate) fn write(&mut self, i: usize, cmd: Command) {
+        if let Some(c) = &self.conns[i] {
+            if c.writer.send(cmd).is_err() {
+                self.conns[i] = None;
+            }
+        }
+    }
+
+    /// The strategy of a command in this session (see `session_strategy`).
+    pub(crate) fn strategy_for(&mut self, kind: &CommandKind) -> Strategy {
+        match self.session_strategy {
+            s @ (Strategy::Broadcast | Strategy::Log) => s,
+            _ => match self.choose(kind) {
+                s @ (Strategy::Broadcast | Strategy::Log) => {
+                    tracing::warn!(
+                        chosen = %s,
+                        session = %self.session_strategy,
+                        fallback = %self.fallback,
+                        "the policy chose an ordering strategy for a command of a socket-ordered session; using the fallback (choose it for Hello to use it for a whole session)"
+                    );
+                    self.fallback
+                }
+                s => s,
+            },
+        }
+    }
+
+    /// What the policy chooses for `kind`; a log choice without a command
+    /// log, or a failing policy, gets the fallback.
+    pub(crate) fn choose(&mut self, kind: &CommandKind) -> Strategy {
+        let info = CommandInfo {
+            class: CommandClass::of(kind),
+            size_bytes: encoded_size(kind),
+            dataflow_id: match kind {
+                CommandKind::CreateDataflow(d) => Some(d.id),
+                CommandKind::Schedule { dataflow_id } => Some(*dataflow_id),
+                _ => None,
+            },
+            process_count: self.replica.processes.len() as u32,
+            workers_per_process: self.replica.workers_per_process,
+            reconciling: self.phase().reconciling(),
+        };
+        match self.policy.choose(&info) {
+            Ok(Strategy::Log) if self.replica.command_log.is_none() => {
+                tracing::warn!(fallback = %self.fallback, "the policy chose the log strategy but the replica has no command log; using the fallback");
+                self.fallback
+            }
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, fallback = %self.fallback, "distribution policy failed; using the fallback");
+                self.fallback
+            }
+        }
+    }
+}
+
+/// The encoded size of a command, for policies.
+fn encoded_size(kind: &CommandKind) -> u64 {
+    Command {
+        seqno: 0,
+        strategy: Strategy::Naive,
+        kind: kind.clone(),
+    }
+    .encode_to_vec()
+    .len() as u64
+}

@@ -1,0 +1,15 @@
+//! `naive` on the controller side. Each worker applies the copy from its
+//! own process's connection on arrival, with no coordination: the negative
+//! control. The controller's part is one copy per process. (The replica's
+//! side: `crates/replica/src/order/naive.rs`.)
+
+use lockstep_protocol::Command;
+
+use crate::actor::{Actor, Reach};
+
+impl Actor {
+    /// Sends a `naive` command: a copy to every process.
+    pub(super) fn deliver_naive(&mut self, cmd: Command, crash: Option<Reach>) {
+        self.send_copies(cmd, crash);
+    }
+}
