@@ -1,7 +1,7 @@
 //! When a controller session may send InitializationComplete: the history
 //! check on connect, as a pure decision.
 //!
-//! The controller (`crates/controller/src/actor.rs`) and the model checker
+//! The controller (`crates/controller/src/actor/session.rs`) and the model checker
 //! (`crates/model`, the `history-*` variants) run this same type: after
 //! Hello and the replayed target, the controller collects every worker's
 //! digest of what it did (its creation log and installed dataflows) and asks
