@@ -10,13 +10,15 @@
 //! - hands each command to each of its workers ([`worker`]), which render
 //!   dataflows from the plan IR with differential ([`render`]), keep inputs,
 //!   answer peeks and subscribes, and keep the dataflow-creation log that
-//!   invariant I1 is checked against;
+//!   invariant I1 is checked against; which copy of a command a worker
+//!   applies, and what it waits for, is the command's strategy ([`order`]);
 //! - merges its workers' responses into one response per process
 //!   ([`aggregate`]): frontiers as the meet, peeks once every local worker
 //!   answered, subscribe batches by time.
 
 pub mod aggregate;
 pub mod cluster;
+pub mod order;
 pub mod render;
 pub mod server;
 pub mod worker;

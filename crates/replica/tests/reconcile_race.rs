@@ -8,7 +8,7 @@
 //! empty list and drops every dataflow while its peers keep them: the
 //! workers' dataflow orders differ (I1). The failpoint
 //! `replica_hold_mesh_in_reconcile` makes that interleaving happen on
-//! purpose (crates/replica/src/worker.rs).
+//! purpose (crates/replica/src/worker/mesh.rs).
 //!
 //! Needs the `failpoints` feature (`cargo xtask test` turns it on).
 

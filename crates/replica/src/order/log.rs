@@ -1,0 +1,128 @@
+//! The `log` strategy: the controller appends every command to the
+//! replica's command log (`lockstep_command_log`) before it sends the socket
+//! copies, and workers apply log commands only as they read them from the
+//! log.
+//!
+//! Every worker reads from one start offset that worker 0 chooses when the
+//! process starts (the newest epoch marker) and announces on the control
+//! mesh, so every worker applies the same sequence; until that announcement
+//! arrives, no worker reads. A worker then reads up to `LOG_BATCH` (256) entries
+//! at a time, when a socket copy pokes it or at least every [`LOG_POLL`], and
+//! queues only the entries that carry `log`. A corrupt entry halts the
+//! worker; other read errors are retried. A worker of a replica started
+//! without a command log refuses `log` commands. Log sessions reconcile
+//! collectively (see [`crate::order::barrier`]).
+
+use std::time::Duration;
+
+use lockstep_command_log::{CommandLog, SqliteLog};
+use lockstep_protocol::{Command, ErrorKind, Strategy};
+
+use crate::worker::{MeshMessage, WorkerState};
+
+/// How often a worker reads the command log when nothing woke it.
+pub const LOG_POLL: Duration = Duration::from_millis(2);
+
+/// How many log entries a worker reads at once.
+const LOG_BATCH: usize = 256;
+
+/// A worker's position in the command log.
+pub(crate) struct LogTail {
+    log: SqliteLog,
+    /// `None` until worker 0 announced the start offset on the mesh.
+    next: Option<u64>,
+    /// A socket copy of a log command arrived: read the log now.
+    poked: bool,
+    last_read: std::time::Instant,
+}
+
+impl WorkerState {
+    /// Starts tailing the command log `log`. Worker 0 announces the start
+    /// offset on the control mesh, which must be built already.
+    pub(crate) fn tail_log(&mut self, mut log: SqliteLog) {
+        if self.index == 0 {
+            // Every worker starts reading where worker 0 says: the newest
+            // epoch marker now. Before it, everything is summarized by the
+            // target state that follows it.
+            let start = match log.start_offset() {
+                Ok(o) => o,
+                Err(e) => {
+                    self.halt(format!("cannot read the command log: {e}"));
+                    1
+                }
+            };
+            if let Some(mesh) = &mut self.mesh {
+                mesh.send(0, MeshMessage::LogStart { offset: start });
+            }
+        }
+        self.log = Some(LogTail {
+            log,
+            next: None,
+            poked: false,
+            last_read: std::time::Instant::now(),
+        });
+    }
+
+    /// The socket copy of a log command: read the log now (or refuse it, on
+    /// a replica without a command log).
+    pub(crate) fn poke_log(&mut self, cmd: &Command) {
+        match &mut self.log {
+            Some(tail) => tail.poked = true,
+            None => self.error(
+                cmd.seqno,
+                ErrorKind::InvalidCommand,
+                format!(
+                    "{} was sent with the log strategy, but this replica was started without a command log (--command-log); not applied",
+                    cmd.kind.name()
+                ),
+            ),
+        }
+    }
+
+    /// Worker 0 announced the start `offset` on the mesh: start reading.
+    pub(crate) fn log_starts_at(&mut self, offset: u64) {
+        if let Some(tail) = &mut self.log {
+            tracing::info!(worker = self.index, offset, "tailing the command log");
+            tail.next = Some(offset);
+            tail.poked = true;
+        }
+    }
+
+    /// Reads new command-log entries into the queue, if it is time to.
+    pub(crate) fn read_log(&mut self) -> bool {
+        let Some(tail) = &mut self.log else {
+            return false;
+        };
+        let Some(next) = tail.next else { return false };
+        if !tail.poked && tail.last_read.elapsed() < LOG_POLL {
+            return false;
+        }
+        tail.poked = false;
+        tail.last_read = std::time::Instant::now();
+        match tail.log.read_from(next, LOG_BATCH) {
+            Ok(entries) => {
+                let got = entries.len();
+                if got == LOG_BATCH {
+                    tail.poked = true; // more to read
+                }
+                if let Some(last) = entries.last() {
+                    tail.next = Some(last.offset + 1);
+                }
+                for e in entries {
+                    if e.command.strategy == Strategy::Log {
+                        self.queue.push_back(e.command);
+                    }
+                }
+                got > 0
+            }
+            Err(e @ lockstep_command_log::LogError::Corrupt { .. }) => {
+                self.halt(format!("cannot read the command log: {e}"));
+                false
+            }
+            Err(e) => {
+                tracing::warn!(worker = self.index, error = %e, "command log read failed; retrying");
+                false
+            }
+        }
+    }
+}

@@ -1,0 +1,331 @@
+//! Applying one command on one worker, once its strategy let it through:
+//! building a dataflow from its description, writing input, compaction and
+//! drops, queuing peeks and subscribes. Every command applied here goes into
+//! the worker's history.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::hash::{Hash, Hasher};
+use std::rc::Rc;
+
+use differential_dataflow::input::InputSession;
+use differential_dataflow::trace::TraceReader;
+use lockstep_protocol::{
+    Command, CommandKind, CreationLogEntry, DataflowDescription, ErrorKind, Frontier, PeekResult,
+    Row, Update, WriteInput,
+};
+use timely::dataflow::ProbeHandle;
+use timely::progress::Antichain;
+use timely::worker::Worker;
+
+use crate::render::{render, validate, Coll};
+use crate::worker::{ExportState, FromWorker, Installed, SubState, Tap, WorkerState};
+
+/// The worker of the replica that introduces an update of `row`.
+pub fn owner(row: &Row, peers: usize) -> usize {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    row.hash(&mut h);
+    (h.finish() % peers as u64) as usize
+}
+
+impl WorkerState {
+    /// Applies one command now. It enters the history unless it was refused
+    /// or is a StatusRequest.
+    pub(crate) fn apply(&mut self, worker: &mut Worker, cmd: Command) {
+        let seqno = cmd.seqno;
+        self.applied_seqno = seqno;
+        match &cmd.kind {
+            CommandKind::Hello(_) => {}
+            CommandKind::StatusRequest { full } => {
+                self.send(FromWorker::Status(self.status(*full)));
+                return;
+            }
+            CommandKind::CreateInstance(_)
+            | CommandKind::InitializationComplete
+            | CommandKind::UpdateConfiguration(_)
+            | CommandKind::Schedule { .. } => {}
+            CommandKind::CreateDataflow(desc) => {
+                if let Some(inst) = self.dataflows.get(&desc.id) {
+                    if inst.hash != desc.hash() {
+                        self.error(
+                            seqno,
+                            ErrorKind::InvalidCommand,
+                            format!(
+                                "dataflow {} already exists with another description",
+                                desc.id
+                            ),
+                        );
+                        return;
+                    }
+                    // Same description: kept (reconciliation), nothing to build.
+                } else if let Err(e) = validate(desc) {
+                    self.error(seqno, ErrorKind::InvalidCommand, e.to_string());
+                    return;
+                } else if let Some(c) = desc
+                    .exports
+                    .iter()
+                    .find(|e| self.collections.contains_key(&e.collection_id))
+                {
+                    self.error(
+                        seqno,
+                        ErrorKind::InvalidCommand,
+                        format!("collection {} already exists", c.collection_id),
+                    );
+                    return;
+                } else {
+                    self.build(worker, desc.clone());
+                }
+            }
+            CommandKind::AllowCompaction {
+                collection_id,
+                frontier,
+            } => {
+                if !self.allow_compaction(worker, *collection_id, *frontier) {
+                    self.error(
+                        seqno,
+                        ErrorKind::InvalidCommand,
+                        format!("AllowCompaction names unknown collection {collection_id}"),
+                    );
+                    return;
+                }
+            }
+            CommandKind::Peek(p) => self.peeks.push(p.clone()),
+            CommandKind::CancelPeek { peek_id } => {
+                if let Some(pos) = self.peeks.iter().position(|p| p.peek_id == *peek_id) {
+                    self.peeks.remove(pos);
+                    self.history.retire_peek(*peek_id);
+                    self.send(FromWorker::Peek {
+                        worker: self.index,
+                        peek_id: *peek_id,
+                        result: PeekResult::Canceled,
+                    });
+                }
+            }
+            CommandKind::Subscribe(s) => {
+                if let Some(df) = self.collections.get(&s.collection_id) {
+                    let export = &self.dataflows[df].exports[&s.collection_id];
+                    if s.as_of < export.since {
+                        self.error(
+                            seqno,
+                            ErrorKind::InvalidCommand,
+                            format!(
+                                "subscribe {} at {} is below collection {}'s compaction frontier {}",
+                                s.subscribe_id, s.as_of, s.collection_id, export.since
+                            ),
+                        );
+                        return;
+                    }
+                    self.subs.insert(
+                        s.subscribe_id,
+                        SubState {
+                            sub: s.clone(),
+                            lower: None,
+                        },
+                    );
+                } else {
+                    self.error(
+                        seqno,
+                        ErrorKind::InvalidCommand,
+                        format!(
+                            "subscribe {} names unknown collection {}",
+                            s.subscribe_id, s.collection_id
+                        ),
+                    );
+                    return;
+                }
+            }
+            CommandKind::WriteInput(w) => {
+                if let Some(u) = w.updates.iter().find(|u| u.time >= w.upper) {
+                    self.error(
+                        seqno,
+                        ErrorKind::InvalidCommand,
+                        format!(
+                            "WriteInput to {}: update at time {} is not below the new upper {}",
+                            w.collection_id, u.time, w.upper
+                        ),
+                    );
+                    return;
+                }
+                self.write_input(w);
+            }
+        }
+        self.history.push(cmd.kind);
+    }
+
+    fn write_input(&mut self, w: &WriteInput) {
+        let store = self.inputs.entry(w.collection_id).or_default();
+        let fresh: Vec<Update> = w
+            .updates
+            .iter()
+            .filter(|u| u.time >= store.upper && owner(&u.row, self.peers) == self.index)
+            .cloned()
+            .collect();
+        let new_upper = store.upper.max(w.upper);
+        tracing::trace!(
+            worker = self.index,
+            collection = w.collection_id,
+            fresh = fresh.len(),
+            new_upper,
+            "write input"
+        );
+        store.upper = new_upper;
+        store.updates.extend(fresh.iter().cloned());
+        for inst in self.dataflows.values_mut() {
+            for (id, session) in &mut inst.sessions {
+                if *id == w.collection_id {
+                    for u in &fresh {
+                        session.update_at(u.row.clone(), u.time, u.diff);
+                    }
+                    session.advance_to(new_upper);
+                    session.flush();
+                }
+            }
+        }
+    }
+
+    fn build(&mut self, worker: &mut Worker, desc: DataflowDescription) {
+        let timely_index = worker.next_dataflow_index();
+        let hash = desc.hash();
+        let name = format!("dataflow-{}-{}", desc.id, desc.debug_name);
+        let (mut sessions, exports) = worker.dataflow_named::<u64, _, _>(&name, |scope| {
+            let mut sessions = Vec::new();
+            let mut colls: BTreeMap<u64, Coll<'_>> = BTreeMap::new();
+            for &id in &desc.inputs {
+                let mut session = InputSession::new();
+                colls.insert(id, session.to_collection(scope));
+                sessions.push((id, session));
+            }
+            let mut exports = BTreeMap::new();
+            for e in &desc.exports {
+                let tap: Rc<RefCell<Tap>> = Rc::default();
+                let tap2 = Rc::clone(&tap);
+                let probe = ProbeHandle::new();
+                let arranged = render(&e.plan, &colls).arrange_by_self();
+                let trace = arranged.trace.clone();
+                arranged
+                    .as_collection(|k: &Row, _v: &()| k.clone())
+                    .inspect(move |(row, time, diff): &(Row, u64, i64)| {
+                        let u = Update {
+                            row: row.clone(),
+                            time: *time,
+                            diff: *diff,
+                        };
+                        let mut tap = tap2.borrow_mut();
+                        for buf in tap.subs.values_mut() {
+                            buf.push(u.clone());
+                        }
+                        tap.recent.push(u);
+                    })
+                    .probe_with(&probe);
+                exports.insert(
+                    e.collection_id,
+                    ExportState {
+                        trace,
+                        probe,
+                        tap,
+                        since: 0,
+                        reported: None,
+                    },
+                );
+            }
+            (sessions, exports)
+        });
+        for (id, session) in &mut sessions {
+            let store = self.inputs.entry(*id).or_default();
+            for u in &store.updates {
+                session.update_at(u.row.clone(), u.time, u.diff);
+            }
+            session.advance_to(store.upper);
+            session.flush();
+        }
+        for id in exports.keys() {
+            self.collections.insert(*id, desc.id);
+        }
+        tracing::debug!(
+            worker = self.index,
+            dataflow = desc.id,
+            timely_index,
+            "built dataflow"
+        );
+        self.creation_log.push(CreationLogEntry {
+            timely_index: timely_index as u64,
+            dataflow_id: desc.id,
+            description_hash: hash,
+        });
+        self.dataflows.insert(
+            desc.id,
+            Installed {
+                desc,
+                hash,
+                timely_index,
+                sessions,
+                exports,
+            },
+        );
+    }
+
+    /// Returns false if the collection is unknown.
+    fn allow_compaction(
+        &mut self,
+        worker: &mut Worker,
+        collection: u64,
+        frontier: Frontier,
+    ) -> bool {
+        let Some(&df) = self.collections.get(&collection) else {
+            return false;
+        };
+        let inst = self
+            .dataflows
+            .get_mut(&df)
+            .expect("collections index is in sync");
+        match frontier {
+            Some(t) => {
+                let export = inst.exports.get_mut(&collection).expect("in sync");
+                if t > export.since {
+                    export.since = t;
+                    export
+                        .trace
+                        .set_logical_compaction(Antichain::from_elem(t).borrow());
+                    export
+                        .trace
+                        .set_physical_compaction(Antichain::from_elem(t).borrow());
+                }
+            }
+            None => {
+                inst.exports.remove(&collection);
+                let now_empty = inst.exports.is_empty();
+                self.collections.remove(&collection);
+                self.send(FromWorker::Frontier {
+                    worker: self.index,
+                    collection,
+                    upper: None,
+                });
+                for p in self.peeks.iter().filter(|p| p.collection_id == collection) {
+                    let _ = self.tx.send(FromWorker::Peek {
+                        worker: self.index,
+                        peek_id: p.peek_id,
+                        result: PeekResult::Error(format!("collection {collection} was dropped")),
+                    });
+                }
+                self.peeks.retain(|p| p.collection_id != collection);
+                self.subs.retain(|_, s| s.sub.collection_id != collection);
+                if now_empty {
+                    self.drop_dataflow(worker, df);
+                }
+            }
+        }
+        true
+    }
+
+    /// Drops an installed dataflow (nothing if `id` is not installed).
+    pub(crate) fn drop_dataflow(&mut self, worker: &mut Worker, id: u64) {
+        if let Some(inst) = self.dataflows.remove(&id) {
+            for c in &inst.desc.exports {
+                self.collections.remove(&c.collection_id);
+            }
+            let timely_index = inst.timely_index;
+            drop(inst);
+            worker.drop_dataflow(timely_index);
+        }
+    }
+}
