@@ -628,12 +628,12 @@ impl ComputeModel {
     /// A mesh record read into a worker's book.
     fn absorb(book: &mut RoundBook, msg: MeshMsg) {
         match msg {
-            MeshMsg::Joined { session, worker } => book.joined(worker, session),
+            MeshMsg::Joined { session, worker } => book.joined(worker, session.into()),
             MeshMsg::Round {
                 session,
                 ann,
                 report,
-            } => book.announced(session, ann, report),
+            } => book.announced(session.into(), ann, report),
         }
     }
 
@@ -645,7 +645,7 @@ impl ComputeModel {
                 if session > w.session {
                     w.session = session;
                     w.reconciled = false;
-                    w.book.start_session(session);
+                    w.book.start_session(session.into());
                     Self::mesh_send(
                         s,
                         me,
@@ -731,7 +731,7 @@ impl ComputeModel {
         for msg in s.inboxes[me].iter().take(read) {
             Self::absorb(&mut book, msg.clone());
         }
-        Some(book.decide(session, &mine))
+        Some(book.decide(session.into(), &mine))
     }
 
     /// The session and announcement of a pending round.
@@ -774,16 +774,17 @@ impl ComputeModel {
         let w = &mut s.workers[me];
         match decision {
             BarrierDecision::Wait => unreachable!("Decide is enabled only when decided"),
-            BarrierDecision::Abandoned { .. } => w.book.forget_through(session, mine.seqno),
+            BarrierDecision::Abandoned { .. } => w.book.forget_through(session.into(), mine.seqno),
             BarrierDecision::Diverged { .. } => w.halted = true,
             BarrierDecision::Pass => {
                 let plan = match &pending {
                     Pending::Reconcile { target, .. } => {
-                        w.book.reconcile_plan(session, mine.seqno, me, target)
+                        w.book
+                            .reconcile_plan(session.into(), mine.seqno, me, target)
                     }
                     Pending::Create { .. } => None,
                 };
-                w.book.forget_through(session, mine.seqno);
+                w.book.forget_through(session.into(), mine.seqno);
                 match pending {
                     Pending::Create { key, .. } => w.build(key),
                     Pending::Reconcile { .. } => {

@@ -60,6 +60,16 @@ use std::fmt;
 
 pub use lockstep_protocol::Digest;
 
+/// A controller session as workers order them: the epoch in the high 64
+/// bits, the connection attempt (Hello's nonce) in the low 64 bits, so no
+/// epoch or nonce aliases another.
+pub type Session = u128;
+
+/// The session of a Hello with `epoch` and `nonce`.
+pub fn session_of(epoch: u64, nonce: u64) -> Session {
+    (u128::from(epoch) << 64) | u128::from(nonce)
+}
+
 pub mod initialization;
 pub mod rounds;
 pub use initialization::{GateMutant, InitializationDecision, InitializationGate};
@@ -366,9 +376,9 @@ pub fn barrier(
 /// skipped would block for good (the model checker finds that deadlock with
 /// two controller faults).
 pub fn barrier_view(
-    session: u64,
-    joined: &[u64],
-    announced: &[(u64, Announcement)],
+    session: Session,
+    joined: &[Session],
+    announced: &[(Session, Announcement)],
 ) -> Vec<Announcement> {
     let mut view: Vec<Announcement> = announced
         .iter()

@@ -23,7 +23,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::{barrier, barrier_view, collective, local, Announcement, BarrierDecision, DataflowKey};
+use crate::{
+    barrier, barrier_view, collective, local, Announcement, BarrierDecision, DataflowKey, Session,
+};
 
 /// A deliberate flaw planted in [`RoundBook`], so that the model checker can
 /// show it catches it (feature `mutants`; the replica never sets one).
@@ -65,11 +67,11 @@ impl RoundMutant {
 pub struct RoundBook {
     peers: usize,
     /// Per worker: the newest session it announced it joined.
-    joined: Vec<u64>,
+    joined: Vec<Session>,
     /// Every round announcement not yet forgotten: (session, announcement).
-    announced: Vec<(u64, Announcement)>,
+    announced: Vec<(Session, Announcement)>,
     /// Reports, by (session, worker, seqno).
-    reports: BTreeMap<(u64, usize, u64), Vec<DataflowKey>>,
+    reports: BTreeMap<(Session, usize, u64), Vec<DataflowKey>>,
     mutant: RoundMutant,
 }
 
@@ -99,7 +101,7 @@ impl RoundBook {
 
     /// `worker` announced it joined `session`. Records of workers outside
     /// the replica are ignored.
-    pub fn joined(&mut self, worker: usize, session: u64) {
+    pub fn joined(&mut self, worker: usize, session: Session) {
         if let Some(j) = self.joined.get_mut(worker) {
             *j = (*j).max(session);
         }
@@ -110,7 +112,7 @@ impl RoundBook {
     /// ignored.
     pub fn announced(
         &mut self,
-        session: u64,
+        session: Session,
         announcement: Announcement,
         report: Option<Vec<DataflowKey>>,
     ) {
@@ -137,13 +139,13 @@ impl RoundBook {
 
     /// This worker accepted `session`: everything about older sessions is
     /// of no further use.
-    pub fn start_session(&mut self, session: u64) {
+    pub fn start_session(&mut self, session: Session) {
         self.announced.retain(|(s, _)| *s >= session);
         self.reports.retain(|(s, _, _), _| *s >= session);
     }
 
     /// The decision on this worker's round `mine` of `session`.
-    pub fn decide(&self, session: u64, mine: &Announcement) -> BarrierDecision {
+    pub fn decide(&self, session: Session, mine: &Announcement) -> BarrierDecision {
         if self.mutant == RoundMutant::SkipBarrier {
             return BarrierDecision::Pass;
         }
@@ -165,7 +167,7 @@ impl RoundBook {
     /// report of the round is missing.
     pub fn reconcile_plan(
         &self,
-        session: u64,
+        session: Session,
         seqno: u64,
         me: usize,
         target: &[DataflowKey],
@@ -188,7 +190,7 @@ impl RoundBook {
 
     /// Forgets the decided rounds of `session` up to `seqno`: later rounds
     /// never look at them.
-    pub fn forget_through(&mut self, session: u64, seqno: u64) {
+    pub fn forget_through(&mut self, session: Session, seqno: u64) {
         self.announced
             .retain(|(s, a)| *s != session || a.seqno > seqno);
         if self.mutant != RoundMutant::OverwriteReports {

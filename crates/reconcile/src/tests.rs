@@ -268,3 +268,14 @@ fn barrier_view_ends_the_sessions_a_worker_skipped() {
         BarrierDecision::Abandoned { worker: 1 }
     );
 }
+
+/// Sessions order by epoch, then nonce, over the whole range of both: no
+/// epoch of 2^32 or more aliases a smaller one.
+#[test]
+fn sessions_order_by_epoch_then_nonce_without_aliasing() {
+    assert!(session_of(1 << 32, 0) > session_of(0, u64::MAX));
+    assert_ne!(session_of(1 << 32, 1), session_of(0, 1));
+    assert!(session_of(7, u64::MAX) < session_of(8, 0));
+    assert!(session_of(7, 2) > session_of(7, 1));
+    assert!(session_of(u64::MAX, u64::MAX) > session_of(u64::MAX - 1, u64::MAX));
+}

@@ -20,7 +20,7 @@ use crate::worker::FromWorker;
 /// Merges worker responses of one process.
 pub struct Aggregator {
     local_workers: usize,
-    session: Option<u64>,
+    session: Option<lockstep_reconcile::Session>,
     frontiers: BTreeMap<u64, BTreeMap<usize, Frontier>>,
     reported: BTreeMap<u64, Frontier>,
     peeks: BTreeMap<u64, BTreeMap<usize, PeekResult>>,
@@ -41,7 +41,7 @@ impl Aggregator {
     }
 
     /// The session the workers last started, if any.
-    pub fn session(&self) -> Option<u64> {
+    pub fn session(&self) -> Option<lockstep_reconcile::Session> {
         self.session
     }
 

@@ -54,9 +54,9 @@ struct Shared {
     generation: u64,
     writer: Option<mpsc::UnboundedSender<Response>>,
     /// The session (see `session_of`) of the current connection.
-    writer_session: u64,
+    writer_session: lockstep_reconcile::Session,
     /// The newest session the local workers started.
-    workers_session: u64,
+    workers_session: lockstep_reconcile::Session,
     /// Responses produced while no connection of the workers' session was
     /// current. Under broadcast
     /// and log a worker can start a session (a Hello read from the mesh or

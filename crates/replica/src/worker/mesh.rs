@@ -41,12 +41,12 @@ pub enum MeshMessage {
     /// The sender accepted the Hello of `session`.
     Joined {
         /// The session.
-        session: u64,
+        session: lockstep_reconcile::Session,
     },
     /// The sender reached the barrier round `seqno` of `session`.
     Round {
         /// The session.
-        session: u64,
+        session: lockstep_reconcile::Session,
         /// The round's command.
         seqno: u64,
         /// The command's hash (a reconciliation round: the target's hash).

@@ -104,7 +104,7 @@ pub enum FromWorker {
         /// Global worker index.
         worker: usize,
         /// The new session (see [`session_of`]).
-        session: u64,
+        session: Session,
     },
 }
 
@@ -148,10 +148,7 @@ struct SubState {
     lower: Option<Frontier>,
 }
 
-/// The session of a Hello: epoch first, then the connection attempt.
-pub fn session_of(epoch: u64, nonce: u64) -> u64 {
-    (epoch << 32) | (nonce & 0xffff_ffff)
-}
+pub use lockstep_reconcile::{session_of, Session};
 
 /// One worker's state.
 pub struct WorkerState {
@@ -171,7 +168,7 @@ pub struct WorkerState {
     subs: BTreeMap<u64, SubState>,
     tx: UnboundedSender<FromWorker>,
     pub(crate) mesh: Option<Mesh>,
-    pub(crate) session: u64,
+    pub(crate) session: Session,
     /// What the mesh said about barrier rounds (shared with the model).
     pub(crate) rounds: RoundBook,
     pub(crate) queue: VecDeque<Command>,
