@@ -86,8 +86,10 @@ fn orphans() -> anyhow::Result<()> {
         "build",
         "-p",
         "lockstep-environment",
+        "-p",
+        "lockstep-chaos",
         "--features",
-        "failpoints",
+        "lockstep-environment/failpoints",
         "--bins",
     ]);
     run(cmd)?;

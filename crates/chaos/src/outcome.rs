@@ -1,5 +1,6 @@
 //! How a fault scenario ends, and the suite's reporting-contract line.
 //!
+//! Both fault suites (distribution and orphans) report through this module.
 //! A scenario passes, or fails with a [`Failure`]: a violation of a named
 //! invariant (what the suite exists to find) or a harness error (the suite
 //! itself could not do its job). A harness error fails the run for every
@@ -11,7 +12,7 @@ pub enum Failure {
     /// An invariant broke: which one (`I1`..`I4`), and what was seen.
     Violation {
         /// The invariant, as DESIGN.md names it.
-        invariant: &'static str,
+        invariant: String,
         /// What was seen.
         what: String,
     },
@@ -20,8 +21,11 @@ pub enum Failure {
 }
 
 /// A violation of `invariant`.
-pub fn violation(invariant: &'static str, what: String) -> Failure {
-    Failure::Violation { invariant, what }
+pub fn violation(invariant: &str, what: String) -> Failure {
+    Failure::Violation {
+        invariant: invariant.to_string(),
+        what,
+    }
 }
 
 /// Errors of the harness's own steps (`?` on a `Result<_, String>`).

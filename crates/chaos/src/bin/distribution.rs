@@ -24,7 +24,7 @@
 //! keeps sending after its successor connected; a restart with a changed
 //! target. Every replica has a command log, so the `log` strategy runs too.
 //!
-//! Every scenario ends in one of three outcomes ([`outcome`]): pass, a
+//! Every scenario ends in one of three outcomes (`lockstep_chaos::outcome`): pass, a
 //! violation of a named invariant, or a harness error (the replica did not
 //! start, the setup before the fault failed, a signal could not be sent). A
 //! harness error fails the run whatever the variant; `naive`, the negative
@@ -55,8 +55,7 @@ use lockstep_protocol::{
 };
 use std::sync::Arc;
 
-mod outcome;
-use outcome::{violation, Failure, Tally};
+use lockstep_chaos::outcome::{violation, Failure, Tally};
 
 const LAST_TIME: u64 = 3;
 const FAILPOINT: &str = "controller_partial_broadcast";

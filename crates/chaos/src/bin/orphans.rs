@@ -3,12 +3,14 @@
 //! per variant, what broke and then one JSON summary line (the reporting
 //! contract of DESIGN.md). `cargo xtask chaos orphans` runs it.
 //!
-//! Exit status: 0 when `epoch` and `id-watermark` pass every scenario and
-//! `catalog-only` is caught; 1 otherwise.
+//! Every scenario ends as a pass, a violation or a harness error
+//! (`lockstep_chaos::outcome`). Exit status: 0 when `epoch` and
+//! `id-watermark` pass every scenario and `catalog-only` is caught by
+//! violations with no harness error; 1 otherwise.
 
 use std::process::ExitCode;
 
-use lockstep_environment::chaos::{run_variant, VARIANTS};
+use lockstep_chaos::orphans::{run_variant, VARIANTS};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -49,7 +51,7 @@ fn main() -> ExitCode {
             continue;
         }
         let report = runtime.block_on(run_variant(variant, Some(&bin)));
-        for line in report.failures() {
+        for line in &report.failures {
             println!("{line}");
         }
         println!("{}", report.summary_line());
