@@ -542,6 +542,14 @@ impl Environment {
             );
         }
         for e in &exports {
+            if e.plan.depth() > lockstep_protocol::MAX_PLAN_DEPTH {
+                return Err(ComputeError::Invalid(format!(
+                    "export {} nests {} levels deep (operators and expressions); at most {} are allowed",
+                    e.collection_id,
+                    e.plan.depth(),
+                    lockstep_protocol::MAX_PLAN_DEPTH
+                )));
+            }
             if let Some(c) = e.plan.inputs().into_iter().find(|c| !declared.contains(c)) {
                 return Err(ComputeError::Invalid(format!(
                     "export {} reads collection {c}, which is not among the inputs {inputs:?}",

@@ -234,6 +234,27 @@ async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> 
             as_of: 0,
         })
         .await;
+    // 48 levels: decodable by the API, but past what a replica command may
+    // carry (it used to be accepted, then refused by every replica, forever).
+    let mut deep = parse_plan("get(1)")?;
+    for _ in 1..48 {
+        deep = lockstep_protocol::Plan::Arrange {
+            input: Box::new(deep),
+            key: vec![0],
+        };
+    }
+    let too_deep = c
+        .create_dataflow(proto::CreateDataflowRequest {
+            replica: "demo".into(),
+            name: "bad".into(),
+            inputs: vec![1],
+            exports: vec![wire::Export {
+                collection_id: 901,
+                plan: Some(deep.into()),
+            }],
+            as_of: 0,
+        })
+        .await;
     let backwards = c
         .write_input(proto::WriteInputRequest {
             replica: "demo".into(),
@@ -257,6 +278,11 @@ async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> 
         (
             "a plan reading an undeclared collection",
             undeclared.map(|_| ()),
+            Code::InvalidArgument,
+        ),
+        (
+            "a plan nested 48 levels deep",
+            too_deep.map(|_| ()),
             Code::InvalidArgument,
         ),
         (

@@ -18,7 +18,7 @@
 
 use std::fmt;
 
-use crate::types::{Aggregate, CompareOp, Expr, Plan, Predicate};
+use crate::types::{Aggregate, CompareOp, Expr, Plan, Predicate, MAX_PLAN_DEPTH};
 
 /// Why a plan text does not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -33,6 +33,8 @@ pub struct ParseError {
 struct Parser<'a> {
     s: &'a str,
     pos: usize,
+    /// Plan operators and expressions open around the current position.
+    depth: usize,
 }
 
 impl<'a> Parser<'a> {
@@ -43,9 +45,24 @@ impl<'a> Parser<'a> {
         })
     }
     fn ws(&mut self) {
-        while self.s[self.pos..].starts_with(char::is_whitespace) {
-            self.pos += 1;
+        // Whitespace may be several bytes long (U+00A0, U+3000, ...).
+        while let Some(c) = self.s[self.pos..].chars().next() {
+            if !c.is_whitespace() {
+                break;
+            }
+            self.pos += c.len_utf8();
         }
+    }
+    /// Enters one level of nesting; refuses to go past [`MAX_PLAN_DEPTH`]
+    /// (which also keeps the parser's own recursion bounded).
+    fn enter(&mut self) -> Result<(), ParseError> {
+        self.depth += 1;
+        if self.depth > MAX_PLAN_DEPTH {
+            return self.err(format!(
+                "the plan nests deeper than {MAX_PLAN_DEPTH} levels (operators and expressions)"
+            ));
+        }
+        Ok(())
     }
     fn eat(&mut self, tok: &str) -> bool {
         self.ws();
@@ -112,6 +129,12 @@ impl<'a> Parser<'a> {
         }
     }
     fn plan(&mut self) -> Result<Plan, ParseError> {
+        self.enter()?;
+        let plan = self.plan_inner();
+        self.depth -= 1;
+        plan
+    }
+    fn plan_inner(&mut self) -> Result<Plan, ParseError> {
         let name = self.ident();
         self.expect("(")?;
         let plan = match name.as_str() {
@@ -187,6 +210,12 @@ impl<'a> Parser<'a> {
         Ok(plan)
     }
     fn expr(&mut self) -> Result<Expr, ParseError> {
+        self.enter()?;
+        let expr = self.expr_inner();
+        self.depth -= 1;
+        expr
+    }
+    fn expr_inner(&mut self) -> Result<Expr, ParseError> {
         self.ws();
         if self.s[self.pos..].starts_with('#') {
             return Ok(Expr::Column(self.column()?));
@@ -231,7 +260,11 @@ impl<'a> Parser<'a> {
 
 /// Parses a plan from its text syntax.
 pub fn parse_plan(s: &str) -> Result<Plan, ParseError> {
-    let mut p = Parser { s, pos: 0 };
+    let mut p = Parser {
+        s,
+        pos: 0,
+        depth: 0,
+    };
     let plan = p.plan()?;
     p.ws();
     if p.pos != s.len() {
@@ -346,5 +379,54 @@ mod tests {
             .message
             .contains("unknown plan operator"));
         assert!(parse_plan("filter(get(1), #1 ~ 2)").is_err());
+    }
+
+    #[test]
+    fn multibyte_whitespace_is_whitespace() {
+        for ws in ["\u{a0}", "\u{2003}", "\u{3000}", " \t\n"] {
+            let text = format!("filter({ws}get(1),{ws}#1{ws}>{ws}10{ws}){ws}");
+            let plan = parse_plan(&text).unwrap();
+            assert_eq!(plan.to_string(), "filter(get(1), #1 > 10)");
+        }
+        // A multibyte character that is not whitespace is an error, not a panic.
+        assert!(parse_plan("get(1)\u{e9}").is_err());
+        assert!(parse_plan("\u{e9}get(1)").is_err());
+    }
+
+    #[test]
+    fn nesting_is_bounded() {
+        let nested = |n: usize| {
+            let mut t = "get(1)".to_string();
+            for _ in 1..n {
+                t = format!("arrange({t}, [#0])");
+            }
+            t
+        };
+        let deepest = parse_plan(&nested(MAX_PLAN_DEPTH)).unwrap();
+        assert_eq!(deepest.depth(), MAX_PLAN_DEPTH);
+        let e = parse_plan(&nested(MAX_PLAN_DEPTH + 1)).unwrap_err();
+        assert!(e.message.contains("deeper than"), "{e}");
+        // Far deeper: an error, not a stack overflow.
+        assert!(parse_plan(&nested(10_000)).is_err());
+        let mut expr = "#0".to_string();
+        for _ in 0..10_000 {
+            expr = format!("add({expr}, 1)");
+        }
+        assert!(parse_plan(&format!("map(get(1), {expr})")).is_err());
+        // Expressions count toward the depth.
+        let mut expr = "#0".to_string();
+        for _ in 1..MAX_PLAN_DEPTH {
+            expr = format!("add({expr}, 1)");
+        }
+        assert!(parse_plan(&format!("map(get(1), {expr})")).is_err());
+        assert_eq!(
+            parse_plan(&format!("filter(get(1), {expr} > 0)"))
+                .map(|p| p.depth())
+                .map_err(|e| e.to_string()),
+            Err(format!(
+                "plan syntax error at byte {}: the plan nests deeper than {MAX_PLAN_DEPTH} levels (operators and expressions)",
+                "filter(get(1), ".len() + "add(".len() * (MAX_PLAN_DEPTH - 1)
+            ))
+        );
     }
 }

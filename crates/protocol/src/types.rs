@@ -337,7 +337,47 @@ pub enum Plan {
     },
 }
 
+/// The deepest plan the protocol carries: plan operators and expressions
+/// nested along any path, counted together. A command wraps a plan in a few
+/// messages, and each level of plan or expression is two protobuf messages,
+/// so this keeps every command well under prost's decoding recursion limit
+/// (100): a plan accepted anywhere is decodable everywhere.
+pub const MAX_PLAN_DEPTH: usize = 32;
+
+impl Expr {
+    /// How deeply the expression nests (a column or a literal is 1).
+    pub fn depth(&self) -> usize {
+        match self {
+            Expr::Column(_) | Expr::Literal(_) => 1,
+            Expr::Add(a, b) | Expr::Sub(a, b) | Expr::Mul(a, b) => 1 + a.depth().max(b.depth()),
+        }
+    }
+}
+
 impl Plan {
+    /// How deeply the plan nests: its operators and, at each, the deepest
+    /// expression or predicate operand, along the deepest path (`get(1)` is
+    /// 1). See [`MAX_PLAN_DEPTH`].
+    pub fn depth(&self) -> usize {
+        match self {
+            Plan::Get { .. } => 1,
+            Plan::Map { input, exprs } => {
+                let e = exprs.iter().map(Expr::depth).max().unwrap_or(0);
+                1 + input.depth().max(e)
+            }
+            Plan::Filter { input, predicates } => {
+                let e = predicates
+                    .iter()
+                    .map(|p| p.left.depth().max(p.right.depth()))
+                    .max()
+                    .unwrap_or(0);
+                1 + input.depth().max(e)
+            }
+            Plan::Join { left, right, .. } => 1 + left.depth().max(right.depth()),
+            Plan::Reduce { input, .. } | Plan::Arrange { input, .. } => 1 + input.depth(),
+        }
+    }
+
     /// Every input collection the plan reads, in order of appearance.
     pub fn inputs(&self) -> Vec<u64> {
         let mut out = Vec::new();

@@ -34,6 +34,18 @@ pub enum RenderError {
     /// No exports.
     #[error("dataflow {0} exports nothing")]
     NoExports(u64),
+    /// A plan nests deeper than the protocol allows.
+    #[error("dataflow {dataflow}: export {collection} nests {depth} levels deep; at most {max} are allowed")]
+    TooDeep {
+        /// The dataflow.
+        dataflow: u64,
+        /// The export.
+        collection: u64,
+        /// Its depth.
+        depth: usize,
+        /// [`lockstep_protocol::MAX_PLAN_DEPTH`].
+        max: usize,
+    },
     /// Two exports share an ID, or an export reuses an input's ID.
     #[error("dataflow {dataflow}: collection ID {collection} is used twice")]
     DuplicateCollection {
@@ -52,6 +64,14 @@ pub fn validate(desc: &DataflowDescription) -> Result<(), RenderError> {
     let inputs: BTreeSet<u64> = desc.inputs.iter().copied().collect();
     let mut seen = inputs.clone();
     for e in &desc.exports {
+        if e.plan.depth() > lockstep_protocol::MAX_PLAN_DEPTH {
+            return Err(RenderError::TooDeep {
+                dataflow: desc.id,
+                collection: e.collection_id,
+                depth: e.plan.depth(),
+                max: lockstep_protocol::MAX_PLAN_DEPTH,
+            });
+        }
         if !seen.insert(e.collection_id) {
             return Err(RenderError::DuplicateCollection {
                 dataflow: desc.id,
