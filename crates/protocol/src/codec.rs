@@ -18,6 +18,11 @@ use crate::types::{Command, Response};
 /// The default maximum frame length: 64 MiB.
 pub const DEFAULT_MAX_FRAME_LEN: usize = 64 << 20;
 
+/// The longest first frame a process reads from a new connection, before a
+/// Hello was accepted on it (a Hello is well under 1 KiB). Nothing sent
+/// before the handshake can make a process buffer or decode more than this.
+pub const HELLO_MAX_FRAME_LEN: usize = 64 << 10;
+
 /// Why a frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
 pub enum CodecError {
@@ -99,6 +104,19 @@ impl<Out, In> FrameCodec<Out, In> {
             max: max_frame_len,
             _marker: PhantomData,
         }
+    }
+}
+
+impl<Out, In> FrameCodec<Out, In> {
+    /// The longest frame it accepts.
+    pub fn max_frame_len(&self) -> usize {
+        self.max
+    }
+
+    /// Changes the longest frame it accepts (a process raises it from
+    /// [`HELLO_MAX_FRAME_LEN`] once a Hello was accepted).
+    pub fn set_max_frame_len(&mut self, max_frame_len: usize) {
+        self.max = max_frame_len;
     }
 }
 

@@ -26,6 +26,7 @@ pub mod types;
 
 pub use codec::{
     CodecError, ControllerCodec, FrameCodec, ReplicaCodec, WireMessage, DEFAULT_MAX_FRAME_LEN,
+    HELLO_MAX_FRAME_LEN,
 };
 pub use convert::ConvertError;
 pub use handshake::{HandshakeError, ProcessIdentity};

@@ -22,7 +22,7 @@ use futures::{SinkExt, StreamExt};
 use lockstep_protocol::handshake::check_hello;
 use lockstep_protocol::{
     CodecError, Command, CommandKind, ErrorKind, ErrorResponse, ProcessIdentity, ReplicaCodec,
-    Response, ResponseKind,
+    Response, ResponseKind, HELLO_MAX_FRAME_LEN,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -273,14 +273,20 @@ async fn connection(
     workers: Arc<Workers>,
 ) -> anyhow::Result<()> {
     let me = config.identity.process_index;
-    let (mut sink, mut stream) = Framed::new(sock, ReplicaCodec::new(config.max_frame_len)).split();
+    // Until a Hello is accepted, frames are capped at HELLO_MAX_FRAME_LEN:
+    // nothing sent before the handshake makes the process buffer or decode
+    // more than that.
+    let mut framed = Framed::new(
+        sock,
+        ReplicaCodec::new(config.max_frame_len.min(HELLO_MAX_FRAME_LEN)),
+    );
 
     // Handshake.
-    let first = match tokio::time::timeout(Duration::from_secs(10), stream.next()).await {
+    let first = match tokio::time::timeout(Duration::from_secs(10), framed.next()).await {
         Err(_) => anyhow::bail!("no Hello within 10 s"),
         Ok(None) => return Ok(()),
         Ok(Some(Err(e))) => {
-            let _ = sink
+            let _ = framed
                 .send(error_response(me, ErrorKind::Malformed, e.to_string(), 0))
                 .await;
             anyhow::bail!("malformed first frame: {e}");
@@ -291,7 +297,7 @@ async fn connection(
     let hello = match check_hello(&first, &config.identity, newest) {
         Ok(h) => h,
         Err(e) => {
-            let _ = sink
+            let _ = framed
                 .send(Response {
                     process_index: me,
                     kind: ResponseKind::Error(e.to_response()),
@@ -300,6 +306,8 @@ async fn connection(
             anyhow::bail!("refused Hello: {e}");
         }
     };
+    framed.codec_mut().set_max_frame_len(config.max_frame_len);
+    let (mut sink, mut stream) = framed.split();
 
     // This connection becomes the current one.
     let (wtx, mut wrx) = mpsc::unbounded_channel::<Response>();

@@ -93,6 +93,20 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     .await;
     assert_eq!(e.kind, ErrorKind::StaleEpoch, "{}", e.message);
 
+    // Before any Hello, a frame longer than HELLO_MAX_FRAME_LEN is refused
+    // from its length alone: the process neither waits for nor buffers it.
+    let len = (lockstep_protocol::HELLO_MAX_FRAME_LEN as u32 + 1).to_be_bytes();
+    let e = first_error(addr, |_| None, Some(&len)).await;
+    assert_eq!(e.kind, ErrorKind::Malformed, "{}", e.message);
+    assert!(
+        e.message.contains(&format!(
+            "exceeds the maximum of {} bytes",
+            lockstep_protocol::HELLO_MAX_FRAME_LEN
+        )),
+        "{}",
+        e.message
+    );
+
     // A malformed frame: a length prefix followed by garbage.
     let e = first_error(addr, |_| None, Some(&[0, 0, 0, 3, 0xff, 0xff, 0xff])).await;
     assert_eq!(e.kind, ErrorKind::Malformed, "{}", e.message);

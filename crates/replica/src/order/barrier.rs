@@ -23,7 +23,7 @@
 
 use std::time::Duration;
 
-use lockstep_protocol::{Command, CommandHistory, CommandKind, Digest};
+use lockstep_protocol::{Command, CommandHistory, Digest};
 use lockstep_reconcile::{Announcement, BarrierDecision, DataflowKey};
 use timely::worker::Worker;
 
@@ -112,16 +112,7 @@ impl WorkerState {
     /// `seqno`: announces the target's hash and this worker's installed
     /// dataflows, and waits, keeping `buffer` to apply once the round passes.
     pub(crate) fn start_collective(&mut self, buffer: Vec<Command>, seqno: u64) {
-        let target: Vec<DataflowKey> = buffer
-            .iter()
-            .filter_map(|c| match &c.kind {
-                CommandKind::CreateDataflow(d) => Some(DataflowKey {
-                    id: d.id,
-                    hash: d.hash(),
-                }),
-                _ => None,
-            })
-            .collect();
+        let target: Vec<DataflowKey> = super::target_of(&buffer);
         let mine = Announcement {
             worker: self.index,
             seqno,

@@ -29,6 +29,21 @@ use timely::worker::Worker;
 use crate::render::validate;
 use crate::worker::WorkerState;
 
+/// The reconciliation target a buffered session start asks for: every
+/// dataflow its creates name, in the order they come.
+pub(crate) fn target_of(buffer: &[Command]) -> Vec<lockstep_reconcile::DataflowKey> {
+    buffer
+        .iter()
+        .filter_map(|c| match &c.kind {
+            CommandKind::CreateDataflow(d) => Some(lockstep_reconcile::DataflowKey {
+                id: d.id,
+                hash: d.hash(),
+            }),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Where a worker takes a strategy's commands from, and what gates them.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Order {

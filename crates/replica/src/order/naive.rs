@@ -10,7 +10,7 @@
 //! builds the rest. It is wrong as soon as workers disagree on what is
 //! installed, which is what the fault suite and the model show.
 
-use lockstep_protocol::{Command, CommandHistory, CommandKind};
+use lockstep_protocol::{Command, CommandHistory};
 use lockstep_reconcile::DataflowKey;
 use timely::worker::Worker;
 
@@ -21,16 +21,7 @@ impl WorkerState {
     /// installed dataflow whose (ID, description hash) is not in the target
     /// the buffer creates, then applies the buffer.
     pub(crate) fn reconcile_locally(&mut self, worker: &mut Worker, buffer: Vec<Command>) {
-        let target: Vec<DataflowKey> = buffer
-            .iter()
-            .filter_map(|c| match &c.kind {
-                CommandKind::CreateDataflow(d) => Some(DataflowKey {
-                    id: d.id,
-                    hash: d.hash(),
-                }),
-                _ => None,
-            })
-            .collect();
+        let target: Vec<DataflowKey> = super::target_of(&buffer);
         // In ID order, the order the drops were always made in.
         let installed: Vec<DataflowKey> = self
             .dataflows
