@@ -175,12 +175,74 @@ pub struct ReadError(#[from] rusqlite::Error);
 /// The shape and configuration of a replica, as the user asked for it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplicaConfig {
-    /// OS processes in the replica's timely cluster (at least 1).
+    /// OS processes in the replica's timely cluster (1 to [`MAX_PROCESSES`]).
     pub processes: u32,
-    /// Timely workers per process (at least 1).
+    /// Timely workers per process (1 to [`MAX_WORKERS_PER_PROCESS`]).
     pub workers_per_process: u32,
-    /// Free-form configuration passed through to the replica (may be empty).
+    /// Free-form configuration passed through to the replica (may be empty;
+    /// at most [`MAX_CONFIG_LEN`] bytes).
     pub config: String,
+}
+
+/// The most processes a replica may have.
+pub const MAX_PROCESSES: u32 = 64;
+/// The most timely workers a replica process may have.
+pub const MAX_WORKERS_PER_PROCESS: u32 = 64;
+/// The longest replica name, in bytes.
+pub const MAX_NAME_LEN: usize = 63;
+/// The longest replica configuration string, in bytes.
+pub const MAX_CONFIG_LEN: usize = 4096;
+
+/// Why a replica name or shape is refused, if it is: names are 1 to
+/// [`MAX_NAME_LEN`] of `a-z`, `0-9` and `-`, neither starting nor ending
+/// with `-` (they end up in service names, paths and command lines); shapes
+/// and configurations are bounded so that a typo cannot start a million
+/// workers or put megabytes on a command line.
+pub fn check_replica(name: &str, config: &ReplicaConfig) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("a replica needs a name".into());
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(format!(
+            "a replica name has at most {MAX_NAME_LEN} characters; this one has {}",
+            name.len()
+        ));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-'))
+    {
+        return Err(format!(
+            "a replica name may hold only a-z, 0-9 and '-'; {name:?} holds {c:?}"
+        ));
+    }
+    if name.starts_with('-') || name.ends_with('-') {
+        return Err(format!(
+            "a replica name may not start or end with '-': {name:?}"
+        ));
+    }
+    if config.processes == 0 || config.workers_per_process == 0 {
+        return Err("a replica needs at least one process and one worker per process".into());
+    }
+    if config.processes > MAX_PROCESSES {
+        return Err(format!(
+            "a replica has at most {MAX_PROCESSES} processes; asked for {}",
+            config.processes
+        ));
+    }
+    if config.workers_per_process > MAX_WORKERS_PER_PROCESS {
+        return Err(format!(
+            "a replica process has at most {MAX_WORKERS_PER_PROCESS} workers; asked for {}",
+            config.workers_per_process
+        ));
+    }
+    if config.config.len() > MAX_CONFIG_LEN {
+        return Err(format!(
+            "a replica configuration has at most {MAX_CONFIG_LEN} bytes; this one has {}",
+            config.config.len()
+        ));
+    }
+    Ok(())
 }
 
 /// A replica as the catalog holds it.
@@ -414,14 +476,7 @@ impl Catalog {
         name: &str,
         config: ReplicaConfig,
     ) -> Result<Replica, WriteError> {
-        if name.is_empty() {
-            return Err(WriteError::Invalid("a replica needs a name".into()));
-        }
-        if config.processes == 0 || config.workers_per_process == 0 {
-            return Err(WriteError::Invalid(
-                "a replica needs at least one process and one worker per process".into(),
-            ));
-        }
+        check_replica(name, &config).map_err(WriteError::Invalid)?;
         self.write(|tx| {
             let taken: Option<i64> = tx
                 .query_row("SELECT id FROM replicas WHERE name = ?1", [name], |r| {
@@ -770,6 +825,50 @@ mod tests {
             b.create_replica("r4", cfg(0)),
             Err(WriteError::Invalid(_))
         ));
+    }
+
+    #[test]
+    fn replica_names_and_shapes_are_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Catalog::open(dir.path().join("catalog.db")).unwrap();
+        let shape = |processes, workers_per_process, config: &str| ReplicaConfig {
+            processes,
+            workers_per_process,
+            config: config.into(),
+        };
+        for (name, config, says) in [
+            ("", shape(1, 1, ""), "needs a name"),
+            ("Upper", shape(1, 1, ""), "only a-z"),
+            ("a b", shape(1, 1, ""), "only a-z"),
+            ("r\u{e9}", shape(1, 1, ""), "only a-z"),
+            ("-r", shape(1, 1, ""), "start or end"),
+            (
+                &"r".repeat(MAX_NAME_LEN + 1),
+                shape(1, 1, ""),
+                "at most 63 characters",
+            ),
+            ("r", shape(0, 1, ""), "at least one process"),
+            ("r", shape(MAX_PROCESSES + 1, 1, ""), "at most 64 processes"),
+            ("r", shape(1, 1_000_000, ""), "at most 64 workers"),
+            (
+                "r",
+                shape(1, 1, &"x".repeat(MAX_CONFIG_LEN + 1)),
+                "at most 4096 bytes",
+            ),
+        ] {
+            match c.create_replica(name, config) {
+                Err(WriteError::Invalid(m)) => assert!(m.contains(says), "{name:?}: {m}"),
+                other => panic!("{name:?} was not refused: {other:?}"),
+            }
+        }
+        assert!(
+            c.state().unwrap().replicas.is_empty(),
+            "nothing was written"
+        );
+        let longest = "r".repeat(MAX_NAME_LEN);
+        c.create_replica(&longest, shape(MAX_PROCESSES, MAX_WORKERS_PER_PROCESS, ""))
+            .unwrap();
+        c.create_replica("replica-2", shape(1, 1, "x")).unwrap();
     }
 
     #[test]
