@@ -21,6 +21,7 @@ fn hello(epoch: u64, nonce: u64) -> Command {
             process_index: 0,
             process_count: 1,
             workers_per_process: 1,
+            proof: Vec::new(),
         }),
     )
 }

@@ -55,6 +55,15 @@ pub fn with_command_log(config: ServiceConfig, path: &Path) -> ServiceConfig {
     config.env(COMMAND_LOG_ENV, path.display().to_string())
 }
 
+/// `config` with the replica's session key in its processes' environment
+/// ([`lockstep_protocol::SESSION_KEY_ENV`]; never on the command line).
+pub fn with_session_key(
+    config: ServiceConfig,
+    key: &lockstep_protocol::SessionKey,
+) -> ServiceConfig {
+    config.env(lockstep_protocol::SESSION_KEY_ENV, key.to_hex())
+}
+
 /// Why a service cannot be driven as a replica.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("service {service}: process {process} has no `controller` address")]
@@ -88,5 +97,6 @@ pub fn replica_addrs(
         processes,
         workers_per_process,
         command_log: None,
+        session_key: None,
     })
 }

@@ -53,6 +53,10 @@ pub struct ReplicaAddrs {
     /// The replica's command log, needed by the `log` strategy; the replica's
     /// processes must have been started with the same file.
     pub command_log: Option<std::path::PathBuf>,
+    /// The replica's session key, which every Hello proves; the replica's
+    /// processes must have been started with the same key
+    /// ([`launch::with_session_key`]).
+    pub session_key: Option<lockstep_protocol::SessionKey>,
 }
 
 impl ReplicaAddrs {
@@ -63,6 +67,16 @@ impl ReplicaAddrs {
             process_index: i as u32,
             process_count: self.processes.len() as u32,
             workers_per_process: self.workers_per_process,
+        }
+    }
+
+    /// The Hello for process `i` of session (`epoch`, `nonce`), with its
+    /// proof of the session key when the replica has one.
+    pub fn hello(&self, i: usize, epoch: u64, nonce: u64) -> lockstep_protocol::Hello {
+        let hello = self.identity(i).hello(epoch, nonce);
+        match &self.session_key {
+            Some(key) => key.sign(hello),
+            None => hello,
         }
     }
 

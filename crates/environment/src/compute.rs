@@ -163,7 +163,7 @@ impl Compute {
         replica: &Replica,
         status: &ServiceStatus,
         history: CommandHistory,
-        command_log: Option<PathBuf>,
+        (command_log, session_key): (Option<PathBuf>, Option<lockstep_protocol::SessionKey>),
         restarter: Restarter,
     ) {
         let mut addrs = match launch::replica_addrs(status, replica.config.workers_per_process) {
@@ -174,6 +174,7 @@ impl Compute {
             }
         };
         addrs.command_log = command_log;
+        addrs.session_key = session_key;
         let policy = self.policy();
         let controller = Controller::start(
             addrs,
@@ -480,7 +481,7 @@ impl Environment {
                 replica,
                 status,
                 history,
-                self.command_log(replica.id),
+                (self.command_log(replica.id), self.session_key(replica.id)),
                 self.restarter(),
             );
         }
@@ -492,7 +493,7 @@ impl Environment {
             replica,
             status,
             history_for(&self.view(), replica.id).unwrap_or_default(),
-            self.command_log(replica.id),
+            (self.command_log(replica.id), self.session_key(replica.id)),
             self.restarter(),
         );
     }
@@ -776,6 +777,7 @@ mod tests {
                 processes: vec!["127.0.0.1:1".parse().unwrap()],
                 workers_per_process: 1,
                 command_log: None,
+                session_key: None,
             },
             1,
             CommandHistory::new(),

@@ -104,6 +104,55 @@ pub const CATALOG_FILE: &str = "catalog.db";
 pub const ORCHESTRATOR_DIR: &str = "orchestrator";
 /// The directory of the replicas' command logs inside the state directory.
 pub const COMMAND_LOG_DIR: &str = "command-logs";
+
+/// The file in the state directory that holds the master secret every
+/// replica's session key is derived from (32 random bytes, mode 0600,
+/// created on first start).
+pub const SESSION_SECRET_FILE: &str = "session.secret";
+
+/// Reads the master secret in `dir`, creating it (32 bytes from the OS's
+/// random source, mode 0600) if it does not exist.
+pub fn session_secret(dir: &Path) -> std::io::Result<[u8; 32]> {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(SESSION_SECRET_FILE);
+    match std::fs::read(&path) {
+        Ok(bytes) => <[u8; 32]>::try_from(bytes.as_slice()).map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "{} holds {} bytes, not 32: remove it only if no replica of this state directory runs",
+                    path.display(),
+                    bytes.len()
+                ),
+            )
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut secret = [0u8; 32];
+            std::fs::File::open("/dev/urandom")?.read_exact(&mut secret)?;
+            let tmp = dir.join(format!("{SESSION_SECRET_FILE}.{}", std::process::id()));
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(&secret)?;
+            f.sync_all()?;
+            // Two environments starting at once: the first link wins, and
+            // both read what it wrote.
+            if std::fs::hard_link(&tmp, &path).is_err() && !path.exists() {
+                std::fs::remove_file(&tmp)?;
+                return Err(std::io::Error::other(format!(
+                    "cannot create {}",
+                    path.display()
+                )));
+            }
+            std::fs::remove_file(&tmp)?;
+            session_secret(dir)
+        }
+        Err(e) => Err(e),
+    }
+}
 /// How long a halted environment keeps answering in-flight requests.
 const HALT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -229,6 +278,9 @@ pub struct Environment {
     compute: compute::Compute,
     /// Where the replicas' command logs live (`None`: no command logs).
     command_logs: Option<PathBuf>,
+    /// The master secret of the replicas' session keys (`None`: replicas
+    /// have none, and anyone who reaches a replica can drive it).
+    session_secret: Option<[u8; 32]>,
 }
 
 impl std::fmt::Debug for Environment {
@@ -292,13 +344,19 @@ impl Environment {
                 path: config.state_dir.join(COMMAND_LOG_DIR),
                 source,
             })?;
+        let secret =
+            session_secret(&config.state_dir).map_err(|source| StartError::StateDirUnwritable {
+                path: config.state_dir.join(SESSION_SECRET_FILE),
+                source,
+            })?;
         let env = Self::with_orchestrator(
             catalog,
             Arc::new(orchestrator),
             config.orphan_policy,
             config.service,
         )?
-        .with_command_logs(command_logs);
+        .with_command_logs(command_logs)
+        .with_session_secret(secret);
         env.compute
             .set_distribution_policy(config.distribution_policy);
         Ok(env)
@@ -339,7 +397,26 @@ impl Environment {
             ops: tokio::sync::Mutex::new(()),
             compute: compute::Compute::default(),
             command_logs: None,
+            session_secret: None,
         })
+    }
+
+    /// Gives every replica a session key derived from `secret`: its
+    /// processes get it in their environment, its controller proves it in
+    /// every Hello, and a Hello without the proof is refused (S1).
+    /// [`load`](Self::load) uses the state directory's
+    /// [`SESSION_SECRET_FILE`]. Call it before ensuring replicas: the key is
+    /// part of each replica's service spec.
+    pub fn with_session_secret(mut self, secret: [u8; 32]) -> Self {
+        self.session_secret = Some(secret);
+        self
+    }
+
+    /// The session key of replica `replica_id`, if replicas have keys.
+    pub fn session_key(&self, replica_id: u64) -> Option<lockstep_protocol::SessionKey> {
+        self.session_secret
+            .as_ref()
+            .map(|s| lockstep_protocol::SessionKey::derive(s, replica_id))
     }
 
     /// Gives every replica a command log in `dir` (which must exist):
@@ -364,8 +441,12 @@ impl Environment {
     /// plus the replica's command log.
     fn service_config(&self, replica: &Replica) -> lockstep_orchestrator::ServiceConfig {
         let config = self.template.service_config(replica);
-        match self.command_log(replica.id) {
+        let config = match self.command_log(replica.id) {
             Some(path) => lockstep_controller::launch::with_command_log(config, &path),
+            None => config,
+        };
+        match self.session_key(replica.id) {
+            Some(key) => lockstep_controller::launch::with_session_key(config, &key),
             None => config,
         }
     }

@@ -416,6 +416,7 @@ impl From<CommandKind> for p::command::Kind {
                 process_index: h.process_index,
                 process_count: h.process_count,
                 workers_per_process: h.workers_per_process,
+                proof: h.proof,
             }),
             CommandKind::CreateInstance(settings) => {
                 Kind::CreateInstance(p::CreateInstance { settings })
@@ -471,6 +472,7 @@ impl TryFrom<p::command::Kind> for CommandKind {
                 process_index: h.process_index,
                 process_count: h.process_count,
                 workers_per_process: h.workers_per_process,
+                proof: h.proof,
             }),
             Kind::CreateInstance(c) => CommandKind::CreateInstance(c.settings),
             Kind::InitializationComplete(_) => CommandKind::InitializationComplete,
@@ -545,6 +547,7 @@ impl From<ErrorKind> for p::ErrorKind {
             ErrorKind::Sequence => p::ErrorKind::Sequence,
             ErrorKind::InvalidCommand => p::ErrorKind::InvalidCommand,
             ErrorKind::LockstepLost => p::ErrorKind::LockstepLost,
+            ErrorKind::Unauthenticated => p::ErrorKind::Unauthenticated,
         }
     }
 }
@@ -564,6 +567,7 @@ fn error_kind_from(v: i32) -> Result<ErrorKind, ConvertError> {
         p::ErrorKind::Sequence => ErrorKind::Sequence,
         p::ErrorKind::InvalidCommand => ErrorKind::InvalidCommand,
         p::ErrorKind::LockstepLost => ErrorKind::LockstepLost,
+        p::ErrorKind::Unauthenticated => ErrorKind::Unauthenticated,
     })
 }
 

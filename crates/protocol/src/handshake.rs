@@ -1,8 +1,11 @@
 //! The checks a replica process makes on `Hello`, the first frame of every
 //! connection.
 //!
-//! A process refuses a Hello from another protocol version (naming both), from
-//! a controller whose epoch is older than the newest it has seen (a stale
+//! A process started with a session key ([`SessionKey`]) first refuses a
+//! Hello that does not prove the key (S1: only the environment drives a
+//! replica): nothing an unauthenticated peer sends changes the process's
+//! state. Then it refuses a Hello from another protocol version (naming both),
+//! from a controller whose epoch is older than the newest it has seen (a stale
 //! controller must not drive the replica after a newer one did), and for a
 //! replica shape that is not its own.
 
@@ -33,6 +36,89 @@ impl ProcessIdentity {
             process_index: self.process_index,
             process_count: self.process_count,
             workers_per_process: self.workers_per_process,
+            proof: Vec::new(),
+        }
+    }
+}
+
+/// A replica's session key: 32 secret bytes that the environment gives the
+/// replica's processes (in the environment variable [`SESSION_KEY_ENV`],
+/// never on a command line) and its controller. A Hello proves it with the
+/// keyed BLAKE3 hash of its other fields ([`SessionKey::prove`]).
+#[derive(Clone, PartialEq, Eq)]
+pub struct SessionKey([u8; 32]);
+
+/// The environment variable that carries a replica process's session key, as
+/// 64 hex digits.
+pub const SESSION_KEY_ENV: &str = "LOCKSTEP_SESSION_KEY";
+
+impl std::fmt::Debug for SessionKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SessionKey(..)")
+    }
+}
+
+impl SessionKey {
+    /// A key from its 32 bytes.
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        SessionKey(bytes)
+    }
+
+    /// The key of replica `replica_id`, derived from the environment's
+    /// master secret (so a restarted environment gives the same key, and the
+    /// replica's processes are adopted unchanged).
+    pub fn derive(master: &[u8; 32], replica_id: u64) -> Self {
+        let mut h = blake3::Hasher::new_keyed(master);
+        h.update(b"lockstep replica session key v1");
+        h.update(&replica_id.to_le_bytes());
+        SessionKey(*h.finalize().as_bytes())
+    }
+
+    /// Parses 64 hex digits.
+    pub fn from_hex(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        if text.len() != 64 {
+            return Err(format!(
+                "a session key is 64 hex digits, not {} characters",
+                text.len()
+            ));
+        }
+        let mut out = [0u8; 32];
+        for (i, byte) in out.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16)
+                .map_err(|_| "a session key is 64 hex digits".to_string())?;
+        }
+        Ok(SessionKey(out))
+    }
+
+    /// The key as 64 hex digits.
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn mac(&self, hello: &Hello) -> blake3::Hash {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(&hello.protocol_version.to_le_bytes());
+        h.update(&hello.epoch.to_le_bytes());
+        h.update(&hello.nonce.to_le_bytes());
+        h.update(&hello.replica_id.to_le_bytes());
+        h.update(&hello.process_index.to_le_bytes());
+        h.update(&hello.process_count.to_le_bytes());
+        h.update(&hello.workers_per_process.to_le_bytes());
+        h.finalize()
+    }
+
+    /// `hello` with its proof of this key set.
+    pub fn sign(&self, mut hello: Hello) -> Hello {
+        hello.proof = self.mac(&hello).as_bytes().to_vec();
+        hello
+    }
+
+    /// Whether `hello` proves this key (compared in constant time).
+    pub fn verify(&self, hello: &Hello) -> bool {
+        match <[u8; 32]>::try_from(hello.proof.as_slice()) {
+            Ok(proof) => self.mac(hello) == blake3::Hash::from(proof),
+            Err(_) => false,
         }
     }
 }
@@ -40,6 +126,9 @@ impl ProcessIdentity {
 /// Why a Hello was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum HandshakeError {
+    /// The Hello does not prove the replica's session key.
+    #[error("the Hello does not prove this replica's session key; refused before any other check")]
+    Unauthenticated,
     /// The first frame was not a Hello.
     #[error("expected Hello as the first command, got {got}")]
     NotHello {
@@ -78,6 +167,7 @@ impl HandshakeError {
     /// The error response a process sends before closing the connection.
     pub fn to_response(&self) -> ErrorResponse {
         let kind = match self {
+            HandshakeError::Unauthenticated => ErrorKind::Unauthenticated,
             HandshakeError::NotHello { .. } => ErrorKind::Sequence,
             HandshakeError::VersionMismatch { .. } => ErrorKind::VersionMismatch,
             HandshakeError::StaleEpoch { .. } => ErrorKind::StaleEpoch,
@@ -92,17 +182,25 @@ impl HandshakeError {
 }
 
 /// Checks the first command of a connection. `newest_epoch` is the newest
-/// controller epoch this process has accepted so far (0 if none).
+/// controller epoch this process has accepted so far (0 if none); `key` is
+/// the replica's session key, if it has one: then a Hello must prove it,
+/// which is checked first.
 pub fn check_hello(
     first: &Command,
     me: &ProcessIdentity,
     newest_epoch: u64,
+    key: Option<&SessionKey>,
 ) -> Result<Hello, HandshakeError> {
     let CommandKind::Hello(hello) = &first.kind else {
         return Err(HandshakeError::NotHello {
             got: first.kind.name(),
         });
     };
+    if let Some(key) = key {
+        if !key.verify(hello) {
+            return Err(HandshakeError::Unauthenticated);
+        }
+    }
     if hello.protocol_version != PROTOCOL_VERSION {
         return Err(HandshakeError::VersionMismatch {
             ours: PROTOCOL_VERSION,
@@ -170,14 +268,14 @@ mod tests {
     #[test]
     fn accepts_matching_hello() {
         let h = me().hello(5, 99);
-        assert_eq!(check_hello(&cmd(h.clone()), &me(), 5), Ok(h));
+        assert_eq!(check_hello(&cmd(h.clone()), &me(), 5, None), Ok(h));
     }
 
     #[test]
     fn version_mismatch_names_both_versions() {
         let mut h = me().hello(5, 99);
         h.protocol_version = PROTOCOL_VERSION + 1;
-        let err = check_hello(&cmd(h), &me(), 0).unwrap_err();
+        let err = check_hello(&cmd(h), &me(), 0, None).unwrap_err();
         let msg = err.to_string();
         assert!(
             msg.contains(&format!("version {PROTOCOL_VERSION}")),
@@ -192,7 +290,7 @@ mod tests {
 
     #[test]
     fn stale_epoch_is_refused() {
-        let err = check_hello(&cmd(me().hello(3, 1)), &me(), 4).unwrap_err();
+        let err = check_hello(&cmd(me().hello(3, 1)), &me(), 4, None).unwrap_err();
         assert_eq!(
             err,
             HandshakeError::StaleEpoch {
@@ -206,7 +304,7 @@ mod tests {
     fn wrong_shape_is_refused() {
         let mut h = me().hello(1, 1);
         h.process_count = 3;
-        let err = check_hello(&cmd(h), &me(), 0).unwrap_err();
+        let err = check_hello(&cmd(h), &me(), 0, None).unwrap_err();
         assert!(matches!(
             err,
             HandshakeError::ConfigMismatch {
@@ -224,8 +322,39 @@ mod tests {
             kind: CommandKind::InitializationComplete,
         };
         assert!(matches!(
-            check_hello(&c, &me(), 0),
+            check_hello(&c, &me(), 0, None),
             Err(HandshakeError::NotHello { .. })
         ));
+    }
+
+    #[test]
+    fn a_session_key_is_proved_before_anything_else() {
+        let key = SessionKey::derive(&[9; 32], 7);
+        assert_eq!(SessionKey::from_hex(&key.to_hex()), Ok(key.clone()));
+        assert_ne!(key, SessionKey::derive(&[9; 32], 8));
+        let signed = key.sign(me().hello(3, 1));
+        assert_eq!(
+            check_hello(&cmd(signed.clone()), &me(), 0, Some(&key)),
+            Ok(signed.clone())
+        );
+        // No proof, a proof of another key, a tampered field, a forged
+        // epoch: all refused, before the epoch or shape is even looked at.
+        let other = SessionKey::derive(&[9; 32], 8);
+        let mut tampered = signed.clone();
+        tampered.epoch = u64::MAX;
+        let mut short = signed.clone();
+        short.proof.truncate(31);
+        for h in [
+            me().hello(u64::MAX, 1),
+            other.sign(me().hello(3, 1)),
+            tampered,
+            short,
+        ] {
+            let err = check_hello(&cmd(h), &me(), 5, Some(&key)).unwrap_err();
+            assert_eq!(err, HandshakeError::Unauthenticated);
+            assert_eq!(err.to_response().kind, ErrorKind::Unauthenticated);
+        }
+        assert!(SessionKey::from_hex("zz").is_err());
+        assert_eq!(format!("{key:?}"), "SessionKey(..)");
     }
 }

@@ -29,7 +29,7 @@ pub use codec::{
     HELLO_MAX_FRAME_LEN,
 };
 pub use convert::ConvertError;
-pub use handshake::{HandshakeError, ProcessIdentity};
+pub use handshake::{HandshakeError, ProcessIdentity, SessionKey, SESSION_KEY_ENV};
 pub use history::CommandHistory;
 pub use types::*;
 

@@ -178,6 +178,9 @@ pub struct Hello {
     pub process_count: u32,
     /// How many timely workers each process runs.
     pub workers_per_process: u32,
+    /// Proof of the replica's session key (see
+    /// [`crate::handshake::SessionKey`]); empty without one.
+    pub proof: Vec<u8>,
 }
 
 /// A scalar expression over a row.
@@ -573,6 +576,8 @@ pub enum ErrorKind {
     InvalidCommand,
     /// The process cannot prove it is in lockstep; it halts.
     LockstepLost,
+    /// A Hello without a valid proof of the replica's session key.
+    Unauthenticated,
 }
 
 /// An error response.

@@ -162,6 +162,7 @@ fn hello_and_status_requests_are_not_history() {
         process_index: 0,
         process_count: 1,
         workers_per_process: 1,
+        proof: Vec::new(),
     }));
     assert!(h.is_empty());
 }

@@ -89,6 +89,25 @@ fn main() {
         cluster_timeout: Duration::from_secs(args.cluster_timeout_secs),
         max_frame_len: args.max_frame_len,
         command_log: args.command_log,
+        session_key: match std::env::var(lockstep_protocol::SESSION_KEY_ENV) {
+            Ok(hex) => match lockstep_protocol::SessionKey::from_hex(&hex) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    eprintln!(
+                        "lockstep-replica: error: {}: {e}",
+                        lockstep_protocol::SESSION_KEY_ENV
+                    );
+                    std::process::exit(2);
+                }
+            },
+            Err(_) => {
+                tracing::warn!(
+                    "no {} set: any peer that reaches the controller port can drive this process",
+                    lockstep_protocol::SESSION_KEY_ENV
+                );
+                None
+            }
+        },
     };
     if let Err(e) = run(config) {
         eprintln!("lockstep-replica: error: {e:#}");

@@ -47,6 +47,9 @@ pub struct ReplicaConfig {
     pub max_frame_len: usize,
     /// The command log of the `log` strategy, if the replica has one.
     pub command_log: Option<std::path::PathBuf>,
+    /// The replica's session key: when set, a Hello that does not prove it
+    /// is refused before any other check (S1).
+    pub session_key: Option<lockstep_protocol::SessionKey>,
 }
 
 struct Shared {
@@ -294,7 +297,12 @@ async fn connection(
         Ok(Some(Ok(cmd))) => cmd,
     };
     let newest = shared.lock().expect("not poisoned").newest_epoch;
-    let hello = match check_hello(&first, &config.identity, newest) {
+    let hello = match check_hello(
+        &first,
+        &config.identity,
+        newest,
+        config.session_key.as_ref(),
+    ) {
         Ok(h) => h,
         Err(e) => {
             let _ = framed

@@ -56,6 +56,7 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     // A peer speaking another protocol version.
     let mut hello = r.addrs.identity(1).hello(9, 42);
     hello.protocol_version = PROTOCOL_VERSION + 1;
+    let hello = test_session_key(5).sign(hello);
     let e = first_error(
         addr,
         |_| {
@@ -78,7 +79,7 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     );
 
     // A stale controller.
-    let stale = r.addrs.identity(1).hello(4, 43);
+    let stale = r.addrs.hello(1, 4, 43);
     let e = first_error(
         addr,
         |_| {
@@ -92,6 +93,37 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     )
     .await;
     assert_eq!(e.kind, ErrorKind::StaleEpoch, "{}", e.message);
+
+    // A forged Hello (no proof of the session key, or a proof of another
+    // key) with the highest epoch: refused before any other check, and it
+    // changes nothing, so the real controller is not locked out (it used to
+    // make every real Hello STALE_EPOCH).
+    for proof in [
+        Vec::new(),
+        test_session_key(6).sign(r.addrs.hello(1, 0, 0)).proof,
+    ] {
+        let mut forged = r.addrs.identity(1).hello(u64::MAX, u64::MAX);
+        forged.proof = proof;
+        let e = first_error(
+            addr,
+            |_| {
+                Some(Command {
+                    seqno: 0,
+                    strategy: Strategy::Barrier,
+                    kind: CommandKind::Hello(forged),
+                })
+            },
+            None,
+        )
+        .await;
+        assert_eq!(e.kind, ErrorKind::Unauthenticated, "{}", e.message);
+    }
+    c.reconnect().unwrap();
+    assert_eq!(
+        as_multiset(c.peek(1013, 3).await.unwrap()),
+        reference(&d, &writes, 3),
+        "the real controller still drives the replica after forged Hellos"
+    );
 
     // Before any Hello, a frame longer than HELLO_MAX_FRAME_LEN is refused
     // from its length alone: the process neither waits for nor buffers it.

@@ -83,9 +83,14 @@ async fn start_replica(id: u64, processes: usize, workers: u32) -> Result<Replic
     let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
         .map_err(|e| e.to_string())?;
     let log = dir.path().join("command-log.sqlite");
-    let config = launch::with_command_log(
-        launch::replica_service(&replica_binary(), id, processes, workers),
-        &log,
+    // A session key, as under `lockstep serve`.
+    let key = lockstep_protocol::SessionKey::derive(&[0xc4; 32], id);
+    let config = launch::with_session_key(
+        launch::with_command_log(
+            launch::replica_service(&replica_binary(), id, processes, workers),
+            &log,
+        ),
+        &key,
     )
     .env("RUST_LOG", "error");
     let status: ServiceStatus = orchestrator
@@ -94,6 +99,7 @@ async fn start_replica(id: u64, processes: usize, workers: u32) -> Result<Replic
         .map_err(|e| e.to_string())?;
     let mut addrs = launch::replica_addrs(&status, workers).map_err(|e| e.to_string())?;
     addrs.command_log = Some(log);
+    addrs.session_key = Some(key);
     Ok(Replica {
         dir,
         orchestrator: Arc::new(orchestrator),

@@ -198,7 +198,7 @@ impl Actor {
         // InitializationComplete: the replica reconciles to this target.
         // The Hello's strategy is chosen while still `Connecting`, so the
         // policy sees whether the previous session was cut off reconciling.
-        let first = CommandKind::Hello(self.replica.identity(0).hello(self.epoch, self.nonce));
+        let first = CommandKind::Hello(self.replica.hello(0, self.epoch, self.nonce));
         self.session_strategy = self.choose(&first);
         self.enter(Phase::Rehydrating);
         if matches!(self.session_strategy, Strategy::Log) {
@@ -208,7 +208,7 @@ impl Actor {
             let hello = Command {
                 seqno: 0,
                 strategy: self.session_strategy,
-                kind: CommandKind::Hello(self.replica.identity(i).hello(self.epoch, self.nonce)),
+                kind: CommandKind::Hello(self.replica.hello(i, self.epoch, self.nonce)),
             };
             match &mut self.log_batch {
                 Some(batch) => batch.hellos.push(hello),

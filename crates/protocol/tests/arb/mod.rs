@@ -130,16 +130,18 @@ pub fn command_kind() -> impl Strategy<Value = CommandKind> {
             any::<u64>(),
             any::<u32>(),
             any::<u32>(),
-            any::<u32>()
+            any::<u32>(),
+            proptest::collection::vec(any::<u8>(), 0..40)
         )
-            .prop_map(|(v, e, n, r, pi, pc, w)| CommandKind::Hello(Hello {
+            .prop_map(|(v, e, n, r, pi, pc, w, proof)| CommandKind::Hello(Hello {
                 protocol_version: v,
                 epoch: e,
                 nonce: n,
                 replica_id: r,
                 process_index: pi,
                 process_count: pc,
-                workers_per_process: w
+                workers_per_process: w,
+                proof
             })),
         map().prop_map(CommandKind::CreateInstance),
         Just(CommandKind::InitializationComplete),

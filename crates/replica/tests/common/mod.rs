@@ -76,8 +76,10 @@ pub async fn start_replica_with_env(
     let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
         .expect("orchestrator");
     let log = dir.path().join("command-log.sqlite");
+    // Every test replica has a session key, as under `lockstep serve`.
+    let key = test_session_key(replica_id);
     let service = env.iter().fold(
-        replica_service(replica_id, processes, workers),
+        launch::with_session_key(replica_service(replica_id, processes, workers), &key),
         |s, (k, v)| s.env(*k, *v),
     );
     let status = orchestrator
@@ -93,6 +95,7 @@ pub async fn start_replica_with_env(
             .collect(),
         workers_per_process: workers,
         command_log: Some(log),
+        session_key: Some(key),
     };
     TestReplica {
         dir,
@@ -100,6 +103,11 @@ pub async fn start_replica_with_env(
         status,
         addrs,
     }
+}
+
+/// The session key of test replica `replica_id`.
+pub fn test_session_key(replica_id: u64) -> lockstep_protocol::SessionKey {
+    lockstep_protocol::SessionKey::derive(&[0x5e; 32], replica_id)
 }
 
 pub fn test_timeouts() -> Timeouts {
