@@ -258,6 +258,34 @@ async fn serve(
     }
 }
 
+/// What a process sends instead of a response of `len` bytes, over the frame
+/// limit `max`: the peek's error answer, or an error.
+fn too_large(process_index: u32, peek_id: Option<u64>, len: usize, max: usize) -> Response {
+    tracing::warn!(
+        len,
+        max,
+        ?peek_id,
+        "a response exceeds the frame limit; answering with an error"
+    );
+    match peek_id {
+        Some(peek_id) => Response {
+            process_index,
+            kind: ResponseKind::PeekResponse(lockstep_protocol::PeekResponse {
+                peek_id,
+                result: lockstep_protocol::PeekResult::Error(format!(
+                    "the answer of process {process_index} is {len} bytes, over the frame limit of {max} bytes; peek a narrower collection"
+                )),
+            }),
+        },
+        None => error_response(
+            process_index,
+            ErrorKind::InvalidCommand,
+            format!("a response of {len} bytes exceeds the frame limit of {max} bytes and was dropped"),
+            0,
+        ),
+    }
+}
+
 fn error_response(process_index: u32, kind: ErrorKind, message: String, seqno: u64) -> Response {
     Response {
         process_index,
@@ -344,8 +372,24 @@ async fn connection(
 
     let writer = tokio::spawn(async move {
         while let Some(r) = wrx.recv().await {
-            if sink.send(r).await.is_err() {
-                break;
+            let process_index = r.process_index;
+            let peek_id = match &r.kind {
+                ResponseKind::PeekResponse(p) => Some(p.peek_id),
+                _ => None,
+            };
+            match sink.send(r).await {
+                Ok(()) => {}
+                // A response too large for one frame is answered with an
+                // error instead (the codec checks the length before writing
+                // anything): the process must not go silent, be restarted
+                // and be asked the same peek again, forever.
+                Err(CodecError::FrameTooLarge { len, max }) => {
+                    let replacement = too_large(process_index, peek_id, len, max);
+                    if sink.send(replacement).await.is_err() {
+                        break;
+                    }
+                }
+                Err(_) => break,
             }
         }
         let _ = sink.close().await;

@@ -377,3 +377,45 @@ async fn restarts_then_more_creates_broadcast() {
 async fn restarts_then_more_creates_log() {
     restarts_then_more_creates(23, Strategy::Log).await;
 }
+
+/// A peek answer over the frame limit is answered with an error, and the
+/// process keeps answering: it used to kill the process's response writer,
+/// so the process went silent, was restarted and was asked again, forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peek_answer_over_the_frame_limit_is_an_error_not_a_silent_process() {
+    let r = start_replica_with_env(24, 2, 1, &[("LOCKSTEP_MAX_FRAME_LEN", "65536")]).await;
+    let c = controller(&r, 1, CommandHistory::new());
+    // 200 input rows (a few KiB) that join into 40,000 (far over 64 KiB).
+    let square = dataflow(
+        1,
+        &[1],
+        lockstep_protocol::text::parse_plan("join(get(1), get(1), #1, #1)").unwrap(),
+    );
+    let few = dataflow(
+        2,
+        &[1],
+        lockstep_protocol::text::parse_plan("filter(get(1), #0 < 3)").unwrap(),
+    );
+    c.create_dataflow(square).unwrap();
+    c.create_dataflow(few).unwrap();
+    let rows: Vec<_> = (0..200i64).map(|i| u(&[i, 7], 0, 1)).collect();
+    c.write_input(1, rows, 1).unwrap();
+    if let Err(e) = c.wait_for_frontier(1001, 0).await {
+        panic!("{e}\n{}", logs(&r, 10));
+    }
+    match c.peek(1001, 0).await {
+        Ok(rows) => panic!("a peek of {} rows fit in 64 KiB frames", rows.len()),
+        Err(e) => assert!(
+            e.to_string()
+                .contains("over the frame limit of 65536 bytes"),
+            "{e}"
+        ),
+    }
+    // The process still answers.
+    let rows = c.peek(1002, 0).await.unwrap();
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    for s in c.statuses().await.unwrap() {
+        assert_eq!(s.installed.len(), 2, "worker {}", s.worker_index);
+    }
+    c.shutdown();
+}
