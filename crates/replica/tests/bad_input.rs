@@ -36,6 +36,19 @@ async fn first_error(
     }
 }
 
+/// The error a process answers `hello` with, as a connection's first frame.
+async fn hello_error(
+    addr: std::net::SocketAddr,
+    hello: lockstep_protocol::Hello,
+) -> lockstep_protocol::ErrorResponse {
+    let cmd = Command {
+        seqno: 0,
+        strategy: Strategy::Barrier,
+        kind: CommandKind::Hello(hello),
+    };
+    first_error(addr, |_| Some(cmd), None).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     let r = start_replica(5, 2, 2).await;
@@ -57,18 +70,7 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     let mut hello = r.addrs.identity(1).hello(9, 42);
     hello.protocol_version = PROTOCOL_VERSION + 1;
     let hello = test_session_key(5).sign(hello);
-    let e = first_error(
-        addr,
-        |_| {
-            Some(Command {
-                seqno: 0,
-                strategy: Strategy::Barrier,
-                kind: CommandKind::Hello(hello),
-            })
-        },
-        None,
-    )
-    .await;
+    let e = hello_error(addr, hello).await;
     assert_eq!(e.kind, ErrorKind::VersionMismatch);
     assert!(
         e.message.contains(&format!("version {PROTOCOL_VERSION}"))
@@ -80,18 +82,7 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
 
     // A stale controller.
     let stale = r.addrs.hello(1, 4, 43);
-    let e = first_error(
-        addr,
-        |_| {
-            Some(Command {
-                seqno: 0,
-                strategy: Strategy::Barrier,
-                kind: CommandKind::Hello(stale),
-            })
-        },
-        None,
-    )
-    .await;
+    let e = hello_error(addr, stale).await;
     assert_eq!(e.kind, ErrorKind::StaleEpoch, "{}", e.message);
 
     // A forged Hello (no proof of the session key, or a proof of another
@@ -104,18 +95,7 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     ] {
         let mut forged = r.addrs.identity(1).hello(u64::MAX, u64::MAX);
         forged.proof = proof;
-        let e = first_error(
-            addr,
-            |_| {
-                Some(Command {
-                    seqno: 0,
-                    strategy: Strategy::Barrier,
-                    kind: CommandKind::Hello(forged),
-                })
-            },
-            None,
-        )
-        .await;
+        let e = hello_error(addr, forged).await;
         assert_eq!(e.kind, ErrorKind::Unauthenticated, "{}", e.message);
     }
     c.reconnect().unwrap();
