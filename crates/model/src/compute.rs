@@ -723,15 +723,24 @@ impl ComputeModel {
     /// Barrier: the decision on worker `me`'s pending round, by its book
     /// after it read the next `read` records of its mesh queue.
     fn decision(&self, s: &ComputeState, me: usize, read: usize) -> Option<BarrierDecision> {
-        let (session, mine) = Self::round_of(s.workers[me].pending.as_ref()?, me);
-        if read > s.inboxes[me].len() {
-            return None;
-        }
+        self.decisions(s, me).into_iter().nth(read)
+    }
+
+    /// Barrier: the decision on worker `me`'s pending round after it read
+    /// 0, 1, ... up to every record of its mesh queue (one book, each record
+    /// read once); empty without a pending round.
+    fn decisions(&self, s: &ComputeState, me: usize) -> Vec<BarrierDecision> {
+        let Some(pending) = s.workers[me].pending.as_ref() else {
+            return Vec::new();
+        };
+        let (session, mine) = Self::round_of(pending, me);
         let mut book = s.workers[me].book.clone();
-        for msg in s.inboxes[me].iter().take(read) {
+        let mut out = vec![book.decide(session.into(), &mine)];
+        for msg in &s.inboxes[me] {
             Self::absorb(&mut book, msg.clone());
+            out.push(book.decide(session.into(), &mine));
         }
-        Some(book.decide(session.into(), &mine))
+        out
     }
 
     /// The session and announcement of a pending round.
@@ -1154,11 +1163,8 @@ impl Model for ComputeModel {
                             actions.push(ComputeAction::Receive(p));
                         }
                     } else {
-                        for read in 0..=s.inboxes[p].len() {
-                            if !matches!(
-                                self.decision(s, p, read),
-                                Some(BarrierDecision::Wait) | None
-                            ) {
+                        for (read, d) in self.decisions(s, p).into_iter().enumerate() {
+                            if d != BarrierDecision::Wait {
                                 actions.push(ComputeAction::Decide(p, read));
                             }
                         }

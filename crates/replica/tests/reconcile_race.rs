@@ -84,6 +84,13 @@ async fn a_slow_worker_reconciles_from_its_peers_reconcile_reports() {
             s.worker_index
         );
     }
+    // The failpoint made the interleaving happen (a test that did not get
+    // it would prove nothing).
+    let log = logs(&r, 1000);
+    assert!(
+        log.contains("reading a peer's reconciliation report and its next round together"),
+        "the failpoint never held worker 1's mesh until the peer's next round:\n{log}"
+    );
     let rows = b.peek(1029, 0).await.unwrap();
     assert_eq!(rows, vec![(vec![7, 1], 1)], "I3: peek of dataflow 29");
     b.shutdown();

@@ -23,7 +23,7 @@
 
 use std::time::Duration;
 
-use lockstep_protocol::{Command, CommandHistory, Digest};
+use lockstep_protocol::{Command, Digest};
 use lockstep_reconcile::{Announcement, BarrierDecision, DataflowKey};
 use timely::worker::Worker;
 
@@ -169,21 +169,22 @@ impl WorkerState {
                 None
             }
             BarrierDecision::Pass => {
-                // Plan from the round's reports before the round is forgotten.
-                let plan = match &p {
-                    Pending::Reconcile { target, .. } => Some(self.rounds.reconcile_plan(
-                        self.session,
-                        mine.seqno,
-                        self.index,
-                        target,
-                    )),
-                    Pending::Create { .. } => None,
-                };
-                self.prune_round(mine.seqno);
                 match p {
-                    Pending::Create { cmd, .. } => self.apply(worker, cmd),
-                    Pending::Reconcile { buffer, .. } => {
-                        let Some(Some((drops, _builds))) = plan else {
+                    Pending::Create { cmd, .. } => {
+                        self.prune_round(mine.seqno);
+                        self.apply(worker, cmd);
+                    }
+                    Pending::Reconcile { buffer, target, .. } => {
+                        // Plan from the round's reports before the round is
+                        // forgotten.
+                        let plan = self.rounds.reconcile_plan(
+                            self.session,
+                            mine.seqno,
+                            self.index,
+                            &target,
+                        );
+                        self.prune_round(mine.seqno);
+                        let Some((drops, _builds)) = plan else {
                             self.halt(format!(
                                 "the reconciliation round {} of session {:#x} passed without every worker's installed dataflows",
                                 mine.seqno, self.session
@@ -192,18 +193,7 @@ impl WorkerState {
                         };
                         // The builds are the target's missing dataflows, which
                         // the buffer's creates build in target order.
-                        for id in drops {
-                            tracing::info!(
-                                worker = self.index,
-                                dataflow = id,
-                                "collective reconciliation drops dataflow"
-                            );
-                            self.drop_dataflow(worker, id);
-                        }
-                        self.history = CommandHistory::new();
-                        for cmd in buffer {
-                            self.apply(worker, cmd);
-                        }
+                        self.finish_reconcile(worker, drops, buffer, "collective");
                     }
                 }
                 None

@@ -117,6 +117,31 @@ impl WorkerState {
         .then(|| desc.hash())
     }
 
+    /// Ends a reconciliation, alone or collective (`how`): drops `drops`,
+    /// starts the applied history afresh, then applies the buffered session
+    /// start, whose creates build what is missing in target order.
+    pub(crate) fn finish_reconcile(
+        &mut self,
+        worker: &mut Worker,
+        drops: Vec<u64>,
+        buffer: Vec<Command>,
+        how: &'static str,
+    ) {
+        for id in drops {
+            tracing::info!(
+                worker = self.index,
+                dataflow = id,
+                how,
+                "reconciliation drops dataflow"
+            );
+            self.drop_dataflow(worker, id);
+        }
+        self.history = lockstep_protocol::CommandHistory::new();
+        for cmd in buffer {
+            self.apply(worker, cmd);
+        }
+    }
+
     /// Reconciles at InitializationComplete (sent with `strategy`, sequence
     /// number `seqno`), given the buffered commands of the session so far,
     /// that InitializationComplete last: alone under `naive` or without a

@@ -10,7 +10,7 @@
 //! builds the rest. It is wrong as soon as workers disagree on what is
 //! installed, which is what the fault suite and the model show.
 
-use lockstep_protocol::{Command, CommandHistory};
+use lockstep_protocol::Command;
 use lockstep_reconcile::DataflowKey;
 use timely::worker::Worker;
 
@@ -32,17 +32,6 @@ impl WorkerState {
             })
             .collect();
         let plan = lockstep_reconcile::local(&installed, &target);
-        for id in plan.drop {
-            tracing::info!(
-                worker = self.index,
-                dataflow = id,
-                "reconciliation drops dataflow"
-            );
-            self.drop_dataflow(worker, id);
-        }
-        self.history = CommandHistory::new();
-        for cmd in buffer {
-            self.apply(worker, cmd);
-        }
+        self.finish_reconcile(worker, plan.drop, buffer, "per-worker");
     }
 }

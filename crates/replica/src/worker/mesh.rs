@@ -167,6 +167,10 @@ impl WorkerState {
         };
         let Some(mesh) = &self.mesh else { return false };
         if since.elapsed() > Duration::from_secs(10) {
+            tracing::warn!(
+                worker = self.index,
+                "test hook replica_hold_mesh_in_reconcile: no later round within 10 s; reading the mesh"
+            );
             return false;
         }
         let later_round_in = mesh.received.borrow().iter().any(|r| {
@@ -174,6 +178,13 @@ impl WorkerState {
                 && matches!(r.message, MeshMessage::Round { session, seqno, .. }
                     if session == self.session && seqno > mine.seqno)
         });
+        if later_round_in {
+            // What the regression test looks for: the interleaving happened.
+            tracing::warn!(
+                worker = self.index,
+                "test hook replica_hold_mesh_in_reconcile: reading a peer's reconciliation report and its next round together"
+            );
+        }
         !later_round_in
     }
 }
