@@ -310,6 +310,7 @@ fn frame_len(rows: &[Row]) -> usize {
                 })
                 .collect(),
             upper: 2,
+            more: false,
         }),
     };
     let mut buf = BytesMut::new();

@@ -590,6 +590,35 @@ impl Catalog {
         })
     }
 
+    /// Replaces every stored write to an input collection of a replica with
+    /// one `write` (their consolidation), in one fenced transaction: the
+    /// collection's rows stay proportional to its live updates, not to how
+    /// often it was written.
+    pub fn replace_inputs(
+        &mut self,
+        replica_id: u64,
+        collection_id: u64,
+        write: &[u8],
+    ) -> Result<InputWrite, WriteError> {
+        self.write(|tx| {
+            replica_exists(tx, replica_id)?;
+            tx.execute(
+                "DELETE FROM input_writes WHERE replica_id = ?1 AND collection_id = ?2",
+                params![replica_id as i64, collection_id as i64],
+            )?;
+            tx.execute(
+                "INSERT INTO input_writes (replica_id, collection_id, write) VALUES (?1, ?2, ?3)",
+                params![replica_id as i64, collection_id as i64, write],
+            )?;
+            Ok(InputWrite {
+                seq: tx.last_insert_rowid() as u64,
+                replica_id,
+                collection_id,
+                write: write.to_vec(),
+            })
+        })
+    }
+
     /// Drops a dataflow.
     pub fn drop_dataflow(&mut self, id: u64) -> Result<(), WriteError> {
         self.write(|tx| {
@@ -771,6 +800,36 @@ mod tests {
             workers_per_process: 2,
             config: String::new(),
         }
+    }
+
+    #[test]
+    fn replacing_inputs_keeps_other_collections_and_is_fenced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("catalog.db");
+        let mut c = Catalog::open(&path).unwrap();
+        let r = c.create_replica("r", cfg(1)).unwrap();
+        for i in 0..5u8 {
+            c.append_input(r.id, 1, &[i]).unwrap();
+        }
+        c.append_input(r.id, 2, b"other").unwrap();
+        c.replace_inputs(r.id, 1, b"snapshot").unwrap();
+        let writes: Vec<(u64, Vec<u8>)> = c
+            .state()
+            .unwrap()
+            .input_writes
+            .into_iter()
+            .map(|w| (w.collection_id, w.write))
+            .collect();
+        assert_eq!(
+            writes,
+            vec![(2, b"other".to_vec()), (1, b"snapshot".to_vec())]
+        );
+        let _newer = Catalog::open(&path).unwrap();
+        assert!(c
+            .replace_inputs(r.id, 1, b"stale")
+            .unwrap_err()
+            .fenced()
+            .is_some());
     }
 
     #[test]

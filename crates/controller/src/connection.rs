@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
-use lockstep_protocol::{Command, ControllerCodec, Response, DEFAULT_MAX_FRAME_LEN};
+use lockstep_protocol::{Command, ControllerCodec, Response};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::codec::Framed;
@@ -58,10 +58,10 @@ pub(crate) fn spawn(
     sock: TcpStream,
     process: usize,
     generation: u64,
+    max_frame_len: usize,
     to_actor: mpsc::UnboundedSender<FromConn>,
 ) -> Conn {
-    let (mut sink, mut stream) =
-        Framed::new(sock, ControllerCodec::new(DEFAULT_MAX_FRAME_LEN)).split();
+    let (mut sink, mut stream) = Framed::new(sock, ControllerCodec::new(max_frame_len)).split();
     let (writer, mut commands) = mpsc::unbounded_channel::<Command>();
     let to_actor2 = to_actor.clone();
     tokio::spawn(async move {

@@ -64,6 +64,15 @@ pub fn with_session_key(
     config.env(lockstep_protocol::SESSION_KEY_ENV, key.to_hex())
 }
 
+/// `config` with the frame limit its processes use (`LOCKSTEP_MAX_FRAME_LEN`);
+/// give the controller the same in [`ReplicaAddrs::max_frame_len`].
+pub fn with_max_frame_len(config: ServiceConfig, max_frame_len: usize) -> ServiceConfig {
+    config.env(MAX_FRAME_LEN_ENV, max_frame_len.to_string())
+}
+
+/// The environment variable a replica process reads its frame limit from.
+pub const MAX_FRAME_LEN_ENV: &str = "LOCKSTEP_MAX_FRAME_LEN";
+
 /// Why a service cannot be driven as a replica.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("service {service}: process {process} has no `controller` address")]
@@ -98,5 +107,6 @@ pub fn replica_addrs(
         workers_per_process,
         command_log: None,
         session_key: None,
+        max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
     })
 }

@@ -57,6 +57,11 @@ pub struct ReplicaAddrs {
     /// processes must have been started with the same key
     /// ([`launch::with_session_key`]).
     pub session_key: Option<lockstep_protocol::SessionKey>,
+    /// The largest frame either side sends or accepts; the replica's
+    /// processes must have been started with the same limit
+    /// ([`launch::with_max_frame_len`]). Writes and peek answers larger than
+    /// half of it travel in parts.
+    pub max_frame_len: usize,
 }
 
 impl ReplicaAddrs {
@@ -264,6 +269,7 @@ impl Controller {
             collection_id: collection,
             updates,
             upper,
+            more: false,
         })))
     }
 

@@ -133,6 +133,7 @@ pub fn load(dir: &Path, rule: &str, conditional_writes: bool) -> anyhow::Result<
         lockstep_policy::native_orphan_rule(rule).ok_or_else(|| anyhow!("no rule {rule}"))?;
     Ok(Environment::load(EnvironmentConfig {
         distribution_policy: None,
+        max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
         state_dir: dir.to_path_buf(),
         orphan_policy,
         service: sleep_template(),

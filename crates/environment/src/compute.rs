@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lockstep_catalog::{CatalogState, Replica};
+use lockstep_catalog::Replica;
 use lockstep_controller::{launch, Controller, ControllerError, Event, Timeouts};
 use lockstep_orchestrator::{Orchestrator, RestartError, ServiceStatus};
 use lockstep_policy::{FixedStrategy, Strategy};
@@ -75,6 +75,8 @@ pub struct Compute {
     timeouts: Timeouts,
     distribution: Mutex<Option<std::path::PathBuf>>,
     restart_interval: Duration,
+    /// The frame limit of every replica connection.
+    max_frame_len: std::sync::atomic::AtomicUsize,
 }
 
 impl Drop for Compute {
@@ -116,11 +118,24 @@ impl Default for Compute {
             timeouts: Timeouts::default(),
             distribution: Mutex::new(None),
             restart_interval: REPLICA_RESTART_INTERVAL,
+            max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN.into(),
         }
     }
 }
 
 impl Compute {
+    /// Sets the frame limit of replica connections started from now on.
+    pub fn set_max_frame_len(&self, max_frame_len: usize) {
+        self.max_frame_len
+            .store(max_frame_len, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The frame limit of replica connections.
+    pub fn max_frame_len(&self) -> usize {
+        self.max_frame_len
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The controller of a replica, if one runs.
     pub fn controller(&self, replica_id: u64) -> Option<Controller> {
         self.controllers
@@ -175,6 +190,9 @@ impl Compute {
         };
         addrs.command_log = command_log;
         addrs.session_key = session_key;
+        addrs.max_frame_len = self
+            .max_frame_len
+            .load(std::sync::atomic::Ordering::Relaxed);
         let policy = self.policy();
         let controller = Controller::start(
             addrs,
@@ -367,7 +385,7 @@ pub fn decode_dataflow(bytes: &[u8]) -> Result<DataflowDescription, ComputeError
     DataflowDescription::try_from(w).map_err(|e| ComputeError::Corrupt(e.to_string()))
 }
 
-fn decode_write(bytes: &[u8]) -> Result<WriteInput, ComputeError> {
+pub(crate) fn decode_write(bytes: &[u8]) -> Result<WriteInput, ComputeError> {
     let w = wire::WriteInput::decode(bytes).map_err(|e| ComputeError::Corrupt(e.to_string()))?;
     Ok(WriteInput {
         collection_id: w.collection_id,
@@ -381,6 +399,7 @@ fn decode_write(bytes: &[u8]) -> Result<WriteInput, ComputeError> {
             })
             .collect(),
         upper: w.upper,
+        more: false,
     })
 }
 
@@ -397,58 +416,46 @@ fn encode_write(w: &WriteInput) -> Vec<u8> {
             })
             .collect(),
         upper: w.upper,
+        more: false,
     }
     .encode_to_vec()
 }
 
-/// The target command history of a replica, from the catalog: its input
-/// writes, then its dataflows in creation order.
-pub fn history_for(view: &CatalogState, replica_id: u64) -> Result<CommandHistory, ComputeError> {
-    let mut h = CommandHistory::new();
-    h.push(CommandKind::CreateInstance(Default::default()));
-    for w in view
-        .input_writes
-        .iter()
-        .filter(|w| w.replica_id == replica_id)
-    {
-        h.push(CommandKind::WriteInput(decode_write(&w.write)?));
+impl Environment {
+    /// The target command history of a replica: its input collections (one
+    /// consolidated write each), then its dataflows in creation order.
+    pub fn history_of(&self, replica_id: u64) -> Result<CommandHistory, ComputeError> {
+        let mut h = CommandHistory::new();
+        h.push(CommandKind::CreateInstance(Default::default()));
+        for w in self.inputs.lock().expect("poisoned").writes_of(replica_id) {
+            h.push(CommandKind::WriteInput(w));
+        }
+        let view = self.view.lock().expect("poisoned");
+        for d in view
+            .dataflows
+            .values()
+            .filter(|d| d.replica_id == replica_id)
+        {
+            let desc = decode_dataflow(&d.description)?;
+            h.push(CommandKind::CreateDataflow(desc.clone()));
+            h.push(CommandKind::Schedule {
+                dataflow_id: desc.id,
+            });
+        }
+        h.reduce();
+        Ok(h)
     }
-    for d in view
-        .dataflows
-        .values()
-        .filter(|d| d.replica_id == replica_id)
-    {
-        let desc = decode_dataflow(&d.description)?;
-        h.push(CommandKind::CreateDataflow(desc.clone()));
-        h.push(CommandKind::Schedule {
-            dataflow_id: desc.id,
-        });
-    }
-    h.reduce();
-    Ok(h)
-}
-
-/// The current upper of every input collection of a replica.
-fn input_uppers(view: &CatalogState, replica_id: u64) -> Result<BTreeMap<u64, u64>, ComputeError> {
-    let mut uppers = BTreeMap::new();
-    for w in view
-        .input_writes
-        .iter()
-        .filter(|w| w.replica_id == replica_id)
-    {
-        let write = decode_write(&w.write)?;
-        let e = uppers.entry(write.collection_id).or_insert(0);
-        *e = (*e).max(write.upper);
-    }
-    Ok(uppers)
 }
 
 impl Environment {
     fn replica_named(&self, name: &str) -> Result<Replica, ComputeError> {
-        self.view()
+        self.view
+            .lock()
+            .expect("poisoned")
             .replicas
-            .into_values()
+            .values()
             .find(|r| r.name == name)
+            .cloned()
             .ok_or_else(|| ComputeError::NoSuchReplica(name.to_string()))
     }
 
@@ -475,7 +482,7 @@ impl Environment {
                 tracing::warn!(replica = %replica.name, "no service listed; not driving it");
                 continue;
             };
-            let history = history_for(&view, replica.id)?;
+            let history = self.history_of(replica.id)?;
             tracing::info!(replica = %replica.name, commands = history.len(), "driving replica");
             self.compute.start(
                 replica,
@@ -492,7 +499,7 @@ impl Environment {
         self.compute.start(
             replica,
             status,
-            history_for(&self.view(), replica.id).unwrap_or_default(),
+            self.history_of(replica.id).unwrap_or_default(),
             (self.command_log(replica.id), self.session_key(replica.id)),
             self.restarter(),
         );
@@ -644,36 +651,39 @@ impl Environment {
         let _ops = self.ops.lock().await;
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
-        let current = input_uppers(&self.view(), replica.id)?
-            .get(&collection_id)
-            .copied()
-            .unwrap_or(0);
-        if upper < current {
-            return Err(ComputeError::Invalid(format!(
-                "upper {upper} is below collection {collection_id}'s current upper {current}"
-            )));
-        }
-        if let Some(u) = updates.iter().find(|u| u.time < current || u.time >= upper) {
-            return Err(ComputeError::Invalid(format!(
-                "update at time {} is outside [{current}, {upper})",
-                u.time
-            )));
-        }
+        self.inputs
+            .lock()
+            .expect("poisoned")
+            .check(replica.id, collection_id, &updates, upper)
+            .map_err(|e| ComputeError::Invalid(e.to_string()))?;
         let write = WriteInput {
             collection_id,
             updates,
             upper,
+            more: false,
         };
         {
             let mut catalog = self.catalog.lock().expect("poisoned");
-            let record = catalog
+            catalog
                 .append_input(replica.id, collection_id, &encode_write(&write))
                 .map_err(|e| self.catalog_error(e))?;
-            self.view
-                .lock()
-                .expect("poisoned")
-                .input_writes
-                .push(record);
+            let mut inputs = self.inputs.lock().expect("poisoned");
+            let snapshot = inputs.record(
+                replica.id,
+                collection_id,
+                write.updates.clone(),
+                write.upper,
+            );
+            if let Some(snapshot) = snapshot {
+                // Best effort: the rows already stored stay valid if this fails.
+                match catalog.replace_inputs(replica.id, collection_id, &encode_write(&snapshot)) {
+                    Ok(_) => inputs.replaced(replica.id, collection_id),
+                    Err(e) => tracing::warn!(
+                        collection = collection_id,
+                        "could not consolidate the stored writes: {e}"
+                    ),
+                }
+            }
         }
         self.controller_of(&replica)?
             .write_input(collection_id, write.updates, write.upper)?;
@@ -778,6 +788,7 @@ mod tests {
                 workers_per_process: 1,
                 command_log: None,
                 session_key: None,
+                max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
             },
             1,
             CommandHistory::new(),

@@ -76,6 +76,7 @@
 pub mod chaos;
 pub mod compute;
 pub mod demo;
+mod inputs;
 pub mod server;
 pub mod template;
 
@@ -170,6 +171,9 @@ pub struct EnvironmentConfig {
     /// A WASM distribution policy for the replicas' controllers; `None` uses
     /// the native rule: `barrier` for every command.
     pub distribution_policy: Option<PathBuf>,
+    /// The largest frame on a replica connection (both sides); writes and
+    /// peek answers larger than half of it travel in parts.
+    pub max_frame_len: usize,
 }
 
 impl std::fmt::Debug for EnvironmentConfig {
@@ -180,6 +184,7 @@ impl std::fmt::Debug for EnvironmentConfig {
             .field("service", &self.service)
             .field("conditional_writes", &self.conditional_writes)
             .field("distribution_policy", &self.distribution_policy)
+            .field("max_frame_len", &self.max_frame_len)
             .finish()
     }
 }
@@ -225,6 +230,16 @@ pub enum StartError {
         /// The orchestrator's epoch.
         orchestrator: u64,
     },
+    /// A stored input write does not decode.
+    #[error("the catalog's input write {seq} (replica {replica_id}) does not decode: {reason}")]
+    CorruptInput {
+        /// Its position in the catalog.
+        seq: u64,
+        /// Its replica.
+        replica_id: u64,
+        /// What the decoder said.
+        reason: String,
+    },
 }
 
 /// Why an environment operation failed.
@@ -263,8 +278,11 @@ pub struct OrphanReport {
 /// A running environment. See the crate docs for the start-up steps.
 pub struct Environment {
     catalog: Mutex<Catalog>,
-    /// Our view of the catalog: what we loaded plus our own writes.
+    /// Our view of the catalog: what we loaded plus our own writes (its
+    /// input writes are moved to `inputs` on load).
     view: Mutex<CatalogState>,
+    /// What the catalog stores of every input collection, consolidated.
+    inputs: Mutex<inputs::Inputs>,
     orchestrator: Arc<dyn Orchestrator>,
     policy: Mutex<Box<dyn OrphanPolicy + Send>>,
     template: ServiceTemplate,
@@ -359,6 +377,7 @@ impl Environment {
         .with_session_secret(secret);
         env.compute
             .set_distribution_policy(config.distribution_policy);
+        env.compute.set_max_frame_len(config.max_frame_len);
         Ok(env)
     }
 
@@ -370,7 +389,21 @@ impl Environment {
         orphan_policy: Box<dyn OrphanPolicy + Send>,
         template: ServiceTemplate,
     ) -> Result<Environment, StartError> {
-        let view = catalog.state()?;
+        let mut view = catalog.state()?;
+        let inputs = inputs::Inputs::load(
+            std::mem::take(&mut view.input_writes)
+                .into_iter()
+                .map(|w| {
+                    compute::decode_write(&w.write)
+                        .map(|write| (w.replica_id, write))
+                        .map_err(|e| StartError::CorruptInput {
+                            seq: w.seq,
+                            replica_id: w.replica_id,
+                            reason: e.to_string(),
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        );
         let epoch = catalog.epoch();
         if orchestrator.epoch() != epoch {
             return Err(StartError::EpochMismatch {
@@ -388,6 +421,7 @@ impl Environment {
         Ok(Environment {
             catalog: Mutex::new(catalog),
             view: Mutex::new(view),
+            inputs: Mutex::new(inputs),
             orchestrator,
             policy: Mutex::new(orphan_policy),
             template,
@@ -445,6 +479,8 @@ impl Environment {
             Some(path) => lockstep_controller::launch::with_command_log(config, &path),
             None => config,
         };
+        let config =
+            lockstep_controller::launch::with_max_frame_len(config, self.compute.max_frame_len());
         match self.session_key(replica.id) {
             Some(key) => lockstep_controller::launch::with_session_key(config, &key),
             None => config,
@@ -665,6 +701,10 @@ impl Environment {
             let mut view = self.view.lock().expect("poisoned");
             view.replicas.remove(&replica.id);
             view.dataflows.retain(|_, d| d.replica_id != replica.id);
+            self.inputs
+                .lock()
+                .expect("poisoned")
+                .drop_replica(replica.id);
             replica
         };
         fail::fail_point!("after_catalog_drop_replica");

@@ -188,6 +188,12 @@ struct ServeArgs {
     /// Seconds between background orphan removals while serving (0: only at start).
     #[arg(long, default_value_t = 30)]
     orphan_interval_secs: u64,
+    /// The largest frame on a replica connection, in bytes (at least 64 KiB);
+    /// replica processes get the same. Writes and peek answers larger than
+    /// half of it travel in parts.
+    #[arg(long, env = "LOCKSTEP_MAX_FRAME_LEN", default_value_t = lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(65536..=(1u64 << 30)))]
+    max_frame_len: usize,
     /// Let a stale ensure overwrite a newer controller's service (negative tests only).
     #[arg(long, hide = true)]
     unconditional_writes: bool,
@@ -423,6 +429,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         service,
         conditional_writes: !args.unconditional_writes,
         distribution_policy: args.distribution_policy,
+        max_frame_len: args.max_frame_len,
     };
     let env = Environment::start(config).await?;
     println!("lockstep: serving on {addr} (epoch {})", env.epoch());

@@ -334,6 +334,7 @@ async fn a_failing_or_nonsensical_policy_deletes_nothing() {
     for (i, answer) in answers.into_iter().enumerate() {
         let env = Environment::load(EnvironmentConfig {
             distribution_policy: None,
+            max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
             state_dir: sandbox.path().to_path_buf(),
             orphan_policy: Box::new(Scripted(answer)),
             service: sleep_template(),

@@ -53,6 +53,7 @@ fn load_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environm
         },
         conditional_writes: true,
         distribution_policy,
+        max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
     })
     .unwrap()
 }

@@ -453,6 +453,7 @@ impl From<CommandKind> for p::command::Kind {
                 collection_id: w.collection_id,
                 updates: w.updates.into_iter().map(update_to).collect(),
                 upper: w.upper,
+                more: w.more,
             }),
             CommandKind::StatusRequest { full } => Kind::StatusRequest(p::StatusRequest { full }),
         }
@@ -504,6 +505,7 @@ impl TryFrom<p::command::Kind> for CommandKind {
                 collection_id: w.collection_id,
                 updates: w.updates.into_iter().map(update_from).collect(),
                 upper: w.upper,
+                more: w.more,
             }),
             Kind::StatusRequest(s) => CommandKind::StatusRequest { full: s.full },
         })
@@ -593,6 +595,12 @@ impl From<ResponseKind> for p::response::Kind {
                             .map(|(values, diff)| p::Row { values, diff })
                             .collect(),
                     }),
+                    PeekResult::Part(rows) => R::Part(p::PeekRows {
+                        rows: rows
+                            .into_iter()
+                            .map(|(values, diff)| p::Row { values, diff })
+                            .collect(),
+                    }),
                     PeekResult::Error(e) => R::Error(e),
                     PeekResult::Canceled => R::Canceled(true),
                 };
@@ -653,6 +661,9 @@ impl TryFrom<p::response::Kind> for ResponseKind {
                 use p::peek_response::Result as R;
                 let result = match r.result.ok_or_else(|| missing("PeekResponse", "result"))? {
                     R::Rows(rows) => PeekResult::Rows(
+                        rows.rows.into_iter().map(|r| (r.values, r.diff)).collect(),
+                    ),
+                    R::Part(rows) => PeekResult::Part(
                         rows.rows.into_iter().map(|r| (r.values, r.diff)).collect(),
                     ),
                     R::Error(e) => PeekResult::Error(e),

@@ -11,7 +11,8 @@
 //!   vanishes with its Schedule, AllowCompaction, Peek and Subscribe commands;
 //! - answered ([`CommandHistory::retire_peek`]) and canceled peeks vanish;
 //! - configuration updates merge into one (later values win);
-//! - writes to one input collection consolidate into one WriteInput;
+//! - writes to one input collection consolidate into one WriteInput (kept
+//!   apart, in an [`InputLog`], so that writing costs amortized O(batch));
 //! - only the last AllowCompaction per collection, the last CreateInstance and
 //!   the last InitializationComplete stay;
 //! - Hello and StatusRequest are never kept.
@@ -23,12 +24,23 @@ use std::collections::{BTreeMap, BTreeSet};
 use prost::Message;
 
 use crate::proto;
-use crate::types::{CommandKind, DataflowDescription, Digest, Frontier, Update, WriteInput};
+use crate::types::{
+    CommandKind, DataflowDescription, Digest, Frontier, Timestamp, Update, WriteInput,
+};
 
 /// A compacted sequence of commands.
+///
+/// Writes to input collections are kept apart from the other commands, one
+/// [`InputLog`] per collection, consolidated as they grow; the command list
+/// holds one placeholder per collection where its first write appeared. A
+/// history made with [`CommandHistory::summarizing`] keeps only each
+/// collection's upper and digest, not its updates (a replica worker, which
+/// keeps its input elsewhere, needs no second copy to report its digest).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CommandHistory {
     commands: Vec<CommandKind>,
+    inputs: BTreeMap<u64, InputLog>,
+    summarizing: bool,
     retired_peeks: BTreeSet<u64>,
     reduced_len: usize,
 }
@@ -39,17 +51,33 @@ impl CommandHistory {
         Self::default()
     }
 
+    /// An empty history that keeps no input updates, only their digest.
+    pub fn summarizing() -> Self {
+        CommandHistory {
+            summarizing: true,
+            ..Self::default()
+        }
+    }
+
     /// Appends a command. Hello and StatusRequest are not history and are
     /// ignored. Compacts now and then so that the history stays proportional
     /// to the live state rather than to the number of commands sent.
     pub fn push(&mut self, kind: CommandKind) {
-        if matches!(
-            kind,
-            CommandKind::Hello(_) | CommandKind::StatusRequest { .. }
-        ) {
-            return;
+        match kind {
+            CommandKind::Hello(_) | CommandKind::StatusRequest { .. } => return,
+            CommandKind::WriteInput(w) => {
+                let summarizing = self.summarizing;
+                let log = match self.inputs.entry(w.collection_id) {
+                    std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+                    std::collections::btree_map::Entry::Vacant(v) => {
+                        self.commands.push(placeholder(w.collection_id));
+                        v.insert(InputLog::default())
+                    }
+                };
+                log.append(w.updates, w.upper, !summarizing);
+            }
+            kind => self.commands.push(kind),
         }
-        self.commands.push(kind);
         if self.commands.len() > 2 * self.reduced_len + 32 {
             self.reduce();
         }
@@ -61,12 +89,28 @@ impl CommandHistory {
     }
 
     /// The commands, in order (not necessarily compacted; call
-    /// [`reduce`](Self::reduce) first for the compacted form).
-    pub fn commands(&self) -> &[CommandKind] {
-        &self.commands
+    /// [`reduce`](Self::reduce) first for the compacted form). Each input
+    /// collection's writes are one `WriteInput` holding its consolidated
+    /// updates (none in a summarizing history), where its first write was.
+    pub fn commands(&self) -> Vec<CommandKind> {
+        self.commands
+            .iter()
+            .map(|c| match c {
+                CommandKind::WriteInput(w) => {
+                    let log = &self.inputs[&w.collection_id];
+                    CommandKind::WriteInput(WriteInput {
+                        collection_id: w.collection_id,
+                        updates: consolidate(log.updates.clone()),
+                        upper: log.upper,
+                        more: false,
+                    })
+                }
+                c => c.clone(),
+            })
+            .collect()
     }
 
-    /// How many commands are held.
+    /// How many commands are held (each input collection's writes count once).
     pub fn len(&self) -> usize {
         self.commands.len()
     }
@@ -76,12 +120,14 @@ impl CommandHistory {
         self.commands.is_empty()
     }
 
+    /// The upper of an input collection (0 if it was never written).
+    pub fn input_upper(&self, collection_id: u64) -> Timestamp {
+        self.inputs.get(&collection_id).map_or(0, |l| l.upper)
+    }
+
     /// The dataflows that are live (created and not dropped), in creation order.
     pub fn live_dataflows(&self) -> Vec<DataflowDescription> {
-        let mut reduced = self.clone();
-        reduced.reduce();
-        reduced
-            .commands
+        reduce_commands(self.commands.clone(), self.retired_peeks.clone())
             .into_iter()
             .filter_map(|c| match c {
                 CommandKind::CreateDataflow(d) => Some(d),
@@ -92,139 +138,29 @@ impl CommandHistory {
 
     /// Compacts the history in place.
     pub fn reduce(&mut self) {
-        // Pass 1: what the whole history says.
-        let mut final_compaction: BTreeMap<u64, Frontier> = BTreeMap::new();
-        let mut canceled: BTreeSet<u64> = std::mem::take(&mut self.retired_peeks);
-        let mut config: BTreeMap<String, String> = BTreeMap::new();
-        let mut writes: BTreeMap<u64, (Vec<Update>, u64)> = BTreeMap::new();
-        let mut last_instance = None;
-        let mut last_init = None;
-        for (i, c) in self.commands.iter().enumerate() {
-            match c {
-                CommandKind::AllowCompaction {
-                    collection_id,
-                    frontier,
-                } => {
-                    final_compaction.insert(*collection_id, *frontier);
-                }
-                CommandKind::CancelPeek { peek_id } => {
-                    canceled.insert(*peek_id);
-                }
-                CommandKind::UpdateConfiguration(params) => {
-                    config.extend(params.iter().map(|(k, v)| (k.clone(), v.clone())));
-                }
-                CommandKind::WriteInput(w) => {
-                    let entry = writes.entry(w.collection_id).or_default();
-                    entry.0.extend(w.updates.iter().cloned());
-                    entry.1 = entry.1.max(w.upper);
-                }
-                CommandKind::CreateInstance(_) => last_instance = Some(i),
-                CommandKind::InitializationComplete => last_init = Some(i),
-                _ => {}
-            }
+        let retired = std::mem::take(&mut self.retired_peeks);
+        self.commands = reduce_commands(std::mem::take(&mut self.commands), retired);
+        for log in self.inputs.values_mut() {
+            log.consolidate();
         }
-        // Collections dropped for good, and dataflows all of whose exports are.
-        let dropped: BTreeSet<u64> = final_compaction
-            .iter()
-            .filter(|(_, f)| f.is_none())
-            .map(|(id, _)| *id)
-            .collect();
-        let mut dead_dataflows = BTreeSet::new();
-        let mut dead_collections = BTreeSet::new();
-        for c in &self.commands {
-            if let CommandKind::CreateDataflow(d) = c {
-                if !d.exports.is_empty()
-                    && d.exports.iter().all(|e| dropped.contains(&e.collection_id))
-                {
-                    dead_dataflows.insert(d.id);
-                    dead_collections.extend(d.exports.iter().map(|e| e.collection_id));
-                }
-            }
-        }
-
-        // Pass 2: rebuild in order of first appearance.
-        let mut out = Vec::with_capacity(self.commands.len());
-        let mut config_done = false;
-        let mut writes_done = BTreeSet::new();
-        let mut compaction_done = BTreeSet::new();
-        let mut scheduled = BTreeSet::new();
-        let commands = std::mem::take(&mut self.commands);
-        for (i, c) in commands.into_iter().enumerate() {
-            match c {
-                CommandKind::Hello(_)
-                | CommandKind::StatusRequest { .. }
-                | CommandKind::CancelPeek { .. } => {}
-                CommandKind::CreateInstance(_) => {
-                    if Some(i) == last_instance {
-                        out.push(c);
-                    }
-                }
-                CommandKind::InitializationComplete => {
-                    if Some(i) == last_init {
-                        out.push(c);
-                    }
-                }
-                CommandKind::UpdateConfiguration(_) => {
-                    if !config_done {
-                        config_done = true;
-                        out.push(CommandKind::UpdateConfiguration(std::mem::take(
-                            &mut config,
-                        )));
-                    }
-                }
-                CommandKind::WriteInput(w) => {
-                    if writes_done.insert(w.collection_id) {
-                        let (updates, upper) = writes.remove(&w.collection_id).unwrap_or_default();
-                        out.push(CommandKind::WriteInput(WriteInput {
-                            collection_id: w.collection_id,
-                            updates: consolidate(updates),
-                            upper,
-                        }));
-                    }
-                }
-                CommandKind::CreateDataflow(ref d) => {
-                    if !dead_dataflows.contains(&d.id) {
-                        out.push(c);
-                    }
-                }
-                CommandKind::Schedule { dataflow_id } => {
-                    if !dead_dataflows.contains(&dataflow_id) && scheduled.insert(dataflow_id) {
-                        out.push(c);
-                    }
-                }
-                CommandKind::AllowCompaction { collection_id, .. } => {
-                    if !dead_collections.contains(&collection_id)
-                        && compaction_done.insert(collection_id)
-                    {
-                        out.push(CommandKind::AllowCompaction {
-                            collection_id,
-                            frontier: final_compaction[&collection_id],
-                        });
-                    }
-                }
-                CommandKind::Peek(ref p) => {
-                    if !canceled.contains(&p.peek_id) && !dropped.contains(&p.collection_id) {
-                        out.push(c);
-                    }
-                }
-                CommandKind::Subscribe(ref s) => {
-                    if !dropped.contains(&s.collection_id) {
-                        out.push(c);
-                    }
-                }
-            }
-        }
-        self.commands = out;
         self.reduced_len = self.commands.len();
     }
 
     /// A stable digest of the compacted history: BLAKE3 over the
-    /// length-prefixed protobuf encoding of each compacted command.
+    /// length-prefixed protobuf encoding of each compacted command; an input
+    /// collection's writes count by their upper and their [`InputLog`]
+    /// digest, which does not depend on how the updates were split into
+    /// writes or consolidated.
     pub fn digest(&self) -> Digest {
-        let mut reduced = self.clone();
-        reduced.reduce();
         let mut hasher = blake3::Hasher::new();
-        for c in reduced.commands {
+        for c in reduce_commands(self.commands.clone(), self.retired_peeks.clone()) {
+            let sum = match &c {
+                CommandKind::WriteInput(w) => {
+                    let log = &self.inputs[&w.collection_id];
+                    Some((log.upper, log.sum))
+                }
+                _ => None,
+            };
             let wire = proto::Command {
                 seqno: 0,
                 strategy: 0,
@@ -233,9 +169,206 @@ impl CommandHistory {
             let bytes = wire.encode_to_vec();
             hasher.update(&(bytes.len() as u64).to_le_bytes());
             hasher.update(&bytes);
+            if let Some((upper, sum)) = sum {
+                hasher.update(&upper.to_le_bytes());
+                for lane in sum {
+                    hasher.update(&lane.to_le_bytes());
+                }
+            }
         }
         Digest(*hasher.finalize().as_bytes())
     }
+}
+
+/// The placeholder a collection's writes hold in the command list.
+fn placeholder(collection_id: u64) -> CommandKind {
+    CommandKind::WriteInput(WriteInput {
+        collection_id,
+        updates: Vec::new(),
+        upper: 0,
+        more: false,
+    })
+}
+
+/// The writes to one input collection: its upper, its updates (consolidated
+/// whenever they doubled since the last time, so that appending costs
+/// amortized O(batch) and the log stays within twice its consolidated size),
+/// and an additive digest of every update ever appended.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InputLog {
+    updates: Vec<Update>,
+    consolidated: usize,
+    upper: Timestamp,
+    sum: [u64; 4],
+}
+
+impl InputLog {
+    /// Appends updates (kept only if `keep`) and advances the upper.
+    pub fn append(&mut self, updates: Vec<Update>, upper: Timestamp, keep: bool) {
+        for u in &updates {
+            add_to_sum(&mut self.sum, u);
+        }
+        self.upper = self.upper.max(upper);
+        if keep {
+            self.updates.extend(updates);
+            if self.updates.len() > 2 * self.consolidated + 1024 {
+                self.consolidate();
+            }
+        }
+    }
+
+    /// Consolidates the updates held.
+    pub fn consolidate(&mut self) {
+        if self.updates.len() != self.consolidated {
+            self.updates = consolidate(std::mem::take(&mut self.updates));
+            self.consolidated = self.updates.len();
+        }
+    }
+
+    /// The upper.
+    pub fn upper(&self) -> Timestamp {
+        self.upper
+    }
+
+    /// The updates held (not necessarily consolidated).
+    pub fn updates(&self) -> &[Update] {
+        &self.updates
+    }
+
+    /// The digest of every update appended: for each update, its diff times
+    /// a BLAKE3 hash of (row, time), summed in four wrapping 64-bit lanes.
+    /// Linear, so consolidating or splitting writes does not change it.
+    pub fn digest(&self) -> [u64; 4] {
+        self.sum
+    }
+}
+
+fn add_to_sum(sum: &mut [u64; 4], u: &Update) {
+    let mut h = blake3::Hasher::new();
+    for v in &u.row {
+        h.update(&v.to_le_bytes());
+    }
+    h.update(&(u.row.len() as u64).to_le_bytes());
+    h.update(&u.time.to_le_bytes());
+    let bytes = h.finalize();
+    for (lane, chunk) in sum.iter_mut().zip(bytes.as_bytes().chunks_exact(8)) {
+        let x = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+        *lane = lane.wrapping_add(x.wrapping_mul(u.diff as u64));
+    }
+}
+
+/// The compaction of a command list whose writes are placeholders.
+fn reduce_commands(commands: Vec<CommandKind>, retired: BTreeSet<u64>) -> Vec<CommandKind> {
+    // Pass 1: what the whole history says.
+    let mut final_compaction: BTreeMap<u64, Frontier> = BTreeMap::new();
+    let mut canceled: BTreeSet<u64> = retired;
+    let mut config: BTreeMap<String, String> = BTreeMap::new();
+    let mut last_instance = None;
+    let mut last_init = None;
+    for (i, c) in commands.iter().enumerate() {
+        match c {
+            CommandKind::AllowCompaction {
+                collection_id,
+                frontier,
+            } => {
+                final_compaction.insert(*collection_id, *frontier);
+            }
+            CommandKind::CancelPeek { peek_id } => {
+                canceled.insert(*peek_id);
+            }
+            CommandKind::UpdateConfiguration(params) => {
+                config.extend(params.iter().map(|(k, v)| (k.clone(), v.clone())));
+            }
+            CommandKind::CreateInstance(_) => last_instance = Some(i),
+            CommandKind::InitializationComplete => last_init = Some(i),
+            _ => {}
+        }
+    }
+    // Collections dropped for good, and dataflows all of whose exports are.
+    let dropped: BTreeSet<u64> = final_compaction
+        .iter()
+        .filter(|(_, f)| f.is_none())
+        .map(|(id, _)| *id)
+        .collect();
+    let mut dead_dataflows = BTreeSet::new();
+    let mut dead_collections = BTreeSet::new();
+    for c in &commands {
+        if let CommandKind::CreateDataflow(d) = c {
+            if !d.exports.is_empty() && d.exports.iter().all(|e| dropped.contains(&e.collection_id))
+            {
+                dead_dataflows.insert(d.id);
+                dead_collections.extend(d.exports.iter().map(|e| e.collection_id));
+            }
+        }
+    }
+
+    // Pass 2: rebuild in order of first appearance.
+    let mut out = Vec::with_capacity(commands.len());
+    let mut config_done = false;
+    let mut writes_done = BTreeSet::new();
+    let mut compaction_done = BTreeSet::new();
+    let mut scheduled = BTreeSet::new();
+    for (i, c) in commands.into_iter().enumerate() {
+        match c {
+            CommandKind::Hello(_)
+            | CommandKind::StatusRequest { .. }
+            | CommandKind::CancelPeek { .. } => {}
+            CommandKind::CreateInstance(_) => {
+                if Some(i) == last_instance {
+                    out.push(c);
+                }
+            }
+            CommandKind::InitializationComplete => {
+                if Some(i) == last_init {
+                    out.push(c);
+                }
+            }
+            CommandKind::UpdateConfiguration(_) => {
+                if !config_done {
+                    config_done = true;
+                    out.push(CommandKind::UpdateConfiguration(std::mem::take(
+                        &mut config,
+                    )));
+                }
+            }
+            CommandKind::WriteInput(ref w) => {
+                if writes_done.insert(w.collection_id) {
+                    out.push(placeholder(w.collection_id));
+                }
+            }
+            CommandKind::CreateDataflow(ref d) => {
+                if !dead_dataflows.contains(&d.id) {
+                    out.push(c);
+                }
+            }
+            CommandKind::Schedule { dataflow_id } => {
+                if !dead_dataflows.contains(&dataflow_id) && scheduled.insert(dataflow_id) {
+                    out.push(c);
+                }
+            }
+            CommandKind::AllowCompaction { collection_id, .. } => {
+                if !dead_collections.contains(&collection_id)
+                    && compaction_done.insert(collection_id)
+                {
+                    out.push(CommandKind::AllowCompaction {
+                        collection_id,
+                        frontier: final_compaction[&collection_id],
+                    });
+                }
+            }
+            CommandKind::Peek(ref p) => {
+                if !canceled.contains(&p.peek_id) && !dropped.contains(&p.collection_id) {
+                    out.push(c);
+                }
+            }
+            CommandKind::Subscribe(ref s) => {
+                if !dropped.contains(&s.collection_id) {
+                    out.push(c);
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Sorts updates by (row, time), sums the diffs of equal (row, time) and drops

@@ -35,7 +35,7 @@ pub use types::*;
 
 /// The protocol version this build speaks. A process refuses a `Hello` with any
 /// other version.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The generated wire types. Use [`types`] inside the code; these only at the edges.
 #[allow(missing_docs, clippy::all)]

@@ -27,7 +27,7 @@ pub fn merge_peek(results: impl IntoIterator<Item = PeekResult>) -> PeekResult {
         match r {
             PeekResult::Error(e) => return PeekResult::Error(e),
             PeekResult::Canceled => canceled = true,
-            PeekResult::Rows(rs) => {
+            PeekResult::Rows(rs) | PeekResult::Part(rs) => {
                 for (row, d) in rs {
                     *rows.entry(row).or_default() += d;
                 }

@@ -469,6 +469,93 @@ pub struct WriteInput {
     pub updates: Vec<Update>,
     /// The new upper.
     pub upper: Timestamp,
+    /// More parts of this write follow (see [`WriteInput::split`]); a worker
+    /// holds a part until the last one arrives.
+    pub more: bool,
+}
+
+/// An upper bound on the bytes one update or row of `arity` values takes in
+/// an encoded message (each varint at most 10 bytes, plus tags and lengths).
+pub fn encoded_row_bound(arity: usize) -> usize {
+    11 * arity + 32
+}
+
+/// Splits `items` into runs whose encoded size (by `bound`) stays within
+/// `max_bytes` (every run holds at least one item).
+pub fn split_by_size<T>(
+    items: Vec<T>,
+    max_bytes: usize,
+    bound: impl Fn(&T) -> usize,
+) -> Vec<Vec<T>> {
+    let mut parts = Vec::new();
+    let mut part = Vec::new();
+    let mut size = 0;
+    for item in items {
+        let b = bound(&item);
+        if !part.is_empty() && size + b > max_bytes {
+            parts.push(std::mem::take(&mut part));
+            size = 0;
+        }
+        size += b;
+        part.push(item);
+    }
+    if !part.is_empty() || parts.is_empty() {
+        parts.push(part);
+    }
+    parts
+}
+
+impl WriteInput {
+    /// Splits the write into parts whose updates take at most `max_bytes`
+    /// encoded: every part but the last has `more` set, and all carry the
+    /// same upper. A write that fits is returned as it is.
+    pub fn split(self, max_bytes: usize) -> Vec<WriteInput> {
+        let WriteInput {
+            collection_id,
+            updates,
+            upper,
+            more,
+        } = self;
+        let parts = split_by_size(updates, max_bytes, |u| encoded_row_bound(u.row.len()));
+        let n = parts.len();
+        parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, updates)| WriteInput {
+                collection_id,
+                updates,
+                upper,
+                more: more || i + 1 < n,
+            })
+            .collect()
+    }
+}
+
+impl PeekResponse {
+    /// Splits an answer whose rows take more than `max_bytes` encoded into
+    /// [`PeekResult::Part`]s ended by a [`PeekResult::Rows`]; any other
+    /// answer is returned as it is.
+    pub fn split(self, max_bytes: usize) -> Vec<PeekResponse> {
+        let PeekResponse { peek_id, result } = self;
+        let rows = match result {
+            PeekResult::Rows(rows) => rows,
+            result => return vec![PeekResponse { peek_id, result }],
+        };
+        let parts = split_by_size(rows, max_bytes, |(row, _)| encoded_row_bound(row.len()));
+        let n = parts.len();
+        parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, rows)| PeekResponse {
+                peek_id,
+                result: if i + 1 < n {
+                    PeekResult::Part(rows)
+                } else {
+                    PeekResult::Rows(rows)
+                },
+            })
+            .collect()
+    }
 }
 
 /// One response from one process.
@@ -509,6 +596,9 @@ pub struct PeekResponse {
 pub enum PeekResult {
     /// Rows with their multiplicities.
     Rows(Vec<(Row, i64)>),
+    /// A part of the rows; more follow, ended by [`PeekResult::Rows`] (an
+    /// answer larger than the frame limit is sent in parts).
+    Part(Vec<(Row, i64)>),
     /// The peek could not be answered.
     Error(String),
     /// The peek was canceled.

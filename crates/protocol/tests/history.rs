@@ -27,6 +27,7 @@ fn write(updates: &[(i64, u64, i64)], upper: u64) -> CommandKind {
             })
             .collect(),
         upper,
+        more: false,
     })
 }
 

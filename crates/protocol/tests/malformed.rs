@@ -69,6 +69,7 @@ fn oversized_message_is_not_sent() {
                 diff: 1,
             }],
             upper: 1,
+            more: false,
         }),
     };
     let mut buf = BytesMut::new();

@@ -41,8 +41,10 @@ struct Args {
     /// Seconds to wait for every peer before giving up.
     #[arg(long, default_value_t = 30)]
     cluster_timeout_secs: u64,
-    /// The largest frame accepted from a controller or sent to one, in bytes.
-    #[arg(long, env = "LOCKSTEP_MAX_FRAME_LEN", default_value_t = DEFAULT_MAX_FRAME_LEN)]
+    /// The largest frame accepted from a controller or sent to one, in bytes
+    /// (at least 64 KiB); peek answers larger than half of it go in parts.
+    #[arg(long, env = "LOCKSTEP_MAX_FRAME_LEN", default_value_t = DEFAULT_MAX_FRAME_LEN,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(65536..=(1u64 << 30)))]
     max_frame_len: usize,
     /// The replica's command log (a SQLite file shared by its processes),
     /// needed by commands sent with the `log` strategy.

@@ -370,8 +370,36 @@ async fn connection(
         "controller session started"
     );
 
+    let max_frame_len = config.max_frame_len;
     let writer = tokio::spawn(async move {
         while let Some(r) = wrx.recv().await {
+            // A peek answer too large for one frame goes in parts.
+            let r = match r.kind {
+                ResponseKind::PeekResponse(p) => {
+                    let process_index = r.process_index;
+                    let mut parts = p.split(max_frame_len / 2).into_iter();
+                    let last = parts.next_back().expect("at least one part");
+                    let mut failed = false;
+                    for part in parts {
+                        let part = Response {
+                            process_index,
+                            kind: ResponseKind::PeekResponse(part),
+                        };
+                        if sink.send(part).await.is_err() {
+                            failed = true;
+                            break;
+                        }
+                    }
+                    if failed {
+                        break;
+                    }
+                    Response {
+                        process_index,
+                        kind: ResponseKind::PeekResponse(last),
+                    }
+                }
+                kind => Response { kind, ..r },
+            };
             let process_index = r.process_index;
             let peek_id = match &r.kind {
                 ResponseKind::PeekResponse(p) => Some(p.peek_id),

@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use lockstep_protocol::WireMessage;
 use lockstep_protocol::{CommandHistory, Strategy};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -381,41 +382,91 @@ async fn restarts_then_more_creates_log() {
 /// A peek answer over the frame limit is answered with an error, and the
 /// process keeps answering: it used to kill the process's response writer,
 /// so the process went silent, was restarted and was asked again, forever.
+/// A controller of `r` whose connections use `max_frame_len`, like the
+/// replica's processes.
+fn controller_framed(
+    r: &TestReplica,
+    epoch: u64,
+    history: CommandHistory,
+    strategy: Strategy,
+    max_frame_len: usize,
+) -> lockstep_controller::Controller {
+    let mut addrs = r.addrs.clone();
+    addrs.max_frame_len = max_frame_len;
+    lockstep_controller::Controller::start(
+        addrs,
+        epoch,
+        history,
+        Box::new(lockstep_policy::FixedStrategy(strategy)),
+        test_timeouts(),
+    )
+}
+
+/// A write, a peek answer and a rehydration 50 times the frame limit travel
+/// in parts. Before parts, the controller could not encode the write (it
+/// reconnected forever and the frontier never advanced), and a process could
+/// only answer such a peek with an error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peek_answer_over_the_frame_limit_is_an_error_not_a_silent_process() {
-    let r = start_replica_with_env(24, 2, 1, &[("LOCKSTEP_MAX_FRAME_LEN", "65536")]).await;
-    let c = controller(&r, 1, CommandHistory::new());
-    // 200 input rows (a few KiB) that join into 40,000 (far over 64 KiB).
-    let square = dataflow(
+async fn writes_peeks_and_rehydration_50_times_the_frame_limit_travel_in_parts() {
+    const LIMIT: usize = 64 << 10;
+    let limit = LIMIT.to_string();
+    let env = [("LOCKSTEP_MAX_FRAME_LEN", limit.as_str())];
+    let identity = dataflow(
         1,
         &[1],
-        lockstep_protocol::text::parse_plan("join(get(1), get(1), #1, #1)").unwrap(),
+        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
     );
-    let few = dataflow(
-        2,
-        &[1],
-        lockstep_protocol::text::parse_plan("filter(get(1), #0 < 3)").unwrap(),
-    );
-    c.create_dataflow(square).unwrap();
-    c.create_dataflow(few).unwrap();
-    let rows: Vec<_> = (0..200i64).map(|i| u(&[i, 7], 0, 1)).collect();
-    c.write_input(1, rows, 1).unwrap();
+    // 60,000 rows of 8 large values: about 3.7 MB encoded, over 50 frames.
+    let rows: Vec<_> = (0..60_000i64)
+        .map(|i| {
+            let row: Vec<i64> = (0..8).map(|c| i * 1_000_000_007 + c).collect();
+            u(&row, 0, 1)
+        })
+        .collect();
+    let write = lockstep_protocol::WriteInput {
+        collection_id: 1,
+        updates: rows.clone(),
+        upper: 1,
+        more: false,
+    };
+    let encoded = lockstep_protocol::Command {
+        seqno: 1,
+        strategy: Strategy::Barrier,
+        kind: lockstep_protocol::CommandKind::WriteInput(write.clone()),
+    }
+    .encode_to_vec()
+    .len();
+    assert!(encoded > 50 * LIMIT, "only {encoded} bytes");
+    let expected = as_multiset(rows.iter().map(|u| (u.row.clone(), 1)).collect());
+
+    let r = start_replica_with_env(24, 2, 1, &env).await;
+    let c = controller_framed(&r, 1, CommandHistory::new(), Strategy::Barrier, LIMIT);
+    c.create_dataflow(identity.clone()).unwrap();
+    c.write_input(1, rows.clone(), 1).unwrap();
     if let Err(e) = c.wait_for_frontier(1001, 0).await {
         panic!("{e}\n{}", logs(&r, 10));
     }
-    match c.peek(1001, 0).await {
-        Ok(rows) => panic!("a peek of {} rows fit in 64 KiB frames", rows.len()),
-        Err(e) => assert!(
-            e.to_string()
-                .contains("over the frame limit of 65536 bytes"),
-            "{e}"
-        ),
+    let got = c.peek(1001, 0).await.unwrap();
+    assert_eq!(as_multiset(got), expected);
+    c.shutdown();
+
+    // A fresh replica rehydrated from a history holding that write, with the
+    // log strategy (the parts go through the command log).
+    let mut history = CommandHistory::new();
+    history.push(lockstep_protocol::CommandKind::CreateDataflow(
+        identity.clone(),
+    ));
+    history.push(lockstep_protocol::CommandKind::Schedule { dataflow_id: 1 });
+    history.push(lockstep_protocol::CommandKind::WriteInput(write));
+    let fresh = start_replica_with_env(25, 2, 1, &env).await;
+    let c = controller_framed(&fresh, 1, history, Strategy::Log, LIMIT);
+    if let Err(e) = c.wait_for_frontier(1001, 0).await {
+        panic!("{e}\n{}", logs(&fresh, 10));
     }
-    // The process still answers.
-    let rows = c.peek(1002, 0).await.unwrap();
-    assert_eq!(rows.len(), 3, "{rows:?}");
+    let got = c.peek(1001, 0).await.unwrap();
+    assert_eq!(as_multiset(got), expected);
     for s in c.statuses().await.unwrap() {
-        assert_eq!(s.installed.len(), 2, "worker {}", s.worker_index);
+        assert_eq!(s.installed, vec![1], "worker {}", s.worker_index);
     }
     c.shutdown();
 }

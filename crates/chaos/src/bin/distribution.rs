@@ -261,6 +261,7 @@ fn history(dataflows: &[DataflowDescription]) -> CommandHistory {
             collection_id: c,
             updates: ups,
             upper,
+            more: false,
         }));
     }
     for d in dataflows {

@@ -94,6 +94,8 @@ type StatusWaiter = (Option<(u64, u64)>, bool, oneshot::Sender<Vec<Status>>);
 
 struct PendingPeek {
     results: BTreeMap<usize, PeekResult>,
+    /// Rows of answers that came in parts, per process, until the last part.
+    parts: BTreeMap<usize, Vec<(Row, i64)>>,
     reply: oneshot::Sender<Result<Vec<(Row, i64)>, ControllerError>>,
 }
 
@@ -257,6 +259,7 @@ impl Actor {
                     peek_id,
                     PendingPeek {
                         results: BTreeMap::new(),
+                        parts: BTreeMap::new(),
                         reply,
                     },
                 );
@@ -337,12 +340,26 @@ impl Actor {
             ResponseKind::PeekResponse(r) => {
                 let n = self.replica.processes.len();
                 if let Some(pending) = self.peeks.get_mut(&r.peek_id) {
-                    pending.results.insert(p, r.result);
+                    let result = match r.result {
+                        PeekResult::Part(rows) => {
+                            pending.parts.entry(p).or_default().extend(rows);
+                            return;
+                        }
+                        PeekResult::Rows(rows) => match pending.parts.remove(&p) {
+                            Some(mut parts) => {
+                                parts.extend(rows);
+                                PeekResult::Rows(parts)
+                            }
+                            None => PeekResult::Rows(rows),
+                        },
+                        other => other,
+                    };
+                    pending.results.insert(p, result);
                     if pending.results.len() == n {
                         let pending = self.peeks.remove(&r.peek_id).expect("present");
                         self.history.retire_peek(r.peek_id);
                         let answer = match merge_peek(pending.results.into_values()) {
-                            PeekResult::Rows(rows) => Ok(rows),
+                            PeekResult::Rows(rows) | PeekResult::Part(rows) => Ok(rows),
                             PeekResult::Error(e) => Err(ControllerError::Replica(e)),
                             PeekResult::Canceled => {
                                 Err(ControllerError::Replica("peek canceled".into()))

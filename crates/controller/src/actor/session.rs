@@ -180,7 +180,15 @@ impl Actor {
         self.conns = socks
             .into_iter()
             .enumerate()
-            .map(|(i, s)| Some(connection::spawn(s, i, generation, self.to_self.clone())))
+            .map(|(i, s)| {
+                Some(connection::spawn(
+                    s,
+                    i,
+                    generation,
+                    self.replica.max_frame_len,
+                    self.to_self.clone(),
+                ))
+            })
             .collect();
         let now = Instant::now();
         self.last_heard = vec![now; self.conns.len()];
@@ -190,6 +198,7 @@ impl Actor {
         self.full_statuses.clear();
         for p in self.peeks.values_mut() {
             p.results.clear();
+            p.parts.clear();
         }
         for (m, _) in self.subs.values_mut() {
             m.restart();

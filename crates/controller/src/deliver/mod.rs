@@ -28,7 +28,16 @@ impl Actor {
             return;
         }
         let strategy = self.strategy_for(&kind);
-        self.broadcast_with(kind, strategy);
+        match kind {
+            // A write too large for one frame goes in parts, all with the
+            // strategy chosen for the whole write.
+            CommandKind::WriteInput(w) => {
+                for part in w.split(self.replica.max_frame_len / 2) {
+                    self.broadcast_with(CommandKind::WriteInput(part), strategy);
+                }
+            }
+            kind => self.broadcast_with(kind, strategy),
+        }
     }
 
     /// Sends a command to every process with `strategy`.

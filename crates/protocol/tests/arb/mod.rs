@@ -167,15 +167,20 @@ pub fn command_kind() -> impl Strategy<Value = CommandKind> {
                 as_of: c
             }
         )),
-        (any::<u64>(), vec(update(), 0..4), any::<u64>()).prop_map(
-            |(collection_id, updates, upper)| {
+        (
+            any::<u64>(),
+            vec(update(), 0..4),
+            any::<u64>(),
+            any::<bool>()
+        )
+            .prop_map(|(collection_id, updates, upper, more)| {
                 CommandKind::WriteInput(WriteInput {
                     collection_id,
                     updates,
                     upper,
+                    more,
                 })
-            }
-        ),
+            }),
         any::<bool>().prop_map(|full| CommandKind::StatusRequest { full }),
     ]
 }
@@ -211,6 +216,7 @@ pub fn response() -> impl Strategy<Value = Response> {
             any::<u64>(),
             prop_oneof![
                 vec((row(), any::<i64>()), 0..4).prop_map(PeekResult::Rows),
+                vec((row(), any::<i64>()), 0..4).prop_map(PeekResult::Part),
                 ".{0,10}".prop_map(PeekResult::Error),
                 Just(PeekResult::Canceled),
             ]

@@ -136,7 +136,7 @@ impl WorkerState {
             );
             self.drop_dataflow(worker, id);
         }
-        self.history = lockstep_protocol::CommandHistory::new();
+        self.history = lockstep_protocol::CommandHistory::summarizing();
         for cmd in buffer {
             self.apply(worker, cmd);
         }

@@ -146,7 +146,22 @@ impl WorkerState {
                     );
                     return;
                 }
-                self.write_input(w);
+                if w.more {
+                    // Not applied (nor history) before the last part.
+                    self.write_parts
+                        .entry(w.collection_id)
+                        .or_default()
+                        .extend(w.updates.iter().cloned());
+                    return;
+                }
+                let mut whole = w.clone();
+                if let Some(mut parts) = self.write_parts.remove(&w.collection_id) {
+                    parts.append(&mut whole.updates);
+                    whole.updates = parts;
+                }
+                self.write_input(&whole);
+                self.history.push(CommandKind::WriteInput(whole));
+                return;
             }
         }
         self.history.push(cmd.kind);
@@ -169,7 +184,7 @@ impl WorkerState {
             "write input"
         );
         store.upper = new_upper;
-        store.updates.extend(fresh.iter().cloned());
+        store.extend(fresh.iter().cloned());
         for inst in self.dataflows.values_mut() {
             for (id, session) in &mut inst.sessions {
                 if *id == w.collection_id {

@@ -136,10 +136,25 @@ pub(crate) struct Installed {
     exports: BTreeMap<u64, ExportState>,
 }
 
+/// The updates of one input collection this worker introduces (the rows it
+/// owns), consolidated whenever they doubled since the last time; dataflows
+/// built later read them from here.
 #[derive(Default)]
 struct InputStore {
     updates: Vec<Update>,
+    consolidated: usize,
     upper: u64,
+}
+
+impl InputStore {
+    fn extend(&mut self, fresh: impl IntoIterator<Item = Update>) {
+        self.updates.extend(fresh);
+        if self.updates.len() > 2 * self.consolidated + 1024 {
+            self.updates =
+                lockstep_protocol::history::consolidate(std::mem::take(&mut self.updates));
+            self.consolidated = self.updates.len();
+        }
+    }
 }
 
 struct SubState {
@@ -161,6 +176,9 @@ pub struct WorkerState {
     pub(crate) history: CommandHistory,
     reconciling: Option<Vec<Command>>,
     inputs: BTreeMap<u64, InputStore>,
+    /// Parts of a write split by the controller, held until its last part
+    /// arrives (forgotten when a new session starts: it resends them).
+    write_parts: BTreeMap<u64, Vec<Update>>,
     pub(crate) dataflows: BTreeMap<u64, Installed>,
     collections: BTreeMap<u64, u64>,
     pub(crate) creation_log: Vec<CreationLogEntry>,
@@ -192,9 +210,10 @@ impl WorkerState {
             epoch: 0,
             nonce: 0,
             applied_seqno: 0,
-            history: CommandHistory::new(),
+            history: CommandHistory::summarizing(),
             reconciling: None,
             inputs: BTreeMap::new(),
+            write_parts: BTreeMap::new(),
             dataflows: BTreeMap::new(),
             collections: BTreeMap::new(),
             creation_log: Vec::new(),
@@ -259,6 +278,7 @@ impl WorkerState {
                 self.reconciling = Some(Vec::new());
                 self.peeks.clear();
                 self.subs.clear();
+                self.write_parts.clear();
                 for inst in self.dataflows.values_mut() {
                     for e in inst.exports.values_mut() {
                         e.reported = None;

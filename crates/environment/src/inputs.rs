@@ -1,0 +1,277 @@
+//! The environment's index of input collections.
+//!
+//! The catalog stores every acknowledged write to an input collection; this
+//! index holds, per replica and collection, the consolidated updates and the
+//! upper of what it stores, built once when the environment loads. A write is
+//! checked against the index and recorded in it in O(batch) (amortized: the
+//! updates are consolidated whenever they doubled), a replica's rehydration
+//! sends one consolidated write per collection, and the catalog's rows of a
+//! collection are replaced by their consolidation whenever its stored updates
+//! doubled since the last time, so that they stay within about twice the
+//! collection's live updates rather than growing with every write.
+//!
+//! Consolidation sums the diffs of equal (row, time); updates at different
+//! times stay apart (inputs have no compaction frontier yet), so a collection
+//! whose rows are inserted and later retracted keeps both updates.
+
+use std::collections::BTreeMap;
+
+use lockstep_protocol::history::InputLog;
+use lockstep_protocol::{Timestamp, Update, WriteInput};
+
+/// The stored writes of one input collection.
+#[derive(Debug, Default)]
+struct StoredInput {
+    log: InputLog,
+    /// Updates in the catalog's rows of this collection.
+    catalog_updates: usize,
+    /// `catalog_updates` when the rows were last replaced.
+    snapshot_updates: usize,
+    /// The sum of |diff| over `log`'s updates: no accumulation of a subset of
+    /// them overflows i64 while it is at most `i64::MAX`.
+    magnitude: u128,
+}
+
+impl StoredInput {
+    fn consolidate(&mut self) {
+        self.log.consolidate();
+        self.magnitude = magnitude(self.log.updates());
+    }
+}
+
+fn magnitude(updates: &[Update]) -> u128 {
+    updates.iter().map(|u| u.diff.unsigned_abs() as u128).sum()
+}
+
+/// Why a write is refused (nothing was stored).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WriteRefused {
+    /// The new upper is below the collection's.
+    #[error("upper {upper} is below collection {collection}'s current upper {current}")]
+    UpperBelow {
+        /// The collection.
+        collection: u64,
+        /// The write's upper.
+        upper: Timestamp,
+        /// The collection's upper.
+        current: Timestamp,
+    },
+    /// An update's time is outside `[current upper, new upper)`.
+    #[error("update at time {time} is outside [{current}, {upper})")]
+    TimeOutside {
+        /// The update's time.
+        time: Timestamp,
+        /// The collection's upper.
+        current: Timestamp,
+        /// The write's upper.
+        upper: Timestamp,
+    },
+    /// The collection's diffs would add up beyond what an i64 holds.
+    #[error(
+        "collection {collection}'s multiplicities would exceed {max} in total (the sum of |diff| over its consolidated updates); sums of them could overflow",
+        max = i64::MAX
+    )]
+    Overflow {
+        /// The collection.
+        collection: u64,
+    },
+}
+
+/// Per replica, per input collection: what the catalog stores.
+#[derive(Debug, Default)]
+pub(crate) struct Inputs {
+    by_replica: BTreeMap<u64, BTreeMap<u64, StoredInput>>,
+}
+
+impl Inputs {
+    /// Indexes the catalog's writes, in their order.
+    pub(crate) fn load(writes: impl IntoIterator<Item = (u64, WriteInput)>) -> Inputs {
+        let mut inputs = Inputs::default();
+        for (replica_id, w) in writes {
+            let s = inputs.entry(replica_id, w.collection_id);
+            s.catalog_updates += w.updates.len();
+            s.magnitude += magnitude(&w.updates);
+            s.log.append(w.updates, w.upper, true);
+        }
+        for s in inputs.by_replica.values_mut().flat_map(|m| m.values_mut()) {
+            s.consolidate();
+            s.snapshot_updates = s.log.updates().len();
+        }
+        inputs
+    }
+
+    fn entry(&mut self, replica_id: u64, collection_id: u64) -> &mut StoredInput {
+        self.by_replica
+            .entry(replica_id)
+            .or_default()
+            .entry(collection_id)
+            .or_default()
+    }
+
+    /// The upper of a collection (0 if never written).
+    pub(crate) fn upper(&self, replica_id: u64, collection_id: u64) -> Timestamp {
+        self.by_replica
+            .get(&replica_id)
+            .and_then(|m| m.get(&collection_id))
+            .map_or(0, |s| s.log.upper())
+    }
+
+    /// Whether a write would be accepted; nothing changes.
+    pub(crate) fn check(
+        &self,
+        replica_id: u64,
+        collection_id: u64,
+        updates: &[Update],
+        upper: Timestamp,
+    ) -> Result<(), WriteRefused> {
+        let current = self.upper(replica_id, collection_id);
+        if upper < current {
+            return Err(WriteRefused::UpperBelow {
+                collection: collection_id,
+                upper,
+                current,
+            });
+        }
+        if let Some(u) = updates.iter().find(|u| u.time < current || u.time >= upper) {
+            return Err(WriteRefused::TimeOutside {
+                time: u.time,
+                current,
+                upper,
+            });
+        }
+        let stored = self
+            .by_replica
+            .get(&replica_id)
+            .and_then(|m| m.get(&collection_id))
+            .map_or(0, |s| s.magnitude);
+        if stored + magnitude(updates) > i64::MAX as u128 {
+            return Err(WriteRefused::Overflow {
+                collection: collection_id,
+            });
+        }
+        Ok(())
+    }
+
+    /// Records a write the catalog stored (and [`check`](Self::check)
+    /// accepted). Returns the collection's consolidated write when its
+    /// catalog rows should be replaced by it (call
+    /// [`replaced`](Self::replaced) once they were).
+    pub(crate) fn record(
+        &mut self,
+        replica_id: u64,
+        collection_id: u64,
+        updates: Vec<Update>,
+        upper: Timestamp,
+    ) -> Option<WriteInput> {
+        let s = self.entry(replica_id, collection_id);
+        s.catalog_updates += updates.len();
+        s.magnitude += magnitude(&updates);
+        s.log.append(updates, upper, true);
+        if s.catalog_updates <= 2 * s.snapshot_updates + 1024 {
+            return None;
+        }
+        s.consolidate();
+        Some(WriteInput {
+            collection_id,
+            updates: s.log.updates().to_vec(),
+            upper: s.log.upper(),
+            more: false,
+        })
+    }
+
+    /// The catalog's rows of a collection were replaced by its consolidation.
+    pub(crate) fn replaced(&mut self, replica_id: u64, collection_id: u64) {
+        let s = self.entry(replica_id, collection_id);
+        s.catalog_updates = s.log.updates().len();
+        s.snapshot_updates = s.catalog_updates;
+    }
+
+    /// Every input collection of a replica as one consolidated write each.
+    pub(crate) fn writes_of(&mut self, replica_id: u64) -> Vec<WriteInput> {
+        let Some(m) = self.by_replica.get_mut(&replica_id) else {
+            return Vec::new();
+        };
+        m.iter_mut()
+            .map(|(&collection_id, s)| {
+                s.consolidate();
+                WriteInput {
+                    collection_id,
+                    updates: s.log.updates().to_vec(),
+                    upper: s.log.upper(),
+                    more: false,
+                }
+            })
+            .collect()
+    }
+
+    /// Forgets a dropped replica's inputs.
+    pub(crate) fn drop_replica(&mut self, replica_id: u64) {
+        self.by_replica.remove(&replica_id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn up(v: i64, time: u64, diff: i64) -> Update {
+        Update {
+            row: vec![v],
+            time,
+            diff,
+        }
+    }
+
+    #[test]
+    fn writes_are_checked_against_the_upper_and_the_magnitude() {
+        let mut inputs = Inputs::default();
+        assert_eq!(inputs.check(1, 7, &[up(1, 0, 1)], 1), Ok(()));
+        inputs.record(1, 7, vec![up(1, 0, i64::MAX - 1)], 1);
+        assert_eq!(inputs.upper(1, 7), 1);
+        assert!(matches!(
+            inputs.check(1, 7, &[], 0),
+            Err(WriteRefused::UpperBelow { current: 1, .. })
+        ));
+        assert!(matches!(
+            inputs.check(1, 7, &[up(1, 0, 1)], 2),
+            Err(WriteRefused::TimeOutside { time: 0, .. })
+        ));
+        assert_eq!(inputs.check(1, 7, &[up(2, 1, 1)], 2), Ok(()));
+        assert_eq!(
+            inputs.check(1, 7, &[up(2, 1, -2)], 2),
+            Err(WriteRefused::Overflow { collection: 7 })
+        );
+        // Another collection and another replica are apart.
+        assert_eq!(inputs.check(1, 8, &[up(2, 0, i64::MAX)], 1), Ok(()));
+        assert_eq!(inputs.check(2, 7, &[up(2, 0, 1)], 1), Ok(()));
+    }
+
+    #[test]
+    fn the_catalog_rows_are_replaced_once_the_updates_doubled_and_stay_consolidated() {
+        let mut inputs = Inputs::default();
+        let mut replaced = 0;
+        // One row inserted and retracted at the same time, over and over:
+        // the consolidation is empty, the stored updates never are.
+        for t in 0..10_000u64 {
+            let batch = vec![up(1, t, 1), up(1, t, -1), up(t as i64 % 3, t, 1)];
+            if let Some(snapshot) = inputs.record(1, 7, batch, t + 1) {
+                assert!(snapshot.updates.len() <= t as usize + 1);
+                inputs.replaced(1, 7);
+                replaced += 1;
+            }
+        }
+        let s = &inputs.by_replica[&1][&7];
+        assert!((1..=30).contains(&replaced), "{replaced} replacements");
+        assert!(
+            s.catalog_updates <= 2 * s.snapshot_updates + 1024 + 3,
+            "{} stored for {} live",
+            s.catalog_updates,
+            s.snapshot_updates
+        );
+        let writes = inputs.writes_of(1);
+        assert_eq!(writes.len(), 1);
+        assert_eq!(writes[0].upper, 10_000);
+        assert_eq!(writes[0].updates.len(), 10_000);
+        assert!(writes[0].updates.iter().all(|u| u.diff == 1));
+    }
+}
