@@ -95,6 +95,23 @@ pub trait CommandLog: Send {
     /// past `offset`, and `offset` is a marker, so a fresh replica starts
     /// there or later. Offsets of the remaining entries do not change.
     fn truncate_before(&mut self, epoch: u64, offset: u64) -> Result<usize, LogError>;
+    /// Deletes the StatusRequest entries (heartbeats and status requests,
+    /// which change no state) at or before `offset`, for a controller at
+    /// `epoch` (fenced like [`CommandLog::append`]); returns how many went.
+    /// The caller must know that every worker read past `offset`. Within a
+    /// long session this keeps the log proportional to the commands that
+    /// change state, not to the time the session ran.
+    fn forget_status_requests(&mut self, epoch: u64, offset: u64) -> Result<usize, LogError>;
+}
+
+/// The `marker` column: 1 for an epoch marker (Hello), 2 for a
+/// StatusRequest (forgettable), 0 for every other command.
+fn marker_of(kind: &CommandKind) -> i64 {
+    match kind {
+        CommandKind::Hello(_) => 1,
+        CommandKind::StatusRequest { .. } => 2,
+        _ => 0,
+    }
 }
 
 /// The on-disk format this build reads and writes.
@@ -274,12 +291,11 @@ impl CommandLog for SqliteLog {
                 .map_err(store)?;
             for c in commands {
                 last += 1;
-                let marker = matches!(c.kind, CommandKind::Hello(_));
                 insert
                     .execute(params![
                         last,
                         epoch as i64,
-                        marker as i64,
+                        marker_of(&c.kind),
                         c.clone().encode_to_vec()
                     ])
                     .map_err(store)?;
@@ -336,6 +352,27 @@ impl CommandLog for SqliteLog {
         )
         .map_err(store)?;
         tx.commit().map_err(store)?;
+        Ok(gone)
+    }
+
+    fn forget_status_requests(&mut self, epoch: u64, offset: u64) -> Result<usize, LogError> {
+        let path = self.path.clone();
+        let tx = fenced(&mut self.conn, &self.path, epoch)?;
+        let gone = tx
+            .execute(
+                "DELETE FROM entries WHERE marker = 2 AND offset <= ?1",
+                params![offset as i64],
+            )
+            // The numbering must not go back if the newest entry went.
+            .and_then(|gone| {
+                tx.execute(
+                    "INSERT INTO meta (key, value) VALUES ('truncated', ?1) \
+                     ON CONFLICT (key) DO UPDATE SET value = MAX(value, ?1)",
+                    params![offset as i64],
+                )?;
+                tx.commit().map(|()| gone)
+            })
+            .map_err(|source| LogError::Store { path, source })?;
         Ok(gone)
     }
 

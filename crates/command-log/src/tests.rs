@@ -171,6 +171,42 @@ fn truncation_keeps_offsets_and_is_fenced() {
 }
 
 #[test]
+fn status_requests_are_forgotten_without_reusing_offsets_and_fenced() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l");
+    let mut log = SqliteLog::open(&path).unwrap();
+    let status = |seqno| cmd(seqno, CommandKind::StatusRequest { full: false });
+    log.append(
+        1,
+        &[
+            hello(1, 1),
+            status(1),
+            cmd(2, CommandKind::InitializationComplete),
+        ],
+    )
+    .unwrap();
+    assert_eq!(log.append(1, &[status(3), status(4)]).unwrap(), 5);
+    // Offsets 2, 4 and 5 are status requests; the newest goes too.
+    assert_eq!(log.forget_status_requests(1, 5).unwrap(), 3);
+    let left: Vec<u64> = log
+        .read_from(1, 10)
+        .unwrap()
+        .iter()
+        .map(|e| e.offset)
+        .collect();
+    assert_eq!(left, vec![1, 3]);
+    assert_eq!(log.start_offset().unwrap(), 1);
+    // A reader past offset 5 must see the next entry: no offset is reused.
+    assert_eq!(log.append(1, &[status(5)]).unwrap(), 6);
+    log.append(2, &[hello(2, 1)]).unwrap();
+    assert!(matches!(
+        log.forget_status_requests(1, 6),
+        Err(LogError::Fenced { .. })
+    ));
+    assert_eq!(log.read_from(6, 10).unwrap().len(), 2);
+}
+
+#[test]
 fn readers_need_an_existing_log() {
     let dir = tempfile::tempdir().unwrap();
     let err = SqliteLog::open_reader(&dir.path().join("missing")).unwrap_err();

@@ -470,3 +470,71 @@ async fn writes_peeks_and_rehydration_50_times_the_frame_limit_travel_in_parts()
     }
     c.shutdown();
 }
+
+/// In a log session, the StatusRequests (heartbeats, status calls) every
+/// worker applied leave the command log: its size follows the commands that
+/// change state, not the time the session ran. Before, every heartbeat stayed
+/// until the next session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_session_does_not_keep_its_status_requests() {
+    use lockstep_command_log::CommandLog;
+    let r = start_replica(26, 2, 1).await;
+    let c = controller_with(&r, 1, CommandHistory::new(), Strategy::Log);
+    let identity = dataflow(
+        1,
+        &[1],
+        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
+    );
+    c.create_dataflow(identity).unwrap();
+    c.write_input(1, vec![u(&[5], 0, 1)], 1).unwrap();
+    c.wait_for_frontier(1001, 0).await.unwrap();
+    for _ in 0..60 {
+        c.statuses().await.unwrap();
+    }
+    let mut log =
+        lockstep_command_log::SqliteLog::open(r.addrs.command_log.as_ref().unwrap()).unwrap();
+    let count = |log: &mut lockstep_command_log::SqliteLog| {
+        let entries = log.read_from(1, 100_000).unwrap();
+        let status = entries
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e.command.kind,
+                    lockstep_protocol::CommandKind::StatusRequest { .. }
+                )
+            })
+            .count();
+        let creates = entries
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e.command.kind,
+                    lockstep_protocol::CommandKind::CreateDataflow(_)
+                )
+            })
+            .count();
+        (status, creates)
+    };
+    // At least 60 were appended; wait (bounded) until the applied ones went.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let (status, creates) = count(&mut log);
+        assert_eq!(creates, 1, "the create left the log");
+        if status < 32 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{status} status requests still in the command log after 10 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    // The workers read on past the holes.
+    c.write_input(1, vec![u(&[6], 1, 1)], 2).unwrap();
+    c.wait_for_frontier(1001, 1).await.unwrap();
+    assert_eq!(
+        as_multiset(c.peek(1001, 1).await.unwrap()),
+        as_multiset(vec![(vec![5], 1), (vec![6], 1)])
+    );
+    c.shutdown();
+}

@@ -120,6 +120,9 @@ pub(crate) struct Actor {
     pub(crate) log_batch: Option<LogBatch>,
     /// The log offset of this session's Hello marker (log sessions).
     pub(crate) log_marker: Option<u64>,
+    /// The (sequence number, log offset) of this session's StatusRequests
+    /// in the command log, oldest first, until every worker applied them.
+    pub(crate) log_status_requests: std::collections::VecDeque<(u64, u64)>,
     /// Where the session is: connecting, rehydrating, waiting for the
     /// history check, serving, or crashed.
     phase: Phase,
@@ -177,6 +180,7 @@ pub(crate) fn spawn(
         log: None,
         log_batch: None,
         log_marker: None,
+        log_status_requests: Default::default(),
         phase: Phase::Disconnected,
         history,
         nonce: 0,
@@ -477,6 +481,16 @@ impl Actor {
         for id in abandoned {
             self.peeks.remove(&id);
             self.send(CommandKind::CancelPeek { peek_id: id });
+        }
+        // What every worker of this session applied (once all reported).
+        let applied: Vec<u64> = self
+            .statuses
+            .values()
+            .filter(|s| s.epoch == self.epoch && s.nonce == self.nonce)
+            .map(|s| s.applied_seqno)
+            .collect();
+        if applied.len() == self.replica.total_workers() {
+            self.forget_applied_status_requests(applied.into_iter().min().unwrap_or(0));
         }
         self.broadcast(CommandKind::StatusRequest { full: false });
         let now = Instant::now();

@@ -177,6 +177,7 @@ impl Actor {
         // session is abandoned once a worker joined a newer one.
         self.nonce += 1;
         self.seqno = 0;
+        self.log_status_requests.clear();
         self.conns = socks
             .into_iter()
             .enumerate()

@@ -4,12 +4,18 @@
 //! session starts with one append (`LogBatch`: process 0's Hello, which is
 //! the session's epoch marker, and the replayed history); once every worker
 //! answered that Hello, the log is truncated before the marker
-//! (`truncate_log`). A failed append stops the controller
+//! (`truncate_log`). Within a session, the StatusRequests (heartbeats)
+//! every worker applied are deleted in batches
+//! (`forget_applied_status_requests`), so the log grows with the commands
+//! that change state, not with time. A failed append stops the controller
 //! (`Event::LogFailed`). (The replica's side:
 //! `crates/replica/src/order/log.rs`.)
 
 use lockstep_command_log::{CommandLog, SqliteLog};
-use lockstep_protocol::Command;
+use lockstep_protocol::{Command, CommandKind};
+
+/// How many applied StatusRequests are deleted from the log at once.
+pub(crate) const FORGET_BATCH: usize = 16;
 
 use crate::actor::{Actor, Event, Reach};
 
@@ -39,20 +45,41 @@ impl Actor {
             self.crash();
             return;
         }
-        if !self.append_log(std::slice::from_ref(&cmd)) {
+        let Some(offset) = self.append_log_at(std::slice::from_ref(&cmd)) else {
             return;
+        };
+        if matches!(cmd.kind, CommandKind::StatusRequest { .. }) {
+            self.log_status_requests.push_back((cmd.seqno, offset));
         }
         self.send_copies(cmd, crash);
     }
 
-    /// Appends to the command log; a failure (fenced by a newer controller,
-    /// a broken store) stops this controller: it must not go on without its
-    /// log.
-    fn append_log(&mut self, commands: &[Command]) -> bool {
-        self.append_log_at(commands).is_some()
+    /// Deletes the StatusRequests (heartbeats) every worker of this session
+    /// applied (`applied`: the least sequence number they report), once
+    /// there are at least [`FORGET_BATCH`] of them: they change no state, and
+    /// a long session would otherwise grow the log by four entries a second.
+    /// A failure only leaves the entries.
+    pub(crate) fn forget_applied_status_requests(&mut self, applied: u64) {
+        let ready = self
+            .log_status_requests
+            .iter()
+            .take_while(|(seqno, _)| *seqno <= applied)
+            .count();
+        if ready < FORGET_BATCH {
+            return;
+        }
+        let (_, through) = self.log_status_requests[ready - 1];
+        self.log_status_requests.drain(..ready);
+        let Some(log) = self.log.as_mut() else { return };
+        match log.forget_status_requests(self.epoch, through) {
+            Ok(gone) => tracing::debug!(through, gone, "applied status requests forgotten"),
+            Err(e) => tracing::warn!(error = %e, "forgetting status requests failed; entries kept"),
+        }
     }
 
-    /// Appends; returns the offset of the first appended entry.
+    /// Appends to the command log; returns the offset of the first appended
+    /// entry. A failure (fenced by a newer controller, a broken store) stops
+    /// this controller: it must not go on without its log.
     fn append_log_at(&mut self, commands: &[Command]) -> Option<u64> {
         if self.log.is_none() {
             let Some(path) = &self.replica.command_log else {
