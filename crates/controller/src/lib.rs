@@ -132,6 +132,12 @@ pub enum ControllerError {
     /// The controller task is gone.
     #[error("the controller has shut down")]
     Shutdown,
+    /// The collection was dropped (a subscription to it ends with this).
+    #[error("collection {collection} was dropped")]
+    Dropped {
+        /// The collection.
+        collection: u64,
+    },
 }
 
 pub(crate) enum Request {
@@ -144,7 +150,7 @@ pub(crate) enum Request {
     Subscribe {
         collection: u64,
         as_of: Timestamp,
-        sink: mpsc::UnboundedSender<SubscribeBatch>,
+        sink: mpsc::UnboundedSender<Result<SubscribeBatch, ControllerError>>,
     },
     Statuses {
         full: bool,
@@ -301,11 +307,16 @@ impl Controller {
     }
 
     /// Streams a collection's changes from `as_of`, merged over all processes.
+    /// The stream ends after the batch with the empty upper, or with
+    /// [`ControllerError::Dropped`] when the collection is dropped; dropping
+    /// the receiver cancels the subscription (on the replica too, and it
+    /// leaves the history, so a reconnect does not replay it).
     pub fn subscribe(
         &self,
         collection: u64,
         as_of: Timestamp,
-    ) -> Result<mpsc::UnboundedReceiver<SubscribeBatch>, ControllerError> {
+    ) -> Result<mpsc::UnboundedReceiver<Result<SubscribeBatch, ControllerError>>, ControllerError>
+    {
         let (sink, rx) = mpsc::unbounded_channel();
         self.request(Request::Subscribe {
             collection,

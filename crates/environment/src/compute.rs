@@ -56,6 +56,14 @@ pub enum ComputeError {
     /// No dataflow with this ID.
     #[error("no dataflow with ID {0}")]
     NoSuchDataflow(u64),
+    /// No live dataflow of the replica exports this collection.
+    #[error("no dataflow on replica {replica:?} exports collection {collection}")]
+    NoSuchCollection {
+        /// The replica.
+        replica: String,
+        /// The collection.
+        collection: u64,
+    },
     /// The request makes no sense.
     #[error("invalid request: {0}")]
     Invalid(String),
@@ -699,6 +707,7 @@ impl Environment {
     ) -> Result<Vec<(Row, i64)>, ComputeError> {
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
+        self.check_exported(&replica, collection_id)?;
         Ok(self
             .controller_of(&replica)?
             .peek(collection_id, timestamp)
@@ -711,12 +720,37 @@ impl Environment {
         replica_name: &str,
         collection_id: u64,
         as_of: Timestamp,
-    ) -> Result<mpsc::UnboundedReceiver<SubscribeBatch>, ComputeError> {
+    ) -> Result<mpsc::UnboundedReceiver<Result<SubscribeBatch, ControllerError>>, ComputeError>
+    {
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
+        self.check_exported(&replica, collection_id)?;
         Ok(self
             .controller_of(&replica)?
             .subscribe(collection_id, as_of)?)
+    }
+
+    /// Fails with [`ComputeError::NoSuchCollection`] unless a live dataflow
+    /// of `replica` exports `collection_id`.
+    fn check_exported(&self, replica: &Replica, collection_id: u64) -> Result<(), ComputeError> {
+        let view = self.view.lock().expect("poisoned");
+        for d in view
+            .dataflows
+            .values()
+            .filter(|d| d.replica_id == replica.id)
+        {
+            if decode_dataflow(&d.description)?
+                .exports
+                .iter()
+                .any(|e| e.collection_id == collection_id)
+            {
+                return Ok(());
+            }
+        }
+        Err(ComputeError::NoSuchCollection {
+            replica: replica.name.clone(),
+            collection: collection_id,
+        })
     }
 }
 

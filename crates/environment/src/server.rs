@@ -245,6 +245,7 @@ impl EnvironmentApi for EnvironmentService {
             .subscribe(&r.replica, r.collection_id, r.as_of)
             .map_err(compute_status)?;
         let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|b| {
+            let b = b.map_err(|e| compute_status(e.into()))?;
             let kind: lockstep_protocol::proto::response::Kind =
                 lockstep_protocol::ResponseKind::SubscribeResponse(b).into();
             match kind {
@@ -261,13 +262,18 @@ pub fn compute_status(e: crate::compute::ComputeError) -> Status {
     use crate::compute::ComputeError as E;
     match e {
         E::Env(e) => status(e),
-        E::NoSuchReplica(_) | E::NoSuchDataflow(_) => Status::not_found(e.to_string()),
+        E::NoSuchReplica(_) | E::NoSuchDataflow(_) | E::NoSuchCollection { .. } => {
+            Status::not_found(e.to_string())
+        }
         E::Invalid(_) => Status::invalid_argument(e.to_string()),
         E::Controller(lockstep_controller::ControllerError::Timeout { .. }) => {
             Status::deadline_exceeded(e.to_string())
         }
         E::Controller(lockstep_controller::ControllerError::Replica(_)) => {
             Status::failed_precondition(e.to_string())
+        }
+        E::Controller(lockstep_controller::ControllerError::Dropped { .. }) => {
+            Status::not_found(e.to_string())
         }
         E::Controller(_) => Status::unavailable(e.to_string()),
         E::Corrupt(_) => Status::data_loss(e.to_string()),

@@ -11,146 +11,20 @@
 //! `cargo xtask test`, builds), or `$LOCKSTEP_REPLICA_BIN`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use lockstep_catalog::ReplicaConfig;
 use lockstep_environment::chaos::Sandbox;
-use lockstep_environment::template::DEFAULT_REPLICA_ARGS;
-use lockstep_environment::{Environment, EnvironmentConfig, ServiceTemplate};
-use lockstep_orchestrator::ServiceStatus;
-use lockstep_protocol::reference::{evaluate, Multiset};
-use lockstep_protocol::text::parse_plan;
-use lockstep_protocol::{Export, Update};
+use lockstep_protocol::reference::evaluate;
+use lockstep_protocol::Update;
 
 /// How long the environment may take from the SIGSTOP to a correct answer:
 /// the controller's 2 s heartbeat timeout, the restart, the reconnection and
 /// the rehydration, with room for a slow shared machine.
 const RECOVERY_BOUND: Duration = Duration::from_secs(60);
 
-fn replica_binary() -> PathBuf {
-    let path = std::env::var_os("LOCKSTEP_REPLICA_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_BIN_EXE_lockstep")).with_file_name("lockstep-replica")
-        });
-    assert!(
-        path.is_file(),
-        "{} is missing: build it first with `cargo build -p lockstep-replica` \
-         (`cargo test --workspace` and `cargo xtask test` do), or set LOCKSTEP_REPLICA_BIN",
-        path.display()
-    );
-    path
-}
-
-fn load_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environment {
-    Environment::load(EnvironmentConfig {
-        state_dir: state_dir.to_path_buf(),
-        orphan_policy: lockstep_policy::native_orphan_rule("id-watermark").unwrap(),
-        service: ServiceTemplate {
-            program: replica_binary(),
-            args: DEFAULT_REPLICA_ARGS.iter().map(|s| s.to_string()).collect(),
-        },
-        conditional_writes: true,
-        distribution_policy,
-        max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
-    })
-    .unwrap()
-}
-
-/// The start-up steps of `lockstep serve`, without serving.
-async fn start(state_dir: &Path) -> Environment {
-    start_with(state_dir, None).await
-}
-
-/// [`start`] with a WASM distribution policy.
-async fn start_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environment {
-    let env = load_with(state_dir, distribution_policy);
-    env.ensure_replicas().await.unwrap();
-    env.remove_orphans().await.unwrap();
-    env.start_compute().await.unwrap();
-    env
-}
-
-fn u(row: &[i64], time: u64, diff: i64) -> Update {
-    Update {
-        row: row.to_vec(),
-        time,
-        diff,
-    }
-}
-
-async fn service(env: &Environment) -> ServiceStatus {
-    let mut services = env.orchestrator().list_services().await.unwrap();
-    assert_eq!(services.len(), 1, "{services:?}");
-    services.remove(0)
-}
-
-/// Creates the dataflow both tests peek: a reduce over input 1, exported as
-/// collection 101 on replica `r1`; returns its plan.
-async fn create_reduce(env: &Environment) -> lockstep_protocol::Plan {
-    let plan = parse_plan("reduce(get(1), [#0], count, sum(#1))").unwrap();
-    env.create_dataflow(
-        "r1",
-        "reduce",
-        0,
-        vec![1],
-        vec![Export {
-            collection_id: 101,
-            plan: plan.clone(),
-        }],
-    )
-    .await
-    .unwrap();
-    plan
-}
-
-fn pids(s: &ServiceStatus) -> Vec<Option<u32>> {
-    s.processes.iter().map(|p| p.pid).collect()
-}
-
-/// The state letter of `/proc/PID/stat` (`T`: stopped), if the process exists.
-fn proc_state(pid: u32) -> Option<char> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    s[s.rfind(')')? + 2..].chars().next()
-}
-
-/// One variable of a process's environment.
-fn environ(pid: u32, key: &str) -> Option<String> {
-    let bytes = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    bytes.split(|b| *b == 0).find_map(|kv| {
-        let kv = String::from_utf8_lossy(kv);
-        kv.strip_prefix(&format!("{key}=")).map(|v| v.to_string())
-    })
-}
-
-/// Peeks until the answer is `expected`, each attempt bounded, up to `bound`;
-/// returns the last answer or error otherwise.
-async fn peek_until(
-    env: &Environment,
-    collection: u64,
-    at: u64,
-    expected: &Multiset,
-    bound: Duration,
-) -> Result<Duration, String> {
-    let started = Instant::now();
-    let mut last = String::from("no answer yet");
-    while started.elapsed() < bound {
-        match tokio::time::timeout(Duration::from_secs(5), env.peek("r1", collection, at)).await {
-            Ok(Ok(rows)) => {
-                let got: Multiset = rows.into_iter().collect();
-                if &got == expected {
-                    return Ok(started.elapsed());
-                }
-                last = format!("wrong answer {got:?}");
-            }
-            Ok(Err(e)) => last = e.to_string(),
-            Err(_) => last = "the peek did not answer within 5 s".to_string(),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Err(last)
-}
+mod common;
+use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_replica_process_is_restarted_and_the_replica_answers_again() {

@@ -97,7 +97,9 @@ impl CommandClass {
             K::AllowCompaction { .. } => Self::AllowCompaction,
             K::Peek(_) => Self::Peek,
             K::CancelPeek { .. } => Self::CancelPeek,
-            K::Subscribe(_) => Self::Subscribe,
+            // Classed with the subscription it ends (the policy interface's
+            // command kinds stay as they are, so built policies keep working).
+            K::Subscribe(_) | K::CancelSubscribe { .. } => Self::Subscribe,
             K::WriteInput(_) => Self::WriteInput,
             K::StatusRequest { .. } => Self::StatusRequest,
         }

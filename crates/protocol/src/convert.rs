@@ -444,6 +444,9 @@ impl From<CommandKind> for p::command::Kind {
                 timestamp: pk.timestamp,
             }),
             CommandKind::CancelPeek { peek_id } => Kind::CancelPeek(p::CancelPeek { peek_id }),
+            CommandKind::CancelSubscribe { subscribe_id } => {
+                Kind::CancelSubscribe(p::CancelSubscribe { subscribe_id })
+            }
             CommandKind::Subscribe(s) => Kind::Subscribe(p::Subscribe {
                 subscribe_id: s.subscribe_id,
                 collection_id: s.collection_id,
@@ -496,6 +499,9 @@ impl TryFrom<p::command::Kind> for CommandKind {
                 timestamp: pk.timestamp,
             }),
             Kind::CancelPeek(c) => CommandKind::CancelPeek { peek_id: c.peek_id },
+            Kind::CancelSubscribe(c) => CommandKind::CancelSubscribe {
+                subscribe_id: c.subscribe_id,
+            },
             Kind::Subscribe(s) => CommandKind::Subscribe(Subscribe {
                 subscribe_id: s.subscribe_id,
                 collection_id: s.collection_id,

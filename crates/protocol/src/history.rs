@@ -9,7 +9,8 @@
 //! Compaction follows Materialize's `ComputeCommandHistory::reduce`:
 //! - a dataflow whose exports were all dropped (empty compaction frontier)
 //!   vanishes with its Schedule, AllowCompaction, Peek and Subscribe commands;
-//! - answered ([`CommandHistory::retire_peek`]) and canceled peeks vanish;
+//! - answered ([`CommandHistory::retire_peek`]) and canceled peeks vanish,
+//!   and so do canceled subscriptions;
 //! - configuration updates merge into one (later values win);
 //! - writes to one input collection consolidate into one WriteInput (kept
 //!   apart, in an [`InputLog`], so that writing costs amortized O(batch));
@@ -262,6 +263,7 @@ fn reduce_commands(commands: Vec<CommandKind>, retired: BTreeSet<u64>) -> Vec<Co
     // Pass 1: what the whole history says.
     let mut final_compaction: BTreeMap<u64, Frontier> = BTreeMap::new();
     let mut canceled: BTreeSet<u64> = retired;
+    let mut canceled_subs: BTreeSet<u64> = BTreeSet::new();
     let mut config: BTreeMap<String, String> = BTreeMap::new();
     let mut last_instance = None;
     let mut last_init = None;
@@ -275,6 +277,9 @@ fn reduce_commands(commands: Vec<CommandKind>, retired: BTreeSet<u64>) -> Vec<Co
             }
             CommandKind::CancelPeek { peek_id } => {
                 canceled.insert(*peek_id);
+            }
+            CommandKind::CancelSubscribe { subscribe_id } => {
+                canceled_subs.insert(*subscribe_id);
             }
             CommandKind::UpdateConfiguration(params) => {
                 config.extend(params.iter().map(|(k, v)| (k.clone(), v.clone())));
@@ -312,7 +317,8 @@ fn reduce_commands(commands: Vec<CommandKind>, retired: BTreeSet<u64>) -> Vec<Co
         match c {
             CommandKind::Hello(_)
             | CommandKind::StatusRequest { .. }
-            | CommandKind::CancelPeek { .. } => {}
+            | CommandKind::CancelPeek { .. }
+            | CommandKind::CancelSubscribe { .. } => {}
             CommandKind::CreateInstance(_) => {
                 if Some(i) == last_instance {
                     out.push(c);
@@ -362,7 +368,7 @@ fn reduce_commands(commands: Vec<CommandKind>, retired: BTreeSet<u64>) -> Vec<Co
                 }
             }
             CommandKind::Subscribe(ref s) => {
-                if !dropped.contains(&s.collection_id) {
+                if !dropped.contains(&s.collection_id) && !canceled_subs.contains(&s.subscribe_id) {
                     out.push(c);
                 }
             }

@@ -132,6 +132,11 @@ pub enum CommandKind {
     },
     /// Streams a collection's changes.
     Subscribe(Subscribe),
+    /// Ends a subscription.
+    CancelSubscribe {
+        /// The subscription.
+        subscribe_id: u64,
+    },
     /// Appends updates to an input collection.
     WriteInput(WriteInput),
     /// Asks every worker for its Status (the heartbeat).
@@ -155,6 +160,7 @@ impl CommandKind {
             CommandKind::Peek(_) => "peek",
             CommandKind::CancelPeek { .. } => "cancel-peek",
             CommandKind::Subscribe(_) => "subscribe",
+            CommandKind::CancelSubscribe { .. } => "cancel-subscribe",
             CommandKind::WriteInput(_) => "write-input",
             CommandKind::StatusRequest { .. } => "status-request",
         }

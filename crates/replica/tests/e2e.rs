@@ -107,7 +107,8 @@ async fn subscribe_streams_every_change() {
             let b = tokio::time::timeout(std::time::Duration::from_secs(20), rx.recv())
                 .await
                 .expect("subscribe batch within 20 s")
-                .expect("subscription open");
+                .expect("subscription open")
+                .expect("a batch, not an error");
             assert!(b
                 .updates
                 .iter()
@@ -536,5 +537,81 @@ async fn a_log_session_does_not_keep_its_status_requests() {
         as_multiset(c.peek(1001, 1).await.unwrap()),
         as_multiset(vec![(vec![5], 1), (vec![6], 1)])
     );
+    c.shutdown();
+}
+
+/// A subscription whose receiver is dropped is canceled and leaves the
+/// controller's history (a reconnect does not replay it); a subscription to
+/// a collection that is dropped ends with `Dropped`, not with silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_end_when_canceled_or_dropped() {
+    use lockstep_protocol::CommandKind;
+    let r = start_replica(27, 2, 1).await;
+    let c = controller(&r, 1, CommandHistory::new());
+    let a = dataflow(
+        1,
+        &[1],
+        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
+    );
+    let b = dataflow(
+        2,
+        &[1],
+        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
+    );
+    c.create_dataflow(a.clone()).unwrap();
+    c.create_dataflow(b.clone()).unwrap();
+    c.write_input(1, vec![u(&[5], 0, 1)], 1).unwrap();
+    c.wait_for_frontier(1002, 0).await.unwrap();
+    let subscribed = |mut h: CommandHistory| {
+        h.reduce();
+        h.commands()
+            .iter()
+            .filter(|k| matches!(k, CommandKind::Subscribe(_)))
+            .count()
+    };
+    let within = std::time::Duration::from_secs(20);
+
+    // Canceled by dropping the receiver after its first batch.
+    let mut rx = c.subscribe(1001, 0).unwrap();
+    let first = tokio::time::timeout(within, rx.recv())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.updates.len(), 1);
+    assert_eq!(subscribed(c.history().await.unwrap()), 1);
+    drop(rx);
+    let deadline = std::time::Instant::now() + within;
+    while subscribed(c.history().await.unwrap()) > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the canceled subscription is still in the history after 20 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+
+    // Ended by dropping its dataflow.
+    let mut rx = c.subscribe(1002, 0).unwrap();
+    tokio::time::timeout(within, rx.recv())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    c.drop_dataflow(&b).unwrap();
+    let end = loop {
+        match tokio::time::timeout(within, rx.recv()).await.unwrap() {
+            Some(Ok(_)) => continue,
+            end => break end,
+        }
+    };
+    assert_eq!(
+        end,
+        Some(Err(lockstep_controller::ControllerError::Dropped {
+            collection: 1002
+        }))
+    );
+    assert_eq!(tokio::time::timeout(within, rx.recv()).await.unwrap(), None);
+    // The other dataflow still answers.
+    assert_eq!(c.peek(1001, 0).await.unwrap(), vec![(vec![5], 1)]);
     c.shutdown();
 }

@@ -92,6 +92,15 @@ pub enum Event {
 /// A caller waiting for statuses, and the (nonce, seqno) of its request.
 type StatusWaiter = (Option<(u64, u64)>, bool, oneshot::Sender<Vec<Status>>);
 
+/// A subscription: its collection, the merge of the processes' batches, and
+/// where the merged batches go (until the receiver is dropped: then it is
+/// canceled).
+pub(crate) struct Sub {
+    collection: u64,
+    pub(crate) merge: SubscribeMerge,
+    sink: mpsc::UnboundedSender<Result<SubscribeBatch, ControllerError>>,
+}
+
 struct PendingPeek {
     results: BTreeMap<usize, PeekResult>,
     /// Rows of answers that came in parts, per process, until the last part.
@@ -138,7 +147,7 @@ pub(crate) struct Actor {
     peeks: BTreeMap<u64, PendingPeek>,
     next_peek_id: u64,
     next_subscribe_id: u64,
-    subs: BTreeMap<u64, (SubscribeMerge, mpsc::UnboundedSender<SubscribeBatch>)>,
+    subs: BTreeMap<u64, Sub>,
     statuses: BTreeMap<u32, Status>,
     /// The latest full status (history digest and creation log) per worker.
     full_statuses: BTreeMap<u32, Status>,
@@ -250,6 +259,25 @@ impl Actor {
                         self.frontiers.remove(&e.collection_id);
                     }
                 }
+                // A dropped collection ends its subscriptions with an error.
+                if let CommandKind::AllowCompaction {
+                    collection_id,
+                    frontier: None,
+                } = &kind
+                {
+                    let ended: Vec<u64> = self
+                        .subs
+                        .iter()
+                        .filter(|(_, s)| s.collection == *collection_id)
+                        .map(|(id, _)| *id)
+                        .collect();
+                    for id in ended {
+                        let sub = self.subs.remove(&id).expect("listed");
+                        let _ = sub.sink.send(Err(ControllerError::Dropped {
+                            collection: *collection_id,
+                        }));
+                    }
+                }
                 self.send(kind)
             }
             Request::Peek {
@@ -282,7 +310,11 @@ impl Actor {
                 self.next_subscribe_id += 1;
                 self.subs.insert(
                     id,
-                    (SubscribeMerge::new(self.replica.processes.len()), sink),
+                    Sub {
+                        collection,
+                        merge: SubscribeMerge::new(self.replica.processes.len()),
+                        sink,
+                    },
                 );
                 self.send(CommandKind::Subscribe(Subscribe {
                     subscribe_id: id,
@@ -375,11 +407,11 @@ impl Actor {
             }
             ResponseKind::SubscribeResponse(b) => {
                 let id = b.subscribe_id;
-                if let Some((merge, sink)) = self.subs.get_mut(&id) {
-                    if let Some(out) = merge.push(p, b) {
-                        let _ = sink.send(out);
+                if let Some(sub) = self.subs.get_mut(&id) {
+                    if let Some(out) = sub.merge.push(p, b) {
+                        let _ = sub.sink.send(Ok(out));
                     }
-                    if merge.is_done() {
+                    if sub.merge.is_done() {
                         self.subs.remove(&id);
                     }
                 }
@@ -481,6 +513,18 @@ impl Actor {
         for id in abandoned {
             self.peeks.remove(&id);
             self.send(CommandKind::CancelPeek { peek_id: id });
+        }
+        // Subscriptions whose receiver went away are canceled (and leave
+        // the history).
+        let abandoned: Vec<u64> = self
+            .subs
+            .iter()
+            .filter(|(_, s)| s.sink.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in abandoned {
+            self.subs.remove(&id);
+            self.send(CommandKind::CancelSubscribe { subscribe_id: id });
         }
         // What every worker of this session applied (once all reported).
         let applied: Vec<u64> = self

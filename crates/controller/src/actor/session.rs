@@ -201,8 +201,8 @@ impl Actor {
             p.results.clear();
             p.parts.clear();
         }
-        for (m, _) in self.subs.values_mut() {
-            m.restart();
+        for sub in self.subs.values_mut() {
+            sub.merge.restart();
         }
         // Hello to every process, then the compacted history, then
         // InitializationComplete: the replica reconciles to this target.

@@ -101,6 +101,11 @@ impl WorkerState {
                     });
                 }
             }
+            CommandKind::CancelSubscribe { subscribe_id } => {
+                if let Some(s) = self.subs.remove(subscribe_id) {
+                    self.forget_subscription(s.sub.collection_id, *subscribe_id);
+                }
+            }
             CommandKind::Subscribe(s) => {
                 if let Some(df) = self.collections.get(&s.collection_id) {
                     let export = &self.dataflows[df].exports[&s.collection_id];

@@ -154,7 +154,9 @@ impl WorkerState {
             }
         }
         for sid in finished {
-            self.subs.remove(&sid);
+            if let Some(s) = self.subs.remove(&sid) {
+                self.forget_subscription(s.sub.collection_id, sid);
+            }
         }
         for batch in batches {
             self.send(FromWorker::Subscribe {
@@ -194,5 +196,19 @@ impl WorkerState {
         Some(PeekResult::Rows(
             acc.into_iter().filter(|(_, d)| *d != 0).collect(),
         ))
+    }
+}
+
+impl WorkerState {
+    /// Drops what an export's tap keeps for a subscription that ended.
+    pub(crate) fn forget_subscription(&mut self, collection_id: u64, subscribe_id: u64) {
+        if let Some(e) = self
+            .collections
+            .get(&collection_id)
+            .and_then(|df| self.dataflows.get(df))
+            .and_then(|i| i.exports.get(&collection_id))
+        {
+            e.tap.borrow_mut().subs.remove(&subscribe_id);
+        }
     }
 }
