@@ -3,7 +3,10 @@
 //! from the descriptor set.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let root = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").ok_or("CARGO_MANIFEST_DIR is not set")?,
+    )
+    .join("../../proto");
     let file = root.join("lockstep/environment/v1/environment.proto");
     println!("cargo:rerun-if-changed={}", file.display());
     let fds = protox::compile([&file], [&root])?;

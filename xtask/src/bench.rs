@@ -35,6 +35,8 @@ struct Row {
     median_ns: f64,
     /// Bytes per iteration, for throughput benchmarks.
     bytes: Option<u64>,
+    /// Elements (rows) per iteration, for throughput benchmarks.
+    elements: Option<u64>,
 }
 
 /// A strategy benchmark's name, split.
@@ -116,10 +118,12 @@ fn collect(dir: &Path, out: &mut Vec<Row>) -> anyhow::Result<()> {
             let name = meta["full_id"].as_str().unwrap_or_default().to_string();
             let median_ns = est["median"]["point_estimate"].as_f64().unwrap_or(f64::NAN);
             let bytes = meta["throughput"]["Bytes"].as_u64();
+            let elements = meta["throughput"]["Elements"].as_u64();
             out.push(Row {
                 name,
                 median_ns,
                 bytes,
+                elements,
             });
         } else {
             collect(&path, out)?;
@@ -141,6 +145,16 @@ fn baseline_of(name: &str) -> Option<String> {
     }
     if name.contains("wasm") {
         return Some(name.replace("wasm", "native"));
+    }
+    // The user path against the core path (the same operation called in
+    // process), and the core path's ingest against raw differential.
+    if let Some(rest) = name.strip_prefix("api/") {
+        let (m, path) = rest.rsplit_once('/')?;
+        return match path {
+            "grpc" => Some(format!("api/{m}/core")),
+            "core" if m.starts_with("ingest") => Some(format!("api/{m}/differential")),
+            _ => None,
+        };
     }
     // How broadcast orders commands: the replica's exchange against
     // timely's Sequencer.
@@ -201,6 +215,10 @@ impl Report {
                     obj["bytes"] = serde_json::json!(bytes);
                     obj["mib_per_s"] = serde_json::json!(mib_per_s(bytes, r.median_ns));
                 }
+                if let Some(n) = r.elements {
+                    obj["rows"] = serde_json::json!(n);
+                    obj["rows_per_s"] = serde_json::json!(n as f64 / (r.median_ns / 1e9));
+                }
                 obj
             })
             .collect();
@@ -221,6 +239,9 @@ impl Report {
             let mut median = human(r.median_ns);
             if let Some(bytes) = r.bytes {
                 median.push_str(&format!(" ({:.1} MiB/s)", mib_per_s(bytes, r.median_ns)));
+            }
+            if let Some(n) = r.elements {
+                median.push_str(&format!(" ({:.0}k rows/s)", n as f64 / (r.median_ns / 1e6)));
             }
             t.push_str(&format!("| {} | {median} | {base} | {ratio} |\n", r.name));
         }
@@ -328,10 +349,12 @@ enum GoalFigure {
     /// The largest median of `measurement`, over strategies and shapes,
     /// against a bound in nanoseconds.
     WorstMedian(&'static str, f64),
+    /// The ratio of one benchmark's median to another's, against a bound.
+    Ratio(&'static str, &'static str, f64),
 }
 
 /// The issues' goals that this suite measures.
-const GOALS: [(&str, GoalFigure); 8] = [
+const GOALS: [(&str, GoalFigure); 14] = [
     (
         "a 2x2 replica is ready (Hello answered) in under 100 ms",
         GoalFigure::Median("replica/start_2x2_to_hello_answered", 100e6),
@@ -364,6 +387,30 @@ const GOALS: [(&str, GoalFigure); 8] = [
         "loading a policy cold in under 50 ms",
         GoalFigure::Median("policy/load_cold", 50e6),
     ),
+    (
+        "API: Peek of 100 rows, p50 at most 2 ms",
+        GoalFigure::Median("api/peek_100/grpc", 2e6),
+    ),
+    (
+        "API: WriteInput of 100 rows, p50 at most 3 ms",
+        GoalFigure::Median("api/write_100/grpc", 3e6),
+    ),
+    (
+        "API: ingest in 10k-row batches at 500k rows/s or more (a batch in at most 20 ms)",
+        GoalFigure::Median("api/ingest_10k/grpc", 20e6),
+    ),
+    (
+        "API peek within 2x of the core path",
+        GoalFigure::Ratio("api/peek_100/grpc", "api/peek_100/core", 2.0),
+    ),
+    (
+        "API write within 2x of the core path",
+        GoalFigure::Ratio("api/write_100/grpc", "api/write_100/core", 2.0),
+    ),
+    (
+        "API ingest within 2x of the core path",
+        GoalFigure::Ratio("api/ingest_10k/grpc", "api/ingest_10k/core", 2.0),
+    ),
 ];
 
 impl Report {
@@ -392,6 +439,15 @@ impl Report {
                             Some(r <= *bound),
                         ),
                         None => ("not measured".into(), None),
+                    }
+                }
+                GoalFigure::Ratio(a, b, bound) => {
+                    match (self.medians.get(*a), self.medians.get(*b)) {
+                        (Some(x), Some(y)) => {
+                            let r = x / y;
+                            (format!("{r:.2}x (`{a}` / `{b}`)"), Some(r <= *bound))
+                        }
+                        _ => ("not measured".into(), None),
                     }
                 }
                 GoalFigure::WorstMedian(m, bound) => {
@@ -745,6 +801,16 @@ mod tests {
             Some("sequencing/sequencer/1MiB")
         );
         assert_eq!(baseline_of("sequencing/sequencer/small"), None);
+        assert_eq!(
+            baseline_of("api/peek_100/grpc").as_deref(),
+            Some("api/peek_100/core")
+        );
+        assert_eq!(
+            baseline_of("api/ingest_10k/core").as_deref(),
+            Some("api/ingest_10k/differential")
+        );
+        assert_eq!(baseline_of("api/peek_100/core"), None);
+        assert_eq!(baseline_of("api/ingest_10k/differential"), None);
     }
 
     #[test]
@@ -753,6 +819,7 @@ mod tests {
             name: name.into(),
             median_ns: ns,
             bytes: None,
+            elements: None,
         };
         let report = Report::new(vec![
             row("strategies/install/barrier/1x1", 120.0),

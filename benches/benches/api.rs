@@ -1,0 +1,315 @@
+//! The user path: the environment's gRPC API through a tonic client, side by
+//! side in one run with the same operations called in process on the
+//! `Environment` (the core path: the same catalog write, controller and
+//! replica, without gRPC), and for ingest with raw differential input in one
+//! process (the limit of what the replica's dataflows can take).
+//!
+//! - `api/peek_100/{grpc,core}`: a peek of 100 rows;
+//! - `api/write_100/{grpc,core}`: a WriteInput of 100 rows, until it is
+//!   acknowledged (durable in the catalog, sent to the replica);
+//! - `api/ingest_10k/{grpc,core,differential}`: WriteInputs of 10,000 rows
+//!   back to back, until the replica applied them all (a peek of a small
+//!   second export at the last batch's time answers), in rows per second;
+//!   `differential` inserts the same batches into an `InputSession` feeding
+//!   an arrangement in one worker and steps until a probe passes each.
+//!
+//! One environment with a 2x2 replica of the release `lockstep-replica`
+//! serves every measurement; `cargo xtask bench` compares `grpc` with `core`
+//! and `core` with `differential`.
+
+#![allow(missing_docs)] // criterion_group! generates undocumented functions
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use lockstep_benches::replica;
+use lockstep_catalog::ReplicaConfig;
+use lockstep_environment::proto::environment_client::EnvironmentClient;
+use lockstep_environment::proto::{PeekRequest, WriteInputRequest};
+use lockstep_environment::template::DEFAULT_REPLICA_ARGS;
+use lockstep_environment::{Environment, EnvironmentConfig, ServiceTemplate};
+use lockstep_protocol::text::parse_plan;
+use lockstep_protocol::{proto as wire, Export, Update};
+use tokio::runtime::Runtime;
+use tonic::transport::Channel;
+
+const REPLICA: &str = "bench";
+/// Read by the peeks: 100 rows.
+const PEEKED: u64 = 1;
+/// Written by the write and ingest measurements, one collection each.
+const WRITE_GRPC: u64 = 2;
+const WRITE_CORE: u64 = 3;
+const INGEST_GRPC: u64 = 4;
+const INGEST_CORE: u64 = 5;
+const INGEST_ROWS: i64 = 10_000;
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    env: Arc<Environment>,
+    client: EnvironmentClient<Channel>,
+    /// The next time to write at, per collection.
+    next: [AtomicU64; 6],
+}
+
+fn rows(n: i64, t: u64) -> Vec<Update> {
+    (0..n)
+        .map(|i| Update {
+            row: vec![i, t as i64, 7],
+            time: t,
+            diff: 1,
+        })
+        .collect()
+}
+
+async fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let env = Environment::start(EnvironmentConfig {
+        state_dir: dir.path().to_path_buf(),
+        orphan_policy: lockstep_policy::native_orphan_rule("id-watermark").unwrap(),
+        service: ServiceTemplate {
+            program: replica::binary(),
+            args: DEFAULT_REPLICA_ARGS.iter().map(|s| s.to_string()).collect(),
+        },
+        conditional_writes: true,
+        distribution_policy: None,
+        max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
+    })
+    .await
+    .unwrap();
+    env.create_replica(
+        REPLICA,
+        ReplicaConfig {
+            processes: 2,
+            workers_per_process: 2,
+            config: String::new(),
+        },
+    )
+    .await
+    .unwrap();
+    for input in [PEEKED, WRITE_GRPC, WRITE_CORE, INGEST_GRPC, INGEST_CORE] {
+        // The input arranged as it is (100 + input), and its rows with
+        // column 0 at 0, one per ingested batch (200 + input), which a peek
+        // reads to wait until the replica applied every batch.
+        env.create_dataflow(
+            REPLICA,
+            "identity",
+            0,
+            vec![input],
+            vec![
+                Export {
+                    collection_id: 100 + input,
+                    plan: parse_plan(&format!("get({input})")).unwrap(),
+                },
+                Export {
+                    collection_id: 200 + input,
+                    plan: parse_plan(&format!("filter(get({input}), #0 < 1)")).unwrap(),
+                },
+            ],
+        )
+        .await
+        .unwrap();
+    }
+    env.write_input(REPLICA, PEEKED, rows(100, 0), 1)
+        .await
+        .unwrap();
+    let ready = Instant::now();
+    loop {
+        match env.peek(REPLICA, 100 + PEEKED, 0).await {
+            Ok(r) if r.len() == 100 => break,
+            _ if ready.elapsed() < Duration::from_secs(60) => {
+                tokio::time::sleep(Duration::from_millis(10)).await
+            }
+            other => panic!("the bench replica did not answer: {other:?}"),
+        }
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(env.clone().serve(listener));
+    let client = EnvironmentClient::connect(url).await.unwrap();
+    Fixture {
+        _dir: dir,
+        env,
+        client,
+        next: Default::default(),
+    }
+}
+
+impl Fixture {
+    /// The next (time, upper) to write `collection` at.
+    fn tick(&self, collection: u64) -> (u64, u64) {
+        let t = self.next[collection as usize].fetch_add(1, Ordering::Relaxed);
+        (t, t + 1)
+    }
+
+    async fn write_grpc(&mut self, collection: u64, n: i64) {
+        let (t, upper) = self.tick(collection);
+        self.client
+            .write_input(WriteInputRequest {
+                replica: REPLICA.into(),
+                collection_id: collection,
+                updates: rows(n, t)
+                    .into_iter()
+                    .map(|u| wire::Update {
+                        row: u.row,
+                        time: u.time,
+                        diff: u.diff,
+                    })
+                    .collect(),
+                upper,
+            })
+            .await
+            .unwrap();
+    }
+
+    /// Waits until the replica applied every batch ingested into
+    /// `collection` (the peek at the last batch's time answers once the
+    /// dataflow's frontier passed it); returns how many batches there were.
+    async fn applied(&self, collection: u64) -> usize {
+        let next = self.next[collection as usize].load(Ordering::Relaxed);
+        let Some(last) = next.checked_sub(1) else {
+            return 0;
+        };
+        let rows = self
+            .env
+            .peek(REPLICA, 200 + collection, last)
+            .await
+            .unwrap();
+        assert_eq!(rows.len() as u64, next, "one row per batch");
+        rows.len()
+    }
+
+    async fn write_core(&self, collection: u64, n: i64) {
+        let (t, upper) = self.tick(collection);
+        self.env
+            .write_input(REPLICA, collection, rows(n, t), upper)
+            .await
+            .unwrap();
+    }
+}
+
+/// Raw differential: `iters` batches of `INGEST_ROWS` into an arranged input
+/// in one worker, each stepped until the probe passes it.
+fn differential_ingest(iters: u64) -> Duration {
+    timely::execute_directly(move |worker| {
+        use differential_dataflow::input::InputSession;
+        use timely::dataflow::operators::Probe;
+        let mut input: InputSession<u64, Vec<i64>, i64> = InputSession::new();
+        let probe = timely::dataflow::ProbeHandle::new();
+        worker.dataflow::<u64, _, _>(|scope| {
+            input
+                .to_collection(scope)
+                .arrange_by_self()
+                .stream
+                .probe_with(&probe);
+        });
+        let start = Instant::now();
+        for t in 0..iters {
+            for u in rows(INGEST_ROWS, t) {
+                input.update_at(u.row, u.time, u.diff);
+            }
+            input.advance_to(t + 1);
+            input.flush();
+            while probe.less_than(&(t + 1)) {
+                worker.step();
+            }
+        }
+        start.elapsed()
+    })
+}
+
+fn api(c: &mut Criterion) {
+    let rt = Runtime::new().unwrap();
+    let mut f = rt.block_on(fixture());
+    let mut group = c.benchmark_group("api");
+    group.sample_size(20);
+
+    group.bench_function("peek_100/grpc", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let r = f
+                        .client
+                        .peek(PeekRequest {
+                            replica: REPLICA.into(),
+                            collection_id: 100 + PEEKED,
+                            timestamp: 0,
+                        })
+                        .await
+                        .unwrap();
+                    assert_eq!(r.into_inner().rows.len(), 100);
+                }
+                start.elapsed()
+            })
+        })
+    });
+    group.bench_function("peek_100/core", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let r = f.env.peek(REPLICA, 100 + PEEKED, 0).await.unwrap();
+                    assert_eq!(r.len(), 100);
+                }
+                start.elapsed()
+            })
+        })
+    });
+    group.bench_function("write_100/grpc", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    f.write_grpc(WRITE_GRPC, 100).await;
+                }
+                start.elapsed()
+            })
+        })
+    });
+    group.bench_function("write_100/core", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    f.write_core(WRITE_CORE, 100).await;
+                }
+                start.elapsed()
+            })
+        })
+    });
+    group.throughput(Throughput::Elements(INGEST_ROWS as u64));
+    group.bench_function("ingest_10k/grpc", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    f.write_grpc(INGEST_GRPC, INGEST_ROWS).await;
+                }
+                f.applied(INGEST_GRPC).await;
+                start.elapsed()
+            })
+        })
+    });
+    group.bench_function("ingest_10k/core", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    f.write_core(INGEST_CORE, INGEST_ROWS).await;
+                }
+                f.applied(INGEST_CORE).await;
+                start.elapsed()
+            })
+        })
+    });
+    group.bench_function("ingest_10k/differential", |b| {
+        b.iter_custom(differential_ingest)
+    });
+    group.finish();
+    drop(f);
+}
+
+criterion_group!(benches, api);
+criterion_main!(benches);
