@@ -75,6 +75,7 @@ async fn fixture() -> Fixture {
         conditional_writes: true,
         distribution_policy: None,
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
+        compaction_lag: None,
     })
     .await
     .unwrap();

@@ -134,6 +134,7 @@ pub fn load(dir: &Path, rule: &str, conditional_writes: bool) -> anyhow::Result<
     Ok(Environment::load(EnvironmentConfig {
         distribution_policy: None,
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
+        compaction_lag: None,
         state_dir: dir.to_path_buf(),
         orphan_policy,
         service: sleep_template(),

@@ -67,6 +67,9 @@ pub enum ComputeError {
     /// The request makes no sense.
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// A read below a collection's compaction frontier.
+    #[error("{0}")]
+    OutOfRange(String),
     /// The replica's controller failed or timed out.
     #[error(transparent)]
     Controller(#[from] ControllerError),
@@ -429,6 +432,15 @@ fn encode_write(w: &WriteInput) -> Vec<u8> {
     .encode_to_vec()
 }
 
+/// The largest since among a dataflow's inputs.
+fn since_of(desc: &DataflowDescription, sinces: &BTreeMap<u64, Timestamp>) -> Timestamp {
+    desc.inputs
+        .iter()
+        .filter_map(|i| sinces.get(i).copied())
+        .max()
+        .unwrap_or(0)
+}
+
 impl Environment {
     /// The target command history of a replica: its input collections (one
     /// consolidated write each), then its dataflows in creation order.
@@ -449,6 +461,22 @@ impl Environment {
             h.push(CommandKind::Schedule {
                 dataflow_id: desc.id,
             });
+        }
+        drop(view);
+        let replica = self
+            .view
+            .lock()
+            .expect("poisoned")
+            .replicas
+            .get(&replica_id)
+            .cloned();
+        if let Some(replica) = replica {
+            for (collection_id, since) in self.compactions(&replica, None)? {
+                h.push(CommandKind::AllowCompaction {
+                    collection_id,
+                    frontier: Some(since),
+                });
+            }
         }
         h.reduce();
         Ok(h)
@@ -586,6 +614,9 @@ impl Environment {
             exports,
             debug_name: debug_name.to_string(),
         };
+        // Results below the inputs' since cannot be correct: start there.
+        let since = self.export_since(&replica, &desc);
+        desc.as_of = desc.as_of.max(since);
         let record = {
             let mut catalog = self.catalog.lock().expect("poisoned");
             let record = catalog
@@ -602,8 +633,13 @@ impl Environment {
             record
         };
         desc.id = record.id;
-        self.controller_of(&replica)?
-            .create_dataflow(desc.clone())?;
+        let controller = self.controller_of(&replica)?;
+        controller.create_dataflow(desc.clone())?;
+        if since > 0 {
+            for e in &desc.exports {
+                controller.allow_compaction(e.collection_id, Some(since))?;
+            }
+        }
         tracing::info!(replica = %replica.name, dataflow = desc.id, "dataflow created");
         Ok(desc)
     }
@@ -670,19 +706,19 @@ impl Environment {
             upper,
             more: false,
         };
-        {
+        let since = {
             let mut catalog = self.catalog.lock().expect("poisoned");
             catalog
                 .append_input(replica.id, collection_id, &encode_write(&write))
                 .map_err(|e| self.catalog_error(e))?;
             let mut inputs = self.inputs.lock().expect("poisoned");
-            let snapshot = inputs.record(
+            let recorded = inputs.record(
                 replica.id,
                 collection_id,
                 write.updates.clone(),
                 write.upper,
             );
-            if let Some(snapshot) = snapshot {
+            if let Some(snapshot) = recorded.snapshot {
                 // Best effort: the rows already stored stay valid if this fails.
                 match catalog.replace_inputs(replica.id, collection_id, &encode_write(&snapshot)) {
                     Ok(_) => inputs.replaced(replica.id, collection_id),
@@ -692,10 +728,65 @@ impl Environment {
                     ),
                 }
             }
+            recorded.since
+        };
+        let controller = self.controller_of(&replica)?;
+        controller.write_input(collection_id, write.updates, write.upper)?;
+        if since.is_some() {
+            for (collection, since) in self.compactions(&replica, Some(collection_id))? {
+                controller.allow_compaction(collection, Some(since))?;
+            }
         }
-        self.controller_of(&replica)?
-            .write_input(collection_id, write.updates, write.upper)?;
         Ok(())
+    }
+
+    /// The compaction frontiers of a replica's collections: of each input
+    /// collection (only `input` if given) with a since above 0, and of each
+    /// export of a live dataflow reading it (the largest since among the
+    /// dataflow's inputs).
+    fn compactions(
+        &self,
+        replica: &Replica,
+        input: Option<u64>,
+    ) -> Result<Vec<(u64, Timestamp)>, ComputeError> {
+        let sinces: BTreeMap<u64, Timestamp> = self
+            .inputs
+            .lock()
+            .expect("poisoned")
+            .sinces_of(replica.id)
+            .into_iter()
+            .collect();
+        let mut out: Vec<(u64, Timestamp)> = sinces
+            .iter()
+            .filter(|(c, s)| **s > 0 && input.is_none_or(|i| i == **c))
+            .map(|(c, s)| (*c, *s))
+            .collect();
+        let view = self.view.lock().expect("poisoned");
+        for d in view
+            .dataflows
+            .values()
+            .filter(|d| d.replica_id == replica.id)
+        {
+            let desc = decode_dataflow(&d.description)?;
+            if input.is_some_and(|i| !desc.inputs.contains(&i)) {
+                continue;
+            }
+            let since = since_of(&desc, &sinces);
+            if since > 0 {
+                out.extend(desc.exports.iter().map(|e| (e.collection_id, since)));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The since of a dataflow's exports: reads below it are refused.
+    fn export_since(&self, replica: &Replica, desc: &DataflowDescription) -> Timestamp {
+        let inputs = self.inputs.lock().expect("poisoned");
+        desc.inputs
+            .iter()
+            .map(|i| inputs.since(replica.id, *i))
+            .max()
+            .unwrap_or(0)
     }
 
     /// Reads a collection of a replica at a time.
@@ -707,7 +798,13 @@ impl Environment {
     ) -> Result<Vec<(Row, i64)>, ComputeError> {
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
-        self.check_exported(&replica, collection_id)?;
+        let desc = self.check_exported(&replica, collection_id)?;
+        let since = self.export_since(&replica, &desc);
+        if timestamp < since {
+            return Err(ComputeError::OutOfRange(format!(
+                "collection {collection_id} is compacted to {since}; a peek at {timestamp} is below it"
+            )));
+        }
         Ok(self
             .controller_of(&replica)?
             .peek(collection_id, timestamp)
@@ -724,7 +821,13 @@ impl Environment {
     {
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
-        self.check_exported(&replica, collection_id)?;
+        let desc = self.check_exported(&replica, collection_id)?;
+        let since = self.export_since(&replica, &desc);
+        if as_of < since {
+            return Err(ComputeError::OutOfRange(format!(
+                "collection {collection_id} is compacted to {since}; a subscription as of {as_of} is below it"
+            )));
+        }
         Ok(self
             .controller_of(&replica)?
             .subscribe(collection_id, as_of)?)
@@ -732,19 +835,25 @@ impl Environment {
 
     /// Fails with [`ComputeError::NoSuchCollection`] unless a live dataflow
     /// of `replica` exports `collection_id`.
-    fn check_exported(&self, replica: &Replica, collection_id: u64) -> Result<(), ComputeError> {
+    /// Returns that dataflow.
+    fn check_exported(
+        &self,
+        replica: &Replica,
+        collection_id: u64,
+    ) -> Result<DataflowDescription, ComputeError> {
         let view = self.view.lock().expect("poisoned");
         for d in view
             .dataflows
             .values()
             .filter(|d| d.replica_id == replica.id)
         {
-            if decode_dataflow(&d.description)?
+            let desc = decode_dataflow(&d.description)?;
+            if desc
                 .exports
                 .iter()
                 .any(|e| e.collection_id == collection_id)
             {
-                return Ok(());
+                return Ok(desc);
             }
         }
         Err(ComputeError::NoSuchCollection {

@@ -10,9 +10,15 @@
 //! doubled since the last time, so that they stay within about twice the
 //! collection's live updates rather than growing with every write.
 //!
-//! Consolidation sums the diffs of equal (row, time); updates at different
-//! times stay apart (inputs have no compaction frontier yet), so a collection
-//! whose rows are inserted and later retracted keeps both updates.
+//! Consolidation sums the diffs of equal (row, time). With a compaction lag
+//! `L` (`lockstep serve --compaction-lag`), a collection's since follows its
+//! upper `U` in steps of `max(L / 4, 1)`, at most `L` behind (the largest
+//! multiple of the step at or below `U - L`): updates below the since are
+//! advanced to it when the rows are replaced, so that a row inserted and
+//! later retracted leaves nothing once both are below the since, and reads
+//! below the since are refused. Without a lag every time is kept (the since
+//! stays 0), and a collection whose rows are inserted and later retracted
+//! keeps both updates.
 
 use std::collections::BTreeMap;
 
@@ -30,12 +36,26 @@ struct StoredInput {
     /// The sum of |diff| over `log`'s updates: no accumulation of a subset of
     /// them overflows i64 while it is at most `i64::MAX`.
     magnitude: u128,
+    /// Reads at this time or later are correct.
+    since: Timestamp,
 }
 
 impl StoredInput {
     fn consolidate(&mut self) {
+        self.log.compact(self.since);
         self.log.consolidate();
         self.magnitude = magnitude(self.log.updates());
+    }
+}
+
+/// The since of a collection with upper `upper` under compaction lag `lag`.
+pub(crate) fn since_for(upper: Timestamp, lag: Option<u64>) -> Timestamp {
+    match lag {
+        None => 0,
+        Some(lag) => {
+            let step = (lag / 4).max(1);
+            upper.saturating_sub(lag) / step * step
+        }
     }
 }
 
@@ -81,12 +101,30 @@ pub enum WriteRefused {
 #[derive(Debug, Default)]
 pub(crate) struct Inputs {
     by_replica: BTreeMap<u64, BTreeMap<u64, StoredInput>>,
+    /// How far a collection's since stays behind its upper (`None`: at 0).
+    lag: Option<u64>,
+}
+
+/// What recording a write changed.
+#[derive(Debug, Default)]
+pub(crate) struct Recorded {
+    /// The collection's consolidated write, when its catalog rows should be
+    /// replaced by it (call [`Inputs::replaced`] once they were).
+    pub(crate) snapshot: Option<WriteInput>,
+    /// The collection's new since, when it advanced.
+    pub(crate) since: Option<Timestamp>,
 }
 
 impl Inputs {
     /// Indexes the catalog's writes, in their order.
-    pub(crate) fn load(writes: impl IntoIterator<Item = (u64, WriteInput)>) -> Inputs {
-        let mut inputs = Inputs::default();
+    pub(crate) fn load(
+        writes: impl IntoIterator<Item = (u64, WriteInput)>,
+        lag: Option<u64>,
+    ) -> Inputs {
+        let mut inputs = Inputs {
+            lag,
+            ..Inputs::default()
+        };
         for (replica_id, w) in writes {
             let s = inputs.entry(replica_id, w.collection_id);
             s.catalog_updates += w.updates.len();
@@ -94,10 +132,35 @@ impl Inputs {
             s.log.append(w.updates, w.upper, true);
         }
         for s in inputs.by_replica.values_mut().flat_map(|m| m.values_mut()) {
+            s.since = since_for(s.log.upper(), lag);
             s.consolidate();
             s.snapshot_updates = s.log.updates().len();
         }
         inputs
+    }
+
+    /// Sets the compaction lag and recomputes every collection's since.
+    pub(crate) fn set_lag(&mut self, lag: Option<u64>) {
+        self.lag = lag;
+        for s in self.by_replica.values_mut().flat_map(|m| m.values_mut()) {
+            s.since = since_for(s.log.upper(), lag);
+        }
+    }
+
+    /// The since of a collection (0 if never written).
+    pub(crate) fn since(&self, replica_id: u64, collection_id: u64) -> Timestamp {
+        self.by_replica
+            .get(&replica_id)
+            .and_then(|m| m.get(&collection_id))
+            .map_or(0, |s| s.since)
+    }
+
+    /// Every input collection of a replica with its since.
+    pub(crate) fn sinces_of(&self, replica_id: u64) -> Vec<(u64, Timestamp)> {
+        self.by_replica
+            .get(&replica_id)
+            .map(|m| m.iter().map(|(&c, s)| (c, s.since)).collect())
+            .unwrap_or_default()
     }
 
     fn entry(&mut self, replica_id: u64, collection_id: u64) -> &mut StoredInput {
@@ -153,30 +216,35 @@ impl Inputs {
     }
 
     /// Records a write the catalog stored (and [`check`](Self::check)
-    /// accepted). Returns the collection's consolidated write when its
-    /// catalog rows should be replaced by it (call
-    /// [`replaced`](Self::replaced) once they were).
+    /// accepted).
     pub(crate) fn record(
         &mut self,
         replica_id: u64,
         collection_id: u64,
         updates: Vec<Update>,
         upper: Timestamp,
-    ) -> Option<WriteInput> {
+    ) -> Recorded {
+        let lag = self.lag;
         let s = self.entry(replica_id, collection_id);
         s.catalog_updates += updates.len();
         s.magnitude += magnitude(&updates);
         s.log.append(updates, upper, true);
-        if s.catalog_updates <= 2 * s.snapshot_updates + 1024 {
-            return None;
+        let mut recorded = Recorded::default();
+        let since = since_for(s.log.upper(), lag);
+        if since > s.since {
+            s.since = since;
+            recorded.since = Some(since);
         }
-        s.consolidate();
-        Some(WriteInput {
-            collection_id,
-            updates: s.log.updates().to_vec(),
-            upper: s.log.upper(),
-            more: false,
-        })
+        if s.catalog_updates > 2 * s.snapshot_updates + 1024 {
+            s.consolidate();
+            recorded.snapshot = Some(WriteInput {
+                collection_id,
+                updates: s.log.updates().to_vec(),
+                upper: s.log.upper(),
+                more: false,
+            });
+        }
+        recorded
     }
 
     /// The catalog's rows of a collection were replaced by its consolidation.
@@ -254,7 +322,7 @@ mod tests {
         // the consolidation is empty, the stored updates never are.
         for t in 0..10_000u64 {
             let batch = vec![up(1, t, 1), up(1, t, -1), up(t as i64 % 3, t, 1)];
-            if let Some(snapshot) = inputs.record(1, 7, batch, t + 1) {
+            if let Some(snapshot) = inputs.record(1, 7, batch, t + 1).snapshot {
                 assert!(snapshot.updates.len() <= t as usize + 1);
                 inputs.replaced(1, 7);
                 replaced += 1;
@@ -273,5 +341,44 @@ mod tests {
         assert_eq!(writes[0].upper, 10_000);
         assert_eq!(writes[0].updates.len(), 10_000);
         assert!(writes[0].updates.iter().all(|u| u.diff == 1));
+    }
+
+    #[test]
+    fn with_a_lag_inserts_retracted_below_the_since_leave_nothing() {
+        assert_eq!(since_for(100, None), 0);
+        assert_eq!(since_for(100, Some(16)), 84);
+        assert_eq!(since_for(101, Some(16)), 84);
+        assert_eq!(since_for(104, Some(16)), 88);
+        assert_eq!(since_for(10, Some(16)), 0);
+        let mut inputs = Inputs {
+            lag: Some(16),
+            ..Inputs::default()
+        };
+        let mut sinces = Vec::new();
+        // Batch t inserts 100 rows and retracts those of batch t - 4.
+        for t in 0..5_000u64 {
+            let mut batch: Vec<Update> = (0..100).map(|i| up(t as i64 * 1000 + i, t, 1)).collect();
+            if t >= 4 {
+                batch.extend((0..100).map(|i| up((t as i64 - 4) * 1000 + i, t, -1)));
+            }
+            let r = inputs.record(1, 7, batch, t + 1);
+            if r.snapshot.is_some() {
+                inputs.replaced(1, 7);
+            }
+            sinces.extend(r.since);
+        }
+        assert!(sinces.windows(2).all(|w| w[0] < w[1]), "{sinces:?}");
+        assert_eq!(inputs.since(1, 7), since_for(5_000, Some(16)));
+        let s = &inputs.by_replica[&1][&7];
+        // Live after compaction: the last 4 batches' inserts below the
+        // since, plus up to 20 batches between the since and the upper.
+        assert!(
+            s.catalog_updates <= 2 * (200 * 20) + 1024 + 200,
+            "{} updates stored after 5,000 batches",
+            s.catalog_updates
+        );
+        let snapshot = inputs.writes_of(1).remove(0);
+        let live: i64 = snapshot.updates.iter().map(|u| u.diff).sum();
+        assert_eq!(live, 400, "the last four batches are live");
     }
 }

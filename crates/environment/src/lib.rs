@@ -174,6 +174,10 @@ pub struct EnvironmentConfig {
     /// The largest frame on a replica connection (both sides); writes and
     /// peek answers larger than half of it travel in parts.
     pub max_frame_len: usize,
+    /// How far (in timestamps) an input collection's since stays behind its
+    /// upper; below it, updates are compacted and reads are refused. `None`
+    /// keeps every time (see `inputs.rs`).
+    pub compaction_lag: Option<u64>,
 }
 
 impl std::fmt::Debug for EnvironmentConfig {
@@ -185,6 +189,7 @@ impl std::fmt::Debug for EnvironmentConfig {
             .field("conditional_writes", &self.conditional_writes)
             .field("distribution_policy", &self.distribution_policy)
             .field("max_frame_len", &self.max_frame_len)
+            .field("compaction_lag", &self.compaction_lag)
             .finish()
     }
 }
@@ -378,6 +383,10 @@ impl Environment {
         env.compute
             .set_distribution_policy(config.distribution_policy);
         env.compute.set_max_frame_len(config.max_frame_len);
+        env.inputs
+            .lock()
+            .expect("poisoned")
+            .set_lag(config.compaction_lag);
         Ok(env)
     }
 
@@ -403,6 +412,7 @@ impl Environment {
                         })
                 })
                 .collect::<Result<Vec<_>, _>>()?,
+            None,
         );
         let epoch = catalog.epoch();
         if orchestrator.epoch() != epoch {

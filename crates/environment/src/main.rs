@@ -194,6 +194,13 @@ struct ServeArgs {
     #[arg(long, env = "LOCKSTEP_MAX_FRAME_LEN", default_value_t = lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(65536..=(1u64 << 30)))]
     max_frame_len: usize,
+    /// How far, in timestamps, an input collection's since stays behind its
+    /// upper: updates below it are compacted (a row inserted and retracted
+    /// there leaves nothing) and reads below it are refused with
+    /// OUT_OF_RANGE. Omitted: every time is kept, and storage grows with
+    /// every distinct (row, time) written.
+    #[arg(long)]
+    compaction_lag: Option<u64>,
     /// Let a stale ensure overwrite a newer controller's service (negative tests only).
     #[arg(long, hide = true)]
     unconditional_writes: bool,
@@ -430,6 +437,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         conditional_writes: !args.unconditional_writes,
         distribution_policy: args.distribution_policy,
         max_frame_len: args.max_frame_len,
+        compaction_lag: args.compaction_lag,
     };
     let env = Environment::start(config).await?;
     println!("lockstep: serving on {addr} (epoch {})", env.epoch());

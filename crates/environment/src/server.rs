@@ -266,6 +266,7 @@ pub fn compute_status(e: crate::compute::ComputeError) -> Status {
             Status::not_found(e.to_string())
         }
         E::Invalid(_) => Status::invalid_argument(e.to_string()),
+        E::OutOfRange(_) => Status::out_of_range(e.to_string()),
         E::Controller(lockstep_controller::ControllerError::Timeout { .. }) => {
             Status::deadline_exceeded(e.to_string())
         }

@@ -335,6 +335,7 @@ async fn a_failing_or_nonsensical_policy_deletes_nothing() {
         let env = Environment::load(EnvironmentConfig {
             distribution_policy: None,
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
+            compaction_lag: None,
             state_dir: sandbox.path().to_path_buf(),
             orphan_policy: Box::new(Scripted(answer)),
             service: sleep_template(),

@@ -77,6 +77,16 @@ impl CommandHistory {
                 };
                 log.append(w.updates, w.upper, !summarizing);
             }
+            CommandKind::AllowCompaction {
+                collection_id,
+                frontier,
+            } => {
+                // An input collection's updates compact with it.
+                if let (Some(log), Some(since)) = (self.inputs.get_mut(&collection_id), frontier) {
+                    log.compact(since);
+                }
+                self.commands.push(kind);
+            }
             kind => self.commands.push(kind),
         }
         if self.commands.len() > 2 * self.reduced_len + 32 {
@@ -215,6 +225,24 @@ impl InputLog {
             if self.updates.len() > 2 * self.consolidated + 1024 {
                 self.consolidate();
             }
+        }
+    }
+
+    /// Advances the time of every update held below `since` to `since`, and
+    /// consolidates: what is read at `since` or later does not change, and
+    /// updates that cancel out there go. (The digest keeps counting the
+    /// updates as they were appended.)
+    pub fn compact(&mut self, since: Timestamp) {
+        let mut moved = false;
+        for u in &mut self.updates {
+            if u.time < since {
+                u.time = since;
+                moved = true;
+            }
+        }
+        if moved {
+            self.updates = consolidate(std::mem::take(&mut self.updates));
+            self.consolidated = self.updates.len();
         }
     }
 

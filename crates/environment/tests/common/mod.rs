@@ -27,7 +27,12 @@ pub fn replica_binary() -> PathBuf {
 }
 
 pub fn load_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environment {
-    Environment::load(EnvironmentConfig {
+    Environment::load(config(state_dir, distribution_policy)).unwrap()
+}
+
+/// The configuration the tests start environments with.
+pub fn config(state_dir: &Path, distribution_policy: Option<PathBuf>) -> EnvironmentConfig {
+    EnvironmentConfig {
         state_dir: state_dir.to_path_buf(),
         orphan_policy: lockstep_policy::native_orphan_rule("id-watermark").unwrap(),
         service: ServiceTemplate {
@@ -37,8 +42,17 @@ pub fn load_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Envi
         conditional_writes: true,
         distribution_policy,
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
-    })
-    .unwrap()
+        compaction_lag: None,
+    }
+}
+
+/// The start-up steps of `lockstep serve` with `config`, without serving.
+pub async fn start_config(config: EnvironmentConfig) -> Environment {
+    let env = Environment::load(config).unwrap();
+    env.ensure_replicas().await.unwrap();
+    env.remove_orphans().await.unwrap();
+    env.start_compute().await.unwrap();
+    env
 }
 
 /// The start-up steps of `lockstep serve`, without serving.
@@ -48,11 +62,7 @@ pub async fn start(state_dir: &Path) -> Environment {
 
 /// [`start`] with a WASM distribution policy.
 pub async fn start_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environment {
-    let env = load_with(state_dir, distribution_policy);
-    env.ensure_replicas().await.unwrap();
-    env.remove_orphans().await.unwrap();
-    env.start_compute().await.unwrap();
-    env
+    start_config(config(state_dir, distribution_policy)).await
 }
 
 pub fn u(row: &[i64], time: u64, diff: i64) -> Update {

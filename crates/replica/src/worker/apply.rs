@@ -284,7 +284,9 @@ impl WorkerState {
         );
     }
 
-    /// Returns false if the collection is unknown.
+    /// Returns false if the collection is unknown. An input collection's
+    /// store compacts (dataflows built later read it at `frontier` or later);
+    /// an export's arrangement compacts, or the export goes (`None`).
     fn allow_compaction(
         &mut self,
         worker: &mut Worker,
@@ -292,7 +294,13 @@ impl WorkerState {
         frontier: Frontier,
     ) -> bool {
         let Some(&df) = self.collections.get(&collection) else {
-            return false;
+            let Some(store) = self.inputs.get_mut(&collection) else {
+                return false;
+            };
+            if let Some(since) = frontier {
+                store.compact(since);
+            }
+            return true;
         };
         let inst = self
             .dataflows

@@ -147,6 +147,18 @@ struct InputStore {
 }
 
 impl InputStore {
+    /// Advances every update below `since` to `since` and consolidates.
+    fn compact(&mut self, since: u64) {
+        if self.updates.iter().any(|u| u.time < since) {
+            for u in &mut self.updates {
+                u.time = u.time.max(since);
+            }
+            self.updates =
+                lockstep_protocol::history::consolidate(std::mem::take(&mut self.updates));
+            self.consolidated = self.updates.len();
+        }
+    }
+
     fn extend(&mut self, fresh: impl IntoIterator<Item = Update>) {
         self.updates.extend(fresh);
         if self.updates.len() > 2 * self.consolidated + 1024 {
