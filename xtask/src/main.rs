@@ -8,6 +8,7 @@ mod chart;
 mod model;
 mod new_policy;
 mod policies;
+mod soak;
 mod tasks;
 mod util;
 
@@ -45,6 +46,15 @@ enum Task {
         #[arg(long)]
         readme: bool,
     },
+    /// Soak a real environment: rounds of writes, peeks, dataflows and
+    /// subscriptions with the environment killed between rounds; checks every
+    /// answer and that costs stay flat; writes target/lockstep/soak.json and
+    /// soak.svg and ends with `soak: ok`.
+    Soak {
+        /// 25 rounds and 1,000,000 rows (a few minutes) instead of 100 rounds.
+        #[arg(long)]
+        quick: bool,
+    },
     /// Scaffold a WASM policy crate under policies/NAME.
     NewPolicy {
         /// The policy's name (lower-case, dashes): policies/NAME, NAME.wasm.
@@ -76,6 +86,7 @@ fn main() -> anyhow::Result<()> {
         Task::Test { no_lint } => tasks::test(!no_lint),
         Task::Demo => tasks::demo(),
         Task::Bench { quick, readme } => bench::bench(quick, readme),
+        Task::Soak { quick } => soak::soak(quick),
         Task::Chaos { suite, strategies } => chaos::run_suite_with(&suite, &strategies),
         Task::Model { variants } => model::run(&variants),
         Task::NewPolicy { name, kind } => new_policy::scaffold(&name, kind),

@@ -34,15 +34,27 @@ fn step(n: usize, what: &str) {
     println!("demo: [{n}/{STEPS}] {what}");
 }
 
-struct Env {
-    child: Child,
-    url: String,
+/// A running `lockstep serve` child and its API address.
+pub(crate) struct Env {
+    pub(crate) child: Child,
+    pub(crate) url: String,
 }
 
 async fn start_env(bin: &Path, state: &Path) -> anyhow::Result<Env> {
+    start_env_with(bin, state, &[]).await
+}
+
+/// Starts `bin serve` on `state` with `extra` arguments; returns once it
+/// printed its address.
+pub(crate) async fn start_env_with(
+    bin: &Path,
+    state: &Path,
+    extra: &[&str],
+) -> anyhow::Result<Env> {
     let mut child = Command::new(bin)
         .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
         .arg(state)
+        .args(extra)
         .env(
             "LOCKSTEP_LOG",
             std::env::var("LOCKSTEP_LOG").unwrap_or_else(|_| "warn".into()),
@@ -69,7 +81,8 @@ async fn start_env(bin: &Path, state: &Path) -> anyhow::Result<Env> {
     })
 }
 
-async fn client(url: &str) -> anyhow::Result<EnvironmentClient<Channel>> {
+/// A client of the environment at `url`.
+pub(crate) async fn client(url: &str) -> anyhow::Result<EnvironmentClient<Channel>> {
     let channel = tonic::transport::Endpoint::from_shared(url.to_string())?
         .connect_timeout(Duration::from_secs(5))
         .timeout(Duration::from_secs(60))

@@ -139,11 +139,16 @@ impl Inputs {
         inputs
     }
 
-    /// Sets the compaction lag and recomputes every collection's since.
+    /// Sets the compaction lag, recomputes every collection's since and
+    /// compacts to it (so that the next replacement of the catalog's rows
+    /// is due once they hold twice the compacted updates, not twice what
+    /// was loaded).
     pub(crate) fn set_lag(&mut self, lag: Option<u64>) {
         self.lag = lag;
         for s in self.by_replica.values_mut().flat_map(|m| m.values_mut()) {
             s.since = since_for(s.log.upper(), lag);
+            s.consolidate();
+            s.snapshot_updates = s.log.updates().len();
         }
     }
 
@@ -341,6 +346,40 @@ mod tests {
         assert_eq!(writes[0].upper, 10_000);
         assert_eq!(writes[0].updates.len(), 10_000);
         assert!(writes[0].updates.iter().all(|u| u.diff == 1));
+    }
+
+    #[test]
+    fn a_reloaded_index_replaces_the_rows_once_they_doubled_the_compacted_updates() {
+        // What a catalog holds after many writes that cancel below the since.
+        let writes: Vec<(u64, WriteInput)> = (0..100u64)
+            .map(|t| {
+                let mut updates: Vec<Update> =
+                    (0..100).map(|i| up(t as i64 * 1000 + i, t, 1)).collect();
+                if t >= 2 {
+                    updates.extend((0..100).map(|i| up((t as i64 - 2) * 1000 + i, t, -1)));
+                }
+                (
+                    1,
+                    WriteInput {
+                        collection_id: 7,
+                        updates,
+                        upper: t + 1,
+                        more: false,
+                    },
+                )
+            })
+            .collect();
+        let mut inputs = Inputs::load(writes, None);
+        inputs.set_lag(Some(4));
+        let s = &inputs.by_replica[&1][&7];
+        assert!(
+            s.snapshot_updates < 2_000,
+            "{} compacted",
+            s.snapshot_updates
+        );
+        // The first write after the load replaces the rows.
+        let r = inputs.record(1, 7, vec![up(-1, 100, 1)], 101);
+        assert!(r.snapshot.is_some());
     }
 
     #[test]

@@ -78,6 +78,7 @@ pub mod compute;
 pub mod demo;
 mod inputs;
 pub mod server;
+pub mod soak;
 pub mod template;
 
 /// The generated gRPC types and services of `lockstep.environment.v1`.

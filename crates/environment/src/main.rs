@@ -109,6 +109,17 @@ enum Command {
         #[arg(long)]
         keep: bool,
     },
+    /// The soak (run it with `cargo xtask soak`): many rounds of writes,
+    /// peeks, dataflows and subscriptions through the API, the environment
+    /// killed and restarted between rounds; writes a JSON report.
+    Soak {
+        /// 25 rounds and 1,000,000 rows instead of 100 rounds and 6,000,000.
+        #[arg(long)]
+        quick: bool,
+        /// Where the JSON report goes.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 /// Where a client command finds the environment.
@@ -344,6 +355,15 @@ fn main() -> ExitCode {
             command: PolicyCommand::Check { files },
         } => policy_check(&files),
         Command::Demo { keep } => finish(runtime.block_on(lockstep_environment::demo::run(keep))),
+        Command::Soak { quick, out } => {
+            use lockstep_environment::soak::{run, SoakOptions};
+            let opts = if quick {
+                SoakOptions::quick()
+            } else {
+                SoakOptions::full()
+            };
+            finish(runtime.block_on(run(opts, quick, &out)).map(|_| ()))
+        }
     }
 }
 
