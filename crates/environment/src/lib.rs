@@ -725,6 +725,15 @@ impl Environment {
             .await
             .map_err(|e| EnvError::Orchestrator(e.to_string()))?;
         fail::fail_point!("after_orchestrator_drop_replica");
+        // Its command log goes too (nothing reads it once its processes are
+        // gone; a leftover is only disk).
+        if let Some(log) = self.command_log(replica.id) {
+            for suffix in ["", "-wal", "-shm"] {
+                let mut path = log.clone().into_os_string();
+                path.push(suffix);
+                let _ = std::fs::remove_file(path);
+            }
+        }
         tracing::info!(replica = %replica.name, id = replica.id, "dropped");
         Ok(replica)
     }

@@ -220,3 +220,45 @@ async fn the_log_policy_sends_commands_through_the_command_log() {
     }
     assert!(first.offset > 1, "nothing was truncated");
 }
+
+/// A dropped replica leaves no files behind: its command log and its
+/// processes' logs go with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_replica_leaves_no_files() {
+    let sandbox = Sandbox::new().unwrap();
+    let env = start(sandbox.path()).await;
+    let created = env
+        .create_replica(
+            "r1",
+            ReplicaConfig {
+                processes: 2,
+                workers_per_process: 1,
+                config: String::new(),
+            },
+        )
+        .await
+        .unwrap();
+    let log = env.command_log(created.replica.id).unwrap();
+    let process_logs: Vec<_> = (0..2)
+        .map(|i| {
+            sandbox.path().join(format!(
+                "orchestrator/logs/replica-{}-{i}.log",
+                created.replica.id
+            ))
+        })
+        .collect();
+    // The processes opened the command log and their logs at start.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !(log.is_file() && process_logs.iter().all(|p| p.is_file())) {
+        assert!(
+            Instant::now() < deadline,
+            "the replica's files never appeared"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    env.drop_replica("r1").await.unwrap();
+    assert!(!log.exists(), "{} is left", log.display());
+    for p in &process_logs {
+        assert!(!p.exists(), "{} is left", p.display());
+    }
+}

@@ -111,6 +111,10 @@ pub struct ProcessOrchestratorConfig {
     pub backoff: Backoff,
     /// How often supervisors check their process.
     pub poll_interval: Duration,
+    /// A process's log that has grown past this many bytes is moved to
+    /// `NAME-I.log.1` (replacing the one before) when the process is
+    /// (re)started, so each process keeps at most two logs.
+    pub log_rotate_bytes: u64,
 }
 
 impl ProcessOrchestratorConfig {
@@ -122,6 +126,7 @@ impl ProcessOrchestratorConfig {
             conditional_writes: true,
             backoff: Backoff::default(),
             poll_interval: Duration::from_millis(100),
+            log_rotate_bytes: 16 << 20,
         }
     }
 }
@@ -606,11 +611,10 @@ impl Inner {
 
     /// Starts process `i` of `record`; returns its PID and start time.
     fn spawn(&self, record: &ServiceRecord, i: usize) -> std::io::Result<(u32, u64)> {
-        let log_path = self
-            .config
-            .state_dir
-            .join("logs")
-            .join(format!("{}-{i}.log", record.name));
+        let log_path = self.log_path(&record.name, i);
+        if std::fs::metadata(&log_path).is_ok_and(|m| m.len() > self.config.log_rotate_bytes) {
+            std::fs::rename(&log_path, log_path.with_extension("log.1"))?;
+        }
         let log = OpenOptions::new()
             .create(true)
             .append(true)
@@ -634,6 +638,15 @@ impl Inner {
         self.children.lock().expect("poisoned").insert(pid, child);
         tracing::info!(service = %record.name, process = i, pid, "started");
         Ok((pid, start))
+    }
+
+    /// The log of process `i` of service `name` (`.log.1` beside it is the
+    /// rotated one).
+    fn log_path(&self, name: &str, i: usize) -> PathBuf {
+        self.config
+            .state_dir
+            .join("logs")
+            .join(format!("{name}-{i}.log"))
     }
 
     /// Kills the process group of a recorded process, if it is still ours.
@@ -690,6 +703,12 @@ impl Inner {
         }
         let path = self.record_path(name);
         std::fs::remove_file(&path).map_err(|e| Self::state_err(&path, e))?;
+        // Its logs go with it (best effort: a leftover is only disk).
+        for i in 0..record.processes.len() {
+            let log = self.log_path(name, i);
+            let _ = std::fs::remove_file(log.with_extension("log.1"));
+            let _ = std::fs::remove_file(&log);
+        }
         tracing::info!(service = name, "dropped");
         self.emit(name, None, ServiceEventKind::Dropped);
         Ok(true)

@@ -351,8 +351,37 @@ async fn dropping_kills_the_whole_process_group() {
         .parse()
         .unwrap();
     assert!(alive(grandchild));
+    let log = sandbox.path().join("logs/replica-1-0.log");
+    assert!(log.is_file());
     assert!(o.drop_service("replica-1").await.unwrap());
     eventually("the grandchild to die", || !alive(grandchild)).await;
+    assert!(!log.exists(), "a dropped service's logs go with it");
+}
+
+#[tokio::test]
+async fn a_log_past_the_limit_is_rotated_when_its_process_starts() {
+    let sandbox = Sandbox::new();
+    let mut config = ProcessOrchestratorConfig::new(sandbox.path(), 1);
+    config.log_rotate_bytes = 1000;
+    config.poll_interval = Duration::from_millis(20);
+    let o = ProcessOrchestrator::new(config).unwrap();
+    let logs = sandbox.path().join("logs");
+    std::fs::write(logs.join("replica-1-0.log"), vec![b'x'; 1001]).unwrap();
+    std::fs::write(logs.join("replica-1-0.log.1"), b"oldest").unwrap();
+    o.ensure_service(sleeper("replica-1", 1, 1)).await.unwrap();
+    assert_eq!(
+        std::fs::read(logs.join("replica-1-0.log.1")).unwrap().len(),
+        1001,
+        "the full log became the rotated one, replacing the oldest"
+    );
+    assert!(
+        std::fs::metadata(logs.join("replica-1-0.log"))
+            .unwrap()
+            .len()
+            < 1000
+    );
+    o.drop_service("replica-1").await.unwrap();
+    assert!(!logs.join("replica-1-0.log.1").exists());
 }
 
 #[tokio::test]
