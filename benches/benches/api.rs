@@ -137,6 +137,19 @@ async fn fixture() -> Fixture {
     }
 }
 
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        // The replica's processes outlive the environment (it would adopt
+        // them on a restart): stop them.
+        let _ = lockstep_orchestrator::process::kill_all_services(
+            &self
+                ._dir
+                .path()
+                .join(lockstep_environment::ORCHESTRATOR_DIR),
+        );
+    }
+}
+
 impl Fixture {
     /// The next (time, upper) to write `collection` at.
     fn tick(&self, collection: u64) -> (u64, u64) {

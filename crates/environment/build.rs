@@ -14,6 +14,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "cargo:rerun-if-changed={}",
         root.join("lockstep/compute/v1/compute.proto").display()
     );
+    // The descriptor set, for server reflection.
+    let out = std::path::PathBuf::from(std::env::var_os("OUT_DIR").ok_or("OUT_DIR is not set")?);
+    std::fs::write(
+        out.join("environment_descriptor.bin"),
+        prost::Message::encode_to_vec(&fds),
+    )?;
     tonic_prost_build::configure()
         .btree_map(".")
         // The compute protocol's types are lockstep-protocol's.

@@ -47,12 +47,53 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     cmd.args(["test", "--workspace", "--features", TEST_FEATURES]);
     run(cmd)?;
     demo()?;
+    python_api()?;
     for suite in crate::chaos::SUITES {
         crate::chaos::run_suite(suite)?;
     }
     crate::model::run(&[])?;
     eprintln!("\nxtask: test: ok");
     Ok(())
+}
+
+/// The Python modules the API client test needs.
+const PYTHON_MODULES: &str = "grpc, grpc_tools, grpc_reflection, grpc_health";
+
+/// The API through a client generated in another language
+/// (`tests/python/api_test.py`, after `demo` built the binaries). Skipped,
+/// saying why, when Python or its grpc packages are missing (`.ci/run`
+/// installs them).
+pub fn python_api() -> anyhow::Result<()> {
+    step("the API from a generated Python client (reflection, health, every error code)");
+    let probe = std::process::Command::new("python3")
+        .args(["-c", &format!("import {PYTHON_MODULES}")])
+        .output();
+    match probe {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            eprintln!(
+                "xtask: python API test skipped: python3 cannot import {PYTHON_MODULES} ({}); pip install grpcio grpcio-tools grpcio-reflection grpcio-health-checking",
+                String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("").trim()
+            );
+            return Ok(());
+        }
+        Err(e) => {
+            eprintln!("xtask: python API test skipped: no python3 ({e})");
+            return Ok(());
+        }
+    }
+    let mut cmd = std::process::Command::new("python3");
+    cmd.arg(crate::util::root().join("tests/python/api_test.py"))
+        .arg("--lockstep")
+        .arg(target_dir().join("debug/lockstep"));
+    run(cmd)
+}
+
+/// The cargo target directory.
+fn target_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| crate::util::root().join("target"))
 }
 
 /// The demo: builds the `lockstep` and `lockstep-replica` binaries and runs
@@ -72,10 +113,7 @@ pub fn demo() -> anyhow::Result<()> {
     ]);
     run(cmd)?;
     step("demo");
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| crate::util::root().join("target"));
-    let mut cmd = std::process::Command::new(target.join("debug/lockstep"));
+    let mut cmd = std::process::Command::new(target_dir().join("debug/lockstep"));
     cmd.arg("demo");
     run(cmd)
 }

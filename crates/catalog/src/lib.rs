@@ -501,6 +501,9 @@ impl Catalog {
 
     /// Drops the replica with this name, and its dataflows.
     pub fn drop_replica(&mut self, name: &str) -> Result<Replica, WriteError> {
+        if name.is_empty() {
+            return Err(WriteError::Invalid("a replica needs a name".into()));
+        }
         self.write(|tx| {
             let replica = tx
                 .query_row(

@@ -33,6 +33,7 @@ use tokio::sync::{broadcast, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::inputs::WriteRefused;
 use crate::{EnvError, Environment, ServiceTemplate};
 
 /// A replica is restarted through the orchestrator at most once per this
@@ -67,9 +68,16 @@ pub enum ComputeError {
     /// The request makes no sense.
     #[error("invalid request: {0}")]
     Invalid(String),
-    /// A read below a collection's compaction frontier.
+    /// A read below a collection's compaction frontier, a write below its
+    /// upper, or a time no frontier can pass.
     #[error("{0}")]
     OutOfRange(String),
+    /// The collection ID is taken on the replica.
+    #[error("{0}")]
+    AlreadyExists(String),
+    /// The replica has no running controller (yet); nothing was written.
+    #[error("{0}")]
+    Unavailable(String),
     /// The replica's controller failed or timed out.
     #[error(transparent)]
     Controller(#[from] ControllerError),
@@ -485,6 +493,11 @@ impl Environment {
 
 impl Environment {
     fn replica_named(&self, name: &str) -> Result<Replica, ComputeError> {
+        if name.is_empty() {
+            return Err(ComputeError::Invalid(
+                "a request needs a replica name".into(),
+            ));
+        }
         self.view
             .lock()
             .expect("poisoned")
@@ -497,11 +510,40 @@ impl Environment {
 
     fn controller_of(&self, replica: &Replica) -> Result<Controller, ComputeError> {
         self.compute.controller(replica.id).ok_or_else(|| {
-            ComputeError::Invalid(format!(
-                "replica {:?} has no running controller yet",
+            ComputeError::Unavailable(format!(
+                "replica {:?} has no running controller yet; nothing was written",
                 replica.name
             ))
         })
+    }
+
+    /// The collection namespace of a replica: each export with the dataflow
+    /// that exports it, and every input collection (written, or read by a
+    /// live dataflow). An ID is an input or an export, never both.
+    fn namespace(
+        &self,
+        replica: &Replica,
+    ) -> Result<(BTreeMap<u64, u64>, BTreeSet<u64>), ComputeError> {
+        let mut exports = BTreeMap::new();
+        let mut inputs: BTreeSet<u64> = self
+            .inputs
+            .lock()
+            .expect("poisoned")
+            .sinces_of(replica.id)
+            .into_iter()
+            .map(|(c, _)| c)
+            .collect();
+        let view = self.view.lock().expect("poisoned");
+        for d in view
+            .dataflows
+            .values()
+            .filter(|d| d.replica_id == replica.id)
+        {
+            let desc = decode_dataflow(&d.description)?;
+            inputs.extend(desc.inputs.iter().copied());
+            exports.extend(desc.exports.iter().map(|e| (e.collection_id, desc.id)));
+        }
+        Ok((exports, inputs))
     }
 
     /// Starts a controller for every catalog replica whose service is listed,
@@ -571,20 +613,16 @@ impl Environment {
             ));
         }
         let declared: BTreeSet<u64> = inputs.iter().copied().collect();
-        let view = self.view();
-        let mut used: BTreeSet<u64> = BTreeSet::new();
-        for d in view
-            .dataflows
-            .values()
-            .filter(|d| d.replica_id == replica.id)
+        let (exported, written) = self.namespace(&replica)?;
+        if let Some((c, d)) = declared
+            .iter()
+            .find_map(|c| exported.get(c).map(|d| (*c, *d)))
         {
-            used.extend(
-                decode_dataflow(&d.description)?
-                    .exports
-                    .iter()
-                    .map(|e| e.collection_id),
-            );
+            return Err(ComputeError::Invalid(format!(
+                "collection {c} is an export of dataflow {d}; a dataflow reads input collections only (reading another dataflow's export is not supported)"
+            )));
         }
+        let mut in_request: BTreeSet<u64> = BTreeSet::new();
         for e in &exports {
             if e.plan.depth() > lockstep_protocol::MAX_PLAN_DEPTH {
                 return Err(ComputeError::Invalid(format!(
@@ -600,13 +638,30 @@ impl Environment {
                     e.collection_id
                 )));
             }
-            if declared.contains(&e.collection_id) || !used.insert(e.collection_id) {
+            let c = e.collection_id;
+            if !in_request.insert(c) {
                 return Err(ComputeError::Invalid(format!(
-                    "collection ID {} is already in use on replica {replica_name:?}",
-                    e.collection_id
+                    "collection {c} is exported twice by this request"
+                )));
+            }
+            if declared.contains(&c) {
+                return Err(ComputeError::Invalid(format!(
+                    "collection {c} is both an input and an export of this request"
+                )));
+            }
+            if let Some(d) = exported.get(&c) {
+                return Err(ComputeError::AlreadyExists(format!(
+                    "collection {c} is already exported by dataflow {d} on replica {replica_name:?}"
+                )));
+            }
+            if written.contains(&c) {
+                return Err(ComputeError::AlreadyExists(format!(
+                    "collection {c} is an input collection of replica {replica_name:?}"
                 )));
             }
         }
+        // Refused before anything is written if nothing could serve it.
+        let controller = self.controller_of(&replica)?;
         let mut desc = DataflowDescription {
             id: 0,
             as_of,
@@ -633,7 +688,6 @@ impl Environment {
             record
         };
         desc.id = record.id;
-        let controller = self.controller_of(&replica)?;
         controller.create_dataflow(desc.clone())?;
         if since > 0 {
             for e in &desc.exports {
@@ -695,11 +749,22 @@ impl Environment {
         let _ops = self.ops.lock().await;
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
+        let (exported, _) = self.namespace(&replica)?;
+        if let Some(d) = exported.get(&collection_id) {
+            return Err(ComputeError::Invalid(format!(
+                "collection {collection_id} is an export of dataflow {d}, not an input collection"
+            )));
+        }
         self.inputs
             .lock()
             .expect("poisoned")
             .check(replica.id, collection_id, &updates, upper)
-            .map_err(|e| ComputeError::Invalid(e.to_string()))?;
+            .map_err(|e| match e {
+                WriteRefused::Overflow { .. } => ComputeError::Invalid(e.to_string()),
+                _ => ComputeError::OutOfRange(e.to_string()),
+            })?;
+        // Refused before anything is written if nothing could serve it.
+        let controller = self.controller_of(&replica)?;
         let write = WriteInput {
             collection_id,
             updates,
@@ -730,7 +795,6 @@ impl Environment {
             }
             recorded.since
         };
-        let controller = self.controller_of(&replica)?;
         controller.write_input(collection_id, write.updates, write.upper)?;
         if since.is_some() {
             for (collection, since) in self.compactions(&replica, Some(collection_id))? {
@@ -800,6 +864,11 @@ impl Environment {
         let replica = self.replica_named(replica_name)?;
         let desc = self.check_exported(&replica, collection_id)?;
         let since = self.export_since(&replica, &desc);
+        if timestamp == Timestamp::MAX {
+            return Err(ComputeError::OutOfRange(format!(
+                "no frontier passes time {timestamp}: a peek there could never be answered"
+            )));
+        }
         if timestamp < since {
             return Err(ComputeError::OutOfRange(format!(
                 "collection {collection_id} is compacted to {since}; a peek at {timestamp} is below it"

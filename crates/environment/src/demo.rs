@@ -301,12 +301,12 @@ async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> 
         (
             "a collection ID already in use",
             taken.map(|_| ()),
-            Code::InvalidArgument,
+            Code::AlreadyExists,
         ),
         (
             "a write below the collection's upper",
             backwards.map(|_| ()),
-            Code::InvalidArgument,
+            Code::OutOfRange,
         ),
         (
             "a peek on an unknown replica",

@@ -85,6 +85,11 @@ pub mod template;
 #[allow(missing_docs, clippy::all)]
 pub mod proto {
     tonic::include_proto!("lockstep.environment.v1");
+
+    /// The encoded descriptor set of the API and the compute protocol it
+    /// imports, served by gRPC reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/environment_descriptor.bin"));
 }
 
 use std::collections::BTreeMap;
@@ -818,8 +823,31 @@ impl Environment {
         let shutdown = async move {
             me.wait_halted().await;
         };
+        // grpc.health.v1: the API, and each replica as `replica/NAME`,
+        // serving while it answers a ping.
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health
+            .set_serving::<proto::environment_server::EnvironmentServer<server::EnvironmentService>>()
+            .await;
+        let checker = tokio::spawn(self.clone().report_replica_health(health));
+        // Server reflection, v1 and v1alpha, over the API, the compute
+        // protocol and the health service.
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let reflection_v1 = reflection()
+            .build_v1()
+            .expect("the built-in descriptor sets decode");
+        let reflection_v1alpha = reflection()
+            .build_v1alpha()
+            .expect("the built-in descriptor sets decode");
         let server = tonic::transport::Server::builder()
             .add_service(server::EnvironmentService::new(self.clone()).into_server())
+            .add_service(health_service)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
             .serve_with_incoming_shutdown(incoming, shutdown);
         // Once halted, in-flight requests get a bounded grace period.
         let me = self.clone();
@@ -832,6 +860,7 @@ impl Environment {
             () = grace => Ok(()),
         };
         logger.abort();
+        checker.abort();
         result?;
         match self.halted() {
             Some(reason) => Err(EnvError::Halted(reason)),
@@ -839,6 +868,55 @@ impl Environment {
         }
     }
 }
+
+impl Environment {
+    /// Every [`HEALTH_INTERVAL`], sets each replica's health (`replica/NAME`)
+    /// to SERVING if its controller answered a ping within the interval,
+    /// NOT_SERVING otherwise; a dropped replica's status is cleared.
+    async fn report_replica_health(
+        self: Arc<Self>,
+        mut health: tonic_health::server::HealthReporter,
+    ) {
+        use tonic_health::ServingStatus;
+        let mut known: std::collections::BTreeSet<String> = Default::default();
+        loop {
+            let replicas: Vec<Replica> = self
+                .view
+                .lock()
+                .expect("poisoned")
+                .replicas
+                .values()
+                .cloned()
+                .collect();
+            let mut now = std::collections::BTreeSet::new();
+            for r in replicas {
+                let answered = match self.compute.controller(r.id) {
+                    Some(c) => matches!(
+                        tokio::time::timeout(HEALTH_INTERVAL, c.ping()).await,
+                        Ok(Ok(()))
+                    ),
+                    None => false,
+                };
+                let name = format!("replica/{}", r.name);
+                let status = if answered {
+                    ServingStatus::Serving
+                } else {
+                    ServingStatus::NotServing
+                };
+                health.set_service_status(&name, status).await;
+                now.insert(name);
+            }
+            for gone in known.difference(&now) {
+                health.clear_service_status(gone).await;
+            }
+            known = now;
+            tokio::time::sleep(HEALTH_INTERVAL).await;
+        }
+    }
+}
+
+/// How often replica health is checked, and how long a ping may take.
+const HEALTH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Marks an environment halted through its halt channel and returns the
 /// error to propagate.

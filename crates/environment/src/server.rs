@@ -267,11 +267,14 @@ pub fn compute_status(e: crate::compute::ComputeError) -> Status {
         }
         E::Invalid(_) => Status::invalid_argument(e.to_string()),
         E::OutOfRange(_) => Status::out_of_range(e.to_string()),
+        E::AlreadyExists(_) => Status::already_exists(e.to_string()),
+        E::Unavailable(_) => Status::unavailable(e.to_string()),
         E::Controller(lockstep_controller::ControllerError::Timeout { .. }) => {
             Status::deadline_exceeded(e.to_string())
         }
+        // FAILED_PRECONDITION is kept for a fenced controller.
         E::Controller(lockstep_controller::ControllerError::Replica(_)) => {
-            Status::failed_precondition(e.to_string())
+            Status::internal(e.to_string())
         }
         E::Controller(lockstep_controller::ControllerError::Dropped { .. }) => {
             Status::not_found(e.to_string())

@@ -85,7 +85,7 @@ async fn stored_writes_stay_consolidated_and_survive_a_restart() {
     // Writes go on from the stored upper.
     let refused = env.write_input("r1", 1, vec![u(&[1], 0, 1)], WRITES).await;
     assert!(
-        matches!(&refused, Err(ComputeError::Invalid(m)) if m.contains("outside")),
+        matches!(&refused, Err(ComputeError::OutOfRange(m)) if m.contains("outside")),
         "{refused:?}"
     );
     env.write_input("r1", 1, vec![u(&[7], WRITES, 1)], WRITES + 1)

@@ -1,0 +1,244 @@
+"""The gRPC API as a client in another language sees it.
+
+Generates a Python client from proto/ with grpcio-tools, starts
+`lockstep serve` on a fresh state directory, discovers the service by server
+reflection, checks grpc.health.v1 (the API and a replica), and then sends
+every error case of the table in proto/lockstep/environment/v1/environment.proto,
+checking the documented status code of each.
+
+Run by `cargo xtask test` (which skips it, saying why, if Python or the grpc
+packages are missing): python3 tests/python/api_test.py --lockstep BIN
+Ends with the line 'N passed, N failed'; exits 1 if anything failed.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+from grpc_tools import protoc
+
+
+def generate(out):
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "proto")
+    files = [
+        "lockstep/compute/v1/compute.proto",
+        "lockstep/environment/v1/environment.proto",
+    ]
+    include = os.path.join(os.path.dirname(protoc.__file__), "_proto")
+    for f in files:
+        rc = protoc.main(
+            ["protoc", f"-I{root}", f"-I{include}", f"--python_out={out}", f"--grpc_python_out={out}", f]
+        )
+        if rc != 0:
+            raise SystemExit(f"protoc failed on {f}")
+    sys.path.insert(0, out)
+
+
+class Results:
+    def __init__(self):
+        self.passed = 0
+        self.failed = []
+
+    def check(self, name, ok, detail=""):
+        if ok:
+            self.passed += 1
+            print(f"api: ok   {name}")
+        else:
+            self.failed.append(name)
+            print(f"api: FAIL {name} {detail}")
+
+    def code(self, name, call, expected):
+        try:
+            result = call()
+            if hasattr(result, "__next__"):
+                for _ in result:
+                    pass
+            self.check(name, False, f"expected {expected.name}, the call succeeded")
+        except grpc.RpcError as e:
+            self.check(name, e.code() == expected, f"expected {expected.name}, got {e.code().name}: {e.details()}")
+
+
+def start(lockstep, state, extra):
+    proc = subprocess.Popen(
+        [lockstep, "serve", "--listen", "127.0.0.1:0", "--state-dir", state, "--orphan-interval-secs", "0"] + extra,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "LOCKSTEP_LOG": os.environ.get("LOCKSTEP_LOG", "warn")},
+    )
+    line = proc.stdout.readline().decode()
+    m = re.match(r"lockstep: serving on (\S+)", line)
+    if not m:
+        proc.kill()
+        raise SystemExit(f"unexpected first line from lockstep serve: {line!r}")
+    return proc, m.group(1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lockstep", required=True)
+    args = ap.parse_args()
+    gen = tempfile.mkdtemp(prefix="lockstep-py-")
+    generate(gen)
+    from lockstep.compute.v1 import compute_pb2 as cp
+    from lockstep.environment.v1 import environment_pb2 as ep
+    from lockstep.environment.v1 import environment_pb2_grpc as eg
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    r = Results()
+    state = tempfile.mkdtemp(prefix="lockstep-py-state-")
+    proc, addr = start(args.lockstep, state, ["--compaction-lag", "4"])
+    try:
+        channel = grpc.insecure_channel(addr)
+        grpc.channel_ready_future(channel).result(timeout=30)
+        api = eg.EnvironmentStub(channel)
+
+        # Discovery by reflection.
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        services = {s.name for s in answers[0].list_services_response.service}
+        r.check("reflection lists the API", "lockstep.environment.v1.Environment" in services, str(services))
+        r.check("reflection lists health", "grpc.health.v1.Health" in services, str(services))
+        answers = list(
+            refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="lockstep.environment.v1.Environment")])
+            )
+        )
+        r.check(
+            "reflection describes the API",
+            answers[0].HasField("file_descriptor_response")
+            and len(answers[0].file_descriptor_response.file_descriptor_proto) >= 1,
+            str(answers[0]),
+        )
+
+        # Health.
+        health = health_pb2_grpc.HealthStub(channel)
+        S = health_pb2.HealthCheckResponse.SERVING
+        r.check("health of the server", health.Check(health_pb2.HealthCheckRequest(service="")).status == S)
+        r.check(
+            "health of the API",
+            health.Check(health_pb2.HealthCheckRequest(service="lockstep.environment.v1.Environment")).status == S,
+        )
+        r.code(
+            "health of an unknown replica: NOT_FOUND",
+            lambda: health.Check(health_pb2.HealthCheckRequest(service="replica/nope")),
+            grpc.StatusCode.NOT_FOUND,
+        )
+
+        api.CreateReplica(ep.CreateReplicaRequest(name="py", processes=2, workers_per_process=1))
+        deadline = time.time() + 30
+        status = None
+        while time.time() < deadline:
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(service="replica/py")).status
+                if status == S:
+                    break
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        r.check("health of a running replica: SERVING", status == S, str(status))
+
+        def export(cid, plan):
+            return cp.Export(collection_id=cid, plan=plan)
+
+        def get(c):
+            return cp.Plan(get=cp.Get(collection_id=c))
+
+        def create(name, inputs, exports, replica="py"):
+            return api.CreateDataflow(ep.CreateDataflowRequest(replica=replica, name=name, inputs=inputs, exports=exports))
+
+        def write(collection, updates, upper, replica="py"):
+            return api.WriteInput(
+                ep.WriteInputRequest(replica=replica, collection_id=collection, updates=updates, upper=upper)
+            )
+
+        def up(row, time_, diff):
+            return cp.Update(row=row, time=time_, diff=diff)
+
+        d = create("ok", [1], [export(101, get(1))]).dataflow
+        for t in range(12):
+            write(1, [up([t], t, 1)], t + 1)
+
+        C = grpc.StatusCode
+        # CreateReplica
+        r.code("CreateReplica, empty name: INVALID_ARGUMENT", lambda: api.CreateReplica(ep.CreateReplicaRequest(name="", processes=1, workers_per_process=1)), C.INVALID_ARGUMENT)
+        r.code("CreateReplica, zero processes: INVALID_ARGUMENT", lambda: api.CreateReplica(ep.CreateReplicaRequest(name="z", processes=0, workers_per_process=1)), C.INVALID_ARGUMENT)
+        r.code("CreateReplica, name taken: ALREADY_EXISTS", lambda: api.CreateReplica(ep.CreateReplicaRequest(name="py", processes=1, workers_per_process=1)), C.ALREADY_EXISTS)
+        # DropReplica
+        r.code("DropReplica, empty name: INVALID_ARGUMENT", lambda: api.DropReplica(ep.DropReplicaRequest(name="")), C.INVALID_ARGUMENT)
+        r.code("DropReplica, unknown: NOT_FOUND", lambda: api.DropReplica(ep.DropReplicaRequest(name="nope")), C.NOT_FOUND)
+        # CreateDataflow
+        r.code("CreateDataflow, unknown replica: NOT_FOUND", lambda: create("x", [1], [export(900, get(1))], replica="nope"), C.NOT_FOUND)
+        r.code("CreateDataflow, empty replica name: INVALID_ARGUMENT", lambda: create("x", [1], [export(900, get(1))], replica=""), C.INVALID_ARGUMENT)
+        r.code("CreateDataflow, no export: INVALID_ARGUMENT", lambda: create("x", [1], []), C.INVALID_ARGUMENT)
+        r.code("CreateDataflow, undeclared input: INVALID_ARGUMENT", lambda: create("x", [1], [export(900, get(7))]), C.INVALID_ARGUMENT)
+        r.code("CreateDataflow, an export twice: INVALID_ARGUMENT", lambda: create("x", [1], [export(900, get(1)), export(900, get(1))]), C.INVALID_ARGUMENT)
+        r.code("CreateDataflow, export ID in use: ALREADY_EXISTS", lambda: create("x", [1], [export(101, get(1))]), C.ALREADY_EXISTS)
+        r.code("CreateDataflow, export ID is an input: ALREADY_EXISTS", lambda: create("x", [2], [export(1, get(2))]), C.ALREADY_EXISTS)
+        r.code("CreateDataflow, reads an export: INVALID_ARGUMENT", lambda: create("x", [101], [export(900, get(101))]), C.INVALID_ARGUMENT)
+        deep = get(1)
+        for _ in range(40):
+            deep = cp.Plan(filter=cp.Filter(input=deep))
+        r.code("CreateDataflow, plan too deep: INVALID_ARGUMENT", lambda: create("x", [1], [export(900, deep)]), C.INVALID_ARGUMENT)
+        r.code("CreateDataflow, plan missing: INVALID_ARGUMENT", lambda: create("x", [1], [cp.Export(collection_id=900)]), C.INVALID_ARGUMENT)
+        # DropDataflow
+        r.code("DropDataflow, unknown: NOT_FOUND", lambda: api.DropDataflow(ep.DropDataflowRequest(id=999999)), C.NOT_FOUND)
+        # WriteInput
+        r.code("WriteInput, unknown replica: NOT_FOUND", lambda: write(1, [], 20, replica="nope"), C.NOT_FOUND)
+        r.code("WriteInput, to an export: INVALID_ARGUMENT", lambda: write(101, [up([1], 12, 1)], 13), C.INVALID_ARGUMENT)
+        r.code("WriteInput, upper below the current: OUT_OF_RANGE", lambda: write(1, [], 3), C.OUT_OF_RANGE)
+        r.code("WriteInput, time below the upper: OUT_OF_RANGE", lambda: write(1, [up([1], 2, 1)], 20), C.OUT_OF_RANGE)
+        r.code("WriteInput, time not below the new upper: OUT_OF_RANGE", lambda: write(1, [up([1], 20, 1)], 20), C.OUT_OF_RANGE)
+        big = 2**63 - 1
+        r.code("WriteInput, multiplicities overflow: INVALID_ARGUMENT", lambda: write(1, [up([5], 12, big), up([6], 12, big)], 13), C.INVALID_ARGUMENT)
+        # Peek
+        ok = api.Peek(ep.PeekRequest(replica="py", collection_id=101, timestamp=11))
+        r.check("Peek at the upper answers", len(ok.rows) == 12, str(ok))
+        r.code("Peek, unknown collection: NOT_FOUND", lambda: api.Peek(ep.PeekRequest(replica="py", collection_id=555, timestamp=0)), C.NOT_FOUND)
+        r.code("Peek, an input collection: NOT_FOUND", lambda: api.Peek(ep.PeekRequest(replica="py", collection_id=1, timestamp=0)), C.NOT_FOUND)
+        r.code("Peek, at 2^64-1: OUT_OF_RANGE", lambda: api.Peek(ep.PeekRequest(replica="py", collection_id=101, timestamp=2**64 - 1)), C.OUT_OF_RANGE)
+        r.code("Peek, below the since: OUT_OF_RANGE", lambda: api.Peek(ep.PeekRequest(replica="py", collection_id=101, timestamp=0)), C.OUT_OF_RANGE)
+        # Subscribe
+        r.code("Subscribe, unknown collection: NOT_FOUND", lambda: api.Subscribe(ep.SubscribeRequest(replica="py", collection_id=555, as_of=11)), C.NOT_FOUND)
+        r.code("Subscribe, below the since: OUT_OF_RANGE", lambda: api.Subscribe(ep.SubscribeRequest(replica="py", collection_id=101, as_of=0)), C.OUT_OF_RANGE)
+        sub = api.Subscribe(ep.SubscribeRequest(replica="py", collection_id=101, as_of=11))
+        first = next(sub)
+        r.check("Subscribe streams the snapshot", len(first.updates) == 12, str(first))
+        api.DropDataflow(ep.DropDataflowRequest(id=d.id))
+        r.code("Subscribe, dataflow dropped: NOT_FOUND", lambda: sub, C.NOT_FOUND)
+    finally:
+        proc.kill()
+        proc.wait()
+        # The replica's processes outlive a killed environment: stop them.
+        kill_replicas(state)
+    print(f"{r.passed} passed, {len(r.failed)} failed")
+    sys.exit(1 if r.failed else 0)
+
+
+def kill_replicas(state):
+    """Kills the process groups the orchestrator recorded under STATE/orchestrator/services."""
+    import json
+
+    services = os.path.join(state, "orchestrator", "services")
+    if not os.path.isdir(services):
+        return
+    for name in os.listdir(services):
+        try:
+            record = json.load(open(os.path.join(services, name)))
+        except (OSError, ValueError):
+            continue
+        for p in record.get("processes", []):
+            pid = p.get("pid")
+            if pid:
+                try:
+                    os.killpg(pid, 9)
+                except OSError:
+                    pass
+
+
+if __name__ == "__main__":
+    main()
