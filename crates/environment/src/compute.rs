@@ -318,6 +318,12 @@ impl Watcher {
                 e = events.recv() => match e {
                     Ok(e) => {
                         tracing::info!(replica = %self.replica, event = ?e, "controller event");
+                        // Fenced out of the command log: a newer controller
+                        // runs; this environment must halt (O3).
+                        if let Event::LogFailed { message, fenced: true } = &e {
+                            crate::halt_with(&self.restarter.halt, self.restarter.epoch, format!("replica {}: {message}", self.replica));
+                            return;
+                        }
                         let Some(reason) = restart_reason(&e) else { continue };
                         if let Some(t) = last_restart.filter(|t| t.elapsed() < self.interval) {
                             tracing::warn!(
@@ -1137,6 +1143,40 @@ mod tests {
             .as_deref()
             .unwrap()
             .contains("another controller took over"));
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("the watcher stops")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn fenced_out_of_the_command_log_halts_the_environment_and_a_broken_log_does_not() {
+        let fake = Arc::new(Fake {
+            restarts: AtomicUsize::new(0),
+            stale: false,
+        });
+        let (tx, mut halted, task) = watcher(fake.clone());
+        tx.send(Event::LogFailed {
+            message: "disk I/O error".into(),
+            fenced: false,
+        })
+        .unwrap();
+        tx.send(Event::LogFailed {
+            message: "epoch 1 is fenced out by epoch 2".into(),
+            fenced: true,
+        })
+        .unwrap();
+        tokio::time::timeout(Duration::from_secs(5), halted.wait_for(|h| h.is_some()))
+            .await
+            .expect("halted")
+            .unwrap();
+        let reason = halted.borrow().clone().unwrap();
+        assert!(reason.contains("fenced out by epoch 2"), "{reason}");
+        assert_eq!(
+            fake.restarts.load(Ordering::SeqCst),
+            0,
+            "a log failure is no reason to restart the replica"
+        );
         tokio::time::timeout(Duration::from_secs(5), task)
             .await
             .expect("the watcher stops")

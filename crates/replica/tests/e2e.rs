@@ -615,3 +615,54 @@ async fn subscriptions_end_when_canceled_or_dropped() {
     assert_eq!(c.peek(1001, 0).await.unwrap(), vec![(vec![5], 1)]);
     c.shutdown();
 }
+
+/// A replica that ends every session (here: its frame limit is below the
+/// size of a dataflow in the controller's history, so it refuses the frame)
+/// is reconnected to with a growing wait, not in a tight loop. Before, the
+/// controller reconnected at once, thousands of times a minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_drops_every_session_is_reconnected_to_with_backoff() {
+    let r = start_replica_with_env(28, 1, 1, &[("LOCKSTEP_MAX_FRAME_LEN", "65536")]).await;
+    // One dataflow of 8,000 exports: about 100 KB, over the replica's limit.
+    let mut big = dataflow(
+        1,
+        &[1],
+        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
+    );
+    big.exports = (0..8_000)
+        .map(|i| lockstep_protocol::Export {
+            collection_id: 10_000 + i,
+            plan: lockstep_protocol::Plan::Get { collection_id: 1 },
+        })
+        .collect();
+    let mut history = CommandHistory::new();
+    history.push(lockstep_protocol::CommandKind::CreateDataflow(big));
+    let c = controller(&r, 1, history);
+    let mut events = c.events();
+    let mut at = Vec::new();
+    let waited = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        while at.len() < 7 {
+            match events.recv().await {
+                Ok(lockstep_controller::Event::Disconnected { .. }) => {
+                    at.push(std::time::Instant::now())
+                }
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(e) => panic!("controller events ended: {e}"),
+            }
+        }
+    })
+    .await;
+    assert!(
+        waited.is_ok(),
+        "only {} sessions ended within 30 s",
+        at.len()
+    );
+    // The waits before sessions 3 to 7 are 50, 100, 200, 400 and 800 ms.
+    let gaps: Vec<_> = at.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(
+        gaps[4] >= std::time::Duration::from_millis(400)
+            && gaps[5] >= std::time::Duration::from_millis(800),
+        "no backoff between failed sessions: {gaps:?}"
+    );
+    c.shutdown();
+}

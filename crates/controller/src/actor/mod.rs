@@ -65,11 +65,15 @@ pub enum Event {
         /// For how long.
         silent_for: Duration,
     },
-    /// Appending to the command log failed (fenced out by a newer
-    /// controller, or a broken store): the controller stopped.
+    /// Appending to the command log failed. Fenced out by a newer
+    /// controller (`fenced`): the controller stopped, and its owner must
+    /// halt (O3). Otherwise (a broken store): the controller dropped the log
+    /// and reconnects, with backoff, reopening it.
     LogFailed {
         /// Why.
         message: String,
+        /// Whether a newer controller fenced this one out of the log.
+        fenced: bool,
     },
     /// On connect, the workers reported different histories (creation logs
     /// or installed dataflows); the distribution policy chose `action`.
@@ -132,6 +136,11 @@ pub(crate) struct Actor {
     /// The (sequence number, log offset) of this session's StatusRequests
     /// in the command log, oldest first, until every worker applied them.
     pub(crate) log_status_requests: std::collections::VecDeque<(u64, u64)>,
+    /// Sessions in a row that ended before serving for a while; the next
+    /// connection attempt waits `reconnect_backoff(failed_sessions)`.
+    failed_sessions: u32,
+    /// When the current session started serving.
+    served_at: Option<Instant>,
     /// Where the session is: connecting, rehydrating, waiting for the
     /// history check, serving, or crashed.
     phase: Phase,
@@ -190,6 +199,8 @@ pub(crate) fn spawn(
         log_batch: None,
         log_marker: None,
         log_status_requests: Default::default(),
+        failed_sessions: 0,
+        served_at: None,
         phase: Phase::Disconnected,
         history,
         nonce: 0,

@@ -27,6 +27,26 @@ use super::{Actor, Event};
 use crate::connection;
 use crate::deliver::LogBatch;
 
+/// A session that served this long ends a run of failed sessions.
+const STABLE_SESSION: Duration = Duration::from_secs(10);
+/// The wait before reconnecting after the first quickly failed session;
+/// doubled per further one, up to [`MAX_RECONNECT_BACKOFF`].
+const RECONNECT_BACKOFF: Duration = Duration::from_millis(50);
+/// The longest wait before reconnecting.
+pub(crate) const MAX_RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
+
+/// The wait before reconnecting after `failed` sessions in a row that ended
+/// before serving for [`STABLE_SESSION`]: none after the first, then 50 ms
+/// doubling up to 5 s.
+pub(crate) fn reconnect_backoff(failed: u32) -> Duration {
+    match failed {
+        0 | 1 => Duration::ZERO,
+        n => RECONNECT_BACKOFF
+            .saturating_mul(1u32 << (n - 2).min(16))
+            .min(MAX_RECONNECT_BACKOFF),
+    }
+}
+
 /// Where the controller's session is. Changed only by [`Actor::enter`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Phase {
@@ -126,9 +146,14 @@ impl Actor {
         let addrs = self.replica.processes.clone();
         let bound = self.timeouts.connect;
         let tx = self.connected_tx.clone();
+        let backoff = reconnect_backoff(self.failed_sessions);
         // Keeps trying until every process is connected, or a newer attempt
         // (or shutdown) supersedes this one; each failed round is reported.
+        // After sessions that ended quickly, it first waits (backoff): a
+        // replica that drops every session must not be reconnected to in a
+        // tight loop.
         tokio::spawn(async move {
+            tokio::time::sleep(backoff).await;
             'attempt: loop {
                 let deadline = Instant::now() + bound;
                 let mut socks = Vec::new();
@@ -238,7 +263,9 @@ impl Actor {
             self.broadcast(c);
         }
         self.flush_log_batch();
-        if self.phase == Phase::Crashed {
+        // A failed log append stopped the controller or started another
+        // connection attempt.
+        if self.phase != Phase::Rehydrating {
             return;
         }
         tracing::debug!(
@@ -363,14 +390,24 @@ impl Actor {
                 }
             }
         }
+        self.served_at = Some(Instant::now());
         self.emit(Event::Connected { nonce: self.nonce });
     }
 
     /// Drops every connection and connects to every process again, under a
     /// new generation (and, once connected, a new nonce).
-    pub(super) fn disconnect(&mut self, reason: String) {
+    pub(crate) fn disconnect(&mut self, reason: String) {
         self.conns.iter_mut().for_each(|c| *c = None);
-        tracing::info!(%reason, "reconnecting to every process");
+        // A session that served for a while ends the run of failures.
+        if self
+            .served_at
+            .take()
+            .is_some_and(|t| t.elapsed() >= STABLE_SESSION)
+        {
+            self.failed_sessions = 0;
+        }
+        self.failed_sessions = self.failed_sessions.saturating_add(1);
+        tracing::info!(%reason, backoff = ?reconnect_backoff(self.failed_sessions), "reconnecting to every process");
         self.start_connecting();
     }
 

@@ -88,7 +88,7 @@ impl Actor {
             match SqliteLog::open(path) {
                 Ok(l) => self.log = Some(l),
                 Err(e) => {
-                    self.fail_log(e.to_string());
+                    self.fail_log(e);
                     return None;
                 }
             }
@@ -97,18 +97,34 @@ impl Actor {
         match log.append(self.epoch, commands) {
             Ok(last) => Some(last + 1 - commands.len() as u64),
             Err(e) => {
-                self.fail_log(e.to_string());
+                self.fail_log(e);
                 None
             }
         }
     }
 
-    /// A failed append: reported as [`Event::LogFailed`], and the
-    /// controller stops.
-    fn fail_log(&mut self, message: String) {
-        tracing::error!(%message, "command log append failed; the controller stops");
-        self.emit(Event::LogFailed { message });
-        self.stop();
+    /// A failed append, reported as [`Event::LogFailed`]. Fenced: the
+    /// controller stops (it must not go on without its log, and its owner
+    /// halts). Otherwise the log is dropped and the controller reconnects
+    /// (with backoff); the next log session reopens it, and the history
+    /// still holds every command, so nothing is lost.
+    fn fail_log(&mut self, e: lockstep_command_log::LogError) {
+        let fenced = matches!(e, lockstep_command_log::LogError::Fenced { .. });
+        let message = e.to_string();
+        if fenced {
+            tracing::error!(%message, "fenced out of the command log; the controller stops");
+            self.emit(Event::LogFailed { message, fenced });
+            self.stop();
+        } else {
+            tracing::error!(%message, "command log append failed; reconnecting");
+            self.emit(Event::LogFailed {
+                message: message.clone(),
+                fenced,
+            });
+            self.log = None;
+            self.log_batch = None;
+            self.disconnect(format!("command log: {message}"));
+        }
     }
 
     /// Appends the start of a log session in one transaction, then sends
