@@ -224,13 +224,23 @@ impl ProcessOrchestrator {
             .open(dir.join("orchestrator.lock"))
             .map_err(unwritable)?;
         let (events, _) = broadcast::channel(1024);
+        let inner = Inner {
+            config,
+            events,
+            supervisors: Mutex::new(HashMap::new()),
+            children: Mutex::new(HashMap::new()),
+        };
+        // Processes spawned by an orchestrator killed before it recorded them
+        // would hold their ports and escape orphan removal: kill them now.
+        {
+            let _lock = inner.lock().map_err(|e| NewError::Unwritable {
+                path: inner.config.state_dir.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            kill_strays(&inner.config.state_dir);
+        }
         Ok(ProcessOrchestrator {
-            inner: Arc::new(Inner {
-                config,
-                events,
-                supervisors: Mutex::new(HashMap::new()),
-                children: Mutex::new(HashMap::new()),
-            }),
+            inner: Arc::new(inner),
         })
     }
 
@@ -626,6 +636,11 @@ impl Inner {
             .envs(&record.env)
             .env("LOCKSTEP_SERVICE", &record.name)
             .env("LOCKSTEP_PROCESS", i.to_string())
+            .env(
+                ORCHESTRATOR_ENV,
+                std::path::absolute(&self.config.state_dir)
+                    .unwrap_or_else(|_| self.config.state_dir.clone()),
+            )
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -1031,6 +1046,80 @@ fn allocate_ports(scale: usize, names: &[String]) -> std::io::Result<Vec<BTreeMa
     Ok(out)
 }
 
+/// The environment variable every spawned process carries: the state
+/// directory of the orchestrator that spawned it. A process that carries ours
+/// but whose process group no record names escaped the orchestrator (it was
+/// spawned, then the orchestrator was killed before it recorded the PID).
+pub const ORCHESTRATOR_ENV: &str = "LOCKSTEP_ORCHESTRATOR";
+
+/// The process groups of processes that carry `state_dir` in
+/// [`ORCHESTRATOR_ENV`] but that no record in `state_dir/services` names.
+/// Call it under the lock: a spawn and its record happen under it too.
+fn strays(state_dir: &Path) -> Vec<u32> {
+    let Ok(marker) = std::path::absolute(state_dir) else {
+        return Vec::new();
+    };
+    let needle = format!("{ORCHESTRATOR_ENV}={}", marker.display());
+    let mut recorded = std::collections::BTreeSet::new();
+    if let Ok(entries) = std::fs::read_dir(state_dir.join("services")) {
+        for entry in entries.flatten() {
+            if let Ok(Some(record)) = read_record(&entry.path()) {
+                recorded.extend(record.processes.iter().filter_map(|p| p.pid));
+            }
+        }
+    }
+    let mut groups = std::collections::BTreeSet::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    for entry in procs.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        if !environ.split(|b| *b == 0).any(|v| v == needle.as_bytes()) {
+            continue;
+        }
+        // Field 5 of /proc/PID/stat: the process group (our processes lead
+        // their own; what they spawn shares it).
+        let Some(pgid) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                let rest = stat[stat.rfind(')')? + 1..].to_string();
+                rest.split_whitespace().nth(2)?.parse::<u32>().ok()
+            })
+        else {
+            continue;
+        };
+        if proc_start_time(pid).is_some() && !recorded.contains(&pgid) {
+            groups.insert(pgid);
+        }
+    }
+    groups.into_iter().collect()
+}
+
+/// Kills the process groups [`strays`] finds; returns how many.
+fn kill_strays(state_dir: &Path) -> usize {
+    let groups = strays(state_dir);
+    for &pgid in &groups {
+        tracing::warn!(
+            pgid,
+            "killing processes that escaped the orchestrator (spawned, never recorded)"
+        );
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(pgid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    groups.len()
+}
+
 /// The start time of a live (non-zombie) process, from `/proc/PID/stat`.
 fn proc_start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -1127,6 +1216,7 @@ pub fn kill_all_services(state_dir: &Path) -> Result<usize, StateError> {
         }
         let _ = std::fs::remove_file(&path);
     }
+    killed += kill_strays(state_dir);
     Ok(killed)
 }
 

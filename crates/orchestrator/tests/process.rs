@@ -672,3 +672,61 @@ async fn restarting_an_unknown_dropped_or_newer_service_is_refused() {
     assert_eq!(pids_of(&listed[0]), pids_of(&s), "nothing was killed");
     assert!(listed[0].processes[0].running);
 }
+
+/// A process spawned by an orchestrator that was killed before it recorded
+/// the PID (the window between spawn and record) escapes orphan removal and
+/// holds its ports. The next orchestrator on the directory kills it when it
+/// starts; what recorded processes spawned (same process group) stays.
+#[tokio::test]
+async fn processes_that_escaped_the_record_are_killed_when_an_orchestrator_starts() {
+    use std::os::unix::process::CommandExt;
+    let sandbox = Sandbox::new();
+    let o = sandbox.orchestrator(1);
+    // A recorded service whose process spawns a child of its own.
+    let pidfile = sandbox.path().join("grandchild.pid");
+    let config = ServiceConfig::new("replica-1", 1, "sh").fixed_args([
+        "-c".to_string(),
+        format!("sleep 300 & echo $! > {}; wait", pidfile.display()),
+    ]);
+    o.ensure_service(config).await.unwrap();
+    eventually("the grandchild", || {
+        std::fs::read_to_string(&pidfile).is_ok_and(|s| s.ends_with('\n'))
+    })
+    .await;
+    let grandchild: u32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // A process as the window leaves it: spawned with the orchestrator's
+    // marker, in its own process group, recorded nowhere.
+    let mut stray = std::process::Command::new("sleep")
+        .arg("300")
+        .env(
+            lockstep_orchestrator::process::ORCHESTRATOR_ENV,
+            std::path::absolute(sandbox.path()).unwrap(),
+        )
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let stray_pid = stray.id();
+    assert!(alive(stray_pid));
+    drop(o);
+    let _next = sandbox.orchestrator(2);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        // Reap it if it died (it is our child here).
+        if stray.try_wait().unwrap().is_some() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stray process {stray_pid} is still alive"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        alive(grandchild),
+        "a recorded process's child is not a stray"
+    );
+}
