@@ -96,6 +96,8 @@ pub struct Compute {
     restart_interval: Duration,
     /// The frame limit of every replica connection.
     max_frame_len: std::sync::atomic::AtomicUsize,
+    /// The environment's metrics.
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Drop for Compute {
@@ -138,6 +140,7 @@ impl Default for Compute {
             distribution: Mutex::new(None),
             restart_interval: REPLICA_RESTART_INTERVAL,
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN.into(),
+            metrics: Default::default(),
         }
     }
 }
@@ -147,6 +150,11 @@ impl Compute {
     pub fn set_max_frame_len(&self, max_frame_len: usize) {
         self.max_frame_len
             .store(max_frame_len, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The environment's metrics.
+    pub fn metrics(&self) -> Arc<crate::metrics::Metrics> {
+        self.metrics.clone()
     }
 
     /// The frame limit of replica connections.
@@ -221,6 +229,7 @@ impl Compute {
             self.timeouts.clone(),
         );
         let watcher = Watcher {
+            metrics: self.metrics.clone(),
             replica: replica.name.clone(),
             service: ServiceTemplate::service_name(replica.id),
             controller: controller.clone(),
@@ -263,23 +272,30 @@ impl Compute {
     }
 }
 
-/// Why a controller event calls for restarting the replica, if it does.
-fn restart_reason(event: &Event) -> Option<String> {
+/// Why a controller event calls for restarting the replica, if it does:
+/// the reason's metrics label (`silent`, `lockstep_lost`,
+/// `history_mismatch`) and its text.
+fn restart_reason(event: &Event) -> Option<(&'static str, String)> {
     match event {
         Event::ProcessSilent {
             process,
             silent_for,
-        } => Some(format!(
-            "process {process} has not answered for {silent_for:.1?} (stopped or hung)"
+        } => Some((
+            "silent",
+            format!("process {process} has not answered for {silent_for:.1?} (stopped or hung)"),
         )),
-        Event::ReplicaError { process, error } if error.kind == ErrorKind::LockstepLost => Some(
+        Event::ReplicaError { process, error } if error.kind == ErrorKind::LockstepLost => Some((
+            "lockstep_lost",
             format!("process {process} lost lockstep: {}", error.message),
-        ),
+        )),
         Event::HistoryMismatch {
             distinct_digests,
             action: lockstep_policy::MismatchAction::RestartReplica,
-        } => Some(format!(
-            "the history check found {distinct_digests} different worker histories and the distribution policy asks for a restart"
+        } => Some((
+            "history_mismatch",
+            format!(
+                "the history check found {distinct_digests} different worker histories and the distribution policy asks for a restart"
+            ),
         )),
         _ => None,
     }
@@ -289,6 +305,7 @@ fn restart_reason(event: &Event) -> Option<String> {
 /// through the orchestrator when one calls for it, at most once per
 /// `interval`.
 struct Watcher {
+    metrics: Arc<crate::metrics::Metrics>,
     replica: String,
     service: String,
     controller: Controller,
@@ -302,7 +319,7 @@ impl Watcher {
         use tokio::sync::broadcast::error::RecvError;
         let mut last_restart: Option<Instant> = None;
         // A reason that came within the interval, to check at its end.
-        let mut pending: Option<String> = None;
+        let mut pending: Option<(&'static str, String)> = None;
         loop {
             let recheck_at = match (&pending, last_restart) {
                 (Some(_), Some(t)) => Some(t + self.interval),
@@ -318,6 +335,7 @@ impl Watcher {
                 e = events.recv() => match e {
                     Ok(e) => {
                         tracing::info!(replica = %self.replica, event = ?e, "controller event");
+                        self.count(&e);
                         // Fenced out of the command log: a newer controller
                         // runs; this environment must halt (O3).
                         if let Event::LogFailed { message, fenced: true } = &e {
@@ -328,7 +346,7 @@ impl Watcher {
                         if let Some(t) = last_restart.filter(|t| t.elapsed() < self.interval) {
                             tracing::warn!(
                                 replica = %self.replica,
-                                %reason,
+                                reason = %reason.1,
                                 "the replica was restarted {:.1?} ago; checking it again in {:.1?}",
                                 t.elapsed(),
                                 self.interval.saturating_sub(t.elapsed()),
@@ -345,23 +363,45 @@ impl Watcher {
                     Err(RecvError::Closed) => return,
                 },
                 () = recheck => {
-                    let reason = pending.take().expect("a recheck only with a pending reason");
+                    let (label, reason) = pending.take().expect("a recheck only with a pending reason");
                     match tokio::time::timeout(self.ping_bound, self.controller.ping()).await {
                         Ok(Ok(())) => {
                             tracing::info!(replica = %self.replica, earlier = %reason, "the replica answers again; not restarting it");
                             continue;
                         }
-                        Ok(Err(e)) => format!("{reason}; it still does not answer: {e}"),
-                        Err(_) => format!("{reason}; it still does not answer a ping within {:?}", self.ping_bound),
+                        Ok(Err(e)) => (label, format!("{reason}; it still does not answer: {e}")),
+                        Err(_) => (label, format!("{reason}; it still does not answer a ping within {:?}", self.ping_bound)),
                     }
                 }
             };
             pending = None;
             last_restart = Some(Instant::now());
-            if !self.restart(&reason).await {
+            self.metrics
+                .restarts
+                .get_or_create(&crate::metrics::RestartLabels {
+                    replica: self.replica.clone(),
+                    reason: reason.0.to_string(),
+                })
+                .inc();
+            if !self.restart(&reason.1).await {
                 return;
             }
         }
+    }
+
+    /// Counts what the metrics count of a controller event.
+    fn count(&self, e: &Event) {
+        let label = crate::metrics::ReplicaLabel {
+            replica: self.replica.clone(),
+        };
+        match e {
+            Event::Connected { .. } => self.metrics.sessions.get_or_create(&label).inc(),
+            Event::Disconnected { .. } => self.metrics.disconnects.get_or_create(&label).inc(),
+            Event::HistoryMismatch { .. } => {
+                self.metrics.history_mismatches.get_or_create(&label).inc()
+            }
+            _ => 0,
+        };
     }
 
     /// Restarts the replica's service; returns false if this watcher must
@@ -1015,6 +1055,7 @@ mod tests {
         );
         let (halt, halted) = watch::channel(None);
         let w = Watcher {
+            metrics: Default::default(),
             replica: "r1".into(),
             service: "replica-1".into(),
             controller,
@@ -1064,16 +1105,19 @@ mod tests {
 
     #[test]
     fn only_silence_lost_lockstep_and_a_restart_verdict_call_for_a_restart() {
-        assert!(restart_reason(&silent()).unwrap().contains("process 1"));
-        assert!(restart_reason(&error(ErrorKind::LockstepLost))
-            .unwrap()
-            .contains("lost lockstep: diverged"));
+        let (label, text) = restart_reason(&silent()).unwrap();
+        assert_eq!(label, "silent");
+        assert!(text.contains("process 1"));
+        let (label, text) = restart_reason(&error(ErrorKind::LockstepLost)).unwrap();
+        assert_eq!(label, "lockstep_lost");
+        assert!(text.contains("lost lockstep: diverged"));
         assert_eq!(restart_reason(&error(ErrorKind::InvalidCommand)), None);
         assert!(restart_reason(&Event::HistoryMismatch {
             distinct_digests: 2,
             action: lockstep_policy::MismatchAction::RestartReplica,
         })
         .unwrap()
+        .1
         .contains("2 different worker histories"));
         assert_eq!(
             restart_reason(&Event::HistoryMismatch {

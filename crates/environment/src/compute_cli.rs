@@ -68,7 +68,7 @@ pub fn parse_update(s: &str) -> anyhow::Result<wire::Update> {
     })
 }
 
-fn status_err(s: tonic::Status) -> anyhow::Error {
+pub(crate) fn status_err(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{}: {}", s.code(), s.message())
 }
 

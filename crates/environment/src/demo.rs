@@ -28,7 +28,7 @@ use tonic::transport::Channel;
 use crate::proto;
 use crate::proto::environment_client::EnvironmentClient;
 
-const STEPS: usize = 10;
+const STEPS: usize = 11;
 
 fn step(n: usize, what: &str) {
     println!("demo: [{n}/{STEPS}] {what}");
@@ -38,10 +38,43 @@ fn step(n: usize, what: &str) {
 pub(crate) struct Env {
     pub(crate) child: Child,
     pub(crate) url: String,
+    /// `host:port` of the metrics endpoint, if it serves one.
+    pub(crate) metrics: Option<String>,
 }
 
 async fn start_env(bin: &Path, state: &Path) -> anyhow::Result<Env> {
-    start_env_with(bin, state, &[]).await
+    start_env_with(bin, state, &["--metrics-listen", "127.0.0.1:0"]).await
+}
+
+/// `GET /metrics` from `addr`: the response body.
+async fn fetch_metrics(addr: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(addr)
+        .await
+        .with_context(|| format!("connecting to the metrics endpoint {addr}"))?;
+    sock.write_all(b"GET /metrics HTTP/1.1\r\nHost: lockstep\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut response = String::new();
+    tokio::time::timeout(Duration::from_secs(10), sock.read_to_string(&mut response))
+        .await
+        .context("no metrics within 10 s")??;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .context("the metrics response has no body")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!(
+            "the metrics endpoint answered {}",
+            head.lines().next().unwrap_or("")
+        );
+    }
+    Ok(body.to_string())
+}
+
+/// The value of the sample `name` (with its labels, as printed) in
+/// OpenMetrics text.
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 /// Starts `bin serve` on `state` with `extra` arguments; returns once it
@@ -73,11 +106,16 @@ pub(crate) async fn start_env_with(
         .strip_prefix("lockstep: serving on ")
         .and_then(|r| r.split_whitespace().next())
         .with_context(|| format!("unexpected first line from the environment: {line:?}"))?;
+    let metrics = line
+        .split_once("metrics on http://")
+        .and_then(|(_, r)| r.split('/').next())
+        .map(str::to_string);
     // Keep draining stdout so the child never blocks on it.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     Ok(Env {
         child,
         url: format!("http://{addr}"),
+        metrics,
     })
 }
 
@@ -504,6 +542,66 @@ async fn run_in(bin: &Path, state: &Path) -> anyhow::Result<()> {
     bad_requests(&mut c).await?;
     let n = check_peeks(&mut c, &all, 4..5).await?;
     println!("demo:       {n} peeks still equal the reference");
+
+    step(
+        11,
+        "reading the Prometheus metrics of the restarted environment",
+    );
+    let addr = env2
+        .metrics
+        .clone()
+        .context("the environment printed no metrics address")?;
+    // The replica's serving gauge is set by a check every second.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = fetch_metrics(&addr).await?;
+        if sample(&text, "lockstep_replica_serving{replica=\"demo\"}") == Some(1.0) {
+            break text;
+        }
+        if Instant::now() > deadline {
+            bail!("the metrics never reported replica demo serving:\n{text}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for (name, at_least) in [
+        (
+            "lockstep_api_requests_total{method=\"WriteInput\",code=\"Ok\"}",
+            2.0,
+        ),
+        (
+            "lockstep_api_requests_total{method=\"Peek\",code=\"Ok\"}",
+            18.0,
+        ),
+        (
+            "lockstep_api_requests_total{method=\"CreateDataflow\",code=\"InvalidArgument\"}",
+            2.0,
+        ),
+        ("lockstep_controller_sessions_total{replica=\"demo\"}", 1.0),
+        ("lockstep_dataflows{replica=\"demo\"}", 3.0),
+        ("lockstep_epoch", 2.0),
+    ] {
+        match sample(&text, name) {
+            Some(v) if v >= at_least => println!("demo:       {name} {v}"),
+            other => bail!("metrics: {name} is {other:?}, expected at least {at_least}:\n{text}"),
+        }
+    }
+    let out = Command::new(bin)
+        .args(["status", "--server", &env2.url])
+        .output()
+        .await
+        .context("running lockstep status")?;
+    let summary = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success()
+        || !summary
+            .lines()
+            .any(|l| l.starts_with("demo ") && l.trim_end().ends_with("yes"))
+    {
+        bail!("lockstep status does not show replica demo serving:\n{summary}");
+    }
+    println!("demo:       lockstep status:");
+    for l in summary.lines() {
+        println!("demo:         {l}");
+    }
     drop(env2);
     Ok(())
 }

@@ -160,6 +160,13 @@ impl Inputs {
             .map_or(0, |s| s.since)
     }
 
+    /// The updates the catalog stores for a replica's inputs.
+    pub(crate) fn stored_updates(&self, replica_id: u64) -> usize {
+        self.by_replica
+            .get(&replica_id)
+            .map_or(0, |m| m.values().map(|s| s.catalog_updates).sum())
+    }
+
     /// Every input collection of a replica with its since.
     pub(crate) fn sinces_of(&self, replica_id: u64) -> Vec<(u64, Timestamp)> {
         self.by_replica

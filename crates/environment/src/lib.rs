@@ -77,6 +77,7 @@ pub mod chaos;
 pub mod compute;
 pub mod demo;
 mod inputs;
+pub mod metrics;
 pub mod server;
 pub mod soak;
 pub mod template;
@@ -434,6 +435,8 @@ impl Environment {
             rule = orphan_policy.name(),
             "catalog loaded"
         );
+        let compute = compute::Compute::default();
+        compute.metrics().epoch.set(epoch as i64);
         Ok(Environment {
             catalog: Mutex::new(catalog),
             view: Mutex::new(view),
@@ -445,7 +448,7 @@ impl Environment {
             halt: watch::channel(None).0,
             orphans_removed: Mutex::new(Vec::new()),
             ops: tokio::sync::Mutex::new(()),
-            compute: compute::Compute::default(),
+            compute,
             command_logs: None,
             session_secret: None,
         })
@@ -870,6 +873,11 @@ impl Environment {
 }
 
 impl Environment {
+    /// The environment's metrics (served by `lockstep serve --metrics-listen`).
+    pub fn metrics(&self) -> Arc<metrics::Metrics> {
+        self.compute.metrics()
+    }
+
     /// Every [`HEALTH_INTERVAL`], sets each replica's health (`replica/NAME`)
     /// to SERVING if its controller answered a ping within the interval,
     /// NOT_SERVING otherwise; a dropped replica's status is cleared.
@@ -905,6 +913,27 @@ impl Environment {
                 };
                 health.set_service_status(&name, status).await;
                 now.insert(name);
+                let metrics = self.metrics();
+                let label = metrics::ReplicaLabel {
+                    replica: r.name.clone(),
+                };
+                metrics.serving.get_or_create(&label).set(answered as i64);
+                metrics
+                    .stored_updates
+                    .get_or_create(&label)
+                    .set(self.inputs.lock().expect("poisoned").stored_updates(r.id) as i64);
+                let dataflows = self
+                    .view
+                    .lock()
+                    .expect("poisoned")
+                    .dataflows
+                    .values()
+                    .filter(|d| d.replica_id == r.id)
+                    .count();
+                metrics
+                    .dataflows
+                    .get_or_create(&label)
+                    .set(dataflows as i64);
             }
             for gone in known.difference(&now) {
                 health.clear_service_status(gone).await;

@@ -20,6 +20,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 mod compute_cli;
+use compute_cli::status_err;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -44,6 +45,13 @@ struct Cli {
 enum Command {
     /// Run the environment: open the catalog, ensure replicas, remove orphans, serve.
     Serve(ServeArgs),
+    /// A one-screen summary of a running environment: its epoch and orphan
+    /// rule, and per replica its shape, processes, restarts and whether it
+    /// serves (answers a ping).
+    Status {
+        #[command(flatten)]
+        server: ServerArg,
+    },
     /// Manage replicas on a running environment.
     Replica {
         #[command(flatten)]
@@ -212,6 +220,10 @@ struct ServeArgs {
     /// every distinct (row, time) written.
     #[arg(long)]
     compaction_lag: Option<u64>,
+    /// Serve Prometheus metrics (OpenMetrics text) on this address at
+    /// /metrics (port 0 picks one; printed on the serving line).
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
     /// Let a stale ensure overwrite a newer controller's service (negative tests only).
     #[arg(long, hide = true)]
     unconditional_writes: bool,
@@ -302,6 +314,7 @@ fn main() -> ExitCode {
                 },
             }
         }
+        Command::Status { server } => finish(runtime.block_on(status_summary(server.url))),
         Command::Replica { server, command } => {
             finish(runtime.block_on(client(server.url, command)))
         }
@@ -398,6 +411,66 @@ fn finish(result: anyhow::Result<()>) -> ExitCode {
     }
 }
 
+/// `lockstep status`.
+async fn status_summary(server: String) -> anyhow::Result<()> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let mut client = connect(&server).await?;
+    let status = client
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .map_err(status_err)?
+        .into_inner();
+    let replicas = client
+        .list_replicas(proto::ListReplicasRequest {})
+        .await
+        .map_err(status_err)?
+        .into_inner()
+        .replicas;
+    let channel = tonic::transport::Endpoint::from_shared(server.clone())?
+        .connect()
+        .await?;
+    let mut health = HealthClient::new(channel);
+    println!(
+        "environment {server}: epoch {}, orphan rule {}, {} replica(s)",
+        status.epoch,
+        status.orphan_rule,
+        replicas.len()
+    );
+    println!(
+        "{:<20} {:>5} {:>7} {:>9} {:>8}  SERVING",
+        "REPLICA", "ID", "SHAPE", "RUNNING", "RESTARTS"
+    );
+    for r in &replicas {
+        let serving = match health
+            .check(HealthCheckRequest {
+                service: format!("replica/{}", r.name),
+            })
+            .await
+        {
+            Ok(h) => match h.into_inner().status() {
+                ServingStatus::Serving => "yes".to_string(),
+                ServingStatus::NotServing => "no".to_string(),
+                other => format!("{other:?}").to_lowercase(),
+            },
+            Err(s) if s.code() == tonic::Code::NotFound => "not checked yet".to_string(),
+            Err(s) => format!("unknown ({})", s.message()),
+        };
+        let running = r.process_status.iter().filter(|p| p.running).count();
+        let restarts: u32 = r.process_status.iter().map(|p| p.restarts).sum();
+        println!(
+            "{:<20} {:>5} {:>7} {:>9} {:>8}  {serving}",
+            r.name,
+            r.id,
+            format!("{}x{}", r.processes, r.workers_per_process),
+            format!("{running}/{}", r.processes),
+            restarts
+        );
+    }
+    Ok(())
+}
+
 async fn connect(server: &str) -> anyhow::Result<EnvironmentClient<tonic::transport::Channel>> {
     let endpoint = tonic::transport::Endpoint::from_shared(server.to_string())
         .with_context(|| format!("bad server address {server:?}"))?
@@ -416,6 +489,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr()?;
+    let metrics_listener = match args.metrics_listen {
+        Some(a) => Some(
+            tokio::net::TcpListener::bind(a)
+                .await
+                .with_context(|| format!("cannot listen on {a} for metrics"))?,
+        ),
+        None => None,
+    };
     let mut service = ServiceTemplate::lockstep_replica();
     if let Some(program) = args.service_binary {
         service.program = program;
@@ -460,7 +541,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         compaction_lag: args.compaction_lag,
     };
     let env = Environment::start(config).await?;
-    println!("lockstep: serving on {addr} (epoch {})", env.epoch());
+    let metrics_note = match metrics_listener {
+        Some(l) => {
+            let at = l.local_addr()?;
+            tokio::spawn(lockstep_environment::metrics::serve(l, env.metrics()));
+            format!(", metrics on http://{at}/metrics")
+        }
+        None => String::new(),
+    };
+    println!(
+        "lockstep: serving on {addr} (epoch {}){metrics_note}",
+        env.epoch()
+    );
     use std::io::Write;
     std::io::stdout().flush()?;
     tracing::info!(%addr, epoch = env.epoch(), "serving");
@@ -477,7 +569,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
 async fn client(server: String, command: ReplicaCommand) -> anyhow::Result<()> {
     let mut client = connect(&server).await?;
-    let status_err = |s: tonic::Status| anyhow::anyhow!("{}: {}", s.code(), s.message());
     match command {
         ReplicaCommand::Create {
             name,

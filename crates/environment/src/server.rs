@@ -18,6 +18,22 @@ pub struct EnvironmentService {
 }
 
 impl EnvironmentService {
+    /// Counts one request in the metrics (method, status code, latency) and
+    /// passes its result on.
+    fn observed<T>(
+        &self,
+        method: &'static str,
+        started: std::time::Instant,
+        result: Result<T, Status>,
+    ) -> Result<T, Status> {
+        let code = match &result {
+            Ok(_) => tonic::Code::Ok,
+            Err(s) => s.code(),
+        };
+        self.env.metrics().api(method, code, started.elapsed());
+        result
+    }
+
     /// Serves `env`.
     pub fn new(env: Arc<Environment>) -> Self {
         EnvironmentService { env }
@@ -83,149 +99,194 @@ impl EnvironmentApi for EnvironmentService {
         &self,
         request: Request<proto::CreateReplicaRequest>,
     ) -> Result<Response<proto::CreateReplicaResponse>, Status> {
-        let r = request.into_inner();
-        let info = self
-            .env
-            .create_replica(
-                &r.name,
-                ReplicaConfig {
-                    processes: r.processes,
-                    workers_per_process: r.workers_per_process,
-                    config: r.config,
-                },
-            )
-            .await
-            .map_err(status)?;
-        Ok(Response::new(proto::CreateReplicaResponse {
-            replica: Some(to_proto(&info)),
-        }))
+        let started = std::time::Instant::now();
+        let result = async {
+            let r = request.into_inner();
+            let info = self
+                .env
+                .create_replica(
+                    &r.name,
+                    ReplicaConfig {
+                        processes: r.processes,
+                        workers_per_process: r.workers_per_process,
+                        config: r.config,
+                    },
+                )
+                .await
+                .map_err(status)?;
+            Ok(Response::new(proto::CreateReplicaResponse {
+                replica: Some(to_proto(&info)),
+            }))
+        }
+        .await;
+        self.observed("CreateReplica", started, result)
     }
 
     async fn drop_replica(
         &self,
         request: Request<proto::DropReplicaRequest>,
     ) -> Result<Response<proto::DropReplicaResponse>, Status> {
-        let r = request.into_inner();
-        let replica = self.env.drop_replica(&r.name).await.map_err(status)?;
-        Ok(Response::new(proto::DropReplicaResponse { id: replica.id }))
+        let started = std::time::Instant::now();
+        let result = async {
+            let r = request.into_inner();
+            let replica = self.env.drop_replica(&r.name).await.map_err(status)?;
+            Ok(Response::new(proto::DropReplicaResponse { id: replica.id }))
+        }
+        .await;
+        self.observed("DropReplica", started, result)
     }
 
     async fn list_replicas(
         &self,
         _request: Request<proto::ListReplicasRequest>,
     ) -> Result<Response<proto::ListReplicasResponse>, Status> {
-        let list = self.env.list_replicas().await.map_err(status)?;
-        Ok(Response::new(proto::ListReplicasResponse {
-            replicas: list.iter().map(to_proto).collect(),
-        }))
+        let started = std::time::Instant::now();
+        let result = async {
+            let list = self.env.list_replicas().await.map_err(status)?;
+            Ok(Response::new(proto::ListReplicasResponse {
+                replicas: list.iter().map(to_proto).collect(),
+            }))
+        }
+        .await;
+        self.observed("ListReplicas", started, result)
     }
 
     async fn get_status(
         &self,
         _request: Request<proto::GetStatusRequest>,
     ) -> Result<Response<proto::GetStatusResponse>, Status> {
-        Ok(Response::new(proto::GetStatusResponse {
-            epoch: self.env.epoch(),
-            orphan_rule: self.env.orphan_rule(),
-            orphans_removed: self.env.orphans_removed(),
-        }))
+        let started = std::time::Instant::now();
+        let result = async {
+            Ok(Response::new(proto::GetStatusResponse {
+                epoch: self.env.epoch(),
+                orphan_rule: self.env.orphan_rule(),
+                orphans_removed: self.env.orphans_removed(),
+            }))
+        }
+        .await;
+        self.observed("GetStatus", started, result)
     }
 
     async fn create_dataflow(
         &self,
         request: Request<proto::CreateDataflowRequest>,
     ) -> Result<Response<proto::CreateDataflowResponse>, Status> {
-        let r = request.into_inner();
-        let exports = r
-            .exports
-            .into_iter()
-            .map(|e| {
-                Ok(lockstep_protocol::Export {
-                    collection_id: e.collection_id,
-                    plan: e
-                        .plan
-                        .ok_or_else(|| Status::invalid_argument("an export has no plan"))?
-                        .try_into()
-                        .map_err(|e: lockstep_protocol::ConvertError| {
-                            Status::invalid_argument(e.to_string())
-                        })?,
+        let started = std::time::Instant::now();
+        let result = async {
+            let r = request.into_inner();
+            let exports = r
+                .exports
+                .into_iter()
+                .map(|e| {
+                    Ok(lockstep_protocol::Export {
+                        collection_id: e.collection_id,
+                        plan: e
+                            .plan
+                            .ok_or_else(|| Status::invalid_argument("an export has no plan"))?
+                            .try_into()
+                            .map_err(|e: lockstep_protocol::ConvertError| {
+                                Status::invalid_argument(e.to_string())
+                            })?,
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>, Status>>()?;
-        let desc = self
-            .env
-            .create_dataflow(&r.replica, &r.name, r.as_of, r.inputs, exports)
-            .await
-            .map_err(compute_status)?;
-        Ok(Response::new(proto::CreateDataflowResponse {
-            dataflow: Some(desc.into()),
-        }))
+                .collect::<Result<Vec<_>, Status>>()?;
+            let desc = self
+                .env
+                .create_dataflow(&r.replica, &r.name, r.as_of, r.inputs, exports)
+                .await
+                .map_err(compute_status)?;
+            Ok(Response::new(proto::CreateDataflowResponse {
+                dataflow: Some(desc.into()),
+            }))
+        }
+        .await;
+        self.observed("CreateDataflow", started, result)
     }
 
     async fn drop_dataflow(
         &self,
         request: Request<proto::DropDataflowRequest>,
     ) -> Result<Response<proto::DropDataflowResponse>, Status> {
-        self.env
-            .drop_dataflow(request.into_inner().id)
-            .await
-            .map_err(compute_status)?;
-        Ok(Response::new(proto::DropDataflowResponse {}))
+        let started = std::time::Instant::now();
+        let result = async {
+            self.env
+                .drop_dataflow(request.into_inner().id)
+                .await
+                .map_err(compute_status)?;
+            Ok(Response::new(proto::DropDataflowResponse {}))
+        }
+        .await;
+        self.observed("DropDataflow", started, result)
     }
 
     async fn list_dataflows(
         &self,
         _request: Request<proto::ListDataflowsRequest>,
     ) -> Result<Response<proto::ListDataflowsResponse>, Status> {
-        let list = self.env.list_dataflows().map_err(compute_status)?;
-        Ok(Response::new(proto::ListDataflowsResponse {
-            dataflows: list
-                .into_iter()
-                .map(|(replica, d)| proto::list_dataflows_response::Entry {
-                    replica,
-                    dataflow: Some(d.into()),
-                })
-                .collect(),
-        }))
+        let started = std::time::Instant::now();
+        let result = async {
+            let list = self.env.list_dataflows().map_err(compute_status)?;
+            Ok(Response::new(proto::ListDataflowsResponse {
+                dataflows: list
+                    .into_iter()
+                    .map(|(replica, d)| proto::list_dataflows_response::Entry {
+                        replica,
+                        dataflow: Some(d.into()),
+                    })
+                    .collect(),
+            }))
+        }
+        .await;
+        self.observed("ListDataflows", started, result)
     }
 
     async fn write_input(
         &self,
         request: Request<proto::WriteInputRequest>,
     ) -> Result<Response<proto::WriteInputResponse>, Status> {
-        let r = request.into_inner();
-        let updates = r
-            .updates
-            .into_iter()
-            .map(|u| lockstep_protocol::Update {
-                row: u.row,
-                time: u.time,
-                diff: u.diff,
-            })
-            .collect();
-        self.env
-            .write_input(&r.replica, r.collection_id, updates, r.upper)
-            .await
-            .map_err(compute_status)?;
-        Ok(Response::new(proto::WriteInputResponse {}))
+        let started = std::time::Instant::now();
+        let result = async {
+            let r = request.into_inner();
+            let updates = r
+                .updates
+                .into_iter()
+                .map(|u| lockstep_protocol::Update {
+                    row: u.row,
+                    time: u.time,
+                    diff: u.diff,
+                })
+                .collect();
+            self.env
+                .write_input(&r.replica, r.collection_id, updates, r.upper)
+                .await
+                .map_err(compute_status)?;
+            Ok(Response::new(proto::WriteInputResponse {}))
+        }
+        .await;
+        self.observed("WriteInput", started, result)
     }
 
     async fn peek(
         &self,
         request: Request<proto::PeekRequest>,
     ) -> Result<Response<proto::PeekResponse>, Status> {
-        let r = request.into_inner();
-        let rows = self
-            .env
-            .peek(&r.replica, r.collection_id, r.timestamp)
-            .await
-            .map_err(compute_status)?;
-        Ok(Response::new(proto::PeekResponse {
-            rows: rows
-                .into_iter()
-                .map(|(values, diff)| lockstep_protocol::proto::Row { values, diff })
-                .collect(),
-        }))
+        let started = std::time::Instant::now();
+        let result = async {
+            let r = request.into_inner();
+            let rows = self
+                .env
+                .peek(&r.replica, r.collection_id, r.timestamp)
+                .await
+                .map_err(compute_status)?;
+            Ok(Response::new(proto::PeekResponse {
+                rows: rows
+                    .into_iter()
+                    .map(|(values, diff)| lockstep_protocol::proto::Row { values, diff })
+                    .collect(),
+            }))
+        }
+        .await;
+        self.observed("Peek", started, result)
     }
 
     type SubscribeStream = std::pin::Pin<
@@ -239,21 +300,26 @@ impl EnvironmentApi for EnvironmentService {
         &self,
         request: Request<proto::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
-        let r = request.into_inner();
-        let rx = self
-            .env
-            .subscribe(&r.replica, r.collection_id, r.as_of)
-            .map_err(compute_status)?;
-        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|b| {
-            let b = b.map_err(|e| compute_status(e.into()))?;
-            let kind: lockstep_protocol::proto::response::Kind =
-                lockstep_protocol::ResponseKind::SubscribeResponse(b).into();
-            match kind {
-                lockstep_protocol::proto::response::Kind::SubscribeResponse(s) => Ok(s),
-                _ => Err(Status::internal("not a subscribe batch")),
-            }
-        });
-        Ok(Response::new(Box::pin(stream)))
+        let started = std::time::Instant::now();
+        let result = async {
+            let r = request.into_inner();
+            let rx = self
+                .env
+                .subscribe(&r.replica, r.collection_id, r.as_of)
+                .map_err(compute_status)?;
+            let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|b| {
+                let b = b.map_err(|e| compute_status(e.into()))?;
+                let kind: lockstep_protocol::proto::response::Kind =
+                    lockstep_protocol::ResponseKind::SubscribeResponse(b).into();
+                match kind {
+                    lockstep_protocol::proto::response::Kind::SubscribeResponse(s) => Ok(s),
+                    _ => Err(Status::internal("not a subscribe batch")),
+                }
+            });
+            Ok(Response::new(Box::pin(stream) as Self::SubscribeStream))
+        }
+        .await;
+        self.observed("Subscribe", started, result)
     }
 }
 

@@ -1,0 +1,232 @@
+//! Prometheus metrics of the environment (`prometheus-client`), served as
+//! OpenMetrics text on `lockstep serve --metrics-listen ADDR` at `/metrics`.
+//!
+//! What an operator needs to see without reading logs: API requests by
+//! method and status code, with their latency; per replica the controller
+//! sessions, disconnections, history mismatches and replica restarts by
+//! reason, whether the replica serves (answers a ping), the updates its
+//! inputs store, its dataflows; and the environment's epoch.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Labels of an API request.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApiLabels {
+    /// The RPC.
+    pub method: String,
+    /// Its gRPC status code (`Ok`, `NotFound`, ...).
+    pub code: String,
+}
+
+/// The label of an RPC.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MethodLabel {
+    /// The RPC.
+    pub method: String,
+}
+
+/// The label of a replica.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplicaLabel {
+    /// The replica's name.
+    pub replica: String,
+}
+
+/// Labels of a replica restart.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RestartLabels {
+    /// The replica's name.
+    pub replica: String,
+    /// `silent`, `lockstep_lost` or `history_mismatch`.
+    pub reason: String,
+}
+
+fn latency_histogram() -> Histogram {
+    // 100 µs to ~6.5 s.
+    Histogram::new(exponential_buckets(1e-4, 2.0, 17))
+}
+
+/// The environment's metrics.
+pub struct Metrics {
+    registry: Registry,
+    /// API requests by method and status code.
+    pub api_requests: Family<ApiLabels, Counter>,
+    /// API request latency by method, in seconds.
+    pub api_seconds: Family<MethodLabel, Histogram, fn() -> Histogram>,
+    /// Controller sessions that reached serving, per replica.
+    pub sessions: Family<ReplicaLabel, Counter>,
+    /// Lost connections to replica processes, per replica.
+    pub disconnects: Family<ReplicaLabel, Counter>,
+    /// History checks that found the workers disagree, per replica.
+    pub history_mismatches: Family<ReplicaLabel, Counter>,
+    /// Replica restarts through the orchestrator, per replica and reason.
+    pub restarts: Family<RestartLabels, Counter>,
+    /// 1 while the replica answers a ping, else 0.
+    pub serving: Family<ReplicaLabel, Gauge>,
+    /// Input updates the catalog stores for the replica (consolidated).
+    pub stored_updates: Family<ReplicaLabel, Gauge>,
+    /// Live dataflows of the replica.
+    pub dataflows: Family<ReplicaLabel, Gauge>,
+    /// The epoch this environment owns.
+    pub epoch: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Every metric, registered.
+    pub fn new() -> Self {
+        let api_requests = Family::<ApiLabels, Counter>::default();
+        let api_seconds: Family<MethodLabel, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        let sessions = Family::<ReplicaLabel, Counter>::default();
+        let disconnects = Family::<ReplicaLabel, Counter>::default();
+        let history_mismatches = Family::<ReplicaLabel, Counter>::default();
+        let restarts = Family::<RestartLabels, Counter>::default();
+        let serving = Family::<ReplicaLabel, Gauge>::default();
+        let stored_updates = Family::<ReplicaLabel, Gauge>::default();
+        let dataflows = Family::<ReplicaLabel, Gauge>::default();
+        let epoch = Gauge::default();
+        let mut registry = Registry::with_prefix("lockstep");
+        registry.register(
+            "api_requests",
+            "API requests by method and status code",
+            api_requests.clone(),
+        );
+        registry.register(
+            "api_request_seconds",
+            "API request latency by method",
+            api_seconds.clone(),
+        );
+        registry.register(
+            "controller_sessions",
+            "Controller sessions that reached serving",
+            sessions.clone(),
+        );
+        registry.register(
+            "controller_disconnects",
+            "Lost connections to replica processes",
+            disconnects.clone(),
+        );
+        registry.register(
+            "history_mismatches",
+            "History checks that found the workers disagree",
+            history_mismatches.clone(),
+        );
+        registry.register(
+            "replica_restarts",
+            "Replica restarts through the orchestrator, by reason",
+            restarts.clone(),
+        );
+        registry.register(
+            "replica_serving",
+            "1 while the replica answers a ping",
+            serving.clone(),
+        );
+        registry.register(
+            "input_updates_stored",
+            "Input updates the catalog stores (consolidated)",
+            stored_updates.clone(),
+        );
+        registry.register("dataflows", "Live dataflows", dataflows.clone());
+        registry.register("epoch", "The epoch this environment owns", epoch.clone());
+        Metrics {
+            registry,
+            api_requests,
+            api_seconds,
+            sessions,
+            disconnects,
+            history_mismatches,
+            restarts,
+            serving,
+            stored_updates,
+            dataflows,
+            epoch,
+        }
+    }
+
+    /// Records one API request.
+    pub fn api(&self, method: &str, code: tonic::Code, took: Duration) {
+        self.api_requests
+            .get_or_create(&ApiLabels {
+                method: method.to_string(),
+                code: format!("{code:?}"),
+            })
+            .inc();
+        self.api_seconds
+            .get_or_create(&MethodLabel {
+                method: method.to_string(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    /// The OpenMetrics text of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String does not fail");
+        out
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until the task is dropped; anything
+/// else gets 404. Requests are read up to 8 KiB.
+pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else {
+            continue;
+        };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 8192];
+            let mut len = 0;
+            // Read until the end of the request head (or the buffer is full).
+            while len < buf.len() {
+                match tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf[len..])).await
+                {
+                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
+                    Ok(Ok(n)) => {
+                        len += n;
+                        if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
+                            break;
+                        }
+                    }
+                }
+            }
+            let head = String::from_utf8_lossy(&buf[..len]);
+            let path = head.split_whitespace().nth(1).unwrap_or("");
+            let (status, body, kind) = if head.starts_with("GET ") && path == "/metrics" {
+                (
+                    "200 OK",
+                    metrics.encode(),
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                )
+            } else {
+                (
+                    "404 Not Found",
+                    "only GET /metrics\n".to_string(),
+                    "text/plain",
+                )
+            };
+            let response = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(response.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        });
+    }
+}
