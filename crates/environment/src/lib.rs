@@ -611,6 +611,62 @@ impl Environment {
         Ok(())
     }
 
+    /// Ensures every catalog replica that has no controller (its ensure
+    /// failed after the catalog write, at creation or at start) and starts
+    /// its controller; returns how many it started. Runs in the background
+    /// ([`spawn_replica_retry`](Self::spawn_replica_retry)).
+    pub async fn ensure_unserved(&self) -> Result<usize, EnvError> {
+        let _ops = self.ops.lock().await;
+        self.check_not_halted()?;
+        let unserved: Vec<Replica> = self
+            .view
+            .lock()
+            .expect("poisoned")
+            .replicas
+            .values()
+            .filter(|r| self.compute.controller(r.id).is_none())
+            .cloned()
+            .collect();
+        let mut started = 0;
+        for replica in unserved {
+            match self
+                .orchestrator
+                .ensure_service(self.service_config(&replica))
+                .await
+            {
+                Ok(status) => {
+                    tracing::info!(replica = %replica.name, "ensured on a retry; driving it");
+                    self.compute_started(&replica, &status);
+                    started += 1;
+                }
+                Err(e @ (EnsureError::StaleEpoch { .. } | EnsureError::DroppedByNewer { .. })) => {
+                    return Err(self.ensure_error(e))
+                }
+                Err(e) => tracing::warn!(replica = %replica.name, "still cannot ensure: {e}"),
+            }
+        }
+        Ok(started)
+    }
+
+    /// Runs [`ensure_unserved`](Self::ensure_unserved) every `every` until
+    /// this environment halts.
+    pub fn spawn_replica_retry(
+        self: &Arc<Self>,
+        every: std::time::Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                match me.ensure_unserved().await {
+                    Ok(_) => {}
+                    Err(EnvError::Halted(_)) => return,
+                    Err(e) => tracing::warn!("retrying replicas failed: {e}"),
+                }
+            }
+        })
+    }
+
     /// Step 3: lists the services and lets the orphan policy delete orphans
     /// or halt us. A failing or nonsensical policy deletes nothing.
     pub async fn remove_orphans(&self) -> Result<OrphanReport, EnvError> {

@@ -559,7 +559,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let background = (args.orphan_interval_secs > 0).then(|| {
         env.spawn_orphan_removal(std::time::Duration::from_secs(args.orphan_interval_secs))
     });
+    // A replica whose ensure failed (after its catalog write) is retried.
+    let retry = env.spawn_replica_retry(std::time::Duration::from_secs(5));
     let result = env.serve(listener).await;
+    retry.abort();
     if let Some(task) = background {
         task.abort();
     }

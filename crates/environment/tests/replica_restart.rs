@@ -262,3 +262,94 @@ async fn a_dropped_replica_leaves_no_files() {
         assert!(!p.exists(), "{} is left", p.display());
     }
 }
+
+/// A replica whose ensure failed after its catalog write (here: the replica
+/// program is missing for a moment) is refused as UNAVAILABLE, stays
+/// wanted, and is ensured and driven by the background retry once the
+/// program is back; it used to get no controller until the environment
+/// restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_ensure_failed_is_ensured_in_the_background() {
+    let sandbox = Sandbox::new().unwrap();
+    let program = sandbox.path().join("replica-program");
+    std::os::unix::fs::symlink(replica_binary(), &program).unwrap();
+    let mut cfg = config(sandbox.path(), None);
+    cfg.service.program = program.clone();
+    let env = std::sync::Arc::new(start_config(cfg).await);
+    std::fs::remove_file(&program).unwrap();
+    let created = env
+        .create_replica(
+            "r1",
+            ReplicaConfig {
+                processes: 2,
+                workers_per_process: 1,
+                config: String::new(),
+            },
+        )
+        .await;
+    assert!(
+        matches!(
+            created,
+            Err(lockstep_environment::EnvError::Orchestrator(_))
+        ),
+        "{created:?}"
+    );
+    // Nothing serves it: a dataflow is refused before it is written.
+    let refused = env
+        .create_dataflow(
+            "r1",
+            "identity",
+            0,
+            vec![1],
+            vec![lockstep_protocol::Export {
+                collection_id: 101,
+                plan: lockstep_protocol::text::parse_plan("get(1)").unwrap(),
+            }],
+        )
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(lockstep_environment::compute::ComputeError::Unavailable(_))
+        ),
+        "{refused:?}"
+    );
+    assert!(
+        env.list_dataflows().unwrap().is_empty(),
+        "nothing was written"
+    );
+
+    std::os::unix::fs::symlink(replica_binary(), &program).unwrap();
+    let retry = env.spawn_replica_retry(Duration::from_millis(100));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match env
+            .create_dataflow(
+                "r1",
+                "identity",
+                0,
+                vec![1],
+                vec![lockstep_protocol::Export {
+                    collection_id: 101,
+                    plan: lockstep_protocol::text::parse_plan("get(1)").unwrap(),
+                }],
+            )
+            .await
+        {
+            Ok(_) => break,
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "the replica was not ensured in the background within 30 s: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    env.write_input("r1", 1, vec![u(&[4], 0, 1)], 1)
+        .await
+        .unwrap();
+    let expected = lockstep_protocol::reference::Multiset::from([(vec![4], 1)]);
+    peek_until(&env, 101, 0, &expected, Duration::from_secs(30))
+        .await
+        .expect("the replica ensured in the background answers");
+    retry.abort();
+}
