@@ -3,17 +3,34 @@
 //! timely's own `create_sockets` retries in one-second steps, which makes a
 //! replica take seconds to start. Here every process listens on its timely
 //! address, connects to the processes with a lower index (retrying every
-//! 10 ms), and accepts the ones with a higher index; each connection starts
-//! with a small header (magic, replica ID, process index) so that a stray or
-//! stale peer of another replica is refused rather than wired in. The whole
-//! wait is bounded: a cluster that does not form in time is an error, never a
+//! 10 ms), and accepts the ones with a higher index. Each connection starts
+//! with a handshake:
+//!
+//! 1. the connecting process `c` sends a header (magic, replica ID, `c`) and
+//!    a fresh 16-byte nonce;
+//! 2. with a session key, the accepting process `a` answers its own nonce
+//!    and a proof (`SessionKey::mesh_proof`, role "accept", over both
+//!    nonces); `c` checks it and answers its proof (role "connect");
+//!    without a key (a replica started by hand) there is no proof;
+//! 3. `a` wires the connection in as peer `c` only if the header names one
+//!    of its higher-index peers of this replica, the proof holds, and peer
+//!    `c` is not connected yet: a second connection claiming the same index
+//!    is refused, never put in place of the first.
+//!
+//! Each accepted connection is handshaken on its own thread with a 2 s read
+//! bound (at most [`MAX_PENDING_HANDSHAKES`] at once), so idle or slow
+//! connections cannot hold formation past its deadline. The whole wait is
+//! bounded: a cluster that does not form in time is an error, never a
 //! silent hang. The sockets are then handed to
 //! `initialize_networking_from_sockets`.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use lockstep_protocol::SessionKey;
 use timely::communication::allocator::zero_copy::initialize::{
     initialize_networking_from_sockets, CommsGuard,
 };
@@ -21,6 +38,10 @@ use timely::communication::allocator::{AllocatorBuilder, ProcessBuilder};
 use timely::communication::Hooks;
 
 const MAGIC: u64 = 0x6c6f_636b_7374_6570; // "lockstep"
+/// How long one side of a mesh handshake waits for the other.
+const HANDSHAKE_BOUND: Duration = Duration::from_secs(2);
+/// Accepted connections handshaken at once; more are closed at once.
+pub const MAX_PENDING_HANDSHAKES: usize = 64;
 
 /// Why the cluster could not form.
 #[derive(Debug, thiserror::Error)]
@@ -49,20 +70,126 @@ pub enum ClusterError {
     Io(#[from] std::io::Error),
 }
 
-fn header(replica_id: u64, index: usize) -> [u8; 24] {
-    let mut h = [0u8; 24];
+fn header(replica_id: u64, index: usize, nonce: &[u8; 16]) -> [u8; 40] {
+    let mut h = [0u8; 40];
     h[..8].copy_from_slice(&MAGIC.to_be_bytes());
     h[8..16].copy_from_slice(&replica_id.to_be_bytes());
-    h[16..].copy_from_slice(&(index as u64).to_be_bytes());
+    h[16..24].copy_from_slice(&(index as u64).to_be_bytes());
+    h[24..].copy_from_slice(nonce);
     h
 }
 
+/// 16 unpredictable bytes.
+fn nonce() -> std::io::Result<[u8; 16]> {
+    let mut n = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut n)?;
+    Ok(n)
+}
+
+/// The connecting side of a handshake with peer `to`; the stream is ready
+/// for timely once it returns.
+fn connect_peer(
+    addr: SocketAddr,
+    me: usize,
+    to: usize,
+    replica_id: u64,
+    key: Option<&SessionKey>,
+) -> std::io::Result<TcpStream> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(100))?;
+    s.set_nodelay(true)?;
+    let mine = nonce()?;
+    s.write_all(&header(replica_id, me, &mine))?;
+    if let Some(key) = key {
+        s.set_read_timeout(Some(HANDSHAKE_BOUND))?;
+        let mut answer = [0u8; 48];
+        s.read_exact(&mut answer)?;
+        let theirs: [u8; 16] = answer[..16].try_into().expect("16 bytes");
+        let proof: [u8; 32] = answer[16..].try_into().expect("32 bytes");
+        if !key.verify_mesh_proof(
+            &proof,
+            b"accept",
+            replica_id,
+            to as u64,
+            me as u64,
+            (&mine, &theirs),
+        ) {
+            return Err(std::io::Error::other(format!(
+                "timely peer {to} at {addr} does not prove the replica's session key"
+            )));
+        }
+        let ours = key.mesh_proof(
+            b"connect",
+            replica_id,
+            me as u64,
+            to as u64,
+            (&theirs, &mine),
+        );
+        s.write_all(&ours)?;
+        s.set_read_timeout(None)?;
+    }
+    Ok(s)
+}
+
+/// The accepting side of a handshake: the peer's index and the stream, or
+/// why it was refused.
+fn accept_peer(
+    mut s: TcpStream,
+    me: usize,
+    n: usize,
+    replica_id: u64,
+    key: Option<&SessionKey>,
+) -> Result<(usize, TcpStream), String> {
+    let io = |e: std::io::Error| e.to_string();
+    s.set_nonblocking(false).map_err(io)?;
+    s.set_read_timeout(Some(HANDSHAKE_BOUND)).map_err(io)?;
+    let mut h = [0u8; 40];
+    s.read_exact(&mut h)
+        .map_err(|e| format!("no header: {e}"))?;
+    let magic = u64::from_be_bytes(h[..8].try_into().expect("8 bytes"));
+    let rid = u64::from_be_bytes(h[8..16].try_into().expect("8 bytes"));
+    let idx = u64::from_be_bytes(h[16..24].try_into().expect("8 bytes"));
+    let theirs: [u8; 16] = h[24..].try_into().expect("16 bytes");
+    if magic != MAGIC || rid != replica_id || idx <= me as u64 || idx >= n as u64 {
+        return Err(format!(
+            "not one of our peers (magic {magic:#x}, replica {rid}, process {idx})"
+        ));
+    }
+    if let Some(key) = key {
+        let mine = nonce().map_err(io)?;
+        let proof = key.mesh_proof(b"accept", replica_id, me as u64, idx, (&theirs, &mine));
+        let mut answer = [0u8; 48];
+        answer[..16].copy_from_slice(&mine);
+        answer[16..].copy_from_slice(&proof);
+        s.write_all(&answer).map_err(io)?;
+        let mut back = [0u8; 32];
+        s.read_exact(&mut back)
+            .map_err(|e| format!("process {idx} sent no proof: {e}"))?;
+        if !key.verify_mesh_proof(
+            &back,
+            b"connect",
+            replica_id,
+            idx,
+            me as u64,
+            (&mine, &theirs),
+        ) {
+            return Err(format!(
+                "a connection claiming to be process {idx} does not prove the replica's session key"
+            ));
+        }
+    }
+    s.set_read_timeout(None).map_err(io)?;
+    s.set_nodelay(true).map_err(io)?;
+    Ok((idx as usize, s))
+}
+
 /// Connects this process to every peer. `addrs[i]` is process i's timely
-/// address. Returns one socket per process, `None` at `me`.
+/// address; with `key`, every peer must prove it. Returns one socket per
+/// process, `None` at `me`.
 pub fn connect_mesh(
     addrs: &[SocketAddr],
     me: usize,
     replica_id: u64,
+    key: Option<&SessionKey>,
     timeout: Duration,
 ) -> Result<Vec<Option<TcpStream>>, ClusterError> {
     let deadline = Instant::now() + timeout;
@@ -73,51 +200,53 @@ pub fn connect_mesh(
     })?;
     listener.set_nonblocking(true)?;
     let mut sockets: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+    let (accepted_tx, accepted) = mpsc::channel::<Result<(usize, TcpStream), String>>();
+    let pending = Arc::new(AtomicUsize::new(0));
 
     // Connect to lower-index peers, accept higher-index ones, interleaved so
     // that neither side waits on the other.
     let mut pending_connect: Vec<usize> = (0..me).collect();
     loop {
-        pending_connect.retain(|&i| {
-            match TcpStream::connect_timeout(&addrs[i], Duration::from_millis(100)) {
-                Ok(mut s) => {
-                    let ok =
-                        s.set_nodelay(true).is_ok() && s.write_all(&header(replica_id, me)).is_ok();
-                    if ok {
-                        sockets[i] = Some(s);
-                    }
-                    !ok
+        pending_connect.retain(|&i| match connect_peer(addrs[i], me, i, replica_id, key) {
+            Ok(s) => {
+                sockets[i] = Some(s);
+                false
+            }
+            Err(e) => {
+                if e.kind() == std::io::ErrorKind::Other {
+                    tracing::warn!("{e}");
                 }
-                Err(_) => true,
+                true
             }
         });
         loop {
             match listener.accept() {
-                Ok((mut s, _)) => {
-                    s.set_nonblocking(false)?;
-                    s.set_read_timeout(Some(Duration::from_secs(2)))?;
-                    let mut h = [0u8; 24];
-                    if s.read_exact(&mut h).is_err() {
-                        continue; // a probe or a dead peer: ignore it
-                    }
-                    s.set_read_timeout(None)?;
-                    let magic = u64::from_be_bytes(h[..8].try_into().expect("8 bytes"));
-                    let rid = u64::from_be_bytes(h[8..16].try_into().expect("8 bytes"));
-                    let idx = u64::from_be_bytes(h[16..].try_into().expect("8 bytes")) as usize;
-                    if magic != MAGIC || rid != replica_id || idx <= me || idx >= n {
-                        tracing::warn!(
-                            magic,
-                            rid,
-                            idx,
-                            "refusing a timely connection that is not one of our peers"
-                        );
+                Ok((s, from)) => {
+                    if pending.load(Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
+                        tracing::warn!(%from, "too many timely handshakes at once; closing a connection");
                         continue;
                     }
-                    s.set_nodelay(true)?;
-                    sockets[idx] = Some(s);
+                    pending.fetch_add(1, Ordering::SeqCst);
+                    let (tx, pending, key) = (accepted_tx.clone(), pending.clone(), key.cloned());
+                    std::thread::spawn(move || {
+                        let r = accept_peer(s, me, n, replica_id, key.as_ref())
+                            .map_err(|e| format!("{from}: {e}"));
+                        pending.fetch_sub(1, Ordering::SeqCst);
+                        let _ = tx.send(r);
+                    });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) => return Err(e.into()),
+            }
+        }
+        while let Ok(r) = accepted.try_recv() {
+            match r {
+                Ok((idx, s)) if sockets[idx].is_none() => sockets[idx] = Some(s),
+                Ok((idx, _)) => tracing::warn!(
+                    process = idx,
+                    "refusing a second timely connection from a process already connected"
+                ),
+                Err(e) => tracing::warn!("refusing a timely connection: {e}"),
             }
         }
         let missing: Vec<usize> = (0..n)
@@ -150,4 +279,96 @@ pub fn allocators(
         builders.into_iter().map(AllocatorBuilder::Tcp).collect(),
         guard,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn free_addr() -> SocketAddr {
+        TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    }
+
+    fn key(b: u8) -> SessionKey {
+        SessionKey::from_bytes([b; 32])
+    }
+
+    /// Connects to `addr` until it listens.
+    fn dial(addr: SocketAddr) -> TcpStream {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(s) = TcpStream::connect(addr) {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "nothing listens on {addr}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Process 0 of a 2-process replica, on its own thread.
+    fn process_0(
+        addrs: Vec<SocketAddr>,
+        key: Option<SessionKey>,
+        timeout: Duration,
+    ) -> std::thread::JoinHandle<Result<Vec<Option<TcpStream>>, ClusterError>> {
+        std::thread::spawn(move || connect_mesh(&addrs, 0, 7, key.as_ref(), timeout))
+    }
+
+    #[test]
+    fn a_spoofed_peer_and_idle_connections_are_refused_and_the_real_peer_is_wired_in() {
+        let addrs = vec![free_addr(), free_addr()];
+        let p0 = process_0(addrs.clone(), Some(key(1)), Duration::from_secs(20));
+        // Idle connections: they must not hold formation.
+        let idle: Vec<TcpStream> = (0..8).map(|_| dial(addrs[0])).collect();
+        // A spoofed process 1: the right header, no key.
+        let mut spoof = dial(addrs[0]);
+        spoof.write_all(&header(7, 1, &[0; 16])).unwrap();
+        let mut answer = [0u8; 48];
+        spoof.read_exact(&mut answer).unwrap();
+        spoof.write_all(&[0u8; 32]).unwrap();
+        // The real process 1.
+        let started = Instant::now();
+        let mut p1 = connect_mesh(&addrs, 1, 7, Some(&key(1)), Duration::from_secs(20)).unwrap();
+        let mut p0 = p0.join().unwrap().unwrap();
+        assert!(
+            started.elapsed() < HANDSHAKE_BOUND,
+            "idle connections held formation for {:?}",
+            started.elapsed()
+        );
+        // Process 0's peer 1 is the real process 1, not the spoof.
+        p1[0].as_mut().unwrap().write_all(b"real").unwrap();
+        let mut got = [0u8; 4];
+        p0[1].as_mut().unwrap().read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"real");
+        // The spoof was closed.
+        spoof
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut rest = Vec::new();
+        assert_eq!(spoof.read_to_end(&mut rest).unwrap_or(0), 0);
+        drop(idle);
+    }
+
+    #[test]
+    fn a_peer_with_another_key_never_joins() {
+        let addrs = vec![free_addr(), free_addr()];
+        let p0 = process_0(addrs.clone(), Some(key(1)), Duration::from_secs(2));
+        let p1 = connect_mesh(&addrs, 1, 7, Some(&key(2)), Duration::from_secs(2));
+        assert!(matches!(p1, Err(ClusterError::Timeout { .. })), "{p1:?}");
+        match p0.join().unwrap() {
+            Err(ClusterError::Timeout { missing, .. }) => assert_eq!(missing, vec![1]),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn without_a_key_the_header_is_enough() {
+        let addrs = vec![free_addr(), free_addr()];
+        let p0 = process_0(addrs.clone(), None, Duration::from_secs(10));
+        connect_mesh(&addrs, 1, 7, None, Duration::from_secs(10)).unwrap();
+        p0.join().unwrap().unwrap();
+    }
 }

@@ -138,6 +138,7 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
         &config.timely_addrs,
         me,
         id.replica_id,
+        config.session_key.as_ref(),
         config.cluster_timeout,
     )?;
     let (builders, guard) = cluster::allocators(sockets, me, workers)?;
