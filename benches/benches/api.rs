@@ -76,6 +76,7 @@ async fn fixture() -> Fixture {
         distribution_policy: None,
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
         compaction_lag: None,
+        api_token: None,
     })
     .await
     .unwrap();

@@ -5,10 +5,8 @@ use anyhow::Context;
 use clap::Subcommand;
 use futures::StreamExt;
 use lockstep_environment::proto;
-use lockstep_environment::proto::environment_client::EnvironmentClient;
 use lockstep_protocol::proto as wire;
 use lockstep_protocol::text::parse_plan;
-use tonic::transport::Channel;
 
 /// Dataflow commands.
 #[derive(Subcommand)]
@@ -80,10 +78,7 @@ fn show_rows(rows: &[wire::Row]) {
 }
 
 /// Runs a dataflow command.
-pub async fn dataflow(
-    client: &mut EnvironmentClient<Channel>,
-    command: DataflowCommand,
-) -> anyhow::Result<()> {
+pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> anyhow::Result<()> {
     match command {
         DataflowCommand::Create {
             replica,
@@ -160,7 +155,7 @@ pub async fn dataflow(
 
 /// Writes updates to an input collection.
 pub async fn write_input(
-    client: &mut EnvironmentClient<Channel>,
+    client: &mut crate::Client,
     replica: String,
     collection_id: u64,
     updates: Vec<String>,
@@ -186,7 +181,7 @@ pub async fn write_input(
 
 /// Peeks a collection and prints `row<TAB>count` lines.
 pub async fn peek(
-    client: &mut EnvironmentClient<Channel>,
+    client: &mut crate::Client,
     replica: String,
     collection_id: u64,
     timestamp: u64,
@@ -206,7 +201,7 @@ pub async fn peek(
 
 /// Subscribes and prints `time<TAB>row<TAB>diff` lines until `until` (or forever).
 pub async fn subscribe(
-    client: &mut EnvironmentClient<Channel>,
+    client: &mut crate::Client,
     replica: String,
     collection_id: u64,
     as_of: u64,

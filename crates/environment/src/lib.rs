@@ -185,6 +185,9 @@ pub struct EnvironmentConfig {
     /// upper; below it, updates are compacted and reads are refused. `None`
     /// keeps every time (see `inputs.rs`).
     pub compaction_lag: Option<u64>,
+    /// The token every API call must carry (`None`: none is asked, which
+    /// `lockstep serve` allows only on a loopback address).
+    pub api_token: Option<String>,
 }
 
 impl std::fmt::Debug for EnvironmentConfig {
@@ -197,6 +200,7 @@ impl std::fmt::Debug for EnvironmentConfig {
             .field("distribution_policy", &self.distribution_policy)
             .field("max_frame_len", &self.max_frame_len)
             .field("compaction_lag", &self.compaction_lag)
+            .field("api_token", &self.api_token.as_ref().map(|_| "(set)"))
             .finish()
     }
 }
@@ -311,6 +315,8 @@ pub struct Environment {
     /// The master secret of the replicas' session keys (`None`: replicas
     /// have none, and anyone who reaches a replica can drive it).
     session_secret: Option<[u8; 32]>,
+    /// The token every API call must carry (`None`: no token is asked).
+    api_token: Option<String>,
 }
 
 impl std::fmt::Debug for Environment {
@@ -386,7 +392,8 @@ impl Environment {
             config.service,
         )?
         .with_command_logs(command_logs)
-        .with_session_secret(secret);
+        .with_session_secret(secret)
+        .with_api_token(config.api_token);
         env.compute
             .set_distribution_policy(config.distribution_policy);
         env.compute.set_max_frame_len(config.max_frame_len);
@@ -451,7 +458,14 @@ impl Environment {
             compute,
             command_logs: None,
             session_secret: None,
+            api_token: None,
         })
+    }
+
+    /// Asks every API call for `token` (`authorization: Bearer TOKEN`).
+    pub fn with_api_token(mut self, token: Option<String>) -> Self {
+        self.api_token = token;
+        self
     }
 
     /// Gives every replica a session key derived from `secret`: its
@@ -902,8 +916,24 @@ impl Environment {
         let reflection_v1alpha = reflection()
             .build_v1alpha()
             .expect("the built-in descriptor sets decode");
+        // With a token, every API call must carry it; health and reflection
+        // stay open (they say nothing about the replicas' data).
+        let service = server::EnvironmentService::new(self.clone());
+        let (open, guarded) = match &self.api_token {
+            None => (Some(service.into_server()), None),
+            Some(token) => (
+                None,
+                Some(
+                    proto::environment_server::EnvironmentServer::with_interceptor(
+                        service,
+                        server::TokenCheck::new(token),
+                    ),
+                ),
+            ),
+        };
         let server = tonic::transport::Server::builder()
-            .add_service(server::EnvironmentService::new(self.clone()).into_server())
+            .add_optional_service(open)
+            .add_optional_service(guarded)
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)

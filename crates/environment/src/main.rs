@@ -141,6 +141,10 @@ struct ServerArg {
         default_value = "http://127.0.0.1:6875"
     )]
     url: String,
+    /// A file holding the environment's API token (its first line); also
+    /// read from LOCKSTEP_API_TOKEN.
+    #[arg(long, global = true)]
+    token_file: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -220,6 +224,12 @@ struct ServeArgs {
     /// every distinct (row, time) written.
     #[arg(long)]
     compaction_lag: Option<u64>,
+    /// A file holding the token every API call must carry
+    /// (`authorization: Bearer TOKEN`; at least 16 characters; the file's
+    /// first line). Also read from LOCKSTEP_API_TOKEN. Required to serve on
+    /// an address that is not loopback.
+    #[arg(long)]
+    api_token_file: Option<PathBuf>,
     /// Serve Prometheus metrics (OpenMetrics text) on this address at
     /// /metrics (port 0 picks one; printed on the serving line).
     #[arg(long)]
@@ -314,12 +324,10 @@ fn main() -> ExitCode {
                 },
             }
         }
-        Command::Status { server } => finish(runtime.block_on(status_summary(server.url))),
-        Command::Replica { server, command } => {
-            finish(runtime.block_on(client(server.url, command)))
-        }
+        Command::Status { server } => finish(runtime.block_on(status_summary(server))),
+        Command::Replica { server, command } => finish(runtime.block_on(client(server, command))),
         Command::Dataflow { server, command } => finish(runtime.block_on(async move {
-            compute_cli::dataflow(&mut connect(&server.url).await?, command).await
+            compute_cli::dataflow(&mut connect(&server).await?, command).await
         })),
         Command::Input {
             server,
@@ -332,7 +340,7 @@ fn main() -> ExitCode {
                 },
         } => finish(runtime.block_on(async move {
             compute_cli::write_input(
-                &mut connect(&server.url).await?,
+                &mut connect(&server).await?,
                 replica,
                 collection,
                 updates,
@@ -346,7 +354,7 @@ fn main() -> ExitCode {
             collection,
             at,
         } => finish(runtime.block_on(async move {
-            compute_cli::peek(&mut connect(&server.url).await?, replica, collection, at).await
+            compute_cli::peek(&mut connect(&server).await?, replica, collection, at).await
         })),
         Command::Subscribe {
             server,
@@ -356,7 +364,7 @@ fn main() -> ExitCode {
             until,
         } => finish(runtime.block_on(async move {
             compute_cli::subscribe(
-                &mut connect(&server.url).await?,
+                &mut connect(&server).await?,
                 replica,
                 collection,
                 as_of,
@@ -412,7 +420,7 @@ fn finish(result: anyhow::Result<()>) -> ExitCode {
 }
 
 /// `lockstep status`.
-async fn status_summary(server: String) -> anyhow::Result<()> {
+async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
@@ -428,12 +436,10 @@ async fn status_summary(server: String) -> anyhow::Result<()> {
         .map_err(status_err)?
         .into_inner()
         .replicas;
-    let channel = tonic::transport::Endpoint::from_shared(server.clone())?
-        .connect()
-        .await?;
-    let mut health = HealthClient::new(channel);
+    let mut health = HealthClient::new(connect_channel(&server.url).await?);
     println!(
-        "environment {server}: epoch {}, orphan rule {}, {} replica(s)",
+        "environment {}: epoch {}, orphan rule {}, {} replica(s)",
+        server.url,
         status.epoch,
         status.orphan_rule,
         replicas.len()
@@ -471,7 +477,40 @@ async fn status_summary(server: String) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn connect(server: &str) -> anyhow::Result<EnvironmentClient<tonic::transport::Channel>> {
+/// Adds the API token, if there is one, to every request.
+#[derive(Clone)]
+struct AddToken(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for AddToken {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            request.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// An API client that sends the token.
+type Client = EnvironmentClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AddToken>,
+>;
+
+async fn connect(server: &ServerArg) -> anyhow::Result<Client> {
+    let token = api_token(server.token_file.as_deref())?
+        .map(|t| format!("Bearer {t}").parse())
+        .transpose()
+        .context("the API token is not a valid header value")?;
+    let channel = connect_channel(&server.url).await?;
+    Ok(EnvironmentClient::with_interceptor(
+        channel,
+        AddToken(token),
+    ))
+}
+
+async fn connect_channel(server: &str) -> anyhow::Result<tonic::transport::Channel> {
     let endpoint = tonic::transport::Endpoint::from_shared(server.to_string())
         .with_context(|| format!("bad server address {server:?}"))?
         .connect_timeout(std::time::Duration::from_secs(5))
@@ -480,10 +519,48 @@ async fn connect(server: &str) -> anyhow::Result<EnvironmentClient<tonic::transp
         .connect()
         .await
         .with_context(|| format!("cannot connect to the environment at {server}"))?;
-    Ok(EnvironmentClient::new(channel))
+    Ok(channel)
 }
 
+/// The API token from `file`, or from LOCKSTEP_API_TOKEN.
+fn api_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    let token = match file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the API token file {}", path.display()))?
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_string(),
+        ),
+        None => std::env::var(API_TOKEN_ENV)
+            .ok()
+            .map(|t| t.trim().to_string()),
+    };
+    match token {
+        Some(t) if t.len() < lockstep_environment::server::MIN_TOKEN_LEN => anyhow::bail!(
+            "an API token has at least {} characters",
+            lockstep_environment::server::MIN_TOKEN_LEN
+        ),
+        Some(t) if !t.chars().all(|c| c.is_ascii_graphic()) => {
+            anyhow::bail!("an API token holds printable ASCII only")
+        }
+        t => Ok(t),
+    }
+}
+
+/// Where clients and `lockstep serve` find the API token.
+const API_TOKEN_ENV: &str = "LOCKSTEP_API_TOKEN";
+
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let token = api_token(args.api_token_file.as_deref())?;
+    if token.is_none() && !args.listen.ip().is_loopback() {
+        anyhow::bail!(
+            "refusing to serve the API on {} without a token: anyone who reaches it could drive every replica; give --api-token-file (or LOCKSTEP_API_TOKEN), or listen on a loopback address",
+            args.listen
+        );
+    }
     // Bind first: failing to listen must not fence the running controller.
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -539,6 +616,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         distribution_policy: args.distribution_policy,
         max_frame_len: args.max_frame_len,
         compaction_lag: args.compaction_lag,
+        api_token: token,
     };
     let env = Environment::start(config).await?;
     let metrics_note = match metrics_listener {
@@ -570,7 +648,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn client(server: String, command: ReplicaCommand) -> anyhow::Result<()> {
+async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow::Result<()> {
     let mut client = connect(&server).await?;
     match command {
         ReplicaCommand::Create {

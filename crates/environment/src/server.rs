@@ -45,6 +45,53 @@ impl EnvironmentService {
     }
 }
 
+/// The minimum length of an API token.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// Checks every request's `authorization: Bearer TOKEN` (compared in
+/// constant time); a request without it, or with another token, is
+/// UNAUTHENTICATED before it reaches the service.
+#[derive(Clone)]
+pub struct TokenCheck {
+    expected: Vec<u8>,
+}
+
+impl TokenCheck {
+    /// A check of `token`.
+    pub fn new(token: &str) -> Self {
+        TokenCheck {
+            expected: format!("Bearer {token}").into_bytes(),
+        }
+    }
+}
+
+impl tonic::service::Interceptor for TokenCheck {
+    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+        let given = request
+            .metadata()
+            .get("authorization")
+            .map(|v| v.as_bytes())
+            .unwrap_or_default();
+        let same = given.len() == self.expected.len()
+            && given
+                .iter()
+                .zip(&self.expected)
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0;
+        if same {
+            Ok(request)
+        } else if given.is_empty() {
+            Err(Status::unauthenticated(
+                "this environment requires an API token (authorization: Bearer TOKEN)",
+            ))
+        } else {
+            Err(Status::unauthenticated(
+                "the API token is not this environment's",
+            ))
+        }
+    }
+}
+
 /// Maps an environment error to a gRPC status (see the proto's comments).
 pub fn status(e: EnvError) -> Status {
     match &e {

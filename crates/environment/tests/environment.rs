@@ -336,6 +336,7 @@ async fn a_failing_or_nonsensical_policy_deletes_nothing() {
             distribution_policy: None,
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
             compaction_lag: None,
+            api_token: None,
             state_dir: sandbox.path().to_path_buf(),
             orphan_policy: Box::new(Scripted(answer)),
             service: sleep_template(),
@@ -361,4 +362,74 @@ async fn a_failing_or_nonsensical_policy_deletes_nothing() {
         assert_eq!(sandbox.services().await.unwrap().len(), 1, "answer {i}");
         assert!(env.halted().is_none());
     }
+}
+
+/// The API off loopback needs a token, and with one every call must carry
+/// it: without it or with another, UNAUTHENTICATED; the CLI sends it from
+/// `--token-file`.
+#[tokio::test]
+async fn the_api_token_is_required_off_loopback_and_checked_on_every_call() {
+    let sandbox = Sandbox::new().unwrap();
+    let o = tokio::process::Command::new(bin())
+        .args(["serve", "--state-dir"])
+        .arg(sandbox.path())
+        .args(["--listen", "0.0.0.0:0"])
+        .env_remove("LOCKSTEP_API_TOKEN")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(
+        stderr(&o).contains("refusing to serve the API on 0.0.0.0:0 without a token"),
+        "{}",
+        stderr(&o)
+    );
+    let short = sandbox.path().join("short.token");
+    std::fs::write(&short, "abc\n").unwrap();
+    let err = serve_fails(
+        sandbox.path(),
+        &["--api-token-file", short.to_str().unwrap()],
+    )
+    .await;
+    assert!(err.contains("at least 16 characters"), "{err}");
+
+    let token = sandbox.path().join("api.token");
+    std::fs::write(&token, "a-long-enough-api-token\n").unwrap();
+    let wrong = sandbox.path().join("wrong.token");
+    std::fs::write(&wrong, "another-long-api-token\n").unwrap();
+    let state = Sandbox::new().unwrap();
+    let mut env = EnvProcess::start(
+        bin(),
+        state.path(),
+        "id-watermark",
+        None,
+        &["--api-token-file", token.to_str().unwrap()],
+    )
+    .await
+    .unwrap();
+    let list = |extra: Vec<String>| {
+        let url = env.url.clone();
+        async move {
+            let mut args: Vec<&str> = vec!["list"];
+            args.extend(extra.iter().map(String::as_str));
+            cli(bin(), &url, &args).await.unwrap()
+        }
+    };
+    let o = list(vec![]).await;
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("requires an API token"),
+        "{}",
+        stderr(&o)
+    );
+    let o = list(vec!["--token-file".into(), wrong.display().to_string()]).await;
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("not this environment's"),
+        "{}",
+        stderr(&o)
+    );
+    let o = list(vec!["--token-file".into(), token.display().to_string()]).await;
+    assert!(o.status.success(), "{}", stderr(&o));
+    env.kill().await.unwrap();
 }

@@ -43,6 +43,7 @@ pub fn config(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environ
         distribution_policy,
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
         compaction_lag: None,
+        api_token: None,
     }
 }
 
