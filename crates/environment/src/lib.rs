@@ -866,6 +866,15 @@ impl Environment {
     /// halts, which is returned as [`EnvError::Halted`]. In-flight requests
     /// are answered before it returns.
     pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) -> Result<(), EnvError> {
+        self.serve_with(listener, None).await
+    }
+
+    /// [`serve`](Self::serve), with TLS when `tls` is given.
+    pub async fn serve_with(
+        self: Arc<Self>,
+        listener: tokio::net::TcpListener,
+        tls: Option<tonic::transport::ServerTlsConfig>,
+    ) -> Result<(), EnvError> {
         // Without TCP_NODELAY, a small response waits for the client's
         // delayed ACK (Nagle): ~40 ms per unary call.
         let incoming = tokio_stream::StreamExt::map(
@@ -931,7 +940,13 @@ impl Environment {
                 ),
             ),
         };
-        let server = tonic::transport::Server::builder()
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = tls {
+            builder = builder
+                .tls_config(tls)
+                .map_err(|e| EnvError::Orchestrator(format!("TLS configuration: {e}")))?;
+        }
+        let server = builder
             .add_optional_service(open)
             .add_optional_service(guarded)
             .add_service(health_service)

@@ -145,6 +145,9 @@ struct ServerArg {
     /// read from LOCKSTEP_API_TOKEN.
     #[arg(long, global = true)]
     token_file: Option<PathBuf>,
+    /// The CA certificate (PEM) to check an https:// server against.
+    #[arg(long, global = true)]
+    tls_ca: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -230,6 +233,13 @@ struct ServeArgs {
     /// an address that is not loopback.
     #[arg(long)]
     api_token_file: Option<PathBuf>,
+    /// Serve the API over TLS with this certificate chain (PEM); needs
+    /// --tls-key.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// Serve Prometheus metrics (OpenMetrics text) on this address at
     /// /metrics (port 0 picks one; printed on the serving line).
     #[arg(long)]
@@ -436,7 +446,7 @@ async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
         .map_err(status_err)?
         .into_inner()
         .replicas;
-    let mut health = HealthClient::new(connect_channel(&server.url).await?);
+    let mut health = HealthClient::new(connect_channel(&server).await?);
     println!(
         "environment {}: epoch {}, orphan rule {}, {} replica(s)",
         server.url,
@@ -503,18 +513,29 @@ async fn connect(server: &ServerArg) -> anyhow::Result<Client> {
         .map(|t| format!("Bearer {t}").parse())
         .transpose()
         .context("the API token is not a valid header value")?;
-    let channel = connect_channel(&server.url).await?;
+    let channel = connect_channel(server).await?;
     Ok(EnvironmentClient::with_interceptor(
         channel,
         AddToken(token),
     ))
 }
 
-async fn connect_channel(server: &str) -> anyhow::Result<tonic::transport::Channel> {
-    let endpoint = tonic::transport::Endpoint::from_shared(server.to_string())
+async fn connect_channel(arg: &ServerArg) -> anyhow::Result<tonic::transport::Channel> {
+    let server = &arg.url;
+    let mut endpoint = tonic::transport::Endpoint::from_shared(server.to_string())
         .with_context(|| format!("bad server address {server:?}"))?
         .connect_timeout(std::time::Duration::from_secs(5))
         .timeout(std::time::Duration::from_secs(60));
+    if let Some(ca) = &arg.tls_ca {
+        let pem = std::fs::read(ca)
+            .with_context(|| format!("reading the TLS CA certificate {}", ca.display()))?;
+        endpoint = endpoint
+            .tls_config(
+                tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(pem)),
+            )
+            .context("TLS configuration")?;
+    }
     let channel = endpoint
         .connect()
         .await
@@ -555,6 +576,17 @@ const API_TOKEN_ENV: &str = "LOCKSTEP_API_TOKEN";
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let token = api_token(args.api_token_file.as_deref())?;
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => {
+            let read = |p: &PathBuf, what: &str| {
+                std::fs::read(p).with_context(|| format!("reading the TLS {what} {}", p.display()))
+            };
+            Some(tonic::transport::ServerTlsConfig::new().identity(
+                tonic::transport::Identity::from_pem(read(cert, "certificate")?, read(key, "key")?),
+            ))
+        }
+        _ => None,
+    };
     if token.is_none() && !args.listen.ip().is_loopback() {
         anyhow::bail!(
             "refusing to serve the API on {} without a token: anyone who reaches it could drive every replica; give --api-token-file (or LOCKSTEP_API_TOKEN), or listen on a loopback address",
@@ -639,7 +671,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     // A replica whose ensure failed (after its catalog write) is retried.
     let retry = env.spawn_replica_retry(std::time::Duration::from_secs(5));
-    let result = env.serve(listener).await;
+    let result = env.serve_with(listener, tls).await;
     retry.abort();
     if let Some(task) = background {
         task.abort();

@@ -433,3 +433,93 @@ async fn the_api_token_is_required_off_loopback_and_checked_on_every_call() {
     assert!(o.status.success(), "{}", stderr(&o));
     env.kill().await.unwrap();
 }
+
+/// With --tls-cert and --tls-key the API speaks TLS: a client that trusts
+/// the certificate's CA (`--tls-ca`) is served, one that does not cannot
+/// connect, and plain HTTP/2 is not answered.
+#[tokio::test]
+async fn the_api_serves_tls_with_a_given_certificate() {
+    let dir = Sandbox::new().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let (ca, ca_key, cert, key, csr, ext) = (
+        p("ca.pem"),
+        p("ca.key"),
+        p("cert.pem"),
+        p("key.pem"),
+        p("cert.csr"),
+        p("cert.ext"),
+    );
+    std::fs::write(
+        &ext,
+        "basicConstraints=CA:FALSE\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n",
+    )
+    .unwrap();
+    let openssl = |args: &[&str]| {
+        let o = std::process::Command::new("openssl")
+            .args(args)
+            .output()
+            .expect("openssl is on the machine (Debian's openssl package)");
+        assert!(
+            o.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
+    // A CA, and a certificate for localhost that it signs.
+    let mut args = vec!["req", "-x509"];
+    args.extend(ec);
+    args.extend(["-days", "2", "-subj", "/CN=lockstep test CA"]);
+    args.extend(["-keyout", &ca_key, "-out", &ca]);
+    openssl(&args);
+    let mut args = vec!["req"];
+    args.extend(ec);
+    args.extend(["-subj", "/CN=localhost", "-keyout", &key, "-out", &csr]);
+    openssl(&args);
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        &csr,
+        "-CA",
+        &ca,
+        "-CAkey",
+        &ca_key,
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        &ext,
+        "-out",
+        &cert,
+    ]);
+    let state = Sandbox::new().unwrap();
+    let mut env = EnvProcess::start(
+        bin(),
+        state.path(),
+        "id-watermark",
+        None,
+        &["--tls-cert", &cert, "--tls-key", &key],
+    )
+    .await
+    .unwrap();
+    let https = env.url.replace("http://127.0.0.1", "https://localhost");
+    let trusted = cli(bin(), &https, &["list", "--tls-ca", &ca])
+        .await
+        .unwrap();
+    assert!(trusted.status.success(), "{}", stderr(&trusted));
+    let untrusted = cli(bin(), &https, &["list"]).await.unwrap();
+    assert!(
+        !untrusted.status.success(),
+        "a client that does not trust the certificate was served"
+    );
+    let plain = cli(bin(), &env.url, &["list"]).await.unwrap();
+    assert!(!plain.status.success(), "plain HTTP/2 was served");
+    env.kill().await.unwrap();
+}
