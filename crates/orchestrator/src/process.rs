@@ -1054,8 +1054,9 @@ pub const ORCHESTRATOR_ENV: &str = "LOCKSTEP_ORCHESTRATOR";
 
 /// The process groups of processes that carry `state_dir` in
 /// [`ORCHESTRATOR_ENV`] but that no record in `state_dir/services` names.
-/// Call it under the lock: a spawn and its record happen under it too.
-fn strays(state_dir: &Path) -> Vec<u32> {
+/// Call it under the lock to act on it: a spawn and its record happen under
+/// it too.
+pub fn strays(state_dir: &Path) -> Vec<u32> {
     let Ok(marker) = std::path::absolute(state_dir) else {
         return Vec::new();
     };

@@ -710,6 +710,14 @@ async fn processes_that_escaped_the_record_are_killed_when_an_orchestrator_start
         .spawn()
         .unwrap();
     let stray_pid = stray.id();
+    // As the window leaves it: running the program, with its environment.
+    eventually("the stray to run with the marker", || {
+        std::fs::read(format!("/proc/{stray_pid}/environ")).is_ok_and(|e| {
+            e.split(|b| *b == 0)
+                .any(|v| v.starts_with(b"LOCKSTEP_ORCHESTRATOR="))
+        })
+    })
+    .await;
     assert!(alive(stray_pid));
     drop(o);
     let _next = sandbox.orchestrator(2);
@@ -721,7 +729,14 @@ async fn processes_that_escaped_the_record_are_killed_when_an_orchestrator_start
         }
         assert!(
             Instant::now() < deadline,
-            "the stray process {stray_pid} is still alive"
+            "the stray process {stray_pid} is still alive; strays seen now: {:?}; its stat: {:?}; marker in its environment: {:?}",
+            lockstep_orchestrator::process::strays(sandbox.path()),
+            std::fs::read_to_string(format!("/proc/{stray_pid}/stat")),
+            std::fs::read(format!("/proc/{stray_pid}/environ")).map(|e| e
+                .split(|b| *b == 0)
+                .filter(|v| v.starts_with(b"LOCKSTEP_ORCHESTRATOR"))
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .collect::<Vec<_>>()),
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
