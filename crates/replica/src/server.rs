@@ -244,18 +244,47 @@ async fn serve(
         }
     });
 
+    // Connections that have not proved a Hello yet, capped: a flood of
+    // them costs a bounded amount and is closed at once past the cap.
+    let unproven = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let (sock, peer) = listener.accept().await?;
+        if unproven.load(std::sync::atomic::Ordering::SeqCst) >= MAX_UNPROVEN_CONNECTIONS {
+            tracing::warn!(%peer, "{MAX_UNPROVEN_CONNECTIONS} connections are waiting for their Hello; closing a new one");
+            continue;
+        }
+        unproven.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let _ = sock.set_nodelay(true);
         tracing::debug!(%peer, "controller connected");
         let shared = Arc::clone(&shared);
         let workers = Arc::clone(&workers);
         let config = config.clone();
+        let unproven = Arc::clone(&unproven);
         tokio::spawn(async move {
-            if let Err(e) = connection(sock, config, shared, workers).await {
+            if let Err(e) = connection(sock, config, shared, workers, unproven).await {
                 tracing::warn!(%peer, "controller connection ended: {e}");
             }
         });
+    }
+}
+
+/// Connections a process keeps while they have not proved a Hello.
+pub const MAX_UNPROVEN_CONNECTIONS: usize = 64;
+
+/// Counts a connection as unproven until dropped or [`Unproven::proven`].
+struct Unproven(Option<Arc<std::sync::atomic::AtomicUsize>>);
+
+impl Unproven {
+    fn proven(&mut self) {
+        if let Some(n) = self.0.take() {
+            n.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Unproven {
+    fn drop(&mut self) {
+        self.proven();
     }
 }
 
@@ -303,7 +332,9 @@ async fn connection(
     config: ReplicaConfig,
     shared: Arc<Mutex<Shared>>,
     workers: Arc<Workers>,
+    unproven: Arc<std::sync::atomic::AtomicUsize>,
 ) -> anyhow::Result<()> {
+    let mut unproven = Unproven(Some(unproven));
     let me = config.identity.process_index;
     // Until a Hello is accepted, frames are capped at HELLO_MAX_FRAME_LEN:
     // nothing sent before the handshake makes the process buffer or decode
@@ -343,6 +374,30 @@ async fn connection(
             anyhow::bail!("refused Hello: {e}");
         }
     };
+    // A Hello of a session that is not newer than the current one is a
+    // replay (or a duplicate): taking it would cut the current controller
+    // off. Every real connection attempt carries a new nonce.
+    let current = shared.lock().expect("not poisoned").writer_session;
+    let session = session_of(hello.epoch, hello.nonce);
+    if current != 0 && session <= current {
+        let _ = framed
+            .send(error_response(
+                me,
+                ErrorKind::StaleEpoch,
+                format!(
+                    "Hello of epoch {} nonce {} is not newer than the current session; replayed or duplicated, refused",
+                    hello.epoch, hello.nonce
+                ),
+                0,
+            ))
+            .await;
+        anyhow::bail!(
+            "refused a replayed Hello (epoch {}, nonce {})",
+            hello.epoch,
+            hello.nonce
+        );
+    }
+    unproven.proven();
     framed.codec_mut().set_max_frame_len(config.max_frame_len);
     let (mut sink, mut stream) = framed.split();
 

@@ -157,3 +157,52 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     }
     c.shutdown();
 }
+
+/// A replayed Hello (a copy of the real controller's, proof included) is
+/// refused: it used to become the current session and cut the real
+/// controller off. A flood of connections that never send a Hello is capped
+/// (those past the cap are closed at once) and the controller keeps driving
+/// the replica in the same session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_hellos_and_connection_floods_do_not_cut_the_controller_off() {
+    use tokio::io::AsyncReadExt;
+    let r = start_replica(9, 2, 1).await;
+    let c = controller(&r, 1, CommandHistory::new());
+    let d = dataflow(1, &[1], lockstep_protocol::Plan::Get { collection_id: 1 });
+    c.create_dataflow(d).unwrap();
+    c.write_input(1, vec![u(&[1], 0, 1)], 1).unwrap();
+    assert_eq!(c.peek(1001, 0).await.unwrap(), vec![(vec![1], 1)]);
+    let nonce = c.statuses().await.unwrap()[0].nonce;
+    let addr = r.addrs.processes[1];
+
+    let replay = r.addrs.hello(1, 1, nonce);
+    let e = hello_error(addr, replay).await;
+    assert_eq!(e.kind, ErrorKind::StaleEpoch, "{}", e.message);
+    assert!(e.message.contains("replayed"), "{}", e.message);
+
+    let mut flood = Vec::new();
+    for _ in 0..lockstep_replica::server::MAX_UNPROVEN_CONNECTIONS + 20 {
+        flood.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let mut last = flood.pop().unwrap();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(std::time::Duration::from_secs(5), last.read(&mut byte))
+        .await
+        .expect("a connection past the cap is closed at once, not kept");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+
+    c.write_input(1, vec![u(&[2], 1, 1)], 2).unwrap();
+    assert_eq!(
+        as_multiset(c.peek(1001, 1).await.unwrap()),
+        as_multiset(vec![(vec![1], 1), (vec![2], 1)])
+    );
+    for s in c.statuses().await.unwrap() {
+        assert_eq!(
+            s.nonce, nonce,
+            "the controller had to reconnect (worker {})",
+            s.worker_index
+        );
+    }
+    drop(flood);
+    c.shutdown();
+}
