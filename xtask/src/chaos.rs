@@ -5,7 +5,9 @@
 //! summaries of the reporting contract (DESIGN.md), and fails when a variant
 //! that must pass failed or a negative control was not caught.
 //!
-//! Suites: `orphans` (the orphan rules `epoch`, `id-watermark` and the
+//! Suites: `security` (attacks; `authenticated` must pass, the negative
+//! control `open` must be caught; `crates/chaos/src/bin/security.rs`),
+//! `orphans` (the orphan rules `epoch`, `id-watermark` and the
 //! negative control `catalog-only`; scenarios in
 //! `crates/environment/src/chaos.rs`) and `distribution` (the strategies
 //! `broadcast`, `barrier`, `log`, the negative control `naive`, and
@@ -21,7 +23,7 @@ use anyhow::{bail, Context};
 use crate::util::{cargo, root, run, step};
 
 /// The suites `run` knows.
-pub const SUITES: [&str; 2] = ["orphans", "distribution"];
+pub const SUITES: [&str; 3] = ["orphans", "distribution", "security"];
 
 /// Runs one suite by name (`strategies` only matters for `distribution`;
 /// empty means the default set).
@@ -37,6 +39,7 @@ pub fn run_suite(suite: &str) -> anyhow::Result<()> {
     match suite {
         "orphans" => orphans(),
         "distribution" => distribution(&[]),
+        "security" => security(),
         other => bail!(
             "unknown chaos suite {other:?}; known: {}",
             SUITES.join(", ")
@@ -95,6 +98,29 @@ fn orphans() -> anyhow::Result<()> {
     run(cmd)?;
     let bin = target_dir().join("debug").join("lockstep-chaos");
     run_suite_binary(bin, &["orphans"], "orphans", 3)
+}
+
+/// The security suite: attacks on real replicas and a real environment
+/// (`crates/chaos/src/bin/security.rs`); `authenticated` must pass, `open`
+/// (no session key, no API token) must be caught.
+fn security() -> anyhow::Result<()> {
+    step("building lockstep, lockstep-replica and lockstep-chaos-security");
+    let mut cmd = cargo();
+    cmd.args([
+        "build",
+        "-p",
+        "lockstep-environment",
+        "-p",
+        "lockstep-replica",
+        "-p",
+        "lockstep-chaos",
+        "--bins",
+        "--features",
+        crate::tasks::TEST_FEATURES,
+    ]);
+    run(cmd)?;
+    let bin = target_dir().join("debug").join("lockstep-chaos-security");
+    run_suite_binary(bin, &[], "security", 2)
 }
 
 /// The distribution fault suite.

@@ -63,9 +63,9 @@ enum Task {
         #[arg(long, value_enum)]
         kind: new_policy::Kind,
     },
-    /// Fault suites on real processes (`orphans`, `distribution`); prints the JSON summary lines.
+    /// Fault suites on real processes (`orphans`, `distribution`, `security`); prints the JSON summary lines.
     Chaos {
-        /// The suite to run: `orphans` or `distribution`.
+        /// The suite to run: `orphans`, `distribution` or `security`.
         suite: String,
         /// For `distribution`: the strategies to run (default: broadcast barrier log naive naive+history-check).
         #[arg(long = "strategy")]

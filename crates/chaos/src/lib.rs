@@ -3,13 +3,17 @@
 //! - `lockstep-chaos-distribution` (`src/bin/distribution.rs`): replicas of
 //!   real processes under partial broadcasts, killed and stopped processes,
 //!   dropped connections and stale controllers; I1–I4 checked per strategy.
+//! - `lockstep-chaos-security` (`src/bin/security.rs`): attacks on real
+//!   replicas and a real environment (forged and replayed Hellos, a spoofed
+//!   mesh peer, oversized frames, floods, API calls without a token); S1
+//!   checked with authentication on and, as the negative control, off.
 //! - `lockstep-chaos` (`src/bin/orphans.rs`, [`orphans`]): real environments
 //!   and the real `lockstep` binary crashed at failpoints; O1–O4 checked per
 //!   orphan rule. The scenarios themselves live in
 //!   `lockstep_environment::chaos`, which the environment's own tests share.
 //!
 //! Every scenario ends as a pass, a violation of a named invariant or a
-//! harness error ([`outcome`]); both suites print the reporting contract's
+//! harness error ([`outcome`]); every suite prints the reporting contract's
 //! JSON line through [`outcome::Tally`].
 
 pub mod orphans;

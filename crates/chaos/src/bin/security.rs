@@ -1,0 +1,702 @@
+//! The security suite (`cargo xtask chaos security`): attacks on real
+//! replica processes and a real environment, each checked against S1 (only
+//! the environment may drive a replica).
+//!
+//! Variants: `authenticated` (replicas with a session key, the API with a
+//! token: what `lockstep serve` runs) must pass every scenario; `open` (no
+//! session key, no API token) is the negative control and must be caught.
+//! Each scenario ends as a pass, a violation of S1, or a harness error
+//! (which fails the run and never catches the negative control).
+//!
+//! Scenarios: a forged Hello with epoch 2^64-1; a replayed Hello; a Hello
+//! for another replica; a spoofed timely mesh peer; idle connections while
+//! the mesh forms; a 1 GiB length prefix; a 60 MiB frame before any Hello; a
+//! flood of connections; an API call without a token, and with a wrong one;
+//! an oversized replica shape; an oversized plan.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use futures::{SinkExt, StreamExt};
+use lockstep_chaos::outcome::{violation, Failure, Tally};
+use lockstep_controller::{launch, Controller, ReplicaAddrs, Timeouts};
+use lockstep_environment::chaos::EnvProcess;
+use lockstep_environment::proto;
+use lockstep_environment::proto::environment_client::EnvironmentClient;
+use lockstep_orchestrator::process::{
+    kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
+};
+use lockstep_orchestrator::Orchestrator;
+use lockstep_policy::FixedStrategy;
+use lockstep_protocol::{
+    Command, CommandHistory, CommandKind, ControllerCodec, DataflowDescription, Export, Plan,
+    ResponseKind, SessionKey, Strategy, Update,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_util::codec::Framed;
+
+const SUITE: &str = "security";
+const MASTER: [u8; 32] = [0x5c; 32];
+const TOKEN: &str = "security-suite-api-token";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Variant {
+    Authenticated,
+    Open,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Authenticated => "authenticated",
+            Variant::Open => "open",
+        }
+    }
+
+    fn key(self, replica_id: u64) -> Option<SessionKey> {
+        (self == Variant::Authenticated).then(|| SessionKey::derive(&MASTER, replica_id))
+    }
+}
+
+fn target_debug() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+        .unwrap_or_else(|| PathBuf::from("target/debug"))
+}
+
+fn replica_binary() -> PathBuf {
+    target_debug().join("lockstep-replica")
+}
+
+fn lockstep_binary() -> PathBuf {
+    target_debug().join("lockstep")
+}
+
+/// A replica started through the process orchestrator; killed on drop.
+struct Replica {
+    dir: tempfile::TempDir,
+    orchestrator: ProcessOrchestrator,
+    addrs: ReplicaAddrs,
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = kill_all_services(self.dir.path());
+    }
+}
+
+async fn start_replica(id: u64, processes: usize, v: Variant) -> Result<Replica, String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
+        .map_err(|e| e.to_string())?;
+    let mut config =
+        launch::replica_service(&replica_binary(), id, processes, 1).env("RUST_LOG", "error");
+    if let Some(key) = v.key(id) {
+        config = launch::with_session_key(config, &key);
+    }
+    let status = orchestrator
+        .ensure_service(config)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut addrs = launch::replica_addrs(&status, 1).map_err(|e| e.to_string())?;
+    addrs.session_key = v.key(id);
+    Ok(Replica {
+        dir,
+        orchestrator,
+        addrs,
+    })
+}
+
+fn timeouts() -> Timeouts {
+    Timeouts {
+        connect: Duration::from_secs(10),
+        heartbeat_interval: Duration::from_millis(100),
+        heartbeat_timeout: Duration::from_secs(2),
+        request: Duration::from_secs(10),
+    }
+}
+
+fn controller(addrs: &ReplicaAddrs) -> Controller {
+    Controller::start(
+        addrs.clone(),
+        1,
+        CommandHistory::new(),
+        Box::new(FixedStrategy(Strategy::Barrier)),
+        timeouts(),
+    )
+}
+
+fn identity_dataflow() -> DataflowDescription {
+    DataflowDescription {
+        id: 1,
+        as_of: 0,
+        inputs: vec![1],
+        exports: vec![Export {
+            collection_id: 101,
+            plan: Plan::Get { collection_id: 1 },
+        }],
+        debug_name: "identity".into(),
+    }
+}
+
+/// The controller drives the replica: a create (first time), a write at
+/// `t` and a peek that answers every row written so far.
+async fn drives(c: &Controller, t: u64) -> Result<(), String> {
+    if t == 0 {
+        c.create_dataflow(identity_dataflow())
+            .map_err(|e| e.to_string())?;
+    }
+    c.write_input(
+        1,
+        vec![Update {
+            row: vec![t as i64],
+            time: t,
+            diff: 1,
+        }],
+        t + 1,
+    )
+    .map_err(|e| e.to_string())?;
+    let rows = c.peek(101, t).await.map_err(|e| e.to_string())?;
+    let want: Vec<(Vec<i64>, i64)> = (0..=t).map(|i| (vec![i as i64], 1)).collect();
+    let mut got = rows;
+    got.sort();
+    if got != want {
+        return Err(format!("peek at {t} answered {got:?}, not {want:?}"));
+    }
+    Ok(())
+}
+
+/// Sends `bytes` on a fresh connection to `addr` and returns the first
+/// response frame, if one comes within 5 s.
+async fn first_answer(addr: SocketAddr, bytes: &[u8]) -> Option<lockstep_protocol::Response> {
+    let mut sock = TcpStream::connect(addr).await.ok()?;
+    let _ = sock.write_all(bytes).await;
+    let mut framed = Framed::new(sock, ControllerCodec::default());
+    tokio::time::timeout(Duration::from_secs(5), framed.next())
+        .await
+        .ok()
+        .flatten()
+        .and_then(Result::ok)
+}
+
+/// A Hello as its first frame, sent to `addr`; the answer, if any.
+async fn send_hello(
+    addr: SocketAddr,
+    hello: lockstep_protocol::Hello,
+) -> Option<lockstep_protocol::Response> {
+    let mut sock = Framed::new(
+        TcpStream::connect(addr).await.ok()?,
+        ControllerCodec::default(),
+    );
+    sock.send(Command {
+        seqno: 0,
+        strategy: Strategy::Barrier,
+        kind: CommandKind::Hello(hello),
+    })
+    .await
+    .ok()?;
+    tokio::time::timeout(Duration::from_secs(5), sock.next())
+        .await
+        .ok()
+        .flatten()
+        .and_then(Result::ok)
+}
+
+fn is_error(r: &Option<lockstep_protocol::Response>) -> bool {
+    matches!(
+        r,
+        Some(lockstep_protocol::Response {
+            kind: ResponseKind::Error(_),
+            ..
+        })
+    )
+}
+
+fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+async fn pid_of(r: &Replica, process: usize) -> Result<u32, String> {
+    let services = r
+        .orchestrator
+        .list_services()
+        .await
+        .map_err(|e| e.to_string())?;
+    services
+        .first()
+        .and_then(|s| s.processes.get(process))
+        .and_then(|p| p.pid)
+        .ok_or_else(|| "no PID for the process".to_string())
+}
+
+fn free_port() -> Result<u16, String> {
+    Ok(TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port())
+}
+
+/// A replica's processes started by hand, one at a time (to put an attacker
+/// between them); killed on drop.
+struct ManualReplica {
+    children: Vec<std::process::Child>,
+    timely: Vec<u16>,
+    controller: Vec<u16>,
+    id: u64,
+    v: Variant,
+}
+
+impl ManualReplica {
+    fn new(id: u64, v: Variant) -> Result<Self, String> {
+        Ok(ManualReplica {
+            children: Vec::new(),
+            timely: vec![free_port()?, free_port()?],
+            controller: vec![free_port()?, free_port()?],
+            id,
+            v,
+        })
+    }
+
+    fn spawn(&mut self, process: usize) -> Result<(), String> {
+        let peers = self
+            .timely
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut cmd = std::process::Command::new(replica_binary());
+        cmd.args([
+            format!("--replica-id={}", self.id),
+            format!("--process={process}"),
+            "--processes=2".into(),
+            "--workers=1".into(),
+            format!("--timely-port={}", self.timely[process]),
+            format!("--controller-port={}", self.controller[process]),
+            format!("--peers={peers}"),
+            "--cluster-timeout-secs=20".into(),
+        ])
+        .env("RUST_LOG", "error")
+        .env_remove(lockstep_protocol::SESSION_KEY_ENV)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+        if let Some(key) = self.v.key(self.id) {
+            cmd.env(lockstep_protocol::SESSION_KEY_ENV, key.to_hex());
+        }
+        self.children.push(cmd.spawn().map_err(|e| e.to_string())?);
+        Ok(())
+    }
+
+    fn addrs(&self) -> Result<ReplicaAddrs, String> {
+        Ok(ReplicaAddrs {
+            replica_id: self.id,
+            processes: self
+                .controller
+                .iter()
+                .map(|p| format!("127.0.0.1:{p}").parse().map_err(|e| format!("{e}")))
+                .collect::<Result<_, _>>()?,
+            workers_per_process: 1,
+            command_log: None,
+            session_key: self.v.key(self.id),
+            max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
+        })
+    }
+}
+
+impl Drop for ManualReplica {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Connects to `addr` until it listens (10 s).
+async fn dial(addr: SocketAddr) -> Result<TcpStream, String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match TcpStream::connect(addr).await {
+            Ok(s) => return Ok(s),
+            Err(e) if tokio::time::Instant::now() > deadline => return Err(format!("{addr}: {e}")),
+            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
+}
+
+/// The mesh header of process `index` of replica `id`, with a zero nonce.
+fn mesh_header(id: u64, index: u64) -> Vec<u8> {
+    let mut h = Vec::with_capacity(40);
+    h.extend_from_slice(&0x6c6f_636b_7374_6570u64.to_be_bytes());
+    h.extend_from_slice(&id.to_be_bytes());
+    h.extend_from_slice(&index.to_be_bytes());
+    h.extend_from_slice(&[0u8; 16]);
+    h
+}
+
+/// An API client sending `token`, if any.
+async fn api(
+    url: &str,
+    token: Option<&str>,
+) -> Result<
+    EnvironmentClient<
+        tonic::service::interceptor::InterceptedService<
+            tonic::transport::Channel,
+            impl tonic::service::Interceptor,
+        >,
+    >,
+    String,
+> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| e.to_string())?;
+    let header: Option<tonic::metadata::MetadataValue<_>> = match token {
+        Some(t) => Some(format!("Bearer {t}").parse().map_err(|e| format!("{e}"))?),
+        None => None,
+    };
+    Ok(EnvironmentClient::with_interceptor(
+        channel,
+        move |mut req: tonic::Request<()>| {
+            if let Some(h) = &header {
+                req.metadata_mut().insert("authorization", h.clone());
+            }
+            Ok(req)
+        },
+    ))
+}
+
+async fn start_env(v: Variant) -> Result<(EnvProcess, tempfile::TempDir), String> {
+    let state = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let token = state.path().join("api.token");
+    std::fs::write(&token, format!("{TOKEN}\n")).map_err(|e| e.to_string())?;
+    let token = token.to_string_lossy().into_owned();
+    let extra: Vec<&str> = match v {
+        Variant::Authenticated => vec!["--api-token-file", &token],
+        Variant::Open => vec![],
+    };
+    let env = EnvProcess::start(
+        &lockstep_binary(),
+        state.path(),
+        "id-watermark",
+        None,
+        &extra,
+    )
+    .await
+    .map_err(|e| format!("starting lockstep serve: {e:#}"))?;
+    Ok((env, state))
+}
+
+fn code_is(r: Result<impl Sized, tonic::Status>, code: tonic::Code) -> bool {
+    matches!(r, Err(s) if s.code() == code)
+}
+
+async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
+    match name {
+        "forged-hello-huge-epoch" => {
+            let r = start_replica(id, 2, v).await?;
+            let c = controller(&r.addrs);
+            drives(&c, 0).await?;
+            for (i, addr) in r.addrs.processes.iter().enumerate() {
+                let forged = r.addrs.identity(i).hello(u64::MAX, u64::MAX);
+                send_hello(*addr, forged).await;
+            }
+            c.reconnect().map_err(|e| e.to_string())?;
+            if let Err(e) = drives(&c, 1).await {
+                return Err(violation(
+                    "S1",
+                    format!("after a forged Hello with epoch 2^64-1 the real controller no longer drives the replica: {e}"),
+                ));
+            }
+            c.shutdown();
+            Ok(())
+        }
+        "replayed-hello" => {
+            let r = start_replica(id, 2, v).await?;
+            let c = controller(&r.addrs);
+            drives(&c, 0).await?;
+            let nonce = c.statuses().await.map_err(|e| e.to_string())?[0].nonce;
+            let answer = send_hello(r.addrs.processes[1], r.addrs.hello(1, 1, nonce)).await;
+            let still = c.statuses().await.map_err(|e| e.to_string())?;
+            if !is_error(&answer)
+                || still.iter().any(|s| s.nonce != nonce)
+                || drives(&c, 1).await.is_err()
+            {
+                return Err(violation(
+                    "S1",
+                    "a replayed Hello took the controller's session over".into(),
+                ));
+            }
+            c.shutdown();
+            Ok(())
+        }
+        "hello-for-another-replica" => {
+            let r = start_replica(id, 2, v).await?;
+            let c = controller(&r.addrs);
+            drives(&c, 0).await?;
+            let mut other = r.addrs.identity(0).hello(2, 1);
+            other.replica_id = id + 1000;
+            if let Some(key) = v.key(id + 1000) {
+                other = key.sign(other);
+            }
+            let answer = send_hello(r.addrs.processes[0], other).await;
+            if !is_error(&answer) || drives(&c, 1).await.is_err() {
+                return Err(violation(
+                    "S1",
+                    "a Hello for another replica was taken".into(),
+                ));
+            }
+            c.shutdown();
+            Ok(())
+        }
+        "spoofed-mesh-peer" | "idle-mesh-connections" => {
+            let mut m = ManualReplica::new(id, v)?;
+            m.spawn(0)?;
+            let timely0: SocketAddr = format!("127.0.0.1:{}", m.timely[0])
+                .parse()
+                .map_err(|e| format!("{e}"))?;
+            let mut held = Vec::new();
+            if name == "spoofed-mesh-peer" {
+                // Process 1's header, first; without the key.
+                let mut s = dial(timely0).await?;
+                s.write_all(&mesh_header(id, 1))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if v == Variant::Authenticated {
+                    let mut answer = [0u8; 48];
+                    let _ = tokio::time::timeout(Duration::from_secs(3), s.read_exact(&mut answer))
+                        .await;
+                    let _ = s.write_all(&[0u8; 32]).await;
+                }
+                held.push(s);
+            } else {
+                for _ in 0..20 {
+                    held.push(dial(timely0).await?);
+                }
+            }
+            m.spawn(1)?;
+            let c = controller(&m.addrs()?);
+            let result = tokio::time::timeout(Duration::from_secs(30), drives(&c, 0)).await;
+            c.shutdown();
+            drop(held);
+            match result {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(violation(
+                    "S1",
+                    format!("{name}: the real processes did not form a working replica: {e}"),
+                )),
+                Err(_) => Err(violation(
+                    "S1",
+                    format!(
+                        "{name}: the real processes did not form a working replica within 30 s"
+                    ),
+                )),
+            }
+        }
+        "huge-length-prefix" | "large-pre-hello-frame" => {
+            let r = start_replica(id, 2, v).await?;
+            let c = controller(&r.addrs);
+            drives(&c, 0).await?;
+            let addr = r.addrs.processes[0];
+            let answer = if name == "huge-length-prefix" {
+                first_answer(addr, &(1u32 << 30).to_be_bytes()).await
+            } else {
+                let len: u32 = 60 << 20;
+                let mut sock = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+                sock.write_all(&len.to_be_bytes())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let zeros = vec![0u8; 1 << 20];
+                for _ in 0..60 {
+                    if sock.write_all(&zeros).await.is_err() {
+                        break;
+                    }
+                }
+                let mut framed = Framed::new(sock, ControllerCodec::default());
+                tokio::time::timeout(Duration::from_secs(5), framed.next())
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(Result::ok)
+            };
+            let rss = rss_mib(pid_of(&r, 0).await?);
+            if rss > 200.0 {
+                return Err(violation(
+                    "S1",
+                    format!("{name}: process 0 grew to {rss:.0} MiB before any Hello"),
+                ));
+            }
+            if let Some(a) = &answer {
+                if !matches!(a.kind, ResponseKind::Error(_)) {
+                    return Err(violation("S1", format!("{name}: answered {a:?}")));
+                }
+            }
+            drives(&c, 1).await.map_err(|e| {
+                violation(
+                    "S1",
+                    format!("{name}: the controller no longer drives: {e}"),
+                )
+            })?;
+            c.shutdown();
+            Ok(())
+        }
+        "connection-flood" => {
+            let r = start_replica(id, 2, v).await?;
+            let c = controller(&r.addrs);
+            drives(&c, 0).await?;
+            let mut flood = Vec::new();
+            for _ in 0..200 {
+                if let Ok(s) = TcpStream::connect(r.addrs.processes[0]).await {
+                    flood.push(s);
+                }
+            }
+            let rss = rss_mib(pid_of(&r, 0).await?);
+            let result = drives(&c, 1).await;
+            drop(flood);
+            c.shutdown();
+            if rss > 200.0 {
+                return Err(violation(
+                    "S1",
+                    format!("a connection flood grew process 0 to {rss:.0} MiB"),
+                ));
+            }
+            result.map_err(|e| {
+                violation(
+                    "S1",
+                    format!("under a connection flood the controller no longer drives: {e}"),
+                )
+            })
+        }
+        "api-without-token" | "api-wrong-token" => {
+            let (mut env, _state) = start_env(v).await?;
+            let token = (name == "api-wrong-token").then_some("a-wrong-but-long-token");
+            let mut client = api(&env.url, token).await?;
+            let r = client.list_replicas(proto::ListReplicasRequest {}).await;
+            let _ = env.kill().await;
+            if code_is(r, tonic::Code::Unauthenticated) {
+                Ok(())
+            } else {
+                Err(violation("S1", format!("{name}: the API served the call")))
+            }
+        }
+        "oversized-shape" | "oversized-plan" => {
+            let (mut env, _state) = start_env(v).await?;
+            let mut client = api(&env.url, Some(TOKEN)).await?;
+            let refused = if name == "oversized-shape" {
+                code_is(
+                    client
+                        .create_replica(proto::CreateReplicaRequest {
+                            name: "huge".into(),
+                            processes: 10_000,
+                            workers_per_process: 1_000_000,
+                            config: String::new(),
+                        })
+                        .await,
+                    tonic::Code::InvalidArgument,
+                )
+            } else {
+                client
+                    .create_replica(proto::CreateReplicaRequest {
+                        name: "r".into(),
+                        processes: 1,
+                        workers_per_process: 1,
+                        config: String::new(),
+                    })
+                    .await
+                    .map_err(|e| format!("creating a replica: {e}"))?;
+                let mut plan = Plan::Get { collection_id: 1 };
+                for _ in 0..48 {
+                    plan = Plan::Filter {
+                        input: Box::new(plan),
+                        predicates: vec![],
+                    };
+                }
+                code_is(
+                    client
+                        .create_dataflow(proto::CreateDataflowRequest {
+                            replica: "r".into(),
+                            name: "deep".into(),
+                            inputs: vec![1],
+                            exports: vec![lockstep_protocol::proto::Export {
+                                collection_id: 101,
+                                plan: Some(plan.into()),
+                            }],
+                            as_of: 0,
+                        })
+                        .await,
+                    tonic::Code::InvalidArgument,
+                )
+            };
+            let _ = env.kill().await;
+            let _ = kill_all_services(&_state.path().join("orchestrator"));
+            if refused {
+                Ok(())
+            } else {
+                Err(violation(
+                    "S1",
+                    format!("{name} was not refused with INVALID_ARGUMENT"),
+                ))
+            }
+        }
+        other => Err(Failure::Harness(format!("unknown scenario {other}"))),
+    }
+}
+
+const SCENARIOS: [&str; 12] = [
+    "forged-hello-huge-epoch",
+    "replayed-hello",
+    "hello-for-another-replica",
+    "spoofed-mesh-peer",
+    "idle-mesh-connections",
+    "huge-length-prefix",
+    "large-pre-hello-frame",
+    "connection-flood",
+    "api-without-token",
+    "api-wrong-token",
+    "oversized-shape",
+    "oversized-plan",
+];
+
+fn main() {
+    for bin in [replica_binary(), lockstep_binary()] {
+        if !bin.exists() {
+            eprintln!("lockstep-chaos-security: {} is missing: build it (cargo xtask chaos security does)", bin.display());
+            std::process::exit(2);
+        }
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut ok = true;
+    let mut id = 100;
+    for v in [Variant::Authenticated, Variant::Open] {
+        let mut tally = Tally::default();
+        for name in SCENARIOS {
+            id += 1;
+            let outcome = runtime.block_on(async {
+                match tokio::time::timeout(Duration::from_secs(90), scenario(name, id, v)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(Failure::Harness(format!("{name} did not end within 90 s"))),
+                }
+            });
+            let line = tally.record(&outcome);
+            eprintln!("security: {} {name}: {line}", v.name());
+        }
+        let negative = v == Variant::Open;
+        println!("{}", tally.summary_line(SUITE, v.name(), negative));
+        ok &= tally.ok(negative);
+    }
+    std::process::exit(if ok { 0 } else { 1 });
+}
