@@ -77,6 +77,7 @@ async fn fixture() -> Fixture {
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
         compaction_lag: None,
         api_token: None,
+        allow_naive: false,
     })
     .await
     .unwrap();

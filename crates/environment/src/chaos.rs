@@ -136,6 +136,7 @@ pub fn load(dir: &Path, rule: &str, conditional_writes: bool) -> anyhow::Result<
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
         compaction_lag: None,
         api_token: None,
+        allow_naive: false,
         state_dir: dir.to_path_buf(),
         orphan_policy,
         service: sleep_template(),

@@ -98,6 +98,8 @@ pub struct Compute {
     max_frame_len: std::sync::atomic::AtomicUsize,
     /// The environment's metrics.
     metrics: Arc<crate::metrics::Metrics>,
+    /// Whether a WASM distribution policy may choose `naive`.
+    allow_naive: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Compute {
@@ -141,6 +143,7 @@ impl Default for Compute {
             restart_interval: REPLICA_RESTART_INTERVAL,
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN.into(),
             metrics: Default::default(),
+            allow_naive: false.into(),
         }
     }
 }
@@ -172,6 +175,13 @@ impl Compute {
             .cloned()
     }
 
+    /// Lets a WASM distribution policy choose `naive` (an experiment: the
+    /// negative control breaks I1 under faults). Refused by default.
+    pub fn set_naive_allowed(&self, allowed: bool) {
+        self.allow_naive
+            .store(allowed, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Uses the WASM distribution policy at `path` for every controller
     /// started from now on (`None`: the native rule, barrier for everything).
     pub fn set_distribution_policy(&self, path: Option<std::path::PathBuf>) {
@@ -186,10 +196,12 @@ impl Compute {
         if let Some(path) = path {
             match lockstep_policy_host::WasmDistributionPolicy::load(&path, Default::default()) {
                 Ok(p) => {
-                    return Box::new(lockstep_policy_host::SafeDistribution::new(
-                        p,
-                        Strategy::Barrier,
-                    ))
+                    return Box::new(
+                        lockstep_policy_host::SafeDistribution::new(p, Strategy::Barrier)
+                            .with_naive_allowed(
+                                self.allow_naive.load(std::sync::atomic::Ordering::Relaxed),
+                            ),
+                    )
                 }
                 Err(e) => tracing::error!(
                     path = %path.display(),

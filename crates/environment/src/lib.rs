@@ -188,6 +188,9 @@ pub struct EnvironmentConfig {
     /// The token every API call must carry (`None`: none is asked, which
     /// `lockstep serve` allows only on a loopback address).
     pub api_token: Option<String>,
+    /// Whether a WASM distribution policy may choose `naive` (the negative
+    /// control); refused by default.
+    pub allow_naive: bool,
 }
 
 impl std::fmt::Debug for EnvironmentConfig {
@@ -201,6 +204,7 @@ impl std::fmt::Debug for EnvironmentConfig {
             .field("max_frame_len", &self.max_frame_len)
             .field("compaction_lag", &self.compaction_lag)
             .field("api_token", &self.api_token.as_ref().map(|_| "(set)"))
+            .field("allow_naive", &self.allow_naive)
             .finish()
     }
 }
@@ -397,6 +401,7 @@ impl Environment {
         env.compute
             .set_distribution_policy(config.distribution_policy);
         env.compute.set_max_frame_len(config.max_frame_len);
+        env.compute.set_naive_allowed(config.allow_naive);
         env.inputs
             .lock()
             .expect("poisoned")

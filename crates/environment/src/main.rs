@@ -244,6 +244,11 @@ struct ServeArgs {
     /// /metrics (port 0 picks one; printed on the serving line).
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
+    /// Let a WASM distribution policy choose `naive`, the negative control
+    /// (each worker reconciles alone; it breaks I1 under faults). Refused
+    /// otherwise, with the fallback `barrier` used instead.
+    #[arg(long)]
+    experiments_allow_naive: bool,
     /// Let a stale ensure overwrite a newer controller's service (negative tests only).
     #[arg(long, hide = true)]
     unconditional_writes: bool,
@@ -649,6 +654,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         max_frame_len: args.max_frame_len,
         compaction_lag: args.compaction_lag,
         api_token: token,
+        allow_naive: args.experiments_allow_naive,
     };
     let env = Environment::start(config).await?;
     let metrics_note = match metrics_listener {

@@ -337,6 +337,7 @@ async fn a_failing_or_nonsensical_policy_deletes_nothing() {
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
             compaction_lag: None,
             api_token: None,
+            allow_naive: false,
             state_dir: sandbox.path().to_path_buf(),
             orphan_policy: Box::new(Scripted(answer)),
             service: sleep_template(),

@@ -15,6 +15,7 @@ pub struct SafeDistribution<P> {
     fallback: Strategy,
     mismatch_fallback: MismatchAction,
     failures: u64,
+    allow_naive: bool,
 }
 
 impl<P: DistributionPolicy> SafeDistribution<P> {
@@ -26,7 +27,16 @@ impl<P: DistributionPolicy> SafeDistribution<P> {
             fallback,
             mismatch_fallback: MismatchAction::RestartReplica,
             failures: 0,
+            allow_naive: false,
         }
+    }
+
+    /// Whether the policy may choose `naive`, the negative control (each
+    /// worker reconciles alone). Refused by default: the choice counts as a
+    /// failure and the fallback is used.
+    pub fn with_naive_allowed(mut self, allowed: bool) -> Self {
+        self.allow_naive = allowed;
+        self
     }
 
     /// Sets what a history mismatch does when the policy fails.
@@ -38,6 +48,14 @@ impl<P: DistributionPolicy> SafeDistribution<P> {
     /// The strategy for one command: the policy's, or the fallback.
     pub fn decide(&mut self, info: &CommandInfo) -> Strategy {
         match self.policy.choose(info) {
+            Ok(Strategy::Naive) if !self.allow_naive => {
+                self.failures += 1;
+                tracing::warn!(
+                    policy = %self.policy.name(), fallback = %self.fallback,
+                    "the distribution policy chose naive, the negative control; refused (allow it with --experiments-allow-naive), using the fallback strategy"
+                );
+                self.fallback
+            }
             Ok(s) => s,
             Err(e) => {
                 self.failures += 1;
@@ -145,5 +163,36 @@ impl<P: OrphanPolicy> OrphanPolicy for SafeOrphans<P> {
         view: &CatalogView,
     ) -> Result<OrphanDecision, PolicyError> {
         Ok(self.decide(services, view))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lockstep_policy::{CommandClass, FixedStrategy};
+
+    use super::*;
+
+    fn info() -> CommandInfo {
+        CommandInfo {
+            class: CommandClass::CreateDataflow,
+            size_bytes: 10,
+            dataflow_id: Some(1),
+            process_count: 2,
+            workers_per_process: 1,
+            reconciling: false,
+        }
+    }
+
+    #[test]
+    fn naive_from_a_policy_is_refused_unless_allowed() {
+        let mut refused = SafeDistribution::new(FixedStrategy(Strategy::Naive), Strategy::Barrier);
+        assert_eq!(refused.decide(&info()), Strategy::Barrier);
+        assert_eq!(refused.failures(), 1);
+        let mut allowed = SafeDistribution::new(FixedStrategy(Strategy::Naive), Strategy::Barrier)
+            .with_naive_allowed(true);
+        assert_eq!(allowed.decide(&info()), Strategy::Naive);
+        assert_eq!(allowed.failures(), 0);
+        let mut other = SafeDistribution::new(FixedStrategy(Strategy::Log), Strategy::Barrier);
+        assert_eq!(other.decide(&info()), Strategy::Log);
     }
 }

@@ -71,11 +71,15 @@ impl HostState {
     }
 }
 
-/// `StoreLimits`, remembering whether it refused to grow a memory so that
-/// the resulting trap can be reported as a memory limit.
+/// `StoreLimits`, plus a ceiling on the total of every linear memory of the
+/// store (a component may have several memories and instances: each capped
+/// alone would allow their product), remembering whether it refused to grow
+/// a memory so that the resulting trap can be reported as a memory limit.
 struct MemoryCap {
     inner: StoreLimits,
     limit: usize,
+    /// The bytes of every memory of the store, as granted so far.
+    total: usize,
     denied: Option<usize>,
 }
 
@@ -91,6 +95,7 @@ impl MemoryCap {
                 .trap_on_grow_failure(true)
                 .build(),
             limit,
+            total: 0,
             denied: None,
         }
     }
@@ -103,10 +108,19 @@ impl ResourceLimiter for MemoryCap {
         desired: usize,
         maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        if desired > self.limit {
-            self.denied = Some(desired);
+        let total = (self.total - current.min(self.total)).saturating_add(desired);
+        if desired > self.limit || total > self.limit {
+            self.denied = Some(total.max(desired));
+            return Err(wasmtime::Error::msg(format!(
+                "the policy's memories would take {total} bytes in all, over its limit of {} bytes",
+                self.limit
+            )));
         }
-        self.inner.memory_growing(current, desired, maximum)
+        let granted = self.inner.memory_growing(current, desired, maximum)?;
+        if granted {
+            self.total = total;
+        }
+        Ok(granted)
     }
 
     fn memory_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
@@ -273,5 +287,23 @@ fn classify(
             policy,
             reason: format!("{e:#}"),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_memory_limit_is_on_the_total_of_every_memory() {
+        let mut cap = MemoryCap::new(1000);
+        // Two memories of 400 bytes fit; a third does not, though each alone would.
+        assert!(cap.memory_growing(0, 400, None).unwrap());
+        assert!(cap.memory_growing(0, 400, None).unwrap());
+        assert!(cap.memory_growing(0, 400, None).is_err());
+        assert_eq!(cap.denied, Some(1200));
+        // Growing one of them within the total is fine.
+        assert!(cap.memory_growing(400, 600, None).unwrap());
+        assert!(cap.memory_growing(600, 700, None).is_err());
     }
 }

@@ -44,6 +44,7 @@ pub fn config(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environ
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
         compaction_lag: None,
         api_token: None,
+        allow_naive: false,
     }
 }
 
