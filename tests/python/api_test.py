@@ -195,6 +195,11 @@ def main():
         r.code("WriteInput, time not below the new upper: OUT_OF_RANGE", lambda: write(1, [up([1], 20, 1)], 20), C.OUT_OF_RANGE)
         big = 2**63 - 1
         r.code("WriteInput, multiplicities overflow: INVALID_ARGUMENT", lambda: write(1, [up([5], 12, big), up([6], 12, big)], 13), C.INVALID_ARGUMENT)
+        # SetPolicy, ListPolicies
+        r.code("SetPolicy, empty name: INVALID_ARGUMENT", lambda: api.SetPolicy(ep.SetPolicyRequest(name="", wasm=b"\0asm")), C.INVALID_ARGUMENT)
+        r.code("SetPolicy, not a policy: INVALID_ARGUMENT", lambda: api.SetPolicy(ep.SetPolicyRequest(name="junk", wasm=b"not wasm")), C.INVALID_ARGUMENT)
+        kinds = sorted(p.kind for p in api.ListPolicies(ep.ListPoliciesRequest()).policies)
+        r.check("ListPolicies names both kinds", kinds == ["distribution", "orphans"], str(kinds))
         # Peek
         ok = api.Peek(ep.PeekRequest(replica="py", collection_id=101, timestamp=11))
         r.check("Peek at the upper answers", len(ok.rows) == 12, str(ok))

@@ -39,7 +39,7 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBeha
 pub const APPLICATION_ID: i32 = 0x4c4b_5354;
 
 /// The schema version this build writes and understands.
-pub const SCHEMA_VERSION: i32 = 1;
+pub const SCHEMA_VERSION: i32 = 2;
 
 /// How long a transaction waits for another controller's transaction on the
 /// same file before it gives up.
@@ -68,6 +68,16 @@ CREATE TABLE input_writes (
     replica_id    INTEGER NOT NULL REFERENCES replicas (id) ON DELETE CASCADE,
     collection_id INTEGER NOT NULL,
     write         BLOB NOT NULL
+) STRICT;
+";
+
+/// Version 2 adds the policies in force (set at run time).
+const SCHEMA_V2: &str = "
+CREATE TABLE IF NOT EXISTS policies (
+    kind   TEXT PRIMARY KEY NOT NULL,
+    name   TEXT NOT NULL,
+    wasm   BLOB NOT NULL,
+    set_at INTEGER NOT NULL
 ) STRICT;
 ";
 
@@ -297,6 +307,19 @@ pub struct CatalogState {
     pub input_writes: Vec<InputWrite>,
 }
 
+/// A policy set at run time, as the catalog holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredPolicy {
+    /// `distribution` or `orphans`.
+    pub kind: String,
+    /// Its name (the file name it was set from, without `.wasm`).
+    pub name: String,
+    /// The component.
+    pub wasm: Vec<u8>,
+    /// When it was set, in seconds since the Unix epoch.
+    pub set_at: u64,
+}
+
 /// An open catalog, owning the epoch it bumped when it was opened.
 ///
 /// A `Catalog` is `Send` but not `Sync`; share it behind a mutex.
@@ -353,6 +376,7 @@ impl Catalog {
             // Either a brand-new file or one created empty: lay out the schema.
             // (A non-empty file with version 0 was refused by `validate`.)
             tx.execute_batch(SCHEMA).map_err(sqlite)?;
+            tx.execute_batch(SCHEMA_V2).map_err(sqlite)?;
             tx.pragma_update(None, "application_id", APPLICATION_ID)
                 .map_err(sqlite)?;
             tx.pragma_update(None, "user_version", SCHEMA_VERSION)
@@ -361,6 +385,12 @@ impl Catalog {
             // Re-check inside the write transaction: the file may have been
             // replaced between validation and now.
             check_header(&path, &tx)?;
+            if version < 2 {
+                // Migrate, in the same transaction as the epoch bump.
+                tx.execute_batch(SCHEMA_V2).map_err(sqlite)?;
+                tx.pragma_update(None, "user_version", SCHEMA_VERSION)
+                    .map_err(sqlite)?;
+            }
         }
         let epoch: u64 = tx
             .query_row("SELECT value FROM meta WHERE key = 'epoch'", [], |r| {
@@ -622,6 +652,34 @@ impl Catalog {
         })
     }
 
+    /// Records `policy` as the one in force for its kind (replacing any).
+    pub fn set_policy(&mut self, policy: &StoredPolicy) -> Result<(), WriteError> {
+        self.write(|tx| {
+            tx.execute(
+                "INSERT INTO policies (kind, name, wasm, set_at) VALUES (?1, ?2, ?3, ?4) \
+                 ON CONFLICT (kind) DO UPDATE SET name = ?2, wasm = ?3, set_at = ?4",
+                params![policy.kind, policy.name, policy.wasm, policy.set_at as i64],
+            )?;
+            Ok(())
+        })
+    }
+
+    /// The policies set at run time, by kind.
+    pub fn policies(&mut self) -> Result<Vec<StoredPolicy>, ReadError> {
+        let mut stmt = self
+            .conn
+            .prepare("SELECT kind, name, wasm, set_at FROM policies ORDER BY kind")?;
+        let rows = stmt.query_map([], |r| {
+            Ok(StoredPolicy {
+                kind: r.get(0)?,
+                name: r.get(1)?,
+                wasm: r.get(2)?,
+                set_at: r.get::<_, i64>(3)? as u64,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
     /// Drops a dataflow.
     pub fn drop_dataflow(&mut self, id: u64) -> Result<(), WriteError> {
         self.write(|tx| {
@@ -803,6 +861,44 @@ mod tests {
             workers_per_process: 2,
             config: String::new(),
         }
+    }
+
+    #[test]
+    fn a_version_1_catalog_is_migrated_and_policies_are_kept_and_fenced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("catalog.db");
+        {
+            let mut c = Catalog::open(&path).unwrap();
+            c.create_replica("r", cfg(1)).unwrap();
+            // Make it a version 1 file, as an older build left it.
+            c.conn
+                .execute_batch("DROP TABLE policies; PRAGMA user_version = 1;")
+                .unwrap();
+        }
+        let mut c = Catalog::open(&path).unwrap();
+        assert_eq!(
+            c.state().unwrap().replicas.len(),
+            1,
+            "kept across the migration"
+        );
+        assert!(c.policies().unwrap().is_empty());
+        let p = StoredPolicy {
+            kind: "distribution".into(),
+            name: "log".into(),
+            wasm: vec![0, 97, 115, 109],
+            set_at: 7,
+        };
+        c.set_policy(&p).unwrap();
+        let newer = StoredPolicy {
+            name: "barrier".into(),
+            set_at: 8,
+            ..p.clone()
+        };
+        c.set_policy(&newer).unwrap();
+        assert_eq!(c.policies().unwrap(), vec![newer.clone()]);
+        let mut reopened = Catalog::open(&path).unwrap();
+        assert_eq!(reopened.policies().unwrap(), vec![newer]);
+        assert!(c.set_policy(&p).unwrap_err().fenced().is_some());
     }
 
     #[test]

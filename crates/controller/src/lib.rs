@@ -142,6 +142,7 @@ pub enum ControllerError {
 
 pub(crate) enum Request {
     Send(CommandKind),
+    SetPolicy(Box<dyn DistributionPolicy + Send>),
     Peek {
         collection: u64,
         timestamp: Timestamp,
@@ -277,6 +278,15 @@ impl Controller {
             upper,
             more: false,
         })))
+    }
+
+    /// Uses `policy` from the next session on (the strategy of a session is
+    /// chosen at its Hello); [`reconnect`](Self::reconnect) starts one now.
+    pub fn set_policy(
+        &self,
+        policy: Box<dyn DistributionPolicy + Send>,
+    ) -> Result<(), ControllerError> {
+        self.request(Request::SetPolicy(policy))
     }
 
     /// Sends an UpdateConfiguration.

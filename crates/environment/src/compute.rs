@@ -191,7 +191,7 @@ impl Compute {
     /// The distribution policy for one controller: the WASM policy wrapped so
     /// that a failing call falls back to `barrier` (the safe default), or the
     /// native rule.
-    fn policy(&self) -> Box<dyn lockstep_policy::DistributionPolicy + Send> {
+    pub(crate) fn policy(&self) -> Box<dyn lockstep_policy::DistributionPolicy + Send> {
         let path = self.distribution.lock().expect("poisoned").clone();
         if let Some(path) = path {
             match lockstep_policy_host::WasmDistributionPolicy::load(&path, Default::default()) {

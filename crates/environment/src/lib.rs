@@ -78,6 +78,7 @@ pub mod compute;
 pub mod demo;
 mod inputs;
 pub mod metrics;
+pub mod policies;
 pub mod server;
 pub mod soak;
 pub mod template;
@@ -250,6 +251,9 @@ pub enum StartError {
         /// The orchestrator's epoch.
         orchestrator: u64,
     },
+    /// A policy set at run time could not be put in force again.
+    #[error("cannot put the catalog's policies in force again: {0}")]
+    PolicyRestore(String),
     /// A stored input write does not decode.
     #[error("the catalog's input write {seq} (replica {replica_id}) does not decode: {reason}")]
     CorruptInput {
@@ -321,6 +325,10 @@ pub struct Environment {
     session_secret: Option<[u8; 32]>,
     /// The token every API call must carry (`None`: no token is asked).
     api_token: Option<String>,
+    /// Where policies set at run time are written (`STATE_DIR/policies`).
+    policies_dir: Option<PathBuf>,
+    /// The policies in force, by kind.
+    policies_in_force: Mutex<BTreeMap<String, policies::PolicyInForce>>,
 }
 
 impl std::fmt::Debug for Environment {
@@ -398,6 +406,18 @@ impl Environment {
         .with_command_logs(command_logs)
         .with_session_secret(secret)
         .with_api_token(config.api_token);
+        if let Some(path) = &config.distribution_policy {
+            let wasm = std::fs::read(path).unwrap_or_default();
+            env.policies_in_force.lock().expect("poisoned").insert(
+                "distribution".into(),
+                policies::PolicyInForce {
+                    kind: "distribution".into(),
+                    name: lockstep_policy_host::policy_name(path),
+                    hash: policies::short_hash(&wasm),
+                    since: 0,
+                },
+            );
+        }
         env.compute
             .set_distribution_policy(config.distribution_policy);
         env.compute.set_max_frame_len(config.max_frame_len);
@@ -406,6 +426,10 @@ impl Environment {
             .lock()
             .expect("poisoned")
             .set_lag(config.compaction_lag);
+        let mut env = env;
+        env.policies_dir = Some(config.state_dir.join("policies"));
+        env.restore_policies()
+            .map_err(|e| StartError::PolicyRestore(e.to_string()))?;
         Ok(env)
     }
 
@@ -417,6 +441,7 @@ impl Environment {
         orphan_policy: Box<dyn OrphanPolicy + Send>,
         template: ServiceTemplate,
     ) -> Result<Environment, StartError> {
+        let orphan_rule_name = orphan_policy.name().to_string();
         let mut view = catalog.state()?;
         let inputs = inputs::Inputs::load(
             std::mem::take(&mut view.input_writes)
@@ -464,6 +489,27 @@ impl Environment {
             command_logs: None,
             session_secret: None,
             api_token: None,
+            policies_dir: None,
+            policies_in_force: Mutex::new(BTreeMap::from([
+                (
+                    "distribution".to_string(),
+                    policies::PolicyInForce {
+                        kind: "distribution".into(),
+                        name: "native barrier".into(),
+                        hash: String::new(),
+                        since: 0,
+                    },
+                ),
+                (
+                    "orphans".to_string(),
+                    policies::PolicyInForce {
+                        kind: "orphans".into(),
+                        name: orphan_rule_name,
+                        hash: String::new(),
+                        since: 0,
+                    },
+                ),
+            ])),
         })
     }
 
@@ -979,6 +1025,19 @@ impl Environment {
 }
 
 impl Environment {
+    /// The controller of the replica named `name`, if one runs.
+    pub fn replica_controller(&self, name: &str) -> Option<lockstep_controller::Controller> {
+        let id = self
+            .view
+            .lock()
+            .expect("poisoned")
+            .replicas
+            .values()
+            .find(|r| r.name == name)?
+            .id;
+        self.compute.controller(id)
+    }
+
     /// The environment's metrics (served by `lockstep serve --metrics-listen`).
     pub fn metrics(&self) -> Arc<metrics::Metrics> {
         self.compute.metrics()

@@ -104,8 +104,11 @@ enum Command {
         #[arg(long)]
         until: Option<u64>,
     },
-    /// Policies: the conformance check.
+    /// Policies: the conformance check, and the policies of a running
+    /// environment (set, show).
     Policy {
+        #[command(flatten)]
+        server: ServerArg,
         #[command(subcommand)]
         command: PolicyCommand,
     },
@@ -159,6 +162,14 @@ enum PolicyCommand {
         #[arg(required = true)]
         files: Vec<PathBuf>,
     },
+    /// Put a WASM policy in force on a running environment (its kind is
+    /// read from the file); it must pass the conformance check first.
+    Set {
+        /// The policy (.wasm component); its name is the file name.
+        file: PathBuf,
+    },
+    /// The policies in force on a running environment.
+    Show,
 }
 
 #[derive(Subcommand)]
@@ -389,7 +400,51 @@ fn main() -> ExitCode {
         })),
         Command::Policy {
             command: PolicyCommand::Check { files },
+            ..
         } => policy_check(&files),
+        Command::Policy {
+            server,
+            command: PolicyCommand::Set { file },
+        } => finish(runtime.block_on(async move {
+            let wasm =
+                std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+            let p = connect(&server)
+                .await?
+                .set_policy(proto::SetPolicyRequest {
+                    name: lockstep_policy_host::policy_name(&file),
+                    wasm,
+                })
+                .await
+                .map_err(status_err)?
+                .into_inner()
+                .policy
+                .context("no policy in the answer")?;
+            println!("{} policy {} ({}) in force", p.kind, p.name, p.hash);
+            Ok(())
+        })),
+        Command::Policy {
+            server,
+            command: PolicyCommand::Show,
+        } => finish(runtime.block_on(async move {
+            let list = connect(&server)
+                .await?
+                .list_policies(proto::ListPoliciesRequest {})
+                .await
+                .map_err(status_err)?
+                .into_inner()
+                .policies;
+            println!("{:<13} {:<24} {:<17} SINCE", "KIND", "NAME", "HASH");
+            for p in list {
+                let since = if p.since == 0 {
+                    "start".to_string()
+                } else {
+                    format!("{} (unix)", p.since)
+                };
+                let hash = if p.hash.is_empty() { "-" } else { &p.hash };
+                println!("{:<13} {:<24} {:<17} {since}", p.kind, p.name, hash);
+            }
+            Ok(())
+        })),
         Command::Demo { keep } => finish(runtime.block_on(lockstep_environment::demo::run(keep))),
         Command::Soak { quick, out } => {
             use lockstep_environment::soak::{run, SoakOptions};

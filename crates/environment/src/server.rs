@@ -106,6 +106,16 @@ pub fn status(e: EnvError) -> Status {
     }
 }
 
+/// The wire form of a policy in force.
+pub fn policy_to_proto(p: &crate::policies::PolicyInForce) -> proto::Policy {
+    proto::Policy {
+        kind: p.kind.clone(),
+        name: p.name.clone(),
+        hash: p.hash.clone(),
+        since: p.since,
+    }
+}
+
 /// The wire form of a replica and its service.
 pub fn to_proto(info: &ReplicaInfo) -> proto::Replica {
     let r = &info.replica;
@@ -334,6 +344,42 @@ impl EnvironmentApi for EnvironmentService {
         }
         .await;
         self.observed("Peek", started, result)
+    }
+
+    async fn set_policy(
+        &self,
+        request: Request<proto::SetPolicyRequest>,
+    ) -> Result<Response<proto::SetPolicyResponse>, Status> {
+        let started = std::time::Instant::now();
+        let result = async {
+            let r = request.into_inner();
+            let p = self
+                .env
+                .set_policy(&r.name, r.wasm)
+                .await
+                .map_err(compute_status)?;
+            Ok(Response::new(proto::SetPolicyResponse {
+                policy: Some(policy_to_proto(&p)),
+            }))
+        }
+        .await;
+        self.observed("SetPolicy", started, result)
+    }
+
+    async fn list_policies(
+        &self,
+        _request: Request<proto::ListPoliciesRequest>,
+    ) -> Result<Response<proto::ListPoliciesResponse>, Status> {
+        let started = std::time::Instant::now();
+        let result = Ok(Response::new(proto::ListPoliciesResponse {
+            policies: self
+                .env
+                .policies_in_force()
+                .iter()
+                .map(policy_to_proto)
+                .collect(),
+        }));
+        self.observed("ListPolicies", started, result)
     }
 
     type SubscribeStream = std::pin::Pin<

@@ -15,8 +15,10 @@ use std::time::{Duration, Instant};
 
 use lockstep_catalog::ReplicaConfig;
 use lockstep_environment::chaos::Sandbox;
+use lockstep_environment::compute::ComputeError;
 use lockstep_protocol::reference::evaluate;
 use lockstep_protocol::Update;
+use std::path::Path;
 
 /// How long the environment may take from the SIGSTOP to a correct answer:
 /// the controller's 2 s heartbeat timeout, the restart, the reconnection and
@@ -352,4 +354,144 @@ async fn a_replica_whose_ensure_failed_is_ensured_in_the_background() {
         .await
         .expect("the replica ensured in the background answers");
     retry.abort();
+}
+
+/// A distribution policy set at run time passes its conformance check, is in
+/// force from the replica's next session (which starts at once) without a
+/// dataflow rebuilt, and stays in force across an environment restart; a
+/// policy that fails its check, or is no policy, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_set_at_run_time_takes_over_at_the_next_session_without_rebuilding() {
+    use lockstep_command_log::CommandLog;
+    let log_wasm = lockstep_policy_host::shipped_policy("log");
+    let nonsense = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/lockstep/test-policies/nonsense.wasm");
+    for p in [&log_wasm, &nonsense] {
+        assert!(
+            p.is_file(),
+            "{} is missing: run `cargo xtask build-policies` first (`cargo xtask test` does)",
+            p.display()
+        );
+    }
+    let sandbox = Sandbox::new().unwrap();
+    let env = start(sandbox.path()).await;
+    let created = env
+        .create_replica(
+            "r1",
+            ReplicaConfig {
+                processes: 2,
+                workers_per_process: 1,
+                config: String::new(),
+            },
+        )
+        .await
+        .unwrap();
+    let log_path = env.command_log(created.replica.id).unwrap();
+    let plan = create_reduce(&env).await;
+    let updates = vec![u(&[1, 10], 0, 1), u(&[2, 7], 0, 1)];
+    env.write_input("r1", 1, updates.clone(), 1).await.unwrap();
+    let expected = evaluate(&plan, &BTreeMap::from([(1, updates.clone())]), 0);
+    peek_until(&env, 101, 0, &expected, Duration::from_secs(30))
+        .await
+        .expect("the replica answers under the native barrier rule");
+    let c = env.replica_controller("r1").unwrap();
+    let before: Vec<_> = c
+        .statuses()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.creation_log)
+        .collect();
+    let logged_hellos = |path: &Path| {
+        lockstep_command_log::SqliteLog::open_reader(path)
+            .and_then(|mut l| l.read_from(1, 100_000))
+            .map(|es| {
+                es.iter()
+                    .filter_map(|e| match &e.command.kind {
+                        lockstep_protocol::CommandKind::Hello(h) => Some(h.epoch),
+                        _ => None,
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    assert!(
+        logged_hellos(&log_path).is_empty(),
+        "barrier sessions do not use the log"
+    );
+
+    // Refused: no policy at all, and a policy that fails its conformance check.
+    let garbage = env.set_policy("garbage", b"not wasm".to_vec()).await;
+    assert!(
+        matches!(&garbage, Err(ComputeError::Invalid(m)) if m.contains("not a lockstep policy")),
+        "{garbage:?}"
+    );
+    let failing = env
+        .set_policy("nonsense", std::fs::read(&nonsense).unwrap())
+        .await;
+    assert!(
+        matches!(&failing, Err(ComputeError::Invalid(m)) if m.contains("conformance")),
+        "{failing:?}"
+    );
+
+    let set = env
+        .set_policy("log", std::fs::read(&log_wasm).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        (set.kind.as_str(), set.name.as_str()),
+        ("distribution", "log")
+    );
+    // The next session goes through the command log.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while logged_hellos(&log_path).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "no log session within 30 s of the policy"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    env.write_input("r1", 1, vec![u(&[3, 1], 1, 1)], 2)
+        .await
+        .unwrap();
+    let mut all = updates;
+    all.push(u(&[3, 1], 1, 1));
+    let expected = evaluate(&plan, &BTreeMap::from([(1, all)]), 1);
+    peek_until(&env, 101, 1, &expected, Duration::from_secs(30))
+        .await
+        .expect("the replica answers under the log policy");
+    let after: Vec<_> = c
+        .statuses()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.creation_log)
+        .collect();
+    assert_eq!(
+        after, before,
+        "a dataflow was rebuilt when the strategy changed"
+    );
+
+    // Kept across a restart, from the catalog.
+    drop(c);
+    drop(env);
+    let env = start(sandbox.path()).await;
+    let in_force = env.policies_in_force();
+    assert!(
+        in_force
+            .iter()
+            .any(|p| p.kind == "distribution" && p.name == "log" && p.hash == set.hash),
+        "{in_force:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !logged_hellos(&log_path).iter().any(|&e| e >= 2) {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted environment did not use the log policy"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    peek_until(&env, 101, 1, &expected, Duration::from_secs(30))
+        .await
+        .expect("the restarted environment answers under the log policy");
 }

@@ -263,6 +263,10 @@ impl Actor {
 
     fn on_request(&mut self, r: Request) {
         match r {
+            Request::SetPolicy(policy) => {
+                tracing::info!(policy = %policy.name(), "distribution policy replaced; in force from the next session");
+                self.policy = policy;
+            }
             Request::Send(kind) => {
                 // A (re)created collection starts with no reported frontier.
                 if let CommandKind::CreateDataflow(d) = &kind {

@@ -1,0 +1,200 @@
+//! Policies swapped at run time (`SetPolicy`, `lockstep policy set FILE`).
+//!
+//! A WASM policy sent to a running environment must first pass the
+//! conformance scenarios of its kind (`lockstep_policy_host::conformance`);
+//! it is then stored in the catalog (fenced, so a restarted environment uses
+//! it), written to `STATE_DIR/policies/KIND.wasm`, and put in force: a
+//! distribution policy for every replica's controller from its next session
+//! on (the environment starts one at once; a session's strategy is chosen at
+//! its Hello, so dataflows are reconciled, not rebuilt), an orphan policy
+//! from the next orphan pass. A policy set at run time stays in force across
+//! restarts, over `--distribution-policy` and `--orphan-rule/--orphan-policy`,
+//! until another is set.
+
+use std::path::{Path, PathBuf};
+
+use lockstep_catalog::StoredPolicy;
+use lockstep_policy_host::PolicyKind;
+
+use crate::compute::ComputeError;
+use crate::{EnvError, Environment};
+
+/// A policy in force, as `ListPolicies` and `lockstep policy show` report it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PolicyInForce {
+    /// `distribution` or `orphans`.
+    pub kind: String,
+    /// Its name (`native barrier` for a native rule).
+    pub name: String,
+    /// The first 16 hex digits of the BLAKE3 hash of the component (empty
+    /// for a native rule).
+    pub hash: String,
+    /// When it was put in force, in seconds since the Unix epoch.
+    pub since: u64,
+}
+
+/// The kind's name.
+pub fn kind_name(kind: PolicyKind) -> &'static str {
+    match kind {
+        PolicyKind::Distribution => "distribution",
+        PolicyKind::Orphans => "orphans",
+    }
+}
+
+/// The short hash of a component.
+pub fn short_hash(wasm: &[u8]) -> String {
+    blake3::hash(wasm).to_hex()[..16].to_string()
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Where a kind's policy file lives.
+fn file_of(dir: &Path, kind: &str) -> PathBuf {
+    dir.join(format!("{kind}.wasm"))
+}
+
+impl Environment {
+    /// Checks, stores and puts in force the WASM policy `wasm` named `name`.
+    pub async fn set_policy(
+        &self,
+        name: &str,
+        wasm: Vec<u8>,
+    ) -> Result<PolicyInForce, ComputeError> {
+        let _ops = self.ops.lock().await;
+        self.check_not_halted()?;
+        let dir = self.policies_dir.clone().ok_or_else(|| {
+            ComputeError::Unavailable("this environment has no state directory for policies".into())
+        })?;
+        if name.is_empty()
+            || name.len() > 63
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return Err(ComputeError::Invalid(
+                "a policy name has 1 to 63 of a-z, A-Z, 0-9, '-' and '_'".into(),
+            ));
+        }
+        if wasm.len() > MAX_POLICY_BYTES {
+            return Err(ComputeError::Invalid(format!(
+                "a policy has at most {MAX_POLICY_BYTES} bytes; this one has {}",
+                wasm.len()
+            )));
+        }
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| ComputeError::Unavailable(format!("{}: {e}", dir.display())))?;
+        // Checked from a file named after it (the conformance line names it).
+        let staging = tempfile::Builder::new()
+            .prefix(".staging-")
+            .tempdir_in(&dir)
+            .map_err(|e| ComputeError::Unavailable(e.to_string()))?;
+        let candidate = staging.path().join(format!("{name}.wasm"));
+        std::fs::write(&candidate, &wasm).map_err(|e| ComputeError::Unavailable(e.to_string()))?;
+        let kind = lockstep_policy_host::detect_kind(&candidate)
+            .map_err(|e| ComputeError::Invalid(format!("not a lockstep policy: {e}")))?;
+        let lines = lockstep_policy_host::conformance::check(&candidate)
+            .map_err(|e| ComputeError::Invalid(format!("the policy does not load: {e}")))?;
+        if let Some(bad) = lines.iter().find(|l| !l.ok()) {
+            return Err(ComputeError::Invalid(format!(
+                "the policy fails its conformance scenarios: {}",
+                lockstep_policy_host::conformance::report(std::slice::from_ref(bad)).trim()
+            )));
+        }
+        let stored = StoredPolicy {
+            kind: kind_name(kind).to_string(),
+            name: name.to_string(),
+            wasm,
+            set_at: now(),
+        };
+        {
+            let mut catalog = self.catalog.lock().expect("poisoned");
+            catalog
+                .set_policy(&stored)
+                .map_err(|e| ComputeError::Env(self.catalog_error(e)))?;
+        }
+        let in_force = self
+            .put_in_force(&dir, &stored)
+            .map_err(ComputeError::Env)?;
+        tracing::info!(kind = %in_force.kind, name = %in_force.name, hash = %in_force.hash, "policy set");
+        Ok(in_force)
+    }
+
+    /// Writes `stored` to its file and puts it in force.
+    fn put_in_force(&self, dir: &Path, stored: &StoredPolicy) -> Result<PolicyInForce, EnvError> {
+        let path = file_of(dir, &stored.kind);
+        let io = |e: std::io::Error| EnvError::Orchestrator(format!("{}: {e}", path.display()));
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let tmp = path.with_extension("wasm.tmp");
+        std::fs::write(&tmp, &stored.wasm).map_err(io)?;
+        std::fs::rename(&tmp, &path).map_err(io)?;
+        if stored.kind == "distribution" {
+            self.compute.set_distribution_policy(Some(path.clone()));
+            let ids: Vec<u64> = self
+                .view
+                .lock()
+                .expect("poisoned")
+                .replicas
+                .keys()
+                .copied()
+                .collect();
+            for id in ids {
+                if let Some(c) = self.compute.controller(id) {
+                    // From the next session on, which starts now.
+                    let _ = c.set_policy(self.compute.policy());
+                    let _ = c.reconnect();
+                }
+            }
+        } else {
+            let policy = lockstep_policy_host::WasmOrphanPolicy::load(&path, Default::default())
+                .map_err(|e| EnvError::Orchestrator(format!("loading {}: {e}", path.display())))?;
+            *self.policy.lock().expect("poisoned") =
+                Box::new(lockstep_policy_host::SafeOrphans::new(policy));
+        }
+        let in_force = PolicyInForce {
+            kind: stored.kind.clone(),
+            name: stored.name.clone(),
+            hash: short_hash(&stored.wasm),
+            since: stored.set_at,
+        };
+        self.policies_in_force
+            .lock()
+            .expect("poisoned")
+            .insert(in_force.kind.clone(), in_force.clone());
+        Ok(in_force)
+    }
+
+    /// Puts in force the policies the catalog holds (set at run time before
+    /// a restart). Called on load, before any controller starts.
+    pub(crate) fn restore_policies(&self) -> Result<(), EnvError> {
+        let Some(dir) = self.policies_dir.clone() else {
+            return Ok(());
+        };
+        let stored = self
+            .catalog
+            .lock()
+            .expect("poisoned")
+            .policies()
+            .map_err(|e| EnvError::Orchestrator(format!("reading the catalog's policies: {e}")))?;
+        for p in stored {
+            self.put_in_force(&dir, &p)?;
+        }
+        Ok(())
+    }
+
+    /// The policies in force, by kind.
+    pub fn policies_in_force(&self) -> Vec<PolicyInForce> {
+        self.policies_in_force
+            .lock()
+            .expect("poisoned")
+            .values()
+            .cloned()
+            .collect()
+    }
+}
+
+/// The largest policy component accepted.
+pub const MAX_POLICY_BYTES: usize = 16 << 20;
