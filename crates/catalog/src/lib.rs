@@ -610,16 +610,7 @@ impl Catalog {
     ) -> Result<InputWrite, WriteError> {
         self.write(|tx| {
             replica_exists(tx, replica_id)?;
-            tx.execute(
-                "INSERT INTO input_writes (replica_id, collection_id, write) VALUES (?1, ?2, ?3)",
-                params![replica_id as i64, collection_id as i64, write],
-            )?;
-            Ok(InputWrite {
-                seq: tx.last_insert_rowid() as u64,
-                replica_id,
-                collection_id,
-                write: write.to_vec(),
-            })
+            insert_input(tx, replica_id, collection_id, write)
         })
     }
 
@@ -639,16 +630,7 @@ impl Catalog {
                 "DELETE FROM input_writes WHERE replica_id = ?1 AND collection_id = ?2",
                 params![replica_id as i64, collection_id as i64],
             )?;
-            tx.execute(
-                "INSERT INTO input_writes (replica_id, collection_id, write) VALUES (?1, ?2, ?3)",
-                params![replica_id as i64, collection_id as i64, write],
-            )?;
-            Ok(InputWrite {
-                seq: tx.last_insert_rowid() as u64,
-                replica_id,
-                collection_id,
-                write: write.to_vec(),
-            })
+            insert_input(tx, replica_id, collection_id, write)
         })
     }
 
@@ -714,6 +696,25 @@ impl Catalog {
         tx.commit()?;
         Ok(out)
     }
+}
+
+/// Appends one input write row; returns it with its position.
+fn insert_input(
+    tx: &rusqlite::Transaction<'_>,
+    replica_id: u64,
+    collection_id: u64,
+    write: &[u8],
+) -> Result<InputWrite, WriteError> {
+    tx.execute(
+        "INSERT INTO input_writes (replica_id, collection_id, write) VALUES (?1, ?2, ?3)",
+        params![replica_id as i64, collection_id as i64, write],
+    )?;
+    Ok(InputWrite {
+        seq: tx.last_insert_rowid() as u64,
+        replica_id,
+        collection_id,
+        write: write.to_vec(),
+    })
 }
 
 /// Fails with `NoSuchReplica` unless the replica is in the catalog.

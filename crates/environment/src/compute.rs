@@ -516,19 +516,11 @@ impl Environment {
         for w in self.inputs.lock().expect("poisoned").writes_of(replica_id) {
             h.push(CommandKind::WriteInput(w));
         }
-        let view = self.view.lock().expect("poisoned");
-        for d in view
-            .dataflows
-            .values()
-            .filter(|d| d.replica_id == replica_id)
-        {
-            let desc = decode_dataflow(&d.description)?;
-            h.push(CommandKind::CreateDataflow(desc.clone()));
-            h.push(CommandKind::Schedule {
-                dataflow_id: desc.id,
-            });
+        for desc in self.dataflows_of(replica_id)? {
+            let dataflow_id = desc.id;
+            h.push(CommandKind::CreateDataflow(desc));
+            h.push(CommandKind::Schedule { dataflow_id });
         }
-        drop(view);
         let replica = self
             .view
             .lock()
@@ -591,17 +583,23 @@ impl Environment {
             .into_iter()
             .map(|(c, _)| c)
             .collect();
-        let view = self.view.lock().expect("poisoned");
-        for d in view
-            .dataflows
-            .values()
-            .filter(|d| d.replica_id == replica.id)
-        {
-            let desc = decode_dataflow(&d.description)?;
+        for desc in self.dataflows_of(replica.id)? {
             inputs.extend(desc.inputs.iter().copied());
             exports.extend(desc.exports.iter().map(|e| (e.collection_id, desc.id)));
         }
         Ok((exports, inputs))
+    }
+
+    /// The live dataflows of a replica, decoded, in creation order.
+    fn dataflows_of(&self, replica_id: u64) -> Result<Vec<DataflowDescription>, ComputeError> {
+        self.view
+            .lock()
+            .expect("poisoned")
+            .dataflows
+            .values()
+            .filter(|d| d.replica_id == replica_id)
+            .map(|d| decode_dataflow(&d.description))
+            .collect()
     }
 
     /// Starts a controller for every catalog replica whose service is listed,
@@ -883,13 +881,7 @@ impl Environment {
             .filter(|(c, s)| **s > 0 && input.is_none_or(|i| i == **c))
             .map(|(c, s)| (*c, *s))
             .collect();
-        let view = self.view.lock().expect("poisoned");
-        for d in view
-            .dataflows
-            .values()
-            .filter(|d| d.replica_id == replica.id)
-        {
-            let desc = decode_dataflow(&d.description)?;
+        for desc in self.dataflows_of(replica.id)? {
             if input.is_some_and(|i| !desc.inputs.contains(&i)) {
                 continue;
             }
@@ -968,13 +960,7 @@ impl Environment {
         replica: &Replica,
         collection_id: u64,
     ) -> Result<DataflowDescription, ComputeError> {
-        let view = self.view.lock().expect("poisoned");
-        for d in view
-            .dataflows
-            .values()
-            .filter(|d| d.replica_id == replica.id)
-        {
-            let desc = decode_dataflow(&d.description)?;
+        for desc in self.dataflows_of(replica.id)? {
             if desc
                 .exports
                 .iter()

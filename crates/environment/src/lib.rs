@@ -719,14 +719,33 @@ impl Environment {
         self: &Arc<Self>,
         every: std::time::Duration,
     ) -> tokio::task::JoinHandle<()> {
+        self.spawn_every(every, |env| async move {
+            env.ensure_unserved()
+                .await
+                .map(|_| ())
+                .map_err(|e| (e, "retrying replicas"))
+        })
+    }
+
+    /// Runs `task` every `every` until this environment halts; other errors
+    /// are logged with their label.
+    fn spawn_every<F, Fut>(
+        self: &Arc<Self>,
+        every: std::time::Duration,
+        task: F,
+    ) -> tokio::task::JoinHandle<()>
+    where
+        F: Fn(Arc<Self>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<(), (EnvError, &'static str)>> + Send,
+    {
         let me = self.clone();
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                match me.ensure_unserved().await {
-                    Ok(_) => {}
-                    Err(EnvError::Halted(_)) => return,
-                    Err(e) => tracing::warn!("retrying replicas failed: {e}"),
+                match task(me.clone()).await {
+                    Ok(()) => {}
+                    Err((EnvError::Halted(_), _)) => return,
+                    Err((e, what)) => tracing::warn!("{what} failed: {e}"),
                 }
             }
         })
@@ -897,19 +916,15 @@ impl Environment {
         self: &Arc<Self>,
         every: std::time::Duration,
     ) -> tokio::task::JoinHandle<()> {
-        let me = self.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(every).await;
-                match me.remove_orphans().await {
-                    Ok(report) if !report.deleted.is_empty() => {
-                        tracing::info!(deleted = ?report.deleted, "background orphan removal")
-                    }
-                    Ok(_) => {}
-                    Err(EnvError::Halted(_)) => return,
-                    Err(e) => tracing::warn!("background orphan removal failed: {e}"),
-                }
+        self.spawn_every(every, |env| async move {
+            let report = env
+                .remove_orphans()
+                .await
+                .map_err(|e| (e, "background orphan removal"))?;
+            if !report.deleted.is_empty() {
+                tracing::info!(deleted = ?report.deleted, "background orphan removal");
             }
+            Ok(())
         })
     }
 

@@ -119,7 +119,8 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
-fn rss_mib(pid: u32) -> f64 {
+/// The resident memory of process `pid` in MiB (0 if it is gone).
+pub fn rss_mib(pid: u32) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {

@@ -9,20 +9,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::*;
-use lockstep_catalog::{Catalog, ReplicaConfig};
+use lockstep_catalog::Catalog;
 use lockstep_environment::chaos::Sandbox;
 use lockstep_environment::compute::ComputeError;
 use lockstep_protocol::reference::evaluate;
 use lockstep_protocol::text::parse_plan;
 use lockstep_protocol::Export;
-
-fn two_processes() -> ReplicaConfig {
-    ReplicaConfig {
-        processes: 2,
-        workers_per_process: 1,
-        config: String::new(),
-    }
-}
 
 /// Thousands of small writes that mostly cancel out: the catalog keeps their
 /// consolidation (not one row per write), and an environment restarted on
@@ -32,20 +24,8 @@ fn two_processes() -> ReplicaConfig {
 async fn stored_writes_stay_consolidated_and_survive_a_restart() {
     let sandbox = Sandbox::new().unwrap();
     let env = start(sandbox.path()).await;
-    env.create_replica("r1", two_processes()).await.unwrap();
-    let plan = parse_plan("get(1)").unwrap();
-    env.create_dataflow(
-        "r1",
-        "identity",
-        0,
-        vec![1],
-        vec![Export {
-            collection_id: 101,
-            plan: plan.clone(),
-        }],
-    )
-    .await
-    .unwrap();
+    env.create_replica("r1", shape(2, 1)).await.unwrap();
+    let plan = create_identity(&env, 101).await.exports[0].plan.clone();
     const WRITES: u64 = 3_000;
     let mut all = Vec::new();
     for t in 0..WRITES {
@@ -106,20 +86,8 @@ async fn stored_writes_stay_consolidated_and_survive_a_restart() {
 async fn overflowing_multiplicities_are_refused_before_they_are_stored() {
     let sandbox = Sandbox::new().unwrap();
     let env = start(sandbox.path()).await;
-    env.create_replica("r1", two_processes()).await.unwrap();
-    let plan = parse_plan("get(1)").unwrap();
-    env.create_dataflow(
-        "r1",
-        "identity",
-        0,
-        vec![1],
-        vec![Export {
-            collection_id: 101,
-            plan,
-        }],
-    )
-    .await
-    .unwrap();
+    env.create_replica("r1", shape(2, 1)).await.unwrap();
+    create_identity(&env, 101).await;
     const BIG: i64 = i64::MAX - 10;
     env.write_input("r1", 1, vec![u(&[1], 0, BIG)], 1)
         .await
@@ -165,7 +133,7 @@ async fn overflowing_multiplicities_are_refused_before_they_are_stored() {
 async fn reads_of_a_collection_nobody_exports_are_not_found() {
     let sandbox = Sandbox::new().unwrap();
     let env = start(sandbox.path()).await;
-    env.create_replica("r1", two_processes()).await.unwrap();
+    env.create_replica("r1", shape(2, 1)).await.unwrap();
     let desc = env
         .create_dataflow(
             "r1",
@@ -207,20 +175,8 @@ async fn with_a_compaction_lag_storage_follows_the_live_rows() {
     let mut cfg = config(sandbox.path(), None);
     cfg.compaction_lag = Some(8);
     let env = start_config(cfg).await;
-    env.create_replica("r1", two_processes()).await.unwrap();
-    let plan = parse_plan("get(1)").unwrap();
-    env.create_dataflow(
-        "r1",
-        "identity",
-        0,
-        vec![1],
-        vec![Export {
-            collection_id: 101,
-            plan: plan.clone(),
-        }],
-    )
-    .await
-    .unwrap();
+    env.create_replica("r1", shape(2, 1)).await.unwrap();
+    let plan = create_identity(&env, 101).await.exports[0].plan.clone();
     // Batch t inserts 10 rows and retracts those of batch t - 4.
     const BATCHES: u64 = 2_000;
     let mut all = Vec::new();

@@ -13,7 +13,6 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use lockstep_catalog::ReplicaConfig;
 use lockstep_environment::chaos::Sandbox;
 use lockstep_environment::compute::ComputeError;
 use lockstep_protocol::reference::evaluate;
@@ -32,17 +31,7 @@ use common::*;
 async fn a_stopped_replica_process_is_restarted_and_the_replica_answers_again() {
     let sandbox = Sandbox::new().unwrap();
     let env = start(sandbox.path()).await;
-    let created = env
-        .create_replica(
-            "r1",
-            ReplicaConfig {
-                processes: 2,
-                workers_per_process: 2,
-                config: String::new(),
-            },
-        )
-        .await
-        .unwrap();
+    let created = env.create_replica("r1", shape(2, 2)).await.unwrap();
     let id = created.replica.id;
 
     // The replica has its command log: the processes were given the path
@@ -163,17 +152,7 @@ async fn the_log_policy_sends_commands_through_the_command_log() {
     );
     let sandbox = Sandbox::new().unwrap();
     let env = start_with(sandbox.path(), Some(policy.clone())).await;
-    let created = env
-        .create_replica(
-            "r1",
-            ReplicaConfig {
-                processes: 2,
-                workers_per_process: 2,
-                config: String::new(),
-            },
-        )
-        .await
-        .unwrap();
+    let created = env.create_replica("r1", shape(2, 2)).await.unwrap();
     let log_path = env.command_log(created.replica.id).unwrap();
     let plan = create_reduce(&env).await;
     let updates = vec![u(&[1, 10], 0, 1), u(&[1, 5], 0, 1), u(&[2, 7], 1, 1)];
@@ -229,17 +208,7 @@ async fn the_log_policy_sends_commands_through_the_command_log() {
 async fn a_dropped_replica_leaves_no_files() {
     let sandbox = Sandbox::new().unwrap();
     let env = start(sandbox.path()).await;
-    let created = env
-        .create_replica(
-            "r1",
-            ReplicaConfig {
-                processes: 2,
-                workers_per_process: 1,
-                config: String::new(),
-            },
-        )
-        .await
-        .unwrap();
+    let created = env.create_replica("r1", shape(2, 1)).await.unwrap();
     let log = env.command_log(created.replica.id).unwrap();
     let process_logs: Vec<_> = (0..2)
         .map(|i| {
@@ -279,16 +248,7 @@ async fn a_replica_whose_ensure_failed_is_ensured_in_the_background() {
     cfg.service.program = program.clone();
     let env = std::sync::Arc::new(start_config(cfg).await);
     std::fs::remove_file(&program).unwrap();
-    let created = env
-        .create_replica(
-            "r1",
-            ReplicaConfig {
-                processes: 2,
-                workers_per_process: 1,
-                config: String::new(),
-            },
-        )
-        .await;
+    let created = env.create_replica("r1", shape(2, 1)).await;
     assert!(
         matches!(
             created,
@@ -375,17 +335,7 @@ async fn a_policy_set_at_run_time_takes_over_at_the_next_session_without_rebuild
     }
     let sandbox = Sandbox::new().unwrap();
     let env = start(sandbox.path()).await;
-    let created = env
-        .create_replica(
-            "r1",
-            ReplicaConfig {
-                processes: 2,
-                workers_per_process: 1,
-                config: String::new(),
-            },
-        )
-        .await
-        .unwrap();
+    let created = env.create_replica("r1", shape(2, 1)).await.unwrap();
     let log_path = env.command_log(created.replica.id).unwrap();
     let plan = create_reduce(&env).await;
     let updates = vec![u(&[1, 10], 0, 1), u(&[2, 7], 0, 1)];

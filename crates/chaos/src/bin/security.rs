@@ -24,6 +24,7 @@ use lockstep_controller::{launch, Controller, ReplicaAddrs, Timeouts};
 use lockstep_environment::chaos::EnvProcess;
 use lockstep_environment::proto;
 use lockstep_environment::proto::environment_client::EnvironmentClient;
+use lockstep_environment::soak::rss_mib;
 use lockstep_orchestrator::process::{
     kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
 };
@@ -213,17 +214,6 @@ fn is_error(r: &Option<lockstep_protocol::Response>) -> bool {
             ..
         })
     )
-}
-
-fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 async fn pid_of(r: &Replica, process: usize) -> Result<u32, String> {

@@ -146,3 +146,32 @@ pub async fn peek_until(
     }
     Err(last)
 }
+
+/// A replica shape with no configuration.
+pub fn shape(processes: u32, workers_per_process: u32) -> lockstep_catalog::ReplicaConfig {
+    lockstep_catalog::ReplicaConfig {
+        processes,
+        workers_per_process,
+        config: String::new(),
+    }
+}
+
+/// Creates a dataflow on replica `r1` exporting input 1 as it is, as
+/// `collection_id`; returns its description.
+pub async fn create_identity(
+    env: &Environment,
+    collection_id: u64,
+) -> lockstep_protocol::DataflowDescription {
+    env.create_dataflow(
+        "r1",
+        "identity",
+        0,
+        vec![1],
+        vec![Export {
+            collection_id,
+            plan: parse_plan("get(1)").unwrap(),
+        }],
+    )
+    .await
+    .unwrap()
+}
