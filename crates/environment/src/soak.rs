@@ -146,6 +146,21 @@ fn dir_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
+/// A dataflow on the soak replica reading its input, exporting `plan` as
+/// `collection`.
+fn create_request(prefix: &str, collection: u64, plan: &Plan) -> proto::CreateDataflowRequest {
+    proto::CreateDataflowRequest {
+        replica: REPLICA.into(),
+        name: format!("{prefix}-{collection}"),
+        inputs: vec![INPUT],
+        exports: vec![wire::Export {
+            collection_id: collection,
+            plan: Some(plan.clone().into()),
+        }],
+        as_of: 0,
+    }
+}
+
 /// What the soak drives and checks.
 struct Driver {
     bin: PathBuf,
@@ -257,16 +272,7 @@ impl Driver {
             let collection = 10_000 + self.next_dataflow;
             self.next_dataflow += 1;
             let created = c
-                .create_dataflow(proto::CreateDataflowRequest {
-                    replica: REPLICA.into(),
-                    name: format!("churn-{collection}"),
-                    inputs: vec![INPUT],
-                    exports: vec![wire::Export {
-                        collection_id: collection,
-                        plan: Some(plan.clone().into()),
-                    }],
-                    as_of: 0,
-                })
+                .create_dataflow(create_request("churn", collection, &plan))
                 .await
                 .context("creating a dataflow")?
                 .into_inner()
@@ -339,18 +345,9 @@ impl Driver {
         .await
         .context("creating the soak replica")?;
         for (collection, plan) in [(ALL, &self.all_plan), (COUNTS, &self.counts_plan)] {
-            c.create_dataflow(proto::CreateDataflowRequest {
-                replica: REPLICA.into(),
-                name: format!("soak-{collection}"),
-                inputs: vec![INPUT],
-                exports: vec![wire::Export {
-                    collection_id: collection,
-                    plan: Some(plan.clone().into()),
-                }],
-                as_of: 0,
-            })
-            .await
-            .context("creating a soak dataflow")?;
+            c.create_dataflow(create_request("soak", collection, plan))
+                .await
+                .context("creating a soak dataflow")?;
         }
         Ok(())
     }
