@@ -195,6 +195,19 @@ def main():
         r.code("WriteInput, time not below the new upper: OUT_OF_RANGE", lambda: write(1, [up([1], 20, 1)], 20), C.OUT_OF_RANGE)
         big = 2**63 - 1
         r.code("WriteInput, multiplicities overflow: INVALID_ARGUMENT", lambda: write(1, [up([5], 12, big), up([6], 12, big)], 13), C.INVALID_ARGUMENT)
+        # ListReplicas, ListDataflows: pages
+        create("page", [1], [export(301, get(1))])
+        first = api.ListDataflows(ep.ListDataflowsRequest(page_size=1))
+        second = api.ListDataflows(ep.ListDataflowsRequest(page_size=1, page_token=first.next_page_token))
+        r.check(
+            "ListDataflows pages in ID order",
+            len(first.dataflows) == 1 and len(second.dataflows) == 1
+            and first.dataflows[0].dataflow.id < second.dataflows[0].dataflow.id
+            and second.next_page_token == "",
+            f"{first} / {second}",
+        )
+        r.code("ListDataflows, a token no page returned: INVALID_ARGUMENT", lambda: api.ListDataflows(ep.ListDataflowsRequest(page_token="x")), C.INVALID_ARGUMENT)
+        r.code("ListReplicas, a token no page returned: INVALID_ARGUMENT", lambda: api.ListReplicas(ep.ListReplicasRequest(page_token="x")), C.INVALID_ARGUMENT)
         # SetPolicy, ListPolicies
         r.code("SetPolicy, empty name: INVALID_ARGUMENT", lambda: api.SetPolicy(ep.SetPolicyRequest(name="", wasm=b"\0asm")), C.INVALID_ARGUMENT)
         r.code("SetPolicy, not a policy: INVALID_ARGUMENT", lambda: api.SetPolicy(ep.SetPolicyRequest(name="junk", wasm=b"not wasm")), C.INVALID_ARGUMENT)

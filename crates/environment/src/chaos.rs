@@ -610,7 +610,7 @@ async fn list(env: &EnvProcess) -> anyhow::Result<Vec<proto::Replica>> {
     Ok(env
         .client()
         .await?
-        .list_replicas(proto::ListReplicasRequest {})
+        .list_replicas(proto::ListReplicasRequest::default())
         .await?
         .into_inner()
         .replicas)

@@ -126,13 +126,25 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
             println!("dropped dataflow {id}");
         }
         DataflowCommand::List => {
-            let r = client
-                .list_dataflows(proto::ListDataflowsRequest {})
-                .await
-                .map_err(status_err)?
-                .into_inner();
+            let mut entries = Vec::new();
+            let mut page_token = String::new();
+            loop {
+                let page = client
+                    .list_dataflows(proto::ListDataflowsRequest {
+                        page_size: 1000,
+                        page_token,
+                    })
+                    .await
+                    .map_err(status_err)?
+                    .into_inner();
+                entries.extend(page.dataflows);
+                if page.next_page_token.is_empty() {
+                    break;
+                }
+                page_token = page.next_page_token;
+            }
             println!("{:<6} {:<12} {:<16} EXPORTS", "ID", "REPLICA", "NAME");
-            for e in r.dataflows {
+            for e in entries {
                 let Some(d) = e.dataflow else { continue };
                 let d = lockstep_protocol::DataflowDescription::try_from(d)?;
                 let exports: Vec<String> = d

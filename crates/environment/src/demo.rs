@@ -367,7 +367,7 @@ async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> 
 
 async fn replica_pids(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<Vec<u32>> {
     let r = c
-        .list_replicas(proto::ListReplicasRequest {})
+        .list_replicas(proto::ListReplicasRequest::default())
         .await?
         .into_inner();
     let demo = r

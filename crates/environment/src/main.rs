@@ -489,6 +489,27 @@ fn finish(result: anyhow::Result<()>) -> ExitCode {
     }
 }
 
+/// Every replica, page by page.
+async fn all_replicas(client: &mut Client) -> anyhow::Result<Vec<proto::Replica>> {
+    let mut all = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let page = client
+            .list_replicas(proto::ListReplicasRequest {
+                page_size: 1000,
+                page_token,
+            })
+            .await
+            .map_err(status_err)?
+            .into_inner();
+        all.extend(page.replicas);
+        if page.next_page_token.is_empty() {
+            return Ok(all);
+        }
+        page_token = page.next_page_token;
+    }
+}
+
 /// `lockstep status`.
 async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
     use tonic_health::pb::health_check_response::ServingStatus;
@@ -500,12 +521,7 @@ async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
         .await
         .map_err(status_err)?
         .into_inner();
-    let replicas = client
-        .list_replicas(proto::ListReplicasRequest {})
-        .await
-        .map_err(status_err)?
-        .into_inner()
-        .replicas;
+    let replicas = all_replicas(&mut client).await?;
     let mut health = HealthClient::new(connect_channel(&server).await?);
     println!(
         "environment {}: epoch {}, orphan rule {}, {} replica(s)",
@@ -774,16 +790,12 @@ async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow::Result<()
             println!("dropped replica {name} (id {})", r.id);
         }
         ReplicaCommand::List => {
-            let r = client
-                .list_replicas(proto::ListReplicasRequest {})
-                .await
-                .map_err(status_err)?
-                .into_inner();
+            let replicas = all_replicas(&mut client).await?;
             println!(
                 "{:<6} {:<20} {:>9} {:>7} {:<14} EPOCH",
                 "ID", "NAME", "PROCESSES", "WORKERS", "SERVICE"
             );
-            for r in &r.replicas {
+            for r in &replicas {
                 let service = if r.service.is_empty() {
                     "-"
                 } else {

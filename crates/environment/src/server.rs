@@ -106,6 +106,41 @@ pub fn status(e: EnvError) -> Status {
     }
 }
 
+/// One page of `items` (in ID order): at most `page_size` (0: 100, at most
+/// 1,000) after the ID `token` names ("": from the start), and the token of
+/// the next page ("" after the last).
+pub fn paginate<T>(
+    mut items: Vec<T>,
+    page_size: u32,
+    token: &str,
+    id: impl Fn(&T) -> u64,
+) -> Result<(Vec<T>, String), Status> {
+    let size = match page_size {
+        0 => 100,
+        n => n.min(1000) as usize,
+    };
+    let after = if token.is_empty() {
+        None
+    } else {
+        Some(token.parse::<u64>().map_err(|_| {
+            Status::invalid_argument(format!("page_token {token:?} is not one this API returned"))
+        })?)
+    };
+    items.sort_by_key(&id);
+    let mut page: Vec<T> = items
+        .into_iter()
+        .filter(|t| after.is_none_or(|a| id(t) > a))
+        .take(size + 1)
+        .collect();
+    let next = if page.len() > size {
+        page.truncate(size);
+        page.last().map(|t| id(t).to_string()).unwrap_or_default()
+    } else {
+        String::new()
+    };
+    Ok((page, next))
+}
+
 /// The wire form of a policy in force.
 pub fn policy_to_proto(p: &crate::policies::PolicyInForce) -> proto::Policy {
     proto::Policy {
@@ -195,13 +230,17 @@ impl EnvironmentApi for EnvironmentService {
 
     async fn list_replicas(
         &self,
-        _request: Request<proto::ListReplicasRequest>,
+        request: Request<proto::ListReplicasRequest>,
     ) -> Result<Response<proto::ListReplicasResponse>, Status> {
         let started = std::time::Instant::now();
         let result = async {
+            let r = request.into_inner();
             let list = self.env.list_replicas().await.map_err(status)?;
+            let (page, next_page_token) =
+                paginate(list, r.page_size, &r.page_token, |i| i.replica.id)?;
             Ok(Response::new(proto::ListReplicasResponse {
-                replicas: list.iter().map(to_proto).collect(),
+                replicas: page.iter().map(to_proto).collect(),
+                next_page_token,
             }))
         }
         .await;
@@ -278,13 +317,17 @@ impl EnvironmentApi for EnvironmentService {
 
     async fn list_dataflows(
         &self,
-        _request: Request<proto::ListDataflowsRequest>,
+        request: Request<proto::ListDataflowsRequest>,
     ) -> Result<Response<proto::ListDataflowsResponse>, Status> {
         let started = std::time::Instant::now();
         let result = async {
+            let r = request.into_inner();
             let list = self.env.list_dataflows().map_err(compute_status)?;
+            let (page, next_page_token) =
+                paginate(list, r.page_size, &r.page_token, |(_, d)| d.id)?;
             Ok(Response::new(proto::ListDataflowsResponse {
-                dataflows: list
+                next_page_token,
+                dataflows: page
                     .into_iter()
                     .map(|(replica, d)| proto::list_dataflows_response::Entry {
                         replica,
@@ -440,5 +483,31 @@ pub fn compute_status(e: crate::compute::ComputeError) -> Status {
         }
         E::Controller(_) => Status::unavailable(e.to_string()),
         E::Corrupt(_) => Status::data_loss(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_cover_every_item_once_in_id_order() {
+        let items: Vec<u64> = vec![9, 3, 7, 1, 5];
+        let mut seen = Vec::new();
+        let mut token = String::new();
+        loop {
+            let (page, next) = paginate(items.clone(), 2, &token, |i| *i).unwrap();
+            assert!(page.len() <= 2);
+            seen.extend(page);
+            if next.is_empty() {
+                break;
+            }
+            token = next;
+        }
+        assert_eq!(seen, vec![1, 3, 5, 7, 9]);
+        let (all, next) = paginate(items.clone(), 0, "", |i| *i).unwrap();
+        assert_eq!((all.len(), next.as_str()), (5, ""));
+        let bad = paginate(items, 2, "not-a-token", |i| *i).unwrap_err();
+        assert_eq!(bad.code(), tonic::Code::InvalidArgument);
     }
 }

@@ -322,7 +322,7 @@ impl Driver {
     /// The PIDs of the replica's processes.
     async fn replica_pids(&self, c: &mut EnvironmentClient<Channel>) -> anyhow::Result<Vec<u32>> {
         let r = c
-            .list_replicas(proto::ListReplicasRequest {})
+            .list_replicas(proto::ListReplicasRequest::default())
             .await?
             .into_inner();
         Ok(r.replicas

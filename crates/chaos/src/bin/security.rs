@@ -571,7 +571,9 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
             let (mut env, _state) = start_env(v).await?;
             let token = (name == "api-wrong-token").then_some("a-wrong-but-long-token");
             let mut client = api(&env.url, token).await?;
-            let r = client.list_replicas(proto::ListReplicasRequest {}).await;
+            let r = client
+                .list_replicas(proto::ListReplicasRequest::default())
+                .await;
             let _ = env.kill().await;
             if code_is(r, tonic::Code::Unauthenticated) {
                 Ok(())
