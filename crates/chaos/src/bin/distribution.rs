@@ -145,17 +145,18 @@ impl std::str::FromStr for Variant {
     }
 }
 
-/// Naive delivery whose history check restarts the replica on a mismatch.
-/// (Reconciling collectively cannot repair naive delivery: a dataflow built
-/// on some workers only has already shifted their timely dataflow indices.)
-struct CheckThenRestart;
+/// A strategy (naive, in the `naive+history-check` variant) whose history
+/// check restarts the replica on a mismatch. (Reconciling collectively
+/// cannot repair naive delivery: a dataflow built on some workers only has
+/// already shifted their timely dataflow indices.)
+struct CheckThenRestart(Strategy);
 
 impl DistributionPolicy for CheckThenRestart {
     fn name(&self) -> &str {
         "naive+history-check"
     }
     fn choose(&mut self, _info: &CommandInfo) -> Result<Strategy, PolicyError> {
-        Ok(Strategy::Naive)
+        Ok(self.0)
     }
     fn on_mismatch(&mut self, _info: &MismatchInfo) -> Result<MismatchAction, PolicyError> {
         Ok(MismatchAction::RestartReplica)
@@ -164,7 +165,7 @@ impl DistributionPolicy for CheckThenRestart {
 
 fn controller(r: &Replica, epoch: u64, v: Variant, history: CommandHistory) -> Controller {
     let policy: Box<dyn DistributionPolicy + Send> = if v.check_reconciles {
-        Box::new(CheckThenRestart)
+        Box::new(CheckThenRestart(v.strategy))
     } else {
         Box::new(FixedStrategy(v.strategy))
     };
@@ -402,6 +403,25 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
             crashed(&a).await;
             let t = vec![d1(), d2(), x()];
             check(&controller(&r, 2, s, history(&t)), &t).await
+        }
+        "strategy-switched-after-partial-create" => {
+            // The next controller runs another strategy (log, or barrier
+            // after log), as after a policy swapped at run time.
+            crash_on("create-dataflow");
+            // The controller crashes inside this call: what it returns does not matter.
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            let t = vec![d1(), d2(), x()];
+            let switched = Variant {
+                strategy: if s.strategy == Strategy::Log {
+                    Strategy::Barrier
+                } else {
+                    Strategy::Log
+                },
+                // The history check's answer stays what the variant's is.
+                check_reconciles: s.check_reconciles,
+            };
+            check(&controller(&r, 2, switched, history(&t)), &t).await
         }
         "partial-create-then-create" => {
             crash_on("create-dataflow");
@@ -658,9 +678,10 @@ const DEFAULT_VARIANTS: [&str; 5] = [
     "naive+history-check",
 ];
 
-const SCENARIOS: [&str; 26] = [
+const SCENARIOS: [&str; 27] = [
     "partial-create-unwanted",
     "partial-create-wanted",
+    "strategy-switched-after-partial-create",
     "partial-create-then-create",
     "partial-drop-wanted-again",
     "partial-drop-unwanted",

@@ -199,6 +199,8 @@ pub struct WorkerState {
     tx: UnboundedSender<FromWorker>,
     pub(crate) mesh: Option<Mesh>,
     pub(crate) session: Session,
+    /// The session of the last command-log marker taken from the queue.
+    log_marker: Session,
     /// What the mesh said about barrier rounds (shared with the model).
     pub(crate) rounds: RoundBook,
     pub(crate) queue: VecDeque<Command>,
@@ -234,6 +236,7 @@ impl WorkerState {
             tx,
             mesh: None,
             session: 0,
+            log_marker: 0,
             rounds: RoundBook::new(peers),
             queue: VecDeque::new(),
             pending: None,
@@ -346,6 +349,23 @@ impl WorkerState {
                 return progressed;
             };
             progressed = true;
+            // Command-log entries belong to the session of the marker before
+            // them; those of a session older than the one this worker joined
+            // since (a log session cut off, then a barrier one) are stale.
+            if cmd.strategy == lockstep_protocol::Strategy::Log {
+                match &cmd.kind {
+                    CommandKind::Hello(h) => self.log_marker = session_of(h.epoch, h.nonce),
+                    _ if self.log_marker < self.session => {
+                        tracing::debug!(
+                            worker = self.index,
+                            seqno = cmd.seqno,
+                            "skipping a command-log entry of an older session"
+                        );
+                        continue;
+                    }
+                    _ => {}
+                }
+            }
             self.handle(worker, cmd);
         }
     }
