@@ -990,6 +990,8 @@ mod tests {
     struct Fake {
         restarts: AtomicUsize,
         stale: bool,
+        /// When each restart happened.
+        at: std::sync::Mutex<Vec<Instant>>,
     }
 
     #[async_trait::async_trait]
@@ -1011,6 +1013,7 @@ mod tests {
                     ours: 1,
                 });
             }
+            self.at.lock().unwrap().push(Instant::now());
             self.restarts.fetch_add(1, Ordering::SeqCst);
             Ok(ServiceStatus {
                 name: name.to_string(),
@@ -1037,6 +1040,20 @@ mod tests {
         watch::Receiver<Option<String>>,
         JoinHandle<()>,
     ) {
+        let (tx, halted, task, _) = watcher_with_metrics(fake);
+        (tx, halted, task)
+    }
+
+    /// [`watcher`], and the metrics its watcher counts into.
+    fn watcher_with_metrics(
+        fake: Arc<Fake>,
+    ) -> (
+        broadcast::Sender<Event>,
+        watch::Receiver<Option<String>>,
+        JoinHandle<()>,
+        Arc<crate::metrics::Metrics>,
+    ) {
+        let metrics: Arc<crate::metrics::Metrics> = Default::default();
         let controller = Controller::start(
             ReplicaAddrs {
                 replica_id: 1,
@@ -1053,7 +1070,7 @@ mod tests {
         );
         let (halt, halted) = watch::channel(None);
         let w = Watcher {
-            metrics: Default::default(),
+            metrics: metrics.clone(),
             replica: "r1".into(),
             service: "replica-1".into(),
             controller,
@@ -1066,7 +1083,25 @@ mod tests {
             ping_bound: Duration::from_millis(100),
         };
         let (tx, rx) = broadcast::channel(16);
-        (tx, halted, tokio::spawn(w.run(rx)))
+        (tx, halted, tokio::spawn(w.run(rx)), metrics)
+    }
+
+    /// Sends a Disconnected event and waits until the watcher counted it:
+    /// every event sent before it has been handled too (one task, in order).
+    async fn probe(tx: &broadcast::Sender<Event>, metrics: &crate::metrics::Metrics) {
+        let label = crate::metrics::ReplicaLabel {
+            replica: "r1".into(),
+        };
+        let before = metrics.disconnects.get_or_create(&label).get();
+        tx.send(Event::Disconnected {
+            process: 0,
+            reason: "probe".into(),
+        })
+        .unwrap();
+        eventually("the watcher to handle the events before the probe", || {
+            metrics.disconnects.get_or_create(&label).get() > before
+        })
+        .await;
     }
 
     const INTERVAL: Duration = Duration::from_secs(1);
@@ -1095,10 +1130,6 @@ mod tests {
                 seqno: 3,
             },
         }
-    }
-
-    async fn settle() {
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
     #[test]
@@ -1139,30 +1170,34 @@ mod tests {
         let fake = Arc::new(Fake {
             restarts: AtomicUsize::new(0),
             stale: false,
+            at: Default::default(),
         });
-        let (tx, _halted, task) = watcher(fake.clone());
+        let (tx, _halted, task, metrics) = watcher_with_metrics(fake.clone());
         let count = || fake.restarts.load(Ordering::SeqCst);
 
         tx.send(Event::Connected { nonce: 1 }).unwrap();
         tx.send(error(ErrorKind::InvalidCommand)).unwrap();
-        settle().await;
+        probe(&tx, &metrics).await;
         assert_eq!(count(), 0, "nothing to restart for");
 
         tx.send(silent()).unwrap();
         eventually("the first restart", || count() == 1).await;
-        let first = Instant::now();
 
         // A burst (every worker reports the halt) within the interval: no
         // restart now, one check when the interval ends.
         for _ in 0..4 {
             tx.send(error(ErrorKind::LockstepLost)).unwrap();
         }
-        settle().await;
-        assert_eq!(count(), 1, "not again within the interval");
+        probe(&tx, &metrics).await;
         // The replica does not answer the ping (it does not exist): restarted.
         eventually("the deferred restart", || count() == 2).await;
-        assert!(first.elapsed() >= INTERVAL, "not before the interval ended");
-        tokio::time::sleep(INTERVAL + Duration::from_millis(200)).await;
+        let at = fake.at.lock().unwrap().clone();
+        assert!(
+            at[1] - at[0] >= INTERVAL,
+            "restarted again {:?} after the first, within the interval",
+            at[1] - at[0]
+        );
+        probe(&tx, &metrics).await;
         assert_eq!(count(), 2, "the burst gave one restart, not four");
         assert!(!task.is_finished());
         task.abort();
@@ -1173,6 +1208,7 @@ mod tests {
         let fake = Arc::new(Fake {
             restarts: AtomicUsize::new(0),
             stale: true,
+            at: Default::default(),
         });
         let (tx, mut halted, task) = watcher(fake);
         tx.send(silent()).unwrap();
@@ -1196,6 +1232,7 @@ mod tests {
         let fake = Arc::new(Fake {
             restarts: AtomicUsize::new(0),
             stale: false,
+            at: Default::default(),
         });
         let (tx, mut halted, task) = watcher(fake.clone());
         tx.send(Event::LogFailed {
