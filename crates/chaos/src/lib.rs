@@ -18,3 +18,20 @@
 
 pub mod orphans;
 pub mod outcome;
+
+/// The PID of process `process` of the first service `orchestrator` lists
+/// (the suites run one replica per orchestrator).
+pub async fn pid_of(
+    orchestrator: &dyn lockstep_orchestrator::Orchestrator,
+    process: usize,
+) -> Result<u32, String> {
+    let services = orchestrator
+        .list_services()
+        .await
+        .map_err(|e| e.to_string())?;
+    services
+        .first()
+        .and_then(|s| s.processes.get(process))
+        .and_then(|p| p.pid)
+        .ok_or_else(|| format!("process {process} has no PID"))
+}

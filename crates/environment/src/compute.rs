@@ -518,7 +518,7 @@ impl Environment {
         }
         for desc in self.dataflows_of(replica_id)? {
             let dataflow_id = desc.id;
-            h.push(CommandKind::CreateDataflow(desc));
+            h.push(CommandKind::CreateDataflow((*desc).clone()));
             h.push(CommandKind::Schedule { dataflow_id });
         }
         let replica = self
@@ -590,15 +590,25 @@ impl Environment {
         Ok((exports, inputs))
     }
 
-    /// The live dataflows of a replica, decoded, in creation order.
-    fn dataflows_of(&self, replica_id: u64) -> Result<Vec<DataflowDescription>, ComputeError> {
-        self.view
-            .lock()
-            .expect("poisoned")
-            .dataflows
+    /// The live dataflows of a replica, decoded, in creation order. Each
+    /// description is decoded once (IDs are never reused and descriptions
+    /// never change), not on every write, peek or create that checks the
+    /// replica's namespace.
+    fn dataflows_of(&self, replica_id: u64) -> Result<Vec<Arc<DataflowDescription>>, ComputeError> {
+        let view = self.view.lock().expect("poisoned");
+        let mut decoded = self.decoded.lock().expect("poisoned");
+        decoded.retain(|id, _| view.dataflows.contains_key(id));
+        view.dataflows
             .values()
             .filter(|d| d.replica_id == replica_id)
-            .map(|d| decode_dataflow(&d.description))
+            .map(|d| match decoded.get(&d.id) {
+                Some(desc) => Ok(Arc::clone(desc)),
+                None => {
+                    let desc = Arc::new(decode_dataflow(&d.description)?);
+                    decoded.insert(d.id, Arc::clone(&desc));
+                    Ok(desc)
+                }
+            })
             .collect()
     }
 
@@ -966,7 +976,7 @@ impl Environment {
                 .iter()
                 .any(|e| e.collection_id == collection_id)
             {
-                return Ok(desc);
+                return Ok((*desc).clone());
             }
         }
         Err(ComputeError::NoSuchCollection {

@@ -307,6 +307,9 @@ pub struct Environment {
     view: Mutex<CatalogState>,
     /// What the catalog stores of every input collection, consolidated.
     inputs: Mutex<inputs::Inputs>,
+    /// The view's dataflow descriptions, decoded (kept in step with the
+    /// view by `dataflows_of`).
+    decoded: Mutex<BTreeMap<u64, Arc<lockstep_protocol::DataflowDescription>>>,
     orchestrator: Arc<dyn Orchestrator>,
     policy: Mutex<Box<dyn OrphanPolicy + Send>>,
     template: ServiceTemplate,
@@ -478,6 +481,7 @@ impl Environment {
             catalog: Mutex::new(catalog),
             view: Mutex::new(view),
             inputs: Mutex::new(inputs),
+            decoded: Mutex::new(BTreeMap::new()),
             orchestrator,
             policy: Mutex::new(orphan_policy),
             template,

@@ -257,18 +257,7 @@ async fn a_replica_whose_ensure_failed_is_ensured_in_the_background() {
         "{created:?}"
     );
     // Nothing serves it: a dataflow is refused before it is written.
-    let refused = env
-        .create_dataflow(
-            "r1",
-            "identity",
-            0,
-            vec![1],
-            vec![lockstep_protocol::Export {
-                collection_id: 101,
-                plan: lockstep_protocol::text::parse_plan("get(1)").unwrap(),
-            }],
-        )
-        .await;
+    let refused = try_create_identity(&env, 101).await;
     assert!(
         matches!(
             refused,
@@ -285,19 +274,7 @@ async fn a_replica_whose_ensure_failed_is_ensured_in_the_background() {
     let retry = env.spawn_replica_retry(Duration::from_millis(100));
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        match env
-            .create_dataflow(
-                "r1",
-                "identity",
-                0,
-                vec![1],
-                vec![lockstep_protocol::Export {
-                    collection_id: 101,
-                    plan: lockstep_protocol::text::parse_plan("get(1)").unwrap(),
-                }],
-            )
-            .await
-        {
+        match try_create_identity(&env, 101).await {
             Ok(_) => break,
             Err(e) => assert!(
                 Instant::now() < deadline,

@@ -636,17 +636,9 @@ async fn stop_until_silent(r: &Replica, a: &Controller, process: usize) -> Resul
 }
 
 async fn pid_of(r: &Replica, process: usize) -> Result<i32, String> {
-    let services = r
-        .orchestrator
-        .list_services()
+    lockstep_chaos::pid_of(r.orchestrator.as_ref(), process)
         .await
-        .map_err(|e| e.to_string())?;
-    services
-        .first()
-        .and_then(|s| s.processes.get(process))
-        .and_then(|p| p.pid)
         .map(|p| p as i32)
-        .ok_or_else(|| format!("process {process} has no PID"))
 }
 
 fn signal(pid: i32, sig: i32) -> Result<(), String> {

@@ -216,19 +216,6 @@ fn is_error(r: &Option<lockstep_protocol::Response>) -> bool {
     )
 }
 
-async fn pid_of(r: &Replica, process: usize) -> Result<u32, String> {
-    let services = r
-        .orchestrator
-        .list_services()
-        .await
-        .map_err(|e| e.to_string())?;
-    services
-        .first()
-        .and_then(|s| s.processes.get(process))
-        .and_then(|p| p.pid)
-        .ok_or_else(|| "no PID for the process".to_string())
-}
-
 fn free_port() -> Result<u16, String> {
     Ok(TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -519,7 +506,7 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
                     .flatten()
                     .and_then(Result::ok)
             };
-            let rss = rss_mib(pid_of(&r, 0).await?);
+            let rss = rss_mib(lockstep_chaos::pid_of(&r.orchestrator, 0).await?);
             if rss > 200.0 {
                 return Err(violation(
                     "S1",
@@ -550,7 +537,7 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
                     flood.push(s);
                 }
             }
-            let rss = rss_mib(pid_of(&r, 0).await?);
+            let rss = rss_mib(lockstep_chaos::pid_of(&r.orchestrator, 0).await?);
             let result = drives(&c, 1).await;
             drop(flood);
             c.shutdown();

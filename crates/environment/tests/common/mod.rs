@@ -162,6 +162,14 @@ pub async fn create_identity(
     env: &Environment,
     collection_id: u64,
 ) -> lockstep_protocol::DataflowDescription {
+    try_create_identity(env, collection_id).await.unwrap()
+}
+
+/// [`create_identity`], returning what the environment answers.
+pub async fn try_create_identity(
+    env: &Environment,
+    collection_id: u64,
+) -> Result<lockstep_protocol::DataflowDescription, lockstep_environment::compute::ComputeError> {
     env.create_dataflow(
         "r1",
         "identity",
@@ -173,5 +181,4 @@ pub async fn create_identity(
         }],
     )
     .await
-    .unwrap()
 }
