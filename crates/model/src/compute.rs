@@ -18,23 +18,22 @@
 //!   dataflows it runs (with the timely index each was built at, so an "A" built
 //!   at another index on another worker is told apart), and the session it is in.
 //! - **Channels**: one ordered queue per controller→process connection.
-//! - **Strategies**:
-//!   - `naive`: apply commands as they arrive; on a new session reconcile alone
-//!     with [`lockstep_reconcile::local`].
+//! - **Workers run the replica's session machine.** Every worker owns a
+//!   [`WorkerSession`], the type the replica's workers run: the model hands
+//!   it the commands in the worker's order and performs the actions it hands
+//!   out (build, drop, announce on the mesh, halt) as the replica's worker
+//!   does. What differs per strategy is only where the commands come from:
+//!   - `naive`, `barrier`: the worker's own channel;
 //!   - `broadcast`: process 0 sequences what it receives into a stream every
 //!     worker applies in order (the other processes' copies are
-//!     acknowledgements only and are not modelled); reconciliation is
-//!     [`lockstep_reconcile::local`] applied at the same point of the stream
-//!     on every worker.
-//!   - `barrier`: drops apply on arrival; a create, and the reconciliation that
-//!     ends a Hello, are announced over the mesh and applied only when the
-//!     worker's [`RoundBook`] (the type the replica's workers run) decides
-//!     `Pass`; reconciliation applies the book's plan (the collective plan over
-//!     every worker's report of the round). A `Diverged` worker halts and the
-//!     controller restarts the replica.
+//!     acknowledgements only and are not modelled);
 //!   - `log`: the controller appends commands, epoch markers and targets to a
-//!     durable log (it survives crashes); every worker tails it and reconciles
-//!     with [`lockstep_reconcile::local`] at the target entry.
+//!     durable log (it survives crashes) that every worker tails.
+//!
+//!   The machine reconciles `naive` per worker ([`lockstep_reconcile::local`])
+//!   and every other strategy collectively, in a mesh round; `barrier`
+//!   creates wait at rounds. A `Diverged` worker halts and the controller
+//!   restarts the replica.
 //! - **History check** (history check, optional, on top of naive): on
 //!   Hello every process reports a digest of its history, and the controller
 //!   sends the target only if [`lockstep_reconcile::history_check`] finds the
@@ -46,11 +45,11 @@
 //! - **Mesh**: the replica's timely mesh, reliable and ordered per sender
 //!   while the replica lives. Each worker has its own queue of records not yet
 //!   read (a join, a round announcement with its report), fed by every peer
-//!   and read into that worker's [`RoundBook`] when it decides a round, any
+//!   and read into that worker's machine when it decides a round, any
 //!   number of them ([`ComputeAction::Decide`]): a slow worker may read a
 //!   peer's reconciliation report and that peer's next create before it
 //!   decides, or decide after the first. A worker's own records reach its
-//!   book at once.
+//!   machine at once.
 //!
 //! # Properties
 //!
@@ -65,8 +64,9 @@
 //!   fault-free successors of each state.
 //!
 //! "Quiet": the controller is up, no message is in flight, every worker has
-//! joined the controller's session, reconciled, has no barrier round pending,
-//! has applied the whole stream (broadcast, log) and is not halted.
+//! joined the controller's session, reconciled, has no barrier round pending
+//! and nothing queued, has applied the whole stream (broadcast, log) and is
+//! not halted.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::fmt;
@@ -74,8 +74,9 @@ use std::sync::{Arc, Mutex};
 
 use lockstep_protocol::{DataflowDescription, Digest, Export, Plan, Strategy};
 use lockstep_reconcile::{
-    local, lockstep_check, lockstep_prefix_check, Announcement, BarrierDecision, CreationEntry,
-    DataflowKey, GateMutant, InitializationDecision, InitializationGate, RoundBook, RoundMutant,
+    lockstep_check, lockstep_prefix_check, Action, BarrierDecision, CommandClass, CreationEntry,
+    DataflowKey, GateMutant, InitializationDecision, InitializationGate, MeshAnnouncement, Order,
+    RoundMutant, SessionCommand, WorkerSession, WorkerView,
 };
 use stateright::{Model, Property};
 
@@ -130,7 +131,7 @@ pub enum HistoryCheck {
 pub struct ComputeModel {
     /// The strategy under check.
     pub strategy: Strategy,
-    /// A flaw planted in every worker's [`RoundBook`] (`mutant-*` variants,
+    /// A flaw planted in every worker's round book (`mutant-*` variants,
     /// the model's own tests); [`RoundMutant::None`] otherwise.
     pub mutant: RoundMutant,
     /// A flaw planted in the controller's [`InitializationGate`].
@@ -202,66 +203,113 @@ pub struct Controller {
     pub awaiting: bool,
 }
 
-/// A barrier round a worker announced and waits on.
+/// A command as a worker's session machine receives it: the model's
+/// messages, with a Target split into its creates and InitializationComplete
+/// as the replica receives them.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Pending {
-    /// A create.
-    Create {
-        /// The session.
-        session: u64,
-        /// The round.
-        seqno: u64,
-        /// The dataflow.
-        key: DataflowKey,
-    },
-    /// The collective reconciliation of a session.
-    Reconcile {
-        /// The session.
-        session: u64,
-        /// The round.
-        seqno: u64,
-        /// The target.
-        target: Vec<DataflowKey>,
-    },
+pub struct Cmd {
+    /// The order of the strategy it was sent with.
+    pub order: Order,
+    /// Its sequence number in its session.
+    pub seqno: u64,
+    /// What it is.
+    pub kind: CmdKind,
 }
 
-/// One timely worker (one per process).
+/// What a [`Cmd`] is.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum CmdKind {
+    /// Hello of a session.
+    Hello(u64),
+    /// CreateDataflow.
+    Create(DataflowKey),
+    /// Drop (AllowCompaction to the empty frontier).
+    Drop(u64),
+    /// InitializationComplete.
+    Complete,
+}
+
+impl SessionCommand for Cmd {
+    fn seqno(&self) -> u64 {
+        self.seqno
+    }
+    fn order(&self) -> Order {
+        self.order
+    }
+    fn class(&self) -> CommandClass {
+        match self.kind {
+            CmdKind::Hello(session) => CommandClass::Hello {
+                session: session.into(),
+            },
+            CmdKind::Create(key) => CommandClass::Create { key },
+            CmdKind::Complete => CommandClass::InitializationComplete,
+            CmdKind::Drop(_) => CommandClass::Other,
+        }
+    }
+}
+
+impl Msg {
+    /// The commands a worker receives for this message.
+    fn commands(&self, order: Order) -> Vec<Cmd> {
+        let cmd = |seqno, kind| Cmd { order, seqno, kind };
+        match self {
+            Msg::Hello { session } => vec![cmd(0, CmdKind::Hello(*session))],
+            Msg::Target { seqno, keys, .. } => keys
+                .iter()
+                .map(|k| cmd(*seqno, CmdKind::Create(*k)))
+                .chain([cmd(*seqno, CmdKind::Complete)])
+                .collect(),
+            Msg::Create { seqno, key, .. } => vec![cmd(*seqno, CmdKind::Create(*key))],
+            Msg::Drop { id, .. } => vec![cmd(0, CmdKind::Drop(*id))],
+        }
+    }
+}
+
+/// One timely worker (one per process): what it runs, and the session
+/// machine the replica's worker runs.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Worker {
-    /// The newest session it joined (announced on the mesh under barrier).
-    pub session: u64,
-    /// It reconciled in that session.
-    pub reconciled: bool,
+    /// Its session machine (`lockstep_reconcile::WorkerSession`, the
+    /// replica's type).
+    pub machine: WorkerSession<Cmd>,
     /// What it runs: (timely index, dataflow).
     pub installed: Vec<(u64, DataflowKey)>,
     /// Every dataflow it built, in order.
     pub log: Vec<CreationEntry>,
     /// Its next timely dataflow index.
     pub next_index: u64,
-    /// The barrier round it waits on.
-    pub pending: Option<Pending>,
     /// Position in the broadcast stream or durable log.
     pub cursor: usize,
-    /// It halted (a barrier diverged).
+    /// It halted (a barrier diverged, or its process died).
     pub halted: bool,
-    /// What its mesh told it about barrier rounds (barrier only).
-    pub book: RoundBook,
+}
+
+/// What a model worker runs, as its session machine sees it.
+struct Runs<'a>(&'a [(u64, DataflowKey)]);
+
+impl WorkerView<Cmd> for Runs<'_> {
+    fn is_installed(&self, id: u64) -> bool {
+        self.0.iter().any(|(_, k)| k.id == id)
+    }
+    fn installed(&self) -> Vec<DataflowKey> {
+        self.0.iter().map(|(_, k)| *k).collect()
+    }
+    fn buildable(&self, _: &Cmd) -> bool {
+        true
+    }
 }
 
 impl Worker {
-    /// A fresh worker of a replica of `peers` workers, in session 0.
-    fn fresh(peers: usize, mutant: RoundMutant, cursor: usize) -> Self {
-        let book = RoundBook::new(peers).with_mutant(mutant);
+    /// Fresh worker `index` of a replica of `peers` workers, in session 0.
+    fn fresh(index: usize, peers: usize, mutant: RoundMutant, cursor: usize) -> Self {
+        let machine = WorkerSession::new(index, peers, true).with_mutant(mutant);
         Worker {
-            session: 0,
-            reconciled: false,
+            machine,
             installed: Vec::new(),
             log: Vec::new(),
             next_index: 0,
-            pending: None,
             cursor,
             halted: false,
-            book,
         }
     }
 
@@ -276,28 +324,26 @@ impl Worker {
     fn drop_id(&mut self, id: u64) {
         self.installed.retain(|(_, k)| k.id != id);
     }
-}
-
-/// A record on the mesh, as the replica's `MeshMessage` carries it.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum MeshMsg {
-    /// `worker` joined `session`.
-    Joined {
-        /// The session.
-        session: u64,
-        /// The worker.
-        worker: usize,
-    },
-    /// A round announcement, with the announcer's report for a
-    /// reconciliation round.
-    Round {
-        /// The session of the round.
-        session: u64,
-        /// The announcement.
-        ann: Announcement,
-        /// Reconciliation rounds: what the announcer runs.
-        report: Option<Vec<DataflowKey>>,
-    },
+    /// Applies a command the machine let through, as the replica's worker
+    /// does: a create of an installed ID builds nothing (kept with the same
+    /// description, refused with another).
+    fn apply(&mut self, cmd: &Cmd) {
+        match cmd.kind {
+            CmdKind::Create(key) if !self.installed.iter().any(|(_, k)| k.id == key.id) => {
+                self.build(key)
+            }
+            CmdKind::Drop(id) => self.drop_id(id),
+            _ => {}
+        }
+    }
+    /// The worker has joined `session` and has nothing left to do in it.
+    fn settled_in(&self, session: u64) -> bool {
+        !self.halted
+            && self.machine.session() == u128::from(session)
+            && !self.machine.is_reconciling()
+            && self.machine.pending().is_none()
+            && self.machine.queued() == 0
+    }
 }
 
 /// A state of the compute model.
@@ -309,8 +355,9 @@ pub struct ComputeState {
     pub channels: Vec<VecDeque<Msg>>,
     /// The workers.
     pub workers: Vec<Worker>,
-    /// Per worker: the mesh records it has not read yet, in order.
-    pub inboxes: Vec<VecDeque<MeshMsg>>,
+    /// Per worker: the mesh records it has not read yet, in order, with
+    /// their sender.
+    pub inboxes: Vec<VecDeque<(usize, MeshAnnouncement)>>,
     /// Broadcast: the sequenced stream. Log: the durable log.
     pub stream: Vec<Msg>,
     /// Replica restarts after a halt.
@@ -391,21 +438,6 @@ fn description(i: usize) -> DataflowDescription {
         }],
         debug_name: LABELS[i.min(MAX_DATAFLOWS - 1)].to_string(),
     }
-}
-
-/// A model-local digest of a target, for the reconciliation round's
-/// announcement (the replica uses the hash of the Target command). Injective
-/// on the model's small targets.
-fn target_digest(keys: &[DataflowKey]) -> Digest {
-    let mut d = [0u8; 32];
-    d[0] = 0xff;
-    d[1] = keys.len() as u8;
-    for (i, k) in keys.iter().enumerate().take(10) {
-        d[2 + 3 * i] = k.id as u8;
-        d[3 + 3 * i] = k.hash.0[0];
-        d[4 + 3 * i] = k.hash.0[1];
-    }
-    Digest(d)
 }
 
 /// A state's 64-bit fingerprint, for the liveness cache.
@@ -580,239 +612,86 @@ impl ComputeModel {
             0
         };
         let peers = s.workers.len();
-        for w in &mut s.workers {
-            *w = Worker::fresh(peers, self.mutant, cursor);
+        for (i, w) in s.workers.iter_mut().enumerate() {
+            *w = Worker::fresh(i, peers, self.mutant, cursor);
         }
         s.reports = vec![None; s.workers.len()];
         self.start_session(s);
     }
 
-    /// Applies a command on arrival, with no protection (naive, and every
-    /// worker of broadcast and log, where the stream is totally ordered).
-    fn apply_unprotected(w: &mut Worker, msg: &Msg) {
-        match msg {
-            Msg::Hello { session } => {
-                if *session > w.session {
-                    w.session = *session;
-                    w.reconciled = false;
+    /// Worker `p` receives `msg` in its order: its session machine queues
+    /// it, then runs until it waits.
+    fn receive(&self, s: &mut ComputeState, p: usize, msg: &Msg) {
+        for cmd in msg.commands(Order::of(self.strategy)) {
+            s.workers[p].machine.push(cmd);
+        }
+        self.run(s, p);
+    }
+
+    /// Performs what worker `p`'s session machine hands out until it waits,
+    /// as the replica's worker does.
+    fn run(&self, s: &mut ComputeState, p: usize) {
+        loop {
+            let w = &mut s.workers[p];
+            let Some(action) = w.machine.next(&Runs(&w.installed), 0) else {
+                return;
+            };
+            match action {
+                Action::Announce(record) => self.mesh_send(s, p, record),
+                Action::Hello { cmd, .. } => {
+                    if let (CmdKind::Hello(session), true) =
+                        (cmd.kind, self.history != HistoryCheck::Off)
+                    {
+                        s.reports[p] = Some((session, self.history_digest(&s.workers[p])));
+                    }
+                }
+                Action::Drop { id, .. } => w.drop_id(id),
+                Action::Apply(cmd) => w.apply(&cmd),
+                Action::ResetHistory | Action::Skipped { .. } => {}
+                Action::Halt(_) => {
+                    w.halted = true;
+                    return;
                 }
             }
-            Msg::Target { session, keys, .. } => {
-                if *session == w.session && !w.reconciled {
-                    let plan = local(&w.keys(), keys);
-                    for id in &plan.drop {
-                        w.drop_id(*id);
-                    }
-                    for k in &plan.build {
-                        w.build(*k);
-                    }
-                    w.reconciled = true;
-                }
-            }
-            Msg::Create { key, .. } => w.build(*key),
-            Msg::Drop { id, .. } => w.drop_id(*id),
         }
     }
 
-    /// Barrier: worker `me` sends `msg` on the mesh; its own book reads it at
-    /// once, every peer's queue gets it.
-    fn mesh_send(s: &mut ComputeState, me: usize, msg: MeshMsg) {
-        Self::absorb(&mut s.workers[me].book, msg.clone());
+    /// Worker `me` sends `record` on the mesh: every peer's queue gets it
+    /// (its own machine read it when it announced it). Under `naive` no
+    /// round is ever announced, so nothing reads the joins it sends and the
+    /// model does not queue them.
+    fn mesh_send(&self, s: &mut ComputeState, me: usize, record: MeshAnnouncement) {
+        if self.strategy == Strategy::Naive {
+            return;
+        }
         for (w, inbox) in s.inboxes.iter_mut().enumerate() {
             if w != me {
-                inbox.push_back(msg.clone());
+                inbox.push_back((me, record.clone()));
             }
         }
     }
 
-    /// A mesh record read into a worker's book.
-    fn absorb(book: &mut RoundBook, msg: MeshMsg) {
-        match msg {
-            MeshMsg::Joined { session, worker } => book.joined(worker, session.into()),
-            MeshMsg::Round {
-                session,
-                ann,
-                report,
-            } => book.announced(session.into(), ann, report),
-        }
-    }
-
-    /// Barrier: what a worker does with a message it receives.
-    fn receive_barrier(s: &mut ComputeState, me: usize, msg: Msg) {
-        let w = &mut s.workers[me];
-        match msg {
-            Msg::Hello { session } => {
-                if session > w.session {
-                    w.session = session;
-                    w.reconciled = false;
-                    w.book.start_session(session.into());
-                    Self::mesh_send(
-                        s,
-                        me,
-                        MeshMsg::Joined {
-                            session,
-                            worker: me,
-                        },
-                    );
-                }
-            }
-            Msg::Target {
-                session,
-                seqno,
-                keys,
-            } => {
-                if session == w.session && !w.reconciled {
-                    let installed = w.keys();
-                    let hash = target_digest(&keys);
-                    w.pending = Some(Pending::Reconcile {
-                        session,
-                        seqno,
-                        target: keys,
-                    });
-                    let ann = Announcement {
-                        worker: me,
-                        seqno,
-                        hash,
-                    };
-                    Self::mesh_send(
-                        s,
-                        me,
-                        MeshMsg::Round {
-                            session,
-                            ann,
-                            report: Some(installed),
-                        },
-                    );
-                }
-            }
-            Msg::Create {
-                session,
-                seqno,
-                key,
-            } => {
-                if session == w.session {
-                    w.pending = Some(Pending::Create {
-                        session,
-                        seqno,
-                        key,
-                    });
-                    let ann = Announcement {
-                        worker: me,
-                        seqno,
-                        hash: key.hash,
-                    };
-                    Self::mesh_send(
-                        s,
-                        me,
-                        MeshMsg::Round {
-                            session,
-                            ann,
-                            report: None,
-                        },
-                    );
-                }
-            }
-            Msg::Drop { session, id } => {
-                if session == w.session {
-                    w.drop_id(id);
-                }
-            }
-        }
-    }
-
-    /// Barrier: the decision on worker `me`'s pending round, by its book
-    /// after it read the next `read` records of its mesh queue.
-    fn decision(&self, s: &ComputeState, me: usize, read: usize) -> Option<BarrierDecision> {
-        self.decisions(s, me).into_iter().nth(read)
-    }
-
-    /// Barrier: the decision on worker `me`'s pending round after it read
-    /// 0, 1, ... up to every record of its mesh queue (one book, each record
-    /// read once); empty without a pending round.
+    /// The decision on worker `me`'s pending round after its machine read
+    /// 0, 1, ... up to every record of its mesh queue (each record read
+    /// once); empty without a pending round.
     fn decisions(&self, s: &ComputeState, me: usize) -> Vec<BarrierDecision> {
-        let Some(pending) = s.workers[me].pending.as_ref() else {
+        let w = &s.workers[me];
+        let Some(first) = w.machine.decision() else {
             return Vec::new();
         };
-        let (session, mine) = Self::round_of(pending, me);
-        let mut book = s.workers[me].book.clone();
-        let mut out = vec![book.decide(session.into(), &mine)];
-        for msg in &s.inboxes[me] {
-            Self::absorb(&mut book, msg.clone());
-            out.push(book.decide(session.into(), &mine));
+        let mut machine = w.machine.clone();
+        let mut out = vec![first];
+        for (from, record) in &s.inboxes[me] {
+            machine.on_mesh(*from, record.clone());
+            out.extend(machine.decision());
         }
         out
     }
 
-    /// The session and announcement of a pending round.
-    fn round_of(pending: &Pending, me: usize) -> (u64, Announcement) {
-        match pending {
-            Pending::Create {
-                session,
-                seqno,
-                key,
-            } => (
-                *session,
-                Announcement {
-                    worker: me,
-                    seqno: *seqno,
-                    hash: key.hash,
-                },
-            ),
-            Pending::Reconcile {
-                session,
-                seqno,
-                target,
-            } => (
-                *session,
-                Announcement {
-                    worker: me,
-                    seqno: *seqno,
-                    hash: target_digest(target),
-                },
-            ),
-        }
-    }
-
-    /// Barrier: apply a decided round, as the replica's worker does.
-    fn decide(&self, s: &mut ComputeState, me: usize, decision: BarrierDecision) {
-        let pending = s.workers[me]
-            .pending
-            .take()
-            .expect("decide needs a pending round");
-        let (session, mine) = Self::round_of(&pending, me);
-        let w = &mut s.workers[me];
-        match decision {
-            BarrierDecision::Wait => unreachable!("Decide is enabled only when decided"),
-            BarrierDecision::Abandoned { .. } => w.book.forget_through(session.into(), mine.seqno),
-            BarrierDecision::Diverged { .. } => w.halted = true,
-            BarrierDecision::Pass => {
-                let plan = match &pending {
-                    Pending::Reconcile { target, .. } => {
-                        w.book
-                            .reconcile_plan(session.into(), mine.seqno, me, target)
-                    }
-                    Pending::Create { .. } => None,
-                };
-                w.book.forget_through(session.into(), mine.seqno);
-                match pending {
-                    Pending::Create { key, .. } => w.build(key),
-                    Pending::Reconcile { .. } => {
-                        // A missing report: the replica halts.
-                        let Some((drops, builds)) = plan else {
-                            w.halted = true;
-                            return;
-                        };
-                        for id in &drops {
-                            w.drop_id(*id);
-                        }
-                        for k in &builds {
-                            w.build(*k);
-                        }
-                        w.reconciled = true;
-                    }
-                }
-            }
-        }
+    /// The decision on worker `me`'s pending round after it read the next
+    /// `read` records of its mesh queue.
+    fn decision(&self, s: &ComputeState, me: usize, read: usize) -> Option<BarrierDecision> {
+        self.decisions(s, me).into_iter().nth(read)
     }
 
     /// The replica is quiet (see the module docs).
@@ -821,10 +700,7 @@ impl ComputeModel {
             && !s.ctl.awaiting
             && s.channels.iter().all(|c| c.is_empty())
             && s.workers.iter().all(|w| {
-                !w.halted
-                    && w.pending.is_none()
-                    && w.session == s.ctl.session
-                    && w.reconciled
+                w.settled_in(s.ctl.session)
                     && (!matches!(self.strategy, Strategy::Broadcast | Strategy::Log)
                         || w.cursor == s.stream.len())
             })
@@ -975,7 +851,7 @@ impl ComputeModel {
                 " | p{i}: built [{}] runs [{}]{}{}",
                 log.join(","),
                 inst.join(","),
-                if w.pending.is_some() {
+                if w.machine.pending().is_some() {
                     " (at barrier)"
                 } else {
                     ""
@@ -1038,25 +914,24 @@ impl ComputeModel {
                 let records: Vec<String> = s.inboxes[*p]
                     .iter()
                     .take(*read)
-                    .map(|m| match m {
-                        MeshMsg::Joined { session, worker } => {
-                            format!("p{worker} joined session {session}")
+                    .map(|(from, m)| match m {
+                        MeshAnnouncement::Joined { session } => {
+                            format!("p{from} joined session {session}")
                         }
-                        MeshMsg::Round {
-                            ann,
+                        MeshAnnouncement::Round {
+                            announcement,
                             report: Some(r),
                             ..
                         } => format!(
-                            "p{} reconciles at round {} with [{}]",
-                            ann.worker,
-                            ann.seqno,
+                            "p{from} reconciles at round {} with [{}]",
+                            announcement.seqno,
                             r.iter()
                                 .map(|k| self.label(k))
                                 .collect::<Vec<_>>()
                                 .join(",")
                         ),
-                        MeshMsg::Round { ann, .. } => {
-                            format!("p{} reached create round {}", ann.worker, ann.seqno)
+                        MeshAnnouncement::Round { announcement, .. } => {
+                            format!("p{from} reached create round {}", announcement.seqno)
                         }
                     })
                     .collect();
@@ -1080,12 +955,13 @@ impl Model for ComputeModel {
 
     fn init_states(&self) -> Vec<ComputeState> {
         let n = self.bounds.processes;
-        let mut worker = Worker::fresh(n, self.mutant, 0);
-        worker.session = 1;
-        worker.reconciled = true;
-        for w in 0..n {
-            worker.book.joined(w, 1);
-        }
+        let workers = (0..n)
+            .map(|i| {
+                let mut w = Worker::fresh(i, n, self.mutant, 0);
+                w.machine = w.machine.resumed(1);
+                w
+            })
+            .collect();
         vec![ComputeState {
             ctl: Controller {
                 up: true,
@@ -1098,7 +974,7 @@ impl Model for ComputeModel {
                 awaiting: false,
             },
             channels: vec![VecDeque::new(); n],
-            workers: vec![worker; n],
+            workers,
             inboxes: vec![VecDeque::new(); n],
             stream: Vec::new(),
             replica_restarts: 0,
@@ -1151,31 +1027,29 @@ impl Model for ComputeModel {
             if w.halted {
                 continue;
             }
+            let waiting = w.machine.pending().is_some();
             match self.strategy {
-                Strategy::Naive | Strategy::Broadcast => {
-                    if !s.channels[p].is_empty() {
-                        actions.push(ComputeAction::Receive(p));
-                    }
+                // The sequencer forwards what it receives whatever it waits on.
+                Strategy::Broadcast if !s.channels[p].is_empty() => {
+                    actions.push(ComputeAction::Receive(p))
                 }
-                Strategy::Barrier => {
-                    if w.pending.is_none() {
-                        if !s.channels[p].is_empty() {
-                            actions.push(ComputeAction::Receive(p));
-                        }
-                    } else {
-                        for (read, d) in self.decisions(s, p).into_iter().enumerate() {
-                            if d != BarrierDecision::Wait {
-                                actions.push(ComputeAction::Decide(p, read));
-                            }
-                        }
-                    }
+                Strategy::Naive | Strategy::Barrier if !waiting && !s.channels[p].is_empty() => {
+                    actions.push(ComputeAction::Receive(p))
                 }
-                Strategy::Log => {}
+                _ => {}
             }
             if matches!(self.strategy, Strategy::Broadcast | Strategy::Log)
+                && !waiting
                 && w.cursor < s.stream.len()
             {
                 actions.push(ComputeAction::Apply(p));
+            }
+            if waiting {
+                for (read, d) in self.decisions(s, p).into_iter().enumerate() {
+                    if d != BarrierDecision::Wait {
+                        actions.push(ComputeAction::Decide(p, read));
+                    }
+                }
             }
         }
     }
@@ -1248,15 +1122,7 @@ impl Model for ComputeModel {
             ComputeAction::Receive(p) => {
                 let msg = s.channels[p].pop_front()?;
                 match self.strategy {
-                    Strategy::Naive => {
-                        Self::apply_unprotected(&mut s.workers[p], &msg);
-                        if let (Msg::Hello { session }, true) =
-                            (&msg, self.history != HistoryCheck::Off)
-                        {
-                            s.reports[p] = Some((*session, self.history_digest(&s.workers[p])));
-                        }
-                    }
-                    Strategy::Barrier => Self::receive_barrier(&mut s, p, msg),
+                    Strategy::Naive | Strategy::Barrier => self.receive(&mut s, p, &msg),
                     Strategy::Broadcast => s.stream.push(msg),
                     Strategy::Log => return None,
                 }
@@ -1267,15 +1133,15 @@ impl Model for ComputeModel {
                     return None;
                 }
                 for _ in 0..read {
-                    let msg = s.inboxes[p].pop_front()?;
-                    Self::absorb(&mut s.workers[p].book, msg);
+                    let (from, record) = s.inboxes[p].pop_front()?;
+                    s.workers[p].machine.on_mesh(from, record);
                 }
-                self.decide(&mut s, p, d);
+                self.run(&mut s, p);
             }
             ComputeAction::Apply(p) => {
                 let msg = s.stream.get(s.workers[p].cursor)?.clone();
                 s.workers[p].cursor += 1;
-                Self::apply_unprotected(&mut s.workers[p], &msg);
+                self.receive(&mut s, p, &msg);
             }
         }
         Some(s)

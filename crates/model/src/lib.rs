@@ -7,10 +7,13 @@
 //!
 //! - [`compute`]: the compute protocol under each distribution strategy
 //!   (naive, broadcast, barrier, log), with invariants I1, I4 and liveness.
-//!   Wherever the replica makes a decision (which dataflows to keep after a
-//!   reconnect, when a barrier may pass), the model calls the very function
-//!   the replica calls, from `lockstep-reconcile`: the model checks the
-//!   code's logic, not a paraphrase of it.
+//!   Every worker of the model runs the replica's own session machine
+//!   (`lockstep_reconcile::WorkerSession`: sessions, buffering,
+//!   reconciliation, barrier rounds, halts), and the controller decides
+//!   initialization with the controller's own `InitializationGate`: the model
+//!   checks the code that runs, not a paraphrase of it. What the model
+//!   writes itself is only the I/O around them: channels, the mesh, the
+//!   broadcast stream and the command log.
 //! - [`orphan`]: three controllers overlapping on a fenced catalog and a
 //!   labelled orchestrator, with the real orphan rules from `lockstep-policy`,
 //!   and invariants O1, O3, O4 (and O2 in settled states).

@@ -72,8 +72,13 @@ pub fn session_of(epoch: u64, nonce: u64) -> Session {
 
 pub mod initialization;
 pub mod rounds;
+pub mod worker;
 pub use initialization::{GateMutant, InitializationDecision, InitializationGate};
 pub use rounds::{RoundBook, RoundMutant};
+pub use worker::{
+    Action, CommandClass, MeshAnnouncement, Order, PendingRound, Reconciliation, SessionCommand,
+    WorkerSession, WorkerView,
+};
 
 /// One dataflow as reconciliation sees it: its catalog ID and the hash of its
 /// description ([`lockstep_protocol::DataflowDescription::hash`]).

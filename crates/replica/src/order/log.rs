@@ -110,7 +110,7 @@ impl WorkerState {
                 }
                 for e in entries {
                     if e.command.strategy == Strategy::Log {
-                        self.queue.push_back(e.command);
+                        self.machine.push(e.command);
                     }
                 }
                 got > 0

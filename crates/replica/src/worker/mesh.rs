@@ -3,7 +3,7 @@
 //! delivers.
 //!
 //! It carries four kinds of [`MeshMessage`]: a worker `Joined` a session; a
-//! barrier `Round` (see [`crate::order::barrier`]); a broadcast `Command` from
+//! barrier `Round` (see [`lockstep_reconcile::worker::barrier`]); a broadcast `Command` from
 //! the sequencer, worker 0 (see [`crate::order::broadcast`]); and the command
 //! log's `LogStart` offset from worker 0 (see [`crate::order::log`]). Being
 //! the first dataflow on every worker, it cannot break lockstep itself; it is
@@ -11,19 +11,15 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
-#[cfg(feature = "failpoints")]
-use std::time::Duration;
 
 use lockstep_protocol::Digest;
-use lockstep_reconcile::{Announcement, DataflowKey};
+use lockstep_reconcile::{Announcement, DataflowKey, MeshAnnouncement};
 use serde_bytes::ByteBuf;
 use timely::dataflow::operators::vec::Broadcast;
 use timely::dataflow::operators::Inspect;
 use timely::dataflow::InputHandleVec;
 use timely::worker::Worker;
 
-#[cfg(feature = "failpoints")]
-use crate::order::barrier::Pending;
 use crate::worker::WorkerState;
 
 /// A record on the control mesh, from the worker `from`.
@@ -71,6 +67,24 @@ pub enum MeshMessage {
     },
 }
 
+impl From<MeshAnnouncement> for MeshMessage {
+    fn from(a: MeshAnnouncement) -> Self {
+        match a {
+            MeshAnnouncement::Joined { session } => MeshMessage::Joined { session },
+            MeshAnnouncement::Round {
+                session,
+                announcement,
+                report,
+            } => MeshMessage::Round {
+                session,
+                seqno: announcement.seqno,
+                hash: announcement.hash.0,
+                report: report.map(|r| r.iter().map(|k| (k.id, k.hash.0)).collect()),
+            },
+        }
+    }
+}
+
 /// The control mesh: a broadcast dataflow every worker builds first.
 pub struct Mesh {
     input: InputHandleVec<u64, MeshRecord>,
@@ -102,7 +116,9 @@ impl Mesh {
 }
 
 impl WorkerState {
-    /// Moves what the mesh delivered into the barrier's view.
+    /// Moves what the mesh delivered into the session machine (joins and
+    /// rounds) or the strategy that asked for it (broadcast commands, the
+    /// log's start).
     pub(super) fn absorb_mesh(&mut self) {
         #[cfg(feature = "failpoints")]
         if self.hold_mesh_for_test() {
@@ -118,7 +134,9 @@ impl WorkerState {
                 continue;
             }
             match message {
-                MeshMessage::Joined { session } => self.rounds.joined(from, session),
+                MeshMessage::Joined { session } => self
+                    .machine
+                    .on_mesh(from, MeshAnnouncement::Joined { session }),
                 MeshMessage::Command { seqno, bytes } if from == 0 => self.sequenced(seqno, bytes),
                 MeshMessage::LogStart { offset } if from == 0 => self.log_starts_at(offset),
                 MeshMessage::Round {
@@ -140,7 +158,14 @@ impl WorkerState {
                         seqno,
                         hash: Digest(hash),
                     };
-                    self.rounds.announced(session, announcement, report);
+                    self.machine.on_mesh(
+                        from,
+                        MeshAnnouncement::Round {
+                            session,
+                            announcement,
+                            report,
+                        },
+                    );
                 }
                 MeshMessage::Command { .. } | MeshMessage::LogStart { .. } => {}
             }
@@ -162,11 +187,12 @@ impl WorkerState {
         if arg.trim().parse::<usize>().ok() != Some(self.index) || self.dataflows.is_empty() {
             return false;
         }
-        let Some(Pending::Reconcile { mine, since, .. }) = &self.pending else {
+        let Some(pending) = self.machine.pending().filter(|p| p.reconcile) else {
             return false;
         };
+        let mine = pending.mine;
         let Some(mesh) = &self.mesh else { return false };
-        if since.elapsed() > Duration::from_secs(10) {
+        if self.now_ms().saturating_sub(pending.since_ms) > 10_000 {
             tracing::warn!(
                 worker = self.index,
                 "test hook replica_hold_mesh_in_reconcile: no later round within 10 s; reading the mesh"
@@ -176,7 +202,7 @@ impl WorkerState {
         let later_round_in = mesh.received.borrow().iter().any(|r| {
             r.from != self.index as u64
                 && matches!(r.message, MeshMessage::Round { session, seqno, .. }
-                    if session == self.session && seqno > mine.seqno)
+                    if session == self.machine.session() && seqno > mine.seqno)
         });
         if later_round_in {
             // What the regression test looks for: the interleaving happened.

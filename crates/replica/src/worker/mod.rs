@@ -13,24 +13,26 @@
 //! - its dataflow-creation log (timely index, dataflow ID, description hash);
 //! - the history of what it applied, whose digest it reports in Status.
 //!
-//! A Hello with a new nonce starts reconciliation: commands are buffered until
-//! InitializationComplete, then the worker keeps the installed dataflows the
-//! controller asked for again (same ID and description hash), drops the
-//! others, and builds the missing ones in the controller's order: alone under
-//! `naive` ([`crate::order::naive`]), together with every other worker under
-//! the other strategies ([`crate::order::barrier`]).
+//! What happens to each command, and when, is decided by the worker's
+//! session machine, [`lockstep_reconcile::WorkerSession`], a sans-IO state
+//! machine the model checker (crates/model) drives too: a Hello with a new
+//! nonce starts a session, the session start is buffered until
+//! InitializationComplete and then reconciled (alone under `naive`, together
+//! with every other worker otherwise), a create of a new dataflow under
+//! `barrier` waits at a barrier round. This worker is its shell: it feeds the
+//! machine the commands in its order and the mesh's records, and performs the
+//! [`lockstep_reconcile::Action`]s it hands out.
 //!
 //! A session is one controller connection attempt (epoch, then the Hello's
-//! nonce, which increases per attempt within an epoch). The model checker
-//! (crates/model) runs the same `lockstep_reconcile` functions.
+//! nonce, which increases per attempt within an epoch).
 //!
-//! Which copy of a command a worker applies, and what the command waits for,
-//! is decided by its strategy: see [`crate::order`], one module per strategy.
+//! Which copy of a command a worker takes (its socket, the sequencer on the
+//! mesh, the command log) is decided by its strategy: see [`crate::order`].
 //! The worker itself is split into:
 //!
-//! - this module: [`WorkerState`], the start of a session on Hello, the drive
-//!   loop ([`WorkerState::drive`], [`WorkerState::handle`]), the one place
-//!   that halts, and [`run_worker`];
+//! - this module: [`WorkerState`], the drive loop ([`WorkerState::drive`])
+//!   that performs the machine's actions, the one place that halts, and
+//!   [`run_worker`];
 //! - `mesh`: the control mesh ([`Mesh`], [`MeshRecord`], [`MeshMessage`]) and
 //!   what a worker does with what it delivers;
 //! - `apply`: applying one command (builds, drops, compaction, inputs);
@@ -41,10 +43,10 @@ mod maintain;
 mod mesh;
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 use std::sync::mpsc::{Receiver, TryRecvError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use differential_dataflow::input::InputSession;
 use differential_dataflow::operators::arrange::TraceAgent;
@@ -54,16 +56,19 @@ use lockstep_protocol::{
     Command, CommandHistory, CommandKind, CreationLogEntry, DataflowDescription, Digest, ErrorKind,
     ErrorResponse, Frontier, Peek, PeekResult, Row, Status, Subscribe, SubscribeBatch, Update,
 };
-use lockstep_reconcile::RoundBook;
+use lockstep_reconcile::{Action, DataflowKey, WorkerSession, WorkerView};
 use timely::dataflow::ProbeHandle;
 use timely::worker::Worker;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::order::barrier::Pending;
 use crate::order::log::LogTail;
+use crate::render::validate;
 
-pub use crate::order::barrier::BARRIER_TIMEOUT;
 pub use crate::order::log::LOG_POLL;
+
+/// The longest a worker waits at a barrier round before it halts.
+pub const BARRIER_TIMEOUT: Duration =
+    Duration::from_millis(lockstep_reconcile::worker::BARRIER_TIMEOUT_MS);
 pub use apply::owner;
 pub use mesh::{Mesh, MeshMessage, MeshRecord};
 
@@ -177,7 +182,9 @@ struct SubState {
 
 pub use lockstep_reconcile::{session_of, Session};
 
-/// One worker's state.
+/// One worker's state: the dataflows, inputs and answers it keeps, around
+/// its session machine ([`WorkerSession`]), which decides what happens to
+/// each command and when.
 pub struct WorkerState {
     pub(crate) index: usize,
     peers: usize,
@@ -186,7 +193,6 @@ pub struct WorkerState {
     nonce: u64,
     applied_seqno: u64,
     pub(crate) history: CommandHistory,
-    reconciling: Option<Vec<Command>>,
     inputs: BTreeMap<u64, InputStore>,
     /// Parts of a write split by the controller, held until its last part
     /// arrives (forgotten when a new session starts: it resends them).
@@ -198,24 +204,56 @@ pub struct WorkerState {
     subs: BTreeMap<u64, SubState>,
     tx: UnboundedSender<FromWorker>,
     pub(crate) mesh: Option<Mesh>,
-    pub(crate) session: Session,
-    /// The session of the last command-log marker taken from the queue.
-    log_marker: Session,
-    /// What the mesh said about barrier rounds (shared with the model).
-    pub(crate) rounds: RoundBook,
-    pub(crate) queue: VecDeque<Command>,
-    pub(crate) pending: Option<Pending>,
+    /// The session machine: sessions, reconciliation, barrier rounds, the
+    /// queue of commands in this worker's order.
+    pub(crate) machine: WorkerSession<Command>,
+    /// The machine's clock.
+    started: Instant,
     pub(crate) log: Option<LogTail>,
+}
+
+/// What a worker runs, as its session machine sees it.
+struct View<'a> {
+    dataflows: &'a BTreeMap<u64, Installed>,
+    creation_log: &'a [CreationLogEntry],
+}
+
+impl WorkerView<Command> for View<'_> {
+    fn is_installed(&self, id: u64) -> bool {
+        self.dataflows.contains_key(&id)
+    }
+
+    fn installed(&self) -> Vec<DataflowKey> {
+        // In creation order, so that plans keep that order.
+        self.creation_log
+            .iter()
+            .filter_map(|e| {
+                let inst = self.dataflows.get(&e.dataflow_id)?;
+                (inst.timely_index as u64 == e.timely_index).then_some(DataflowKey {
+                    id: e.dataflow_id,
+                    hash: inst.hash,
+                })
+            })
+            .collect()
+    }
+
+    fn buildable(&self, cmd: &Command) -> bool {
+        matches!(&cmd.kind, CommandKind::CreateDataflow(d) if validate(d).is_ok())
+    }
 }
 
 impl WorkerState {
     /// A worker with global index `index` of `peers`; `reports_errors` for the
-    /// first worker of each process, which alone reports command errors.
+    /// first worker of each process, which alone reports command errors;
+    /// `mesh` its control mesh, the first dataflow of every worker (without
+    /// one, every reconciliation is per worker and no create waits at a
+    /// barrier round).
     pub fn new(
         index: usize,
         peers: usize,
         reports_errors: bool,
         tx: UnboundedSender<FromWorker>,
+        mesh: Option<Mesh>,
     ) -> Self {
         WorkerState {
             index,
@@ -225,7 +263,6 @@ impl WorkerState {
             nonce: 0,
             applied_seqno: 0,
             history: CommandHistory::summarizing(),
-            reconciling: None,
             inputs: BTreeMap::new(),
             write_parts: BTreeMap::new(),
             dataflows: BTreeMap::new(),
@@ -234,12 +271,9 @@ impl WorkerState {
             peeks: Vec::new(),
             subs: BTreeMap::new(),
             tx,
-            mesh: None,
-            session: 0,
-            log_marker: 0,
-            rounds: RoundBook::new(peers),
-            queue: VecDeque::new(),
-            pending: None,
+            machine: WorkerSession::new(index, peers, mesh.is_some()),
+            mesh,
+            started: Instant::now(),
             log: None,
         }
     }
@@ -278,57 +312,66 @@ impl WorkerState {
         }
     }
 
-    /// Handles one command, in the order its strategy defines.
-    pub fn handle(&mut self, worker: &mut Worker, cmd: Command) {
-        if let CommandKind::Hello(h) = &cmd.kind {
-            self.epoch = h.epoch;
-            let session = session_of(h.epoch, h.nonce);
-            if session > self.session {
-                self.session = session;
-                self.rounds.start_session(session);
-                if let Some(mesh) = &mut self.mesh {
-                    mesh.send(self.index, MeshMessage::Joined { session });
-                }
-                self.nonce = h.nonce;
-                self.reconciling = Some(Vec::new());
-                self.peeks.clear();
-                self.subs.clear();
-                self.write_parts.clear();
-                for inst in self.dataflows.values_mut() {
-                    for e in inst.exports.values_mut() {
-                        e.reported = None;
-                        e.tap.borrow_mut().subs.clear();
-                    }
-                }
-                self.send(FromWorker::NewSession {
-                    worker: self.index,
-                    session,
-                });
-            }
-            self.applied_seqno = 0;
-            self.send(FromWorker::Status(self.status(true)));
-            return;
-        }
-        if let Some(buffer) = &mut self.reconciling {
-            let done = matches!(cmd.kind, CommandKind::InitializationComplete);
-            let strategy = cmd.strategy;
-            let seqno = cmd.seqno;
-            buffer.push(cmd);
-            if done {
-                let buffer = self.reconciling.take().unwrap_or_default();
-                self.reconcile(worker, buffer, strategy, seqno);
-            }
-            return;
-        }
-        if let Some(hash) = self.round_gate(&cmd) {
-            self.start_create_round(cmd, hash);
-            return;
-        }
-        self.apply(worker, cmd);
+    /// The machine's clock: milliseconds since the worker started.
+    pub(crate) fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// Applies queued commands until one waits at a barrier. Returns whether
-    /// anything happened.
+    /// Performs one action of the session machine.
+    fn perform(&mut self, worker: &mut Worker, action: Action<Command>) {
+        match action {
+            Action::Announce(a) => {
+                if let Some(mesh) = &mut self.mesh {
+                    mesh.send(self.index, MeshMessage::from(a));
+                }
+            }
+            Action::Hello { cmd, started } => {
+                let CommandKind::Hello(h) = &cmd.kind else {
+                    return;
+                };
+                self.epoch = h.epoch;
+                if let Some(session) = started {
+                    self.nonce = h.nonce;
+                    self.peeks.clear();
+                    self.subs.clear();
+                    self.write_parts.clear();
+                    for inst in self.dataflows.values_mut() {
+                        for e in inst.exports.values_mut() {
+                            e.reported = None;
+                            e.tap.borrow_mut().subs.clear();
+                        }
+                    }
+                    self.send(FromWorker::NewSession {
+                        worker: self.index,
+                        session,
+                    });
+                }
+                self.applied_seqno = 0;
+                self.send(FromWorker::Status(self.status(true)));
+            }
+            Action::Drop { id, how } => {
+                tracing::info!(
+                    worker = self.index,
+                    dataflow = id,
+                    ?how,
+                    "reconciliation drops dataflow"
+                );
+                self.drop_dataflow(worker, id);
+            }
+            Action::ResetHistory => self.history = CommandHistory::summarizing(),
+            Action::Apply(cmd) => self.apply(worker, cmd),
+            Action::Skipped { seqno } => tracing::debug!(
+                worker = self.index,
+                seqno,
+                "skipping a command-log entry of an older session"
+            ),
+            Action::Halt(reason) => self.halt(reason),
+        }
+    }
+
+    /// Performs what the session machine decides until it waits (nothing
+    /// queued, or a barrier round pending). Returns whether anything
+    /// happened.
     pub fn drive(&mut self, worker: &mut Worker) -> bool {
         let mut progressed = false;
         loop {
@@ -336,42 +379,22 @@ impl WorkerState {
             if self.read_log() {
                 progressed = true;
             }
-            if let Some(p) = self.pending.take() {
-                match self.resolve(worker, p) {
-                    Some(p) => {
-                        self.pending = Some(p);
-                        return progressed;
-                    }
-                    None => progressed = true,
-                }
-            }
-            let Some(cmd) = self.queue.pop_front() else {
+            let now_ms = self.now_ms();
+            let view = View {
+                dataflows: &self.dataflows,
+                creation_log: &self.creation_log,
+            };
+            let Some(action) = self.machine.next(&view, now_ms) else {
                 return progressed;
             };
             progressed = true;
-            // Command-log entries belong to the session of the marker before
-            // them; those of a session older than the one this worker joined
-            // since (a log session cut off, then a barrier one) are stale.
-            if cmd.strategy == lockstep_protocol::Strategy::Log {
-                match &cmd.kind {
-                    CommandKind::Hello(h) => self.log_marker = session_of(h.epoch, h.nonce),
-                    _ if self.log_marker < self.session => {
-                        tracing::debug!(
-                            worker = self.index,
-                            seqno = cmd.seqno,
-                            "skipping a command-log entry of an older session"
-                        );
-                        continue;
-                    }
-                    _ => {}
-                }
-            }
-            self.handle(worker, cmd);
+            self.perform(worker, action);
         }
     }
 
     /// Stops the process: it cannot prove it is in lockstep (I4). The
-    /// orchestrator restarts it and the controller reconnects.
+    /// orchestrator restarts it and the controller reconnects. The one
+    /// place a worker halts.
     pub(crate) fn halt(&self, reason: String) {
         tracing::error!(worker = self.index, %reason, "halting: lockstep lost");
         self.send(FromWorker::Error(ErrorResponse {
@@ -408,14 +431,15 @@ pub fn run_worker(
     log: Option<SqliteLog>,
 ) {
     let index = worker.index();
+    // The control mesh is every worker's first dataflow.
+    let mesh = Mesh::build(worker);
     let mut state = WorkerState::new(
         index,
         worker.peers(),
         index.is_multiple_of(workers_per_process),
         tx,
+        Some(mesh),
     );
-    // The control mesh is every worker's first dataflow.
-    state.mesh = Some(Mesh::build(worker));
     if let Some(log) = log {
         state.tail_log(log);
     }
@@ -434,7 +458,7 @@ pub fn run_worker(
                 }
             }
         }
-        let waiting = state.pending.is_some();
+        let waiting = state.machine.pending().is_some();
         if state.drive(worker) {
             handled = true;
         }

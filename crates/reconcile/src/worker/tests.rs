@@ -1,0 +1,275 @@
+use super::*;
+use crate::Digest;
+
+/// A command as the tests write it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Cmd {
+    seqno: u64,
+    order: Order,
+    class: TestClass,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum TestClass {
+    Hello(Session),
+    Complete,
+    Create(u64, u8),
+    Other,
+}
+
+impl SessionCommand for Cmd {
+    fn seqno(&self) -> u64 {
+        self.seqno
+    }
+    fn order(&self) -> Order {
+        self.order
+    }
+    fn class(&self) -> CommandClass {
+        match self.class {
+            TestClass::Hello(session) => CommandClass::Hello { session },
+            TestClass::Complete => CommandClass::InitializationComplete,
+            TestClass::Create(id, h) => CommandClass::Create { key: key(id, h) },
+            TestClass::Other => CommandClass::Other,
+        }
+    }
+}
+
+fn key(id: u64, h: u8) -> DataflowKey {
+    DataflowKey {
+        id,
+        hash: Digest([h; 32]),
+    }
+}
+
+fn cmd(order: Order, seqno: u64, class: TestClass) -> Cmd {
+    Cmd {
+        seqno,
+        order,
+        class,
+    }
+}
+
+/// A worker's dataflows, as the shell keeps them.
+#[derive(Default)]
+struct Runs(Vec<DataflowKey>);
+
+impl WorkerView<Cmd> for Runs {
+    fn is_installed(&self, id: u64) -> bool {
+        self.0.iter().any(|k| k.id == id)
+    }
+    fn installed(&self) -> Vec<DataflowKey> {
+        self.0.clone()
+    }
+    fn buildable(&self, _: &Cmd) -> bool {
+        true
+    }
+}
+
+/// Runs the machine until it waits, performing builds and drops on `runs`.
+fn run(m: &mut WorkerSession<Cmd>, runs: &mut Runs, now_ms: u64) -> Vec<Action<Cmd>> {
+    let mut out = Vec::new();
+    while let Some(a) = m.next(runs, now_ms) {
+        match &a {
+            Action::Apply(c) => {
+                if let TestClass::Create(id, h) = c.class {
+                    if !runs.is_installed(id) {
+                        runs.0.push(key(id, h));
+                    }
+                }
+            }
+            Action::Drop { id, .. } => runs.0.retain(|k| k.id != *id),
+            _ => {}
+        }
+        out.push(a);
+    }
+    out
+}
+
+fn session_start(m: &mut WorkerSession<Cmd>, order: Order, session: Session, target: &[(u64, u8)]) {
+    m.push(cmd(order, 0, TestClass::Hello(session)));
+    for (i, (id, h)) in target.iter().enumerate() {
+        m.push(cmd(order, 1 + i as u64, TestClass::Create(*id, *h)));
+    }
+    m.push(cmd(order, 1 + target.len() as u64, TestClass::Complete));
+}
+
+#[test]
+fn a_naive_session_start_reconciles_alone() {
+    let mut m = WorkerSession::new(0, 2, true);
+    let mut runs = Runs(vec![key(1, 1), key(2, 2)]);
+    session_start(&mut m, Order::Naive, 7, &[(1, 1), (3, 3)]);
+    let actions = run(&mut m, &mut runs, 0);
+    assert!(matches!(
+        &actions[0],
+        Action::Announce(MeshAnnouncement::Joined { session: 7 })
+    ));
+    assert!(matches!(
+        &actions[1],
+        Action::Hello {
+            started: Some(7),
+            ..
+        }
+    ));
+    assert!(actions.contains(&Action::Drop {
+        id: 2,
+        how: Reconciliation::PerWorker
+    }));
+    assert_eq!(runs.0, vec![key(1, 1), key(3, 3)]);
+    assert!(!m.is_reconciling());
+}
+
+#[test]
+fn a_barrier_create_waits_for_every_worker() {
+    let mut m = WorkerSession::new(0, 2, true);
+    let mut runs = Runs::default();
+    session_start(&mut m, Order::Barrier, 5, &[]);
+    m.on_mesh(1, MeshAnnouncement::Joined { session: 5 });
+    let start = run(&mut m, &mut runs, 0);
+    assert!(m.pending().is_some_and(|p| p.reconcile), "{start:?}");
+    // The peer's reconciliation report arrives: the round passes.
+    let report = |seqno, h| MeshAnnouncement::Round {
+        session: 5,
+        announcement: Announcement {
+            worker: 1,
+            seqno,
+            hash: Digest([h; 32]),
+        },
+        report: None,
+    };
+    m.on_mesh(
+        1,
+        MeshAnnouncement::Round {
+            session: 5,
+            announcement: Announcement {
+                worker: 1,
+                seqno: 1,
+                hash: barrier::target_hash(&[]),
+            },
+            report: Some(vec![]),
+        },
+    );
+    run(&mut m, &mut runs, 0);
+    assert!(m.pending().is_none());
+    m.push(cmd(Order::Barrier, 2, TestClass::Create(4, 4)));
+    m.push(cmd(Order::Barrier, 3, TestClass::Other));
+    let waiting = run(&mut m, &mut runs, 0);
+    assert_eq!(waiting.len(), 1, "only the announcement: {waiting:?}");
+    assert!(runs.0.is_empty(), "nothing built before the round passes");
+    assert_eq!(m.queued(), 1, "the next command waits behind the round");
+    m.on_mesh(1, report(2, 4));
+    let passed = run(&mut m, &mut runs, 0);
+    assert_eq!(runs.0, vec![key(4, 4)]);
+    assert_eq!(
+        passed.len(),
+        2,
+        "the create, then the next command: {passed:?}"
+    );
+}
+
+#[test]
+fn different_commands_halt() {
+    let mut m = WorkerSession::new(0, 2, true);
+    let mut runs = Runs::default();
+    m.push(cmd(Order::Barrier, 0, TestClass::Hello(5)));
+    m.push(cmd(Order::Barrier, 1, TestClass::Complete));
+    m.on_mesh(1, MeshAnnouncement::Joined { session: 5 });
+    m.on_mesh(
+        1,
+        MeshAnnouncement::Round {
+            session: 5,
+            announcement: Announcement {
+                worker: 1,
+                seqno: 1,
+                hash: Digest([9; 32]),
+            },
+            report: Some(vec![]),
+        },
+    );
+    let actions = run(&mut m, &mut runs, 0);
+    assert!(
+        matches!(actions.last(), Some(Action::Halt(_))),
+        "{actions:?}"
+    );
+    assert!(m.halted());
+    m.push(cmd(Order::Barrier, 2, TestClass::Other));
+    assert_eq!(m.next(&runs, 0), None, "nothing after a halt");
+}
+
+#[test]
+fn a_round_that_waits_too_long_halts() {
+    let mut m = WorkerSession::new(0, 2, true);
+    let mut runs = Runs::default();
+    m.push(cmd(Order::Barrier, 0, TestClass::Hello(5)));
+    m.push(cmd(Order::Barrier, 1, TestClass::Complete));
+    run(&mut m, &mut runs, 1_000);
+    assert!(m.pending().is_some());
+    assert!(run(&mut m, &mut runs, 1_000 + BARRIER_TIMEOUT_MS).is_empty());
+    let late = run(&mut m, &mut runs, 1_001 + BARRIER_TIMEOUT_MS);
+    assert!(matches!(late.as_slice(), [Action::Halt(_)]), "{late:?}");
+}
+
+/// The defect of a worker that reads a peer's reconciliation report and
+/// that peer's next create before it decides its own reconciliation.
+#[test]
+fn a_peer_create_read_with_its_report_keeps_every_dataflow() {
+    let installed = vec![key(1, 1), key(2, 2)];
+    let mut m = WorkerSession::new(0, 2, true);
+    let mut runs = Runs(installed.clone());
+    session_start(&mut m, Order::Barrier, 9, &[(1, 1), (2, 2)]);
+    m.on_mesh(1, MeshAnnouncement::Joined { session: 9 });
+    run(&mut m, &mut runs, 0);
+    let target_hash = barrier::target_hash(&installed);
+    m.on_mesh(
+        1,
+        MeshAnnouncement::Round {
+            session: 9,
+            announcement: Announcement {
+                worker: 1,
+                seqno: 3,
+                hash: target_hash,
+            },
+            report: Some(installed.clone()),
+        },
+    );
+    m.on_mesh(
+        1,
+        MeshAnnouncement::Round {
+            session: 9,
+            announcement: Announcement {
+                worker: 1,
+                seqno: 4,
+                hash: Digest([7; 32]),
+            },
+            report: None,
+        },
+    );
+    let actions = run(&mut m, &mut runs, 0);
+    assert!(
+        !actions.iter().any(|a| matches!(a, Action::Drop { .. })),
+        "{actions:?}"
+    );
+    assert_eq!(runs.0, installed);
+}
+
+#[test]
+fn log_entries_of_an_older_session_are_skipped() {
+    let mut m = WorkerSession::new(0, 1, false);
+    let mut runs = Runs::default();
+    // A log session 3 starts, then a barrier session 4 cuts it off; the
+    // log's remaining entries of session 3 are read afterwards.
+    m.push(cmd(Order::Log, 0, TestClass::Hello(3)));
+    m.push(cmd(Order::Log, 1, TestClass::Complete));
+    run(&mut m, &mut runs, 0);
+    session_start(&mut m, Order::Barrier, 4, &[]);
+    run(&mut m, &mut runs, 0);
+    m.push(cmd(Order::Log, 2, TestClass::Create(1, 1)));
+    let actions = run(&mut m, &mut runs, 0);
+    assert_eq!(actions, vec![Action::Skipped { seqno: 2 }]);
+    assert!(runs.0.is_empty());
+    // A newer log marker: its entries apply again.
+    m.push(cmd(Order::Log, 0, TestClass::Hello(6)));
+    m.push(cmd(Order::Log, 1, TestClass::Complete));
+    m.push(cmd(Order::Log, 2, TestClass::Create(1, 1)));
+    run(&mut m, &mut runs, 0);
+    assert_eq!(runs.0, vec![key(1, 1)]);
+}
