@@ -74,9 +74,9 @@ use std::sync::{Arc, Mutex};
 
 use lockstep_protocol::{DataflowDescription, Digest, Export, Plan, Strategy};
 use lockstep_reconcile::{
-    lockstep_check, lockstep_prefix_check, Action, BarrierDecision, CommandClass, CreationEntry,
-    DataflowKey, GateMutant, InitializationDecision, InitializationGate, MeshAnnouncement, Order,
-    RoundMutant, SessionCommand, WorkerSession, WorkerView,
+    lockstep_check, lockstep_prefix_check, Action, BarrierDecision, CommandClass,
+    ControllerSession, CreationEntry, DataflowKey, GateMutant, HistoryStep, MeshAnnouncement,
+    MismatchResolution, Order, Phase, RoundMutant, SessionCommand, WorkerSession, WorkerView,
 };
 use stateright::{Model, Property};
 
@@ -134,7 +134,7 @@ pub struct ComputeModel {
     /// A flaw planted in every worker's round book (`mutant-*` variants,
     /// the model's own tests); [`RoundMutant::None`] otherwise.
     pub mutant: RoundMutant,
-    /// A flaw planted in the controller's [`InitializationGate`].
+    /// A flaw planted in the controller's history check.
     pub gate_mutant: GateMutant,
     /// The history check on reconnect (naive only).
     pub history: HistoryCheck,
@@ -199,8 +199,17 @@ pub struct Controller {
     pub commands: usize,
     /// Faults so far.
     pub faults: usize,
-    /// History check: Hello sent, waiting for every process's report.
-    pub awaiting: bool,
+    /// Its session machine (`lockstep_reconcile::ControllerSession`, the
+    /// controller's type): phase, nonce and the history check. A restarted
+    /// controller starts a new one.
+    pub machine: ControllerSession,
+}
+
+impl Controller {
+    /// Waiting for the history check (Hello sent, InitializationComplete not).
+    pub fn awaiting(&self) -> bool {
+        matches!(self.machine.phase(), Phase::AwaitingHistories { .. })
+    }
 }
 
 /// A command as a worker's session machine receives it: the model's
@@ -528,19 +537,16 @@ impl ComputeModel {
         self
     }
 
-    /// The controller's decision on initialization, from the reports of its
-    /// session so far (what the controller's actor runs).
-    pub fn initialization(&self, s: &ComputeState) -> InitializationDecision {
-        let reports: Vec<Digest> = s
-            .reports
-            .iter()
-            .flatten()
-            .filter(|(session, _)| *session == s.ctl.session)
-            .map(|(_, d)| *d)
-            .collect();
-        InitializationGate::new(s.workers.len())
-            .with_mutant(self.gate_mutant)
-            .decide(&reports, false)
+    /// The controller's next step in the history check, from the reports of
+    /// its session so far (what the controller's actor runs; the model's
+    /// bound never passes).
+    pub fn history_step(&self, s: &ComputeState) -> HistoryStep {
+        s.ctl.machine.clone().check_histories(0, u64::MAX)
+    }
+
+    /// A fresh controller session machine.
+    fn controller_machine(&self, workers: usize) -> ControllerSession {
+        ControllerSession::new(workers).with_gate_mutant(self.gate_mutant)
     }
 
     /// The same model with a flaw planted in every worker's round book.
@@ -567,16 +573,34 @@ impl ComputeModel {
         }
     }
 
-    /// A new session: Hello, then the target.
+    /// A new session (the controller's machine was told the old one
+    /// ended, or is new): Hello, then the target, after the history check
+    /// if there is one.
     fn start_session(&self, s: &mut ComputeState) {
+        if s.ctl.machine.phase().is_connected() {
+            s.ctl.machine.disconnected(0);
+        } else {
+            s.ctl.machine.connect();
+        }
+        s.ctl.machine.connected(s.workers.len());
         s.ctl.session += 1;
         let session = s.ctl.session;
         self.send(s, Msg::Hello { session });
-        if self.history != HistoryCheck::Off {
-            s.ctl.awaiting = true;
-            return;
+        s.ctl.machine.rehydrated(0);
+        if self.history == HistoryCheck::Off {
+            // No history check: the controller's bound for the reports
+            // passes at once, and it completes unchecked.
+            match s.ctl.machine.check_histories(1, 0) {
+                HistoryStep::Complete { .. } => self.complete(s),
+                step => unreachable!("an unchecked session completes, not {step:?}"),
+            }
         }
+    }
+
+    /// InitializationComplete: the target, then the machine serves.
+    fn complete(&self, s: &mut ComputeState) {
         self.send_target(s);
+        s.ctl.machine.serving(0);
     }
 
     /// The target and InitializationComplete, after Hello.
@@ -642,7 +666,12 @@ impl ComputeModel {
                     if let (CmdKind::Hello(session), true) =
                         (cmd.kind, self.history != HistoryCheck::Off)
                     {
-                        s.reports[p] = Some((session, self.history_digest(&s.workers[p])));
+                        let digest = self.history_digest(&s.workers[p]);
+                        s.reports[p] = Some((session, digest));
+                        if session == s.ctl.session {
+                            let nonce = s.ctl.machine.nonce();
+                            s.ctl.machine.reported(p as u32, nonce, digest);
+                        }
                     }
                 }
                 Action::Drop { id, .. } => w.drop_id(id),
@@ -697,7 +726,7 @@ impl ComputeModel {
     /// The replica is quiet (see the module docs).
     pub fn quiet(&self, s: &ComputeState) -> bool {
         s.ctl.up
-            && !s.ctl.awaiting
+            && s.ctl.machine.phase() == Phase::Serving
             && s.channels.iter().all(|c| c.is_empty())
             && s.workers.iter().all(|w| {
                 w.settled_in(s.ctl.session)
@@ -971,7 +1000,15 @@ impl Model for ComputeModel {
                 catalog: Vec::new(),
                 commands: 0,
                 faults: 0,
-                awaiting: false,
+                machine: {
+                    let mut m = self.controller_machine(n);
+                    m.connect();
+                    m.connected(n);
+                    m.rehydrated(0);
+                    m.check_histories(1, 0);
+                    m.serving(0);
+                    m
+                },
             },
             channels: vec![VecDeque::new(); n],
             workers,
@@ -985,10 +1022,10 @@ impl Model for ComputeModel {
     fn actions(&self, s: &ComputeState, actions: &mut Vec<ComputeAction>) {
         let b = &self.bounds;
         if s.ctl.up {
-            if s.ctl.awaiting && self.initialization(s) != InitializationDecision::Wait {
+            if s.ctl.awaiting() && self.history_step(s) != HistoryStep::Wait {
                 actions.push(ComputeAction::CheckHistories);
             }
-            if s.ctl.commands < b.commands && !s.ctl.awaiting {
+            if s.ctl.commands < b.commands && !s.ctl.awaiting() {
                 for (i, k) in self.pool.iter().enumerate() {
                     if s.ctl.catalog.contains(k) {
                         actions.push(ComputeAction::Drop(i));
@@ -1090,6 +1127,7 @@ impl Model for ComputeModel {
             ComputeAction::Restart => {
                 s.ctl.up = true;
                 s.ctl.epoch += 1;
+                s.ctl.machine = self.controller_machine(s.workers.len());
                 self.start_session(&mut s);
             }
             ComputeAction::DropConnection(p) => {
@@ -1107,15 +1145,18 @@ impl Model for ComputeModel {
                 // The processes must agree with each other: after a crash the
                 // controller cannot know what they applied (it lost what was
                 // in flight), and fresh processes have no history at all.
-                match self.initialization(&s) {
-                    InitializationDecision::Complete => {
-                        s.ctl.awaiting = false;
-                        self.send_target(&mut s);
-                    }
-                    InitializationDecision::Mismatch { .. } => self.restart_replica(&mut s),
-                    InitializationDecision::Wait | InitializationDecision::Unchecked { .. } => {
-                        return None
-                    }
+                // The model's policy restarts the replica on a mismatch.
+                let step = match s.ctl.machine.check_histories(0, u64::MAX) {
+                    HistoryStep::AskPolicy { .. } => s
+                        .ctl
+                        .machine
+                        .mismatch_resolved(MismatchResolution::RestartReplica, 0),
+                    step => step,
+                };
+                match step {
+                    HistoryStep::Complete { .. } => self.complete(&mut s),
+                    HistoryStep::RestartReplica => self.restart_replica(&mut s),
+                    HistoryStep::Wait | HistoryStep::AskPolicy { .. } => return None,
                 }
             }
             ComputeAction::RestartReplica => self.restart_replica(&mut s),

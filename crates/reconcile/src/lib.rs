@@ -70,9 +70,11 @@ pub fn session_of(epoch: u64, nonce: u64) -> Session {
     (u128::from(epoch) << 64) | u128::from(nonce)
 }
 
+pub mod controller;
 pub mod initialization;
 pub mod rounds;
 pub mod worker;
+pub use controller::{ControllerSession, HistoryStep, MismatchResolution, Phase};
 pub use initialization::{GateMutant, InitializationDecision, InitializationGate};
 pub use rounds::{RoundBook, RoundMutant};
 pub use worker::{

@@ -5,8 +5,9 @@
 //! ([`Actor`]), [`spawn`] and the event loop, request handling and the
 //! merging of responses; the rest is split by concern:
 //!
-//! - `session`: the session lifecycle, one [`Phase`] (connect, Hello and
-//!   replay, the history check, InitializationComplete, disconnect);
+//! - `session`: the shell of the session machine
+//!   ([`lockstep_reconcile::ControllerSession`]: connect, Hello and replay,
+//!   the history check, InitializationComplete, disconnect);
 //! - `failpoint`: the partial-broadcast failpoint;
 //! - [`crate::deliver`]: which strategy a command is sent with, and what each
 //!   strategy does when it is sent.
@@ -26,6 +27,7 @@ use lockstep_protocol::{
     CommandHistory, CommandKind, ErrorResponse, Frontier, Peek, PeekResult, ResponseKind, Row,
     Status, Strategy, Subscribe, SubscribeBatch,
 };
+use lockstep_reconcile::ControllerSession;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
 
@@ -34,7 +36,7 @@ use crate::deliver::LogBatch;
 use crate::{ControllerError, ReplicaAddrs, Request, Timeouts};
 
 pub(crate) use failpoint::{partial_broadcast, Reach};
-pub(crate) use session::Phase;
+pub(crate) use lockstep_reconcile::Phase;
 
 /// Something the owner of a controller should know.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,7 +116,7 @@ struct PendingPeek {
 
 /// The state of one controller, owned by its task. The fields
 /// [`crate::deliver`] uses are `pub(crate)`; the rest belongs to this module
-/// and its submodules. `phase` is changed only by `Actor::enter`.
+/// and its submodules. Where the session is, is only in `session`.
 pub(crate) struct Actor {
     pub(crate) replica: ReplicaAddrs,
     pub(crate) epoch: u64,
@@ -136,16 +138,12 @@ pub(crate) struct Actor {
     /// The (sequence number, log offset) of this session's StatusRequests
     /// in the command log, oldest first, until every worker applied them.
     pub(crate) log_status_requests: std::collections::VecDeque<(u64, u64)>,
-    /// Sessions in a row that ended before serving for a while; the next
-    /// connection attempt waits `reconnect_backoff(failed_sessions)`.
-    failed_sessions: u32,
-    /// When the current session started serving.
-    served_at: Option<Instant>,
-    /// Where the session is: connecting, rehydrating, waiting for the
-    /// history check, serving, or crashed.
-    phase: Phase,
+    /// The session machine: phase, nonce, reconnect backoff, the history
+    /// check.
+    session: ControllerSession,
+    /// The session machine's clock.
+    started: Instant,
     history: CommandHistory,
-    nonce: u64,
     generation: u64,
     current_generation: Arc<AtomicU64>,
     pub(crate) seqno: u64,
@@ -186,6 +184,7 @@ pub(crate) fn spawn(
         history.push(CommandKind::CreateInstance(Default::default()));
     }
     let n = replica.processes.len();
+    let replica_workers = replica.total_workers();
     let (to_self, mut from_conns) = mpsc::unbounded_channel();
     let (connected_tx, mut connected_rx) = mpsc::unbounded_channel();
     let mut actor = Actor {
@@ -199,11 +198,9 @@ pub(crate) fn spawn(
         log_batch: None,
         log_marker: None,
         log_status_requests: Default::default(),
-        failed_sessions: 0,
-        served_at: None,
-        phase: Phase::Disconnected,
+        session: ControllerSession::new(replica_workers),
+        started: Instant::now(),
         history,
-        nonce: 0,
         generation: 0,
         current_generation: Arc::new(AtomicU64::new(0)),
         seqno: 0,
@@ -236,7 +233,7 @@ pub(crate) fn spawn(
                 Some((generation, result)) = connected_rx.recv() => actor.on_connected(generation, result),
                 _ = tick.tick() => actor.on_tick(),
             }
-            if actor.phase == Phase::Crashed {
+            if actor.phase() == Phase::Crashed {
                 break;
             }
         }
@@ -363,7 +360,7 @@ impl Actor {
     }
 
     fn on_conn(&mut self, msg: FromConn) {
-        if msg.generation != self.generation || !self.phase.is_connected() {
+        if msg.generation != self.generation || !self.phase().is_connected() {
             return;
         }
         let p = msg.process;
@@ -435,11 +432,9 @@ impl Actor {
                 let full = s.history_hash.is_some();
                 if full {
                     self.full_statuses.insert(s.worker_index, s.clone());
+                    self.on_full_status(&s);
                 }
                 self.statuses.insert(s.worker_index, s);
-                if full {
-                    self.check_histories(false);
-                }
                 self.answer_status_waiters();
             }
             ResponseKind::Error(error) => {
@@ -474,11 +469,11 @@ impl Actor {
 
     /// Sends a StatusRequest; returns its (nonce, sequence number) if connected.
     fn request_status(&mut self, full: bool) -> Option<(u64, u64)> {
-        if !self.phase.is_connected() {
+        if !self.phase().is_connected() {
             return None;
         }
         self.broadcast(CommandKind::StatusRequest { full });
-        Some((self.nonce, self.seqno))
+        Some((self.session.nonce(), self.seqno))
     }
 
     fn answer_status_waiters(&mut self) {
@@ -511,12 +506,11 @@ impl Actor {
     }
 
     fn on_tick(&mut self) {
-        if !self.phase.is_connected() {
+        if !self.phase().is_connected() {
             return;
         }
-        if matches!(self.phase, Phase::AwaitingHistories { since } if since.elapsed() > self.timeouts.request)
-        {
-            self.check_histories(true);
+        if matches!(self.phase(), Phase::AwaitingHistories { .. }) {
+            self.check_histories();
         }
         // Peeks whose caller gave up are canceled.
         let abandoned: Vec<u64> = self
@@ -545,7 +539,7 @@ impl Actor {
         let applied: Vec<u64> = self
             .statuses
             .values()
-            .filter(|s| s.epoch == self.epoch && s.nonce == self.nonce)
+            .filter(|s| s.epoch == self.epoch && s.nonce == self.session.nonce())
             .map(|s| s.applied_seqno)
             .collect();
         if applied.len() == self.replica.total_workers() {

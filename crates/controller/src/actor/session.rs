@@ -2,17 +2,12 @@
 //! compacted history, the history check, InitializationComplete, and
 //! disconnecting.
 //!
-//! Where a session is, is one [`Phase`], and only [`Actor::enter`] changes
-//! it:
-//!
-//! ```text
-//! Disconnected ─▶ Connecting ─▶ Rehydrating ─▶ AwaitingHistories ─▶ Serving
-//!                   ▲    │ no process           (history check;
-//!                   │    ▼                       RestartReplica: again)
-//!                   │  Disconnected
-//!                   └── disconnect(): a connection closed, or reconnect()
-//! any phase ─▶ Crashed (a failed log append, the partial-broadcast failpoint)
-//! ```
+//! Where a session is, and what happens next, is decided by the sans-IO
+//! machine [`lockstep_reconcile::ControllerSession`] (its phases are drawn in
+//! its docs; the model checker drives the same type). This module is its
+//! shell: it connects, sends Hello and the history, asks the distribution
+//! policy about a history mismatch, and feeds the machine what happened and
+//! the time.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -20,125 +15,32 @@ use std::time::Duration;
 
 use lockstep_policy::{MismatchAction, MismatchInfo};
 use lockstep_protocol::{Command, CommandKind, Status, Strategy};
-use lockstep_reconcile::{InitializationDecision, InitializationGate};
+use lockstep_reconcile::{HistoryStep, MismatchResolution, Phase};
 use tokio::time::Instant;
 
 use super::{Actor, Event};
 use crate::connection;
 use crate::deliver::LogBatch;
 
-/// A session that served this long ends a run of failed sessions.
-const STABLE_SESSION: Duration = Duration::from_secs(10);
-/// The wait before reconnecting after the first quickly failed session;
-/// doubled per further one, up to [`MAX_RECONNECT_BACKOFF`].
-const RECONNECT_BACKOFF: Duration = Duration::from_millis(50);
-/// The longest wait before reconnecting.
-pub(crate) const MAX_RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
-
-/// The wait before reconnecting after `failed` sessions in a row that ended
-/// before serving for [`STABLE_SESSION`]: none after the first, then 50 ms
-/// doubling up to 5 s.
-pub(crate) fn reconnect_backoff(failed: u32) -> Duration {
-    match failed {
-        0 | 1 => Duration::ZERO,
-        n => RECONNECT_BACKOFF
-            .saturating_mul(1u32 << (n - 2).min(16))
-            .min(MAX_RECONNECT_BACKOFF),
-    }
-}
-
-/// Where the controller's session is. Changed only by [`Actor::enter`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Phase {
-    /// Not connected and not connecting: before the first attempt, and
-    /// after an attempt that found no process to connect to.
-    Disconnected,
-    /// Connecting to every process, under a new connection generation;
-    /// each failed round is reported and retried.
-    Connecting {
-        /// Whether the session before was cut off before it sent
-        /// InitializationComplete. The policy is told so
-        /// (`CommandInfo::reconciling`) when it chooses the next Hello's
-        /// strategy.
-        reconciling: bool,
-    },
-    /// Connected under a new nonce: Hello and the reduced history are being
-    /// sent.
-    Rehydrating,
-    /// Hello and the history were sent; waiting for every worker's full
-    /// status (the history check), or, after the policy answered
-    /// `RestartReplica`, for the replica to be restarted. `since` is when
-    /// the wait (re)started; it is checked again after each request bound.
-    AwaitingHistories {
-        /// When the wait started.
-        since: Instant,
-    },
-    /// InitializationComplete was sent: the replica serves.
-    Serving,
-    /// Stopped for good (a failed log append, the partial-broadcast
-    /// failpoint): the connections are dropped and the task ends.
-    Crashed,
-}
-
-impl Phase {
-    /// Whether every process is connected (commands are sent).
-    pub(crate) fn is_connected(self) -> bool {
-        matches!(
-            self,
-            Phase::Rehydrating | Phase::AwaitingHistories { .. } | Phase::Serving
-        )
-    }
-
-    /// Whether a command chosen now is sent during reconciliation, between
-    /// Hello and InitializationComplete (`CommandInfo::reconciling`). While
-    /// connecting: whether the previous session was cut off while
-    /// reconciling, which is what the next Hello is chosen with.
-    pub(crate) fn reconciling(self) -> bool {
-        match self {
-            Phase::Connecting { reconciling } => reconciling,
-            Phase::Rehydrating | Phase::AwaitingHistories { .. } => true,
-            Phase::Disconnected | Phase::Serving | Phase::Crashed => false,
-        }
-    }
-
-    /// The transitions drawn in the module docs.
-    fn may_become(self, next: Phase) -> bool {
-        match (self, next) {
-            (Phase::Crashed, _) => false,
-            (_, Phase::Crashed | Phase::Connecting { .. }) => true,
-            (Phase::Connecting { .. }, Phase::Disconnected | Phase::Rehydrating) => true,
-            (Phase::Rehydrating, Phase::AwaitingHistories { .. }) => true,
-            (Phase::AwaitingHistories { .. }, Phase::AwaitingHistories { .. } | Phase::Serving) => {
-                true
-            }
-            _ => false,
-        }
-    }
-}
-
 impl Actor {
     /// The session's phase.
     pub(crate) fn phase(&self) -> Phase {
-        self.phase
+        self.session.phase()
     }
 
-    /// The one place the phase changes. `Crashed` is final.
-    fn enter(&mut self, next: Phase) {
-        debug_assert!(
-            self.phase.may_become(next),
-            "session phase {:?} cannot become {next:?}",
-            self.phase
-        );
-        if self.phase != Phase::Crashed {
-            self.phase = next;
-        }
+    /// The machine's clock: milliseconds since the controller started.
+    pub(crate) fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
     /// Starts connecting to every process under a new generation.
     pub(super) fn start_connecting(&mut self) {
-        self.enter(Phase::Connecting {
-            reconciling: self.phase.reconciling(),
-        });
+        let backoff = Duration::from_millis(self.session.connect());
+        self.connect_after(backoff);
+    }
+
+    /// Connects to every process, after `backoff`, under a new generation.
+    fn connect_after(&mut self, backoff: Duration) {
         self.generation += 1;
         let generation = self.generation;
         self.current_generation.store(generation, Ordering::SeqCst);
@@ -146,7 +48,6 @@ impl Actor {
         let addrs = self.replica.processes.clone();
         let bound = self.timeouts.connect;
         let tx = self.connected_tx.clone();
-        let backoff = reconnect_backoff(self.failed_sessions);
         // Keeps trying until every process is connected, or a newer attempt
         // (or shutdown) supersedes this one; each failed round is reported.
         // After sessions that ended quickly, it first waits (backoff): a
@@ -193,14 +94,16 @@ impl Actor {
                 return;
             }
         };
-        if socks.is_empty() {
-            self.enter(Phase::Disconnected);
+        // The Hello's strategy is chosen while still connecting, so the
+        // policy sees whether the previous session was cut off reconciling.
+        let first = CommandKind::Hello(self.replica.hello(0, self.epoch, self.session.nonce() + 1));
+        let strategy = self.choose(&first);
+        // The nonce increases per connection attempt within our epoch:
+        // replicas order sessions by (epoch, nonce), and a barrier round of
+        // an older session is abandoned once a worker joined a newer one.
+        let Some(nonce) = self.session.connected(socks.len()) else {
             return;
-        }
-        // Increasing per connection attempt within our epoch: replicas order
-        // sessions by (epoch, nonce), and a barrier round of an older
-        // session is abandoned once a worker joined a newer one.
-        self.nonce += 1;
+        };
         self.seqno = 0;
         self.log_status_requests.clear();
         self.conns = socks
@@ -231,11 +134,7 @@ impl Actor {
         }
         // Hello to every process, then the compacted history, then
         // InitializationComplete: the replica reconciles to this target.
-        // The Hello's strategy is chosen while still `Connecting`, so the
-        // policy sees whether the previous session was cut off reconciling.
-        let first = CommandKind::Hello(self.replica.hello(0, self.epoch, self.nonce));
-        self.session_strategy = self.choose(&first);
-        self.enter(Phase::Rehydrating);
+        self.session_strategy = strategy;
         if matches!(self.session_strategy, Strategy::Log) {
             self.log_batch = Some(LogBatch::default());
         }
@@ -243,7 +142,7 @@ impl Actor {
             let hello = Command {
                 seqno: 0,
                 strategy: self.session_strategy,
-                kind: CommandKind::Hello(self.replica.hello(i, self.epoch, self.nonce)),
+                kind: CommandKind::Hello(self.replica.hello(i, self.epoch, nonce)),
             };
             match &mut self.log_batch {
                 Some(batch) => batch.hellos.push(hello),
@@ -265,17 +164,16 @@ impl Actor {
         self.flush_log_batch();
         // A failed log append stopped the controller or started another
         // connection attempt.
-        if self.phase != Phase::Rehydrating {
+        if self.phase() != Phase::Rehydrating {
             return;
         }
         tracing::debug!(
-            nonce = self.nonce,
+            nonce,
             replayed,
             "Hello and target sent; waiting for every worker's history before InitializationComplete"
         );
-        self.enter(Phase::AwaitingHistories {
-            since: Instant::now(),
-        });
+        let now = self.now_ms();
+        self.session.rehydrated(now);
     }
 
     /// The history check: once every worker answered
@@ -287,74 +185,97 @@ impl Actor {
     /// [`Event::HistoryMismatch`]; the environment restarts it). Then
     /// InitializationComplete ends the reconciliation. Without every answer
     /// within the request bound, it goes ahead unchecked, and says so.
-    pub(super) fn check_histories(&mut self, timed_out: bool) {
-        let Phase::AwaitingHistories { since } = self.phase else {
-            return;
+    pub(super) fn check_histories(&mut self) {
+        let now = self.now_ms();
+        let bound = u64::try_from(self.timeouts.request.as_millis()).unwrap_or(u64::MAX);
+        let step = match self.session.check_histories(now, bound) {
+            HistoryStep::AskPolicy { distinct } => {
+                self.truncate_log();
+                let resolution = self.ask_mismatch_policy(distinct);
+                self.session.mismatch_resolved(resolution, now)
+            }
+            step => step,
         };
-        let nonce = self.nonce;
-        let reported: Vec<Status> = self
-            .full_statuses
-            .values()
-            .filter(|s| s.epoch == self.epoch && s.nonce == nonce)
-            .cloned()
-            .collect();
-        let digests: Vec<lockstep_protocol::Digest> = reported.iter().map(state_digest).collect();
-        let gate = InitializationGate::new(self.replica.total_workers());
-        let mut collective = false;
-        match gate.decide(&digests, timed_out) {
-            InitializationDecision::Wait => return,
-            InitializationDecision::Unchecked { answered } => {
-                tracing::warn!(
-                    answered,
-                    total = self.replica.total_workers(),
-                    waited = ?since.elapsed(),
-                    "not every worker answered Hello in time; completing initialization without the history check"
+        match step {
+            HistoryStep::Wait | HistoryStep::AskPolicy { .. } => {}
+            HistoryStep::RestartReplica => {
+                // Not in lockstep: serve nothing until the replica was
+                // restarted (the connections drop, and the next session
+                // checks again). Asked again after every request bound.
+                tracing::error!(
+                    "the replica must be restarted; initialization stays incomplete until it is"
                 );
             }
-            InitializationDecision::Complete => self.truncate_log(),
-            InitializationDecision::Mismatch { distinct } => {
-                self.truncate_log();
-                let own = self.history.digest();
-                let info = MismatchInfo {
-                    process_count: self.replica.processes.len() as u32,
-                    distinct_digests: distinct,
-                    matching_controller: reported
-                        .iter()
-                        .filter(|s| s.history_hash == Some(own))
-                        .count() as u32,
-                };
-                let action = match self.policy.on_mismatch(&info) {
-                    Ok(a) => a,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "distribution policy failed on a history mismatch; reconciling collectively");
-                        MismatchAction::ReconcileCollectively
-                    }
-                };
-                tracing::warn!(
-                    distinct,
-                    ?action,
-                    "workers disagree about what they applied"
-                );
-                collective = action == MismatchAction::ReconcileCollectively;
-                self.emit(Event::HistoryMismatch {
-                    distinct_digests: distinct,
-                    action,
-                });
-                if action == MismatchAction::RestartReplica {
-                    // Not in lockstep: serve nothing until the replica was
-                    // restarted (the connections drop, and the next session
-                    // checks again). Asked again after every request bound.
-                    tracing::error!(
-                        "the replica must be restarted; initialization stays incomplete until it is"
+            HistoryStep::Complete {
+                collective,
+                checked,
+            } => {
+                if checked {
+                    self.truncate_log();
+                } else {
+                    tracing::warn!(
+                        answered = self.session_reports().len(),
+                        total = self.replica.total_workers(),
+                        "not every worker answered Hello in time; completing initialization without the history check"
                     );
-                    self.enter(Phase::AwaitingHistories {
-                        since: Instant::now(),
-                    });
-                    return;
                 }
+                self.complete_initialization(collective);
             }
         }
-        self.complete_initialization(collective);
+    }
+
+    /// The full statuses workers reported on this session's Hello.
+    fn session_reports(&self) -> Vec<&Status> {
+        let nonce = self.session.nonce();
+        self.full_statuses
+            .values()
+            .filter(|s| s.epoch == self.epoch && s.nonce == nonce)
+            .collect()
+    }
+
+    /// Asks the distribution policy what to do about workers that reported
+    /// `distinct` different histories, and says what it chose.
+    fn ask_mismatch_policy(&mut self, distinct: u32) -> MismatchResolution {
+        let own = self.history.digest();
+        let info = MismatchInfo {
+            process_count: self.replica.processes.len() as u32,
+            distinct_digests: distinct,
+            matching_controller: self
+                .session_reports()
+                .iter()
+                .filter(|s| s.history_hash == Some(own))
+                .count() as u32,
+        };
+        let action = match self.policy.on_mismatch(&info) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "distribution policy failed on a history mismatch; reconciling collectively");
+                MismatchAction::ReconcileCollectively
+            }
+        };
+        tracing::warn!(
+            distinct,
+            ?action,
+            "workers disagree about what they applied"
+        );
+        self.emit(Event::HistoryMismatch {
+            distinct_digests: distinct,
+            action,
+        });
+        match action {
+            MismatchAction::RestartReplica => MismatchResolution::RestartReplica,
+            MismatchAction::ReconcileCollectively => MismatchResolution::ReconcileCollectively,
+        }
+    }
+
+    /// A worker's full status: its report for the history check.
+    pub(super) fn on_full_status(&mut self, s: &Status) {
+        if s.epoch != self.epoch {
+            return;
+        }
+        self.session
+            .reported(s.worker_index, s.nonce, state_digest(s));
+        self.check_histories();
     }
 
     /// Sends InitializationComplete (with `barrier` instead of `naive` if
@@ -368,16 +289,13 @@ impl Actor {
             strategy
         };
         self.broadcast_with(CommandKind::InitializationComplete, strategy);
-        if !self.phase.is_connected() {
+        let now = self.now_ms();
+        if !self.session.serving(now) {
             return;
         }
-        self.enter(Phase::Serving);
-        tracing::info!(
-            nonce = self.nonce,
-            "connected to every process and rehydrated"
-        );
+        let nonce = self.session.nonce();
+        tracing::info!(nonce, "connected to every process and rehydrated");
         // Status requests made before this session are asked again.
-        let nonce = self.nonce;
         if self
             .status_waiters
             .iter()
@@ -390,31 +308,23 @@ impl Actor {
                 }
             }
         }
-        self.served_at = Some(Instant::now());
-        self.emit(Event::Connected { nonce: self.nonce });
+        self.emit(Event::Connected { nonce });
     }
 
     /// Drops every connection and connects to every process again, under a
     /// new generation (and, once connected, a new nonce).
     pub(crate) fn disconnect(&mut self, reason: String) {
         self.conns.iter_mut().for_each(|c| *c = None);
-        // A session that served for a while ends the run of failures.
-        if self
-            .served_at
-            .take()
-            .is_some_and(|t| t.elapsed() >= STABLE_SESSION)
-        {
-            self.failed_sessions = 0;
-        }
-        self.failed_sessions = self.failed_sessions.saturating_add(1);
-        tracing::info!(%reason, backoff = ?reconnect_backoff(self.failed_sessions), "reconnecting to every process");
-        self.start_connecting();
+        let now = self.now_ms();
+        let backoff = Duration::from_millis(self.session.disconnected(now));
+        tracing::info!(%reason, ?backoff, "reconnecting to every process");
+        self.connect_after(backoff);
     }
 
     /// Stops the controller for good: drops every connection and
     /// supersedes any connect attempt; the event loop then ends.
     pub(crate) fn stop(&mut self) {
-        self.enter(Phase::Crashed);
+        self.session.crash();
         self.conns.iter_mut().for_each(|c| *c = None);
         self.current_generation.store(u64::MAX, Ordering::SeqCst);
     }
