@@ -174,8 +174,9 @@ impl WorkerState {
 
     /// Test hook (feature `failpoints`), failpoint
     /// `replica_hold_mesh_in_reconcile` with value `return(W)`: worker W,
-    /// while its collective reconciliation round is pending and it has
-    /// dataflows installed, takes nothing from the mesh until a peer's round
+    /// while it has dataflows installed, from a new session's Hello until
+    /// its collective reconciliation round is decided, takes nothing from
+    /// the mesh until (once the round is pending) a peer's round
     /// of a later command of the session has arrived (for at most 10 s). It
     /// then reads that peer's reconcile record and its next record together,
     /// the interleaving a slow worker meets when creates follow a reconnect.
@@ -186,6 +187,13 @@ impl WorkerState {
         };
         if arg.trim().parse::<usize>().ok() != Some(self.index) || self.dataflows.is_empty() {
             return false;
+        }
+        // From the Hello on: otherwise the peers' records could be read
+        // before this worker's own round starts, and the round would pass at
+        // once (the same interleaving, but not the one the test checks for).
+        // A session start ends with the controller's commands, not the mesh.
+        if self.machine.is_reconciling() {
+            return true;
         }
         let Some(pending) = self.machine.pending().filter(|p| p.reconcile) else {
             return false;
