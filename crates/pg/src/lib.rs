@@ -74,7 +74,9 @@ pub enum PgError {
     },
     /// A transaction spanning several operations lost its connection
     /// between them; nothing of it was committed.
-    #[error("the connection to {0} was replaced in the middle of a transaction; nothing was committed")]
+    #[error(
+        "the connection to {0} was replaced in the middle of a transaction; nothing was committed"
+    )]
     Reconnected(String),
     /// The connection thread is gone (it panicked).
     #[error("the PostgreSQL connection thread of {0} is gone")]

@@ -68,7 +68,10 @@ impl PgServer {
     /// port and creates the database [`DATABASE`].
     pub fn start() -> Result<PgServer> {
         let bin = bin_dir().ok_or_else(|| {
-            Error("no PostgreSQL binaries (initdb, pg_ctl) on PATH or in /usr/lib/postgresql/*/bin".into())
+            Error(
+                "no PostgreSQL binaries (initdb, pg_ctl) on PATH or in /usr/lib/postgresql/*/bin"
+                    .into(),
+            )
         })?;
         let as_postgres = running_as_root();
         let dir = tempfile::Builder::new()
@@ -375,8 +378,11 @@ mod tests {
         let mut pg = PgServer::start().unwrap();
         eprintln!("started in {:?}", t.elapsed());
         assert!(pg.url().starts_with("postgres://postgres@127.0.0.1:"));
-        pg.psql(DATABASE, "CREATE TABLE t (x int); INSERT INTO t VALUES (7);")
-            .unwrap();
+        pg.psql(
+            DATABASE,
+            "CREATE TABLE t (x int); INSERT INTO t VALUES (7);",
+        )
+        .unwrap();
         let t = Instant::now();
         pg.restart().unwrap();
         eprintln!("restarted in {:?}", t.elapsed());
