@@ -369,7 +369,26 @@ on_both_backends!(
     opening_bumps_the_epoch_and_ids_are_monotonic,
     replica_names_and_shapes_are_bounded,
     a_stale_handle_is_fenced_and_writes_nothing,
+    a_panicking_describe_writes_nothing,
 );
+
+/// `describe` runs inside the write transaction: if it panics, nothing of
+/// the dataflow is written and the catalog goes on working.
+fn a_panicking_describe_writes_nothing(s: &TestStore) {
+    let mut c = s.open();
+    let r = c.create_replica("r", cfg(1)).unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        c.create_dataflow_with(r.id, |_| panic!("describe failed"))
+    }));
+    assert!(panicked.is_err());
+    let d = c.create_dataflow(r.id, b"next").unwrap();
+    let state = c.state().unwrap();
+    assert_eq!(
+        state.dataflows.keys().copied().collect::<Vec<_>>(),
+        vec![d.id]
+    );
+    assert_eq!(s.open().state().unwrap().dataflows.len(), 1);
+}
 
 // ---------------------------------------------------------------------------
 // PostgreSQL only.

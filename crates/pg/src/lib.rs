@@ -78,6 +78,9 @@ pub enum PgError {
         "the connection to {0} was replaced in the middle of a transaction; nothing was committed"
     )]
     Reconnected(String),
+    /// The connection thread could not be started.
+    #[error("cannot start the PostgreSQL connection thread: {0}")]
+    Thread(String),
     /// The connection thread is gone (it panicked).
     #[error("the PostgreSQL connection thread of {0} is gone")]
     Gone(String),
@@ -183,7 +186,7 @@ impl Conn {
                 {
                     Ok(r) => r,
                     Err(e) => {
-                        let _ = ready_tx.send(Err(PgError::Url(format!("no runtime: {e}"))));
+                        let _ = ready_tx.send(Err(PgError::Thread(format!("no runtime: {e}"))));
                         return;
                     }
                 };
@@ -207,7 +210,7 @@ impl Conn {
                     }
                 });
             })
-            .map_err(|e| PgError::Url(format!("cannot start a thread: {e}")))?;
+            .map_err(|e| PgError::Thread(e.to_string()))?;
         match ready_rx.recv() {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
