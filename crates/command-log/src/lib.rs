@@ -231,6 +231,8 @@ impl AnyLog {
     /// it was woken early. PostgreSQL wakes on a notification; SQLite polls
     /// every [`SQLITE_WAIT_POLL`]. Either may wake without a new entry (read
     /// and wait again), and a caller must read after a timeout as well.
+    /// With a zero timeout it only checks, without blocking (for a loop
+    /// that must not block, like a timely worker's).
     pub fn wait_for_append(&mut self, timeout: Duration) -> Result<bool, LogError> {
         match self {
             AnyLog::Sqlite(l) => l.wait_for_append(timeout),
