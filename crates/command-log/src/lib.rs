@@ -16,16 +16,29 @@
 //!   replica starts tailing at the newest marker ([`CommandLog::start_offset`]):
 //!   what came before it is summarized by the target state after it.
 //!
-//! [`SqliteLog`] is the embedded backend: one SQLite file in WAL mode shared
-//! by the processes of one machine (`synchronous=NORMAL`: an append survives
-//! a process crash, not a power cut). A PostgreSQL backend can implement the
-//! same trait; it is not built.
+//! Two backends implement [`CommandLog`]:
+//! - [`SqliteLog`], the embedded default: one SQLite file in WAL mode shared
+//!   by the processes of one machine (`synchronous=NORMAL`: an append
+//!   survives a process crash, not a power cut);
+//! - [`PgLog`], a PostgreSQL database that may hold the logs of many
+//!   replicas (keyed by log name), for replica processes on several
+//!   machines. Appends `NOTIFY` a channel per log, so readers tail it with
+//!   [`PgLog::wait_for_append`] instead of polling (with a bounded poll as
+//!   the fallback: NOTIFY has no replay, the table is the truth).
+//!
+//! [`AnyLog`] is either, opened from a [`LogLocation`]. See
+//! `docs/stores.md`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use lockstep_protocol::{Command, CommandKind, WireMessage};
-use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use lockstep_protocol::{Command, CommandKind};
+
+mod postgres;
+mod sqlite;
+
+pub use postgres::{PgLog, MAX_LOG_NAME_LEN};
+pub use sqlite::{SqliteLog, SQLITE_WAIT_POLL};
 
 /// Why a log operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -33,12 +46,22 @@ pub enum LogError {
     /// A newer epoch already appended: this writer is fenced out.
     #[error("command log {path}: epoch {epoch} is fenced out by epoch {newest}")]
     Fenced {
-        /// The log.
+        /// The log (a file, or `<redacted connection string>#<log name>`).
         path: PathBuf,
         /// The writer's epoch.
         epoch: u64,
         /// The newest epoch that appended.
         newest: u64,
+    },
+    /// The PostgreSQL store failed, or the connection broke (an append in
+    /// flight then either committed entirely or not at all).
+    #[error("command log {path}: {source}")]
+    Postgres {
+        /// The log (`<redacted connection string>#<log name>`).
+        path: PathBuf,
+        /// What went wrong.
+        #[source]
+        source: lockstep_pg::PgError,
     },
     /// The store failed.
     #[error("command log {path}: {source}")]
@@ -117,275 +140,141 @@ fn marker_of(kind: &CommandKind) -> i64 {
 /// The on-disk format this build reads and writes.
 pub const FORMAT: i64 = 1;
 
-/// The embedded SQLite backend.
-pub struct SqliteLog {
-    path: PathBuf,
-    conn: Connection,
+/// Where a command log lives.
+#[derive(Clone, PartialEq, Eq)]
+pub enum LogLocation {
+    /// A SQLite file.
+    Sqlite(PathBuf),
+    /// The log `name` in a PostgreSQL database.
+    Postgres {
+        /// The connection string (`postgres://…`); without a password in
+        /// it, `PGPASSWORD` from the environment is used.
+        url: String,
+        /// The log's name (one per replica), 1 to [`MAX_LOG_NAME_LEN`] of
+        /// `a-z`, `0-9`, `-` and `_`.
+        name: String,
+    },
 }
 
-impl std::fmt::Debug for SqliteLog {
+impl std::str::FromStr for LogLocation {
+    type Err = String;
+
+    /// `postgres://…#NAME` (or `postgresql://…#NAME`) is the log `NAME` in
+    /// that database; anything else is a SQLite file path.
+    fn from_str(s: &str) -> Result<LogLocation, String> {
+        if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+            let (url, name) = s
+                .rsplit_once('#')
+                .ok_or("a PostgreSQL command log needs its name after '#': postgres://…#NAME")?;
+            postgres::check_name(name)?;
+            Ok(LogLocation::Postgres {
+                url: url.to_string(),
+                name: name.to_string(),
+            })
+        } else if s.is_empty() {
+            Err("an empty command log location".into())
+        } else {
+            Ok(LogLocation::Sqlite(PathBuf::from(s)))
+        }
+    }
+}
+
+impl std::fmt::Display for LogLocation {
+    /// The location as [`LogLocation::from_str`] reads it, without any
+    /// password: safe for messages and for a command line (the reader then
+    /// takes the password from `PGPASSWORD`).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqliteLog")
-            .field("path", &self.path)
-            .finish()
-    }
-}
-
-impl SqliteLog {
-    /// Opens (creating if missing) the log at `path`. A file that is not a
-    /// command log, or of a newer format, is refused and left untouched.
-    pub fn open(path: &Path) -> Result<Self, LogError> {
-        let store = |source| LogError::Store {
-            path: path.to_path_buf(),
-            source,
-        };
-        let format_err = |message: String| LogError::Format {
-            path: path.to_path_buf(),
-            message,
-        };
-        let conn = Connection::open(path).map_err(store)?;
-        conn.busy_timeout(Duration::from_secs(10)).map_err(store)?;
-        // Refuse a foreign file before changing anything in it.
-        let tables: Vec<String> = conn
-            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
-            .and_then(|mut s| {
-                s.query_map([], |r| r.get(0))?
-                    .collect::<Result<Vec<String>, _>>()
-            })
-            .map_err(|e| format_err(e.to_string()))?;
-        let ours = ["meta", "fence", "entries"];
-        if let Some(t) = tables.iter().find(|t| !ours.contains(&t.as_str())) {
-            return Err(format_err(format!("unexpected table {t:?}")));
-        }
-        conn.pragma_update(None, "journal_mode", "WAL")
-            .map_err(store)?;
-        conn.pragma_update(None, "synchronous", "NORMAL")
-            .map_err(store)?;
-        conn.execute_batch(
-            "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-             CREATE TABLE IF NOT EXISTS fence (id INTEGER PRIMARY KEY CHECK (id = 0), epoch INTEGER NOT NULL);
-             CREATE TABLE IF NOT EXISTS entries (
-                 offset INTEGER PRIMARY KEY,
-                 epoch INTEGER NOT NULL,
-                 marker INTEGER NOT NULL,
-                 command BLOB NOT NULL);
-             CREATE INDEX IF NOT EXISTS entries_marker ON entries (marker, offset);
-             INSERT OR IGNORE INTO meta (key, value) VALUES ('format', 1);",
-        )
-        .map_err(store)?;
-        let format: i64 = conn
-            .query_row("SELECT value FROM meta WHERE key = 'format'", [], |r| {
-                r.get(0)
-            })
-            .map_err(store)?;
-        if format != FORMAT {
-            return Err(format_err(format!("format {format}")));
-        }
-        Ok(SqliteLog {
-            path: path.to_path_buf(),
-            conn,
-        })
-    }
-
-    /// Opens an existing log for reading and tailing only: changes nothing
-    /// in the file (no schema creation), so that many readers can open it at
-    /// once without taking the write lock. Refuses a file that is not a
-    /// command log of this format.
-    pub fn open_reader(path: &Path) -> Result<Self, LogError> {
-        let store = |source| LogError::Store {
-            path: path.to_path_buf(),
-            source,
-        };
-        let conn = Connection::open_with_flags(
-            path,
-            rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        )
-        .map_err(store)?;
-        conn.busy_timeout(Duration::from_secs(10)).map_err(store)?;
-        let format: Option<i64> = conn
-            .query_row("SELECT value FROM meta WHERE key = 'format'", [], |r| {
-                r.get(0)
-            })
-            .optional()
-            .map_err(|e| LogError::Format {
-                path: path.to_path_buf(),
-                message: e.to_string(),
-            })?;
-        if format != Some(FORMAT) {
-            return Err(LogError::Format {
-                path: path.to_path_buf(),
-                message: format!("format {format:?}"),
-            });
-        }
-        Ok(SqliteLog {
-            path: path.to_path_buf(),
-            conn,
-        })
-    }
-
-    fn store(&self, source: rusqlite::Error) -> LogError {
-        LogError::Store {
-            path: self.path.clone(),
-            source,
-        }
-    }
-}
-
-/// Starts a write transaction for a writer at `epoch`, or fails with
-/// [`LogError::Fenced`] if a newer epoch wrote before.
-fn fenced<'c>(
-    conn: &'c mut Connection,
-    path: &Path,
-    epoch: u64,
-) -> Result<rusqlite::Transaction<'c>, LogError> {
-    let store = |source| LogError::Store {
-        path: path.to_path_buf(),
-        source,
-    };
-    let tx = conn
-        .transaction_with_behavior(TransactionBehavior::Immediate)
-        .map_err(store)?;
-    let newest: Option<i64> = tx
-        .query_row("SELECT epoch FROM fence WHERE id = 0", [], |r| r.get(0))
-        .optional()
-        .map_err(store)?;
-    let newest = newest.unwrap_or(0) as u64;
-    if epoch < newest {
-        return Err(LogError::Fenced {
-            path: path.to_path_buf(),
-            epoch,
-            newest,
-        });
-    }
-    Ok(tx)
-}
-
-impl CommandLog for SqliteLog {
-    fn append(&mut self, epoch: u64, commands: &[Command]) -> Result<u64, LogError> {
-        let path = self.path.clone();
-        let store = |source| LogError::Store {
-            path: path.clone(),
-            source,
-        };
-        let tx = fenced(&mut self.conn, &self.path, epoch)?;
-        tx.execute(
-            "INSERT INTO fence (id, epoch) VALUES (0, ?1) ON CONFLICT (id) DO UPDATE SET epoch = ?1",
-            params![epoch as i64],
-        )
-        .map_err(store)?;
-        // The marker at the truncation point always stays, so MAX(offset)
-        // never goes back; `truncated` covers a log emptied by hand.
-        let mut last: i64 = tx
-            .query_row(
-                "SELECT MAX(COALESCE((SELECT MAX(offset) FROM entries), 0), \
-                 COALESCE((SELECT value FROM meta WHERE key = 'truncated'), 0))",
-                [],
-                |r| r.get(0),
-            )
-            .map_err(store)?;
-        {
-            let mut insert = tx
-                .prepare_cached(
-                    "INSERT INTO entries (offset, epoch, marker, command) VALUES (?1, ?2, ?3, ?4)",
-                )
-                .map_err(store)?;
-            for c in commands {
-                last += 1;
-                insert
-                    .execute(params![
-                        last,
-                        epoch as i64,
-                        marker_of(&c.kind),
-                        c.clone().encode_to_vec()
-                    ])
-                    .map_err(store)?;
+        match self {
+            LogLocation::Sqlite(p) => write!(f, "{}", p.display()),
+            LogLocation::Postgres { url, name } => {
+                write!(f, "{}#{name}", lockstep_pg::redact(url))
             }
         }
-        tx.commit().map_err(store)?;
-        Ok(last as u64)
+    }
+}
+
+impl std::fmt::Debug for LogLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+/// A command log of either backend.
+#[derive(Debug)]
+pub enum AnyLog {
+    /// The embedded SQLite backend.
+    Sqlite(SqliteLog),
+    /// The PostgreSQL backend.
+    Postgres(PgLog),
+}
+
+impl AnyLog {
+    /// Opens (creating if missing) the log at `location`, for a writer.
+    pub fn open(location: &LogLocation) -> Result<AnyLog, LogError> {
+        Ok(match location {
+            LogLocation::Sqlite(path) => AnyLog::Sqlite(SqliteLog::open(path)?),
+            LogLocation::Postgres { url, name } => AnyLog::Postgres(PgLog::open(url, name)?),
+        })
+    }
+
+    /// Opens an existing log for reading and tailing (see
+    /// [`SqliteLog::open_reader`] and [`PgLog::open_reader`]).
+    pub fn open_reader(location: &LogLocation) -> Result<AnyLog, LogError> {
+        Ok(match location {
+            LogLocation::Sqlite(path) => AnyLog::Sqlite(SqliteLog::open_reader(path)?),
+            LogLocation::Postgres { url, name } => AnyLog::Postgres(PgLog::open_reader(url, name)?),
+        })
+    }
+
+    /// Waits until the log was appended to since the last
+    /// [`CommandLog::read_from`] began, or `timeout` passes; returns whether
+    /// it was woken early. PostgreSQL wakes on a notification; SQLite polls
+    /// every [`SQLITE_WAIT_POLL`]. Either may wake without a new entry (read
+    /// and wait again), and a caller must read after a timeout as well.
+    /// With a zero timeout it only checks, without blocking (for a loop
+    /// that must not block, like a timely worker's).
+    pub fn wait_for_append(&mut self, timeout: Duration) -> Result<bool, LogError> {
+        match self {
+            AnyLog::Sqlite(l) => l.wait_for_append(timeout),
+            AnyLog::Postgres(l) => Ok(l.wait_for_append(timeout)),
+        }
+    }
+}
+
+impl CommandLog for AnyLog {
+    fn append(&mut self, epoch: u64, commands: &[Command]) -> Result<u64, LogError> {
+        match self {
+            AnyLog::Sqlite(l) => l.append(epoch, commands),
+            AnyLog::Postgres(l) => l.append(epoch, commands),
+        }
     }
 
     fn read_from(&mut self, offset: u64, max: usize) -> Result<Vec<Entry>, LogError> {
-        let rows: Vec<(i64, Vec<u8>)> = self
-            .conn
-            .prepare_cached(
-                "SELECT offset, command FROM entries WHERE offset >= ?1 ORDER BY offset LIMIT ?2",
-            )
-            .and_then(|mut s| {
-                s.query_map(params![offset as i64, max as i64], |r| {
-                    Ok((r.get(0)?, r.get(1)?))
-                })?
-                .collect()
-            })
-            .map_err(|e| self.store(e))?;
-        rows.into_iter()
-            .map(|(offset, bytes)| {
-                let offset = offset as u64;
-                Command::decode_from(&bytes)
-                    .map(|command| Entry { offset, command })
-                    .map_err(|e| LogError::Corrupt {
-                        path: self.path.clone(),
-                        offset,
-                        message: e.to_string(),
-                    })
-            })
-            .collect()
-    }
-
-    fn truncate_before(&mut self, epoch: u64, offset: u64) -> Result<usize, LogError> {
-        let path = self.path.clone();
-        let store = |source| LogError::Store {
-            path: path.clone(),
-            source,
-        };
-        let tx = fenced(&mut self.conn, &self.path, epoch)?;
-        let gone = tx
-            .execute(
-                "DELETE FROM entries WHERE offset < ?1",
-                params![offset as i64],
-            )
-            .map_err(store)?;
-        tx.execute(
-            "INSERT INTO meta (key, value) VALUES ('truncated', ?1) \
-             ON CONFLICT (key) DO UPDATE SET value = MAX(value, ?1)",
-            params![offset as i64 - 1],
-        )
-        .map_err(store)?;
-        tx.commit().map_err(store)?;
-        Ok(gone)
-    }
-
-    fn forget_status_requests(&mut self, epoch: u64, offset: u64) -> Result<usize, LogError> {
-        let path = self.path.clone();
-        let tx = fenced(&mut self.conn, &self.path, epoch)?;
-        let gone = tx
-            .execute(
-                "DELETE FROM entries WHERE marker = 2 AND offset <= ?1",
-                params![offset as i64],
-            )
-            // The numbering must not go back if the newest entry went.
-            .and_then(|gone| {
-                tx.execute(
-                    "INSERT INTO meta (key, value) VALUES ('truncated', ?1) \
-                     ON CONFLICT (key) DO UPDATE SET value = MAX(value, ?1)",
-                    params![offset as i64],
-                )?;
-                tx.commit().map(|()| gone)
-            })
-            .map_err(|source| LogError::Store { path, source })?;
-        Ok(gone)
+        match self {
+            AnyLog::Sqlite(l) => l.read_from(offset, max),
+            AnyLog::Postgres(l) => l.read_from(offset, max),
+        }
     }
 
     fn start_offset(&mut self) -> Result<u64, LogError> {
-        let newest: Option<i64> = self
-            .conn
-            .query_row(
-                "SELECT MAX(offset) FROM entries WHERE marker = 1",
-                [],
-                |r| r.get(0),
-            )
-            .map_err(|e| self.store(e))?;
-        Ok(newest.map_or(1, |o| o as u64))
+        match self {
+            AnyLog::Sqlite(l) => l.start_offset(),
+            AnyLog::Postgres(l) => l.start_offset(),
+        }
+    }
+
+    fn truncate_before(&mut self, epoch: u64, offset: u64) -> Result<usize, LogError> {
+        match self {
+            AnyLog::Sqlite(l) => l.truncate_before(epoch, offset),
+            AnyLog::Postgres(l) => l.truncate_before(epoch, offset),
+        }
+    }
+
+    fn forget_status_requests(&mut self, epoch: u64, offset: u64) -> Result<usize, LogError> {
+        match self {
+            AnyLog::Sqlite(l) => l.forget_status_requests(epoch, offset),
+            AnyLog::Postgres(l) => l.forget_status_requests(epoch, offset),
+        }
     }
 }
 

@@ -26,11 +26,8 @@ fn hello(epoch: u64, nonce: u64) -> Command {
     )
 }
 
-#[test]
-fn appends_are_ordered_and_read_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("log.sqlite");
-    let mut log = SqliteLog::open(&path).unwrap();
+fn appends_are_ordered_and_read_back(s: &TestLog) {
+    let mut log = s.open();
     assert_eq!(log.start_offset().unwrap(), 1);
     let last = log
         .append(
@@ -44,7 +41,7 @@ fn appends_are_ordered_and_read_back() {
         .unwrap();
     assert_eq!(last, 3);
     // A reader (another process) sees the same entries in order.
-    let mut other = SqliteLog::open_reader(&path).unwrap();
+    let mut other = s.reader();
     let entries = other.read_from(1, 10).unwrap();
     assert_eq!(
         entries.iter().map(|e| e.offset).collect::<Vec<_>>(),
@@ -56,10 +53,8 @@ fn appends_are_ordered_and_read_back() {
     assert!(other.read_from(4, 10).unwrap().is_empty());
 }
 
-#[test]
-fn start_offset_is_the_newest_marker() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut log = SqliteLog::open(&dir.path().join("l")).unwrap();
+fn start_offset_is_the_newest_marker(s: &TestLog) {
+    let mut log = s.open();
     log.append(
         1,
         &[hello(1, 1), cmd(1, CommandKind::InitializationComplete)],
@@ -73,12 +68,9 @@ fn start_offset_is_the_newest_marker() {
     assert_eq!(log.start_offset().unwrap(), 3);
 }
 
-#[test]
-fn older_epochs_are_fenced_out_and_append_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    let mut old = SqliteLog::open(&path).unwrap();
-    let mut new = SqliteLog::open(&path).unwrap();
+fn older_epochs_are_fenced_out_and_append_nothing(s: &TestLog) {
+    let mut old = s.open();
+    let mut new = s.open();
     old.append(1, &[hello(1, 1)]).unwrap();
     new.append(2, &[hello(2, 1)]).unwrap();
     let err = old
@@ -123,28 +115,16 @@ fn foreign_files_are_refused_untouched() {
     assert!(err.to_string().contains("garbage"), "{err}");
 }
 
-#[test]
-fn corrupt_entries_are_reported_with_their_offset() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    let mut log = SqliteLog::open(&path).unwrap();
+fn corrupt_entries_are_reported_with_their_offset(s: &TestLog) {
+    let mut log = s.open();
     log.append(1, &[hello(1, 1)]).unwrap();
-    rusqlite::Connection::open(&path)
-        .unwrap()
-        .execute(
-            "INSERT INTO entries (offset, epoch, marker, command) VALUES (2, 1, 0, x'ffffffff')",
-            [],
-        )
-        .unwrap();
+    s.insert_garbage_at(2);
     let err = log.read_from(1, 10).unwrap_err();
     assert!(matches!(err, LogError::Corrupt { offset: 2, .. }), "{err}");
 }
 
-#[test]
-fn truncation_keeps_offsets_and_is_fenced() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    let mut log = SqliteLog::open(&path).unwrap();
+fn truncation_keeps_offsets_and_is_fenced(s: &TestLog) {
+    let mut log = s.open();
     log.append(
         1,
         &[hello(1, 1), cmd(1, CommandKind::InitializationComplete)],
@@ -170,11 +150,8 @@ fn truncation_keeps_offsets_and_is_fenced() {
     assert_eq!(log.read_from(1, 10).unwrap().len(), 2);
 }
 
-#[test]
-fn status_requests_are_forgotten_without_reusing_offsets_and_fenced() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("l");
-    let mut log = SqliteLog::open(&path).unwrap();
+fn status_requests_are_forgotten_without_reusing_offsets_and_fenced(s: &TestLog) {
+    let mut log = s.open();
     let status = |seqno| cmd(seqno, CommandKind::StatusRequest { full: false });
     log.append(
         1,
@@ -221,4 +198,360 @@ fn readers_need_an_existing_log() {
         err.to_string().contains("not a lockstep command log"),
         "{err}"
     );
+}
+
+// ---------------------------------------------------------------------------
+// One body, two backends.
+
+use std::time::{Duration, Instant};
+
+use lockstep_pgtest::PgServer;
+
+/// A fresh, empty store of one backend for one test.
+enum TestLog {
+    Sqlite(tempfile::TempDir),
+    Postgres(PgServer),
+}
+
+impl TestLog {
+    fn sqlite() -> TestLog {
+        TestLog::Sqlite(tempfile::tempdir().unwrap())
+    }
+
+    /// A throw-away server of its own: tests run in parallel and some
+    /// restart theirs.
+    fn postgres() -> TestLog {
+        assert!(
+            PgServer::available(),
+            "no PostgreSQL binaries (install the postgresql package)"
+        );
+        TestLog::Postgres(PgServer::start().unwrap())
+    }
+
+    fn location(&self) -> LogLocation {
+        match self {
+            TestLog::Sqlite(dir) => LogLocation::Sqlite(dir.path().join("log.sqlite")),
+            TestLog::Postgres(pg) => LogLocation::Postgres {
+                url: pg.url(),
+                name: "r1".into(),
+            },
+        }
+    }
+
+    fn open(&self) -> AnyLog {
+        AnyLog::open(&self.location()).unwrap()
+    }
+
+    fn reader(&self) -> AnyLog {
+        AnyLog::open_reader(&self.location()).unwrap()
+    }
+
+    fn server(&self) -> &PgServer {
+        match self {
+            TestLog::Postgres(pg) => pg,
+            TestLog::Sqlite(_) => panic!("not a PostgreSQL store"),
+        }
+    }
+
+    /// Stores an entry that does not decode at `offset`.
+    fn insert_garbage_at(&self, offset: u64) {
+        match self {
+            TestLog::Sqlite(dir) => {
+                rusqlite::Connection::open(dir.path().join("log.sqlite"))
+                    .unwrap()
+                    .execute(
+                        "INSERT INTO entries (offset, epoch, marker, command) VALUES (?1, 1, 0, x'ffffffff')",
+                        [offset as i64],
+                    )
+                    .unwrap();
+            }
+            TestLog::Postgres(pg) => {
+                pg.psql(
+                    DB,
+                    &format!(
+                        "INSERT INTO command_log_entries VALUES ('r1', {offset}, 1, 0, '\\xffffffff'::bytea)"
+                    ),
+                )
+                .unwrap();
+            }
+        }
+    }
+}
+
+/// A test of each name per backend: `both::NAME::sqlite` and
+/// `both::NAME::postgres`.
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod both {
+            $(
+                mod $name {
+                    #[test]
+                    fn sqlite() {
+                        super::super::$name(&super::super::TestLog::sqlite());
+                    }
+                    #[test]
+                    fn postgres() {
+                        super::super::$name(&super::super::TestLog::postgres());
+                    }
+                }
+            )*
+        }
+    };
+}
+
+on_both_backends!(
+    appends_are_ordered_and_read_back,
+    start_offset_is_the_newest_marker,
+    older_epochs_are_fenced_out_and_append_nothing,
+    corrupt_entries_are_reported_with_their_offset,
+    truncation_keeps_offsets_and_is_fenced,
+    status_requests_are_forgotten_without_reusing_offsets_and_fenced,
+    a_waiting_reader_is_woken_by_an_append,
+);
+
+/// A reader waiting with a 30 s bound is woken by an append from another
+/// handle long before it, and then reads the new entry.
+fn a_waiting_reader_is_woken_by_an_append(s: &TestLog) {
+    let mut writer = s.open();
+    writer.append(1, &[hello(1, 1)]).unwrap();
+    let mut reader = s.reader();
+    assert_eq!(reader.read_from(1, 10).unwrap().len(), 1);
+    // Nothing new: a zero wait only checks, a short wait times out.
+    assert!(!reader.wait_for_append(Duration::ZERO).unwrap());
+    let t = Instant::now();
+    assert!(!reader.wait_for_append(Duration::from_millis(200)).unwrap());
+    assert!(t.elapsed() >= Duration::from_millis(200));
+    let appender = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        let at = Instant::now();
+        writer
+            .append(1, &[cmd(1, CommandKind::InitializationComplete)])
+            .unwrap();
+        at
+    });
+    let t = Instant::now();
+    let woken = reader.wait_for_append(Duration::from_secs(30)).unwrap();
+    let waited = t.elapsed();
+    let appended_at = appender.join().unwrap();
+    assert!(woken, "woken by the append, not by the bound");
+    assert!(waited < Duration::from_secs(10), "waited {waited:?}");
+    eprintln!(
+        "woken {:?} after the append started",
+        Instant::now().saturating_duration_since(appended_at)
+    );
+    let entries = reader.read_from(2, 10).unwrap();
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0].command.kind, CommandKind::InitializationComplete);
+    // An append between a read and the next wait is not missed.
+    let mut writer = s.open();
+    writer.append(1, &[hello(1, 2)]).unwrap();
+    let t = Instant::now();
+    assert!(reader.wait_for_append(Duration::from_secs(30)).unwrap());
+    assert!(t.elapsed() < Duration::from_secs(10));
+}
+
+// ---------------------------------------------------------------------------
+// PostgreSQL only.
+
+const DB: &str = lockstep_pgtest::DATABASE;
+
+#[test]
+fn locations_parse_and_hide_passwords() {
+    let l: LogLocation = "postgres://u:pw@h:5/db#r-1".parse().unwrap();
+    assert_eq!(
+        l,
+        LogLocation::Postgres {
+            url: "postgres://u:pw@h:5/db".into(),
+            name: "r-1".into()
+        }
+    );
+    assert_eq!(l.to_string(), "postgres://u@h:5/db#r-1");
+    assert!(!format!("{l:?}").contains("pw"));
+    assert!("postgres://h/db".parse::<LogLocation>().is_err(), "no name");
+    assert!("postgres://h/db#Bad".parse::<LogLocation>().is_err());
+    assert_eq!(
+        "/state/log.sqlite".parse::<LogLocation>().unwrap(),
+        LogLocation::Sqlite("/state/log.sqlite".into())
+    );
+}
+
+#[test]
+fn postgres_logs_of_many_replicas_share_a_database() {
+    let pg = PgServer::start().unwrap();
+    let mut a = PgLog::open(&pg.url(), "a").unwrap();
+    let mut b = PgLog::open(&pg.url(), "b").unwrap();
+    assert_eq!(a.append(1, &[hello(1, 1), hello(1, 2)]).unwrap(), 2);
+    assert_eq!(b.append(7, &[hello(7, 1)]).unwrap(), 1);
+    // Fencing is per log: epoch 7 on b does not fence epoch 1 on a.
+    assert_eq!(a.append(1, &[hello(1, 3)]).unwrap(), 3);
+    assert_eq!(b.read_from(1, 10).unwrap().len(), 1);
+    assert_eq!(a.read_from(1, 10).unwrap().len(), 3);
+    // A reader needs an existing log of this format.
+    let err = PgLog::open_reader(&pg.url(), "c").unwrap_err();
+    assert!(err.to_string().contains("missing"), "{err}");
+    let other = pg.new_database("empty").unwrap();
+    let err = PgLog::open_reader(&other, "a").unwrap_err();
+    assert!(
+        err.to_string().contains("not a lockstep command log"),
+        "{err}"
+    );
+    // A newer format is refused, by writers and readers, and left alone.
+    pg.psql(
+        DB,
+        "UPDATE lockstep_schema SET version = 2 WHERE component = 'command_log'",
+    )
+    .unwrap();
+    for err in [
+        PgLog::open(&pg.url(), "a").unwrap_err(),
+        PgLog::open_reader(&pg.url(), "a").unwrap_err(),
+    ] {
+        assert!(matches!(err, LogError::Format { .. }), "{err}");
+        assert!(err.to_string().contains("format 2"), "{err}");
+    }
+    assert_eq!(
+        pg.psql(DB, "SELECT count(*) FROM command_log_entries")
+            .unwrap(),
+        "4"
+    );
+}
+
+/// An append blocked in the server whose backend is terminated fails
+/// promptly with an error and appends nothing; the next append reconnects.
+#[test]
+fn postgres_terminated_backend_fails_the_append_without_a_hang() {
+    let s = TestLog::postgres();
+    let mut log = s.open();
+    log.append(1, &[hello(1, 1)]).unwrap();
+    let holder = lockstep_pg::Conn::connect(&s.server().url(), Default::default()).unwrap();
+    holder
+        .run(|x: &mut lockstep_pg::Session| {
+            Box::pin(async move {
+                x.client
+                    .batch_execute(
+                        "BEGIN; SELECT epoch FROM command_log_fence WHERE log = 'r1' FOR UPDATE",
+                    )
+                    .await?;
+                Ok::<_, lockstep_pg::PgError>(())
+            })
+        })
+        .unwrap();
+    let url = s.server().url();
+    let killer = std::thread::spawn(move || {
+        let k = lockstep_pg::Conn::connect(&url, Default::default()).unwrap();
+        let started = Instant::now();
+        loop {
+            let killed: i64 = k
+                .run(|x: &mut lockstep_pg::Session| {
+                    Box::pin(async move {
+                        let row = x
+                            .client
+                            .query_one(
+                                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+                                 WHERE application_name = 'lockstep-log-r1' \
+                                 AND wait_event_type = 'Lock'",
+                                &[],
+                            )
+                            .await?;
+                        Ok::<_, lockstep_pg::PgError>(row.get(0))
+                    })
+                })
+                .unwrap();
+            if killed > 0 {
+                return;
+            }
+            assert!(started.elapsed() < Duration::from_secs(20), "never blocked");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let started = Instant::now();
+    let err = log.append(1, &[hello(1, 2), hello(1, 3)]).unwrap_err();
+    killer.join().unwrap();
+    assert!(matches!(err, LogError::Postgres { .. }), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    drop(holder);
+    assert_eq!(
+        log.append(1, &[hello(1, 4)]).unwrap(),
+        2,
+        "nothing appended"
+    );
+    let nonces: Vec<u64> = log
+        .read_from(1, 10)
+        .unwrap()
+        .iter()
+        .map(|e| match &e.command.kind {
+            CommandKind::Hello(h) => h.nonce,
+            _ => unreachable!(),
+        })
+        .collect();
+    assert_eq!(nonces, vec![1, 4]);
+}
+
+/// The server restarts while a writer appends batches and a reader tails:
+/// acknowledged batches survive, a batch in flight is entirely there or
+/// entirely absent, offsets stay consecutive, errors are errors (not hangs),
+/// and both handles reconnect.
+#[test]
+fn postgres_server_restart_mid_append_keeps_acknowledged_batches() {
+    let mut s = TestLog::postgres();
+    let mut log = s.open();
+    let mut reader = s.reader();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let writer = std::thread::spawn(move || {
+        let (mut acked, mut failed) = (Vec::new(), Vec::new());
+        let mut batch: u64 = 0;
+        while !stop2.load(std::sync::atomic::Ordering::SeqCst) {
+            batch += 1;
+            let commands: Vec<Command> = (0..3)
+                .map(|k| cmd(batch * 3 + k, CommandKind::InitializationComplete))
+                .collect();
+            match log.append(1, &commands) {
+                Ok(_) => acked.push(batch),
+                Err(e) => {
+                    assert!(matches!(e, LogError::Postgres { .. }), "{e}");
+                    failed.push(batch);
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+        (acked, failed, log)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    match &mut s {
+        TestLog::Postgres(pg) => pg.restart().unwrap(),
+        TestLog::Sqlite(_) => unreachable!(),
+    }
+    // The reader is woken by the lost connection, and reads again.
+    assert!(reader.wait_for_append(Duration::from_secs(10)).unwrap());
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (acked, failed, _log) = writer.join().unwrap();
+    assert!(!failed.is_empty(), "the restart cut an append");
+    assert!(
+        acked.last() > failed.last(),
+        "appends went on after the restart"
+    );
+    let mut entries = Vec::new();
+    for _ in 0..3 {
+        match reader.read_from(1, 100_000) {
+            Ok(e) => {
+                entries = e;
+                break;
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+    let offsets: Vec<u64> = entries.iter().map(|e| e.offset).collect();
+    assert_eq!(offsets, (1..=entries.len() as u64).collect::<Vec<_>>());
+    let mut batches = std::collections::BTreeMap::<u64, u64>::new();
+    for e in &entries {
+        *batches.entry(e.command.seqno / 3).or_default() += 1;
+    }
+    for (b, n) in &batches {
+        assert_eq!(*n, 3, "batch {b} is whole");
+        assert!(acked.contains(b) || failed.contains(b));
+    }
+    for a in &acked {
+        assert!(batches.contains_key(a), "acknowledged batch {a} was lost");
+    }
 }

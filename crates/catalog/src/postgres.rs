@@ -1,0 +1,651 @@
+//! The PostgreSQL backend: the catalog's tables (`catalog_*`) in one
+//! database, reached with tokio-postgres through [`lockstep_pg::Conn`].
+//!
+//! - **Schema.** The table `lockstep_schema (component, version)` holds the
+//!   schema version of each component sharing the database (`catalog` here;
+//!   the command log keeps its own row). Opening takes a transaction-scoped
+//!   advisory lock, so concurrent first opens do not race to create the
+//!   tables, then creates the schema (absent), migrates it (older) or
+//!   refuses it (newer: [`OpenError::NewerSchema`], nothing changed), and
+//!   bumps the epoch, all in one transaction.
+//! - **Fencing.** Every write runs in one transaction that starts with
+//!   `SELECT … FROM catalog_meta WHERE key = 'epoch' FOR UPDATE`. The epoch
+//!   bump of a newer opener updates that row, so it waits for a running
+//!   write and every later write sees the new epoch and fails with
+//!   [`Fenced`]. Holding that row lock also serializes the writers, as
+//!   SQLite's `BEGIN IMMEDIATE` does.
+//! - **Failures.** A write whose connection breaks returns
+//!   [`WriteError::Postgres`]; it either committed entirely or not at all
+//!   (a reopened catalog tells which). The next call reconnects.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use lockstep_pg::tokio_postgres::{Client, IsolationLevel};
+use lockstep_pg::{BoxFuture, Conn, Options, PgError, Session};
+
+use crate::{
+    check_replica, CatalogState, Dataflow, Fenced, InputWrite, OpenError, ReadError, Replica,
+    ReplicaConfig, StoredPolicy, WriteError, APPLICATION_ID, SCHEMA_VERSION,
+};
+
+/// The tables of schema version 1.
+const SCHEMA: &str = "
+CREATE TABLE catalog_meta (
+    key   TEXT PRIMARY KEY,
+    value BIGINT NOT NULL
+);
+INSERT INTO catalog_meta (key, value) VALUES ('epoch', 0), ('next_replica_id', 1), ('next_dataflow_id', 1);
+CREATE TABLE catalog_replicas (
+    id                  BIGINT PRIMARY KEY,
+    name                TEXT NOT NULL UNIQUE,
+    processes           INTEGER NOT NULL,
+    workers_per_process INTEGER NOT NULL,
+    config              TEXT NOT NULL
+);
+CREATE TABLE catalog_dataflows (
+    id          BIGINT PRIMARY KEY,
+    replica_id  BIGINT NOT NULL REFERENCES catalog_replicas (id) ON DELETE CASCADE,
+    description BYTEA NOT NULL
+);
+CREATE TABLE catalog_input_writes (
+    seq           BIGSERIAL PRIMARY KEY,
+    replica_id    BIGINT NOT NULL REFERENCES catalog_replicas (id) ON DELETE CASCADE,
+    collection_id BIGINT NOT NULL,
+    write         BYTEA NOT NULL
+);
+";
+
+/// Version 2 adds the policies in force (set at run time).
+const SCHEMA_V2: &str = "
+CREATE TABLE IF NOT EXISTS catalog_policies (
+    kind   TEXT PRIMARY KEY,
+    name   TEXT NOT NULL,
+    wasm   BYTEA NOT NULL,
+    set_at BIGINT NOT NULL
+);
+";
+
+/// An open PostgreSQL catalog, owning the epoch it bumped when it was opened.
+#[derive(Debug)]
+pub(crate) struct PgCatalog {
+    conn: Conn,
+    location: PathBuf,
+    epoch: u64,
+}
+
+impl PgCatalog {
+    /// Connects, creates or migrates the schema, and bumps the epoch.
+    pub(crate) fn open(url: &str) -> Result<PgCatalog, OpenError> {
+        let redacted = lockstep_pg::redact(url);
+        let postgres = |source| OpenError::Postgres {
+            location: redacted.clone(),
+            source,
+        };
+        let conn = Conn::connect(
+            url,
+            Options {
+                application_name: "lockstep-catalog".into(),
+                ..Options::default()
+            },
+        )
+        .map_err(postgres)?;
+        let location = PathBuf::from(conn.location());
+        let path = location.clone();
+        let epoch = conn
+            .run(move |s: &mut Session| {
+                Box::pin(async move { Ok::<_, PgError>(open_transaction(&s.client, path).await) })
+            })
+            .map_err(postgres)??;
+        Ok(PgCatalog {
+            conn,
+            location,
+            epoch,
+        })
+    }
+
+    /// The epoch this handle owns.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The redacted connection string.
+    pub(crate) fn path(&self) -> &Path {
+        &self.location
+    }
+
+    /// Reads everything in one (repeatable-read, read-only) transaction.
+    pub(crate) fn state(&mut self) -> Result<CatalogState, ReadError> {
+        self.conn.run(|s: &mut Session| {
+            Box::pin(async move {
+                let tx = s
+                    .client
+                    .build_transaction()
+                    .isolation_level(IsolationLevel::RepeatableRead)
+                    .read_only(true)
+                    .start()
+                    .await?;
+                let mut meta = BTreeMap::new();
+                for row in tx.query("SELECT key, value FROM catalog_meta", &[]).await? {
+                    meta.insert(row.get::<_, String>(0), row.get::<_, i64>(1) as u64);
+                }
+                let meta = |key: &str| meta.get(key).copied().unwrap_or(0);
+                let mut replicas = BTreeMap::new();
+                for r in tx
+                    .query(
+                        "SELECT id, name, processes, workers_per_process, config \
+                         FROM catalog_replicas ORDER BY id",
+                        &[],
+                    )
+                    .await?
+                {
+                    let replica = Replica {
+                        id: r.get::<_, i64>(0) as u64,
+                        name: r.get(1),
+                        config: ReplicaConfig {
+                            processes: r.get::<_, i32>(2) as u32,
+                            workers_per_process: r.get::<_, i32>(3) as u32,
+                            config: r.get(4),
+                        },
+                    };
+                    replicas.insert(replica.id, replica);
+                }
+                let mut dataflows = BTreeMap::new();
+                for r in tx
+                    .query(
+                        "SELECT id, replica_id, description FROM catalog_dataflows ORDER BY id",
+                        &[],
+                    )
+                    .await?
+                {
+                    let dataflow = Dataflow {
+                        id: r.get::<_, i64>(0) as u64,
+                        replica_id: r.get::<_, i64>(1) as u64,
+                        description: r.get(2),
+                    };
+                    dataflows.insert(dataflow.id, dataflow);
+                }
+                let input_writes = tx
+                    .query(
+                        "SELECT seq, replica_id, collection_id, write \
+                         FROM catalog_input_writes ORDER BY seq",
+                        &[],
+                    )
+                    .await?
+                    .into_iter()
+                    .map(|r| InputWrite {
+                        seq: r.get::<_, i64>(0) as u64,
+                        replica_id: r.get::<_, i64>(1) as u64,
+                        collection_id: r.get::<_, i64>(2) as u64,
+                        write: r.get(3),
+                    })
+                    .collect();
+                tx.commit().await?;
+                Ok(CatalogState {
+                    epoch: meta("epoch"),
+                    next_replica_id: meta("next_replica_id"),
+                    next_dataflow_id: meta("next_dataflow_id"),
+                    replicas,
+                    dataflows,
+                    input_writes,
+                })
+            })
+        })
+    }
+
+    /// Checks the fence without writing.
+    pub(crate) fn check_fence(&mut self) -> Result<(), WriteError> {
+        self.write(|_| Box::pin(async { Ok(()) }))
+    }
+
+    /// Creates a replica, allocating its ID.
+    pub(crate) fn create_replica(
+        &mut self,
+        name: &str,
+        config: ReplicaConfig,
+    ) -> Result<Replica, WriteError> {
+        check_replica(name, &config).map_err(WriteError::Invalid)?;
+        let name = name.to_string();
+        self.write(move |c| {
+            Box::pin(async move {
+                let taken = c
+                    .query_opt("SELECT id FROM catalog_replicas WHERE name = $1", &[&name])
+                    .await?;
+                if taken.is_some() {
+                    return Err(WriteError::ReplicaExists(name));
+                }
+                let id = allocate(c, "next_replica_id").await?;
+                c.execute(
+                    "INSERT INTO catalog_replicas (id, name, processes, workers_per_process, config) \
+                     VALUES ($1, $2, $3, $4, $5)",
+                    &[
+                        &(id as i64),
+                        &name,
+                        &(config.processes as i32),
+                        &(config.workers_per_process as i32),
+                        &config.config,
+                    ],
+                )
+                .await?;
+                Ok(Replica { id, name, config })
+            })
+        })
+    }
+
+    /// Drops the replica with this name, and its dataflows and inputs.
+    pub(crate) fn drop_replica(&mut self, name: &str) -> Result<Replica, WriteError> {
+        if name.is_empty() {
+            return Err(WriteError::Invalid("a replica needs a name".into()));
+        }
+        let name = name.to_string();
+        self.write(move |c| {
+            Box::pin(async move {
+                let row = c
+                    .query_opt(
+                        "SELECT id, processes, workers_per_process, config \
+                         FROM catalog_replicas WHERE name = $1",
+                        &[&name],
+                    )
+                    .await?
+                    .ok_or_else(|| WriteError::NoSuchReplica(name.clone()))?;
+                let replica = Replica {
+                    id: row.get::<_, i64>(0) as u64,
+                    name,
+                    config: ReplicaConfig {
+                        processes: row.get::<_, i32>(1) as u32,
+                        workers_per_process: row.get::<_, i32>(2) as u32,
+                        config: row.get(3),
+                    },
+                };
+                let id = replica.id as i64;
+                c.execute(
+                    "DELETE FROM catalog_dataflows WHERE replica_id = $1",
+                    &[&id],
+                )
+                .await?;
+                c.execute(
+                    "DELETE FROM catalog_input_writes WHERE replica_id = $1",
+                    &[&id],
+                )
+                .await?;
+                c.execute("DELETE FROM catalog_replicas WHERE id = $1", &[&id])
+                    .await?;
+                Ok(replica)
+            })
+        })
+    }
+
+    /// Records a dataflow, allocating its ID and passing it to `describe`.
+    ///
+    /// `describe` runs on the caller's thread while the transaction is open
+    /// on the connection thread: the first step checks the fence and
+    /// allocates the ID, the second stores the description and commits. If
+    /// the connection was replaced in between, nothing was committed.
+    pub(crate) fn create_dataflow_with(
+        &mut self,
+        replica_id: u64,
+        describe: impl FnOnce(u64) -> Vec<u8>,
+    ) -> Result<Dataflow, WriteError> {
+        let epoch = self.epoch;
+        let (id, generation) = self.conn.run(move |s: &mut Session| {
+            Box::pin(async move {
+                let generation = s.generation;
+                let c = &s.client;
+                c.batch_execute("BEGIN").await?;
+                let step = async {
+                    fence(c, epoch).await?;
+                    replica_exists(c, replica_id).await?;
+                    allocate(c, "next_dataflow_id").await
+                }
+                .await;
+                match step {
+                    Ok(id) => Ok((id, generation)),
+                    Err(e) => {
+                        let _ = c.batch_execute("ROLLBACK").await;
+                        Err(e)
+                    }
+                }
+            })
+        })?;
+        // Roll back if `describe` panics.
+        struct Open<'a>(Option<&'a Conn>);
+        impl Drop for Open<'_> {
+            fn drop(&mut self) {
+                if let Some(conn) = self.0 {
+                    let _ = conn.run(|s: &mut Session| {
+                        Box::pin(async move {
+                            s.client.batch_execute("ROLLBACK").await?;
+                            Ok::<_, WriteError>(())
+                        })
+                    });
+                }
+            }
+        }
+        let mut open = Open(Some(&self.conn));
+        let description = describe(id);
+        open.0 = None;
+        let stored = description.clone();
+        self.conn.run(move |s: &mut Session| {
+            Box::pin(async move {
+                if s.generation != generation {
+                    return Err(WriteError::Postgres(PgError::Reconnected(
+                        "the catalog".into(),
+                    )));
+                }
+                let c = &s.client;
+                let step = c
+                    .execute(
+                        "INSERT INTO catalog_dataflows (id, replica_id, description) VALUES ($1, $2, $3)",
+                        &[&(id as i64), &(replica_id as i64), &stored],
+                    )
+                    .await;
+                if let Err(e) = step {
+                    let _ = c.batch_execute("ROLLBACK").await;
+                    return Err(e.into());
+                }
+                c.batch_execute("COMMIT").await?;
+                Ok(())
+            })
+        })?;
+        Ok(Dataflow {
+            id,
+            replica_id,
+            description,
+        })
+    }
+
+    /// Records a write to an input collection.
+    pub(crate) fn append_input(
+        &mut self,
+        replica_id: u64,
+        collection_id: u64,
+        write: &[u8],
+    ) -> Result<InputWrite, WriteError> {
+        let write = write.to_vec();
+        self.write(move |c| {
+            Box::pin(async move {
+                replica_exists(c, replica_id).await?;
+                insert_input(c, replica_id, collection_id, write).await
+            })
+        })
+    }
+
+    /// Replaces every stored write to an input collection with `write`.
+    pub(crate) fn replace_inputs(
+        &mut self,
+        replica_id: u64,
+        collection_id: u64,
+        write: &[u8],
+    ) -> Result<InputWrite, WriteError> {
+        let write = write.to_vec();
+        self.write(move |c| {
+            Box::pin(async move {
+                replica_exists(c, replica_id).await?;
+                c.execute(
+                    "DELETE FROM catalog_input_writes WHERE replica_id = $1 AND collection_id = $2",
+                    &[&(replica_id as i64), &(collection_id as i64)],
+                )
+                .await?;
+                insert_input(c, replica_id, collection_id, write).await
+            })
+        })
+    }
+
+    /// Records `policy` as the one in force for its kind.
+    pub(crate) fn set_policy(&mut self, policy: &StoredPolicy) -> Result<(), WriteError> {
+        let policy = policy.clone();
+        self.write(move |c| {
+            Box::pin(async move {
+                c.execute(
+                    "INSERT INTO catalog_policies (kind, name, wasm, set_at) VALUES ($1, $2, $3, $4) \
+                     ON CONFLICT (kind) DO UPDATE SET name = $2, wasm = $3, set_at = $4",
+                    &[&policy.kind, &policy.name, &policy.wasm, &(policy.set_at as i64)],
+                )
+                .await?;
+                Ok(())
+            })
+        })
+    }
+
+    /// The policies set at run time, by kind.
+    pub(crate) fn policies(&mut self) -> Result<Vec<StoredPolicy>, ReadError> {
+        self.conn.run(|s: &mut Session| {
+            Box::pin(async move {
+                let rows = s
+                    .client
+                    .query(
+                        "SELECT kind, name, wasm, set_at FROM catalog_policies ORDER BY kind",
+                        &[],
+                    )
+                    .await?;
+                Ok(rows
+                    .into_iter()
+                    .map(|r| StoredPolicy {
+                        kind: r.get(0),
+                        name: r.get(1),
+                        wasm: r.get(2),
+                        set_at: r.get::<_, i64>(3) as u64,
+                    })
+                    .collect())
+            })
+        })
+    }
+
+    /// Drops a dataflow.
+    pub(crate) fn drop_dataflow(&mut self, id: u64) -> Result<(), WriteError> {
+        self.write(move |c| {
+            Box::pin(async move {
+                let n = c
+                    .execute(
+                        "DELETE FROM catalog_dataflows WHERE id = $1",
+                        &[&(id as i64)],
+                    )
+                    .await?;
+                if n == 0 {
+                    return Err(WriteError::NoSuchDataflow(id));
+                }
+                Ok(())
+            })
+        })
+    }
+
+    /// Runs `f` in one transaction that first locks the epoch row and checks
+    /// the fence; commits only if `f` succeeds.
+    fn write<T, F>(&mut self, f: F) -> Result<T, WriteError>
+    where
+        T: Send + 'static,
+        F: for<'c> FnOnce(&'c Client) -> BoxFuture<'c, Result<T, WriteError>> + Send + 'static,
+    {
+        let epoch = self.epoch;
+        self.conn.run(move |s: &mut Session| {
+            Box::pin(async move {
+                let c = &s.client;
+                c.batch_execute("BEGIN").await?;
+                let out = async {
+                    fence(c, epoch).await?;
+                    f(c).await
+                }
+                .await;
+                match out {
+                    Ok(v) => {
+                        c.batch_execute("COMMIT").await?;
+                        Ok(v)
+                    }
+                    Err(e) => {
+                        let _ = c.batch_execute("ROLLBACK").await;
+                        Err(e)
+                    }
+                }
+            })
+        })
+    }
+}
+
+/// The open transaction: schema check, creation or migration, epoch bump.
+async fn open_transaction(c: &Client, path: PathBuf) -> Result<u64, OpenError> {
+    let pg = |source: lockstep_pg::tokio_postgres::Error| OpenError::Postgres {
+        location: path.display().to_string(),
+        source: source.into(),
+    };
+    c.batch_execute("BEGIN").await.map_err(pg)?;
+    let out = async {
+        // Serialize first opens: CREATE TABLE IF NOT EXISTS races otherwise.
+        c.execute(
+            "SELECT pg_advisory_xact_lock($1)",
+            &[&i64::from(APPLICATION_ID)],
+        )
+        .await
+        .map_err(pg)?;
+        c.batch_execute(
+            "CREATE TABLE IF NOT EXISTS lockstep_schema (\
+                 component TEXT PRIMARY KEY, version INTEGER NOT NULL)",
+        )
+        .await
+        .map_err(pg)?;
+        let version: Option<i32> = c
+            .query_opt(
+                "SELECT version FROM lockstep_schema WHERE component = 'catalog'",
+                &[],
+            )
+            .await
+            .map_err(pg)?
+            .map(|r| r.get(0));
+        match version {
+            None => {
+                let leftover: Option<String> = c
+                    .query_one("SELECT to_regclass('catalog_meta')::text", &[])
+                    .await
+                    .map_err(pg)?
+                    .get(0);
+                if leftover.is_some() {
+                    return Err(OpenError::Corrupt {
+                        path: path.clone(),
+                        reason: "catalog tables without a schema version in lockstep_schema".into(),
+                    });
+                }
+                c.batch_execute(SCHEMA).await.map_err(pg)?;
+                c.batch_execute(SCHEMA_V2).await.map_err(pg)?;
+                c.execute(
+                    "INSERT INTO lockstep_schema (component, version) VALUES ('catalog', $1)",
+                    &[&SCHEMA_VERSION],
+                )
+                .await
+                .map_err(pg)?;
+            }
+            Some(found) if found > SCHEMA_VERSION => {
+                return Err(OpenError::NewerSchema {
+                    path: path.clone(),
+                    found,
+                })
+            }
+            Some(found) if found < 1 => {
+                return Err(OpenError::Corrupt {
+                    path: path.clone(),
+                    reason: format!("schema version {found}"),
+                })
+            }
+            Some(found) => {
+                if found < 2 {
+                    c.batch_execute(SCHEMA_V2).await.map_err(pg)?;
+                }
+                if found < SCHEMA_VERSION {
+                    c.execute(
+                        "UPDATE lockstep_schema SET version = $1 WHERE component = 'catalog'",
+                        &[&SCHEMA_VERSION],
+                    )
+                    .await
+                    .map_err(pg)?;
+                }
+            }
+        }
+        let epoch: i64 = c
+            .query_one(
+                "UPDATE catalog_meta SET value = value + 1 WHERE key = 'epoch' RETURNING value",
+                &[],
+            )
+            .await
+            .map_err(pg)?
+            .get(0);
+        Ok(epoch as u64)
+    }
+    .await;
+    match out {
+        Ok(epoch) => {
+            c.batch_execute("COMMIT").await.map_err(pg)?;
+            Ok(epoch)
+        }
+        Err(e) => {
+            let _ = c.batch_execute("ROLLBACK").await;
+            Err(e)
+        }
+    }
+}
+
+/// Locks the epoch row and fails with [`Fenced`] unless it is still ours.
+async fn fence(c: &Client, epoch: u64) -> Result<(), WriteError> {
+    let current: i64 = c
+        .query_one(
+            "SELECT value FROM catalog_meta WHERE key = 'epoch' FOR UPDATE",
+            &[],
+        )
+        .await?
+        .get(0);
+    let current = current as u64;
+    if current != epoch {
+        return Err(Fenced {
+            ours: epoch,
+            current,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Fails with `NoSuchReplica` unless the replica is in the catalog.
+async fn replica_exists(c: &Client, replica_id: u64) -> Result<(), WriteError> {
+    match c
+        .query_opt(
+            "SELECT id FROM catalog_replicas WHERE id = $1",
+            &[&(replica_id as i64)],
+        )
+        .await?
+    {
+        Some(_) => Ok(()),
+        None => Err(WriteError::NoSuchReplica(format!("with ID {replica_id}"))),
+    }
+}
+
+/// Takes the next value of a monotonic allocator.
+async fn allocate(c: &Client, key: &str) -> Result<u64, WriteError> {
+    let next: i64 = c
+        .query_one(
+            "UPDATE catalog_meta SET value = value + 1 WHERE key = $1 RETURNING value",
+            &[&key],
+        )
+        .await?
+        .get(0);
+    Ok(next as u64 - 1)
+}
+
+/// Appends one input write row; returns it with its position.
+async fn insert_input(
+    c: &Client,
+    replica_id: u64,
+    collection_id: u64,
+    write: Vec<u8>,
+) -> Result<InputWrite, WriteError> {
+    let seq: i64 = c
+        .query_one(
+            "INSERT INTO catalog_input_writes (replica_id, collection_id, write) \
+             VALUES ($1, $2, $3) RETURNING seq",
+            &[&(replica_id as i64), &(collection_id as i64), &write],
+        )
+        .await?
+        .get(0);
+    Ok(InputWrite {
+        seq: seq as u64,
+        replica_id,
+        collection_id,
+        write,
+    })
+}

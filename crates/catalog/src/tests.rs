@@ -1,0 +1,646 @@
+use super::*;
+use rusqlite::Connection;
+use std::time::Duration;
+
+fn inputs_and_dataflows_survive_reopen_and_go_with_their_replica(s: &TestStore) {
+    let mut c = s.open();
+    let r = c.create_replica("r", cfg(2)).unwrap();
+    let d = c
+        .create_dataflow_with(r.id, |id| format!("df{id}").into_bytes())
+        .unwrap();
+    assert_eq!(d.description, format!("df{}", d.id).into_bytes());
+    let w1 = c.append_input(r.id, 7, b"one").unwrap();
+    let w2 = c.append_input(r.id, 7, b"two").unwrap();
+    assert!(w2.seq > w1.seq);
+    assert!(matches!(
+        c.append_input(r.id + 100, 7, b"x"),
+        Err(WriteError::NoSuchReplica(_))
+    ));
+    drop(c);
+    let mut c = s.open();
+    let state = c.state().unwrap();
+    assert_eq!(state.dataflows[&d.id].description, d.description);
+    let writes: Vec<&[u8]> = state.input_writes.iter().map(|w| &w.write[..]).collect();
+    assert_eq!(writes, vec![&b"one"[..], &b"two"[..]]);
+    c.drop_replica("r").unwrap();
+    let state = c.state().unwrap();
+    assert!(state.input_writes.is_empty() && state.dataflows.is_empty());
+}
+
+fn cfg(processes: u32) -> ReplicaConfig {
+    ReplicaConfig {
+        processes,
+        workers_per_process: 2,
+        config: String::new(),
+    }
+}
+
+fn a_version_1_catalog_is_migrated_and_policies_are_kept_and_fenced(s: &TestStore) {
+    {
+        let mut c = s.open();
+        c.create_replica("r", cfg(1)).unwrap();
+        // Make it a version 1 catalog, as an older build left it.
+        s.make_version_1(&c);
+    }
+    let mut c = s.open();
+    assert_eq!(
+        c.state().unwrap().replicas.len(),
+        1,
+        "kept across the migration"
+    );
+    assert!(c.policies().unwrap().is_empty());
+    let p = StoredPolicy {
+        kind: "distribution".into(),
+        name: "log".into(),
+        wasm: vec![0, 97, 115, 109],
+        set_at: 7,
+    };
+    c.set_policy(&p).unwrap();
+    let newer = StoredPolicy {
+        name: "barrier".into(),
+        set_at: 8,
+        ..p.clone()
+    };
+    c.set_policy(&newer).unwrap();
+    assert_eq!(c.policies().unwrap(), vec![newer.clone()]);
+    let mut reopened = s.open();
+    assert_eq!(reopened.policies().unwrap(), vec![newer]);
+    assert!(c.set_policy(&p).unwrap_err().fenced().is_some());
+}
+
+fn replacing_inputs_keeps_other_collections_and_is_fenced(s: &TestStore) {
+    let mut c = s.open();
+    let r = c.create_replica("r", cfg(1)).unwrap();
+    for i in 0..5u8 {
+        c.append_input(r.id, 1, &[i]).unwrap();
+    }
+    c.append_input(r.id, 2, b"other").unwrap();
+    c.replace_inputs(r.id, 1, b"snapshot").unwrap();
+    let writes: Vec<(u64, Vec<u8>)> = c
+        .state()
+        .unwrap()
+        .input_writes
+        .into_iter()
+        .map(|w| (w.collection_id, w.write))
+        .collect();
+    assert_eq!(
+        writes,
+        vec![(2, b"other".to_vec()), (1, b"snapshot".to_vec())]
+    );
+    let _newer = s.open();
+    assert!(c
+        .replace_inputs(r.id, 1, b"stale")
+        .unwrap_err()
+        .fenced()
+        .is_some());
+}
+
+fn opening_bumps_the_epoch_and_ids_are_monotonic(s: &TestStore) {
+    let mut a = s.open();
+    assert_eq!(a.epoch(), 1);
+    let r1 = a.create_replica("r1", cfg(2)).unwrap();
+    let r2 = a.create_replica("r2", cfg(1)).unwrap();
+    assert!(r2.id > r1.id);
+    a.drop_replica("r2").unwrap();
+    let r3 = a.create_replica("r3", cfg(1)).unwrap();
+    assert!(r3.id > r2.id, "IDs are never reused");
+    let d = a.create_dataflow(r1.id, b"desc").unwrap();
+    let gone = a.create_dataflow(r1.id, b"gone").unwrap();
+    assert!(gone.id > d.id);
+    a.drop_dataflow(gone.id).unwrap();
+    assert!(matches!(
+        a.drop_dataflow(gone.id),
+        Err(WriteError::NoSuchDataflow(_))
+    ));
+    assert!(matches!(
+        a.create_dataflow(r2.id, b"on a dropped replica"),
+        Err(WriteError::NoSuchReplica(_))
+    ));
+    drop(a);
+    let mut b = s.open();
+    assert_eq!(b.epoch(), 2);
+    let state = b.state().unwrap();
+    assert_eq!(state.epoch, 2);
+    assert_eq!(state.next_replica_id, r3.id + 1);
+    assert_eq!(
+        state.replicas.keys().copied().collect::<Vec<_>>(),
+        vec![r1.id, r3.id]
+    );
+    assert_eq!(state.replicas[&r1.id].config, cfg(2));
+    assert_eq!(state.dataflows[&d.id].description, b"desc");
+    assert_eq!(state.dataflows.len(), 1);
+    assert_eq!(state.next_dataflow_id, gone.id + 1);
+    b.drop_replica("r1").unwrap();
+    assert!(b.state().unwrap().dataflows.is_empty());
+    assert!(matches!(
+        b.drop_replica("r1"),
+        Err(WriteError::NoSuchReplica(_))
+    ));
+    assert!(matches!(
+        b.create_replica("r3", cfg(1)),
+        Err(WriteError::ReplicaExists(_))
+    ));
+    assert!(matches!(
+        b.create_replica("r4", cfg(0)),
+        Err(WriteError::Invalid(_))
+    ));
+}
+
+fn replica_names_and_shapes_are_bounded(s: &TestStore) {
+    let mut c = s.open();
+    let shape = |processes, workers_per_process, config: &str| ReplicaConfig {
+        processes,
+        workers_per_process,
+        config: config.into(),
+    };
+    for (name, config, says) in [
+        ("", shape(1, 1, ""), "needs a name"),
+        ("Upper", shape(1, 1, ""), "only a-z"),
+        ("a b", shape(1, 1, ""), "only a-z"),
+        ("r\u{e9}", shape(1, 1, ""), "only a-z"),
+        ("-r", shape(1, 1, ""), "start or end"),
+        (
+            &"r".repeat(MAX_NAME_LEN + 1),
+            shape(1, 1, ""),
+            "at most 63 characters",
+        ),
+        ("r", shape(0, 1, ""), "at least one process"),
+        ("r", shape(MAX_PROCESSES + 1, 1, ""), "at most 64 processes"),
+        ("r", shape(1, 1_000_000, ""), "at most 64 workers"),
+        (
+            "r",
+            shape(1, 1, &"x".repeat(MAX_CONFIG_LEN + 1)),
+            "at most 4096 bytes",
+        ),
+    ] {
+        match c.create_replica(name, config) {
+            Err(WriteError::Invalid(m)) => assert!(m.contains(says), "{name:?}: {m}"),
+            other => panic!("{name:?} was not refused: {other:?}"),
+        }
+    }
+    assert!(
+        c.state().unwrap().replicas.is_empty(),
+        "nothing was written"
+    );
+    let longest = "r".repeat(MAX_NAME_LEN);
+    c.create_replica(&longest, shape(MAX_PROCESSES, MAX_WORKERS_PER_PROCESS, ""))
+        .unwrap();
+    c.create_replica("replica-2", shape(1, 1, "x")).unwrap();
+}
+
+fn a_stale_handle_is_fenced_and_writes_nothing(s: &TestStore) {
+    let mut old = s.open();
+    old.create_replica("r1", cfg(1)).unwrap();
+    let mut new = s.open();
+    let err = old.create_replica("r2", cfg(1)).unwrap_err();
+    assert_eq!(
+        err.fenced(),
+        Some(Fenced {
+            ours: 1,
+            current: 2
+        })
+    );
+    assert!(err.to_string().contains("another controller took over"));
+    assert!(old.drop_replica("r1").unwrap_err().fenced().is_some());
+    assert!(old.check_fence().unwrap_err().fenced().is_some());
+    let state = new.state().unwrap();
+    assert_eq!(state.replicas.len(), 1);
+    assert_eq!(
+        state.next_replica_id, 2,
+        "the fenced write allocated nothing"
+    );
+    new.create_replica("r2", cfg(1)).unwrap();
+    new.check_fence().unwrap();
+}
+
+#[test]
+fn garbage_is_refused_and_left_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("catalog.db");
+    let garbage = b"this is not a database, it is a shopping list\n".repeat(100);
+    std::fs::write(&path, &garbage).unwrap();
+    let err = Catalog::open(&path).unwrap_err();
+    assert!(matches!(err, OpenError::Corrupt { .. }), "{err}");
+    assert!(err.to_string().contains("corrupt"));
+    assert_eq!(std::fs::read(&path).unwrap(), garbage);
+}
+
+#[test]
+fn a_truncated_catalog_is_refused_and_left_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("catalog.db");
+    {
+        let mut c = Catalog::open(&path).unwrap();
+        for i in 0..200 {
+            c.create_replica(&format!("replica-with-a-long-name-{i}"), cfg(1))
+                .unwrap();
+        }
+    }
+    let mut bytes = std::fs::read(&path).unwrap();
+    assert!(bytes.len() > 8192);
+    // Scribble over the second page (a b-tree page).
+    for b in &mut bytes[4096..4096 + 512] {
+        *b = 0xa5;
+    }
+    std::fs::write(&path, &bytes).unwrap();
+    let err = Catalog::open(&path).unwrap_err();
+    assert!(matches!(err, OpenError::Corrupt { .. }), "{err}");
+    assert_eq!(std::fs::read(&path).unwrap(), bytes);
+}
+
+#[test]
+fn a_newer_schema_or_foreign_file_is_refused_and_left_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("catalog.db");
+    drop(Catalog::open(&path).unwrap());
+    {
+        let conn = Connection::open(&path).unwrap();
+        conn.pragma_update(None, "user_version", SCHEMA_VERSION + 1)
+            .unwrap();
+    }
+    let before = std::fs::read(&path).unwrap();
+    let err = Catalog::open(&path).unwrap_err();
+    assert!(
+        matches!(err, OpenError::NewerSchema { found, .. } if found == SCHEMA_VERSION + 1),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+
+    let other = dir.path().join("other.db");
+    {
+        let conn = Connection::open(&other).unwrap();
+        conn.execute_batch("CREATE TABLE t (x INTEGER); INSERT INTO t VALUES (1);")
+            .unwrap();
+    }
+    let before = std::fs::read(&other).unwrap();
+    let err = Catalog::open(&other).unwrap_err();
+    assert!(matches!(err, OpenError::Foreign { found: 0, .. }), "{err}");
+    assert_eq!(std::fs::read(&other).unwrap(), before);
+}
+
+// ---------------------------------------------------------------------------
+// One body, two backends.
+
+use lockstep_pgtest::PgServer;
+
+/// A fresh, empty store of one backend for one test.
+enum TestStore {
+    Sqlite(tempfile::TempDir),
+    Postgres(PgServer),
+}
+
+impl TestStore {
+    fn sqlite() -> TestStore {
+        TestStore::Sqlite(tempfile::tempdir().unwrap())
+    }
+
+    /// A throw-away server of its own: tests run in parallel and some
+    /// restart theirs.
+    fn postgres() -> TestStore {
+        assert!(
+            PgServer::available(),
+            "no PostgreSQL binaries (install the postgresql package)"
+        );
+        TestStore::Postgres(PgServer::start().unwrap())
+    }
+
+    fn store(&self) -> Store {
+        match self {
+            TestStore::Sqlite(dir) => Store::Sqlite(dir.path().join("catalog.db")),
+            TestStore::Postgres(pg) => Store::Postgres(pg.url()),
+        }
+    }
+
+    fn open(&self) -> Catalog {
+        Catalog::open_store(&self.store()).unwrap()
+    }
+
+    fn server(&self) -> &PgServer {
+        match self {
+            TestStore::Postgres(pg) => pg,
+            TestStore::Sqlite(_) => panic!("not a PostgreSQL store"),
+        }
+    }
+
+    /// Turns the catalog into a version 1 catalog, as an older build left it.
+    fn make_version_1(&self, c: &Catalog) {
+        match self {
+            TestStore::Sqlite(_) => c
+                .sqlite_conn()
+                .execute_batch("DROP TABLE policies; PRAGMA user_version = 1;")
+                .unwrap(),
+            TestStore::Postgres(pg) => {
+                pg.psql(
+                    lockstep_pgtest::DATABASE,
+                    "DROP TABLE catalog_policies; \
+                     UPDATE lockstep_schema SET version = 1 WHERE component = 'catalog';",
+                )
+                .unwrap();
+            }
+        }
+    }
+}
+
+/// A test of each name per backend: `both::NAME::sqlite` and
+/// `both::NAME::postgres`.
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod both {
+            $(
+                mod $name {
+                    #[test]
+                    fn sqlite() {
+                        super::super::$name(&super::super::TestStore::sqlite());
+                    }
+                    #[test]
+                    fn postgres() {
+                        super::super::$name(&super::super::TestStore::postgres());
+                    }
+                }
+            )*
+        }
+    };
+}
+
+on_both_backends!(
+    inputs_and_dataflows_survive_reopen_and_go_with_their_replica,
+    a_version_1_catalog_is_migrated_and_policies_are_kept_and_fenced,
+    replacing_inputs_keeps_other_collections_and_is_fenced,
+    opening_bumps_the_epoch_and_ids_are_monotonic,
+    replica_names_and_shapes_are_bounded,
+    a_stale_handle_is_fenced_and_writes_nothing,
+    a_panicking_describe_writes_nothing,
+);
+
+/// `describe` runs inside the write transaction: if it panics, nothing of
+/// the dataflow is written and the catalog goes on working.
+fn a_panicking_describe_writes_nothing(s: &TestStore) {
+    let mut c = s.open();
+    let r = c.create_replica("r", cfg(1)).unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        c.create_dataflow_with(r.id, |_| panic!("describe failed"))
+    }));
+    assert!(panicked.is_err());
+    let d = c.create_dataflow(r.id, b"next").unwrap();
+    let state = c.state().unwrap();
+    assert_eq!(
+        state.dataflows.keys().copied().collect::<Vec<_>>(),
+        vec![d.id]
+    );
+    assert_eq!(s.open().state().unwrap().dataflows.len(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// PostgreSQL only.
+
+const DB: &str = lockstep_pgtest::DATABASE;
+
+#[test]
+fn store_strings_parse() {
+    let s: Store = "postgres://u:pw@h:5/db".parse().unwrap();
+    assert_eq!(s, Store::Postgres("postgres://u:pw@h:5/db".into()));
+    assert_eq!(s.to_string(), "postgres://u@h:5/db", "no password shown");
+    assert!(format!("{s:?}").find("pw").is_none());
+    assert!(matches!(
+        "postgresql://h/db".parse::<Store>(),
+        Ok(Store::Postgres(_))
+    ));
+    assert_eq!(
+        "sqlite:/x/c.db".parse::<Store>().unwrap(),
+        Store::Sqlite("/x/c.db".into())
+    );
+    assert!("mysql://h/db".parse::<Store>().is_err());
+    assert_eq!(
+        Store::from_arg(None, "/state/catalog.db").unwrap(),
+        Store::Sqlite("/state/catalog.db".into())
+    );
+}
+
+#[test]
+fn postgres_refuses_a_newer_schema_and_changes_nothing() {
+    let s = TestStore::postgres();
+    let pg = s.server();
+    drop(s.open());
+    pg.psql(
+        DB,
+        &format!(
+            "UPDATE lockstep_schema SET version = {} WHERE component = 'catalog'",
+            SCHEMA_VERSION + 1
+        ),
+    )
+    .unwrap();
+    let before = pg
+        .psql(DB, "SELECT key, value FROM catalog_meta ORDER BY key")
+        .unwrap();
+    let err = Catalog::open_store(&s.store()).unwrap_err();
+    assert!(
+        matches!(err, OpenError::NewerSchema { found, .. } if found == SCHEMA_VERSION + 1),
+        "{err}"
+    );
+    assert!(err.to_string().contains("newer than this build"), "{err}");
+    assert_eq!(
+        pg.psql(DB, "SELECT key, value FROM catalog_meta ORDER BY key")
+            .unwrap(),
+        before,
+        "the epoch was not bumped"
+    );
+    // Catalog tables without a version row are refused too.
+    pg.psql(DB, "DELETE FROM lockstep_schema").unwrap();
+    let err = Catalog::open_store(&s.store()).unwrap_err();
+    assert!(matches!(err, OpenError::Corrupt { .. }), "{err}");
+    // An unreachable server is an error, not a hang.
+    let err = Catalog::open_store(&Store::Postgres(format!(
+        "postgres://postgres:secret@127.0.0.1:{}/nope",
+        pg.port()
+    )))
+    .unwrap_err();
+    assert!(matches!(err, OpenError::Postgres { .. }), "{err}");
+    assert!(!err.to_string().contains("secret"), "{err}");
+}
+
+#[test]
+fn postgres_concurrent_opens_get_distinct_epochs_and_work_inside_a_runtime() {
+    let s = TestStore::postgres();
+    let store = s.store();
+    let epochs: Vec<u64> = (0..4)
+        .map(|_| {
+            let store = store.clone();
+            std::thread::spawn(move || Catalog::open_store(&store).unwrap().epoch())
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    let mut sorted = epochs.clone();
+    sorted.sort();
+    assert_eq!(sorted, vec![1, 2, 3, 4], "{epochs:?}");
+    // The environment calls the catalog under a std mutex from async tasks.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let catalog = std::sync::Arc::new(std::sync::Mutex::new(s.open()));
+    let c2 = catalog.clone();
+    let id = rt
+        .block_on(async move {
+            tokio::spawn(async move {
+                let mut c = c2.lock().unwrap();
+                c.create_replica("in-a-runtime", cfg(1)).unwrap().id
+            })
+            .await
+        })
+        .unwrap();
+    let replicas = catalog.lock().unwrap().state().unwrap().replicas;
+    assert_eq!(replicas[&id].name, "in-a-runtime");
+}
+
+/// A write blocked in the server whose backend is terminated fails promptly
+/// and writes nothing; the next write reconnects.
+#[test]
+fn postgres_terminated_backend_fails_the_write_without_a_hang() {
+    let s = TestStore::postgres();
+    let mut c = s.open();
+    let r = c.create_replica("r", cfg(1)).unwrap();
+    // Another session holds the epoch row, so the write waits in the server.
+    let holder = lockstep_pg::Conn::connect(&s.server().url(), Default::default()).unwrap();
+    holder
+        .run(|x: &mut lockstep_pg::Session| {
+            Box::pin(async move {
+                x.client
+                    .batch_execute(
+                        "BEGIN; SELECT value FROM catalog_meta WHERE key = 'epoch' FOR UPDATE",
+                    )
+                    .await?;
+                Ok::<_, lockstep_pg::PgError>(())
+            })
+        })
+        .unwrap();
+    let url = s.server().url();
+    let killer = std::thread::spawn(move || {
+        let k = lockstep_pg::Conn::connect(&url, Default::default()).unwrap();
+        // Wait until the catalog's write is blocked on the lock, then kill it.
+        let started = std::time::Instant::now();
+        loop {
+            let killed: i64 = k
+                .run(|x: &mut lockstep_pg::Session| {
+                    Box::pin(async move {
+                        let row = x
+                            .client
+                            .query_one(
+                                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+                                 WHERE application_name = 'lockstep-catalog' \
+                                 AND wait_event_type = 'Lock'",
+                                &[],
+                            )
+                            .await?;
+                        Ok::<_, lockstep_pg::PgError>(row.get(0))
+                    })
+                })
+                .unwrap();
+            if killed > 0 {
+                return;
+            }
+            assert!(started.elapsed() < Duration::from_secs(20), "never blocked");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let started = std::time::Instant::now();
+    let err = c.append_input(r.id, 1, b"killed").unwrap_err();
+    killer.join().unwrap();
+    assert!(matches!(err, WriteError::Postgres(_)), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    drop(holder); // releases the lock
+    c.append_input(r.id, 1, b"after").unwrap();
+    let writes: Vec<Vec<u8>> = c
+        .state()
+        .unwrap()
+        .input_writes
+        .into_iter()
+        .map(|w| w.write)
+        .collect();
+    assert_eq!(
+        writes,
+        vec![b"after".to_vec()],
+        "the killed write is absent"
+    );
+}
+
+/// The server restarts while a writer keeps writing: acknowledged writes
+/// survive, a write in flight is entirely there or entirely absent, the
+/// failures are errors (not hangs) and the catalog reconnects.
+#[test]
+fn postgres_server_restart_mid_write_keeps_acknowledged_writes() {
+    let mut s = TestStore::postgres();
+    let mut c = s.open();
+    let r = c.create_replica("r", cfg(1)).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let writer = std::thread::spawn(move || {
+        let mut acked = Vec::new();
+        let mut failed = Vec::new();
+        let mut i: u32 = 0;
+        while !stop2.load(std::sync::atomic::Ordering::SeqCst) {
+            i += 1;
+            let payload = i.to_be_bytes();
+            // Collection 1 grows; collection 2 is replaced (delete + insert).
+            match c
+                .append_input(r.id, 1, &payload)
+                .and_then(|_| c.replace_inputs(r.id, 2, &payload))
+            {
+                Ok(_) => acked.push(i),
+                Err(e) => {
+                    assert!(
+                        matches!(e, WriteError::Postgres(_)),
+                        "a clear store error: {e}"
+                    );
+                    failed.push(i);
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+        (acked, failed, c)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    match &mut s {
+        TestStore::Postgres(pg) => pg.restart().unwrap(),
+        TestStore::Sqlite(_) => unreachable!(),
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (acked, failed, mut c) = writer.join().unwrap();
+    assert!(!failed.is_empty(), "the restart cut a write");
+    let last = *acked.last().unwrap();
+    assert!(
+        last > *failed.last().unwrap(),
+        "writes went on after the restart"
+    );
+    c.check_fence().unwrap();
+    let state = c.state().unwrap();
+    let of = |coll: u64| -> Vec<u32> {
+        state
+            .input_writes
+            .iter()
+            .filter(|w| w.collection_id == coll)
+            .map(|w| u32::from_be_bytes(w.write[..].try_into().unwrap()))
+            .collect()
+    };
+    let grown = of(1);
+    for a in &acked {
+        assert!(grown.contains(a), "acknowledged write {a} was lost");
+    }
+    for g in &grown {
+        assert!(
+            acked.contains(g) || failed.contains(g),
+            "write {g} was never made"
+        );
+    }
+    let mut sorted = grown.clone();
+    sorted.sort();
+    assert_eq!(grown, sorted, "in order");
+    assert_eq!(
+        of(2),
+        vec![last],
+        "the replaced collection has exactly one row"
+    );
+}
