@@ -293,8 +293,9 @@ pub struct Worker {
     pub halted: bool,
 }
 
-/// What a model worker runs, as its session machine sees it.
-struct Runs<'a>(&'a [(u64, DataflowKey)]);
+/// What a model worker runs, as its session machine sees it: what it runs
+/// and everything it built.
+struct Runs<'a>(&'a [(u64, DataflowKey)], &'a [CreationEntry]);
 
 impl WorkerView<Cmd> for Runs<'_> {
     fn is_installed(&self, id: u64) -> bool {
@@ -305,6 +306,9 @@ impl WorkerView<Cmd> for Runs<'_> {
     }
     fn buildable(&self, _: &Cmd) -> bool {
         true
+    }
+    fn creation_digest(&self) -> Digest {
+        digest_of(&self.1)
     }
 }
 
@@ -657,7 +661,7 @@ impl ComputeModel {
     fn run(&self, s: &mut ComputeState, p: usize) {
         loop {
             let w = &mut s.workers[p];
-            let Some(action) = w.machine.next(&Runs(&w.installed), 0) else {
+            let Some(action) = w.machine.next(&Runs(&w.installed, &w.log), 0) else {
                 return;
             };
             match action {
@@ -954,7 +958,8 @@ impl ComputeModel {
                         } => format!(
                             "p{from} reconciles at round {} with [{}]",
                             announcement.seqno,
-                            r.iter()
+                            r.installed
+                                .iter()
                                 .map(|k| self.label(k))
                                 .collect::<Vec<_>>()
                                 .join(",")

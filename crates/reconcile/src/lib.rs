@@ -76,7 +76,7 @@ pub mod rounds;
 pub mod worker;
 pub use controller::{ControllerSession, HistoryStep, MismatchResolution, Phase};
 pub use initialization::{GateMutant, InitializationDecision, InitializationGate};
-pub use rounds::{RoundBook, RoundMutant};
+pub use rounds::{PlanError, Report, RoundBook, RoundMutant};
 pub use worker::{
     Action, CommandClass, MeshAnnouncement, Order, PendingRound, Reconciliation, SessionCommand,
     WorkerSession, WorkerView,

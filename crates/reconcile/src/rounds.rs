@@ -18,14 +18,58 @@
 //!   worker reaches the same decision for a round whatever order its mesh
 //!   delivers in;
 //! - [`RoundBook::reconcile_plan`] is the [`collective`] plan over every
-//!   worker's report of the round, or `None` when a report is missing (the
-//!   caller halts rather than plan from a guess).
+//!   worker's report of the round, or an error when a report is missing or
+//!   the workers' dataflow-creation logs differ (the caller halts rather
+//!   than plan from a guess: a dataflow built on some workers only has moved
+//!   their timely dataflow counters apart, which no plan repairs; only a
+//!   restart of the replica does).
 
 use std::collections::BTreeMap;
 
 use crate::{
-    barrier, barrier_view, collective, local, Announcement, BarrierDecision, DataflowKey, Session,
+    barrier, barrier_view, collective, local, Announcement, BarrierDecision, DataflowKey, Digest,
+    Session,
 };
+
+/// What a worker reports in a reconciliation round.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Report {
+    /// Its installed dataflows, in creation order.
+    pub installed: Vec<DataflowKey>,
+    /// A digest of its dataflow-creation log (timely index, ID, description
+    /// hash of everything it ever built): equal on workers in lockstep.
+    pub created: Digest,
+}
+
+/// Why a passed reconciliation round gives no plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PlanError {
+    /// A worker's report of the round is missing.
+    MissingReport {
+        /// The worker.
+        worker: usize,
+    },
+    /// Workers built different dataflows (their creation logs differ): I1
+    /// is already broken, and only a restart of the replica repairs it.
+    CreationLogsDiffer {
+        /// A worker whose log differs from worker 0's.
+        worker: usize,
+    },
+}
+
+impl std::fmt::Display for PlanError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PlanError::MissingReport { worker } => {
+                write!(f, "worker {worker}'s report of the round is missing")
+            }
+            PlanError::CreationLogsDiffer { worker } => write!(
+                f,
+                "worker {worker} built other dataflows than worker 0 (their dataflow-creation logs differ)"
+            ),
+        }
+    }
+}
 
 /// A deliberate flaw planted in [`RoundBook`], so that the model checker can
 /// show it catches it (feature `mutants`; the replica never sets one).
@@ -71,7 +115,7 @@ pub struct RoundBook {
     /// Every round announcement not yet forgotten: (session, announcement).
     announced: Vec<(Session, Announcement)>,
     /// Reports, by (session, worker, seqno).
-    reports: BTreeMap<(Session, usize, u64), Vec<DataflowKey>>,
+    reports: BTreeMap<(Session, usize, u64), Report>,
     mutant: RoundMutant,
 }
 
@@ -114,7 +158,7 @@ impl RoundBook {
         &mut self,
         session: Session,
         announcement: Announcement,
-        report: Option<Vec<DataflowKey>>,
+        report: Option<Report>,
     ) {
         if announcement.worker >= self.peers {
             return;
@@ -130,8 +174,11 @@ impl RoundBook {
                     .insert((session, announcement.worker, seqno), r);
             }
             (None, RoundMutant::OverwriteReports) => {
-                self.reports
-                    .insert((session, announcement.worker, seqno), Vec::new());
+                // The create's empty list replaces the report's list.
+                let key = (session, announcement.worker, seqno);
+                if let Some(r) = self.reports.get_mut(&key) {
+                    r.installed.clear();
+                }
             }
             (None, _) => {}
         }
@@ -163,29 +210,36 @@ impl RoundBook {
 
     /// What worker `me` drops to reconcile in the passed round (session,
     /// seqno) to `target`, and what every worker then builds: the
-    /// [`collective`] plan over every worker's report. `None` if a worker's
-    /// report of the round is missing.
+    /// [`collective`] plan over every worker's report. An error if a
+    /// worker's report of the round is missing, or if the workers' creation
+    /// logs differ.
     pub fn reconcile_plan(
         &self,
         session: Session,
         seqno: u64,
         me: usize,
         target: &[DataflowKey],
-    ) -> Option<(Vec<u64>, Vec<DataflowKey>)> {
+    ) -> Result<(Vec<u64>, Vec<DataflowKey>), PlanError> {
         let key = |w: usize| match self.mutant {
             RoundMutant::OverwriteReports => (session, w, 0),
             _ => (session, w, seqno),
         };
+        let report = |w: usize| {
+            self.reports
+                .get(&key(w))
+                .ok_or(PlanError::MissingReport { worker: w })
+        };
         if self.mutant == RoundMutant::LocalReconcileUnderBarrier {
-            let own = self.reports.get(&key(me))?;
-            let plan = local(own, target);
-            return Some((plan.drop, plan.build));
+            let plan = local(&report(me)?.installed, target);
+            return Ok((plan.drop, plan.build));
         }
-        let lists: Vec<Vec<DataflowKey>> = (0..self.peers)
-            .map(|w| self.reports.get(&key(w)).cloned())
-            .collect::<Option<_>>()?;
+        let reports: Vec<&Report> = (0..self.peers).map(report).collect::<Result<_, _>>()?;
+        if let Some(w) = reports.iter().position(|r| r.created != reports[0].created) {
+            return Err(PlanError::CreationLogsDiffer { worker: w });
+        }
+        let lists: Vec<Vec<DataflowKey>> = reports.iter().map(|r| r.installed.clone()).collect();
         let mut plan = collective(&lists, target);
-        Some((plan.drop_per_worker.swap_remove(me), plan.build))
+        Ok((plan.drop_per_worker.swap_remove(me), plan.build))
     }
 
     /// Forgets the decided rounds of `session` up to `seqno`: later rounds
@@ -223,6 +277,13 @@ mod tests {
         }
     }
 
+    fn report(installed: Vec<DataflowKey>) -> Option<Report> {
+        Some(Report {
+            installed,
+            created: Digest([7; 32]),
+        })
+    }
+
     fn ann(worker: usize, seqno: u64, h: u8) -> Announcement {
         Announcement {
             worker,
@@ -239,8 +300,8 @@ mod tests {
         let mut book = RoundBook::new(2);
         book.joined(0, 5);
         book.joined(1, 5);
-        book.announced(5, ann(0, 10, 9), Some(target.clone()));
-        book.announced(5, ann(1, 10, 9), Some(target.clone()));
+        book.announced(5, ann(0, 10, 9), report(target.clone()));
+        book.announced(5, ann(1, 10, 9), report(target.clone()));
         book.announced(5, ann(1, 11, 3), None);
         assert_eq!(book.decide(5, &ann(0, 10, 9)), BarrierDecision::Pass);
         let (drop, build) = book.reconcile_plan(5, 10, 0, &target).unwrap();
@@ -253,9 +314,33 @@ mod tests {
     #[test]
     fn a_missing_report_gives_no_plan() {
         let mut book = RoundBook::new(2);
-        book.announced(1, ann(0, 4, 1), Some(vec![key(1)]));
+        book.announced(1, ann(0, 4, 1), report(vec![key(1)]));
         book.announced(1, ann(1, 4, 1), None);
-        assert_eq!(book.reconcile_plan(1, 4, 0, &[key(1)]), None);
+        assert_eq!(
+            book.reconcile_plan(1, 4, 0, &[key(1)]),
+            Err(PlanError::MissingReport { worker: 1 })
+        );
+    }
+
+    /// A dataflow built on some workers only (a cut-off log session's
+    /// create read by some workers before the next session, skipped by the
+    /// others) moved their timely counters apart: no plan, a halt.
+    #[test]
+    fn different_creation_logs_give_no_plan() {
+        let mut book = RoundBook::new(2);
+        book.announced(1, ann(0, 4, 1), report(vec![key(1)]));
+        book.announced(
+            1,
+            ann(1, 4, 1),
+            Some(Report {
+                installed: vec![],
+                created: Digest([8; 32]),
+            }),
+        );
+        assert_eq!(
+            book.reconcile_plan(1, 4, 0, &[key(1)]),
+            Err(PlanError::CreationLogsDiffer { worker: 1 })
+        );
     }
 
     #[test]

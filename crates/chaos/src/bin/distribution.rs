@@ -92,7 +92,10 @@ async fn start_replica(id: u64, processes: usize, workers: u32) -> Result<Replic
         ),
         &key,
     )
-    .env("RUST_LOG", "error");
+    .env(
+        "RUST_LOG",
+        std::env::var("LOCKSTEP_CHAOS_REPLICA_LOG").unwrap_or_else(|_| "error".into()),
+    );
     let status: ServiceStatus = orchestrator
         .ensure_service(config)
         .await
@@ -385,8 +388,33 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
         (2, 2)
     };
     let r = start_replica(id, processes, workers).await?;
+    let result = scenario_on(&r, name, s).await;
+    if result.is_err() && std::env::var_os("LOCKSTEP_CHAOS_REPLICA_LOG").is_some() {
+        print_process_logs(r.dir.path());
+    }
+    result
+}
+
+/// Debugging (with `LOCKSTEP_CHAOS_REPLICA_LOG` set): the replica
+/// processes' logs of a failed scenario, to stderr.
+fn print_process_logs(dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            print_process_logs(&path);
+        } else if path.extension().is_some_and(|x| x == "log") {
+            eprintln!("==== {}", path.display());
+            eprintln!("{}", std::fs::read_to_string(&path).unwrap_or_default());
+        }
+    }
+}
+
+async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure> {
     let base = vec![d1(), d2()];
-    let a = controller(&r, 1, s, history(&base));
+    let a = controller(r, 1, s, history(&base));
     ready(&a, &base).await?;
     match name {
         "partial-create-unwanted" => {
@@ -394,7 +422,7 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
             // The controller crashes inside this call: what it returns does not matter.
             let _ = a.create_dataflow(x());
             crashed(&a).await;
-            check(&controller(&r, 2, s, history(&base)), &base).await
+            check(&controller(r, 2, s, history(&base)), &base).await
         }
         "partial-create-wanted" => {
             crash_on("create-dataflow");
@@ -402,7 +430,7 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
             let _ = a.create_dataflow(x());
             crashed(&a).await;
             let t = vec![d1(), d2(), x()];
-            check(&controller(&r, 2, s, history(&t)), &t).await
+            check(&controller(r, 2, s, history(&t)), &t).await
         }
         "strategy-switched-after-partial-create" => {
             // The next controller runs another strategy (log, or barrier
@@ -421,14 +449,14 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
                 // The history check's answer stays what the variant's is.
                 check_reconciles: s.check_reconciles,
             };
-            check(&controller(&r, 2, switched, history(&t)), &t).await
+            check(&controller(r, 2, switched, history(&t)), &t).await
         }
         "partial-create-then-create" => {
             crash_on("create-dataflow");
             // The controller crashes inside this call: what it returns does not matter.
             let _ = a.create_dataflow(x());
             crashed(&a).await;
-            let b = controller(&r, 2, s, history(&base));
+            let b = controller(r, 2, s, history(&base));
             b.create_dataflow(y()).map_err(|e| e.to_string())?;
             check(&b, &[d1(), d2(), y()]).await
         }
@@ -441,7 +469,7 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
             let _ = a.drop_dataflow(&x());
             crashed(&a).await;
             let t = vec![d1(), d2(), x()];
-            check(&controller(&r, 2, s, history(&t)), &t).await
+            check(&controller(r, 2, s, history(&t)), &t).await
         }
         "partial-drop-unwanted" => {
             a.create_dataflow(x()).map_err(|e| e.to_string())?;
@@ -449,38 +477,38 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
             crash_on("allow-compaction");
             let _ = a.drop_dataflow(&x());
             crashed(&a).await;
-            check(&controller(&r, 2, s, history(&base)), &base).await
+            check(&controller(r, 2, s, history(&base)), &base).await
         }
         "partial-peek" => {
             crash_on("peek");
             let _ = tokio::time::timeout(Duration::from_millis(300), a.peek(1001, LAST_TIME)).await;
             crashed(&a).await;
-            check(&controller(&r, 2, s, history(&base)), &base).await
+            check(&controller(r, 2, s, history(&base)), &base).await
         }
         "partial-write" => {
             crash_on("write-input");
             let _ = a.write_input(1, vec![], LAST_TIME + 1);
             crashed(&a).await;
-            check(&controller(&r, 2, s, history(&base)), &base).await
+            check(&controller(r, 2, s, history(&base)), &base).await
         }
         "partial-reconcile" => {
             // The restarted controller crashes during reconciliation itself.
             a.shutdown();
             let t = vec![d1(), d2(), x()];
             crash_on("initialization-complete");
-            let b = controller(&r, 2, s, history(&t));
+            let b = controller(r, 2, s, history(&t));
             crashed(&b).await;
-            check(&controller(&r, 3, s, history(&t)), &t).await
+            check(&controller(r, 3, s, history(&t)), &t).await
         }
         "partial-reconcile-changed" => {
             a.create_dataflow(x()).map_err(|e| e.to_string())?;
             ready(&a, &[x()]).await?;
             a.shutdown();
             crash_on("initialization-complete");
-            let b = controller(&r, 2, s, history(&base));
+            let b = controller(r, 2, s, history(&base));
             crashed(&b).await;
             let t = vec![d1(), d2(), x(), y()];
-            check(&controller(&r, 3, s, history(&t)), &t).await
+            check(&controller(r, 3, s, history(&t)), &t).await
         }
         "dropped-connections" => {
             a.reconnect().map_err(|e| e.to_string())?;
@@ -490,14 +518,14 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
         "changed-target" => {
             a.shutdown();
             let t = vec![d2(), x()];
-            check(&controller(&r, 2, s, history(&t)), &t).await
+            check(&controller(r, 2, s, history(&t)), &t).await
         }
         "partial-create-last" => {
             crash_reaching("create-dataflow", "last1");
             // The controller crashes inside this call: what it returns does not matter.
             let _ = a.create_dataflow(x());
             crashed(&a).await;
-            check(&controller(&r, 2, s, history(&base)), &base).await
+            check(&controller(r, 2, s, history(&base)), &base).await
         }
         "partial-create-last-wanted" => {
             crash_reaching("create-dataflow", "last1");
@@ -505,7 +533,7 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
             let _ = a.create_dataflow(x());
             crashed(&a).await;
             let t = vec![d1(), d2(), x()];
-            check(&controller(&r, 2, s, history(&t)), &t).await
+            check(&controller(r, 2, s, history(&t)), &t).await
         }
         "partial-drop-wanted-again-mirrored" => {
             // Process 1 sees build and drop of X, process 0 only the build.
@@ -515,13 +543,13 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
             let _ = a.drop_dataflow(&x());
             crashed(&a).await;
             let t = vec![d1(), d2(), x()];
-            check(&controller(&r, 2, s, history(&t)), &t).await
+            check(&controller(r, 2, s, history(&t)), &t).await
         }
         "partial-write-last" => {
             crash_reaching("write-input", "last1");
             let _ = a.write_input(1, vec![], LAST_TIME + 1);
             crashed(&a).await;
-            check(&controller(&r, 2, s, history(&base)), &base).await
+            check(&controller(r, 2, s, history(&base)), &base).await
         }
         "double-crash" => {
             // A crash in a create, then the successor crashes reconciling.
@@ -530,15 +558,15 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
             crashed(&a).await;
             let t = vec![d1(), d2(), y()];
             crash_on("initialization-complete");
-            let b = controller(&r, 2, s, history(&t));
+            let b = controller(r, 2, s, history(&t));
             crashed(&b).await;
-            check(&controller(&r, 3, s, history(&t)), &t).await
+            check(&controller(r, 3, s, history(&t)), &t).await
         }
         "three-processes-partial-create" => {
             crash_reaching("create-dataflow", "2");
             let _ = a.create_dataflow(x());
             crashed(&a).await;
-            check(&controller(&r, 2, s, history(&base)), &base).await
+            check(&controller(r, 2, s, history(&base)), &base).await
         }
         "three-processes-partial-drop-wanted-again" => {
             a.create_dataflow(x()).map_err(|e| e.to_string())?;
@@ -547,7 +575,7 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
             let _ = a.drop_dataflow(&x());
             crashed(&a).await;
             let t = vec![d1(), d2(), x()];
-            check(&controller(&r, 2, s, history(&t)), &t).await
+            check(&controller(r, 2, s, history(&t)), &t).await
         }
         "reconnect-between-creates" => {
             a.create_dataflow(x()).map_err(|e| e.to_string())?;
@@ -559,7 +587,7 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
             // The successor connects while the old controller still runs;
             // what the old one sends afterwards must change nothing.
             let t = vec![d1(), d2(), x()];
-            let b = controller(&r, 2, s, history(&t));
+            let b = controller(r, 2, s, history(&t));
             ready(&b, &[x()]).await?;
             let _ = a.create_dataflow(y());
             let _ = a.drop_dataflow(&d1());
@@ -567,37 +595,37 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
             check(&b, &t).await
         }
         "killed-process" => {
-            let pid = pid_of(&r, 1).await?;
+            let pid = pid_of(r, 1).await?;
             signal(pid, libc::SIGKILL)?;
             check(&a, &base).await
         }
         "killed-process-0" => {
-            let pid = pid_of(&r, 0).await?;
+            let pid = pid_of(r, 0).await?;
             signal(pid, libc::SIGKILL)?;
             check(&a, &base).await
         }
         "killed-during-reconcile" => {
             a.shutdown();
             let t = vec![d1(), d2(), x()];
-            let b = controller(&r, 2, s, history(&t));
-            let pid = pid_of(&r, 1).await?;
+            let b = controller(r, 2, s, history(&t));
+            let pid = pid_of(r, 1).await?;
             signal(pid, libc::SIGKILL)?;
             check(&b, &t).await
         }
         "stopped-process" => {
-            stop_until_silent(&r, &a, 1).await?;
-            signal(pid_of(&r, 1).await?, libc::SIGCONT)?;
+            stop_until_silent(r, &a, 1).await?;
+            signal(pid_of(r, 1).await?, libc::SIGCONT)?;
             check(&a, &base).await
         }
         "stopped-process-0" => {
-            stop_until_silent(&r, &a, 0).await?;
-            signal(pid_of(&r, 0).await?, libc::SIGCONT)?;
+            stop_until_silent(r, &a, 0).await?;
+            signal(pid_of(r, 0).await?, libc::SIGCONT)?;
             check(&a, &base).await
         }
         "stopped-process-restarted" => {
             // What the environment does with a silent process: restart the
             // replica through the orchestrator.
-            stop_until_silent(&r, &a, 1).await?;
+            stop_until_silent(r, &a, 1).await?;
             r.orchestrator
                 .restart_service(&r.service)
                 .await
@@ -737,8 +765,12 @@ fn main() {
     let mut next_id = 1;
     for s in strategies {
         let mut tally = Tally::default();
+        let only = std::env::var("LOCKSTEP_CHAOS_SCENARIOS").unwrap_or_default();
         for name in SCENARIOS {
             next_id += 1;
+            if !only.is_empty() && !only.split(',').any(|o| o == name) {
+                continue;
+            }
             let result = runtime.block_on(async {
                 match tokio::time::timeout(Duration::from_secs(90), scenario(name, next_id, s))
                     .await

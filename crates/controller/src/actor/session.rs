@@ -138,6 +138,22 @@ impl Actor {
         if matches!(self.session_strategy, Strategy::Log) {
             self.log_batch = Some(LogBatch::default());
         }
+        // A replica with a command log gets every session's marker, whatever
+        // the strategy: its workers cut a log session that this one ends at
+        // the same entry (they hold this session's commands until they read
+        // the marker).
+        if self.log_batch.is_none() && self.replica.command_log.is_some() {
+            let marker = Command {
+                seqno: 0,
+                strategy: self.session_strategy,
+                kind: CommandKind::Hello(self.replica.hello(0, self.epoch, nonce)),
+            };
+            match self.append_marker(marker) {
+                Some(offset) => self.log_marker = Some(offset),
+                // Stopped, or reconnecting.
+                None => return,
+            }
+        }
         for i in 0..self.conns.len() {
             let hello = Command {
                 seqno: 0,

@@ -77,13 +77,19 @@ impl Actor {
         }
     }
 
+    /// Appends the marker of a session that does not use the log; returns
+    /// its offset (`None`: the append failed, see `fail_log`).
+    pub(crate) fn append_marker(&mut self, marker: Command) -> Option<u64> {
+        self.append_log_at(std::slice::from_ref(&marker))
+    }
+
     /// Appends to the command log; returns the offset of the first appended
     /// entry. A failure (fenced by a newer controller, a broken store) stops
     /// this controller: it must not go on without its log.
     fn append_log_at(&mut self, commands: &[Command]) -> Option<u64> {
         if self.log.is_none() {
             let Some(path) = &self.replica.command_log else {
-                unreachable!("the log strategy is chosen only with a command log")
+                unreachable!("the log is written only on a replica with a command log")
             };
             match SqliteLog::open(path) {
                 Ok(l) => self.log = Some(l),

@@ -25,7 +25,7 @@ use super::{
     target_of, Action, MeshAnnouncement, Pending, Reconciliation, SessionCommand, WorkerSession,
     WorkerView,
 };
-use crate::{Announcement, BarrierDecision, DataflowKey};
+use crate::{Announcement, BarrierDecision, DataflowKey, Report};
 
 /// The longest a worker waits at a barrier before it halts, in ms.
 pub const BARRIER_TIMEOUT_MS: u64 = 20_000;
@@ -74,7 +74,13 @@ impl<C: SessionCommand> WorkerSession<C> {
             seqno,
             hash: target_hash(&target),
         };
-        self.announce(mine, Some(view.installed()));
+        self.announce(
+            mine,
+            Some(Report {
+                installed: view.installed(),
+                created: view.creation_digest(),
+            }),
+        );
         self.pending = Some(Pending::Reconcile {
             buffer,
             target,
@@ -85,7 +91,7 @@ impl<C: SessionCommand> WorkerSession<C> {
 
     /// Announces this worker's round `mine` (with its report for a
     /// reconciliation round); its own book reads it at once.
-    fn announce(&mut self, mine: Announcement, report: Option<Vec<DataflowKey>>) {
+    fn announce(&mut self, mine: Announcement, report: Option<Report>) {
         let session = self.session;
         self.rounds.announced(session, mine, report.clone());
         self.out
@@ -142,12 +148,15 @@ impl<C: SessionCommand> WorkerSession<C> {
                             .rounds
                             .reconcile_plan(session, mine.seqno, self.index, &target);
                         self.rounds.forget_through(session, mine.seqno);
-                        let Some((drops, _builds)) = plan else {
-                            self.halt(format!(
-                                "the reconciliation round {} of session {session:#x} passed without every worker's installed dataflows",
-                                mine.seqno
-                            ));
-                            return None;
+                        let (drops, _builds) = match plan {
+                            Ok(plan) => plan,
+                            Err(e) => {
+                                self.halt(format!(
+                                    "the reconciliation round {} of session {session:#x} passed, but {e}",
+                                    mine.seqno
+                                ));
+                                return None;
+                            }
                         };
                         // The builds are the target's missing dataflows,
                         // which the buffer's creates build in target order.

@@ -35,7 +35,9 @@ use std::collections::VecDeque;
 
 use lockstep_protocol::{Command, CommandKind, Strategy};
 
-use crate::{session_of, Announcement, BarrierDecision, DataflowKey, RoundBook, Session};
+use crate::{
+    session_of, Announcement, BarrierDecision, DataflowKey, Digest, Report, RoundBook, Session,
+};
 
 pub use barrier::BARRIER_TIMEOUT_MS;
 
@@ -144,6 +146,9 @@ pub trait WorkerView<C> {
     fn is_installed(&self, id: u64) -> bool;
     /// The installed dataflows, in creation order.
     fn installed(&self) -> Vec<DataflowKey>;
+    /// A digest of the worker's dataflow-creation log (timely index, ID and
+    /// description hash of everything it ever built).
+    fn creation_digest(&self) -> Digest;
     /// Whether the worker would build this CreateDataflow (its description
     /// is valid); an invalid one is applied at once, to be refused.
     fn buildable(&self, cmd: &C) -> bool;
@@ -164,8 +169,9 @@ pub enum MeshAnnouncement {
         /// The round (the sender, the command's seqno, its hash).
         announcement: Announcement,
         /// A reconciliation round: the sender's installed dataflows in
-        /// creation order. `None` for a create round.
-        report: Option<Vec<DataflowKey>>,
+        /// creation order and its creation log's digest. `None` for a
+        /// create round.
+        report: Option<Report>,
     },
 }
 
@@ -267,6 +273,14 @@ pub struct WorkerSession<C> {
     rounds: RoundBook,
     out: VecDeque<Action<C>>,
     halted: bool,
+    /// Whether the worker tails a command log (see [`log`]).
+    tails_log: bool,
+    /// The newest session whose marker the worker read from the log.
+    log_fence: Session,
+    /// Commands of a newer socket-ordered session, held until the log was
+    /// read up to that session's marker, and since when (ms).
+    held: VecDeque<C>,
+    held_since_ms: Option<u64>,
 }
 
 impl<C: SessionCommand> WorkerSession<C> {
@@ -285,6 +299,10 @@ impl<C: SessionCommand> WorkerSession<C> {
             rounds: RoundBook::new(peers),
             out: VecDeque::new(),
             halted: false,
+            tails_log: false,
+            log_fence: 0,
+            held: VecDeque::new(),
+            held_since_ms: None,
         }
     }
 
@@ -346,7 +364,7 @@ impl<C: SessionCommand> WorkerSession<C> {
 
     /// Commands queued and not yet handed out.
     pub fn queued(&self) -> usize {
-        self.queue.len()
+        self.queue.len() + self.held.len()
     }
 
     /// What the mesh told this worker about barrier rounds.
@@ -358,7 +376,11 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// `barrier`, the sequencer's copy for `broadcast`, a log entry for
     /// `log`): queued until [`WorkerSession::next`] hands it out.
     pub fn push(&mut self, cmd: C) {
-        self.queue.push_back(cmd);
+        if self.holds(&cmd) {
+            self.held.push_back(cmd);
+        } else {
+            self.queue.push_back(cmd);
+        }
     }
 
     /// A record the control mesh delivered from worker `from`. Records of
@@ -394,6 +416,10 @@ impl<C: SessionCommand> WorkerSession<C> {
             }
             if self.halted {
                 return None;
+            }
+            self.check_held(now_ms);
+            if self.halted {
+                continue;
             }
             if let Some(p) = self.pending.take() {
                 self.pending = self.resolve(p, now_ms);

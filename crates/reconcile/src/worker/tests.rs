@@ -63,6 +63,16 @@ impl WorkerView<Cmd> for Runs {
     fn buildable(&self, _: &Cmd) -> bool {
         true
     }
+    fn creation_digest(&self) -> Digest {
+        Digest([1; 32])
+    }
+}
+
+fn report(installed: Vec<DataflowKey>) -> Option<Report> {
+    Some(Report {
+        installed,
+        created: Digest([1; 32]),
+    })
 }
 
 /// Runs the machine until it waits, performing builds and drops on `runs`.
@@ -127,7 +137,7 @@ fn a_barrier_create_waits_for_every_worker() {
     let start = run(&mut m, &mut runs, 0);
     assert!(m.pending().is_some_and(|p| p.reconcile), "{start:?}");
     // The peer's reconciliation report arrives: the round passes.
-    let report = |seqno, h| MeshAnnouncement::Round {
+    let create_round = |seqno, h| MeshAnnouncement::Round {
         session: 5,
         announcement: Announcement {
             worker: 1,
@@ -145,7 +155,7 @@ fn a_barrier_create_waits_for_every_worker() {
                 seqno: 1,
                 hash: barrier::target_hash(&[]),
             },
-            report: Some(vec![]),
+            report: report(vec![]),
         },
     );
     run(&mut m, &mut runs, 0);
@@ -156,7 +166,7 @@ fn a_barrier_create_waits_for_every_worker() {
     assert_eq!(waiting.len(), 1, "only the announcement: {waiting:?}");
     assert!(runs.0.is_empty(), "nothing built before the round passes");
     assert_eq!(m.queued(), 1, "the next command waits behind the round");
-    m.on_mesh(1, report(2, 4));
+    m.on_mesh(1, create_round(2, 4));
     let passed = run(&mut m, &mut runs, 0);
     assert_eq!(runs.0, vec![key(4, 4)]);
     assert_eq!(
@@ -182,7 +192,7 @@ fn different_commands_halt() {
                 seqno: 1,
                 hash: Digest([9; 32]),
             },
-            report: Some(vec![]),
+            report: report(vec![]),
         },
     );
     let actions = run(&mut m, &mut runs, 0);
@@ -228,7 +238,7 @@ fn a_peer_create_read_with_its_report_keeps_every_dataflow() {
                 seqno: 3,
                 hash: target_hash,
             },
-            report: Some(installed.clone()),
+            report: report(installed.clone()),
         },
     );
     m.on_mesh(
@@ -272,4 +282,78 @@ fn log_entries_of_an_older_session_are_skipped() {
     m.push(cmd(Order::Log, 2, TestClass::Create(1, 1)));
     run(&mut m, &mut runs, 0);
     assert_eq!(runs.0, vec![key(1, 1)]);
+}
+
+/// A worker that tails a log holds a newer socket session until it read
+/// that session's marker, so the cut-off log session's entries read
+/// meanwhile apply in the old session, as on every other worker.
+#[test]
+fn a_newer_session_waits_for_its_log_marker() {
+    let mut m = WorkerSession::new(0, 1, false);
+    m.set_tails_log();
+    let mut runs = Runs::default();
+    m.push(cmd(Order::Log, 0, TestClass::Hello(3)));
+    m.on_log_marker(3);
+    m.push(cmd(Order::Log, 1, TestClass::Complete));
+    run(&mut m, &mut runs, 0);
+    // The barrier session 4 arrives on the socket before the log's last
+    // entry of session 3 was read.
+    session_start(&mut m, Order::Barrier, 4, &[(1, 1)]);
+    assert!(run(&mut m, &mut runs, 0).is_empty(), "held");
+    m.push(cmd(Order::Log, 2, TestClass::Create(2, 2)));
+    run(&mut m, &mut runs, 0);
+    assert_eq!(
+        runs.0,
+        vec![key(2, 2)],
+        "the log entry applied in session 3"
+    );
+    assert_eq!(m.session(), 3);
+    m.on_log_marker(4);
+    run(&mut m, &mut runs, 0);
+    assert_eq!(m.session(), 4);
+    assert_eq!(
+        runs.0,
+        vec![key(1, 1)],
+        "session 4 reconciled to its target"
+    );
+}
+
+#[test]
+fn a_missing_log_marker_halts() {
+    let mut m = WorkerSession::new(0, 1, false);
+    m.set_tails_log();
+    let mut runs = Runs::default();
+    session_start(&mut m, Order::Barrier, 4, &[]);
+    assert!(run(&mut m, &mut runs, 5).is_empty());
+    let late = run(&mut m, &mut runs, 6 + BARRIER_TIMEOUT_MS);
+    assert!(matches!(late.as_slice(), [Action::Halt(_)]), "{late:?}");
+}
+
+/// Workers whose creation logs differ cannot be reconciled: they halt.
+#[test]
+fn different_creation_logs_halt_the_reconciliation() {
+    let mut m = WorkerSession::new(0, 2, true);
+    let mut runs = Runs::default();
+    session_start(&mut m, Order::Barrier, 5, &[]);
+    m.on_mesh(1, MeshAnnouncement::Joined { session: 5 });
+    m.on_mesh(
+        1,
+        MeshAnnouncement::Round {
+            session: 5,
+            announcement: Announcement {
+                worker: 1,
+                seqno: 1,
+                hash: barrier::target_hash(&[]),
+            },
+            report: Some(Report {
+                installed: vec![],
+                created: Digest([2; 32]),
+            }),
+        },
+    );
+    let actions = run(&mut m, &mut runs, 0);
+    assert!(
+        matches!(actions.last(), Some(Action::Halt(r)) if r.contains("creation logs differ")),
+        "{actions:?}"
+    );
 }

@@ -8,15 +8,19 @@
 //! mesh, so every worker applies the same sequence; until that announcement
 //! arrives, no worker reads. A worker then reads up to `LOG_BATCH` (256) entries
 //! at a time, when a socket copy pokes it or at least every [`LOG_POLL`], and
-//! queues only the entries that carry `log`. A corrupt entry halts the
-//! worker; other read errors are retried. A worker of a replica started
-//! without a command log refuses `log` commands. Log sessions reconcile
-//! collectively (see [`crate::order::barrier`]).
+//! queues only the entries that carry `log`; every session's marker (a Hello
+//! of any strategy) is passed to the session machine, which holds a newer
+//! socket-ordered session until its marker was read, so that every worker
+//! cuts a log session at the same entry (`lockstep_reconcile::worker::log`).
+//! A corrupt entry halts the worker; other read errors are retried. A worker
+//! of a replica started without a command log refuses `log` commands. Log
+//! sessions reconcile collectively (`lockstep_reconcile::worker::barrier`).
 
 use std::time::Duration;
 
 use lockstep_command_log::{CommandLog, SqliteLog};
-use lockstep_protocol::{Command, ErrorKind, Strategy};
+use lockstep_protocol::{Command, CommandKind, ErrorKind, Strategy};
+use lockstep_reconcile::session_of;
 
 use crate::worker::{MeshMessage, WorkerState};
 
@@ -40,6 +44,7 @@ impl WorkerState {
     /// Starts tailing the command log `log`. Worker 0 announces the start
     /// offset on the control mesh, which must be built already.
     pub(crate) fn tail_log(&mut self, mut log: SqliteLog) {
+        self.machine.set_tails_log();
         if self.index == 0 {
             // Every worker starts reading where worker 0 says: the newest
             // epoch marker now. Before it, everything is summarized by the
@@ -109,8 +114,18 @@ impl WorkerState {
                     tail.next = Some(last.offset + 1);
                 }
                 for e in entries {
+                    let marker = match &e.command.kind {
+                        CommandKind::Hello(h) => Some(session_of(h.epoch, h.nonce)),
+                        _ => None,
+                    };
                     if e.command.strategy == Strategy::Log {
                         self.machine.push(e.command);
+                    }
+                    // Every session's marker, whatever its strategy: a newer
+                    // session's socket commands wait for it (see
+                    // `lockstep_reconcile::worker::log`).
+                    if let Some(session) = marker {
+                        self.machine.on_log_marker(session);
                     }
                 }
                 got > 0

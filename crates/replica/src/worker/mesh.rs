@@ -13,7 +13,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use lockstep_protocol::Digest;
-use lockstep_reconcile::{Announcement, DataflowKey, MeshAnnouncement};
+use lockstep_reconcile::{Announcement, DataflowKey, MeshAnnouncement, Report};
 use serde_bytes::ByteBuf;
 use timely::dataflow::operators::vec::Broadcast;
 use timely::dataflow::operators::Inspect;
@@ -30,6 +30,10 @@ pub struct MeshRecord {
     /// What it says.
     pub message: MeshMessage,
 }
+
+/// A reconciliation report on the mesh: the installed dataflows as (ID,
+/// description hash) in creation order, and the creation log's digest.
+pub type WireReport = (Vec<(u64, [u8; 32])>, [u8; 32]);
 
 /// What a worker tells every worker over the control mesh.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -48,8 +52,9 @@ pub enum MeshMessage {
         /// The command's hash (a reconciliation round: the target's hash).
         hash: [u8; 32],
         /// A reconciliation round: the sender's installed dataflows as (ID,
-        /// description hash), in creation order. `None` for a create.
-        report: Option<Vec<(u64, [u8; 32])>>,
+        /// description hash), in creation order, and its creation log's
+        /// digest. `None` for a create.
+        report: Option<WireReport>,
     },
     /// A broadcast command from the sequencer (worker 0). The payload is a
     /// `ByteBuf`: bincode encodes a `Vec<u8>` byte by byte, which made 1 MiB
@@ -79,7 +84,12 @@ impl From<MeshAnnouncement> for MeshMessage {
                 session,
                 seqno: announcement.seqno,
                 hash: announcement.hash.0,
-                report: report.map(|r| r.iter().map(|k| (k.id, k.hash.0)).collect()),
+                report: report.map(|r| {
+                    (
+                        r.installed.iter().map(|k| (k.id, k.hash.0)).collect(),
+                        r.created.0,
+                    )
+                }),
             },
         }
     }
@@ -145,13 +155,15 @@ impl WorkerState {
                     hash,
                     report,
                 } => {
-                    let report = report.map(|r| {
-                        r.into_iter()
+                    let report = report.map(|(installed, created)| Report {
+                        installed: installed
+                            .into_iter()
                             .map(|(id, h)| DataflowKey {
                                 id,
                                 hash: Digest(h),
                             })
-                            .collect()
+                            .collect(),
+                        created: Digest(created),
                     });
                     let announcement = Announcement {
                         worker: from,

@@ -240,6 +240,16 @@ impl WorkerView<Command> for View<'_> {
     fn buildable(&self, cmd: &Command) -> bool {
         matches!(&cmd.kind, CommandKind::CreateDataflow(d) if validate(d).is_ok())
     }
+
+    fn creation_digest(&self) -> Digest {
+        let mut h = blake3::Hasher::new();
+        for e in self.creation_log {
+            h.update(&e.timely_index.to_le_bytes());
+            h.update(&e.dataflow_id.to_le_bytes());
+            h.update(&e.description_hash.0);
+        }
+        Digest(*h.finalize().as_bytes())
+    }
 }
 
 impl WorkerState {
