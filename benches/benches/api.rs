@@ -78,6 +78,7 @@ async fn fixture() -> Fixture {
         compaction_lag: None,
         api_token: None,
         allow_naive: false,
+        store: None,
     })
     .await
     .unwrap();

@@ -79,7 +79,7 @@ pub mod replica {
         let dir = tempfile::tempdir().expect("tempdir");
         let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
             .expect("orchestrator");
-        let log = dir.path().join("command-log.sqlite");
+        let log = lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite"));
         let config = launch::with_command_log(
             launch::replica_service(&binary(), replica_id, processes, workers),
             &log,

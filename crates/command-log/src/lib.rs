@@ -156,6 +156,50 @@ pub enum LogLocation {
     },
 }
 
+impl LogLocation {
+    /// Removes the log at this location as the controller of `epoch` (a
+    /// dropped replica's): a SQLite file with its WAL files, or a
+    /// PostgreSQL log's rows (fenced: a newer epoch's log stays). A log
+    /// that is not there is not an error.
+    pub fn remove(&self, epoch: u64) -> Result<(), LogError> {
+        match self {
+            LogLocation::Sqlite(path) => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let mut p = path.clone().into_os_string();
+                    p.push(suffix);
+                    let _ = std::fs::remove_file(p);
+                }
+                Ok(())
+            }
+            LogLocation::Postgres { url, name } => PgLog::open(url, name)?.remove(epoch).map(drop),
+        }
+    }
+
+    /// The file of a SQLite log.
+    pub fn sqlite_path(&self) -> Option<&std::path::Path> {
+        match self {
+            LogLocation::Sqlite(p) => Some(p),
+            LogLocation::Postgres { .. } => None,
+        }
+    }
+
+    /// The PostgreSQL password in the location's connection string, if any.
+    /// The location's `Display` leaves it out; a reader started as another
+    /// process gets it in `PGPASSWORD`.
+    pub fn password(&self) -> Option<String> {
+        match self {
+            LogLocation::Sqlite(_) => None,
+            LogLocation::Postgres { url, .. } => lockstep_pg::password(url),
+        }
+    }
+
+    /// Whether readers should poll it rarely and wait for notifications
+    /// (PostgreSQL) rather than read it every few milliseconds (SQLite).
+    pub fn notifies(&self) -> bool {
+        matches!(self, LogLocation::Postgres { .. })
+    }
+}
+
 impl std::str::FromStr for LogLocation {
     type Err = String;
 

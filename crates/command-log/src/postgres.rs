@@ -186,6 +186,22 @@ impl PgLog {
         Ok(log)
     }
 
+    /// Deletes the whole log (its entries and its fence row), fenced like
+    /// every write: a newer epoch's log is left alone. Returns how many
+    /// entries went.
+    pub fn remove(&mut self, epoch: u64) -> Result<usize, LogError> {
+        self.fenced(epoch, move |c, name, _| {
+            Box::pin(async move {
+                let gone = c
+                    .execute("DELETE FROM command_log_entries WHERE log = $1", &[&name])
+                    .await?;
+                c.execute("DELETE FROM command_log_fence WHERE log = $1", &[&name])
+                    .await?;
+                Ok(gone as usize)
+            })
+        })
+    }
+
     /// The log's name.
     pub fn name(&self) -> &str {
         &self.name

@@ -7,6 +7,8 @@
 
 use std::path::Path;
 
+use lockstep_command_log::LogLocation;
+
 use lockstep_orchestrator::{ServiceConfig, ServiceStatus};
 
 use crate::ReplicaAddrs;
@@ -40,19 +42,25 @@ pub fn replica_service(
 /// command log (`lockstep-replica --command-log`).
 pub const COMMAND_LOG_ENV: &str = "LOCKSTEP_COMMAND_LOG";
 
-/// Gives the replica service a command log at `path` (a SQLite file shared
-/// by its processes), so that the `log` strategy can be used; pass the same
-/// path in [`ReplicaAddrs::command_log`].
+/// Gives the replica service a command log at `location` (a SQLite file
+/// shared by its processes, or a log in a PostgreSQL database), so that the
+/// `log` strategy can be used; pass the same location in
+/// [`ReplicaAddrs::command_log`]. A PostgreSQL password goes to the
+/// processes in `PGPASSWORD`, never on their command line.
 ///
 /// Creates the log now if it is missing, so that the replica's processes,
 /// which start together, only read it: creating one SQLite file from several
 /// processes at once makes all but one back off for up to ~200 ms. If that
 /// fails, it is logged here and the replica processes report it clearly.
-pub fn with_command_log(config: ServiceConfig, path: &Path) -> ServiceConfig {
-    if let Err(e) = lockstep_command_log::SqliteLog::open(path) {
-        tracing::warn!(path = %path.display(), "cannot create the command log: {e}");
+pub fn with_command_log(config: ServiceConfig, location: &LogLocation) -> ServiceConfig {
+    if let Err(e) = lockstep_command_log::AnyLog::open(location) {
+        tracing::warn!(%location, "cannot create the command log: {e}");
     }
-    config.env(COMMAND_LOG_ENV, path.display().to_string())
+    let config = config.env(COMMAND_LOG_ENV, location.to_string());
+    match location.password() {
+        Some(pw) => config.env("PGPASSWORD", pw),
+        None => config,
+    }
 }
 
 /// `config` with the replica's session key in its processes' environment

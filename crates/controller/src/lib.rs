@@ -26,6 +26,9 @@
 mod actor;
 mod connection;
 mod deliver;
+/// Where a replica's command log lives (re-exported for launchers).
+pub use lockstep_command_log::LogLocation;
+
 pub mod launch;
 
 use std::net::SocketAddr;
@@ -52,7 +55,7 @@ pub struct ReplicaAddrs {
     pub workers_per_process: u32,
     /// The replica's command log, needed by the `log` strategy; the replica's
     /// processes must have been started with the same file.
-    pub command_log: Option<std::path::PathBuf>,
+    pub command_log: Option<lockstep_command_log::LogLocation>,
     /// The replica's session key, which every Hello proves; the replica's
     /// processes must have been started with the same key
     /// ([`launch::with_session_key`]).

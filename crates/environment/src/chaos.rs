@@ -137,6 +137,7 @@ pub fn load(dir: &Path, rule: &str, conditional_writes: bool) -> anyhow::Result<
         compaction_lag: None,
         api_token: None,
         allow_naive: false,
+        store: None,
         state_dir: dir.to_path_buf(),
         orphan_policy,
         service: sleep_template(),

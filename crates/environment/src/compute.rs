@@ -15,7 +15,6 @@
 //! process or a process reports that it lost lockstep (see the crate docs).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -217,7 +216,10 @@ impl Compute {
         replica: &Replica,
         status: &ServiceStatus,
         history: CommandHistory,
-        (command_log, session_key): (Option<PathBuf>, Option<lockstep_protocol::SessionKey>),
+        (command_log, session_key): (
+            Option<lockstep_command_log::LogLocation>,
+            Option<lockstep_protocol::SessionKey>,
+        ),
         restarter: Restarter,
     ) {
         let mut addrs = match launch::replica_addrs(status, replica.config.workers_per_process) {

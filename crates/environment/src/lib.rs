@@ -98,7 +98,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use lockstep_catalog::{Catalog, CatalogState, Replica, ReplicaConfig, WriteError};
+use lockstep_catalog::{Catalog, CatalogState, Replica, ReplicaConfig, Store, WriteError};
+use lockstep_command_log::LogLocation;
 use lockstep_orchestrator::process::{ProcessOrchestrator, ProcessOrchestratorConfig};
 use lockstep_orchestrator::{EnsureError, Orchestrator, ServiceStatus};
 use lockstep_policy::{CatalogView, OrphanDecision, OrphanPolicy, PolicyError, Service};
@@ -165,6 +166,15 @@ pub fn session_secret(dir: &Path) -> std::io::Result<[u8; 32]> {
 /// How long a halted environment keeps answering in-flight requests.
 const HALT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// Where the replicas' command logs live.
+#[derive(Clone, Debug)]
+pub enum CommandLogs {
+    /// One SQLite file per replica in this directory.
+    Dir(PathBuf),
+    /// One log per replica in this PostgreSQL database (a connection string).
+    Postgres(String),
+}
+
 /// How to start an environment.
 pub struct EnvironmentConfig {
     /// Holds `catalog.db` and `orchestrator/`; must exist and be writable.
@@ -192,6 +202,10 @@ pub struct EnvironmentConfig {
     /// Whether a WASM distribution policy may choose `naive` (the negative
     /// control); refused by default.
     pub allow_naive: bool,
+    /// Where the catalog and the replicas' command logs live: `None` for
+    /// SQLite files in the state directory, or a PostgreSQL connection
+    /// string (`postgres://…`).
+    pub store: Option<String>,
 }
 
 impl std::fmt::Debug for EnvironmentConfig {
@@ -206,6 +220,16 @@ impl std::fmt::Debug for EnvironmentConfig {
             .field("compaction_lag", &self.compaction_lag)
             .field("api_token", &self.api_token.as_ref().map(|_| "(set)"))
             .field("allow_naive", &self.allow_naive)
+            .field(
+                "store",
+                &self.store.as_deref().map(|s| {
+                    if s.starts_with("postgres") {
+                        lockstep_pg::redact(s)
+                    } else {
+                        s.to_string()
+                    }
+                }),
+            )
             .finish()
     }
 }
@@ -215,6 +239,9 @@ impl std::fmt::Debug for EnvironmentConfig {
 /// not touched.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
+    /// The `--store` argument is not a store.
+    #[error("bad store: {0}")]
+    Store(String),
     /// The state directory does not exist.
     #[error("state directory {0} does not exist (create it first)")]
     StateDirMissing(PathBuf),
@@ -322,7 +349,7 @@ pub struct Environment {
     /// One controller per replica.
     compute: compute::Compute,
     /// Where the replicas' command logs live (`None`: no command logs).
-    command_logs: Option<PathBuf>,
+    command_logs: Option<CommandLogs>,
     /// The master secret of the replicas' session keys (`None`: replicas
     /// have none, and anyone who reaches a replica can drive it).
     session_secret: Option<[u8; 32]>,
@@ -384,17 +411,24 @@ impl Environment {
                 source,
             }
         })?;
-        let catalog = Catalog::open(config.state_dir.join(CATALOG_FILE))?;
+        let store = Store::from_arg(config.store.as_deref(), config.state_dir.join(CATALOG_FILE))
+            .map_err(StartError::Store)?;
+        let catalog = Catalog::open_store(&store)?;
         let mut orchestrator_config =
             ProcessOrchestratorConfig::new(orchestrator_dir, catalog.epoch());
         orchestrator_config.conditional_writes = config.conditional_writes;
         let orchestrator = ProcessOrchestrator::new(orchestrator_config)?;
-        let command_logs = std::path::absolute(config.state_dir.join(COMMAND_LOG_DIR))
-            .and_then(|dir| std::fs::create_dir_all(&dir).map(|()| dir))
-            .map_err(|source| StartError::StateDirUnwritable {
-                path: config.state_dir.join(COMMAND_LOG_DIR),
-                source,
-            })?;
+        let command_logs = match &store {
+            Store::Postgres(url) => CommandLogs::Postgres(url.clone()),
+            Store::Sqlite(_) => CommandLogs::Dir(
+                std::path::absolute(config.state_dir.join(COMMAND_LOG_DIR))
+                    .and_then(|dir| std::fs::create_dir_all(&dir).map(|()| dir))
+                    .map_err(|source| StartError::StateDirUnwritable {
+                        path: config.state_dir.join(COMMAND_LOG_DIR),
+                        source,
+                    })?,
+            ),
+        };
         let secret =
             session_secret(&config.state_dir).map_err(|source| StartError::StateDirUnwritable {
                 path: config.state_dir.join(SESSION_SECRET_FILE),
@@ -541,22 +575,30 @@ impl Environment {
             .map(|s| lockstep_protocol::SessionKey::derive(s, replica_id))
     }
 
-    /// Gives every replica a command log in `dir` (which must exist):
-    /// `DIR/replica-N.sqlite`, passed to the replica's processes and to its
-    /// controller, so that the `log` strategy can be used. [`load`](Self::load)
-    /// uses `STATE_DIR/command-logs`; without this the replicas have no
-    /// command log and a `log` choice falls back to `barrier`. Call it before
-    /// ensuring replicas: the path is part of each replica's service spec.
-    pub fn with_command_logs(mut self, dir: PathBuf) -> Self {
-        self.command_logs = Some(dir);
+    /// Gives every replica a command log: `DIR/replica-N.sqlite` in a
+    /// directory (which must exist), or the log `replica-N` in a PostgreSQL
+    /// database; passed to the replica's processes and to its controller, so
+    /// that the `log` strategy can be used. [`load`](Self::load) uses
+    /// `STATE_DIR/command-logs`, or the `--store` database; without this the
+    /// replicas have no command log and a `log` choice falls back to
+    /// `barrier`. Call it before ensuring replicas: the location is part of
+    /// each replica's service spec.
+    pub fn with_command_logs(mut self, logs: CommandLogs) -> Self {
+        self.command_logs = Some(logs);
         self
     }
 
     /// The command log of replica `replica_id`, if replicas have command logs.
-    pub fn command_log(&self, replica_id: u64) -> Option<PathBuf> {
-        self.command_logs
-            .as_ref()
-            .map(|dir| dir.join(format!("replica-{replica_id}.sqlite")))
+    pub fn command_log(&self, replica_id: u64) -> Option<LogLocation> {
+        self.command_logs.as_ref().map(|logs| match logs {
+            CommandLogs::Dir(dir) => {
+                LogLocation::Sqlite(dir.join(format!("replica-{replica_id}.sqlite")))
+            }
+            CommandLogs::Postgres(url) => LogLocation::Postgres {
+                url: url.clone(),
+                name: format!("replica-{replica_id}"),
+            },
+        })
     }
 
     /// The orchestrator service of a replica: the template's command line,
@@ -564,7 +606,7 @@ impl Environment {
     fn service_config(&self, replica: &Replica) -> lockstep_orchestrator::ServiceConfig {
         let config = self.template.service_config(replica);
         let config = match self.command_log(replica.id) {
-            Some(path) => lockstep_controller::launch::with_command_log(config, &path),
+            Some(location) => lockstep_controller::launch::with_command_log(config, &location),
             None => config,
         };
         let config =
@@ -880,10 +922,8 @@ impl Environment {
         // Its command log goes too (nothing reads it once its processes are
         // gone; a leftover is only disk).
         if let Some(log) = self.command_log(replica.id) {
-            for suffix in ["", "-wal", "-shm"] {
-                let mut path = log.clone().into_os_string();
-                path.push(suffix);
-                let _ = std::fs::remove_file(path);
+            if let Err(e) = log.remove(self.epoch()) {
+                tracing::warn!(%log, error = %e, "a dropped replica's command log was left");
             }
         }
         tracing::info!(replica = %replica.name, id = replica.id, "dropped");

@@ -260,6 +260,13 @@ struct ServeArgs {
     /// otherwise, with the fallback `barrier` used instead.
     #[arg(long)]
     experiments_allow_naive: bool,
+    /// Where the catalog and the replicas' command logs live: omitted, SQLite
+    /// files in the state directory (the embedded default); or a PostgreSQL
+    /// database, `postgres://USER@HOST:PORT/DB`, shared by environments on
+    /// several machines. Keep the password out of the command line: set
+    /// PGPASSWORD (or the whole string in LOCKSTEP_STORE).
+    #[arg(long, env = "LOCKSTEP_STORE")]
+    store: Option<String>,
     /// Let a stale ensure overwrite a newer controller's service (negative tests only).
     #[arg(long, hide = true)]
     unconditional_writes: bool,
@@ -726,6 +733,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         compaction_lag: args.compaction_lag,
         api_token: token,
         allow_naive: args.experiments_allow_naive,
+        store: args.store,
     };
     let env = Environment::start(config).await?;
     let metrics_note = match metrics_listener {

@@ -338,6 +338,7 @@ async fn a_failing_or_nonsensical_policy_deletes_nothing() {
             compaction_lag: None,
             api_token: None,
             allow_naive: false,
+            store: None,
             state_dir: sandbox.path().to_path_buf(),
             orphan_policy: Box::new(Scripted(answer)),
             service: sleep_template(),

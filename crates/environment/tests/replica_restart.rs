@@ -36,7 +36,7 @@ async fn a_stopped_replica_process_is_restarted_and_the_replica_answers_again() 
 
     // The replica has its command log: the processes were given the path
     // (and opened the file at start), and it lies in the state directory.
-    let log = env.command_log(id).unwrap();
+    let log = sqlite_log(&env, id);
     assert_eq!(
         log,
         std::path::absolute(sandbox.path())
@@ -132,7 +132,7 @@ async fn a_stopped_replica_process_is_restarted_and_the_replica_answers_again() 
     let env = start(sandbox.path()).await;
     let adopted = service(&env).await;
     assert_eq!(pids(&adopted), pids(&after), "adopted, not restarted");
-    assert_eq!(env.command_log(id), Some(log));
+    assert_eq!(sqlite_log(&env, id), log);
     peek_until(&env, 101, 2, &expected2, Duration::from_secs(30))
         .await
         .expect("the new environment's controller answers");
@@ -153,7 +153,7 @@ async fn the_log_policy_sends_commands_through_the_command_log() {
     let sandbox = Sandbox::new().unwrap();
     let env = start_with(sandbox.path(), Some(policy.clone())).await;
     let created = env.create_replica("r1", shape(2, 2)).await.unwrap();
-    let log_path = env.command_log(created.replica.id).unwrap();
+    let log_path = sqlite_log(&env, created.replica.id);
     let plan = create_reduce(&env).await;
     let updates = vec![u(&[1, 10], 0, 1), u(&[1, 5], 0, 1), u(&[2, 7], 1, 1)];
     env.write_input("r1", 1, updates.clone(), 2).await.unwrap();
@@ -209,7 +209,7 @@ async fn a_dropped_replica_leaves_no_files() {
     let sandbox = Sandbox::new().unwrap();
     let env = start(sandbox.path()).await;
     let created = env.create_replica("r1", shape(2, 1)).await.unwrap();
-    let log = env.command_log(created.replica.id).unwrap();
+    let log = sqlite_log(&env, created.replica.id);
     let process_logs: Vec<_> = (0..2)
         .map(|i| {
             sandbox.path().join(format!(
@@ -313,7 +313,7 @@ async fn a_policy_set_at_run_time_takes_over_at_the_next_session_without_rebuild
     let sandbox = Sandbox::new().unwrap();
     let env = start(sandbox.path()).await;
     let created = env.create_replica("r1", shape(2, 1)).await.unwrap();
-    let log_path = env.command_log(created.replica.id).unwrap();
+    let log_path = sqlite_log(&env, created.replica.id);
     let plan = create_reduce(&env).await;
     let updates = vec![u(&[1, 10], 0, 1), u(&[2, 7], 0, 1)];
     env.write_input("r1", 1, updates.clone(), 1).await.unwrap();
@@ -329,22 +329,34 @@ async fn a_policy_set_at_run_time_takes_over_at_the_next_session_without_rebuild
         .into_iter()
         .map(|s| s.creation_log)
         .collect();
-    let logged_hellos = |path: &Path| {
+    let logged = |path: &Path| {
         lockstep_command_log::SqliteLog::open_reader(path)
             .and_then(|mut l| l.read_from(1, 100_000))
-            .map(|es| {
-                es.iter()
-                    .filter_map(|e| match &e.command.kind {
-                        lockstep_protocol::CommandKind::Hello(h) => Some(h.epoch),
-                        _ => None,
-                    })
-                    .collect::<Vec<_>>()
-            })
             .unwrap_or_default()
     };
+    // Hellos of log sessions in the log.
+    let logged_hellos = |path: &Path| {
+        logged(path)
+            .iter()
+            .filter_map(|e| match &e.command.kind {
+                lockstep_protocol::CommandKind::Hello(h)
+                    if e.command.strategy == lockstep_protocol::Strategy::Log =>
+                {
+                    Some(h.epoch)
+                }
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let barrier_entries = logged(&log_path);
     assert!(
-        logged_hellos(&log_path).is_empty(),
-        "barrier sessions do not use the log"
+        !barrier_entries.is_empty()
+            && barrier_entries.iter().all(|e| matches!(
+                e.command.kind,
+                lockstep_protocol::CommandKind::Hello(_)
+            ) && e.command.strategy
+                == lockstep_protocol::Strategy::Barrier),
+        "barrier sessions put only their markers in the log: {barrier_entries:?}"
     );
 
     // Refused: no policy at all, and a policy that fails its conformance check.
@@ -421,4 +433,12 @@ async fn a_policy_set_at_run_time_takes_over_at_the_next_session_without_rebuild
     peek_until(&env, 101, 1, &expected, Duration::from_secs(30))
         .await
         .expect("the restarted environment answers under the log policy");
+}
+
+/// Replica `id`'s command log, a SQLite file in these tests.
+fn sqlite_log(env: &lockstep_environment::Environment, id: u64) -> std::path::PathBuf {
+    let log = env.command_log(id).expect("replicas have command logs");
+    log.sqlite_path()
+        .expect("the embedded store keeps command logs in SQLite files")
+        .to_path_buf()
 }

@@ -389,6 +389,14 @@ pub fn quote_ident(ident: &str) -> String {
     format!("\"{}\"", ident.replace('"', "\"\""))
 }
 
+/// The password in a connection string, if it has one (to hand a child
+/// process in `PGPASSWORD` rather than on its command line).
+pub fn password(url: &str) -> Option<String> {
+    let config = Config::from_str(url).ok()?;
+    let pw = config.get_password()?;
+    Some(String::from_utf8_lossy(pw).into_owned())
+}
+
 /// The connection string without its password (for messages and logs), or
 /// a placeholder if it does not parse.
 pub fn redact(url: &str) -> String {

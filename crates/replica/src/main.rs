@@ -46,10 +46,11 @@ struct Args {
     #[arg(long, env = "LOCKSTEP_MAX_FRAME_LEN", default_value_t = DEFAULT_MAX_FRAME_LEN,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(65536..=(1u64 << 30)))]
     max_frame_len: usize,
-    /// The replica's command log (a SQLite file shared by its processes),
-    /// needed by commands sent with the `log` strategy.
+    /// The replica's command log, needed by commands sent with the `log`
+    /// strategy: a SQLite file shared by its processes, or
+    /// `postgres://USER@HOST:PORT/DB#NAME` (the password in `PGPASSWORD`).
     #[arg(long, env = "LOCKSTEP_COMMAND_LOG")]
-    command_log: Option<std::path::PathBuf>,
+    command_log: Option<lockstep_command_log::LogLocation>,
 }
 
 fn main() {

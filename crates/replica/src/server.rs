@@ -46,7 +46,7 @@ pub struct ReplicaConfig {
     /// The largest frame accepted.
     pub max_frame_len: usize,
     /// The command log of the `log` strategy, if the replica has one.
-    pub command_log: Option<std::path::PathBuf>,
+    pub command_log: Option<lockstep_command_log::LogLocation>,
     /// The replica's session key: when set, a Hello that does not prove it
     /// is refused before any other check (S1).
     pub session_key: Option<lockstep_protocol::SessionKey>,
@@ -124,12 +124,12 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
     let listener = std::net::TcpListener::bind(config.listen)
         .with_context(|| format!("cannot listen for controllers on {}", config.listen))?;
     listener.set_nonblocking(true)?;
-    if let Some(path) = &config.command_log {
+    if let Some(location) = &config.command_log {
         // Fail fast, before forming the cluster, on a log that cannot be
         // used. The launcher normally created it already (reading needs no
         // lock); a process started by hand creates it.
-        if lockstep_command_log::SqliteLog::open_reader(path).is_err() {
-            lockstep_command_log::SqliteLog::open(path)?;
+        if lockstep_command_log::AnyLog::open_reader(location).is_err() {
+            lockstep_command_log::AnyLog::open(location)?;
         }
     }
 
@@ -173,9 +173,10 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
             let commands = receivers.lock().expect("not poisoned")[local]
                 .take()
                 .expect("each local worker starts once");
-            let log = command_log.as_deref().map(|p| {
-                lockstep_command_log::SqliteLog::open_reader(p).unwrap_or_else(|e| {
-                    // Opened once already above: only a vanished file gets here.
+            let log = command_log.as_ref().map(|location| {
+                lockstep_command_log::AnyLog::open_reader(location).unwrap_or_else(|e| {
+                    // Opened once already above: only a vanished file or an
+                    // unreachable database gets here.
                     panic!("worker {}: {e}", worker.index())
                 })
             });

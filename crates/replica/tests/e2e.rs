@@ -49,7 +49,7 @@ async fn operators_match_the_reference(replica_id: u64, strategy: Strategy) {
         // The commands went through the log, not around it.
         use lockstep_command_log::CommandLog;
         let mut log =
-            lockstep_command_log::SqliteLog::open(r.addrs.command_log.as_ref().unwrap()).unwrap();
+            lockstep_command_log::AnyLog::open(r.addrs.command_log.as_ref().unwrap()).unwrap();
         let creates = log
             .read_from(1, 10_000)
             .unwrap()
@@ -172,7 +172,7 @@ async fn restart_keeps_unchanged_dataflows(replica_id: u64, strategy: Strategy) 
         // the log now starts with b's Hello.
         use lockstep_command_log::CommandLog;
         let mut log =
-            lockstep_command_log::SqliteLog::open(r.addrs.command_log.as_ref().unwrap()).unwrap();
+            lockstep_command_log::AnyLog::open(r.addrs.command_log.as_ref().unwrap()).unwrap();
         let first = log.read_from(1, 1).unwrap().remove(0);
         assert!(first.offset > 1, "nothing was truncated");
         match first.command.kind {
@@ -493,8 +493,8 @@ async fn a_log_session_does_not_keep_its_status_requests() {
         c.statuses().await.unwrap();
     }
     let mut log =
-        lockstep_command_log::SqliteLog::open(r.addrs.command_log.as_ref().unwrap()).unwrap();
-    let count = |log: &mut lockstep_command_log::SqliteLog| {
+        lockstep_command_log::AnyLog::open(r.addrs.command_log.as_ref().unwrap()).unwrap();
+    let count = |log: &mut lockstep_command_log::AnyLog| {
         let entries = log.read_from(1, 100_000).unwrap();
         let status = entries
             .iter()

@@ -82,7 +82,7 @@ async fn start_replica(id: u64, processes: usize, workers: u32) -> Result<Replic
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
         .map_err(|e| e.to_string())?;
-    let log = dir.path().join("command-log.sqlite");
+    let log = lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite"));
     // A session key, as under `lockstep serve`.
     let key = lockstep_protocol::SessionKey::derive(&[0xc4; 32], id);
     let config = launch::with_session_key(

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockstep_command_log::SqliteLog;
+use lockstep_command_log::AnyLog;
 use lockstep_policy::{DistributionPolicy, MismatchAction};
 use lockstep_protocol::merge::{meet, merge_peek, SubscribeMerge};
 use lockstep_protocol::{
@@ -129,7 +129,7 @@ pub(crate) struct Actor {
     /// the policy per command.
     pub(crate) session_strategy: Strategy,
     /// The replica's command log, opened at the first log session.
-    pub(crate) log: Option<SqliteLog>,
+    pub(crate) log: Option<AnyLog>,
     /// While a log session starts: the commands to append in one go, each
     /// with the failpoint's crash point, and the per-process Hellos.
     pub(crate) log_batch: Option<LogBatch>,

@@ -11,7 +11,7 @@
 //! (`Event::LogFailed`). (The replica's side:
 //! `crates/replica/src/order/log.rs`.)
 
-use lockstep_command_log::{CommandLog, SqliteLog};
+use lockstep_command_log::{AnyLog, CommandLog};
 use lockstep_protocol::{Command, CommandKind};
 
 /// How many applied StatusRequests are deleted from the log at once.
@@ -88,10 +88,10 @@ impl Actor {
     /// this controller: it must not go on without its log.
     fn append_log_at(&mut self, commands: &[Command]) -> Option<u64> {
         if self.log.is_none() {
-            let Some(path) = &self.replica.command_log else {
+            let Some(location) = &self.replica.command_log else {
                 unreachable!("the log is written only on a replica with a command log")
             };
-            match SqliteLog::open(path) {
+            match AnyLog::open(location) {
                 Ok(l) => self.log = Some(l),
                 Err(e) => {
                     self.fail_log(e);

@@ -45,6 +45,7 @@ pub fn config(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environ
         compaction_lag: None,
         api_token: None,
         allow_naive: false,
+        store: None,
     }
 }
 

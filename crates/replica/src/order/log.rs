@@ -18,21 +18,25 @@
 
 use std::time::Duration;
 
-use lockstep_command_log::{CommandLog, SqliteLog};
+use lockstep_command_log::{AnyLog, CommandLog};
 use lockstep_protocol::{Command, CommandKind, ErrorKind, Strategy};
 use lockstep_reconcile::session_of;
 
 use crate::worker::{MeshMessage, WorkerState};
 
-/// How often a worker reads the command log when nothing woke it.
+/// How often a worker reads a SQLite command log when nothing woke it.
 pub const LOG_POLL: Duration = Duration::from_millis(2);
+
+/// How often a worker reads a PostgreSQL command log when no notification
+/// and no socket copy woke it (the bounded poll behind LISTEN/NOTIFY).
+pub const NOTIFIED_LOG_POLL: Duration = Duration::from_millis(100);
 
 /// How many log entries a worker reads at once.
 const LOG_BATCH: usize = 256;
 
 /// A worker's position in the command log.
 pub(crate) struct LogTail {
-    log: SqliteLog,
+    log: AnyLog,
     /// `None` until worker 0 announced the start offset on the mesh.
     next: Option<u64>,
     /// A socket copy of a log command arrived: read the log now.
@@ -43,7 +47,7 @@ pub(crate) struct LogTail {
 impl WorkerState {
     /// Starts tailing the command log `log`. Worker 0 announces the start
     /// offset on the control mesh, which must be built already.
-    pub(crate) fn tail_log(&mut self, mut log: SqliteLog) {
+    pub(crate) fn tail_log(&mut self, mut log: AnyLog) {
         self.machine.set_tails_log();
         if self.index == 0 {
             // Every worker starts reading where worker 0 says: the newest
@@ -99,8 +103,19 @@ impl WorkerState {
             return false;
         };
         let Some(next) = tail.next else { return false };
-        if !tail.poked && tail.last_read.elapsed() < LOG_POLL {
-            return false;
+        if !tail.poked {
+            match &mut tail.log {
+                AnyLog::Sqlite(_) if tail.last_read.elapsed() < LOG_POLL => return false,
+                AnyLog::Sqlite(_) => {}
+                // A notification (or a lost connection) says there may be
+                // new entries; otherwise read at the bounded poll only.
+                notified @ AnyLog::Postgres(_) => {
+                    let woken = notified.wait_for_append(Duration::ZERO).unwrap_or(true);
+                    if !woken && tail.last_read.elapsed() < NOTIFIED_LOG_POLL {
+                        return false;
+                    }
+                }
+            }
         }
         tail.poked = false;
         tail.last_read = std::time::Instant::now();

@@ -51,7 +51,7 @@ use std::time::{Duration, Instant};
 use differential_dataflow::input::InputSession;
 use differential_dataflow::operators::arrange::TraceAgent;
 use differential_dataflow::trace::implementations::KeySpine;
-use lockstep_command_log::SqliteLog;
+use lockstep_command_log::AnyLog;
 use lockstep_protocol::{
     Command, CommandHistory, CommandKind, CreationLogEntry, DataflowDescription, Digest, ErrorKind,
     ErrorResponse, Frontier, Peek, PeekResult, Row, Status, Subscribe, SubscribeBatch, Update,
@@ -438,7 +438,7 @@ pub fn run_worker(
     commands: Receiver<Command>,
     tx: UnboundedSender<FromWorker>,
     workers_per_process: usize,
-    log: Option<SqliteLog>,
+    log: Option<AnyLog>,
 ) {
     let index = worker.index();
     // The control mesh is every worker's first dataflow.

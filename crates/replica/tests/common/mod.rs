@@ -75,7 +75,7 @@ pub async fn start_replica_with_env(
     let dir = tempfile::tempdir().expect("tempdir");
     let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
         .expect("orchestrator");
-    let log = dir.path().join("command-log.sqlite");
+    let log = lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite"));
     // Every test replica has a session key, as under `lockstep serve`.
     let key = test_session_key(replica_id);
     let service = env.iter().fold(
