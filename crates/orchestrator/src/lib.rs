@@ -93,8 +93,11 @@ pub struct ServiceAssignment<'a> {
     pub process: usize,
     /// The number of processes in the service.
     pub scale: usize,
-    /// The host every process listens on.
+    /// This process's host (`hosts[process]`).
     pub host: &'a str,
+    /// Every process's host, in process order: `127.0.0.1` for each in the
+    /// process backend, each pod's stable DNS name in the Kubernetes one.
+    pub hosts: &'a [String],
     /// Every process's ports by name, in process order.
     pub ports: &'a [BTreeMap<String, u16>],
 }
@@ -127,7 +130,10 @@ impl ServiceAssignment<'_> {
     /// order, this process's own included (what timely's cluster config wants).
     pub fn peer_addrs(&self, name: &str) -> Vec<String> {
         (0..self.scale)
-            .map(|i| format!("{}:{}", self.host, self.port_of(i, name)))
+            .map(|i| {
+                let host = self.hosts.get(i).map(String::as_str).unwrap_or(self.host);
+                format!("{host}:{}", self.port_of(i, name))
+            })
             .collect()
     }
 }
