@@ -87,11 +87,7 @@ pub async fn run_variant(rule: &str, lockstep_bin: Option<&Path>) -> RuleReport 
 
 /// Runs every scenario for one rule on `backend` (`process` or
 /// `kubernetes`); see [`run_variant`].
-pub async fn run_variant_on(
-    backend: &str,
-    rule: &str,
-    lockstep_bin: Option<&Path>,
-) -> RuleReport {
+pub async fn run_variant_on(backend: &str, rule: &str, lockstep_bin: Option<&Path>) -> RuleReport {
     let negative_control = VARIANTS
         .iter()
         .find(|(v, _)| *v == rule)

@@ -222,7 +222,11 @@ fn replica_config(processes: u32) -> ReplicaConfig {
 
 /// Loads an environment on `dir` with the native rule `rule`.
 pub fn load(dir: &Path, rule: &str, conditional_writes: bool) -> anyhow::Result<Environment> {
-    Ok(Environment::load(env_config(dir, rule, conditional_writes)?)?)
+    Ok(Environment::load(env_config(
+        dir,
+        rule,
+        conditional_writes,
+    )?)?)
 }
 
 fn env_config(
@@ -544,10 +548,7 @@ pub async fn stale_cannot_resurrect_on(backend: Backend, rule: &str) -> Outcome 
     outcome(stale_resurrect_inner(backend, rule).await)
 }
 
-async fn stale_resurrect_inner(
-    backend: Backend,
-    rule: &str,
-) -> anyhow::Result<Result<(), String>> {
+async fn stale_resurrect_inner(backend: Backend, rule: &str) -> anyhow::Result<Result<(), String>> {
     let sandbox = Sandbox::on(backend)?;
     let env0 = sandbox.load(rule, true)?;
     env0.create_replica("r1", replica_config(2)).await?;
@@ -643,7 +644,11 @@ fn k8s_service(id: u64) -> lockstep_orchestrator::ServiceConfig {
 fn k8s_epochs(api: &ApiServerDouble, id: u64) -> (Option<String>, Option<String>) {
     let name = ServiceTemplate::service_name(id);
     let epoch = |o: Option<serde_json::Value>| {
-        o.and_then(|o| o["metadata"]["labels"]["lockstep/epoch"].as_str().map(str::to_string))
+        o.and_then(|o| {
+            o["metadata"]["labels"]["lockstep/epoch"]
+                .as_str()
+                .map(str::to_string)
+        })
     };
     (
         epoch(api.get("services", K8S_NAMESPACE, &name)),
@@ -719,7 +724,11 @@ async fn k8s_conflict_inner(rule: &str) -> anyhow::Result<Result<(), String>> {
     let api = ApiServerDouble::new();
     let sandbox = Sandbox::on(Backend::Kubernetes(api.clone()))?;
     let env0 = sandbox.load(rule, true)?;
-    let r1 = env0.create_replica("r1", replica_config(2)).await?.replica.id;
+    let r1 = env0
+        .create_replica("r1", replica_config(2))
+        .await?
+        .replica
+        .id;
     drop(env0);
     let name = ServiceTemplate::service_name(r1);
     let stale = sandbox.load(rule, true)?;
@@ -815,7 +824,10 @@ async fn k8s_watch_inner() -> anyhow::Result<Result<(), String>> {
                     Ok(Ok(e)) => {
                         if e.service == service
                             && e.process == Some(process)
-                            && matches!(e.kind, lockstep_orchestrator::ServiceEventKind::Exited { .. })
+                            && matches!(
+                                e.kind,
+                                lockstep_orchestrator::ServiceEventKind::Exited { .. }
+                            )
                         {
                             return true;
                         }
@@ -846,7 +858,9 @@ async fn k8s_watch_inner() -> anyhow::Result<Result<(), String>> {
         ));
     }
     if !o.list_services().await?.iter().any(|s| s.name == name) {
-        return Ok(Err(format!("O1: {name} is no longer listed after the watch dropped")));
+        return Ok(Err(format!(
+            "O1: {name} is no longer listed after the watch dropped"
+        )));
     }
     Ok(Ok(()))
 }

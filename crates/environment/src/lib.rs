@@ -174,9 +174,8 @@ pub struct OrchestratorParams<'a> {
 }
 
 /// Builds the orchestrator once the catalog is open (its epoch known).
-pub type OrchestratorFactory = Box<
-    dyn FnOnce(OrchestratorParams<'_>) -> Result<Arc<dyn Orchestrator>, StartError> + Send,
->;
+pub type OrchestratorFactory =
+    Box<dyn FnOnce(OrchestratorParams<'_>) -> Result<Arc<dyn Orchestrator>, StartError> + Send>;
 
 /// The default backend: the process orchestrator on `STATE_DIR/orchestrator`.
 pub fn process_orchestrator(
@@ -438,15 +437,11 @@ impl Environment {
                 path: config.state_dir.join(SESSION_SECRET_FILE),
                 source,
             })?;
-        let env = Self::with_orchestrator(
-            catalog,
-            orchestrator,
-            config.orphan_policy,
-            config.service,
-        )?
-        .with_command_logs(command_logs)
-        .with_session_secret(secret)
-        .with_api_token(config.api_token);
+        let env =
+            Self::with_orchestrator(catalog, orchestrator, config.orphan_policy, config.service)?
+                .with_command_logs(command_logs)
+                .with_session_secret(secret)
+                .with_api_token(config.api_token);
         if let Some(path) = &config.distribution_policy {
             let wasm = std::fs::read(path).unwrap_or_default();
             env.policies_in_force.lock().expect("poisoned").insert(

@@ -299,9 +299,17 @@ impl Store {
         });
     }
 
-    fn insert(&mut self, resource: &str, namespace: &str, mut object: Value) -> Result<Value, (u16, String)> {
+    fn insert(
+        &mut self,
+        resource: &str,
+        namespace: &str,
+        mut object: Value,
+    ) -> Result<Value, (u16, String)> {
         let Some(kind) = kind_of(resource) else {
-            return Err((404, format!("the server could not find the requested resource {resource}")));
+            return Err((
+                404,
+                format!("the server could not find the requested resource {resource}"),
+            ));
         };
         let Some(name) = object["metadata"]["name"].as_str().map(str::to_string) else {
             return Err((422, "metadata.name: Required value".to_string()));
@@ -348,12 +356,25 @@ impl Store {
         Ok(object)
     }
 
-    fn replace(&mut self, resource: &str, namespace: &str, name: &str, mut object: Value) -> Result<Value, (u16, String)> {
-        let key = (resource.to_string(), namespace.to_string(), name.to_string());
+    fn replace(
+        &mut self,
+        resource: &str,
+        namespace: &str,
+        name: &str,
+        mut object: Value,
+    ) -> Result<Value, (u16, String)> {
+        let key = (
+            resource.to_string(),
+            namespace.to_string(),
+            name.to_string(),
+        );
         let Some(stored) = self.objects.get(&key).cloned() else {
             return Err((404, format!("{resource} \"{name}\" not found")));
         };
-        let stored_rv = stored["metadata"]["resourceVersion"].as_str().unwrap_or("").to_string();
+        let stored_rv = stored["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
         let stored_uid = stored["metadata"]["uid"].as_str().unwrap_or("").to_string();
         if let Some(uid) = object["metadata"]["uid"].as_str() {
             if uid != stored_uid {
@@ -382,8 +403,18 @@ impl Store {
         Ok(object)
     }
 
-    fn delete(&mut self, resource: &str, namespace: &str, name: &str, options: &Value) -> Result<Value, (u16, String)> {
-        let key = (resource.to_string(), namespace.to_string(), name.to_string());
+    fn delete(
+        &mut self,
+        resource: &str,
+        namespace: &str,
+        name: &str,
+        options: &Value,
+    ) -> Result<Value, (u16, String)> {
+        let key = (
+            resource.to_string(),
+            namespace.to_string(),
+            name.to_string(),
+        );
         let Some(stored) = self.objects.get(&key).cloned() else {
             return Err((404, format!("{resource} \"{name}\" not found")));
         };
@@ -441,7 +472,11 @@ impl ApiServerDouble {
             .lock()
             .expect("poisoned")
             .objects
-            .get(&(resource.to_string(), namespace.to_string(), name.to_string()))
+            .get(&(
+                resource.to_string(),
+                namespace.to_string(),
+                name.to_string(),
+            ))
             .cloned()
     }
 
@@ -467,7 +502,13 @@ impl ApiServerDouble {
     }
 
     /// Replaces an object unconditionally, as another client would.
-    pub fn replace(&self, resource: &str, namespace: &str, name: &str, mut object: Value) -> Result<Value, String> {
+    pub fn replace(
+        &self,
+        resource: &str,
+        namespace: &str,
+        name: &str,
+        mut object: Value,
+    ) -> Result<Value, String> {
         if let Some(meta) = object["metadata"].as_object_mut() {
             meta.remove("resourceVersion");
             meta.remove("uid");
@@ -520,7 +561,11 @@ impl ApiServerDouble {
 
     /// Runs `action` just before the next request matching `matcher` is
     /// handled (a concurrent writer acting between a read and a write).
-    pub fn before_next(&self, matcher: Matcher, action: impl FnOnce(&ApiServerDouble) + Send + 'static) {
+    pub fn before_next(
+        &self,
+        matcher: Matcher,
+        action: impl FnOnce(&ApiServerDouble) + Send + 'static,
+    ) {
         self.store
             .lock()
             .expect("poisoned")
@@ -551,12 +596,23 @@ impl ApiServerDouble {
         s.compacted_below = s.rv;
     }
 
-    fn handle(&self, method: Method, path: &str, query: BTreeMap<String, String>, body: Value) -> Response<DoubleBody> {
+    fn handle(
+        &self,
+        method: Method,
+        path: &str,
+        query: BTreeMap<String, String>,
+        body: Value,
+    ) -> Response<DoubleBody> {
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
         let (namespace, resource, name) = match segments.as_slice() {
             ["api", "v1", "namespaces", ns, resource] => (*ns, *resource, None),
             ["api", "v1", "namespaces", ns, resource, name] => (*ns, *resource, Some(*name)),
-            _ => return error(404, format!("the server could not find the requested resource ({path})")),
+            _ => {
+                return error(
+                    404,
+                    format!("the server could not find the requested resource ({path})"),
+                )
+            }
         };
         // Faults first: an action runs with the store unlocked.
         let fault = {
@@ -578,14 +634,23 @@ impl ApiServerDouble {
             None => {}
         }
         if kind_of(resource).is_none() {
-            return error(404, format!("the server could not find the requested resource ({resource})"));
+            return error(
+                404,
+                format!("the server could not find the requested resource ({resource})"),
+            );
         }
         let mut s = self.store.lock().expect("poisoned");
         let result = match (&method, name) {
-            (&Method::POST, None) => s.insert(resource, namespace, body).map(|o| (StatusCode::CREATED, o)),
+            (&Method::POST, None) => s
+                .insert(resource, namespace, body)
+                .map(|o| (StatusCode::CREATED, o)),
             (&Method::GET, Some(name)) => s
                 .objects
-                .get(&(resource.to_string(), namespace.to_string(), name.to_string()))
+                .get(&(
+                    resource.to_string(),
+                    namespace.to_string(),
+                    name.to_string(),
+                ))
                 .cloned()
                 .map(|o| (StatusCode::OK, o))
                 .ok_or((404, format!("{resource} \"{name}\" not found"))),
@@ -597,7 +662,11 @@ impl ApiServerDouble {
                 let items: Vec<Value> = s
                     .objects
                     .iter()
-                    .filter(|((r, n, _), o)| r == resource && n == namespace && selector_matches(&selector, &labels_of(o)))
+                    .filter(|((r, n, _), o)| {
+                        r == resource
+                            && n == namespace
+                            && selector_matches(&selector, &labels_of(o))
+                    })
                     .map(|(_, o)| o.clone())
                     .collect();
                 Ok((
@@ -610,8 +679,12 @@ impl ApiServerDouble {
                     }),
                 ))
             }
-            (&Method::PUT, Some(name)) => s.replace(resource, namespace, name, body).map(|o| (StatusCode::OK, o)),
-            (&Method::DELETE, Some(name)) => s.delete(resource, namespace, name, &body).map(|o| (StatusCode::OK, o)),
+            (&Method::PUT, Some(name)) => s
+                .replace(resource, namespace, name, body)
+                .map(|o| (StatusCode::OK, o)),
+            (&Method::DELETE, Some(name)) => s
+                .delete(resource, namespace, name, &body)
+                .map(|o| (StatusCode::OK, o)),
             _ => Err((405, format!("method {method} not allowed on {path}"))),
         };
         match result {
@@ -620,7 +693,13 @@ impl ApiServerDouble {
         }
     }
 
-    fn watch(&self, s: &mut Store, resource: &str, namespace: &str, query: &BTreeMap<String, String>) -> Response<DoubleBody> {
+    fn watch(
+        &self,
+        s: &mut Store,
+        resource: &str,
+        namespace: &str,
+        query: &BTreeMap<String, String>,
+    ) -> Response<DoubleBody> {
         let selector = query.get("labelSelector").cloned().unwrap_or_default();
         let from: u64 = query
             .get("resourceVersion")
@@ -628,8 +707,15 @@ impl ApiServerDouble {
             .unwrap_or(s.rv);
         let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
         if from < s.compacted_below {
-            let gone = status(410, "Expired", format!("too old resource version: {from} ({})", s.compacted_below));
-            let _ = tx.send(Bytes::from(format!("{}\n", json!({"type": "ERROR", "object": gone}))));
+            let gone = status(
+                410,
+                "Expired",
+                format!("too old resource version: {from} ({})", s.compacted_below),
+            );
+            let _ = tx.send(Bytes::from(format!(
+                "{}\n",
+                json!({"type": "ERROR", "object": gone})
+            )));
             drop(tx);
         } else {
             for e in &s.history {
@@ -638,7 +724,10 @@ impl ApiServerDouble {
                     && e.namespace == namespace
                     && selector_matches(&selector, &labels_of(&e.object))
                 {
-                    let _ = tx.send(Bytes::from(format!("{}\n", json!({"type": e.kind, "object": e.object}))));
+                    let _ = tx.send(Bytes::from(format!(
+                        "{}\n",
+                        json!({"type": e.kind, "object": e.object})
+                    )));
                 }
             }
             s.watchers.push(Watcher {
@@ -649,7 +738,9 @@ impl ApiServerDouble {
             });
         }
         let stream = futures::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|b| (Ok::<_, Infallible>(http_body::Frame::data(b)), rx))
+            rx.recv()
+                .await
+                .map(|b| (Ok::<_, Infallible>(http_body::Frame::data(b)), rx))
         })
         .boxed();
         Response::builder()

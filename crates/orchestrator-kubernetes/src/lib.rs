@@ -75,7 +75,9 @@ use std::time::Duration;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions, WatchEvent, WatchParams};
+use kube::api::{
+    Api, DeleteParams, ListParams, PostParams, Preconditions, WatchEvent, WatchParams,
+};
 use kube::{Client, ResourceExt};
 use lockstep_orchestrator::{
     DropError, EnsureError, ListError, Orchestrator, ProcessStatus, RestartError, ServiceConfig,
@@ -269,8 +271,7 @@ impl KubernetesOrchestrator {
             return Ok(Record::Missing);
         };
         let labels = service.labels();
-        if labels.get(objects::MANAGED_BY_LABEL).map(String::as_str) != Some(objects::MANAGED_BY)
-        {
+        if labels.get(objects::MANAGED_BY_LABEL).map(String::as_str) != Some(objects::MANAGED_BY) {
             return Err(StateError::Corrupt {
                 path: format!("kubernetes: service {name}").into(),
                 reason: "a Service of this name exists and is not managed by lockstep".into(),
@@ -289,7 +290,8 @@ impl KubernetesOrchestrator {
     }
 
     async fn service_pods(&self, name: &str) -> Result<Vec<Pod>, StateError> {
-        let lp = ListParams::default().labels(&objects::pods_selector(&self.config.environment, name));
+        let lp =
+            ListParams::default().labels(&objects::pods_selector(&self.config.environment, name));
         let mut pods = self
             .pods
             .list(&lp)
@@ -358,10 +360,14 @@ impl KubernetesOrchestrator {
                 .map_err(|e| api_error("read secret", e))?
             {
                 None => self.secrets.create(&PostParams::default(), &desired).await,
-                Some(s) if s.data == desired.data && s.labels() == desired.labels() => return Ok(()),
+                Some(s) if s.data == desired.data && s.labels() == desired.labels() => {
+                    return Ok(())
+                }
                 Some(s) => {
                     desired.metadata.resource_version = s.resource_version();
-                    self.secrets.replace(&name, &PostParams::default(), &desired).await
+                    self.secrets
+                        .replace(&name, &PostParams::default(), &desired)
+                        .await
                 }
             };
             match result {
@@ -620,7 +626,10 @@ impl KubernetesOrchestrator {
                 Record::Missing => {
                     existed = false;
                     self.services
-                        .create(&PostParams::default(), &objects::tombstone(&ctx, name, ours))
+                        .create(
+                            &PostParams::default(),
+                            &objects::tombstone(&ctx, name, ours),
+                        )
                         .await
                 }
                 Record::Dropped { by, service } if by >= ours => {
@@ -637,7 +646,9 @@ impl KubernetesOrchestrator {
                     let mut t = objects::tombstone(&ctx, name, by);
                     t.metadata.resource_version = service.resource_version();
                     t.metadata.uid = service.uid();
-                    self.services.replace(name, &PostParams::default(), &t).await
+                    self.services
+                        .replace(name, &PostParams::default(), &t)
+                        .await
                 }
             };
             match result {
@@ -647,7 +658,10 @@ impl KubernetesOrchestrator {
                     break;
                 }
                 Err(e) if is_conflict(&e) => {
-                    tracing::info!(service = name, "record changed under us (409): reading again")
+                    tracing::info!(
+                        service = name,
+                        "record changed under us (409): reading again"
+                    )
                 }
                 Err(e) => return Err(api_error("write tombstone", e).into()),
             }
@@ -690,7 +704,11 @@ impl KubernetesOrchestrator {
         for _ in 0..CONFLICT_ATTEMPTS {
             match self.secrets.get_opt(&secret_name).await {
                 Ok(None) => break,
-                Ok(Some(s)) => match self.secrets.delete(&secret_name, &self.delete_params(&s)).await {
+                Ok(Some(s)) => match self
+                    .secrets
+                    .delete(&secret_name, &self.delete_params(&s))
+                    .await
+                {
                     Ok(_) => break,
                     Err(e) if is_conflict(&e) || is_not_found(&e) => continue,
                     Err(e) => return Err(api_error("delete secret", e).into()),
@@ -824,7 +842,8 @@ impl KubernetesOrchestrator {
             .await
             .map_err(|e| api_error("list services", e))?
             .items;
-        let lp = ListParams::default().labels(&objects::environment_selector(&self.config.environment));
+        let lp =
+            ListParams::default().labels(&objects::environment_selector(&self.config.environment));
         let pods = self
             .pods
             .list(&lp)
@@ -937,7 +956,11 @@ async fn watch_pods(pods: Api<Pod>, selector: String, events: broadcast::Sender<
                     let restarts = container_restarts(&p);
                     let before = known.insert(p.name_any(), (p.uid(), restarts));
                     if before.is_some_and(|(_, r)| restarts > r) {
-                        emit_exit(&events, &p.name_any(), "the container exited; the kubelet restarted it");
+                        emit_exit(
+                            &events,
+                            &p.name_any(),
+                            "the container exited; the kubelet restarted it",
+                        );
                     }
                 }
                 Ok(WatchEvent::Deleted(p)) => {
@@ -1014,12 +1037,7 @@ impl Orchestrator for KubernetesOrchestrator {
 
 /// The owner reference of the environment's own object, for
 /// [`KubernetesOrchestratorConfig::owner`].
-pub fn owner_reference(
-    api_version: &str,
-    kind: &str,
-    name: &str,
-    uid: &str,
-) -> OwnerReference {
+pub fn owner_reference(api_version: &str, kind: &str, name: &str, uid: &str) -> OwnerReference {
     OwnerReference {
         api_version: api_version.to_string(),
         kind: kind.to_string(),
@@ -1035,4 +1053,3 @@ pub fn owner_reference(
 pub async fn in_cluster_client() -> Result<Client, kube::Error> {
     Client::try_default().await
 }
-

@@ -35,7 +35,10 @@ fn documents() -> Vec<(String, Value)> {
         for doc in serde_yaml::Deserializer::from_str(&text) {
             let value: Value = serde::Deserialize::deserialize(doc)
                 .unwrap_or_else(|e| panic!("{}: not YAML: {e}", file.display()));
-            out.push((file.file_name().unwrap().to_string_lossy().into_owned(), value));
+            out.push((
+                file.file_name().unwrap().to_string_lossy().into_owned(),
+                value,
+            ));
         }
     }
     out
@@ -45,7 +48,10 @@ fn documents() -> Vec<(String, Value)> {
 fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(file: &str, doc: &Value) -> T {
     let typed: T = serde_json::from_value(doc.clone()).unwrap_or_else(|e| panic!("{file}: {e}"));
     let back = serde_json::to_value(&typed).unwrap();
-    assert_eq!(&back, doc, "{file}: fields k8s-openapi does not know were dropped");
+    assert_eq!(
+        &back, doc,
+        "{file}: fields k8s-openapi does not know were dropped"
+    );
     typed
 }
 
@@ -54,7 +60,10 @@ fn every_manifest_is_a_valid_kubernetes_object() {
     let docs = documents();
     let mut kinds = BTreeMap::new();
     for (file, doc) in &docs {
-        let kind = doc["kind"].as_str().unwrap_or_else(|| panic!("{file}: no kind")).to_string();
+        let kind = doc["kind"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{file}: no kind"))
+            .to_string();
         match kind.as_str() {
             "Namespace" => drop(round_trip::<Namespace>(file, doc)),
             "ServiceAccount" => drop(round_trip::<ServiceAccount>(file, doc)),
@@ -64,18 +73,34 @@ fn every_manifest_is_a_valid_kubernetes_object() {
             "Deployment" => {
                 let d: Deployment = round_trip(file, doc);
                 let pod = d.spec.unwrap().template.spec.unwrap();
-                assert_eq!(pod.service_account_name.as_deref(), Some("lockstep-environment"));
+                assert_eq!(
+                    pod.service_account_name.as_deref(),
+                    Some("lockstep-environment")
+                );
                 let args = pod.containers[0].args.clone().unwrap();
-                assert!(args.iter().any(|a| a == "--orchestrator=kubernetes"), "{args:?}");
+                assert!(
+                    args.iter().any(|a| a == "--orchestrator=kubernetes"),
+                    "{args:?}"
+                );
             }
             other => panic!("{file}: unexpected kind {other}"),
         }
         if kind != "Namespace" {
-            assert_eq!(doc["metadata"]["namespace"], "lockstep", "{file}: {kind} in the lockstep namespace");
+            assert_eq!(
+                doc["metadata"]["namespace"], "lockstep",
+                "{file}: {kind} in the lockstep namespace"
+            );
         }
         *kinds.entry(kind).or_insert(0) += 1;
     }
-    for kind in ["Namespace", "ServiceAccount", "Role", "RoleBinding", "Deployment", "Secret"] {
+    for kind in [
+        "Namespace",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Deployment",
+        "Secret",
+    ] {
         assert_eq!(kinds.get(kind), Some(&1), "one {kind}: {kinds:?}");
     }
 }
@@ -87,7 +112,7 @@ fn verb(r: &RecordedRequest) -> (String, &'static str) {
     let item = parts.len() > 5;
     let verb = match (&r.method, item) {
         (&Method::GET, true) => "get",
-        (&Method::GET, false) if r.query.get("watch").is_some() => "watch",
+        (&Method::GET, false) if r.query.contains_key("watch") => "watch",
         (&Method::GET, false) => "list",
         (&Method::POST, _) => "create",
         (&Method::PUT, _) => "update",
@@ -105,13 +130,19 @@ async fn the_role_grants_exactly_what_the_backend_uses() {
     c.poll_interval = Duration::from_millis(5);
     let o = KubernetesOrchestrator::new(api.client("lockstep"), c.clone());
     let mut events = o.watch_services();
-    let config = || ServiceConfig::new("replica-1", 1, "lockstep-replica").port("timely").env("K", "v");
+    let config = || {
+        ServiceConfig::new("replica-1", 1, "lockstep-replica")
+            .port("timely")
+            .env("K", "v")
+    };
     o.ensure_service(config()).await.unwrap();
     let mut c2 = c.clone();
     c2.epoch = 2;
     let o2 = KubernetesOrchestrator::new(api.client("lockstep"), c2);
     o2.ensure_service(config()).await.unwrap();
-    o2.ensure_service(config().env("K", "changed")).await.unwrap();
+    o2.ensure_service(config().env("K", "changed"))
+        .await
+        .unwrap();
     o2.restart_service("replica-1").await.unwrap();
     o2.list_services().await.unwrap();
     o2.drop_service("replica-1").await.unwrap();
@@ -128,9 +159,21 @@ async fn the_role_grants_exactly_what_the_backend_uses() {
         .unwrap()
         .iter()
         .flat_map(|r| {
-            assert_eq!(r.api_groups.as_deref(), Some(&[String::new()][..]), "core group only");
-            let verbs: Vec<&'static str> = r.verbs.iter().map(|v| &*Box::leak(v.clone().into_boxed_str())).collect();
-            r.resources.clone().unwrap().into_iter().flat_map(move |res| verbs.clone().into_iter().map(move |v| (res.clone(), v)))
+            assert_eq!(
+                r.api_groups.as_deref(),
+                Some(&[String::new()][..]),
+                "core group only"
+            );
+            let verbs: Vec<&'static str> = r
+                .verbs
+                .iter()
+                .map(|v| &*Box::leak(v.clone().into_boxed_str()))
+                .collect();
+            r.resources
+                .clone()
+                .unwrap()
+                .into_iter()
+                .flat_map(move |res| verbs.clone().into_iter().map(move |v| (res.clone(), v)))
         })
         .collect();
     assert_eq!(granted, used, "the Role must grant exactly the verbs used");

@@ -17,14 +17,18 @@ const NS: &str = "lockstep";
 const SELECTOR: &str = "app.kubernetes.io/managed-by=lockstep,lockstep/environment=test";
 
 fn orchestrator(epoch: u64) -> (Arc<KubernetesOrchestrator>, Mock) {
-    let (service, handle) = tower_test::mock::pair::<Request<kube::client::Body>, Response<kube::client::Body>>();
+    let (service, handle) =
+        tower_test::mock::pair::<Request<kube::client::Body>, Response<kube::client::Body>>();
     let client = kube::Client::new(service, NS);
     let mut config = KubernetesOrchestratorConfig::new(NS, epoch);
     config.environment = "test".into();
     config.image = "lockstep:test".into();
     config.ready_timeout = std::time::Duration::from_millis(0);
     config.poll_interval = std::time::Duration::from_millis(1);
-    (Arc::new(KubernetesOrchestrator::new(client, config)), handle)
+    (
+        Arc::new(KubernetesOrchestrator::new(client, config)),
+        handle,
+    )
 }
 
 fn replica(scale: usize) -> ServiceConfig {
@@ -54,7 +58,10 @@ fn decode(q: &str) -> Vec<(String, String)> {
                 let mut i = 0;
                 while i < b.len() {
                     if b[i] == b'%' {
-                        out.push(u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap(), 16).unwrap());
+                        out.push(
+                            u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap(), 16)
+                                .unwrap(),
+                        );
                         i += 3;
                     } else {
                         out.push(b[i]);
@@ -76,17 +83,28 @@ async fn expect(
     path: &str,
     query: &[(&str, &str)],
 ) -> (Value, SendResponse<Response<kube::client::Body>>) {
-    let (request, send) = tokio::time::timeout(std::time::Duration::from_secs(5), mock.next_request())
-        .await
-        .unwrap_or_else(|_| panic!("no request came; expected {method} {path}"))
-        .expect("the client is alive");
+    let (request, send) =
+        tokio::time::timeout(std::time::Duration::from_secs(5), mock.next_request())
+            .await
+            .unwrap_or_else(|_| panic!("no request came; expected {method} {path}"))
+            .expect("the client is alive");
     assert_eq!(request.method(), method, "method of {}", request.uri());
     assert_eq!(request.uri().path(), path);
     let got = decode(request.uri().query().unwrap_or(""));
-    let want: Vec<(String, String)> = query.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let want: Vec<(String, String)> = query
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     assert_eq!(got, want, "query of {method} {path}");
-    let bytes = http_body_util::BodyExt::collect(request.into_body()).await.unwrap().to_bytes();
-    let body = if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes).unwrap() };
+    let bytes = http_body_util::BodyExt::collect(request.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let body = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes).unwrap()
+    };
     (body, send)
 }
 
@@ -106,7 +124,11 @@ fn status(code: u16, reason: &str, message: &str) -> Value {
 }
 
 fn not_found(send: SendResponse<Response<kube::client::Body>>, what: &str) {
-    respond(send, 404, &status(404, "NotFound", &format!("{what} not found")));
+    respond(
+        send,
+        404,
+        &status(404, "NotFound", &format!("{what} not found")),
+    );
 }
 
 /// What the API server answers to a create: the object with a uid and a
@@ -163,7 +185,13 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
     let base = format!("/api/v1/namespaces/{NS}");
 
     // The record: read, then created (nothing existed).
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/services/replica-5"), &[]).await;
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/services/replica-5"),
+        &[],
+    )
+    .await;
     not_found(send, "services \"replica-5\"");
     let (body, send) = expect(&mut mock, Method::POST, &format!("{base}/services"), &[]).await;
     assert_eq!(
@@ -174,32 +202,61 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
     );
     assert_eq!(body["spec"]["clusterIP"], "None", "headless");
     assert_eq!(body["spec"]["publishNotReadyAddresses"], true);
-    assert_eq!(body["spec"]["ports"], json!([{"name": "controller", "port": 2101}, {"name": "timely", "port": 2100}]));
     assert_eq!(
-        serde_json::from_str::<Value>(body["metadata"]["annotations"]["lockstep/labels"].as_str().unwrap()).unwrap(),
+        body["spec"]["ports"],
+        json!([{"name": "controller", "port": 2101}, {"name": "timely", "port": 2100}])
+    );
+    assert_eq!(
+        serde_json::from_str::<Value>(
+            body["metadata"]["annotations"]["lockstep/labels"]
+                .as_str()
+                .unwrap()
+        )
+        .unwrap(),
         json!({"replica-name": "r1", "lockstep/epoch": "7", "lockstep/id": "5"})
     );
-    assert!(body["metadata"].get("resourceVersion").is_none(), "a create carries no version");
+    assert!(
+        body["metadata"].get("resourceVersion").is_none(),
+        "a create carries no version"
+    );
     let record = stored(body, "uid-record", 10);
     respond(send, 201, &record);
 
     // The Secret with the environment (the session key), base64 in `data`.
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/secrets/replica-5-env"), &[]).await;
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/secrets/replica-5-env"),
+        &[],
+    )
+    .await;
     not_found(send, "secrets \"replica-5-env\"");
     let (body, send) = expect(&mut mock, Method::POST, &format!("{base}/secrets"), &[]).await;
     assert_eq!(body["type"], "Opaque");
-    assert_eq!(body["data"], json!({"LOCKSTEP_SESSION_KEY": "YzJWamNtVjA="}));
+    assert_eq!(
+        body["data"],
+        json!({"LOCKSTEP_SESSION_KEY": "YzJWamNtVjA="})
+    );
     respond(send, 201, &stored(body, "uid-secret", 11));
 
     // One pod per process, each with its own command line and stable DNS peers.
     for i in 0..2 {
-        let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/pods/replica-5-{i}"), &[]).await;
+        let (_, send) = expect(
+            &mut mock,
+            Method::GET,
+            &format!("{base}/pods/replica-5-{i}"),
+            &[],
+        )
+        .await;
         not_found(send, "pods");
         let (body, send) = expect(&mut mock, Method::POST, &format!("{base}/pods"), &[]).await;
         assert_eq!(body["metadata"]["name"], format!("replica-5-{i}"));
         assert_eq!(body["metadata"]["labels"]["lockstep/epoch"], "7");
         assert_eq!(body["metadata"]["labels"]["lockstep/id"], "5");
-        assert_eq!(body["metadata"]["labels"]["lockstep/process"], i.to_string());
+        assert_eq!(
+            body["metadata"]["labels"]["lockstep/process"],
+            i.to_string()
+        );
         assert_eq!(body["spec"]["hostname"], format!("replica-5-{i}"));
         assert_eq!(body["spec"]["subdomain"], "replica-5");
         assert_eq!(body["spec"]["restartPolicy"], "Always");
@@ -214,26 +271,80 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
                 "--peers=replica-5-0.replica-5.lockstep.svc.cluster.local:2100,replica-5-1.replica-5.lockstep.svc.cluster.local:2100"
             ])
         );
-        assert_eq!(c["envFrom"], json!([{"secretRef": {"name": "replica-5-env", "optional": false}}]));
+        assert_eq!(
+            c["envFrom"],
+            json!([{"secretRef": {"name": "replica-5-env", "optional": false}}])
+        );
         let text = body.to_string();
-        assert!(!text.contains("c2VjcmV0"), "the session key is not in the pod spec: {text}");
-        respond(send, 201, &stored(body, &format!("uid-pod-{i}"), 12 + i as u64));
+        assert!(
+            !text.contains("c2VjcmV0"),
+            "the session key is not in the pod spec: {text}"
+        );
+        respond(
+            send,
+            201,
+            &stored(body, &format!("uid-pod-{i}"), 12 + i as u64),
+        );
     }
 
     // Pods of a larger earlier scale: none.
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/pods"), &[("labelSelector", &format!("{SELECTOR},lockstep/service=replica-5"))]).await;
-    respond(send, 200, &list("Pod", vec![pod(0, 7, "uid-pod-0", 12), pod(1, 7, "uid-pod-1", 13)]));
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/pods"),
+        &[(
+            "labelSelector",
+            &format!("{SELECTOR},lockstep/service=replica-5"),
+        )],
+    )
+    .await;
+    respond(
+        send,
+        200,
+        &list(
+            "Pod",
+            vec![pod(0, 7, "uid-pod-0", 12), pod(1, 7, "uid-pod-1", 13)],
+        ),
+    );
     // The record is still ours.
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/services/replica-5"), &[]).await;
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/services/replica-5"),
+        &[],
+    )
+    .await;
     respond(send, 200, &record);
     // The status.
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/pods"), &[("labelSelector", &format!("{SELECTOR},lockstep/service=replica-5"))]).await;
-    respond(send, 200, &list("Pod", vec![pod(0, 7, "uid-pod-0", 12), pod(1, 7, "uid-pod-1", 13)]));
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/pods"),
+        &[(
+            "labelSelector",
+            &format!("{SELECTOR},lockstep/service=replica-5"),
+        )],
+    )
+    .await;
+    respond(
+        send,
+        200,
+        &list(
+            "Pod",
+            vec![pod(0, 7, "uid-pod-0", 12), pod(1, 7, "uid-pod-1", 13)],
+        ),
+    );
 
     let status = call.await.unwrap().unwrap();
-    assert_eq!((status.name.as_str(), status.id, status.epoch), ("replica-5", 5, 7));
+    assert_eq!(
+        (status.name.as_str(), status.id, status.epoch),
+        ("replica-5", 5, 7)
+    );
     assert_eq!(status.processes.len(), 2);
-    assert_eq!(status.processes[1].addresses["timely"].to_string(), "127.0.100.2:2100");
+    assert_eq!(
+        status.processes[1].addresses["timely"].to_string(),
+        "127.0.100.2:2100"
+    );
     assert!(status.processes.iter().all(|p| p.running));
 }
 
@@ -244,14 +355,26 @@ async fn ensure_refuses_a_record_of_a_newer_epoch_without_writing() {
         let orch = orch.clone();
         async move { orch.ensure_service(replica(1)).await }
     });
-    let (_, send) = expect(&mut mock, Method::GET, &format!("/api/v1/namespaces/{NS}/services/replica-5"), &[]).await;
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("/api/v1/namespaces/{NS}/services/replica-5"),
+        &[],
+    )
+    .await;
     respond(send, 200, &record(8, "uid-r", 40));
     match call.await.unwrap() {
-        Err(EnsureError::StaleEpoch { stored: 8, ours: 7, .. }) => {}
+        Err(EnsureError::StaleEpoch {
+            stored: 8, ours: 7, ..
+        }) => {}
         other => panic!("{other:?}"),
     }
     // No further request (no write).
-    assert!(tokio::time::timeout(std::time::Duration::from_millis(50), mock.next_request()).await.is_err());
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(50), mock.next_request())
+            .await
+            .is_err()
+    );
 }
 
 #[tokio::test]
@@ -275,10 +398,16 @@ async fn a_409_on_the_record_write_is_read_again_and_decided_again() {
     let (_, send) = expect(&mut mock, Method::GET, &path, &[]).await;
     respond(send, 200, &record(8, "uid-r", 41));
     match call.await.unwrap() {
-        Err(EnsureError::StaleEpoch { stored: 8, ours: 7, .. }) => {}
+        Err(EnsureError::StaleEpoch {
+            stored: 8, ours: 7, ..
+        }) => {}
         other => panic!("{other:?}"),
     }
-    assert!(tokio::time::timeout(std::time::Duration::from_millis(50), mock.next_request()).await.is_err());
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(50), mock.next_request())
+            .await
+            .is_err()
+    );
 }
 
 #[tokio::test]
@@ -302,24 +431,78 @@ async fn drop_writes_a_tombstone_by_cas_and_deletes_each_object_with_preconditio
     // Still our tombstone; list the pods.
     let (_, send) = expect(&mut mock, Method::GET, &path, &[]).await;
     respond(send, 200, &tomb);
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/pods"), &[("labelSelector", &format!("{SELECTOR},lockstep/service=replica-5"))]).await;
-    respond(send, 200, &list("Pod", vec![pod(0, 6, "uid-p0", 30), pod(1, 6, "uid-p1", 31)]));
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/pods"),
+        &[(
+            "labelSelector",
+            &format!("{SELECTOR},lockstep/service=replica-5"),
+        )],
+    )
+    .await;
+    respond(
+        send,
+        200,
+        &list(
+            "Pod",
+            vec![pod(0, 6, "uid-p0", 30), pod(1, 6, "uid-p1", 31)],
+        ),
+    );
     for (i, (uid, rv)) in [("uid-p0", "30"), ("uid-p1", "31")].into_iter().enumerate() {
-        let (body, send) = expect(&mut mock, Method::DELETE, &format!("{base}/pods/replica-5-{i}"), &[]).await;
-        assert_eq!(body, json!({"preconditions": {"uid": uid, "resourceVersion": rv}}));
+        let (body, send) = expect(
+            &mut mock,
+            Method::DELETE,
+            &format!("{base}/pods/replica-5-{i}"),
+            &[],
+        )
+        .await;
+        assert_eq!(
+            body,
+            json!({"preconditions": {"uid": uid, "resourceVersion": rv}})
+        );
         respond(send, 200, &pod(i, 6, uid, 50));
         // Waits until it is gone.
-        let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/pods/replica-5-{i}"), &[]).await;
+        let (_, send) = expect(
+            &mut mock,
+            Method::GET,
+            &format!("{base}/pods/replica-5-{i}"),
+            &[],
+        )
+        .await;
         not_found(send, "pods");
     }
     let (_, send) = expect(&mut mock, Method::GET, &path, &[]).await;
     respond(send, 200, &tomb);
     // The Secret, as read.
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/secrets/replica-5-env"), &[]).await;
-    respond(send, 200, &json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "replica-5-env", "uid": "uid-s", "resourceVersion": "33"}}));
-    let (body, send) = expect(&mut mock, Method::DELETE, &format!("{base}/secrets/replica-5-env"), &[]).await;
-    assert_eq!(body, json!({"preconditions": {"uid": "uid-s", "resourceVersion": "33"}}));
-    respond(send, 200, &json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 200}));
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/secrets/replica-5-env"),
+        &[],
+    )
+    .await;
+    respond(
+        send,
+        200,
+        &json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "replica-5-env", "uid": "uid-s", "resourceVersion": "33"}}),
+    );
+    let (body, send) = expect(
+        &mut mock,
+        Method::DELETE,
+        &format!("{base}/secrets/replica-5-env"),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        body,
+        json!({"preconditions": {"uid": "uid-s", "resourceVersion": "33"}})
+    );
+    respond(
+        send,
+        200,
+        &json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 200}),
+    );
     assert!(call.await.unwrap().unwrap(), "it existed");
 }
 
@@ -339,17 +522,48 @@ async fn a_pod_delete_refused_by_its_precondition_is_decided_again_on_a_fresh_re
     respond(send, 200, &tomb);
     let (_, send) = expect(&mut mock, Method::GET, &path, &[]).await;
     respond(send, 200, &tomb);
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/pods"), &[("labelSelector", &format!("{SELECTOR},lockstep/service=replica-5"))]).await;
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/pods"),
+        &[(
+            "labelSelector",
+            &format!("{SELECTOR},lockstep/service=replica-5"),
+        )],
+    )
+    .await;
     respond(send, 200, &list("Pod", vec![pod(0, 6, "uid-old", 30)]));
-    let (body, send) = expect(&mut mock, Method::DELETE, &format!("{base}/pods/replica-5-0"), &[]).await;
-    assert_eq!(body, json!({"preconditions": {"uid": "uid-old", "resourceVersion": "30"}}));
-    respond(send, 409, &status(409, "Conflict", "Precondition failed: UID in precondition: uid-old, UID in object meta: uid-new"));
+    let (body, send) = expect(
+        &mut mock,
+        Method::DELETE,
+        &format!("{base}/pods/replica-5-0"),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        body,
+        json!({"preconditions": {"uid": "uid-old", "resourceVersion": "30"}})
+    );
+    respond(
+        send,
+        409,
+        &status(
+            409,
+            "Conflict",
+            "Precondition failed: UID in precondition: uid-old, UID in object meta: uid-new",
+        ),
+    );
     // Decided again: the record is no longer our tombstone (a newer
     // controller re-created the service): the new pod is left alone.
     let (_, send) = expect(&mut mock, Method::GET, &path, &[]).await;
     respond(send, 200, &record(8, "uid-r", 45));
     assert!(call.await.unwrap().unwrap());
-    assert!(tokio::time::timeout(std::time::Duration::from_millis(50), mock.next_request()).await.is_err(), "no blind retry");
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(50), mock.next_request())
+            .await
+            .is_err(),
+        "no blind retry"
+    );
 }
 
 #[tokio::test]
@@ -360,22 +574,63 @@ async fn restart_deletes_each_pod_with_preconditions_and_creates_it_again() {
         async move { orch.restart_service("replica-5").await }
     });
     let base = format!("/api/v1/namespaces/{NS}");
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/services/replica-5"), &[]).await;
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/services/replica-5"),
+        &[],
+    )
+    .await;
     respond(send, 200, &record(7, "uid-r", 40));
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/pods"), &[("labelSelector", &format!("{SELECTOR},lockstep/service=replica-5"))]).await;
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/pods"),
+        &[(
+            "labelSelector",
+            &format!("{SELECTOR},lockstep/service=replica-5"),
+        )],
+    )
+    .await;
     respond(send, 200, &list("Pod", vec![pod(0, 7, "uid-p0", 30)]));
-    let (body, send) = expect(&mut mock, Method::DELETE, &format!("{base}/pods/replica-5-0"), &[]).await;
-    assert_eq!(body, json!({"preconditions": {"uid": "uid-p0", "resourceVersion": "30"}}));
+    let (body, send) = expect(
+        &mut mock,
+        Method::DELETE,
+        &format!("{base}/pods/replica-5-0"),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        body,
+        json!({"preconditions": {"uid": "uid-p0", "resourceVersion": "30"}})
+    );
     respond(send, 200, &pod(0, 7, "uid-p0", 51));
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/pods/replica-5-0"), &[]).await;
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/pods/replica-5-0"),
+        &[],
+    )
+    .await;
     not_found(send, "pods");
     let (body, send) = expect(&mut mock, Method::POST, &format!("{base}/pods"), &[]).await;
     assert_eq!(body["metadata"]["name"], "replica-5-0");
     assert_eq!(body["metadata"]["annotations"]["lockstep/restarts"], "1");
-    assert!(body["metadata"].get("uid").is_none() && body["metadata"].get("resourceVersion").is_none());
+    assert!(
+        body["metadata"].get("uid").is_none() && body["metadata"].get("resourceVersion").is_none()
+    );
     assert_eq!(body["spec"], pod(0, 7, "", 0)["spec"], "the same spec");
     respond(send, 201, &stored(body, "uid-p0b", 52));
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/pods"), &[("labelSelector", &format!("{SELECTOR},lockstep/service=replica-5"))]).await;
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/pods"),
+        &[(
+            "labelSelector",
+            &format!("{SELECTOR},lockstep/service=replica-5"),
+        )],
+    )
+    .await;
     let mut again = pod(0, 7, "uid-p0b", 52);
     again["metadata"]["annotations"]["lockstep/restarts"] = json!("1");
     respond(send, 200, &list("Pod", vec![again]));
@@ -390,10 +645,27 @@ async fn restart_refuses_a_service_of_a_newer_epoch_without_deleting() {
         let orch = orch.clone();
         async move { orch.restart_service("replica-5").await }
     });
-    let (_, send) = expect(&mut mock, Method::GET, &format!("/api/v1/namespaces/{NS}/services/replica-5"), &[]).await;
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("/api/v1/namespaces/{NS}/services/replica-5"),
+        &[],
+    )
+    .await;
     respond(send, 200, &record(9, "uid-r", 40));
-    assert!(matches!(call.await.unwrap(), Err(RestartError::StaleEpoch { stored: 9, ours: 7, .. })));
-    assert!(tokio::time::timeout(std::time::Duration::from_millis(50), mock.next_request()).await.is_err());
+    assert!(matches!(
+        call.await.unwrap(),
+        Err(RestartError::StaleEpoch {
+            stored: 9,
+            ours: 7,
+            ..
+        })
+    ));
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(50), mock.next_request())
+            .await
+            .is_err()
+    );
 }
 
 #[tokio::test]
@@ -404,15 +676,34 @@ async fn list_reads_live_records_and_their_pods_by_label_selector() {
         async move { orch.list_services().await }
     });
     let base = format!("/api/v1/namespaces/{NS}");
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/services"), &[("labelSelector", &format!("{SELECTOR},lockstep/state=live"))]).await;
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/services"),
+        &[("labelSelector", &format!("{SELECTOR},lockstep/state=live"))],
+    )
+    .await;
     respond(send, 200, &list("Service", vec![record(6, "uid-r", 40)]));
-    let (_, send) = expect(&mut mock, Method::GET, &format!("{base}/pods"), &[("labelSelector", SELECTOR)]).await;
-    respond(send, 200, &list("Pod", vec![pod(1, 6, "b", 2), pod(0, 6, "a", 1)]));
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/pods"),
+        &[("labelSelector", SELECTOR)],
+    )
+    .await;
+    respond(
+        send,
+        200,
+        &list("Pod", vec![pod(1, 6, "b", 2), pod(0, 6, "a", 1)]),
+    );
     let services = call.await.unwrap().unwrap();
     assert_eq!(services.len(), 1);
     let s = &services[0];
     assert_eq!((s.id, s.epoch), (5, 6));
     assert_eq!(s.labels["replica-name"], "r1");
     assert_eq!(s.labels["lockstep/epoch"], "6");
-    assert_eq!(s.processes.iter().map(|p| p.index).collect::<Vec<_>>(), [0, 1]);
+    assert_eq!(
+        s.processes.iter().map(|p| p.index).collect::<Vec<_>>(),
+        [0, 1]
+    );
 }
