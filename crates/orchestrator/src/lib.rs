@@ -20,9 +20,15 @@
 //!   back to an older controller's version (O4). A drop leaves a tombstone
 //!   with the dropper's epoch, and `ensure_service` likewise refuses
 //!   ([`EnsureError::DroppedByNewer`]) to re-create a service that a newer
-//!   controller dropped. `drop_service` itself is not conditional (a
-//!   Kubernetes delete is not either); the orphan policy is what keeps a stale
-//!   controller from dropping a newer one's services.
+//!   controller dropped. `drop_service` itself is not conditional on the
+//!   epoch; the orphan policy is what keeps a stale controller from dropping
+//!   a newer one's services. (The Kubernetes backend's deletes carry
+//!   preconditions, but those only make a delete remove exactly the object
+//!   it read.)
+//!
+//! The Kubernetes backend is in its own crate,
+//! `lockstep-orchestrator-kubernetes`, so that users of the process backend
+//! do not compile kube.
 //!
 //! The embedded default backend is [`process::ProcessOrchestrator`]: each
 //! process of a service is a supervised OS process on this machine, restarted
@@ -154,7 +160,8 @@ pub struct ServiceConfig {
     pub program: PathBuf,
     /// Computes each process's arguments.
     pub args: ArgsFn,
-    /// Named ports every process listens on; each gets its own localhost port.
+    /// Named ports every process listens on: each gets its own localhost port
+    /// in the process backend, the same port on every pod in the Kubernetes one.
     pub ports: Vec<String>,
     /// Number of processes (at least 1).
     pub scale: usize,
