@@ -810,36 +810,10 @@ async fn k8s_watch_inner() -> anyhow::Result<Result<(), String>> {
     };
     watching(&api).await?;
     let name = ServiceTemplate::service_name(1);
-    let mut exit_of = |process: usize| {
-        let events = &mut events;
-        let service = name.clone();
-        async move {
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-            loop {
-                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-                match tokio::time::timeout(left, events.recv()).await {
-                    Err(_) => return false,
-                    Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => return false,
-                    Ok(Err(_)) => continue,
-                    Ok(Ok(e)) => {
-                        if e.service == service
-                            && e.process == Some(process)
-                            && matches!(
-                                e.kind,
-                                lockstep_orchestrator::ServiceEventKind::Exited { .. }
-                            )
-                        {
-                            return true;
-                        }
-                    }
-                }
-            }
-        }
-    };
     api.drop_watches();
     api.delete("pods", K8S_NAMESPACE, &format!("{name}-0"))
         .map_err(|e| anyhow!(e))?;
-    if !exit_of(0).await {
+    if !exit_reported(&mut events, &name, 0).await {
         return Ok(Err(
             "I2: a pod deleted while the watch was down was never reported".into(),
         ));
@@ -852,7 +826,7 @@ async fn k8s_watch_inner() -> anyhow::Result<Result<(), String>> {
         api.compact();
     });
     api.drop_watches();
-    if !exit_of(1).await {
+    if !exit_reported(&mut events, &name, 1).await {
         return Ok(Err(
             "I2: a pod deleted before a 410 Gone watch was never reported".into(),
         ));
@@ -863,6 +837,34 @@ async fn k8s_watch_inner() -> anyhow::Result<Result<(), String>> {
         )));
     }
     Ok(Ok(()))
+}
+
+/// Whether an `Exited` event of `service`'s process `process` arrives
+/// within 5 s.
+async fn exit_reported(
+    events: &mut tokio::sync::broadcast::Receiver<lockstep_orchestrator::ServiceEvent>,
+    service: &str,
+    process: usize,
+) -> bool {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match tokio::time::timeout(left, events.recv()).await {
+            Err(_) | Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => return false,
+            Ok(Err(_)) => continue,
+            Ok(Ok(e)) => {
+                if e.service == service
+                    && e.process == Some(process)
+                    && matches!(
+                        e.kind,
+                        lockstep_orchestrator::ServiceEventKind::Exited { .. }
+                    )
+                {
+                    return true;
+                }
+            }
+        }
+    }
 }
 
 /// A running `lockstep serve` process.

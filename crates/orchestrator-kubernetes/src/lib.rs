@@ -178,11 +178,21 @@ impl Drop for KubernetesOrchestrator {
     }
 }
 
-/// A Kubernetes API error, as text for the trait's errors.
+/// A failed API call, in the trait's error type: the "path" names the call.
 fn api_error(what: &str, e: kube::Error) -> StateError {
-    StateError::Corrupt {
-        path: format!("kubernetes: {what}").into(),
-        reason: e.to_string(),
+    StateError::Io {
+        path: format!("kubernetes API: {what}").into(),
+        source: std::io::Error::other(e.to_string()),
+    }
+}
+
+/// A write that met [`CONFLICT_ATTEMPTS`] conflicts in a row.
+fn too_many_conflicts(what: &str) -> StateError {
+    StateError::Io {
+        path: format!("kubernetes API: {what}").into(),
+        source: std::io::Error::other(format!(
+            "{CONFLICT_ATTEMPTS} conflicting writes in a row (409); giving up"
+        )),
     }
 }
 
@@ -342,10 +352,7 @@ impl KubernetesOrchestrator {
                 Err(e) => return Err(api_error("write service", e).into()),
             }
         }
-        Err(StateError::Corrupt {
-            path: format!("kubernetes: service {}", config.name).into(),
-            reason: format!("{CONFLICT_ATTEMPTS} conflicting writes in a row"),
-        }
+        Err(too_many_conflicts(&format!("service {}", config.name))
         .into())
     }
 
@@ -376,10 +383,7 @@ impl KubernetesOrchestrator {
                 Err(e) => return Err(api_error("write secret", e)),
             }
         }
-        Err(StateError::Corrupt {
-            path: format!("kubernetes: secret {name}").into(),
-            reason: format!("{CONFLICT_ATTEMPTS} conflicting writes in a row"),
-        })
+        Err(too_many_conflicts(&format!("secret {name}")))
     }
 
     /// Deletes `pod` exactly as read (uid and resourceVersion preconditions)
@@ -405,11 +409,11 @@ impl KubernetesOrchestrator {
                 Ok(None) => return Ok(()),
                 Ok(Some(p)) if p.uid() != uid => return Ok(()),
                 Ok(Some(_)) if tokio::time::Instant::now() >= deadline => {
-                    return Err(StateError::Corrupt {
-                        path: format!("kubernetes: pod {name}").into(),
-                        reason: format!(
-                            "still there {:?} after its delete",
-                            self.config.delete_timeout
+                    return Err(StateError::Io {
+                        path: format!("kubernetes API: pod {name}").into(),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("still there {:?} after its delete", self.config.delete_timeout),
                         ),
                     })
                 }
@@ -476,10 +480,7 @@ impl KubernetesOrchestrator {
                 Err(e) => return Err(api_error("write pod", e).into()),
             }
         }
-        Err(StateError::Corrupt {
-            path: format!("kubernetes: pod {name}").into(),
-            reason: format!("{CONFLICT_ATTEMPTS} conflicting writes in a row"),
-        }
+        Err(too_many_conflicts(&format!("pod {name}"))
         .into())
     }
 
@@ -667,10 +668,7 @@ impl KubernetesOrchestrator {
             }
         }
         if !written {
-            return Err(StateError::Corrupt {
-                path: format!("kubernetes: service {name}").into(),
-                reason: format!("{CONFLICT_ATTEMPTS} conflicting writes in a row"),
-            }
+            return Err(too_many_conflicts(&format!("service {name}"))
             .into());
         }
         // 2. Every pod and the Secret, each exactly as read. The drop took
@@ -784,10 +782,7 @@ impl KubernetesOrchestrator {
                 }
             }
             if !replaced {
-                return Err(StateError::Corrupt {
-                    path: format!("kubernetes: pod {}", current.name_any()).into(),
-                    reason: format!("{CONFLICT_ATTEMPTS} conflicting deletes in a row"),
-                }
+                return Err(too_many_conflicts(&format!("pod {}", current.name_any()))
                 .into());
             }
             // The same pod again: same spec, labels and name (same DNS name).
@@ -1048,8 +1043,3 @@ pub fn owner_reference(api_version: &str, kind: &str, name: &str, uid: &str) -> 
     }
 }
 
-/// Shares a client's namespace default with the config (a convenience for
-/// binaries: `Client::try_default()` reads the in-cluster service account).
-pub async fn in_cluster_client() -> Result<Client, kube::Error> {
-    Client::try_default().await
-}
