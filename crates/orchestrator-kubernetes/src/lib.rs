@@ -352,8 +352,7 @@ impl KubernetesOrchestrator {
                 Err(e) => return Err(api_error("write service", e).into()),
             }
         }
-        Err(too_many_conflicts(&format!("service {}", config.name))
-        .into())
+        Err(too_many_conflicts(&format!("service {}", config.name)).into())
     }
 
     async fn write_secret(&self, config: &ServiceConfig) -> Result<(), StateError> {
@@ -413,7 +412,10 @@ impl KubernetesOrchestrator {
                         path: format!("kubernetes API: pod {name}").into(),
                         source: std::io::Error::new(
                             std::io::ErrorKind::TimedOut,
-                            format!("still there {:?} after its delete", self.config.delete_timeout),
+                            format!(
+                                "still there {:?} after its delete",
+                                self.config.delete_timeout
+                            ),
                         ),
                     })
                 }
@@ -480,8 +482,7 @@ impl KubernetesOrchestrator {
                 Err(e) => return Err(api_error("write pod", e).into()),
             }
         }
-        Err(too_many_conflicts(&format!("pod {name}"))
-        .into())
+        Err(too_many_conflicts(&format!("pod {name}")).into())
     }
 
     /// Waits (bounded by `ready_timeout`) until every pod has an IP, then
@@ -668,8 +669,7 @@ impl KubernetesOrchestrator {
             }
         }
         if !written {
-            return Err(too_many_conflicts(&format!("service {name}"))
-            .into());
+            return Err(too_many_conflicts(&format!("service {name}")).into());
         }
         // 2. Every pod and the Secret, each exactly as read. The drop took
         // effect when the tombstone was written: if the record changed since
@@ -782,8 +782,7 @@ impl KubernetesOrchestrator {
                 }
             }
             if !replaced {
-                return Err(too_many_conflicts(&format!("pod {}", current.name_any()))
-                .into());
+                return Err(too_many_conflicts(&format!("pod {}", current.name_any())).into());
             }
             // The same pod again: same spec, labels and name (same DNS name).
             let mut again = current.clone();
@@ -1042,4 +1041,3 @@ pub fn owner_reference(api_version: &str, kind: &str, name: &str, uid: &str) -> 
         block_owner_deletion: Some(false),
     }
 }
-
