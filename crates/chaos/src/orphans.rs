@@ -1,15 +1,15 @@
 //! The orphan suite: every scenario of `lockstep_environment::chaos` for one
 //! orphan rule, as pass / violation / harness error, on the process backend
 //! (variant `RULE`) and on the Kubernetes backend over the in-memory API
-//! server double (variant `RULE@kubernetes`: the library scenarios and the
-//! Kubernetes-only ones; the crash scenarios need the `lockstep` binary to
-//! reach an API server, so they run on the process backend only).
+//! server double (variant `RULE@kubernetes`: every scenario, the crash ones
+//! with `lockstep serve` reaching the double over loopback HTTP, plus the
+//! Kubernetes-only ones).
 
 use std::path::Path;
 
 use lockstep_environment::chaos::{
-    crash_scenario, k8s_conflict_on_ensure, k8s_delete_races_recreate, k8s_watch_drops,
-    o4_control_on, stale_binary_halts, stale_cannot_resurrect_on, stale_halts_on_write_on,
+    crash_scenario_on, k8s_conflict_on_ensure, k8s_delete_races_recreate, k8s_watch_drops,
+    o4_control_on, stale_binary_halts_on, stale_cannot_resurrect_on, stale_halts_on_write_on,
     stale_loads_before_newer_creates_on, timeline_on, Backend, Outcome, CREATE_FAILPOINTS,
     DROP_FAILPOINTS,
 };
@@ -95,16 +95,16 @@ pub async fn run_variant_on(backend: &str, rule: &str, lockstep_bin: Option<&Pat
     let kubernetes = backend == "kubernetes";
     let on = || Backend::named(backend).expect("a known backend");
     let mut results: Vec<(String, Outcome)> = Vec::new();
-    if let (Some(bin), false) = (lockstep_bin, kubernetes) {
+    if let Some(bin) = lockstep_bin {
         for fp in CREATE_FAILPOINTS.iter().chain(&DROP_FAILPOINTS) {
             results.push((
                 format!("crash-at-{fp}"),
-                crash_scenario(bin, rule, fp).await,
+                crash_scenario_on(on(), bin, rule, fp).await,
             ));
         }
         results.push((
             "stale-binary-halts-on-write".into(),
-            stale_binary_halts(bin, rule).await,
+            stale_binary_halts_on(on(), bin, rule).await,
         ));
     }
     results.push((

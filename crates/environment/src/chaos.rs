@@ -25,8 +25,10 @@
 //! ([`Backend::Kubernetes`]): every controller of the scenario gets a
 //! `KubernetesOrchestrator` on one shared in-memory API server double (no
 //! cluster, no processes; a pod is "running" when the double's kubelet says
-//! so). The crash scenarios do not: they need the `lockstep` binary to reach
-//! an API server, and the double lives inside this process. Three scenarios
+//! so). The crash scenarios run there too: the harness serves the double
+//! over HTTP on 127.0.0.1 and starts `lockstep serve --orchestrator
+//! kubernetes` with a kubeconfig pointing at it; adoption is then checked by
+//! pod uids instead of PIDs. Three scenarios
 //! exist only there ([`k8s_delete_races_recreate`], [`k8s_conflict_on_ensure`],
 //! [`k8s_watch_drops`]): they drive the backend through the trait, as the
 //! environment does, and check O1/O4 at the objects.
@@ -134,6 +136,10 @@ pub fn k8s_config(epoch: u64, conditional_writes: bool) -> KubernetesOrchestrato
 pub struct Sandbox {
     dir: tempfile::TempDir,
     backend: Backend,
+    /// The Kubernetes backend's API double served over loopback HTTP, for
+    /// `lockstep serve` processes, once [`serve_args`](Sandbox::serve_args)
+    /// started it: the task and the kubeconfig.
+    api_server: std::sync::Mutex<Option<(tokio::task::JoinHandle<()>, PathBuf)>>,
 }
 
 impl Sandbox {
@@ -149,7 +155,81 @@ impl Sandbox {
                 .prefix("lockstep-chaos-")
                 .tempdir()?,
             backend,
+            api_server: std::sync::Mutex::new(None),
         })
+    }
+
+    /// What a `lockstep serve` process needs to run on this sandbox's
+    /// backend: extra arguments and environment. For Kubernetes, serves the
+    /// API double over HTTP on 127.0.0.1 (once) and writes a kubeconfig
+    /// pointing at it.
+    pub async fn serve_args(&self) -> anyhow::Result<(Vec<String>, Vec<(String, PathBuf)>)> {
+        let Backend::Kubernetes(api) = &self.backend else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let existing = self
+            .api_server
+            .lock()
+            .expect("poisoned")
+            .as_ref()
+            .map(|(_, k)| k.clone());
+        let kubeconfig = match existing {
+            Some(k) => k,
+            None => {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                let url = format!("http://{}", listener.local_addr()?);
+                let path = self.path().join("kubeconfig");
+                std::fs::write(
+                    &path,
+                    lockstep_orchestrator_kubernetes::api_double::kubeconfig(&url, K8S_NAMESPACE),
+                )?;
+                let task = api.serve(listener);
+                *self.api_server.lock().expect("poisoned") = Some((task, path.clone()));
+                path
+            }
+        };
+        let args = ["--orchestrator", "kubernetes", "--namespace", K8S_NAMESPACE];
+        Ok((
+            args.iter().map(|a| a.to_string()).collect(),
+            vec![("KUBECONFIG".to_string(), kubeconfig)],
+        ))
+    }
+
+    /// Starts `lockstep serve` on this sandbox (see [`EnvProcess::start`]).
+    pub async fn start_env(
+        &self,
+        bin: &Path,
+        rule: &str,
+        failpoints: Option<&str>,
+    ) -> anyhow::Result<EnvProcess> {
+        let (args, env) = self.serve_args().await?;
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        EnvProcess::start_with_env(bin, self.path(), rule, failpoints, &args, &env).await
+    }
+
+    /// Each process's identity of the service of `id`: its PID on the
+    /// process backend, its pod's uid on Kubernetes (a replaced process has
+    /// a new one).
+    pub fn identities(&self, services: &[ServiceStatus], id: u64) -> Vec<String> {
+        match &self.backend {
+            Backend::Process => pids(services, id)
+                .into_iter()
+                .map(|p| format!("{p:?}"))
+                .collect(),
+            Backend::Kubernetes(api) => {
+                let name = ServiceTemplate::service_name(id);
+                let mut pods: Vec<String> = api
+                    .names("pods", K8S_NAMESPACE)
+                    .into_iter()
+                    .filter(|p| p.rsplit_once('-').is_some_and(|(s, _)| s == name))
+                    .collect();
+                pods.sort();
+                pods.iter()
+                    .filter_map(|p| api.get("pods", K8S_NAMESPACE, p))
+                    .map(|p| p["metadata"]["uid"].as_str().unwrap_or("").to_string())
+                    .collect()
+            }
+        }
     }
 
     /// The state directory.
@@ -199,6 +279,9 @@ impl Sandbox {
 
 impl Drop for Sandbox {
     fn drop(&mut self) {
+        if let Some((task, _)) = self.api_server.lock().expect("poisoned").take() {
+            task.abort();
+        }
         let _ = kill_all_services(&self.path().join(ORCHESTRATOR_DIR));
     }
 }
@@ -888,6 +971,18 @@ impl EnvProcess {
         failpoints: Option<&str>,
         extra_args: &[&str],
     ) -> anyhow::Result<EnvProcess> {
+        Self::start_with_env(bin, state_dir, rule, failpoints, extra_args, &[]).await
+    }
+
+    /// [`start`](Self::start) with extra environment variables.
+    pub async fn start_with_env(
+        bin: &Path,
+        state_dir: &Path,
+        rule: &str,
+        failpoints: Option<&str>,
+        extra_args: &[&str],
+        env: &[(String, PathBuf)],
+    ) -> anyhow::Result<EnvProcess> {
         let n = std::fs::read_dir(state_dir)?.count();
         let stderr_path = state_dir.join(format!("lockstep-{n}.stderr"));
         let stderr = std::fs::File::create(&stderr_path)?;
@@ -897,6 +992,7 @@ impl EnvProcess {
             .args(["--listen", "127.0.0.1:0", "--orphan-rule", rule])
             .args(["--service-binary", "sleep", "--service-arg", "300"])
             .args(extra_args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)
@@ -997,19 +1093,30 @@ fn pids(services: &[ServiceStatus], id: u64) -> Vec<Option<u32>> {
 /// against the restarted controller's catalog, and that the replica that was
 /// never touched kept its processes (adopted, not restarted).
 pub async fn crash_scenario(bin: &Path, rule: &str, failpoint: &str) -> Outcome {
-    outcome(crash_inner(bin, rule, failpoint).await)
+    crash_scenario_on(Backend::Process, bin, rule, failpoint).await
+}
+
+/// [`crash_scenario`] on `backend` (on Kubernetes, `lockstep serve` reaches
+/// the API double over loopback HTTP through a kubeconfig).
+pub async fn crash_scenario_on(
+    backend: Backend,
+    bin: &Path,
+    rule: &str,
+    failpoint: &str,
+) -> Outcome {
+    outcome(crash_inner(backend, bin, rule, failpoint).await)
 }
 
 async fn crash_inner(
+    backend: Backend,
     bin: &Path,
     rule: &str,
     failpoint: &str,
 ) -> anyhow::Result<Result<(), String>> {
-    let sandbox = Sandbox::new()?;
-    let dir = sandbox.path();
+    let sandbox = Sandbox::on(backend)?;
     let dropping = failpoint.contains("drop");
     // A: creates the replicas, then crashes (SIGKILL) with them running.
-    let mut a = EnvProcess::start(bin, dir, rule, None, &[]).await?;
+    let mut a = sandbox.start_env(bin, rule, None).await?;
     let ok = |o: std::process::Output, what: &str| -> anyhow::Result<()> {
         if !o.status.success() {
             bail!("{what} failed: {}", String::from_utf8_lossy(&o.stderr));
@@ -1033,10 +1140,12 @@ async fn crash_inner(
         .map(|r| r.id)
         .ok_or_else(|| anyhow!("keep is not listed"))?;
     a.kill().await?;
-    let keep_pids = pids(&sandbox.services().await?, keep_id);
+    let keep_pids = sandbox.identities(&sandbox.services().await?, keep_id);
 
     // B: crashes at the failpoint.
-    let mut b = EnvProcess::start(bin, dir, rule, Some(&format!("{failpoint}=panic")), &[]).await?;
+    let mut b = sandbox
+        .start_env(bin, rule, Some(&format!("{failpoint}=panic")))
+        .await?;
     let out = if dropping {
         cli(bin, &b.url, &["drop", "doomed"]).await?
     } else {
@@ -1051,7 +1160,7 @@ async fn crash_inner(
     }
 
     // C: restarts; loads, ensures, removes orphans, serves.
-    let c = EnvProcess::start(bin, dir, rule, None, &[]).await?;
+    let c = sandbox.start_env(bin, rule, None).await?;
     let catalog = list(&c).await?;
     let services = sandbox.services().await?;
     let newest: BTreeSet<u64> = catalog.iter().map(|r| r.id).collect();
@@ -1065,7 +1174,7 @@ async fn crash_inner(
             "O1: replica 'keep' vanished from the catalog after a crash at {failpoint}"
         )));
     }
-    let now = pids(&services, keep_id);
+    let now = sandbox.identities(&services, keep_id);
     if now != keep_pids {
         return Ok(Err(format!(
             "adoption: replica 'keep' was restarted instead of adopted across two controller restarts (pids {keep_pids:?} -> {now:?})"
@@ -1077,18 +1186,26 @@ async fn crash_inner(
 /// A stale `lockstep serve` halts (exits 2, saying another controller took
 /// over) on its next catalog write, and the newer one is unaffected (O3).
 pub async fn stale_binary_halts(bin: &Path, rule: &str) -> Outcome {
-    outcome(stale_binary_inner(bin, rule).await)
+    stale_binary_halts_on(Backend::Process, bin, rule).await
 }
 
-async fn stale_binary_inner(bin: &Path, rule: &str) -> anyhow::Result<Result<(), String>> {
-    let sandbox = Sandbox::new()?;
-    let dir = sandbox.path();
-    let mut a = EnvProcess::start(bin, dir, rule, None, &[]).await?;
+/// [`stale_binary_halts`] on `backend`.
+pub async fn stale_binary_halts_on(backend: Backend, bin: &Path, rule: &str) -> Outcome {
+    outcome(stale_binary_inner(backend, bin, rule).await)
+}
+
+async fn stale_binary_inner(
+    backend: Backend,
+    bin: &Path,
+    rule: &str,
+) -> anyhow::Result<Result<(), String>> {
+    let sandbox = Sandbox::on(backend)?;
+    let mut a = sandbox.start_env(bin, rule, None).await?;
     let out = cli(bin, &a.url, &["create", "r1"]).await?;
     if !out.status.success() {
         bail!("create r1 failed: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let b = EnvProcess::start(bin, dir, rule, None, &[]).await?;
+    let b = sandbox.start_env(bin, rule, None).await?;
     let out = cli(bin, &a.url, &["create", "r2"]).await?;
     if out.status.success() {
         return Ok(Err("O3: the stale controller accepted a create".into()));

@@ -34,6 +34,10 @@
 //! delete); [`drop_watches`](ApiServerDouble::drop_watches) ends every open
 //! watch. Every request is recorded ([`requests`](ApiServerDouble::requests)).
 //!
+//! [`serve`](ApiServerDouble::serve) serves it over HTTP on a loopback
+//! listener, and [`kubeconfig`] writes the kubeconfig that points a separate
+//! process (`lockstep serve --orchestrator kubernetes`) at it.
+//!
 //! Not implemented: other API groups and resources, patch, generateName,
 //! field selectors, pagination, graceful deletion, finalizers and garbage
 //! collection of owner references.
@@ -751,7 +755,57 @@ impl ApiServerDouble {
     }
 }
 
-impl tower::Service<Request<kube::client::Body>> for ApiServerDouble {
+/// A kubeconfig whose current context is the API server at `url` (plain
+/// HTTP, no credentials) with default namespace `namespace`.
+pub fn kubeconfig(url: &str, namespace: &str) -> String {
+    format!(
+        "apiVersion: v1
+kind: Config
+clusters:
+- name: api-double
+  cluster:
+    server: {url}
+contexts:
+- name: api-double
+  context:
+    cluster: api-double
+    user: api-double
+    namespace: {namespace}
+users:
+- name: api-double
+  user: {{}}
+current-context: api-double
+"
+    )
+}
+
+impl ApiServerDouble {
+    /// Serves this API server over HTTP/1 on `listener` (bind it to a
+    /// loopback address) until the returned task is aborted.
+    pub fn serve(&self, listener: tokio::net::TcpListener) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let service = hyper_util::service::TowerToHyperService::new(me.clone());
+                tokio::spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        })
+    }
+}
+
+impl<B> tower::Service<Request<B>> for ApiServerDouble
+where
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: std::fmt::Display,
+{
     type Response = Response<DoubleBody>;
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
@@ -760,7 +814,7 @@ impl tower::Service<Request<kube::client::Body>> for ApiServerDouble {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: Request<kube::client::Body>) -> Self::Future {
+    fn call(&mut self, request: Request<B>) -> Self::Future {
         let me = self.clone();
         Box::pin(async move {
             let (parts, body) = request.into_parts();
