@@ -460,3 +460,30 @@ async fn invalid_names_and_foreign_objects_are_refused() {
         Err(EnsureError::State(_))
     ));
 }
+
+#[tokio::test]
+async fn every_object_is_owned_by_the_environment_object_when_one_is_given() {
+    let api = ApiServerDouble::new();
+    let mut c = config(1);
+    c.owner = Some(lockstep_orchestrator_kubernetes::owner_reference(
+        "apps/v1",
+        "Deployment",
+        "lockstep-environment",
+        "uid-env",
+    ));
+    let o = KubernetesOrchestrator::new(api.client(NS), c);
+    o.ensure_service(replica("replica-1", 1, 1)).await.unwrap();
+    for (resource, name) in [
+        ("services", "replica-1"),
+        ("pods", "replica-1-0"),
+        ("secrets", "replica-1-env"),
+    ] {
+        let object = api.get(resource, NS, name).unwrap();
+        assert_eq!(
+            object["metadata"]["ownerReferences"],
+            json!([{"apiVersion": "apps/v1", "kind": "Deployment", "name": "lockstep-environment",
+                    "uid": "uid-env", "controller": false, "blockOwnerDeletion": false}]),
+            "{resource}/{name}"
+        );
+    }
+}
