@@ -8,8 +8,9 @@
 //! Suites: `security` (attacks; `authenticated` must pass, the negative
 //! control `open` must be caught; `crates/chaos/src/bin/security.rs`),
 //! `orphans` (the orphan rules `epoch`, `id-watermark` and the
-//! negative control `catalog-only`; scenarios in
-//! `crates/environment/src/chaos.rs`) and `distribution` (the strategies
+//! negative control `catalog-only`, each on the process backend and, as
+//! `RULE@kubernetes`, on the Kubernetes backend over an in-memory API
+//! server double; scenarios in `crates/environment/src/chaos.rs`) and `distribution` (the strategies
 //! `broadcast`, `barrier`, `log`, the negative control `naive`, and
 //! `naive+history-check` (naive delivery, history check restarting the
 //! replica) on real 2x2 and 3x1 replicas; scenarios in
@@ -97,7 +98,8 @@ fn orphans() -> anyhow::Result<()> {
     ]);
     run(cmd)?;
     let bin = target_dir().join("debug").join("lockstep-chaos");
-    run_suite_binary(bin, &["orphans"], "orphans", 3)
+    // Three rules on the process backend, three on the Kubernetes one.
+    run_suite_binary(bin, &["orphans"], "orphans", 6)
 }
 
 /// The security suite: attacks on real replicas and a real environment

@@ -1,11 +1,17 @@
 //! The orphan suite: every scenario of `lockstep_environment::chaos` for one
-//! orphan rule, as pass / violation / harness error.
+//! orphan rule, as pass / violation / harness error, on the process backend
+//! (variant `RULE`) and on the Kubernetes backend over the in-memory API
+//! server double (variant `RULE@kubernetes`: every scenario, the crash ones
+//! with `lockstep serve` reaching the double over loopback HTTP, plus the
+//! Kubernetes-only ones).
 
 use std::path::Path;
 
 use lockstep_environment::chaos::{
-    crash_scenario, o4_control, stale_binary_halts, stale_cannot_resurrect, stale_halts_on_write,
-    stale_loads_before_newer_creates, timeline, Outcome, CREATE_FAILPOINTS, DROP_FAILPOINTS,
+    crash_scenario_on, k8s_conflict_on_ensure, k8s_delete_races_recreate, k8s_watch_drops,
+    o4_control_on, stale_binary_halts_on, stale_cannot_resurrect_on, stale_halts_on_write_on,
+    stale_loads_before_newer_creates_on, timeline_on, Backend, Outcome, CREATE_FAILPOINTS,
+    DROP_FAILPOINTS,
 };
 
 use crate::outcome::{violation, Failure, Tally};
@@ -21,7 +27,7 @@ pub fn to_result(outcome: Outcome) -> Result<(), Failure> {
             let invariant = v
                 .split(|c: char| c == ':' || c.is_whitespace())
                 .next()
-                .filter(|i| i.len() == 2 && i.starts_with('O'))
+                .filter(|i| i.len() == 2 && (i.starts_with('O') || i.starts_with('I')))
                 .unwrap_or("O?")
                 .to_string();
             let what = v
@@ -60,47 +66,80 @@ impl RuleReport {
     }
 }
 
-/// Runs every scenario for one rule. `lockstep_bin` (built with the
-/// `failpoints` feature) enables the crash scenarios; without it only the
-/// library scenarios run.
+/// The orchestrator backends the suite runs each rule on.
+pub const BACKENDS: [&str; 2] = ["process", "kubernetes"];
+
+/// The variant's name: `RULE` on the process backend, `RULE@BACKEND` else.
+pub fn variant_name(rule: &str, backend: &str) -> String {
+    if backend == "process" {
+        rule.to_string()
+    } else {
+        format!("{rule}@{backend}")
+    }
+}
+
+/// Runs every scenario for one rule on the process backend. `lockstep_bin`
+/// (built with the `failpoints` feature) enables the crash scenarios;
+/// without it only the library scenarios run.
 pub async fn run_variant(rule: &str, lockstep_bin: Option<&Path>) -> RuleReport {
+    run_variant_on("process", rule, lockstep_bin).await
+}
+
+/// Runs every scenario for one rule on `backend` (`process` or
+/// `kubernetes`); see [`run_variant`].
+pub async fn run_variant_on(backend: &str, rule: &str, lockstep_bin: Option<&Path>) -> RuleReport {
     let negative_control = VARIANTS
         .iter()
         .find(|(v, _)| *v == rule)
         .is_some_and(|(_, must_pass)| !must_pass);
+    let kubernetes = backend == "kubernetes";
+    let on = || Backend::named(backend).expect("a known backend");
     let mut results: Vec<(String, Outcome)> = Vec::new();
     if let Some(bin) = lockstep_bin {
         for fp in CREATE_FAILPOINTS.iter().chain(&DROP_FAILPOINTS) {
             results.push((
                 format!("crash-at-{fp}"),
-                crash_scenario(bin, rule, fp).await,
+                crash_scenario_on(on(), bin, rule, fp).await,
             ));
         }
         results.push((
             "stale-binary-halts-on-write".into(),
-            stale_binary_halts(bin, rule).await,
+            stale_binary_halts_on(on(), bin, rule).await,
         ));
     }
     results.push((
         "three-controller-timeline".into(),
-        timeline(rule, true).await,
+        timeline_on(on(), rule, true).await,
     ));
     results.push((
         "o4-control-unconditional-ensure-goes-backwards".into(),
-        o4_control(rule).await,
+        o4_control_on(on(), rule).await,
     ));
     results.push((
         "stale-loads-before-newer-creates".into(),
-        stale_loads_before_newer_creates(rule).await,
+        stale_loads_before_newer_creates_on(on(), rule).await,
     ));
     results.push((
         "stale-ensure-cannot-resurrect-a-dropped-replica".into(),
-        stale_cannot_resurrect(rule).await,
+        stale_cannot_resurrect_on(on(), rule).await,
     ));
     results.push((
         "stale-halts-on-catalog-write".into(),
-        stale_halts_on_write(rule).await,
+        stale_halts_on_write_on(on(), rule).await,
     ));
+    if kubernetes {
+        results.push((
+            "delete-racing-recreate-stopped-by-preconditions".into(),
+            k8s_delete_races_recreate().await,
+        ));
+        results.push((
+            "conflict-409-on-ensure".into(),
+            k8s_conflict_on_ensure(rule).await,
+        ));
+        results.push(("watch-drops".into(), k8s_watch_drops().await));
+    }
+    let rule = variant_name(rule, backend);
+    let rule = rule.as_str();
     let mut tally = Tally::default();
     let mut failures = Vec::new();
     for (name, outcome) in results {

@@ -20,6 +20,18 @@
 //!   `FAILPOINTS=<point>=panic` during create or drop replica, restart it and
 //!   check O1/O2 and that the surviving replica was adopted, not restarted.
 //!   They need a `lockstep` binary built with the `failpoints` feature.
+//!
+//! The library scenarios also run on the Kubernetes backend
+//! ([`Backend::Kubernetes`]): every controller of the scenario gets a
+//! `KubernetesOrchestrator` on one shared in-memory API server double (no
+//! cluster, no processes; a pod is "running" when the double's kubelet says
+//! so). The crash scenarios run there too: the harness serves the double
+//! over HTTP on 127.0.0.1 and starts `lockstep serve --orchestrator
+//! kubernetes` with a kubeconfig pointing at it; adoption is then checked by
+//! pod uids instead of PIDs. Three scenarios
+//! exist only there ([`k8s_delete_races_recreate`], [`k8s_conflict_on_ensure`],
+//! [`k8s_watch_drops`]): they drive the backend through the trait, as the
+//! environment does, and check O1/O4 at the objects.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -33,6 +45,9 @@ use lockstep_orchestrator::process::{
 };
 use lockstep_orchestrator::{Orchestrator, ServiceStatus};
 use tokio::io::AsyncBufReadExt;
+
+use lockstep_orchestrator_kubernetes::api_double::{ApiServerDouble, Matcher};
+use lockstep_orchestrator_kubernetes::{KubernetesOrchestrator, KubernetesOrchestratorConfig};
 
 use crate::proto::environment_client::EnvironmentClient;
 use crate::{proto, EnvError, Environment, EnvironmentConfig, ServiceTemplate, ORCHESTRATOR_DIR};
@@ -73,20 +88,148 @@ pub enum Outcome {
     Harness(String),
 }
 
+/// Where a scenario's services run.
+#[derive(Clone, Debug, Default)]
+pub enum Backend {
+    /// Real OS processes: the process backend on the sandbox's state directory.
+    #[default]
+    Process,
+    /// The Kubernetes backend on an in-memory API server double that every
+    /// controller of the scenario shares (namespace [`K8S_NAMESPACE`]).
+    Kubernetes(ApiServerDouble),
+}
+
+impl Backend {
+    /// The backend named `process` or `kubernetes` (a fresh API server).
+    pub fn named(name: &str) -> Option<Backend> {
+        match name {
+            "process" => Some(Backend::Process),
+            "kubernetes" => Some(Backend::Kubernetes(ApiServerDouble::new())),
+            _ => None,
+        }
+    }
+
+    /// `process` or `kubernetes`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::Process => "process",
+            Backend::Kubernetes(_) => "kubernetes",
+        }
+    }
+}
+
+/// The namespace of the Kubernetes scenarios.
+pub const K8S_NAMESPACE: &str = "lockstep";
+
+/// The Kubernetes backend's configuration in the scenarios.
+pub fn k8s_config(epoch: u64, conditional_writes: bool) -> KubernetesOrchestratorConfig {
+    let mut config = KubernetesOrchestratorConfig::new(K8S_NAMESPACE, epoch);
+    config.conditional_writes = conditional_writes;
+    config.ready_timeout = Duration::from_secs(5);
+    config.delete_timeout = Duration::from_secs(5);
+    config.poll_interval = Duration::from_millis(5);
+    config
+}
+
 /// A temporary state directory whose services are killed on drop.
 #[derive(Debug)]
 pub struct Sandbox {
     dir: tempfile::TempDir,
+    backend: Backend,
+    /// The Kubernetes backend's API double served over loopback HTTP, for
+    /// `lockstep serve` processes, once [`serve_args`](Sandbox::serve_args)
+    /// started it: the task and the kubeconfig.
+    api_server: std::sync::Mutex<Option<(tokio::task::JoinHandle<()>, PathBuf)>>,
 }
 
 impl Sandbox {
-    /// A fresh, empty state directory.
+    /// A fresh, empty state directory (process backend).
     pub fn new() -> anyhow::Result<Sandbox> {
+        Self::on(Backend::Process)
+    }
+
+    /// A fresh, empty state directory whose services run on `backend`.
+    pub fn on(backend: Backend) -> anyhow::Result<Sandbox> {
         Ok(Sandbox {
             dir: tempfile::Builder::new()
                 .prefix("lockstep-chaos-")
                 .tempdir()?,
+            backend,
+            api_server: std::sync::Mutex::new(None),
         })
+    }
+
+    /// What a `lockstep serve` process needs to run on this sandbox's
+    /// backend: extra arguments and environment. For Kubernetes, serves the
+    /// API double over HTTP on 127.0.0.1 (once) and writes a kubeconfig
+    /// pointing at it.
+    pub async fn serve_args(&self) -> anyhow::Result<(Vec<String>, Vec<(String, PathBuf)>)> {
+        let Backend::Kubernetes(api) = &self.backend else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let existing = self
+            .api_server
+            .lock()
+            .expect("poisoned")
+            .as_ref()
+            .map(|(_, k)| k.clone());
+        let kubeconfig = match existing {
+            Some(k) => k,
+            None => {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                let url = format!("http://{}", listener.local_addr()?);
+                let path = self.path().join("kubeconfig");
+                std::fs::write(
+                    &path,
+                    lockstep_orchestrator_kubernetes::api_double::kubeconfig(&url, K8S_NAMESPACE),
+                )?;
+                let task = api.serve(listener);
+                *self.api_server.lock().expect("poisoned") = Some((task, path.clone()));
+                path
+            }
+        };
+        let args = ["--orchestrator", "kubernetes", "--namespace", K8S_NAMESPACE];
+        Ok((
+            args.iter().map(|a| a.to_string()).collect(),
+            vec![("KUBECONFIG".to_string(), kubeconfig)],
+        ))
+    }
+
+    /// Starts `lockstep serve` on this sandbox (see [`EnvProcess::start`]).
+    pub async fn start_env(
+        &self,
+        bin: &Path,
+        rule: &str,
+        failpoints: Option<&str>,
+    ) -> anyhow::Result<EnvProcess> {
+        let (args, env) = self.serve_args().await?;
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        EnvProcess::start_with_env(bin, self.path(), rule, failpoints, &args, &env).await
+    }
+
+    /// Each process's identity of the service of `id`: its PID on the
+    /// process backend, its pod's uid on Kubernetes (a replaced process has
+    /// a new one).
+    pub fn identities(&self, services: &[ServiceStatus], id: u64) -> Vec<String> {
+        match &self.backend {
+            Backend::Process => pids(services, id)
+                .into_iter()
+                .map(|p| format!("{p:?}"))
+                .collect(),
+            Backend::Kubernetes(api) => {
+                let name = ServiceTemplate::service_name(id);
+                let mut pods: Vec<String> = api
+                    .names("pods", K8S_NAMESPACE)
+                    .into_iter()
+                    .filter(|p| p.rsplit_once('-').is_some_and(|(s, _)| s == name))
+                    .collect();
+                pods.sort();
+                pods.iter()
+                    .filter_map(|p| api.get("pods", K8S_NAMESPACE, p))
+                    .map(|p| p["metadata"]["uid"].as_str().unwrap_or("").to_string())
+                    .collect()
+            }
+        }
     }
 
     /// The state directory.
@@ -94,18 +237,51 @@ impl Sandbox {
         self.dir.path()
     }
 
-    /// Lists the services recorded in the state directory (any epoch).
+    /// Lists the services recorded in the state directory, or on the API
+    /// server (any epoch).
     pub async fn services(&self) -> anyhow::Result<Vec<ServiceStatus>> {
-        let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(
-            self.path().join(ORCHESTRATOR_DIR),
-            0,
-        ))?;
-        Ok(orchestrator.list_services().await?)
+        match &self.backend {
+            Backend::Process => {
+                let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(
+                    self.path().join(ORCHESTRATOR_DIR),
+                    0,
+                ))?;
+                Ok(orchestrator.list_services().await?)
+            }
+            Backend::Kubernetes(api) => {
+                let orchestrator =
+                    KubernetesOrchestrator::new(api.client(K8S_NAMESPACE), k8s_config(0, true));
+                Ok(orchestrator.list_services().await?)
+            }
+        }
+    }
+
+    /// Loads an environment on this sandbox with the native rule `rule`.
+    pub fn load(&self, rule: &str, conditional_writes: bool) -> anyhow::Result<Environment> {
+        match &self.backend {
+            Backend::Process => load(self.path(), rule, conditional_writes),
+            Backend::Kubernetes(api) => {
+                let api = api.clone();
+                let factory: crate::OrchestratorFactory = Box::new(move |p| {
+                    Ok(std::sync::Arc::new(KubernetesOrchestrator::new(
+                        api.client(K8S_NAMESPACE),
+                        k8s_config(p.epoch, p.conditional_writes),
+                    )))
+                });
+                Ok(Environment::load_with(
+                    env_config(self.path(), rule, conditional_writes)?,
+                    factory,
+                )?)
+            }
+        }
     }
 }
 
 impl Drop for Sandbox {
     fn drop(&mut self) {
+        if let Some((task, _)) = self.api_server.lock().expect("poisoned").take() {
+            task.abort();
+        }
         let _ = kill_all_services(&self.path().join(ORCHESTRATOR_DIR));
     }
 }
@@ -129,9 +305,21 @@ fn replica_config(processes: u32) -> ReplicaConfig {
 
 /// Loads an environment on `dir` with the native rule `rule`.
 pub fn load(dir: &Path, rule: &str, conditional_writes: bool) -> anyhow::Result<Environment> {
+    Ok(Environment::load(env_config(
+        dir,
+        rule,
+        conditional_writes,
+    )?)?)
+}
+
+fn env_config(
+    dir: &Path,
+    rule: &str,
+    conditional_writes: bool,
+) -> anyhow::Result<EnvironmentConfig> {
     let orphan_policy =
         lockstep_policy::native_orphan_rule(rule).ok_or_else(|| anyhow!("no rule {rule}"))?;
-    Ok(Environment::load(EnvironmentConfig {
+    Ok(EnvironmentConfig {
         distribution_policy: None,
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
         compaction_lag: None,
@@ -142,7 +330,7 @@ pub fn load(dir: &Path, rule: &str, conditional_writes: bool) -> anyhow::Result<
         orphan_policy,
         service: sleep_template(),
         conditional_writes,
-    })?)
+    })
 }
 
 /// Checks O1 and O2 of the services against the newest catalog's replica IDs.
@@ -227,7 +415,7 @@ fn outcome(result: anyhow::Result<Result<(), String>>) -> Outcome {
 /// replica does: a controller drops it from the catalog and dies before the
 /// orchestrator call. Returns the IDs of r1 and r2.
 async fn setup_with_orphan(sandbox: &Sandbox, rule: &str) -> anyhow::Result<(u64, u64)> {
-    let env0 = load(sandbox.path(), rule, true)?;
+    let env0 = sandbox.load(rule, true)?;
     env0.ensure_replicas().await?;
     env0.remove_orphans().await?;
     let r1 = env0.create_replica("r1", replica_config(2)).await?;
@@ -243,18 +431,27 @@ async fn setup_with_orphan(sandbox: &Sandbox, rule: &str) -> anyhow::Result<(u64
 /// as in the PR's diagram; serving is a catalog write (create a replica).
 /// Checks O1–O4 after it.
 pub async fn timeline(rule: &str, conditional_writes: bool) -> Outcome {
-    outcome(timeline_inner(rule, conditional_writes).await)
+    timeline_on(Backend::Process, rule, conditional_writes).await
 }
 
-async fn timeline_inner(rule: &str, conditional: bool) -> anyhow::Result<Result<(), String>> {
-    let sandbox = Sandbox::new()?;
+/// [`timeline`] on `backend`.
+pub async fn timeline_on(backend: Backend, rule: &str, conditional_writes: bool) -> Outcome {
+    outcome(timeline_inner(backend, rule, conditional_writes).await)
+}
+
+async fn timeline_inner(
+    backend: Backend,
+    rule: &str,
+    conditional: bool,
+) -> anyhow::Result<Result<(), String>> {
+    let sandbox = Sandbox::on(backend)?;
     let (_r1, orphan) = setup_with_orphan(&sandbox, rule).await?;
     let mut watch = LabelWatch::default();
     watch.observe(&sandbox, "setup").await?;
     // envd@1 loads first, so it has the lowest epoch of the three.
-    let e1 = load(sandbox.path(), rule, conditional)?;
-    let e2 = load(sandbox.path(), rule, conditional)?;
-    let e3 = load(sandbox.path(), rule, conditional)?;
+    let e1 = sandbox.load(rule, conditional)?;
+    let e2 = sandbox.load(rule, conditional)?;
+    let e3 = sandbox.load(rule, conditional)?;
     let envs = [&e1, &e2, &e3];
     let mut halted = [false; 3];
     let mut stale_writes = Vec::new();
@@ -350,7 +547,12 @@ async fn timeline_inner(rule: &str, conditional: bool) -> anyhow::Result<Result<
 /// timeline must show an epoch label going backwards (O4), or the harness
 /// cannot see O4 violations. Passes when it does.
 pub async fn o4_control(rule: &str) -> Outcome {
-    match timeline(rule, false).await {
+    o4_control_on(Backend::Process, rule).await
+}
+
+/// [`o4_control`] on `backend`.
+pub async fn o4_control_on(backend: Backend, rule: &str) -> Outcome {
+    match timeline_on(backend, rule, false).await {
         Outcome::Violation(v) if v.starts_with("O4") => Outcome::Pass,
         Outcome::Violation(v) => Outcome::Harness(format!(
             "with conditional writes off the timeline broke something else first: {v}"
@@ -368,17 +570,22 @@ pub async fn o4_control(rule: &str) -> Outcome {
 /// stale one removes orphans. The newer replica must survive (O1) and the
 /// stale controller must halt (O3).
 pub async fn stale_loads_before_newer_creates(rule: &str) -> Outcome {
-    outcome(stale_loads_inner(rule).await)
+    stale_loads_before_newer_creates_on(Backend::Process, rule).await
 }
 
-async fn stale_loads_inner(rule: &str) -> anyhow::Result<Result<(), String>> {
-    let sandbox = Sandbox::new()?;
-    let env0 = load(sandbox.path(), rule, true)?;
+/// [`stale_loads_before_newer_creates`] on `backend`.
+pub async fn stale_loads_before_newer_creates_on(backend: Backend, rule: &str) -> Outcome {
+    outcome(stale_loads_inner(backend, rule).await)
+}
+
+async fn stale_loads_inner(backend: Backend, rule: &str) -> anyhow::Result<Result<(), String>> {
+    let sandbox = Sandbox::on(backend)?;
+    let env0 = sandbox.load(rule, true)?;
     env0.create_replica("r1", replica_config(1)).await?;
     drop(env0);
-    let stale = load(sandbox.path(), rule, true)?;
+    let stale = sandbox.load(rule, true)?;
     stale.ensure_replicas().await?;
-    let newer = load(sandbox.path(), rule, true)?;
+    let newer = sandbox.load(rule, true)?;
     newer.ensure_replicas().await?;
     newer.remove_orphans().await?;
     let fresh = newer.create_replica("fresh", replica_config(2)).await?;
@@ -417,17 +624,22 @@ async fn stale_loads_inner(rule: &str) -> anyhow::Result<Result<(), String>> {
 /// a drop is a write, and never goes back to an older controller's
 /// version), and it must halt (O3); the newest state keeps O1 and O2.
 pub async fn stale_cannot_resurrect(rule: &str) -> Outcome {
-    outcome(stale_resurrect_inner(rule).await)
+    stale_cannot_resurrect_on(Backend::Process, rule).await
 }
 
-async fn stale_resurrect_inner(rule: &str) -> anyhow::Result<Result<(), String>> {
-    let sandbox = Sandbox::new()?;
-    let env0 = load(sandbox.path(), rule, true)?;
+/// [`stale_cannot_resurrect`] on `backend`.
+pub async fn stale_cannot_resurrect_on(backend: Backend, rule: &str) -> Outcome {
+    outcome(stale_resurrect_inner(backend, rule).await)
+}
+
+async fn stale_resurrect_inner(backend: Backend, rule: &str) -> anyhow::Result<Result<(), String>> {
+    let sandbox = Sandbox::on(backend)?;
+    let env0 = sandbox.load(rule, true)?;
     env0.create_replica("r1", replica_config(2)).await?;
     let r2 = env0.create_replica("r2", replica_config(1)).await?;
     drop(env0);
-    let stale = load(sandbox.path(), rule, true)?;
-    let newer = load(sandbox.path(), rule, true)?;
+    let stale = sandbox.load(rule, true)?;
+    let newer = sandbox.load(rule, true)?;
     newer.ensure_replicas().await?;
     newer.remove_orphans().await?;
     newer.drop_replica("r2").await?;
@@ -458,16 +670,21 @@ async fn stale_resurrect_inner(rule: &str) -> anyhow::Result<Result<(), String>>
 /// A stale controller that was overtaken halts on its next catalog write
 /// and changes nothing (O3).
 pub async fn stale_halts_on_write(rule: &str) -> Outcome {
-    outcome(stale_halts_inner(rule).await)
+    stale_halts_on_write_on(Backend::Process, rule).await
 }
 
-async fn stale_halts_inner(rule: &str) -> anyhow::Result<Result<(), String>> {
-    let sandbox = Sandbox::new()?;
-    let a = load(sandbox.path(), rule, true)?;
+/// [`stale_halts_on_write`] on `backend`.
+pub async fn stale_halts_on_write_on(backend: Backend, rule: &str) -> Outcome {
+    outcome(stale_halts_inner(backend, rule).await)
+}
+
+async fn stale_halts_inner(backend: Backend, rule: &str) -> anyhow::Result<Result<(), String>> {
+    let sandbox = Sandbox::on(backend)?;
+    let a = sandbox.load(rule, true)?;
     a.ensure_replicas().await?;
     a.remove_orphans().await?;
     let r1 = a.create_replica("r1", replica_config(1)).await?;
-    let b = load(sandbox.path(), rule, true)?;
+    let b = sandbox.load(rule, true)?;
     b.ensure_replicas().await?;
     b.remove_orphans().await?;
     let before = sandbox.services().await?;
@@ -500,6 +717,240 @@ async fn stale_halts_inner(rule: &str) -> anyhow::Result<Result<(), String>> {
     Ok(check_o1_o2(&newest, &after))
 }
 
+/// The service of the Kubernetes-only scenarios.
+fn k8s_service(id: u64) -> lockstep_orchestrator::ServiceConfig {
+    lockstep_orchestrator::ServiceConfig::new(ServiceTemplate::service_name(id), id, "sleep")
+        .port("timely")
+        .fixed_args(["300"])
+}
+
+/// The record and pod labels of the service of `id` on the double.
+fn k8s_epochs(api: &ApiServerDouble, id: u64) -> (Option<String>, Option<String>) {
+    let name = ServiceTemplate::service_name(id);
+    let epoch = |o: Option<serde_json::Value>| {
+        o.and_then(|o| {
+            o["metadata"]["labels"]["lockstep/epoch"]
+                .as_str()
+                .map(str::to_string)
+        })
+    };
+    (
+        epoch(api.get("services", K8S_NAMESPACE, &name)),
+        epoch(api.get("pods", K8S_NAMESPACE, &format!("{name}-0"))),
+    )
+}
+
+/// Kubernetes only: a delete racing a re-create with the same name. A stale
+/// controller (epoch 1) drops a service; between its read of the pod and
+/// its delete, a newer controller (epoch 2) re-creates the service (a new
+/// record, a new pod of the same name). The delete's preconditions (uid and
+/// resourceVersion) must stop it: the newer pod survives (O1) and the
+/// record keeps epoch 2 (O4).
+pub async fn k8s_delete_races_recreate() -> Outcome {
+    outcome(k8s_delete_races_inner().await)
+}
+
+async fn k8s_delete_races_inner() -> anyhow::Result<Result<(), String>> {
+    let api = ApiServerDouble::new();
+    let stale = KubernetesOrchestrator::new(api.client(K8S_NAMESPACE), k8s_config(1, true));
+    stale.ensure_service(k8s_service(1)).await?;
+    let name = ServiceTemplate::service_name(1);
+    let b = api.clone();
+    let (record_name, pod_name) = (name.clone(), format!("{name}-0"));
+    api.before_next(
+        Matcher::new(http::Method::DELETE, "pods", Some(&pod_name)),
+        move |_| {
+            // The newer controller's ensure, as its requests would leave it.
+            let Some(mut record) = b.get("services", K8S_NAMESPACE, &record_name) else {
+                return;
+            };
+            let labels = &mut record["metadata"]["labels"];
+            labels["lockstep/state"] = serde_json::json!("live");
+            labels["lockstep/epoch"] = serde_json::json!("2");
+            if let Some(l) = labels.as_object_mut() {
+                l.remove("lockstep/dropped-by");
+            }
+            let _ = b.replace("services", K8S_NAMESPACE, &record_name, record);
+            if let Some(mut pod) = b.get("pods", K8S_NAMESPACE, &pod_name) {
+                let _ = b.delete("pods", K8S_NAMESPACE, &pod_name);
+                pod["metadata"]["labels"]["lockstep/epoch"] = serde_json::json!("2");
+                if let Some(m) = pod["metadata"].as_object_mut() {
+                    m.remove("uid");
+                    m.remove("resourceVersion");
+                }
+                let _ = b.create("pods", K8S_NAMESPACE, pod);
+            }
+        },
+    );
+    stale.drop_service(&name).await?;
+    match k8s_epochs(&api, 1) {
+        (Some(r), Some(p)) if r == "2" && p == "2" => Ok(Ok(())),
+        (r, None) => Ok(Err(format!(
+            "O1: the stale controller's delete removed the pod the newer controller (epoch 2) re-created (record epoch {r:?})"
+        ))),
+        (r, p) => Ok(Err(format!(
+            "O4: after the race the record says epoch {r:?} and the pod {p:?}, not 2"
+        ))),
+    }
+}
+
+/// Kubernetes only: 409 Conflict on ensure. A newer environment's ensure
+/// meets a plain 409 on its record write (it must read again and succeed,
+/// not fail or halt); then a stale environment's ensure loses the
+/// compare-and-swap to a write of the newer epoch between its read and its
+/// write (it must read again, refuse and halt: O3), and the record's epoch
+/// never goes back (O4). O1 and O2 hold for the newest catalog.
+pub async fn k8s_conflict_on_ensure(rule: &str) -> Outcome {
+    outcome(k8s_conflict_inner(rule).await)
+}
+
+async fn k8s_conflict_inner(rule: &str) -> anyhow::Result<Result<(), String>> {
+    let api = ApiServerDouble::new();
+    let sandbox = Sandbox::on(Backend::Kubernetes(api.clone()))?;
+    let env0 = sandbox.load(rule, true)?;
+    let r1 = env0
+        .create_replica("r1", replica_config(2))
+        .await?
+        .replica
+        .id;
+    drop(env0);
+    let name = ServiceTemplate::service_name(r1);
+    let stale = sandbox.load(rule, true)?;
+    let newer = sandbox.load(rule, true)?;
+    // The stale ensure reads the record (epoch of env0), then the newer
+    // controller's write lands before the stale one's compare-and-swap.
+    let b = api.clone();
+    let record_name = name.clone();
+    let newer_epoch = newer.epoch().to_string();
+    let epoch = newer_epoch.clone();
+    api.before_next(
+        Matcher::new(http::Method::PUT, "services", Some(&name)),
+        move |_| {
+            if let Some(mut record) = b.get("services", K8S_NAMESPACE, &record_name) {
+                record["metadata"]["labels"]["lockstep/epoch"] = serde_json::json!(epoch);
+                let _ = b.replace("services", K8S_NAMESPACE, &record_name, record);
+            }
+        },
+    );
+    let stale_halted = matches!(stale.ensure_replicas().await, Err(EnvError::Halted(_)));
+    let (record_epoch, _) = k8s_epochs(&api, r1);
+    if record_epoch.as_deref() != Some(newer_epoch.as_str()) {
+        return Ok(Err(format!(
+            "O4: the record's epoch is {record_epoch:?} after the stale ensure (epoch {}) lost the race, not {newer_epoch}",
+            stale.epoch()
+        )));
+    }
+    if !stale_halted {
+        return Ok(Err(format!(
+            "O3: the stale controller (epoch {}) did not halt after losing the compare-and-swap",
+            stale.epoch()
+        )));
+    }
+    // A plain 409 on the newest controller's write: read again, write again.
+    api.fail_next(
+        Matcher::new(http::Method::PUT, "services", Some(&name)),
+        409,
+        "the object has been modified; please apply your changes to the latest version and try again",
+    );
+    match newer.ensure_replicas().await {
+        Ok(()) => {}
+        Err(EnvError::Halted(h)) => {
+            return Ok(Err(format!(
+                "O3: the newest controller halted on a plain 409 instead of reading again: {h}"
+            )))
+        }
+        Err(e) => return Err(e.into()),
+    }
+    newer.remove_orphans().await?;
+    let newest: BTreeSet<u64> = newer.view().replicas.keys().copied().collect();
+    Ok(check_o1_o2(&newest, &sandbox.services().await?))
+}
+
+/// Kubernetes only: the watch drops. The API server ends the backend's pod
+/// watch, a pod goes while nobody watches, then the same with an etcd
+/// compaction between the re-list and the re-watch (410 Gone). Each exit
+/// must still be reported (the liveness of what the environment learns
+/// from the orchestrator, I2), and the service must still be listed (O1).
+pub async fn k8s_watch_drops() -> Outcome {
+    outcome(k8s_watch_inner().await)
+}
+
+async fn k8s_watch_inner() -> anyhow::Result<Result<(), String>> {
+    let api = ApiServerDouble::new();
+    let o = KubernetesOrchestrator::new(api.client(K8S_NAMESPACE), k8s_config(1, true));
+    o.ensure_service(k8s_service(1).scale(2)).await?;
+    let mut events = o.watch_services();
+    let watching = |api: &ApiServerDouble| {
+        let api = api.clone();
+        async move {
+            for _ in 0..1000 {
+                if api.open_watches() > 0 {
+                    return Ok(());
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(anyhow!("the backend never watched"))
+        }
+    };
+    watching(&api).await?;
+    let name = ServiceTemplate::service_name(1);
+    api.drop_watches();
+    api.delete("pods", K8S_NAMESPACE, &format!("{name}-0"))
+        .map_err(|e| anyhow!(e))?;
+    if !exit_reported(&mut events, &name, 0).await {
+        return Ok(Err(
+            "I2: a pod deleted while the watch was down was never reported".into(),
+        ));
+    }
+    watching(&api).await?;
+    let pod1 = format!("{name}-1");
+    api.before_next(Matcher::new(http::Method::GET, "pods", None), |_| {});
+    api.before_next(Matcher::new(http::Method::GET, "pods", None), move |api| {
+        let _ = api.delete("pods", K8S_NAMESPACE, &pod1);
+        api.compact();
+    });
+    api.drop_watches();
+    if !exit_reported(&mut events, &name, 1).await {
+        return Ok(Err(
+            "I2: a pod deleted before a 410 Gone watch was never reported".into(),
+        ));
+    }
+    if !o.list_services().await?.iter().any(|s| s.name == name) {
+        return Ok(Err(format!(
+            "O1: {name} is no longer listed after the watch dropped"
+        )));
+    }
+    Ok(Ok(()))
+}
+
+/// Whether an `Exited` event of `service`'s process `process` arrives
+/// within 5 s.
+async fn exit_reported(
+    events: &mut tokio::sync::broadcast::Receiver<lockstep_orchestrator::ServiceEvent>,
+    service: &str,
+    process: usize,
+) -> bool {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match tokio::time::timeout(left, events.recv()).await {
+            Err(_) | Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => return false,
+            Ok(Err(_)) => continue,
+            Ok(Ok(e)) => {
+                if e.service == service
+                    && e.process == Some(process)
+                    && matches!(
+                        e.kind,
+                        lockstep_orchestrator::ServiceEventKind::Exited { .. }
+                    )
+                {
+                    return true;
+                }
+            }
+        }
+    }
+}
+
 /// A running `lockstep serve` process.
 #[derive(Debug)]
 pub struct EnvProcess {
@@ -521,6 +972,18 @@ impl EnvProcess {
         failpoints: Option<&str>,
         extra_args: &[&str],
     ) -> anyhow::Result<EnvProcess> {
+        Self::start_with_env(bin, state_dir, rule, failpoints, extra_args, &[]).await
+    }
+
+    /// [`start`](Self::start) with extra environment variables.
+    pub async fn start_with_env(
+        bin: &Path,
+        state_dir: &Path,
+        rule: &str,
+        failpoints: Option<&str>,
+        extra_args: &[&str],
+        env: &[(String, PathBuf)],
+    ) -> anyhow::Result<EnvProcess> {
         let n = std::fs::read_dir(state_dir)?.count();
         let stderr_path = state_dir.join(format!("lockstep-{n}.stderr"));
         let stderr = std::fs::File::create(&stderr_path)?;
@@ -530,6 +993,7 @@ impl EnvProcess {
             .args(["--listen", "127.0.0.1:0", "--orphan-rule", rule])
             .args(["--service-binary", "sleep", "--service-arg", "300"])
             .args(extra_args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)
@@ -630,19 +1094,30 @@ fn pids(services: &[ServiceStatus], id: u64) -> Vec<Option<u32>> {
 /// against the restarted controller's catalog, and that the replica that was
 /// never touched kept its processes (adopted, not restarted).
 pub async fn crash_scenario(bin: &Path, rule: &str, failpoint: &str) -> Outcome {
-    outcome(crash_inner(bin, rule, failpoint).await)
+    crash_scenario_on(Backend::Process, bin, rule, failpoint).await
+}
+
+/// [`crash_scenario`] on `backend` (on Kubernetes, `lockstep serve` reaches
+/// the API double over loopback HTTP through a kubeconfig).
+pub async fn crash_scenario_on(
+    backend: Backend,
+    bin: &Path,
+    rule: &str,
+    failpoint: &str,
+) -> Outcome {
+    outcome(crash_inner(backend, bin, rule, failpoint).await)
 }
 
 async fn crash_inner(
+    backend: Backend,
     bin: &Path,
     rule: &str,
     failpoint: &str,
 ) -> anyhow::Result<Result<(), String>> {
-    let sandbox = Sandbox::new()?;
-    let dir = sandbox.path();
+    let sandbox = Sandbox::on(backend)?;
     let dropping = failpoint.contains("drop");
     // A: creates the replicas, then crashes (SIGKILL) with them running.
-    let mut a = EnvProcess::start(bin, dir, rule, None, &[]).await?;
+    let mut a = sandbox.start_env(bin, rule, None).await?;
     let ok = |o: std::process::Output, what: &str| -> anyhow::Result<()> {
         if !o.status.success() {
             bail!("{what} failed: {}", String::from_utf8_lossy(&o.stderr));
@@ -666,10 +1141,12 @@ async fn crash_inner(
         .map(|r| r.id)
         .ok_or_else(|| anyhow!("keep is not listed"))?;
     a.kill().await?;
-    let keep_pids = pids(&sandbox.services().await?, keep_id);
+    let keep_pids = sandbox.identities(&sandbox.services().await?, keep_id);
 
     // B: crashes at the failpoint.
-    let mut b = EnvProcess::start(bin, dir, rule, Some(&format!("{failpoint}=panic")), &[]).await?;
+    let mut b = sandbox
+        .start_env(bin, rule, Some(&format!("{failpoint}=panic")))
+        .await?;
     let out = if dropping {
         cli(bin, &b.url, &["drop", "doomed"]).await?
     } else {
@@ -684,7 +1161,7 @@ async fn crash_inner(
     }
 
     // C: restarts; loads, ensures, removes orphans, serves.
-    let c = EnvProcess::start(bin, dir, rule, None, &[]).await?;
+    let c = sandbox.start_env(bin, rule, None).await?;
     let catalog = list(&c).await?;
     let services = sandbox.services().await?;
     let newest: BTreeSet<u64> = catalog.iter().map(|r| r.id).collect();
@@ -698,7 +1175,7 @@ async fn crash_inner(
             "O1: replica 'keep' vanished from the catalog after a crash at {failpoint}"
         )));
     }
-    let now = pids(&services, keep_id);
+    let now = sandbox.identities(&services, keep_id);
     if now != keep_pids {
         return Ok(Err(format!(
             "adoption: replica 'keep' was restarted instead of adopted across two controller restarts (pids {keep_pids:?} -> {now:?})"
@@ -710,18 +1187,26 @@ async fn crash_inner(
 /// A stale `lockstep serve` halts (exits 2, saying another controller took
 /// over) on its next catalog write, and the newer one is unaffected (O3).
 pub async fn stale_binary_halts(bin: &Path, rule: &str) -> Outcome {
-    outcome(stale_binary_inner(bin, rule).await)
+    stale_binary_halts_on(Backend::Process, bin, rule).await
 }
 
-async fn stale_binary_inner(bin: &Path, rule: &str) -> anyhow::Result<Result<(), String>> {
-    let sandbox = Sandbox::new()?;
-    let dir = sandbox.path();
-    let mut a = EnvProcess::start(bin, dir, rule, None, &[]).await?;
+/// [`stale_binary_halts`] on `backend`.
+pub async fn stale_binary_halts_on(backend: Backend, bin: &Path, rule: &str) -> Outcome {
+    outcome(stale_binary_inner(backend, bin, rule).await)
+}
+
+async fn stale_binary_inner(
+    backend: Backend,
+    bin: &Path,
+    rule: &str,
+) -> anyhow::Result<Result<(), String>> {
+    let sandbox = Sandbox::on(backend)?;
+    let mut a = sandbox.start_env(bin, rule, None).await?;
     let out = cli(bin, &a.url, &["create", "r1"]).await?;
     if !out.status.success() {
         bail!("create r1 failed: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let b = EnvProcess::start(bin, dir, rule, None, &[]).await?;
+    let b = sandbox.start_env(bin, rule, None).await?;
     let out = cli(bin, &a.url, &["create", "r2"]).await?;
     if out.status.success() {
         return Ok(Err("O3: the stale controller accepted a create".into()));

@@ -163,6 +163,35 @@ pub fn session_secret(dir: &Path) -> std::io::Result<[u8; 32]> {
         Err(e) => Err(e),
     }
 }
+/// What an [`OrchestratorFactory`] is given.
+#[derive(Clone, Copy, Debug)]
+pub struct OrchestratorParams<'a> {
+    /// The state directory.
+    pub state_dir: &'a Path,
+    /// The catalog's epoch, which the orchestrator must label with.
+    pub epoch: u64,
+    /// Whether ensures are conditional on the epoch (O4).
+    pub conditional_writes: bool,
+}
+
+/// Builds the orchestrator once the catalog is open (its epoch known).
+pub type OrchestratorFactory =
+    Box<dyn FnOnce(OrchestratorParams<'_>) -> Result<Arc<dyn Orchestrator>, StartError> + Send>;
+
+/// The default backend: the process orchestrator on `STATE_DIR/orchestrator`.
+pub fn process_orchestrator(
+    params: OrchestratorParams<'_>,
+) -> Result<Arc<dyn Orchestrator>, StartError> {
+    let dir = params.state_dir.join(ORCHESTRATOR_DIR);
+    std::fs::create_dir_all(&dir).map_err(|source| StartError::StateDirUnwritable {
+        path: dir.clone(),
+        source,
+    })?;
+    let mut config = ProcessOrchestratorConfig::new(dir, params.epoch);
+    config.conditional_writes = params.conditional_writes;
+    Ok(Arc::new(ProcessOrchestrator::new(config)?))
+}
+
 /// How long a halted environment keeps answering in-flight requests.
 const HALT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -270,6 +299,9 @@ pub enum StartError {
     /// The orchestrator could not be created.
     #[error(transparent)]
     Orchestrator(#[from] lockstep_orchestrator::process::NewError),
+    /// Another orchestrator backend could not be created.
+    #[error("orchestrator: {0}")]
+    OrchestratorBackend(String),
     /// The orchestrator was built for another epoch than the catalog's.
     #[error("the orchestrator labels with epoch {orchestrator}, but the catalog was opened at epoch {catalog}")]
     EpochMismatch {
@@ -400,24 +432,29 @@ impl Environment {
     /// catalog (bumping the epoch) and loads it, and creates the process
     /// orchestrator on `STATE_DIR/orchestrator` with our epoch.
     pub fn load(config: EnvironmentConfig) -> Result<Environment, StartError> {
+        Self::load_with(config, Box::new(process_orchestrator))
+    }
+
+    /// [`load`](Self::load) with another orchestrator backend, built by
+    /// `orchestrator` once the catalog's epoch is known (the Kubernetes
+    /// backend, in `lockstep serve --orchestrator kubernetes` and the
+    /// `@kubernetes` orphan scenarios).
+    pub fn load_with(
+        config: EnvironmentConfig,
+        orchestrator: OrchestratorFactory,
+    ) -> Result<Environment, StartError> {
         check_state_dir(&config.state_dir)?;
         if !program_exists(&config.service.program) {
             return Err(StartError::ServiceBinaryMissing(config.service.program));
         }
-        let orchestrator_dir = config.state_dir.join(ORCHESTRATOR_DIR);
-        std::fs::create_dir_all(&orchestrator_dir).map_err(|source| {
-            StartError::StateDirUnwritable {
-                path: orchestrator_dir.clone(),
-                source,
-            }
-        })?;
         let store = Store::from_arg(config.store.as_deref(), config.state_dir.join(CATALOG_FILE))
             .map_err(StartError::Store)?;
         let catalog = Catalog::open_store(&store)?;
-        let mut orchestrator_config =
-            ProcessOrchestratorConfig::new(orchestrator_dir, catalog.epoch());
-        orchestrator_config.conditional_writes = config.conditional_writes;
-        let orchestrator = ProcessOrchestrator::new(orchestrator_config)?;
+        let orchestrator = orchestrator(OrchestratorParams {
+            state_dir: &config.state_dir,
+            epoch: catalog.epoch(),
+            conditional_writes: config.conditional_writes,
+        })?;
         let command_logs = match &store {
             Store::Postgres(url) => CommandLogs::Postgres(url.clone()),
             Store::Sqlite(_) => CommandLogs::Dir(
@@ -434,15 +471,11 @@ impl Environment {
                 path: config.state_dir.join(SESSION_SECRET_FILE),
                 source,
             })?;
-        let env = Self::with_orchestrator(
-            catalog,
-            Arc::new(orchestrator),
-            config.orphan_policy,
-            config.service,
-        )?
-        .with_command_logs(command_logs)
-        .with_session_secret(secret)
-        .with_api_token(config.api_token);
+        let env =
+            Self::with_orchestrator(catalog, orchestrator, config.orphan_policy, config.service)?
+                .with_command_logs(command_logs)
+                .with_session_secret(secret)
+                .with_api_token(config.api_token);
         if let Some(path) = &config.distribution_policy {
             let wasm = std::fs::read(path).unwrap_or_default();
             env.policies_in_force.lock().expect("poisoned").insert(
@@ -620,7 +653,16 @@ impl Environment {
     /// Steps 1 to 3: load, ensure every catalog replica, remove orphans.
     /// Ready to [`serve`](Self::serve) afterwards.
     pub async fn start(config: EnvironmentConfig) -> anyhow::Result<Arc<Environment>> {
-        let env = Environment::load(config)?;
+        Self::start_with(config, Box::new(process_orchestrator)).await
+    }
+
+    /// [`start`](Self::start) with the orchestrator built by `orchestrator`
+    /// (see [`load_with`](Self::load_with)).
+    pub async fn start_with(
+        config: EnvironmentConfig,
+        orchestrator: OrchestratorFactory,
+    ) -> anyhow::Result<Arc<Environment>> {
+        let env = Environment::load_with(config, orchestrator)?;
         env.ensure_replicas().await?;
         env.remove_orphans().await?;
         env.start_compute().await?;

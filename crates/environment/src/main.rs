@@ -270,6 +270,29 @@ struct ServeArgs {
     /// Let a stale ensure overwrite a newer controller's service (negative tests only).
     #[arg(long, hide = true)]
     unconditional_writes: bool,
+    /// Where replicas run: supervised processes on this machine, or pods
+    /// in a Kubernetes cluster (in-cluster service account, or KUBECONFIG).
+    #[arg(long, value_enum, default_value_t = OrchestratorKind::Process)]
+    orchestrator: OrchestratorKind,
+    /// The Kubernetes namespace of the replicas' objects.
+    #[arg(long, default_value = "lockstep")]
+    namespace: String,
+    /// The container image of replica pods (it holds --service-binary).
+    #[arg(long, default_value = "lockstep:latest")]
+    kubernetes_image: String,
+    /// The label value (`lockstep/environment`) that tells this
+    /// environment's objects from others' in the same namespace.
+    #[arg(long, default_value = "lockstep")]
+    kubernetes_environment: String,
+}
+
+/// The orchestrator backend of `lockstep serve`.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OrchestratorKind {
+    /// Supervised OS processes on this machine (state in STATE_DIR/orchestrator).
+    Process,
+    /// Pods and headless Services in a Kubernetes namespace.
+    Kubernetes,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -735,7 +758,29 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         allow_naive: args.experiments_allow_naive,
         store: args.store,
     };
-    let env = Environment::start(config).await?;
+    let env = match args.orchestrator {
+        OrchestratorKind::Process => Environment::start(config).await?,
+        OrchestratorKind::Kubernetes => {
+            let client = kube::Client::try_default()
+                .await
+                .context("connecting to the Kubernetes API server")?;
+            let namespace = args.namespace;
+            let image = args.kubernetes_image;
+            let environment = args.kubernetes_environment;
+            let factory: lockstep_environment::OrchestratorFactory = Box::new(move |p| {
+                let mut c = lockstep_orchestrator_kubernetes::KubernetesOrchestratorConfig::new(
+                    namespace, p.epoch,
+                );
+                c.image = image;
+                c.environment = environment;
+                c.conditional_writes = p.conditional_writes;
+                Ok(std::sync::Arc::new(
+                    lockstep_orchestrator_kubernetes::KubernetesOrchestrator::new(client, c),
+                ))
+            });
+            Environment::start_with(config, factory).await?
+        }
+    };
     let metrics_note = match metrics_listener {
         Some(l) => {
             let at = l.local_addr()?;

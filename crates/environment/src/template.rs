@@ -156,6 +156,7 @@ mod tests {
             process: 1,
             scale: 2,
             host: "127.0.0.1",
+            hosts: &["127.0.0.1".to_string(), "127.0.0.1".to_string()],
             ports: &ports,
         };
         let args: Vec<String> = DEFAULT_REPLICA_ARGS

@@ -20,9 +20,15 @@
 //!   back to an older controller's version (O4). A drop leaves a tombstone
 //!   with the dropper's epoch, and `ensure_service` likewise refuses
 //!   ([`EnsureError::DroppedByNewer`]) to re-create a service that a newer
-//!   controller dropped. `drop_service` itself is not conditional (a
-//!   Kubernetes delete is not either); the orphan policy is what keeps a stale
-//!   controller from dropping a newer one's services.
+//!   controller dropped. `drop_service` itself is not conditional on the
+//!   epoch; the orphan policy is what keeps a stale controller from dropping
+//!   a newer one's services. (The Kubernetes backend's deletes carry
+//!   preconditions, but those only make a delete remove exactly the object
+//!   it read.)
+//!
+//! The Kubernetes backend is in its own crate,
+//! `lockstep-orchestrator-kubernetes`, so that users of the process backend
+//! do not compile kube.
 //!
 //! The embedded default backend is [`process::ProcessOrchestrator`]: each
 //! process of a service is a supervised OS process on this machine, restarted
@@ -93,8 +99,11 @@ pub struct ServiceAssignment<'a> {
     pub process: usize,
     /// The number of processes in the service.
     pub scale: usize,
-    /// The host every process listens on.
+    /// This process's host (`hosts[process]`).
     pub host: &'a str,
+    /// Every process's host, in process order: `127.0.0.1` for each in the
+    /// process backend, each pod's stable DNS name in the Kubernetes one.
+    pub hosts: &'a [String],
     /// Every process's ports by name, in process order.
     pub ports: &'a [BTreeMap<String, u16>],
 }
@@ -127,7 +136,10 @@ impl ServiceAssignment<'_> {
     /// order, this process's own included (what timely's cluster config wants).
     pub fn peer_addrs(&self, name: &str) -> Vec<String> {
         (0..self.scale)
-            .map(|i| format!("{}:{}", self.host, self.port_of(i, name)))
+            .map(|i| {
+                let host = self.hosts.get(i).map(String::as_str).unwrap_or(self.host);
+                format!("{host}:{}", self.port_of(i, name))
+            })
             .collect()
     }
 }
@@ -148,7 +160,8 @@ pub struct ServiceConfig {
     pub program: PathBuf,
     /// Computes each process's arguments.
     pub args: ArgsFn,
-    /// Named ports every process listens on; each gets its own localhost port.
+    /// Named ports every process listens on: each gets its own localhost port
+    /// in the process backend, the same port on every pod in the Kubernetes one.
     pub ports: Vec<String>,
     /// Number of processes (at least 1).
     pub scale: usize,

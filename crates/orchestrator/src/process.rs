@@ -490,6 +490,7 @@ impl Inner {
                 source: e,
             })
         };
+        let hosts = vec![HOST.to_string(); config.scale];
         let args_for = |ports: &[BTreeMap<String, u16>]| -> Vec<Vec<String>> {
             (0..config.scale)
                 .map(|i| {
@@ -497,6 +498,7 @@ impl Inner {
                         process: i,
                         scale: config.scale,
                         host: HOST,
+                        hosts: &hosts,
                         ports,
                     })
                 })

@@ -1,7 +1,9 @@
 //! `lockstep-chaos`: runs the orphan fault scenarios against the `lockstep`
 //! binary beside it (both built with the `failpoints` feature) and prints,
 //! per variant, what broke and then one JSON summary line (the reporting
-//! contract of DESIGN.md). `cargo xtask chaos orphans` runs it.
+//! contract of DESIGN.md). `cargo xtask chaos orphans` runs it. Each rule
+//! runs on the process backend (variant `RULE`) and on the Kubernetes
+//! backend over the in-memory API server double (`RULE@kubernetes`).
 //!
 //! Every scenario ends as a pass, a violation or a harness error
 //! (`lockstep_chaos::outcome`). Exit status: 0 when `epoch` and
@@ -10,7 +12,7 @@
 
 use std::process::ExitCode;
 
-use lockstep_chaos::orphans::{run_variant, VARIANTS};
+use lockstep_chaos::orphans::{run_variant_on, variant_name, BACKENDS, VARIANTS};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -46,16 +48,19 @@ fn main() -> ExitCode {
     }
     let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
     let mut ok = true;
-    for (variant, _) in VARIANTS {
-        if !only.is_empty() && !only.contains(&variant) {
-            continue;
+    for backend in BACKENDS {
+        for (rule, _) in VARIANTS {
+            let name = variant_name(rule, backend);
+            if !only.is_empty() && !only.contains(&name.as_str()) {
+                continue;
+            }
+            let report = runtime.block_on(run_variant_on(backend, rule, Some(&bin)));
+            for line in &report.failures {
+                println!("{line}");
+            }
+            println!("{}", report.summary_line());
+            ok &= report.ok();
         }
-        let report = runtime.block_on(run_variant(variant, Some(&bin)));
-        for line in &report.failures {
-            println!("{line}");
-        }
-        println!("{}", report.summary_line());
-        ok &= report.ok();
     }
     if ok {
         ExitCode::SUCCESS

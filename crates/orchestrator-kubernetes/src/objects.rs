@@ -1,0 +1,347 @@
+//! The Kubernetes objects of one lockstep service, built from a
+//! [`ServiceConfig`]: a headless Service (the service's record and its DNS
+//! domain), one pod per process, and a Secret with the processes'
+//! environment. Pure functions: no API calls here.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Container, ContainerPort, EnvFromSource, EnvVar, Pod, PodSpec, Secret, SecretEnvSource,
+    Service, ServicePort, ServiceSpec,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::ByteString;
+use lockstep_orchestrator::{ServiceAssignment, ServiceConfig, EPOCH_LABEL, ID_LABEL};
+
+/// `app.kubernetes.io/managed-by`: every object this backend writes says `lockstep`.
+pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
+/// The value of [`MANAGED_BY_LABEL`].
+pub const MANAGED_BY: &str = "lockstep";
+/// The environment (one `lockstep serve` deployment) an object belongs to, so
+/// that several environments can share a namespace.
+pub const ENVIRONMENT_LABEL: &str = "lockstep/environment";
+/// The lockstep service an object belongs to.
+pub const SERVICE_LABEL: &str = "lockstep/service";
+/// The index of the process a pod runs.
+pub const PROCESS_LABEL: &str = "lockstep/process";
+/// `live` on the record of a running service, `dropped` on a tombstone.
+pub const STATE_LABEL: &str = "lockstep/state";
+/// The epoch that dropped a service (on a tombstone).
+pub const DROPPED_BY_LABEL: &str = "lockstep/dropped-by";
+/// Annotation: the hash of a pod's spec (program, arguments, environment,
+/// ports), so an unchanged spec is adopted instead of replaced.
+pub const SPEC_HASH_ANNOTATION: &str = "lockstep/spec-hash";
+/// Annotation on the record: every label of the [`ServiceConfig`] as JSON
+/// (Kubernetes label values are restricted; this keeps them exactly).
+pub const LABELS_ANNOTATION: &str = "lockstep/labels";
+/// Annotation on a pod: how often `restart_service` replaced it.
+pub const RESTARTS_ANNOTATION: &str = "lockstep/restarts";
+/// The name of the one container of a process's pod.
+pub const CONTAINER: &str = "process";
+
+/// What every object of a service needs beyond its [`ServiceConfig`].
+#[derive(Clone, Debug)]
+pub struct ObjectContext {
+    /// The namespace.
+    pub namespace: String,
+    /// The environment's name ([`ENVIRONMENT_LABEL`]).
+    pub environment: String,
+    /// The epoch that labels the objects.
+    pub epoch: u64,
+    /// The container image the processes run (it holds the program).
+    pub image: String,
+    /// The cluster's DNS domain (`cluster.local`).
+    pub cluster_domain: String,
+    /// The first port number; named port *k* of a service gets `base_port + k`.
+    pub base_port: u16,
+    /// The owner of every object (the environment's own object), if any.
+    pub owner: Option<OwnerReference>,
+}
+
+/// The Secret holding a service's environment.
+pub fn secret_name(service: &str) -> String {
+    format!("{service}-env")
+}
+
+/// The pod of process `index`.
+pub fn pod_name(service: &str, index: usize) -> String {
+    format!("{service}-{index}")
+}
+
+/// The label selector of every object this environment manages.
+pub fn environment_selector(environment: &str) -> String {
+    format!("{MANAGED_BY_LABEL}={MANAGED_BY},{ENVIRONMENT_LABEL}={environment}")
+}
+
+/// The label selector of a service's pods.
+pub fn pods_selector(environment: &str, service: &str) -> String {
+    format!(
+        "{},{SERVICE_LABEL}={service}",
+        environment_selector(environment)
+    )
+}
+
+/// The label selector of the records of live services.
+pub fn live_selector(environment: &str) -> String {
+    format!("{},{STATE_LABEL}=live", environment_selector(environment))
+}
+
+/// Whether `name` is a valid service name here: a DNS label (lower-case
+/// letters, digits, `-`) short enough that `NAME-INDEX` and `NAME-env` are
+/// DNS labels too.
+pub fn validate_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 50
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !name.starts_with('-')
+        && !name.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "service name {name:?} must be a DNS label of at most 50 characters (lower-case letters, digits, '-')"
+        ))
+    }
+}
+
+/// Each named port's number: `base_port + k` for the `k`-th name.
+pub fn port_numbers(config: &ServiceConfig, base_port: u16) -> BTreeMap<String, u16> {
+    config
+        .ports
+        .iter()
+        .enumerate()
+        .map(|(k, n)| (n.clone(), base_port + k as u16))
+        .collect()
+}
+
+/// Process `index`'s stable DNS name: `NAME-INDEX.NAME.NAMESPACE.svc.DOMAIN`.
+pub fn process_host(ctx: &ObjectContext, service: &str, index: usize) -> String {
+    format!(
+        "{}.{service}.{}.svc.{}",
+        pod_name(service, index),
+        ctx.namespace,
+        ctx.cluster_domain
+    )
+}
+
+/// Every process's arguments, from the config's args function with each
+/// process's stable DNS name as its host.
+pub fn process_args(ctx: &ObjectContext, config: &ServiceConfig) -> Vec<Vec<String>> {
+    let ports = port_numbers(config, ctx.base_port);
+    let all_ports = vec![ports; config.scale];
+    let hosts: Vec<String> = (0..config.scale)
+        .map(|i| process_host(ctx, &config.name, i))
+        .collect();
+    (0..config.scale)
+        .map(|i| {
+            (config.args)(&ServiceAssignment {
+                process: i,
+                scale: config.scale,
+                host: &hosts[i],
+                hosts: &hosts,
+                ports: &all_ports,
+            })
+        })
+        .collect()
+}
+
+fn labels(ctx: &ObjectContext, config: &ServiceConfig) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string()),
+        (ENVIRONMENT_LABEL.to_string(), ctx.environment.clone()),
+        (SERVICE_LABEL.to_string(), config.name.clone()),
+        (EPOCH_LABEL.to_string(), ctx.epoch.to_string()),
+        (ID_LABEL.to_string(), config.id.to_string()),
+    ])
+}
+
+fn meta(
+    ctx: &ObjectContext,
+    name: String,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: Some(ctx.namespace.clone()),
+        labels: Some(labels),
+        annotations: (!annotations.is_empty()).then_some(annotations),
+        owner_references: ctx.owner.clone().map(|o| vec![o]),
+        ..ObjectMeta::default()
+    }
+}
+
+/// The headless Service of a live service: its record (epoch and ID labels,
+/// [`STATE_LABEL`] `live`, the config's labels in [`LABELS_ANNOTATION`]) and
+/// the DNS domain of its pods (`publishNotReadyAddresses`, so peers resolve
+/// each other before they are ready, as a timely mesh forms first).
+pub fn service(ctx: &ObjectContext, config: &ServiceConfig) -> Service {
+    let mut labels = labels(ctx, config);
+    labels.insert(STATE_LABEL.to_string(), "live".to_string());
+    let mut all = config.labels.clone();
+    all.insert(EPOCH_LABEL.to_string(), ctx.epoch.to_string());
+    all.insert(ID_LABEL.to_string(), config.id.to_string());
+    let annotations = BTreeMap::from([(
+        LABELS_ANNOTATION.to_string(),
+        serde_json::to_string(&all).expect("labels serialize"),
+    )]);
+    Service {
+        metadata: meta(ctx, config.name.clone(), labels, annotations),
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".to_string()),
+            publish_not_ready_addresses: Some(true),
+            selector: Some(BTreeMap::from([
+                (MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string()),
+                (ENVIRONMENT_LABEL.to_string(), ctx.environment.clone()),
+                (SERVICE_LABEL.to_string(), config.name.clone()),
+            ])),
+            ports: Some(
+                port_numbers(config, ctx.base_port)
+                    .into_iter()
+                    .map(|(name, port)| ServicePort {
+                        name: Some(name),
+                        port: i32::from(port),
+                        ..ServicePort::default()
+                    })
+                    .collect(),
+            ),
+            ..ServiceSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// The tombstone of a dropped service: a headless Service that selects no
+/// pod, labelled `dropped` with the highest epoch that dropped it, so an
+/// older controller may not re-create the service (O4: a drop is a write).
+pub fn tombstone(ctx: &ObjectContext, name: &str, dropped_by: u64) -> Service {
+    let labels = BTreeMap::from([
+        (MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string()),
+        (ENVIRONMENT_LABEL.to_string(), ctx.environment.clone()),
+        (SERVICE_LABEL.to_string(), name.to_string()),
+        (STATE_LABEL.to_string(), "dropped".to_string()),
+        (DROPPED_BY_LABEL.to_string(), dropped_by.to_string()),
+    ]);
+    Service {
+        metadata: meta(ctx, name.to_string(), labels, BTreeMap::new()),
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".to_string()),
+            selector: Some(BTreeMap::from([(
+                STATE_LABEL.to_string(),
+                "dropped".to_string(),
+            )])),
+            ..ServiceSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// The Secret with the service's environment ([`ServiceConfig::env`], which
+/// carries the replica's session key): it reaches the processes through
+/// `envFrom`, never their command line or the pod spec.
+pub fn secret(ctx: &ObjectContext, config: &ServiceConfig) -> Secret {
+    Secret {
+        metadata: meta(
+            ctx,
+            secret_name(&config.name),
+            labels(ctx, config),
+            BTreeMap::new(),
+        ),
+        type_: Some("Opaque".to_string()),
+        data: Some(
+            config
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), ByteString(v.as_bytes().to_vec())))
+                .collect(),
+        ),
+        ..Secret::default()
+    }
+}
+
+/// The hash of what a process runs: program, image, arguments, environment
+/// and ports. Labels are not in it: a relabel keeps the pod.
+pub fn spec_hash(ctx: &ObjectContext, config: &ServiceConfig, argv: &[String]) -> String {
+    let mut h = blake3::Hasher::new();
+    let doc = serde_json::json!({
+        "image": ctx.image,
+        "program": config.program,
+        "argv": argv,
+        "env": config.env,
+        "ports": port_numbers(config, ctx.base_port),
+        "scale": config.scale,
+    });
+    h.update(doc.to_string().as_bytes());
+    h.finalize().to_hex()[..16].to_string()
+}
+
+/// The pod of process `index`, running `argv`: hostname `NAME-INDEX` in the
+/// subdomain `NAME` (the headless Service), restarted in place by the
+/// kubelet when it exits (`restartPolicy: Always`, the supervisor's job in
+/// the process backend), its environment from the Secret.
+pub fn pod(
+    ctx: &ObjectContext,
+    config: &ServiceConfig,
+    index: usize,
+    argv: Vec<String>,
+    restarts: u32,
+) -> Pod {
+    let mut labels = labels(ctx, config);
+    labels.insert(PROCESS_LABEL.to_string(), index.to_string());
+    let annotations = BTreeMap::from([
+        (
+            SPEC_HASH_ANNOTATION.to_string(),
+            spec_hash(ctx, config, &argv),
+        ),
+        (RESTARTS_ANNOTATION.to_string(), restarts.to_string()),
+    ]);
+    let name = pod_name(&config.name, index);
+    Pod {
+        metadata: meta(ctx, name.clone(), labels, annotations),
+        spec: Some(PodSpec {
+            hostname: Some(name),
+            subdomain: Some(config.name.clone()),
+            restart_policy: Some("Always".to_string()),
+            containers: vec![Container {
+                name: CONTAINER.to_string(),
+                image: Some(ctx.image.clone()),
+                command: Some(vec![config.program.display().to_string()]),
+                args: Some(argv),
+                env: Some(vec![
+                    EnvVar {
+                        name: "LOCKSTEP_SERVICE".to_string(),
+                        value: Some(config.name.clone()),
+                        ..EnvVar::default()
+                    },
+                    EnvVar {
+                        name: "LOCKSTEP_PROCESS".to_string(),
+                        value: Some(index.to_string()),
+                        ..EnvVar::default()
+                    },
+                ]),
+                env_from: Some(vec![EnvFromSource {
+                    secret_ref: Some(SecretEnvSource {
+                        name: secret_name(&config.name),
+                        optional: Some(false),
+                    }),
+                    ..EnvFromSource::default()
+                }]),
+                ports: Some(
+                    port_numbers(config, ctx.base_port)
+                        .into_iter()
+                        .map(|(name, port)| ContainerPort {
+                            name: Some(name),
+                            container_port: i32::from(port),
+                            ..ContainerPort::default()
+                        })
+                        .collect(),
+                ),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        status: None,
+    }
+}

@@ -1,0 +1,489 @@
+//! Trait-level tests of the Kubernetes backend on the in-memory API server
+//! double, behind a real `kube::Client`: ensure, adopt, drop, restart, list
+//! and watch, the conditional writes of O4, and the races only this backend
+//! has (a delete racing a re-create, a 409 on ensure, a watch that drops).
+
+use std::time::Duration;
+
+use http::Method;
+use lockstep_orchestrator::{
+    EnsureError, Orchestrator, RestartError, ServiceConfig, ServiceEventKind,
+};
+use lockstep_orchestrator_kubernetes::api_double::{ApiServerDouble, Matcher};
+use lockstep_orchestrator_kubernetes::{KubernetesOrchestrator, KubernetesOrchestratorConfig};
+use serde_json::json;
+
+const NS: &str = "lockstep";
+
+fn config(epoch: u64) -> KubernetesOrchestratorConfig {
+    let mut c = KubernetesOrchestratorConfig::new(NS, epoch);
+    c.environment = "test".into();
+    c.ready_timeout = Duration::from_secs(2);
+    c.delete_timeout = Duration::from_secs(2);
+    c.poll_interval = Duration::from_millis(5);
+    c
+}
+
+fn orchestrator(api: &ApiServerDouble, epoch: u64) -> KubernetesOrchestrator {
+    KubernetesOrchestrator::new(api.client(NS), config(epoch))
+}
+
+fn replica(name: &str, id: u64, scale: usize) -> ServiceConfig {
+    ServiceConfig::new(name, id, "/usr/local/bin/lockstep-replica")
+        .scale(scale)
+        .port("timely")
+        .port("controller")
+        .env("LOCKSTEP_SESSION_KEY", "k")
+        .args(|a| {
+            vec![
+                format!("--process={}", a.process),
+                format!("--peers={}", a.peer_addrs("timely").join(",")),
+            ]
+        })
+}
+
+fn uid(api: &ApiServerDouble, resource: &str, name: &str) -> String {
+    api.get(resource, NS, name).expect("exists")["metadata"]["uid"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[tokio::test]
+async fn ensure_list_restart_drop_round_trip() {
+    let api = ApiServerDouble::new();
+    let o = orchestrator(&api, 3);
+    let status = o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
+    assert_eq!((status.id, status.epoch, status.processes.len()), (1, 3, 2));
+    assert!(status
+        .processes
+        .iter()
+        .all(|p| p.running && p.addresses.len() == 2));
+    let mut names = api.names("pods", NS);
+    names.sort();
+    assert_eq!(names, ["replica-1-0", "replica-1-1"]);
+    assert!(api.get("secrets", NS, "replica-1-env").is_some());
+
+    let listed = o.list_services().await.unwrap();
+    assert_eq!(listed, vec![status.clone()]);
+
+    let before = uid(&api, "pods", "replica-1-0");
+    let restarted = o.restart_service("replica-1").await.unwrap();
+    assert_ne!(uid(&api, "pods", "replica-1-0"), before, "a new pod");
+    assert!(restarted
+        .processes
+        .iter()
+        .all(|p| p.restarts == 1 && p.running));
+
+    assert!(o.drop_service("replica-1").await.unwrap());
+    assert!(api.names("pods", NS).is_empty());
+    assert!(api.get("secrets", NS, "replica-1-env").is_none());
+    assert!(o.list_services().await.unwrap().is_empty());
+    assert!(
+        !o.drop_service("replica-1").await.unwrap(),
+        "already dropped"
+    );
+    assert!(matches!(
+        o.restart_service("replica-1").await,
+        Err(RestartError::NoSuchService(_))
+    ));
+}
+
+#[tokio::test]
+async fn a_newer_controller_adopts_unchanged_pods_and_relabels_them() {
+    let api = ApiServerDouble::new();
+    orchestrator(&api, 3)
+        .ensure_service(replica("replica-1", 1, 2))
+        .await
+        .unwrap();
+    let uids: Vec<String> = (0..2)
+        .map(|i| uid(&api, "pods", &format!("replica-1-{i}")))
+        .collect();
+    let status = orchestrator(&api, 4)
+        .ensure_service(replica("replica-1", 1, 2))
+        .await
+        .unwrap();
+    assert_eq!(status.epoch, 4);
+    for (i, u) in uids.iter().enumerate() {
+        let pod = api.get("pods", NS, &format!("replica-1-{i}")).unwrap();
+        assert_eq!(pod["metadata"]["uid"], json!(u), "adopted, not replaced");
+        assert_eq!(pod["metadata"]["labels"]["lockstep/epoch"], "4");
+    }
+    // A changed spec replaces the pods.
+    let changed = replica("replica-1", 1, 2).env("EXTRA", "1");
+    orchestrator(&api, 4).ensure_service(changed).await.unwrap();
+    assert_ne!(uid(&api, "pods", "replica-1-0"), uids[0]);
+    // A smaller scale removes the extra pod.
+    orchestrator(&api, 4)
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+        .unwrap();
+    assert_eq!(api.names("pods", NS), ["replica-1-0"]);
+}
+
+#[tokio::test]
+async fn ensure_is_conditional_on_the_epoch_and_on_tombstones() {
+    let api = ApiServerDouble::new();
+    orchestrator(&api, 5)
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+        .unwrap();
+    match orchestrator(&api, 4)
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+    {
+        Err(EnsureError::StaleEpoch {
+            stored: 5, ours: 4, ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        orchestrator(&api, 4).restart_service("replica-1").await,
+        Err(RestartError::StaleEpoch {
+            stored: 5,
+            ours: 4,
+            ..
+        })
+    ));
+    // A drop by 6 fences 5 from re-creating it.
+    orchestrator(&api, 6)
+        .drop_service("replica-1")
+        .await
+        .unwrap();
+    match orchestrator(&api, 5)
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+    {
+        Err(EnsureError::DroppedByNewer {
+            dropped_at: 6,
+            ours: 5,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(api.names("pods", NS).is_empty());
+    // The dropping epoch itself, or a newer one, may create it again.
+    orchestrator(&api, 7)
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+        .unwrap();
+    // A drop of a service that never existed fences too.
+    orchestrator(&api, 9)
+        .drop_service("replica-2")
+        .await
+        .unwrap();
+    assert!(matches!(
+        orchestrator(&api, 8)
+            .ensure_service(replica("replica-2", 2, 1))
+            .await,
+        Err(EnsureError::DroppedByNewer { dropped_at: 9, .. })
+    ));
+    // With conditional writes off (the negative control), the label goes back.
+    let mut unconditional = config(3);
+    unconditional.conditional_writes = false;
+    let stale = KubernetesOrchestrator::new(api.client(NS), unconditional);
+    let status = stale
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+        .unwrap();
+    assert_eq!(status.epoch, 3, "O4 broken on purpose");
+}
+
+/// The precondition must stop a delete racing a re-create with the same
+/// name: controller A (epoch 1) drops `replica-1`; between its read of pod
+/// `replica-1-0` and its delete, controller B (epoch 2) re-creates the
+/// service (a new record and a new pod of the same name).
+fn race_recreate(api: &ApiServerDouble) {
+    let b = api.clone();
+    api.before_next(
+        Matcher::new(Method::DELETE, "pods", Some("replica-1-0")),
+        move |_| {
+            let mut record = b.get("services", NS, "replica-1").unwrap();
+            let labels = &mut record["metadata"]["labels"];
+            labels["lockstep/state"] = json!("live");
+            labels["lockstep/epoch"] = json!("2");
+            labels
+                .as_object_mut()
+                .unwrap()
+                .remove("lockstep/dropped-by");
+            b.replace("services", NS, "replica-1", record).unwrap();
+            let mut pod = b.get("pods", NS, "replica-1-0").unwrap();
+            b.delete("pods", NS, "replica-1-0").unwrap();
+            pod["metadata"]["labels"]["lockstep/epoch"] = json!("2");
+            for k in ["uid", "resourceVersion"] {
+                pod["metadata"].as_object_mut().unwrap().remove(k);
+            }
+            b.create("pods", NS, pod).unwrap();
+        },
+    );
+}
+
+#[tokio::test]
+async fn a_delete_racing_a_recreate_is_stopped_by_its_precondition() {
+    let api = ApiServerDouble::new();
+    orchestrator(&api, 1)
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+        .unwrap();
+    let old = uid(&api, "pods", "replica-1-0");
+    race_recreate(&api);
+    assert!(orchestrator(&api, 1)
+        .drop_service("replica-1")
+        .await
+        .unwrap());
+    let pod = api
+        .get("pods", NS, "replica-1-0")
+        .expect("B's pod survives");
+    assert_ne!(pod["metadata"]["uid"], json!(old));
+    assert_eq!(pod["metadata"]["labels"]["lockstep/epoch"], "2");
+    let conflicts = api
+        .requests()
+        .iter()
+        .filter(|r| r.method == Method::DELETE && r.path.ends_with("/pods/replica-1-0"))
+        .count();
+    assert_eq!(conflicts, 1, "one delete, refused; no blind retry");
+}
+
+#[tokio::test]
+async fn without_preconditions_the_racing_delete_removes_the_new_pod() {
+    // The negative control of the test above: it must see the damage.
+    let api = ApiServerDouble::new();
+    orchestrator(&api, 1)
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+        .unwrap();
+    race_recreate(&api);
+    let mut c = config(1);
+    c.delete_preconditions = false;
+    KubernetesOrchestrator::new(api.client(NS), c)
+        .drop_service("replica-1")
+        .await
+        .unwrap();
+    assert!(
+        api.get("pods", NS, "replica-1-0").is_none(),
+        "B's new pod was deleted"
+    );
+}
+
+#[tokio::test]
+async fn a_409_on_ensure_is_read_again_and_decided_again() {
+    let api = ApiServerDouble::new();
+    orchestrator(&api, 1)
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+        .unwrap();
+    // A plain conflict: read again, write again, succeed.
+    api.fail_next(
+        Matcher::new(Method::PUT, "services", Some("replica-1")),
+        409,
+        "the object has been modified",
+    );
+    let status = orchestrator(&api, 2)
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+        .unwrap();
+    assert_eq!(status.epoch, 2);
+    let record_calls: Vec<Method> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.path.ends_with("/services/replica-1"))
+        .map(|r| r.method)
+        .collect();
+    // The first ensure: read (404 then create by POST on the collection),
+    // post-check read; the second: read, refused write, read again, write,
+    // post-check read.
+    assert_eq!(
+        record_calls[record_calls.len() - 5..],
+        [
+            Method::GET,
+            Method::PUT,
+            Method::GET,
+            Method::PUT,
+            Method::GET
+        ],
+        "the refused write, a re-read, the write after it"
+    );
+    // A newer controller wrote between our read and our write: the CAS
+    // fails on the server, the re-read shows epoch 4, and we refuse.
+    let b = api.clone();
+    api.before_next(
+        Matcher::new(Method::PUT, "services", Some("replica-1")),
+        move |_| {
+            let mut record = b.get("services", NS, "replica-1").unwrap();
+            record["metadata"]["labels"]["lockstep/epoch"] = json!("4");
+            b.replace("services", NS, "replica-1", record).unwrap();
+        },
+    );
+    match orchestrator(&api, 3)
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+    {
+        Err(EnsureError::StaleEpoch {
+            stored: 4, ours: 3, ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    let record = api.get("services", NS, "replica-1").unwrap();
+    assert_eq!(
+        record["metadata"]["labels"]["lockstep/epoch"], "4",
+        "O4: never back to 3"
+    );
+}
+
+#[tokio::test]
+async fn restart_racing_a_newer_controller_leaves_its_pod_alone() {
+    let api = ApiServerDouble::new();
+    orchestrator(&api, 1)
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+        .unwrap();
+    let b = api.clone();
+    api.before_next(
+        Matcher::new(Method::DELETE, "pods", Some("replica-1-0")),
+        move |_| {
+            let mut record = b.get("services", NS, "replica-1").unwrap();
+            record["metadata"]["labels"]["lockstep/epoch"] = json!("2");
+            b.replace("services", NS, "replica-1", record).unwrap();
+            let mut pod = b.get("pods", NS, "replica-1-0").unwrap();
+            pod["metadata"]["labels"]["lockstep/epoch"] = json!("2");
+            b.replace("pods", NS, "replica-1-0", pod).unwrap();
+        },
+    );
+    let before = uid(&api, "pods", "replica-1-0");
+    assert!(matches!(
+        orchestrator(&api, 1).restart_service("replica-1").await,
+        Err(RestartError::StaleEpoch {
+            stored: 2,
+            ours: 1,
+            ..
+        })
+    ));
+    assert_eq!(uid(&api, "pods", "replica-1-0"), before, "not deleted");
+}
+
+async fn next_exit(
+    events: &mut tokio::sync::broadcast::Receiver<lockstep_orchestrator::ServiceEvent>,
+) -> (String, Option<usize>, String) {
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(5), events.recv())
+            .await
+            .expect("an event")
+            .expect("open");
+        if let ServiceEventKind::Exited { status, .. } = e.kind {
+            return (e.service, e.process, status);
+        }
+    }
+}
+
+async fn wait_watching(api: &ApiServerDouble) {
+    for _ in 0..500 {
+        if api.open_watches() > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the backend never watched");
+}
+
+#[tokio::test]
+async fn watch_reports_exits_and_survives_a_dropped_watch_and_a_compaction() {
+    let api = ApiServerDouble::new();
+    let o = orchestrator(&api, 1);
+    o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
+    let mut events = o.watch_services();
+    wait_watching(&api).await;
+
+    api.restart_container(NS, "replica-1-1").unwrap();
+    let (service, process, status) = next_exit(&mut events).await;
+    assert_eq!((service.as_str(), process), ("replica-1", Some(1)));
+    assert!(status.contains("restarted"), "{status}");
+
+    // The watch drops; a pod goes while nobody watches: the re-list sees it.
+    assert_eq!(api.drop_watches(), 1);
+    api.delete("pods", NS, "replica-1-0").unwrap();
+    let (_, process, _) = next_exit(&mut events).await;
+    assert_eq!(process, Some(0));
+    wait_watching(&api).await;
+
+    // A change and a compaction between the re-list and the watch: the
+    // watch from the listed version gets 410 Gone, and the backend lists
+    // again, which shows the change.
+    api.before_next(Matcher::new(Method::GET, "pods", None), |_| {});
+    api.before_next(Matcher::new(Method::GET, "pods", None), |api| {
+        api.delete("pods", NS, "replica-1-1").unwrap();
+        api.compact();
+    });
+    api.drop_watches();
+    let (_, process, status) = next_exit(&mut events).await;
+    assert_eq!(process, Some(1));
+    assert!(status.contains("while the watch was down"), "{status}");
+    let gone = api
+        .requests()
+        .iter()
+        .filter(|r| r.query.contains_key("watch"))
+        .count();
+    assert!(gone >= 3, "watched again after the 410: {gone} watches");
+}
+
+#[tokio::test]
+async fn pods_without_an_ip_are_listed_not_running_and_without_addresses() {
+    let api = ApiServerDouble::new();
+    api.set_kubelet(false);
+    let mut c = config(1);
+    c.ready_timeout = Duration::from_millis(20);
+    let o = KubernetesOrchestrator::new(api.client(NS), c);
+    let status = o.ensure_service(replica("replica-1", 1, 1)).await.unwrap();
+    assert!(!status.processes[0].running);
+    assert!(status.processes[0].addresses.is_empty());
+}
+
+#[tokio::test]
+async fn invalid_names_and_foreign_objects_are_refused() {
+    let api = ApiServerDouble::new();
+    let o = orchestrator(&api, 1);
+    assert!(matches!(
+        o.ensure_service(replica("Replica_1", 1, 1)).await,
+        Err(EnsureError::Invalid(_))
+    ));
+    assert!(matches!(
+        o.ensure_service(replica("replica-1", 1, 0)).await,
+        Err(EnsureError::Invalid(_))
+    ));
+    api.create(
+        "services",
+        NS,
+        json!({"metadata": {"name": "someone-else"}, "spec": {}}),
+    )
+    .unwrap();
+    assert!(matches!(
+        o.ensure_service(replica("someone-else", 2, 1)).await,
+        Err(EnsureError::State(_))
+    ));
+}
+
+#[tokio::test]
+async fn every_object_is_owned_by_the_environment_object_when_one_is_given() {
+    let api = ApiServerDouble::new();
+    let mut c = config(1);
+    c.owner = Some(lockstep_orchestrator_kubernetes::owner_reference(
+        "apps/v1",
+        "Deployment",
+        "lockstep-environment",
+        "uid-env",
+    ));
+    let o = KubernetesOrchestrator::new(api.client(NS), c);
+    o.ensure_service(replica("replica-1", 1, 1)).await.unwrap();
+    for (resource, name) in [
+        ("services", "replica-1"),
+        ("pods", "replica-1-0"),
+        ("secrets", "replica-1-env"),
+    ] {
+        let object = api.get(resource, NS, name).unwrap();
+        assert_eq!(
+            object["metadata"]["ownerReferences"],
+            json!([{"apiVersion": "apps/v1", "kind": "Deployment", "name": "lockstep-environment",
+                    "uid": "uid-env", "controller": false, "blockOwnerDeletion": false}]),
+            "{resource}/{name}"
+        );
+    }
+}
