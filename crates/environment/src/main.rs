@@ -44,7 +44,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the environment: open the catalog, ensure replicas, remove orphans, serve.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// A one-screen summary of a running environment: its epoch and orphan
     /// rule, and per replica its shape, processes, restarts and whether it
     /// serves (answers a ping).
@@ -366,7 +366,7 @@ fn main() -> ExitCode {
                 std::process::abort();
             }));
             let _failpoints = fail::FailScenario::setup();
-            match runtime.block_on(serve(args)) {
+            match runtime.block_on(serve(*args)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => match e.downcast_ref::<EnvError>() {
                     Some(EnvError::Halted(reason)) => {
