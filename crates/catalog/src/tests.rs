@@ -341,28 +341,8 @@ impl TestStore {
     }
 }
 
-/// A test of each name per backend: `both::NAME::sqlite` and
-/// `both::NAME::postgres`.
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod both {
-            $(
-                mod $name {
-                    #[test]
-                    fn sqlite() {
-                        super::super::$name(&super::super::TestStore::sqlite());
-                    }
-                    #[test]
-                    fn postgres() {
-                        super::super::$name(&super::super::TestStore::postgres());
-                    }
-                }
-            )*
-        }
-    };
-}
-
-on_both_backends!(
+lockstep_pgtest::on_both_backends!(
+    TestStore;
     inputs_and_dataflows_survive_reopen_and_go_with_their_replica,
     a_version_1_catalog_is_migrated_and_policies_are_kept_and_fenced,
     replacing_inputs_keeps_other_collections_and_is_fenced,

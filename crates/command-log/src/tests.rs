@@ -278,28 +278,8 @@ impl TestLog {
     }
 }
 
-/// A test of each name per backend: `both::NAME::sqlite` and
-/// `both::NAME::postgres`.
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod both {
-            $(
-                mod $name {
-                    #[test]
-                    fn sqlite() {
-                        super::super::$name(&super::super::TestLog::sqlite());
-                    }
-                    #[test]
-                    fn postgres() {
-                        super::super::$name(&super::super::TestLog::postgres());
-                    }
-                }
-            )*
-        }
-    };
-}
-
-on_both_backends!(
+lockstep_pgtest::on_both_backends!(
+    TestLog;
     appends_are_ordered_and_read_back,
     start_offset_is_the_newest_marker,
     older_epochs_are_fenced_out_and_append_nothing,

@@ -68,6 +68,25 @@ impl WorkerView<Cmd> for Runs {
     }
 }
 
+/// Worker 1's round (session, seqno, hash) on the mesh, with its report for
+/// a reconciliation round.
+fn peer_round(
+    session: Session,
+    seqno: u64,
+    hash: Digest,
+    report: Option<Report>,
+) -> MeshAnnouncement {
+    MeshAnnouncement::Round {
+        session,
+        announcement: Announcement {
+            worker: 1,
+            seqno,
+            hash,
+        },
+        report,
+    }
+}
+
 fn report(installed: Vec<DataflowKey>) -> Option<Report> {
     Some(Report {
         installed,
@@ -137,26 +156,10 @@ fn a_barrier_create_waits_for_every_worker() {
     let start = run(&mut m, &mut runs, 0);
     assert!(m.pending().is_some_and(|p| p.reconcile), "{start:?}");
     // The peer's reconciliation report arrives: the round passes.
-    let create_round = |seqno, h| MeshAnnouncement::Round {
-        session: 5,
-        announcement: Announcement {
-            worker: 1,
-            seqno,
-            hash: Digest([h; 32]),
-        },
-        report: None,
-    };
+    let create_round = |seqno, h| peer_round(5, seqno, Digest([h; 32]), None);
     m.on_mesh(
         1,
-        MeshAnnouncement::Round {
-            session: 5,
-            announcement: Announcement {
-                worker: 1,
-                seqno: 1,
-                hash: barrier::target_hash(&[]),
-            },
-            report: report(vec![]),
-        },
+        peer_round(5, 1, barrier::target_hash(&[]), report(vec![])),
     );
     run(&mut m, &mut runs, 0);
     assert!(m.pending().is_none());
@@ -183,18 +186,7 @@ fn different_commands_halt() {
     m.push(cmd(Order::Barrier, 0, TestClass::Hello(5)));
     m.push(cmd(Order::Barrier, 1, TestClass::Complete));
     m.on_mesh(1, MeshAnnouncement::Joined { session: 5 });
-    m.on_mesh(
-        1,
-        MeshAnnouncement::Round {
-            session: 5,
-            announcement: Announcement {
-                worker: 1,
-                seqno: 1,
-                hash: Digest([9; 32]),
-            },
-            report: report(vec![]),
-        },
-    );
+    m.on_mesh(1, peer_round(5, 1, Digest([9; 32]), report(vec![])));
     let actions = run(&mut m, &mut runs, 0);
     assert!(
         matches!(actions.last(), Some(Action::Halt(_))),
@@ -229,30 +221,8 @@ fn a_peer_create_read_with_its_report_keeps_every_dataflow() {
     m.on_mesh(1, MeshAnnouncement::Joined { session: 9 });
     run(&mut m, &mut runs, 0);
     let target_hash = barrier::target_hash(&installed);
-    m.on_mesh(
-        1,
-        MeshAnnouncement::Round {
-            session: 9,
-            announcement: Announcement {
-                worker: 1,
-                seqno: 3,
-                hash: target_hash,
-            },
-            report: report(installed.clone()),
-        },
-    );
-    m.on_mesh(
-        1,
-        MeshAnnouncement::Round {
-            session: 9,
-            announcement: Announcement {
-                worker: 1,
-                seqno: 4,
-                hash: Digest([7; 32]),
-            },
-            report: None,
-        },
-    );
+    m.on_mesh(1, peer_round(9, 3, target_hash, report(installed.clone())));
+    m.on_mesh(1, peer_round(9, 4, Digest([7; 32]), None));
     let actions = run(&mut m, &mut runs, 0);
     assert!(
         !actions.iter().any(|a| matches!(a, Action::Drop { .. })),
@@ -338,18 +308,15 @@ fn different_creation_logs_halt_the_reconciliation() {
     m.on_mesh(1, MeshAnnouncement::Joined { session: 5 });
     m.on_mesh(
         1,
-        MeshAnnouncement::Round {
-            session: 5,
-            announcement: Announcement {
-                worker: 1,
-                seqno: 1,
-                hash: barrier::target_hash(&[]),
-            },
-            report: Some(Report {
+        peer_round(
+            5,
+            1,
+            barrier::target_hash(&[]),
+            Some(Report {
                 installed: vec![],
                 created: Digest([2; 32]),
             }),
-        },
+        ),
     );
     let actions = run(&mut m, &mut runs, 0);
     assert!(
