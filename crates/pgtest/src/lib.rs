@@ -364,6 +364,31 @@ fn bin_dir() -> Option<PathBuf> {
     versions.pop().map(|(_, d)| d)
 }
 
+/// Declares one test per backend for each named test function: for
+/// `on_both_backends!(Fixture; name, ...)`, a module `both::name` with the
+/// tests `sqlite` and `postgres`, which call `name(&Fixture::sqlite())` and
+/// `name(&Fixture::postgres())`. `Fixture` is the calling test module's own
+/// type (a SQLite file or a [`PgServer`] database behind one interface).
+#[macro_export]
+macro_rules! on_both_backends {
+    ($fixture:ident; $($name:ident),* $(,)?) => {
+        mod both {
+            $(
+                mod $name {
+                    #[test]
+                    fn sqlite() {
+                        super::super::$name(&super::super::$fixture::sqlite());
+                    }
+                    #[test]
+                    fn postgres() {
+                        super::super::$name(&super::super::$fixture::postgres());
+                    }
+                }
+            )*
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -394,29 +419,4 @@ mod tests {
         drop(pg);
         assert!(!root.exists(), "the directory is removed");
     }
-}
-
-/// Declares one test per backend for each named test function: for
-/// `on_both_backends!(Fixture; name, ...)`, a module `both::name` with the
-/// tests `sqlite` and `postgres`, which call `name(&Fixture::sqlite())` and
-/// `name(&Fixture::postgres())`. `Fixture` is the calling test module's own
-/// type (a SQLite file or a [`PgServer`] database behind one interface).
-#[macro_export]
-macro_rules! on_both_backends {
-    ($fixture:ident; $($name:ident),* $(,)?) => {
-        mod both {
-            $(
-                mod $name {
-                    #[test]
-                    fn sqlite() {
-                        super::super::$name(&super::super::$fixture::sqlite());
-                    }
-                    #[test]
-                    fn postgres() {
-                        super::super::$name(&super::super::$fixture::postgres());
-                    }
-                }
-            )*
-        }
-    };
 }
