@@ -130,6 +130,10 @@ pub(crate) struct Actor {
     pub(crate) session_strategy: Strategy,
     /// The replica's command log, opened at the first log session.
     pub(crate) log: Option<AnyLog>,
+    /// The command log being opened on a blocking thread since the actor
+    /// started, so that the first session's marker does not wait for it.
+    pub(crate) log_opening:
+        Option<std::sync::mpsc::Receiver<Result<AnyLog, lockstep_command_log::LogError>>>,
     /// While a log session starts: the commands to append in one go, each
     /// with the failpoint's crash point, and the per-process Hellos.
     pub(crate) log_batch: Option<LogBatch>,
@@ -195,6 +199,7 @@ pub(crate) fn spawn(
         fallback: Strategy::Barrier,
         session_strategy: Strategy::Barrier,
         log: None,
+        log_opening: None,
         log_batch: None,
         log_marker: None,
         log_status_requests: Default::default(),
@@ -220,6 +225,13 @@ pub(crate) fn spawn(
         to_self,
         connected_tx,
     };
+    if let Some(location) = actor.replica.command_log.clone() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        actor.log_opening = Some(rx);
+        tokio::task::spawn_blocking(move || {
+            let _ = tx.send(AnyLog::open(&location));
+        });
+    }
     tokio::spawn(async move {
         actor.start_connecting();
         let mut tick = tokio::time::interval(actor.timeouts.heartbeat_interval);

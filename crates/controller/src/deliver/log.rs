@@ -91,7 +91,12 @@ impl Actor {
             let Some(location) = &self.replica.command_log else {
                 unreachable!("the log is written only on a replica with a command log")
             };
-            match AnyLog::open(location) {
+            // Opened ahead since the actor started, or now.
+            let opened = match self.log_opening.take().map(|rx| rx.recv()) {
+                Some(Ok(result)) => result,
+                _ => AnyLog::open(location),
+            };
+            match opened {
                 Ok(l) => self.log = Some(l),
                 Err(e) => {
                     self.fail_log(e);

@@ -72,6 +72,12 @@ impl<C: SessionCommand> WorkerSession<C> {
         }
     }
 
+    /// Whether commands wait for a log marker (the shell should read the
+    /// log now).
+    pub fn holding(&self) -> bool {
+        !self.held.is_empty()
+    }
+
     /// Whether a command that arrives now waits for a log marker: on a
     /// worker that tails a log, a socket-ordered Hello of a session newer
     /// than every marker read, and what follows it.

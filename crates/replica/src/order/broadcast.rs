@@ -45,7 +45,7 @@ impl WorkerState {
     /// the queue, in mesh order.
     pub(crate) fn sequenced(&mut self, seqno: u64, bytes: ByteBuf) {
         match Command::decode_from(&bytes) {
-            Ok(cmd) => self.machine.push(cmd),
+            Ok(cmd) => self.push_ordered(cmd),
             // Worker 0 encoded it: only a broken build gets here,
             // and every worker sees the same bytes.
             Err(e) => self.halt(format!(

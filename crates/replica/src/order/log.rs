@@ -39,8 +39,9 @@ pub(crate) struct LogTail {
     log: AnyLog,
     /// `None` until worker 0 announced the start offset on the mesh.
     next: Option<u64>,
-    /// A socket copy of a log command arrived: read the log now.
-    poked: bool,
+    /// A socket copy of a log command arrived, or a newer session waits for
+    /// its marker: read the log now.
+    pub(crate) poked: bool,
     last_read: std::time::Instant,
 }
 

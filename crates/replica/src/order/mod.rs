@@ -34,9 +34,22 @@ impl WorkerState {
     /// worker read the log now.
     pub fn admit(&mut self, cmd: Command) {
         match Order::of(cmd.strategy) {
-            Order::Naive | Order::Barrier => self.machine.push(cmd),
+            Order::Naive | Order::Barrier => self.push_ordered(cmd),
             Order::Broadcast => self.forward_broadcast(cmd),
             Order::Log => self.poke_log(&cmd),
+        }
+    }
+
+    /// Hands a command in this worker's order to the session machine. If
+    /// the machine holds it for a log marker (a newer session on a worker
+    /// that tails a log), the log is read now rather than at the next poll:
+    /// the controller appended the marker before it sent the command.
+    pub(crate) fn push_ordered(&mut self, cmd: Command) {
+        self.machine.push(cmd);
+        if self.machine.holding() {
+            if let Some(tail) = &mut self.log {
+                tail.poked = true;
+            }
         }
     }
 }
