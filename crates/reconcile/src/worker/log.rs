@@ -25,7 +25,7 @@
 //!
 //! [`BARRIER_TIMEOUT_MS`]: super::BARRIER_TIMEOUT_MS
 
-use super::{CommandClass, Order, SessionCommand, WorkerSession, BARRIER_TIMEOUT_MS};
+use super::{Order, SessionCommand, WorkerSession, BARRIER_TIMEOUT_MS};
 use crate::Session;
 
 impl<C: SessionCommand> WorkerSession<C> {
@@ -42,12 +42,12 @@ impl<C: SessionCommand> WorkerSession<C> {
         if cmd.order() != Order::Log {
             return false;
         }
-        match cmd.class() {
-            CommandClass::Hello { session } => {
+        match cmd.hello_session() {
+            Some(session) => {
                 self.log_marker = session;
                 false
             }
-            _ => self.log_marker < self.session,
+            None => self.log_marker < self.session,
         }
     }
 
@@ -58,8 +58,7 @@ impl<C: SessionCommand> WorkerSession<C> {
         self.log_fence = self.log_fence.max(session);
         let mut released = false;
         while let Some(front) = self.held.front() {
-            if matches!(front.class(), CommandClass::Hello { session } if session > self.log_fence)
-            {
+            if front.hello_session().is_some_and(|s| s > self.log_fence) {
                 break;
             }
             let cmd = self.held.pop_front().expect("a front");
@@ -86,8 +85,9 @@ impl<C: SessionCommand> WorkerSession<C> {
             return false;
         }
         !self.held.is_empty()
-            || matches!(cmd.class(), CommandClass::Hello { session }
-                if session > self.log_fence && session > self.session)
+            || cmd
+                .hello_session()
+                .is_some_and(|s| s > self.log_fence && s > self.session)
     }
 
     /// Halts a worker that held a session's commands too long.
@@ -97,10 +97,11 @@ impl<C: SessionCommand> WorkerSession<C> {
         }
         let since = *self.held_since_ms.get_or_insert(now_ms);
         if now_ms.saturating_sub(since) > BARRIER_TIMEOUT_MS {
-            let session = match self.held.front().map(SessionCommand::class) {
-                Some(CommandClass::Hello { session }) => session,
-                _ => 0,
-            };
+            let session = self
+                .held
+                .front()
+                .and_then(SessionCommand::hello_session)
+                .unwrap_or(0);
             self.halt(format!(
                 "worker {} waited {BARRIER_TIMEOUT_MS} ms for the marker of session {session:#x} in the command log",
                 self.index

@@ -112,6 +112,17 @@ pub trait SessionCommand: Clone {
     fn order(&self) -> Order;
     /// What kind of command it is.
     fn class(&self) -> CommandClass;
+    /// The session of a Hello, `None` for any other command. Asked of every
+    /// command on its way in, so it should not cost what [`class`] may (a
+    /// CreateDataflow's description hash).
+    ///
+    /// [`class`]: SessionCommand::class
+    fn hello_session(&self) -> Option<Session> {
+        match self.class() {
+            CommandClass::Hello { session } => Some(session),
+            _ => None,
+        }
+    }
 }
 
 impl SessionCommand for Command {
@@ -136,6 +147,13 @@ impl SessionCommand for Command {
                 },
             },
             _ => CommandClass::Other,
+        }
+    }
+
+    fn hello_session(&self) -> Option<Session> {
+        match &self.kind {
+            CommandKind::Hello(h) => Some(session_of(h.epoch, h.nonce)),
+            _ => None,
         }
     }
 }
