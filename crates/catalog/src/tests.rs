@@ -554,8 +554,12 @@ fn postgres_server_restart_mid_write_keeps_acknowledged_writes() {
     let mut s = TestStore::postgres();
     let mut c = s.open();
     let r = c.create_replica("r", cfg(1)).unwrap();
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let stop2 = stop.clone();
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    // How many writes were acknowledged, and whether one was after a failure.
+    let acked_count = std::sync::Arc::new(AtomicUsize::new(0));
+    let resumed = std::sync::Arc::new(AtomicBool::new(false));
+    let (stop2, acked_count2, resumed2) = (stop.clone(), acked_count.clone(), resumed.clone());
     let writer = std::thread::spawn(move || {
         let mut acked = Vec::new();
         let mut failed = Vec::new();
@@ -568,7 +572,11 @@ fn postgres_server_restart_mid_write_keeps_acknowledged_writes() {
                 .append_input(r.id, 1, &payload)
                 .and_then(|_| c.replace_inputs(r.id, 2, &payload))
             {
-                Ok(_) => acked.push(i),
+                Ok(_) => {
+                    acked.push(i);
+                    acked_count2.fetch_add(1, SeqCst);
+                    resumed2.store(!failed.is_empty(), SeqCst);
+                }
                 Err(e) => {
                     assert!(
                         matches!(e, WriteError::Postgres(_)),
@@ -581,13 +589,16 @@ fn postgres_server_restart_mid_write_keeps_acknowledged_writes() {
         }
         (acked, failed, c)
     });
-    std::thread::sleep(Duration::from_millis(300));
+    // The restart comes once writes are going through, and the writer stops
+    // once one went through after the restart cut one (both bounded; the
+    // assertions below say which did not happen).
+    lockstep_pgtest::wait_until(Duration::from_secs(10), || acked_count.load(SeqCst) >= 5);
     match &mut s {
         TestStore::Postgres(pg) => pg.restart().unwrap(),
         TestStore::Sqlite(_) => unreachable!(),
     }
-    std::thread::sleep(Duration::from_millis(500));
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    lockstep_pgtest::wait_until(Duration::from_secs(30), || resumed.load(SeqCst));
+    stop.store(true, SeqCst);
     let (acked, failed, mut c) = writer.join().unwrap();
     assert!(!failed.is_empty(), "the restart cut a write");
     let last = *acked.last().unwrap();

@@ -192,12 +192,6 @@ impl LogLocation {
             LogLocation::Postgres { url, .. } => lockstep_pg::password(url),
         }
     }
-
-    /// Whether readers should poll it rarely and wait for notifications
-    /// (PostgreSQL) rather than read it every few milliseconds (SQLite).
-    pub fn notifies(&self) -> bool {
-        matches!(self, LogLocation::Postgres { .. })
-    }
 }
 
 impl std::str::FromStr for LogLocation {

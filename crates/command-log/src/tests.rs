@@ -475,8 +475,12 @@ fn postgres_server_restart_mid_append_keeps_acknowledged_batches() {
     let mut s = TestLog::postgres();
     let mut log = s.open();
     let mut reader = s.reader();
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let stop2 = stop.clone();
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    // How many appends were acknowledged, and whether one was after a failure.
+    let acked_count = std::sync::Arc::new(AtomicUsize::new(0));
+    let resumed = std::sync::Arc::new(AtomicBool::new(false));
+    let (stop2, acked_count2, resumed2) = (stop.clone(), acked_count.clone(), resumed.clone());
     let writer = std::thread::spawn(move || {
         let (mut acked, mut failed) = (Vec::new(), Vec::new());
         let mut batch: u64 = 0;
@@ -486,7 +490,11 @@ fn postgres_server_restart_mid_append_keeps_acknowledged_batches() {
                 .map(|k| cmd(batch * 3 + k, CommandKind::InitializationComplete))
                 .collect();
             match log.append(1, &commands) {
-                Ok(_) => acked.push(batch),
+                Ok(_) => {
+                    acked.push(batch);
+                    acked_count2.fetch_add(1, SeqCst);
+                    resumed2.store(!failed.is_empty(), SeqCst);
+                }
                 Err(e) => {
                     assert!(matches!(e, LogError::Postgres { .. }), "{e}");
                     failed.push(batch);
@@ -496,15 +504,17 @@ fn postgres_server_restart_mid_append_keeps_acknowledged_batches() {
         }
         (acked, failed, log)
     });
-    std::thread::sleep(Duration::from_millis(300));
+    // The restart comes once appends are going through (bounded; the
+    // assertions below say what did not happen).
+    lockstep_pgtest::wait_until(Duration::from_secs(10), || acked_count.load(SeqCst) >= 5);
     match &mut s {
         TestLog::Postgres(pg) => pg.restart().unwrap(),
         TestLog::Sqlite(_) => unreachable!(),
     }
     // The reader is woken by the lost connection, and reads again.
     assert!(reader.wait_for_append(Duration::from_secs(10)).unwrap());
-    std::thread::sleep(Duration::from_millis(500));
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    lockstep_pgtest::wait_until(Duration::from_secs(30), || resumed.load(SeqCst));
+    stop.store(true, SeqCst);
     let (acked, failed, _log) = writer.join().unwrap();
     assert!(!failed.is_empty(), "the restart cut an append");
     assert!(

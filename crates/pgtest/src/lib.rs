@@ -364,6 +364,23 @@ fn bin_dir() -> Option<PathBuf> {
     versions.pop().map(|(_, d)| d)
 }
 
+/// Waits until `done()` holds, checking every 10 ms, for at most `bound`;
+/// returns whether it held. For a test that must wait for something another
+/// thread does (writes acknowledged, a write cut by a restart) rather than
+/// sleep for a while and hope.
+pub fn wait_until(bound: std::time::Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + bound;
+    loop {
+        if done() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 /// Declares one test per backend for each named test function: for
 /// `on_both_backends!(Fixture; name, ...)`, a module `both::name` with the
 /// tests `sqlite` and `postgres`, which call `name(&Fixture::sqlite())` and

@@ -385,11 +385,6 @@ impl<C: SessionCommand> WorkerSession<C> {
         self.queue.len() + self.held.len()
     }
 
-    /// What the mesh told this worker about barrier rounds.
-    pub fn rounds(&self) -> &RoundBook {
-        &self.rounds
-    }
-
     /// A command in this worker's order (its socket copy for `naive` and
     /// `barrier`, the sequencer's copy for `broadcast`, a log entry for
     /// `log`): queued until [`WorkerSession::next`] hands it out.
