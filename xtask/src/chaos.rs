@@ -8,10 +8,12 @@
 //! Suites: `security` (attacks; `authenticated` must pass, the negative
 //! control `open` must be caught; `crates/chaos/src/bin/security.rs`),
 //! `orphans` (the orphan rules `epoch`, `id-watermark` and the
-//! negative control `catalog-only`, each on the process backend and, as
-//! `RULE@kubernetes`, on the Kubernetes backend over an in-memory API
-//! server double; scenarios in `crates/environment/src/chaos.rs`) and `distribution` (the strategies
-//! `broadcast`, `barrier`, `log`, the negative control `naive`, and
+//! negative control `catalog-only`, each on the process backend, as
+//! `RULE@kubernetes` on the Kubernetes backend over an in-memory API
+//! server double, and as `RULE@postgres` with the catalog in a throw-away
+//! PostgreSQL; scenarios in `crates/environment/src/chaos.rs`) and `distribution` (the strategies
+//! `broadcast`, `barrier`, `log`, `log@postgres` (the command log in a
+//! throw-away PostgreSQL), the negative control `naive`, and
 //! `naive+history-check` (naive delivery, history check restarting the
 //! replica) on real 2x2 and 3x1 replicas; scenarios in
 //! `crates/chaos/src/main.rs`).
@@ -98,8 +100,9 @@ fn orphans() -> anyhow::Result<()> {
     ]);
     run(cmd)?;
     let bin = target_dir().join("debug").join("lockstep-chaos");
-    // Three rules on the process backend, three on the Kubernetes one.
-    run_suite_binary(bin, &["orphans"], "orphans", 6)
+    // Three rules on the process backend, three on the Kubernetes one,
+    // three with the catalog in PostgreSQL.
+    run_suite_binary(bin, &["orphans"], "orphans", 9)
 }
 
 /// The security suite: attacks on real replicas and a real environment
@@ -147,6 +150,7 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
         "broadcast",
         "barrier",
         "log",
+        "log@postgres",
         "naive",
         "naive+history-check",
     ]

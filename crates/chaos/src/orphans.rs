@@ -1,17 +1,20 @@
 //! The orphan suite: every scenario of `lockstep_environment::chaos` for one
 //! orphan rule, as pass / violation / harness error, on the process backend
-//! (variant `RULE`) and on the Kubernetes backend over the in-memory API
+//! (variant `RULE`), on the Kubernetes backend over the in-memory API
 //! server double (variant `RULE@kubernetes`: every scenario, the crash ones
 //! with `lockstep serve` reaching the double over loopback HTTP, plus the
-//! Kubernetes-only ones).
+//! Kubernetes-only ones), and on the process backend with the catalog in
+//! PostgreSQL (variant `RULE@postgres`: every scenario, each on a fresh
+//! database of one throw-away server, so the fence under test is
+//! PostgreSQL's).
 
 use std::path::Path;
 
 use lockstep_environment::chaos::{
     crash_scenario_on, k8s_conflict_on_ensure, k8s_delete_races_recreate, k8s_watch_drops,
     o4_control_on, stale_binary_halts_on, stale_cannot_resurrect_on, stale_halts_on_write_on,
-    stale_loads_before_newer_creates_on, timeline_on, Backend, Outcome, CREATE_FAILPOINTS,
-    DROP_FAILPOINTS,
+    stale_loads_before_newer_creates_on, timeline_on, Backend, FreshDatabase, Outcome,
+    CREATE_FAILPOINTS, DROP_FAILPOINTS,
 };
 
 use crate::outcome::{violation, Failure, Tally};
@@ -66,8 +69,10 @@ impl RuleReport {
     }
 }
 
-/// The orchestrator backends the suite runs each rule on.
-pub const BACKENDS: [&str; 2] = ["process", "kubernetes"];
+/// Where the suite runs each rule: the process backend, the Kubernetes
+/// backend (both with the catalog in SQLite), and the process backend with
+/// the catalog in PostgreSQL.
+pub const BACKENDS: [&str; 3] = ["process", "kubernetes", "postgres"];
 
 /// The variant's name: `RULE` on the process backend, `RULE@BACKEND` else.
 pub fn variant_name(rule: &str, backend: &str) -> String {
@@ -82,18 +87,28 @@ pub fn variant_name(rule: &str, backend: &str) -> String {
 /// (built with the `failpoints` feature) enables the crash scenarios;
 /// without it only the library scenarios run.
 pub async fn run_variant(rule: &str, lockstep_bin: Option<&Path>) -> RuleReport {
-    run_variant_on("process", rule, lockstep_bin).await
+    run_variant_on("process", rule, lockstep_bin, None).await
 }
 
-/// Runs every scenario for one rule on `backend` (`process` or
-/// `kubernetes`); see [`run_variant`].
-pub async fn run_variant_on(backend: &str, rule: &str, lockstep_bin: Option<&Path>) -> RuleReport {
+/// Runs every scenario for one rule on `backend` (`process`, `kubernetes`,
+/// or `postgres`, which needs `databases`, the maker of fresh databases);
+/// see [`run_variant`].
+pub async fn run_variant_on(
+    backend: &str,
+    rule: &str,
+    lockstep_bin: Option<&Path>,
+    databases: Option<&FreshDatabase>,
+) -> RuleReport {
     let negative_control = VARIANTS
         .iter()
         .find(|(v, _)| *v == rule)
         .is_some_and(|(_, must_pass)| !must_pass);
     let kubernetes = backend == "kubernetes";
-    let on = || Backend::named(backend).expect("a known backend");
+    let on = || match (backend, databases) {
+        ("postgres", Some(fresh)) => Backend::ProcessOnPostgres(fresh.clone()),
+        ("postgres", None) => panic!("the postgres variants need a database maker"),
+        (other, _) => Backend::named(other).expect("a known backend"),
+    };
     let mut results: Vec<(String, Outcome)> = Vec::new();
     if let Some(bin) = lockstep_bin {
         for fp in CREATE_FAILPOINTS.iter().chain(&DROP_FAILPOINTS) {

@@ -28,7 +28,10 @@
 //! so). The crash scenarios run there too: the harness serves the double
 //! over HTTP on 127.0.0.1 and starts `lockstep serve --orchestrator
 //! kubernetes` with a kubeconfig pointing at it; adoption is then checked by
-//! pod uids instead of PIDs. Three scenarios
+//! pod uids instead of PIDs. Every scenario except the Kubernetes-only ones
+//! also runs with the catalog in PostgreSQL ([`Backend::ProcessOnPostgres`]:
+//! each sandbox on a fresh database, `--store` for `lockstep serve`), so the
+//! fence checked is PostgreSQL's. Three scenarios
 //! exist only there ([`k8s_delete_races_recreate`], [`k8s_conflict_on_ensure`],
 //! [`k8s_watch_drops`]): they drive the backend through the trait, as the
 //! environment does, and check O1/O4 at the objects.
@@ -88,19 +91,35 @@ pub enum Outcome {
     Harness(String),
 }
 
-/// Where a scenario's services run.
+/// Where a scenario's services run, and where its state lives.
 #[derive(Clone, Debug, Default)]
 pub enum Backend {
-    /// Real OS processes: the process backend on the sandbox's state directory.
+    /// Real OS processes: the process backend on the sandbox's state
+    /// directory, the catalog in SQLite there.
     #[default]
     Process,
     /// The Kubernetes backend on an in-memory API server double that every
     /// controller of the scenario shares (namespace [`K8S_NAMESPACE`]).
     Kubernetes(ApiServerDouble),
+    /// The process backend with the catalog and the command logs in
+    /// PostgreSQL (`--store`): every sandbox gets a fresh, empty database.
+    ProcessOnPostgres(FreshDatabase),
+}
+
+/// Makes a fresh, empty PostgreSQL database and returns its connection
+/// string (the orphan suite makes them on a throw-away server).
+#[derive(Clone)]
+pub struct FreshDatabase(pub std::sync::Arc<dyn Fn() -> anyhow::Result<String> + Send + Sync>);
+
+impl std::fmt::Debug for FreshDatabase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FreshDatabase")
+    }
 }
 
 impl Backend {
     /// The backend named `process` or `kubernetes` (a fresh API server).
+    /// `postgres` needs a database maker: build [`Backend::ProcessOnPostgres`].
     pub fn named(name: &str) -> Option<Backend> {
         match name {
             "process" => Some(Backend::Process),
@@ -109,11 +128,12 @@ impl Backend {
         }
     }
 
-    /// `process` or `kubernetes`.
+    /// `process`, `kubernetes` or `postgres`.
     pub fn name(&self) -> &'static str {
         match self {
             Backend::Process => "process",
             Backend::Kubernetes(_) => "kubernetes",
+            Backend::ProcessOnPostgres(_) => "postgres",
         }
     }
 }
@@ -136,6 +156,9 @@ pub fn k8s_config(epoch: u64, conditional_writes: bool) -> KubernetesOrchestrato
 pub struct Sandbox {
     dir: tempfile::TempDir,
     backend: Backend,
+    /// The `--store` of every environment on this sandbox: a fresh
+    /// database on [`Backend::ProcessOnPostgres`], else none (SQLite).
+    store: Option<String>,
     /// The Kubernetes backend's API double served over loopback HTTP, for
     /// `lockstep serve` processes, once [`serve_args`](Sandbox::serve_args)
     /// started it: the task and the kubeconfig.
@@ -150,11 +173,18 @@ impl Sandbox {
 
     /// A fresh, empty state directory whose services run on `backend`.
     pub fn on(backend: Backend) -> anyhow::Result<Sandbox> {
+        let store = match &backend {
+            Backend::ProcessOnPostgres(fresh) => {
+                Some((fresh.0)().context("making a fresh PostgreSQL database")?)
+            }
+            _ => None,
+        };
         Ok(Sandbox {
             dir: tempfile::Builder::new()
                 .prefix("lockstep-chaos-")
                 .tempdir()?,
             backend,
+            store,
             api_server: std::sync::Mutex::new(None),
         })
     }
@@ -165,7 +195,11 @@ impl Sandbox {
     /// pointing at it.
     pub async fn serve_args(&self) -> anyhow::Result<(Vec<String>, Vec<(String, PathBuf)>)> {
         let Backend::Kubernetes(api) = &self.backend else {
-            return Ok((Vec::new(), Vec::new()));
+            let args = match &self.store {
+                Some(url) => vec!["--store".to_string(), url.clone()],
+                None => Vec::new(),
+            };
+            return Ok((args, Vec::new()));
         };
         let existing = self
             .api_server
@@ -212,7 +246,7 @@ impl Sandbox {
     /// a new one).
     pub fn identities(&self, services: &[ServiceStatus], id: u64) -> Vec<String> {
         match &self.backend {
-            Backend::Process => pids(services, id)
+            Backend::Process | Backend::ProcessOnPostgres(_) => pids(services, id)
                 .into_iter()
                 .map(|p| format!("{p:?}"))
                 .collect(),
@@ -237,11 +271,22 @@ impl Sandbox {
         self.dir.path()
     }
 
+    /// Opens this sandbox's catalog (in its state directory, or its
+    /// database) as a controller would: a new epoch.
+    pub fn open_catalog(&self) -> anyhow::Result<lockstep_catalog::Catalog> {
+        let store = lockstep_catalog::Store::from_arg(
+            self.store.as_deref(),
+            self.path().join(crate::CATALOG_FILE),
+        )
+        .map_err(|e| anyhow!("bad store: {e}"))?;
+        Ok(lockstep_catalog::Catalog::open_store(&store)?)
+    }
+
     /// Lists the services recorded in the state directory, or on the API
     /// server (any epoch).
     pub async fn services(&self) -> anyhow::Result<Vec<ServiceStatus>> {
         match &self.backend {
-            Backend::Process => {
+            Backend::Process | Backend::ProcessOnPostgres(_) => {
                 let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(
                     self.path().join(ORCHESTRATOR_DIR),
                     0,
@@ -260,6 +305,11 @@ impl Sandbox {
     pub fn load(&self, rule: &str, conditional_writes: bool) -> anyhow::Result<Environment> {
         match &self.backend {
             Backend::Process => load(self.path(), rule, conditional_writes),
+            Backend::ProcessOnPostgres(_) => {
+                let mut config = env_config(self.path(), rule, conditional_writes)?;
+                config.store = self.store.clone();
+                Ok(Environment::load(config)?)
+            }
             Backend::Kubernetes(api) => {
                 let api = api.clone();
                 let factory: crate::OrchestratorFactory = Box::new(move |p| {
@@ -421,7 +471,7 @@ async fn setup_with_orphan(sandbox: &Sandbox, rule: &str) -> anyhow::Result<(u64
     let r1 = env0.create_replica("r1", replica_config(2)).await?;
     let r2 = env0.create_replica("r2", replica_config(1)).await?;
     drop(env0);
-    let mut crashed = lockstep_catalog::Catalog::open(sandbox.path().join(crate::CATALOG_FILE))?;
+    let mut crashed = sandbox.open_catalog()?;
     crashed.drop_replica("r2")?;
     Ok((r1.replica.id, r2.replica.id))
 }

@@ -31,7 +31,9 @@
 //! control, is caught only by violations.
 //!
 //! Usage: `lockstep-chaos-distribution [VARIANT...]` (default: broadcast
-//! barrier log naive naive+history-check). Prints what broke, then one JSON
+//! barrier log log@postgres naive naive+history-check; `STRATEGY@postgres`
+//! keeps the replica's command log in a throw-away PostgreSQL server instead
+//! of a SQLite file). Prints what broke, then one JSON
 //! line per variant. Exits non-zero if a variant that must pass had a
 //! violation, if any scenario had a harness error, or if `naive` was not
 //! caught.
@@ -78,11 +80,24 @@ fn replica_binary() -> PathBuf {
     exe.parent().expect("a directory").join("lockstep-replica")
 }
 
-async fn start_replica(id: u64, processes: usize, workers: u32) -> Result<Replica, String> {
+/// Starts replica `id`; its command log is a SQLite file in its directory,
+/// or the log `replica-ID` in the PostgreSQL database at `postgres`.
+async fn start_replica(
+    id: u64,
+    processes: usize,
+    workers: u32,
+    postgres: Option<&str>,
+) -> Result<Replica, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
         .map_err(|e| e.to_string())?;
-    let log = lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite"));
+    let log = match postgres {
+        Some(url) => lockstep_controller::LogLocation::Postgres {
+            url: url.to_string(),
+            name: format!("replica-{id}"),
+        },
+        None => lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite")),
+    };
     // A session key, as under `lockstep serve`.
     let key = lockstep_protocol::SessionKey::derive(&[0xc4; 32], id);
     let config = launch::with_session_key(
@@ -111,11 +126,15 @@ async fn start_replica(id: u64, processes: usize, workers: u32) -> Result<Replic
     })
 }
 
-/// What a scenario runs: one strategy for every command, and what the
-/// history check on connect does on a mismatch.
+/// What a scenario runs: one strategy for every command, what the
+/// history check on connect does on a mismatch, and where the command log
+/// lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Variant {
     strategy: Strategy,
+    /// `STRATEGY@postgres`: the replica's command log is in PostgreSQL (a
+    /// throw-away server this binary starts), not a SQLite file.
+    postgres: bool,
     /// `naive+history-check`: naive delivery, but the history check on
     /// connect (history check) restarts the replica on a mismatch, which
     /// the harness then does through the orchestrator, as the environment
@@ -127,22 +146,32 @@ struct Variant {
 impl std::fmt::Display for Variant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.check_reconciles {
-            write!(f, "{}+history-check", self.strategy)
+            write!(f, "{}+history-check", self.strategy)?;
         } else {
-            write!(f, "{}", self.strategy)
+            write!(f, "{}", self.strategy)?;
         }
+        if self.postgres {
+            write!(f, "@postgres")?;
+        }
+        Ok(())
     }
 }
 
 impl std::str::FromStr for Variant {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
+        let (s, postgres) = match s.split_once('@') {
+            Some((s, "postgres")) => (s, true),
+            Some((_, other)) => return Err(format!("unknown store {other:?} (known: postgres)")),
+            None => (s, false),
+        };
         let (name, check_reconciles) = match s.strip_suffix("+history-check") {
             Some(n) => (n, true),
             None => (s, false),
         };
         Ok(Variant {
             strategy: name.parse()?,
+            postgres,
             check_reconciles,
         })
     }
@@ -381,13 +410,14 @@ async fn ready(c: &Controller, dataflows: &[DataflowDescription]) -> Result<(), 
 /// replica, the setup before the fault, sending signals, finding PIDs) are
 /// [`Failure::Harness`]; only what [`check`] finds broken, and a stopped
 /// process not reported silent, are violations.
-async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
+async fn scenario(name: &str, id: u64, s: Variant, postgres: Option<&str>) -> Result<(), Failure> {
     let (processes, workers) = if name.starts_with("three-processes") {
         (3, 1)
     } else {
         (2, 2)
     };
-    let r = start_replica(id, processes, workers).await?;
+    let postgres = if s.postgres { postgres } else { None };
+    let r = start_replica(id, processes, workers, postgres).await?;
     let result = scenario_on(&r, name, s).await;
     if result.is_err() && std::env::var_os("LOCKSTEP_CHAOS_REPLICA_LOG").is_some() {
         print_process_logs(r.dir.path());
@@ -448,6 +478,7 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
                 },
                 // The history check's answer stays what the variant's is.
                 check_reconciles: s.check_reconciles,
+                postgres: s.postgres,
             };
             check(&controller(r, 2, switched, history(&t)), &t).await
         }
@@ -689,11 +720,13 @@ fn signal(pid: i32, sig: i32) -> Result<(), String> {
 }
 
 /// The variants run by default: the three strategies that must pass, the
-/// negative control, and naive delivery repaired by the history check.
-const DEFAULT_VARIANTS: [&str; 5] = [
+/// log strategy with its command log in PostgreSQL, the negative control,
+/// and naive delivery repaired by the history check.
+const DEFAULT_VARIANTS: [&str; 6] = [
     "broadcast",
     "barrier",
     "log",
+    "log@postgres",
     "naive",
     "naive+history-check",
 ];
@@ -755,6 +788,22 @@ fn main() {
         );
         std::process::exit(2);
     }
+    // One throw-away PostgreSQL server for the `@postgres` variants; each
+    // replica's log is its own in it.
+    let pg = if strategies.iter().any(|s| s.postgres) {
+        match lockstep_pgtest::PgServer::start() {
+            Ok(pg) => Some(pg),
+            Err(e) => {
+                eprintln!(
+                    "lockstep-chaos-distribution: cannot start PostgreSQL for the @postgres variants: {e}"
+                );
+                std::process::exit(2);
+            }
+        }
+    } else {
+        None
+    };
+    let pg_url = pg.as_ref().map(|pg| pg.url());
     let _scenario = fail::FailScenario::setup();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -772,7 +821,7 @@ fn main() {
                 continue;
             }
             let result = runtime.block_on(async {
-                match tokio::time::timeout(Duration::from_secs(90), scenario(name, next_id, s))
+                match tokio::time::timeout(Duration::from_secs(90), scenario(name, next_id, s, pg_url.as_deref()))
                     .await
                 {
                     Ok(r) => r,

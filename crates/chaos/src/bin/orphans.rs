@@ -2,8 +2,11 @@
 //! binary beside it (both built with the `failpoints` feature) and prints,
 //! per variant, what broke and then one JSON summary line (the reporting
 //! contract of DESIGN.md). `cargo xtask chaos orphans` runs it. Each rule
-//! runs on the process backend (variant `RULE`) and on the Kubernetes
-//! backend over the in-memory API server double (`RULE@kubernetes`).
+//! runs on the process backend (variant `RULE`), on the Kubernetes
+//! backend over the in-memory API server double (`RULE@kubernetes`), and
+//! on the process backend with the catalog in PostgreSQL (`RULE@postgres`,
+//! on a throw-away server this binary starts: the PostgreSQL binaries must
+//! be installed, as `.ci/run` does).
 //!
 //! Every scenario ends as a pass, a violation or a harness error
 //! (`lockstep_chaos::outcome`). Exit status: 0 when `epoch` and
@@ -11,8 +14,12 @@
 //! violations with no harness error; 1 otherwise.
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use lockstep_chaos::orphans::{run_variant_on, variant_name, BACKENDS, VARIANTS};
+use lockstep_environment::chaos::FreshDatabase;
+use lockstep_pgtest::PgServer;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -47,14 +54,36 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    let wanted = |name: &str| only.is_empty() || only.contains(&name);
+    // One throw-away PostgreSQL server for the `@postgres` variants; every
+    // scenario gets its own database on it.
+    let databases = if VARIANTS
+        .iter()
+        .any(|(rule, _)| wanted(&variant_name(rule, "postgres")))
+    {
+        match PgServer::start() {
+            Ok(server) => Some(fresh_databases(Arc::new(server))),
+            Err(e) => {
+                eprintln!("lockstep-chaos: cannot start PostgreSQL for the @postgres variants: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        None
+    };
     let mut ok = true;
     for backend in BACKENDS {
         for (rule, _) in VARIANTS {
             let name = variant_name(rule, backend);
-            if !only.is_empty() && !only.contains(&name.as_str()) {
+            if !wanted(&name) {
                 continue;
             }
-            let report = runtime.block_on(run_variant_on(backend, rule, Some(&bin)));
+            let report = runtime.block_on(run_variant_on(
+                backend,
+                rule,
+                Some(&bin),
+                databases.as_ref(),
+            ));
             for line in &report.failures {
                 println!("{line}");
             }
@@ -67,4 +96,13 @@ fn main() -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// A maker of fresh databases (`orphans_1`, `orphans_2`, ...) on `server`.
+fn fresh_databases(server: Arc<PgServer>) -> FreshDatabase {
+    let next = AtomicU64::new(1);
+    FreshDatabase(Arc::new(move || {
+        let n = next.fetch_add(1, Ordering::Relaxed);
+        Ok(server.new_database(&format!("orphans_{n}"))?)
+    }))
 }
