@@ -67,7 +67,7 @@ enum Task {
     Chaos {
         /// The suite to run: `orphans`, `distribution` or `security`.
         suite: String,
-        /// For `distribution`: the strategies to run (default: broadcast barrier log naive naive+history-check).
+        /// For `distribution`: the variants to run (default: broadcast barrier log log@postgres naive naive+history-check).
         #[arg(long = "strategy")]
         strategies: Vec<String>,
     },
