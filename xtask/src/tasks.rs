@@ -47,6 +47,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     cmd.args(["test", "--workspace", "--features", TEST_FEATURES]);
     run(cmd)?;
     demo()?;
+    demo_on_postgres()?;
     python_api()?;
     for suite in crate::chaos::SUITES {
         crate::chaos::run_suite(suite)?;
@@ -115,5 +116,19 @@ pub fn demo() -> anyhow::Result<()> {
     step("demo");
     let mut cmd = std::process::Command::new(target_dir().join("debug/lockstep"));
     cmd.arg("demo");
+    run(cmd)
+}
+
+/// The demo again with the catalog and the command logs in PostgreSQL
+/// (`lockstep demo --store`), on a throw-away server (`lockstep-pgtest`;
+/// the PostgreSQL binaries must be installed, as `.ci/run` does). Run after
+/// [`demo`], which built the binaries.
+pub fn demo_on_postgres() -> anyhow::Result<()> {
+    step("demo on PostgreSQL (--store postgres://...)");
+    let pg = lockstep_pgtest::PgServer::start().map_err(|e| {
+        anyhow::anyhow!("cannot start PostgreSQL for the demo (install postgresql; .ci/run does): {e}")
+    })?;
+    let mut cmd = std::process::Command::new(target_dir().join("debug/lockstep"));
+    cmd.args(["demo", "--store", &pg.url()]);
     run(cmd)
 }

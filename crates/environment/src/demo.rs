@@ -42,8 +42,12 @@ pub(crate) struct Env {
     pub(crate) metrics: Option<String>,
 }
 
-async fn start_env(bin: &Path, state: &Path) -> anyhow::Result<Env> {
-    start_env_with(bin, state, &["--metrics-listen", "127.0.0.1:0"]).await
+async fn start_env(bin: &Path, state: &Path, store: Option<&str>) -> anyhow::Result<Env> {
+    let mut args = vec!["--metrics-listen", "127.0.0.1:0"];
+    if let Some(url) = store {
+        args.extend(["--store", url]);
+    }
+    start_env_with(bin, state, &args).await
 }
 
 /// `GET /metrics` from `addr`: the response body.
@@ -378,15 +382,17 @@ async fn replica_pids(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<Vec<
     Ok(demo.process_status.iter().map(|p| p.pid).collect())
 }
 
-/// Runs the demo; `keep` keeps the state directory.
-pub async fn run(keep: bool) -> anyhow::Result<()> {
+/// Runs the demo; `keep` keeps the state directory; `store` is the
+/// environment's `--store` (none: SQLite in the state directory; a
+/// `postgres://` database must not hold another demo's catalog).
+pub async fn run(keep: bool, store: Option<String>) -> anyhow::Result<()> {
     let started = Instant::now();
     let bin = std::env::current_exe().context("locating the lockstep binary")?;
     let dir = tempfile::Builder::new()
         .prefix("lockstep-demo-")
         .tempdir()?;
     let state = dir.path().to_path_buf();
-    let result = run_in(&bin, &state).await;
+    let result = run_in(&bin, &state, store.as_deref()).await;
     // Whatever happened, stop the replica's processes.
     let _ = lockstep_orchestrator::process::kill_all_services(&state.join(crate::ORCHESTRATOR_DIR));
     if keep {
@@ -397,12 +403,17 @@ pub async fn run(keep: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn run_in(bin: &Path, state: &Path) -> anyhow::Result<()> {
-    step(
-        1,
-        &format!("starting the environment on {}", state.display()),
-    );
-    let mut env = start_env(bin, state).await?;
+async fn run_in(bin: &Path, state: &Path, store: Option<&str>) -> anyhow::Result<()> {
+    let on = match store {
+        Some(url) => format!(
+            "{} (catalog and command logs in {})",
+            state.display(),
+            lockstep_pg::redact(url)
+        ),
+        None => state.display().to_string(),
+    };
+    step(1, &format!("starting the environment on {on}"));
+    let mut env = start_env(bin, state, store).await?;
     let mut c = client(&env.url).await?;
 
     step(
@@ -510,7 +521,7 @@ async fn run_in(bin: &Path, state: &Path) -> anyhow::Result<()> {
     env.child.kill().await.context("killing the environment")?;
     let status = env.child.wait().await?;
     println!("demo:       environment exited: {status}");
-    let env2 = start_env(bin, state).await?;
+    let env2 = start_env(bin, state, store).await?;
     let mut c = client(&env2.url).await?;
     let after = replica_pids(&mut c).await?;
     if after != pids {

@@ -119,6 +119,11 @@ enum Command {
         /// Keep the state directory (printed) instead of deleting it.
         #[arg(long)]
         keep: bool,
+        /// Run the environment on this store (`postgres://USER@HOST:PORT/DB`,
+        /// an empty database; the password in `PGPASSWORD`) instead of
+        /// SQLite in the state directory.
+        #[arg(long)]
+        store: Option<String>,
     },
     /// The soak (run it with `cargo xtask soak`): many rounds of writes,
     /// peeks, dataflows and subscriptions through the API, the environment
@@ -475,7 +480,9 @@ fn main() -> ExitCode {
             }
             Ok(())
         })),
-        Command::Demo { keep } => finish(runtime.block_on(lockstep_environment::demo::run(keep))),
+        Command::Demo { keep, store } => {
+            finish(runtime.block_on(lockstep_environment::demo::run(keep, store)))
+        }
         Command::Soak { quick, out } => {
             use lockstep_environment::soak::{run, SoakOptions};
             let opts = if quick {
