@@ -126,7 +126,9 @@ pub fn demo() -> anyhow::Result<()> {
 pub fn demo_on_postgres() -> anyhow::Result<()> {
     step("demo on PostgreSQL (--store postgres://...)");
     let pg = lockstep_pgtest::PgServer::start().map_err(|e| {
-        anyhow::anyhow!("cannot start PostgreSQL for the demo (install postgresql; .ci/run does): {e}")
+        anyhow::anyhow!(
+            "cannot start PostgreSQL for the demo (install postgresql; .ci/run does): {e}"
+        )
     })?;
     let mut cmd = std::process::Command::new(target_dir().join("debug/lockstep"));
     cmd.args(["demo", "--store", &pg.url()]);

@@ -131,3 +131,73 @@ async fn the_environment_runs_on_postgresql() {
         .unwrap();
     assert_eq!(rows.trim(), "0", "the dropped replica's log rows are gone");
 }
+
+/// A replica process that cannot reach the database holding its command
+/// log: it exits with an error naming the database (bounded: the refused
+/// connection, or the connect timeout), the orchestrator restarts it, and
+/// once the database is back the replica answers again, right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_process_that_cannot_reach_the_database_exits_clearly_and_comes_back() {
+    let mut pg =
+        PgServer::start().expect("a PostgreSQL server (binaries on PATH or LOCKSTEP_PG_BIN)");
+    let dir = Sandbox::new().unwrap();
+    let mut c = config(dir.path(), None);
+    c.store = Some(pg.url());
+    let env = start_config(c).await;
+    env.create_replica("r1", shape(2, 1)).await.unwrap();
+    let plan = create_reduce(&env).await;
+    let updates = vec![u(&[1, 10], 0, 1), u(&[2, 7], 0, 1)];
+    env.write_input("r1", 1, updates.clone(), 1).await.unwrap();
+    let expected = evaluate(&plan, &BTreeMap::from([(1, updates)]), 0);
+    peek_until(&env, 101, 0, &expected, Duration::from_secs(30))
+        .await
+        .expect("the replica answers before the outage");
+
+    let before = service(&env).await;
+    let restarts_before: u32 = before.processes.iter().map(|p| p.restarts).sum();
+    let log_path = dir
+        .path()
+        .join(lockstep_environment::ORCHESTRATOR_DIR)
+        .join("logs")
+        .join(format!("{}-1.log", before.name));
+    let log_len = std::fs::metadata(&log_path).map(|m| m.len()).unwrap_or(0) as usize;
+
+    // The database goes away, and so does process 1: its restarts must fail
+    // to open the command log, each with an error that names the database.
+    pg.stop().expect("stop PostgreSQL");
+    let pid = before.processes[1].pid.expect("process 1 runs");
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success(), "kill -9 {pid}");
+    let seen = lockstep_pgtest::wait_until(Duration::from_secs(30), || {
+        let text = std::fs::read(&log_path).unwrap_or_default();
+        let new = String::from_utf8_lossy(&text[log_len.min(text.len())..]).to_string();
+        // What a restarted process prints as it exits (the killed one only
+        // warned that its reads are retried).
+        new.lines().any(|l| {
+            l.contains("lockstep-replica: error: command log")
+                && l.contains(&format!("127.0.0.1:{}", pg.port()))
+        })
+    });
+    let text = std::fs::read(&log_path).unwrap_or_default();
+    let new = String::from_utf8_lossy(&text[log_len.min(text.len())..]).to_string();
+    assert!(
+        seen,
+        "within 30 s, a restarted process 1 said it cannot reach the database; its log:\n{new}"
+    );
+
+    // The database comes back: the orchestrator's next restart succeeds and
+    // the replica answers, right, with no write lost.
+    pg.start_again().expect("start PostgreSQL again");
+    peek_until(&env, 101, 0, &expected, Duration::from_secs(60))
+        .await
+        .expect("the replica answers once the database is back");
+    let after = service(&env).await;
+    let restarts_after: u32 = after.processes.iter().map(|p| p.restarts).sum();
+    assert!(
+        restarts_after > restarts_before,
+        "the orchestrator restarted the process ({restarts_before} -> {restarts_after})"
+    );
+}

@@ -821,8 +821,11 @@ fn main() {
                 continue;
             }
             let result = runtime.block_on(async {
-                match tokio::time::timeout(Duration::from_secs(90), scenario(name, next_id, s, pg_url.as_deref()))
-                    .await
+                match tokio::time::timeout(
+                    Duration::from_secs(90),
+                    scenario(name, next_id, s, pg_url.as_deref()),
+                )
+                .await
                 {
                     Ok(r) => r,
                     Err(_) => Err(violation(

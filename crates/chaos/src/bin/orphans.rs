@@ -64,7 +64,9 @@ fn main() -> ExitCode {
         match PgServer::start() {
             Ok(server) => Some(fresh_databases(Arc::new(server))),
             Err(e) => {
-                eprintln!("lockstep-chaos: cannot start PostgreSQL for the @postgres variants: {e}");
+                eprintln!(
+                    "lockstep-chaos: cannot start PostgreSQL for the @postgres variants: {e}"
+                );
                 return ExitCode::FAILURE;
             }
         }
