@@ -2,7 +2,9 @@
 //!
 //! For each replica shape (processes x workers per process: 1x1, 2x1, 2x2,
 //! 4x1, and 4x2 outside quick mode) and each strategy (`broadcast`,
-//! `barrier`, `log`, `naive`), it starts a fresh replica with a controller
+//! `barrier`, `log`, `naive`, and `log@postgres`: the log strategy with the
+//! command log in a throw-away PostgreSQL server instead of a SQLite file,
+//! when the PostgreSQL binaries are installed), it starts a fresh replica with a controller
 //! that sends every command with that strategy, and measures:
 //!
 //! - `small_command`: a light StatusRequest, until every worker answered it;
@@ -32,7 +34,8 @@
 //! Quick mode (`$LOCKSTEP_BENCH_QUICK=1`, or `--quick` on the command line)
 //! drops the 4x2 shape and shortens warm-up and measurement.
 //! `$LOCKSTEP_BENCH_STRATEGIES` (e.g. `barrier,naive`) and
-//! `$LOCKSTEP_BENCH_SHAPES` (e.g. `1x1,2x2`) restrict the run.
+//! `$LOCKSTEP_BENCH_SHAPES` (e.g. `1x1,2x2`) restrict the run (`log@postgres`
+//! is a strategy name there too).
 //!
 //! Needs the release replica: `cargo build --release -p lockstep-replica`.
 
@@ -80,11 +83,31 @@ const SETUP_BOUND: Duration = Duration::from_secs(20);
 /// not cost that much of a quick run).
 const OP_BOUND: Duration = Duration::from_secs(10);
 
+/// A strategy, and where the replica's command log lives.
+#[derive(Clone, Copy)]
+struct Variant {
+    strategy: Strategy,
+    /// The command log in PostgreSQL (`log@postgres`), not SQLite.
+    postgres: bool,
+}
+
+impl std::fmt::Display for Variant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.strategy)?;
+        if self.postgres {
+            f.write_str("@postgres")?;
+        }
+        Ok(())
+    }
+}
+
 /// What this run measures.
 struct Run {
     quick: bool,
     shapes: Vec<(usize, u32)>,
-    strategies: Vec<Strategy>,
+    strategies: Vec<Variant>,
+    /// The throw-away server of the `@postgres` variants.
+    pg: Option<lockstep_pgtest::PgServer>,
 }
 
 impl Run {
@@ -99,15 +122,54 @@ impl Run {
             let wanted: Vec<String> = only.split(',').map(|s| s.trim().to_string()).collect();
             shapes.retain(|(p, w)| wanted.contains(&format!("{p}x{w}")));
         }
-        let mut strategies = Strategy::ALL.to_vec();
+        let mut strategies: Vec<Variant> = Strategy::ALL
+            .iter()
+            .map(|&strategy| Variant {
+                strategy,
+                postgres: false,
+            })
+            .collect();
+        strategies.push(Variant {
+            strategy: Strategy::Log,
+            postgres: true,
+        });
         if let Ok(only) = std::env::var("LOCKSTEP_BENCH_STRATEGIES") {
             let wanted: Vec<&str> = only.split(',').map(str::trim).collect();
-            strategies.retain(|s| wanted.contains(&s.name()));
+            strategies.retain(|s| wanted.contains(&s.to_string().as_str()));
         }
+        let pg = if strategies.iter().any(|s| s.postgres) {
+            match lockstep_pgtest::PgServer::start() {
+                Ok(pg) => Some(pg),
+                Err(e) => {
+                    for &(p, w) in &shapes {
+                        skip(
+                            "log@postgres",
+                            &format!("{p}x{w}"),
+                            &format!("no PostgreSQL: {e}"),
+                        );
+                    }
+                    strategies.retain(|s| !s.postgres);
+                    None
+                }
+            }
+        } else {
+            None
+        };
         Run {
             quick,
             shapes,
             strategies,
+            pg,
+        }
+    }
+
+    /// Where `variant`'s replicas keep their command log: a database URL,
+    /// or none (a SQLite file).
+    fn log_url(&self, variant: Variant) -> Option<String> {
+        if variant.postgres {
+            self.pg.as_ref().map(|pg| pg.url())
+        } else {
+            None
         }
     }
 
@@ -141,7 +203,7 @@ fn rt() -> Runtime {
 }
 
 /// Records a skipped strategy on stderr and in `$LOCKSTEP_BENCH_SKIPS`.
-fn skip(strategy: Strategy, shape: &str, why: &str) {
+fn skip(strategy: &str, shape: &str, why: &str) {
     eprintln!("strategies: SKIPPED {strategy} on {shape}: {why}");
     // The first line says what failed; the rest (log tails) is on stderr.
     let why = why.lines().next().unwrap_or_default().replace('\t', " ");
@@ -342,14 +404,18 @@ fn strategies(c: &mut Criterion) {
             }));
             match outcome {
                 Ok(Ok(())) => {}
-                Ok(Err(why)) => skip(strategy, &shape, &why),
+                Ok(Err(why)) => skip(&strategy.to_string(), &shape, &why),
                 Err(panic) => {
                     let why = panic
                         .downcast_ref::<String>()
                         .cloned()
                         .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                         .unwrap_or_else(|| "a panic".into());
-                    skip(strategy, &shape, &format!("failed mid-run: {why}"));
+                    skip(
+                        &strategy.to_string(),
+                        &shape,
+                        &format!("failed mid-run: {why}"),
+                    );
                 }
             }
         }
@@ -363,14 +429,19 @@ fn measure(
     run: &Run,
     rt: &Runtime,
     replica_id: u64,
-    strategy: Strategy,
+    variant: Variant,
     p: usize,
     w: u32,
 ) -> Result<(), String> {
-    let id = format!("{strategy}/{p}x{w}");
+    let id = format!("{variant}/{p}x{w}");
     eprintln!("strategies: {id}: starting a {p}x{w} replica");
-    let r = rt.block_on(replica::start(replica_id, p, w));
-    let ctl = replica::controller(&r, strategy);
+    let r = rt.block_on(replica::start_on(
+        replica_id,
+        p,
+        w,
+        run.log_url(variant).as_deref(),
+    ));
+    let ctl = replica::controller(&r, variant.strategy);
     let rows: Vec<Update> = lockstep_benches::rows(100);
     settle(
         rt,
@@ -462,7 +533,7 @@ fn measure(
     ctl.shutdown();
     drop(r);
 
-    reconcile(c, run, rt, replica_id + 1, strategy, p, w, &id)
+    reconcile(c, run, rt, replica_id + 1, variant, p, w, &id)
 }
 
 /// Reconciliation after a controller restart with 10, 100 and 1,000
@@ -473,12 +544,18 @@ fn reconcile(
     run: &Run,
     rt: &Runtime,
     replica_id: u64,
-    strategy: Strategy,
+    variant: Variant,
     p: usize,
     w: u32,
     id: &str,
 ) -> Result<(), String> {
-    let r: BenchReplica = rt.block_on(replica::start(replica_id, p, w));
+    let r: BenchReplica = rt.block_on(replica::start_on(
+        replica_id,
+        p,
+        w,
+        run.log_url(variant).as_deref(),
+    ));
+    let strategy = variant.strategy;
     let mut ctl = replica::controller(&r, strategy);
     let mut epoch = 1;
     let mut installed = 0u64;

@@ -74,12 +74,31 @@ pub mod replica {
         }
     }
 
-    /// Starts a replica of `processes` x `workers`.
+    /// Starts a replica of `processes` x `workers`, its command log a
+    /// SQLite file.
     pub async fn start(replica_id: u64, processes: usize, workers: u32) -> BenchReplica {
+        start_on(replica_id, processes, workers, None).await
+    }
+
+    /// Starts a replica of `processes` x `workers`; its command log is the
+    /// log `replica-ID` in the PostgreSQL database at `postgres`, or a
+    /// SQLite file in its directory.
+    pub async fn start_on(
+        replica_id: u64,
+        processes: usize,
+        workers: u32,
+        postgres: Option<&str>,
+    ) -> BenchReplica {
         let dir = tempfile::tempdir().expect("tempdir");
         let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
             .expect("orchestrator");
-        let log = lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite"));
+        let log = match postgres {
+            Some(url) => lockstep_controller::LogLocation::Postgres {
+                url: url.to_string(),
+                name: format!("replica-{replica_id}"),
+            },
+            None => lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite")),
+        };
         let config = launch::with_command_log(
             launch::replica_service(&binary(), replica_id, processes, workers),
             &log,

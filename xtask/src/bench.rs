@@ -49,8 +49,9 @@ struct StrategyId<'a> {
 
 /// The strategy baseline DESIGN.md names.
 const BASELINE_STRATEGY: &str = "broadcast";
-/// The strategies in report order.
-const STRATEGIES: [&str; 4] = ["broadcast", "barrier", "log", "naive"];
+/// The strategies in report order (`log@postgres`: the log strategy with
+/// its command log in PostgreSQL).
+const STRATEGIES: [&str; 5] = ["broadcast", "barrier", "log", "naive", "log@postgres"];
 /// The strategy measurements in report order, with their descriptions.
 const MEASUREMENTS: [(&str, &str); 9] = [
     (
@@ -138,10 +139,20 @@ fn baseline_of(name: &str) -> Option<String> {
         if id.strategy == BASELINE_STRATEGY {
             return None;
         }
+        // A strategy on another store against itself on SQLite.
+        let baseline = id
+            .strategy
+            .split_once('@')
+            .map_or(BASELINE_STRATEGY, |(s, _)| s);
         return Some(format!(
-            "strategies/{}/{BASELINE_STRATEGY}/{}x{}",
+            "strategies/{}/{baseline}/{}x{}",
             id.measurement, id.processes, id.workers
         ));
+    }
+    // The catalog on PostgreSQL against SQLite.
+    if let Some(rest) = name.strip_prefix("stores/") {
+        let (m, store) = rest.rsplit_once('/')?;
+        return (store != "sqlite").then(|| format!("stores/{m}/sqlite"));
     }
     if name.contains("wasm") {
         return Some(name.replace("wasm", "native"));
@@ -588,9 +599,15 @@ fn skipped_paragraph(run: &RunInfo) -> String {
 
 const HOW_TO_READ: &str = "Each strategy figure is `median (ratio to broadcast)` for the same \
 measurement on the same replica shape (processes x workers per process), every replica a set \
-of real OS processes on this machine. Reconciliation figures are the time from starting a new \
+of real OS processes on this machine (`log@postgres`: the log strategy with its command log in \
+a PostgreSQL server on this machine; its ratio is to `log` on SQLite). Reconciliation figures are the time from starting a new \
 controller at a new epoch until every worker reported a full status; every iteration checks \
 that no dataflow was rebuilt (creation logs unchanged).";
+
+const STORES: &str = "The same work on both stores, in one run: the catalog's fenced writes \
+(`stores/…`, PostgreSQL against SQLite) and the log strategy with its command log in PostgreSQL \
+(`log@postgres`, against `log` on a SQLite file). The PostgreSQL server runs on this machine, so \
+these figures hold its round trips on loopback, not a network's.";
 
 /// `docs/bench/results.md`: everything.
 fn results_md(report: &Report, m: &Machine, run: &RunInfo) -> String {
@@ -613,6 +630,12 @@ fn results_md(report: &Report, m: &Machine, run: &RunInfo) -> String {
     s.push('\n');
     s.push_str(&skipped_paragraph(run));
     s.push_str(&report.strategy_table(None));
+    s.push_str("\n## Stores\n\n");
+    s.push_str(STORES);
+    s.push_str("\n\n");
+    s.push_str(&report.contract_table(|n| {
+        n.starts_with("stores/") || parse_strategy_id(n).is_some_and(|id| id.strategy.contains('@'))
+    }));
     s.push_str("\n## Every benchmark\n\n");
     s.push_str("The reporting contract's table (`target/lockstep/bench.json` holds the same).\n\n");
     s.push_str(&report.contract_table(|_| true));

@@ -27,11 +27,12 @@ pub struct Panel {
 }
 
 /// The fixed order and colour of the strategies; unknown ones come last, grey.
-const STRATEGIES: [(&str, &str); 4] = [
+const STRATEGIES: [(&str, &str); 5] = [
     ("broadcast", "#1f77b4"),
     ("barrier", "#d62728"),
     ("log", "#2ca02c"),
     ("naive", "#7f7f7f"),
+    ("log@postgres", "#9467bd"),
 ];
 
 const PANEL_W: f64 = 440.0;
