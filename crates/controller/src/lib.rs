@@ -146,6 +146,7 @@ pub enum ControllerError {
 pub(crate) enum Request {
     Send(CommandKind),
     SetPolicy(Box<dyn DistributionPolicy + Send>),
+    SetAddresses(Vec<SocketAddr>),
     Peek {
         collection: u64,
         timestamp: Timestamp,
@@ -290,6 +291,14 @@ impl Controller {
         policy: Box<dyn DistributionPolicy + Send>,
     ) -> Result<(), ControllerError> {
         self.request(Request::SetPolicy(policy))
+    }
+
+    /// The replica's processes now listen on `processes` (every process's
+    /// controller address, in process order; the orchestrator chose new
+    /// ports): reconnects to every process there. A list of another length
+    /// than the replica's processes is ignored (logged).
+    pub fn set_addresses(&self, processes: Vec<SocketAddr>) -> Result<(), ControllerError> {
+        self.request(Request::SetAddresses(processes))
     }
 
     /// Sends an UpdateConfiguration.

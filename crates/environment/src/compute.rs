@@ -252,7 +252,8 @@ impl Compute {
             ping_bound: PING_BOUND,
         };
         let events = controller.events();
-        let task = tokio::spawn(watcher.run(events));
+        let services = watcher.restarter.orchestrator.watch_services();
+        let task = tokio::spawn(watcher.run(events, services));
         if let Some(old) = self
             .watchers
             .lock()
@@ -329,7 +330,13 @@ struct Watcher {
 }
 
 impl Watcher {
-    async fn run(self, mut events: broadcast::Receiver<Event>) {
+    async fn run(
+        self,
+        mut events: broadcast::Receiver<Event>,
+        services: broadcast::Receiver<lockstep_orchestrator::ServiceEvent>,
+    ) {
+        // `None` once the orchestrator's event channel closed.
+        let mut services = Some(services);
         use tokio::sync::broadcast::error::RecvError;
         let mut last_restart: Option<Instant> = None;
         // A reason that came within the interval, to check at its end.
@@ -346,6 +353,23 @@ impl Watcher {
                 }
             };
             let reason = tokio::select! {
+                e = async {
+                    match services.as_mut() {
+                        Some(s) => s.recv().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    match e {
+                        Ok(e) if e.service == self.service => self.on_service_event(e.kind),
+                        Ok(_) => {}
+                        Err(RecvError::Lagged(n)) => {
+                            tracing::warn!(replica = %self.replica, "{n} service events were not seen");
+                        }
+                        // The orchestrator is gone; the controller events still matter.
+                        Err(RecvError::Closed) => services = None,
+                    }
+                    continue;
+                }
                 e = events.recv() => match e {
                     Ok(e) => {
                         tracing::info!(replica = %self.replica, event = ?e, "controller event");
@@ -400,6 +424,31 @@ impl Watcher {
             if !self.restart(&reason.1).await {
                 return;
             }
+        }
+    }
+
+    /// Acts on an event of the replica's service: new ports (the
+    /// orchestrator re-chose them after a port was taken) go to the
+    /// controller, which reconnects there.
+    fn on_service_event(&self, kind: lockstep_orchestrator::ServiceEventKind) {
+        let lockstep_orchestrator::ServiceEventKind::PortsReassigned { addresses } = kind else {
+            return;
+        };
+        let controller: Option<Vec<std::net::SocketAddr>> = addresses
+            .iter()
+            .map(|a| a.get("controller").copied())
+            .collect();
+        match controller {
+            Some(addrs) => {
+                tracing::warn!(replica = %self.replica, ?addrs, "the replica's processes got new ports; reconnecting there");
+                if let Err(e) = self.controller.set_addresses(addrs) {
+                    tracing::error!(replica = %self.replica, "could not give the controller the new addresses: {e}");
+                }
+            }
+            None => tracing::error!(
+                replica = %self.replica,
+                "the replica's new ports name no controller port"
+            ),
         }
     }
 
@@ -1095,7 +1144,8 @@ mod tests {
             ping_bound: Duration::from_millis(100),
         };
         let (tx, rx) = broadcast::channel(16);
-        (tx, halted, tokio::spawn(w.run(rx)), metrics)
+        let services = w.restarter.orchestrator.watch_services();
+        (tx, halted, tokio::spawn(w.run(rx, services)), metrics)
     }
 
     /// Sends a Disconnected event and waits until the watcher counted it:

@@ -276,6 +276,19 @@ impl Actor {
                 tracing::info!(policy = %policy.name(), "distribution policy replaced; in force from the next session");
                 self.policy = policy;
             }
+            Request::SetAddresses(addrs) => {
+                if addrs.len() != self.replica.processes.len() {
+                    tracing::error!(
+                        ?addrs,
+                        processes = self.replica.processes.len(),
+                        "new process addresses ignored: not one per process"
+                    );
+                    return;
+                }
+                tracing::info!(?addrs, "the replica's processes moved; reconnecting");
+                self.replica.processes = addrs;
+                self.disconnect("the replica's processes moved to new addresses".into());
+            }
             Request::Send(kind) => {
                 // A (re)created collection starts with no reported frontier.
                 if let CommandKind::CreateDataflow(d) = &kind {
