@@ -724,12 +724,18 @@ impl Environment {
         let _ops = self.ops.lock().await;
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
-        if exports.is_empty() {
-            return Err(ComputeError::Invalid(
-                "a dataflow must export at least one collection".into(),
-            ));
-        }
-        let declared: BTreeSet<u64> = inputs.iter().copied().collect();
+        let mut desc = DataflowDescription {
+            id: 0,
+            as_of,
+            inputs,
+            exports,
+            debug_name: debug_name.to_string(),
+        };
+        // What a replica would refuse (the same checks, and its decoder's
+        // limits) is refused here, before anything is recorded.
+        lockstep_protocol::validate::check_dataflow(&desc, self.compute.max_frame_len())
+            .map_err(|e| ComputeError::Invalid(e.to_string()))?;
+        let declared: BTreeSet<u64> = desc.inputs.iter().copied().collect();
         let (exported, written) = self.namespace(&replica)?;
         if let Some((c, d)) = declared
             .iter()
@@ -739,33 +745,8 @@ impl Environment {
                 "collection {c} is an export of dataflow {d}; a dataflow reads input collections only (reading another dataflow's export is not supported)"
             )));
         }
-        let mut in_request: BTreeSet<u64> = BTreeSet::new();
-        for e in &exports {
-            if e.plan.depth() > lockstep_protocol::MAX_PLAN_DEPTH {
-                return Err(ComputeError::Invalid(format!(
-                    "export {} nests {} levels deep (operators and expressions); at most {} are allowed",
-                    e.collection_id,
-                    e.plan.depth(),
-                    lockstep_protocol::MAX_PLAN_DEPTH
-                )));
-            }
-            if let Some(c) = e.plan.inputs().into_iter().find(|c| !declared.contains(c)) {
-                return Err(ComputeError::Invalid(format!(
-                    "export {} reads collection {c}, which is not among the inputs {inputs:?}",
-                    e.collection_id
-                )));
-            }
+        for e in &desc.exports {
             let c = e.collection_id;
-            if !in_request.insert(c) {
-                return Err(ComputeError::Invalid(format!(
-                    "collection {c} is exported twice by this request"
-                )));
-            }
-            if declared.contains(&c) {
-                return Err(ComputeError::Invalid(format!(
-                    "collection {c} is both an input and an export of this request"
-                )));
-            }
             if let Some(d) = exported.get(&c) {
                 return Err(ComputeError::AlreadyExists(format!(
                     "collection {c} is already exported by dataflow {d} on replica {replica_name:?}"
@@ -779,13 +760,6 @@ impl Environment {
         }
         // Refused before anything is written if nothing could serve it.
         let controller = self.controller_of(&replica)?;
-        let mut desc = DataflowDescription {
-            id: 0,
-            as_of,
-            inputs,
-            exports,
-            debug_name: debug_name.to_string(),
-        };
         // Results below the inputs' since cannot be correct: start there.
         let since = self.export_since(&replica, &desc);
         desc.as_of = desc.as_of.max(since);

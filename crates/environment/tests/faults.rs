@@ -4,7 +4,10 @@
 //!
 //! - a port recorded for a replica process taken by a foreign listener: the
 //!   orchestrator re-chooses every process's ports after repeated quick
-//!   exits, the controller follows, and the replica answers again.
+//!   exits, the controller follows, and the replica answers again;
+//! - plan depth through the gRPC API: the environment refuses exactly what a
+//!   replica's decoder and checks would refuse (one shared validation,
+//!   `lockstep_protocol::validate`), at the boundary depths.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -106,4 +109,132 @@ async fn a_taken_port_is_rechosen_for_every_process_and_the_replica_answers_agai
     peek_until(&env, 101, 1, &expected, Duration::from_secs(30))
         .await
         .expect("the new environment's controller answers on the new ports");
+}
+
+/// A plan of `depth` levels: filters without predicates around `get(1)`.
+fn nested(depth: usize) -> lockstep_protocol::Plan {
+    let mut plan = lockstep_protocol::Plan::Get { collection_id: 1 };
+    for _ in 1..depth {
+        plan = lockstep_protocol::Plan::Filter {
+            input: Box::new(plan),
+            predicates: vec![],
+        };
+    }
+    assert_eq!(plan.depth(), depth);
+    plan
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_depths_at_the_limit_are_refused_through_the_api_exactly_as_a_replica_would() {
+    use lockstep_environment::proto;
+    use lockstep_environment::proto::environment_client::EnvironmentClient;
+    use lockstep_protocol::{proto as wire, MAX_PLAN_DEPTH};
+    use tonic::Code;
+
+    let sandbox = Sandbox::new().unwrap();
+    let env = std::sync::Arc::new(start(sandbox.path()).await);
+    env.create_replica("r1", shape(1, 1)).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(env.clone().serve(listener));
+    let mut api = EnvironmentClient::connect(url).await.unwrap();
+    let create = |collection_id: u64, depth: usize| proto::CreateDataflowRequest {
+        replica: "r1".into(),
+        name: format!("depth {depth}"),
+        inputs: vec![1],
+        exports: vec![wire::Export {
+            collection_id,
+            plan: Some(nested(depth).into()),
+        }],
+        as_of: 0,
+    };
+    let dataflows = |env: &lockstep_environment::Environment| env.view().dataflows.len();
+
+    // At the limit: accepted, built by the replica, and it answers.
+    api.create_dataflow(create(100, MAX_PLAN_DEPTH))
+        .await
+        .expect("a plan exactly at the limit is accepted");
+    let updates = vec![u(&[1, 10], 0, 1), u(&[2, 20], 0, 2)];
+    env.write_input("r1", 1, updates.clone(), 1).await.unwrap();
+    let expected = updates.iter().map(|u| (u.row.clone(), u.diff)).collect();
+    peek_until(&env, 100, 0, &expected, Duration::from_secs(30))
+        .await
+        .expect("the replica built the deepest plan the environment accepts");
+
+    // Past the limit (the report was at 48): refused as
+    // INVALID_ARGUMENT with the depth in the message, nothing recorded,
+    // until the API's own protobuf decoder (recursion limit 100) refuses
+    // the request before the environment sees it: INTERNAL from there on.
+    let before = dataflows(&env);
+    let mut undecodable_from = None;
+    for depth in MAX_PLAN_DEPTH + 1..=64 {
+        let e = api.create_dataflow(create(200, depth)).await.unwrap_err();
+        match (e.code(), undecodable_from) {
+            (Code::InvalidArgument, None) => assert!(
+                e.message().contains(&format!("nests {depth} levels deep")),
+                "depth {depth}: {}",
+                e.message()
+            ),
+            (Code::Internal, _) => {
+                undecodable_from.get_or_insert(depth);
+            }
+            (code, _) => panic!("depth {depth}: {code:?} {}", e.message()),
+        }
+        assert_eq!(dataflows(&env), before, "depth {depth}: nothing recorded");
+    }
+    let undecodable_from = undecodable_from.expect("the API's decoder has a limit");
+    assert!(undecodable_from > 48, "{undecodable_from}");
+    eprintln!(
+        "the API refuses plans {}..{undecodable_from} deep as INVALID_ARGUMENT, deeper as INTERNAL",
+        MAX_PLAN_DEPTH + 1
+    );
+    peek_until(&env, 100, 0, &expected, Duration::from_secs(30))
+        .await
+        .expect("the replica still answers");
+    server.abort();
+}
+
+/// A dataflow whose CreateDataflow command would not fit the replicas'
+/// frame limit is refused before it is recorded (it used to be recorded,
+/// acknowledged, and then never sent: the controller cannot encode it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dataflow_too_large_for_a_replica_frame_is_refused_before_it_is_recorded() {
+    use lockstep_environment::compute::ComputeError;
+    use lockstep_protocol::text::parse_plan;
+    use lockstep_protocol::Export;
+
+    let sandbox = Sandbox::new().unwrap();
+    let mut config = config(sandbox.path(), None);
+    config.max_frame_len = 64 << 10;
+    let env = start_config(config).await;
+    env.create_replica("r1", shape(1, 1)).await.unwrap();
+    let before = env.view().dataflows.len();
+    let e = env
+        .create_dataflow(
+            "r1",
+            &"x".repeat(100 << 10),
+            0,
+            vec![1],
+            vec![Export {
+                collection_id: 101,
+                plan: parse_plan("get(1)").unwrap(),
+            }],
+        )
+        .await;
+    let Err(e) = e else {
+        panic!("a dataflow too large for a replica's frame was accepted")
+    };
+    match &e {
+        ComputeError::Invalid(m) => assert!(m.contains("frame limit of 65536 bytes"), "{m}"),
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+    assert_eq!(env.view().dataflows.len(), before, "nothing recorded");
+    // The replica still serves dataflows that fit.
+    create_identity(&env, 102).await;
+    let updates = vec![u(&[1], 0, 1)];
+    env.write_input("r1", 1, updates.clone(), 1).await.unwrap();
+    let expected = updates.iter().map(|u| (u.row.clone(), u.diff)).collect();
+    peek_until(&env, 102, 0, &expected, Duration::from_secs(30))
+        .await
+        .expect("the replica answers");
 }
