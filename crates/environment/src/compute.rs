@@ -83,7 +83,17 @@ pub enum ComputeError {
     /// The catalog holds something this build cannot decode.
     #[error("catalog entry does not decode: {0}")]
     Corrupt(String),
+    /// A replica process refused the dataflow's command as malformed; the
+    /// dataflow was forgotten (catalog and history).
+    #[error("{0}")]
+    Refused(String),
 }
+
+/// How long `create_dataflow` waits to learn whether every replica process
+/// took the dataflow's command (a ping answered after it) or refused it.
+/// Past it, the dataflow stays created and is applied when the replica
+/// answers; a refusal found later still removes it from the catalog.
+pub const CREATE_OUTCOME_BOUND: Duration = Duration::from_secs(5);
 
 /// The controllers of the replicas, by replica ID.
 pub struct Compute {
@@ -117,6 +127,40 @@ pub(crate) struct Restarter {
     pub(crate) orchestrator: Arc<dyn Orchestrator>,
     pub(crate) halt: watch::Sender<Option<String>>,
     pub(crate) epoch: u64,
+    /// The catalog and the view, to forget a dataflow a replica refused.
+    pub(crate) catalog: Option<SharedCatalog>,
+}
+
+/// The environment's catalog and its view of it, shared.
+pub(crate) type SharedCatalog = (
+    Arc<Mutex<lockstep_catalog::Catalog>>,
+    Arc<Mutex<lockstep_catalog::CatalogState>>,
+);
+
+/// Removes dataflow `id`, which a replica refused, from the catalog and the
+/// view, if it is still there. Returns the error of a catalog that refused
+/// the write (a fenced one halts the environment).
+pub(crate) fn forget_refused(
+    catalog: &Mutex<lockstep_catalog::Catalog>,
+    view: &Mutex<lockstep_catalog::CatalogState>,
+    halt: &watch::Sender<Option<String>>,
+    epoch: u64,
+    id: u64,
+) -> Result<bool, EnvError> {
+    if !view.lock().expect("poisoned").dataflows.contains_key(&id) {
+        return Ok(false);
+    }
+    match catalog.lock().expect("poisoned").drop_dataflow(id) {
+        Ok(()) | Err(lockstep_catalog::WriteError::NoSuchDataflow(_)) => {}
+        Err(e) => {
+            return Err(match e.fenced() {
+                Some(f) => crate::halt_with(halt, epoch, f.to_string()),
+                None => EnvError::Catalog(e),
+            })
+        }
+    }
+    view.lock().expect("poisoned").dataflows.remove(&id);
+    Ok(true)
 }
 
 impl std::fmt::Debug for Compute {
@@ -380,6 +424,9 @@ impl Watcher {
                             crate::halt_with(&self.restarter.halt, self.restarter.epoch, format!("replica {}: {message}", self.replica));
                             return;
                         }
+                        if let Event::DataflowRefused { dataflow, message, .. } = &e {
+                            self.forget(*dataflow, message);
+                        }
                         let Some(reason) = restart_reason(&e) else { continue };
                         if let Some(t) = last_restart.filter(|t| t.elapsed() < self.interval) {
                             tracing::warn!(
@@ -423,6 +470,30 @@ impl Watcher {
                 .inc();
             if !self.restart(&reason.1).await {
                 return;
+            }
+        }
+    }
+
+    /// A replica process refused dataflow `id` as malformed (the controller
+    /// forgot it already): the catalog forgets it too, so that no restart
+    /// replays it.
+    fn forget(&self, id: u64, message: &str) {
+        let Some((catalog, view)) = &self.restarter.catalog else {
+            return;
+        };
+        match forget_refused(
+            catalog,
+            view,
+            &self.restarter.halt,
+            self.restarter.epoch,
+            id,
+        ) {
+            Ok(true) => {
+                tracing::error!(replica = %self.replica, dataflow = id, %message, "a replica refused the dataflow as malformed: removed from the catalog")
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::error!(replica = %self.replica, dataflow = id, "could not remove a refused dataflow from the catalog: {e}")
             }
         }
     }
@@ -705,6 +776,7 @@ impl Environment {
             orchestrator: self.orchestrator.clone(),
             halt: self.halt.clone(),
             epoch: self.epoch,
+            catalog: Some((self.catalog.clone(), self.view.clone())),
         }
     }
 
@@ -779,10 +851,42 @@ impl Environment {
             record
         };
         desc.id = record.id;
+        let mut events = controller.events();
         controller.create_dataflow(desc.clone())?;
         if since > 0 {
             for e in &desc.exports {
                 controller.allow_compaction(e.collection_id, Some(since))?;
+            }
+        }
+        // Every process applies commands in order: a ping answered by every
+        // worker after the create means every process took it. A process
+        // that cannot decode it refuses it instead.
+        let refused = async {
+            loop {
+                match events.recv().await {
+                    Ok(Event::DataflowRefused {
+                        dataflow, message, ..
+                    }) if dataflow == desc.id => return message,
+                    Err(broadcast::error::RecvError::Closed) => {
+                        return std::future::pending().await
+                    }
+                    _ => {}
+                }
+            }
+        };
+        tokio::select! {
+            biased;
+            message = refused => {
+                forget_refused(&self.catalog, &self.view, &self.halt, self.epoch, desc.id)?;
+                return Err(ComputeError::Refused(format!(
+                    "replica {:?} refused the dataflow's command as malformed; the dataflow was not created: {message}",
+                    replica.name
+                )));
+            }
+            answered = tokio::time::timeout(CREATE_OUTCOME_BOUND, controller.ping()) => {
+                if !matches!(answered, Ok(Ok(()))) {
+                    tracing::warn!(replica = %replica.name, dataflow = desc.id, "the replica did not confirm the dataflow within {CREATE_OUTCOME_BOUND:?}; it applies it when it answers");
+                }
             }
         }
         tracing::info!(replica = %replica.name, dataflow = desc.id, "dataflow created");
@@ -1113,6 +1217,7 @@ mod tests {
                 orchestrator: fake,
                 halt,
                 epoch: 1,
+                catalog: None,
             },
             interval: INTERVAL,
             ping_bound: Duration::from_millis(100),

@@ -360,10 +360,12 @@ pub struct OrphanReport {
 
 /// A running environment. See the crate docs for the start-up steps.
 pub struct Environment {
-    catalog: Mutex<Catalog>,
+    /// Shared with each replica's watcher, which forgets a dataflow a
+    /// replica refused.
+    catalog: Arc<Mutex<Catalog>>,
     /// Our view of the catalog: what we loaded plus our own writes (its
     /// input writes are moved to `inputs` on load).
-    view: Mutex<CatalogState>,
+    view: Arc<Mutex<CatalogState>>,
     /// What the catalog stores of every input collection, consolidated.
     inputs: Mutex<inputs::Inputs>,
     /// The view's dataflow descriptions, decoded (kept in step with the
@@ -545,8 +547,8 @@ impl Environment {
         let compute = compute::Compute::default();
         compute.metrics().epoch.set(epoch as i64);
         Ok(Environment {
-            catalog: Mutex::new(catalog),
-            view: Mutex::new(view),
+            catalog: Arc::new(Mutex::new(catalog)),
+            view: Arc::new(Mutex::new(view)),
             inputs: Mutex::new(inputs),
             decoded: Mutex::new(BTreeMap::new()),
             orchestrator,

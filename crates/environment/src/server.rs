@@ -483,6 +483,7 @@ pub fn compute_status(e: crate::compute::ComputeError) -> Status {
         }
         E::Controller(_) => Status::unavailable(e.to_string()),
         E::Corrupt(_) => Status::data_loss(e.to_string()),
+        E::Refused(_) => Status::internal(e.to_string()),
     }
 }
 

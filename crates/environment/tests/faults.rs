@@ -5,6 +5,10 @@
 //! - a port recorded for a replica process taken by a foreign listener: the
 //!   orchestrator re-chooses every process's ports after repeated quick
 //!   exits, the controller follows, and the replica answers again;
+//! - a dataflow a replica refuses as malformed (here: its processes run with
+//!   a smaller frame limit than the environment's): the request fails, the
+//!   dataflow leaves the history and the catalog, and the replica's other
+//!   dataflows keep answering, across an environment restart too;
 //! - plan depth through the gRPC API: the environment refuses exactly what a
 //!   replica's decoder and checks would refuse (one shared validation,
 //!   `lockstep_protocol::validate`), at the boundary depths.
@@ -237,4 +241,88 @@ async fn a_dataflow_too_large_for_a_replica_frame_is_refused_before_it_is_record
     peek_until(&env, 102, 0, &expected, Duration::from_secs(30))
         .await
         .expect("the replica answers");
+}
+
+/// A replica whose processes accept smaller frames than the environment
+/// checks for (64 KiB against the default): a dataflow between the two
+/// passes the environment's checks and is refused by every process's
+/// decoder. It used to stay in the history and the catalog, be resent on
+/// every reconnect, and stop every dataflow of the replica from answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dataflow_a_replica_refuses_as_malformed_fails_its_request_and_leaves_the_history() {
+    use lockstep_environment::compute::ComputeError;
+    use lockstep_protocol::text::parse_plan;
+    use lockstep_protocol::Export;
+
+    let sandbox = Sandbox::new().unwrap();
+    let small_frames = || {
+        let mut c = config(sandbox.path(), None);
+        c.service.args.push("--max-frame-len=65536".into());
+        c
+    };
+    let env = start_config(small_frames()).await;
+    env.create_replica("r1", shape(2, 1)).await.unwrap();
+    create_identity(&env, 102).await;
+    let updates = vec![u(&[1], 0, 1), u(&[2], 0, 3)];
+    env.write_input("r1", 1, updates.clone(), 1).await.unwrap();
+    let expected = updates.iter().map(|u| (u.row.clone(), u.diff)).collect();
+    peek_until(&env, 102, 0, &expected, Duration::from_secs(30))
+        .await
+        .expect("the replica answers before the refused dataflow");
+
+    let poison = env
+        .create_dataflow(
+            "r1",
+            &"x".repeat(100 << 10),
+            0,
+            vec![1],
+            vec![Export {
+                collection_id: 103,
+                plan: parse_plan("get(1)").unwrap(),
+            }],
+        )
+        .await;
+    match &poison {
+        Err(ComputeError::Refused(m)) => assert!(
+            m.contains("refused the dataflow's command as malformed") && m.contains("65536"),
+            "{m}"
+        ),
+        Err(other) => panic!("expected a refusal, got {other:?}"),
+        Ok(d) => panic!("dataflow {} was accepted", d.id),
+    }
+    assert_eq!(
+        env.view().dataflows.len(),
+        1,
+        "the refused dataflow left the catalog"
+    );
+    let history = env
+        .replica_controller("r1")
+        .unwrap()
+        .history()
+        .await
+        .unwrap();
+    assert_eq!(history.live_dataflows().len(), 1, "and the history");
+
+    // The replica's other dataflow answers, and takes new writes.
+    peek_until(&env, 102, 0, &expected, Duration::from_secs(30))
+        .await
+        .expect("the other dataflow answers after the refusal");
+    let more = vec![u(&[4], 1, 1)];
+    env.write_input("r1", 1, more.clone(), 2).await.unwrap();
+    let expected2: lockstep_protocol::reference::Multiset = updates
+        .iter()
+        .chain(&more)
+        .map(|u| (u.row.clone(), u.diff))
+        .collect();
+    peek_until(&env, 102, 1, &expected2, Duration::from_secs(30))
+        .await
+        .expect("the other dataflow takes new writes");
+
+    // A restarted environment does not replay it.
+    drop(env);
+    let env = start_config(small_frames()).await;
+    assert_eq!(env.view().dataflows.len(), 1);
+    peek_until(&env, 102, 1, &expected2, Duration::from_secs(30))
+        .await
+        .expect("the other dataflow answers after a restart");
 }
