@@ -1166,13 +1166,22 @@ impl Environment {
                 .collect();
             let mut now = std::collections::BTreeSet::new();
             for r in replicas {
-                let answered = match self.compute.controller(r.id) {
+                let controller = self.compute.controller(r.id);
+                let answered = match &controller {
                     Some(c) => matches!(
                         tokio::time::timeout(HEALTH_INTERVAL, c.ping()).await,
                         Ok(Ok(()))
                     ),
                     None => false,
                 };
+                let lags = match &controller {
+                    Some(c) => tokio::time::timeout(HEALTH_INTERVAL, c.process_lags())
+                        .await
+                        .ok()
+                        .and_then(Result::ok),
+                    None => None,
+                }
+                .unwrap_or_else(|| vec![None; r.config.processes as usize]);
                 let name = format!("replica/{}", r.name);
                 let status = if answered {
                     ServingStatus::Serving
@@ -1186,6 +1195,23 @@ impl Environment {
                     replica: r.name.clone(),
                 };
                 metrics.serving.get_or_create(&label).set(answered as i64);
+                for (i, lag) in lags.into_iter().enumerate() {
+                    let labels = metrics::ProcessLabels {
+                        replica: r.name.clone(),
+                        process: i.to_string(),
+                    };
+                    match lag {
+                        Some(lag) => {
+                            metrics
+                                .frontier_lag
+                                .get_or_create(&labels)
+                                .set(i64::try_from(lag).unwrap_or(i64::MAX));
+                        }
+                        None => {
+                            metrics.frontier_lag.remove(&labels);
+                        }
+                    }
+                }
                 metrics
                     .stored_updates
                     .get_or_create(&label)

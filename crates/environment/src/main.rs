@@ -561,8 +561,8 @@ async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
         replicas.len()
     );
     println!(
-        "{:<20} {:>5} {:>7} {:>9} {:>8}  SERVING",
-        "REPLICA", "ID", "SHAPE", "RUNNING", "RESTARTS"
+        "{:<20} {:>5} {:>7} {:>9} {:>8} {:>12}  SERVING",
+        "REPLICA", "ID", "SHAPE", "RUNNING", "RESTARTS", "LAG"
     );
     for r in &replicas {
         let serving = match health
@@ -581,13 +581,21 @@ async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
         };
         let running = r.process_status.iter().filter(|p| p.running).count();
         let restarts: u32 = r.process_status.iter().map(|p| p.restarts).sum();
+        // Per process, comma-separated; `?` where it is not known.
+        let lag = r
+            .process_status
+            .iter()
+            .map(|p| p.frontier_lag.map_or("?".to_string(), |l| l.to_string()))
+            .collect::<Vec<_>>()
+            .join(",");
         println!(
-            "{:<20} {:>5} {:>7} {:>9} {:>8}  {serving}",
+            "{:<20} {:>5} {:>7} {:>9} {:>8} {:>12}  {serving}",
             r.name,
             r.id,
             format!("{}x{}", r.processes, r.workers_per_process),
             format!("{running}/{}", r.processes),
-            restarts
+            restarts,
+            lag
         );
     }
     Ok(())

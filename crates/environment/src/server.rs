@@ -180,6 +180,7 @@ pub fn to_proto(info: &ReplicaInfo) -> proto::Replica {
                     .map(|(k, v)| (k.clone(), v.to_string()))
                     .collect(),
                 restarts: p.restarts,
+                frontier_lag: None,
             })
             .collect(),
     }
@@ -238,8 +239,19 @@ impl EnvironmentApi for EnvironmentService {
             let list = self.env.list_replicas().await.map_err(status)?;
             let (page, next_page_token) =
                 paginate(list, r.page_size, &r.page_token, |i| i.replica.id)?;
+            let mut replicas: Vec<proto::Replica> = page.iter().map(to_proto).collect();
+            for r in &mut replicas {
+                let Some(c) = self.env.replica_controller(&r.name) else {
+                    continue;
+                };
+                if let Ok(lags) = c.process_lags().await {
+                    for (p, lag) in r.process_status.iter_mut().zip(lags) {
+                        p.frontier_lag = lag;
+                    }
+                }
+            }
             Ok(Response::new(proto::ListReplicasResponse {
-                replicas: page.iter().map(to_proto).collect(),
+                replicas,
                 next_page_token,
             }))
         }

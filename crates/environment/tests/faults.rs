@@ -326,3 +326,90 @@ async fn a_dataflow_a_replica_refuses_as_malformed_fails_its_request_and_leaves_
         .await
         .expect("the other dataflow answers after a restart");
 }
+
+/// Per-process frontier lag: in the metrics and in ListReplicas (which
+/// `lockstep status` prints). A stopped process stops reporting frontiers,
+/// so a write makes the lag visible; once it runs again (or the replica is
+/// restarted), the lag goes back to 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frontier_lag_per_process_is_in_the_metrics_and_the_replica_list() {
+    use lockstep_environment::proto;
+    use lockstep_environment::proto::environment_client::EnvironmentClient;
+
+    let sandbox = Sandbox::new().unwrap();
+    let env = std::sync::Arc::new(start(sandbox.path()).await);
+    env.create_replica("r1", shape(2, 1)).await.unwrap();
+    create_identity(&env, 102).await;
+    env.write_input("r1", 1, vec![u(&[1], 0, 1)], 1)
+        .await
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(env.clone().serve(listener));
+    let api = EnvironmentClient::connect(url).await.unwrap();
+    let lags = || {
+        let mut api = api.clone();
+        async move {
+            api.list_replicas(proto::ListReplicasRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .replicas[0]
+                .process_status
+                .iter()
+                .map(|p| p.frontier_lag)
+                .collect::<Vec<_>>()
+        }
+    };
+    let wait_for = |what: &'static str, want: fn(&[Option<u64>]) -> bool| async move {
+        let started = Instant::now();
+        loop {
+            let got = lags().await;
+            if want(&got) {
+                return got;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "{what}: lags {got:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    wait_for("caught up", |l| l.iter().all(|l| *l == Some(0))).await;
+    // The metrics say the same (the health loop updates them every second).
+    let started = Instant::now();
+    loop {
+        let text = env.metrics().encode();
+        let found = (0..2).all(|p| {
+            text.contains(&format!(
+                "lockstep_process_frontier_lag{{replica=\"r1\",process=\"{p}\"}} 0"
+            ))
+        });
+        if found {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Stop process 1 and write up to 50: the lag shows.
+    let stopped = service(&env).await.processes[1].pid.unwrap();
+    let signal = |sig: &str| {
+        std::process::Command::new("kill")
+            .args([sig, &stopped.to_string()])
+            .status()
+            .unwrap()
+    };
+    assert!(signal("-STOP").success());
+    env.write_input("r1", 1, vec![u(&[2], 1, 1)], 50)
+        .await
+        .unwrap();
+    let behind = wait_for("behind after a write to a stopped process", |l| {
+        l.iter().any(|l| l.is_some_and(|l| l > 0))
+    })
+    .await;
+    assert!(signal("-CONT").success());
+    eprintln!("lags with process 1 stopped: {behind:?}");
+    wait_for("caught up again", |l| l.iter().all(|l| *l == Some(0))).await;
+    server.abort();
+}

@@ -397,6 +397,9 @@ impl Actor {
                 h.reduce();
                 let _ = reply.send(h);
             }
+            Request::ProcessLags { reply } => {
+                let _ = reply.send(self.process_lags());
+            }
             Request::Reconnect => self.disconnect("reconnect requested".into()),
             Request::Shutdown => {}
         }
@@ -511,6 +514,32 @@ impl Actor {
                 message: error.message.clone(),
             });
         }
+    }
+
+    /// See [`crate::Controller::process_lags`].
+    fn process_lags(&self) -> Vec<Option<u64>> {
+        let mut lags = vec![Some(0u64); self.replica.processes.len()];
+        for d in self.history.live_dataflows() {
+            let Some(written) = d.inputs.iter().map(|c| self.history.input_upper(*c)).min() else {
+                continue;
+            };
+            for e in &d.exports {
+                let reported = self.frontiers.get(&e.collection_id);
+                for (p, lag) in lags.iter_mut().enumerate() {
+                    let this = match reported.and_then(|r| r.get(&p)) {
+                        None => None,
+                        // Complete: nothing more to come.
+                        Some(None) => Some(0),
+                        Some(Some(t)) => Some(written.saturating_sub(*t)),
+                    };
+                    *lag = match (*lag, this) {
+                        (Some(a), Some(b)) => Some(a.max(b)),
+                        _ => None,
+                    };
+                }
+            }
+        }
+        lags
     }
 
     /// The meet of a collection's frontier over all processes, once every
