@@ -102,6 +102,8 @@ pub struct Compute {
     watchers: Mutex<BTreeMap<u64, JoinHandle<()>>>,
     timeouts: Timeouts,
     distribution: Mutex<Option<std::path::PathBuf>>,
+    /// Per-replica distribution policies, over `distribution`.
+    replica_distribution: Mutex<BTreeMap<u64, std::path::PathBuf>>,
     restart_interval: Duration,
     /// The frame limit of every replica connection.
     max_frame_len: std::sync::atomic::AtomicUsize,
@@ -183,6 +185,7 @@ impl Default for Compute {
             watchers: Mutex::new(BTreeMap::new()),
             timeouts: Timeouts::default(),
             distribution: Mutex::new(None),
+            replica_distribution: Mutex::new(BTreeMap::new()),
             restart_interval: REPLICA_RESTART_INTERVAL,
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN.into(),
             metrics: Default::default(),
@@ -231,11 +234,44 @@ impl Compute {
         *self.distribution.lock().expect("poisoned") = path;
     }
 
-    /// The distribution policy for one controller: the WASM policy wrapped so
-    /// that a failing call falls back to `barrier` (the safe default), or the
+    /// Uses the WASM distribution policy at `path` for replica `replica_id`
+    /// alone, over the environment-wide one (`None`: the environment-wide
+    /// one again), for its controllers started from now on.
+    pub fn set_replica_distribution_policy(
+        &self,
+        replica_id: u64,
+        path: Option<std::path::PathBuf>,
+    ) {
+        let mut map = self.replica_distribution.lock().expect("poisoned");
+        match path {
+            Some(p) => map.insert(replica_id, p),
+            None => map.remove(&replica_id),
+        };
+    }
+
+    /// Whether replica `replica_id` has a distribution policy of its own.
+    pub(crate) fn has_replica_policy(&self, replica_id: u64) -> bool {
+        self.replica_distribution
+            .lock()
+            .expect("poisoned")
+            .contains_key(&replica_id)
+    }
+
+    /// The distribution policy for a controller of replica `replica_id`:
+    /// its own WASM policy, else the environment-wide one, wrapped so that a
+    /// failing call falls back to `barrier` (the safe default), or the
     /// native rule.
-    pub(crate) fn policy(&self) -> Box<dyn lockstep_policy::DistributionPolicy + Send> {
-        let path = self.distribution.lock().expect("poisoned").clone();
+    pub(crate) fn policy_for(
+        &self,
+        replica_id: u64,
+    ) -> Box<dyn lockstep_policy::DistributionPolicy + Send> {
+        let own = self
+            .replica_distribution
+            .lock()
+            .expect("poisoned")
+            .get(&replica_id)
+            .cloned();
+        let path = own.or_else(|| self.distribution.lock().expect("poisoned").clone());
         if let Some(path) = path {
             match lockstep_policy_host::WasmDistributionPolicy::load(&path, Default::default()) {
                 Ok(p) => {
@@ -278,7 +314,7 @@ impl Compute {
         addrs.max_frame_len = self
             .max_frame_len
             .load(std::sync::atomic::Ordering::Relaxed);
-        let policy = self.policy();
+        let policy = self.policy_for(replica.id);
         let controller = Controller::start(
             addrs,
             restarter.epoch,
@@ -664,7 +700,7 @@ impl Environment {
 }
 
 impl Environment {
-    fn replica_named(&self, name: &str) -> Result<Replica, ComputeError> {
+    pub(crate) fn replica_named(&self, name: &str) -> Result<Replica, ComputeError> {
         if name.is_empty() {
             return Err(ComputeError::Invalid(
                 "a request needs a replica name".into(),

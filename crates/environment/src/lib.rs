@@ -393,6 +393,9 @@ pub struct Environment {
     policies_dir: Option<PathBuf>,
     /// The policies in force, by kind.
     policies_in_force: Mutex<BTreeMap<String, policies::PolicyInForce>>,
+    /// The per-replica policies in force (over the environment-wide ones),
+    /// by replica ID.
+    replica_policies_in_force: Mutex<BTreeMap<u64, policies::PolicyInForce>>,
 }
 
 impl std::fmt::Debug for Environment {
@@ -487,6 +490,7 @@ impl Environment {
                     name: lockstep_policy_host::policy_name(path),
                     hash: policies::short_hash(&wasm),
                     since: 0,
+                    replica: None,
                 },
             );
         }
@@ -563,6 +567,7 @@ impl Environment {
             session_secret: None,
             api_token: None,
             policies_dir: None,
+            replica_policies_in_force: Mutex::new(BTreeMap::new()),
             policies_in_force: Mutex::new(BTreeMap::from([
                 (
                     "distribution".to_string(),
@@ -571,6 +576,7 @@ impl Environment {
                         name: "native barrier".into(),
                         hash: String::new(),
                         since: 0,
+                        replica: None,
                     },
                 ),
                 (
@@ -580,6 +586,7 @@ impl Environment {
                         name: orphan_rule_name,
                         hash: String::new(),
                         since: 0,
+                        replica: None,
                     },
                 ),
             ])),
@@ -958,6 +965,13 @@ impl Environment {
         };
         fail::fail_point!("after_catalog_drop_replica");
         self.compute_stopped(replica.id);
+        // Its own policy went with it in the catalog.
+        self.compute
+            .set_replica_distribution_policy(replica.id, None);
+        self.replica_policies_in_force
+            .lock()
+            .expect("poisoned")
+            .remove(&replica.id);
         self.orchestrator
             .drop_service(&ServiceTemplate::service_name(replica.id))
             .await

@@ -167,6 +167,10 @@ enum PolicyCommand {
     Set {
         /// The policy (.wasm component); its name is the file name.
         file: PathBuf,
+        /// Put it in force on this replica alone, over the
+        /// environment-wide one (a distribution policy only).
+        #[arg(long)]
+        replica: Option<String>,
     },
     /// The policies in force on a running environment.
     Show,
@@ -434,7 +438,7 @@ fn main() -> ExitCode {
         } => policy_check(&files),
         Command::Policy {
             server,
-            command: PolicyCommand::Set { file },
+            command: PolicyCommand::Set { file, replica },
         } => finish(runtime.block_on(async move {
             let wasm =
                 std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
@@ -443,13 +447,21 @@ fn main() -> ExitCode {
                 .set_policy(proto::SetPolicyRequest {
                     name: lockstep_policy_host::policy_name(&file),
                     wasm,
+                    replica: replica.unwrap_or_default(),
                 })
                 .await
                 .map_err(status_err)?
                 .into_inner()
                 .policy
                 .context("no policy in the answer")?;
-            println!("{} policy {} ({}) in force", p.kind, p.name, p.hash);
+            if p.replica.is_empty() {
+                println!("{} policy {} ({}) in force", p.kind, p.name, p.hash);
+            } else {
+                println!(
+                    "{} policy {} ({}) in force on replica {}",
+                    p.kind, p.name, p.hash, p.replica
+                );
+            }
             Ok(())
         })),
         Command::Policy {
@@ -463,7 +475,10 @@ fn main() -> ExitCode {
                 .map_err(status_err)?
                 .into_inner()
                 .policies;
-            println!("{:<13} {:<24} {:<17} SINCE", "KIND", "NAME", "HASH");
+            println!(
+                "{:<13} {:<20} {:<24} {:<17} SINCE",
+                "KIND", "REPLICA", "NAME", "HASH"
+            );
             for p in list {
                 let since = if p.since == 0 {
                     "start".to_string()
@@ -471,7 +486,15 @@ fn main() -> ExitCode {
                     format!("{} (unix)", p.since)
                 };
                 let hash = if p.hash.is_empty() { "-" } else { &p.hash };
-                println!("{:<13} {:<24} {:<17} {since}", p.kind, p.name, hash);
+                let replica = if p.replica.is_empty() {
+                    "(all)"
+                } else {
+                    &p.replica
+                };
+                println!(
+                    "{:<13} {:<20} {:<24} {:<17} {since}",
+                    p.kind, replica, p.name, hash
+                );
             }
             Ok(())
         })),

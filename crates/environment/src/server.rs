@@ -148,6 +148,7 @@ pub fn policy_to_proto(p: &crate::policies::PolicyInForce) -> proto::Policy {
         name: p.name.clone(),
         hash: p.hash.clone(),
         since: p.since,
+        replica: p.replica.clone().unwrap_or_default(),
     }
 }
 
@@ -410,7 +411,11 @@ impl EnvironmentApi for EnvironmentService {
             let r = request.into_inner();
             let p = self
                 .env
-                .set_policy(&r.name, r.wasm)
+                .set_policy_on(
+                    Some(r.replica.as_str()).filter(|r| !r.is_empty()),
+                    &r.name,
+                    r.wasm,
+                )
                 .await
                 .map_err(compute_status)?;
             Ok(Response::new(proto::SetPolicyResponse {
