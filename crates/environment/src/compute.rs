@@ -829,7 +829,7 @@ impl Environment {
         inputs: Vec<u64>,
         exports: Vec<Export>,
     ) -> Result<DataflowDescription, ComputeError> {
-        let _ops = self.ops.lock().await;
+        let ops = self.ops.lock().await;
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
         let mut desc = DataflowDescription {
@@ -894,6 +894,9 @@ impl Environment {
                 controller.allow_compaction(e.collection_id, Some(since))?;
             }
         }
+        // The dataflow is recorded and sent: other operations need not wait
+        // for its outcome.
+        drop(ops);
         // Every process applies commands in order: a ping answered by every
         // worker after the create means every process took it. A process
         // that cannot decode it refuses it instead.
