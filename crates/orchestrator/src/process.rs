@@ -298,6 +298,7 @@ impl Orchestrator for ProcessOrchestrator {
     }
 
     async fn drop_service(&self, name: &str) -> Result<bool, DropError> {
+        self.inner.args.lock().expect("poisoned").remove(name);
         if let Some(tasks) = self
             .inner
             .supervisors
