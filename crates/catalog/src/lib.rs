@@ -51,7 +51,7 @@ use sqlite::SqliteCatalog;
 pub const APPLICATION_ID: i32 = 0x4c4b_5354;
 
 /// The schema version this build writes and understands (both backends).
-pub const SCHEMA_VERSION: i32 = 2;
+pub const SCHEMA_VERSION: i32 = 3;
 
 /// Why a catalog could not be opened. In every case the store was not
 /// modified. For a PostgreSQL store, `path` holds the redacted connection
@@ -540,6 +540,22 @@ impl Catalog {
     /// The policies set at run time, by kind.
     pub fn policies(&mut self) -> Result<Vec<StoredPolicy>, ReadError> {
         dispatch!(self, c => c.policies())
+    }
+
+    /// Records `policy` as the one in force for its kind on replica
+    /// `replica_id` alone (replacing any), over the environment-wide one. It
+    /// goes with the replica.
+    pub fn set_replica_policy(
+        &mut self,
+        replica_id: u64,
+        policy: &StoredPolicy,
+    ) -> Result<(), WriteError> {
+        dispatch!(self, c => c.set_replica_policy(replica_id, policy))
+    }
+
+    /// The per-replica policies set at run time, by replica ID and kind.
+    pub fn replica_policies(&mut self) -> Result<Vec<(u64, StoredPolicy)>, ReadError> {
+        dispatch!(self, c => c.replica_policies())
     }
 
     /// Drops a dataflow.

@@ -66,6 +66,18 @@ CREATE TABLE IF NOT EXISTS catalog_policies (
 );
 ";
 
+/// Version 3 adds per-replica policies, which go with their replica.
+const SCHEMA_V3: &str = "
+CREATE TABLE IF NOT EXISTS catalog_replica_policies (
+    replica_id BIGINT NOT NULL REFERENCES catalog_replicas (id) ON DELETE CASCADE,
+    kind       TEXT NOT NULL,
+    name       TEXT NOT NULL,
+    wasm       BYTEA NOT NULL,
+    set_at     BIGINT NOT NULL,
+    PRIMARY KEY (replica_id, kind)
+);
+";
+
 /// An open PostgreSQL catalog, owning the epoch it bumped when it was opened.
 #[derive(Debug)]
 pub(crate) struct PgCatalog {
@@ -431,6 +443,73 @@ impl PgCatalog {
         })
     }
 
+    /// Records `policy` as the one in force for its kind on one replica.
+    pub(crate) fn set_replica_policy(
+        &mut self,
+        replica_id: u64,
+        policy: &StoredPolicy,
+    ) -> Result<(), WriteError> {
+        let policy = policy.clone();
+        self.write(move |c| {
+            Box::pin(async move {
+                let known: bool = c
+                    .query_one(
+                        "SELECT EXISTS (SELECT 1 FROM catalog_replicas WHERE id = $1)",
+                        &[&(replica_id as i64)],
+                    )
+                    .await?
+                    .get(0);
+                if !known {
+                    return Err(WriteError::NoSuchReplica(replica_id.to_string()));
+                }
+                c.execute(
+                    "INSERT INTO catalog_replica_policies (replica_id, kind, name, wasm, set_at) \
+                     VALUES ($1, $2, $3, $4, $5) \
+                     ON CONFLICT (replica_id, kind) DO UPDATE SET name = $3, wasm = $4, set_at = $5",
+                    &[
+                        &(replica_id as i64),
+                        &policy.kind,
+                        &policy.name,
+                        &policy.wasm,
+                        &(policy.set_at as i64),
+                    ],
+                )
+                .await?;
+                Ok(())
+            })
+        })
+    }
+
+    /// The per-replica policies, by replica ID and kind.
+    pub(crate) fn replica_policies(&mut self) -> Result<Vec<(u64, StoredPolicy)>, ReadError> {
+        self.conn.run(|s: &mut Session| {
+            Box::pin(async move {
+                let rows = s
+                    .client
+                    .query(
+                        "SELECT replica_id, kind, name, wasm, set_at FROM catalog_replica_policies \
+                         ORDER BY replica_id, kind",
+                        &[],
+                    )
+                    .await?;
+                Ok(rows
+                    .into_iter()
+                    .map(|r| {
+                        (
+                            r.get::<_, i64>(0) as u64,
+                            StoredPolicy {
+                                kind: r.get(1),
+                                name: r.get(2),
+                                wasm: r.get(3),
+                                set_at: r.get::<_, i64>(4) as u64,
+                            },
+                        )
+                    })
+                    .collect())
+            })
+        })
+    }
+
     /// Drops a dataflow.
     pub(crate) fn drop_dataflow(&mut self, id: u64) -> Result<(), WriteError> {
         self.write(move |c| {
@@ -525,6 +604,7 @@ async fn open_transaction(c: &Client, path: PathBuf) -> Result<u64, OpenError> {
                 }
                 c.batch_execute(SCHEMA).await.map_err(pg)?;
                 c.batch_execute(SCHEMA_V2).await.map_err(pg)?;
+                c.batch_execute(SCHEMA_V3).await.map_err(pg)?;
                 c.execute(
                     "INSERT INTO lockstep_schema (component, version) VALUES ('catalog', $1)",
                     &[&SCHEMA_VERSION],
@@ -547,6 +627,9 @@ async fn open_transaction(c: &Client, path: PathBuf) -> Result<u64, OpenError> {
             Some(found) => {
                 if found < 2 {
                     c.batch_execute(SCHEMA_V2).await.map_err(pg)?;
+                }
+                if found < 3 {
+                    c.batch_execute(SCHEMA_V3).await.map_err(pg)?;
                 }
                 if found < SCHEMA_VERSION {
                     c.execute(

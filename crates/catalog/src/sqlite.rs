@@ -56,6 +56,18 @@ CREATE TABLE IF NOT EXISTS policies (
 ) STRICT;
 ";
 
+/// Version 3 adds per-replica policies, which go with their replica.
+const SCHEMA_V3: &str = "
+CREATE TABLE IF NOT EXISTS replica_policies (
+    replica_id INTEGER NOT NULL REFERENCES replicas (id) ON DELETE CASCADE,
+    kind       TEXT NOT NULL,
+    name       TEXT NOT NULL,
+    wasm       BLOB NOT NULL,
+    set_at     INTEGER NOT NULL,
+    PRIMARY KEY (replica_id, kind)
+) STRICT;
+";
+
 /// An open SQLite catalog, owning the epoch it bumped when it was opened.
 #[derive(Debug)]
 pub(crate) struct SqliteCatalog {
@@ -111,6 +123,7 @@ impl SqliteCatalog {
             // (A non-empty file with version 0 was refused by `validate`.)
             tx.execute_batch(SCHEMA).map_err(sqlite)?;
             tx.execute_batch(SCHEMA_V2).map_err(sqlite)?;
+            tx.execute_batch(SCHEMA_V3).map_err(sqlite)?;
             tx.pragma_update(None, "application_id", APPLICATION_ID)
                 .map_err(sqlite)?;
             tx.pragma_update(None, "user_version", SCHEMA_VERSION)
@@ -119,9 +132,14 @@ impl SqliteCatalog {
             // Re-check inside the write transaction: the file may have been
             // replaced between validation and now.
             check_header(&path, &tx)?;
+            // Migrate, in the same transaction as the epoch bump.
             if version < 2 {
-                // Migrate, in the same transaction as the epoch bump.
                 tx.execute_batch(SCHEMA_V2).map_err(sqlite)?;
+            }
+            if version < 3 {
+                tx.execute_batch(SCHEMA_V3).map_err(sqlite)?;
+            }
+            if version < SCHEMA_VERSION {
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)
                     .map_err(sqlite)?;
             }
@@ -383,6 +401,57 @@ impl SqliteCatalog {
                 wasm: r.get(2)?,
                 set_at: r.get::<_, i64>(3)? as u64,
             })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Records `policy` as the one in force for its kind on one replica.
+    pub fn set_replica_policy(
+        &mut self,
+        replica_id: u64,
+        policy: &StoredPolicy,
+    ) -> Result<(), WriteError> {
+        self.write(|tx| {
+            let known: bool = tx.query_row(
+                "SELECT EXISTS (SELECT 1 FROM replicas WHERE id = ?1)",
+                [replica_id as i64],
+                |r| r.get(0),
+            )?;
+            if !known {
+                return Err(WriteError::NoSuchReplica(replica_id.to_string()));
+            }
+            tx.execute(
+                "INSERT INTO replica_policies (replica_id, kind, name, wasm, set_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5) \
+                 ON CONFLICT (replica_id, kind) DO UPDATE SET name = ?3, wasm = ?4, set_at = ?5",
+                params![
+                    replica_id as i64,
+                    policy.kind,
+                    policy.name,
+                    policy.wasm,
+                    policy.set_at as i64
+                ],
+            )?;
+            Ok(())
+        })
+    }
+
+    /// The per-replica policies, by replica ID and kind.
+    pub fn replica_policies(&mut self) -> Result<Vec<(u64, StoredPolicy)>, ReadError> {
+        let mut stmt = self.conn.prepare(
+            "SELECT replica_id, kind, name, wasm, set_at FROM replica_policies \
+             ORDER BY replica_id, kind",
+        )?;
+        let rows = stmt.query_map([], |r| {
+            Ok((
+                r.get::<_, i64>(0)? as u64,
+                StoredPolicy {
+                    kind: r.get(1)?,
+                    name: r.get(2)?,
+                    wasm: r.get(3)?,
+                    set_at: r.get::<_, i64>(4)? as u64,
+                },
+            ))
         })?;
         Ok(rows.collect::<Result<_, _>>()?)
     }

@@ -68,6 +68,43 @@ fn a_version_1_catalog_is_migrated_and_policies_are_kept_and_fenced(s: &TestStor
     assert!(c.set_policy(&p).unwrap_err().fenced().is_some());
 }
 
+fn replica_policies_are_kept_fenced_and_go_with_their_replica(s: &TestStore) {
+    let mut c = s.open();
+    let r1 = c.create_replica("r1", cfg(1)).unwrap();
+    let r2 = c.create_replica("r2", cfg(1)).unwrap();
+    let p = StoredPolicy {
+        kind: "distribution".into(),
+        name: "log".into(),
+        wasm: vec![0, 97, 115, 109],
+        set_at: 7,
+    };
+    assert!(matches!(
+        c.set_replica_policy(999, &p),
+        Err(WriteError::NoSuchReplica(_))
+    ));
+    c.set_replica_policy(r1.id, &p).unwrap();
+    let newer = StoredPolicy {
+        name: "broadcast".into(),
+        set_at: 8,
+        ..p.clone()
+    };
+    c.set_replica_policy(r1.id, &newer).unwrap();
+    c.set_replica_policy(r2.id, &p).unwrap();
+    assert!(c.policies().unwrap().is_empty(), "not environment-wide");
+    assert_eq!(
+        c.replica_policies().unwrap(),
+        vec![(r1.id, newer.clone()), (r2.id, p.clone())]
+    );
+    c.drop_replica("r2").unwrap();
+    let mut reopened = s.open();
+    assert_eq!(reopened.replica_policies().unwrap(), vec![(r1.id, newer)]);
+    assert!(c
+        .set_replica_policy(r1.id, &p)
+        .unwrap_err()
+        .fenced()
+        .is_some());
+}
+
 fn replacing_inputs_keeps_other_collections_and_is_fenced(s: &TestStore) {
     let mut c = s.open();
     let r = c.create_replica("r", cfg(1)).unwrap();
@@ -327,12 +364,14 @@ impl TestStore {
         match self {
             TestStore::Sqlite(_) => c
                 .sqlite_conn()
-                .execute_batch("DROP TABLE policies; PRAGMA user_version = 1;")
+                .execute_batch(
+                    "DROP TABLE replica_policies; DROP TABLE policies; PRAGMA user_version = 1;",
+                )
                 .unwrap(),
             TestStore::Postgres(pg) => {
                 pg.psql(
                     lockstep_pgtest::DATABASE,
-                    "DROP TABLE catalog_policies; \
+                    "DROP TABLE catalog_replica_policies; DROP TABLE catalog_policies; \
                      UPDATE lockstep_schema SET version = 1 WHERE component = 'catalog';",
                 )
                 .unwrap();
@@ -345,6 +384,7 @@ lockstep_pgtest::on_both_backends!(
     TestStore;
     inputs_and_dataflows_survive_reopen_and_go_with_their_replica,
     a_version_1_catalog_is_migrated_and_policies_are_kept_and_fenced,
+    replica_policies_are_kept_fenced_and_go_with_their_replica,
     replacing_inputs_keeps_other_collections_and_is_fenced,
     opening_bumps_the_epoch_and_ids_are_monotonic,
     replica_names_and_shapes_are_bounded,

@@ -146,6 +146,7 @@ pub enum ControllerError {
 pub(crate) enum Request {
     Send(CommandKind),
     SetPolicy(Box<dyn DistributionPolicy + Send>),
+    SetAddresses(Vec<SocketAddr>),
     Peek {
         collection: u64,
         timestamp: Timestamp,
@@ -171,6 +172,9 @@ pub(crate) enum Request {
     },
     History {
         reply: oneshot::Sender<CommandHistory>,
+    },
+    ProcessLags {
+        reply: oneshot::Sender<Vec<Option<u64>>>,
     },
     Reconnect,
     Shutdown,
@@ -292,6 +296,14 @@ impl Controller {
         self.request(Request::SetPolicy(policy))
     }
 
+    /// The replica's processes now listen on `processes` (every process's
+    /// controller address, in process order; the orchestrator chose new
+    /// ports): reconnects to every process there. A list of another length
+    /// than the replica's processes is ignored (logged).
+    pub fn set_addresses(&self, processes: Vec<SocketAddr>) -> Result<(), ControllerError> {
+        self.request(Request::SetAddresses(processes))
+    }
+
     /// Sends an UpdateConfiguration.
     pub fn update_configuration(
         &self,
@@ -396,6 +408,24 @@ impl Controller {
         self.ask(
             "the history",
             |reply| Request::History { reply },
+            self.timeouts.request,
+        )
+        .await
+    }
+
+    /// Per process, in process order: how far its frontiers are behind the
+    /// writes, in timestamps. For every export of every live dataflow, the
+    /// lag is the least upper of the dataflow's inputs (what was written)
+    /// minus the export's frontier on that process (0 once it is complete,
+    /// or ahead); a process's lag is the largest over the exports. `None`
+    /// for a process that has not reported a frontier of every export in
+    /// this session (not connected, or still building). `Some(0)` with no
+    /// dataflow. Answered from what the controller holds: no replica round
+    /// trip.
+    pub async fn process_lags(&self) -> Result<Vec<Option<u64>>, ControllerError> {
+        self.ask(
+            "the frontier lags",
+            |reply| Request::ProcessLags { reply },
             self.timeouts.request,
         )
         .await

@@ -83,7 +83,17 @@ pub enum ComputeError {
     /// The catalog holds something this build cannot decode.
     #[error("catalog entry does not decode: {0}")]
     Corrupt(String),
+    /// A replica process refused the dataflow's command as malformed; the
+    /// dataflow was forgotten (catalog and history).
+    #[error("{0}")]
+    Refused(String),
 }
+
+/// How long `create_dataflow` waits to learn whether every replica process
+/// took the dataflow's command (a ping answered after it) or refused it.
+/// Past it, the dataflow stays created and is applied when the replica
+/// answers; a refusal found later still removes it from the catalog.
+pub const CREATE_OUTCOME_BOUND: Duration = Duration::from_secs(5);
 
 /// The controllers of the replicas, by replica ID.
 pub struct Compute {
@@ -92,6 +102,8 @@ pub struct Compute {
     watchers: Mutex<BTreeMap<u64, JoinHandle<()>>>,
     timeouts: Timeouts,
     distribution: Mutex<Option<std::path::PathBuf>>,
+    /// Per-replica distribution policies, over `distribution`.
+    replica_distribution: Mutex<BTreeMap<u64, std::path::PathBuf>>,
     restart_interval: Duration,
     /// The frame limit of every replica connection.
     max_frame_len: std::sync::atomic::AtomicUsize,
@@ -117,6 +129,40 @@ pub(crate) struct Restarter {
     pub(crate) orchestrator: Arc<dyn Orchestrator>,
     pub(crate) halt: watch::Sender<Option<String>>,
     pub(crate) epoch: u64,
+    /// The catalog and the view, to forget a dataflow a replica refused.
+    pub(crate) catalog: Option<SharedCatalog>,
+}
+
+/// The environment's catalog and its view of it, shared.
+pub(crate) type SharedCatalog = (
+    Arc<Mutex<lockstep_catalog::Catalog>>,
+    Arc<Mutex<lockstep_catalog::CatalogState>>,
+);
+
+/// Removes dataflow `id`, which a replica refused, from the catalog and the
+/// view, if it is still there. Returns the error of a catalog that refused
+/// the write (a fenced one halts the environment).
+pub(crate) fn forget_refused(
+    catalog: &Mutex<lockstep_catalog::Catalog>,
+    view: &Mutex<lockstep_catalog::CatalogState>,
+    halt: &watch::Sender<Option<String>>,
+    epoch: u64,
+    id: u64,
+) -> Result<bool, EnvError> {
+    if !view.lock().expect("poisoned").dataflows.contains_key(&id) {
+        return Ok(false);
+    }
+    match catalog.lock().expect("poisoned").drop_dataflow(id) {
+        Ok(()) | Err(lockstep_catalog::WriteError::NoSuchDataflow(_)) => {}
+        Err(e) => {
+            return Err(match e.fenced() {
+                Some(f) => crate::halt_with(halt, epoch, f.to_string()),
+                None => EnvError::Catalog(e),
+            })
+        }
+    }
+    view.lock().expect("poisoned").dataflows.remove(&id);
+    Ok(true)
 }
 
 impl std::fmt::Debug for Compute {
@@ -139,6 +185,7 @@ impl Default for Compute {
             watchers: Mutex::new(BTreeMap::new()),
             timeouts: Timeouts::default(),
             distribution: Mutex::new(None),
+            replica_distribution: Mutex::new(BTreeMap::new()),
             restart_interval: REPLICA_RESTART_INTERVAL,
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN.into(),
             metrics: Default::default(),
@@ -187,11 +234,44 @@ impl Compute {
         *self.distribution.lock().expect("poisoned") = path;
     }
 
-    /// The distribution policy for one controller: the WASM policy wrapped so
-    /// that a failing call falls back to `barrier` (the safe default), or the
+    /// Uses the WASM distribution policy at `path` for replica `replica_id`
+    /// alone, over the environment-wide one (`None`: the environment-wide
+    /// one again), for its controllers started from now on.
+    pub fn set_replica_distribution_policy(
+        &self,
+        replica_id: u64,
+        path: Option<std::path::PathBuf>,
+    ) {
+        let mut map = self.replica_distribution.lock().expect("poisoned");
+        match path {
+            Some(p) => map.insert(replica_id, p),
+            None => map.remove(&replica_id),
+        };
+    }
+
+    /// Whether replica `replica_id` has a distribution policy of its own.
+    pub(crate) fn has_replica_policy(&self, replica_id: u64) -> bool {
+        self.replica_distribution
+            .lock()
+            .expect("poisoned")
+            .contains_key(&replica_id)
+    }
+
+    /// The distribution policy for a controller of replica `replica_id`:
+    /// its own WASM policy, else the environment-wide one, wrapped so that a
+    /// failing call falls back to `barrier` (the safe default), or the
     /// native rule.
-    pub(crate) fn policy(&self) -> Box<dyn lockstep_policy::DistributionPolicy + Send> {
-        let path = self.distribution.lock().expect("poisoned").clone();
+    pub(crate) fn policy_for(
+        &self,
+        replica_id: u64,
+    ) -> Box<dyn lockstep_policy::DistributionPolicy + Send> {
+        let own = self
+            .replica_distribution
+            .lock()
+            .expect("poisoned")
+            .get(&replica_id)
+            .cloned();
+        let path = own.or_else(|| self.distribution.lock().expect("poisoned").clone());
         if let Some(path) = path {
             match lockstep_policy_host::WasmDistributionPolicy::load(&path, Default::default()) {
                 Ok(p) => {
@@ -234,7 +314,7 @@ impl Compute {
         addrs.max_frame_len = self
             .max_frame_len
             .load(std::sync::atomic::Ordering::Relaxed);
-        let policy = self.policy();
+        let policy = self.policy_for(replica.id);
         let controller = Controller::start(
             addrs,
             restarter.epoch,
@@ -252,7 +332,8 @@ impl Compute {
             ping_bound: PING_BOUND,
         };
         let events = controller.events();
-        let task = tokio::spawn(watcher.run(events));
+        let services = watcher.restarter.orchestrator.watch_services();
+        let task = tokio::spawn(watcher.run(events, services));
         if let Some(old) = self
             .watchers
             .lock()
@@ -329,7 +410,13 @@ struct Watcher {
 }
 
 impl Watcher {
-    async fn run(self, mut events: broadcast::Receiver<Event>) {
+    async fn run(
+        self,
+        mut events: broadcast::Receiver<Event>,
+        services: broadcast::Receiver<lockstep_orchestrator::ServiceEvent>,
+    ) {
+        // `None` once the orchestrator's event channel closed.
+        let mut services = Some(services);
         use tokio::sync::broadcast::error::RecvError;
         let mut last_restart: Option<Instant> = None;
         // A reason that came within the interval, to check at its end.
@@ -346,6 +433,23 @@ impl Watcher {
                 }
             };
             let reason = tokio::select! {
+                e = async {
+                    match services.as_mut() {
+                        Some(s) => s.recv().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    match e {
+                        Ok(e) if e.service == self.service => self.on_service_event(e.kind),
+                        Ok(_) => {}
+                        Err(RecvError::Lagged(n)) => {
+                            tracing::warn!(replica = %self.replica, "{n} service events were not seen");
+                        }
+                        // The orchestrator is gone; the controller events still matter.
+                        Err(RecvError::Closed) => services = None,
+                    }
+                    continue;
+                }
                 e = events.recv() => match e {
                     Ok(e) => {
                         tracing::info!(replica = %self.replica, event = ?e, "controller event");
@@ -355,6 +459,9 @@ impl Watcher {
                         if let Event::LogFailed { message, fenced: true } = &e {
                             crate::halt_with(&self.restarter.halt, self.restarter.epoch, format!("replica {}: {message}", self.replica));
                             return;
+                        }
+                        if let Event::DataflowRefused { dataflow, message, .. } = &e {
+                            self.forget(*dataflow, message);
                         }
                         let Some(reason) = restart_reason(&e) else { continue };
                         if let Some(t) = last_restart.filter(|t| t.elapsed() < self.interval) {
@@ -400,6 +507,55 @@ impl Watcher {
             if !self.restart(&reason.1).await {
                 return;
             }
+        }
+    }
+
+    /// A replica process refused dataflow `id` as malformed (the controller
+    /// forgot it already): the catalog forgets it too, so that no restart
+    /// replays it.
+    fn forget(&self, id: u64, message: &str) {
+        let Some((catalog, view)) = &self.restarter.catalog else {
+            return;
+        };
+        match forget_refused(
+            catalog,
+            view,
+            &self.restarter.halt,
+            self.restarter.epoch,
+            id,
+        ) {
+            Ok(true) => {
+                tracing::error!(replica = %self.replica, dataflow = id, %message, "a replica refused the dataflow as malformed: removed from the catalog")
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::error!(replica = %self.replica, dataflow = id, "could not remove a refused dataflow from the catalog: {e}")
+            }
+        }
+    }
+
+    /// Acts on an event of the replica's service: new ports (the
+    /// orchestrator re-chose them after a port was taken) go to the
+    /// controller, which reconnects there.
+    fn on_service_event(&self, kind: lockstep_orchestrator::ServiceEventKind) {
+        let lockstep_orchestrator::ServiceEventKind::PortsReassigned { addresses } = kind else {
+            return;
+        };
+        let controller: Option<Vec<std::net::SocketAddr>> = addresses
+            .iter()
+            .map(|a| a.get("controller").copied())
+            .collect();
+        match controller {
+            Some(addrs) => {
+                tracing::warn!(replica = %self.replica, ?addrs, "the replica's processes got new ports; reconnecting there");
+                if let Err(e) = self.controller.set_addresses(addrs) {
+                    tracing::error!(replica = %self.replica, "could not give the controller the new addresses: {e}");
+                }
+            }
+            None => tracing::error!(
+                replica = %self.replica,
+                "the replica's new ports name no controller port"
+            ),
         }
     }
 
@@ -544,7 +700,7 @@ impl Environment {
 }
 
 impl Environment {
-    fn replica_named(&self, name: &str) -> Result<Replica, ComputeError> {
+    pub(crate) fn replica_named(&self, name: &str) -> Result<Replica, ComputeError> {
         if name.is_empty() {
             return Err(ComputeError::Invalid(
                 "a request needs a replica name".into(),
@@ -656,6 +812,7 @@ impl Environment {
             orchestrator: self.orchestrator.clone(),
             halt: self.halt.clone(),
             epoch: self.epoch,
+            catalog: Some((self.catalog.clone(), self.view.clone())),
         }
     }
 
@@ -672,15 +829,21 @@ impl Environment {
         inputs: Vec<u64>,
         exports: Vec<Export>,
     ) -> Result<DataflowDescription, ComputeError> {
-        let _ops = self.ops.lock().await;
+        let ops = self.ops.lock().await;
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
-        if exports.is_empty() {
-            return Err(ComputeError::Invalid(
-                "a dataflow must export at least one collection".into(),
-            ));
-        }
-        let declared: BTreeSet<u64> = inputs.iter().copied().collect();
+        let mut desc = DataflowDescription {
+            id: 0,
+            as_of,
+            inputs,
+            exports,
+            debug_name: debug_name.to_string(),
+        };
+        // What a replica would refuse (the same checks, and its decoder's
+        // limits) is refused here, before anything is recorded.
+        lockstep_protocol::validate::check_dataflow(&desc, self.compute.max_frame_len())
+            .map_err(|e| ComputeError::Invalid(e.to_string()))?;
+        let declared: BTreeSet<u64> = desc.inputs.iter().copied().collect();
         let (exported, written) = self.namespace(&replica)?;
         if let Some((c, d)) = declared
             .iter()
@@ -690,33 +853,8 @@ impl Environment {
                 "collection {c} is an export of dataflow {d}; a dataflow reads input collections only (reading another dataflow's export is not supported)"
             )));
         }
-        let mut in_request: BTreeSet<u64> = BTreeSet::new();
-        for e in &exports {
-            if e.plan.depth() > lockstep_protocol::MAX_PLAN_DEPTH {
-                return Err(ComputeError::Invalid(format!(
-                    "export {} nests {} levels deep (operators and expressions); at most {} are allowed",
-                    e.collection_id,
-                    e.plan.depth(),
-                    lockstep_protocol::MAX_PLAN_DEPTH
-                )));
-            }
-            if let Some(c) = e.plan.inputs().into_iter().find(|c| !declared.contains(c)) {
-                return Err(ComputeError::Invalid(format!(
-                    "export {} reads collection {c}, which is not among the inputs {inputs:?}",
-                    e.collection_id
-                )));
-            }
+        for e in &desc.exports {
             let c = e.collection_id;
-            if !in_request.insert(c) {
-                return Err(ComputeError::Invalid(format!(
-                    "collection {c} is exported twice by this request"
-                )));
-            }
-            if declared.contains(&c) {
-                return Err(ComputeError::Invalid(format!(
-                    "collection {c} is both an input and an export of this request"
-                )));
-            }
             if let Some(d) = exported.get(&c) {
                 return Err(ComputeError::AlreadyExists(format!(
                     "collection {c} is already exported by dataflow {d} on replica {replica_name:?}"
@@ -730,13 +868,6 @@ impl Environment {
         }
         // Refused before anything is written if nothing could serve it.
         let controller = self.controller_of(&replica)?;
-        let mut desc = DataflowDescription {
-            id: 0,
-            as_of,
-            inputs,
-            exports,
-            debug_name: debug_name.to_string(),
-        };
         // Results below the inputs' since cannot be correct: start there.
         let since = self.export_since(&replica, &desc);
         desc.as_of = desc.as_of.max(since);
@@ -756,10 +887,45 @@ impl Environment {
             record
         };
         desc.id = record.id;
+        let mut events = controller.events();
         controller.create_dataflow(desc.clone())?;
         if since > 0 {
             for e in &desc.exports {
                 controller.allow_compaction(e.collection_id, Some(since))?;
+            }
+        }
+        // The dataflow is recorded and sent: other operations need not wait
+        // for its outcome.
+        drop(ops);
+        // Every process applies commands in order: a ping answered by every
+        // worker after the create means every process took it. A process
+        // that cannot decode it refuses it instead.
+        let refused = async {
+            loop {
+                match events.recv().await {
+                    Ok(Event::DataflowRefused {
+                        dataflow, message, ..
+                    }) if dataflow == desc.id => return message,
+                    Err(broadcast::error::RecvError::Closed) => {
+                        return std::future::pending().await
+                    }
+                    _ => {}
+                }
+            }
+        };
+        tokio::select! {
+            biased;
+            message = refused => {
+                forget_refused(&self.catalog, &self.view, &self.halt, self.epoch, desc.id)?;
+                return Err(ComputeError::Refused(format!(
+                    "replica {:?} refused the dataflow's command as malformed; the dataflow was not created: {message}",
+                    replica.name
+                )));
+            }
+            answered = tokio::time::timeout(CREATE_OUTCOME_BOUND, controller.ping()) => {
+                if !matches!(answered, Ok(Ok(()))) {
+                    tracing::warn!(replica = %replica.name, dataflow = desc.id, "the replica did not confirm the dataflow within {CREATE_OUTCOME_BOUND:?}; it applies it when it answers");
+                }
             }
         }
         tracing::info!(replica = %replica.name, dataflow = desc.id, "dataflow created");
@@ -1090,12 +1256,14 @@ mod tests {
                 orchestrator: fake,
                 halt,
                 epoch: 1,
+                catalog: None,
             },
             interval: INTERVAL,
             ping_bound: Duration::from_millis(100),
         };
         let (tx, rx) = broadcast::channel(16);
-        (tx, halted, tokio::spawn(w.run(rx)), metrics)
+        let services = w.restarter.orchestrator.watch_services();
+        (tx, halted, tokio::spawn(w.run(rx, services)), metrics)
     }
 
     /// Sends a Disconnected event and waits until the watcher counted it:

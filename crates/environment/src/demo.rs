@@ -562,15 +562,22 @@ async fn run_in(bin: &Path, state: &Path, store: Option<&str>) -> anyhow::Result
         .metrics
         .clone()
         .context("the environment printed no metrics address")?;
-    // The replica's serving gauge is set by a check every second.
+    // The replica's serving gauge and its processes' frontier lag are set
+    // by a check every second.
     let deadline = Instant::now() + Duration::from_secs(10);
     let text = loop {
         let text = fetch_metrics(&addr).await?;
-        if sample(&text, "lockstep_replica_serving{replica=\"demo\"}") == Some(1.0) {
+        if sample(&text, "lockstep_replica_serving{replica=\"demo\"}") == Some(1.0)
+            && sample(
+                &text,
+                "lockstep_process_frontier_lag{replica=\"demo\",process=\"0\"}",
+            )
+            .is_some()
+        {
             break text;
         }
         if Instant::now() > deadline {
-            bail!("the metrics never reported replica demo serving:\n{text}");
+            bail!("the metrics never reported replica demo serving with its frontier lag:\n{text}");
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
@@ -589,6 +596,11 @@ async fn run_in(bin: &Path, state: &Path, store: Option<&str>) -> anyhow::Result
         ),
         ("lockstep_controller_sessions_total{replica=\"demo\"}", 1.0),
         ("lockstep_dataflows{replica=\"demo\"}", 3.0),
+        // Present once the process reported every export; any lag passes.
+        (
+            "lockstep_process_frontier_lag{replica=\"demo\",process=\"0\"}",
+            0.0,
+        ),
         ("lockstep_epoch", 2.0),
     ] {
         match sample(&text, name) {

@@ -360,10 +360,12 @@ pub struct OrphanReport {
 
 /// A running environment. See the crate docs for the start-up steps.
 pub struct Environment {
-    catalog: Mutex<Catalog>,
+    /// Shared with each replica's watcher, which forgets a dataflow a
+    /// replica refused.
+    catalog: Arc<Mutex<Catalog>>,
     /// Our view of the catalog: what we loaded plus our own writes (its
     /// input writes are moved to `inputs` on load).
-    view: Mutex<CatalogState>,
+    view: Arc<Mutex<CatalogState>>,
     /// What the catalog stores of every input collection, consolidated.
     inputs: Mutex<inputs::Inputs>,
     /// The view's dataflow descriptions, decoded (kept in step with the
@@ -391,6 +393,9 @@ pub struct Environment {
     policies_dir: Option<PathBuf>,
     /// The policies in force, by kind.
     policies_in_force: Mutex<BTreeMap<String, policies::PolicyInForce>>,
+    /// The per-replica policies in force (over the environment-wide ones),
+    /// by replica ID.
+    replica_policies_in_force: Mutex<BTreeMap<u64, policies::PolicyInForce>>,
 }
 
 impl std::fmt::Debug for Environment {
@@ -485,6 +490,7 @@ impl Environment {
                     name: lockstep_policy_host::policy_name(path),
                     hash: policies::short_hash(&wasm),
                     since: 0,
+                    replica: None,
                 },
             );
         }
@@ -545,8 +551,8 @@ impl Environment {
         let compute = compute::Compute::default();
         compute.metrics().epoch.set(epoch as i64);
         Ok(Environment {
-            catalog: Mutex::new(catalog),
-            view: Mutex::new(view),
+            catalog: Arc::new(Mutex::new(catalog)),
+            view: Arc::new(Mutex::new(view)),
             inputs: Mutex::new(inputs),
             decoded: Mutex::new(BTreeMap::new()),
             orchestrator,
@@ -561,6 +567,7 @@ impl Environment {
             session_secret: None,
             api_token: None,
             policies_dir: None,
+            replica_policies_in_force: Mutex::new(BTreeMap::new()),
             policies_in_force: Mutex::new(BTreeMap::from([
                 (
                     "distribution".to_string(),
@@ -569,6 +576,7 @@ impl Environment {
                         name: "native barrier".into(),
                         hash: String::new(),
                         since: 0,
+                        replica: None,
                     },
                 ),
                 (
@@ -578,6 +586,7 @@ impl Environment {
                         name: orphan_rule_name,
                         hash: String::new(),
                         since: 0,
+                        replica: None,
                     },
                 ),
             ])),
@@ -956,6 +965,13 @@ impl Environment {
         };
         fail::fail_point!("after_catalog_drop_replica");
         self.compute_stopped(replica.id);
+        // Its own policy went with it in the catalog.
+        self.compute
+            .set_replica_distribution_policy(replica.id, None);
+        self.replica_policies_in_force
+            .lock()
+            .expect("poisoned")
+            .remove(&replica.id);
         self.orchestrator
             .drop_service(&ServiceTemplate::service_name(replica.id))
             .await
@@ -1164,13 +1180,22 @@ impl Environment {
                 .collect();
             let mut now = std::collections::BTreeSet::new();
             for r in replicas {
-                let answered = match self.compute.controller(r.id) {
+                let controller = self.compute.controller(r.id);
+                let answered = match &controller {
                     Some(c) => matches!(
                         tokio::time::timeout(HEALTH_INTERVAL, c.ping()).await,
                         Ok(Ok(()))
                     ),
                     None => false,
                 };
+                let lags = match &controller {
+                    Some(c) => tokio::time::timeout(HEALTH_INTERVAL, c.process_lags())
+                        .await
+                        .ok()
+                        .and_then(Result::ok),
+                    None => None,
+                }
+                .unwrap_or_else(|| vec![None; r.config.processes as usize]);
                 let name = format!("replica/{}", r.name);
                 let status = if answered {
                     ServingStatus::Serving
@@ -1184,6 +1209,23 @@ impl Environment {
                     replica: r.name.clone(),
                 };
                 metrics.serving.get_or_create(&label).set(answered as i64);
+                for (i, lag) in lags.into_iter().enumerate() {
+                    let labels = metrics::ProcessLabels {
+                        replica: r.name.clone(),
+                        process: i.to_string(),
+                    };
+                    match lag {
+                        Some(lag) => {
+                            metrics
+                                .frontier_lag
+                                .get_or_create(&labels)
+                                .set(i64::try_from(lag).unwrap_or(i64::MAX));
+                        }
+                        None => {
+                            metrics.frontier_lag.remove(&labels);
+                        }
+                    }
+                }
                 metrics
                     .stored_updates
                     .get_or_create(&label)

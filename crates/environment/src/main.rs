@@ -172,6 +172,10 @@ enum PolicyCommand {
     Set {
         /// The policy (.wasm component); its name is the file name.
         file: PathBuf,
+        /// Put it in force on this replica alone, over the
+        /// environment-wide one (a distribution policy only).
+        #[arg(long)]
+        replica: Option<String>,
     },
     /// The policies in force on a running environment.
     Show,
@@ -439,7 +443,7 @@ fn main() -> ExitCode {
         } => policy_check(&files),
         Command::Policy {
             server,
-            command: PolicyCommand::Set { file },
+            command: PolicyCommand::Set { file, replica },
         } => finish(runtime.block_on(async move {
             let wasm =
                 std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
@@ -448,13 +452,21 @@ fn main() -> ExitCode {
                 .set_policy(proto::SetPolicyRequest {
                     name: lockstep_policy_host::policy_name(&file),
                     wasm,
+                    replica: replica.unwrap_or_default(),
                 })
                 .await
                 .map_err(status_err)?
                 .into_inner()
                 .policy
                 .context("no policy in the answer")?;
-            println!("{} policy {} ({}) in force", p.kind, p.name, p.hash);
+            if p.replica.is_empty() {
+                println!("{} policy {} ({}) in force", p.kind, p.name, p.hash);
+            } else {
+                println!(
+                    "{} policy {} ({}) in force on replica {}",
+                    p.kind, p.name, p.hash, p.replica
+                );
+            }
             Ok(())
         })),
         Command::Policy {
@@ -468,7 +480,10 @@ fn main() -> ExitCode {
                 .map_err(status_err)?
                 .into_inner()
                 .policies;
-            println!("{:<13} {:<24} {:<17} SINCE", "KIND", "NAME", "HASH");
+            println!(
+                "{:<13} {:<20} {:<24} {:<17} SINCE",
+                "KIND", "REPLICA", "NAME", "HASH"
+            );
             for p in list {
                 let since = if p.since == 0 {
                     "start".to_string()
@@ -476,7 +491,15 @@ fn main() -> ExitCode {
                     format!("{} (unix)", p.since)
                 };
                 let hash = if p.hash.is_empty() { "-" } else { &p.hash };
-                println!("{:<13} {:<24} {:<17} {since}", p.kind, p.name, hash);
+                let replica = if p.replica.is_empty() {
+                    "(all)"
+                } else {
+                    &p.replica
+                };
+                println!(
+                    "{:<13} {:<20} {:<24} {:<17} {since}",
+                    p.kind, replica, p.name, hash
+                );
             }
             Ok(())
         })),
@@ -568,8 +591,8 @@ async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
         replicas.len()
     );
     println!(
-        "{:<20} {:>5} {:>7} {:>9} {:>8}  SERVING",
-        "REPLICA", "ID", "SHAPE", "RUNNING", "RESTARTS"
+        "{:<20} {:>5} {:>7} {:>9} {:>8} {:>12}  SERVING",
+        "REPLICA", "ID", "SHAPE", "RUNNING", "RESTARTS", "LAG"
     );
     for r in &replicas {
         let serving = match health
@@ -588,13 +611,21 @@ async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
         };
         let running = r.process_status.iter().filter(|p| p.running).count();
         let restarts: u32 = r.process_status.iter().map(|p| p.restarts).sum();
+        // Per process, comma-separated; `?` where it is not known.
+        let lag = r
+            .process_status
+            .iter()
+            .map(|p| p.frontier_lag.map_or("?".to_string(), |l| l.to_string()))
+            .collect::<Vec<_>>()
+            .join(",");
         println!(
-            "{:<20} {:>5} {:>7} {:>9} {:>8}  {serving}",
+            "{:<20} {:>5} {:>7} {:>9} {:>8} {:>12}  {serving}",
             r.name,
             r.id,
             format!("{}x{}", r.processes, r.workers_per_process),
             format!("{running}/{}", r.processes),
-            restarts
+            restarts,
+            lag
         );
     }
     Ok(())

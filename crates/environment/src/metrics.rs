@@ -5,7 +5,8 @@
 //! method and status code, with their latency; per replica the controller
 //! sessions, disconnections, history mismatches and replica restarts by
 //! reason, whether the replica serves (answers a ping), the updates its
-//! inputs store, its dataflows; and the environment's epoch.
+//! inputs store, its dataflows, and per process how far its frontiers are
+//! behind the writes; and the environment's epoch.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,6 +40,15 @@ pub struct MethodLabel {
 pub struct ReplicaLabel {
     /// The replica's name.
     pub replica: String,
+}
+
+/// The labels of one process of a replica.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProcessLabels {
+    /// The replica's name.
+    pub replica: String,
+    /// The process's index.
+    pub process: String,
 }
 
 /// Labels of a replica restart.
@@ -76,6 +86,10 @@ pub struct Metrics {
     pub stored_updates: Family<ReplicaLabel, Gauge>,
     /// Live dataflows of the replica.
     pub dataflows: Family<ReplicaLabel, Gauge>,
+    /// Per process, how many timestamps its slowest export is behind the
+    /// writes to its inputs ([`lockstep_controller::Controller::process_lags`]);
+    /// absent while the process has not reported every export.
+    pub frontier_lag: Family<ProcessLabels, Gauge>,
     /// The epoch this environment owns.
     pub epoch: Gauge,
 }
@@ -99,6 +113,7 @@ impl Metrics {
         let serving = Family::<ReplicaLabel, Gauge>::default();
         let stored_updates = Family::<ReplicaLabel, Gauge>::default();
         let dataflows = Family::<ReplicaLabel, Gauge>::default();
+        let frontier_lag = Family::<ProcessLabels, Gauge>::default();
         let epoch = Gauge::default();
         let mut registry = Registry::with_prefix("lockstep");
         registry.register(
@@ -142,6 +157,11 @@ impl Metrics {
             stored_updates.clone(),
         );
         registry.register("dataflows", "Live dataflows", dataflows.clone());
+        registry.register(
+            "process_frontier_lag",
+            "Timestamps the process's slowest export is behind the writes to its inputs",
+            frontier_lag.clone(),
+        );
         registry.register("epoch", "The epoch this environment owns", epoch.clone());
         Metrics {
             registry,
@@ -154,6 +174,7 @@ impl Metrics {
             serving,
             stored_updates,
             dataflows,
+            frontier_lag,
             epoch,
         }
     }

@@ -10,6 +10,13 @@
 //! from the next orphan pass. A policy set at run time stays in force across
 //! restarts, over `--distribution-policy` and `--orphan-rule/--orphan-policy`,
 //! until another is set.
+//!
+//! A distribution policy can also be set on one replica
+//! (`lockstep policy set --replica NAME`): stored with the replica in the
+//! catalog (`replica_policies`, schema version 3), written to
+//! `STATE_DIR/policies/distribution-replica-ID.wasm`, in force on that
+//! replica alone over the environment-wide one (which no longer reaches it),
+//! kept across restarts, and gone with the replica.
 
 use std::path::{Path, PathBuf};
 
@@ -31,6 +38,9 @@ pub struct PolicyInForce {
     pub hash: String,
     /// When it was put in force, in seconds since the Unix epoch.
     pub since: u64,
+    /// The replica it is in force on alone (over the environment-wide one
+    /// of its kind), or `None` for the whole environment.
+    pub replica: Option<String>,
 }
 
 /// The kind's name.
@@ -57,15 +67,39 @@ fn file_of(dir: &Path, kind: &str) -> PathBuf {
     dir.join(format!("{kind}.wasm"))
 }
 
+/// Where a replica's own policy of a kind lives.
+fn replica_file_of(dir: &Path, kind: &str, replica_id: u64) -> PathBuf {
+    dir.join(format!("{kind}-replica-{replica_id}.wasm"))
+}
+
 impl Environment {
-    /// Checks, stores and puts in force the WASM policy `wasm` named `name`.
+    /// Checks, stores and puts in force the WASM policy `wasm` named `name`
+    /// for the whole environment.
     pub async fn set_policy(
         &self,
         name: &str,
         wasm: Vec<u8>,
     ) -> Result<PolicyInForce, ComputeError> {
+        self.set_policy_on(None, name, wasm).await
+    }
+
+    /// [`set_policy`](Self::set_policy), on replica `replica` alone when it
+    /// is given (a distribution policy only: orphan removal is
+    /// environment-wide). A replica's own policy is stored with it in the
+    /// catalog, is in force over the environment-wide one, and goes when
+    /// the replica is dropped.
+    pub async fn set_policy_on(
+        &self,
+        replica: Option<&str>,
+        name: &str,
+        wasm: Vec<u8>,
+    ) -> Result<PolicyInForce, ComputeError> {
         let _ops = self.ops.lock().await;
         self.check_not_halted()?;
+        let replica = match replica {
+            None => None,
+            Some(r) => Some(self.replica_named(r)?),
+        };
         let dir = self.policies_dir.clone().ok_or_else(|| {
             ComputeError::Unavailable("this environment has no state directory for policies".into())
         })?;
@@ -104,6 +138,12 @@ impl Environment {
                 lockstep_policy_host::conformance::report(std::slice::from_ref(bad)).trim()
             )));
         }
+        if replica.is_some() && kind != PolicyKind::Distribution {
+            return Err(ComputeError::Invalid(format!(
+                "a {} policy is environment-wide; only a distribution policy can be set per replica",
+                kind_name(kind)
+            )));
+        }
         let stored = StoredPolicy {
             kind: kind_name(kind).to_string(),
             name: name.to_string(),
@@ -112,13 +152,17 @@ impl Environment {
         };
         {
             let mut catalog = self.catalog.lock().expect("poisoned");
-            catalog
-                .set_policy(&stored)
-                .map_err(|e| ComputeError::Env(self.catalog_error(e)))?;
+            match &replica {
+                None => catalog.set_policy(&stored),
+                Some(r) => catalog.set_replica_policy(r.id, &stored),
+            }
+            .map_err(|e| ComputeError::Env(self.catalog_error(e)))?;
         }
-        let in_force = self
-            .put_in_force(&dir, &stored)
-            .map_err(ComputeError::Env)?;
+        let in_force = match &replica {
+            None => self.put_in_force(&dir, &stored),
+            Some(r) => self.put_in_force_on(&dir, r.id, &r.name, &stored),
+        }
+        .map_err(ComputeError::Env)?;
         tracing::info!(kind = %in_force.kind, name = %in_force.name, hash = %in_force.hash, "policy set");
         Ok(in_force)
     }
@@ -142,9 +186,13 @@ impl Environment {
                 .copied()
                 .collect();
             for id in ids {
+                // A replica with its own policy keeps it.
+                if self.compute.has_replica_policy(id) {
+                    continue;
+                }
                 if let Some(c) = self.compute.controller(id) {
                     // From the next session on, which starts now.
-                    let _ = c.set_policy(self.compute.policy());
+                    let _ = c.set_policy(self.compute.policy_for(id));
                     let _ = c.reconnect();
                 }
             }
@@ -159,11 +207,48 @@ impl Environment {
             name: stored.name.clone(),
             hash: short_hash(&stored.wasm),
             since: stored.set_at,
+            replica: None,
         };
         self.policies_in_force
             .lock()
             .expect("poisoned")
             .insert(in_force.kind.clone(), in_force.clone());
+        Ok(in_force)
+    }
+
+    /// Writes replica `replica_id`'s own distribution policy `stored` to
+    /// its file and puts it in force on that replica: from its controller's
+    /// next session, which starts now.
+    fn put_in_force_on(
+        &self,
+        dir: &Path,
+        replica_id: u64,
+        replica: &str,
+        stored: &StoredPolicy,
+    ) -> Result<PolicyInForce, EnvError> {
+        let path = replica_file_of(dir, &stored.kind, replica_id);
+        let io = |e: std::io::Error| EnvError::Orchestrator(format!("{}: {e}", path.display()));
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let tmp = path.with_extension("wasm.tmp");
+        std::fs::write(&tmp, &stored.wasm).map_err(io)?;
+        std::fs::rename(&tmp, &path).map_err(io)?;
+        self.compute
+            .set_replica_distribution_policy(replica_id, Some(path.clone()));
+        if let Some(c) = self.compute.controller(replica_id) {
+            let _ = c.set_policy(self.compute.policy_for(replica_id));
+            let _ = c.reconnect();
+        }
+        let in_force = PolicyInForce {
+            kind: stored.kind.clone(),
+            name: stored.name.clone(),
+            hash: short_hash(&stored.wasm),
+            since: stored.set_at,
+            replica: Some(replica.to_string()),
+        };
+        self.replica_policies_in_force
+            .lock()
+            .expect("poisoned")
+            .insert(replica_id, in_force.clone());
         Ok(in_force)
     }
 
@@ -182,17 +267,47 @@ impl Environment {
         for p in stored {
             self.put_in_force(&dir, &p)?;
         }
+        let per_replica = self
+            .catalog
+            .lock()
+            .expect("poisoned")
+            .replica_policies()
+            .map_err(|e| {
+                EnvError::Orchestrator(format!("reading the catalog's replica policies: {e}"))
+            })?;
+        for (id, p) in per_replica {
+            let name = self
+                .view
+                .lock()
+                .expect("poisoned")
+                .replicas
+                .get(&id)
+                .map(|r| r.name.clone());
+            if let Some(name) = name {
+                self.put_in_force_on(&dir, id, &name, &p)?;
+            }
+        }
         Ok(())
     }
 
-    /// The policies in force, by kind.
+    /// The policies in force: the environment-wide ones by kind, then each
+    /// replica's own, by replica ID.
     pub fn policies_in_force(&self) -> Vec<PolicyInForce> {
-        self.policies_in_force
+        let mut all: Vec<PolicyInForce> = self
+            .policies_in_force
             .lock()
             .expect("poisoned")
             .values()
             .cloned()
-            .collect()
+            .collect();
+        all.extend(
+            self.replica_policies_in_force
+                .lock()
+                .expect("poisoned")
+                .values()
+                .cloned(),
+        );
+        all
     }
 }
 

@@ -148,6 +148,7 @@ pub fn policy_to_proto(p: &crate::policies::PolicyInForce) -> proto::Policy {
         name: p.name.clone(),
         hash: p.hash.clone(),
         since: p.since,
+        replica: p.replica.clone().unwrap_or_default(),
     }
 }
 
@@ -180,6 +181,7 @@ pub fn to_proto(info: &ReplicaInfo) -> proto::Replica {
                     .map(|(k, v)| (k.clone(), v.to_string()))
                     .collect(),
                 restarts: p.restarts,
+                frontier_lag: None,
             })
             .collect(),
     }
@@ -238,8 +240,19 @@ impl EnvironmentApi for EnvironmentService {
             let list = self.env.list_replicas().await.map_err(status)?;
             let (page, next_page_token) =
                 paginate(list, r.page_size, &r.page_token, |i| i.replica.id)?;
+            let mut replicas: Vec<proto::Replica> = page.iter().map(to_proto).collect();
+            for r in &mut replicas {
+                let Some(c) = self.env.replica_controller(&r.name) else {
+                    continue;
+                };
+                if let Ok(lags) = c.process_lags().await {
+                    for (p, lag) in r.process_status.iter_mut().zip(lags) {
+                        p.frontier_lag = lag;
+                    }
+                }
+            }
             Ok(Response::new(proto::ListReplicasResponse {
-                replicas: page.iter().map(to_proto).collect(),
+                replicas,
                 next_page_token,
             }))
         }
@@ -398,7 +411,11 @@ impl EnvironmentApi for EnvironmentService {
             let r = request.into_inner();
             let p = self
                 .env
-                .set_policy(&r.name, r.wasm)
+                .set_policy_on(
+                    Some(r.replica.as_str()).filter(|r| !r.is_empty()),
+                    &r.name,
+                    r.wasm,
+                )
                 .await
                 .map_err(compute_status)?;
             Ok(Response::new(proto::SetPolicyResponse {
@@ -483,6 +500,7 @@ pub fn compute_status(e: crate::compute::ComputeError) -> Status {
         }
         E::Controller(_) => Status::unavailable(e.to_string()),
         E::Corrupt(_) => Status::data_loss(e.to_string()),
+        E::Refused(_) => Status::internal(e.to_string()),
     }
 }
 

@@ -442,3 +442,119 @@ fn sqlite_log(env: &lockstep_environment::Environment, id: u64) -> std::path::Pa
         .expect("the embedded store keeps command logs in SQLite files")
         .to_path_buf()
 }
+
+/// The Hello epochs of the log sessions in the command log at `path`.
+fn log_session_epochs(path: &Path) -> Vec<u64> {
+    use lockstep_command_log::CommandLog;
+    lockstep_command_log::SqliteLog::open_reader(path)
+        .and_then(|mut l| l.read_from(1, 100_000))
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|e| match &e.command.kind {
+            lockstep_protocol::CommandKind::Hello(h)
+                if e.command.strategy == lockstep_protocol::Strategy::Log =>
+            {
+                Some(h.epoch)
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// `lockstep policy set --replica NAME`: a distribution policy in force on
+/// one replica alone, kept in the catalog across a restart, listed per
+/// replica, and gone with its replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_set_on_one_replica_takes_over_that_replica_alone_and_survives_a_restart() {
+    let log_wasm = lockstep_policy_host::shipped_policy("log");
+    let orphans_wasm = lockstep_policy_host::shipped_policy("epoch");
+    for p in [&log_wasm, &orphans_wasm] {
+        assert!(
+            p.is_file(),
+            "{} is missing: run `cargo xtask build-policies` first (`cargo xtask test` does)",
+            p.display()
+        );
+    }
+    let sandbox = Sandbox::new().unwrap();
+    let env = start(sandbox.path()).await;
+    let r1 = env.create_replica("r1", shape(1, 1)).await.unwrap().replica;
+    let r2 = env.create_replica("r2", shape(1, 1)).await.unwrap().replica;
+    let (log1, log2) = (sqlite_log(&env, r1.id), sqlite_log(&env, r2.id));
+
+    // Refused: an unknown replica, and an orphan policy on one replica.
+    let unknown = env
+        .set_policy_on(Some("nope"), "log", std::fs::read(&log_wasm).unwrap())
+        .await;
+    assert!(
+        matches!(unknown, Err(ComputeError::NoSuchReplica(_))),
+        "{unknown:?}"
+    );
+    let orphans = env
+        .set_policy_on(Some("r1"), "epoch", std::fs::read(&orphans_wasm).unwrap())
+        .await;
+    assert!(
+        matches!(&orphans, Err(ComputeError::Invalid(m)) if m.contains("environment-wide")),
+        "{orphans:?}"
+    );
+
+    let set = env
+        .set_policy_on(Some("r1"), "log", std::fs::read(&log_wasm).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(set.replica.as_deref(), Some("r1"));
+    assert!(env.policies_in_force().contains(&set));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while log_session_epochs(&log1).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "r1 ran no log session within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // r2 keeps the environment-wide rule (barrier): a new session of it is
+    // not a log session.
+    let c2 = env.replica_controller("r2").unwrap();
+    let mut events = c2.events();
+    c2.reconnect().unwrap();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while !matches!(
+            events.recv().await,
+            Ok(lockstep_controller::Event::Connected { .. })
+        ) {}
+    })
+    .await
+    .expect("r2 reconnects within 30 s");
+    assert!(
+        log_session_epochs(&log2).is_empty(),
+        "r2 ran a log session: the policy was set on r1 alone"
+    );
+
+    // Kept across a restart, on r1 alone.
+    drop((c2, events));
+    let epoch_before = env.epoch();
+    drop(env);
+    let env = start(sandbox.path()).await;
+    let mine: Vec<_> = env
+        .policies_in_force()
+        .into_iter()
+        .filter(|p| p.replica.is_some())
+        .collect();
+    assert_eq!(
+        mine,
+        vec![set.clone()],
+        "listed per replica after a restart"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !log_session_epochs(&log1).iter().any(|&e| e > epoch_before) {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted environment did not use r1's policy"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(log_session_epochs(&log2).is_empty());
+
+    // Gone with its replica.
+    env.drop_replica("r1").await.unwrap();
+    assert!(env.policies_in_force().iter().all(|p| p.replica.is_none()));
+}

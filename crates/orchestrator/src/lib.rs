@@ -305,6 +305,14 @@ pub enum ServiceEventKind {
     },
     /// The service was dropped (every process killed).
     Dropped,
+    /// A process kept exiting at once while a port recorded for it was held
+    /// by another socket: every process of the service got new ports and was
+    /// restarted (its peers must agree on everyone's ports). A whole-service
+    /// event; clients of the service must use the new addresses.
+    PortsReassigned {
+        /// Every process's new addresses, in process order.
+        addresses: Vec<BTreeMap<String, std::net::SocketAddr>>,
+    },
 }
 
 /// A status event of a service.

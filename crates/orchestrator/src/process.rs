@@ -40,6 +40,17 @@
 //! lock, restarts it unless the service was dropped or another supervisor
 //! already replaced the process, in which case it watches the replacement.
 //!
+//! Ports are chosen once, when a service is created, and kept across
+//! restarts and adoption. If another socket takes one while its process is
+//! down, the process exits at once on every restart: after
+//! [`ProcessOrchestratorConfig::reassign_ports_after`] such restarts in a
+//! row, if a port recorded for the process is held by another socket, the
+//! supervisor chooses new ports for *every* process of the service (peers
+//! name each other's ports on their command lines), kills them all, starts
+//! them with command lines built by the service's args function for the new
+//! ports, records them in `NAME.json`, and emits
+//! [`ServiceEventKind::PortsReassigned`] with the new addresses.
+//!
 //! [`restart_service`] kills every process of a service (SIGKILL to each
 //! process group, which kills a stopped process too) and starts them again
 //! from the record (same argv, environment and ports), all under the lock. A
@@ -66,7 +77,7 @@ use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 
 use crate::{
-    DropError, EnsureError, ListError, Orchestrator, ProcessStatus, RestartError,
+    ArgsFn, DropError, EnsureError, ListError, Orchestrator, ProcessStatus, RestartError,
     ServiceAssignment, ServiceConfig, ServiceEvent, ServiceEventKind, ServiceStatus, StateError,
     EPOCH_LABEL, ID_LABEL,
 };
@@ -115,6 +126,11 @@ pub struct ProcessOrchestratorConfig {
     /// `NAME-I.log.1` (replacing the one before) when the process is
     /// (re)started, so each process keeps at most two logs.
     pub log_rotate_bytes: u64,
+    /// After this many restarts of a process in a row (each exiting before
+    /// [`Backoff::reset_after`]), if a port recorded for it is held by another
+    /// socket, every process of the service gets new ports and is restarted
+    /// ([`ServiceEventKind::PortsReassigned`]). `0` never re-chooses ports.
+    pub reassign_ports_after: u32,
 }
 
 impl ProcessOrchestratorConfig {
@@ -127,6 +143,7 @@ impl ProcessOrchestratorConfig {
             backoff: Backoff::default(),
             poll_interval: Duration::from_millis(100),
             log_rotate_bytes: 16 << 20,
+            reassign_ports_after: 3,
         }
     }
 }
@@ -163,6 +180,9 @@ struct Inner {
     supervisors: Mutex<HashMap<String, Vec<JoinHandle<()>>>>,
     /// Children this orchestrator spawned, by PID, so exits can be reaped.
     children: Mutex<HashMap<u32, Child>>,
+    /// The args function of every service this orchestrator ensured, by
+    /// name: new ports need new command lines.
+    args: Mutex<HashMap<String, ArgsFn>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -229,6 +249,7 @@ impl ProcessOrchestrator {
             events,
             supervisors: Mutex::new(HashMap::new()),
             children: Mutex::new(HashMap::new()),
+            args: Mutex::new(HashMap::new()),
         };
         // Processes spawned by an orchestrator killed before it recorded them
         // would hold their ports and escape orphan removal: kill them now.
@@ -277,6 +298,7 @@ impl Orchestrator for ProcessOrchestrator {
     }
 
     async fn drop_service(&self, name: &str) -> Result<bool, DropError> {
+        self.inner.args.lock().expect("poisoned").remove(name);
         if let Some(tasks) = self
             .inner
             .supervisors
@@ -490,20 +512,7 @@ impl Inner {
                 source: e,
             })
         };
-        let hosts = vec![HOST.to_string(); config.scale];
-        let args_for = |ports: &[BTreeMap<String, u16>]| -> Vec<Vec<String>> {
-            (0..config.scale)
-                .map(|i| {
-                    (config.args)(&ServiceAssignment {
-                        process: i,
-                        scale: config.scale,
-                        host: HOST,
-                        hosts: &hosts,
-                        ports,
-                    })
-                })
-                .collect()
-        };
+        let args_for = |ports: &[BTreeMap<String, u16>]| argv_for(&config.args, ports);
         // Try the ports of an existing service of the same shape first, so an
         // unchanged spec yields the same command lines and is adopted.
         let reused = match &existing {
@@ -536,6 +545,7 @@ impl Inner {
             record.id = config.id;
             record.labels = labels;
             self.write(&record)?;
+            self.remember_args(&config);
             for (i, p) in record.processes.iter().enumerate() {
                 if let Some((pid, start)) = p.handle() {
                     if self.alive(pid, start) {
@@ -611,6 +621,7 @@ impl Inner {
             }
             return Err(e.into());
         }
+        self.remember_args(&config);
         for (i, pid) in spawned.iter().enumerate() {
             self.emit(
                 &record.name,
@@ -619,6 +630,13 @@ impl Inner {
             );
         }
         Ok((record, spawned))
+    }
+
+    fn remember_args(&self, config: &ServiceConfig) {
+        self.args
+            .lock()
+            .expect("poisoned")
+            .insert(config.name.clone(), config.args.clone());
     }
 
     /// Starts process `i` of `record`; returns its PID and start time.
@@ -823,16 +841,7 @@ impl Inner {
                     index,
                     pid: p.pid,
                     running: p.handle().is_some_and(|(pid, s)| self.alive(pid, s)),
-                    addresses: p
-                        .ports
-                        .iter()
-                        .map(|(n, port)| {
-                            (
-                                n.clone(),
-                                SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), *port),
-                            )
-                        })
-                        .collect(),
+                    addresses: addresses(&p.ports),
                     restarts: p.restarts,
                 })
                 .collect(),
@@ -890,6 +899,36 @@ impl Inner {
                     continue;
                 }
                 Decision::Restart => {}
+            }
+            let reassign_after = self.config.reassign_ports_after;
+            if reassign_after > 0 && attempt >= reassign_after {
+                let inner = self.clone();
+                let n = name.clone();
+                let result =
+                    tokio::task::spawn_blocking(move || inner.reassign_ports(&n, i, watched))
+                        .await
+                        .expect("port reassignment panicked");
+                match result {
+                    Ok(Reassigned::NotNeeded) => {}
+                    Ok(Reassigned::Decided(Decision::Stop)) => return,
+                    Ok(Reassigned::Decided(Decision::Watch(h))) => {
+                        watched = Some(h);
+                        since = Instant::now();
+                        wait = backoff.initial;
+                        attempt = 0;
+                        continue;
+                    }
+                    Ok(Reassigned::Decided(Decision::Restart)) => {
+                        // New ports, but this process could not be started.
+                        watched = None;
+                        wait = backoff.initial;
+                        attempt = 0;
+                    }
+                    Err(reason) => {
+                        tracing::error!(service = %name, process = i, %reason, "re-choosing ports failed");
+                        self.emit(&name, Some(i), ServiceEventKind::Failed { reason });
+                    }
+                }
             }
             attempt += 1;
             self.emit(
@@ -958,6 +997,114 @@ impl Inner {
         }
     }
 
+    /// Under the lock: if process `i` (dead, last seen as `watched`) has a
+    /// recorded port that another socket holds, chooses new ports for every
+    /// process of the service (their peers must all agree), kills them all,
+    /// starts them all with command lines built for the new ports, and
+    /// records them. Only for a service of our epoch whose args function we
+    /// have (we ensured it): a newer controller's clients would not learn of
+    /// the new ports.
+    fn reassign_ports(
+        &self,
+        name: &str,
+        i: usize,
+        watched: Option<(u32, u64)>,
+    ) -> Result<Reassigned, String> {
+        let _lock = self.lock().map_err(|e| e.to_string())?;
+        match self.decide(name, i, watched) {
+            Decision::Restart => {}
+            other => return Ok(Reassigned::Decided(other)),
+        }
+        let mut record = match self.read(name) {
+            Ok(Some(r)) => r,
+            _ => return Ok(Reassigned::Decided(Decision::Stop)),
+        };
+        let held: Vec<u16> = record.processes[i]
+            .ports
+            .values()
+            .copied()
+            .filter(|p| port_held(*p))
+            .collect();
+        if held.is_empty() || record.epoch != self.config.epoch {
+            return Ok(Reassigned::NotNeeded);
+        }
+        let Some(args) = self.args.lock().expect("poisoned").get(name).cloned() else {
+            tracing::warn!(
+                service = name,
+                process = i,
+                ?held,
+                "a port of the process is held by another socket, but this orchestrator did not ensure the service: cannot build new command lines"
+            );
+            return Ok(Reassigned::NotNeeded);
+        };
+        tracing::warn!(
+            service = name,
+            process = i,
+            ?held,
+            "the process keeps exiting and a port recorded for it is held by another socket: choosing new ports for every process"
+        );
+        let ports = allocate_ports(record.processes.len(), &record.port_names)
+            .map_err(|e| format!("could not choose new ports: {e}"))?;
+        let argv = argv_for(&args, &ports);
+        for (j, p) in record.processes.iter().enumerate() {
+            if let Some((pid, start)) = p.handle() {
+                self.kill(name, j, pid, start);
+                if proc_alive(pid, start) {
+                    return Err(format!(
+                        "process {j} (PID {pid}) still alive 5 s after SIGKILL"
+                    ));
+                }
+            }
+        }
+        let mut spawned = Vec::new();
+        for (j, (argv, ports)) in argv.into_iter().zip(ports).enumerate() {
+            let p = &mut record.processes[j];
+            p.argv = argv;
+            p.ports = ports;
+            p.pid = None;
+            p.start_time = None;
+            match self.spawn(&record, j) {
+                Ok((pid, start)) => {
+                    let p = &mut record.processes[j];
+                    p.restarts += 1;
+                    p.pid = Some(pid);
+                    p.start_time = Some(start);
+                    spawned.push((j, pid, start));
+                }
+                // Recorded without a PID: its supervisor starts it later.
+                Err(e) => tracing::error!(
+                    service = name,
+                    process = j,
+                    "could not start the process on its new ports: {e}"
+                ),
+            }
+        }
+        if let Err(e) = self.write(&record) {
+            for (j, pid, start) in spawned {
+                self.kill(name, j, pid, start);
+            }
+            return Err(e.to_string());
+        }
+        self.emit(
+            name,
+            None,
+            ServiceEventKind::PortsReassigned {
+                addresses: record
+                    .processes
+                    .iter()
+                    .map(|p| addresses(&p.ports))
+                    .collect(),
+            },
+        );
+        for (j, pid, _) in spawned {
+            self.emit(name, Some(j), ServiceEventKind::Started { pid });
+        }
+        Ok(Reassigned::Decided(match record.processes[i].handle() {
+            Some(h) => Decision::Watch(h),
+            None => Decision::Restart,
+        }))
+    }
+
     /// Under the lock: restarts process `i` unless someone else did already.
     fn restart(
         &self,
@@ -997,6 +1144,53 @@ enum Decision {
     Stop,
     Watch((u32, u64)),
     Restart,
+}
+
+/// What [`Inner::reassign_ports`] did.
+enum Reassigned {
+    /// Nothing: no port of the process is held by another socket (or the
+    /// service is not ours to re-port); restart it as usual.
+    NotNeeded,
+    /// Handled (by us or someone else): what to do about the process now.
+    Decided(Decision),
+}
+
+/// Every process's command line for `ports` (one map per process).
+fn argv_for(args: &ArgsFn, ports: &[BTreeMap<String, u16>]) -> Vec<Vec<String>> {
+    let hosts = vec![HOST.to_string(); ports.len()];
+    (0..ports.len())
+        .map(|i| {
+            args(&ServiceAssignment {
+                process: i,
+                scale: ports.len(),
+                host: HOST,
+                hosts: &hosts,
+                ports,
+            })
+        })
+        .collect()
+}
+
+/// The socket addresses of one process's named ports.
+fn addresses(ports: &BTreeMap<String, u16>) -> BTreeMap<String, SocketAddr> {
+    ports
+        .iter()
+        .map(|(n, port)| {
+            (
+                n.clone(),
+                SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), *port),
+            )
+        })
+        .collect()
+}
+
+/// Whether another socket listens on `port` (so a process given it cannot
+/// bind it).
+fn port_held(port: u16) -> bool {
+    matches!(
+        TcpListener::bind((HOST, port)),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse
+    )
 }
 
 fn validate_name(name: &str) -> Result<(), EnsureError> {

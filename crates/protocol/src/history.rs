@@ -147,6 +147,39 @@ impl CommandHistory {
             .collect()
     }
 
+    /// Removes dataflow `id` as if it had never been created: its
+    /// CreateDataflow, and every later Schedule of it and AllowCompaction,
+    /// Peek or Subscribe of one of its exports. For a dataflow a replica
+    /// refused: replayed, it would be refused again, and commands naming its
+    /// exports would be refused with it. Returns the removed description.
+    pub fn forget_dataflow(&mut self, id: u64) -> Option<DataflowDescription> {
+        let at = self
+            .commands
+            .iter()
+            .position(|c| matches!(c, CommandKind::CreateDataflow(d) if d.id == id))?;
+        let CommandKind::CreateDataflow(desc) = self.commands.remove(at) else {
+            unreachable!("found above")
+        };
+        let exports: BTreeSet<u64> = desc.exports.iter().map(|e| e.collection_id).collect();
+        let mut i = 0;
+        self.commands.retain(|c| {
+            i += 1;
+            if i <= at {
+                return true;
+            }
+            !match c {
+                CommandKind::Schedule { dataflow_id } => *dataflow_id == id,
+                CommandKind::AllowCompaction { collection_id, .. } => {
+                    exports.contains(collection_id)
+                }
+                CommandKind::Peek(p) => exports.contains(&p.collection_id),
+                CommandKind::Subscribe(s) => exports.contains(&s.collection_id),
+                _ => false,
+            }
+        });
+        Some(desc)
+    }
+
     /// Compacts the history in place.
     pub fn reduce(&mut self) {
         let retired = std::mem::take(&mut self.retired_peeks);
@@ -420,4 +453,56 @@ pub fn consolidate(mut updates: Vec<Update>) -> Vec<Update> {
     }
     out.retain(|u| u.diff != 0);
     out
+}
+
+#[cfg(test)]
+mod forget_tests {
+    use super::*;
+    use crate::types::{Export, Peek, Plan};
+
+    fn create(id: u64, export: u64) -> CommandKind {
+        CommandKind::CreateDataflow(DataflowDescription {
+            id,
+            as_of: 0,
+            inputs: vec![1],
+            exports: vec![Export {
+                collection_id: export,
+                plan: Plan::Get { collection_id: 1 },
+            }],
+            debug_name: String::new(),
+        })
+    }
+
+    #[test]
+    fn a_forgotten_dataflow_leaves_with_the_commands_naming_its_exports() {
+        let mut h = CommandHistory::new();
+        h.push(create(1, 101));
+        h.push(create(2, 102));
+        h.push(CommandKind::AllowCompaction {
+            collection_id: 102,
+            frontier: Some(3),
+        });
+        h.push(CommandKind::Peek(Peek {
+            peek_id: 9,
+            collection_id: 102,
+            timestamp: 1,
+        }));
+        h.push(CommandKind::AllowCompaction {
+            collection_id: 101,
+            frontier: Some(2),
+        });
+        let forgotten = h.forget_dataflow(2).expect("dataflow 2 was there");
+        assert_eq!(forgotten.id, 2);
+        assert_eq!(
+            h.commands(),
+            vec![
+                create(1, 101),
+                CommandKind::AllowCompaction {
+                    collection_id: 101,
+                    frontier: Some(2)
+                }
+            ]
+        );
+        assert!(h.forget_dataflow(2).is_none());
+    }
 }

@@ -13,7 +13,9 @@
 //! - [`codec`]: length-delimited framing with a maximum frame size;
 //! - [`handshake`]: the checks a process makes on `Hello`;
 //! - [`history`]: the compacted command history and its stable hash, which
-//!   rehydration and the history check are built on.
+//!   rehydration and the history check are built on;
+//! - [`validate`]: the checks a replica makes before building a dataflow,
+//!   shared with the environment, which refuses exactly what a replica would.
 
 pub mod codec;
 pub mod convert;
@@ -23,6 +25,7 @@ pub mod merge;
 pub mod reference;
 pub mod text;
 pub mod types;
+pub mod validate;
 
 pub use codec::{
     CodecError, ControllerCodec, FrameCodec, ReplicaCodec, WireMessage, DEFAULT_MAX_FRAME_LEN,

@@ -10,86 +10,19 @@
 //! drops that row (map, filter, join key, reduce key); a summed column a row
 //! lacks contributes 0.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use differential_dataflow::VecCollection;
-use lockstep_protocol::{aggregate_group, DataflowDescription, Plan, Row};
+use lockstep_protocol::{aggregate_group, Plan, Row};
 
 /// A collection of rows at u64 times with i64 multiplicities.
 pub type Coll<'s> = VecCollection<'s, u64, Row, i64>;
 
-/// Why a description cannot be built.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RenderError {
-    /// A Get names a collection the dataflow does not list as an input.
-    #[error("dataflow {dataflow}: plan reads collection {collection}, which is not among its inputs {inputs:?}")]
-    UnknownCollection {
-        /// The dataflow.
-        dataflow: u64,
-        /// The collection read.
-        collection: u64,
-        /// The declared inputs.
-        inputs: Vec<u64>,
-    },
-    /// No exports.
-    #[error("dataflow {0} exports nothing")]
-    NoExports(u64),
-    /// A plan nests deeper than the protocol allows.
-    #[error("dataflow {dataflow}: export {collection} nests {depth} levels deep; at most {max} are allowed")]
-    TooDeep {
-        /// The dataflow.
-        dataflow: u64,
-        /// The export.
-        collection: u64,
-        /// Its depth.
-        depth: usize,
-        /// [`lockstep_protocol::MAX_PLAN_DEPTH`].
-        max: usize,
-    },
-    /// Two exports share an ID, or an export reuses an input's ID.
-    #[error("dataflow {dataflow}: collection ID {collection} is used twice")]
-    DuplicateCollection {
-        /// The dataflow.
-        dataflow: u64,
-        /// The ID.
-        collection: u64,
-    },
-}
-
-/// Checks a description before building it.
-pub fn validate(desc: &DataflowDescription) -> Result<(), RenderError> {
-    if desc.exports.is_empty() {
-        return Err(RenderError::NoExports(desc.id));
-    }
-    let inputs: BTreeSet<u64> = desc.inputs.iter().copied().collect();
-    let mut seen = inputs.clone();
-    for e in &desc.exports {
-        if e.plan.depth() > lockstep_protocol::MAX_PLAN_DEPTH {
-            return Err(RenderError::TooDeep {
-                dataflow: desc.id,
-                collection: e.collection_id,
-                depth: e.plan.depth(),
-                max: lockstep_protocol::MAX_PLAN_DEPTH,
-            });
-        }
-        if !seen.insert(e.collection_id) {
-            return Err(RenderError::DuplicateCollection {
-                dataflow: desc.id,
-                collection: e.collection_id,
-            });
-        }
-        for c in e.plan.inputs() {
-            if !inputs.contains(&c) {
-                return Err(RenderError::UnknownCollection {
-                    dataflow: desc.id,
-                    collection: c,
-                    inputs: desc.inputs.clone(),
-                });
-            }
-        }
-    }
-    Ok(())
-}
+/// Checks a description before building it (the checks the environment
+/// makes too, see [`lockstep_protocol::validate`]).
+pub use lockstep_protocol::validate::validate_dataflow as validate;
+/// Why a description cannot be built: the protocol's shared checks.
+pub use lockstep_protocol::validate::InvalidDataflow as RenderError;
 
 fn key_of(row: &[i64], key: &[u32]) -> Option<Row> {
     key.iter().map(|&c| row.get(c as usize).copied()).collect()

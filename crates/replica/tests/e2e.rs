@@ -617,26 +617,32 @@ async fn subscriptions_end_when_canceled_or_dropped() {
 }
 
 /// A replica that ends every session (here: its frame limit is below the
-/// size of a dataflow in the controller's history, so it refuses the frame)
+/// size of a write in the controller's history, so it refuses the frame)
 /// is reconnected to with a growing wait, not in a tight loop. Before, the
-/// controller reconnected at once, thousands of times a minute.
+/// controller reconnected at once, thousands of times a minute. (A refused
+/// CreateDataflow leaves the history instead: see the next test.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_drops_every_session_is_reconnected_to_with_backoff() {
     let r = start_replica_with_env(28, 1, 1, &[("LOCKSTEP_MAX_FRAME_LEN", "65536")]).await;
-    // One dataflow of 8,000 exports: about 100 KB, over the replica's limit.
-    let mut big = dataflow(
-        1,
-        &[1],
-        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
-    );
-    big.exports = (0..8_000)
-        .map(|i| lockstep_protocol::Export {
-            collection_id: 10_000 + i,
-            plan: lockstep_protocol::Plan::Get { collection_id: 1 },
-        })
-        .collect();
+    // One write of 4,000 rows of four large values: about 170 KB in one
+    // frame under the controller's limit, over the replica's.
     let mut history = CommandHistory::new();
-    history.push(lockstep_protocol::CommandKind::CreateDataflow(big));
+    history.push(lockstep_protocol::CommandKind::WriteInput(
+        lockstep_protocol::WriteInput {
+            collection_id: 1,
+            updates: (0..4_000)
+                .map(|i| {
+                    u(
+                        &[i64::MAX - i, i64::MAX - i, i64::MAX - i, i64::MAX - i],
+                        0,
+                        1,
+                    )
+                })
+                .collect(),
+            upper: 1,
+            more: false,
+        },
+    ));
     let c = controller(&r, 1, history);
     let mut events = c.events();
     let mut at = Vec::new();
@@ -664,5 +670,74 @@ async fn a_replica_that_drops_every_session_is_reconnected_to_with_backoff() {
             && gaps[5] >= std::time::Duration::from_millis(800),
         "no backoff between failed sessions: {gaps:?}"
     );
+    c.shutdown();
+}
+
+/// A dataflow a replica refuses as malformed (here: too large for its frame
+/// limit) leaves the controller's history, and the owner is told: it is not
+/// resent on every reconnect, and the replica's other dataflow answers.
+/// Before, it was resent forever and nothing of the replica answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dataflow_a_replica_refuses_as_malformed_leaves_the_history() {
+    let r = start_replica_with_env(29, 1, 1, &[("LOCKSTEP_MAX_FRAME_LEN", "65536")]).await;
+    // One dataflow of 8,000 exports: about 100 KB, over the replica's limit.
+    let mut big = dataflow(
+        2,
+        &[1],
+        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
+    );
+    big.exports = (0..8_000)
+        .map(|i| lockstep_protocol::Export {
+            collection_id: 10_000 + i,
+            plan: lockstep_protocol::Plan::Get { collection_id: 1 },
+        })
+        .collect();
+    let mut small = dataflow(
+        1,
+        &[1],
+        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
+    );
+    small.exports[0].collection_id = 1001;
+    let mut history = CommandHistory::new();
+    history.push(lockstep_protocol::CommandKind::CreateDataflow(small));
+    history.push(lockstep_protocol::CommandKind::CreateDataflow(big));
+    let c = controller(&r, 1, history);
+    let mut events = c.events();
+    let refused = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        loop {
+            match events.recv().await {
+                Ok(lockstep_controller::Event::DataflowRefused {
+                    dataflow, message, ..
+                }) => return (dataflow, message),
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(e) => panic!("controller events ended: {e}"),
+            }
+        }
+    })
+    .await
+    .expect("the refusal was reported within 30 s");
+    assert_eq!(refused.0, 2, "{refused:?}");
+    assert!(refused.1.contains("65536"), "{refused:?}");
+    let live: Vec<u64> = c
+        .history()
+        .await
+        .unwrap()
+        .live_dataflows()
+        .iter()
+        .map(|d| d.id)
+        .collect();
+    assert_eq!(live, vec![1], "the refused dataflow left the history");
+    c.write_input(1, vec![u(&[5], 0, 1)], 1).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        match tokio::time::timeout(std::time::Duration::from_secs(5), c.peek(1001, 0)).await {
+            Ok(Ok(rows)) if rows == vec![(vec![5], 1)] => break,
+            other => assert!(
+                std::time::Instant::now() < deadline,
+                "the other dataflow does not answer: {other:?}"
+            ),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     c.shutdown();
 }

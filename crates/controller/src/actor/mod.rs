@@ -86,6 +86,19 @@ pub enum Event {
         /// What the policy decided.
         action: MismatchAction,
     },
+    /// A process refused the CreateDataflow of `dataflow` as malformed (its
+    /// frame did not decode there: too large for the process's frame limit,
+    /// too deep for its decoder, or a build that does not know a field).
+    /// The dataflow left the controller's history, so it is not resent; the
+    /// owner should forget it too (the catalog), and fail its request.
+    DataflowRefused {
+        /// The dataflow.
+        dataflow: u64,
+        /// The process that refused it.
+        process: usize,
+        /// What the process said.
+        message: String,
+    },
     /// A process reported an error.
     ReplicaError {
         /// The process.
@@ -148,6 +161,10 @@ pub(crate) struct Actor {
     /// The session machine's clock.
     started: Instant,
     history: CommandHistory,
+    /// This session's sequence numbers of CreateDataflow commands, with the
+    /// dataflow each carried: a process that cannot decode a frame names
+    /// only its sequence number.
+    pub(crate) sent_creates: BTreeMap<u64, u64>,
     generation: u64,
     current_generation: Arc<AtomicU64>,
     pub(crate) seqno: u64,
@@ -206,6 +223,7 @@ pub(crate) fn spawn(
         session: ControllerSession::new(replica_workers),
         started: Instant::now(),
         history,
+        sent_creates: BTreeMap::new(),
         generation: 0,
         current_generation: Arc::new(AtomicU64::new(0)),
         seqno: 0,
@@ -275,6 +293,19 @@ impl Actor {
             Request::SetPolicy(policy) => {
                 tracing::info!(policy = %policy.name(), "distribution policy replaced; in force from the next session");
                 self.policy = policy;
+            }
+            Request::SetAddresses(addrs) => {
+                if addrs.len() != self.replica.processes.len() {
+                    tracing::error!(
+                        ?addrs,
+                        processes = self.replica.processes.len(),
+                        "new process addresses ignored: not one per process"
+                    );
+                    return;
+                }
+                tracing::info!(?addrs, "the replica's processes moved; reconnecting");
+                self.replica.processes = addrs;
+                self.disconnect("the replica's processes moved to new addresses".into());
             }
             Request::Send(kind) => {
                 // A (re)created collection starts with no reported frontier.
@@ -366,6 +397,9 @@ impl Actor {
                 h.reduce();
                 let _ = reply.send(h);
             }
+            Request::ProcessLags { reply } => {
+                let _ = reply.send(self.process_lags());
+            }
             Request::Reconnect => self.disconnect("reconnect requested".into()),
             Request::Shutdown => {}
         }
@@ -451,9 +485,61 @@ impl Actor {
             }
             ResponseKind::Error(error) => {
                 tracing::warn!(process = p, ?error, "replica error");
+                if error.kind == lockstep_protocol::ErrorKind::Malformed {
+                    self.refuse_dataflow(p, &error);
+                }
                 self.emit(Event::ReplicaError { process: p, error });
             }
         }
+    }
+
+    /// A process refused a frame as malformed; if it carried a
+    /// CreateDataflow, that dataflow leaves the history (resent, it would be
+    /// refused again, and the process drops the connection each time, so
+    /// none of the replica's dataflows would answer) and the owner is told.
+    fn refuse_dataflow(&mut self, process: usize, error: &ErrorResponse) {
+        let Some(&id) = self.sent_creates.get(&error.seqno) else {
+            return;
+        };
+        if self.history.forget_dataflow(id).is_some() {
+            tracing::error!(
+                process,
+                dataflow = id,
+                message = %error.message,
+                "a replica process refused the dataflow's command as malformed: it leaves the history and is not resent"
+            );
+            self.emit(Event::DataflowRefused {
+                dataflow: id,
+                process,
+                message: error.message.clone(),
+            });
+        }
+    }
+
+    /// See [`crate::Controller::process_lags`].
+    fn process_lags(&self) -> Vec<Option<u64>> {
+        let mut lags = vec![Some(0u64); self.replica.processes.len()];
+        for d in self.history.live_dataflows() {
+            let Some(written) = d.inputs.iter().map(|c| self.history.input_upper(*c)).min() else {
+                continue;
+            };
+            for e in &d.exports {
+                let reported = self.frontiers.get(&e.collection_id);
+                for (p, lag) in lags.iter_mut().enumerate() {
+                    let this = match reported.and_then(|r| r.get(&p)) {
+                        None => None,
+                        // Complete: nothing more to come.
+                        Some(None) => Some(0),
+                        Some(Some(t)) => Some(written.saturating_sub(*t)),
+                    };
+                    *lag = match (*lag, this) {
+                        (Some(a), Some(b)) => Some(a.max(b)),
+                        _ => None,
+                    };
+                }
+            }
+        }
+        lags
     }
 
     /// The meet of a collection's frontier over all processes, once every

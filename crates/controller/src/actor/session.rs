@@ -105,6 +105,7 @@ impl Actor {
             return;
         };
         self.seqno = 0;
+        self.sent_creates.clear();
         self.log_status_requests.clear();
         self.conns = socks
             .into_iter()

@@ -47,6 +47,9 @@ impl Actor {
         }
         let crash = partial_broadcast(kind.name());
         self.seqno += 1;
+        if let CommandKind::CreateDataflow(d) = &kind {
+            self.sent_creates.insert(self.seqno, d.id);
+        }
         let cmd = Command {
             seqno: self.seqno,
             strategy,

@@ -59,7 +59,11 @@ impl WorkerState {
                     }
                     // Same description: kept (reconciliation), nothing to build.
                 } else if let Err(e) = validate(desc) {
-                    self.error(seqno, ErrorKind::InvalidCommand, e.to_string());
+                    self.error(
+                        seqno,
+                        ErrorKind::InvalidCommand,
+                        format!("dataflow {}: {e}", desc.id),
+                    );
                     return;
                 } else if let Some(c) = desc
                     .exports
