@@ -26,6 +26,15 @@
 //! PID counts as ours only if both match. We never signal a PID that fails
 //! this check.
 //!
+//! # Simulated hosts
+//!
+//! With [`ProcessOrchestratorConfig::hosts`] set to N, process *i* of every
+//! service runs on simulated host *i mod N*: in a network namespace of its
+//! own ([`crate::hosts`]), started with `ip netns exec`, bound to `0.0.0.0`,
+//! known to its peers by the host's name and to the orchestrator's side by
+//! the host's control address. Its record keeps the namespace and address,
+//! so a restart puts it back on the same host.
+//!
 //! # Processes
 //!
 //! Each process runs in its own process group (its PGID is its PID), so that
@@ -65,13 +74,14 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 
+use crate::hosts::SimulatedHosts;
 use crate::{
     DropError, EnsureError, ListError, Orchestrator, ProcessStatus, RestartError,
     ServiceAssignment, ServiceConfig, ServiceEvent, ServiceEventKind, ServiceStatus, StateError,
     EPOCH_LABEL, ID_LABEL,
 };
 
-/// The host every process listens on.
+/// The host every process listens on, without simulated hosts.
 const HOST: &str = "127.0.0.1";
 /// The version of the state file format.
 const RECORD_VERSION: u32 = 1;
@@ -115,6 +125,9 @@ pub struct ProcessOrchestratorConfig {
     /// `NAME-I.log.1` (replacing the one before) when the process is
     /// (re)started, so each process keeps at most two logs.
     pub log_rotate_bytes: u64,
+    /// Simulated hosts (network namespaces, see [`crate::hosts`]) to place
+    /// processes on; 0: every process on this host's loopback (`127.0.0.1`).
+    pub hosts: usize,
 }
 
 impl ProcessOrchestratorConfig {
@@ -127,6 +140,7 @@ impl ProcessOrchestratorConfig {
             backoff: Backoff::default(),
             poll_interval: Duration::from_millis(100),
             log_rotate_bytes: 16 << 20,
+            hosts: 0,
         }
     }
 }
@@ -140,6 +154,9 @@ pub enum NewError {
     /// The state directory is not a directory.
     #[error("orchestrator state directory {0} is not a directory")]
     NotADirectory(PathBuf),
+    /// The simulated hosts could not be set up.
+    #[error(transparent)]
+    Hosts(#[from] crate::hosts::HostsError),
     /// The state directory cannot be written.
     #[error("orchestrator state directory {path} is not writable: {source}")]
     Unwritable {
@@ -163,6 +180,8 @@ struct Inner {
     supervisors: Mutex<HashMap<String, Vec<JoinHandle<()>>>>,
     /// Children this orchestrator spawned, by PID, so exits can be reaped.
     children: Mutex<HashMap<u32, Child>>,
+    /// The simulated hosts processes are placed on, if any.
+    hosts: Option<SimulatedHosts>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -185,6 +204,12 @@ struct ProcessRecord {
     pid: Option<u32>,
     start_time: Option<u64>,
     restarts: u32,
+    /// The simulated host's namespace it runs in (`None`: this host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    namespace: Option<String>,
+    /// The address its ports are reached at from here (`None`: `127.0.0.1`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    address: Option<IpAddr>,
 }
 
 impl ProcessRecord {
@@ -223,12 +248,17 @@ impl ProcessOrchestrator {
             .append(true)
             .open(dir.join("orchestrator.lock"))
             .map_err(unwritable)?;
+        let hosts = match config.hosts {
+            0 => None,
+            n => Some(SimulatedHosts::create(dir, n)?),
+        };
         let (events, _) = broadcast::channel(1024);
         let inner = Inner {
             config,
             events,
             supervisors: Mutex::new(HashMap::new()),
             children: Mutex::new(HashMap::new()),
+            hosts,
         };
         // Processes spawned by an orchestrator killed before it recorded them
         // would hold their ports and escape orphan removal: kill them now.
@@ -247,6 +277,11 @@ impl ProcessOrchestrator {
     /// The state directory.
     pub fn state_dir(&self) -> &Path {
         &self.inner.config.state_dir
+    }
+
+    /// The simulated hosts processes are placed on, if any.
+    pub fn hosts(&self) -> Option<&SimulatedHosts> {
+        self.inner.hosts.as_ref()
     }
 }
 
@@ -490,15 +525,17 @@ impl Inner {
                 source: e,
             })
         };
-        let hosts = vec![HOST.to_string(); config.scale];
+        let placements: Vec<Placement> = (0..config.scale).map(|i| self.placement(i)).collect();
+        let hosts: Vec<String> = placements.iter().map(|p| p.host.clone()).collect();
         let args_for = |ports: &[BTreeMap<String, u16>]| -> Vec<Vec<String>> {
             (0..config.scale)
                 .map(|i| {
                     (config.args)(&ServiceAssignment {
                         process: i,
                         scale: config.scale,
-                        host: HOST,
+                        host: &hosts[i],
                         hosts: &hosts,
+                        listen_host: placements[i].listen_host,
                         ports,
                     })
                 })
@@ -528,6 +565,10 @@ impl Inner {
             e.program == program
                 && e.env == config.env
                 && e.processes.iter().map(|p| &p.argv).eq(argv.iter())
+                && e.processes
+                    .iter()
+                    .map(|p| &p.namespace)
+                    .eq(placements.iter().map(|p| &p.namespace))
         });
         if let (true, Some(mut record)) = (same_spec, existing.clone()) {
             // Adopt: keep the processes, rewrite the labels. Dead processes
@@ -565,12 +606,15 @@ impl Inner {
             processes: argv
                 .into_iter()
                 .zip(ports)
-                .map(|(argv, ports)| ProcessRecord {
+                .zip(placements)
+                .map(|((argv, ports), placement)| ProcessRecord {
                     argv,
                     ports,
                     pid: None,
                     start_time: None,
                     restarts: 0,
+                    namespace: placement.namespace,
+                    address: placement.address,
                 })
                 .collect(),
         };
@@ -631,7 +675,17 @@ impl Inner {
             .create(true)
             .append(true)
             .open(&log_path)?;
-        let mut cmd = Command::new(&record.program);
+        let mut cmd = match &record.processes[i].namespace {
+            // `ip netns exec` enters the namespace, mounts
+            // /etc/netns/NS/hosts over /etc/hosts and execs: the PID is the
+            // program's.
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&record.program);
+                c
+            }
+            None => Command::new(&record.program),
+        };
         cmd.args(&record.processes[i].argv)
             // The controller's failpoints are not the service's.
             .env_remove("FAILPOINTS")
@@ -827,10 +881,8 @@ impl Inner {
                         .ports
                         .iter()
                         .map(|(n, port)| {
-                            (
-                                n.clone(),
-                                SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), *port),
-                            )
+                            let ip = p.address.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+                            (n.clone(), SocketAddr::new(ip, *port))
                         })
                         .collect(),
                     restarts: p.restarts,
@@ -990,6 +1042,37 @@ impl Inner {
         }
         self.emit(name, Some(i), ServiceEventKind::Started { pid });
         Ok(Decision::Watch((pid, start)))
+    }
+}
+
+/// Where process `i` runs: its host as peers name it, the address it binds,
+/// its namespace and its address from here.
+struct Placement {
+    host: String,
+    listen_host: &'static str,
+    namespace: Option<String>,
+    address: Option<IpAddr>,
+}
+
+impl Inner {
+    fn placement(&self, i: usize) -> Placement {
+        match &self.hosts {
+            None => Placement {
+                host: HOST.to_string(),
+                listen_host: HOST,
+                namespace: None,
+                address: None,
+            },
+            Some(hosts) => {
+                let k = i % hosts.count();
+                Placement {
+                    host: hosts.namespace(k),
+                    listen_host: "0.0.0.0",
+                    namespace: Some(hosts.namespace(k)),
+                    address: Some(hosts.control_addr(k)),
+                }
+            }
+        }
     }
 }
 
@@ -1180,8 +1263,9 @@ fn read_all_records(state_dir: &Path) -> Result<Vec<ServiceRecord>, StateError> 
 
 /// Kills every process recorded under `state_dir` and removes the records:
 /// the teardown for tests and for decommissioning a machine. Only processes
-/// whose PID and start time both match are signalled. Returns how many
-/// processes were killed.
+/// whose PID and start time both match are signalled. Also removes the
+/// directory's simulated hosts ([`crate::hosts::remove_for_state_dir`]).
+/// Returns how many processes were killed.
 pub fn kill_all_services(state_dir: &Path) -> Result<usize, StateError> {
     let dir = state_dir.join("services");
     if !dir.exists() {
@@ -1220,6 +1304,7 @@ pub fn kill_all_services(state_dir: &Path) -> Result<usize, StateError> {
         let _ = std::fs::remove_file(&path);
     }
     killed += kill_strays(state_dir);
+    crate::hosts::remove_for_state_dir(state_dir);
     Ok(killed)
 }
 

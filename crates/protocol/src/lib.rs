@@ -13,10 +13,12 @@
 //! - [`codec`]: length-delimited framing with a maximum frame size;
 //! - [`handshake`]: the checks a process makes on `Hello`;
 //! - [`history`]: the compacted command history and its stable hash, which
-//!   rehydration and the history check are built on.
+//!   rehydration and the history check are built on;
+//! - [`endpoint`]: the `host:port` addresses processes are reached at.
 
 pub mod codec;
 pub mod convert;
+pub mod endpoint;
 pub mod handshake;
 pub mod history;
 pub mod merge;
@@ -29,6 +31,7 @@ pub use codec::{
     HELLO_MAX_FRAME_LEN,
 };
 pub use convert::ConvertError;
+pub use endpoint::{Endpoint, EndpointError};
 pub use handshake::{HandshakeError, ProcessIdentity, SessionKey, SESSION_KEY_ENV};
 pub use history::CommandHistory;
 pub use types::*;
