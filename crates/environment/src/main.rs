@@ -119,6 +119,10 @@ enum Command {
         /// Keep the state directory (printed) instead of deleting it.
         #[arg(long)]
         keep: bool,
+        /// Run the replica's processes on this many simulated hosts
+        /// (network namespaces; needs root), as `lockstep serve --hosts`.
+        #[arg(long, default_value_t = 0)]
+        hosts: usize,
     },
     /// The soak (run it with `cargo xtask soak`): many rounds of writes,
     /// peeks, dataflows and subscriptions through the API, the environment
@@ -274,6 +278,12 @@ struct ServeArgs {
     /// in a Kubernetes cluster (in-cluster service account, or KUBECONFIG).
     #[arg(long, value_enum, default_value_t = OrchestratorKind::Process)]
     orchestrator: OrchestratorKind,
+    /// Place every replica's process i on simulated host i mod N: a network
+    /// namespace of its own joined to this one by veth pairs (process
+    /// backend only; needs root and iproute2; see docs/hosts.md). 0: every
+    /// process on this host's loopback.
+    #[arg(long, default_value_t = 0)]
+    hosts: usize,
     /// The Kubernetes namespace of the replicas' objects.
     #[arg(long, default_value = "lockstep")]
     namespace: String,
@@ -475,7 +485,9 @@ fn main() -> ExitCode {
             }
             Ok(())
         })),
-        Command::Demo { keep } => finish(runtime.block_on(lockstep_environment::demo::run(keep))),
+        Command::Demo { keep, hosts } => {
+            finish(runtime.block_on(lockstep_environment::demo::run(keep, hosts)))
+        }
         Command::Soak { quick, out } => {
             use lockstep_environment::soak::{run, SoakOptions};
             let opts = if quick {
@@ -759,7 +771,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         store: args.store,
     };
     let env = match args.orchestrator {
+        OrchestratorKind::Process if args.hosts > 0 => {
+            Environment::start_with(
+                config,
+                lockstep_environment::process_orchestrator_on_hosts(args.hosts),
+            )
+            .await?
+        }
         OrchestratorKind::Process => Environment::start(config).await?,
+        OrchestratorKind::Kubernetes if args.hosts > 0 => {
+            anyhow::bail!("--hosts places processes on simulated hosts of the process backend; pods already run on their own network stacks")
+        }
         OrchestratorKind::Kubernetes => {
             let client = kube::Client::try_default()
                 .await
