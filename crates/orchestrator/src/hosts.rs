@@ -250,6 +250,11 @@ fn control_gateway(e: u8, k: usize) -> Ipv4Addr {
 fn mesh_ip(e: u8, k: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 78, e, k as u8 + 1)
 }
+/// A fixed, locally administered MAC address for one end of one of host
+/// `k`'s veths: `link` 0 control, 1 mesh; `side` 0 the root's, 1 the host's.
+fn mac(e: u8, k: usize, link: u8, side: u8) -> String {
+    format!("02:6c:{e:02x}:{k:02x}:{link:02x}:{side:02x}")
+}
 
 impl SimulatedHosts {
     /// Sets up (or adopts, if an earlier orchestrator on `state_dir` left
@@ -324,8 +329,10 @@ impl SimulatedHosts {
                 }
                 ip(&["netns", "add", &ns])?;
                 ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+                let (root_mac, host_mac) = (mac(e, k, 0, 0), mac(e, k, 0, 1));
                 ip(&[
-                    "link", "add", &ctl, "type", "veth", "peer", "name", "ctl", "netns", &ns,
+                    "link", "add", &ctl, "address", &root_mac, "type", "veth", "peer", "name",
+                    "ctl", "address", &host_mac, "netns", &ns,
                 ])?;
                 let gw = format!("{}/30", control_gateway(e, k));
                 ip(&["addr", "add", &gw, "dev", &ctl])?;
@@ -333,14 +340,35 @@ impl SimulatedHosts {
                 let addr = format!("{}/30", control_ip(e, k));
                 ip(&["-n", &ns, "addr", "add", &addr, "dev", "ctl"])?;
                 ip(&["-n", &ns, "link", "set", "ctl", "up"])?;
+                let (root_mac, host_mac) = (mac(e, k, 1, 0), mac(e, k, 1, 1));
                 ip(&[
-                    "link", "add", &mesh, "type", "veth", "peer", "name", "mesh", "netns", &ns,
+                    "link", "add", &mesh, "address", &root_mac, "type", "veth", "peer", "name",
+                    "mesh", "address", &host_mac, "netns", &ns,
                 ])?;
                 ip(&["link", "set", &mesh, "master", &br])?;
                 ip(&["link", "set", &mesh, "up"])?;
                 let addr = format!("{}/24", mesh_ip(e, k));
                 ip(&["-n", &ns, "addr", "add", &addr, "dev", "mesh"])?;
                 ip(&["-n", &ns, "link", "set", "mesh", "up"])?;
+            }
+            // Permanent neighbour entries: a link that loses its carrier
+            // keeps them, so what is sent into a cut is dropped at once
+            // (and TCP retransmits on its own schedule) instead of waiting
+            // in the ARP queue to be sent the moment the link comes back.
+            let neigh = |ns: Option<&str>, addr: Ipv4Addr, mac: String, dev: &str| {
+                let addr = addr.to_string();
+                let mut args = Vec::new();
+                if let Some(ns) = ns {
+                    args.extend(["-n", ns]);
+                }
+                args.extend(["neigh", "replace", &addr, "lladdr", &mac]);
+                args.extend(["nud", "permanent", "dev", dev]);
+                ip(&args)
+            };
+            neigh(None, control_ip(e, k), mac(e, k, 0, 1), &ctl)?;
+            neigh(Some(&ns), control_gateway(e, k), mac(e, k, 0, 0), "ctl")?;
+            for j in (0..self.count).filter(|&j| j != k) {
+                neigh(Some(&ns), mesh_ip(e, j), mac(e, j, 1, 1), "mesh")?;
             }
             let dir = Path::new("/etc/netns").join(&ns);
             std::fs::create_dir_all(&dir).map_err(registry_err(&dir))?;

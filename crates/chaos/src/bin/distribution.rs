@@ -30,8 +30,13 @@
 //! harness error fails the run whatever the variant; `naive`, the negative
 //! control, is caught only by violations.
 //!
+//! The `@hosts` variants (`barrier@hosts` and so on) run the partition
+//! scenarios instead, on two simulated hosts ([`partitions`]); they need
+//! root and iproute2.
+//!
 //! Usage: `lockstep-chaos-distribution [VARIANT...]` (default: broadcast
-//! barrier log naive naive+history-check). Prints what broke, then one JSON
+//! barrier log naive naive+history-check, and where simulated hosts can be
+//! made, broadcast@hosts barrier@hosts log@hosts naive@hosts). Prints what broke, then one JSON
 //! line per variant. Exits non-zero if a variant that must pass had a
 //! violation, if any scenario had a harness error, or if `naive` was not
 //! caught.
@@ -57,6 +62,9 @@ use std::sync::Arc;
 
 use lockstep_chaos::outcome::{violation, Failure, Tally};
 
+#[path = "distribution/partitions.rs"]
+mod partitions;
+
 const LAST_TIME: u64 = 3;
 const FAILPOINT: &str = "controller_partial_broadcast";
 
@@ -78,10 +86,17 @@ fn replica_binary() -> PathBuf {
     exe.parent().expect("a directory").join("lockstep-replica")
 }
 
-async fn start_replica(id: u64, processes: usize, workers: u32) -> Result<Replica, String> {
+/// A replica of `processes` x `workers`; on `hosts` simulated hosts if not 0.
+async fn start_replica(
+    id: u64,
+    processes: usize,
+    workers: u32,
+    hosts: usize,
+) -> Result<Replica, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
-        .map_err(|e| e.to_string())?;
+    let mut config = ProcessOrchestratorConfig::new(dir.path(), 1);
+    config.hosts = hosts;
+    let orchestrator = ProcessOrchestrator::new(config).map_err(|e| e.to_string())?;
     let log = lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite"));
     // A session key, as under `lockstep serve`.
     let key = lockstep_protocol::SessionKey::derive(&[0xc4; 32], id);
@@ -122,21 +137,30 @@ struct Variant {
     /// does. Plain `naive` is the negative control: its mismatches are
     /// reported and nobody acts on them.
     check_reconciles: bool,
+    /// `@hosts`: the partition scenarios, on two simulated hosts.
+    hosts: bool,
 }
 
 impl std::fmt::Display for Variant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.strategy)?;
         if self.check_reconciles {
-            write!(f, "{}+history-check", self.strategy)
-        } else {
-            write!(f, "{}", self.strategy)
+            write!(f, "+history-check")?;
         }
+        if self.hosts {
+            write!(f, "@hosts")?;
+        }
+        Ok(())
     }
 }
 
 impl std::str::FromStr for Variant {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
+        let (s, hosts) = match s.strip_suffix("@hosts") {
+            Some(n) => (n, true),
+            None => (s, false),
+        };
         let (name, check_reconciles) = match s.strip_suffix("+history-check") {
             Some(n) => (n, true),
             None => (s, false),
@@ -144,6 +168,7 @@ impl std::str::FromStr for Variant {
         Ok(Variant {
             strategy: name.parse()?,
             check_reconciles,
+            hosts,
         })
     }
 }
@@ -387,8 +412,12 @@ async fn scenario(name: &str, id: u64, s: Variant) -> Result<(), Failure> {
     } else {
         (2, 2)
     };
-    let r = start_replica(id, processes, workers).await?;
-    let result = scenario_on(&r, name, s).await;
+    let r = start_replica(id, processes, workers, if s.hosts { 2 } else { 0 }).await?;
+    let result = if s.hosts {
+        partitions::scenario_on(&r, name, s).await
+    } else {
+        scenario_on(&r, name, s).await
+    };
     if result.is_err() && std::env::var_os("LOCKSTEP_CHAOS_REPLICA_LOG").is_some() {
         print_process_logs(r.dir.path());
     }
@@ -448,6 +477,7 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
                 },
                 // The history check's answer stays what the variant's is.
                 check_reconciles: s.check_reconciles,
+                hosts: s.hosts,
             };
             check(&controller(r, 2, switched, history(&t)), &t).await
         }
@@ -698,6 +728,14 @@ const DEFAULT_VARIANTS: [&str; 5] = [
     "naive+history-check",
 ];
 
+/// The partition variants, run by default where simulated hosts can be made.
+const HOSTS_VARIANTS: [&str; 4] = [
+    "broadcast@hosts",
+    "barrier@hosts",
+    "log@hosts",
+    "naive@hosts",
+];
+
 const SCENARIOS: [&str; 27] = [
     "partial-create-unwanted",
     "partial-create-wanted",
@@ -731,7 +769,14 @@ const SCENARIOS: [&str; 27] = [
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let args = if args.is_empty() {
-        DEFAULT_VARIANTS.map(String::from).to_vec()
+        let mut v = DEFAULT_VARIANTS.map(String::from).to_vec();
+        match lockstep_orchestrator::hosts::available() {
+            Ok(()) => v.extend(HOSTS_VARIANTS.map(String::from)),
+            Err(e) => {
+                eprintln!("lockstep-chaos-distribution: the @hosts variants are skipped: {e}")
+            }
+        }
+        v
     } else {
         args
     };
@@ -748,6 +793,12 @@ fn main() {
             }
         }
     };
+    if strategies.iter().any(|s| s.hosts) {
+        if let Err(e) = lockstep_orchestrator::hosts::available() {
+            eprintln!("lockstep-chaos-distribution: the @hosts variants need simulated hosts: {e}");
+            std::process::exit(2);
+        }
+    }
     if !replica_binary().exists() {
         eprintln!(
             "lockstep-chaos-distribution: {} is missing: build lockstep-replica (cargo xtask chaos distribution does)",
@@ -766,7 +817,12 @@ fn main() {
     for s in strategies {
         let mut tally = Tally::default();
         let only = std::env::var("LOCKSTEP_CHAOS_SCENARIOS").unwrap_or_default();
-        for name in SCENARIOS {
+        let scenarios: &[&str] = if s.hosts {
+            &partitions::SCENARIOS
+        } else {
+            &SCENARIOS
+        };
+        for &name in scenarios {
             next_id += 1;
             if !only.is_empty() && !only.split(',').any(|o| o == name) {
                 continue;
