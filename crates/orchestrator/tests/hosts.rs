@@ -25,6 +25,11 @@ impl Drop for Sandbox {
     }
 }
 
+/// Held by the tests that make simulated hosts: a sweep in one test's
+/// orchestrator start would remove another's leftovers, and its allocation
+/// could then take their names.
+static HOSTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Why this test cannot run here, if it cannot.
 fn skip_reason() -> Option<String> {
     if let Err(e) = hosts::available() {
@@ -76,6 +81,7 @@ async fn processes_run_on_their_hosts_reach_each_other_by_name_and_links_can_be_
         println!("skipped: simulated hosts are not available here: {why}");
         return;
     }
+    let _serial = HOSTS.lock().unwrap_or_else(|e| e.into_inner());
     let sandbox = Sandbox(tempfile::tempdir().unwrap());
     let dir = sandbox.0.path().to_path_buf();
     let mut config = ProcessOrchestratorConfig::new(&dir, 1);
@@ -153,4 +159,44 @@ fn a_bad_host_count_is_refused_clearly() {
     config.hosts = hosts::MAX_HOSTS + 1;
     let err = ProcessOrchestrator::new(config).err().expect("refused");
     assert!(err.to_string().contains("give between 1 and"), "{err}");
+}
+
+/// Removes the simulated hosts of a directory when the test ends.
+struct HostsGuard(tempfile::TempDir);
+
+impl Drop for HostsGuard {
+    fn drop(&mut self) {
+        hosts::remove_for_state_dir(self.0.path());
+    }
+}
+
+#[test]
+fn leftovers_of_a_crash_are_swept_and_hosts_in_use_are_kept() {
+    if let Err(why) = hosts::available() {
+        println!("skipped: simulated hosts are not available here: {why}");
+        return;
+    }
+    let _serial = HOSTS.lock().unwrap_or_else(|e| e.into_inner());
+    let in_use = HostsGuard(tempfile::tempdir().unwrap());
+    let left = HostsGuard(tempfile::tempdir().unwrap());
+    let held = hosts::SimulatedHosts::create(in_use.0.path(), 1).unwrap();
+    let crashed = hosts::SimulatedHosts::create(left.0.path(), 2).unwrap();
+    let leftovers = [crashed.namespace(0), crashed.namespace(1)];
+    // Its orchestrator is gone (the hold released), its namespaces stay,
+    // with no process in them.
+    drop(crashed);
+    let exists = |ns: &str| Path::new("/run/netns").join(ns).exists();
+    assert!(leftovers.iter().all(|ns| exists(ns)));
+    hosts::sweep();
+    for ns in &leftovers {
+        assert!(!exists(ns), "{ns} swept");
+        assert!(
+            !Path::new("/etc/netns").join(ns).exists(),
+            "{ns}'s hosts file swept"
+        );
+    }
+    assert!(exists(&held.namespace(0)), "hosts in use are kept");
+    // An orchestrator restarted on the same directory adopts its hosts.
+    let again = hosts::SimulatedHosts::create(in_use.0.path(), 1).unwrap();
+    assert_eq!(again.namespace(0), held.namespace(0));
 }
