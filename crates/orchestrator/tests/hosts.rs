@@ -28,7 +28,7 @@ impl Drop for Sandbox {
 /// Held by the tests that make simulated hosts: a sweep in one test's
 /// orchestrator start would remove another's leftovers, and its allocation
 /// could then take their names.
-static HOSTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static HOSTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Why this test cannot run here, if it cannot.
 fn skip_reason() -> Option<String> {
@@ -81,7 +81,7 @@ async fn processes_run_on_their_hosts_reach_each_other_by_name_and_links_can_be_
         println!("skipped: simulated hosts are not available here: {why}");
         return;
     }
-    let _serial = HOSTS.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = HOSTS.lock().await;
     let sandbox = Sandbox(tempfile::tempdir().unwrap());
     let dir = sandbox.0.path().to_path_buf();
     let mut config = ProcessOrchestratorConfig::new(&dir, 1);
@@ -176,7 +176,7 @@ fn leftovers_of_a_crash_are_swept_and_hosts_in_use_are_kept() {
         println!("skipped: simulated hosts are not available here: {why}");
         return;
     }
-    let _serial = HOSTS.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = HOSTS.blocking_lock();
     let in_use = HostsGuard(tempfile::tempdir().unwrap());
     let left = HostsGuard(tempfile::tempdir().unwrap());
     let held = hosts::SimulatedHosts::create(in_use.0.path(), 1).unwrap();
