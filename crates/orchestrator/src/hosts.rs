@@ -42,7 +42,11 @@
 //! lock on its hosts' registry entry. [`remove_for_state_dir`] (called by
 //! `kill_all_services`) removes them; and every [`SimulatedHosts::create`]
 //! first sweeps the registry: hosts whose entry nobody holds and whose
-//! namespaces run no process are left over from a crash, and are removed.
+//! namespaces run no process are left over from a crash, and are removed,
+//! as are namespaces named with [`NAMESPACE_PREFIX`] that no entry names
+//! and that run no process. (A namespace's veth pairs go with it; a bridge
+//! without its registry entry is reused when its number is allocated
+//! again.)
 //!
 //! Needs root (`CAP_NET_ADMIN`, `CAP_SYS_ADMIN`) and `ip` (iproute2); without
 //! them [`SimulatedHosts::create`] fails with a [`HostsError`] that says so.
@@ -458,6 +462,25 @@ fn sweep_locked() -> usize {
             tracing::info!(allocation = e, state_dir = %entry.state_dir.display(), "removing leftover simulated hosts");
             remove_allocation(e, entry.count);
             removed += 1;
+        }
+    }
+    // Namespaces with our prefix that no registry entry names (the
+    // registry was removed by hand, say) and that run no process.
+    if let Ok(entries) = std::fs::read_dir("/run/netns") {
+        for ns in entries.flatten() {
+            let name = ns.file_name().to_string_lossy().to_string();
+            let Some(e) = name
+                .strip_prefix(NAMESPACE_PREFIX)
+                .and_then(|rest| rest.split('-').next())
+                .and_then(|e| e.parse::<u8>().ok())
+            else {
+                continue;
+            };
+            if !entry_path(e).exists() && namespace_pids(&name).is_empty() {
+                tracing::info!(namespace = %name, "removing a leftover simulated host");
+                let _ = ip(&["netns", "del", &name]);
+                let _ = std::fs::remove_dir_all(Path::new("/etc/netns").join(&name));
+            }
         }
     }
     removed

@@ -196,6 +196,15 @@ fn leftovers_of_a_crash_are_swept_and_hosts_in_use_are_kept() {
         );
     }
     assert!(exists(&held.namespace(0)), "hosts in use are kept");
+    // A namespace with our prefix that no registry entry names.
+    let stray = format!("{}250-7", hosts::NAMESPACE_PREFIX);
+    let made = std::process::Command::new("ip")
+        .args(["netns", "add", &stray])
+        .status()
+        .unwrap();
+    assert!(made.success());
+    hosts::sweep();
+    assert!(!exists(&stray), "{stray} swept");
     // An orchestrator restarted on the same directory adopts its hosts.
     let again = hosts::SimulatedHosts::create(in_use.0.path(), 1).unwrap();
     assert_eq!(again.namespace(0), held.namespace(0));
