@@ -47,6 +47,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     cmd.args(["test", "--workspace", "--features", TEST_FEATURES]);
     run(cmd)?;
     demo()?;
+    demo_hosts()?;
     python_api()?;
     for suite in crate::chaos::SUITES {
         crate::chaos::run_suite(suite)?;
@@ -115,7 +116,13 @@ pub fn demo() -> anyhow::Result<()> {
     step("demo");
     let mut cmd = std::process::Command::new(target_dir().join("debug/lockstep"));
     cmd.arg("demo");
-    run(cmd)?;
+    run(cmd)
+}
+
+/// `lockstep demo --hosts 2` (after [`demo`] built the binaries): the
+/// replica's processes on two simulated hosts. Skipped, saying why, where
+/// network namespaces cannot be made.
+pub fn demo_hosts() -> anyhow::Result<()> {
     step("demo across 2 simulated hosts (network namespaces)");
     match hosts_unavailable() {
         Some(why) => {
