@@ -15,8 +15,9 @@
 //! `broadcast`, `barrier`, `log`, `log@postgres` (the command log in a
 //! throw-away PostgreSQL), the negative control `naive`, and
 //! `naive+history-check` (naive delivery, history check restarting the
-//! replica) on real 2x2 and 3x1 replicas; scenarios in
-//! `crates/chaos/src/main.rs`).
+//! replica) on real 2x2 and 3x1 replicas, and `STRATEGY@hosts`, network
+//! partitions on two simulated hosts where namespaces can be made; scenarios
+//! in `crates/chaos/src/bin/distribution.rs` and `distribution/partitions.rs`).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -146,7 +147,7 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
     let bin = target_dir()
         .join("debug")
         .join("lockstep-chaos-distribution");
-    let defaults = [
+    let mut defaults = [
         "broadcast",
         "barrier",
         "log",
@@ -154,7 +155,24 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
         "naive",
         "naive+history-check",
     ]
-    .map(String::from);
+    .map(String::from)
+    .to_vec();
+    // The partition variants (`crates/chaos/src/bin/distribution/partitions.rs`)
+    // need simulated hosts: network namespaces, root and iproute2.
+    match crate::tasks::hosts_unavailable() {
+        None => defaults.extend(
+            [
+                "broadcast@hosts",
+                "barrier@hosts",
+                "log@hosts",
+                "naive@hosts",
+            ]
+            .map(String::from),
+        ),
+        Some(why) => {
+            eprintln!("xtask: the @hosts variants of chaos distribution are skipped: {why}")
+        }
+    }
     let strategies = if strategies.is_empty() {
         &defaults[..]
     } else {

@@ -48,6 +48,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     run(cmd)?;
     demo()?;
     demo_on_postgres()?;
+    demo_hosts()?;
     python_api()?;
     for suite in crate::chaos::SUITES {
         crate::chaos::run_suite(suite)?;
@@ -133,4 +134,42 @@ pub fn demo_on_postgres() -> anyhow::Result<()> {
     let mut cmd = std::process::Command::new(target_dir().join("debug/lockstep"));
     cmd.args(["demo", "--store", &pg.url()]);
     run(cmd)
+}
+
+/// `lockstep demo --hosts 2` (after [`demo`] built the binaries): the
+/// replica's processes on two simulated hosts. Skipped, saying why, where
+/// network namespaces cannot be made.
+pub fn demo_hosts() -> anyhow::Result<()> {
+    step("demo across 2 simulated hosts (network namespaces)");
+    match hosts_unavailable() {
+        Some(why) => {
+            eprintln!("xtask: demo --hosts 2 skipped: {why}");
+            Ok(())
+        }
+        None => {
+            let mut cmd = std::process::Command::new(target_dir().join("debug/lockstep"));
+            cmd.args(["demo", "--hosts", "2"]);
+            run(cmd)
+        }
+    }
+}
+
+/// Why simulated hosts (network namespaces, `lockstep serve --hosts`)
+/// cannot run here, if they cannot: they need root and `ip` (iproute2).
+pub fn hosts_unavailable() -> Option<String> {
+    let uid = std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    if uid.as_deref() != Some("0") {
+        return Some(format!(
+            "network namespaces need root (uid {})",
+            uid.as_deref().unwrap_or("unknown")
+        ));
+    }
+    match std::process::Command::new("ip").arg("-V").output() {
+        Ok(o) if o.status.success() => None,
+        _ => Some("the `ip` command (iproute2) is missing".to_string()),
+    }
 }

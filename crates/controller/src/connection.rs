@@ -3,11 +3,10 @@
 //! connection ended, to the controller task, tagged with the process index
 //! and the connection generation so that stale connections are ignored.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
-use lockstep_protocol::{Command, ControllerCodec, Response};
+use lockstep_protocol::{Command, ControllerCodec, Endpoint, Response};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::codec::Framed;
@@ -30,13 +29,16 @@ pub(crate) struct Conn {
     pub writer: mpsc::UnboundedSender<Command>,
 }
 
-/// Connects to `addr`, retrying every 20 ms until `deadline`.
+/// Connects to `addr`, retrying every 5 ms until `deadline`. A name is
+/// looked up at every attempt (a restarted pod may have a new address); a
+/// lookup that fails is retried like a refused connection.
 pub(crate) async fn connect(
-    addr: SocketAddr,
+    addr: &Endpoint,
     deadline: tokio::time::Instant,
 ) -> Result<TcpStream, String> {
     loop {
-        match tokio::time::timeout(Duration::from_millis(500), TcpStream::connect(addr)).await {
+        let attempt = TcpStream::connect((addr.host(), addr.port()));
+        match tokio::time::timeout(Duration::from_millis(500), attempt).await {
             Ok(Ok(s)) => {
                 let _ = s.set_nodelay(true);
                 return Ok(s);

@@ -8,6 +8,7 @@
 use std::path::Path;
 
 use lockstep_command_log::LogLocation;
+use lockstep_protocol::Endpoint;
 
 use lockstep_orchestrator::{ServiceConfig, ServiceStatus};
 
@@ -34,6 +35,7 @@ pub fn replica_service(
                 format!("--timely-port={}", a.port("timely")),
                 format!("--controller-port={}", a.port("controller")),
                 format!("--peers={}", a.peer_addrs("timely").join(",")),
+                format!("--listen-host={}", a.listen_host),
             ]
         })
 }
@@ -102,7 +104,7 @@ pub fn replica_addrs(
         .map(|p| {
             p.addresses
                 .get("controller")
-                .copied()
+                .map(|a| Endpoint::from(*a))
                 .ok_or(NoControllerPort {
                     service: status.name.clone(),
                     process: p.index,

@@ -31,7 +31,6 @@ pub use lockstep_command_log::LogLocation;
 
 pub mod launch;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use lockstep_policy::DistributionPolicy;
@@ -49,8 +48,9 @@ pub use actor::Event;
 pub struct ReplicaAddrs {
     /// The replica's catalog ID.
     pub replica_id: u64,
-    /// Every process's controller address, in process order.
-    pub processes: Vec<SocketAddr>,
+    /// Every process's controller address (`host:port`, a name or an IP),
+    /// in process order; a name is looked up at every connection attempt.
+    pub processes: Vec<lockstep_protocol::Endpoint>,
     /// Timely workers per process.
     pub workers_per_process: u32,
     /// The replica's command log, needed by the `log` strategy; the replica's
@@ -146,7 +146,7 @@ pub enum ControllerError {
 pub(crate) enum Request {
     Send(CommandKind),
     SetPolicy(Box<dyn DistributionPolicy + Send>),
-    SetAddresses(Vec<SocketAddr>),
+    SetAddresses(Vec<lockstep_protocol::Endpoint>),
     Peek {
         collection: u64,
         timestamp: Timestamp,
@@ -300,7 +300,10 @@ impl Controller {
     /// controller address, in process order; the orchestrator chose new
     /// ports): reconnects to every process there. A list of another length
     /// than the replica's processes is ignored (logged).
-    pub fn set_addresses(&self, processes: Vec<SocketAddr>) -> Result<(), ControllerError> {
+    pub fn set_addresses(
+        &self,
+        processes: Vec<lockstep_protocol::Endpoint>,
+    ) -> Result<(), ControllerError> {
         self.request(Request::SetAddresses(processes))
     }
 

@@ -548,6 +548,10 @@ impl Watcher {
         match controller {
             Some(addrs) => {
                 tracing::warn!(replica = %self.replica, ?addrs, "the replica's processes got new ports; reconnecting there");
+                let addrs = addrs
+                    .into_iter()
+                    .map(lockstep_protocol::Endpoint::from)
+                    .collect();
                 if let Err(e) = self.controller.set_addresses(addrs) {
                     tracing::error!(replica = %self.replica, "could not give the controller the new addresses: {e}");
                 }

@@ -9,6 +9,12 @@
 //! SIGKILL, starts it again on the same state directory, and checks that the
 //! replica's processes were adopted (same PIDs), that the new controller
 //! reconnected, and that the answers, old and new, are still right.
+//!
+//! With `--hosts N` the environment is started with `lockstep serve --hosts
+//! N`: the replica's two processes run on simulated hosts (network
+//! namespaces of their own, `lockstep_orchestrator::hosts`), reach each
+//! other by host name and are reached by the controller over veth links;
+//! the demo checks that each process is in its own namespace.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -42,12 +48,50 @@ pub(crate) struct Env {
     pub(crate) metrics: Option<String>,
 }
 
-async fn start_env(bin: &Path, state: &Path, store: Option<&str>) -> anyhow::Result<Env> {
+/// Where the demo runs: the environment's `--store` (none: SQLite in the
+/// state directory) and how many simulated hosts its replicas' processes
+/// run on (0: none).
+#[derive(Clone, Copy)]
+struct On<'a> {
+    store: Option<&'a str>,
+    hosts: usize,
+}
+
+async fn start_env(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<Env> {
+    let hosts = on.hosts.to_string();
     let mut args = vec!["--metrics-listen", "127.0.0.1:0"];
-    if let Some(url) = store {
+    if on.hosts > 0 {
+        args.extend(["--hosts", &hosts]);
+    }
+    if let Some(url) = on.store {
         args.extend(["--store", url]);
     }
     start_env_with(bin, state, &args).await
+}
+
+/// Checks that every process runs in a network namespace of its own (not
+/// ours, not another's), and prints the namespaces' names.
+fn check_hosts(pids: &[u32]) -> anyhow::Result<()> {
+    let ns_of = |pid: &str| {
+        std::fs::read_link(format!("/proc/{pid}/ns/net"))
+            .with_context(|| format!("reading the network namespace of process {pid}"))
+    };
+    let ours = ns_of("self")?;
+    let mut seen = Vec::new();
+    for pid in pids {
+        let theirs = ns_of(&pid.to_string())?;
+        if theirs == ours || seen.contains(&theirs) {
+            bail!("process {pid} does not run on a simulated host of its own ({theirs:?})");
+        }
+        seen.push(theirs);
+        let name = std::process::Command::new("ip")
+            .args(["netns", "identify", &pid.to_string()])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default();
+        println!("demo:       process {pid} runs on simulated host {name}");
+    }
+    Ok(())
 }
 
 /// `GET /metrics` from `addr`: the response body.
@@ -384,16 +428,22 @@ async fn replica_pids(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<Vec<
 
 /// Runs the demo; `keep` keeps the state directory; `store` is the
 /// environment's `--store` (none: SQLite in the state directory; a
-/// `postgres://` database must not hold another demo's catalog).
-pub async fn run(keep: bool, store: Option<String>) -> anyhow::Result<()> {
+/// `postgres://` database must not hold another demo's catalog); `hosts` > 0
+/// runs the replica's processes on that many simulated hosts (needs root).
+pub async fn run(keep: bool, store: Option<String>, hosts: usize) -> anyhow::Result<()> {
     let started = Instant::now();
     let bin = std::env::current_exe().context("locating the lockstep binary")?;
     let dir = tempfile::Builder::new()
         .prefix("lockstep-demo-")
         .tempdir()?;
     let state = dir.path().to_path_buf();
-    let result = run_in(&bin, &state, store.as_deref()).await;
-    // Whatever happened, stop the replica's processes.
+    let on = On {
+        store: store.as_deref(),
+        hosts,
+    };
+    let result = run_in(&bin, &state, on).await;
+    // Whatever happened, stop the replica's processes (and remove the
+    // simulated hosts).
     let _ = lockstep_orchestrator::process::kill_all_services(&state.join(crate::ORCHESTRATOR_DIR));
     if keep {
         println!("demo: state kept in {}", dir.keep().display());
@@ -403,17 +453,28 @@ pub async fn run(keep: bool, store: Option<String>) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn run_in(bin: &Path, state: &Path, store: Option<&str>) -> anyhow::Result<()> {
-    let on = match store {
+async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
+    let hosts = on.hosts;
+    let on_hosts = if hosts > 0 {
+        format!(", its replicas' processes on {hosts} simulated hosts")
+    } else {
+        String::new()
+    };
+    let in_store = match on.store {
         Some(url) => format!(
-            "{} (catalog and command logs in {})",
-            state.display(),
+            " (catalog and command logs in {})",
             lockstep_pg::redact(url)
         ),
-        None => state.display().to_string(),
+        None => String::new(),
     };
-    step(1, &format!("starting the environment on {on}"));
-    let mut env = start_env(bin, state, store).await?;
+    step(
+        1,
+        &format!(
+            "starting the environment on {}{in_store}{on_hosts}",
+            state.display()
+        ),
+    );
+    let mut env = start_env(bin, state, on).await?;
     let mut c = client(&env.url).await?;
 
     step(
@@ -436,6 +497,9 @@ async fn run_in(bin: &Path, state: &Path, store: Option<&str>) -> anyhow::Result
         .flat_map(|r| r.process_status.iter().map(|p| p.pid))
         .collect();
     println!("demo:       replica processes {pids:?}");
+    if hosts > 0 {
+        check_hosts(&pids)?;
+    }
 
     step(
         3,
@@ -521,7 +585,7 @@ async fn run_in(bin: &Path, state: &Path, store: Option<&str>) -> anyhow::Result
     env.child.kill().await.context("killing the environment")?;
     let status = env.child.wait().await?;
     println!("demo:       environment exited: {status}");
-    let env2 = start_env(bin, state, store).await?;
+    let env2 = start_env(bin, state, on).await?;
     let mut c = client(&env2.url).await?;
     let after = replica_pids(&mut c).await?;
     if after != pids {

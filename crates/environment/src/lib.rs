@@ -182,6 +182,20 @@ pub type OrchestratorFactory =
 pub fn process_orchestrator(
     params: OrchestratorParams<'_>,
 ) -> Result<Arc<dyn Orchestrator>, StartError> {
+    process_orchestrator_on(params, 0)
+}
+
+/// The process backend with every replica's process *i* on simulated host
+/// *i mod `hosts`* (a network namespace of its own; see
+/// `lockstep_orchestrator::hosts`); needs root.
+pub fn process_orchestrator_on_hosts(hosts: usize) -> OrchestratorFactory {
+    Box::new(move |params| process_orchestrator_on(params, hosts))
+}
+
+fn process_orchestrator_on(
+    params: OrchestratorParams<'_>,
+    hosts: usize,
+) -> Result<Arc<dyn Orchestrator>, StartError> {
     let dir = params.state_dir.join(ORCHESTRATOR_DIR);
     std::fs::create_dir_all(&dir).map_err(|source| StartError::StateDirUnwritable {
         path: dir.clone(),
@@ -189,6 +203,7 @@ pub fn process_orchestrator(
     })?;
     let mut config = ProcessOrchestratorConfig::new(dir, params.epoch);
     config.conditional_writes = params.conditional_writes;
+    config.hosts = hosts;
     Ok(Arc::new(ProcessOrchestrator::new(config)?))
 }
 

@@ -124,6 +124,10 @@ enum Command {
         /// SQLite in the state directory.
         #[arg(long)]
         store: Option<String>,
+        /// Run the replica's processes on this many simulated hosts
+        /// (network namespaces; needs root), as `lockstep serve --hosts`.
+        #[arg(long, default_value_t = 0)]
+        hosts: usize,
     },
     /// The soak (run it with `cargo xtask soak`): many rounds of writes,
     /// peeks, dataflows and subscriptions through the API, the environment
@@ -283,6 +287,12 @@ struct ServeArgs {
     /// in a Kubernetes cluster (in-cluster service account, or KUBECONFIG).
     #[arg(long, value_enum, default_value_t = OrchestratorKind::Process)]
     orchestrator: OrchestratorKind,
+    /// Place every replica's process i on simulated host i mod N: a network
+    /// namespace of its own joined to this one by veth pairs (process
+    /// backend only; needs root and iproute2; see docs/hosts.md). 0: every
+    /// process on this host's loopback.
+    #[arg(long, default_value_t = 0)]
+    hosts: usize,
     /// The Kubernetes namespace of the replicas' objects.
     #[arg(long, default_value = "lockstep")]
     namespace: String,
@@ -503,8 +513,8 @@ fn main() -> ExitCode {
             }
             Ok(())
         })),
-        Command::Demo { keep, store } => {
-            finish(runtime.block_on(lockstep_environment::demo::run(keep, store)))
+        Command::Demo { keep, store, hosts } => {
+            finish(runtime.block_on(lockstep_environment::demo::run(keep, store, hosts)))
         }
         Command::Soak { quick, out } => {
             use lockstep_environment::soak::{run, SoakOptions};
@@ -797,7 +807,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         store: args.store,
     };
     let env = match args.orchestrator {
+        OrchestratorKind::Process if args.hosts > 0 => {
+            Environment::start_with(
+                config,
+                lockstep_environment::process_orchestrator_on_hosts(args.hosts),
+            )
+            .await?
+        }
         OrchestratorKind::Process => Environment::start(config).await?,
+        OrchestratorKind::Kubernetes if args.hosts > 0 => {
+            anyhow::bail!("--hosts places processes on simulated hosts of the process backend; pods already run on their own network stacks")
+        }
         OrchestratorKind::Kubernetes => {
             let client = kube::Client::try_default()
                 .await

@@ -11,7 +11,7 @@ pub const REPLICA_PORTS: [&str; 2] = ["timely", "controller"];
 
 /// The arguments a replica process gets when no template is given, for the
 /// `lockstep-replica` binary.
-pub const DEFAULT_REPLICA_ARGS: [&str; 7] = [
+pub const DEFAULT_REPLICA_ARGS: [&str; 8] = [
     "--replica-id={replica-id}",
     "--process={process}",
     "--processes={processes}",
@@ -19,6 +19,7 @@ pub const DEFAULT_REPLICA_ARGS: [&str; 7] = [
     "--timely-port={port:timely}",
     "--controller-port={port:controller}",
     "--peers={peers:timely}",
+    "--listen-host={listen-host}",
 ];
 
 /// The program and argument template of replica services.
@@ -32,8 +33,9 @@ pub const DEFAULT_REPLICA_ARGS: [&str; 7] = [
 /// | `{workers}` | workers per process |
 /// | `{config}` | the replica's free-form config |
 /// | `{port:NAME}` | this process's port `NAME` (`timely`, `controller`) |
-/// | `{addr:NAME}` | this process's `127.0.0.1:port` |
+/// | `{addr:NAME}` | this process's `host:port` as its peers reach it |
 /// | `{peers:NAME}` | every process's `host:port` for `NAME`, comma-separated, in process order |
+/// | `{listen-host}` | the address this process binds (`127.0.0.1`; `0.0.0.0` on a simulated host or a pod) |
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceTemplate {
     /// The program: a path, or a bare name looked up in `PATH`.
@@ -99,6 +101,7 @@ fn expand(template: &str, replica: &Replica, a: &ServiceAssignment<'_>) -> Strin
             "processes" => Some(a.scale.to_string()),
             "workers" => Some(replica.config.workers_per_process.to_string()),
             "config" => Some(replica.config.config.clone()),
+            "listen-host" => Some(a.listen_host.to_string()),
             _ => match key.split_once(':') {
                 Some(("port", n)) if a.ports[a.process].contains_key(n) => {
                     Some(a.port(n).to_string())
@@ -157,6 +160,7 @@ mod tests {
             scale: 2,
             host: "127.0.0.1",
             hosts: &["127.0.0.1".to_string(), "127.0.0.1".to_string()],
+            listen_host: "127.0.0.1",
             ports: &ports,
         };
         let args: Vec<String> = DEFAULT_REPLICA_ARGS
@@ -173,6 +177,7 @@ mod tests {
                 "--timely-port=1001",
                 "--controller-port=2001",
                 "--peers=127.0.0.1:1000,127.0.0.1:1001",
+                "--listen-host=127.0.0.1",
             ]
         );
         assert_eq!(

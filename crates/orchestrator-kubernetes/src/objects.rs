@@ -141,6 +141,8 @@ pub fn process_args(ctx: &ObjectContext, config: &ServiceConfig) -> Vec<Vec<Stri
                 scale: config.scale,
                 host: &hosts[i],
                 hosts: &hosts,
+                // A pod is reached at its pod IP, from outside the pod.
+                listen_host: "0.0.0.0",
                 ports: &all_ports,
             })
         })

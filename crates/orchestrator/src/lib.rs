@@ -66,6 +66,7 @@
 //!             format!("--controller-port={}", a.port("controller")),
 //!             // Every process's timely address, in process order (own included).
 //!             format!("--peers={}", a.peer_addrs("timely").join(",")),
+//!             format!("--listen-host={}", a.listen_host),
 //!         ]
 //!     });
 //! let status = orchestrator.ensure_service(config).await?;
@@ -75,6 +76,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod hosts;
 pub mod process;
 
 use std::collections::BTreeMap;
@@ -101,9 +103,14 @@ pub struct ServiceAssignment<'a> {
     pub scale: usize,
     /// This process's host (`hosts[process]`).
     pub host: &'a str,
-    /// Every process's host, in process order: `127.0.0.1` for each in the
-    /// process backend, each pod's stable DNS name in the Kubernetes one.
+    /// Every process's host as its peers reach it, in process order:
+    /// `127.0.0.1` for each in the process backend (each simulated host's
+    /// name with `--hosts`), each pod's stable DNS name in the Kubernetes one.
     pub hosts: &'a [String],
+    /// The address this process should bind its ports on: `127.0.0.1` in the
+    /// process backend, `0.0.0.0` where it must be reached on several
+    /// interfaces (a simulated host, a pod).
+    pub listen_host: &'a str,
     /// Every process's ports by name, in process order.
     pub ports: &'a [BTreeMap<String, u16>],
 }

@@ -26,6 +26,15 @@
 //! PID counts as ours only if both match. We never signal a PID that fails
 //! this check.
 //!
+//! # Simulated hosts
+//!
+//! With [`ProcessOrchestratorConfig::hosts`] set to N, process *i* of every
+//! service runs on simulated host *i mod N*: in a network namespace of its
+//! own ([`crate::hosts`]), started with `ip netns exec`, bound to `0.0.0.0`,
+//! known to its peers by the host's name and to the orchestrator's side by
+//! the host's control address. Its record keeps the namespace and address,
+//! so a restart puts it back on the same host.
+//!
 //! # Processes
 //!
 //! Each process runs in its own process group (its PGID is its PID), so that
@@ -76,13 +85,14 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 
+use crate::hosts::SimulatedHosts;
 use crate::{
     ArgsFn, DropError, EnsureError, ListError, Orchestrator, ProcessStatus, RestartError,
     ServiceAssignment, ServiceConfig, ServiceEvent, ServiceEventKind, ServiceStatus, StateError,
     EPOCH_LABEL, ID_LABEL,
 };
 
-/// The host every process listens on.
+/// The host every process listens on, without simulated hosts.
 const HOST: &str = "127.0.0.1";
 /// The version of the state file format.
 const RECORD_VERSION: u32 = 1;
@@ -131,6 +141,9 @@ pub struct ProcessOrchestratorConfig {
     /// socket, every process of the service gets new ports and is restarted
     /// ([`ServiceEventKind::PortsReassigned`]). `0` never re-chooses ports.
     pub reassign_ports_after: u32,
+    /// Simulated hosts (network namespaces, see [`crate::hosts`]) to place
+    /// processes on; 0: every process on this host's loopback (`127.0.0.1`).
+    pub hosts: usize,
 }
 
 impl ProcessOrchestratorConfig {
@@ -144,6 +157,7 @@ impl ProcessOrchestratorConfig {
             poll_interval: Duration::from_millis(100),
             log_rotate_bytes: 16 << 20,
             reassign_ports_after: 3,
+            hosts: 0,
         }
     }
 }
@@ -157,6 +171,9 @@ pub enum NewError {
     /// The state directory is not a directory.
     #[error("orchestrator state directory {0} is not a directory")]
     NotADirectory(PathBuf),
+    /// The simulated hosts could not be set up.
+    #[error(transparent)]
+    Hosts(#[from] crate::hosts::HostsError),
     /// The state directory cannot be written.
     #[error("orchestrator state directory {path} is not writable: {source}")]
     Unwritable {
@@ -183,6 +200,8 @@ struct Inner {
     /// The args function of every service this orchestrator ensured, by
     /// name: new ports need new command lines.
     args: Mutex<HashMap<String, ArgsFn>>,
+    /// The simulated hosts processes are placed on, if any.
+    hosts: Option<SimulatedHosts>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -205,6 +224,12 @@ struct ProcessRecord {
     pid: Option<u32>,
     start_time: Option<u64>,
     restarts: u32,
+    /// The simulated host's namespace it runs in (`None`: this host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    namespace: Option<String>,
+    /// The address its ports are reached at from here (`None`: `127.0.0.1`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    address: Option<IpAddr>,
 }
 
 impl ProcessRecord {
@@ -243,6 +268,10 @@ impl ProcessOrchestrator {
             .append(true)
             .open(dir.join("orchestrator.lock"))
             .map_err(unwritable)?;
+        let hosts = match config.hosts {
+            0 => None,
+            n => Some(SimulatedHosts::create(dir, n)?),
+        };
         let (events, _) = broadcast::channel(1024);
         let inner = Inner {
             config,
@@ -250,6 +279,7 @@ impl ProcessOrchestrator {
             supervisors: Mutex::new(HashMap::new()),
             children: Mutex::new(HashMap::new()),
             args: Mutex::new(HashMap::new()),
+            hosts,
         };
         // Processes spawned by an orchestrator killed before it recorded them
         // would hold their ports and escape orphan removal: kill them now.
@@ -268,6 +298,11 @@ impl ProcessOrchestrator {
     /// The state directory.
     pub fn state_dir(&self) -> &Path {
         &self.inner.config.state_dir
+    }
+
+    /// The simulated hosts processes are placed on, if any.
+    pub fn hosts(&self) -> Option<&SimulatedHosts> {
+        self.inner.hosts.as_ref()
     }
 }
 
@@ -512,7 +547,8 @@ impl Inner {
                 source: e,
             })
         };
-        let args_for = |ports: &[BTreeMap<String, u16>]| argv_for(&config.args, ports);
+        let placements: Vec<Placement> = (0..config.scale).map(|i| self.placement(i)).collect();
+        let args_for = |ports: &[BTreeMap<String, u16>]| argv_for(&config.args, &placements, ports);
         // Try the ports of an existing service of the same shape first, so an
         // unchanged spec yields the same command lines and is adopted.
         let reused = match &existing {
@@ -537,6 +573,10 @@ impl Inner {
             e.program == program
                 && e.env == config.env
                 && e.processes.iter().map(|p| &p.argv).eq(argv.iter())
+                && e.processes
+                    .iter()
+                    .map(|p| &p.namespace)
+                    .eq(placements.iter().map(|p| &p.namespace))
         });
         if let (true, Some(mut record)) = (same_spec, existing.clone()) {
             // Adopt: keep the processes, rewrite the labels. Dead processes
@@ -575,12 +615,15 @@ impl Inner {
             processes: argv
                 .into_iter()
                 .zip(ports)
-                .map(|(argv, ports)| ProcessRecord {
+                .zip(placements)
+                .map(|((argv, ports), placement)| ProcessRecord {
                     argv,
                     ports,
                     pid: None,
                     start_time: None,
                     restarts: 0,
+                    namespace: placement.namespace,
+                    address: placement.address,
                 })
                 .collect(),
         };
@@ -649,7 +692,17 @@ impl Inner {
             .create(true)
             .append(true)
             .open(&log_path)?;
-        let mut cmd = Command::new(&record.program);
+        let mut cmd = match &record.processes[i].namespace {
+            // `ip netns exec` enters the namespace, mounts
+            // /etc/netns/NS/hosts over /etc/hosts and execs: the PID is the
+            // program's.
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&record.program);
+                c
+            }
+            None => Command::new(&record.program),
+        };
         cmd.args(&record.processes[i].argv)
             // The controller's failpoints are not the service's.
             .env_remove("FAILPOINTS")
@@ -841,7 +894,7 @@ impl Inner {
                     index,
                     pid: p.pid,
                     running: p.handle().is_some_and(|(pid, s)| self.alive(pid, s)),
-                    addresses: addresses(&p.ports),
+                    addresses: addresses(p.address, &p.ports),
                     restarts: p.restarts,
                 })
                 .collect(),
@@ -1045,7 +1098,10 @@ impl Inner {
         );
         let ports = allocate_ports(record.processes.len(), &record.port_names)
             .map_err(|e| format!("could not choose new ports: {e}"))?;
-        let argv = argv_for(&args, &ports);
+        let placements: Vec<Placement> = (0..record.processes.len())
+            .map(|j| self.placement(j))
+            .collect();
+        let argv = argv_for(&args, &placements, &ports);
         for (j, p) in record.processes.iter().enumerate() {
             if let Some((pid, start)) = p.handle() {
                 self.kill(name, j, pid, start);
@@ -1092,7 +1148,7 @@ impl Inner {
                 addresses: record
                     .processes
                     .iter()
-                    .map(|p| addresses(&p.ports))
+                    .map(|p| addresses(p.address, &p.ports))
                     .collect(),
             },
         );
@@ -1140,6 +1196,37 @@ impl Inner {
     }
 }
 
+/// Where process `i` runs: its host as peers name it, the address it binds,
+/// its namespace and its address from here.
+struct Placement {
+    host: String,
+    listen_host: &'static str,
+    namespace: Option<String>,
+    address: Option<IpAddr>,
+}
+
+impl Inner {
+    fn placement(&self, i: usize) -> Placement {
+        match &self.hosts {
+            None => Placement {
+                host: HOST.to_string(),
+                listen_host: HOST,
+                namespace: None,
+                address: None,
+            },
+            Some(hosts) => {
+                let k = i % hosts.count();
+                Placement {
+                    host: hosts.namespace(k),
+                    listen_host: "0.0.0.0",
+                    namespace: Some(hosts.namespace(k)),
+                    address: Some(hosts.control_addr(k)),
+                }
+            }
+        }
+    }
+}
+
 enum Decision {
     Stop,
     Watch((u32, u64)),
@@ -1156,31 +1243,36 @@ enum Reassigned {
 }
 
 /// Every process's command line for `ports` (one map per process).
-fn argv_for(args: &ArgsFn, ports: &[BTreeMap<String, u16>]) -> Vec<Vec<String>> {
-    let hosts = vec![HOST.to_string(); ports.len()];
+fn argv_for(
+    args: &ArgsFn,
+    placements: &[Placement],
+    ports: &[BTreeMap<String, u16>],
+) -> Vec<Vec<String>> {
+    let hosts: Vec<String> = placements.iter().map(|p| p.host.clone()).collect();
     (0..ports.len())
         .map(|i| {
             args(&ServiceAssignment {
                 process: i,
                 scale: ports.len(),
-                host: HOST,
+                host: &hosts[i],
                 hosts: &hosts,
+                listen_host: placements[i].listen_host,
                 ports,
             })
         })
         .collect()
 }
 
-/// The socket addresses of one process's named ports.
-fn addresses(ports: &BTreeMap<String, u16>) -> BTreeMap<String, SocketAddr> {
+/// The socket addresses of one process's named ports, at `address` (its
+/// simulated host's) or on loopback.
+fn addresses(
+    address: Option<IpAddr>,
+    ports: &BTreeMap<String, u16>,
+) -> BTreeMap<String, SocketAddr> {
+    let ip = address.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
     ports
         .iter()
-        .map(|(n, port)| {
-            (
-                n.clone(),
-                SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), *port),
-            )
-        })
+        .map(|(n, port)| (n.clone(), SocketAddr::new(ip, *port)))
         .collect()
 }
 
@@ -1374,8 +1466,9 @@ fn read_all_records(state_dir: &Path) -> Result<Vec<ServiceRecord>, StateError> 
 
 /// Kills every process recorded under `state_dir` and removes the records:
 /// the teardown for tests and for decommissioning a machine. Only processes
-/// whose PID and start time both match are signalled. Returns how many
-/// processes were killed.
+/// whose PID and start time both match are signalled. Also removes the
+/// directory's simulated hosts ([`crate::hosts::remove_for_state_dir`]).
+/// Returns how many processes were killed.
 pub fn kill_all_services(state_dir: &Path) -> Result<usize, StateError> {
     let dir = state_dir.join("services");
     if !dir.exists() {
@@ -1414,6 +1507,7 @@ pub fn kill_all_services(state_dir: &Path) -> Result<usize, StateError> {
         let _ = std::fs::remove_file(&path);
     }
     killed += kill_strays(state_dir);
+    crate::hosts::remove_for_state_dir(state_dir);
     Ok(killed)
 }
 

@@ -16,9 +16,11 @@
 //!   rehydration and the history check are built on;
 //! - [`validate`]: the checks a replica makes before building a dataflow,
 //!   shared with the environment, which refuses exactly what a replica would.
+//! - [`endpoint`]: the `host:port` addresses processes are reached at.
 
 pub mod codec;
 pub mod convert;
+pub mod endpoint;
 pub mod handshake;
 pub mod history;
 pub mod merge;
@@ -32,6 +34,7 @@ pub use codec::{
     HELLO_MAX_FRAME_LEN,
 };
 pub use convert::ConvertError;
+pub use endpoint::{Endpoint, EndpointError};
 pub use handshake::{HandshakeError, ProcessIdentity, SessionKey, SESSION_KEY_ENV};
 pub use history::CommandHistory;
 pub use types::*;

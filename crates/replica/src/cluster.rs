@@ -1,5 +1,12 @@
 //! Forming the timely cluster of one replica over TCP.
 //!
+//! The peers are `host:port` [`Endpoint`]s, names or IP literals, in process
+//! order; [`resolve_peers`] looks each up, retrying (a pod's DNS name may
+//! appear only once the pod is scheduled) within a bound, and an unresolvable
+//! peer is an error naming it. A process listens on its own entry's address
+//! (the address it advertises) unless a listen address is given (`0.0.0.0`,
+//! a pod IP).
+//!
 //! timely's own `create_sockets` retries in one-second steps, which makes a
 //! replica take seconds to start. Here every process listens on its timely
 //! address, connects to the processes with a lower index (retrying every
@@ -30,7 +37,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use lockstep_protocol::SessionKey;
+use lockstep_protocol::{Endpoint, SessionKey};
 use timely::communication::allocator::zero_copy::initialize::{
     initialize_networking_from_sockets, CommsGuard,
 };
@@ -53,6 +60,18 @@ pub enum ClusterError {
         addr: SocketAddr,
         /// The cause.
         source: std::io::Error,
+    },
+    /// A peer's address could not be resolved within the bound.
+    #[error("cannot resolve timely peer {process} ({peer}) within {timeout:?}: {reason}")]
+    Resolve {
+        /// The peer's process index.
+        process: usize,
+        /// Its address as given.
+        peer: Endpoint,
+        /// The bound.
+        timeout: Duration,
+        /// The last lookup's failure.
+        reason: String,
     },
     /// The peers did not all connect in time.
     #[error("timely cluster did not form within {timeout:?}: still missing processes {missing:?}")]
@@ -182,11 +201,72 @@ fn accept_peer(
     Ok((idx as usize, s))
 }
 
+/// How often a peer's name is looked up again while it does not resolve.
+const RESOLVE_RETRY: Duration = Duration::from_millis(100);
+
+/// Resolves every peer with the system resolver (`getaddrinfo`: `/etc/hosts`,
+/// then DNS), retrying each one that does not resolve every 100 ms until
+/// `timeout` has passed since the call; see [`resolve_peers_with`].
+pub fn resolve_peers(
+    peers: &[Endpoint],
+    timeout: Duration,
+) -> Result<Vec<SocketAddr>, ClusterError> {
+    resolve_peers_with(peers, timeout, |peer| {
+        use std::net::ToSocketAddrs;
+        if let Some(addr) = peer.socket_addr() {
+            return Ok(vec![addr]);
+        }
+        Ok((peer.host(), peer.port()).to_socket_addrs()?.collect())
+    })
+}
+
+/// Resolves every peer with `lookup`, in process order, retrying a peer whose
+/// lookup fails or finds nothing until `timeout` has passed since the call.
+/// Takes the first address a lookup returns. Error: the first peer that did
+/// not resolve in time, named by index and address, with the last failure.
+pub fn resolve_peers_with(
+    peers: &[Endpoint],
+    timeout: Duration,
+    mut lookup: impl FnMut(&Endpoint) -> std::io::Result<Vec<SocketAddr>>,
+) -> Result<Vec<SocketAddr>, ClusterError> {
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::with_capacity(peers.len());
+    for (process, peer) in peers.iter().enumerate() {
+        loop {
+            let reason = match lookup(peer) {
+                Ok(addrs) => match addrs.first() {
+                    Some(addr) => {
+                        out.push(*addr);
+                        break;
+                    }
+                    None => "the name has no address".to_string(),
+                },
+                Err(e) => e.to_string(),
+            };
+            if Instant::now() >= deadline {
+                return Err(ClusterError::Resolve {
+                    process,
+                    peer: peer.clone(),
+                    timeout,
+                    reason,
+                });
+            }
+            tracing::debug!(process, %peer, %reason, "timely peer does not resolve yet");
+            std::thread::sleep(
+                RESOLVE_RETRY.min(deadline.saturating_duration_since(Instant::now())),
+            );
+        }
+    }
+    Ok(out)
+}
+
 /// Connects this process to every peer. `addrs[i]` is process i's timely
-/// address; with `key`, every peer must prove it. Returns one socket per
-/// process, `None` at `me`.
+/// address (resolved); this process listens on `bind` (its own entry, or
+/// the configured listen address). With `key`, every peer must prove it.
+/// Returns one socket per process, `None` at `me`.
 pub fn connect_mesh(
     addrs: &[SocketAddr],
+    bind: SocketAddr,
     me: usize,
     replica_id: u64,
     key: Option<&SessionKey>,
@@ -194,10 +274,8 @@ pub fn connect_mesh(
 ) -> Result<Vec<Option<TcpStream>>, ClusterError> {
     let deadline = Instant::now() + timeout;
     let n = addrs.len();
-    let listener = TcpListener::bind(addrs[me]).map_err(|source| ClusterError::Bind {
-        addr: addrs[me],
-        source,
-    })?;
+    let listener =
+        TcpListener::bind(bind).map_err(|source| ClusterError::Bind { addr: bind, source })?;
     listener.set_nonblocking(true)?;
     let mut sockets: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     let (accepted_tx, accepted) = mpsc::channel::<Result<(usize, TcpStream), String>>();
@@ -314,7 +392,7 @@ mod tests {
         key: Option<SessionKey>,
         timeout: Duration,
     ) -> std::thread::JoinHandle<Result<Vec<Option<TcpStream>>, ClusterError>> {
-        std::thread::spawn(move || connect_mesh(&addrs, 0, 7, key.as_ref(), timeout))
+        std::thread::spawn(move || connect_mesh(&addrs, addrs[0], 0, 7, key.as_ref(), timeout))
     }
 
     #[test]
@@ -331,7 +409,15 @@ mod tests {
         spoof.write_all(&[0u8; 32]).unwrap();
         // The real process 1.
         let started = Instant::now();
-        let mut p1 = connect_mesh(&addrs, 1, 7, Some(&key(1)), Duration::from_secs(20)).unwrap();
+        let mut p1 = connect_mesh(
+            &addrs,
+            addrs[1],
+            1,
+            7,
+            Some(&key(1)),
+            Duration::from_secs(20),
+        )
+        .unwrap();
         let mut p0 = p0.join().unwrap().unwrap();
         assert!(
             started.elapsed() < HANDSHAKE_BOUND,
@@ -356,7 +442,14 @@ mod tests {
     fn a_peer_with_another_key_never_joins() {
         let addrs = vec![free_addr(), free_addr()];
         let p0 = process_0(addrs.clone(), Some(key(1)), Duration::from_secs(2));
-        let p1 = connect_mesh(&addrs, 1, 7, Some(&key(2)), Duration::from_secs(2));
+        let p1 = connect_mesh(
+            &addrs,
+            addrs[1],
+            1,
+            7,
+            Some(&key(2)),
+            Duration::from_secs(2),
+        );
         assert!(matches!(p1, Err(ClusterError::Timeout { .. })), "{p1:?}");
         match p0.join().unwrap() {
             Err(ClusterError::Timeout { missing, .. }) => assert_eq!(missing, vec![1]),
@@ -365,10 +458,61 @@ mod tests {
     }
 
     #[test]
+    fn peers_resolve_by_name_after_retries_and_a_bad_peer_is_named_at_the_bound() {
+        let peers: Vec<Endpoint> = ["127.0.0.1:7000", "late.example:7001", "localhost:7002"]
+            .iter()
+            .map(|s| s.parse().unwrap())
+            .collect();
+        // A name that resolves on the third lookup.
+        let mut late_lookups = 0;
+        let resolved = resolve_peers_with(&peers, Duration::from_secs(10), |p| {
+            if p.host() == "late.example" {
+                late_lookups += 1;
+                if late_lookups < 3 {
+                    return Err(std::io::Error::other("no such host yet"));
+                }
+                return Ok(vec!["10.0.0.1:7001".parse().unwrap()]);
+            }
+            Ok(vec![format!("127.0.0.1:{}", p.port()).parse().unwrap()])
+        })
+        .unwrap();
+        assert_eq!(late_lookups, 3);
+        assert_eq!(
+            resolved,
+            ["127.0.0.1:7000", "10.0.0.1:7001", "127.0.0.1:7002"]
+                .map(|s| s.parse::<SocketAddr>().unwrap())
+        );
+        // A name that never resolves: the error names it, at the bound.
+        let started = Instant::now();
+        let err = resolve_peers_with(&peers, Duration::from_millis(300), |p| {
+            if p.host() == "late.example" {
+                Err(std::io::Error::other("no such host"))
+            } else {
+                Ok(vec!["127.0.0.1:1".parse().unwrap()])
+            }
+        })
+        .unwrap_err();
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        let msg = err.to_string();
+        assert!(
+            msg.contains("timely peer 1 (late.example:7001)") && msg.contains("no such host"),
+            "{msg}"
+        );
+        // The system resolver: IP literals need no lookup; `localhost` is in /etc/hosts.
+        let resolved = resolve_peers(&peers[..1], Duration::from_secs(1)).unwrap();
+        assert_eq!(
+            resolved,
+            vec!["127.0.0.1:7000".parse::<SocketAddr>().unwrap()]
+        );
+        let local = resolve_peers(&peers[2..], Duration::from_secs(5)).unwrap();
+        assert!(local[0].ip().is_loopback(), "{local:?}");
+    }
+
+    #[test]
     fn without_a_key_the_header_is_enough() {
         let addrs = vec![free_addr(), free_addr()];
         let p0 = process_0(addrs.clone(), None, Duration::from_secs(10));
-        connect_mesh(&addrs, 1, 7, None, Duration::from_secs(10)).unwrap();
+        connect_mesh(&addrs, addrs[1], 1, 7, None, Duration::from_secs(10)).unwrap();
         p0.join().unwrap().unwrap();
     }
 }

@@ -1,10 +1,9 @@
 //! `lockstep-replica`: one process of a lockstep replica.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Parser;
-use lockstep_protocol::{ProcessIdentity, DEFAULT_MAX_FRAME_LEN};
+use lockstep_protocol::{Endpoint, ProcessIdentity, DEFAULT_MAX_FRAME_LEN};
 use lockstep_replica::{run, ReplicaConfig};
 
 /// One process of a lockstep replica.
@@ -26,19 +25,25 @@ struct Args {
     /// Timely workers in this process.
     #[arg(long, default_value_t = 1)]
     workers: u32,
-    /// Every process's timely address (host:port), comma-separated, in process order.
+    /// Every process's timely address, comma-separated, in process order:
+    /// `HOST:PORT` with HOST a name (a pod's DNS name, a host in /etc/hosts)
+    /// or an IP. This process's own entry is the address it advertises to its
+    /// peers. Names are looked up with retries until --cluster-timeout-secs.
     #[arg(long, value_delimiter = ',', required = true)]
-    peers: Vec<SocketAddr>,
+    peers: Vec<Endpoint>,
     /// The port this process listens on for timely peers (must match its entry in --peers).
     #[arg(long)]
     timely_port: u16,
     /// The port this process listens on for controllers.
     #[arg(long)]
     controller_port: u16,
-    /// The host to listen on for controllers.
-    #[arg(long, default_value = "127.0.0.1")]
-    host: std::net::IpAddr,
-    /// Seconds to wait for every peer before giving up.
+    /// The address both ports are bound on (`0.0.0.0` for every interface, a
+    /// pod IP). Default: the address this process's own --peers entry
+    /// resolves to.
+    #[arg(long, alias = "host")]
+    listen_host: Option<std::net::IpAddr>,
+    /// Seconds to resolve every peer and wait for it to connect before
+    /// giving up.
     #[arg(long, default_value_t = 30)]
     cluster_timeout_secs: u64,
     /// The largest frame accepted from a controller or sent to one, in bytes
@@ -87,8 +92,9 @@ fn main() {
             process_count: args.processes,
             workers_per_process: args.workers,
         },
-        timely_addrs: args.peers,
-        listen: SocketAddr::new(args.host, args.controller_port),
+        timely_peers: args.peers,
+        listen_host: args.listen_host,
+        controller_port: args.controller_port,
         cluster_timeout: Duration::from_secs(args.cluster_timeout_secs),
         max_frame_len: args.max_frame_len,
         command_log: args.command_log,

@@ -11,7 +11,7 @@
 //! Error response and closes the connection, never a panic. Each accepted
 //! command goes, in order, to every local worker.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::Thread;
@@ -21,8 +21,8 @@ use anyhow::Context;
 use futures::{SinkExt, StreamExt};
 use lockstep_protocol::handshake::check_hello;
 use lockstep_protocol::{
-    CodecError, Command, CommandKind, ErrorKind, ErrorResponse, ProcessIdentity, ReplicaCodec,
-    Response, ResponseKind, HELLO_MAX_FRAME_LEN,
+    CodecError, Command, CommandKind, Endpoint, ErrorKind, ErrorResponse, ProcessIdentity,
+    ReplicaCodec, Response, ResponseKind, HELLO_MAX_FRAME_LEN,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -37,11 +37,15 @@ use crate::worker::{run_worker, session_of, FromWorker};
 pub struct ReplicaConfig {
     /// Who this process is.
     pub identity: ProcessIdentity,
-    /// Every process's timely address, in process order.
-    pub timely_addrs: Vec<SocketAddr>,
-    /// Where controllers connect.
-    pub listen: SocketAddr,
-    /// The bound on forming the timely cluster.
+    /// Every process's timely address (`host:port`, a name or an IP), in
+    /// process order; this process's own entry is the address it advertises.
+    pub timely_peers: Vec<Endpoint>,
+    /// The address both listeners bind (`0.0.0.0`, a pod IP); `None`: the
+    /// address this process's own `timely_peers` entry resolves to.
+    pub listen_host: Option<IpAddr>,
+    /// The port controllers connect to.
+    pub controller_port: u16,
+    /// The bound on resolving the peers and forming the timely cluster.
     pub cluster_timeout: Duration,
     /// The largest frame accepted.
     pub max_frame_len: usize,
@@ -105,14 +109,14 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
     let id = config.identity;
     let me = id.process_index as usize;
     let workers = id.workers_per_process as usize;
-    if config.timely_addrs.len() != id.process_count as usize {
+    if config.timely_peers.len() != id.process_count as usize {
         anyhow::bail!(
             "{} timely addresses given for a replica of {} processes",
-            config.timely_addrs.len(),
+            config.timely_peers.len(),
             id.process_count
         );
     }
-    if me >= config.timely_addrs.len() {
+    if me >= config.timely_peers.len() {
         anyhow::bail!(
             "process index {me} is out of range for {} processes",
             id.process_count
@@ -121,8 +125,12 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
     if workers == 0 {
         anyhow::bail!("a process needs at least one worker");
     }
-    let listener = std::net::TcpListener::bind(config.listen)
-        .with_context(|| format!("cannot listen for controllers on {}", config.listen))?;
+    let started = std::time::Instant::now();
+    let timely_addrs = cluster::resolve_peers(&config.timely_peers, config.cluster_timeout)?;
+    let listen_ip = config.listen_host.unwrap_or(timely_addrs[me].ip());
+    let controller_addr = SocketAddr::new(listen_ip, config.controller_port);
+    let listener = std::net::TcpListener::bind(controller_addr)
+        .with_context(|| format!("cannot listen for controllers on {controller_addr}"))?;
     listener.set_nonblocking(true)?;
     if let Some(location) = &config.command_log {
         // Fail fast, before forming the cluster, on a log that cannot be
@@ -133,9 +141,9 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
         }
     }
 
-    let started = std::time::Instant::now();
     let sockets = cluster::connect_mesh(
-        &config.timely_addrs,
+        &timely_addrs,
+        SocketAddr::new(listen_ip, timely_addrs[me].port()),
         me,
         id.replica_id,
         config.session_key.as_ref(),

@@ -64,7 +64,7 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
         as_multiset(c.peek(1013, 3).await.unwrap()),
         reference(&d, &writes, 3)
     );
-    let addr = r.addrs.processes[1];
+    let addr = r.addrs.processes[1].socket_addr().expect("an IP address");
 
     // A peer speaking another protocol version.
     let mut hello = r.addrs.identity(1).hello(9, 42);
@@ -173,7 +173,7 @@ async fn replayed_hellos_and_connection_floods_do_not_cut_the_controller_off() {
     c.write_input(1, vec![u(&[1], 0, 1)], 1).unwrap();
     assert_eq!(c.peek(1001, 0).await.unwrap(), vec![(vec![1], 1)]);
     let nonce = c.statuses().await.unwrap()[0].nonce;
-    let addr = r.addrs.processes[1];
+    let addr = r.addrs.processes[1].socket_addr().expect("an IP address");
 
     let replay = r.addrs.hello(1, 1, nonce);
     let e = hello_error(addr, replay).await;

@@ -30,10 +30,15 @@
 //! harness error fails the run whatever the variant; `naive`, the negative
 //! control, is caught only by violations.
 //!
+//! The `@hosts` variants (`barrier@hosts` and so on) run the partition
+//! scenarios instead, on two simulated hosts ([`partitions`]); they need
+//! root and iproute2.
+//!
 //! Usage: `lockstep-chaos-distribution [VARIANT...]` (default: broadcast
-//! barrier log log@postgres naive naive+history-check; `STRATEGY@postgres`
-//! keeps the replica's command log in a throw-away PostgreSQL server instead
-//! of a SQLite file). Prints what broke, then one JSON
+//! barrier log log@postgres naive naive+history-check, and where simulated
+//! hosts can be made, broadcast@hosts barrier@hosts log@hosts naive@hosts;
+//! `STRATEGY@postgres` keeps the replica's command log in a throw-away
+//! PostgreSQL server instead of a SQLite file). Prints what broke, then one JSON
 //! line per variant. Exits non-zero if a variant that must pass had a
 //! violation, if any scenario had a harness error, or if `naive` was not
 //! caught.
@@ -59,6 +64,9 @@ use std::sync::Arc;
 
 use lockstep_chaos::outcome::{violation, Failure, Tally};
 
+#[path = "distribution/partitions.rs"]
+mod partitions;
+
 const LAST_TIME: u64 = 3;
 const FAILPOINT: &str = "controller_partial_broadcast";
 
@@ -80,17 +88,20 @@ fn replica_binary() -> PathBuf {
     exe.parent().expect("a directory").join("lockstep-replica")
 }
 
-/// Starts replica `id`; its command log is a SQLite file in its directory,
-/// or the log `replica-ID` in the PostgreSQL database at `postgres`.
+/// Starts replica `id` of `processes` x `workers`, on `hosts` simulated
+/// hosts if not 0; its command log is a SQLite file in its directory, or the
+/// log `replica-ID` in the PostgreSQL database at `postgres`.
 async fn start_replica(
     id: u64,
     processes: usize,
     workers: u32,
     postgres: Option<&str>,
+    hosts: usize,
 ) -> Result<Replica, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
-        .map_err(|e| e.to_string())?;
+    let mut config = ProcessOrchestratorConfig::new(dir.path(), 1);
+    config.hosts = hosts;
+    let orchestrator = ProcessOrchestrator::new(config).map_err(|e| e.to_string())?;
     let log = match postgres {
         Some(url) => lockstep_controller::LogLocation::Postgres {
             url: url.to_string(),
@@ -141,14 +152,18 @@ struct Variant {
     /// does. Plain `naive` is the negative control: its mismatches are
     /// reported and nobody acts on them.
     check_reconciles: bool,
+    /// `@hosts`: the partition scenarios, on two simulated hosts.
+    hosts: bool,
 }
 
 impl std::fmt::Display for Variant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.strategy)?;
         if self.check_reconciles {
-            write!(f, "{}+history-check", self.strategy)?;
-        } else {
-            write!(f, "{}", self.strategy)?;
+            write!(f, "+history-check")?;
+        }
+        if self.hosts {
+            write!(f, "@hosts")?;
         }
         if self.postgres {
             write!(f, "@postgres")?;
@@ -160,10 +175,15 @@ impl std::fmt::Display for Variant {
 impl std::str::FromStr for Variant {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let (s, postgres) = match s.split_once('@') {
-            Some((s, "postgres")) => (s, true),
-            Some((_, other)) => return Err(format!("unknown store {other:?} (known: postgres)")),
-            None => (s, false),
+        let (s, postgres, hosts) = match s.split_once('@') {
+            Some((s, "postgres")) => (s, true, false),
+            Some((s, "hosts")) => (s, false, true),
+            Some((_, other)) => {
+                return Err(format!(
+                    "unknown variant suffix @{other} (known: @postgres, @hosts)"
+                ))
+            }
+            None => (s, false, false),
         };
         let (name, check_reconciles) = match s.strip_suffix("+history-check") {
             Some(n) => (n, true),
@@ -173,6 +193,7 @@ impl std::str::FromStr for Variant {
             strategy: name.parse()?,
             postgres,
             check_reconciles,
+            hosts,
         })
     }
 }
@@ -417,8 +438,13 @@ async fn scenario(name: &str, id: u64, s: Variant, postgres: Option<&str>) -> Re
         (2, 2)
     };
     let postgres = if s.postgres { postgres } else { None };
-    let r = start_replica(id, processes, workers, postgres).await?;
-    let result = scenario_on(&r, name, s).await;
+    let hosts = if s.hosts { 2 } else { 0 };
+    let r = start_replica(id, processes, workers, postgres, hosts).await?;
+    let result = if s.hosts {
+        partitions::scenario_on(&r, name, s).await
+    } else {
+        scenario_on(&r, name, s).await
+    };
     if result.is_err() && std::env::var_os("LOCKSTEP_CHAOS_REPLICA_LOG").is_some() {
         print_process_logs(r.dir.path());
     }
@@ -479,6 +505,7 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
                 // The history check's answer stays what the variant's is.
                 check_reconciles: s.check_reconciles,
                 postgres: s.postgres,
+                hosts: s.hosts,
             };
             check(&controller(r, 2, switched, history(&t)), &t).await
         }
@@ -731,6 +758,14 @@ const DEFAULT_VARIANTS: [&str; 6] = [
     "naive+history-check",
 ];
 
+/// The partition variants, run by default where simulated hosts can be made.
+const HOSTS_VARIANTS: [&str; 4] = [
+    "broadcast@hosts",
+    "barrier@hosts",
+    "log@hosts",
+    "naive@hosts",
+];
+
 const SCENARIOS: [&str; 27] = [
     "partial-create-unwanted",
     "partial-create-wanted",
@@ -764,7 +799,14 @@ const SCENARIOS: [&str; 27] = [
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let args = if args.is_empty() {
-        DEFAULT_VARIANTS.map(String::from).to_vec()
+        let mut v = DEFAULT_VARIANTS.map(String::from).to_vec();
+        match lockstep_orchestrator::hosts::available() {
+            Ok(()) => v.extend(HOSTS_VARIANTS.map(String::from)),
+            Err(e) => {
+                eprintln!("lockstep-chaos-distribution: the @hosts variants are skipped: {e}")
+            }
+        }
+        v
     } else {
         args
     };
@@ -781,6 +823,12 @@ fn main() {
             }
         }
     };
+    if strategies.iter().any(|s| s.hosts) {
+        if let Err(e) = lockstep_orchestrator::hosts::available() {
+            eprintln!("lockstep-chaos-distribution: the @hosts variants need simulated hosts: {e}");
+            std::process::exit(2);
+        }
+    }
     if !replica_binary().exists() {
         eprintln!(
             "lockstep-chaos-distribution: {} is missing: build lockstep-replica (cargo xtask chaos distribution does)",
@@ -815,7 +863,12 @@ fn main() {
     for s in strategies {
         let mut tally = Tally::default();
         let only = std::env::var("LOCKSTEP_CHAOS_SCENARIOS").unwrap_or_default();
-        for name in SCENARIOS {
+        let scenarios: &[&str] = if s.hosts {
+            &partitions::SCENARIOS
+        } else {
+            &SCENARIOS
+        };
+        for &name in scenarios {
             next_id += 1;
             if !only.is_empty() && !only.split(',').any(|o| o == name) {
                 continue;

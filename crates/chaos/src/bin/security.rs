@@ -299,6 +299,13 @@ impl Drop for ManualReplica {
 }
 
 /// Connects to `addr` until it listens (10 s).
+/// A process's controller address: the process backend reports IP addresses.
+fn ip_addr(endpoint: &lockstep_protocol::Endpoint) -> SocketAddr {
+    endpoint
+        .socket_addr()
+        .expect("the process backend reports IP addresses")
+}
+
 async fn dial(addr: SocketAddr) -> Result<TcpStream, String> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
@@ -386,7 +393,7 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
             drives(&c, 0).await?;
             for (i, addr) in r.addrs.processes.iter().enumerate() {
                 let forged = r.addrs.identity(i).hello(u64::MAX, u64::MAX);
-                send_hello(*addr, forged).await;
+                send_hello(ip_addr(addr), forged).await;
             }
             c.reconnect().map_err(|e| e.to_string())?;
             if let Err(e) = drives(&c, 1).await {
@@ -403,7 +410,8 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
             let c = controller(&r.addrs);
             drives(&c, 0).await?;
             let nonce = c.statuses().await.map_err(|e| e.to_string())?[0].nonce;
-            let answer = send_hello(r.addrs.processes[1], r.addrs.hello(1, 1, nonce)).await;
+            let answer =
+                send_hello(ip_addr(&r.addrs.processes[1]), r.addrs.hello(1, 1, nonce)).await;
             let still = c.statuses().await.map_err(|e| e.to_string())?;
             if !is_error(&answer)
                 || still.iter().any(|s| s.nonce != nonce)
@@ -426,7 +434,7 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
             if let Some(key) = v.key(id + 1000) {
                 other = key.sign(other);
             }
-            let answer = send_hello(r.addrs.processes[0], other).await;
+            let answer = send_hello(ip_addr(&r.addrs.processes[0]), other).await;
             if !is_error(&answer) || drives(&c, 1).await.is_err() {
                 return Err(violation(
                     "S1",
@@ -484,7 +492,7 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
             let r = start_replica(id, 2, v).await?;
             let c = controller(&r.addrs);
             drives(&c, 0).await?;
-            let addr = r.addrs.processes[0];
+            let addr = ip_addr(&r.addrs.processes[0]);
             let answer = if name == "huge-length-prefix" {
                 first_answer(addr, &(1u32 << 30).to_be_bytes()).await
             } else {
@@ -533,7 +541,7 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
             drives(&c, 0).await?;
             let mut flood = Vec::new();
             for _ in 0..200 {
-                if let Ok(s) = TcpStream::connect(r.addrs.processes[0]).await {
+                if let Ok(s) = TcpStream::connect(ip_addr(&r.addrs.processes[0])).await {
                     flood.push(s);
                 }
             }

@@ -59,7 +59,7 @@ impl Actor {
                 let deadline = Instant::now() + bound;
                 let mut socks = Vec::new();
                 for a in &addrs {
-                    match connection::connect(*a, deadline).await {
+                    match connection::connect(a, deadline).await {
                         Ok(s) => socks.push(s),
                         Err(e) => {
                             if current.load(Ordering::SeqCst) != generation

@@ -91,7 +91,7 @@ pub async fn start_replica_with_env(
         processes: status
             .processes
             .iter()
-            .map(|p| p.addresses["controller"])
+            .map(|p| p.addresses["controller"].into())
             .collect(),
         workers_per_process: workers,
         command_log: Some(log),
