@@ -15,8 +15,6 @@
 
 #![allow(missing_docs)] // criterion_group! generates undocumented functions
 
-use std::io::Write as _;
-
 use criterion::{criterion_group, criterion_main, Criterion};
 use lockstep_catalog::{Catalog, ReplicaConfig, Store};
 
@@ -75,15 +73,7 @@ fn stores(c: &mut Criterion) {
         Ok(pg) => measure(c, "postgres", &Store::Postgres(pg.url())),
         Err(e) => {
             eprintln!("stores: SKIPPED postgres: {e}");
-            if let Ok(path) = std::env::var("LOCKSTEP_BENCH_SKIPS") {
-                if let Ok(mut f) = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)
-                {
-                    let _ = writeln!(f, "catalog@postgres\t-\tno PostgreSQL: {e}");
-                }
-            }
+            lockstep_benches::record_skip("catalog@postgres", "-", &format!("no PostgreSQL: {e}"));
         }
     }
 }

@@ -41,7 +41,6 @@
 
 #![allow(missing_docs)] // criterion_group! generates undocumented functions
 
-use std::io::Write as _;
 use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
@@ -206,16 +205,7 @@ fn rt() -> Runtime {
 fn skip(strategy: &str, shape: &str, why: &str) {
     eprintln!("strategies: SKIPPED {strategy} on {shape}: {why}");
     // The first line says what failed; the rest (log tails) is on stderr.
-    let why = why.lines().next().unwrap_or_default().replace('\t', " ");
-    if let Ok(path) = std::env::var("LOCKSTEP_BENCH_SKIPS") {
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            let _ = writeln!(f, "{strategy}\t{shape}\t{why}");
-        }
-    }
+    lockstep_benches::record_skip(strategy, shape, why);
 }
 
 /// The first error a replica reports to `ctl`; the other events before it

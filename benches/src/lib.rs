@@ -141,3 +141,21 @@ pub mod replica {
         )
     }
 }
+
+/// Records a benchmark that was not measured: `what` (a strategy or a
+/// store), `shape` and why, as one tab-separated line appended to the file
+/// named by `$LOCKSTEP_BENCH_SKIPS` if set (`cargo xtask bench` reports
+/// them). Only the first line of `why` is kept.
+pub fn record_skip(what: &str, shape: &str, why: &str) {
+    use std::io::Write as _;
+    let why = why.lines().next().unwrap_or_default().replace('\t', " ");
+    if let Ok(path) = std::env::var("LOCKSTEP_BENCH_SKIPS") {
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{what}\t{shape}\t{why}");
+        }
+    }
+}

@@ -20,12 +20,7 @@ async fn the_environment_runs_on_postgresql() {
     let mut pg =
         PgServer::start().expect("a PostgreSQL server (binaries on PATH or LOCKSTEP_PG_BIN)");
     let url = pg.url();
-    let policy = lockstep_policy_host::shipped_policy("log");
-    assert!(
-        policy.is_file(),
-        "{} is missing: run `cargo xtask build-policies` first (`cargo xtask test` does)",
-        policy.display()
-    );
+    let policy = built_policy("log");
     // Sandboxes stop the replica processes when the test ends.
     let dir = Sandbox::new().unwrap();
     let with_store = || {

@@ -144,12 +144,7 @@ async fn a_stopped_replica_process_is_restarted_and_the_replica_answers_again() 
 /// answers again, and truncates the log before its own marker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_log_policy_sends_commands_through_the_command_log() {
-    let policy = lockstep_policy_host::shipped_policy("log");
-    assert!(
-        policy.is_file(),
-        "{} is missing: run `cargo xtask build-policies` first (`cargo xtask test` does)",
-        policy.display()
-    );
+    let policy = built_policy("log");
     let sandbox = Sandbox::new().unwrap();
     let env = start_with(sandbox.path(), Some(policy.clone())).await;
     let created = env.create_replica("r1", shape(2, 2)).await.unwrap();
@@ -303,13 +298,7 @@ async fn a_policy_set_at_run_time_takes_over_at_the_next_session_without_rebuild
     let log_wasm = lockstep_policy_host::shipped_policy("log");
     let nonsense = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../target/lockstep/test-policies/nonsense.wasm");
-    for p in [&log_wasm, &nonsense] {
-        assert!(
-            p.is_file(),
-            "{} is missing: run `cargo xtask build-policies` first (`cargo xtask test` does)",
-            p.display()
-        );
-    }
+    require_built(&[&log_wasm, &nonsense]);
     let sandbox = Sandbox::new().unwrap();
     let env = start(sandbox.path()).await;
     let created = env.create_replica("r1", shape(2, 1)).await.unwrap();
@@ -468,13 +457,7 @@ fn log_session_epochs(path: &Path) -> Vec<u64> {
 async fn a_policy_set_on_one_replica_takes_over_that_replica_alone_and_survives_a_restart() {
     let log_wasm = lockstep_policy_host::shipped_policy("log");
     let orphans_wasm = lockstep_policy_host::shipped_policy("epoch");
-    for p in [&log_wasm, &orphans_wasm] {
-        assert!(
-            p.is_file(),
-            "{} is missing: run `cargo xtask build-policies` first (`cargo xtask test` does)",
-            p.display()
-        );
-    }
+    require_built(&[&log_wasm, &orphans_wasm]);
     let sandbox = Sandbox::new().unwrap();
     let env = start(sandbox.path()).await;
     let r1 = env.create_replica("r1", shape(1, 1)).await.unwrap().replica;

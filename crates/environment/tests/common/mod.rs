@@ -183,3 +183,23 @@ pub async fn try_create_identity(
     )
     .await
 }
+
+/// The shipped policy `name` (`target/lockstep/policies/NAME.wasm`), which
+/// must have been built.
+pub fn built_policy(name: &str) -> PathBuf {
+    let policy = lockstep_policy_host::shipped_policy(name);
+    require_built(&[&policy]);
+    policy
+}
+
+/// Fails the test, saying how to build them, unless every policy file in
+/// `paths` exists.
+pub fn require_built(paths: &[&Path]) {
+    for p in paths {
+        assert!(
+            p.is_file(),
+            "{} is missing: run `cargo xtask build-policies` first (`cargo xtask test` does)",
+            p.display()
+        );
+    }
+}
