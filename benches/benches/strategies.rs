@@ -49,12 +49,9 @@ use criterion::{
     criterion_group, criterion_main, BatchSize, BenchmarkGroup, Criterion, SamplingMode, Throughput,
 };
 use lockstep_benches::replica::{self, BenchReplica};
-use lockstep_benches::small_dataflow;
+use lockstep_benches::{dataflow_over, payload, small_dataflow, COLUMNS};
 use lockstep_controller::{Controller, ControllerError, Event};
-use lockstep_protocol::{
-    Command, CommandKind, ControllerCodec, DataflowDescription, Export, Plan, Row, Strategy,
-    Update, WriteInput,
-};
+use lockstep_protocol::{Command, CommandKind, ControllerCodec, Row, Strategy, Update, WriteInput};
 use tokio::runtime::Runtime;
 use tokio_util::codec::Encoder;
 
@@ -67,8 +64,6 @@ const PEEK_DATAFLOW: u64 = 1;
 /// The dataflow over [`WRITE_INPUT`] whose frontier the writes wait for.
 const WRITE_DATAFLOW: u64 = 2;
 const WRITE_EXPORT: u64 = 3002;
-/// Columns per written row; each value takes 8 bytes on the wire.
-const COLUMNS: usize = 16;
 /// The write benchmarks: name and bytes of row data per WriteInput.
 const PAYLOADS: [(&str, usize); 3] = [
     ("write_1KiB", 1 << 10),
@@ -317,35 +312,6 @@ fn log_tail(r: &BenchReplica, n: usize) -> String {
     out
 }
 
-/// A dataflow exporting `get(input)` as `export`.
-fn dataflow_over(id: u64, input: u64, export: u64) -> DataflowDescription {
-    DataflowDescription {
-        id,
-        as_of: 0,
-        inputs: vec![input],
-        exports: vec![Export {
-            collection_id: export,
-            plan: Plan::Get {
-                collection_id: input,
-            },
-        }],
-        debug_name: format!("bench-write-{id}"),
-    }
-}
-
-/// Rows holding `bytes` bytes of row data: [`COLUMNS`] values per row, each
-/// large enough to take 8 bytes as a protobuf varint.
-fn payload(bytes: usize) -> Vec<Row> {
-    let per_row = COLUMNS * 8;
-    (0..bytes / per_row)
-        .map(|r| {
-            (0..COLUMNS)
-                .map(|c| (1i64 << 50) + (r * COLUMNS + c) as i64)
-                .collect()
-        })
-        .collect()
-}
-
 /// The size of a WriteInput of `rows` on the wire (one process's copy).
 fn frame_len(rows: &[Row]) -> usize {
     let cmd = Command {
@@ -363,6 +329,7 @@ fn frame_len(rows: &[Row]) -> usize {
                 .collect(),
             upper: 2,
             more: false,
+            batch_digest: None,
         }),
     };
     let mut buf = BytesMut::new();
