@@ -18,7 +18,8 @@
 //!   and the bytes the processes sent each other on the timely mesh, as
 //!   tab-separated lines (`strategy shape process controller_bytes
 //!   mesh_bytes batch_bytes`; `mesh_bytes` is the mesh total, on process
-//!   0's line) appended to `$LOCKSTEP_BENCH_WIRE` if set.
+//!   0's line; `batch_bytes` the encoded size of the whole write, what one
+//!   unsplit copy takes) appended to `$LOCKSTEP_BENCH_WIRE` if set.
 //!
 //! `cargo xtask bench` fits latency against delay per strategy: the slope is
 //! the number of one-way delays on the operation's critical path.
@@ -32,6 +33,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -67,10 +69,12 @@ fn group<'a>(
     name: &str,
 ) -> BenchmarkGroup<'a, criterion::measurement::WallTime> {
     let mut g = c.benchmark_group(format!("network/{name}"));
+    // Quick mode still takes 20 samples: the sweep is short, and the
+    // fitted slopes need less noise than one figure does.
     if quick() {
-        g.sample_size(10)
+        g.sample_size(20)
             .warm_up_time(Duration::from_millis(300))
-            .measurement_time(Duration::from_secs(1))
+            .measurement_time(Duration::from_millis(1500))
             .nresamples(2_000);
     } else {
         g.sample_size(20)
@@ -178,8 +182,9 @@ struct Bench<'a> {
 }
 
 impl Bench<'_> {
-    /// Writes to the inputs and installs the write dataflow, then waits.
-    fn setup(&mut self) {
+    /// Writes to the inputs and installs the write dataflow, then waits;
+    /// panics with the tail of `r`'s process logs if that fails.
+    fn setup(&mut self, r: &BenchReplica) {
         self.ctl.write_input(INPUT, vec![], 1).expect("write input");
         self.ctl
             .write_input(WRITE_INPUT, vec![], 1)
@@ -187,11 +192,15 @@ impl Bench<'_> {
         self.ctl
             .create_dataflow(dataflow_over(WRITE_DATAFLOW, WRITE_INPUT, WRITE_EXPORT))
             .expect("create");
-        op(
-            self.rt,
-            "setup",
-            self.ctl.wait_for_frontier(WRITE_EXPORT, 0),
-        );
+        let wait = tokio::time::timeout(OP_BOUND, self.ctl.wait_for_frontier(WRITE_EXPORT, 0));
+        match self.rt.block_on(wait) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => panic!("setup: {e}\n{}", replica::log_tail(r, 10)),
+            Err(_) => panic!(
+                "setup: no answer within {OP_BOUND:?}\n{}",
+                replica::log_tail(r, 10)
+            ),
+        }
     }
 
     fn install(&mut self) {
@@ -271,26 +280,55 @@ fn network(c: &mut Criterion) {
     let rows = payload(WRITE_BYTES);
     let mut replica_id = 3000;
     for strategy in strategies() {
-        if strategy == Strategy::Broadcast {
-            replica_id += 1;
-            let r = rt.block_on(replica::start(replica_id, p, w));
-            let mut bench = bench(&rt, &r, strategy, &rows);
-            eprintln!("network: {strategy}/{shape}/direct");
-            bench.measure(c, &format!("{strategy}/{shape}/direct"));
-            bench.ctl.shutdown();
+        replica_id += 2;
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            measure(c, &rt, replica_id, strategy, p, w, &rows)
+        }));
+        if let Err(panic) = outcome {
+            let why = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a panic".into());
+            eprintln!("network: SKIPPED {strategy} on {shape}: {why}");
+            lockstep_benches::record_skip(
+                &format!("network {strategy}"),
+                &shape,
+                &format!("failed: {why}"),
+            );
         }
-        replica_id += 1;
-        let link = Link::new();
-        let r = rt.block_on(replica::start_relayed(replica_id, p, w, link.clone()));
-        let mut bench = bench(&rt, &r, strategy, &rows);
-        for d in DELAYS_US {
-            link.set_delay(Duration::from_micros(d));
-            eprintln!("network: {strategy}/{shape}/{d}us");
-            bench.measure(c, &format!("{strategy}/{shape}/{d}us"));
-        }
-        count_write(&mut bench, &r, strategy, &shape, p);
+    }
+}
+
+/// One strategy: without relays (broadcast only), then relayed at each
+/// delay, then the bytes of one write.
+fn measure(
+    c: &mut Criterion,
+    rt: &Runtime,
+    replica_id: u64,
+    strategy: Strategy,
+    p: usize,
+    w: u32,
+    rows: &[lockstep_protocol::Row],
+) {
+    let shape = format!("{p}x{w}");
+    if strategy == Strategy::Broadcast {
+        let r = rt.block_on(replica::start(replica_id, p, w));
+        let mut bench = bench(rt, &r, strategy, rows);
+        eprintln!("network: {strategy}/{shape}/direct");
+        bench.measure(c, &format!("{strategy}/{shape}/direct"));
         bench.ctl.shutdown();
     }
+    let link = Link::new();
+    let r = rt.block_on(replica::start_relayed(replica_id + 1, p, w, link.clone()));
+    let mut bench = bench(rt, &r, strategy, rows);
+    for d in DELAYS_US {
+        link.set_delay(Duration::from_micros(d));
+        eprintln!("network: {strategy}/{shape}/{d}us");
+        bench.measure(c, &format!("{strategy}/{shape}/{d}us"));
+    }
+    count_write(&mut bench, &r, strategy, &shape, p);
+    bench.ctl.shutdown();
 }
 
 /// A controller of `r` with its inputs and write dataflow set up.
@@ -307,7 +345,7 @@ fn bench<'a>(
         time: 1,
         rows: rows.to_vec(),
     };
-    b.setup();
+    b.setup(r);
     b
 }
 
@@ -336,13 +374,14 @@ fn count_write(b: &mut Bench<'_>, r: &BenchReplica, strategy: Strategy, shape: &
     b.write(w);
     let (mesh1, ctl1) = (total(mesh), to_process(ctl));
     let mesh_bytes: u64 = mesh1.iter().sum::<u64>() - mesh0.iter().sum::<u64>();
+    let batch = lockstep_benches::write_len(WRITE_INPUT, &b.rows);
     let mut lines = String::new();
     for i in 0..p {
         let sent = ctl1[i] - ctl0[i];
         let mesh = if i == 0 { mesh_bytes } else { 0 };
         eprintln!("network: {strategy}/{shape}: a 1 MiB write sent {sent} bytes to process {i}");
         lines.push_str(&format!(
-            "{strategy}\t{shape}\t{i}\t{sent}\t{mesh}\t{WRITE_BYTES}\n"
+            "{strategy}\t{shape}\t{i}\t{sent}\t{mesh}\t{batch}\n"
         ));
     }
     eprintln!("network: {strategy}/{shape}: the mesh carried {mesh_bytes} bytes");

@@ -63,6 +63,33 @@ pub fn payload(bytes: usize) -> Vec<Row> {
         .collect()
 }
 
+/// The encoded size of a whole WriteInput of `rows` to `collection_id`
+/// (one process's copy when writes are not split; without the frame's
+/// length prefix).
+pub fn write_len(collection_id: u64, rows: &[Row]) -> usize {
+    use lockstep_protocol::WireMessage as _;
+    lockstep_protocol::Command {
+        seqno: 1,
+        strategy: lockstep_protocol::Strategy::Barrier,
+        kind: lockstep_protocol::CommandKind::WriteInput(lockstep_protocol::WriteInput {
+            collection_id,
+            updates: rows
+                .iter()
+                .map(|row| Update {
+                    row: row.clone(),
+                    time: 1,
+                    diff: 1,
+                })
+                .collect(),
+            upper: 2,
+            more: false,
+            batch_digest: None,
+        }),
+    }
+    .encode_to_vec()
+    .len()
+}
+
 /// Real replicas for benchmarks, launched through the orchestrator's process
 /// backend.
 pub mod replica {
@@ -224,6 +251,26 @@ pub mod replica {
             addrs,
             relays,
         }
+    }
+
+    /// The last `n` lines of each of the replica's process logs.
+    pub fn log_tail(r: &BenchReplica, n: usize) -> String {
+        let mut out = String::new();
+        let Ok(entries) = std::fs::read_dir(r.dir.path().join("logs")) else {
+            return out;
+        };
+        let mut paths: Vec<_> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        paths.sort();
+        for path in paths {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            out.push_str(&format!("--- {}\n", path.display()));
+            for l in &lines[lines.len().saturating_sub(n)..] {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+        out
     }
 
     /// A controller of `r` with one strategy for every command.

@@ -12,6 +12,11 @@
 //! arrives while an earlier one waits waits its own full delay, so the
 //! delay is the same for every byte, like a long wire.
 //!
+//! The relay accepts a connection before it connects on to the target, so
+//! a target that does not listen yet is retried every 5 ms for up to 20 s
+//! (where a real network would refuse the connection and the client would
+//! retry).
+//!
 //! The link's settings are read for every chunk, so one running replica can
 //! be measured at several delays. The relay's own cost (two extra socket
 //! hops and two thread wake-ups per chunk) is measured by the `network`
@@ -86,7 +91,8 @@ pub struct Relay {
     stop: Arc<AtomicBool>,
 }
 
-/// How long an accepted connection waits for the relay's target to be set.
+/// How long an accepted connection waits for the relay's target to be set
+/// and to accept.
 const TARGET_WAIT: Duration = Duration::from_secs(20);
 
 impl Relay {
@@ -182,7 +188,17 @@ fn forward(
         }
         std::thread::sleep(Duration::from_millis(1));
     };
-    let outbound = TcpStream::connect(to)?;
+    // The target may not listen yet (a replica's processes start one after
+    // another, and the relay accepted before the target was up): retry, as
+    // the replica's own mesh does when it connects directly, rather than
+    // close a connection the peer already counts as made.
+    let outbound = loop {
+        match TcpStream::connect(to) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() > deadline => return Err(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    };
     inbound.set_nodelay(true)?;
     outbound.set_nodelay(true)?;
     let up = (inbound.try_clone()?, outbound.try_clone()?);

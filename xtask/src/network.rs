@@ -299,11 +299,13 @@ impl Network {
             return String::new();
         }
         let mut s = String::from(
-            "Bytes on the wire for one 1 MiB write (1,048,576 bytes of row data), counted on \
-             the relays: what the controller sent each process, and what the processes sent \
-             each other on the mesh.\n\n\
-             | strategy | per process (largest) | / (batch / processes) | mesh total |\n\
-             | --- | ---: | ---: | ---: |\n",
+            "Bytes on the wire for one 1 MiB write (1,048,576 bytes of row data; the batch is \
+             the encoded size of the whole write, what one unsplit copy takes), counted on the \
+             relays: what the controller sent each process, and what the processes sent each \
+             other on the mesh (for every strategy this includes the dataflow's own exchange \
+             of rows to the workers that arrange them).\n\n\
+             | strategy | batch | per process (largest) | / (batch / processes) | mesh total |\n\
+             | --- | ---: | ---: | ---: | ---: |\n",
         );
         for st in STRATEGIES {
             let Some((sent, mesh, batch)) = self.wire.get(st) else {
@@ -312,13 +314,14 @@ impl Network {
             let largest = sent.iter().copied().max().unwrap_or(0);
             let share = *batch as f64 / sent.len().max(1) as f64;
             s.push_str(&format!(
-                "| {st} | {largest} | {:.2}x | {mesh} |\n",
+                "| {st} | {batch} | {largest} | {:.2}x | {mesh} |\n",
                 largest as f64 / share
             ));
         }
         s.push_str(
-            "\nWrites are not split per process: every strategy sends each process the whole \
-             batch (broadcast sends it to process 0, which forwards it on the mesh).\n\n",
+            "\n`barrier` and `naive` writes are split per process at the controller (each \
+             process gets the rows its workers own); `broadcast` and `log` send every process \
+             the whole batch (broadcast's worker 0 also forwards its copy on the mesh).\n\n",
         );
         s
     }
