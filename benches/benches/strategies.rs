@@ -44,19 +44,14 @@
 use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
 use criterion::{
     criterion_group, criterion_main, BatchSize, BenchmarkGroup, Criterion, SamplingMode, Throughput,
 };
 use lockstep_benches::replica::{self, BenchReplica};
-use lockstep_benches::small_dataflow;
+use lockstep_benches::{dataflow_over, payload, small_dataflow, COLUMNS};
 use lockstep_controller::{Controller, ControllerError, Event};
-use lockstep_protocol::{
-    Command, CommandKind, ControllerCodec, DataflowDescription, Export, Plan, Row, Strategy,
-    Update, WriteInput,
-};
+use lockstep_protocol::{Strategy, Update};
 use tokio::runtime::Runtime;
-use tokio_util::codec::Encoder;
 
 /// The input collection every small dataflow reads.
 const INPUT: u64 = 1;
@@ -67,8 +62,6 @@ const PEEK_DATAFLOW: u64 = 1;
 /// The dataflow over [`WRITE_INPUT`] whose frontier the writes wait for.
 const WRITE_DATAFLOW: u64 = 2;
 const WRITE_EXPORT: u64 = 3002;
-/// Columns per written row; each value takes 8 bytes on the wire.
-const COLUMNS: usize = 16;
 /// The write benchmarks: name and bytes of row data per WriteInput.
 const PAYLOADS: [(&str, usize); 3] = [
     ("write_1KiB", 1 << 10),
@@ -297,81 +290,6 @@ fn op<T>(
     }
 }
 
-/// The last `n` lines of each of the replica's process logs.
-fn log_tail(r: &BenchReplica, n: usize) -> String {
-    let mut out = String::new();
-    let Ok(entries) = std::fs::read_dir(r.dir.path().join("logs")) else {
-        return out;
-    };
-    let mut paths: Vec<_> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
-    paths.sort();
-    for path in paths {
-        let text = std::fs::read_to_string(&path).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        out.push_str(&format!("--- {}\n", path.display()));
-        for l in &lines[lines.len().saturating_sub(n)..] {
-            out.push_str(l);
-            out.push('\n');
-        }
-    }
-    out
-}
-
-/// A dataflow exporting `get(input)` as `export`.
-fn dataflow_over(id: u64, input: u64, export: u64) -> DataflowDescription {
-    DataflowDescription {
-        id,
-        as_of: 0,
-        inputs: vec![input],
-        exports: vec![Export {
-            collection_id: export,
-            plan: Plan::Get {
-                collection_id: input,
-            },
-        }],
-        debug_name: format!("bench-write-{id}"),
-    }
-}
-
-/// Rows holding `bytes` bytes of row data: [`COLUMNS`] values per row, each
-/// large enough to take 8 bytes as a protobuf varint.
-fn payload(bytes: usize) -> Vec<Row> {
-    let per_row = COLUMNS * 8;
-    (0..bytes / per_row)
-        .map(|r| {
-            (0..COLUMNS)
-                .map(|c| (1i64 << 50) + (r * COLUMNS + c) as i64)
-                .collect()
-        })
-        .collect()
-}
-
-/// The size of a WriteInput of `rows` on the wire (one process's copy).
-fn frame_len(rows: &[Row]) -> usize {
-    let cmd = Command {
-        seqno: 1,
-        strategy: Strategy::Barrier,
-        kind: CommandKind::WriteInput(WriteInput {
-            collection_id: WRITE_INPUT,
-            updates: rows
-                .iter()
-                .map(|row| Update {
-                    row: row.clone(),
-                    time: 1,
-                    diff: 1,
-                })
-                .collect(),
-            upper: 2,
-            more: false,
-        }),
-    };
-    let mut buf = BytesMut::new();
-    ControllerCodec::default()
-        .encode(cmd, &mut buf)
-        .expect("encode");
-    buf.len()
-}
-
 fn strategies(c: &mut Criterion) {
     let run = Run::from_env();
     for (name, bytes) in PAYLOADS {
@@ -379,7 +297,7 @@ fn strategies(c: &mut Criterion) {
         eprintln!(
             "strategies: {name}: {} rows of {COLUMNS} columns, {bytes} bytes of row data, a {}-byte WriteInput frame to each process",
             rows.len(),
-            frame_len(&rows)
+            lockstep_benches::write_len(WRITE_INPUT, &rows)
         );
     }
     let rt = rt();
@@ -446,7 +364,7 @@ fn measure(
     .map_err(|e| {
         format!(
             "setup (write 100 rows, install a dataflow): {e}\n{}",
-            log_tail(&r, 10)
+            replica::log_tail(&r, 10)
         )
     })?;
 
@@ -487,7 +405,12 @@ fn measure(
         WRITE_EXPORT,
         0,
     )
-    .map_err(|e| format!("setup of the write benchmarks: {e}\n{}", log_tail(&r, 10)))?;
+    .map_err(|e| {
+        format!(
+            "setup of the write benchmarks: {e}\n{}",
+            replica::log_tail(&r, 10)
+        )
+    })?;
     // Each write inserts the payload at a new time, the next retracts it, so
     // the arranged collection stays small.
     let mut time = 1u64;
@@ -566,7 +489,12 @@ fn reconcile(
             1000 + n,
             0,
         )
-        .map_err(|e| format!("setup (install {n} dataflows): {e}\n{}", log_tail(&r, 10)))?;
+        .map_err(|e| {
+            format!(
+                "setup (install {n} dataflows): {e}\n{}",
+                replica::log_tail(&r, 10)
+            )
+        })?;
         eprintln!(
             "strategies: {id}: {} more dataflows installed in {:.2?}",
             n - installed,
@@ -603,7 +531,7 @@ fn reconcile(
                             panic!(
                                 "reconciliation at epoch {epoch}: {e}{}\n{}",
                                 summarize(&seen),
-                                log_tail(&r, 10)
+                                replica::log_tail(&r, 10)
                             )
                         }
                     };

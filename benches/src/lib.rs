@@ -1,7 +1,9 @@
 //! Criterion benchmarks of lockstep. The benchmarks live in `benches/`; this
 //! library holds the fixtures they share.
 
-use lockstep_protocol::{DataflowDescription, Export, Plan, Update};
+use lockstep_protocol::{DataflowDescription, Export, Plan, Row, Update};
+
+pub mod relay;
 
 /// `n` rows `[i, 10 i]` at time 0, the input the peek benchmarks read.
 pub fn rows(n: i64) -> Vec<Update> {
@@ -28,11 +30,76 @@ pub fn small_dataflow(id: u64) -> DataflowDescription {
     }
 }
 
+/// Columns per row written by [`payload`]; each value takes 8 bytes on the
+/// wire.
+pub const COLUMNS: usize = 16;
+
+/// A dataflow exporting `get(input)` as `export`.
+pub fn dataflow_over(id: u64, input: u64, export: u64) -> DataflowDescription {
+    DataflowDescription {
+        id,
+        as_of: 0,
+        inputs: vec![input],
+        exports: vec![Export {
+            collection_id: export,
+            plan: Plan::Get {
+                collection_id: input,
+            },
+        }],
+        debug_name: format!("bench-write-{id}"),
+    }
+}
+
+/// Rows holding `bytes` bytes of row data: [`COLUMNS`] values per row, each
+/// large enough to take 8 bytes as a protobuf varint.
+pub fn payload(bytes: usize) -> Vec<Row> {
+    let per_row = COLUMNS * 8;
+    (0..bytes / per_row)
+        .map(|r| {
+            (0..COLUMNS)
+                .map(|c| (1i64 << 50) + (r * COLUMNS + c) as i64)
+                .collect()
+        })
+        .collect()
+}
+
+/// The encoded size of a whole WriteInput of `rows` to `collection_id`
+/// (one process's copy when writes are not split; without the frame's
+/// length prefix).
+pub fn write_len(collection_id: u64, rows: &[Row]) -> usize {
+    use lockstep_protocol::WireMessage as _;
+    lockstep_protocol::Command {
+        seqno: 1,
+        strategy: lockstep_protocol::Strategy::Barrier,
+        kind: lockstep_protocol::CommandKind::WriteInput(lockstep_protocol::WriteInput {
+            collection_id,
+            updates: rows
+                .iter()
+                .map(|row| Update {
+                    row: row.clone(),
+                    time: 1,
+                    diff: 1,
+                })
+                .collect(),
+            upper: 2,
+            more: false,
+            batch_digest: None,
+        }),
+    }
+    .encode_to_vec()
+    .len()
+}
+
 /// Real replicas for benchmarks, launched through the orchestrator's process
 /// backend.
 pub mod replica {
+    use std::net::ToSocketAddrs;
     use std::path::PathBuf;
+    use std::sync::Arc;
     use std::time::Duration;
+
+    use crate::relay::{Link, Relay};
+    use lockstep_protocol::Endpoint;
 
     use lockstep_controller::{launch, Controller, ReplicaAddrs, Timeouts};
     use lockstep_orchestrator::process::{
@@ -66,6 +133,9 @@ pub mod replica {
         pub orchestrator: ProcessOrchestrator,
         /// Where the controller connects.
         pub addrs: ReplicaAddrs,
+        /// The relays of the network model ([`start_relayed`]): each
+        /// process's timely port, then each process's controller port.
+        pub relays: Vec<Arc<Relay>>,
     }
 
     impl Drop for BenchReplica {
@@ -114,7 +184,93 @@ pub mod replica {
             dir,
             orchestrator,
             addrs,
+            relays: Vec::new(),
         }
+    }
+
+    /// Starts a replica of `processes` x `workers` (command log: a SQLite
+    /// file) whose every connection goes through a [`Relay`] on `link`: each
+    /// process reaches each other process's timely port through a relay, and
+    /// the controller reaches each process through one. The link's delay
+    /// can change while the replica runs.
+    pub async fn start_relayed(
+        replica_id: u64,
+        processes: usize,
+        workers: u32,
+        link: Arc<Link>,
+    ) -> BenchReplica {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
+            .expect("orchestrator");
+        let log = lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite"));
+        let mesh: Arc<Vec<Arc<Relay>>> = Arc::new(
+            (0..processes)
+                .map(|_| Arc::new(Relay::start(link.clone()).expect("relay")))
+                .collect(),
+        );
+        let m = mesh.clone();
+        let service =
+            launch::replica_service_with_peers(&binary(), replica_id, processes, workers, {
+                move |process, peers| {
+                    peers
+                        .into_iter()
+                        .enumerate()
+                        .map(|(j, real)| {
+                            let target = real
+                                .to_socket_addrs()
+                                .ok()
+                                .and_then(|mut a| a.next())
+                                .expect("a peer address");
+                            m[j].set_target(target);
+                            if j == process {
+                                real
+                            } else {
+                                m[j].addr().to_string()
+                            }
+                        })
+                        .collect()
+                }
+            });
+        let config = launch::with_command_log(service, &log).env("RUST_LOG", "error");
+        let status = orchestrator
+            .ensure_service(config)
+            .await
+            .expect("ensure replica");
+        let mut addrs = launch::replica_addrs(&status, workers).expect("controller ports");
+        addrs.command_log = Some(log);
+        let mut relays: Vec<Arc<Relay>> = mesh.to_vec();
+        for endpoint in &mut addrs.processes {
+            let target = endpoint.socket_addr().expect("a controller socket address");
+            let relay = Relay::to(target, link.clone()).expect("relay");
+            *endpoint = Endpoint::from(relay.addr());
+            relays.push(Arc::new(relay));
+        }
+        BenchReplica {
+            dir,
+            orchestrator,
+            addrs,
+            relays,
+        }
+    }
+
+    /// The last `n` lines of each of the replica's process logs.
+    pub fn log_tail(r: &BenchReplica, n: usize) -> String {
+        let mut out = String::new();
+        let Ok(entries) = std::fs::read_dir(r.dir.path().join("logs")) else {
+            return out;
+        };
+        let mut paths: Vec<_> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        paths.sort();
+        for path in paths {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            out.push_str(&format!("--- {}\n", path.display()));
+            for l in &lines[lines.len().saturating_sub(n)..] {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+        out
     }
 
     /// A controller of `r` with one strategy for every command.

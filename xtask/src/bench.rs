@@ -27,6 +27,8 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 
 use crate::chart::{self, Panel, Point};
+use crate::network::Network;
+use crate::scale::Scale;
 use crate::util::{cargo, root, run, step};
 
 /// One measured benchmark.
@@ -196,13 +198,24 @@ fn mib_per_s(bytes: u64, ns: f64) -> f64 {
 struct Report {
     rows: Vec<Row>,
     medians: BTreeMap<String, f64>,
+    /// The network bench's wire counts (`$LOCKSTEP_BENCH_WIRE`'s lines).
+    wire: String,
 }
 
 impl Report {
-    fn new(mut rows: Vec<Row>) -> Report {
+    fn new(mut rows: Vec<Row>, wire: String) -> Report {
         rows.sort_by(|a, b| a.name.cmp(&b.name));
         let medians = rows.iter().map(|r| (r.name.clone(), r.median_ns)).collect();
-        Report { rows, medians }
+        Report {
+            rows,
+            medians,
+            wire,
+        }
+    }
+
+    /// The network bench's figures.
+    fn network(&self) -> Network {
+        Network::new(&self.medians, &self.wire)
     }
 
     /// A measured baseline of `name` and the ratio to it.
@@ -345,6 +358,7 @@ impl Report {
             .collect();
         Panel {
             title: title.into(),
+            x_label: "processes".into(),
             points,
         }
     }
@@ -428,6 +442,27 @@ impl Report {
     /// The goals table: each goal, what was measured, and whether it is met.
     fn goals_table(&self) -> String {
         let mut t = String::from("| goal | measured | met |\n| --- | --- | --- |\n");
+        let network = self.network();
+        let scale = Scale::new(&self.medians);
+        for (goal, measured, met) in self
+            .goals()
+            .into_iter()
+            .chain(network.goals())
+            .chain(scale.goals())
+        {
+            let met = match met {
+                Some(true) => "yes",
+                Some(false) => "**no**",
+                None => "-",
+            };
+            t.push_str(&format!("| {goal} | {measured} | {met} |\n"));
+        }
+        t
+    }
+
+    /// The goals of [`GOALS`]: goal, what was measured, met.
+    fn goals(&self) -> Vec<(String, String, Option<bool>)> {
+        let mut out = Vec::new();
         for (goal, figure) in &GOALS {
             let (measured, met) = match figure {
                 GoalFigure::Median(name, bound) => match self.medians.get(*name) {
@@ -478,14 +513,9 @@ impl Report {
                     }
                 }
             };
-            let met = match met {
-                Some(true) => "yes",
-                Some(false) => "**no**",
-                None => "-",
-            };
-            t.push_str(&format!("| {goal} | {measured} | {met} |\n"));
+            out.push((goal.to_string(), measured, met));
         }
-        t
+        out
     }
 }
 
@@ -630,6 +660,18 @@ fn results_md(report: &Report, m: &Machine, run: &RunInfo) -> String {
     s.push('\n');
     s.push_str(&skipped_paragraph(run));
     s.push_str(&report.strategy_table(None));
+    let network = report.network();
+    if !network.is_empty() {
+        s.push_str("\n## Over a modelled network\n\n");
+        s.push_str("![Latency against one-way delay, per strategy](network.svg)\n\n");
+        s.push_str(&network.section());
+    }
+    let scale = Scale::new(&report.medians);
+    if !scale.is_empty() {
+        s.push_str("\n## Scale and limits\n\n");
+        s.push_str("![Scale sweeps](scale.svg)\n\n");
+        s.push_str(&scale.section());
+    }
     s.push_str("\n## Stores\n\n");
     s.push_str(STORES);
     s.push_str("\n\n");
@@ -664,6 +706,18 @@ fn readme_section(report: &Report, m: &Machine, run: &RunInfo) -> String {
         .find(|s| *s == (2, 2))
         .or_else(|| report.shapes().last().copied());
     s.push_str(&report.strategy_table(shape));
+    let network = report.network();
+    if !network.is_empty() {
+        s.push_str("\nOver a modelled network (every connection delayed by a relay):\n\n");
+        s.push_str("![Latency against one-way delay, per strategy](docs/bench/network.svg)\n\n");
+        s.push_str(&network.section());
+    }
+    let scale = Scale::new(&report.medians);
+    if !scale.is_empty() {
+        s.push_str("\nScale sweeps and ratios to the limit:\n\n");
+        s.push_str("![Scale sweeps](docs/bench/scale.svg)\n\n");
+        s.push_str(&scale.section());
+    }
     s.push_str("\nAgainst the issues' goals:\n\n");
     s.push_str(&report.goals_table());
     s.push_str("\nPolicies, protocol and replica start:\n\n");
@@ -702,8 +756,11 @@ pub fn bench(quick: bool, readme: bool) -> anyhow::Result<()> {
     let out_dir = root().join("target/lockstep");
     std::fs::create_dir_all(&out_dir)?;
     let skips = out_dir.join("bench-skipped.tsv");
-    if skips.exists() {
-        std::fs::remove_file(&skips)?;
+    let wire = out_dir.join("bench-wire.tsv");
+    for f in [&skips, &wire] {
+        if f.exists() {
+            std::fs::remove_file(f)?;
+        }
     }
     step(if quick {
         "criterion (quick)"
@@ -721,11 +778,12 @@ pub fn bench(quick: bool, readme: bool) -> anyhow::Result<()> {
         cmd.env_remove("LOCKSTEP_BENCH_QUICK");
     }
     cmd.env("LOCKSTEP_BENCH_SKIPS", &skips);
+    cmd.env("LOCKSTEP_BENCH_WIRE", &wire);
     run(cmd)?;
 
     let mut rows = Vec::new();
     collect(&criterion_dir, &mut rows)?;
-    let report = Report::new(rows);
+    let report = Report::new(rows, std::fs::read_to_string(&wire).unwrap_or_default());
     let skipped: Vec<String> = std::fs::read_to_string(&skips)
         .unwrap_or_default()
         .lines()
@@ -771,6 +829,30 @@ pub fn bench(quick: bool, readme: bool) -> anyhow::Result<()> {
     let docs = root().join("docs/bench");
     std::fs::create_dir_all(&docs)?;
     std::fs::write(docs.join("latency.svg"), &svg)?;
+    let network = report.network();
+    if !network.is_empty() {
+        let svg = chart::svg(
+            "lockstep: latency against one-way delay, per strategy",
+            &format!(
+                "{}, {} cores, {}; every connection through a delaying relay",
+                machine.date, machine.cores, run_info.command
+            ),
+            &network.panels(),
+        );
+        std::fs::write(docs.join("network.svg"), &svg)?;
+    }
+    let scale = Scale::new(&report.medians);
+    if !scale.is_empty() {
+        let svg = chart::svg(
+            "lockstep: costs against scale (barrier)",
+            &format!(
+                "{}, {} cores, {}",
+                machine.date, machine.cores, run_info.command
+            ),
+            &scale.panels(),
+        );
+        std::fs::write(docs.join("scale.svg"), &svg)?;
+    }
     std::fs::write(
         docs.join("results.md"),
         results_md(&report, &machine, &run_info),
@@ -844,13 +926,16 @@ mod tests {
             bytes: None,
             elements: None,
         };
-        let report = Report::new(vec![
-            row("strategies/install/barrier/1x1", 120.0),
-            row("strategies/install/naive/1x1", 100.0),
-            row("strategies/install/barrier/2x2", 300.0),
-            row("strategies/install/naive/2x2", 100.0),
-            row("policy/load_cold", 10e6),
-        ]);
+        let report = Report::new(
+            vec![
+                row("strategies/install/barrier/1x1", 120.0),
+                row("strategies/install/naive/1x1", 100.0),
+                row("strategies/install/barrier/2x2", 300.0),
+                row("strategies/install/naive/2x2", 100.0),
+                row("policy/load_cold", 10e6),
+            ],
+            String::new(),
+        );
         let t = report.goals_table();
         assert!(t.contains("| barrier install within 1.5x of naive | 3.00x at worst (2x2; install, barrier / naive) | **no** |"), "{t}");
         assert!(

@@ -22,6 +22,9 @@ pub struct Point {
 pub struct Panel {
     /// What the panel shows, e.g. "small command".
     pub title: String,
+    /// What the x axis counts: "processes", or e.g. "one-way delay (µs)"
+    /// (then a point's `processes` holds that value).
+    pub x_label: String,
     /// The points, in any order.
     pub points: Vec<Point>,
 }
@@ -178,10 +181,11 @@ fn draw_panel(s: &mut String, panel: &Panel, x0: f64, y0: f64) {
         s,
         r##"<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="#333"/>
 <line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="#333"/>
-<text x="{}" y="{}" text-anchor="middle">processes</text>
+<text x="{}" y="{}" text-anchor="middle">{}</text>
 <text transform="translate({},{}) rotate(-90)" text-anchor="middle">median latency ({unit_name})</text>"##,
         (left + right) / 2.0,
         bottom + 36.0,
+        escape(&panel.x_label),
         x0 + 18.0,
         (top + bottom) / 2.0
     );
@@ -226,10 +230,11 @@ fn draw_panel(s: &mut String, panel: &Panel, x0: f64, y0: f64) {
         for p in pts {
             let _ = writeln!(
                 s,
-                r#"<circle cx="{:.1}" cy="{:.1}" r="4" fill="{fill}" stroke="{c}" stroke-width="2"><title>{} {}x{}: {}</title></circle>"#,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="4" fill="{fill}" stroke="{c}" stroke-width="2"><title>{} ({} {}, {} worker(s) per process): {}</title></circle>"#,
                 xs(p.processes),
                 ys(p.median_ns),
                 escape(&p.strategy),
+                escape(&panel.x_label),
                 p.processes,
                 p.workers,
                 crate::bench::human(p.median_ns)
@@ -308,6 +313,7 @@ mod tests {
             "sub",
             &[Panel {
                 title: "small command".into(),
+                x_label: "processes".into(),
                 points: vec![
                     p("barrier", 1, 1, 80e3),
                     p("barrier", 2, 1, 110e3),

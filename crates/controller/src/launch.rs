@@ -22,6 +22,20 @@ pub fn replica_service(
     processes: usize,
     workers: u32,
 ) -> ServiceConfig {
+    replica_service_with_peers(binary, replica_id, processes, workers, |_, peers| peers)
+}
+
+/// [`replica_service`], with each process's `--peers` list passed through
+/// `peers(process, timely_addresses)` first. The benchmarks' network model
+/// puts a delaying relay between processes this way. A process's own entry
+/// must stay its own timely address (the replica checks its port).
+pub fn replica_service_with_peers(
+    binary: &Path,
+    replica_id: u64,
+    processes: usize,
+    workers: u32,
+    peers: impl Fn(usize, Vec<String>) -> Vec<String> + Send + Sync + 'static,
+) -> ServiceConfig {
     ServiceConfig::new(format!("replica-{replica_id}"), replica_id, binary)
         .scale(processes)
         .port("timely")
@@ -34,7 +48,10 @@ pub fn replica_service(
                 format!("--workers={workers}"),
                 format!("--timely-port={}", a.port("timely")),
                 format!("--controller-port={}", a.port("controller")),
-                format!("--peers={}", a.peer_addrs("timely").join(",")),
+                format!(
+                    "--peers={}",
+                    peers(a.process, a.peer_addrs("timely")).join(",")
+                ),
                 format!("--listen-host={}", a.listen_host),
             ]
         })

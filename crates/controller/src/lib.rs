@@ -284,6 +284,7 @@ impl Controller {
             updates,
             upper,
             more: false,
+            batch_digest: None,
         })))
     }
 

@@ -639,6 +639,7 @@ pub(crate) fn decode_write(bytes: &[u8]) -> Result<WriteInput, ComputeError> {
             .collect(),
         upper: w.upper,
         more: false,
+        batch_digest: None,
     })
 }
 
@@ -656,6 +657,7 @@ fn encode_write(w: &WriteInput) -> Vec<u8> {
             .collect(),
         upper: w.upper,
         more: false,
+        batch_digest: Vec::new(),
     }
     .encode_to_vec()
 }
@@ -1008,6 +1010,7 @@ impl Environment {
             updates,
             upper,
             more: false,
+            batch_digest: None,
         };
         let since = {
             let mut catalog = self.catalog.lock().expect("poisoned");

@@ -254,6 +254,7 @@ impl Inputs {
                 updates: s.log.updates().to_vec(),
                 upper: s.log.upper(),
                 more: false,
+                batch_digest: None,
             });
         }
         recorded
@@ -279,6 +280,7 @@ impl Inputs {
                     updates: s.log.updates().to_vec(),
                     upper: s.log.upper(),
                     more: false,
+                    batch_digest: None,
                 }
             })
             .collect()
@@ -372,6 +374,7 @@ mod tests {
                         updates,
                         upper: t + 1,
                         more: false,
+                        batch_digest: None,
                     },
                 )
             })

@@ -36,7 +36,15 @@ pub enum ConvertError {
         /// The number of elements.
         len: usize,
     },
-    /// A digest that is not 32 bytes.
+    /// A split write's digest that is not empty or 4 lanes.
+    #[error("malformed digest in `{field}`: {len} lanes, expected none or 4")]
+    DigestLanes {
+        /// The field.
+        field: &'static str,
+        /// How many lanes it had.
+        len: usize,
+    },
+    /// A digest of the wrong length.
     #[error("malformed digest in `{field}`: {len} bytes, expected 32")]
     Digest {
         /// The field.
@@ -457,6 +465,7 @@ impl From<CommandKind> for p::command::Kind {
                 updates: w.updates.into_iter().map(update_to).collect(),
                 upper: w.upper,
                 more: w.more,
+                batch_digest: w.batch_digest.map(Vec::from).unwrap_or_default(),
             }),
             CommandKind::StatusRequest { full } => Kind::StatusRequest(p::StatusRequest { full }),
         }
@@ -512,6 +521,16 @@ impl TryFrom<p::command::Kind> for CommandKind {
                 updates: w.updates.into_iter().map(update_from).collect(),
                 upper: w.upper,
                 more: w.more,
+                batch_digest: match w.batch_digest.len() {
+                    0 => None,
+                    4 => Some(w.batch_digest.try_into().expect("4 lanes")),
+                    len => {
+                        return Err(ConvertError::DigestLanes {
+                            field: "WriteInput.batch_digest",
+                            len,
+                        })
+                    }
+                },
             }),
             Kind::StatusRequest(s) => CommandKind::StatusRequest { full: s.full },
         })

@@ -75,7 +75,14 @@ impl CommandHistory {
                         v.insert(InputLog::default())
                     }
                 };
-                log.append(w.updates, w.upper, !summarizing);
+                match w.batch_digest {
+                    // A split write: this copy holds a part of the batch,
+                    // the digest counts all of it.
+                    Some(digest) => {
+                        log.append_with_digest(w.updates, w.upper, !summarizing, digest)
+                    }
+                    None => log.append(w.updates, w.upper, !summarizing),
+                }
             }
             CommandKind::AllowCompaction {
                 collection_id,
@@ -114,6 +121,7 @@ impl CommandHistory {
                         updates: consolidate(log.updates.clone()),
                         upper: log.upper,
                         more: false,
+                        batch_digest: None,
                     })
                 }
                 c => c.clone(),
@@ -231,6 +239,7 @@ fn placeholder(collection_id: u64) -> CommandKind {
         updates: Vec::new(),
         upper: 0,
         more: false,
+        batch_digest: None,
     })
 }
 
@@ -249,8 +258,22 @@ pub struct InputLog {
 impl InputLog {
     /// Appends updates (kept only if `keep`) and advances the upper.
     pub fn append(&mut self, updates: Vec<Update>, upper: Timestamp, keep: bool) {
-        for u in &updates {
-            add_to_sum(&mut self.sum, u);
+        let digest = updates_digest(&updates);
+        self.append_with_digest(updates, upper, keep, digest);
+    }
+
+    /// Appends updates (kept only if `keep`) and advances the upper, adding
+    /// `digest` (the [`updates_digest`] of the whole batch these updates are
+    /// a part of) rather than the updates' own.
+    pub fn append_with_digest(
+        &mut self,
+        updates: Vec<Update>,
+        upper: Timestamp,
+        keep: bool,
+        digest: [u64; 4],
+    ) {
+        for (lane, d) in self.sum.iter_mut().zip(digest) {
+            *lane = lane.wrapping_add(d);
         }
         self.upper = self.upper.max(upper);
         if keep {
@@ -303,6 +326,16 @@ impl InputLog {
     pub fn digest(&self) -> [u64; 4] {
         self.sum
     }
+}
+
+/// The additive digest of `updates` (see [`InputLog::digest`]): the sum of
+/// the digests of any split of them.
+pub fn updates_digest(updates: &[Update]) -> [u64; 4] {
+    let mut sum = [0u64; 4];
+    for u in updates {
+        add_to_sum(&mut sum, u);
+    }
+    sum
 }
 
 fn add_to_sum(sum: &mut [u64; 4], u: &Update) {

@@ -478,6 +478,32 @@ pub struct WriteInput {
     /// More parts of this write follow (see [`WriteInput::split`]); a worker
     /// holds a part until the last one arrives.
     pub more: bool,
+    /// For a write split per process ([`WriteInput::split_per_process`]):
+    /// the digest of the whole write's updates
+    /// ([`crate::history::updates_digest`]), which a worker adds to its
+    /// history instead of its own part's. `None` for a whole write.
+    pub batch_digest: Option<[u64; 4]>,
+}
+
+/// The global index of the worker that introduces `row` into a replica of
+/// `workers` timely workers in all (process `p`'s workers are
+/// `p * workers_per_process ..`): a splitmix64 fold over the row's length
+/// and values, modulo `workers`. Specified here, not left to a std hasher,
+/// because the controller (which splits writes per process) and the
+/// replica (whose workers keep only the rows they own) must agree even
+/// when built apart.
+pub fn row_owner(row: &[i64], workers: usize) -> usize {
+    fn mix(mut z: u64) -> u64 {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    let mut h = mix(row.len() as u64);
+    for &v in row {
+        h = mix(h ^ v as u64);
+    }
+    (h % workers.max(1) as u64) as usize
 }
 
 /// An upper bound on the bytes one update or row of `arity` values takes in
@@ -515,12 +541,14 @@ impl WriteInput {
     /// Splits the write into parts whose updates take at most `max_bytes`
     /// encoded: every part but the last has `more` set, and all carry the
     /// same upper. A write that fits is returned as it is.
+    /// Only the last part keeps `batch_digest`.
     pub fn split(self, max_bytes: usize) -> Vec<WriteInput> {
         let WriteInput {
             collection_id,
             updates,
             upper,
             more,
+            batch_digest,
         } = self;
         let parts = split_by_size(updates, max_bytes, |u| encoded_row_bound(u.row.len()));
         let n = parts.len();
@@ -532,8 +560,63 @@ impl WriteInput {
                 updates,
                 upper,
                 more: more || i + 1 < n,
+                batch_digest: if i + 1 == n { batch_digest } else { None },
             })
             .collect()
+    }
+
+    /// Splits a whole write for a replica of `processes` x
+    /// `workers_per_process`: process `p` gets only the updates its workers
+    /// introduce ([`row_owner`]), in parts of at most `max_bytes` encoded
+    /// ([`WriteInput::split`]). Every process gets the same number of parts
+    /// (padded with empty ones), so that part `k` takes the same sequence
+    /// number everywhere, and each process's last part carries the whole
+    /// write's digest. Returns one list of parts per process.
+    pub fn split_per_process(
+        self,
+        processes: usize,
+        workers_per_process: usize,
+        max_bytes: usize,
+    ) -> Vec<Vec<WriteInput>> {
+        let digest = crate::history::updates_digest(&self.updates);
+        let workers = processes * workers_per_process;
+        let mut shares: Vec<Vec<Update>> = vec![Vec::new(); processes];
+        for u in self.updates {
+            let p = row_owner(&u.row, workers) / workers_per_process.max(1);
+            shares[p.min(processes - 1)].push(u);
+        }
+        let mut per_process: Vec<Vec<WriteInput>> = shares
+            .into_iter()
+            .map(|updates| {
+                WriteInput {
+                    collection_id: self.collection_id,
+                    updates,
+                    upper: self.upper,
+                    more: self.more,
+                    batch_digest: Some(digest),
+                }
+                .split(max_bytes)
+            })
+            .collect();
+        let n = per_process.iter().map(Vec::len).max().unwrap_or(1);
+        for parts in &mut per_process {
+            // Pad in front of the last part, which keeps `more` and the
+            // digest.
+            while parts.len() < n {
+                let at = parts.len() - 1;
+                parts.insert(
+                    at,
+                    WriteInput {
+                        collection_id: self.collection_id,
+                        updates: Vec::new(),
+                        upper: self.upper,
+                        more: true,
+                        batch_digest: None,
+                    },
+                );
+            }
+        }
+        per_process
     }
 }
 

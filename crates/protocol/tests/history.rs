@@ -28,6 +28,7 @@ fn write(updates: &[(i64, u64, i64)], upper: u64) -> CommandKind {
             .collect(),
         upper,
         more: false,
+        batch_digest: None,
     })
 }
 

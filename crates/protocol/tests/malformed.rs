@@ -70,6 +70,7 @@ fn oversized_message_is_not_sent() {
             }],
             upper: 1,
             more: false,
+            batch_digest: None,
         }),
     };
     let mut buf = BytesMut::new();
@@ -186,4 +187,27 @@ fn short_digest_is_an_error() {
         Response::try_from(wire),
         Err(ConvertError::Digest { len: 3, .. })
     ));
+}
+
+#[test]
+fn a_split_write_digest_of_the_wrong_length_names_its_field() {
+    let wire = proto::Command {
+        seqno: 1,
+        strategy: proto::Strategy::Barrier as i32,
+        kind: Some(proto::command::Kind::WriteInput(proto::WriteInput {
+            collection_id: 1,
+            upper: 1,
+            batch_digest: vec![1, 2, 3],
+            ..Default::default()
+        })),
+    };
+    let err = Command::try_from(wire).unwrap_err();
+    assert_eq!(
+        err,
+        ConvertError::DigestLanes {
+            field: "WriteInput.batch_digest",
+            len: 3
+        }
+    );
+    assert!(err.to_string().contains("WriteInput.batch_digest"), "{err}");
 }

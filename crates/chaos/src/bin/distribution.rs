@@ -316,6 +316,7 @@ fn history(dataflows: &[DataflowDescription]) -> CommandHistory {
             updates: ups,
             upper,
             more: false,
+            batch_digest: None,
         }));
     }
     for d in dataflows {

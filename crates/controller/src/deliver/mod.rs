@@ -29,6 +29,30 @@ impl Actor {
         }
         let strategy = self.strategy_for(&kind);
         match kind {
+            // With a socket-ordered strategy each process applies its own
+            // copy, and its workers keep only the rows they own: send each
+            // process only those (`split_per_process`). Not with `broadcast`
+            // (worker 0's copy goes to every worker) or `log` (one copy in
+            // the log for all).
+            CommandKind::WriteInput(w)
+                if matches!(strategy, Strategy::Barrier | Strategy::Naive)
+                    && self.conns.len() > 1 =>
+            {
+                let per_process = w.split_per_process(
+                    self.conns.len(),
+                    self.replica.workers_per_process as usize,
+                    self.replica.max_frame_len / 2,
+                );
+                let parts = per_process.first().map_or(0, Vec::len);
+                let mut per_process: Vec<_> = per_process.into_iter().map(Vec::into_iter).collect();
+                for _ in 0..parts {
+                    let kinds = per_process
+                        .iter_mut()
+                        .map(|p| CommandKind::WriteInput(p.next().expect("padded parts")))
+                        .collect();
+                    self.broadcast_each(kinds, strategy);
+                }
+            }
             // A write too large for one frame goes in parts, all with the
             // strategy chosen for the whole write.
             CommandKind::WriteInput(w) => {
@@ -60,6 +84,32 @@ impl Actor {
             Strategy::Barrier => self.deliver_barrier(cmd, crash),
             Strategy::Broadcast => self.deliver_broadcast(cmd, crash),
             Strategy::Log => self.deliver_log(cmd, crash),
+        }
+    }
+
+    /// Sends process `i` the command `kinds[i]`, all under one sequence
+    /// number, with a socket-ordered `strategy` (`barrier` or `naive`,
+    /// whose controller side is only the copies): a write split per process.
+    /// The partial-broadcast failpoint may cut it short.
+    fn broadcast_each(&mut self, kinds: Vec<CommandKind>, strategy: Strategy) {
+        debug_assert!(matches!(strategy, Strategy::Barrier | Strategy::Naive));
+        let Some(first) = kinds.first() else { return };
+        let crash = partial_broadcast(first.name());
+        self.seqno += 1;
+        let n = self.conns.len();
+        for (i, kind) in kinds.into_iter().enumerate() {
+            if crash.as_ref().is_some_and(|reach| !reach.reaches(i, n)) {
+                continue;
+            }
+            let cmd = Command {
+                seqno: self.seqno,
+                strategy,
+                kind,
+            };
+            self.write(i, cmd);
+        }
+        if crash.is_some() {
+            self.crash();
         }
     }
 

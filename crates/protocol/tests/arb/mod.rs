@@ -171,14 +171,16 @@ pub fn command_kind() -> impl Strategy<Value = CommandKind> {
             any::<u64>(),
             vec(update(), 0..4),
             any::<u64>(),
-            any::<bool>()
+            any::<bool>(),
+            proptest::option::of(any::<[u64; 4]>())
         )
-            .prop_map(|(collection_id, updates, upper, more)| {
+            .prop_map(|(collection_id, updates, upper, more, batch_digest)| {
                 CommandKind::WriteInput(WriteInput {
                     collection_id,
                     updates,
                     upper,
                     more,
+                    batch_digest,
                 })
             }),
         any::<bool>().prop_map(|full| CommandKind::StatusRequest { full }),

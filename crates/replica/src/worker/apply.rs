@@ -5,7 +5,6 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::hash::{Hash, Hasher};
 use std::rc::Rc;
 
 use differential_dataflow::input::InputSession;
@@ -21,11 +20,10 @@ use timely::worker::Worker;
 use crate::render::{render, validate, Coll};
 use crate::worker::{ExportState, FromWorker, Installed, SubState, Tap, WorkerState};
 
-/// The worker of the replica that introduces an update of `row`.
+/// The worker of the replica that introduces an update of `row`: the rule
+/// the controller splits writes by ([`lockstep_protocol::row_owner`]).
 pub fn owner(row: &Row, peers: usize) -> usize {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    row.hash(&mut h);
-    (h.finish() % peers as u64) as usize
+    lockstep_protocol::row_owner(row, peers)
 }
 
 impl WorkerState {
