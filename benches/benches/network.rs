@@ -38,7 +38,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion};
+use lockstep_benches::harness::{self, env_shape, rt};
 use lockstep_benches::relay::{Link, Relay};
 use lockstep_benches::replica::{self, BenchReplica};
 use lockstep_benches::{dataflow_over, payload, small_dataflow};
@@ -59,50 +61,20 @@ const WRITE_BYTES: usize = 1 << 20;
 /// How long one operation may take before the strategy is given up.
 const OP_BOUND: Duration = Duration::from_secs(20);
 
-fn quick() -> bool {
-    std::env::var("LOCKSTEP_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0")
-        || std::env::args().any(|a| a == "--quick")
-}
-
-fn group<'a>(
-    c: &'a mut Criterion,
-    name: &str,
-) -> BenchmarkGroup<'a, criterion::measurement::WallTime> {
+fn group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
     let mut g = c.benchmark_group(format!("network/{name}"));
     // Quick mode still takes 20 samples: the sweep is short, and the
     // fitted slopes need less noise than one figure does.
-    if quick() {
-        g.sample_size(20)
-            .warm_up_time(Duration::from_millis(300))
-            .measurement_time(Duration::from_millis(1500))
-            .nresamples(2_000);
-    } else {
-        g.sample_size(20)
-            .warm_up_time(Duration::from_secs(1))
-            .measurement_time(Duration::from_secs(3));
-    }
+    harness::timings(&mut g, 20, 1500);
     g
 }
 
-fn rt() -> Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-/// Runs one controller operation within [`OP_BOUND`]; panics if it fails.
 fn op<T>(
     rt: &Runtime,
     what: &str,
     fut: impl std::future::Future<Output = Result<T, ControllerError>>,
 ) -> T {
-    match rt.block_on(tokio::time::timeout(OP_BOUND, fut)) {
-        Ok(Ok(v)) => v,
-        Ok(Err(e)) => panic!("{what}: {e}"),
-        Err(_) => panic!("{what}: no answer within {OP_BOUND:?}"),
-    }
+    harness::op(rt, what, OP_BOUND, fut)
 }
 
 /// A 64-byte ping-pong with an echo server, directly and through a relay
@@ -144,16 +116,6 @@ fn tcp_rtt(c: &mut Criterion) {
         g.bench_function(format!("{d}us"), |b| ping(b, &mut s));
     }
     g.finish();
-}
-
-/// The shape measured.
-fn shape() -> (usize, u32) {
-    let s = std::env::var("LOCKSTEP_BENCH_NET_SHAPE").unwrap_or_else(|_| "4x1".into());
-    let (p, w) = s
-        .split_once('x')
-        .and_then(|(p, w)| Some((p.parse().ok()?, w.parse().ok()?)))
-        .unwrap_or_else(|| panic!("LOCKSTEP_BENCH_NET_SHAPE={s}: expected PxW, e.g. 4x1"));
-    (p, w)
 }
 
 fn strategies() -> Vec<Strategy> {
@@ -275,7 +237,7 @@ fn network(c: &mut Criterion) {
     tcp_rtt(c);
     let rt = rt();
     let _guard = rt.enter();
-    let (p, w) = shape();
+    let (p, w) = env_shape("LOCKSTEP_BENCH_NET_SHAPE", (4, 1));
     let shape = format!("{p}x{w}");
     let rows = payload(WRITE_BYTES);
     let mut replica_id = 3000;
@@ -285,11 +247,7 @@ fn network(c: &mut Criterion) {
             measure(c, &rt, replica_id, strategy, p, w, &rows)
         }));
         if let Err(panic) = outcome {
-            let why = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "a panic".into());
+            let why = harness::panic_message(&*panic);
             eprintln!("network: SKIPPED {strategy} on {shape}: {why}");
             lockstep_benches::record_skip(
                 &format!("network {strategy}"),

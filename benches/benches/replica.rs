@@ -8,17 +8,10 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
+use lockstep_benches::harness::rt;
 use lockstep_benches::replica;
 use lockstep_benches::small_dataflow;
 use lockstep_protocol::{Strategy, Update};
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
 
 fn start(c: &mut Criterion) {
     let rt = rt();

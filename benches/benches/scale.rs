@@ -36,7 +36,9 @@
 
 use std::time::{Duration, Instant};
 
+use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, SamplingMode};
+use lockstep_benches::harness::{self, env_shape, quick, rt};
 use lockstep_benches::replica::{self, BenchReplica};
 use lockstep_benches::small_dataflow;
 use lockstep_controller::{Controller, ControllerError};
@@ -51,34 +53,10 @@ const OP_BOUND: Duration = Duration::from_secs(120);
 const BATCH_ROWS: u64 = 10_000;
 const BATCHES: u64 = 100;
 
-fn quick() -> bool {
-    std::env::var("LOCKSTEP_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0")
-        || std::env::args().any(|a| a == "--quick")
-}
-
-fn group<'a>(
-    c: &'a mut Criterion,
-    name: &str,
-) -> BenchmarkGroup<'a, criterion::measurement::WallTime> {
+fn group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
     let mut g = c.benchmark_group(name);
-    g.sample_size(10);
-    if quick() {
-        g.warm_up_time(Duration::from_millis(300))
-            .measurement_time(Duration::from_secs(1))
-            .nresamples(2_000);
-    } else {
-        g.warm_up_time(Duration::from_secs(1))
-            .measurement_time(Duration::from_secs(3));
-    }
+    harness::timings(&mut g, 10, 1000);
     g
-}
-
-fn rt() -> Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 fn op<T>(
@@ -86,21 +64,7 @@ fn op<T>(
     what: &str,
     fut: impl std::future::Future<Output = Result<T, ControllerError>>,
 ) -> T {
-    match rt.block_on(tokio::time::timeout(OP_BOUND, fut)) {
-        Ok(Ok(v)) => v,
-        Ok(Err(e)) => panic!("{what}: {e}"),
-        Err(_) => panic!("{what}: no answer within {OP_BOUND:?}"),
-    }
-}
-
-fn env_shape(var: &str, default: (usize, u32)) -> (usize, u32) {
-    match std::env::var(var) {
-        Ok(s) => s
-            .split_once('x')
-            .and_then(|(p, w)| Some((p.parse().ok()?, w.parse().ok()?)))
-            .unwrap_or_else(|| panic!("{var}={s}: expected PxW, e.g. 4x2")),
-        Err(_) => default,
-    }
+    harness::op(rt, what, OP_BOUND, fut)
 }
 
 fn start(c: &mut Criterion) {
@@ -131,6 +95,15 @@ fn start(c: &mut Criterion) {
         });
     }
     g.finish();
+}
+
+/// Installs small dataflow `id`, waits until its frontier passes 0, and
+/// drops it.
+fn install_one(rt: &Runtime, ctl: &Controller, id: u64) {
+    let d = small_dataflow(id);
+    ctl.create_dataflow(d.clone()).expect("create");
+    op(rt, "install", ctl.wait_for_frontier(1000 + id, 0));
+    ctl.drop_dataflow(&d).expect("drop");
 }
 
 /// Installs dataflows `from..=to`, waiting after every 500 (so that no
@@ -181,10 +154,7 @@ fn sweeps(c: &mut Criterion) {
             g.bench_function(format!("{n}_installed/{shape}"), |b| {
                 b.iter(|| {
                     next += 1;
-                    let d = small_dataflow(next);
-                    ctl.create_dataflow(d.clone()).expect("create");
-                    op(&rt, "install", ctl.wait_for_frontier(1000 + next, 0));
-                    ctl.drop_dataflow(&d).expect("drop");
+                    install_one(&rt, &ctl, next);
                 })
             });
             g.finish();
@@ -206,14 +176,7 @@ fn sweeps(c: &mut Criterion) {
                     let c = replica::controller_with(&r, Strategy::Barrier, epoch, history.clone());
                     let after = op(&rt, "reconciliation", c.statuses());
                     total += t.elapsed();
-                    assert_eq!(before.len(), after.len(), "a worker is missing");
-                    for (x, y) in before.iter().zip(&after) {
-                        assert_eq!(
-                            x.creation_log, y.creation_log,
-                            "worker {} rebuilt a dataflow",
-                            y.worker_index
-                        );
-                    }
+                    replica::assert_nothing_rebuilt(&before, &after);
                     c.shutdown();
                 }
                 total
@@ -249,10 +212,7 @@ fn limits(c: &mut Criterion) {
     g.bench_function("lockstep/1x1", |b| {
         b.iter(|| {
             next += 1;
-            let d = small_dataflow(next);
-            ctl.create_dataflow(d.clone()).expect("create");
-            op(&rt, "install", ctl.wait_for_frontier(1000 + next, 0));
-            ctl.drop_dataflow(&d).expect("drop");
+            install_one(&rt, &ctl, next);
         })
     });
     g.bench_function("timely/1x1", |b| {

@@ -47,6 +47,7 @@ use std::time::{Duration, Instant};
 use criterion::{
     criterion_group, criterion_main, BatchSize, BenchmarkGroup, Criterion, SamplingMode, Throughput,
 };
+use lockstep_benches::harness::{self, rt};
 use lockstep_benches::replica::{self, BenchReplica};
 use lockstep_benches::{dataflow_over, payload, small_dataflow, COLUMNS};
 use lockstep_controller::{Controller, ControllerError, Event};
@@ -95,7 +96,6 @@ impl std::fmt::Display for Variant {
 
 /// What this run measures.
 struct Run {
-    quick: bool,
     shapes: Vec<(usize, u32)>,
     strategies: Vec<Variant>,
     /// The throw-away server of the `@postgres` variants.
@@ -104,8 +104,7 @@ struct Run {
 
 impl Run {
     fn from_env() -> Run {
-        let quick = std::env::var("LOCKSTEP_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0")
-            || std::env::args().any(|a| a == "--quick");
+        let quick = harness::quick();
         let mut shapes = vec![(1, 1), (2, 1), (2, 2), (4, 1)];
         if !quick {
             shapes.push((4, 2));
@@ -148,7 +147,6 @@ impl Run {
             None
         };
         Run {
-            quick,
             shapes,
             strategies,
             pg,
@@ -172,26 +170,9 @@ impl Run {
         measurement: &str,
     ) -> BenchmarkGroup<'a, criterion::measurement::WallTime> {
         let mut g = c.benchmark_group(format!("strategies/{measurement}"));
-        if self.quick {
-            g.sample_size(10)
-                .warm_up_time(Duration::from_millis(300))
-                .measurement_time(Duration::from_secs(1))
-                .nresamples(2_000);
-        } else {
-            g.sample_size(20)
-                .warm_up_time(Duration::from_secs(1))
-                .measurement_time(Duration::from_secs(3));
-        }
+        harness::timings(&mut g, 10, 1000);
         g
     }
-}
-
-fn rt() -> Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 /// Records a skipped strategy on stderr and in `$LOCKSTEP_BENCH_SKIPS`.
@@ -283,11 +264,7 @@ fn op<T>(
     what: &str,
     fut: impl std::future::Future<Output = Result<T, ControllerError>>,
 ) -> T {
-    match rt.block_on(tokio::time::timeout(OP_BOUND, fut)) {
-        Ok(Ok(v)) => v,
-        Ok(Err(e)) => panic!("{what}: {e}"),
-        Err(_) => panic!("{what}: no answer within {OP_BOUND:?}"),
-    }
+    harness::op(rt, what, OP_BOUND, fut)
 }
 
 fn strategies(c: &mut Criterion) {
@@ -314,11 +291,7 @@ fn strategies(c: &mut Criterion) {
                 Ok(Ok(())) => {}
                 Ok(Err(why)) => skip(&strategy.to_string(), &shape, &why),
                 Err(panic) => {
-                    let why = panic
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_else(|| "a panic".into());
+                    let why = harness::panic_message(&*panic);
                     skip(
                         &strategy.to_string(),
                         &shape,
@@ -536,14 +509,7 @@ fn reconcile(
                         }
                     };
                     total += t.elapsed();
-                    assert_eq!(before.len(), after.len(), "a worker is missing");
-                    for (x, y) in before.iter().zip(&after) {
-                        assert_eq!(
-                            x.creation_log, y.creation_log,
-                            "worker {} rebuilt a dataflow",
-                            y.worker_index
-                        );
-                    }
+                    replica::assert_nothing_rebuilt(&before, &after);
                     c.shutdown();
                 }
                 total

@@ -3,6 +3,7 @@
 
 use lockstep_protocol::{DataflowDescription, Export, Plan, Row, Update};
 
+pub mod harness;
 pub mod relay;
 
 /// `n` rows `[i, 10 i]` at time 0, the input the peek benchmarks read.
@@ -169,23 +170,33 @@ pub mod replica {
             },
             None => lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite")),
         };
-        let config = launch::with_command_log(
-            launch::replica_service(&binary(), replica_id, processes, workers),
-            &log,
-        )
-        .env("RUST_LOG", "error");
-        let status = orchestrator
-            .ensure_service(config)
-            .await
-            .expect("ensure replica");
-        let mut addrs = launch::replica_addrs(&status, workers).expect("controller ports");
-        addrs.command_log = Some(log);
+        let service = launch::replica_service(&binary(), replica_id, processes, workers);
+        let addrs = ensure(&orchestrator, service, log, workers).await;
         BenchReplica {
             dir,
             orchestrator,
             addrs,
             relays: Vec::new(),
         }
+    }
+
+    /// Has `orchestrator` run `service` with its command log at `log` (and
+    /// its processes logging errors only); returns the controller's
+    /// addresses.
+    async fn ensure(
+        orchestrator: &ProcessOrchestrator,
+        service: lockstep_orchestrator::ServiceConfig,
+        log: lockstep_controller::LogLocation,
+        workers: u32,
+    ) -> ReplicaAddrs {
+        let config = launch::with_command_log(service, &log).env("RUST_LOG", "error");
+        let status = orchestrator
+            .ensure_service(config)
+            .await
+            .expect("ensure replica");
+        let mut addrs = launch::replica_addrs(&status, workers).expect("controller ports");
+        addrs.command_log = Some(log);
+        addrs
     }
 
     /// Starts a replica of `processes` x `workers` (command log: a SQLite
@@ -231,13 +242,7 @@ pub mod replica {
                         .collect()
                 }
             });
-        let config = launch::with_command_log(service, &log).env("RUST_LOG", "error");
-        let status = orchestrator
-            .ensure_service(config)
-            .await
-            .expect("ensure replica");
-        let mut addrs = launch::replica_addrs(&status, workers).expect("controller ports");
-        addrs.command_log = Some(log);
+        let mut addrs = ensure(&orchestrator, service, log, workers).await;
         let mut relays: Vec<Arc<Relay>> = mesh.to_vec();
         for endpoint in &mut addrs.processes {
             let target = endpoint.socket_addr().expect("a controller socket address");
@@ -271,6 +276,22 @@ pub mod replica {
             }
         }
         out
+    }
+
+    /// Asserts that every worker of `before` reports the same creation log in
+    /// `after`: reconciliation rebuilt nothing.
+    pub fn assert_nothing_rebuilt(
+        before: &[lockstep_protocol::Status],
+        after: &[lockstep_protocol::Status],
+    ) {
+        assert_eq!(before.len(), after.len(), "a worker is missing");
+        for (x, y) in before.iter().zip(after) {
+            assert_eq!(
+                x.creation_log, y.creation_log,
+                "worker {} rebuilt a dataflow",
+                y.worker_index
+            );
+        }
     }
 
     /// A controller of `r` with one strategy for every command.
