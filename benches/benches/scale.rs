@@ -14,8 +14,9 @@
 //!   rebuilt a dataflow (creation logs unchanged).
 //!
 //! The shape is 4x2 (`$LOCKSTEP_BENCH_SCALE_SHAPE` changes it); the largest
-//! count is 10,000, or 1,000 in quick mode (`$LOCKSTEP_BENCH_SCALE_MAX`
-//! sets it): installing 10,000 took 244 s on the 2-core bench machine.
+//! count is 10,000 (`$LOCKSTEP_BENCH_SCALE_MAX` lowers it). Installing them
+//! takes ~25 s on the 2-core bench machine (244 s before a worker's loop
+//! read only the dataflows in motion).
 //!
 //! Ratios to the limit, 1x1:
 //! - `limits/install/{lockstep,timely}/1x1`: a small dataflow (an input
@@ -38,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, SamplingMode};
-use lockstep_benches::harness::{self, env_shape, quick, rt};
+use lockstep_benches::harness::{self, env_shape, rt};
 use lockstep_benches::replica::{self, BenchReplica};
 use lockstep_benches::small_dataflow;
 use lockstep_controller::{Controller, ControllerError};
@@ -126,12 +127,10 @@ fn sweeps(c: &mut Criterion) {
     let rt = rt();
     let _guard = rt.enter();
     let (p, w) = env_shape("LOCKSTEP_BENCH_SCALE_SHAPE", (4, 2));
-    // Installing 10,000 dataflows takes minutes (each install costs more
-    // the more are installed), too long for quick mode.
     let max: u64 = std::env::var("LOCKSTEP_BENCH_SCALE_MAX")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(if quick() { 1_000 } else { 10_000 });
+        .unwrap_or(10_000);
     let shape = format!("{p}x{w}");
     let r: BenchReplica = rt.block_on(replica::start(4100, p, w));
     let mut epoch = 1;

@@ -192,9 +192,10 @@ impl WorkerState {
         );
         store.upper = new_upper;
         store.extend(fresh.iter().cloned());
-        for inst in self.dataflows.values_mut() {
+        for (dataflow_id, inst) in self.dataflows.iter_mut() {
             for (id, session) in &mut inst.sessions {
                 if *id == w.collection_id {
+                    self.unsettled.insert(*dataflow_id);
                     for u in &fresh {
                         session.update_at(u.row.clone(), u.time, u.diff);
                     }
@@ -274,6 +275,7 @@ impl WorkerState {
             dataflow_id: desc.id,
             description_hash: hash,
         });
+        self.unsettled.insert(desc.id);
         self.dataflows.insert(
             desc.id,
             Installed {
@@ -349,6 +351,7 @@ impl WorkerState {
 
     /// Drops an installed dataflow (nothing if `id` is not installed).
     pub(crate) fn drop_dataflow(&mut self, worker: &mut Worker, id: u64) {
+        self.unsettled.remove(&id);
         if let Some(inst) = self.dataflows.remove(&id) {
             for c in &inst.desc.exports {
                 self.collections.remove(&c.collection_id);

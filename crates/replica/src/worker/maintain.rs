@@ -43,9 +43,22 @@ fn read_trace(trace: &mut Trace) -> Vec<Update> {
 impl WorkerState {
     /// Reports frontiers, answers peeks that are ready, emits subscribe batches.
     pub fn maintain(&mut self) {
-        // Frontiers.
+        // Frontiers, of the dataflows in motion only. A dataflow settles
+        // once every export's frontier reached its inputs' uppers and was
+        // reported: nothing moves it again until a write to one of its
+        // inputs or a new session (which mark it unsettled).
         let mut changes = Vec::new();
-        for inst in self.dataflows.values_mut() {
+        let mut settled = Vec::new();
+        for &df in &self.unsettled {
+            let Some(inst) = self.dataflows.get_mut(&df) else {
+                settled.push(df);
+                continue;
+            };
+            // Where the exports' frontiers end while the inputs stand still
+            // (a dataflow without inputs may never settle: it is only read
+            // again, which is always safe).
+            let target: Frontier = inst.sessions.iter().map(|(_, s)| *s.time()).min();
+            let mut done = target.is_some();
             for (id, e) in inst.exports.iter_mut() {
                 let f = probe_frontier(&e.probe);
                 if e.reported != Some(f) {
@@ -58,7 +71,14 @@ impl WorkerState {
                 if let Some(f) = f {
                     e.tap.borrow_mut().recent.retain(|u| u.time >= f);
                 }
+                done &= f == target;
             }
+            if done {
+                settled.push(df);
+            }
+        }
+        for df in settled {
+            self.unsettled.remove(&df);
         }
         for (collection, upper) in changes {
             self.send(FromWorker::Frontier {

@@ -198,6 +198,12 @@ pub struct WorkerState {
     /// arrives (forgotten when a new session starts: it resends them).
     write_parts: BTreeMap<u64, Vec<Update>>,
     pub(crate) dataflows: BTreeMap<u64, Installed>,
+    /// The installed dataflows whose export frontiers may still move: built
+    /// or written to since their frontiers last reached their inputs'
+    /// uppers, or not reported in this session yet. Only these are read by
+    /// `maintain`, so that a worker's loop costs O(dataflows in motion),
+    /// not O(dataflows installed).
+    unsettled: BTreeSet<u64>,
     collections: BTreeMap<u64, u64>,
     pub(crate) creation_log: Vec<CreationLogEntry>,
     peeks: Vec<Peek>,
@@ -276,6 +282,7 @@ impl WorkerState {
             inputs: BTreeMap::new(),
             write_parts: BTreeMap::new(),
             dataflows: BTreeMap::new(),
+            unsettled: BTreeSet::new(),
             collections: BTreeMap::new(),
             creation_log: Vec::new(),
             peeks: Vec::new(),
@@ -351,6 +358,8 @@ impl WorkerState {
                             e.tap.borrow_mut().subs.clear();
                         }
                     }
+                    // Every frontier is reported again in the new session.
+                    self.unsettled.extend(self.dataflows.keys().copied());
                     self.send(FromWorker::NewSession {
                         worker: self.index,
                         session,
