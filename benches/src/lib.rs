@@ -214,11 +214,9 @@ pub mod replica {
         let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
             .expect("orchestrator");
         let log = lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite"));
-        let mesh: Arc<Vec<Arc<Relay>>> = Arc::new(
-            (0..processes)
-                .map(|_| Arc::new(Relay::start(link.clone()).expect("relay")))
-                .collect(),
-        );
+        let mesh: Vec<Arc<Relay>> = (0..processes)
+            .map(|_| Arc::new(Relay::start(link.clone()).expect("relay")))
+            .collect();
         let m = mesh.clone();
         let service =
             launch::replica_service_with_peers(&binary(), replica_id, processes, workers, {
@@ -243,7 +241,7 @@ pub mod replica {
                 }
             });
         let mut addrs = ensure(&orchestrator, service, log, workers).await;
-        let mut relays: Vec<Arc<Relay>> = mesh.to_vec();
+        let mut relays = mesh;
         for endpoint in &mut addrs.processes {
             let target = endpoint.socket_addr().expect("a controller socket address");
             let relay = Relay::to(target, link.clone()).expect("relay");

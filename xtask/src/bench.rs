@@ -218,6 +218,42 @@ impl Report {
         Network::new(&self.medians, &self.wire)
     }
 
+    /// The scale bench's figures.
+    fn scale(&self) -> Scale<'_> {
+        Scale::new(&self.medians)
+    }
+
+    /// The network and scale sections, if measured: with `## ` headings
+    /// and charts beside results.md, or as README paragraphs with charts
+    /// under `docs/bench/`.
+    fn network_and_scale(&self, readme: bool) -> String {
+        let mut s = String::new();
+        let dir = if readme { "docs/bench/" } else { "" };
+        let network = self.network();
+        if !network.is_empty() {
+            s.push_str(if readme {
+                "\nOver a modelled network (every connection delayed by a relay):\n\n"
+            } else {
+                "\n## Over a modelled network\n\n"
+            });
+            s.push_str(&format!(
+                "![Latency against one-way delay, per strategy]({dir}network.svg)\n\n"
+            ));
+            s.push_str(&network.section());
+        }
+        let scale = self.scale();
+        if !scale.is_empty() {
+            s.push_str(if readme {
+                "\nScale sweeps and ratios to the limit:\n\n"
+            } else {
+                "\n## Scale and limits\n\n"
+            });
+            s.push_str(&format!("![Scale sweeps]({dir}scale.svg)\n\n"));
+            s.push_str(&scale.section());
+        }
+        s
+    }
+
     /// A measured baseline of `name` and the ratio to it.
     fn ratio(&self, name: &str) -> Option<(String, f64)> {
         let base = baseline_of(name)?;
@@ -443,7 +479,7 @@ impl Report {
     fn goals_table(&self) -> String {
         let mut t = String::from("| goal | measured | met |\n| --- | --- | --- |\n");
         let network = self.network();
-        let scale = Scale::new(&self.medians);
+        let scale = self.scale();
         for (goal, measured, met) in self
             .goals()
             .into_iter()
@@ -660,18 +696,7 @@ fn results_md(report: &Report, m: &Machine, run: &RunInfo) -> String {
     s.push('\n');
     s.push_str(&skipped_paragraph(run));
     s.push_str(&report.strategy_table(None));
-    let network = report.network();
-    if !network.is_empty() {
-        s.push_str("\n## Over a modelled network\n\n");
-        s.push_str("![Latency against one-way delay, per strategy](network.svg)\n\n");
-        s.push_str(&network.section());
-    }
-    let scale = Scale::new(&report.medians);
-    if !scale.is_empty() {
-        s.push_str("\n## Scale and limits\n\n");
-        s.push_str("![Scale sweeps](scale.svg)\n\n");
-        s.push_str(&scale.section());
-    }
+    s.push_str(&report.network_and_scale(false));
     s.push_str("\n## Stores\n\n");
     s.push_str(STORES);
     s.push_str("\n\n");
@@ -706,18 +731,7 @@ fn readme_section(report: &Report, m: &Machine, run: &RunInfo) -> String {
         .find(|s| *s == (2, 2))
         .or_else(|| report.shapes().last().copied());
     s.push_str(&report.strategy_table(shape));
-    let network = report.network();
-    if !network.is_empty() {
-        s.push_str("\nOver a modelled network (every connection delayed by a relay):\n\n");
-        s.push_str("![Latency against one-way delay, per strategy](docs/bench/network.svg)\n\n");
-        s.push_str(&network.section());
-    }
-    let scale = Scale::new(&report.medians);
-    if !scale.is_empty() {
-        s.push_str("\nScale sweeps and ratios to the limit:\n\n");
-        s.push_str("![Scale sweeps](docs/bench/scale.svg)\n\n");
-        s.push_str(&scale.section());
-    }
+    s.push_str(&report.network_and_scale(true));
     s.push_str("\nAgainst the issues' goals:\n\n");
     s.push_str(&report.goals_table());
     s.push_str("\nPolicies, protocol and replica start:\n\n");
@@ -841,7 +855,7 @@ pub fn bench(quick: bool, readme: bool) -> anyhow::Result<()> {
         );
         std::fs::write(docs.join("network.svg"), &svg)?;
     }
-    let scale = Scale::new(&report.medians);
+    let scale = report.scale();
     if !scale.is_empty() {
         let svg = chart::svg(
             "lockstep: costs against scale (barrier)",
