@@ -300,6 +300,14 @@ pub enum StartError {
         /// What the OS said.
         source: std::io::Error,
     },
+    /// Other users can write the state directory.
+    #[error("state directory {path} is writable by other users (mode {mode:o}); it holds the replicas' secrets: chmod go-w it, or use a directory only you can write")]
+    StateDirUnsafe {
+        /// The directory.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
     /// The replica service program does not exist.
     #[error(
         "service binary {0} does not exist or is not executable (set it with --service-binary)"
@@ -436,6 +444,18 @@ pub fn check_state_dir(dir: &Path) -> Result<(), StartError> {
                 path: dir.to_path_buf(),
                 source,
             })
+        }
+    }
+    // The directory holds the master secret and every replica's key: a
+    // directory other users can write lets them replace or move those.
+    if let Ok(m) = std::fs::metadata(dir) {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = m.permissions().mode() & 0o777;
+        if mode & 0o022 != 0 {
+            return Err(StartError::StateDirUnsafe {
+                path: dir.to_path_buf(),
+                mode,
+            });
         }
     }
     let probe = dir.join(format!(".lockstep-probe-{}", std::process::id()));

@@ -794,6 +794,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         distribution_policy = %distribution_in_force,
         "policies in force"
     );
+    if let Some(store) = &args.store {
+        if store_has_password(store) {
+            tracing::warn!(
+                "the --store URL carries a password, which other users can read in the process list if it was given on the command line: set PGPASSWORD (or the whole URL in LOCKSTEP_STORE) instead"
+            );
+        }
+    }
     let config = EnvironmentConfig {
         state_dir: args.state_dir,
         orphan_policy,
@@ -938,5 +945,29 @@ fn print_processes(r: &proto::Replica) {
             p.restarts,
             addrs.join(" ")
         );
+    }
+}
+
+/// Whether a `postgres://USER:PASSWORD@HOST/...` URL carries a password.
+fn store_has_password(url: &str) -> bool {
+    let Some(rest) = url.split_once("://").map(|(_, r)| r) else {
+        return false;
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    authority
+        .rsplit_once('@')
+        .is_some_and(|(userinfo, _)| userinfo.contains(':'))
+}
+
+#[cfg(test)]
+mod store_url_tests {
+    use super::store_has_password;
+
+    #[test]
+    fn a_password_in_the_store_url_is_noticed() {
+        assert!(store_has_password("postgres://u:secret@db:5432/x"));
+        assert!(!store_has_password("postgres://u@db:5432/x"));
+        assert!(!store_has_password("postgres://db:5432/x"));
+        assert!(!store_has_password("postgres://u@db:5432/x?opt=a:b"));
     }
 }

@@ -541,3 +541,86 @@ async fn a_policy_set_on_one_replica_takes_over_that_replica_alone_and_survives_
     env.drop_replica("r1").await.unwrap();
     assert!(env.policies_in_force().iter().all(|p| p.replica.is_none()));
 }
+
+/// Issue 28's story: a 4-process × 1-worker replica under the `log` policy,
+/// the environment dead while a replica process is killed, another stopped
+/// and the others exit (timely panics on the closed sockets), then the
+/// environment started again while they are still exiting. Before shared-fate restarts, every
+/// process was restarted on its own with its own backoff and joined peers of
+/// another generation: the replica never came back. Now any exit restarts
+/// the whole replica as one new generation, and a peek answers correctly
+/// within the stated recovery bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_processes_exit_while_the_environment_restarts_comes_back_as_one_generation(
+) {
+    let sandbox = Sandbox::new().unwrap();
+    let log_policy = built_policy("log");
+    let env = start_with(sandbox.path(), Some(log_policy.clone())).await;
+    env.create_replica("r1", shape(4, 1)).await.unwrap();
+    let plan = create_reduce(&env).await;
+    let updates = vec![u(&[1, 10], 0, 1), u(&[2, 20], 0, 1), u(&[1, 5], 1, 1)];
+    env.write_input("r1", 1, updates.clone(), 2).await.unwrap();
+    let expected = evaluate(&plan, &BTreeMap::from([(1, updates.clone())]), 1);
+    peek_until(&env, 101, 1, &expected, Duration::from_secs(30))
+        .await
+        .expect("the replica answers before the fault");
+    let before = service(&env).await;
+    let generation_before = environ(before.processes[0].pid.unwrap(), "LOCKSTEP_GENERATION");
+
+    // The environment dies (its supervisors with it); then process 2 is
+    // stopped (alive, its mesh sockets open) and process 1 is killed: the
+    // others exit on the closed mesh sockets, one after another.
+    drop(env);
+    let signal = |sig: &str, pid: u32| {
+        let status = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    let stopped = before.processes[2].pid.unwrap();
+    signal("-STOP", stopped);
+    signal("-KILL", before.processes[1].pid.unwrap());
+    let fault = Instant::now();
+
+    // Started again at once, while the other processes are still exiting.
+    let env = start_with(sandbox.path(), Some(log_policy)).await;
+    if let Err(last) = peek_until(&env, 101, 1, &expected, RECOVERY_BOUND).await {
+        panic!(
+            "no correct answer within {RECOVERY_BOUND:?} of the fault; last: {last}; service: {:?}",
+            service(&env).await
+        );
+    }
+    eprintln!("recovered {:.1?} after the fault", fault.elapsed());
+
+    // One generation: every process was replaced, and all carry the same
+    // generation, newer than before.
+    let after = service(&env).await;
+    assert!(after.processes.iter().all(|p| p.running), "{after:?}");
+    let generations: Vec<Option<String>> = after
+        .processes
+        .iter()
+        .map(|p| environ(p.pid.unwrap(), "LOCKSTEP_GENERATION"))
+        .collect();
+    assert!(
+        generations.iter().all(|g| g.is_some() && *g == generations[0]),
+        "one generation: {generations:?}"
+    );
+    assert_ne!(generations[0], generation_before, "a new generation");
+    assert_ne!(proc_state(stopped), Some('T'), "the stopped process is gone");
+    for (old, new) in before.processes.iter().zip(&after.processes) {
+        assert_ne!(old.pid, new.pid, "process {} was restarted", old.index);
+    }
+
+    // It stays up: a write after recovery is answered too.
+    let more = vec![u(&[2, 20], 2, -1), u(&[3, 1], 2, 1)];
+    env.write_input("r1", 1, more.clone(), 3).await.unwrap();
+    let expected2 = evaluate(
+        &plan,
+        &BTreeMap::from([(1, [updates, more].concat())]),
+        2,
+    );
+    peek_until(&env, 101, 2, &expected2, Duration::from_secs(30))
+        .await
+        .expect("the recovered replica takes new writes");
+}

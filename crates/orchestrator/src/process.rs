@@ -43,11 +43,24 @@
 //! the controller exits: surviving a controller restart is the point. Tests
 //! tear down with [`kill_all_services`].
 //!
-//! Each process is watched by a supervisor task in every orchestrator that
-//! ensured its service. When it exits, the supervisor waits a backoff
-//! (doubling from [`Backoff::initial`] to [`Backoff::max`]), then, under the
-//! lock, restarts it unless the service was dropped or another supervisor
-//! already replaced the process, in which case it watches the replacement.
+//! # Shared fate
+//!
+//! The processes of a service form one timely cluster: a process started on
+//! its own would join peers of another cluster, which then fail on the
+//! closed sockets of the one that died, one after another, for ever. So the
+//! processes of a service live and die as one *generation*
+//! (`NAME.json`'s `generation`, given to each process as
+//! [`GENERATION_ENV`]; the replica's mesh refuses a peer of another
+//! generation). Each process is watched by a supervisor task in every
+//! orchestrator that ensured its service. When one exits, its supervisor
+//! waits a backoff (doubling from [`Backoff::initial`] to [`Backoff::max`]),
+//! then, under the lock, unless the service was dropped or another
+//! supervisor already started a new generation, kills every process of the
+//! service and starts them all as the next generation. The other supervisors
+//! find their processes replaced in the record and watch the replacements.
+//! An orchestrator that adopts a service whose processes all live keeps
+//! them (same PIDs); if any is dead, its supervisor starts a new generation
+//! within one poll interval and one backoff.
 //!
 //! Ports are chosen once, when a service is created, and kept across
 //! restarts and adoption. If another socket takes one while its process is
@@ -62,7 +75,8 @@
 //!
 //! [`restart_service`] kills every process of a service (SIGKILL to each
 //! process group, which kills a stopped process too) and starts them again
-//! from the record (same argv, environment and ports), all under the lock. A
+//! as a new generation from the record (same argv, environment and ports),
+//! all under the lock. A
 //! supervisor that then sees its process dead finds the replacement in the
 //! record and watches it, so nothing is started twice.
 //!
@@ -74,7 +88,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -94,6 +108,14 @@ use crate::{
 
 /// The host every process listens on, without simulated hosts.
 const HOST: &str = "127.0.0.1";
+/// The variables a service's process inherits from the orchestrator's
+/// environment; everything else it gets comes from its spec.
+const INHERITED_ENV: [&str; 6] = ["PATH", "RUST_LOG", "RUST_BACKTRACE", "LANG", "TZ", "TMPDIR"];
+
+/// The variable that tells a process its generation
+/// ([`ServiceRecord::generation`]).
+pub const GENERATION_ENV: &str = "LOCKSTEP_GENERATION";
+
 /// The version of the state file format.
 const RECORD_VERSION: u32 = 1;
 
@@ -215,6 +237,12 @@ struct ServiceRecord {
     env: BTreeMap<String, String>,
     port_names: Vec<String>,
     processes: Vec<ProcessRecord>,
+    /// The generation its processes were started in: all of them start
+    /// together, and a restart of any one starts a new generation (records
+    /// written before generations were kept read as 0, as their processes,
+    /// which got no `LOCKSTEP_GENERATION`, assume).
+    #[serde(default)]
+    generation: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -261,8 +289,11 @@ impl ProcessOrchestrator {
             path: dir.clone(),
             source,
         };
-        std::fs::create_dir_all(dir.join("services")).map_err(unwritable)?;
-        std::fs::create_dir_all(dir.join("logs")).map_err(unwritable)?;
+        // The records hold each service's environment (a replica's session
+        // key): private to this user, created that way.
+        private_dir(dir).map_err(unwritable)?;
+        private_dir(&dir.join("services")).map_err(unwritable)?;
+        private_dir(&dir.join("logs")).map_err(unwritable)?;
         OpenOptions::new()
             .create(true)
             .append(true)
@@ -446,7 +477,7 @@ impl Inner {
         let path = self.tombstone_path(name);
         let tmp = path.with_extension("dropped.tmp");
         let result = (|| {
-            let mut f = File::create(&tmp)?;
+            let mut f = private_file(&tmp)?;
             writeln!(f, "{epoch}")?;
             f.sync_all()?;
             std::fs::rename(&tmp, &path)
@@ -463,7 +494,7 @@ impl Inner {
         let tmp = path.with_extension("json.tmp");
         let bytes = serde_json::to_vec_pretty(record).expect("records serialize");
         let result = (|| {
-            let mut f = File::create(&tmp)?;
+            let mut f = private_file(&tmp)?;
             f.write_all(&bytes)?;
             f.sync_all()?;
             std::fs::rename(&tmp, &path)?;
@@ -612,6 +643,7 @@ impl Inner {
             program: program.clone(),
             env: config.env.clone(),
             port_names: config.ports.clone(),
+            generation: existing.as_ref().map_or(1, |e| e.generation + 1),
             processes: argv
                 .into_iter()
                 .zip(ports)
@@ -691,6 +723,7 @@ impl Inner {
         let log = OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(&log_path)?;
         let mut cmd = match &record.processes[i].namespace {
             // `ip netns exec` enters the namespace, mounts
@@ -704,11 +737,19 @@ impl Inner {
             None => Command::new(&record.program),
         };
         cmd.args(&record.processes[i].argv)
-            // The controller's failpoints are not the service's.
-            .env_remove("FAILPOINTS")
+            // An explicit environment: what the service's spec gives and the
+            // few variables a process needs, nothing inherited from the
+            // controller (its API token, its store URL, its failpoints).
+            .env_clear()
+            .envs(
+                INHERITED_ENV
+                    .iter()
+                    .filter_map(|k| std::env::var_os(k).map(|v| (*k, v))),
+            )
             .envs(&record.env)
             .env("LOCKSTEP_SERVICE", &record.name)
             .env("LOCKSTEP_PROCESS", i.to_string())
+            .env(GENERATION_ENV, record.generation.to_string())
             .env(
                 ORCHESTRATOR_ENV,
                 std::path::absolute(&self.config.state_dir)
@@ -824,60 +865,97 @@ impl Inner {
             });
         }
         // Every old process must be gone before a new one binds its ports.
+        self.kill_all(&record)
+            .map_err(|(_, pid)| RestartError::Kill {
+                service: name.to_string(),
+                pid,
+                reason: "still alive 5 s after SIGKILL".to_string(),
+            })?;
+        let (spawned, failure) = self.start_generation(&mut record);
+        self.commit_generation(&record, spawned)?;
+        let failure = failure.map(|(process, source)| RestartError::Spawn {
+            service: name.to_string(),
+            process,
+            program: record.program.clone(),
+            source,
+        });
+        Ok((record, failure))
+    }
+
+    /// Under the lock: kills every recorded process of `record`. Error: the
+    /// first (index, PID) still alive 5 s after SIGKILL.
+    fn kill_all(&self, record: &ServiceRecord) -> Result<(), (usize, u32)> {
         for (i, p) in record.processes.iter().enumerate() {
             if let Some((pid, start)) = p.handle() {
-                self.kill(name, i, pid, start);
+                self.kill(&record.name, i, pid, start);
                 if proc_alive(pid, start) {
-                    return Err(RestartError::Kill {
-                        service: name.to_string(),
-                        pid,
-                        reason: "still alive 5 s after SIGKILL".to_string(),
-                    });
+                    return Err((i, pid));
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Under the lock, after [`Inner::kill_all`]: starts every process of
+    /// `record` as a new generation, from its recorded command line. Returns
+    /// the processes started and the first that could not be (it is left
+    /// without a PID; its supervisor starts a generation again later).
+    fn start_generation(
+        &self,
+        record: &mut ServiceRecord,
+    ) -> (Vec<(usize, u32, u64)>, Option<(usize, std::io::Error)>) {
+        record.generation += 1;
         let mut failure = None;
         let mut spawned = Vec::new();
         for i in 0..record.processes.len() {
-            let result = self.spawn(&record, i);
+            record.processes[i].pid = None;
+            record.processes[i].start_time = None;
+            let result = self.spawn(record, i);
             let p = &mut record.processes[i];
+            p.restarts += 1;
             match result {
                 Ok((pid, start)) => {
-                    p.restarts += 1;
                     p.pid = Some(pid);
                     p.start_time = Some(start);
                     spawned.push((i, pid, start));
                 }
                 Err(source) => {
                     tracing::error!(
-                        service = name,
+                        service = %record.name,
                         process = i,
-                        "restart could not start the process: {source}"
+                        "could not start the process: {source}"
                     );
-                    p.pid = None;
-                    p.start_time = None;
-                    failure.get_or_insert(RestartError::Spawn {
-                        service: name.to_string(),
-                        process: i,
-                        program: record.program.clone(),
-                        source,
-                    });
+                    failure.get_or_insert((i, source));
                 }
             }
         }
-        if let Err(e) = self.write(&record) {
-            // The record still names the old (dead) processes, which the
-            // supervisors restart; the new ones must not run unrecorded.
+        (spawned, failure)
+    }
+
+    /// Under the lock: records a generation [`Inner::start_generation`]
+    /// started and announces its processes; if the record cannot be written,
+    /// kills them (none may run unrecorded; the old record's dead processes
+    /// make the supervisors try again).
+    fn commit_generation(
+        &self,
+        record: &ServiceRecord,
+        spawned: Vec<(usize, u32, u64)>,
+    ) -> Result<(), StateError> {
+        if let Err(e) = self.write(record) {
             for (i, pid, start) in spawned {
-                self.kill(name, i, pid, start);
+                self.kill(&record.name, i, pid, start);
             }
-            return Err(e.into());
+            return Err(e);
         }
-        tracing::info!(service = name, "restarted every process");
+        tracing::info!(
+            service = %record.name,
+            generation = record.generation,
+            "started every process as a new generation"
+        );
         for (i, pid, _) in spawned {
-            self.emit(name, Some(i), ServiceEventKind::Started { pid });
+            self.emit(&record.name, Some(i), ServiceEventKind::Started { pid });
         }
-        Ok((record, failure))
+        Ok(())
     }
 
     fn status(&self, record: &ServiceRecord) -> ServiceStatus {
@@ -1102,39 +1180,15 @@ impl Inner {
             .map(|j| self.placement(j))
             .collect();
         let argv = argv_for(&args, &placements, &ports);
-        for (j, p) in record.processes.iter().enumerate() {
-            if let Some((pid, start)) = p.handle() {
-                self.kill(name, j, pid, start);
-                if proc_alive(pid, start) {
-                    return Err(format!(
-                        "process {j} (PID {pid}) still alive 5 s after SIGKILL"
-                    ));
-                }
-            }
-        }
-        let mut spawned = Vec::new();
+        self.kill_all(&record).map_err(|(j, pid)| {
+            format!("process {j} (PID {pid}) still alive 5 s after SIGKILL")
+        })?;
         for (j, (argv, ports)) in argv.into_iter().zip(ports).enumerate() {
-            let p = &mut record.processes[j];
-            p.argv = argv;
-            p.ports = ports;
-            p.pid = None;
-            p.start_time = None;
-            match self.spawn(&record, j) {
-                Ok((pid, start)) => {
-                    let p = &mut record.processes[j];
-                    p.restarts += 1;
-                    p.pid = Some(pid);
-                    p.start_time = Some(start);
-                    spawned.push((j, pid, start));
-                }
-                // Recorded without a PID: its supervisor starts it later.
-                Err(e) => tracing::error!(
-                    service = name,
-                    process = j,
-                    "could not start the process on its new ports: {e}"
-                ),
-            }
+            record.processes[j].argv = argv;
+            record.processes[j].ports = ports;
         }
+        let (spawned, _) = self.start_generation(&mut record);
+        // Announced after the new addresses, below.
         if let Err(e) = self.write(&record) {
             for (j, pid, start) in spawned {
                 self.kill(name, j, pid, start);
@@ -1161,7 +1215,9 @@ impl Inner {
         }))
     }
 
-    /// Under the lock: restarts process `i` unless someone else did already.
+    /// Under the lock: unless someone else did already, restarts every
+    /// process of the service as a new generation because process `i`
+    /// (last seen as `watched`) is dead.
     fn restart(
         &self,
         name: &str,
@@ -1177,22 +1233,33 @@ impl Inner {
             Ok(Some(r)) => r,
             _ => return Ok(Decision::Stop),
         };
-        let (pid, start) = self.spawn(&record, i).map_err(|e| {
-            format!(
-                "could not start {}: {e}",
-                record.program.as_path().display()
-            )
+        // Shared fate: the processes of a service form one cluster, and a
+        // process started alone would join peers of another generation.
+        // Kill them all, start them all.
+        self.kill_all(&record).map_err(|(j, pid)| {
+            format!("process {j} (PID {pid}) still alive 5 s after SIGKILL")
         })?;
-        let p = &mut record.processes[i];
-        p.pid = Some(pid);
-        p.start_time = Some(start);
-        p.restarts += 1;
-        if let Err(e) = self.write(&record) {
-            self.kill(name, i, pid, start);
-            return Err(e.to_string());
+        tracing::warn!(
+            service = name,
+            process = i,
+            generation = record.generation + 1,
+            "a process exited: restarting every process of the service"
+        );
+        let (spawned, failure) = self.start_generation(&mut record);
+        self.commit_generation(&record, spawned)
+            .map_err(|e| e.to_string())?;
+        if let Some((j, e)) = failure {
+            if j == i {
+                return Err(format!(
+                    "could not start {}: {e}",
+                    record.program.as_path().display()
+                ));
+            }
         }
-        self.emit(name, Some(i), ServiceEventKind::Started { pid });
-        Ok(Decision::Watch((pid, start)))
+        Ok(match record.processes[i].handle() {
+            Some(h) => Decision::Watch(h),
+            None => Decision::Restart,
+        })
     }
 }
 
@@ -1420,6 +1487,30 @@ fn proc_start_time(pid: u32) -> Option<u64> {
         return None;
     }
     fields.get(19)?.parse().ok()
+}
+
+/// Creates `dir` (and its parents) if missing, mode 0700 from the start, and
+/// narrows an existing one to 0700.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
+/// Creates (or truncates) `path` for writing, mode 0600 from the start (an
+/// existing file is narrowed to 0600 before anything is written).
+fn private_file(path: &Path) -> std::io::Result<File> {
+    let f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    Ok(f)
 }
 
 /// Whether `pid` is alive and is the process that started at `start_time`.

@@ -24,17 +24,25 @@
 //!    `c` is not connected yet: a second connection claiming the same index
 //!    is refused, never put in place of the first.
 //!
-//! Each accepted connection is handshaken on its own thread with a 2 s read
-//! bound (at most [`MAX_PENDING_HANDSHAKES`] at once), so idle or slow
-//! connections cannot hold formation past its deadline. The whole wait is
+//! The header also carries the process's *generation* (the orchestrator
+//! starts every process of a replica together as one generation, and a
+//! restart of any process starts a new one): a peer of another generation is
+//! refused, so two generations never form one cluster.
+//!
+//! Each accepted connection is handshaken on its own thread with a 2 s bound
+//! on the whole handshake, not on each read, so a peer that trickles bytes
+//! cannot hold it longer. At most [`MAX_PENDING_HANDSHAKES`] run at once;
+//! when they are all taken, the *oldest* is closed to make room for the new
+//! one, so a flood of unproven connections delays a real peer by at most one
+//! handshake instead of keeping it out. The whole wait is
 //! bounded: a cluster that does not form in time is an error, never a
 //! silent hang. The sockets are then handed to
 //! `initialize_networking_from_sockets`.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::collections::VecDeque;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lockstep_protocol::{Endpoint, SessionKey};
@@ -47,8 +55,22 @@ use timely::communication::Hooks;
 const MAGIC: u64 = 0x6c6f_636b_7374_6570; // "lockstep"
 /// How long one side of a mesh handshake waits for the other.
 const HANDSHAKE_BOUND: Duration = Duration::from_secs(2);
-/// Accepted connections handshaken at once; more are closed at once.
+/// Accepted connections handshaken at once; a new one beyond this closes the
+/// oldest.
 pub const MAX_PENDING_HANDSHAKES: usize = 64;
+
+/// At most one summary line of refused mesh connections per interval.
+const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Who a process is on the mesh: its replica and its generation. Peers must
+/// agree on both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MeshId {
+    /// The replica's catalog ID.
+    pub replica_id: u64,
+    /// The generation the orchestrator started this process in.
+    pub generation: u64,
+}
 
 /// Why the cluster could not form.
 #[derive(Debug, thiserror::Error)]
@@ -89,13 +111,40 @@ pub enum ClusterError {
     Io(#[from] std::io::Error),
 }
 
-fn header(replica_id: u64, index: usize, nonce: &[u8; 16]) -> [u8; 40] {
-    let mut h = [0u8; 40];
+/// The header's length: magic, replica ID, generation, index, nonce.
+const HEADER_LEN: usize = 48;
+
+fn header(id: MeshId, index: usize, nonce: &[u8; 16]) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
     h[..8].copy_from_slice(&MAGIC.to_be_bytes());
-    h[8..16].copy_from_slice(&replica_id.to_be_bytes());
-    h[16..24].copy_from_slice(&(index as u64).to_be_bytes());
-    h[24..].copy_from_slice(nonce);
+    h[8..16].copy_from_slice(&id.replica_id.to_be_bytes());
+    h[16..24].copy_from_slice(&id.generation.to_be_bytes());
+    h[24..32].copy_from_slice(&(index as u64).to_be_bytes());
+    h[32..].copy_from_slice(nonce);
     h
+}
+
+/// `read_exact` with one deadline for the whole read, however the bytes
+/// trickle in.
+fn read_exact_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "handshake deadline passed",
+            ));
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf[filled..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// 16 unpredictable bytes.
@@ -111,17 +160,18 @@ fn connect_peer(
     addr: SocketAddr,
     me: usize,
     to: usize,
-    replica_id: u64,
+    id: MeshId,
     key: Option<&SessionKey>,
 ) -> std::io::Result<TcpStream> {
+    let replica_id = id.replica_id;
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(100))?;
     s.set_nodelay(true)?;
     let mine = nonce()?;
-    s.write_all(&header(replica_id, me, &mine))?;
+    s.write_all(&header(id, me, &mine))?;
     if let Some(key) = key {
-        s.set_read_timeout(Some(HANDSHAKE_BOUND))?;
+        let deadline = Instant::now() + HANDSHAKE_BOUND;
         let mut answer = [0u8; 48];
-        s.read_exact(&mut answer)?;
+        read_exact_by(&mut s, &mut answer, deadline)?;
         let theirs: [u8; 16] = answer[..16].try_into().expect("16 bytes");
         let proof: [u8; 32] = answer[16..].try_into().expect("32 bytes");
         if !key.verify_mesh_proof(
@@ -155,22 +205,27 @@ fn accept_peer(
     mut s: TcpStream,
     me: usize,
     n: usize,
-    replica_id: u64,
+    id: MeshId,
     key: Option<&SessionKey>,
 ) -> Result<(usize, TcpStream), String> {
+    let replica_id = id.replica_id;
+    let deadline = Instant::now() + HANDSHAKE_BOUND;
     let io = |e: std::io::Error| e.to_string();
     s.set_nonblocking(false).map_err(io)?;
-    s.set_read_timeout(Some(HANDSHAKE_BOUND)).map_err(io)?;
-    let mut h = [0u8; 40];
-    s.read_exact(&mut h)
-        .map_err(|e| format!("no header: {e}"))?;
-    let magic = u64::from_be_bytes(h[..8].try_into().expect("8 bytes"));
-    let rid = u64::from_be_bytes(h[8..16].try_into().expect("8 bytes"));
-    let idx = u64::from_be_bytes(h[16..24].try_into().expect("8 bytes"));
-    let theirs: [u8; 16] = h[24..].try_into().expect("16 bytes");
+    let mut h = [0u8; HEADER_LEN];
+    read_exact_by(&mut s, &mut h, deadline).map_err(|e| format!("no header: {e}"))?;
+    let word = |i: usize| u64::from_be_bytes(h[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+    let (magic, rid, generation, idx) = (word(0), word(1), word(2), word(3));
+    let theirs: [u8; 16] = h[32..].try_into().expect("16 bytes");
     if magic != MAGIC || rid != replica_id || idx <= me as u64 || idx >= n as u64 {
         return Err(format!(
             "not one of our peers (magic {magic:#x}, replica {rid}, process {idx})"
+        ));
+    }
+    if generation != id.generation {
+        return Err(format!(
+            "process {idx} is of generation {generation}, this process of generation {}",
+            id.generation
         ));
     }
     if let Some(key) = key {
@@ -181,7 +236,7 @@ fn accept_peer(
         answer[16..].copy_from_slice(&proof);
         s.write_all(&answer).map_err(io)?;
         let mut back = [0u8; 32];
-        s.read_exact(&mut back)
+        read_exact_by(&mut s, &mut back, deadline)
             .map_err(|e| format!("process {idx} sent no proof: {e}"))?;
         if !key.verify_mesh_proof(
             &back,
@@ -268,7 +323,7 @@ pub fn connect_mesh(
     addrs: &[SocketAddr],
     bind: SocketAddr,
     me: usize,
-    replica_id: u64,
+    id: MeshId,
     key: Option<&SessionKey>,
     timeout: Duration,
 ) -> Result<Vec<Option<TcpStream>>, ClusterError> {
@@ -279,13 +334,17 @@ pub fn connect_mesh(
     listener.set_nonblocking(true)?;
     let mut sockets: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     let (accepted_tx, accepted) = mpsc::channel::<Result<(usize, TcpStream), String>>();
-    let pending = Arc::new(AtomicUsize::new(0));
+    // The handshakes in progress, oldest first: a handle to close each.
+    let pending: Arc<Mutex<VecDeque<(u64, TcpStream)>>> = Arc::default();
+    let mut next_handshake = 0u64;
 
     // Connect to lower-index peers, accept higher-index ones, interleaved so
     // that neither side waits on the other.
     let mut pending_connect: Vec<usize> = (0..me).collect();
+    let (mut refused, mut evicted, mut last_refusal) = (0u64, 0u64, None::<String>);
+    let mut last_summary = Instant::now() - REFUSAL_LOG_INTERVAL;
     loop {
-        pending_connect.retain(|&i| match connect_peer(addrs[i], me, i, replica_id, key) {
+        pending_connect.retain(|&i| match connect_peer(addrs[i], me, i, id, key) {
             Ok(s) => {
                 sockets[i] = Some(s);
                 false
@@ -300,16 +359,29 @@ pub fn connect_mesh(
         loop {
             match listener.accept() {
                 Ok((s, from)) => {
-                    if pending.load(Ordering::SeqCst) >= MAX_PENDING_HANDSHAKES {
-                        tracing::warn!(%from, "too many timely handshakes at once; closing a connection");
-                        continue;
+                    let Ok(handle) = s.try_clone() else { continue };
+                    let token = next_handshake;
+                    next_handshake += 1;
+                    {
+                        let mut pending = pending.lock().expect("not poisoned");
+                        if pending.len() >= MAX_PENDING_HANDSHAKES {
+                            // Make room by closing the oldest: the newest
+                            // may be the real peer.
+                            if let Some((_, oldest)) = pending.pop_front() {
+                                let _ = oldest.shutdown(std::net::Shutdown::Both);
+                                evicted += 1;
+                            }
+                        }
+                        pending.push_back((token, handle));
                     }
-                    pending.fetch_add(1, Ordering::SeqCst);
                     let (tx, pending, key) = (accepted_tx.clone(), pending.clone(), key.cloned());
                     std::thread::spawn(move || {
-                        let r = accept_peer(s, me, n, replica_id, key.as_ref())
+                        let r = accept_peer(s, me, n, id, key.as_ref())
                             .map_err(|e| format!("{from}: {e}"));
-                        pending.fetch_sub(1, Ordering::SeqCst);
+                        pending
+                            .lock()
+                            .expect("not poisoned")
+                            .retain(|(t, _)| *t != token);
                         let _ = tx.send(r);
                     });
                 }
@@ -324,8 +396,23 @@ pub fn connect_mesh(
                     process = idx,
                     "refusing a second timely connection from a process already connected"
                 ),
-                Err(e) => tracing::warn!("refusing a timely connection: {e}"),
+                Err(e) => {
+                    refused += 1;
+                    last_refusal = Some(e);
+                }
             }
+        }
+        // Refusals are logged as one summary line per interval, whatever
+        // their number: unproven peers cannot fill the disk.
+        if (refused > 0 || evicted > 0) && last_summary.elapsed() >= REFUSAL_LOG_INTERVAL {
+            tracing::warn!(
+                refused,
+                evicted,
+                last = last_refusal.as_deref().unwrap_or(""),
+                "refused timely connections since the last summary"
+            );
+            (refused, evicted, last_refusal) = (0, 0, None);
+            last_summary = Instant::now();
         }
         let missing: Vec<usize> = (0..n)
             .filter(|&i| i != me && sockets[i].is_none())
@@ -363,6 +450,11 @@ pub fn allocators(
 mod tests {
     use super::*;
 
+    const ID: MeshId = MeshId {
+        replica_id: 7,
+        generation: 3,
+    };
+
     fn free_addr() -> SocketAddr {
         TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -392,7 +484,7 @@ mod tests {
         key: Option<SessionKey>,
         timeout: Duration,
     ) -> std::thread::JoinHandle<Result<Vec<Option<TcpStream>>, ClusterError>> {
-        std::thread::spawn(move || connect_mesh(&addrs, addrs[0], 0, 7, key.as_ref(), timeout))
+        std::thread::spawn(move || connect_mesh(&addrs, addrs[0], 0, ID, key.as_ref(), timeout))
     }
 
     #[test]
@@ -403,7 +495,7 @@ mod tests {
         let idle: Vec<TcpStream> = (0..8).map(|_| dial(addrs[0])).collect();
         // A spoofed process 1: the right header, no key.
         let mut spoof = dial(addrs[0]);
-        spoof.write_all(&header(7, 1, &[0; 16])).unwrap();
+        spoof.write_all(&header(ID, 1, &[0; 16])).unwrap();
         let mut answer = [0u8; 48];
         spoof.read_exact(&mut answer).unwrap();
         spoof.write_all(&[0u8; 32]).unwrap();
@@ -413,7 +505,7 @@ mod tests {
             &addrs,
             addrs[1],
             1,
-            7,
+            ID,
             Some(&key(1)),
             Duration::from_secs(20),
         )
@@ -446,7 +538,7 @@ mod tests {
             &addrs,
             addrs[1],
             1,
-            7,
+            ID,
             Some(&key(2)),
             Duration::from_secs(2),
         );
@@ -512,7 +604,76 @@ mod tests {
     fn without_a_key_the_header_is_enough() {
         let addrs = vec![free_addr(), free_addr()];
         let p0 = process_0(addrs.clone(), None, Duration::from_secs(10));
-        connect_mesh(&addrs, addrs[1], 1, 7, None, Duration::from_secs(10)).unwrap();
+        connect_mesh(&addrs, addrs[1], 1, ID, None, Duration::from_secs(10)).unwrap();
         p0.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_peer_of_another_generation_never_joins() {
+        let addrs = vec![free_addr(), free_addr()];
+        let p0 = process_0(addrs.clone(), Some(key(1)), Duration::from_secs(2));
+        let older = MeshId {
+            generation: ID.generation - 1,
+            ..ID
+        };
+        let p1 = connect_mesh(
+            &addrs,
+            addrs[1],
+            1,
+            older,
+            Some(&key(1)),
+            Duration::from_secs(2),
+        );
+        assert!(matches!(p1, Err(ClusterError::Timeout { .. })), "{p1:?}");
+        match p0.join().unwrap() {
+            Err(ClusterError::Timeout { missing, .. }) => assert_eq!(missing, vec![1]),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_trickling_peer_is_cut_at_the_handshake_deadline() {
+        let addrs = vec![free_addr(), free_addr()];
+        let p0 = process_0(addrs.clone(), Some(key(1)), Duration::from_secs(20));
+        let mut slow = dial(addrs[0]);
+        let started = Instant::now();
+        // One byte of the header every 500 ms: each read is within its
+        // timeout, the whole handshake is not.
+        let closed = loop {
+            std::thread::sleep(Duration::from_millis(500));
+            if slow.write_all(&[0x6c]).is_err() || started.elapsed() > Duration::from_secs(10) {
+                break started.elapsed();
+            }
+            slow.set_read_timeout(Some(Duration::from_millis(1))).unwrap();
+            let mut b = [0u8; 1];
+            if let Ok(0) = slow.read(&mut b) {
+                break started.elapsed();
+            }
+        };
+        assert!(
+            closed < HANDSHAKE_BOUND + Duration::from_secs(2),
+            "a trickling peer held its handshake for {closed:?}"
+        );
+        connect_mesh(&addrs, addrs[1], 1, ID, Some(&key(1)), Duration::from_secs(10)).unwrap();
+        p0.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_flood_of_idle_connections_cannot_keep_the_real_peer_out() {
+        let addrs = vec![free_addr(), free_addr()];
+        let p0 = process_0(addrs.clone(), Some(key(1)), Duration::from_secs(20));
+        // More idle connections than handshakes may run at once, kept open.
+        let idle: Vec<TcpStream> = (0..MAX_PENDING_HANDSHAKES + 16)
+            .map(|_| dial(addrs[0]))
+            .collect();
+        let started = Instant::now();
+        connect_mesh(&addrs, addrs[1], 1, ID, Some(&key(1)), Duration::from_secs(20)).unwrap();
+        p0.join().unwrap().unwrap();
+        assert!(
+            started.elapsed() < HANDSHAKE_BOUND,
+            "the flood held the real peer out for {:?}",
+            started.elapsed()
+        );
+        drop(idle);
     }
 }

@@ -56,6 +56,11 @@ struct Args {
     /// `postgres://USER@HOST:PORT/DB#NAME` (the password in `PGPASSWORD`).
     #[arg(long, env = "LOCKSTEP_COMMAND_LOG")]
     command_log: Option<lockstep_command_log::LogLocation>,
+    /// The generation the orchestrator started this process in (every
+    /// process of a replica is started together, as one generation): timely
+    /// peers of another generation are refused.
+    #[arg(long, env = "LOCKSTEP_GENERATION", default_value_t = 0)]
+    generation: u64,
 }
 
 fn main() {
@@ -98,6 +103,7 @@ fn main() {
         cluster_timeout: Duration::from_secs(args.cluster_timeout_secs),
         max_frame_len: args.max_frame_len,
         command_log: args.command_log,
+        generation: args.generation,
         session_key: match std::env::var(lockstep_protocol::SESSION_KEY_ENV) {
             Ok(hex) => match lockstep_protocol::SessionKey::from_hex(&hex) {
                 Ok(k) => Some(k),

@@ -10,6 +10,13 @@
 //! sequence numbers; a gap, a malformed frame or an unknown variant gets an
 //! Error response and closes the connection, never a panic. Each accepted
 //! command goes, in order, to every local worker.
+//!
+//! Before its Hello is proved (S1), a connection costs a bounded amount and
+//! cannot keep a proving controller out: at most
+//! [`MAX_UNPROVEN_CONNECTIONS`] wait, a new one past the cap closes the
+//! oldest, each has [`HELLO_DEADLINE`] for its whole first frame, and those
+//! closed before proof are counted into at most one log line per
+//! [`REFUSAL_LOG_INTERVAL`].
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::mpsc as std_mpsc;
@@ -54,6 +61,9 @@ pub struct ReplicaConfig {
     /// The replica's session key: when set, a Hello that does not prove it
     /// is refused before any other check (S1).
     pub session_key: Option<lockstep_protocol::SessionKey>,
+    /// The generation the orchestrator started this process in: timely
+    /// peers of another generation are refused (`cluster`).
+    pub generation: u64,
 }
 
 struct Shared {
@@ -145,12 +155,15 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
         &timely_addrs,
         SocketAddr::new(listen_ip, timely_addrs[me].port()),
         me,
-        id.replica_id,
+        cluster::MeshId {
+            replica_id: id.replica_id,
+            generation: config.generation,
+        },
         config.session_key.as_ref(),
         config.cluster_timeout,
     )?;
     let (builders, guard) = cluster::allocators(sockets, me, workers)?;
-    tracing::info!(elapsed = ?started.elapsed(), "timely cluster formed");
+    tracing::info!(elapsed = ?started.elapsed(), generation = config.generation, "timely cluster formed");
 
     let (tx, rx) = mpsc::unbounded_channel::<FromWorker>();
     let mut senders = Vec::new();
@@ -253,40 +266,107 @@ async fn serve(
         }
     });
 
-    // Connections that have not proved a Hello yet, capped: a flood of
-    // them costs a bounded amount and is closed at once past the cap.
-    let unproven = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // Connections that have not proved a Hello yet, capped (S1): past the
+    // cap the OLDEST unproven one is closed and the new one admitted, so a
+    // flood of idle connections costs a bounded amount and can never keep
+    // a proving controller out. What is refused before proof is counted
+    // and summarized, not logged line by line.
+    let admission = Arc::new(Mutex::new(Admission::default()));
+    let refusals = Arc::new(Mutex::new(Refusals::default()));
+    {
+        let refusals = Arc::clone(&refusals);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(REFUSAL_LOG_INTERVAL);
+            loop {
+                tick.tick().await;
+                refusals.lock().expect("not poisoned").flush();
+            }
+        });
+    }
     loop {
         let (sock, peer) = listener.accept().await?;
-        if unproven.load(std::sync::atomic::Ordering::SeqCst) >= MAX_UNPROVEN_CONNECTIONS {
-            tracing::warn!(%peer, "{MAX_UNPROVEN_CONNECTIONS} connections are waiting for their Hello; closing a new one");
-            continue;
-        }
-        unproven.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let (id, cancel) = {
+            let mut a = admission.lock().expect("not poisoned");
+            let evicted = a.admit();
+            if let Some(oldest) = evicted {
+                oldest.cancel();
+            }
+            a.queue.back().map(|(id, c)| (*id, c.clone())).expect("admitted")
+        };
+        let unproven = Unproven {
+            admission: Some(Arc::clone(&admission)),
+            id,
+        };
         let _ = sock.set_nodelay(true);
         tracing::debug!(%peer, "controller connected");
         let shared = Arc::clone(&shared);
         let workers = Arc::clone(&workers);
         let config = config.clone();
-        let unproven = Arc::clone(&unproven);
+        let refusals = Arc::clone(&refusals);
         tokio::spawn(async move {
-            if let Err(e) = connection(sock, config, shared, workers, unproven).await {
-                tracing::warn!(%peer, "controller connection ended: {e}");
+            match connection(sock, config, shared, workers, unproven, cancel).await {
+                Ok(()) => {}
+                Err(Ended::Unproven(reason)) => {
+                    refusals.lock().expect("not poisoned").note(reason, peer);
+                }
+                Err(Ended::Proven(e)) => {
+                    tracing::warn!(%peer, "controller connection ended: {e}");
+                }
             }
         });
     }
 }
 
-/// Connections a process keeps while they have not proved a Hello.
+/// Connections a process keeps while they have not proved a Hello; past
+/// it, the oldest of them is closed to admit a new one.
 pub const MAX_UNPROVEN_CONNECTIONS: usize = 64;
 
-/// Counts a connection as unproven until dropped or [`Unproven::proven`].
-struct Unproven(Option<Arc<std::sync::atomic::AtomicUsize>>);
+/// The time a connection has, from its accept, to deliver a whole first
+/// frame (its Hello) and have it checked; after it, it is closed.
+pub const HELLO_DEADLINE: Duration = Duration::from_secs(5);
+
+/// At most one summary line of connections refused before proof per this
+/// interval (a key-less client must not be able to grow the log).
+pub const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The unproven connections, oldest first, each with the token that closes
+/// it.
+#[derive(Default)]
+struct Admission {
+    next_id: u64,
+    queue: std::collections::VecDeque<(u64, tokio_util::sync::CancellationToken)>,
+}
+
+impl Admission {
+    /// Admits one more connection (the last of the queue); returns the
+    /// oldest one's token if the cap made room by evicting it.
+    fn admit(&mut self) -> Option<tokio_util::sync::CancellationToken> {
+        let evicted = if self.queue.len() >= MAX_UNPROVEN_CONNECTIONS {
+            self.queue.pop_front().map(|(_, c)| c)
+        } else {
+            None
+        };
+        self.next_id += 1;
+        self.queue
+            .push_back((self.next_id, tokio_util::sync::CancellationToken::new()));
+        evicted
+    }
+}
+
+/// Holds a connection's place among the unproven until dropped or
+/// [`Unproven::proven`].
+struct Unproven {
+    admission: Option<Arc<Mutex<Admission>>>,
+    id: u64,
+}
 
 impl Unproven {
     fn proven(&mut self) {
-        if let Some(n) = self.0.take() {
-            n.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        if let Some(a) = self.admission.take() {
+            let mut a = a.lock().expect("not poisoned");
+            if let Some(i) = a.queue.iter().position(|(id, _)| *id == self.id) {
+                a.queue.remove(i);
+            }
         }
     }
 }
@@ -294,6 +374,101 @@ impl Unproven {
 impl Drop for Unproven {
     fn drop(&mut self) {
         self.proven();
+    }
+}
+
+/// Why a connection ended before it proved a Hello: counted, not logged
+/// one by one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Refusal {
+    /// Closed to admit a newer connection past [`MAX_UNPROVEN_CONNECTIONS`].
+    Evicted,
+    /// No checked Hello within [`HELLO_DEADLINE`].
+    TimedOut,
+    /// Closed by the peer before a first frame.
+    Closed,
+    /// A first frame that does not decode (or is too long).
+    Malformed,
+    /// A Hello refused by the checks (proof, version, epoch, shape).
+    RefusedHello,
+    /// A Hello not newer than the current session.
+    Replayed,
+}
+
+impl Refusal {
+    fn name(self) -> &'static str {
+        match self {
+            Refusal::Evicted => "evicted",
+            Refusal::TimedOut => "timed_out",
+            Refusal::Closed => "closed",
+            Refusal::Malformed => "malformed",
+            Refusal::RefusedHello => "refused_hello",
+            Refusal::Replayed => "replayed",
+        }
+    }
+}
+
+/// How a connection ended, if not cleanly.
+enum Ended {
+    /// Before its Hello was proved and accepted: counted.
+    Unproven((Refusal, String)),
+    /// After: logged.
+    Proven(anyhow::Error),
+}
+
+impl From<anyhow::Error> for Ended {
+    fn from(e: anyhow::Error) -> Self {
+        Ended::Proven(e)
+    }
+}
+
+/// The connections refused before proof since the last summary line.
+#[derive(Default)]
+struct Refusals {
+    counts: std::collections::BTreeMap<Refusal, u64>,
+    last: Option<(SocketAddr, String)>,
+    last_logged: Option<std::time::Instant>,
+}
+
+impl Refusals {
+    /// Counts one refusal; logs a summary if none was logged within the
+    /// interval.
+    fn note(&mut self, (refusal, detail): (Refusal, String), peer: SocketAddr) {
+        *self.counts.entry(refusal).or_default() += 1;
+        self.last = Some((peer, format!("{}: {detail}", refusal.name())));
+        self.flush();
+    }
+
+    /// Logs the summary of what was counted, unless one was logged within
+    /// the interval; at most one line.
+    fn flush(&mut self) {
+        if self.counts.is_empty() {
+            return;
+        }
+        if self
+            .last_logged
+            .is_some_and(|t| t.elapsed() < REFUSAL_LOG_INTERVAL)
+        {
+            return;
+        }
+        let total: u64 = self.counts.values().sum();
+        let by_reason = self
+            .counts
+            .iter()
+            .map(|(r, n)| format!("{}:{n}", r.name()))
+            .collect::<Vec<_>>()
+            .join(",");
+        let (peer, last) = self.last.take().expect("set with the counts");
+        tracing::warn!(
+            total,
+            %by_reason,
+            %peer,
+            %last,
+            "controller-port connections closed before a proved Hello (summary, at most one line per {:?})",
+            REFUSAL_LOG_INTERVAL
+        );
+        self.counts.clear();
+        self.last_logged = Some(std::time::Instant::now());
     }
 }
 
@@ -336,34 +511,23 @@ fn error_response(process_index: u32, kind: ErrorKind, message: String, seqno: u
     }
 }
 
-async fn connection(
-    sock: TcpStream,
-    config: ReplicaConfig,
-    shared: Arc<Mutex<Shared>>,
-    workers: Arc<Workers>,
-    unproven: Arc<std::sync::atomic::AtomicUsize>,
-) -> anyhow::Result<()> {
-    let mut unproven = Unproven(Some(unproven));
+/// Reads and checks a connection's first frame; a refusal is answered (an
+/// Error response) and returned with its reason.
+async fn handshake(
+    framed: &mut Framed<TcpStream, ReplicaCodec>,
+    config: &ReplicaConfig,
+    shared: &Mutex<Shared>,
+) -> Result<(Command, lockstep_protocol::Hello), (Refusal, String)> {
     let me = config.identity.process_index;
-    // Until a Hello is accepted, frames are capped at HELLO_MAX_FRAME_LEN:
-    // nothing sent before the handshake makes the process buffer or decode
-    // more than that.
-    let mut framed = Framed::new(
-        sock,
-        ReplicaCodec::new(config.max_frame_len.min(HELLO_MAX_FRAME_LEN)),
-    );
-
-    // Handshake.
-    let first = match tokio::time::timeout(Duration::from_secs(10), framed.next()).await {
-        Err(_) => anyhow::bail!("no Hello within 10 s"),
-        Ok(None) => return Ok(()),
-        Ok(Some(Err(e))) => {
+    let first = match framed.next().await {
+        None => return Err((Refusal::Closed, "closed before a Hello".into())),
+        Some(Err(e)) => {
             let _ = framed
                 .send(error_response(me, ErrorKind::Malformed, e.to_string(), 0))
                 .await;
-            anyhow::bail!("malformed first frame: {e}");
+            return Err((Refusal::Malformed, format!("malformed first frame: {e}")));
         }
-        Ok(Some(Ok(cmd))) => cmd,
+        Some(Ok(cmd)) => cmd,
     };
     let newest = shared.lock().expect("not poisoned").newest_epoch;
     let hello = match check_hello(
@@ -380,7 +544,7 @@ async fn connection(
                     kind: ResponseKind::Error(e.to_response()),
                 })
                 .await;
-            anyhow::bail!("refused Hello: {e}");
+            return Err((Refusal::RefusedHello, format!("refused Hello: {e}")));
         }
     };
     // A Hello of a session that is not newer than the current one is a
@@ -400,12 +564,54 @@ async fn connection(
                 0,
             ))
             .await;
-        anyhow::bail!(
-            "refused a replayed Hello (epoch {}, nonce {})",
-            hello.epoch,
-            hello.nonce
-        );
+        return Err((
+            Refusal::Replayed,
+            format!(
+                "refused a replayed Hello (epoch {}, nonce {})",
+                hello.epoch, hello.nonce
+            ),
+        ));
     }
+    Ok((first, hello))
+}
+
+async fn connection(
+    sock: TcpStream,
+    config: ReplicaConfig,
+    shared: Arc<Mutex<Shared>>,
+    workers: Arc<Workers>,
+    mut unproven: Unproven,
+    evict: tokio_util::sync::CancellationToken,
+) -> Result<(), Ended> {
+    let me = config.identity.process_index;
+    // Until a Hello is accepted, frames are capped at HELLO_MAX_FRAME_LEN:
+    // nothing sent before the handshake makes the process buffer or decode
+    // more than that.
+    let mut framed = Framed::new(
+        sock,
+        ReplicaCodec::new(config.max_frame_len.min(HELLO_MAX_FRAME_LEN)),
+    );
+
+    // Handshake: the whole first frame, its checks and any refusal sent,
+    // within one deadline; closed at once if a newer connection evicts it.
+    let handshake = handshake(&mut framed, &config, &shared);
+    let (first, hello) = tokio::select! {
+        () = evict.cancelled() => {
+            return Err(Ended::Unproven((Refusal::Evicted, format!(
+                "{MAX_UNPROVEN_CONNECTIONS} connections were waiting for their Hello; closed the oldest"
+            ))));
+        }
+        r = tokio::time::timeout(HELLO_DEADLINE, handshake) => match r {
+            Err(_) => {
+                return Err(Ended::Unproven((
+                    Refusal::TimedOut,
+                    format!("no Hello within {HELLO_DEADLINE:?}"),
+                )))
+            }
+            Ok(Err(refusal)) => return Err(Ended::Unproven(refusal)),
+            Ok(Ok(accepted)) => accepted,
+        },
+    };
     unproven.proven();
     framed.codec_mut().set_max_frame_len(config.max_frame_len);
     let (mut sink, mut stream) = framed.split();
@@ -415,7 +621,7 @@ async fn connection(
     let generation = {
         let mut s = shared.lock().expect("not poisoned");
         if hello.epoch < s.newest_epoch {
-            anyhow::bail!("stale epoch {} (newest {})", hello.epoch, s.newest_epoch);
+            return Err(anyhow::anyhow!("stale epoch {} (newest {})", hello.epoch, s.newest_epoch).into());
         }
         s.newest_epoch = hello.epoch;
         s.generation += 1;
@@ -536,7 +742,7 @@ async fn connection(
     }
     // Give queued responses (an error, say) a moment to leave.
     let _ = tokio::time::timeout(Duration::from_millis(200), writer).await;
-    result
+    result.map_err(Ended::Proven)
 }
 
 fn send_current(shared: &Arc<Mutex<Shared>>, generation: u64, r: Response) {
