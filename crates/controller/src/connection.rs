@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
-use lockstep_protocol::{Command, ControllerCodec, Endpoint, Response};
+use lockstep_protocol::secure::{SecureCodec, Session};
+use lockstep_protocol::{Command, ControllerCodec, Endpoint, Response, SessionKey};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::codec::Framed;
@@ -55,15 +56,71 @@ pub(crate) async fn connect(
     }
 }
 
+/// A connected socket, with its session keys if the replica has a key.
+pub(crate) struct Connected {
+    sock: TcpStream,
+    session: Option<Session>,
+}
+
+impl Connected {
+    /// A socket without session keys (plain frames).
+    #[cfg(test)]
+    pub(crate) fn plain(sock: TcpStream) -> Self {
+        Connected {
+            sock,
+            session: None,
+        }
+    }
+}
+
+/// The longest a session handshake may take once connected.
+const SESSION_HANDSHAKE_BOUND: Duration = Duration::from_secs(5);
+
+/// Connects to process `process_index` at `addr` (see [`connect`]) and,
+/// with a session key, sets up the session (`lockstep_protocol::secure`):
+/// a process that does not prove the key is an error, and it is sent
+/// nothing more. `one_way` (the negative control `no-mutual` only) skips
+/// that and speaks plain frames, as before mutual proof existed.
+pub(crate) async fn connect_session(
+    addr: &Endpoint,
+    deadline: tokio::time::Instant,
+    key: Option<&SessionKey>,
+    one_way: bool,
+    replica_id: u64,
+    process_index: u32,
+) -> Result<Connected, String> {
+    let mut sock = connect(addr, deadline).await?;
+    let session = match key {
+        Some(key) if !one_way => {
+            let bound = deadline
+                .saturating_duration_since(tokio::time::Instant::now())
+                .max(SESSION_HANDSHAKE_BOUND);
+            let setup = lockstep_protocol::secure::initiate(&mut sock, key, replica_id, process_index);
+            match tokio::time::timeout(bound, setup).await {
+                Ok(Ok(session)) => Some(session),
+                Ok(Err(e)) => return Err(format!("process {process_index} at {addr}: {e}")),
+                Err(_) => {
+                    return Err(format!(
+                        "process {process_index} at {addr}: no session set up within {bound:?}"
+                    ))
+                }
+            }
+        }
+        _ => None,
+    };
+    Ok(Connected { sock, session })
+}
+
 /// Starts the reader and writer tasks of a connected socket.
 pub(crate) fn spawn(
-    sock: TcpStream,
+    connected: Connected,
     process: usize,
     generation: u64,
     max_frame_len: usize,
     to_actor: mpsc::UnboundedSender<FromConn>,
 ) -> Conn {
-    let (mut sink, mut stream) = Framed::new(sock, ControllerCodec::new(max_frame_len)).split();
+    let codec = SecureCodec::new(ControllerCodec::new(max_frame_len), connected.session);
+    let (mut sink, mut stream) = Framed::new(connected.sock, codec).split();
     let (writer, mut commands) = mpsc::unbounded_channel::<Command>();
     let to_actor2 = to_actor.clone();
     tokio::spawn(async move {

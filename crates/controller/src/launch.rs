@@ -134,6 +134,7 @@ pub fn replica_addrs(
         workers_per_process,
         command_log: None,
         session_key: None,
+        one_way_proof: false,
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
     })
 }

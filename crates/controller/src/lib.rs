@@ -60,6 +60,10 @@ pub struct ReplicaAddrs {
     /// processes must have been started with the same key
     /// ([`launch::with_session_key`]).
     pub session_key: Option<lockstep_protocol::SessionKey>,
+    /// With a key, connect as before sessions were mutual: only the Hello
+    /// proves the key, the process never proves it back, frames are plain.
+    /// The negative control `no-mutual` of the security suite only.
+    pub one_way_proof: bool,
     /// The largest frame either side sends or accepts; the replica's
     /// processes must have been started with the same limit
     /// ([`launch::with_max_frame_len`]). Writes and peek answers larger than

@@ -1246,6 +1246,7 @@ mod tests {
                 workers_per_process: 1,
                 command_log: None,
                 session_key: None,
+                one_way_proof: false,
                 max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
             },
             1,

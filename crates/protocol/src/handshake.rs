@@ -77,6 +77,9 @@ impl SessionKey {
     /// Parses 64 hex digits.
     pub fn from_hex(text: &str) -> Result<Self, String> {
         let text = text.trim();
+        if !text.is_ascii() {
+            return Err("a session key is 64 hex digits, and this one has other characters".to_string());
+        }
         if text.len() != 64 {
             return Err(format!(
                 "a session key is 64 hex digits, not {} characters",
@@ -89,6 +92,12 @@ impl SessionKey {
                 .map_err(|_| "a session key is 64 hex digits".to_string())?;
         }
         Ok(SessionKey(out))
+    }
+
+    /// The key's 32 bytes (the pre-shared key of a session's handshake,
+    /// [`crate::secure`]).
+    pub fn bytes(&self) -> &[u8; 32] {
+        &self.0
     }
 
     /// The key as 64 hex digits.
@@ -285,6 +294,16 @@ pub fn check_hello(
 mod tests {
     use super::*;
     use crate::types::Strategy;
+
+    #[test]
+    fn a_key_of_64_bytes_that_are_not_ascii_is_an_error_not_a_panic() {
+        // 32 two-byte characters: 64 bytes, no character boundary at 1.
+        let text = "é".repeat(32);
+        assert_eq!(text.len(), 64);
+        assert!(SessionKey::from_hex(&text).is_err());
+        let key = SessionKey::from_bytes([7; 32]);
+        assert_eq!(SessionKey::from_hex(&key.to_hex()).unwrap(), key);
+    }
 
     fn me() -> ProcessIdentity {
         ProcessIdentity {

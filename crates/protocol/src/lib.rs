@@ -25,6 +25,7 @@ pub mod handshake;
 pub mod history;
 pub mod merge;
 pub mod reference;
+pub mod secure;
 pub mod text;
 pub mod types;
 pub mod validate;

@@ -61,6 +61,11 @@ struct Args {
     /// peers of another generation are refused.
     #[arg(long, env = "LOCKSTEP_GENERATION", default_value_t = 0)]
     generation: u64,
+    /// Accept a Hello that proves the key on plain frames and never prove
+    /// the key back, as before sessions were mutual: the negative control
+    /// `no-mutual` of the security suite only.
+    #[arg(long, hide = true)]
+    insecure_one_way_proof: bool,
 }
 
 fn main() {
@@ -104,6 +109,7 @@ fn main() {
         max_frame_len: args.max_frame_len,
         command_log: args.command_log,
         generation: args.generation,
+        one_way_proof: args.insecure_one_way_proof,
         session_key: match std::env::var(lockstep_protocol::SESSION_KEY_ENV) {
             Ok(hex) => match lockstep_protocol::SessionKey::from_hex(&hex) {
                 Ok(k) => Some(k),

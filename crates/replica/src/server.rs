@@ -27,6 +27,7 @@ use std::time::Duration;
 use anyhow::Context;
 use futures::{SinkExt, StreamExt};
 use lockstep_protocol::handshake::check_hello;
+use lockstep_protocol::secure::SecureCodec;
 use lockstep_protocol::{
     CodecError, Command, CommandKind, Endpoint, ErrorKind, ErrorResponse, ProcessIdentity,
     ReplicaCodec, Response, ResponseKind, HELLO_MAX_FRAME_LEN,
@@ -64,6 +65,10 @@ pub struct ReplicaConfig {
     /// The generation the orchestrator started this process in: timely
     /// peers of another generation are refused (`cluster`).
     pub generation: u64,
+    /// With a session key, accept a Hello that proves it on plain frames
+    /// and never prove the key back, as before sessions were mutual. The
+    /// negative control `no-mutual` of the security suite only.
+    pub one_way_proof: bool,
 }
 
 struct Shared {
@@ -393,6 +398,8 @@ enum Refusal {
     RefusedHello,
     /// A Hello not newer than the current session.
     Replayed,
+    /// No session: the peer did not prove the session key.
+    NotProven,
 }
 
 impl Refusal {
@@ -404,6 +411,7 @@ impl Refusal {
             Refusal::Malformed => "malformed",
             Refusal::RefusedHello => "refused_hello",
             Refusal::Replayed => "replayed",
+            Refusal::NotProven => "not_proven",
         }
     }
 }
@@ -514,7 +522,7 @@ fn error_response(process_index: u32, kind: ErrorKind, message: String, seqno: u
 /// Reads and checks a connection's first frame; a refusal is answered (an
 /// Error response) and returned with its reason.
 async fn handshake(
-    framed: &mut Framed<TcpStream, ReplicaCodec>,
+    framed: &mut Framed<TcpStream, SecureCodec<ReplicaCodec>>,
     config: &ReplicaConfig,
     shared: &Mutex<Shared>,
 ) -> Result<(Command, lockstep_protocol::Hello), (Refusal, String)> {
@@ -587,21 +595,39 @@ async fn connection(
     // Until a Hello is accepted, frames are capped at HELLO_MAX_FRAME_LEN:
     // nothing sent before the handshake makes the process buffer or decode
     // more than that.
-    let mut framed = Framed::new(
-        sock,
-        ReplicaCodec::new(config.max_frame_len.min(HELLO_MAX_FRAME_LEN)),
-    );
-
-    // Handshake: the whole first frame, its checks and any refusal sent,
-    // within one deadline; closed at once if a newer connection evicts it.
-    let handshake = handshake(&mut framed, &config, &shared);
-    let (first, hello) = tokio::select! {
+    //
+    // Handshake: with a session key, first the session (the controller
+    // proves the key, this process proves it back, and every frame after
+    // is encrypted and authenticated: `lockstep_protocol::secure`), then the
+    // whole first frame, its checks and any refusal sent, all within one
+    // deadline; closed at once if a newer connection evicts it.
+    let setup = async {
+        let mut sock = sock;
+        let session = match (&config.session_key, config.one_way_proof) {
+            (Some(key), false) => Some(
+                lockstep_protocol::secure::respond(&mut sock, key, config.identity.replica_id, me)
+                    .await
+                    .map_err(|e| (Refusal::NotProven, format!("no session: {e}")))?,
+            ),
+            _ => None,
+        };
+        let mut framed = Framed::new(
+            sock,
+            SecureCodec::new(
+                ReplicaCodec::new(config.max_frame_len.min(HELLO_MAX_FRAME_LEN)),
+                session,
+            ),
+        );
+        let accepted = handshake(&mut framed, &config, &shared).await?;
+        Ok::<_, (Refusal, String)>((framed, accepted))
+    };
+    let (mut framed, (first, hello)) = tokio::select! {
         () = evict.cancelled() => {
             return Err(Ended::Unproven((Refusal::Evicted, format!(
                 "{MAX_UNPROVEN_CONNECTIONS} connections were waiting for their Hello; closed the oldest"
             ))));
         }
-        r = tokio::time::timeout(HELLO_DEADLINE, handshake) => match r {
+        r = tokio::time::timeout(HELLO_DEADLINE, setup) => match r {
             Err(_) => {
                 return Err(Ended::Unproven((
                     Refusal::TimedOut,
@@ -613,7 +639,10 @@ async fn connection(
         },
     };
     unproven.proven();
-    framed.codec_mut().set_max_frame_len(config.max_frame_len);
+    framed
+        .codec_mut()
+        .inner_mut()
+        .set_max_frame_len(config.max_frame_len);
     let (mut sink, mut stream) = framed.split();
 
     // This connection becomes the current one.

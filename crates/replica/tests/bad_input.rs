@@ -5,25 +5,62 @@ mod common;
 use common::*;
 use futures::{SinkExt, StreamExt};
 use lockstep_controller::Event;
+use bytes::BytesMut;
+use lockstep_protocol::secure::{self, SecureCodec};
 use lockstep_protocol::{
-    Command, CommandHistory, CommandKind, ControllerCodec, ErrorKind, ResponseKind, Strategy,
-    PROTOCOL_VERSION,
+    CodecError, Command, CommandHistory, CommandKind, ControllerCodec, ErrorKind, Response,
+    ResponseKind, Strategy, PROTOCOL_VERSION,
 };
 use tokio::io::AsyncWriteExt;
-use tokio_util::codec::Framed;
+use tokio_util::codec::{Decoder, Encoder, Framed};
 
-async fn first_error(
-    addr: std::net::SocketAddr,
-    send: impl FnOnce(&mut Framed<tokio::net::TcpStream, ControllerCodec>) -> Option<Command>,
-    raw: Option<&[u8]>,
-) -> lockstep_protocol::ErrorResponse {
-    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-    if let Some(bytes) = raw {
-        sock.write_all(bytes).await.unwrap();
+/// What a test peer sends: a frame, or bytes as they are (inside the
+/// session's encryption when it has one).
+enum Out {
+    Frame(Command),
+    Bytes(Vec<u8>),
+}
+
+/// The controller's codec, plus raw bytes.
+struct Raw(ControllerCodec);
+
+impl Encoder<Out> for Raw {
+    type Error = CodecError;
+    fn encode(&mut self, item: Out, dst: &mut BytesMut) -> Result<(), CodecError> {
+        match item {
+            Out::Frame(cmd) => self.0.encode(cmd, dst),
+            Out::Bytes(b) => {
+                dst.extend_from_slice(&b);
+                Ok(())
+            }
+        }
     }
-    let mut framed = Framed::new(sock, ControllerCodec::default());
-    if let Some(cmd) = send(&mut framed) {
-        framed.send(cmd).await.unwrap();
+}
+
+impl Decoder for Raw {
+    type Item = Response;
+    type Error = CodecError;
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Response>, CodecError> {
+        self.0.decode(src)
+    }
+}
+
+/// Sets up a session with process `index` of `r` (it holds the key, as the
+/// real controller does) and sends `out`; returns the first answer, which
+/// must be an error.
+async fn first_error(r: &TestReplica, index: usize, out: Vec<Out>) -> lockstep_protocol::ErrorResponse {
+    let addr = r.addrs.processes[index].socket_addr().expect("an IP address");
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let key = r.addrs.session_key.clone().expect("a keyed replica");
+    let session = secure::initiate(&mut sock, &key, r.addrs.replica_id, index as u32)
+        .await
+        .expect("the process proves the key");
+    let mut framed = Framed::new(
+        sock,
+        SecureCodec::new(Raw(ControllerCodec::default()), Some(session)),
+    );
+    for item in out {
+        framed.send(item).await.unwrap();
     }
     let resp = tokio::time::timeout(std::time::Duration::from_secs(10), framed.next())
         .await
@@ -36,9 +73,10 @@ async fn first_error(
     }
 }
 
-/// The error a process answers `hello` with, as a connection's first frame.
+/// The error process `index` answers `hello` with, as a session's first frame.
 async fn hello_error(
-    addr: std::net::SocketAddr,
+    r: &TestReplica,
+    index: usize,
     hello: lockstep_protocol::Hello,
 ) -> lockstep_protocol::ErrorResponse {
     let cmd = Command {
@@ -46,7 +84,20 @@ async fn hello_error(
         strategy: Strategy::Barrier,
         kind: CommandKind::Hello(hello),
     };
-    first_error(addr, |_| Some(cmd), None).await
+    first_error(r, index, vec![Out::Frame(cmd)]).await
+}
+
+/// A peer without the key that sends `bytes` gets no answer at all: the
+/// connection is closed, nothing is read back.
+async fn no_answer(addr: std::net::SocketAddr, bytes: &[u8]) {
+    use tokio::io::AsyncReadExt;
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let _ = sock.write_all(bytes).await;
+    let mut back = Vec::new();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(10), sock.read_to_end(&mut back))
+        .await
+        .expect("closed within 10 s");
+    assert!(back.is_empty(), "answered {} bytes: {read:?}", back.len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -70,7 +121,7 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     let mut hello = r.addrs.identity(1).hello(9, 42);
     hello.protocol_version = PROTOCOL_VERSION + 1;
     let hello = test_session_key(5).sign(hello);
-    let e = hello_error(addr, hello).await;
+    let e = hello_error(&r, 1, hello).await;
     assert_eq!(e.kind, ErrorKind::VersionMismatch);
     assert!(
         e.message.contains(&format!("version {PROTOCOL_VERSION}"))
@@ -82,10 +133,29 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
 
     // A stale controller.
     let stale = r.addrs.hello(1, 4, 43);
-    let e = hello_error(addr, stale).await;
+    let e = hello_error(&r, 1, stale).await;
     assert_eq!(e.kind, ErrorKind::StaleEpoch, "{}", e.message);
 
-    // A forged Hello (no proof of the session key, or a proof of another
+    // A peer without the key gets no session, and so no answer at all, to
+    // a Hello (forged or copied) or anything else.
+    let plain_hello = {
+        let mut b = BytesMut::new();
+        ControllerCodec::default()
+            .encode(
+                Command {
+                    seqno: 0,
+                    strategy: Strategy::Barrier,
+                    kind: CommandKind::Hello(r.addrs.hello(1, u64::MAX, u64::MAX)),
+                },
+                &mut b,
+            )
+            .unwrap();
+        b.to_vec()
+    };
+    no_answer(addr, &plain_hello).await;
+    no_answer(addr, &[0, 48, 1, 2, 3]).await;
+
+    // A forged Hello inside a session (no proof of the session key, or a proof of another
     // key) with the highest epoch: refused before any other check, and it
     // changes nothing, so the real controller is not locked out (it used to
     // make every real Hello STALE_EPOCH).
@@ -95,7 +165,7 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     ] {
         let mut forged = r.addrs.identity(1).hello(u64::MAX, u64::MAX);
         forged.proof = proof;
-        let e = hello_error(addr, forged).await;
+        let e = hello_error(&r, 1, forged).await;
         assert_eq!(e.kind, ErrorKind::Unauthenticated, "{}", e.message);
     }
     c.reconnect().unwrap();
@@ -108,7 +178,7 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     // Before any Hello, a frame longer than HELLO_MAX_FRAME_LEN is refused
     // from its length alone: the process neither waits for nor buffers it.
     let len = (lockstep_protocol::HELLO_MAX_FRAME_LEN as u32 + 1).to_be_bytes();
-    let e = first_error(addr, |_| None, Some(&len)).await;
+    let e = first_error(&r, 1, vec![Out::Bytes(len.to_vec())]).await;
     assert_eq!(e.kind, ErrorKind::Malformed, "{}", e.message);
     assert!(
         e.message.contains(&format!(
@@ -120,7 +190,7 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     );
 
     // A malformed frame: a length prefix followed by garbage.
-    let e = first_error(addr, |_| None, Some(&[0, 0, 0, 3, 0xff, 0xff, 0xff])).await;
+    let e = first_error(&r, 1, vec![Out::Bytes(vec![0, 0, 0, 3, 0xff, 0xff, 0xff])]).await;
     assert_eq!(e.kind, ErrorKind::Malformed, "{}", e.message);
 
     // A plan naming an unknown collection.
@@ -161,8 +231,8 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
 /// A replayed Hello (a copy of the real controller's, proof included) is
 /// refused: it used to become the current session and cut the real
 /// controller off. A flood of connections that never send a Hello is capped
-/// (those past the cap are closed at once) and the controller keeps driving
-/// the replica in the same session.
+/// (past the cap, the oldest are closed to admit the new ones) and the
+/// controller keeps driving the replica in the same session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replayed_hellos_and_connection_floods_do_not_cut_the_controller_off() {
     use tokio::io::AsyncReadExt;
@@ -176,7 +246,7 @@ async fn replayed_hellos_and_connection_floods_do_not_cut_the_controller_off() {
     let addr = r.addrs.processes[1].socket_addr().expect("an IP address");
 
     let replay = r.addrs.hello(1, 1, nonce);
-    let e = hello_error(addr, replay).await;
+    let e = hello_error(&r, 1, replay).await;
     assert_eq!(e.kind, ErrorKind::StaleEpoch, "{}", e.message);
     assert!(e.message.contains("replayed"), "{}", e.message);
 
@@ -184,12 +254,22 @@ async fn replayed_hellos_and_connection_floods_do_not_cut_the_controller_off() {
     for _ in 0..lockstep_replica::server::MAX_UNPROVEN_CONNECTIONS + 20 {
         flood.push(tokio::net::TcpStream::connect(addr).await.unwrap());
     }
-    let mut last = flood.pop().unwrap();
+    // Well under HELLO_DEADLINE: the 20 oldest were evicted, the newest is
+    // kept.
     let mut byte = [0u8; 1];
-    let read = tokio::time::timeout(std::time::Duration::from_secs(5), last.read(&mut byte))
-        .await
-        .expect("a connection past the cap is closed at once, not kept");
-    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    for oldest in &mut flood[..20] {
+        let read = tokio::time::timeout(std::time::Duration::from_secs(2), oldest.read(&mut byte))
+            .await
+            .expect("the oldest connections past the cap are closed at once, not kept");
+        assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    }
+    let newest = flood.last_mut().unwrap();
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(300), newest.read(&mut byte))
+            .await
+            .is_err(),
+        "the newest connection is admitted"
+    );
 
     c.write_input(1, vec![u(&[2], 1, 1)], 2).unwrap();
     assert_eq!(

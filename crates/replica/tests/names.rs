@@ -58,6 +58,7 @@ async fn a_replica_forms_and_is_driven_by_host_names() {
             workers_per_process: 2,
             command_log: None,
             session_key: Some(key),
+            one_way_proof: false,
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
         },
     };

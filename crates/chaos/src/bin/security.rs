@@ -284,6 +284,7 @@ impl ManualReplica {
             workers_per_process: 1,
             command_log: None,
             session_key: self.v.key(self.id),
+            one_way_proof: false,
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
         })
     }

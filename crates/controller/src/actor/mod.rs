@@ -31,7 +31,7 @@ use lockstep_reconcile::ControllerSession;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::connection::{Conn, ConnEvent, FromConn};
+use crate::connection::{self, Conn, ConnEvent, FromConn};
 use crate::deliver::LogBatch;
 use crate::{ControllerError, ReplicaAddrs, Request, Timeouts};
 
@@ -118,12 +118,124 @@ pub(crate) struct Sub {
     collection: u64,
     pub(crate) merge: SubscribeMerge,
     sink: mpsc::UnboundedSender<Result<SubscribeBatch, ControllerError>>,
+    /// What `merge` holds back (updates at or past the meet of the parts'
+    /// uppers), as estimated bytes per time, and their sum: the mirror of
+    /// `merge`'s buffer that bounds it.
+    buffered: BTreeMap<u64, usize>,
+    buffered_bytes: usize,
+    /// The upper `merge` emitted last: updates before it are dropped.
+    floor: Option<u64>,
+}
+
+impl Sub {
+    fn new(
+        collection: u64,
+        parts: usize,
+        sink: mpsc::UnboundedSender<Result<SubscribeBatch, ControllerError>>,
+    ) -> Sub {
+        Sub {
+            collection,
+            merge: SubscribeMerge::new(parts),
+            sink,
+            buffered: BTreeMap::new(),
+            buffered_bytes: 0,
+            floor: None,
+        }
+    }
+
+    /// Feeds part `part`'s batch to the merge; returns the merged batch, if
+    /// any, and the estimated bytes the merge then holds back.
+    fn push(&mut self, part: usize, batch: SubscribeBatch) -> (Option<SubscribeBatch>, usize) {
+        // The merge keeps the updates not before the last emitted upper.
+        for u in &batch.updates {
+            if self.floor.is_none_or(|f| u.time >= f) {
+                let bytes = update_bytes(u.row.len());
+                *self.buffered.entry(u.time).or_default() += bytes;
+                self.buffered_bytes += bytes;
+            }
+        }
+        let out = self.merge.push(part, batch);
+        if let Some(out) = &out {
+            // It emitted every update before the new upper.
+            let kept = match out.upper {
+                Some(m) => self.buffered.split_off(&m),
+                None => BTreeMap::new(),
+            };
+            self.buffered = kept;
+            self.buffered_bytes = self.buffered.values().sum();
+            self.floor = out.upper;
+        }
+        (out, self.buffered_bytes)
+    }
+
+    /// The parts restart the subscription (a new session): the merge
+    /// forgets what they sent.
+    pub(crate) fn restart(&mut self) {
+        self.merge.restart();
+        self.buffered.clear();
+        self.buffered_bytes = 0;
+    }
+}
+
+/// The estimated bytes an update (or a peek's row) of `width` columns
+/// takes in memory.
+fn update_bytes(width: usize) -> usize {
+    std::mem::size_of::<lockstep_protocol::Update>() + 8 * width
+}
+
+/// The most a replica's answers may make the controller keep (S1 of the
+/// controller's side: nothing a replica sends grows its memory without
+/// bound). Exceeding one ends the session with that process, with an error.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    /// Collections the controller does not know with a reported frontier,
+    /// per session.
+    pub(crate) unknown_frontiers: usize,
+    /// Estimated bytes of the rows of one peek's answers that came in parts
+    /// and wait for their last part, over all processes.
+    pub(crate) peek_part_bytes: usize,
+    /// Estimated bytes of the updates one subscription's merge holds back.
+    pub(crate) subscribe_buffer_bytes: usize,
+}
+
+/// See [`Limits::unknown_frontiers`].
+pub(crate) const MAX_UNKNOWN_FRONTIERS: usize = 4096;
+/// See [`Limits::peek_part_bytes`].
+pub(crate) const MAX_PEEK_PART_BYTES: usize = 512 << 20;
+/// See [`Limits::subscribe_buffer_bytes`].
+pub(crate) const MAX_SUBSCRIBE_BUFFER_BYTES: usize = 512 << 20;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            unknown_frontiers: MAX_UNKNOWN_FRONTIERS,
+            peek_part_bytes: MAX_PEEK_PART_BYTES,
+            subscribe_buffer_bytes: MAX_SUBSCRIBE_BUFFER_BYTES,
+        }
+    }
+}
+
+/// Adds the collections `kind` names (dataflow inputs and exports, a
+/// written input) to `known`.
+fn note_collections(known: &mut std::collections::BTreeSet<u64>, kind: &CommandKind) {
+    match kind {
+        CommandKind::CreateDataflow(d) => {
+            known.extend(d.inputs.iter().copied());
+            known.extend(d.exports.iter().map(|e| e.collection_id));
+        }
+        CommandKind::WriteInput(w) => {
+            known.insert(w.collection_id);
+        }
+        _ => {}
+    }
 }
 
 struct PendingPeek {
     results: BTreeMap<usize, PeekResult>,
     /// Rows of answers that came in parts, per process, until the last part.
     parts: BTreeMap<usize, Vec<(Row, i64)>>,
+    /// The estimated bytes in `parts`.
+    parts_bytes: usize,
     reply: oneshot::Sender<Result<Vec<(Row, i64)>, ControllerError>>,
 }
 
@@ -172,6 +284,15 @@ pub(crate) struct Actor {
     last_heard: Vec<Instant>,
     silent_reported: Vec<bool>,
     frontiers: BTreeMap<u64, BTreeMap<usize, Frontier>>,
+    /// How many collections in `frontiers` this session the controller
+    /// does not know (bounded by [`Limits::unknown_frontiers`]).
+    unknown_frontiers: usize,
+    /// Every collection a command of this controller named (dataflow
+    /// inputs and exports, written inputs): frontiers of others count as
+    /// unknown.
+    known_collections: std::collections::BTreeSet<u64>,
+    /// The bounds on what a replica's answers may make the controller keep.
+    limits: Limits,
     peeks: BTreeMap<u64, PendingPeek>,
     next_peek_id: u64,
     next_subscribe_id: u64,
@@ -185,64 +306,20 @@ pub(crate) struct Actor {
     frontier_waiters: Vec<(u64, u64, oneshot::Sender<()>)>,
     events: broadcast::Sender<Event>,
     to_self: mpsc::UnboundedSender<FromConn>,
-    connected_tx: mpsc::UnboundedSender<(u64, Result<Vec<tokio::net::TcpStream>, String>)>,
+    connected_tx: mpsc::UnboundedSender<(u64, Result<Vec<connection::Connected>, String>)>,
 }
 
 pub(crate) fn spawn(
     replica: ReplicaAddrs,
     epoch: u64,
-    mut history: CommandHistory,
+    history: CommandHistory,
     policy: Box<dyn DistributionPolicy + Send>,
     timeouts: Timeouts,
     mut requests: mpsc::UnboundedReceiver<Request>,
     events: broadcast::Sender<Event>,
 ) {
-    if !history
-        .commands()
-        .iter()
-        .any(|c| matches!(c, CommandKind::CreateInstance(_)))
-    {
-        history.push(CommandKind::CreateInstance(Default::default()));
-    }
-    let n = replica.processes.len();
-    let replica_workers = replica.total_workers();
-    let (to_self, mut from_conns) = mpsc::unbounded_channel();
-    let (connected_tx, mut connected_rx) = mpsc::unbounded_channel();
-    let mut actor = Actor {
-        replica,
-        epoch,
-        timeouts,
-        policy,
-        fallback: Strategy::Barrier,
-        session_strategy: Strategy::Barrier,
-        log: None,
-        log_opening: None,
-        log_batch: None,
-        log_marker: None,
-        log_status_requests: Default::default(),
-        session: ControllerSession::new(replica_workers),
-        started: Instant::now(),
-        history,
-        sent_creates: BTreeMap::new(),
-        generation: 0,
-        current_generation: Arc::new(AtomicU64::new(0)),
-        seqno: 0,
-        conns: (0..n).map(|_| None).collect(),
-        last_heard: vec![Instant::now(); n],
-        silent_reported: vec![false; n],
-        frontiers: BTreeMap::new(),
-        peeks: BTreeMap::new(),
-        next_peek_id: 1,
-        next_subscribe_id: 1,
-        subs: BTreeMap::new(),
-        statuses: BTreeMap::new(),
-        full_statuses: BTreeMap::new(),
-        status_waiters: Vec::new(),
-        frontier_waiters: Vec::new(),
-        events,
-        to_self,
-        connected_tx,
-    };
+    let (mut actor, mut from_conns, mut connected_rx) =
+        Actor::new(replica, epoch, history, policy, timeouts, events);
     if let Some(location) = actor.replica.command_log.clone() {
         let (tx, rx) = std::sync::mpsc::channel();
         actor.log_opening = Some(rx);
@@ -273,6 +350,77 @@ pub(crate) fn spawn(
 }
 
 impl Actor {
+    /// A controller's state, not connected, with the receivers of what its
+    /// connections forward and of its connection attempts.
+    #[allow(clippy::type_complexity)]
+    fn new(
+        replica: ReplicaAddrs,
+        epoch: u64,
+        mut history: CommandHistory,
+        policy: Box<dyn DistributionPolicy + Send>,
+        timeouts: Timeouts,
+        events: broadcast::Sender<Event>,
+    ) -> (
+        Actor,
+        mpsc::UnboundedReceiver<FromConn>,
+        mpsc::UnboundedReceiver<(u64, Result<Vec<connection::Connected>, String>)>,
+    ) {
+        if !history
+            .commands()
+            .iter()
+            .any(|c| matches!(c, CommandKind::CreateInstance(_)))
+        {
+            history.push(CommandKind::CreateInstance(Default::default()));
+        }
+        let n = replica.processes.len();
+        let replica_workers = replica.total_workers();
+        let (to_self, from_conns) = mpsc::unbounded_channel();
+        let (connected_tx, connected_rx) = mpsc::unbounded_channel();
+        let mut known_collections = std::collections::BTreeSet::new();
+        for c in history.commands() {
+            note_collections(&mut known_collections, &c);
+        }
+        let actor = Actor {
+            replica,
+            epoch,
+            timeouts,
+            policy,
+            fallback: Strategy::Barrier,
+            session_strategy: Strategy::Barrier,
+            log: None,
+            log_opening: None,
+            log_batch: None,
+            log_marker: None,
+            log_status_requests: Default::default(),
+            session: ControllerSession::new(replica_workers),
+            started: Instant::now(),
+            history,
+            sent_creates: BTreeMap::new(),
+            generation: 0,
+            current_generation: Arc::new(AtomicU64::new(0)),
+            seqno: 0,
+            conns: (0..n).map(|_| None).collect(),
+            last_heard: vec![Instant::now(); n],
+            silent_reported: vec![false; n],
+            frontiers: BTreeMap::new(),
+            unknown_frontiers: 0,
+            known_collections,
+            limits: Limits::default(),
+            peeks: BTreeMap::new(),
+            next_peek_id: 1,
+            next_subscribe_id: 1,
+            subs: BTreeMap::new(),
+            statuses: BTreeMap::new(),
+            full_statuses: BTreeMap::new(),
+            status_waiters: Vec::new(),
+            frontier_waiters: Vec::new(),
+            events,
+            to_self,
+            connected_tx,
+        };
+        (actor, from_conns, connected_rx)
+    }
+
     pub(crate) fn emit(&self, e: Event) {
         let _ = self.events.send(e);
     }
@@ -283,6 +431,7 @@ impl Actor {
             kind,
             CommandKind::InitializationComplete | CommandKind::StatusRequest { .. }
         ) {
+            note_collections(&mut self.known_collections, &kind);
             self.history.push(kind.clone());
         }
         self.broadcast(kind);
@@ -347,6 +496,7 @@ impl Actor {
                     PendingPeek {
                         results: BTreeMap::new(),
                         parts: BTreeMap::new(),
+                        parts_bytes: 0,
                         reply,
                     },
                 );
@@ -365,11 +515,7 @@ impl Actor {
                 self.next_subscribe_id += 1;
                 self.subs.insert(
                     id,
-                    Sub {
-                        collection,
-                        merge: SubscribeMerge::new(self.replica.processes.len()),
-                        sink,
-                    },
+                    Sub::new(collection, self.replica.processes.len(), sink),
                 );
                 self.send(CommandKind::Subscribe(Subscribe {
                     subscribe_id: id,
@@ -424,10 +570,39 @@ impl Actor {
             }
             ConnEvent::Response(r) => r,
         };
+        if resp.process_index as usize != p {
+            self.refuse_answer(
+                p,
+                format!(
+                    "a response names process {} on the connection to process {p}",
+                    resp.process_index
+                ),
+            );
+            return;
+        }
         match resp.kind {
             ResponseKind::Frontiers(updates) => {
                 for (c, f) in updates {
-                    self.frontiers.entry(c).or_default().insert(p, f);
+                    let per = match self.frontiers.entry(c) {
+                        std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+                        std::collections::btree_map::Entry::Vacant(v) => {
+                            if !self.known_collections.contains(&c) {
+                                self.unknown_frontiers += 1;
+                                if self.unknown_frontiers > self.limits.unknown_frontiers {
+                                    let limit = self.limits.unknown_frontiers;
+                                    self.refuse_answer(
+                                        p,
+                                        format!(
+                                            "frontiers reported for more than {limit} collections the controller does not know (the last: {c})"
+                                        ),
+                                    );
+                                    return;
+                                }
+                            }
+                            v.insert(BTreeMap::new())
+                        }
+                    };
+                    per.insert(p, f);
                 }
                 self.answer_frontier_waiters();
             }
@@ -436,11 +611,34 @@ impl Actor {
                 if let Some(pending) = self.peeks.get_mut(&r.peek_id) {
                     let result = match r.result {
                         PeekResult::Part(rows) => {
+                            pending.parts_bytes += rows
+                                .iter()
+                                .map(|(row, _)| update_bytes(row.len()))
+                                .sum::<usize>();
+                            if pending.parts_bytes > self.limits.peek_part_bytes {
+                                let limit = self.limits.peek_part_bytes;
+                                let message = format!(
+                                    "the answer to peek {} exceeds {limit} bytes held in parts",
+                                    r.peek_id
+                                );
+                                // Asked again, it would be refused again: the
+                                // peek fails and leaves the history.
+                                let pending = self.peeks.remove(&r.peek_id).expect("present");
+                                self.history.retire_peek(r.peek_id);
+                                let _ = pending
+                                    .reply
+                                    .send(Err(ControllerError::Replica(message.clone())));
+                                self.refuse_answer(p, message);
+                                return;
+                            }
                             pending.parts.entry(p).or_default().extend(rows);
                             return;
                         }
                         PeekResult::Rows(rows) => match pending.parts.remove(&p) {
                             Some(mut parts) => {
+                                let bytes: usize =
+                                    parts.iter().map(|(row, _)| update_bytes(row.len())).sum();
+                                pending.parts_bytes = pending.parts_bytes.saturating_sub(bytes);
                                 parts.extend(rows);
                                 PeekResult::Rows(parts)
                             }
@@ -466,15 +664,43 @@ impl Actor {
             ResponseKind::SubscribeResponse(b) => {
                 let id = b.subscribe_id;
                 if let Some(sub) = self.subs.get_mut(&id) {
-                    if let Some(out) = sub.merge.push(p, b) {
+                    let (out, held) = sub.push(p, b);
+                    if let Some(out) = out {
                         let _ = sub.sink.send(Ok(out));
                     }
                     if sub.merge.is_done() {
                         self.subs.remove(&id);
+                    } else if held > self.limits.subscribe_buffer_bytes {
+                        let limit = self.limits.subscribe_buffer_bytes;
+                        let message = format!(
+                            "subscription {id} holds back more than {limit} bytes of updates past the processes' common upper"
+                        );
+                        // The subscription ends with an error and leaves
+                        // the history (resent, it would grow again).
+                        let sub = self.subs.remove(&id).expect("present");
+                        let _ = sub.sink.send(Err(ControllerError::Replica(message.clone())));
+                        self.refuse_answer(p, message);
+                        self.history
+                            .push(CommandKind::CancelSubscribe { subscribe_id: id });
                     }
                 }
             }
             ResponseKind::Status(s) => {
+                // Process p owns workers p*W..(p+1)*W: a status of another
+                // worker is a lie (or a bug) that would stand in for that
+                // worker's own report, and grow the status maps.
+                let per = self.replica.workers_per_process as usize;
+                let owned = p * per..(p + 1) * per;
+                if !owned.contains(&(s.worker_index as usize)) {
+                    self.refuse_answer(
+                        p,
+                        format!(
+                            "a status of worker {}, which process {p} does not own (it owns workers {}..{})",
+                            s.worker_index, owned.start, owned.end
+                        ),
+                    );
+                    return;
+                }
                 let full = s.history_hash.is_some();
                 if full {
                     self.full_statuses.insert(s.worker_index, s.clone());
@@ -491,6 +717,19 @@ impl Actor {
                 self.emit(Event::ReplicaError { process: p, error });
             }
         }
+    }
+
+    /// Process `p` sent an answer the controller refuses (`reason`): the
+    /// session ends with an error, reported as a lost connection, and the
+    /// controller reconnects (with backoff).
+    fn refuse_answer(&mut self, p: usize, reason: String) {
+        tracing::error!(process = p, %reason, "refused a replica process's answer; ending the session");
+        let reason = format!("refused answer: {reason}");
+        self.emit(Event::Disconnected {
+            process: p,
+            reason: reason.clone(),
+        });
+        self.disconnect(format!("process {p}: {reason}"));
     }
 
     /// A process refused a frame as malformed; if it carried a
@@ -656,5 +895,292 @@ impl Actor {
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! What a replica sends cannot make the controller keep more than a
+    //! bound, nor pass one worker's answer off as another's: each check
+    //! below ends the session with an error (a `Disconnected` event).
+
+    use lockstep_protocol::{PeekResponse, Response, Update};
+
+    use super::*;
+
+    struct Harness {
+        actor: Actor,
+        events: broadcast::Receiver<Event>,
+        _peers: Vec<tokio::net::TcpStream>,
+        _from_conns: mpsc::UnboundedReceiver<FromConn>,
+        _connected: mpsc::UnboundedReceiver<(u64, Result<Vec<connection::Connected>, String>)>,
+    }
+
+    /// A controller of `processes` x `workers` whose session is past
+    /// Hello, over sockets that stand in for the processes.
+    async fn connected(processes: usize, workers: u32) -> Harness {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let replica = ReplicaAddrs {
+            replica_id: 1,
+            processes: vec![addr.into(); processes],
+            workers_per_process: workers,
+            command_log: None,
+            session_key: None,
+            one_way_proof: false,
+            max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
+        };
+        let timeouts = Timeouts {
+            connect: Duration::from_secs(5),
+            heartbeat_interval: Duration::from_millis(100),
+            heartbeat_timeout: Duration::from_secs(2),
+            request: Duration::from_secs(20),
+        };
+        let (events_tx, events) = broadcast::channel(1024);
+        let (mut actor, from_conns, connected_rx) = Actor::new(
+            replica,
+            1,
+            CommandHistory::new(),
+            Box::new(lockstep_policy::FixedStrategy(Strategy::Barrier)),
+            timeouts,
+            events_tx,
+        );
+        actor.session.connect();
+        let mut socks = Vec::new();
+        let mut peers = Vec::new();
+        for _ in 0..processes {
+            socks.push(connection::Connected::plain(
+                tokio::net::TcpStream::connect(addr).await.unwrap(),
+            ));
+            peers.push(listener.accept().await.unwrap().0);
+        }
+        let generation = actor.generation;
+        actor.on_connected(generation, Ok(socks));
+        assert!(actor.phase().is_connected(), "{:?}", actor.phase());
+        Harness {
+            actor,
+            events,
+            _peers: peers,
+            _from_conns: from_conns,
+            _connected: connected_rx,
+        }
+    }
+
+    impl Harness {
+        /// Process `p` answers `kind`.
+        fn answer(&mut self, p: usize, kind: ResponseKind) {
+            let generation = self.actor.generation;
+            self.actor.on_conn(FromConn {
+                process: p,
+                generation,
+                event: ConnEvent::Response(Response {
+                    process_index: p as u32,
+                    kind,
+                }),
+            });
+        }
+
+        /// The reason the session ended, if it did.
+        fn ended(&mut self) -> Option<String> {
+            while let Ok(e) = self.events.try_recv() {
+                if let Event::Disconnected { reason, .. } = e {
+                    assert!(
+                        matches!(self.actor.phase(), Phase::Connecting { .. }),
+                        "{:?}",
+                        self.actor.phase()
+                    );
+                    return Some(reason);
+                }
+            }
+            None
+        }
+    }
+
+    fn status(worker_index: u32) -> Status {
+        Status {
+            worker_index,
+            epoch: 1,
+            nonce: 1,
+            applied_seqno: 0,
+            history_hash: None,
+            creation_log: Vec::new(),
+            installed: Vec::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_status_of_a_worker_the_process_does_not_own_ends_the_session() {
+        let mut h = connected(2, 2).await;
+        // Process 1 owns workers 2 and 3.
+        h.answer(1, ResponseKind::Status(status(2)));
+        h.answer(1, ResponseKind::Status(status(3)));
+        assert_eq!(h.ended(), None);
+        h.answer(1, ResponseKind::Status(status(0)));
+        let reason = h.ended().expect("the session ended");
+        assert!(
+            reason.contains("worker 0") && reason.contains("does not own"),
+            "{reason}"
+        );
+        assert!(!h.actor.statuses.contains_key(&0));
+
+        // A worker index past the replica's workers.
+        let mut h = connected(2, 2).await;
+        h.answer(0, ResponseKind::Status(status(u32::MAX)));
+        assert!(h.ended().is_some());
+        assert!(h.actor.statuses.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_response_naming_another_process_ends_the_session() {
+        let mut h = connected(2, 1).await;
+        let generation = h.actor.generation;
+        h.actor.on_conn(FromConn {
+            process: 0,
+            generation,
+            event: ConnEvent::Response(Response {
+                process_index: 1,
+                kind: ResponseKind::Frontiers(Vec::new()),
+            }),
+        });
+        let reason = h.ended().expect("the session ended");
+        assert!(reason.contains("names process 1"), "{reason}");
+    }
+
+    #[tokio::test]
+    async fn frontiers_of_too_many_unknown_collections_end_the_session() {
+        let mut h = connected(1, 1).await;
+        h.actor.limits.unknown_frontiers = 10;
+        // Known collections do not count.
+        h.actor.send(CommandKind::CreateDataflow(lockstep_protocol::DataflowDescription {
+            id: 1,
+            as_of: 0,
+            inputs: vec![1],
+            exports: vec![lockstep_protocol::Export {
+                collection_id: 1001,
+                plan: lockstep_protocol::Plan::Get { collection_id: 1 },
+            }],
+            debug_name: "d".into(),
+        }));
+        h.answer(0, ResponseKind::Frontiers(vec![(1, Some(1)), (1001, Some(1))]));
+        h.answer(
+            0,
+            ResponseKind::Frontiers((5000..5010).map(|c| (c, Some(1))).collect()),
+        );
+        // Again: the same collections are not counted twice.
+        h.answer(
+            0,
+            ResponseKind::Frontiers((5000..5010).map(|c| (c, Some(2))).collect()),
+        );
+        assert_eq!(h.ended(), None);
+        h.answer(0, ResponseKind::Frontiers(vec![(6000, Some(1))]));
+        let reason = h.ended().expect("the session ended");
+        assert!(reason.contains("does not know"), "{reason}");
+        assert!(h.actor.frontiers.len() <= 12);
+    }
+
+    #[tokio::test]
+    async fn peek_parts_past_the_bound_end_the_session_and_fail_the_peek() {
+        let mut h = connected(2, 1).await;
+        h.actor.limits.peek_part_bytes = 100 * update_bytes(1);
+        let (reply, mut answer) = oneshot::channel();
+        h.actor.on_request(Request::Peek {
+            collection: 1001,
+            timestamp: 0,
+            reply,
+        });
+        let peek_id = h.actor.next_peek_id - 1;
+        let part = |n: i64| {
+            ResponseKind::PeekResponse(PeekResponse {
+                peek_id,
+                result: PeekResult::Part((0..n).map(|i| (vec![i], 1)).collect()),
+            })
+        };
+        // Within the bound, over both processes.
+        h.answer(0, part(50));
+        h.answer(1, part(40));
+        assert_eq!(h.ended(), None);
+        assert!(answer.try_recv().is_err(), "not answered yet");
+        h.answer(0, part(20));
+        let reason = h.ended().expect("the session ended");
+        assert!(reason.contains(&format!("peek {peek_id}")), "{reason}");
+        let err = answer.try_recv().expect("answered").unwrap_err();
+        assert!(err.to_string().contains("exceeds"), "{err}");
+        assert!(h.actor.peeks.is_empty());
+    }
+
+    #[tokio::test]
+    async fn completed_peek_parts_are_not_counted_against_the_next() {
+        let mut h = connected(1, 1).await;
+        h.actor.limits.peek_part_bytes = 100 * update_bytes(1);
+        let (reply, mut answer) = oneshot::channel();
+        h.actor.on_request(Request::Peek {
+            collection: 1001,
+            timestamp: 0,
+            reply,
+        });
+        let peek_id = h.actor.next_peek_id - 1;
+        let rows = |n: i64| (0..n).map(|i| (vec![i], 1)).collect::<Vec<_>>();
+        h.answer(
+            0,
+            ResponseKind::PeekResponse(PeekResponse {
+                peek_id,
+                result: PeekResult::Part(rows(90)),
+            }),
+        );
+        h.answer(
+            0,
+            ResponseKind::PeekResponse(PeekResponse {
+                peek_id,
+                result: PeekResult::Rows(rows(5)),
+            }),
+        );
+        assert_eq!(h.ended(), None);
+        assert_eq!(answer.try_recv().unwrap().unwrap().len(), 90);
+    }
+
+    fn batch(id: u64, lower: u64, upper: Frontier, times: std::ops::Range<u64>) -> ResponseKind {
+        ResponseKind::SubscribeResponse(SubscribeBatch {
+            subscribe_id: id,
+            lower,
+            upper,
+            updates: times
+                .map(|t| Update {
+                    row: vec![t as i64],
+                    time: t,
+                    diff: 1,
+                })
+                .collect(),
+        })
+    }
+
+    #[tokio::test]
+    async fn a_subscription_held_back_past_the_bound_ends_the_session() {
+        let mut h = connected(2, 1).await;
+        h.actor.limits.subscribe_buffer_bytes = 100 * update_bytes(1);
+        let (sink, mut out) = mpsc::unbounded_channel();
+        h.actor.on_request(Request::Subscribe {
+            collection: 1001,
+            as_of: 0,
+            sink,
+        });
+        let id = h.actor.next_subscribe_id - 1;
+        // Both processes advance together: what is emitted is not held.
+        for round in 0..5u64 {
+            let (lo, hi) = (round * 80, (round + 1) * 80);
+            h.answer(0, batch(id, lo, Some(hi), lo..hi));
+            h.answer(1, batch(id, lo, Some(hi), lo..hi));
+            assert_eq!(h.ended(), None, "round {round}");
+            // (Both sent the same rows: consolidated, one row each, diff 2.)
+            assert_eq!(out.try_recv().unwrap().unwrap().updates.len(), 80);
+        }
+        // Process 1 runs ahead while process 0 stays: its updates are held
+        // back until the bound.
+        h.answer(1, batch(id, 400, Some(460), 400..460));
+        assert_eq!(h.ended(), None);
+        h.answer(1, batch(id, 460, Some(520), 460..520));
+        let reason = h.ended().expect("the session ended");
+        assert!(reason.contains(&format!("subscription {id}")), "{reason}");
+        assert!(out.try_recv().unwrap().is_err(), "the subscription ends with an error");
+        assert!(h.actor.subs.is_empty());
     }
 }

@@ -46,6 +46,8 @@ impl Actor {
         self.current_generation.store(generation, Ordering::SeqCst);
         let current = Arc::clone(&self.current_generation);
         let addrs = self.replica.processes.clone();
+        let key = self.replica.session_key.clone();
+        let (one_way, replica_id) = (self.replica.one_way_proof, self.replica.replica_id);
         let bound = self.timeouts.connect;
         let tx = self.connected_tx.clone();
         // Keeps trying until every process is connected, or a newer attempt
@@ -58,8 +60,16 @@ impl Actor {
             'attempt: loop {
                 let deadline = Instant::now() + bound;
                 let mut socks = Vec::new();
-                for a in &addrs {
-                    match connection::connect(a, deadline).await {
+                for (i, a) in addrs.iter().enumerate() {
+                    let connected = connection::connect_session(
+                        a,
+                        deadline,
+                        key.as_ref(),
+                        one_way,
+                        replica_id,
+                        i as u32,
+                    );
+                    match connected.await {
                         Ok(s) => socks.push(s),
                         Err(e) => {
                             if current.load(Ordering::SeqCst) != generation
@@ -81,7 +91,7 @@ impl Actor {
     pub(super) fn on_connected(
         &mut self,
         generation: u64,
-        result: Result<Vec<tokio::net::TcpStream>, String>,
+        result: Result<Vec<connection::Connected>, String>,
     ) {
         if generation != self.generation {
             return;
@@ -124,14 +134,16 @@ impl Actor {
         self.last_heard = vec![now; self.conns.len()];
         self.silent_reported = vec![false; self.conns.len()];
         self.frontiers.clear();
+        self.unknown_frontiers = 0;
         self.statuses.clear();
         self.full_statuses.clear();
         for p in self.peeks.values_mut() {
             p.results.clear();
             p.parts.clear();
+            p.parts_bytes = 0;
         }
         for sub in self.subs.values_mut() {
-            sub.merge.restart();
+            sub.restart();
         }
         // Hello to every process, then the compacted history, then
         // InitializationComplete: the replica reconciles to this target.

@@ -96,6 +96,7 @@ pub async fn start_replica_with_env(
         workers_per_process: workers,
         command_log: Some(log),
         session_key: Some(key),
+        one_way_proof: false,
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
     };
     TestReplica {
