@@ -18,6 +18,12 @@
 //! replica) on real 2x2 and 3x1 replicas, and `STRATEGY@hosts`, network
 //! partitions on two simulated hosts where namespaces can be made; scenarios
 //! in `crates/chaos/src/bin/distribution.rs` and `distribution/partitions.rs`).
+//!
+//! `campaign` (not among the suites `cargo xtask test` runs) is a seeded
+//! random fault campaign on a real `lockstep serve` and real replica
+//! processes, one variant per strategy (`broadcast`, `barrier`, `log`, and
+//! the negative control `naive`), each seed a scenario
+//! (`crates/chaos/src/bin/campaign.rs`); see [`CampaignArgs`].
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -29,11 +35,38 @@ use crate::util::{cargo, root, run, step};
 /// The suites `run` knows.
 pub const SUITES: [&str; 3] = ["orphans", "distribution", "security"];
 
-/// Runs one suite by name (`strategies` only matters for `distribution`;
-/// empty means the default set).
-pub fn run_suite_with(suite: &str, strategies: &[String]) -> anyhow::Result<()> {
+/// The options of `cargo xtask chaos campaign`, passed on to
+/// `lockstep-chaos-campaign`.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct CampaignArgs {
+    /// For `campaign`: the seeds, `A..B` (B excluded) or `A..=B` (default 1..=4).
+    #[arg(long)]
+    pub seeds: Option<String>,
+    /// For `campaign`: one seed (replays a failing one).
+    #[arg(long, conflicts_with = "seeds")]
+    pub seed: Option<u64>,
+    /// For `campaign`: operations per seed (default 40).
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// For `campaign`: run only these operations of the seed (`I,J,...`; a shrunk history).
+    #[arg(long)]
+    pub keep: Option<String>,
+    /// For `campaign`: shrink a failing seed's history (drop operations while it still fails).
+    #[arg(long)]
+    pub shrink: bool,
+}
+
+/// Runs one suite by name (`strategies` only matters for `distribution`
+/// and `campaign`; empty means the default set; `campaign` only matters
+/// for `campaign`).
+pub fn run_suite_with(
+    suite: &str,
+    strategies: &[String],
+    campaign_args: &CampaignArgs,
+) -> anyhow::Result<()> {
     match suite {
         "distribution" => distribution(strategies),
+        "campaign" => campaign(strategies, campaign_args),
         other => run_suite(other),
     }
 }
@@ -44,8 +77,9 @@ pub fn run_suite(suite: &str) -> anyhow::Result<()> {
         "orphans" => orphans(),
         "distribution" => distribution(&[]),
         "security" => security(),
+        "campaign" => campaign(&[], &CampaignArgs::default()),
         other => bail!(
-            "unknown chaos suite {other:?}; known: {}",
+            "unknown chaos suite {other:?}; known: {}, campaign",
             SUITES.join(", ")
         ),
     }
@@ -126,7 +160,7 @@ fn security() -> anyhow::Result<()> {
     ]);
     run(cmd)?;
     let bin = target_dir().join("debug").join("lockstep-chaos-security");
-    run_suite_binary(bin, &[], "security", 2)
+    run_suite_binary(bin, &[], "security", 3)
 }
 
 /// The distribution fault suite.
@@ -180,4 +214,170 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
     };
     let args: Vec<&str> = strategies.iter().map(String::as_str).collect();
     run_suite_binary(bin, &args, "distribution", strategies.len())
+}
+
+/// The seeded random fault campaign (`crates/chaos/src/bin/campaign.rs`):
+/// builds `lockstep`, `lockstep-replica` and `lockstep-chaos-campaign` with
+/// failpoints, the shipped distribution policies if missing, and a `naive`
+/// policy for the negative control; runs the strategies (default:
+/// broadcast barrier log naive).
+fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
+    step("building lockstep, lockstep-replica and lockstep-chaos-campaign (with failpoints)");
+    let mut cmd = cargo();
+    cmd.args([
+        "build",
+        "-p",
+        "lockstep-environment",
+        "-p",
+        "lockstep-replica",
+        "-p",
+        "lockstep-chaos",
+        "--bins",
+        "--features",
+        // The same build as `security`'s: `lockstep` gets the controller's
+        // failpoints through lockstep-chaos (features are unified).
+        crate::tasks::TEST_FEATURES,
+    ]);
+    run(cmd)?;
+    let shipped = crate::policies::out_dir();
+    if ["broadcast", "barrier", "log"]
+        .iter()
+        .any(|p| !shipped.join(format!("{p}.wasm")).exists())
+    {
+        crate::policies::build_all()?;
+    }
+    let defaults = ["broadcast", "barrier", "log", "naive"].map(String::from);
+    let strategies = if strategies.is_empty() {
+        &defaults[..]
+    } else {
+        strategies
+    };
+    if strategies.iter().any(|s| s == "naive") {
+        build_naive_policy()?;
+    }
+    let bin = target_dir().join("debug").join("lockstep-chaos-campaign");
+    let mut argv: Vec<String> = Vec::new();
+    if let Some(seeds) = &args.seeds {
+        argv.extend(["--seeds".into(), seeds.clone()]);
+    }
+    if let Some(seed) = args.seed {
+        argv.extend(["--seed".into(), seed.to_string()]);
+    }
+    if let Some(steps) = args.steps {
+        argv.extend(["--steps".into(), steps.to_string()]);
+    }
+    if let Some(keep) = &args.keep {
+        argv.extend(["--keep".into(), keep.clone()]);
+    }
+    if args.shrink {
+        argv.push("--shrink".into());
+    }
+    for s in strategies {
+        argv.extend(["--strategy".into(), s.clone()]);
+    }
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    run_suite_binary(bin, &argv, "campaign", strategies.len())
+}
+
+/// Builds `target/lockstep/campaign-policies/naive.wasm`: a distribution
+/// policy choosing `naive` (the negative control) for every command, in a
+/// scratch workspace beside the scaffolds (`lockstep serve` needs
+/// `--experiments-allow-naive` to follow it).
+fn build_naive_policy() -> anyhow::Result<()> {
+    let lockstep = root().join("target/lockstep");
+    let out = lockstep.join("campaign-policies/naive.wasm");
+    let dir = lockstep.join("campaign-policies/build");
+    let crate_dir = dir.join("naive");
+    std::fs::create_dir_all(crate_dir.join("src"))?;
+    let sdk = root().join("crates/policy-sdk");
+    std::fs::write(
+        dir.join("Cargo.toml"),
+        format!(
+            r#"# Written by `cargo xtask chaos campaign`: the negative control's policy.
+[workspace]
+resolver = "2"
+members = ["naive"]
+
+[workspace.package]
+version = "0.0.0"
+edition = "2021"
+publish = false
+
+[workspace.dependencies]
+lockstep-policy-sdk = {{ path = {sdk:?} }}
+"#
+        ),
+    )?;
+    std::fs::write(
+        crate_dir.join("Cargo.toml"),
+        r#"[package]
+name = "lockstep-policy-campaign-naive"
+version.workspace = true
+edition.workspace = true
+publish.workspace = true
+
+[dependencies]
+lockstep-policy-sdk.workspace = true
+"#,
+    )?;
+    std::fs::write(
+        crate_dir.join("src/lib.rs"),
+        r#"//! `naive` for every command: the negative control of the campaign.
+
+use lockstep_policy_sdk::distribution::{CommandInfo, Distribution, Strategy};
+
+/// Naive for every command.
+pub struct Naive;
+
+impl Distribution for Naive {
+    fn choose(_info: &CommandInfo) -> Strategy {
+        Strategy::Naive
+    }
+}
+
+lockstep_policy_sdk::export_distribution!(Naive);
+"#,
+    )?;
+    let lock = dir.join("Cargo.lock");
+    if !lock.exists() {
+        std::fs::copy(
+            root().join("crates/policy-host/tests/fixtures/Cargo.lock"),
+            &lock,
+        )?;
+    }
+    step("building the campaign's naive policy");
+    crate::policies::ensure_wasm_target()?;
+    let target = lockstep.join("test-policies-build");
+    let mut cmd = cargo();
+    cmd.args([
+        "rustc",
+        "--release",
+        "--quiet",
+        "-p",
+        "lockstep-policy-campaign-naive",
+        "--target",
+        crate::policies::WASM_TARGET,
+        "--manifest-path",
+    ])
+    .arg(dir.join("Cargo.toml"))
+    .arg("--target-dir")
+    .arg(&target)
+    .args([
+        "--crate-type",
+        "cdylib",
+        "--",
+        "-C",
+        "linker=wasm-component-ld",
+        "-C",
+        "strip=debuginfo",
+    ]);
+    run(cmd)?;
+    let built = target.join(format!(
+        "{}/release/lockstep_policy_campaign_naive.wasm",
+        crate::policies::WASM_TARGET
+    ));
+    std::fs::create_dir_all(out.parent().expect("a directory"))?;
+    std::fs::copy(&built, &out)
+        .with_context(|| format!("copying {} to {}", built.display(), out.display()))?;
+    Ok(())
 }

@@ -65,13 +65,15 @@ enum Task {
         #[arg(long, value_enum)]
         kind: new_policy::Kind,
     },
-    /// Fault suites on real processes (`orphans`, `distribution`, `security`); prints the JSON summary lines.
+    /// Fault suites on real processes (`orphans`, `distribution`, `security`, `campaign`); prints the JSON summary lines.
     Chaos {
-        /// The suite to run: `orphans`, `distribution` or `security`.
+        /// The suite to run: `orphans`, `distribution`, `security` or `campaign` (a seeded random fault campaign).
         suite: String,
-        /// For `distribution`: the variants to run (default: broadcast barrier log log@postgres naive naive+history-check).
+        /// For `distribution`: the variants to run (default: broadcast barrier log log@postgres naive naive+history-check); for `campaign`: the strategies (default: broadcast barrier log naive).
         #[arg(long = "strategy")]
         strategies: Vec<String>,
+        #[command(flatten)]
+        campaign: chaos::CampaignArgs,
     },
     /// Model-check the protocols (stateright, CI-sized bounds); prints the JSON summary lines.
     Model {
@@ -89,7 +91,11 @@ fn main() -> anyhow::Result<()> {
         Task::Demo => tasks::demo(),
         Task::Bench { quick, readme } => bench::bench(quick, readme),
         Task::Soak { quick } => soak::soak(quick),
-        Task::Chaos { suite, strategies } => chaos::run_suite_with(&suite, &strategies),
+        Task::Chaos {
+            suite,
+            strategies,
+            campaign,
+        } => chaos::run_suite_with(&suite, &strategies, &campaign),
         Task::Model { variants } => model::run(&variants),
         Task::NewPolicy { name, kind } => new_policy::scaffold(&name, kind),
     }

@@ -64,7 +64,7 @@ struct Args {
     /// Accept a Hello that proves the key on plain frames and never prove
     /// the key back, as before sessions were mutual: the negative control
     /// `no-mutual` of the security suite only.
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, env = "LOCKSTEP_INSECURE_ONE_WAY_PROOF")]
     insecure_one_way_proof: bool,
 }
 

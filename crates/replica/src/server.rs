@@ -281,7 +281,9 @@ async fn serve(
     {
         let refusals = Arc::clone(&refusals);
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(REFUSAL_LOG_INTERVAL);
+            // Checked ten times an interval: a summary is due once the
+            // interval since the last one has passed.
+            let mut tick = tokio::time::interval(REFUSAL_LOG_INTERVAL / 10);
             loop {
                 tick.tick().await;
                 refusals.lock().expect("not poisoned").flush();

@@ -12,7 +12,14 @@
 //! for another replica; a spoofed timely mesh peer; idle connections while
 //! the mesh forms; a 1 GiB length prefix; a 60 MiB frame before any Hello; a
 //! flood of connections; an API call without a token, and with a wrong one;
-//! an oversized replica shape; an oversized plan.
+//! an oversized replica shape; an oversized plan; and (`attacks`) an impostor
+//! on a freed controller port, a frame injected into a proven session,
+//! unproven-connection floods during a reconnect, slow handshakes, mesh
+//! connection floods and trickles, a log flood, a keyless peer, keys at rest
+//! and in child processes, a state directory others can write, a process
+//! lying about worker indices, and a flood of peek parts. The second
+//! negative control, `no-mutual` (the session key proved by the Hello alone,
+//! plain frames after it), must be caught by the impostor or the injection.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -42,10 +49,14 @@ const SUITE: &str = "security";
 const MASTER: [u8; 32] = [0x5c; 32];
 const TOKEN: &str = "security-suite-api-token";
 
+#[path = "security/attacks.rs"]
+mod attacks;
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Variant {
     Authenticated,
     Open,
+    NoMutual,
 }
 
 impl Variant {
@@ -53,11 +64,18 @@ impl Variant {
         match self {
             Variant::Authenticated => "authenticated",
             Variant::Open => "open",
+            Variant::NoMutual => "no-mutual",
         }
     }
 
     fn key(self, replica_id: u64) -> Option<SessionKey> {
-        (self == Variant::Authenticated).then(|| SessionKey::derive(&MASTER, replica_id))
+        (self != Variant::Open).then(|| SessionKey::derive(&MASTER, replica_id))
+    }
+
+    /// The negative controls: `open` (no key, no token) and `no-mutual`
+    /// (the key proved by the Hello alone, plain frames after it).
+    fn negative(self) -> bool {
+        self != Variant::Authenticated
     }
 }
 
@@ -90,13 +108,25 @@ impl Drop for Replica {
 }
 
 async fn start_replica(id: u64, processes: usize, v: Variant) -> Result<Replica, String> {
+    start_replica_logging(id, processes, v, "error").await
+}
+
+async fn start_replica_logging(
+    id: u64,
+    processes: usize,
+    v: Variant,
+    rust_log: &str,
+) -> Result<Replica, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
         .map_err(|e| e.to_string())?;
     let mut config =
-        launch::replica_service(&replica_binary(), id, processes, 1).env("RUST_LOG", "error");
+        launch::replica_service(&replica_binary(), id, processes, 1).env("RUST_LOG", rust_log);
     if let Some(key) = v.key(id) {
         config = launch::with_session_key(config, &key);
+    }
+    if v == Variant::NoMutual {
+        config = config.env("LOCKSTEP_INSECURE_ONE_WAY_PROOF", "true");
     }
     let status = orchestrator
         .ensure_service(config)
@@ -104,6 +134,7 @@ async fn start_replica(id: u64, processes: usize, v: Variant) -> Result<Replica,
         .map_err(|e| e.to_string())?;
     let mut addrs = launch::replica_addrs(&status, 1).map_err(|e| e.to_string())?;
     addrs.session_key = v.key(id);
+    addrs.one_way_proof = v == Variant::NoMutual;
     Ok(Replica {
         dir,
         orchestrator,
@@ -235,10 +266,14 @@ struct ManualReplica {
 
 impl ManualReplica {
     fn new(id: u64, v: Variant) -> Result<Self, String> {
+        Self::with_processes(id, v, 2)
+    }
+
+    fn with_processes(id: u64, v: Variant, n: usize) -> Result<Self, String> {
         Ok(ManualReplica {
             children: Vec::new(),
-            timely: vec![free_port()?, free_port()?],
-            controller: vec![free_port()?, free_port()?],
+            timely: (0..n).map(|_| free_port()).collect::<Result<_, _>>()?,
+            controller: (0..n).map(|_| free_port()).collect::<Result<_, _>>()?,
             id,
             v,
         })
@@ -255,7 +290,7 @@ impl ManualReplica {
         cmd.args([
             format!("--replica-id={}", self.id),
             format!("--process={process}"),
-            "--processes=2".into(),
+            format!("--processes={}", self.timely.len()),
             "--workers=1".into(),
             format!("--timely-port={}", self.timely[process]),
             format!("--controller-port={}", self.controller[process]),
@@ -269,8 +304,19 @@ impl ManualReplica {
         if let Some(key) = self.v.key(self.id) {
             cmd.env(lockstep_protocol::SESSION_KEY_ENV, key.to_hex());
         }
+        if self.v == Variant::NoMutual {
+            cmd.env("LOCKSTEP_INSECURE_ONE_WAY_PROOF", "true");
+        }
         self.children.push(cmd.spawn().map_err(|e| e.to_string())?);
         Ok(())
+    }
+
+    /// Kills process `i` (spawned `i`-th) and waits for it.
+    fn kill(&mut self, i: usize) {
+        if let Some(c) = self.children.get_mut(i) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 
     fn addrs(&self) -> Result<ReplicaAddrs, String> {
@@ -284,7 +330,7 @@ impl ManualReplica {
             workers_per_process: 1,
             command_log: None,
             session_key: self.v.key(self.id),
-            one_way_proof: false,
+            one_way_proof: self.v == Variant::NoMutual,
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
         })
     }
@@ -318,11 +364,13 @@ async fn dial(addr: SocketAddr) -> Result<TcpStream, String> {
     }
 }
 
-/// The mesh header of process `index` of replica `id`, with a zero nonce.
+/// The mesh header of process `index` of replica `id` (generation 0, what
+/// processes started by hand have), with a zero nonce.
 fn mesh_header(id: u64, index: u64) -> Vec<u8> {
-    let mut h = Vec::with_capacity(40);
+    let mut h = Vec::with_capacity(48);
     h.extend_from_slice(&0x6c6f_636b_7374_6570u64.to_be_bytes());
     h.extend_from_slice(&id.to_be_bytes());
+    h.extend_from_slice(&0u64.to_be_bytes());
     h.extend_from_slice(&index.to_be_bytes());
     h.extend_from_slice(&[0u8; 16]);
     h
@@ -367,7 +415,7 @@ async fn start_env(v: Variant) -> Result<(EnvProcess, tempfile::TempDir), String
     std::fs::write(&token, format!("{TOKEN}\n")).map_err(|e| e.to_string())?;
     let token = token.to_string_lossy().into_owned();
     let extra: Vec<&str> = match v {
-        Variant::Authenticated => vec!["--api-token-file", &token],
+        Variant::Authenticated | Variant::NoMutual => vec!["--api-token-file", &token],
         Variant::Open => vec![],
     };
     let env = EnvProcess::start(
@@ -414,7 +462,8 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
             let answer =
                 send_hello(ip_addr(&r.addrs.processes[1]), r.addrs.hello(1, 1, nonce)).await;
             let still = c.statuses().await.map_err(|e| e.to_string())?;
-            if !is_error(&answer)
+            // Refused: with a key, not even answered (no session).
+            if !(answer.is_none() || is_error(&answer))
                 || still.iter().any(|s| s.nonce != nonce)
                 || drives(&c, 1).await.is_err()
             {
@@ -436,7 +485,7 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
                 other = key.sign(other);
             }
             let answer = send_hello(ip_addr(&r.addrs.processes[0]), other).await;
-            if !is_error(&answer) || drives(&c, 1).await.is_err() {
+            if !(answer.is_none() || is_error(&answer)) || drives(&c, 1).await.is_err() {
                 return Err(violation(
                     "S1",
                     "a Hello for another replica was taken".into(),
@@ -445,7 +494,7 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
             c.shutdown();
             Ok(())
         }
-        "spoofed-mesh-peer" | "idle-mesh-connections" => {
+        "spoofed-mesh-peer" | "idle-mesh-connections" | "mesh-connection-flood" | "mesh-trickle" => {
             let mut m = ManualReplica::new(id, v)?;
             m.spawn(0)?;
             let timely0: SocketAddr = format!("127.0.0.1:{}", m.timely[0])
@@ -465,8 +514,26 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
                     let _ = s.write_all(&[0u8; 32]).await;
                 }
                 held.push(s);
+            } else if name == "mesh-trickle" {
+                // Peers that send the header a byte at a time, slower than
+                // any per-read bound but never done.
+                for _ in 0..8 {
+                    let s = dial(timely0).await?;
+                    held.push(s);
+                }
+                let mut trickling: Vec<TcpStream> = std::mem::take(&mut held);
+                tokio::spawn(async move {
+                    for _ in 0..100 {
+                        for s in &mut trickling {
+                            let _ = s.write_all(&[0x6c]).await;
+                        }
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                    }
+                });
             } else {
-                for _ in 0..20 {
+                // More idle connections than the mesh handshakes at once.
+                let n = if name == "mesh-connection-flood" { 100 } else { 20 };
+                for _ in 0..n {
                     held.push(dial(timely0).await?);
                 }
             }
@@ -636,11 +703,37 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
                 ))
             }
         }
+        "impostor-on-freed-port" => attacks::impostor_on_freed_port(id, v).await,
+        "injected-frame" => attacks::injected_frame(id, v).await,
+        "unproven-flood-during-reconnect" => attacks::unproven_flood_during_reconnect(id, v).await,
+        "slow-handshake" => attacks::slow_handshake(id, v).await,
+        "log-flood" => attacks::log_flood(id, v).await,
+        "keyless-peer-gets-nothing" => attacks::keyless_peer_gets_nothing(id, v).await,
+        "keys-at-rest-and-in-children" => attacks::keys_at_rest_and_in_children(v).await,
+        "state-dir-writable-by-others" => attacks::state_dir_writable_by_others(v).await,
+        "lying-worker-index" => attacks::lying_worker_index(id, v).await,
+        "peek-parts-flood" => attacks::parts_flood(id, v).await,
         other => Err(Failure::Harness(format!("unknown scenario {other}"))),
     }
 }
 
-const SCENARIOS: [&str; 12] = [
+/// The scenarios that only mutual, per-frame authentication passes: the
+/// negative control `no-mutual` must be caught by one of them.
+const MUTUAL_SCENARIOS: [&str; 2] = ["impostor-on-freed-port", "injected-frame"];
+
+const SCENARIOS: [&str; 24] = [
+    "mesh-connection-flood",
+    "mesh-trickle",
+    "impostor-on-freed-port",
+    "injected-frame",
+    "unproven-flood-during-reconnect",
+    "slow-handshake",
+    "log-flood",
+    "keyless-peer-gets-nothing",
+    "keys-at-rest-and-in-children",
+    "state-dir-writable-by-others",
+    "lying-worker-index",
+    "peek-parts-flood",
     "forged-hello-huge-epoch",
     "replayed-hello",
     "hello-for-another-replica",
@@ -669,8 +762,9 @@ fn main() {
         .expect("runtime");
     let mut ok = true;
     let mut id = 100;
-    for v in [Variant::Authenticated, Variant::Open] {
+    for v in [Variant::Authenticated, Variant::Open, Variant::NoMutual] {
         let mut tally = Tally::default();
+        let mut mutual_caught = false;
         for name in SCENARIOS {
             id += 1;
             let outcome = runtime.block_on(async {
@@ -679,12 +773,19 @@ fn main() {
                     Err(_) => Err(Failure::Harness(format!("{name} did not end within 90 s"))),
                 }
             });
+            if MUTUAL_SCENARIOS.contains(&name) && matches!(outcome, Err(Failure::Violation { .. })) {
+                mutual_caught = true;
+            }
             let line = tally.record(&outcome);
             eprintln!("security: {} {name}: {line}", v.name());
         }
-        let negative = v == Variant::Open;
+        let negative = v.negative();
         println!("{}", tally.summary_line(SUITE, v.name(), negative));
         ok &= tally.ok(negative);
+        if v == Variant::NoMutual && !mutual_caught {
+            eprintln!("security: no-mutual was not caught by the scenarios that need mutual proof ({MUTUAL_SCENARIOS:?})");
+            ok = false;
+        }
     }
     std::process::exit(if ok { 0 } else { 1 });
 }
