@@ -1009,6 +1009,8 @@ pub struct EnvProcess {
     pub url: String,
     /// Where its stderr goes.
     pub stderr_path: PathBuf,
+    /// The line it printed when it started serving (addresses, epoch).
+    pub serving_line: String,
 }
 
 impl EnvProcess {
@@ -1081,6 +1083,7 @@ impl EnvProcess {
             child,
             url: format!("http://{addr}"),
             stderr_path,
+            serving_line: line.clone(),
         })
     }
 
@@ -1099,6 +1102,11 @@ impl EnvProcess {
             .await
             .context("lockstep did not exit in time")??;
         Ok((status, std::fs::read_to_string(&self.stderr_path)?))
+    }
+
+    /// Its PID, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
     }
 
     /// Kills it (SIGKILL, a crash) and waits for it.

@@ -73,6 +73,7 @@
 //! `drop_replica`. The `lockstep` binary turns a panic into an abort, so a
 //! `panic` action crashes the whole controller as a real crash would.
 
+pub mod admission;
 pub mod chaos;
 pub mod compute;
 pub mod demo;
@@ -107,6 +108,9 @@ use tokio::sync::watch;
 
 pub use compute::REPLICA_RESTART_INTERVAL;
 pub use template::ServiceTemplate;
+
+/// Concurrent streams (and calls) one API connection may have open.
+pub const API_MAX_STREAMS: u32 = 256;
 
 /// The catalog file inside the state directory.
 pub const CATALOG_FILE: &str = "catalog.db";
@@ -1078,16 +1082,15 @@ impl Environment {
         listener: tokio::net::TcpListener,
         tls: Option<tonic::transport::ServerTlsConfig>,
     ) -> Result<(), EnvError> {
-        // Without TCP_NODELAY, a small response waits for the client's
-        // delayed ACK (Nagle): ~40 ms per unary call.
-        let incoming = tokio_stream::StreamExt::map(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            |s| {
-                s.inspect(|s| {
-                    let _ = s.set_nodelay(true);
-                })
-            },
-        );
+        // Bounded acceptance (`admission`): a cap on open connections, a
+        // deadline for a silent one, the oldest silent one closed first, an
+        // accept loop that backs off on EMFILE. TCP_NODELAY is set on each
+        // (without it a small response waits for the client's delayed ACK).
+        let incoming = tokio_stream::wrappers::ReceiverStream::new(admission::accept(
+            listener,
+            admission::Limits::default(),
+            "api",
+        ));
         // Log every service event (crashes, restarts) while we serve.
         let mut events = self.orchestrator.watch_services();
         let logger = tokio::spawn(async move {
@@ -1143,7 +1146,13 @@ impl Environment {
                 ),
             ),
         };
-        let mut builder = tonic::transport::Server::builder();
+        // Per connection: a bounded number of concurrent streams and calls,
+        // and HTTP/2 keepalive so that dead peers are found.
+        let mut builder = tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(API_MAX_STREAMS))
+            .concurrency_limit_per_connection(API_MAX_STREAMS as usize)
+            .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+            .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)));
         if let Some(tls) = tls {
             builder = builder
                 .tls_config(tls)

@@ -801,6 +801,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             );
         }
     }
+    let token_for_metrics = token.clone();
     let config = EnvironmentConfig {
         state_dir: args.state_dir,
         orphan_policy,
@@ -849,7 +850,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let metrics_note = match metrics_listener {
         Some(l) => {
             let at = l.local_addr()?;
-            tokio::spawn(lockstep_environment::metrics::serve(l, env.metrics()));
+            // Off loopback, the metrics need the API token too.
+            let token = (!at.ip().is_loopback()).then(|| token_for_metrics.clone()).flatten();
+            tokio::spawn(lockstep_environment::metrics::serve(l, env.metrics(), token));
             format!(", metrics on http://{at}/metrics")
         }
         None => String::new(),

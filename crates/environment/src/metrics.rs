@@ -204,20 +204,27 @@ impl Metrics {
 }
 
 /// Serves `GET /metrics` on `listener` until the task is dropped; anything
-/// else gets 404. Requests are read up to 8 KiB.
-pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
-    loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
+/// else gets 404. Connections are bounded as the API's are
+/// ([`crate::admission`]); a request head is read up to 8 KiB within 5 s in
+/// all. With `token`, a request must carry `Authorization: Bearer TOKEN`
+/// (401 otherwise): `lockstep serve` gives the API token when the endpoint
+/// listens on a non-loopback address.
+pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, token: Option<String>) {
+    let mut incoming =
+        crate::admission::accept(listener, crate::admission::Limits::default(), "metrics");
+    let expected = token;
+    while let Some(conn) = incoming.recv().await {
+        let Ok(mut sock) = conn else { continue };
         let metrics = metrics.clone();
+        let expected = expected.clone();
         tokio::spawn(async move {
             let mut buf = vec![0u8; 8192];
             let mut len = 0;
-            // Read until the end of the request head (or the buffer is full).
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            // Read until the end of the request head (or the buffer is full),
+            // within one deadline for the whole head.
             while len < buf.len() {
-                match tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf[len..])).await
-                {
+                match tokio::time::timeout_at(deadline, sock.read(&mut buf[len..])).await {
                     Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
                     Ok(Ok(n)) => {
                         len += n;
@@ -229,7 +236,26 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
             }
             let head = String::from_utf8_lossy(&buf[..len]);
             let path = head.split_whitespace().nth(1).unwrap_or("");
-            let (status, body, kind) = if head.starts_with("GET ") && path == "/metrics" {
+            let authorized = match &expected {
+                None => true,
+                Some(want) => head.lines().any(|l| {
+                    let Some((k, v)) = l.split_once(':') else {
+                        return false;
+                    };
+                    let v = v.trim();
+                    k.trim().eq_ignore_ascii_case("authorization")
+                        && v.len() > 7
+                        && v[..7].eq_ignore_ascii_case("bearer ")
+                        && crate::server::constant_time_eq(v[7..].as_bytes(), want.as_bytes())
+                }),
+            };
+            let (status, body, kind) = if !authorized {
+                (
+                    "401 Unauthorized",
+                    "a bearer token is required\n".to_string(),
+                    "text/plain",
+                )
+            } else if head.starts_with("GET ") && path == "/metrics" {
                 (
                     "200 OK",
                     metrics.encode(),

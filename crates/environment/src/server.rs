@@ -48,6 +48,12 @@ impl EnvironmentService {
 /// The minimum length of an API token.
 pub const MIN_TOKEN_LEN: usize = 16;
 
+/// Whether `a` and `b` are equal, in time that depends on their lengths
+/// only (tokens are compared with it).
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// Checks every request's `authorization: Bearer TOKEN` (compared in
 /// constant time); a request without it, or with another token, is
 /// UNAUTHENTICATED before it reaches the service.
@@ -72,13 +78,7 @@ impl tonic::service::Interceptor for TokenCheck {
             .get("authorization")
             .map(|v| v.as_bytes())
             .unwrap_or_default();
-        let same = given.len() == self.expected.len()
-            && given
-                .iter()
-                .zip(&self.expected)
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0;
-        if same {
+        if constant_time_eq(given, &self.expected) {
             Ok(request)
         } else if given.is_empty() {
             Err(Status::unauthenticated(

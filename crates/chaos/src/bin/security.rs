@@ -713,6 +713,8 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
         "state-dir-writable-by-others" => attacks::state_dir_writable_by_others(v).await,
         "lying-worker-index" => attacks::lying_worker_index(id, v).await,
         "peek-parts-flood" => attacks::parts_flood(id, v).await,
+        "api-connection-exhaustion" => attacks::api_connection_exhaustion(v).await,
+        "metrics-off-loopback-without-token" => attacks::metrics_off_loopback_without_token(v).await,
         other => Err(Failure::Harness(format!("unknown scenario {other}"))),
     }
 }
@@ -721,7 +723,9 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
 /// negative control `no-mutual` must be caught by one of them.
 const MUTUAL_SCENARIOS: [&str; 2] = ["impostor-on-freed-port", "injected-frame"];
 
-const SCENARIOS: [&str; 24] = [
+const SCENARIOS: [&str; 26] = [
+    "api-connection-exhaustion",
+    "metrics-off-loopback-without-token",
     "mesh-connection-flood",
     "mesh-trickle",
     "impostor-on-freed-port",

@@ -683,3 +683,106 @@ pub(super) async fn parts_flood(id: u64, v: Variant) -> Result<(), Failure> {
     }
     Ok(())
 }
+
+/// With the environment's descriptors limited to 256, 400 idle connections
+/// to the API (no token, no bytes) must not keep a token holder out.
+pub(super) async fn api_connection_exhaustion(v: Variant) -> Result<(), Failure> {
+    let (mut env, state) = start_env(v).await?;
+    let pid = env.pid().ok_or_else(|| "lockstep serve has no PID".to_string())?;
+    let limited = std::process::Command::new("prlimit")
+        .args([format!("--pid={pid}"), "--nofile=256:256".into()])
+        .status()
+        .map_err(|e| Failure::Harness(format!("prlimit: {e}")))?;
+    if !limited.success() {
+        return Err(Failure::Harness(format!("prlimit failed: {limited}")));
+    }
+    let addr: SocketAddr = env
+        .url
+        .trim_start_matches("http://")
+        .parse()
+        .map_err(|e| format!("{e}"))?;
+    let mut flood = Vec::new();
+    for _ in 0..400 {
+        if let Ok(s) = TcpStream::connect(addr).await {
+            flood.push(s);
+        }
+    }
+    let served = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut client = api(&env.url, Some(TOKEN)).await?;
+        client
+            .list_replicas(proto::ListReplicasRequest::default())
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    drop(flood);
+    let _ = env.kill().await;
+    let _ = kill_all_services(&state.path().join("orchestrator"));
+    match served {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(violation(
+            "S1",
+            format!("400 idle connections kept a token holder out of the API: {e}"),
+        )),
+        Err(_) => Err(violation(
+            "S1",
+            "400 idle connections kept a token holder out of the API for 10 s".into(),
+        )),
+    }
+}
+
+/// The metrics endpoint off loopback answers only with the API token.
+pub(super) async fn metrics_off_loopback_without_token(v: Variant) -> Result<(), Failure> {
+    let state = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let token_file = state.path().join("api.token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).map_err(|e| e.to_string())?;
+    let token_file = token_file.to_string_lossy().into_owned();
+    let mut args = vec!["--metrics-listen", "0.0.0.0:0"];
+    if v != Variant::Open {
+        args.extend(["--api-token-file", &token_file]);
+    }
+    let mut env = EnvProcess::start(&lockstep_binary(), state.path(), "id-watermark", None, &args)
+        .await
+        .map_err(|e| format!("starting lockstep serve: {e:#}"))?;
+    let port = env
+        .serving_line
+        .rsplit_once("metrics on http://")
+        .and_then(|(_, r)| r.split('/').next())
+        .and_then(|a| a.rsplit_once(':'))
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .ok_or_else(|| format!("no metrics address in {:?}", env.serving_line))?;
+    let get = |auth: Option<&str>| {
+        let auth = auth.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+        async move {
+            let mut s = TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?;
+            s.write_all(format!("GET /metrics HTTP/1.1\r\nHost: x\r\n{auth}\r\n").as_bytes())
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut out = String::new();
+            tokio::time::timeout(Duration::from_secs(10), s.read_to_string(&mut out))
+                .await
+                .map_err(|_| "no answer within 10 s".to_string())?
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(out)
+        }
+    };
+    let without = get(None).await;
+    let with = get(Some(TOKEN)).await;
+    let _ = env.kill().await;
+    let _ = kill_all_services(&state.path().join("orchestrator"));
+    let without = without?;
+    if without.starts_with("HTTP/1.1 200") {
+        return Err(violation(
+            "S1",
+            "the metrics endpoint off loopback answered without a token".into(),
+        ));
+    }
+    let with = with?;
+    if !with.starts_with("HTTP/1.1 200") {
+        return Err(Failure::Harness(format!(
+            "the metrics endpoint refused the token: {}",
+            with.lines().next().unwrap_or("")
+        )));
+    }
+    Ok(())
+}
