@@ -769,6 +769,26 @@ impl Inner {
         Ok((pid, start))
     }
 
+    /// Rotates the log of a running process past the limit: copies it to
+    /// `.log.1` and truncates it in place (the process appends to the same
+    /// open file, O_APPEND, so it goes on at the new end). A process that
+    /// logs without end fills at most twice the limit on disk.
+    fn rotate_running_log(&self, name: &str, i: usize) {
+        let path = self.log_path(name, i);
+        let limit = self.config.log_rotate_bytes;
+        if !std::fs::metadata(&path).is_ok_and(|m| m.len() > limit) {
+            return;
+        }
+        let rotated = path.with_extension("log.1");
+        let result = std::fs::copy(&path, &rotated).and_then(|_| {
+            std::fs::set_permissions(&rotated, std::fs::Permissions::from_mode(0o600))?;
+            OpenOptions::new().write(true).open(&path)?.set_len(0)
+        });
+        if let Err(e) = result {
+            tracing::warn!(service = name, process = i, "rotating the log failed: {e}");
+        }
+    }
+
     /// The log of process `i` of service `name` (`.log.1` beside it is the
     /// rotated one).
     fn log_path(&self, name: &str, i: usize) -> PathBuf {
@@ -1011,6 +1031,7 @@ impl Inner {
             tokio::time::sleep(self.config.poll_interval).await;
             if let Some((pid, start)) = watched {
                 if self.alive(pid, start) {
+                    self.rotate_running_log(&name, i);
                     if since.elapsed() >= backoff.reset_after {
                         wait = backoff.initial;
                         attempt = 0;

@@ -537,6 +537,30 @@ async fn a_log_past_the_limit_is_rotated_when_its_process_starts() {
     assert!(!logs.join("replica-1-0.log.1").exists());
 }
 
+/// A process that logs without end: its log is rotated while it runs, so
+/// the disk holds at most about twice the limit.
+#[tokio::test]
+async fn a_running_process_log_is_rotated_by_size() {
+    let sandbox = Sandbox::new();
+    let mut config = ProcessOrchestratorConfig::new(sandbox.path(), 1);
+    config.log_rotate_bytes = 64 << 10;
+    config.poll_interval = Duration::from_millis(20);
+    let o = ProcessOrchestrator::new(config).unwrap();
+    let noisy = ServiceConfig::new("replica-1", 1, "sh")
+        .fixed_args(["-c", "while true; do echo 0123456789012345678901234567890123456789; done"]);
+    o.ensure_service(noisy).await.unwrap();
+    let logs = sandbox.path().join("logs");
+    let rotated = logs.join("replica-1-0.log.1");
+    eventually("a rotation", || rotated.exists()).await;
+    // Well past the limit in bytes written, the files stay bounded.
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let current = std::fs::metadata(logs.join("replica-1-0.log")).unwrap().len();
+        assert!(current < 8 << 20, "the running log grew to {current} bytes");
+    }
+    o.drop_service("replica-1").await.unwrap();
+}
+
 #[tokio::test]
 async fn a_reused_pid_is_never_ours() {
     let sandbox = Sandbox::new();
