@@ -95,7 +95,8 @@ pub(crate) async fn connect_session(
             let bound = deadline
                 .saturating_duration_since(tokio::time::Instant::now())
                 .max(SESSION_HANDSHAKE_BOUND);
-            let setup = lockstep_protocol::secure::initiate(&mut sock, key, replica_id, process_index);
+            let setup =
+                lockstep_protocol::secure::initiate(&mut sock, key, replica_id, process_index);
             match tokio::time::timeout(bound, setup).await {
                 Ok(Ok(session)) => Some(session),
                 Ok(Err(e)) => return Err(format!("process {process_index} at {addr}: {e}")),

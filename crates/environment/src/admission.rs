@@ -203,7 +203,11 @@ pub fn accept(
             {
                 let mut b = book.lock().expect("not poisoned");
                 if b.open.len() >= limits.max_connections {
-                    match b.open.iter().position(|e| !e.proven.load(Ordering::Relaxed)) {
+                    match b
+                        .open
+                        .iter()
+                        .position(|e| !e.proven.load(Ordering::Relaxed))
+                    {
                         Some(i) => {
                             let oldest = b.open.remove(i).expect("in range");
                             oldest.close.cancel();

@@ -851,8 +851,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Some(l) => {
             let at = l.local_addr()?;
             // Off loopback, the metrics need the API token too.
-            let token = (!at.ip().is_loopback()).then(|| token_for_metrics.clone()).flatten();
-            tokio::spawn(lockstep_environment::metrics::serve(l, env.metrics(), token));
+            let token = (!at.ip().is_loopback())
+                .then(|| token_for_metrics.clone())
+                .flatten();
+            tokio::spawn(lockstep_environment::metrics::serve(
+                l,
+                env.metrics(),
+                token,
+            ));
             format!(", metrics on http://{at}/metrics")
         }
         None => String::new(),

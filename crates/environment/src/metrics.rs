@@ -209,7 +209,11 @@ impl Metrics {
 /// all. With `token`, a request must carry `Authorization: Bearer TOKEN`
 /// (401 otherwise): `lockstep serve` gives the API token when the endpoint
 /// listens on a non-loopback address.
-pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, token: Option<String>) {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    token: Option<String>,
+) {
     let mut incoming =
         crate::admission::accept(listener, crate::admission::Limits::default(), "metrics");
     let expected = token;
@@ -242,11 +246,13 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, tok
                     let Some((k, v)) = l.split_once(':') else {
                         return false;
                     };
-                    let v = v.trim();
+                    // Bytes, not str slices: a header with multi-byte
+                    // characters must not split one.
+                    let v = v.trim().as_bytes();
                     k.trim().eq_ignore_ascii_case("authorization")
                         && v.len() > 7
-                        && v[..7].eq_ignore_ascii_case("bearer ")
-                        && crate::server::constant_time_eq(v[7..].as_bytes(), want.as_bytes())
+                        && v[..7].eq_ignore_ascii_case(b"bearer ")
+                        && crate::server::constant_time_eq(&v[7..], want.as_bytes())
                 }),
             };
             let (status, body, kind) = if !authorized {

@@ -603,11 +603,17 @@ async fn a_replica_whose_processes_exit_while_the_environment_restarts_comes_bac
         .map(|p| environ(p.pid.unwrap(), "LOCKSTEP_GENERATION"))
         .collect();
     assert!(
-        generations.iter().all(|g| g.is_some() && *g == generations[0]),
+        generations
+            .iter()
+            .all(|g| g.is_some() && *g == generations[0]),
         "one generation: {generations:?}"
     );
     assert_ne!(generations[0], generation_before, "a new generation");
-    assert_ne!(proc_state(stopped), Some('T'), "the stopped process is gone");
+    assert_ne!(
+        proc_state(stopped),
+        Some('T'),
+        "the stopped process is gone"
+    );
     for (old, new) in before.processes.iter().zip(&after.processes) {
         assert_ne!(old.pid, new.pid, "process {} was restarted", old.index);
     }
@@ -615,11 +621,7 @@ async fn a_replica_whose_processes_exit_while_the_environment_restarts_comes_bac
     // It stays up: a write after recovery is answered too.
     let more = vec![u(&[2, 20], 2, -1), u(&[3, 1], 2, 1)];
     env.write_input("r1", 1, more.clone(), 3).await.unwrap();
-    let expected2 = evaluate(
-        &plan,
-        &BTreeMap::from([(1, [updates, more].concat())]),
-        2,
-    );
+    let expected2 = evaluate(&plan, &BTreeMap::from([(1, [updates, more].concat())]), 2);
     peek_until(&env, 101, 2, &expected2, Duration::from_secs(30))
         .await
         .expect("the recovered replica takes new writes");

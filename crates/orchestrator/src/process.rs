@@ -923,7 +923,7 @@ impl Inner {
     fn start_generation(
         &self,
         record: &mut ServiceRecord,
-    ) -> (Vec<(usize, u32, u64)>, Option<(usize, std::io::Error)>) {
+    ) -> (Vec<Spawned>, Option<(usize, std::io::Error)>) {
         record.generation += 1;
         let mut failure = None;
         let mut spawned = Vec::new();
@@ -959,7 +959,7 @@ impl Inner {
     fn commit_generation(
         &self,
         record: &ServiceRecord,
-        spawned: Vec<(usize, u32, u64)>,
+        spawned: Vec<Spawned>,
     ) -> Result<(), StateError> {
         if let Err(e) = self.write(record) {
             for (i, pid, start) in spawned {
@@ -1201,9 +1201,8 @@ impl Inner {
             .map(|j| self.placement(j))
             .collect();
         let argv = argv_for(&args, &placements, &ports);
-        self.kill_all(&record).map_err(|(j, pid)| {
-            format!("process {j} (PID {pid}) still alive 5 s after SIGKILL")
-        })?;
+        self.kill_all(&record)
+            .map_err(|(j, pid)| format!("process {j} (PID {pid}) still alive 5 s after SIGKILL"))?;
         for (j, (argv, ports)) in argv.into_iter().zip(ports).enumerate() {
             record.processes[j].argv = argv;
             record.processes[j].ports = ports;
@@ -1257,9 +1256,8 @@ impl Inner {
         // Shared fate: the processes of a service form one cluster, and a
         // process started alone would join peers of another generation.
         // Kill them all, start them all.
-        self.kill_all(&record).map_err(|(j, pid)| {
-            format!("process {j} (PID {pid}) still alive 5 s after SIGKILL")
-        })?;
+        self.kill_all(&record)
+            .map_err(|(j, pid)| format!("process {j} (PID {pid}) still alive 5 s after SIGKILL"))?;
         tracing::warn!(
             service = name,
             process = i,
@@ -1314,6 +1312,9 @@ impl Inner {
         }
     }
 }
+
+/// A process started: its index, PID and start time.
+type Spawned = (usize, u32, u64);
 
 enum Decision {
     Stop,

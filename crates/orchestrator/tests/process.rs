@@ -250,7 +250,11 @@ async fn a_crashed_process_restarts_its_whole_service_with_backoff_and_is_report
     for (before, after) in status.processes.iter().zip(&listed.processes) {
         assert!(after.running, "{after:?}");
         assert_eq!(after.restarts, 1, "{after:?}");
-        assert_ne!(after.pid, before.pid, "process {} was replaced", before.index);
+        assert_ne!(
+            after.pid, before.pid,
+            "process {} was replaced",
+            before.index
+        );
     }
     assert_eq!(
         generations(&listed),
@@ -285,7 +289,11 @@ async fn settled(o: &ProcessOrchestrator, scale: usize) -> ServiceStatus {
     loop {
         let listed = o.list_services().await.unwrap().remove(0);
         let running = listed.processes.len() == scale && listed.processes.iter().all(|p| p.running);
-        if running && last.as_ref().is_some_and(|l| pids_of(l) == pids_of(&listed)) {
+        if running
+            && last
+                .as_ref()
+                .is_some_and(|l| pids_of(l) == pids_of(&listed))
+        {
             stable += 1;
             if stable == 10 {
                 return listed;
@@ -314,7 +322,9 @@ async fn processes_lost_while_no_orchestrator_runs_come_back_as_one_generation()
         .unwrap();
     let generation = generations(&status);
     assert!(
-        generation.iter().all(|g| g.is_some() && *g == generation[0]),
+        generation
+            .iter()
+            .all(|g| g.is_some() && *g == generation[0]),
         "{generation:?}"
     );
     drop(first);
@@ -335,7 +345,11 @@ async fn processes_lost_while_no_orchestrator_runs_come_back_as_one_generation()
         .unwrap();
     let listed = settled(&second, 4).await;
     for (before, after) in status.processes.iter().zip(&listed.processes) {
-        assert_ne!(after.pid, before.pid, "process {} was replaced", before.index);
+        assert_ne!(
+            after.pid, before.pid,
+            "process {} was replaced",
+            before.index
+        );
     }
     assert_ne!(
         proc_state(status.processes[2].pid.unwrap()),
@@ -399,9 +413,17 @@ async fn state_files_are_private_and_processes_get_an_explicit_environment() {
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
     let names: Vec<String> = environ
         .split(|b| *b == 0)
-        .filter_map(|kv| std::str::from_utf8(kv).ok()?.split_once('=').map(|(k, _)| k.to_string()))
+        .filter_map(|kv| {
+            std::str::from_utf8(kv)
+                .ok()?
+                .split_once('=')
+                .map(|(k, _)| k.to_string())
+        })
         .collect();
-    assert!(names.contains(&"LOCKSTEP_SESSION_KEY".to_string()), "{names:?}");
+    assert!(
+        names.contains(&"LOCKSTEP_SESSION_KEY".to_string()),
+        "{names:?}"
+    );
     for name in &names {
         assert!(allowed(name), "inherited {name}: {names:?}");
     }
@@ -546,8 +568,10 @@ async fn a_running_process_log_is_rotated_by_size() {
     config.log_rotate_bytes = 64 << 10;
     config.poll_interval = Duration::from_millis(20);
     let o = ProcessOrchestrator::new(config).unwrap();
-    let noisy = ServiceConfig::new("replica-1", 1, "sh")
-        .fixed_args(["-c", "while true; do echo 0123456789012345678901234567890123456789; done"]);
+    let noisy = ServiceConfig::new("replica-1", 1, "sh").fixed_args([
+        "-c",
+        "while true; do echo 0123456789012345678901234567890123456789; done",
+    ]);
     o.ensure_service(noisy).await.unwrap();
     let logs = sandbox.path().join("logs");
     let rotated = logs.join("replica-1-0.log.1");
@@ -555,7 +579,9 @@ async fn a_running_process_log_is_rotated_by_size() {
     // Well past the limit in bytes written, the files stay bounded.
     for _ in 0..20 {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let current = std::fs::metadata(logs.join("replica-1-0.log")).unwrap().len();
+        let current = std::fs::metadata(logs.join("replica-1-0.log"))
+            .unwrap()
+            .len();
         assert!(current < 8 << 20, "the running log grew to {current} bytes");
     }
     o.drop_service("replica-1").await.unwrap();

@@ -79,7 +79,10 @@ async fn run() {
     let mut secure_enc = SecureCodec::new(ControllerCodec::new(64 << 20), Some(c));
     let mut secure_dec = SecureCodec::new(ReplicaCodec::new(64 << 20), Some(r));
     println!("session handshake (both ends, in memory): {handshake:.2?}");
-    for (name, cmd, rounds) in [("small command", small(), 20_000), ("43,000-row write", write_43k_rows(), 50)] {
+    for (name, cmd, rounds) in [
+        ("small command", small(), 20_000),
+        ("43,000-row write", write_43k_rows(), 50),
+    ] {
         let (plain, plain_len) = time(
             &mut ControllerCodec::new(64 << 20),
             &mut ReplicaCodec::new(64 << 20),

@@ -78,7 +78,9 @@ impl SessionKey {
     pub fn from_hex(text: &str) -> Result<Self, String> {
         let text = text.trim();
         if !text.is_ascii() {
-            return Err("a session key is 64 hex digits, and this one has other characters".to_string());
+            return Err(
+                "a session key is 64 hex digits, and this one has other characters".to_string(),
+            );
         }
         if text.len() != 64 {
             return Err(format!(

@@ -301,7 +301,9 @@ mod tests {
         Command {
             seqno: n,
             strategy: crate::types::Strategy::Barrier,
-            kind: CommandKind::StatusRequest { full: n % 2 == 0 },
+            kind: CommandKind::StatusRequest {
+                full: n.is_multiple_of(2),
+            },
         }
     }
 
@@ -325,9 +327,7 @@ mod tests {
         let mut replica = SecureCodec::new(ReplicaCodec::new(1 << 24), Some(r.unwrap()));
         // A large frame takes several records and round-trips.
         let big = Command {
-            kind: CommandKind::UpdateConfiguration(
-                [("k".to_string(), "v".repeat(200_000))].into(),
-            ),
+            kind: CommandKind::UpdateConfiguration([("k".to_string(), "v".repeat(200_000))].into()),
             ..command(1)
         };
         let mut wire = BytesMut::new();

@@ -39,9 +39,9 @@
 //! silent hang. The sockets are then handed to
 //! `initialize_networking_from_sockets`.
 
+use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::collections::VecDeque;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -644,7 +644,8 @@ mod tests {
             if slow.write_all(&[0x6c]).is_err() || started.elapsed() > Duration::from_secs(10) {
                 break started.elapsed();
             }
-            slow.set_read_timeout(Some(Duration::from_millis(1))).unwrap();
+            slow.set_read_timeout(Some(Duration::from_millis(1)))
+                .unwrap();
             let mut b = [0u8; 1];
             if let Ok(0) = slow.read(&mut b) {
                 break started.elapsed();
@@ -654,7 +655,15 @@ mod tests {
             closed < HANDSHAKE_BOUND + Duration::from_secs(2),
             "a trickling peer held its handshake for {closed:?}"
         );
-        connect_mesh(&addrs, addrs[1], 1, ID, Some(&key(1)), Duration::from_secs(10)).unwrap();
+        connect_mesh(
+            &addrs,
+            addrs[1],
+            1,
+            ID,
+            Some(&key(1)),
+            Duration::from_secs(10),
+        )
+        .unwrap();
         p0.join().unwrap().unwrap();
     }
 
@@ -667,7 +676,15 @@ mod tests {
             .map(|_| dial(addrs[0]))
             .collect();
         let started = Instant::now();
-        connect_mesh(&addrs, addrs[1], 1, ID, Some(&key(1)), Duration::from_secs(20)).unwrap();
+        connect_mesh(
+            &addrs,
+            addrs[1],
+            1,
+            ID,
+            Some(&key(1)),
+            Duration::from_secs(20),
+        )
+        .unwrap();
         p0.join().unwrap().unwrap();
         assert!(
             started.elapsed() < HANDSHAKE_BOUND,

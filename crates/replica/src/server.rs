@@ -298,7 +298,10 @@ async fn serve(
             if let Some(oldest) = evicted {
                 oldest.cancel();
             }
-            a.queue.back().map(|(id, c)| (*id, c.clone())).expect("admitted")
+            a.queue
+                .back()
+                .map(|(id, c)| (*id, c.clone()))
+                .expect("admitted")
         };
         let unproven = Unproven {
             admission: Some(Arc::clone(&admission)),
@@ -652,7 +655,9 @@ async fn connection(
     let generation = {
         let mut s = shared.lock().expect("not poisoned");
         if hello.epoch < s.newest_epoch {
-            return Err(anyhow::anyhow!("stale epoch {} (newest {})", hello.epoch, s.newest_epoch).into());
+            return Err(
+                anyhow::anyhow!("stale epoch {} (newest {})", hello.epoch, s.newest_epoch).into(),
+            );
         }
         s.newest_epoch = hello.epoch;
         s.generation += 1;

@@ -2,10 +2,10 @@
 
 mod common;
 
+use bytes::BytesMut;
 use common::*;
 use futures::{SinkExt, StreamExt};
 use lockstep_controller::Event;
-use bytes::BytesMut;
 use lockstep_protocol::secure::{self, SecureCodec};
 use lockstep_protocol::{
     CodecError, Command, CommandHistory, CommandKind, ControllerCodec, ErrorKind, Response,
@@ -48,8 +48,14 @@ impl Decoder for Raw {
 /// Sets up a session with process `index` of `r` (it holds the key, as the
 /// real controller does) and sends `out`; returns the first answer, which
 /// must be an error.
-async fn first_error(r: &TestReplica, index: usize, out: Vec<Out>) -> lockstep_protocol::ErrorResponse {
-    let addr = r.addrs.processes[index].socket_addr().expect("an IP address");
+async fn first_error(
+    r: &TestReplica,
+    index: usize,
+    out: Vec<Out>,
+) -> lockstep_protocol::ErrorResponse {
+    let addr = r.addrs.processes[index]
+        .socket_addr()
+        .expect("an IP address");
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
     let key = r.addrs.session_key.clone().expect("a keyed replica");
     let session = secure::initiate(&mut sock, &key, r.addrs.replica_id, index as u32)
@@ -94,9 +100,12 @@ async fn no_answer(addr: std::net::SocketAddr, bytes: &[u8]) {
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
     let _ = sock.write_all(bytes).await;
     let mut back = Vec::new();
-    let read = tokio::time::timeout(std::time::Duration::from_secs(10), sock.read_to_end(&mut back))
-        .await
-        .expect("closed within 10 s");
+    let read = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        sock.read_to_end(&mut back),
+    )
+    .await
+    .expect("closed within 10 s");
     assert!(back.is_empty(), "answered {} bytes: {read:?}", back.len());
 }
 
@@ -265,9 +274,12 @@ async fn replayed_hellos_and_connection_floods_do_not_cut_the_controller_off() {
     }
     let newest = flood.last_mut().unwrap();
     assert!(
-        tokio::time::timeout(std::time::Duration::from_millis(300), newest.read(&mut byte))
-            .await
-            .is_err(),
+        tokio::time::timeout(
+            std::time::Duration::from_millis(300),
+            newest.read(&mut byte)
+        )
+        .await
+        .is_err(),
         "the newest connection is admitted"
     );
 

@@ -37,7 +37,9 @@ async fn a_proving_controller_gets_in_past_a_flood_of_idle_connections() {
         let mut conns = vec![first];
         for _ in 1..MAX_UNPROVEN_CONNECTIONS + 16 {
             let conn = tokio::net::TcpStream::connect(addr).await;
-            conns.push(conn.unwrap_or_else(|e| panic!("connecting to {addr}: {e}\n{}", logs(&r, 20))));
+            conns.push(
+                conn.unwrap_or_else(|e| panic!("connecting to {addr}: {e}\n{}", logs(&r, 20))),
+            );
         }
         flood.push(conns);
     }
@@ -45,8 +47,12 @@ async fn a_proving_controller_gets_in_past_a_flood_of_idle_connections() {
     // The controller's connections queue behind the flood's.
     let started = Instant::now();
     let c = controller(&r, 1, CommandHistory::new());
-    c.create_dataflow(dataflow(1, &[1], lockstep_protocol::Plan::Get { collection_id: 1 }))
-        .unwrap();
+    c.create_dataflow(dataflow(
+        1,
+        &[1],
+        lockstep_protocol::Plan::Get { collection_id: 1 },
+    ))
+    .unwrap();
     c.write_input(1, vec![u(&[7], 0, 1)], 1).unwrap();
     let rows = tokio::time::timeout(HELLO_DEADLINE, c.peek(1001, 0))
         .await
@@ -98,7 +104,10 @@ fn strip_ansi(s: &str) -> String {
 
 fn log_lines(r: &TestReplica) -> Vec<String> {
     let mut lines = Vec::new();
-    for e in std::fs::read_dir(r.dir.path().join("logs")).unwrap().flatten() {
+    for e in std::fs::read_dir(r.dir.path().join("logs"))
+        .unwrap()
+        .flatten()
+    {
         let text = std::fs::read_to_string(e.path()).unwrap_or_default();
         lines.extend(text.lines().map(strip_ansi));
     }
@@ -111,7 +120,10 @@ fn summary_total(line: &str) -> Option<u64> {
         return None;
     }
     let rest = &line[line.find("total=")? + "total=".len()..];
-    rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// 500 connections refused before proof (plain Hellos without a session,
@@ -177,7 +189,12 @@ async fn refused_connections_are_summarized_not_logged_one_by_one() {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    assert_eq!(counted, N as u64, "summaries counted {counted} of {N}:\n{}", new.join("\n"));
+    assert_eq!(
+        counted,
+        N as u64,
+        "summaries counted {counted} of {N}:\n{}",
+        new.join("\n")
+    );
     assert!(
         new.len() <= 3,
         "{N} refused connections wrote {} log lines:\n{}",

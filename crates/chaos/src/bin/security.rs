@@ -494,7 +494,10 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
             c.shutdown();
             Ok(())
         }
-        "spoofed-mesh-peer" | "idle-mesh-connections" | "mesh-connection-flood" | "mesh-trickle" => {
+        "spoofed-mesh-peer"
+        | "idle-mesh-connections"
+        | "mesh-connection-flood"
+        | "mesh-trickle" => {
             let mut m = ManualReplica::new(id, v)?;
             m.spawn(0)?;
             let timely0: SocketAddr = format!("127.0.0.1:{}", m.timely[0])
@@ -532,7 +535,11 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
                 });
             } else {
                 // More idle connections than the mesh handshakes at once.
-                let n = if name == "mesh-connection-flood" { 100 } else { 20 };
+                let n = if name == "mesh-connection-flood" {
+                    100
+                } else {
+                    20
+                };
                 for _ in 0..n {
                     held.push(dial(timely0).await?);
                 }
@@ -714,7 +721,9 @@ async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
         "lying-worker-index" => attacks::lying_worker_index(id, v).await,
         "peek-parts-flood" => attacks::parts_flood(id, v).await,
         "api-connection-exhaustion" => attacks::api_connection_exhaustion(v).await,
-        "metrics-off-loopback-without-token" => attacks::metrics_off_loopback_without_token(v).await,
+        "metrics-off-loopback-without-token" => {
+            attacks::metrics_off_loopback_without_token(v).await
+        }
         other => Err(Failure::Harness(format!("unknown scenario {other}"))),
     }
 }
@@ -777,7 +786,8 @@ fn main() {
                     Err(_) => Err(Failure::Harness(format!("{name} did not end within 90 s"))),
                 }
             });
-            if MUTUAL_SCENARIOS.contains(&name) && matches!(outcome, Err(Failure::Violation { .. })) {
+            if MUTUAL_SCENARIOS.contains(&name) && matches!(outcome, Err(Failure::Violation { .. }))
+            {
                 mutual_caught = true;
             }
             let line = tally.record(&outcome);

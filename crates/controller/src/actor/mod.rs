@@ -513,10 +513,8 @@ impl Actor {
             } => {
                 let id = self.next_subscribe_id;
                 self.next_subscribe_id += 1;
-                self.subs.insert(
-                    id,
-                    Sub::new(collection, self.replica.processes.len(), sink),
-                );
+                self.subs
+                    .insert(id, Sub::new(collection, self.replica.processes.len(), sink));
                 self.send(CommandKind::Subscribe(Subscribe {
                     subscribe_id: id,
                     collection_id: collection,
@@ -678,7 +676,9 @@ impl Actor {
                         // The subscription ends with an error and leaves
                         // the history (resent, it would grow again).
                         let sub = self.subs.remove(&id).expect("present");
-                        let _ = sub.sink.send(Err(ControllerError::Replica(message.clone())));
+                        let _ = sub
+                            .sink
+                            .send(Err(ControllerError::Replica(message.clone())));
                         self.refuse_answer(p, message);
                         self.history
                             .push(CommandKind::CancelSubscribe { subscribe_id: id });
@@ -1051,17 +1051,22 @@ mod tests {
         let mut h = connected(1, 1).await;
         h.actor.limits.unknown_frontiers = 10;
         // Known collections do not count.
-        h.actor.send(CommandKind::CreateDataflow(lockstep_protocol::DataflowDescription {
-            id: 1,
-            as_of: 0,
-            inputs: vec![1],
-            exports: vec![lockstep_protocol::Export {
-                collection_id: 1001,
-                plan: lockstep_protocol::Plan::Get { collection_id: 1 },
-            }],
-            debug_name: "d".into(),
-        }));
-        h.answer(0, ResponseKind::Frontiers(vec![(1, Some(1)), (1001, Some(1))]));
+        h.actor.send(CommandKind::CreateDataflow(
+            lockstep_protocol::DataflowDescription {
+                id: 1,
+                as_of: 0,
+                inputs: vec![1],
+                exports: vec![lockstep_protocol::Export {
+                    collection_id: 1001,
+                    plan: lockstep_protocol::Plan::Get { collection_id: 1 },
+                }],
+                debug_name: "d".into(),
+            },
+        ));
+        h.answer(
+            0,
+            ResponseKind::Frontiers(vec![(1, Some(1)), (1001, Some(1))]),
+        );
         h.answer(
             0,
             ResponseKind::Frontiers((5000..5010).map(|c| (c, Some(1))).collect()),
@@ -1180,7 +1185,10 @@ mod tests {
         h.answer(1, batch(id, 460, Some(520), 460..520));
         let reason = h.ended().expect("the session ended");
         assert!(reason.contains(&format!("subscription {id}")), "{reason}");
-        assert!(out.try_recv().unwrap().is_err(), "the subscription ends with an error");
+        assert!(
+            out.try_recv().unwrap().is_err(),
+            "the subscription ends with an error"
+        );
         assert!(h.actor.subs.is_empty());
     }
 }

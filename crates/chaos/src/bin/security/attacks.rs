@@ -60,7 +60,9 @@ pub(super) async fn impostor_on_freed_port(id: u64, v: Variant) -> Result<(), Fa
                     if n == 0 {
                         break;
                     }
-                    sink.lock().expect("not poisoned").extend_from_slice(&buf[..n]);
+                    sink.lock()
+                        .expect("not poisoned")
+                        .extend_from_slice(&buf[..n]);
                 }
             });
         }
@@ -512,17 +514,13 @@ pub(super) async fn state_dir_writable_by_others(_v: Variant) -> Result<(), Fail
     let state = tempfile::tempdir().map_err(|e| e.to_string())?;
     std::fs::set_permissions(state.path(), std::fs::Permissions::from_mode(0o777))
         .map_err(|e| e.to_string())?;
-    let started = EnvProcess::start(
-        &lockstep_binary(),
-        state.path(),
-        "id-watermark",
-        None,
-        &[],
-    )
-    .await;
+    let started =
+        EnvProcess::start(&lockstep_binary(), state.path(), "id-watermark", None, &[]).await;
     match started {
         Err(e) if format!("{e:#}").contains("writable by other users") => Ok(()),
-        Err(e) => Err(Failure::Harness(format!("lockstep serve failed otherwise: {e:#}"))),
+        Err(e) => Err(Failure::Harness(format!(
+            "lockstep serve failed otherwise: {e:#}"
+        ))),
         Ok(mut env) => {
             let _ = env.kill().await;
             let _ = kill_all_services(&state.path().join("orchestrator"));
@@ -576,7 +574,10 @@ async fn lying_process(
                                 kind: ResponseKind::PeekResponse(lockstep_protocol::PeekResponse {
                                     peek_id: 1,
                                     result: lockstep_protocol::PeekResult::Part(vec![
-                                        (vec![0; 1024], 1);
+                                        (
+                                            vec![0; 1024],
+                                            1
+                                        );
                                         64
                                     ]),
                                 }),
@@ -678,7 +679,10 @@ pub(super) async fn parts_flood(id: u64, v: Variant) -> Result<(), Failure> {
     if after - before > 200.0 {
         return Err(violation(
             "S1",
-            format!("a flood of peek parts grew the controller by {:.0} MiB", after - before),
+            format!(
+                "a flood of peek parts grew the controller by {:.0} MiB",
+                after - before
+            ),
         ));
     }
     Ok(())
@@ -688,7 +692,9 @@ pub(super) async fn parts_flood(id: u64, v: Variant) -> Result<(), Failure> {
 /// to the API (no token, no bytes) must not keep a token holder out.
 pub(super) async fn api_connection_exhaustion(v: Variant) -> Result<(), Failure> {
     let (mut env, state) = start_env(v).await?;
-    let pid = env.pid().ok_or_else(|| "lockstep serve has no PID".to_string())?;
+    let pid = env
+        .pid()
+        .ok_or_else(|| "lockstep serve has no PID".to_string())?;
     let limited = std::process::Command::new("prlimit")
         .args([format!("--pid={pid}"), "--nofile=256:256".into()])
         .status()
@@ -741,9 +747,15 @@ pub(super) async fn metrics_off_loopback_without_token(v: Variant) -> Result<(),
     if v != Variant::Open {
         args.extend(["--api-token-file", &token_file]);
     }
-    let mut env = EnvProcess::start(&lockstep_binary(), state.path(), "id-watermark", None, &args)
-        .await
-        .map_err(|e| format!("starting lockstep serve: {e:#}"))?;
+    let mut env = EnvProcess::start(
+        &lockstep_binary(),
+        state.path(),
+        "id-watermark",
+        None,
+        &args,
+    )
+    .await
+    .map_err(|e| format!("starting lockstep serve: {e:#}"))?;
     let port = env
         .serving_line
         .rsplit_once("metrics on http://")
@@ -752,9 +764,13 @@ pub(super) async fn metrics_off_loopback_without_token(v: Variant) -> Result<(),
         .and_then(|(_, p)| p.parse::<u16>().ok())
         .ok_or_else(|| format!("no metrics address in {:?}", env.serving_line))?;
     let get = |auth: Option<&str>| {
-        let auth = auth.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+        let auth = auth
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
         async move {
-            let mut s = TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?;
+            let mut s = TcpStream::connect(("127.0.0.1", port))
+                .await
+                .map_err(|e| e.to_string())?;
             s.write_all(format!("GET /metrics HTTP/1.1\r\nHost: x\r\n{auth}\r\n").as_bytes())
                 .await
                 .map_err(|e| e.to_string())?;
