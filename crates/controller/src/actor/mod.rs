@@ -407,8 +407,12 @@ impl Actor {
             known_collections,
             limits: Limits::default(),
             peeks: BTreeMap::new(),
-            next_peek_id: 1,
-            next_subscribe_id: 1,
+            // Peek and subscribe IDs carry the controller's epoch in their
+            // upper half, so an answer to an earlier controller's request
+            // (a peek a restarted replica replays from the command log, say)
+            // never matches one of ours by number alone.
+            next_peek_id: first_request_id(epoch),
+            next_subscribe_id: first_request_id(epoch),
             subs: BTreeMap::new(),
             statuses: BTreeMap::new(),
             full_statuses: BTreeMap::new(),
@@ -898,6 +902,12 @@ impl Actor {
     }
 }
 
+/// The first peek or subscribe ID of a controller of `epoch`: the epoch in
+/// the upper 32 bits, a counter from 1 in the lower.
+fn first_request_id(epoch: u64) -> u64 {
+    (epoch << 32) | 1
+}
+
 #[cfg(test)]
 mod tests {
     //! What a replica sends cannot make the controller keep more than a
@@ -1111,6 +1121,43 @@ mod tests {
         let err = answer.try_recv().expect("answered").unwrap_err();
         assert!(err.to_string().contains("exceeds"), "{err}");
         assert!(h.actor.peeks.is_empty());
+    }
+
+    /// The campaign's defect (seed 6, barrier): after an environment
+    /// restart, a restarted replica replayed an earlier controller's peek
+    /// from the command log, and its answer, carrying the same peek ID as
+    /// the new controller's first peek, was taken as that peek's answer.
+    /// IDs now carry the epoch: the old answer matches nothing.
+    #[tokio::test]
+    async fn an_answer_to_an_earlier_controllers_peek_is_not_taken_for_ours() {
+        let mut h = connected(1, 1).await;
+        let (reply, mut answer) = oneshot::channel();
+        h.actor.on_request(Request::Peek {
+            collection: 1001,
+            timestamp: 0,
+            reply,
+        });
+        let ours = h.actor.next_peek_id - 1;
+        // The same counter value under the previous epoch (0): what the
+        // earlier controller's first peek was numbered.
+        let earlier = first_request_id(0);
+        assert_ne!(earlier, ours);
+        h.answer(
+            0,
+            ResponseKind::PeekResponse(PeekResponse {
+                peek_id: earlier,
+                result: PeekResult::Rows(vec![(vec![666], 1)]),
+            }),
+        );
+        assert!(answer.try_recv().is_err(), "an earlier peek's rows were taken");
+        h.answer(
+            0,
+            ResponseKind::PeekResponse(PeekResponse {
+                peek_id: ours,
+                result: PeekResult::Rows(vec![(vec![1], 1)]),
+            }),
+        );
+        assert_eq!(answer.try_recv().expect("answered").unwrap(), vec![(vec![1], 1)]);
     }
 
     #[tokio::test]
