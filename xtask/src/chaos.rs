@@ -39,13 +39,13 @@ pub const SUITES: [&str; 3] = ["orphans", "distribution", "security"];
 /// `lockstep-chaos-campaign`.
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct CampaignArgs {
-    /// For `campaign`: the seeds, `A..B` (B excluded) or `A..=B` (default 1..=4).
+    /// For `campaign`: the seeds, `A..B` (B excluded) or `A..=B` (default 1..=6).
     #[arg(long)]
     pub seeds: Option<String>,
     /// For `campaign`: one seed (replays a failing one).
     #[arg(long, conflicts_with = "seeds")]
     pub seed: Option<u64>,
-    /// For `campaign`: operations per seed (default 40).
+    /// For `campaign`: operations per seed (default 50).
     #[arg(long)]
     pub steps: Option<usize>,
     /// For `campaign`: run only these operations of the seed (`I,J,...`; a shrunk history).

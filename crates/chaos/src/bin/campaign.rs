@@ -25,14 +25,27 @@
 //! - **liveness of processes** exactly the catalog's replicas have
 //!   processes, all of them alive.
 //!
-//! I1 (equal creation logs on every worker) is not exposed by the
-//! environment's API or by a per-process status, so the campaign cannot
-//! check it directly; a divergence shows up here only through its effects
-//! (hangs: I2, wrong answers: I3). The distribution suite checks I1 on
-//! replicas it drives itself.
+//! - **I1** (indirectly) the workers' creation logs are not exposed by the
+//!   environment's API or by a per-process status. The campaign checks them
+//!   through the environment's own history check: at the end it kills the
+//!   environment once more and starts it again; on that last connection the
+//!   controller compares every worker's creation log and installed
+//!   dataflows, and logs `workers disagree about what they applied` on a
+//!   difference (read from its stderr, which must be at `warn` or finer:
+//!   `LOCKSTEP_CAMPAIGN_LOG`, default `warn`), which is a violation of I1.
+//!
+//! Each seed's line also counts the history mismatches the environment
+//! repaired during the run (the hard case reached: workers that applied
+//! different commands) and the replica restarts for lost lockstep.
+//!
+//! Note on `naive`: through `lockstep serve` a WASM policy choosing `naive`
+//! is still protected by the history check on connect (a mismatching naive
+//! session's InitializationComplete is sent with `barrier`, so the replica
+//! reconciles collectively; a silent process gets the replica restarted),
+//! so `naive` is repaired whenever the campaign makes workers diverge.
 //!
 //! Usage: `lockstep-chaos-campaign [--seeds A..B | --seed S] [--steps N]
-//! [--strategy X ...] [--keep I,J,...] [--shrink]` (default: seeds 1..4, 40
+//! [--strategy X ...] [--keep I,J,...] [--shrink]` (default: seeds 1..=6, 50
 //! steps, strategies broadcast barrier log naive). Prints one line per seed,
 //! the replay command of a failing one, then the reporting contract's JSON
 //! line per strategy (suite `campaign`). Exits non-zero if a strategy that
@@ -1077,9 +1090,60 @@ impl Run {
                 ),
             ));
         }
+        // I1, through the environment's own history check on a last
+        // connection.
+        let log_path = self.sandbox.path().join("campaign-env.stderr");
+        let offset = std::fs::metadata(&log_path).map(|m| m.len()).unwrap_or(0);
+        self.world.log(format!(
+            "{i} kill -9 environment for the I1 probe, start it again"
+        ));
+        self.restart_env(None).await?;
+        let probe_deadline = Instant::now() + RECOVERY;
+        let k = self
+            .world
+            .dataflows
+            .iter()
+            .position(|d| d.identity)
+            .ok_or_else(|| "no identity dataflow".to_string())?;
+        while !self.peek(i, k, "probe peek").await? {
+            if Instant::now() > probe_deadline {
+                return Err(violation(
+                    "I2",
+                    format!("after a last restart of the environment (no fault) the replica did not answer within {RECOVERY:?}"),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        if let Some(a) = self.world.answers.last() {
+            let want = self.world.reference(&a.plan, a.time);
+            if a.rows != want {
+                return Err(violation(
+                    "I3",
+                    format!(
+                        "after a last restart of the environment, {} at {}: {}",
+                        a.collection,
+                        a.time,
+                        model::diff(&a.rows, &want)
+                    ),
+                ));
+            }
+        }
+        let text = std::fs::read(&log_path).unwrap_or_default();
+        let last = String::from_utf8_lossy(&text[(offset as usize).min(text.len())..]).into_owned();
+        if let Some(line) = last.lines().find(|l| l.contains("workers disagree")) {
+            return Err(violation(
+                "I1",
+                format!("after recovery, on a clean reconnection, the workers' creation logs or installed dataflows differ: {}", strip_ansi(line)),
+            ));
+        }
+        let unchecked = last.contains("without the history check");
+        let all = String::from_utf8_lossy(&text).into_owned();
+        let mismatches = all.matches("workers disagree").count();
+        let lost = all.matches("lost lockstep").count();
         Ok(format!(
-            "recovered in {:.1} s, {restarts} process restarts",
-            recovered.as_secs_f64()
+            "recovered in {:.1} s, {restarts} process restarts, {mismatches} history mismatches repaired, {lost} lost-lockstep reports{}",
+            recovered.as_secs_f64(),
+            if unchecked { ", I1 probe: NOT CHECKED (a worker did not answer Hello in time)" } else { ", I1 probe ok" }
         ))
     }
 
@@ -1138,6 +1202,24 @@ impl Run {
         }
         Ok(())
     }
+}
+
+/// A log line without its terminal colours.
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::new();
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// Runs one seed with `keep` (indices of the operations to run; all if
@@ -1286,8 +1368,8 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
-        seeds: (1..=4).collect(),
-        steps: 40,
+        seeds: (1..=6).collect(),
+        steps: 50,
         strategies: Vec::new(),
         keep: None,
         shrink: false,
@@ -1421,7 +1503,7 @@ fn main() {
                         args.steps,
                         strategy,
                         &outcome,
-                        Duration::from_secs(900),
+                        Duration::from_secs(300),
                         &scratch,
                     ));
                     let kept: Vec<String> = kept.iter().map(|i| i.to_string()).collect();
