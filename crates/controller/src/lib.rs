@@ -98,6 +98,9 @@ impl ReplicaAddrs {
     }
 }
 
+/// Batches of one subscription that may wait for its receiver.
+pub const SUBSCRIBE_CHANNEL_BATCHES: usize = 1024;
+
 /// Timeouts and intervals.
 #[derive(Clone, Debug)]
 pub struct Timeouts {
@@ -159,7 +162,7 @@ pub(crate) enum Request {
     Subscribe {
         collection: u64,
         as_of: Timestamp,
-        sink: mpsc::UnboundedSender<Result<SubscribeBatch, ControllerError>>,
+        sink: mpsc::Sender<Result<SubscribeBatch, ControllerError>>,
     },
     Statuses {
         full: bool,
@@ -340,6 +343,10 @@ impl Controller {
     }
 
     /// Streams a collection's changes from `as_of`, merged over all processes.
+    /// At most [`SUBSCRIBE_CHANNEL_BATCHES`] batches wait for the receiver: a
+    /// receiver that falls that far behind gets an error as its last item
+    /// and the subscription ends (a stalled client is cut off, not
+    /// buffered).
     /// The stream ends after the batch with the empty upper, or with
     /// [`ControllerError::Dropped`] when the collection is dropped; dropping
     /// the receiver cancels the subscription (on the replica too, and it
@@ -348,9 +355,8 @@ impl Controller {
         &self,
         collection: u64,
         as_of: Timestamp,
-    ) -> Result<mpsc::UnboundedReceiver<Result<SubscribeBatch, ControllerError>>, ControllerError>
-    {
-        let (sink, rx) = mpsc::unbounded_channel();
+    ) -> Result<mpsc::Receiver<Result<SubscribeBatch, ControllerError>>, ControllerError> {
+        let (sink, rx) = mpsc::channel(SUBSCRIBE_CHANNEL_BATCHES);
         self.request(Request::Subscribe {
             collection,
             as_of,

@@ -1121,8 +1121,7 @@ impl Environment {
         replica_name: &str,
         collection_id: u64,
         as_of: Timestamp,
-    ) -> Result<mpsc::UnboundedReceiver<Result<SubscribeBatch, ControllerError>>, ComputeError>
-    {
+    ) -> Result<mpsc::Receiver<Result<SubscribeBatch, ControllerError>>, ComputeError> {
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
         let desc = self.check_exported(&replica, collection_id)?;

@@ -460,7 +460,9 @@ impl EnvironmentApi for EnvironmentService {
                 .env
                 .subscribe(&r.replica, r.collection_id, r.as_of)
                 .map_err(compute_status)?;
-            let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|b| {
+            // Bounded: a client that stops reading is cut off by the
+            // controller (`SUBSCRIBE_CHANNEL_BATCHES`), not buffered.
+            let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(|b| {
                 let b = b.map_err(|e| compute_status(e.into()))?;
                 let kind: lockstep_protocol::proto::response::Kind =
                     lockstep_protocol::ResponseKind::SubscribeResponse(b).into();

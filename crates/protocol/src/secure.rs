@@ -126,17 +126,7 @@ pub async fn initiate<S: AsyncRead + AsyncWrite + Unpin>(
     replica_id: u64,
     process_index: u32,
 ) -> Result<Session, SecureError> {
-    let prologue = prologue(replica_id, process_index);
-    let mut hs = builder(key.bytes(), &prologue)?
-        .build_initiator()
-        .map_err(noise)?;
-    let mut buf = [0u8; MAX_HANDSHAKE_MESSAGE];
-    let n = hs.write_message(&[], &mut buf).map_err(noise)?;
-    write_message(s, &buf[..n]).await?;
-    let answer = read_message(s).await?;
-    hs.read_message(&answer, &mut buf)
-        .map_err(|_| SecureError::NotProven)?;
-    Ok(Session(Box::new(hs.into_transport_mode().map_err(noise)?)))
+    handshake(s, key, replica_id, process_index, true).await
 }
 
 /// The replica process's side: requires the controller to prove the key,
@@ -147,16 +137,38 @@ pub async fn respond<S: AsyncRead + AsyncWrite + Unpin>(
     replica_id: u64,
     process_index: u32,
 ) -> Result<Session, SecureError> {
+    handshake(s, key, replica_id, process_index, false).await
+}
+
+/// Both sides of the handshake: the initiator writes the first message and
+/// reads the second, the responder the other way round. A message that
+/// does not authenticate is [`SecureError::NotProven`].
+async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    key: &SessionKey,
+    replica_id: u64,
+    process_index: u32,
+    initiator: bool,
+) -> Result<Session, SecureError> {
     let prologue = prologue(replica_id, process_index);
-    let mut hs = builder(key.bytes(), &prologue)?
-        .build_responder()
-        .map_err(noise)?;
+    let builder = builder(key.bytes(), &prologue)?;
+    let mut hs = if initiator {
+        builder.build_initiator()
+    } else {
+        builder.build_responder()
+    }
+    .map_err(noise)?;
     let mut buf = [0u8; MAX_HANDSHAKE_MESSAGE];
-    let first = read_message(s).await?;
-    hs.read_message(&first, &mut buf)
-        .map_err(|_| SecureError::NotProven)?;
-    let n = hs.write_message(&[], &mut buf).map_err(noise)?;
-    write_message(s, &buf[..n]).await?;
+    for writes in [initiator, !initiator] {
+        if writes {
+            let n = hs.write_message(&[], &mut buf).map_err(noise)?;
+            write_message(s, &buf[..n]).await?;
+        } else {
+            let message = read_message(s).await?;
+            hs.read_message(&message, &mut buf)
+                .map_err(|_| SecureError::NotProven)?;
+        }
+    }
     Ok(Session(Box::new(hs.into_transport_mode().map_err(noise)?)))
 }
 

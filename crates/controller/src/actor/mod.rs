@@ -117,7 +117,7 @@ type StatusWaiter = (Option<(u64, u64)>, bool, oneshot::Sender<Vec<Status>>);
 pub(crate) struct Sub {
     collection: u64,
     pub(crate) merge: SubscribeMerge,
-    sink: mpsc::UnboundedSender<Result<SubscribeBatch, ControllerError>>,
+    sink: mpsc::Sender<Result<SubscribeBatch, ControllerError>>,
     /// What `merge` holds back (updates at or past the meet of the parts'
     /// uppers), as estimated bytes per time, and their sum: the mirror of
     /// `merge`'s buffer that bounds it.
@@ -131,7 +131,7 @@ impl Sub {
     fn new(
         collection: u64,
         parts: usize,
-        sink: mpsc::UnboundedSender<Result<SubscribeBatch, ControllerError>>,
+        sink: mpsc::Sender<Result<SubscribeBatch, ControllerError>>,
     ) -> Sub {
         Sub {
             collection,
@@ -481,7 +481,7 @@ impl Actor {
                         .collect();
                     for id in ended {
                         let sub = self.subs.remove(&id).expect("listed");
-                        let _ = sub.sink.send(Err(ControllerError::Dropped {
+                        let _ = sub.sink.try_send(Err(ControllerError::Dropped {
                             collection: *collection_id,
                         }));
                     }
@@ -667,10 +667,29 @@ impl Actor {
                 let id = b.subscribe_id;
                 if let Some(sub) = self.subs.get_mut(&id) {
                     let (out, held) = sub.push(p, b);
+                    let mut stalled = false;
                     if let Some(out) = out {
-                        let _ = sub.sink.send(Ok(out));
+                        if sub.sink.capacity() <= 1 {
+                            // The receiver stopped reading: the last slot
+                            // carries the error, and the subscription ends
+                            // here and on the replica.
+                            let _ = sub.sink.try_send(Err(ControllerError::Replica(format!(
+                                "subscription {id}: the client left more than {} batches unread; ended",
+                                crate::SUBSCRIBE_CHANNEL_BATCHES - 1
+                            ))));
+                            stalled = true;
+                        } else {
+                            let _ = sub.sink.try_send(Ok(out));
+                        }
                     }
-                    if sub.merge.is_done() {
+                    if stalled {
+                        tracing::warn!(
+                            subscribe_id = id,
+                            "a subscriber did not keep up; ending its subscription"
+                        );
+                        self.subs.remove(&id);
+                        self.send(CommandKind::CancelSubscribe { subscribe_id: id });
+                    } else if sub.merge.is_done() {
                         self.subs.remove(&id);
                     } else if held > self.limits.subscribe_buffer_bytes {
                         let limit = self.limits.subscribe_buffer_bytes;
@@ -682,7 +701,7 @@ impl Actor {
                         let sub = self.subs.remove(&id).expect("present");
                         let _ = sub
                             .sink
-                            .send(Err(ControllerError::Replica(message.clone())));
+                            .try_send(Err(ControllerError::Replica(message.clone())));
                         self.refuse_answer(p, message);
                         self.history
                             .push(CommandKind::CancelSubscribe { subscribe_id: id });
@@ -1149,7 +1168,10 @@ mod tests {
                 result: PeekResult::Rows(vec![(vec![666], 1)]),
             }),
         );
-        assert!(answer.try_recv().is_err(), "an earlier peek's rows were taken");
+        assert!(
+            answer.try_recv().is_err(),
+            "an earlier peek's rows were taken"
+        );
         h.answer(
             0,
             ResponseKind::PeekResponse(PeekResponse {
@@ -1157,7 +1179,10 @@ mod tests {
                 result: PeekResult::Rows(vec![(vec![1], 1)]),
             }),
         );
-        assert_eq!(answer.try_recv().expect("answered").unwrap(), vec![(vec![1], 1)]);
+        assert_eq!(
+            answer.try_recv().expect("answered").unwrap(),
+            vec![(vec![1], 1)]
+        );
     }
 
     #[tokio::test]
@@ -1205,11 +1230,41 @@ mod tests {
         })
     }
 
+    /// A client that stops reading is cut off with an error as its last
+    /// item, not buffered without end; the session goes on.
+    #[tokio::test]
+    async fn a_stalled_subscriber_is_cut_off_not_buffered() {
+        let mut h = connected(1, 1).await;
+        let (sink, mut out) = mpsc::channel(crate::SUBSCRIBE_CHANNEL_BATCHES);
+        h.actor.on_request(Request::Subscribe {
+            collection: 1001,
+            as_of: 0,
+            sink,
+        });
+        let id = h.actor.next_subscribe_id - 1;
+        for t in 0..crate::SUBSCRIBE_CHANNEL_BATCHES as u64 + 10 {
+            h.answer(0, batch(id, t, Some(t + 1), t..t + 1));
+        }
+        assert_eq!(h.ended(), None, "the session goes on");
+        assert!(h.actor.subs.is_empty(), "the subscription ended");
+        let mut items = 0;
+        let mut last = None;
+        while let Ok(item) = out.try_recv() {
+            items += 1;
+            last = Some(item);
+        }
+        assert_eq!(items, crate::SUBSCRIBE_CHANNEL_BATCHES);
+        let err = last
+            .expect("items")
+            .expect_err("the last item is the error");
+        assert!(err.to_string().contains("unread"), "{err}");
+    }
+
     #[tokio::test]
     async fn a_subscription_held_back_past_the_bound_ends_the_session() {
         let mut h = connected(2, 1).await;
         h.actor.limits.subscribe_buffer_bytes = 100 * update_bytes(1);
-        let (sink, mut out) = mpsc::unbounded_channel();
+        let (sink, mut out) = mpsc::channel(crate::SUBSCRIBE_CHANNEL_BATCHES);
         h.actor.on_request(Request::Subscribe {
             collection: 1001,
             as_of: 0,
