@@ -324,14 +324,21 @@ lockstep-policy-sdk.workspace = true
         crate_dir.join("src/lib.rs"),
         r#"//! `naive` for every command: the negative control of the campaign.
 
-use lockstep_policy_sdk::distribution::{CommandInfo, Distribution, Strategy};
+use lockstep_policy_sdk::distribution::{
+    CommandInfo, Distribution, MismatchAction, MismatchInfo, Strategy,
+};
 
-/// Naive for every command.
+/// Naive for every command, and a restart (which the campaign's negative
+/// control turns off) rather than a collective reconciliation on a history
+/// mismatch: nothing repairs what naive delivery breaks.
 pub struct Naive;
 
 impl Distribution for Naive {
     fn choose(_info: &CommandInfo) -> Strategy {
         Strategy::Naive
+    }
+    fn on_mismatch(_info: &MismatchInfo) -> MismatchAction {
+        MismatchAction::RestartReplica
     }
 }
 

@@ -111,6 +111,10 @@ pub struct Compute {
     metrics: Arc<crate::metrics::Metrics>,
     /// Whether a WASM distribution policy may choose `naive`.
     allow_naive: std::sync::atomic::AtomicBool,
+    /// Whether controller events (a silent process, lost lockstep, a
+    /// history mismatch) restart replicas: off only in the negative control
+    /// of the seeded campaign.
+    restarts: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Drop for Compute {
@@ -190,6 +194,7 @@ impl Default for Compute {
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN.into(),
             metrics: Default::default(),
             allow_naive: false.into(),
+            restarts: Arc::new(true.into()),
         }
     }
 }
@@ -219,6 +224,14 @@ impl Compute {
             .expect("poisoned")
             .get(&replica_id)
             .cloned()
+    }
+
+    /// Turns the environment's replica restarts on controller events off
+    /// (an experiment for the negative control: without them, nothing
+    /// repairs a replica that `naive` delivery broke).
+    pub fn set_replica_restarts(&self, on: bool) {
+        self.restarts
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Lets a WASM distribution policy choose `naive` (an experiment: the
@@ -330,6 +343,7 @@ impl Compute {
             restarter,
             interval: self.restart_interval,
             ping_bound: PING_BOUND,
+            restarts: Arc::clone(&self.restarts),
         };
         let events = controller.events();
         let services = watcher.restarter.orchestrator.watch_services();
@@ -407,6 +421,7 @@ struct Watcher {
     restarter: Restarter,
     interval: Duration,
     ping_bound: Duration,
+    restarts: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Watcher {
@@ -583,6 +598,10 @@ impl Watcher {
     async fn restart(&self, reason: &str) -> bool {
         if self.restarter.halt.borrow().is_some() {
             return false;
+        }
+        if !self.restarts.load(std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(replica = %self.replica, %reason, "not restarting the replica: restarts are turned off (experiment)");
+            return true;
         }
         tracing::warn!(
             replica = %self.replica,
@@ -1267,6 +1286,7 @@ mod tests {
             },
             interval: INTERVAL,
             ping_bound: Duration::from_millis(100),
+            restarts: Arc::new(true.into()),
         };
         let (tx, rx) = broadcast::channel(16);
         let services = w.restarter.orchestrator.watch_services();

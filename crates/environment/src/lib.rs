@@ -632,6 +632,14 @@ impl Environment {
         })
     }
 
+    /// Turns off the replica restarts that controller events trigger (a
+    /// silent process, lost lockstep, a history mismatch): for the negative
+    /// control of the seeded campaign only (`lockstep serve
+    /// --experiments-no-replica-restarts`).
+    pub fn set_replica_restarts(&self, on: bool) {
+        self.compute.set_replica_restarts(on);
+    }
+
     /// Asks every API call for `token` (`authorization: Bearer TOKEN`).
     pub fn with_api_token(mut self, token: Option<String>) -> Self {
         self.api_token = token;

@@ -273,6 +273,11 @@ struct ServeArgs {
     /// otherwise, with the fallback `barrier` used instead.
     #[arg(long)]
     experiments_allow_naive: bool,
+    /// Never restart a replica on a controller event (a silent process,
+    /// lost lockstep, a history mismatch): the negative control of the
+    /// seeded campaign, which shows what those restarts repair.
+    #[arg(long, hide = true)]
+    experiments_no_replica_restarts: bool,
     /// Where the catalog and the replicas' command logs live: omitted, SQLite
     /// files in the state directory (the embedded default); or a PostgreSQL
     /// database, `postgres://USER@HOST:PORT/DB`, shared by environments on
@@ -847,6 +852,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             Environment::start_with(config, factory).await?
         }
     };
+    if args.experiments_no_replica_restarts {
+        tracing::warn!("replica restarts on controller events are off (experiment)");
+        env.set_replica_restarts(false);
+    }
     let metrics_note = match metrics_listener {
         Some(l) => {
             let at = l.local_addr()?;

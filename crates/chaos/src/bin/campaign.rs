@@ -139,7 +139,13 @@ impl Env {
             .stderr(stderr)
             .kill_on_drop(true);
         if naive {
-            cmd.arg("--experiments-allow-naive");
+            // The negative control: naive delivery, and none of the
+            // environment's repairs (restarts on a silent process, lost
+            // lockstep or a history mismatch) behind it.
+            cmd.args([
+                "--experiments-allow-naive",
+                "--experiments-no-replica-restarts",
+            ]);
         }
         match failpoints {
             Some(fp) => cmd.env("FAILPOINTS", fp),
