@@ -1,0 +1,234 @@
+//! One process of a service: where it runs (placement on a simulated host),
+//! its ports and command line, its explicit environment and private log,
+//! starting it in its own process group, and killing it (only if it is
+//! still ours).
+
+use super::*;
+
+impl Inner {
+    /// Starts process `i` of `record`; returns its PID and start time.
+    pub(super) fn spawn(&self, record: &ServiceRecord, i: usize) -> std::io::Result<(u32, u64)> {
+        let log_path = self.log_path(&record.name, i);
+        if std::fs::metadata(&log_path).is_ok_and(|m| m.len() > self.config.log_rotate_bytes) {
+            std::fs::rename(&log_path, log_path.with_extension("log.1"))?;
+        }
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&log_path)?;
+        let mut cmd = match &record.processes[i].namespace {
+            // `ip netns exec` enters the namespace, mounts
+            // /etc/netns/NS/hosts over /etc/hosts and execs: the PID is the
+            // program's.
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&record.program);
+                c
+            }
+            None => Command::new(&record.program),
+        };
+        cmd.args(&record.processes[i].argv)
+            // An explicit environment: what the service's spec gives and the
+            // few variables a process needs, nothing inherited from the
+            // controller (its API token, its store URL, its failpoints).
+            .env_clear()
+            .envs(
+                INHERITED_ENV
+                    .iter()
+                    .filter_map(|k| std::env::var_os(k).map(|v| (*k, v))),
+            )
+            .envs(&record.env)
+            .env("LOCKSTEP_SERVICE", &record.name)
+            .env("LOCKSTEP_PROCESS", i.to_string())
+            .env(GENERATION_ENV, record.generation.to_string())
+            .env(
+                ORCHESTRATOR_ENV,
+                std::path::absolute(&self.config.state_dir)
+                    .unwrap_or_else(|_| self.config.state_dir.clone()),
+            )
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .process_group(0);
+        let child = cmd.spawn()?;
+        let pid = child.id();
+        // If it died at once (a zombie we can read no more of), 0 is a start
+        // time that never matches, so it counts as dead.
+        let start = proc_start_time(pid).unwrap_or_default();
+        self.children.lock().expect("poisoned").insert(pid, child);
+        tracing::info!(service = %record.name, process = i, pid, "started");
+        Ok((pid, start))
+    }
+
+    /// Kills the process group of a recorded process, if it is still ours.
+    pub(super) fn kill(&self, service: &str, i: usize, pid: u32, start_time: u64) {
+        // Signal only a leader that is alive and ours: a PID whose process
+        // exited may already belong to someone else.
+        let ours = match self.children.lock().expect("poisoned").get_mut(&pid) {
+            Some(child) => matches!(child.try_wait(), Ok(None)),
+            None => proc_alive(pid, start_time),
+        };
+        if ours {
+            let pg = nix::unistd::Pid::from_raw(pid as i32);
+            if let Err(e) = nix::sys::signal::killpg(pg, nix::sys::signal::Signal::SIGKILL) {
+                if e != nix::errno::Errno::ESRCH {
+                    tracing::warn!(service, process = i, pid, "killpg failed: {e}");
+                }
+            }
+        }
+        if let Some(mut child) = self.children.lock().expect("poisoned").remove(&pid) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        // Wait (bounded) until it is gone, so callers see it dead.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while proc_alive(pid, start_time) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Whether the process we recorded still runs; reaps it if it is our child.
+    pub(super) fn alive(&self, pid: u32, start_time: u64) -> bool {
+        let mut children = self.children.lock().expect("poisoned");
+        if let Some(child) = children.get_mut(&pid) {
+            // A reaped child stays in the map (its status cached) until
+            // `exit_status` takes it.
+            return matches!(child.try_wait(), Ok(None));
+        }
+        drop(children);
+        proc_alive(pid, start_time)
+    }
+
+    pub(super) fn exit_status(&self, pid: u32) -> String {
+        match self.children.lock().expect("poisoned").remove(&pid) {
+            Some(mut child) => match child.try_wait() {
+                Ok(Some(status)) => status.to_string(),
+                _ => "exited".to_string(),
+            },
+            None => "exited (not our child)".to_string(),
+        }
+    }
+
+    /// The log of process `i` of service `name` (`.log.1` beside it is the
+    /// rotated one).
+    pub(super) fn log_path(&self, name: &str, i: usize) -> PathBuf {
+        self.config
+            .state_dir
+            .join("logs")
+            .join(format!("{name}-{i}.log"))
+    }
+
+    pub(super) fn placement(&self, i: usize) -> Placement {
+        match &self.hosts {
+            None => Placement {
+                host: HOST.to_string(),
+                listen_host: HOST,
+                namespace: None,
+                address: None,
+            },
+            Some(hosts) => {
+                let k = i % hosts.count();
+                Placement {
+                    host: hosts.namespace(k),
+                    listen_host: "0.0.0.0",
+                    namespace: Some(hosts.namespace(k)),
+                    address: Some(hosts.control_addr(k)),
+                }
+            }
+        }
+    }
+}
+
+/// The variables a service's process inherits from the orchestrator's
+/// environment; everything else it gets comes from its spec.
+pub(super) const INHERITED_ENV: [&str; 6] =
+    ["PATH", "RUST_LOG", "RUST_BACKTRACE", "LANG", "TZ", "TMPDIR"];
+
+/// Where process `i` runs: its host as peers name it, the address it binds,
+/// its namespace and its address from here.
+pub(super) struct Placement {
+    pub(super) host: String,
+    pub(super) listen_host: &'static str,
+    pub(super) namespace: Option<String>,
+    pub(super) address: Option<IpAddr>,
+}
+
+/// Every process's command line for `ports` (one map per process).
+pub(super) fn argv_for(
+    args: &ArgsFn,
+    placements: &[Placement],
+    ports: &[BTreeMap<String, u16>],
+) -> Vec<Vec<String>> {
+    let hosts: Vec<String> = placements.iter().map(|p| p.host.clone()).collect();
+    (0..ports.len())
+        .map(|i| {
+            args(&ServiceAssignment {
+                process: i,
+                scale: ports.len(),
+                host: &hosts[i],
+                hosts: &hosts,
+                listen_host: placements[i].listen_host,
+                ports,
+            })
+        })
+        .collect()
+}
+
+/// The socket addresses of one process's named ports, at `address` (its
+/// simulated host's) or on loopback.
+pub(super) fn addresses(
+    address: Option<IpAddr>,
+    ports: &BTreeMap<String, u16>,
+) -> BTreeMap<String, SocketAddr> {
+    let ip = address.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    ports
+        .iter()
+        .map(|(n, port)| (n.clone(), SocketAddr::new(ip, *port)))
+        .collect()
+}
+
+/// Whether another socket listens on `port` (so a process given it cannot
+/// bind it).
+pub(super) fn port_held(port: u16) -> bool {
+    matches!(
+        TcpListener::bind((HOST, port)),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse
+    )
+}
+
+pub(super) fn allocate_ports(
+    scale: usize,
+    names: &[String],
+) -> std::io::Result<Vec<BTreeMap<String, u16>>> {
+    // Hold every listener until all are allocated, so no two coincide.
+    let mut held = Vec::new();
+    let mut out = Vec::new();
+    for _ in 0..scale {
+        let mut ports = BTreeMap::new();
+        for n in names {
+            let l = TcpListener::bind((HOST, 0))?;
+            ports.insert(n.clone(), l.local_addr()?.port());
+            held.push(l);
+        }
+        out.push(ports);
+    }
+    Ok(out)
+}
+
+/// Finds an executable: a path with a slash is checked as is, a bare name is
+/// looked up in `PATH`. Returns the absolute path.
+pub(super) fn resolve_program(program: &Path) -> Option<PathBuf> {
+    let executable = |p: &Path| {
+        std::fs::metadata(p)
+            .ok()
+            .filter(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .map(|_| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()))
+    };
+    if program.components().count() > 1 || program.is_absolute() {
+        return executable(program);
+    }
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths).find_map(|dir| executable(&dir.join(program)))
+    })
+}
