@@ -140,11 +140,12 @@ fn orphans() -> anyhow::Result<()> {
     run_suite_binary(bin, &["orphans"], "orphans", 9)
 }
 
-/// The security suite: attacks on real replicas and a real environment
-/// (`crates/chaos/src/bin/security.rs`); `authenticated` must pass, `open`
-/// (no session key, no API token) must be caught.
-fn security() -> anyhow::Result<()> {
-    step("building lockstep, lockstep-replica and lockstep-chaos-security");
+/// Builds `lockstep`, `lockstep-replica` and the chaos binaries (`suite`
+/// named in the step) with the test features: the suites that drive a real
+/// `lockstep serve` (the controller's failpoints reach `lockstep` through
+/// lockstep-chaos, features being unified).
+fn build_with_environment(suite: &str) -> anyhow::Result<()> {
+    step(&format!("building lockstep, lockstep-replica and {suite}"));
     let mut cmd = cargo();
     cmd.args([
         "build",
@@ -158,7 +159,14 @@ fn security() -> anyhow::Result<()> {
         "--features",
         crate::tasks::TEST_FEATURES,
     ]);
-    run(cmd)?;
+    run(cmd)
+}
+
+/// The security suite: attacks on real replicas and a real environment
+/// (`crates/chaos/src/bin/security.rs`); `authenticated` must pass, `open`
+/// (no session key, no API token) must be caught.
+fn security() -> anyhow::Result<()> {
+    build_with_environment("lockstep-chaos-security")?;
     let bin = target_dir().join("debug").join("lockstep-chaos-security");
     run_suite_binary(bin, &[], "security", 3)
 }
@@ -222,23 +230,7 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
 /// policy for the negative control; runs the strategies (default:
 /// broadcast barrier log naive).
 fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
-    step("building lockstep, lockstep-replica and lockstep-chaos-campaign (with failpoints)");
-    let mut cmd = cargo();
-    cmd.args([
-        "build",
-        "-p",
-        "lockstep-environment",
-        "-p",
-        "lockstep-replica",
-        "-p",
-        "lockstep-chaos",
-        "--bins",
-        "--features",
-        // The same build as `security`'s: `lockstep` gets the controller's
-        // failpoints through lockstep-chaos (features are unified).
-        crate::tasks::TEST_FEATURES,
-    ]);
-    run(cmd)?;
+    build_with_environment("lockstep-chaos-campaign")?;
     let shipped = crate::policies::out_dir();
     if ["broadcast", "barrier", "log"]
         .iter()

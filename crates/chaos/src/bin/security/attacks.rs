@@ -408,6 +408,11 @@ pub(super) async fn keyless_peer_gets_nothing(id: u64, v: Variant) -> Result<(),
             &mut hello,
         )
         .map_err(|e| e.to_string())?;
+    // The process listens (a refused connection would be a harness error,
+    // not a pass): then what a keyless peer's Hello gets.
+    TcpStream::connect(addr)
+        .await
+        .map_err(|e| Failure::Harness(format!("process 0 does not listen: {e}")))?;
     let answer = first_answer(addr, &hello).await;
     c.shutdown();
     match answer {
@@ -422,7 +427,7 @@ pub(super) async fn keyless_peer_gets_nothing(id: u64, v: Variant) -> Result<(),
 /// Every file of the state directory that holds or derives a key is 0600 in
 /// a 0700 directory; a replica process's environment holds none of the
 /// environment's own secrets (its API token).
-pub(super) async fn keys_at_rest_and_in_children(v: Variant) -> Result<(), Failure> {
+pub(super) async fn keys_at_rest_and_in_children(_v: Variant) -> Result<(), Failure> {
     let state = tempfile::tempdir().map_err(|e| e.to_string())?;
     let token = "a-token-that-must-stay-in-the-environment";
     let env_vars = [("LOCKSTEP_API_TOKEN".to_string(), PathBuf::from(token))];
@@ -473,8 +478,6 @@ pub(super) async fn keys_at_rest_and_in_children(v: Variant) -> Result<(), Failu
                 format!("secrets readable by other users: {}", wide.join(", ")),
             ));
         }
-        let pids = lockstep_orchestrator::process::strays(&orchestrator);
-        let _ = pids;
         Ok(())
     })();
     // The replica's processes (`sleep` here) and what they were given.
@@ -498,7 +501,6 @@ pub(super) async fn keys_at_rest_and_in_children(v: Variant) -> Result<(), Failu
     let _ = env.kill().await;
     let _ = kill_all_services(&state.path().join("orchestrator"));
     result?;
-    let _ = v;
     if leaked {
         return Err(violation(
             "S1",
@@ -540,7 +542,17 @@ async fn lying_process(
     id: u64,
     status: Option<Response>,
     flood: usize,
-) -> Result<(ReplicaAddrs, tokio::task::JoinHandle<()>), String> {
+) -> Result<
+    (
+        ReplicaAddrs,
+        tokio::task::JoinHandle<()>,
+        Arc<tokio::sync::Notify>,
+    ),
+    String,
+> {
+    // Told when a flood ended: every byte sent, or the connection cut.
+    let flood_done = Arc::new(tokio::sync::Notify::new());
+    let done = Arc::clone(&flood_done);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(|e| e.to_string())?;
@@ -551,6 +563,7 @@ async fn lying_process(
         while let Ok((mut s, _)) = listener.accept().await {
             let key = key.clone();
             let status = status.clone();
+            let done = Arc::clone(&done);
             tokio::spawn(async move {
                 let session = match &key {
                     Some(k) if !one_way => match secure::respond(&mut s, k, id, 0).await {
@@ -585,10 +598,11 @@ async fn lying_process(
                             let mut sent = 0;
                             while sent < flood {
                                 if framed.send(part.clone()).await.is_err() {
-                                    return;
+                                    break;
                                 }
                                 sent += 64 * 1024 * 8;
                             }
+                            done.notify_one();
                         }
                         CommandKind::StatusRequest { .. } => {
                             if let Some(r) = &status {
@@ -612,7 +626,7 @@ async fn lying_process(
         one_way_proof: one_way,
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
     };
-    Ok((addrs, task))
+    Ok((addrs, task, flood_done))
 }
 
 /// Waits (bounded) for the controller to end a session with a reason
@@ -649,7 +663,7 @@ pub(super) async fn lying_worker_index(id: u64, v: Variant) -> Result<(), Failur
             installed: Vec::new(),
         }),
     };
-    let (addrs, task) = lying_process(v, id, Some(lie), 0).await?;
+    let (addrs, task, _) = lying_process(v, id, Some(lie), 0).await?;
     let c = controller(&addrs);
     let ended = session_ended(&c, "does not own").await?;
     c.shutdown();
@@ -668,14 +682,20 @@ pub(super) async fn lying_worker_index(id: u64, v: Variant) -> Result<(), Failur
 /// off or ignored: the controller's memory stays bounded.
 pub(super) async fn parts_flood(id: u64, v: Variant) -> Result<(), Failure> {
     let before = rss_mib(std::process::id());
-    let (addrs, task) = lying_process(v, id, None, 512 << 20).await?;
+    let (addrs, task, flood_done) = lying_process(v, id, None, 512 << 20).await?;
     let c = controller(&addrs);
-    // Until the flood ended: the session was cut (a disconnect), or every
-    // byte was sent and dropped; bounded either way.
-    let _ = session_ended(&c, "").await?;
+    // Until the flood ended (every byte sent, or the connection cut by the
+    // controller), within 120 s: then what the controller kept is all it
+    // will keep of it.
+    let ended = tokio::time::timeout(Duration::from_secs(120), flood_done.notified()).await;
     let after = rss_mib(std::process::id());
     c.shutdown();
     task.abort();
+    if ended.is_err() {
+        return Err(Failure::Harness(
+            "the flood of peek parts neither ended nor was cut within 120 s".into(),
+        ));
+    }
     if after - before > 200.0 {
         return Err(violation(
             "S1",
