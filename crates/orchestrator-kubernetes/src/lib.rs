@@ -7,11 +7,15 @@
 //!
 //! - a headless Service `NAME` (`clusterIP: None`): the service's **record**
 //!   (labels [`EPOCH_LABEL`], [`ID_LABEL`], `lockstep/state: live`; the
-//!   config's labels in an annotation) and the DNS domain of its pods;
+//!   config's labels, the current *generation* and the pods' template
+//!   ([`objects::PodTemplate`]) in annotations) and the DNS domain of its
+//!   pods;
 //! - one pod `NAME-I` per process (hostname `NAME-I`, subdomain `NAME`), so
 //!   process *I* is `NAME-I.NAME.NAMESPACE.svc.DOMAIN` for its peers, with
-//!   `restartPolicy: Always` (the kubelet restarts a process that exits, as
-//!   the process backend's supervisors do);
+//!   its generation in the env [`objects::GENERATION_ENV`]
+//!   (`LOCKSTEP_GENERATION`) and the label [`objects::GENERATION_KEY`], and
+//!   `restartPolicy: Always` (the kubelet restarts a container that exits in
+//!   place; the backend then restarts the whole service, see *Shared fate*);
 //! - a Secret `NAME-env` with the config's environment (the replica's session
 //!   key among it), passed to the container with `envFrom`.
 //!
@@ -38,9 +42,14 @@
 //!   resourceVersion it read (or creates it). A 409 means someone wrote in
 //!   between: it reads again and decides again (at most
 //!   [`CONFLICT_ATTEMPTS`] times), never retries the same write blindly.
-//!   Then the Secret and the pods: a pod with the same spec hash is kept and
-//!   relabelled (adopted), a different one is deleted with preconditions and
-//!   re-created. Finally it reads the record once more: if a newer
+//!   The write keeps the record's generation. Then the Secret and the pods:
+//!   if none exists, every pod is created in the record's generation; if
+//!   every pod has the spec hash of its process in that generation (the
+//!   hash covers program, image, arguments, environment, ports and the
+//!   generation) and none died, they are kept and relabelled (adopted);
+//!   anything else (a changed spec, a pod missing, dead or of another
+//!   generation) is a whole restart as `restart_service` does it, with the
+//!   new spec. Finally it reads the record once more: if a newer
 //!   controller took it over meanwhile, it deletes the pods it created (with
 //!   preconditions) and refuses.
 //! - `drop_service` turns the record into a tombstone (a write with the
@@ -48,9 +57,50 @@
 //!   and Secret, each with the uid and resourceVersion it read. A 409 on a
 //!   pod means it changed (re-created by someone else): it reads again and
 //!   decides again.
-//! - `restart_service` checks the record's epoch, deletes each pod with
-//!   preconditions, waits until it is gone and creates it again with the
-//!   same spec.
+//! - `restart_service` is kill all, then start all: it checks the record's
+//!   epoch, raises the record's generation by one (a write with the
+//!   resourceVersion read; a 409 is read and decided again, a newer epoch
+//!   refused), deletes every pod with preconditions, waits until all are
+//!   gone, reads the record again (still ours, still our generation) and
+//!   only then creates every pod from the record's template in the new
+//!   generation.
+//!
+//! # Shared fate
+//!
+//! The processes of a replica form one timely cluster and must start
+//! together: a process started alone joins peers of another incarnation,
+//! which panic on the closed sockets of the one that died, and with the
+//! kubelet restarting each container in place (each with its own
+//! CrashLoopBackOff) they may never form a mesh again. So, as in the process
+//! backend, a service's pods live and die as one generation (the replica's
+//! mesh refuses a peer of another generation), and the backend restarts the
+//! whole service as a new generation when one of its pods dies:
+//!
+//! - While it runs: the pod watch (started by the first
+//!   [`watch_services`](Orchestrator::watch_services)) tells a shared-fate
+//!   task of every container restart (`restartCount` up), failed pod
+//!   (phase `Failed`) and deleted pod. The task gathers them for
+//!   [`KubernetesOrchestratorConfig::shared_fate_delay`] (1 s), so pods
+//!   dying together cause one restart, then, under this orchestrator's lock
+//!   of the service (its own ensure, drop and restart hold it too, so their
+//!   deletes and creates are never taken for deaths), reads the record and
+//!   the pods and restarts the service as a whole if a pod of the current
+//!   generation is missing, being deleted, failed, restarted in place, or
+//!   of another generation or spec. Not a service of a newer epoch, not a
+//!   dropped one, and not one whose generation moved since it looked
+//!   (someone else restarted it): those end quietly. A restart that fails
+//!   is tried again after a second.
+//! - Across an environment restart: every list of the watch (the first, and
+//!   each re-list after a dropped watch) checks every live service the same
+//!   way, so a pod that died while no environment ran (its container
+//!   `restartCount` above 0: a fresh pod starts at 0) restarts the whole
+//!   service; a service where nothing died keeps its pods.
+//!
+//! The bound: a death is acted on within the watch's latency plus the
+//! delay, and the new generation runs after the old pods' graceful shutdown
+//! (at most [`KubernetesOrchestratorConfig::delete_timeout`]). Between the
+//! death and the restart the kubelet may restart the container in place
+//! (`restartPolicy: Always`); that incarnation is replaced with the rest.
 //!
 //! The orphan rules are unchanged and see only [`list_services`]: they run
 //! against this backend through the trait.
@@ -68,8 +118,9 @@
 pub mod api_double;
 pub mod objects;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
@@ -83,16 +134,20 @@ use lockstep_orchestrator::{
     DropError, EnsureError, ListError, Orchestrator, ProcessStatus, RestartError, ServiceConfig,
     ServiceEvent, ServiceEventKind, ServiceStatus, StateError, EPOCH_LABEL, ID_LABEL,
 };
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, mpsc};
 
 use crate::objects::{
-    ObjectContext, DROPPED_BY_LABEL, LABELS_ANNOTATION, PROCESS_LABEL, RESTARTS_ANNOTATION,
-    SPEC_HASH_ANNOTATION, STATE_LABEL,
+    ObjectContext, PodTemplate, DROPPED_BY_LABEL, GENERATION_KEY, LABELS_ANNOTATION, PROCESS_LABEL,
+    RESTARTS_ANNOTATION, SERVICE_LABEL, SPEC_HASH_ANNOTATION, STATE_LABEL, TEMPLATE_ANNOTATION,
 };
 
 /// How often a write is decided again after a 409 Conflict before the call
 /// gives up with an error.
 pub const CONFLICT_ATTEMPTS: usize = 5;
+
+/// How long the shared-fate task waits before it retries a whole restart
+/// that failed (an API error, a pod that would not go).
+const SHARED_FATE_RETRY: Duration = Duration::from_secs(1);
 
 /// How to build a [`KubernetesOrchestrator`].
 #[derive(Clone, Debug)]
@@ -127,11 +182,19 @@ pub struct KubernetesOrchestratorConfig {
     pub delete_timeout: Duration,
     /// How often a wait polls.
     pub poll_interval: Duration,
+    /// Whether the backend restarts a whole service (a new generation) when
+    /// one of its pods dies (shared fate; see the crate docs). On by
+    /// default; only tests of the watch alone turn it off.
+    pub shared_fate: bool,
+    /// How long the shared-fate task gathers pod deaths before it acts, so
+    /// that pods dying together cause one restart.
+    pub shared_fate_delay: Duration,
 }
 
 impl KubernetesOrchestratorConfig {
     /// Defaults: environment `lockstep`, image `lockstep:latest`, domain
-    /// `cluster.local`, ports from 2100, conditional writes on, 60 s waits.
+    /// `cluster.local`, ports from 2100, conditional writes on, 60 s waits,
+    /// shared fate on with a 1 s delay.
     pub fn new(namespace: impl Into<String>, epoch: u64) -> Self {
         KubernetesOrchestratorConfig {
             namespace: namespace.into(),
@@ -146,34 +209,46 @@ impl KubernetesOrchestratorConfig {
             ready_timeout: Duration::from_secs(60),
             delete_timeout: Duration::from_secs(60),
             poll_interval: Duration::from_millis(250),
+            shared_fate: true,
+            shared_fate_delay: Duration::from_secs(1),
         }
     }
 }
 
 /// The Kubernetes backend. Cheap to share behind an `Arc`; dropping it stops
-/// its watch task.
+/// its watch and shared-fate tasks.
 pub struct KubernetesOrchestrator {
+    inner: Arc<Inner>,
+    /// The pod watch and the shared-fate task, started by the first
+    /// `watch_services`.
+    tasks: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+/// What the orchestrator and its tasks share.
+struct Inner {
     config: KubernetesOrchestratorConfig,
     services: Api<Service>,
     pods: Api<Pod>,
     secrets: Api<Secret>,
     events: broadcast::Sender<ServiceEvent>,
-    /// The pod watch, started by the first `watch_services`.
-    watcher: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// One lock per service: this orchestrator's ensure, drop, restart and
+    /// shared-fate restarts of a service never interleave, so the
+    /// shared-fate check never sees a half-done write of our own.
+    locks: std::sync::Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl std::fmt::Debug for KubernetesOrchestrator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KubernetesOrchestrator")
-            .field("config", &self.config)
+            .field("config", &self.inner.config)
             .finish_non_exhaustive()
     }
 }
 
 impl Drop for KubernetesOrchestrator {
     fn drop(&mut self) {
-        if let Some(w) = self.watcher.lock().expect("poisoned").take() {
-            w.abort();
+        for task in self.tasks.lock().expect("poisoned").drain(..) {
+            task.abort();
         }
     }
 }
@@ -216,6 +291,121 @@ enum Record {
     Dropped { by: u64, service: Box<Service> },
 }
 
+/// The record's current generation (0 if it has none).
+fn generation_of(record: &Service) -> u64 {
+    label_u64(record.annotations(), GENERATION_KEY).unwrap_or(0)
+}
+
+/// The pod template kept in the record.
+fn template_of(record: &Service) -> Result<PodTemplate, StateError> {
+    record
+        .annotations()
+        .get(TEMPLATE_ANNOTATION)
+        .and_then(|t| serde_json::from_str(t).ok())
+        .ok_or_else(|| StateError::Corrupt {
+            path: format!("kubernetes: service {}", record.name_any()).into(),
+            reason: format!(
+                "the record has no readable {TEMPLATE_ANNOTATION} annotation: ensure the service again"
+            ),
+        })
+}
+
+/// Why a whole restart of a service of our own stopped short, besides an
+/// error of the API.
+#[derive(Debug)]
+enum GenerationError {
+    /// A newer epoch owns the record: not ours to act on.
+    Stale { stored: u64 },
+    /// The record is gone (`None`) or a tombstone (`Some(by)`).
+    Gone { dropped_by: Option<u64> },
+    /// Someone else started another generation meanwhile.
+    Superseded,
+    /// A pod could not be created.
+    Spawn {
+        process: usize,
+        program: String,
+        source: std::io::Error,
+    },
+    /// The API failed.
+    State(StateError),
+}
+
+impl From<StateError> for GenerationError {
+    fn from(e: StateError) -> Self {
+        GenerationError::State(e)
+    }
+}
+
+impl GenerationError {
+    fn into_restart(self, name: &str, ours: u64) -> RestartError {
+        match self {
+            GenerationError::Stale { stored } => RestartError::StaleEpoch {
+                service: name.to_string(),
+                stored,
+                ours,
+            },
+            GenerationError::Gone { .. } => RestartError::NoSuchService(name.to_string()),
+            GenerationError::Superseded => RestartError::State(StateError::Io {
+                path: format!("kubernetes: service {name}").into(),
+                source: std::io::Error::other(
+                    "another whole restart started a newer generation meanwhile",
+                ),
+            }),
+            GenerationError::Spawn {
+                process,
+                program,
+                source,
+            } => RestartError::Spawn {
+                service: name.to_string(),
+                process,
+                program: program.into(),
+                source,
+            },
+            GenerationError::State(e) => RestartError::State(e),
+        }
+    }
+
+    fn into_ensure(self, name: &str, ours: u64) -> EnsureError {
+        match self {
+            GenerationError::Stale { stored } => EnsureError::StaleEpoch {
+                service: name.to_string(),
+                stored,
+                ours,
+            },
+            GenerationError::Gone {
+                dropped_by: Some(by),
+            } => EnsureError::DroppedByNewer {
+                service: name.to_string(),
+                dropped_at: by,
+                ours,
+            },
+            GenerationError::Spawn {
+                program, source, ..
+            } => EnsureError::Spawn {
+                service: name.to_string(),
+                program: program.into(),
+                source,
+            },
+            GenerationError::State(e) => EnsureError::State(e),
+            other => EnsureError::State(StateError::Io {
+                path: format!("kubernetes: service {name}").into(),
+                source: std::io::Error::other(format!(
+                    "the record changed while its pods were replaced: {other:?}"
+                )),
+            }),
+        }
+    }
+}
+
+/// What the pod watch asks the shared-fate task to look at.
+#[derive(Debug)]
+enum Check {
+    /// Every live service (after a list: what happened while nobody watched).
+    All,
+    /// One service, whose pod died or went.
+    Service(String),
+}
+
 /// The preconditions of a delete: exactly the object that was read.
 pub fn preconditions_of<K: kube::Resource>(object: &K) -> DeleteParams {
     DeleteParams {
@@ -232,31 +422,38 @@ impl KubernetesOrchestrator {
     /// from `kube::Client::try_default()`, or [`api_double::ApiServerDouble`]),
     /// Sends no request until called; the first
     /// [`watch_services`](Orchestrator::watch_services) starts a task that
-    /// watches the environment's pods.
+    /// watches the environment's pods and, with
+    /// [`KubernetesOrchestratorConfig::shared_fate`], the task that restarts
+    /// a service whose pod died.
     pub fn new(client: Client, config: KubernetesOrchestratorConfig) -> Self {
         let ns = config.namespace.as_str();
         let (events, _) = broadcast::channel(1024);
         KubernetesOrchestrator {
-            services: Api::namespaced(client.clone(), ns),
-            pods: Api::namespaced(client.clone(), ns),
-            secrets: Api::namespaced(client, ns),
-            config,
-            events,
-            watcher: std::sync::Mutex::new(None),
+            inner: Arc::new(Inner {
+                services: Api::namespaced(client.clone(), ns),
+                pods: Api::namespaced(client.clone(), ns),
+                secrets: Api::namespaced(client, ns),
+                config,
+                events,
+                locks: std::sync::Mutex::new(BTreeMap::new()),
+            }),
+            tasks: std::sync::Mutex::new(Vec::new()),
         }
     }
 
+    /// The configuration.
+    pub fn config(&self) -> &KubernetesOrchestratorConfig {
+        &self.inner.config
+    }
+}
+
+impl Inner {
     fn delete_params<K: kube::Resource>(&self, object: &K) -> DeleteParams {
         if self.config.delete_preconditions {
             preconditions_of(object)
         } else {
             DeleteParams::default()
         }
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &KubernetesOrchestratorConfig {
-        &self.config
     }
 
     fn context(&self) -> ObjectContext {
@@ -269,6 +466,18 @@ impl KubernetesOrchestrator {
             base_port: self.config.base_port,
             owner: self.config.owner.clone(),
         }
+    }
+
+    /// This orchestrator's lock of service `name`.
+    async fn lock(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = Arc::clone(
+            self.locks
+                .lock()
+                .expect("poisoned")
+                .entry(name.to_string())
+                .or_default(),
+        );
+        lock.lock_owned().await
     }
 
     async fn read_record(&self, name: &str) -> Result<Record, StateError> {
@@ -299,6 +508,22 @@ impl KubernetesOrchestrator {
         })
     }
 
+    /// The record if it is live and ours to act on (not of a newer epoch).
+    async fn live_record(&self, name: &str) -> Result<Service, GenerationError> {
+        match self.read_record(name).await? {
+            Record::Missing => Err(GenerationError::Gone { dropped_by: None }),
+            Record::Dropped { by, .. } => Err(GenerationError::Gone {
+                dropped_by: Some(by),
+            }),
+            Record::Live { epoch, .. }
+                if self.config.conditional_writes && epoch > self.config.epoch =>
+            {
+                Err(GenerationError::Stale { stored: epoch })
+            }
+            Record::Live { service, .. } => Ok(*service),
+        }
+    }
+
     async fn service_pods(&self, name: &str) -> Result<Vec<Pod>, StateError> {
         let lp =
             ListParams::default().labels(&objects::pods_selector(&self.config.environment, name));
@@ -313,13 +538,25 @@ impl KubernetesOrchestrator {
     }
 
     /// Writes the record (CAS on the resourceVersion read), deciding again
-    /// on a 409. Returns the written record.
-    async fn write_record(&self, config: &ServiceConfig) -> Result<Service, EnsureError> {
+    /// on a 409. It keeps the stored generation (a new record starts at 1,
+    /// one over a tombstone at the tombstone's generation + 1). Returns the
+    /// written record.
+    async fn write_record(
+        &self,
+        config: &ServiceConfig,
+        template: &PodTemplate,
+    ) -> Result<Service, EnsureError> {
         let ours = self.config.epoch;
         let ctx = self.context();
         for _ in 0..CONFLICT_ATTEMPTS {
-            let mut desired = objects::service(&ctx, config);
-            let result = match self.read_record(&config.name).await? {
+            let read = self.read_record(&config.name).await?;
+            let generation = match &read {
+                Record::Missing => 1,
+                Record::Dropped { service, .. } => generation_of(service) + 1,
+                Record::Live { service, .. } => generation_of(service),
+            };
+            let mut desired = objects::service(&ctx, config, generation, template);
+            let result = match read {
                 Record::Live { epoch, .. } if self.config.conditional_writes && epoch > ours => {
                     return Err(EnsureError::StaleEpoch {
                         service: config.name.clone(),
@@ -425,64 +662,170 @@ impl KubernetesOrchestrator {
         }
     }
 
-    /// Makes process `index`'s pod run `argv`: keeps (relabels) a pod with
-    /// the same spec, replaces a different one, creates a missing one.
-    /// Returns the pod's uid if it created one.
-    async fn ensure_pod(
+    /// The objects' context for pods of `record`: labelled with the record's
+    /// epoch (a whole restart does not take a service over).
+    fn context_of(&self, record: &Service) -> ObjectContext {
+        let mut ctx = self.context();
+        ctx.epoch = label_u64(record.labels(), EPOCH_LABEL).unwrap_or(ctx.epoch);
+        ctx
+    }
+
+    /// Creates every pod of `record`'s template in `generation`; `restarts`
+    /// gives each one's [`RESTARTS_ANNOTATION`]. Returns (name, uid) of each.
+    async fn create_pods(
         &self,
-        config: &ServiceConfig,
-        index: usize,
-        argv: &[String],
-    ) -> Result<Option<String>, EnsureError> {
-        let ctx = self.context();
-        let name = objects::pod_name(&config.name, index);
-        for _ in 0..CONFLICT_ATTEMPTS {
-            let desired = objects::pod(&ctx, config, index, argv.to_vec(), 0);
-            let existing = self
-                .pods
-                .get_opt(&name)
-                .await
-                .map_err(|e| api_error("read pod", e))?;
-            let result = match existing {
-                None => self
-                    .pods
-                    .create(&PostParams::default(), &desired)
-                    .await
-                    .map(|p| p.uid()),
-                Some(p) if p.metadata.deletion_timestamp.is_some() => {
-                    self.wait_gone(&name, p.uid()).await?;
-                    continue;
-                }
-                Some(p)
-                    if p.annotations().get(SPEC_HASH_ANNOTATION)
-                        == desired.annotations().get(SPEC_HASH_ANNOTATION) =>
-                {
-                    // Adopt: relabel with our epoch, CAS on what we read.
-                    if p.labels() == desired.labels() {
-                        return Ok(None);
-                    }
-                    let mut relabelled = p.clone();
-                    relabelled.metadata.labels = desired.metadata.labels.clone();
-                    self.pods
-                        .replace(&name, &PostParams::default(), &relabelled)
-                        .await
-                        .map(|_| None)
-                }
-                Some(p) => {
-                    // A different spec: replace the pod we read, and only it.
-                    self.delete_pod_as_read(&p).await?;
-                    continue;
-                }
-            };
-            match result {
-                Ok(created) => return Ok(created),
+        record: &Service,
+        template: &PodTemplate,
+        generation: u64,
+        restarts: impl Fn(usize) -> u32,
+    ) -> Result<Vec<(String, String)>, GenerationError> {
+        let ctx = self.context_of(record);
+        let name = record.name_any();
+        let id = label_u64(record.labels(), ID_LABEL).unwrap_or(0);
+        let mut created = Vec::new();
+        for i in 0..template.argv.len() {
+            let pod = objects::pod(&ctx, &name, id, template, i, generation, restarts(i));
+            match self.pods.create(&PostParams::default(), &pod).await {
+                Ok(p) => created.push((p.name_any(), p.uid().unwrap_or_default())),
                 Err(e) if is_conflict(&e) => {
-                    tracing::info!(pod = %name, "pod changed under us (409): reading again");
+                    // Someone created it between our delete and our create.
+                    let now = self.live_record(&name).await?;
+                    if generation_of(&now) != generation {
+                        return Err(GenerationError::Superseded);
+                    }
+                    return Err(api_error("create pod", e).into());
                 }
-                Err(e) => return Err(api_error("write pod", e).into()),
+                Err(e) => {
+                    return Err(GenerationError::Spawn {
+                        process: i,
+                        program: template.program.clone(),
+                        source: std::io::Error::other(e.to_string()),
+                    })
+                }
             }
         }
-        Err(too_many_conflicts(&format!("pod {name}")).into())
+        Ok(created)
+    }
+
+    /// Compare-and-swap of the record's generation to one more than it is.
+    /// With `expected`, only if it still is `expected` (a shared-fate restart
+    /// decided on it: if it moved, someone else restarted the service).
+    async fn bump_generation(
+        &self,
+        name: &str,
+        mut record: Service,
+        expected: Option<u64>,
+    ) -> Result<Service, GenerationError> {
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let generation = generation_of(&record);
+            if expected.is_some_and(|e| e != generation) {
+                return Err(GenerationError::Superseded);
+            }
+            let mut next = record.clone();
+            next.metadata.managed_fields = None;
+            next.annotations_mut()
+                .insert(GENERATION_KEY.to_string(), (generation + 1).to_string());
+            match self
+                .services
+                .replace(name, &PostParams::default(), &next)
+                .await
+            {
+                Ok(s) => return Ok(s),
+                Err(e) if is_conflict(&e) => {
+                    tracing::info!(
+                        service = name,
+                        "record changed under us (409): reading again"
+                    );
+                    record = self.live_record(name).await?;
+                }
+                Err(e) => return Err(api_error("write service", e).into()),
+            }
+        }
+        Err(too_many_conflicts(&format!("service {name}")).into())
+    }
+
+    /// Kill all, then start all: the record's generation goes up by one
+    /// (compare-and-swap, fenced by the epoch), every pod of the service is
+    /// deleted as read (preconditions) and waited for until gone, then every
+    /// pod is created from the record's template in the new generation.
+    /// `record` is the live record as last read; `expected`: see
+    /// [`Inner::bump_generation`]; `keep_restarts`: the new pods count one
+    /// restart more than the old ones (`false`: a new spec, from 0).
+    /// Returns the record and the pods created.
+    async fn new_generation(
+        &self,
+        name: &str,
+        record: Service,
+        expected: Option<u64>,
+        keep_restarts: bool,
+    ) -> Result<(Service, Vec<(String, String)>), GenerationError> {
+        let template = template_of(&record)?;
+        let record = self.bump_generation(name, record, expected).await?;
+        let generation = generation_of(&record);
+        let mut restarts: BTreeMap<usize, u32> = BTreeMap::new();
+        let mut gone = false;
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let pods = self.service_pods(name).await?;
+            for p in &pods {
+                let r = restarts.entry(pod_index(p)).or_default();
+                *r = (*r).max(pod_annotation_u32(p, RESTARTS_ANNOTATION));
+            }
+            // Every delete first, then every wait: the pods shut down together.
+            let mut deleted = Vec::new();
+            let mut conflicts = 0;
+            for p in &pods {
+                match self
+                    .pods
+                    .delete(&p.name_any(), &self.delete_params(p))
+                    .await
+                {
+                    Ok(_) => deleted.push((p.name_any(), p.uid())),
+                    Err(e) if is_conflict(&e) => conflicts += 1,
+                    Err(e) if is_not_found(&e) => {}
+                    Err(e) => return Err(api_error("delete pod", e).into()),
+                }
+            }
+            for (pod, uid) in deleted {
+                self.wait_gone(&pod, uid).await?;
+            }
+            if conflicts == 0 {
+                gone = true;
+                break;
+            }
+            // A pod changed since we read it: read again, if the service is
+            // still ours to act on.
+            tracing::info!(
+                service = name,
+                "a pod changed under us (409): reading again"
+            );
+            if generation_of(&self.live_record(name).await?) != generation {
+                return Err(GenerationError::Superseded);
+            }
+        }
+        if !gone {
+            return Err(too_many_conflicts(&format!("pods of {name}")).into());
+        }
+        // Still ours, and still our generation, before anything starts.
+        let record = self.live_record(name).await?;
+        if generation_of(&record) != generation {
+            return Err(GenerationError::Superseded);
+        }
+        let base = restarts.values().copied().max().unwrap_or(0);
+        let created = self
+            .create_pods(&record, &template, generation, |i| {
+                if keep_restarts {
+                    restarts.get(&i).copied().unwrap_or(base) + 1
+                } else {
+                    0
+                }
+            })
+            .await?;
+        tracing::info!(
+            service = name,
+            generation,
+            "started every pod of the service as a new generation"
+        );
+        Ok((record, created))
     }
 
     /// Waits (bounded by `ready_timeout`) until every pod has an IP, then
@@ -557,29 +900,81 @@ impl KubernetesOrchestrator {
                 config.name
             )));
         }
+        let _lock = self.lock(&config.name).await;
         let ours = self.config.epoch;
-        let record = self.write_record(&config).await?;
+        let name = config.name.clone();
+        let template = objects::template(&self.context(), &config);
+        let mut record = self.write_record(&config, &template).await?;
         self.write_secret(&config).await?;
-        let argv = objects::process_args(&self.context(), &config);
         let mut created = Vec::new();
-        for (i, argv) in argv.iter().enumerate() {
-            if let Some(uid) = self.ensure_pod(&config, i, argv).await? {
-                created.push((objects::pod_name(&config.name, i), uid));
+        let mut decided = false;
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let generation = generation_of(&record);
+            let pods = self.service_pods(&name).await?;
+            if pods.is_empty() {
+                // Nothing runs: every pod starts in the record's generation.
+                created = self
+                    .create_pods(&record, &template, generation, |_| 0)
+                    .await
+                    .map_err(|e| e.into_ensure(&name, ours))?;
+                decided = true;
+                break;
             }
+            let ctx = self.context();
+            let desired: Vec<Pod> = (0..config.scale)
+                .map(|i| objects::pod(&ctx, &name, config.id, &template, i, generation, 0))
+                .collect();
+            if adoptable(&pods, &desired) {
+                // Adopt: relabel with our epoch, CAS on what we read.
+                let mut conflict = false;
+                for (p, d) in pods.iter().zip(&desired) {
+                    if p.labels() == d.labels() {
+                        continue;
+                    }
+                    let mut relabelled = p.clone();
+                    relabelled.metadata.labels = d.metadata.labels.clone();
+                    match self
+                        .pods
+                        .replace(&p.name_any(), &PostParams::default(), &relabelled)
+                        .await
+                    {
+                        Ok(_) => {}
+                        Err(e) if is_conflict(&e) => {
+                            tracing::info!(pod = %p.name_any(), "pod changed under us (409): reading again");
+                            conflict = true;
+                            break;
+                        }
+                        Err(e) => return Err(api_error("write pod", e).into()),
+                    }
+                }
+                if conflict {
+                    continue;
+                }
+                decided = true;
+                break;
+            }
+            // A changed spec, a pod missing or dead, a pod of another
+            // generation: shared fate, every pod goes and a new generation
+            // starts.
+            let (r, c) = self
+                .new_generation(&name, record, None, false)
+                .await
+                .map_err(|e| e.into_ensure(&name, ours))?;
+            record = r;
+            created = c;
+            decided = true;
+            break;
         }
-        // Pods of a larger earlier scale go.
-        for p in self.service_pods(&config.name).await? {
-            if pod_index(&p) >= config.scale {
-                self.delete_pod_as_read(&p).await?;
-            }
+        if !decided {
+            return Err(too_many_conflicts(&format!("pods of {name}")).into());
         }
         // Did a newer controller take the record over while we wrote pods?
         // Then its deletes may have missed the pods we created: remove them.
-        match self.read_record(&config.name).await? {
+        match self.read_record(&name).await? {
             Record::Live { epoch, .. } if self.config.conditional_writes && epoch > ours => {
                 self.remove_created(&created).await;
                 return Err(EnsureError::StaleEpoch {
-                    service: config.name,
+                    service: name,
                     stored: epoch,
                     ours,
                 });
@@ -587,22 +982,27 @@ impl KubernetesOrchestrator {
             Record::Dropped { by, .. } if self.config.conditional_writes && by > ours => {
                 self.remove_created(&created).await;
                 return Err(EnsureError::DroppedByNewer {
-                    service: config.name,
+                    service: name,
                     dropped_at: by,
                     ours,
                 });
             }
             _ => {}
         }
-        for (name, _) in &created {
-            let index = name.rsplit('-').next().and_then(|i| i.parse().ok());
+        self.announce(&name, &created);
+        Ok(self.status_when_ready(&record).await?)
+    }
+
+    /// `Started` for each pod created.
+    fn announce(&self, service: &str, created: &[(String, String)]) {
+        for (pod, _) in created {
+            let index = pod.rsplit('-').next().and_then(|i| i.parse().ok());
             let _ = self.events.send(ServiceEvent {
-                service: config.name.clone(),
+                service: service.to_string(),
                 process: index,
                 kind: ServiceEventKind::Started { pid: 0 },
             });
         }
-        Ok(self.status_when_ready(&record).await?)
     }
 
     async fn remove_created(&self, created: &[(String, String)]) {
@@ -617,6 +1017,7 @@ impl KubernetesOrchestrator {
 
     async fn drop_inner(&self, name: &str) -> Result<bool, DropError> {
         objects::validate_name(name).map_err(DropError::Invalid)?;
+        let _lock = self.lock(name).await;
         let ours = self.config.epoch;
         let ctx = self.context();
         // 1. The record becomes a tombstone with the highest dropping epoch.
@@ -646,6 +1047,12 @@ impl KubernetesOrchestrator {
                         .unwrap_or(0)
                         .max(ours);
                     let mut t = objects::tombstone(&ctx, name, by);
+                    // The generation goes on: a service created again
+                    // under this name starts after it.
+                    if let Some(g) = service.annotations().get(GENERATION_KEY) {
+                        t.annotations_mut()
+                            .insert(GENERATION_KEY.to_string(), g.clone());
+                    }
                     t.metadata.resource_version = service.resource_version();
                     t.metadata.uid = service.uid();
                     self.services
@@ -739,103 +1146,83 @@ impl KubernetesOrchestrator {
 
     async fn restart_inner(&self, name: &str) -> Result<ServiceStatus, RestartError> {
         objects::validate_name(name).map_err(RestartError::Invalid)?;
+        let _lock = self.lock(name).await;
         let ours = self.config.epoch;
-        let record = match self.read_record(name).await? {
-            Record::Missing | Record::Dropped { .. } => {
-                return Err(RestartError::NoSuchService(name.to_string()))
-            }
-            Record::Live { epoch, .. } if self.config.conditional_writes && epoch > ours => {
-                return Err(RestartError::StaleEpoch {
-                    service: name.to_string(),
-                    stored: epoch,
-                    ours,
-                })
-            }
-            Record::Live { service, .. } => service,
-        };
-        for p in self.service_pods(name).await? {
-            let mut current = p;
-            let mut replaced = false;
-            for _ in 0..CONFLICT_ATTEMPTS {
-                if self.delete_pod_as_read(&current).await? {
-                    replaced = true;
-                    break;
-                }
-                // 409: the pod changed since we read it. Read again; if the
-                // record is no longer ours to act on, stop.
-                if let Record::Live { epoch, .. } = self.read_record(name).await? {
-                    if self.config.conditional_writes && epoch > ours {
-                        return Err(RestartError::StaleEpoch {
-                            service: name.to_string(),
-                            stored: epoch,
-                            ours,
-                        });
-                    }
-                }
-                match self.pods.get_opt(&current.name_any()).await {
-                    Ok(Some(p)) => current = p,
-                    Ok(None) => {
-                        replaced = true;
-                        break;
-                    }
-                    Err(e) => return Err(api_error("read pod", e).into()),
-                }
-            }
-            if !replaced {
-                return Err(too_many_conflicts(&format!("pod {}", current.name_any())).into());
-            }
-            // The same pod again: same spec, labels and name (same DNS name).
-            let mut again = current.clone();
-            again.metadata.resource_version = None;
-            again.metadata.uid = None;
-            again.metadata.creation_timestamp = None;
-            again.metadata.deletion_timestamp = None;
-            again.metadata.managed_fields = None;
-            again.status = None;
-            let restarts = pod_annotation_u32(&current, RESTARTS_ANNOTATION) + 1;
-            again
-                .metadata
-                .annotations
-                .get_or_insert_with(BTreeMap::new)
-                .insert(RESTARTS_ANNOTATION.to_string(), restarts.to_string());
-            let index = pod_index(&current);
-            match self.pods.create(&PostParams::default(), &again).await {
-                Ok(_) => {
-                    let _ = self.events.send(ServiceEvent {
-                        service: name.to_string(),
-                        process: Some(index),
-                        kind: ServiceEventKind::Started { pid: 0 },
-                    });
-                }
-                Err(e) => {
-                    return Err(RestartError::Spawn {
-                        service: name.to_string(),
-                        process: index,
-                        program: current
-                            .spec
-                            .as_ref()
-                            .and_then(|s| s.containers.first())
-                            .and_then(|c| c.command.as_ref())
-                            .and_then(|c| c.first())
-                            .cloned()
-                            .unwrap_or_default()
-                            .into(),
-                        source: std::io::Error::other(e.to_string()),
-                    })
-                }
-            }
-        }
+        let record = self
+            .live_record(name)
+            .await
+            .map_err(|e| e.into_restart(name, ours))?;
+        let (record, created) = self
+            .new_generation(name, record, None, true)
+            .await
+            .map_err(|e| e.into_restart(name, ours))?;
+        self.announce(name, &created);
         Ok(self.status_when_ready(&record).await?)
     }
 
-    async fn list_inner(&self) -> Result<Vec<ServiceStatus>, StateError> {
+    /// Shared fate: restarts service `name` as a whole (a new generation)
+    /// if a pod of its current generation died, went or is missing, or a
+    /// pod of another generation or spec runs. Under the service's lock, so
+    /// a write of our own in progress is never mistaken for a death. Quiet
+    /// when the service is not ours to act on (dropped, a newer epoch, or
+    /// restarted by someone else meanwhile).
+    async fn check_shared_fate(&self, name: &str) -> Result<(), StateError> {
+        let _lock = self.lock(name).await;
+        let record = match self.live_record(name).await {
+            Ok(r) => r,
+            Err(GenerationError::State(e)) => return Err(e),
+            Err(_) => return Ok(()),
+        };
+        let Ok(template) = template_of(&record) else {
+            return Ok(());
+        };
+        let generation = generation_of(&record);
+        let pods = self.service_pods(name).await?;
+        let Some(reason) = shared_fate_reason(&pods, &template, generation) else {
+            return Ok(());
+        };
+        tracing::warn!(
+            service = name,
+            generation = generation + 1,
+            "{reason}: restarting every pod of the service (shared fate)"
+        );
+        match self
+            .new_generation(name, record, Some(generation), true)
+            .await
+        {
+            Ok((_, created)) => {
+                self.announce(name, &created);
+                Ok(())
+            }
+            Err(GenerationError::State(e)) => Err(e),
+            Err(GenerationError::Spawn {
+                process, source, ..
+            }) => Err(StateError::Io {
+                path: format!("kubernetes API: pod {}", objects::pod_name(name, process)).into(),
+                source,
+            }),
+            Err(other) => {
+                tracing::info!(
+                    service = name,
+                    "shared-fate restart not ours to finish: {other:?}"
+                );
+                Ok(())
+            }
+        }
+    }
+
+    async fn list_records(&self) -> Result<Vec<Service>, StateError> {
         let lp = ListParams::default().labels(&objects::live_selector(&self.config.environment));
-        let records = self
+        Ok(self
             .services
             .list(&lp)
             .await
             .map_err(|e| api_error("list services", e))?
-            .items;
+            .items)
+    }
+
+    async fn list_inner(&self) -> Result<Vec<ServiceStatus>, StateError> {
+        let records = self.list_records().await?;
         let lp =
             ListParams::default().labels(&objects::environment_selector(&self.config.environment));
         let pods = self
@@ -862,6 +1249,53 @@ impl KubernetesOrchestrator {
     }
 }
 
+/// Whether `pods` (sorted by index) are exactly `desired`, alive: same
+/// names, same spec hash (so the same generation), none dead or going.
+fn adoptable(pods: &[Pod], desired: &[Pod]) -> bool {
+    pods.len() == desired.len()
+        && pods.iter().zip(desired).all(|(p, d)| {
+            p.name_any() == d.name_any()
+                && p.metadata.deletion_timestamp.is_none()
+                && p.annotations().get(SPEC_HASH_ANNOTATION)
+                    == d.annotations().get(SPEC_HASH_ANNOTATION)
+                && !pod_dead(p)
+        })
+}
+
+/// Why the pods of a service of generation `generation` and pod template
+/// `template` need a whole restart, if they do.
+fn shared_fate_reason(pods: &[Pod], template: &PodTemplate, generation: u64) -> Option<String> {
+    for (i, hash) in template.hash.iter().enumerate() {
+        let Some(p) = pods.iter().find(|p| pod_index(p) == i) else {
+            return Some(format!("the pod of process {i} is gone"));
+        };
+        let name = p.name_any();
+        if p.metadata.deletion_timestamp.is_some() {
+            return Some(format!("pod {name} is being deleted"));
+        }
+        let of = label_u64(p.labels(), GENERATION_KEY).unwrap_or(0);
+        if of != generation {
+            return Some(format!(
+                "pod {name} is of generation {of}, the service of {generation}"
+            ));
+        }
+        if p.annotations().get(SPEC_HASH_ANNOTATION) != Some(&objects::spec_hash(hash, generation))
+        {
+            return Some(format!("pod {name} does not run the service's spec"));
+        }
+        let restarts = container_restarts(p);
+        if restarts > 0 {
+            return Some(format!(
+                "the container of pod {name} exited (restarted in place {restarts} times)"
+            ));
+        }
+        if pod_failed(p) {
+            return Some(format!("pod {name} failed"));
+        }
+    }
+    None
+}
+
 fn pod_index(p: &Pod) -> usize {
     p.labels()
         .get(PROCESS_LABEL)
@@ -878,6 +1312,19 @@ fn pod_running(p: &Pod) -> bool {
         && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
 }
 
+/// The pod's phase says its containers ended (evicted, or failed for good).
+fn pod_failed(p: &Pod) -> bool {
+    matches!(
+        p.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Failed" | "Succeeded")
+    )
+}
+
+/// A process of the pod died: its container restarted in place, or the pod failed.
+fn pod_dead(p: &Pod) -> bool {
+    container_restarts(p) > 0 || pod_failed(p)
+}
+
 fn pod_annotation_u32(p: &Pod, key: &str) -> u32 {
     p.annotations()
         .get(key)
@@ -887,13 +1334,7 @@ fn pod_annotation_u32(p: &Pod, key: &str) -> u32 {
 
 /// Replacements by `restart_service` plus the kubelet's in-place restarts.
 fn pod_restarts(p: &Pod) -> u32 {
-    let kubelet: i32 = p
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .map(|cs| cs.iter().map(|c| c.restart_count).sum())
-        .unwrap_or(0);
-    pod_annotation_u32(p, RESTARTS_ANNOTATION) + u32::try_from(kubelet).unwrap_or(0)
+    pod_annotation_u32(p, RESTARTS_ANNOTATION) + u32::try_from(container_restarts(p)).unwrap_or(0)
 }
 
 fn container_restarts(p: &Pod) -> i32 {
@@ -904,12 +1345,33 @@ fn container_restarts(p: &Pod) -> i32 {
         .unwrap_or(0)
 }
 
+/// What the watch remembers of a pod: uid, container restarts, failed.
+type Seen = (Option<String>, i32, bool);
+
+fn seen(p: &Pod) -> Seen {
+    (p.uid(), container_restarts(p), pod_failed(p))
+}
+
 /// Watches the environment's pods and turns what happens to them into
-/// [`ServiceEvent`]s. A watch that ends or fails (the API server drops it,
-/// or answers 410 Gone) is followed by a fresh list and a new watch from
-/// the list's resourceVersion, so no change is missed for long.
-async fn watch_pods(pods: Api<Pod>, selector: String, events: broadcast::Sender<ServiceEvent>) {
-    let mut known: BTreeMap<String, (Option<String>, i32)> = BTreeMap::new();
+/// [`ServiceEvent`]s, and (with `fate`) into checks for the shared-fate
+/// task: every list asks it to check every service, every death of a pod
+/// (its container restarted, it failed, it was deleted) its service. A
+/// watch that ends or fails (the API server drops it, or answers 410 Gone)
+/// is followed by a fresh list and a new watch from the list's
+/// resourceVersion, so no change is missed for long.
+async fn watch_pods(
+    pods: Api<Pod>,
+    selector: String,
+    events: broadcast::Sender<ServiceEvent>,
+    fate: Option<mpsc::UnboundedSender<Check>>,
+) {
+    let check = |c: Check| {
+        if let Some(f) = &fate {
+            let _ = f.send(c);
+        }
+    };
+    let service_of = |p: &Pod| p.labels().get(SERVICE_LABEL).cloned();
+    let mut known: BTreeMap<String, Seen> = BTreeMap::new();
     loop {
         let list = match pods.list(&ListParams::default().labels(&selector)).await {
             Ok(l) => l,
@@ -922,15 +1384,16 @@ async fn watch_pods(pods: Api<Pod>, selector: String, events: broadcast::Sender<
         let version = list.metadata.resource_version.clone().unwrap_or_default();
         let mut now = BTreeMap::new();
         for p in &list.items {
-            now.insert(p.name_any(), (p.uid(), container_restarts(p)));
+            now.insert(p.name_any(), seen(p));
         }
         // What changed while we were not watching.
-        for (name, (uid, _)) in &known {
-            if now.get(name).map(|(u, _)| u) != Some(uid) {
+        for (name, (uid, _, _)) in &known {
+            if now.get(name).map(|(u, _, _)| u) != Some(uid) {
                 emit_exit(&events, name, "deleted while the watch was down");
             }
         }
         known = now;
+        check(Check::All);
         let wp = WatchParams::default().labels(&selector).timeout(290);
         let stream = match pods.watch(&wp, &version).await {
             Ok(s) => s,
@@ -944,22 +1407,34 @@ async fn watch_pods(pods: Api<Pod>, selector: String, events: broadcast::Sender<
         while let Some(event) = stream.next().await {
             match event {
                 Ok(WatchEvent::Added(p)) => {
-                    known.insert(p.name_any(), (p.uid(), container_restarts(&p)));
+                    known.insert(p.name_any(), seen(&p));
                 }
                 Ok(WatchEvent::Modified(p)) => {
-                    let restarts = container_restarts(&p);
-                    let before = known.insert(p.name_any(), (p.uid(), restarts));
-                    if before.is_some_and(|(_, r)| restarts > r) {
+                    let (uid, restarts, failed) = seen(&p);
+                    let before = known.insert(p.name_any(), (uid, restarts, failed));
+                    let restarted = before.as_ref().is_some_and(|(_, r, _)| restarts > *r);
+                    let newly_failed = failed && !before.is_some_and(|(_, _, f)| f);
+                    if restarted {
                         emit_exit(
                             &events,
                             &p.name_any(),
                             "the container exited; the kubelet restarted it",
                         );
+                    } else if newly_failed {
+                        emit_exit(&events, &p.name_any(), "the pod failed");
+                    }
+                    if restarted || newly_failed {
+                        if let Some(s) = service_of(&p) {
+                            check(Check::Service(s));
+                        }
                     }
                 }
                 Ok(WatchEvent::Deleted(p)) => {
                     known.remove(&p.name_any());
                     emit_exit(&events, &p.name_any(), "pod deleted");
+                    if let Some(s) = service_of(&p) {
+                        check(Check::Service(s));
+                    }
                 }
                 Ok(WatchEvent::Bookmark(_)) => {}
                 Ok(WatchEvent::Error(status)) => {
@@ -973,6 +1448,62 @@ async fn watch_pods(pods: Api<Pod>, selector: String, events: broadcast::Sender<
             }
         }
         tracing::debug!("pod watch ended; listing and watching again");
+    }
+}
+
+/// The shared-fate task: gathers the watch's checks for
+/// [`KubernetesOrchestratorConfig::shared_fate_delay`] (pods dying together
+/// cause one restart), then checks each service named (every live one after
+/// a list) and restarts it as a whole if a pod of it died. A check that
+/// fails is tried again after [`SHARED_FATE_RETRY`].
+async fn shared_fate(
+    inner: Arc<Inner>,
+    tx: mpsc::UnboundedSender<Check>,
+    mut rx: mpsc::UnboundedReceiver<Check>,
+) {
+    let retry = |c: Check| {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(SHARED_FATE_RETRY).await;
+            let _ = tx.send(c);
+        });
+    };
+    loop {
+        let Some(first) = rx.recv().await else {
+            return;
+        };
+        let mut all = false;
+        let mut names = BTreeSet::new();
+        let mut add = |c: Check| match c {
+            Check::All => all = true,
+            Check::Service(s) => {
+                names.insert(s);
+            }
+        };
+        add(first);
+        let deadline = tokio::time::Instant::now() + inner.config.shared_fate_delay;
+        loop {
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(c)) => add(c),
+                Ok(None) => return,
+                Err(_) => break,
+            }
+        }
+        if all {
+            match inner.list_records().await {
+                Ok(records) => names.extend(records.iter().map(|r| r.name_any())),
+                Err(e) => {
+                    tracing::warn!("shared fate: listing the services failed: {e}; trying again");
+                    retry(Check::All);
+                }
+            }
+        }
+        for name in names {
+            if let Err(e) = inner.check_shared_fate(&name).await {
+                tracing::warn!(service = %name, "shared fate: the whole restart failed: {e}; trying again");
+                retry(Check::Service(name));
+            }
+        }
     }
 }
 
@@ -994,34 +1525,40 @@ fn emit_exit(events: &broadcast::Sender<ServiceEvent>, pod: &str, status: &str) 
 #[async_trait::async_trait]
 impl Orchestrator for KubernetesOrchestrator {
     fn epoch(&self) -> u64 {
-        self.config.epoch
+        self.inner.config.epoch
     }
 
     async fn ensure_service(&self, config: ServiceConfig) -> Result<ServiceStatus, EnsureError> {
-        self.ensure(config).await
+        self.inner.ensure(config).await
     }
 
     async fn drop_service(&self, name: &str) -> Result<bool, DropError> {
-        self.drop_inner(name).await
+        self.inner.drop_inner(name).await
     }
 
     async fn restart_service(&self, name: &str) -> Result<ServiceStatus, RestartError> {
-        self.restart_inner(name).await
+        self.inner.restart_inner(name).await
     }
 
     async fn list_services(&self) -> Result<Vec<ServiceStatus>, ListError> {
-        Ok(self.list_inner().await?)
+        Ok(self.inner.list_inner().await?)
     }
 
     fn watch_services(&self) -> broadcast::Receiver<ServiceEvent> {
-        let receiver = self.events.subscribe();
-        let mut watcher = self.watcher.lock().expect("poisoned");
-        if watcher.is_none() {
+        let receiver = self.inner.events.subscribe();
+        let mut tasks = self.tasks.lock().expect("poisoned");
+        if tasks.is_empty() {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                *watcher = Some(runtime.spawn(watch_pods(
-                    self.pods.clone(),
-                    objects::environment_selector(&self.config.environment),
-                    self.events.clone(),
+                let fate = self.inner.config.shared_fate.then(|| {
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    tasks.push(runtime.spawn(shared_fate(Arc::clone(&self.inner), tx.clone(), rx)));
+                    tx
+                });
+                tasks.push(runtime.spawn(watch_pods(
+                    self.inner.pods.clone(),
+                    objects::environment_selector(&self.inner.config.environment),
+                    self.inner.events.clone(),
+                    fate,
                 )));
             }
         }

@@ -12,6 +12,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::ByteString;
 use lockstep_orchestrator::{ServiceAssignment, ServiceConfig, EPOCH_LABEL, ID_LABEL};
+use serde::{Deserialize, Serialize};
 
 /// `app.kubernetes.io/managed-by`: every object this backend writes says `lockstep`.
 pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
@@ -36,6 +37,17 @@ pub const SPEC_HASH_ANNOTATION: &str = "lockstep/spec-hash";
 pub const LABELS_ANNOTATION: &str = "lockstep/labels";
 /// Annotation on a pod: how often `restart_service` replaced it.
 pub const RESTARTS_ANNOTATION: &str = "lockstep/restarts";
+/// Annotation on the record: the service's current generation (1 for a new
+/// service, one more on every whole restart). Label on a pod: the
+/// generation it was started in; its container gets it as
+/// [`GENERATION_ENV`], and a replica's mesh refuses a peer of another one.
+pub const GENERATION_KEY: &str = "lockstep/generation";
+/// Annotation on the record: the [`PodTemplate`] as JSON, so a whole restart
+/// can create every pod again (a deleted one too) without the
+/// [`ServiceConfig`].
+pub const TEMPLATE_ANNOTATION: &str = "lockstep/template";
+/// The variable that tells a process its generation (the process backend's too).
+pub use lockstep_orchestrator::process::GENERATION_ENV;
 /// The name of the one container of a process's pod.
 pub const CONTAINER: &str = "process";
 
@@ -176,19 +188,33 @@ fn meta(
 }
 
 /// The headless Service of a live service: its record (epoch and ID labels,
-/// [`STATE_LABEL`] `live`, the config's labels in [`LABELS_ANNOTATION`]) and
-/// the DNS domain of its pods (`publishNotReadyAddresses`, so peers resolve
-/// each other before they are ready, as a timely mesh forms first).
-pub fn service(ctx: &ObjectContext, config: &ServiceConfig) -> Service {
+/// [`STATE_LABEL`] `live`, the config's labels in [`LABELS_ANNOTATION`], the
+/// current `generation` in [`GENERATION_KEY`], the pods' `template` in
+/// [`TEMPLATE_ANNOTATION`]) and the DNS domain of its pods
+/// (`publishNotReadyAddresses`, so peers resolve each other before they are
+/// ready, as a timely mesh forms first).
+pub fn service(
+    ctx: &ObjectContext,
+    config: &ServiceConfig,
+    generation: u64,
+    template: &PodTemplate,
+) -> Service {
     let mut labels = labels(ctx, config);
     labels.insert(STATE_LABEL.to_string(), "live".to_string());
     let mut all = config.labels.clone();
     all.insert(EPOCH_LABEL.to_string(), ctx.epoch.to_string());
     all.insert(ID_LABEL.to_string(), config.id.to_string());
-    let annotations = BTreeMap::from([(
-        LABELS_ANNOTATION.to_string(),
-        serde_json::to_string(&all).expect("labels serialize"),
-    )]);
+    let annotations = BTreeMap::from([
+        (
+            LABELS_ANNOTATION.to_string(),
+            serde_json::to_string(&all).expect("labels serialize"),
+        ),
+        (GENERATION_KEY.to_string(), generation.to_string()),
+        (
+            TEMPLATE_ANNOTATION.to_string(),
+            serde_json::to_string(template).expect("a template serializes"),
+        ),
+    ]);
     Service {
         metadata: meta(ctx, config.name.clone(), labels, annotations),
         spec: Some(ServiceSpec {
@@ -263,9 +289,40 @@ pub fn secret(ctx: &ObjectContext, config: &ServiceConfig) -> Secret {
     }
 }
 
+/// What every pod of a service runs, kept in the record
+/// ([`TEMPLATE_ANNOTATION`]) so that a whole restart rebuilds exactly the
+/// pods [`ensure_service`](lockstep_orchestrator::Orchestrator::ensure_service)
+/// built, a deleted one included.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodTemplate {
+    /// The container image.
+    pub image: String,
+    /// The program (the container's command).
+    pub program: String,
+    /// The named ports and their numbers (the same in every pod).
+    pub ports: BTreeMap<String, u16>,
+    /// Each process's arguments; its length is the scale.
+    pub argv: Vec<Vec<String>>,
+    /// Each process's [`template_hash`].
+    pub hash: Vec<String>,
+}
+
+/// The template of `config`'s pods: each process's command line from
+/// [`process_args`] and its [`template_hash`].
+pub fn template(ctx: &ObjectContext, config: &ServiceConfig) -> PodTemplate {
+    let argv = process_args(ctx, config);
+    PodTemplate {
+        image: ctx.image.clone(),
+        program: config.program.display().to_string(),
+        ports: port_numbers(config, ctx.base_port),
+        hash: argv.iter().map(|a| template_hash(ctx, config, a)).collect(),
+        argv,
+    }
+}
+
 /// The hash of what a process runs: program, image, arguments, environment
 /// and ports. Labels are not in it: a relabel keeps the pod.
-pub fn spec_hash(ctx: &ObjectContext, config: &ServiceConfig, argv: &[String]) -> String {
+pub fn template_hash(ctx: &ObjectContext, config: &ServiceConfig, argv: &[String]) -> String {
     let mut h = blake3::Hasher::new();
     let doc = serde_json::json!({
         "image": ctx.image,
@@ -279,42 +336,64 @@ pub fn spec_hash(ctx: &ObjectContext, config: &ServiceConfig, argv: &[String]) -
     h.finalize().to_hex()[..16].to_string()
 }
 
-/// The pod of process `index`, running `argv`: hostname `NAME-INDEX` in the
-/// subdomain `NAME` (the headless Service), restarted in place by the
-/// kubelet when it exits (`restartPolicy: Always`, the supervisor's job in
-/// the process backend), its environment from the Secret.
+/// A pod's [`SPEC_HASH_ANNOTATION`]: its [`template_hash`] and its
+/// generation, so a pod of an older generation is never adopted as one of
+/// the current one.
+pub fn spec_hash(template_hash: &str, generation: u64) -> String {
+    let mut h = blake3::Hasher::new();
+    h.update(format!("{template_hash}/{generation}").as_bytes());
+    h.finalize().to_hex()[..16].to_string()
+}
+
+/// The pod of process `index` of service `service` (ID `id`) in generation
+/// `generation`, from its template: hostname `NAME-INDEX` in the subdomain
+/// `NAME` (the headless Service), restarted in place by the kubelet when it
+/// exits (`restartPolicy: Always`; the backend then restarts the whole
+/// service as a new generation), its environment from the Secret, its
+/// generation in [`GENERATION_ENV`] and the [`GENERATION_KEY`] label.
+/// `ctx.epoch` labels it.
 pub fn pod(
     ctx: &ObjectContext,
-    config: &ServiceConfig,
+    service: &str,
+    id: u64,
+    template: &PodTemplate,
     index: usize,
-    argv: Vec<String>,
+    generation: u64,
     restarts: u32,
 ) -> Pod {
-    let mut labels = labels(ctx, config);
-    labels.insert(PROCESS_LABEL.to_string(), index.to_string());
+    let labels = BTreeMap::from([
+        (MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string()),
+        (ENVIRONMENT_LABEL.to_string(), ctx.environment.clone()),
+        (SERVICE_LABEL.to_string(), service.to_string()),
+        (EPOCH_LABEL.to_string(), ctx.epoch.to_string()),
+        (ID_LABEL.to_string(), id.to_string()),
+        (PROCESS_LABEL.to_string(), index.to_string()),
+        (GENERATION_KEY.to_string(), generation.to_string()),
+    ]);
+    let template_hash = template.hash.get(index).map_or("", String::as_str);
     let annotations = BTreeMap::from([
         (
             SPEC_HASH_ANNOTATION.to_string(),
-            spec_hash(ctx, config, &argv),
+            spec_hash(template_hash, generation),
         ),
         (RESTARTS_ANNOTATION.to_string(), restarts.to_string()),
     ]);
-    let name = pod_name(&config.name, index);
+    let name = pod_name(service, index);
     Pod {
         metadata: meta(ctx, name.clone(), labels, annotations),
         spec: Some(PodSpec {
             hostname: Some(name),
-            subdomain: Some(config.name.clone()),
+            subdomain: Some(service.to_string()),
             restart_policy: Some("Always".to_string()),
             containers: vec![Container {
                 name: CONTAINER.to_string(),
-                image: Some(ctx.image.clone()),
-                command: Some(vec![config.program.display().to_string()]),
-                args: Some(argv),
+                image: Some(template.image.clone()),
+                command: Some(vec![template.program.clone()]),
+                args: Some(template.argv.get(index).cloned().unwrap_or_default()),
                 env: Some(vec![
                     EnvVar {
                         name: "LOCKSTEP_SERVICE".to_string(),
-                        value: Some(config.name.clone()),
+                        value: Some(service.to_string()),
                         ..EnvVar::default()
                     },
                     EnvVar {
@@ -322,20 +401,26 @@ pub fn pod(
                         value: Some(index.to_string()),
                         ..EnvVar::default()
                     },
+                    EnvVar {
+                        name: GENERATION_ENV.to_string(),
+                        value: Some(generation.to_string()),
+                        ..EnvVar::default()
+                    },
                 ]),
                 env_from: Some(vec![EnvFromSource {
                     secret_ref: Some(SecretEnvSource {
-                        name: secret_name(&config.name),
+                        name: secret_name(service),
                         optional: Some(false),
                     }),
                     ..EnvFromSource::default()
                 }]),
                 ports: Some(
-                    port_numbers(config, ctx.base_port)
-                        .into_iter()
+                    template
+                        .ports
+                        .iter()
                         .map(|(name, port)| ContainerPort {
-                            name: Some(name),
-                            container_port: i32::from(port),
+                            name: Some(name.clone()),
+                            container_port: i32::from(*port),
                             ..ContainerPort::default()
                         })
                         .collect(),

@@ -21,6 +21,7 @@ fn config(epoch: u64) -> KubernetesOrchestratorConfig {
     c.ready_timeout = Duration::from_secs(2);
     c.delete_timeout = Duration::from_secs(2);
     c.poll_interval = Duration::from_millis(5);
+    c.shared_fate_delay = Duration::from_millis(50);
     c
 }
 
@@ -388,7 +389,10 @@ async fn wait_watching(api: &ApiServerDouble) {
 #[tokio::test]
 async fn watch_reports_exits_and_survives_a_dropped_watch_and_a_compaction() {
     let api = ApiServerDouble::new();
-    let o = orchestrator(&api, 1);
+    // The watch alone: no whole restart reads pods between the faults below.
+    let mut c = config(1);
+    c.shared_fate = false;
+    let o = KubernetesOrchestrator::new(api.client(NS), c);
     o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
     let mut events = o.watch_services();
     wait_watching(&api).await;
@@ -486,4 +490,218 @@ async fn every_object_is_owned_by_the_environment_object_when_one_is_given() {
             "{resource}/{name}"
         );
     }
+}
+
+/// Each pod's (uid, `LOCKSTEP_GENERATION` of its container), by index.
+fn pods_of(api: &ApiServerDouble, service: &str, scale: usize) -> Vec<Option<(String, String)>> {
+    (0..scale)
+        .map(|i| {
+            let pod = api.get("pods", NS, &format!("{service}-{i}"))?;
+            let generation = pod["spec"]["containers"][0]["env"]
+                .as_array()?
+                .iter()
+                .find(|e| e["name"] == "LOCKSTEP_GENERATION")?["value"]
+                .as_str()?
+                .to_string();
+            assert_eq!(
+                pod["metadata"]["labels"]["lockstep/generation"],
+                json!(generation),
+                "label and env agree"
+            );
+            Some((pod["metadata"]["uid"].as_str()?.to_string(), generation))
+        })
+        .collect()
+}
+
+fn record_generation(api: &ApiServerDouble, service: &str) -> String {
+    api.get("services", NS, service).expect("a record")["metadata"]["annotations"]
+        ["lockstep/generation"]
+        .as_str()
+        .expect("a generation")
+        .to_string()
+}
+
+/// Polls (bounded) until every pod of `service` is new (none of the uids in
+/// `before`) and of `generation`; returns them.
+async fn wait_replaced(
+    api: &ApiServerDouble,
+    service: &str,
+    before: &[Option<(String, String)>],
+    generation: &str,
+) -> Vec<Option<(String, String)>> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = pods_of(api, service, before.len());
+        let replaced = now.iter().all(|p| {
+            p.as_ref().is_some_and(|(uid, g)| {
+                g == generation
+                    && !before
+                        .iter()
+                        .any(|b| b.as_ref().is_some_and(|(u, _)| u == uid))
+            })
+        });
+        if replaced {
+            return now;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not every pod replaced as generation {generation} within 10 s: {now:?} (before: {before:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_container_restart_restarts_every_pod_as_a_new_generation() {
+    let api = ApiServerDouble::new();
+    let o = orchestrator(&api, 1);
+    o.ensure_service(replica("replica-1", 1, 3)).await.unwrap();
+    let _events = o.watch_services();
+    wait_watching(&api).await;
+    let first = pods_of(&api, "replica-1", 3);
+    assert!(
+        first.iter().all(|p| p.as_ref().unwrap().1 == "1"),
+        "{first:?}"
+    );
+    assert_eq!(record_generation(&api, "replica-1"), "1");
+
+    // One process exits; the kubelet restarts its container in place.
+    api.restart_container(NS, "replica-1-1").unwrap();
+    let second = wait_replaced(&api, "replica-1", &first, "2").await;
+    assert_eq!(record_generation(&api, "replica-1"), "2");
+
+    // Two exit together: one whole restart, not two.
+    api.restart_container(NS, "replica-1-0").unwrap();
+    api.restart_container(NS, "replica-1-2").unwrap();
+    let third = wait_replaced(&api, "replica-1", &second, "3").await;
+    // Our own deletes and creates are not deaths: nothing more happens.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(pods_of(&api, "replica-1", 3), third, "no further restart");
+    assert_eq!(record_generation(&api, "replica-1"), "3");
+
+    // A pod deleted by someone else: the same.
+    api.delete("pods", NS, "replica-1-2").unwrap();
+    wait_replaced(&api, "replica-1", &third, "4").await;
+}
+
+#[tokio::test]
+async fn a_shared_fate_restart_leaves_a_service_of_a_newer_epoch_alone() {
+    let api = ApiServerDouble::new();
+    let old = orchestrator(&api, 1);
+    old.ensure_service(replica("replica-1", 1, 2))
+        .await
+        .unwrap();
+    let _events = old.watch_services();
+    wait_watching(&api).await;
+    orchestrator(&api, 2)
+        .ensure_service(replica("replica-1", 1, 2))
+        .await
+        .unwrap();
+    let before = pods_of(&api, "replica-1", 2);
+    let n = api.requests().len();
+    api.restart_container(NS, "replica-1-0").unwrap();
+    // The old controller reads the record (epoch 2) and stops there.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !api.requests()[n..]
+        .iter()
+        .any(|r| r.method == Method::GET && r.path.ends_with("/services/replica-1"))
+    {
+        assert!(tokio::time::Instant::now() < deadline, "never checked");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(pods_of(&api, "replica-1", 2), before, "not restarted");
+    assert!(
+        !api.requests()[n..].iter().any(|r| r.method != Method::GET),
+        "no write by the old controller"
+    );
+}
+
+#[tokio::test]
+async fn restart_service_deletes_every_pod_before_it_creates_any_as_a_new_generation() {
+    let api = ApiServerDouble::new();
+    let o = orchestrator(&api, 1);
+    o.ensure_service(replica("replica-1", 1, 3)).await.unwrap();
+    let before = pods_of(&api, "replica-1", 3);
+    let n = api.requests().len();
+    let status = o.restart_service("replica-1").await.unwrap();
+    assert!(status.processes.iter().all(|p| p.restarts == 1));
+    let after = wait_replaced(&api, "replica-1", &before, "2").await;
+    assert_eq!(record_generation(&api, "replica-1"), "2");
+    let requests = api.requests()[n..].to_vec();
+    let at = |method: Method| -> Vec<usize> {
+        requests
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.method == method && r.path.contains("/pods"))
+            .map(|(i, _)| i)
+            .collect()
+    };
+    let (deletes, creates) = (at(Method::DELETE), at(Method::POST));
+    assert_eq!((deletes.len(), creates.len()), (3, 3), "{requests:#?}");
+    assert!(
+        deletes.iter().max() < creates.iter().min(),
+        "every delete before any create: {requests:#?}"
+    );
+    // The generation's compare-and-swap comes first.
+    let bump = requests
+        .iter()
+        .position(|r| r.method == Method::PUT && r.path.ends_with("/services/replica-1"))
+        .expect("the record is written");
+    assert!(bump < deletes[0]);
+    // A newer controller adopts the new generation's pods as they are.
+    orchestrator(&api, 2)
+        .ensure_service(replica("replica-1", 1, 3))
+        .await
+        .unwrap();
+    assert_eq!(pods_of(&api, "replica-1", 3), after, "adopted");
+}
+
+#[tokio::test]
+async fn a_fresh_orchestrator_restarts_a_service_whose_container_restarted_while_it_was_down() {
+    let api = ApiServerDouble::new();
+    orchestrator(&api, 1)
+        .ensure_service(replica("replica-1", 1, 3))
+        .await
+        .unwrap();
+    let before = pods_of(&api, "replica-1", 3);
+    // While no orchestrator runs, a container exits and restarts in place.
+    api.restart_container(NS, "replica-1-2").unwrap();
+    let o = orchestrator(&api, 2);
+    let _events = o.watch_services();
+    wait_replaced(&api, "replica-1", &before, "2").await;
+    assert_eq!(record_generation(&api, "replica-1"), "2");
+}
+
+#[tokio::test]
+async fn a_fresh_orchestrator_keeps_a_service_where_nothing_died() {
+    let api = ApiServerDouble::new();
+    orchestrator(&api, 1)
+        .ensure_service(replica("replica-1", 1, 3))
+        .await
+        .unwrap();
+    let before = pods_of(&api, "replica-1", 3);
+    let n = api.requests().len();
+    let o = orchestrator(&api, 2);
+    let _events = o.watch_services();
+    // Wait (bounded) until the startup check listed the service's pods.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !api.requests()[n..].iter().any(|r| {
+        r.method == Method::GET
+            && r.query
+                .get("labelSelector")
+                .is_some_and(|s| s.contains("lockstep/service=replica-1"))
+    }) {
+        assert!(tokio::time::Instant::now() < deadline, "never checked");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(pods_of(&api, "replica-1", 3), before, "the same pods");
+    assert!(
+        !api.requests()[n..].iter().any(|r| r.method != Method::GET),
+        "nothing written"
+    );
+    // And the environment's ensure at the new epoch adopts them.
+    o.ensure_service(replica("replica-1", 1, 3)).await.unwrap();
+    assert_eq!(pods_of(&api, "replica-1", 3), before, "adopted");
 }

@@ -153,7 +153,9 @@ fn record(epoch: u64, uid: &str, rv: u64) -> Value {
             "labels": {"app.kubernetes.io/managed-by": "lockstep", "lockstep/environment": "test",
                 "lockstep/service": "replica-5", "lockstep/state": "live",
                 "lockstep/epoch": epoch.to_string(), "lockstep/id": "5"},
-            "annotations": {"lockstep/labels": "{\"replica-name\":\"r1\"}"}},
+            "annotations": {"lockstep/labels": "{\"replica-name\":\"r1\"}", "lockstep/generation": "1",
+                "lockstep/template": json!({"image": "lockstep:test", "program": "/usr/local/bin/lockstep-replica",
+                    "ports": {"controller": 2101, "timely": 2100}, "argv": [["--process=0"]], "hash": ["h0"]}).to_string()}},
         "spec": {"clusterIP": "None", "ports": [{"name": "controller", "port": 2101}, {"name": "timely", "port": 2100}]}
     })
 }
@@ -215,6 +217,15 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
         .unwrap(),
         json!({"replica-name": "r1", "lockstep/epoch": "7", "lockstep/id": "5"})
     );
+    assert_eq!(body["metadata"]["annotations"]["lockstep/generation"], "1");
+    let template: Value = serde_json::from_str(
+        body["metadata"]["annotations"]["lockstep/template"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(template["program"], "/usr/local/bin/lockstep-replica");
+    assert_eq!(template["argv"].as_array().unwrap().len(), 2);
     assert!(
         body["metadata"].get("resourceVersion").is_none(),
         "a create carries no version"
@@ -239,20 +250,25 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
     );
     respond(send, 201, &stored(body, "uid-secret", 11));
 
+    // The pods: none yet, so every pod starts in the record's generation.
+    let (_, send) = expect(
+        &mut mock,
+        Method::GET,
+        &format!("{base}/pods"),
+        &[(
+            "labelSelector",
+            &format!("{SELECTOR},lockstep/service=replica-5"),
+        )],
+    )
+    .await;
+    respond(send, 200, &list("Pod", vec![]));
     // One pod per process, each with its own command line and stable DNS peers.
     for i in 0..2 {
-        let (_, send) = expect(
-            &mut mock,
-            Method::GET,
-            &format!("{base}/pods/replica-5-{i}"),
-            &[],
-        )
-        .await;
-        not_found(send, "pods");
         let (body, send) = expect(&mut mock, Method::POST, &format!("{base}/pods"), &[]).await;
         assert_eq!(body["metadata"]["name"], format!("replica-5-{i}"));
         assert_eq!(body["metadata"]["labels"]["lockstep/epoch"], "7");
         assert_eq!(body["metadata"]["labels"]["lockstep/id"], "5");
+        assert_eq!(body["metadata"]["labels"]["lockstep/generation"], "1");
         assert_eq!(
             body["metadata"]["labels"]["lockstep/process"],
             i.to_string()
@@ -272,6 +288,12 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
             ])
         );
         assert_eq!(
+            c["env"],
+            json!([{"name": "LOCKSTEP_SERVICE", "value": "replica-5"},
+                   {"name": "LOCKSTEP_PROCESS", "value": i.to_string()},
+                   {"name": "LOCKSTEP_GENERATION", "value": "1"}])
+        );
+        assert_eq!(
             c["envFrom"],
             json!([{"secretRef": {"name": "replica-5-env", "optional": false}}])
         );
@@ -287,25 +309,6 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
         );
     }
 
-    // Pods of a larger earlier scale: none.
-    let (_, send) = expect(
-        &mut mock,
-        Method::GET,
-        &format!("{base}/pods"),
-        &[(
-            "labelSelector",
-            &format!("{SELECTOR},lockstep/service=replica-5"),
-        )],
-    )
-    .await;
-    respond(
-        send,
-        200,
-        &list(
-            "Pod",
-            vec![pod(0, 7, "uid-pod-0", 12), pod(1, 7, "uid-pod-1", 13)],
-        ),
-    );
     // The record is still ours.
     let (_, send) = expect(
         &mut mock,
@@ -567,29 +570,31 @@ async fn a_pod_delete_refused_by_its_precondition_is_decided_again_on_a_fresh_re
 }
 
 #[tokio::test]
-async fn restart_deletes_each_pod_with_preconditions_and_creates_it_again() {
+async fn restart_bumps_the_generation_deletes_every_pod_with_preconditions_then_creates_them() {
     let (orch, mut mock) = orchestrator(7);
     let call = tokio::spawn({
         let orch = orch.clone();
         async move { orch.restart_service("replica-5").await }
     });
     let base = format!("/api/v1/namespaces/{NS}");
-    let (_, send) = expect(
-        &mut mock,
-        Method::GET,
-        &format!("{base}/services/replica-5"),
-        &[],
-    )
-    .await;
+    let path = format!("{base}/services/replica-5");
+    let selector = format!("{SELECTOR},lockstep/service=replica-5");
+    let (_, send) = expect(&mut mock, Method::GET, &path, &[]).await;
     respond(send, 200, &record(7, "uid-r", 40));
+    // The generation goes up by compare-and-swap on the record.
+    let (body, send) = expect(&mut mock, Method::PUT, &path, &[]).await;
+    assert_eq!(body["metadata"]["resourceVersion"], "40");
+    assert_eq!(body["metadata"]["uid"], "uid-r");
+    assert_eq!(body["metadata"]["annotations"]["lockstep/generation"], "2");
+    assert_eq!(body["metadata"]["labels"]["lockstep/epoch"], "7");
+    let bumped = stored(body, "uid-r", 41);
+    respond(send, 200, &bumped);
+    // Every pod goes, as read.
     let (_, send) = expect(
         &mut mock,
         Method::GET,
         &format!("{base}/pods"),
-        &[(
-            "labelSelector",
-            &format!("{SELECTOR},lockstep/service=replica-5"),
-        )],
+        &[("labelSelector", &selector)],
     )
     .await;
     respond(send, 200, &list("Pod", vec![pod(0, 7, "uid-p0", 30)]));
@@ -613,22 +618,33 @@ async fn restart_deletes_each_pod_with_preconditions_and_creates_it_again() {
     )
     .await;
     not_found(send, "pods");
+    // Still ours and still our generation: every pod starts.
+    let (_, send) = expect(&mut mock, Method::GET, &path, &[]).await;
+    respond(send, 200, &bumped);
     let (body, send) = expect(&mut mock, Method::POST, &format!("{base}/pods"), &[]).await;
     assert_eq!(body["metadata"]["name"], "replica-5-0");
     assert_eq!(body["metadata"]["annotations"]["lockstep/restarts"], "1");
+    assert_eq!(body["metadata"]["labels"]["lockstep/generation"], "2");
+    assert_eq!(body["metadata"]["labels"]["lockstep/epoch"], "7");
     assert!(
         body["metadata"].get("uid").is_none() && body["metadata"].get("resourceVersion").is_none()
     );
-    assert_eq!(body["spec"], pod(0, 7, "", 0)["spec"], "the same spec");
+    let c = &body["spec"]["containers"][0];
+    assert_eq!(
+        c["args"],
+        json!(["--process=0"]),
+        "the template's command line"
+    );
+    assert_eq!(
+        c["env"][2],
+        json!({"name": "LOCKSTEP_GENERATION", "value": "2"})
+    );
     respond(send, 201, &stored(body, "uid-p0b", 52));
     let (_, send) = expect(
         &mut mock,
         Method::GET,
         &format!("{base}/pods"),
-        &[(
-            "labelSelector",
-            &format!("{SELECTOR},lockstep/service=replica-5"),
-        )],
+        &[("labelSelector", &selector)],
     )
     .await;
     let mut again = pod(0, 7, "uid-p0b", 52);
