@@ -487,6 +487,18 @@ impl Environment {
         config: EnvironmentConfig,
         orchestrator: OrchestratorFactory,
     ) -> Result<Environment, StartError> {
+        Self::load_with_secret(config, orchestrator, None)
+    }
+
+    /// [`load_with`](Self::load_with), with the master secret of the
+    /// replicas' session keys given (`Some`: e.g. read from a Kubernetes
+    /// Secret, as the state directory of a pod does not outlive it) instead
+    /// of read from the state directory's [`SESSION_SECRET_FILE`] (`None`).
+    pub fn load_with_secret(
+        config: EnvironmentConfig,
+        orchestrator: OrchestratorFactory,
+        master_secret: Option<[u8; 32]>,
+    ) -> Result<Environment, StartError> {
         check_state_dir(&config.state_dir)?;
         if !program_exists(&config.service.program) {
             return Err(StartError::ServiceBinaryMissing(config.service.program));
@@ -510,11 +522,15 @@ impl Environment {
                     })?,
             ),
         };
-        let secret =
-            session_secret(&config.state_dir).map_err(|source| StartError::StateDirUnwritable {
-                path: config.state_dir.join(SESSION_SECRET_FILE),
-                source,
-            })?;
+        let secret = match master_secret {
+            Some(secret) => secret,
+            None => session_secret(&config.state_dir).map_err(|source| {
+                StartError::StateDirUnwritable {
+                    path: config.state_dir.join(SESSION_SECRET_FILE),
+                    source,
+                }
+            })?,
+        };
         let env =
             Self::with_orchestrator(catalog, orchestrator, config.orphan_policy, config.service)?
                 .with_command_logs(command_logs)
@@ -718,7 +734,18 @@ impl Environment {
         config: EnvironmentConfig,
         orchestrator: OrchestratorFactory,
     ) -> anyhow::Result<Arc<Environment>> {
-        let env = Environment::load_with(config, orchestrator)?;
+        Self::start_with_secret(config, orchestrator, None).await
+    }
+
+    /// [`start_with`](Self::start_with) with the master secret given (see
+    /// [`load_with_secret`](Self::load_with_secret)): `lockstep serve
+    /// --orchestrator kubernetes` passes the one kept in the cluster.
+    pub async fn start_with_secret(
+        config: EnvironmentConfig,
+        orchestrator: OrchestratorFactory,
+        master_secret: Option<[u8; 32]>,
+    ) -> anyhow::Result<Arc<Environment>> {
+        let env = Environment::load_with_secret(config, orchestrator, master_secret)?;
         env.ensure_replicas().await?;
         env.remove_orphans().await?;
         env.start_compute().await?;

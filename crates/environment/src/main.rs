@@ -838,6 +838,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let namespace = args.namespace;
             let image = args.kubernetes_image;
             let environment = args.kubernetes_environment;
+            // The master secret of the replicas' session keys lives in the
+            // cluster (Secret ENVIRONMENT-master), not in the state
+            // directory: a pod's emptyDir would lose it on every restart,
+            // and with it every replica's key, Secret and pod.
+            let master = {
+                let mut c = lockstep_orchestrator_kubernetes::KubernetesOrchestratorConfig::new(
+                    namespace.clone(),
+                    0,
+                );
+                c.environment = environment.clone();
+                lockstep_orchestrator_kubernetes::KubernetesOrchestrator::new(client.clone(), c)
+                    .master_secret()
+                    .await
+                    .context("reading (or creating) the master secret in the cluster")?
+            };
             let factory: lockstep_environment::OrchestratorFactory = Box::new(move |p| {
                 let mut c = lockstep_orchestrator_kubernetes::KubernetesOrchestratorConfig::new(
                     namespace, p.epoch,
@@ -849,7 +864,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                     lockstep_orchestrator_kubernetes::KubernetesOrchestrator::new(client, c),
                 ))
             });
-            Environment::start_with(config, factory).await?
+            Environment::start_with_secret(config, factory, Some(master)).await?
         }
     };
     if args.experiments_no_replica_restarts {

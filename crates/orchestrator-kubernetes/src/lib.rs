@@ -17,7 +17,14 @@
 //!   `restartPolicy: Always` (the kubelet restarts a container that exits in
 //!   place; the backend then restarts the whole service, see *Shared fate*);
 //! - a Secret `NAME-env` with the config's environment (the replica's session
-//!   key among it), passed to the container with `envFrom`.
+//!   key among it), passed to the container with `envFrom`, labelled with
+//!   the epoch that wrote it: it is replaced only by a write with the
+//!   resourceVersion read, and never by a controller older than that epoch
+//!   ([`EnsureError::StaleEpoch`]).
+//!
+//! And once per environment, a Secret `ENVIRONMENT-master`: the master
+//! secret every replica's session key is derived from
+//! ([`KubernetesOrchestrator::master_secret`]; created once, never replaced).
 //!
 //! Why pods and not a StatefulSet: the trait computes each process's
 //! command line separately ([`ServiceAssignment`](lockstep_orchestrator::ServiceAssignment)),
@@ -445,6 +452,18 @@ impl KubernetesOrchestrator {
     pub fn config(&self) -> &KubernetesOrchestratorConfig {
         &self.inner.config
     }
+
+    /// The environment's master secret, from which every replica's session
+    /// key is derived: 32 bytes in the Secret `ENVIRONMENT-master`
+    /// ([`objects::master_secret_name`]). Read if it exists; otherwise
+    /// created once with 32 bytes from the OS's random source (a create is
+    /// atomic: if another environment created it first, 409, its bytes are
+    /// read back). Never replaced, so every start of the environment gets the
+    /// same key for each replica (the state directory of a pod is an
+    /// emptyDir, which a file there would not survive).
+    pub async fn master_secret(&self) -> Result<[u8; 32], StateError> {
+        self.inner.master_secret().await
+    }
 }
 
 impl Inner {
@@ -592,8 +611,14 @@ impl Inner {
         Err(too_many_conflicts(&format!("service {}", config.name)).into())
     }
 
-    async fn write_secret(&self, config: &ServiceConfig) -> Result<(), StateError> {
+    /// Writes the Secret with the service's environment (its session key):
+    /// created if missing, kept if equal, else replaced by a write with the
+    /// resourceVersion read. Fenced like the record: a Secret labelled with
+    /// a newer epoch is that controller's, and is not overwritten
+    /// ([`EnsureError::StaleEpoch`]).
+    async fn write_secret(&self, config: &ServiceConfig) -> Result<(), EnsureError> {
         let name = objects::secret_name(&config.name);
+        let ours = self.config.epoch;
         for _ in 0..CONFLICT_ATTEMPTS {
             let mut desired = objects::secret(&self.context(), config);
             let result = match self
@@ -603,6 +628,16 @@ impl Inner {
                 .map_err(|e| api_error("read secret", e))?
             {
                 None => self.secrets.create(&PostParams::default(), &desired).await,
+                Some(s)
+                    if self.config.conditional_writes
+                        && label_u64(s.labels(), EPOCH_LABEL).is_some_and(|e| e > ours) =>
+                {
+                    return Err(EnsureError::StaleEpoch {
+                        service: config.name.clone(),
+                        stored: label_u64(s.labels(), EPOCH_LABEL).unwrap_or(0),
+                        ours,
+                    })
+                }
                 Some(s) if s.data == desired.data && s.labels() == desired.labels() => {
                     return Ok(())
                 }
@@ -616,7 +651,75 @@ impl Inner {
             match result {
                 Ok(_) => return Ok(()),
                 Err(e) if is_conflict(&e) => continue,
-                Err(e) => return Err(api_error("write secret", e)),
+                Err(e) => return Err(api_error("write secret", e).into()),
+            }
+        }
+        Err(too_many_conflicts(&format!("secret {name}")).into())
+    }
+
+    async fn master_secret(&self) -> Result<[u8; 32], StateError> {
+        let name = objects::master_secret_name(&self.config.environment);
+        let corrupt = |reason: String| StateError::Corrupt {
+            path: format!("kubernetes: secret {name}").into(),
+            reason,
+        };
+        for _ in 0..CONFLICT_ATTEMPTS {
+            match self
+                .secrets
+                .get_opt(&name)
+                .await
+                .map_err(|e| api_error("read secret", e))?
+            {
+                Some(s) => {
+                    if s.labels()
+                        .get(objects::MANAGED_BY_LABEL)
+                        .map(String::as_str)
+                        != Some(objects::MANAGED_BY)
+                    {
+                        return Err(corrupt(
+                            "a Secret of this name exists and is not managed by lockstep".into(),
+                        ));
+                    }
+                    let bytes = s
+                        .data
+                        .as_ref()
+                        .and_then(|d| d.get(objects::MASTER_SECRET_KEY))
+                        .map(|b| b.0.as_slice())
+                        .unwrap_or_default();
+                    return <[u8; 32]>::try_from(bytes).map_err(|_| {
+                        corrupt(format!(
+                            "its {:?} holds {} bytes, not 32: delete it only if no replica of this environment runs",
+                            objects::MASTER_SECRET_KEY,
+                            bytes.len()
+                        ))
+                    });
+                }
+                None => {
+                    let mut secret = [0u8; 32];
+                    std::io::Read::read_exact(
+                        &mut std::fs::File::open("/dev/urandom").map_err(|source| {
+                            StateError::Io {
+                                path: "/dev/urandom".into(),
+                                source,
+                            }
+                        })?,
+                        &mut secret,
+                    )
+                    .map_err(|source| StateError::Io {
+                        path: "/dev/urandom".into(),
+                        source,
+                    })?;
+                    let desired = objects::master_secret(&self.context(), &secret);
+                    match self.secrets.create(&PostParams::default(), &desired).await {
+                        Ok(_) => {
+                            tracing::info!(secret = %name, "created the master secret");
+                            return Ok(secret);
+                        }
+                        // Another environment created it first: read theirs.
+                        Err(e) if is_conflict(&e) => continue,
+                        Err(e) => return Err(api_error("create secret", e)),
+                    }
+                }
             }
         }
         Err(too_many_conflicts(&format!("secret {name}")))

@@ -75,6 +75,15 @@ pub fn secret_name(service: &str) -> String {
     format!("{service}-env")
 }
 
+/// The Secret holding the environment's master secret, from which every
+/// replica's session key is derived.
+pub fn master_secret_name(environment: &str) -> String {
+    format!("{environment}-master")
+}
+
+/// The key of the master secret's bytes in its Secret.
+pub const MASTER_SECRET_KEY: &str = "master";
+
 /// The pod of process `index`.
 pub fn pod_name(service: &str, index: usize) -> String {
     format!("{service}-{index}")
@@ -317,6 +326,30 @@ pub fn template(ctx: &ObjectContext, config: &ServiceConfig) -> PodTemplate {
         ports: port_numbers(config, ctx.base_port),
         hash: argv.iter().map(|a| template_hash(ctx, config, a)).collect(),
         argv,
+    }
+}
+
+/// The Secret with the environment's master secret (`bytes`), labelled with
+/// the environment (no epoch: it outlives every epoch) and owned by the
+/// environment's object if one is configured.
+pub fn master_secret(ctx: &ObjectContext, bytes: &[u8]) -> Secret {
+    let labels = BTreeMap::from([
+        (MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string()),
+        (ENVIRONMENT_LABEL.to_string(), ctx.environment.clone()),
+    ]);
+    Secret {
+        metadata: meta(
+            ctx,
+            master_secret_name(&ctx.environment),
+            labels,
+            BTreeMap::new(),
+        ),
+        type_: Some("Opaque".to_string()),
+        data: Some(BTreeMap::from([(
+            MASTER_SECRET_KEY.to_string(),
+            ByteString(bytes.to_vec()),
+        )])),
+        ..Secret::default()
     }
 }
 

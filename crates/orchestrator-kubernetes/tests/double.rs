@@ -705,3 +705,130 @@ async fn a_fresh_orchestrator_keeps_a_service_where_nothing_died() {
     o.ensure_service(replica("replica-1", 1, 3)).await.unwrap();
     assert_eq!(pods_of(&api, "replica-1", 3), before, "adopted");
 }
+
+#[tokio::test]
+async fn an_older_epoch_cannot_overwrite_the_key_secret_of_a_newer_one() {
+    let api = ApiServerDouble::new();
+    orchestrator(&api, 1)
+        .ensure_service(replica("replica-1", 1, 1))
+        .await
+        .unwrap();
+    // Epoch 2's ensure lands between epoch 1's record write and its Secret
+    // write: the record and the Secret become epoch 2's.
+    let b = api.clone();
+    api.before_next(
+        Matcher::new(Method::GET, "secrets", Some("replica-1-env")),
+        move |_| {
+            let mut record = b.get("services", NS, "replica-1").unwrap();
+            record["metadata"]["labels"]["lockstep/epoch"] = json!("2");
+            b.replace("services", NS, "replica-1", record).unwrap();
+            let mut secret = b.get("secrets", NS, "replica-1-env").unwrap();
+            secret["metadata"]["labels"]["lockstep/epoch"] = json!("2");
+            secret["data"]["LOCKSTEP_SESSION_KEY"] = json!("ZXBvY2gtMg==");
+            b.replace("secrets", NS, "replica-1-env", secret).unwrap();
+        },
+    );
+    let changed = replica("replica-1", 1, 1).env("LOCKSTEP_SESSION_KEY", "epoch-1");
+    match orchestrator(&api, 1).ensure_service(changed.clone()).await {
+        Err(EnsureError::StaleEpoch {
+            stored: 2, ours: 1, ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    let secret = api.get("secrets", NS, "replica-1-env").unwrap();
+    assert_eq!(secret["data"]["LOCKSTEP_SESSION_KEY"], "ZXBvY2gtMg==");
+    assert_eq!(secret["metadata"]["labels"]["lockstep/epoch"], "2");
+    assert!(
+        !api.requests()
+            .iter()
+            .any(|r| r.method == Method::PUT && r.path.ends_with("/secrets/replica-1-env")),
+        "no write of the Secret by epoch 1"
+    );
+    // The negative control: with conditional writes off, it is overwritten.
+    let mut unconditional = config(1);
+    unconditional.conditional_writes = false;
+    KubernetesOrchestrator::new(api.client(NS), unconditional)
+        .ensure_service(changed)
+        .await
+        .unwrap();
+    let secret = api.get("secrets", NS, "replica-1-env").unwrap();
+    assert_eq!(secret["metadata"]["labels"]["lockstep/epoch"], "1");
+}
+
+#[tokio::test]
+async fn every_start_gets_the_same_master_secret_created_once() {
+    let api = ApiServerDouble::new();
+    let first = orchestrator(&api, 1).master_secret().await.unwrap();
+    let second = orchestrator(&api, 2).master_secret().await.unwrap();
+    assert_eq!(first, second);
+    assert_ne!(first, [0u8; 32]);
+    let secret = api.get("secrets", NS, "test-master").expect("the Secret");
+    assert_eq!(
+        secret["metadata"]["labels"],
+        json!({"app.kubernetes.io/managed-by": "lockstep", "lockstep/environment": "test"})
+    );
+    let creates = api
+        .requests()
+        .iter()
+        .filter(|r| r.method == Method::POST && r.path.ends_with("/secrets"))
+        .count();
+    assert_eq!(creates, 1, "created once, never replaced");
+    assert!(!api.requests().iter().any(|r| r.method == Method::PUT));
+
+    // Two starts racing: another environment's create lands between our
+    // read (404) and our create, which is refused (409 AlreadyExists): we
+    // read theirs back and never replace it.
+    let api = ApiServerDouble::new();
+    let b = api.clone();
+    api.before_next(Matcher::new(Method::POST, "secrets", None), move |_| {
+        b.create(
+            "secrets",
+            NS,
+            json!({"metadata": {"name": "test-master", "labels": {
+                    "app.kubernetes.io/managed-by": "lockstep", "lockstep/environment": "test"}},
+                   "data": {"master": base64_of(&[9; 32])}}),
+        )
+        .unwrap();
+    });
+    assert_eq!(
+        orchestrator(&api, 2).master_secret().await.unwrap(),
+        [9; 32]
+    );
+    assert!(!api.requests().iter().any(|r| r.method == Method::PUT));
+}
+
+fn base64_of(bytes: &[u8]) -> String {
+    let v = serde_json::to_value(k8s_openapi::ByteString(bytes.to_vec())).unwrap();
+    v.as_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn a_restart_with_the_master_secret_from_the_cluster_keeps_every_pod() {
+    // The environment derives each replica's key from the master secret and
+    // puts it in the replica's environment; a key that changes on a restart
+    // changes the Secret and the spec hash, and so replaces every pod.
+    let key = |master: [u8; 32]| {
+        let mut h = blake3::Hasher::new();
+        h.update(&master);
+        h.update(b"replica-1");
+        h.finalize().to_hex().to_string()
+    };
+    let api = ApiServerDouble::new();
+    let first = orchestrator(&api, 1);
+    let master = first.master_secret().await.unwrap();
+    let service = |k: String| replica("replica-1", 1, 3).env("LOCKSTEP_SESSION_KEY", k);
+    first.ensure_service(service(key(master))).await.unwrap();
+    let before = pods_of(&api, "replica-1", 3);
+    drop(first);
+    // The environment restarts (epoch 2): same master secret, same pods.
+    let second = orchestrator(&api, 2);
+    let master = second.master_secret().await.unwrap();
+    second.ensure_service(service(key(master))).await.unwrap();
+    assert_eq!(pods_of(&api, "replica-1", 3), before, "every pod kept");
+    // What a master secret in an emptyDir did: a new one replaces them all.
+    orchestrator(&api, 3)
+        .ensure_service(service(key([7; 32])))
+        .await
+        .unwrap();
+    wait_replaced(&api, "replica-1", &before, "2").await;
+}

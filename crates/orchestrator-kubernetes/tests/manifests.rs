@@ -130,6 +130,7 @@ async fn the_role_grants_exactly_what_the_backend_uses() {
     c.poll_interval = Duration::from_millis(5);
     let o = KubernetesOrchestrator::new(api.client("lockstep"), c.clone());
     let mut events = o.watch_services();
+    o.master_secret().await.unwrap();
     let config = || {
         ServiceConfig::new("replica-1", 1, "lockstep-replica")
             .port("timely")
