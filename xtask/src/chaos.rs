@@ -2,7 +2,7 @@
 //!
 //! Each suite builds what it needs with the `failpoints` feature, runs its
 //! scenarios, passes on the lines that say what broke and the one-JSON-line
-//! summaries of the reporting contract (DESIGN.md), and fails when a variant
+//! summaries of the reporting contract (docs/invariants.md), and fails when a variant
 //! that must pass failed or a negative control was not caught.
 //!
 //! Suites: `security` (attacks; `authenticated` must pass, the negative
@@ -19,11 +19,12 @@
 //! partitions on two simulated hosts where namespaces can be made; scenarios
 //! in `crates/chaos/src/bin/distribution.rs` and `distribution/partitions.rs`).
 //!
-//! `campaign` (not among the suites `cargo xtask test` runs) is a seeded
-//! random fault campaign on a real `lockstep serve` and real replica
-//! processes, one variant per strategy (`broadcast`, `barrier`, `log`, and
-//! the negative control `naive`), each seed a scenario
-//! (`crates/chaos/src/bin/campaign.rs`); see [`CampaignArgs`].
+//! `campaign` is a seeded random fault campaign on a real `lockstep serve`
+//! and real replica processes, one variant per strategy (`broadcast`,
+//! `barrier`, `log`, and the negative control `naive`), each seed a scenario
+//! (`crates/chaos/src/bin/campaign.rs`); see [`CampaignArgs`]. Without
+//! options it runs the quick set (`cargo xtask test` does): seeds 1–9 and
+//! 20 × 60 operations, and the kept shrunk regressions.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -33,19 +34,19 @@ use anyhow::{bail, Context};
 use crate::util::{cargo, root, run, step};
 
 /// The suites `run` knows.
-pub const SUITES: [&str; 3] = ["orphans", "distribution", "security"];
+pub const SUITES: [&str; 4] = ["orphans", "distribution", "security", "campaign"];
 
 /// The options of `cargo xtask chaos campaign`, passed on to
 /// `lockstep-chaos-campaign`.
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct CampaignArgs {
-    /// For `campaign`: the seeds, `A..B` (B excluded) or `A..=B` (default 1..=6).
+    /// For `campaign`: the seeds, `A..B` (B excluded) or `A..=B` (default: the quick set, 1..=9 and 20, with the kept regressions).
     #[arg(long)]
     pub seeds: Option<String>,
     /// For `campaign`: one seed (replays a failing one).
     #[arg(long, conflicts_with = "seeds")]
     pub seed: Option<u64>,
-    /// For `campaign`: operations per seed (default 50).
+    /// For `campaign`: operations per seed (default 60).
     #[arg(long)]
     pub steps: Option<usize>,
     /// For `campaign`: run only these operations of the seed (`I,J,...`; a shrunk history).
@@ -79,7 +80,7 @@ pub fn run_suite(suite: &str) -> anyhow::Result<()> {
         "security" => security(),
         "campaign" => campaign(&[], &CampaignArgs::default()),
         other => bail!(
-            "unknown chaos suite {other:?}; known: {}, campaign",
+            "unknown chaos suite {other:?}; known: {}",
             SUITES.join(", ")
         ),
     }

@@ -282,8 +282,26 @@ impl Actor {
                 MismatchAction::ReconcileCollectively
             }
         };
+        // I1 is about creation logs: say whether they differ, or only the
+        // installed sets do (a drop that reached some processes: repaired
+        // by reconciling collectively).
+        let logs: Vec<Vec<lockstep_reconcile::CreationEntry>> = self
+            .session_reports()
+            .iter()
+            .map(|s| {
+                s.creation_log
+                    .iter()
+                    .map(|e| (e.timely_index, e.dataflow_id, e.description_hash))
+                    .collect()
+            })
+            .collect();
+        let creation_logs = match lockstep_reconcile::lockstep_check(&logs) {
+            Ok(()) => "same",
+            Err(_) => "differ",
+        };
         tracing::warn!(
             distinct,
+            creation_logs,
             ?action,
             "workers disagree about what they applied"
         );
