@@ -4,7 +4,7 @@
 //! It writes:
 //! - `target/lockstep/bench.json`: one object per benchmark: its name, its
 //!   median in nanoseconds, and its baseline and the ratio to it where one
-//!   exists (the reporting contract of DESIGN.md), plus bytes per second for
+//!   exists (the reporting contract of docs/invariants.md), plus bytes per second for
 //!   the write benchmarks;
 //! - `target/lockstep/bench-latency.svg` (copied to `docs/bench/latency.svg`):
 //!   latency against process count, one line per strategy;
@@ -49,7 +49,7 @@ struct StrategyId<'a> {
     workers: u32,
 }
 
-/// The strategy baseline DESIGN.md names.
+/// The strategy baseline: `broadcast`, Materialize's way.
 const BASELINE_STRATEGY: &str = "broadcast";
 /// The strategies in report order (`log@postgres`: the log strategy with
 /// its command log in PostgreSQL).

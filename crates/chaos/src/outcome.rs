@@ -11,7 +11,7 @@
 pub enum Failure {
     /// An invariant broke: which one (`I1`..`I4`), and what was seen.
     Violation {
-        /// The invariant, as DESIGN.md names it.
+        /// The invariant, as docs/invariants.md names it.
         invariant: String,
         /// What was seen.
         what: String,

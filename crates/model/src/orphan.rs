@@ -9,7 +9,7 @@
 //! - An **orchestrator**: services by replica ID, each labelled with the epoch
 //!   of the controller that last ensured it. `ensure` is conditional (it never
 //!   overwrites a service labelled with a newer epoch; the controller that
-//!   finds one halts), as DESIGN.md requires; the unconditional ensure of
+//!   finds one halts), as O3 requires (docs/invariants.md); the unconditional ensure of
 //!   the epoch rule's first version can be modelled to show what it breaks (O4). A delete leaves
 //!   a tombstone with the deleter's epoch, which a conditional ensure also
 //!   respects (as in `lockstep-orchestrator`).

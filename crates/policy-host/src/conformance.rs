@@ -1,5 +1,5 @@
 //! The conformance check: runs a policy file through table scenarios and
-//! reports in the DESIGN.md reporting contract.
+//! reports in the reporting contract of docs/invariants.md.
 //!
 //! `lockstep policy check FILE` is meant to be a thin wrapper:
 //!

@@ -36,7 +36,7 @@ impl fmt::Display for Digest {
     }
 }
 
-/// How a command is distributed to the workers. See `DESIGN.md`.
+/// How a command is distributed to the workers. See `docs/strategies.md`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Strategy {
     /// Ordered by one sequencing worker over a timely dataflow.

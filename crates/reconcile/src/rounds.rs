@@ -1,7 +1,7 @@
 //! One worker's book of barrier rounds: what the mesh told it so far, and the
 //! decisions it takes from that.
 //!
-//! The replica's worker (`crates/replica/src/order/barrier.rs`) and the model checker
+//! The replica's worker (`crates/replica/src/worker/mod.rs`) and the model checker
 //! (`crates/model`) run this same type: the worker feeds it the records its
 //! mesh delivers, the model feeds it records in every order its per-worker
 //! mesh queues allow. Nothing here does I/O.

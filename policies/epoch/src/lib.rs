@@ -4,7 +4,7 @@
 //! A service with our epoch or a newer one was ensured by this controller or
 //! by a newer one, so it is spared. The rule is only safe when the
 //! orchestrator's `ensure` is conditional (an epoch label never goes back);
-//! see DESIGN.md. Same rule as `lockstep_policy::EpochRule`.
+//! see docs/policies.md. Same rule as `lockstep_policy::EpochRule`.
 
 use lockstep_policy_sdk::orphans::{CatalogView, OrphanDecision, Orphans, Service};
 

@@ -4,7 +4,7 @@
 //! where a third process adds coverage) through
 //! the orchestrator's process backend, drives it with a controller whose
 //! distribution policy picks one strategy for every command, injects one real
-//! fault, and then checks the invariants of DESIGN.md on the real processes:
+//! fault, and then checks the invariants of docs/invariants.md on the real processes:
 //!
 //! - **I1** every worker's dataflow-creation log is the same
 //!   (`lockstep_reconcile::lockstep_check`);

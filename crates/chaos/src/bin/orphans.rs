@@ -1,7 +1,7 @@
 //! `lockstep-chaos`: runs the orphan fault scenarios against the `lockstep`
 //! binary beside it (both built with the `failpoints` feature) and prints,
 //! per variant, what broke and then one JSON summary line (the reporting
-//! contract of DESIGN.md). `cargo xtask chaos orphans` runs it. Each rule
+//! contract of docs/invariants.md). `cargo xtask chaos orphans` runs it. Each rule
 //! runs on the process backend (variant `RULE`), on the Kubernetes
 //! backend over the in-memory API server double (`RULE@kubernetes`), and
 //! on the process backend with the catalog in PostgreSQL (`RULE@postgres`,

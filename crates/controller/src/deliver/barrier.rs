@@ -4,7 +4,8 @@
 //! is one copy per process. A `naive` session's InitializationComplete is
 //! sent with `barrier` when the replica must reconcile collectively
 //! (`complete_initialization`). (The replica's side:
-//! `crates/replica/src/order/barrier.rs`.)
+//! `crates/reconcile/src/worker/barrier.rs`, run by
+//! `crates/replica/src/worker/mod.rs`.)
 
 use lockstep_protocol::Command;
 

@@ -1,7 +1,7 @@
 //! `naive` on the controller side. Each worker applies the copy from its
 //! own process's connection on arrival, with no coordination: the negative
 //! control. The controller's part is one copy per process. (The replica's
-//! side: `crates/replica/src/order/naive.rs`.)
+//! side: `crates/reconcile/src/worker/naive.rs`.)
 
 use lockstep_protocol::Command;
 
