@@ -643,41 +643,21 @@ pub fn decode_dataflow(bytes: &[u8]) -> Result<DataflowDescription, ComputeError
     DataflowDescription::try_from(w).map_err(|e| ComputeError::Corrupt(e.to_string()))
 }
 
+/// Decodes a write the catalog holds, through the protocol's one wire
+/// conversion (which checks every field, the digest's lanes among them).
 pub(crate) fn decode_write(bytes: &[u8]) -> Result<WriteInput, ComputeError> {
     let w = wire::WriteInput::decode(bytes).map_err(|e| ComputeError::Corrupt(e.to_string()))?;
-    Ok(WriteInput {
-        collection_id: w.collection_id,
-        updates: w
-            .updates
-            .into_iter()
-            .map(|u| Update {
-                row: u.row,
-                time: u.time,
-                diff: u.diff,
-            })
-            .collect(),
-        upper: w.upper,
-        more: false,
-        batch_digest: None,
-    })
+    WriteInput::try_from(w).map_err(|e| ComputeError::Corrupt(e.to_string()))
 }
 
+/// Encodes a write for the catalog: the consolidated write alone (not
+/// continued, no batch digest).
 fn encode_write(w: &WriteInput) -> Vec<u8> {
-    wire::WriteInput {
-        collection_id: w.collection_id,
-        updates: w
-            .updates
-            .iter()
-            .map(|u| wire::Update {
-                row: u.row.clone(),
-                time: u.time,
-                diff: u.diff,
-            })
-            .collect(),
-        upper: w.upper,
+    wire::WriteInput::from(WriteInput {
         more: false,
-        batch_digest: Vec::new(),
-    }
+        batch_digest: None,
+        ..w.clone()
+    })
     .encode_to_vec()
 }
 
@@ -1188,6 +1168,35 @@ mod tests {
     use lockstep_protocol::ErrorResponse;
 
     use super::*;
+
+    #[test]
+    fn a_stored_write_goes_through_the_protocols_checks() {
+        let w = WriteInput {
+            collection_id: 7,
+            updates: vec![Update {
+                row: vec![1, 2],
+                time: 3,
+                diff: -1,
+            }],
+            upper: 4,
+            more: true,
+            batch_digest: Some([1, 2, 3, 4]),
+        };
+        // Stored as the consolidated write alone.
+        let back = decode_write(&encode_write(&w)).expect("round trip");
+        assert_eq!(back.updates, w.updates);
+        assert_eq!((back.more, back.batch_digest), (false, None));
+        // A digest of 3 lanes is refused, naming the field (the copy this
+        // replaced dropped the digest unchecked).
+        let bad = wire::WriteInput {
+            collection_id: 7,
+            batch_digest: vec![1, 2, 3],
+            ..Default::default()
+        }
+        .encode_to_vec();
+        let err = decode_write(&bad).expect_err("3 lanes").to_string();
+        assert!(err.contains("WriteInput.batch_digest"), "{err}");
+    }
 
     /// Counts restarts; refuses them as stale when told to.
     struct Fake {

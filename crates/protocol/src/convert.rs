@@ -460,13 +460,7 @@ impl From<CommandKind> for p::command::Kind {
                 collection_id: s.collection_id,
                 as_of: s.as_of,
             }),
-            CommandKind::WriteInput(w) => Kind::WriteInput(p::WriteInput {
-                collection_id: w.collection_id,
-                updates: w.updates.into_iter().map(update_to).collect(),
-                upper: w.upper,
-                more: w.more,
-                batch_digest: w.batch_digest.map(Vec::from).unwrap_or_default(),
-            }),
+            CommandKind::WriteInput(w) => Kind::WriteInput(w.into()),
             CommandKind::StatusRequest { full } => Kind::StatusRequest(p::StatusRequest { full }),
         }
     }
@@ -516,23 +510,45 @@ impl TryFrom<p::command::Kind> for CommandKind {
                 collection_id: s.collection_id,
                 as_of: s.as_of,
             }),
-            Kind::WriteInput(w) => CommandKind::WriteInput(WriteInput {
-                collection_id: w.collection_id,
-                updates: w.updates.into_iter().map(update_from).collect(),
-                upper: w.upper,
-                more: w.more,
-                batch_digest: match w.batch_digest.len() {
-                    0 => None,
-                    4 => Some(w.batch_digest.try_into().expect("4 lanes")),
-                    len => {
-                        return Err(ConvertError::DigestLanes {
-                            field: "WriteInput.batch_digest",
-                            len,
-                        })
-                    }
-                },
-            }),
+            Kind::WriteInput(w) => CommandKind::WriteInput(w.try_into()?),
             Kind::StatusRequest(s) => CommandKind::StatusRequest { full: s.full },
+        })
+    }
+}
+
+impl From<WriteInput> for p::WriteInput {
+    fn from(w: WriteInput) -> Self {
+        p::WriteInput {
+            collection_id: w.collection_id,
+            updates: w.updates.into_iter().map(update_to).collect(),
+            upper: w.upper,
+            more: w.more,
+            batch_digest: w.batch_digest.map(Vec::from).unwrap_or_default(),
+        }
+    }
+}
+
+/// The one conversion of a wire write: the command's, and the environment's
+/// stored inputs'. A digest of other than 4 lanes is refused, naming the
+/// field.
+impl TryFrom<p::WriteInput> for WriteInput {
+    type Error = ConvertError;
+    fn try_from(w: p::WriteInput) -> Result<Self, ConvertError> {
+        Ok(WriteInput {
+            collection_id: w.collection_id,
+            updates: w.updates.into_iter().map(update_from).collect(),
+            upper: w.upper,
+            more: w.more,
+            batch_digest: match w.batch_digest.len() {
+                0 => None,
+                4 => Some(w.batch_digest.try_into().expect("4 lanes")),
+                len => {
+                    return Err(ConvertError::DigestLanes {
+                        field: "WriteInput.batch_digest",
+                        len,
+                    })
+                }
+            },
         })
     }
 }
