@@ -647,15 +647,15 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
     };
     for (name, at_least) in [
         (
-            "lockstep_api_requests_total{method=\"WriteInput\",code=\"Ok\"}",
+            "lockstep_api_requests_total{method=\"WriteInput\",code=\"OK\"}",
             2.0,
         ),
         (
-            "lockstep_api_requests_total{method=\"Peek\",code=\"Ok\"}",
+            "lockstep_api_requests_total{method=\"Peek\",code=\"OK\"}",
             18.0,
         ),
         (
-            "lockstep_api_requests_total{method=\"CreateDataflow\",code=\"InvalidArgument\"}",
+            "lockstep_api_requests_total{method=\"CreateDataflow\",code=\"INVALID_ARGUMENT\"}",
             2.0,
         ),
         ("lockstep_controller_sessions_total{replica=\"demo\"}", 1.0),

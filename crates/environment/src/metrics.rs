@@ -184,7 +184,7 @@ impl Metrics {
         self.api_requests
             .get_or_create(&ApiLabels {
                 method: method.to_string(),
-                code: format!("{code:?}"),
+                code: grpc_code_name(code).to_string(),
             })
             .inc();
         self.api_seconds
@@ -281,5 +281,30 @@ pub async fn serve(
             let _ = sock.write_all(response.as_bytes()).await;
             let _ = sock.shutdown().await;
         });
+    }
+}
+
+/// A gRPC status code as the gRPC specification spells it (`OK`,
+/// `INVALID_ARGUMENT`, ...), the label value other gRPC servers' metrics use.
+pub fn grpc_code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
     }
 }
