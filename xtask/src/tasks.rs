@@ -99,7 +99,7 @@ fn target_dir() -> std::path::PathBuf {
 }
 
 /// The demo: builds the `lockstep` and `lockstep-replica` binaries and runs
-/// `lockstep demo` (crates/environment/src/demo.rs), which prints its progress
+/// `lockstep demo` (crates/environment/src/demo.rs, a module of the binary), which prints its progress
 /// and ends with `demo: ok`, or says what failed and exits non-zero.
 pub fn demo() -> anyhow::Result<()> {
     step("building lockstep and lockstep-replica");

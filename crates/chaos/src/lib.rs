@@ -9,13 +9,14 @@
 //!   checked with authentication on and, as the negative control, off.
 //! - `lockstep-chaos` (`src/bin/orphans.rs`, [`orphans`]): real environments
 //!   and the real `lockstep` binary crashed at failpoints; O1–O4 checked per
-//!   orphan rule. The scenarios themselves live in
-//!   `lockstep_environment::chaos`, which the environment's own tests share.
+//!   orphan rule. The scenarios themselves live in [`environment`], which
+//!   the environment's own integration tests share.
 //!
 //! Every scenario ends as a pass, a violation of a named invariant or a
 //! harness error ([`outcome`]); every suite prints the reporting contract's
 //! JSON line through [`outcome::Tally`].
 
+pub mod environment;
 pub mod orphans;
 pub mod outcome;
 

@@ -1,4 +1,4 @@
-//! The orphan suite: every scenario of `lockstep_environment::chaos` for one
+//! The orphan suite: every scenario of `lockstep_chaos::environment` for one
 //! orphan rule, as pass / violation / harness error, on the process backend
 //! (variant `RULE`), on the Kubernetes backend over the in-memory API
 //! server double (variant `RULE@kubernetes`: every scenario, the crash ones
@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-use lockstep_environment::chaos::{
+use crate::environment::{
     crash_scenario_on, k8s_conflict_on_ensure, k8s_delete_races_recreate, k8s_watch_drops,
     o4_control_on, stale_binary_halts_on, stale_cannot_resurrect_on, stale_halts_on_write_on,
     stale_loads_before_newer_creates_on, timeline_on, Backend, FreshDatabase, Outcome,
@@ -19,7 +19,7 @@ use lockstep_environment::chaos::{
 
 use crate::outcome::{violation, Failure, Tally};
 
-pub use lockstep_environment::chaos::VARIANTS;
+pub use crate::environment::VARIANTS;
 
 /// An orphan scenario's outcome in the shared form. A violation's text starts
 /// with the invariant it names (`O1: ...`).

@@ -31,8 +31,8 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tonic::transport::Channel;
 
-use crate::proto;
-use crate::proto::environment_client::EnvironmentClient;
+use lockstep_environment::proto;
+use lockstep_environment::proto::environment_client::EnvironmentClient;
 
 const STEPS: usize = 11;
 
@@ -444,7 +444,9 @@ pub async fn run(keep: bool, store: Option<String>, hosts: usize) -> anyhow::Res
     let result = run_in(&bin, &state, on).await;
     // Whatever happened, stop the replica's processes (and remove the
     // simulated hosts).
-    let _ = lockstep_orchestrator::process::kill_all_services(&state.join(crate::ORCHESTRATOR_DIR));
+    let _ = lockstep_orchestrator::process::kill_all_services(
+        &state.join(lockstep_environment::ORCHESTRATOR_DIR),
+    );
     if keep {
         println!("demo: state kept in {}", dir.keep().display());
     }

@@ -74,14 +74,11 @@
 //! `panic` action crashes the whole controller as a real crash would.
 
 pub mod admission;
-pub mod chaos;
 pub mod compute;
-pub mod demo;
 mod inputs;
 pub mod metrics;
 pub mod policies;
 pub mod server;
-pub mod soak;
 pub mod template;
 
 /// The generated gRPC types and services of `lockstep.environment.v1`.

@@ -20,6 +20,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 mod compute_cli;
+// The demo and the soak: harnesses the binary runs (`lockstep demo`,
+// `lockstep soak`), not part of the library.
+mod demo;
+mod soak;
 use compute_cli::status_err;
 
 use anyhow::Context;
@@ -519,10 +523,10 @@ fn main() -> ExitCode {
             Ok(())
         })),
         Command::Demo { keep, store, hosts } => {
-            finish(runtime.block_on(lockstep_environment::demo::run(keep, store, hosts)))
+            finish(runtime.block_on(demo::run(keep, store, hosts)))
         }
         Command::Soak { quick, out } => {
-            use lockstep_environment::soak::{run, SoakOptions};
+            use soak::{run, SoakOptions};
             let opts = if quick {
                 SoakOptions::quick()
             } else {

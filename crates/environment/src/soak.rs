@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use futures::StreamExt;
+use lockstep_orchestrator::process::rss_mib;
 use lockstep_protocol::proto as wire;
 use lockstep_protocol::reference::{evaluate, Multiset};
 use lockstep_protocol::text::parse_plan;
@@ -38,8 +39,8 @@ use lockstep_protocol::{Plan, Update};
 use tonic::transport::Channel;
 
 use crate::demo::{client, start_env_with, Env};
-use crate::proto;
-use crate::proto::environment_client::EnvironmentClient;
+use lockstep_environment::proto;
+use lockstep_environment::proto::environment_client::EnvironmentClient;
 
 /// The bound on every figure's `end_over_start`.
 pub const FLAT_BOUND: f64 = 1.5;
@@ -117,19 +118,6 @@ fn median(mut xs: Vec<f64>) -> f64 {
     }
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
-}
-
-/// The resident memory of process `pid` in MiB (0 if it is gone).
-pub fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 fn dir_bytes(dir: &Path) -> u64 {
@@ -513,7 +501,9 @@ pub async fn run(opts: SoakOptions, quick: bool, out: &Path) -> anyhow::Result<s
         Ok::<_, anyhow::Error>(report_json(&samples, &driver, restarts, started.elapsed(), quick))
     }
     .await;
-    let _ = lockstep_orchestrator::process::kill_all_services(&state.join(crate::ORCHESTRATOR_DIR));
+    let _ = lockstep_orchestrator::process::kill_all_services(
+        &state.join(lockstep_environment::ORCHESTRATOR_DIR),
+    );
     let report = result?;
     if let Some(parent) = out.parent() {
         std::fs::create_dir_all(parent)?;

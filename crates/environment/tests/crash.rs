@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use lockstep_environment::chaos::{
+use lockstep_chaos::environment::{
     crash_scenario, Outcome, CREATE_FAILPOINTS, DROP_FAILPOINTS, VARIANTS,
 };
 

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::Output;
 
-use lockstep_environment::chaos::{
+use lockstep_chaos::environment::{
     cli, o4_control, stale_binary_halts, stale_cannot_resurrect, stale_halts_on_write,
     stale_loads_before_newer_creates, timeline, EnvProcess, Outcome, Sandbox,
 };
@@ -242,7 +242,7 @@ async fn orphans_are_removed_in_the_background_while_serving() {
     for rule in ["epoch", "id-watermark"] {
         let sandbox = Sandbox::new().unwrap();
         let env = std::sync::Arc::new(
-            lockstep_environment::chaos::load(sandbox.path(), rule, true).unwrap(),
+            lockstep_chaos::environment::load(sandbox.path(), rule, true).unwrap(),
         );
         env.ensure_replicas().await.unwrap();
         env.remove_orphans().await.unwrap();
@@ -318,7 +318,8 @@ impl lockstep_policy::OrphanPolicy for Scripted {
 
 #[tokio::test]
 async fn a_failing_or_nonsensical_policy_deletes_nothing() {
-    use lockstep_environment::{chaos::sleep_template, Environment, EnvironmentConfig};
+    use lockstep_chaos::environment::sleep_template;
+    use lockstep_environment::{Environment, EnvironmentConfig};
     use lockstep_policy::{OrphanDecision, PolicyError};
     let sandbox = Sandbox::new().unwrap();
     let answers = [

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use lockstep_environment::chaos::Sandbox;
+use lockstep_chaos::environment::Sandbox;
 use lockstep_protocol::reference::evaluate;
 
 mod common;

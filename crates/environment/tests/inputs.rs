@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use lockstep_catalog::Catalog;
-use lockstep_environment::chaos::Sandbox;
+use lockstep_chaos::environment::Sandbox;
 use lockstep_environment::compute::ComputeError;
 use lockstep_protocol::reference::evaluate;
 use lockstep_protocol::text::parse_plan;

@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::*;
+use lockstep_chaos::environment::Sandbox;
 use lockstep_command_log::{CommandLog, LogLocation};
-use lockstep_environment::chaos::Sandbox;
 use lockstep_pgtest::PgServer;
 use lockstep_protocol::reference::evaluate;
 

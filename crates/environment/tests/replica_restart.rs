@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use lockstep_environment::chaos::Sandbox;
+use lockstep_chaos::environment::Sandbox;
 use lockstep_environment::compute::ComputeError;
 use lockstep_protocol::reference::evaluate;
 use lockstep_protocol::Update;

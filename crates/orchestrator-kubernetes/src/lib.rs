@@ -114,15 +114,16 @@
 //!
 //! # Testing without a cluster
 //!
-//! [`api_double::ApiServerDouble`] is a stateful in-memory Kubernetes API
-//! server behind a real [`kube::Client`]: resourceVersions, uids,
-//! preconditions, label selectors, list and watch, with fault injection.
+//! `lockstep_kube_double::ApiServerDouble` (its own crate,
+//! `crates/kube-double`: test machinery stays out of this library) is a
+//! stateful in-memory Kubernetes API server behind a real [`kube::Client`]:
+//! resourceVersions, uids, preconditions, label selectors, list and watch,
+//! with fault injection.
 //! The request-level tests (`tests/requests.rs`) use `tower-test` to pin
 //! the exact HTTP requests.
 //!
 //! [`list_services`]: Orchestrator::list_services
 
-pub mod api_double;
 pub mod objects;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -426,7 +427,7 @@ pub fn preconditions_of<K: kube::Resource>(object: &K) -> DeleteParams {
 
 impl KubernetesOrchestrator {
     /// A backend talking to the API server behind `client` (a real cluster's,
-    /// from `kube::Client::try_default()`, or [`api_double::ApiServerDouble`]),
+    /// from `kube::Client::try_default()`, or the tests' API server double),
     /// Sends no request until called; the first
     /// [`watch_services`](Orchestrator::watch_services) starts a task that
     /// watches the environment's pods and, with

@@ -6,10 +6,10 @@
 use std::time::Duration;
 
 use http::Method;
+use lockstep_kube_double::{ApiServerDouble, Matcher};
 use lockstep_orchestrator::{
     EnsureError, Orchestrator, RestartError, ServiceConfig, ServiceEventKind,
 };
-use lockstep_orchestrator_kubernetes::api_double::{ApiServerDouble, Matcher};
 use lockstep_orchestrator_kubernetes::{KubernetesOrchestrator, KubernetesOrchestratorConfig};
 use serde_json::json;
 

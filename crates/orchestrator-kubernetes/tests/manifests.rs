@@ -12,8 +12,8 @@ use http::Method;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use lockstep_kube_double::{ApiServerDouble, RecordedRequest};
 use lockstep_orchestrator::{Orchestrator, ServiceConfig};
-use lockstep_orchestrator_kubernetes::api_double::{ApiServerDouble, RecordedRequest};
 use lockstep_orchestrator_kubernetes::{KubernetesOrchestrator, KubernetesOrchestratorConfig};
 use serde_json::Value;
 

@@ -70,8 +70,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use lockstep_chaos::environment::Sandbox;
 use lockstep_chaos::outcome::{violation, Failure, Tally};
-use lockstep_environment::chaos::Sandbox;
 use lockstep_environment::proto;
 use lockstep_environment::proto::environment_client::EnvironmentClient;
 use lockstep_protocol::proto as wire;

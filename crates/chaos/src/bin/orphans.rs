@@ -17,8 +17,8 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use lockstep_chaos::environment::FreshDatabase;
 use lockstep_chaos::orphans::{run_variant_on, variant_name, BACKENDS, VARIANTS};
-use lockstep_environment::chaos::FreshDatabase;
 use lockstep_pgtest::PgServer;
 
 fn main() -> ExitCode {

@@ -26,12 +26,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
+use lockstep_chaos::environment::EnvProcess;
 use lockstep_chaos::outcome::{violation, Failure, Tally};
 use lockstep_controller::{launch, Controller, ReplicaAddrs, Timeouts};
-use lockstep_environment::chaos::EnvProcess;
 use lockstep_environment::proto;
 use lockstep_environment::proto::environment_client::EnvironmentClient;
-use lockstep_environment::soak::rss_mib;
+use lockstep_orchestrator::process::rss_mib;
 use lockstep_orchestrator::process::{
     kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
 };

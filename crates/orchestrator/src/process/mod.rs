@@ -107,7 +107,7 @@ mod supervisor;
 
 use launch::*;
 use procfs::*;
-pub use procfs::{strays, ORCHESTRATOR_ENV};
+pub use procfs::{rss_mib, strays, ORCHESTRATOR_ENV};
 pub use state::kill_all_services;
 use state::*;
 

@@ -96,3 +96,16 @@ pub(super) fn kill_strays(state_dir: &Path) -> usize {
 /// but whose process group no record names escaped the orchestrator (it was
 /// spawned, then the orchestrator was killed before it recorded the PID).
 pub const ORCHESTRATOR_ENV: &str = "LOCKSTEP_ORCHESTRATOR";
+
+/// The resident memory of process `pid` in MiB (0 if it is gone).
+pub fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}

@@ -1,6 +1,9 @@
-//! The orphan fault scenarios, shared by this crate's integration tests and
-//! by the orphan suite in `crates/chaos` (`cargo xtask chaos orphans`, the
-//! `lockstep-chaos` binary), which runs them and reports their outcomes.
+//! Real environments for the suites and tests: sandboxes, `lockstep serve`
+//! processes, the CLI, and the orphan fault scenarios, shared by the orphan
+//! suite (`cargo xtask chaos orphans`, the `lockstep-chaos` binary), which
+//! runs them and reports their outcomes, and by the environment's
+//! integration tests (a dev-dependency: none of this is in the production
+//! library).
 //!
 //! Every scenario runs real processes: services are real OS processes
 //! (`sleep`, bounded to five minutes so nothing can leak for long), and the
@@ -49,11 +52,13 @@ use lockstep_orchestrator::process::{
 use lockstep_orchestrator::{Orchestrator, ServiceStatus};
 use tokio::io::AsyncBufReadExt;
 
-use lockstep_orchestrator_kubernetes::api_double::{ApiServerDouble, Matcher};
+use lockstep_kube_double::{ApiServerDouble, Matcher};
 use lockstep_orchestrator_kubernetes::{KubernetesOrchestrator, KubernetesOrchestratorConfig};
 
-use crate::proto::environment_client::EnvironmentClient;
-use crate::{proto, EnvError, Environment, EnvironmentConfig, ServiceTemplate, ORCHESTRATOR_DIR};
+use lockstep_environment::proto::environment_client::EnvironmentClient;
+use lockstep_environment::{
+    proto, EnvError, Environment, EnvironmentConfig, ServiceTemplate, ORCHESTRATOR_DIR,
+};
 
 /// The rules the suite runs, and whether each must pass (`catalog-only` is
 /// the negative control that must be caught).
@@ -213,10 +218,7 @@ impl Sandbox {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
                 let url = format!("http://{}", listener.local_addr()?);
                 let path = self.path().join("kubeconfig");
-                std::fs::write(
-                    &path,
-                    lockstep_orchestrator_kubernetes::api_double::kubeconfig(&url, K8S_NAMESPACE),
-                )?;
+                std::fs::write(&path, lockstep_kube_double::kubeconfig(&url, K8S_NAMESPACE))?;
                 let task = api.serve(listener);
                 *self.api_server.lock().expect("poisoned") = Some((task, path.clone()));
                 path
@@ -276,7 +278,7 @@ impl Sandbox {
     pub fn open_catalog(&self) -> anyhow::Result<lockstep_catalog::Catalog> {
         let store = lockstep_catalog::Store::from_arg(
             self.store.as_deref(),
-            self.path().join(crate::CATALOG_FILE),
+            self.path().join(lockstep_environment::CATALOG_FILE),
         )
         .map_err(|e| anyhow!("bad store: {e}"))?;
         Ok(lockstep_catalog::Catalog::open_store(&store)?)
@@ -312,7 +314,7 @@ impl Sandbox {
             }
             Backend::Kubernetes(api) => {
                 let api = api.clone();
-                let factory: crate::OrchestratorFactory = Box::new(move |p| {
+                let factory: lockstep_environment::OrchestratorFactory = Box::new(move |p| {
                     Ok(std::sync::Arc::new(KubernetesOrchestrator::new(
                         api.client(K8S_NAMESPACE),
                         k8s_config(p.epoch, p.conditional_writes),

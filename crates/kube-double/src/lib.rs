@@ -1,4 +1,4 @@
-//! A stateful in-memory Kubernetes API server for tests: a `tower::Service`
+//! A stateful in-memory Kubernetes API server for tests (`lockstep-kube-double`): a `tower::Service`
 //! that answers the HTTP requests a real [`kube::Client`] sends, so the
 //! backend's own code (requests, preconditions, 409 handling, watch
 //! re-listing) runs unchanged against it.
