@@ -211,6 +211,9 @@ def main():
         # SetPolicy, ListPolicies
         r.code("SetPolicy, empty name: INVALID_ARGUMENT", lambda: api.SetPolicy(ep.SetPolicyRequest(name="", wasm=b"\0asm")), C.INVALID_ARGUMENT)
         r.code("SetPolicy, not a policy: INVALID_ARGUMENT", lambda: api.SetPolicy(ep.SetPolicyRequest(name="junk", wasm=b"not wasm")), C.INVALID_ARGUMENT)
+        # 6 MiB: within the documented 16 MiB, beyond tonic's default 4 MiB
+        # decode limit; it must reach the server and be judged as a policy.
+        r.code("SetPolicy, 6 MiB that is not a policy: INVALID_ARGUMENT", lambda: api.SetPolicy(ep.SetPolicyRequest(name="junk", wasm=b"x" * (6 << 20))), C.INVALID_ARGUMENT)
         r.code("SetPolicy, unknown replica: NOT_FOUND", lambda: api.SetPolicy(ep.SetPolicyRequest(name="junk", wasm=b"not wasm", replica="nope")), C.NOT_FOUND)
         kinds = sorted(p.kind for p in api.ListPolicies(ep.ListPoliciesRequest()).policies)
         r.check("ListPolicies names both kinds", kinds == ["distribution", "orphans"], str(kinds))

@@ -1170,12 +1170,10 @@ impl Environment {
             None => (Some(service.into_server()), None),
             Some(token) => (
                 None,
-                Some(
-                    proto::environment_server::EnvironmentServer::with_interceptor(
-                        service,
-                        server::TokenCheck::new(token),
-                    ),
-                ),
+                Some(tonic::service::interceptor::InterceptedService::new(
+                    service.into_server(),
+                    server::TokenCheck::new(token),
+                )),
             ),
         };
         // Per connection: a bounded number of concurrent streams and calls,

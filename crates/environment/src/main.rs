@@ -677,10 +677,11 @@ async fn connect(server: &ServerArg) -> anyhow::Result<Client> {
         .transpose()
         .context("the API token is not a valid header value")?;
     let channel = connect_channel(server).await?;
-    Ok(EnvironmentClient::with_interceptor(
-        channel,
-        AddToken(token),
-    ))
+    Ok(
+        EnvironmentClient::with_interceptor(channel, AddToken(token))
+            .max_decoding_message_size(lockstep_environment::server::MAX_ANSWER_BYTES)
+            .max_encoding_message_size(lockstep_environment::server::MAX_REQUEST_BYTES),
+    )
 }
 
 async fn connect_channel(arg: &ServerArg) -> anyhow::Result<tonic::transport::Channel> {

@@ -39,11 +39,25 @@ impl EnvironmentService {
         EnvironmentService { env }
     }
 
-    /// The tonic server to add to a router.
+    /// The tonic server to add to a router, accepting requests up to
+    /// [`MAX_REQUEST_BYTES`] (tonic's own default is 4 MiB, less than the
+    /// largest request the API documents).
     pub fn into_server(self) -> EnvironmentServer<Self> {
-        EnvironmentServer::new(self)
+        EnvironmentServer::new(self).max_decoding_message_size(MAX_REQUEST_BYTES)
     }
 }
+
+/// The largest request the API accepts: a `SetPolicy` carrying the largest
+/// policy ([`MAX_POLICY_BYTES`](crate::policies::MAX_POLICY_BYTES), as
+/// `environment.proto` documents) and its envelope. Derived from that one
+/// limit, so the two cannot disagree.
+pub const MAX_REQUEST_BYTES: usize = crate::policies::MAX_POLICY_BYTES + (64 << 10);
+
+/// The largest answer a client of this crate's CLI accepts (a peek of many
+/// rows; tonic's default of 4 MiB would refuse a large one in the client).
+pub const MAX_ANSWER_BYTES: usize = 256 << 20;
+
+impl EnvironmentService {}
 
 /// The minimum length of an API token.
 pub const MIN_TOKEN_LEN: usize = 16;
