@@ -442,6 +442,22 @@ pub fn history_check(controller: Digest, reported: &[Digest]) -> HistoryVerdict 
 /// dataflow ID, description hash).
 pub type CreationEntry = (u64, u64, Digest);
 
+/// The creation logs workers reported in their statuses, as
+/// [`lockstep_check`] takes them.
+pub fn creation_logs<'a>(
+    statuses: impl IntoIterator<Item = &'a lockstep_protocol::Status>,
+) -> Vec<Vec<CreationEntry>> {
+    statuses
+        .into_iter()
+        .map(|s| {
+            s.creation_log
+                .iter()
+                .map(|e| (e.timely_index, e.dataflow_id, e.description_hash))
+                .collect()
+        })
+        .collect()
+}
+
 /// Two workers' creation logs differ (invariant I1 is broken).
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct Divergence {

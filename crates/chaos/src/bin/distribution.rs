@@ -343,15 +343,7 @@ async fn check(c: &Controller, target: &[DataflowDescription]) -> Result<(), Fai
         .statuses()
         .await
         .map_err(|e| violation("I2", format!("no status from every worker: {e}")))?;
-    let logs: Vec<Vec<lockstep_reconcile::CreationEntry>> = statuses
-        .iter()
-        .map(|s| {
-            s.creation_log
-                .iter()
-                .map(|e| (e.timely_index, e.dataflow_id, e.description_hash))
-                .collect()
-        })
-        .collect();
+    let logs = lockstep_reconcile::creation_logs(&statuses);
     lockstep_reconcile::lockstep_check(&logs).map_err(|d| violation("I1", d.to_string()))?;
     let want: BTreeSet<u64> = target.iter().map(|d| d.id).collect();
     for s in &statuses {

@@ -285,16 +285,7 @@ impl Actor {
         // I1 is about creation logs: say whether they differ, or only the
         // installed sets do (a drop that reached some processes: repaired
         // by reconciling collectively).
-        let logs: Vec<Vec<lockstep_reconcile::CreationEntry>> = self
-            .session_reports()
-            .iter()
-            .map(|s| {
-                s.creation_log
-                    .iter()
-                    .map(|e| (e.timely_index, e.dataflow_id, e.description_hash))
-                    .collect()
-            })
-            .collect();
+        let logs = lockstep_reconcile::creation_logs(self.session_reports());
         let creation_logs = match lockstep_reconcile::lockstep_check(&logs) {
             Ok(()) => "same",
             Err(_) => "differ",
