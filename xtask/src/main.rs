@@ -5,6 +5,7 @@
 mod bench;
 mod chaos;
 mod chart;
+mod image;
 mod model;
 mod network;
 mod new_policy;
@@ -75,6 +76,18 @@ enum Task {
         #[command(flatten)]
         campaign: chaos::CampaignArgs,
     },
+    /// Build the container image lockstep:dev (podman, or docker) from the
+    /// host's binaries and check it: `lockstep demo` and `lockstep serve`
+    /// inside it; then remove it. Not part of `test`. See docs/image.md.
+    Image {
+        /// Build everything inside the container (a release build in the Rust
+        /// image, which must come from a registry).
+        #[arg(long)]
+        from_source: bool,
+        /// Keep the image and the build context (target/lockstep/image).
+        #[arg(long)]
+        keep: bool,
+    },
     /// Model-check the protocols (stateright, CI-sized bounds); prints the JSON summary lines.
     Model {
         /// Variants to check (default: all).
@@ -96,6 +109,7 @@ fn main() -> anyhow::Result<()> {
             strategies,
             campaign,
         } => chaos::run_suite_with(&suite, &strategies, &campaign),
+        Task::Image { from_source, keep } => image::image(&image::Options { from_source, keep }),
         Task::Model { variants } => model::run(&variants),
         Task::NewPolicy { name, kind } => new_policy::scaffold(&name, kind),
     }
