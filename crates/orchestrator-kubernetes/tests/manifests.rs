@@ -59,6 +59,7 @@ fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(file: &str, doc
 fn every_manifest_is_a_valid_kubernetes_object() {
     let docs = documents();
     let mut kinds = BTreeMap::new();
+    let mut token_secrets = Vec::new();
     for (file, doc) in &docs {
         let kind = doc["kind"]
             .as_str()
@@ -82,6 +83,25 @@ fn every_manifest_is_a_valid_kubernetes_object() {
                     args.iter().any(|a| a == "--orchestrator=kubernetes"),
                     "{args:?}"
                 );
+                // `lockstep serve` refuses to listen off loopback without a
+                // token: the Deployment must give one, from a Secret.
+                let listen = args.iter().find_map(|a| a.strip_prefix("--listen="));
+                if listen.is_some_and(|l| !l.starts_with("127.") && !l.starts_with("[::1]")) {
+                    let env = pod.containers[0].env.clone().unwrap_or_default();
+                    let token = env
+                        .iter()
+                        .find(|e| e.name == "LOCKSTEP_API_TOKEN")
+                        .unwrap_or_else(|| {
+                            panic!("{file}: listens on {listen:?} without LOCKSTEP_API_TOKEN")
+                        });
+                    let secret = token
+                        .value_from
+                        .as_ref()
+                        .and_then(|v| v.secret_key_ref.as_ref())
+                        .map(|r| r.name.clone())
+                        .unwrap_or_else(|| panic!("{file}: the API token must come from a Secret"));
+                    token_secrets.push(secret);
+                }
             }
             other => panic!("{file}: unexpected kind {other}"),
         }
@@ -99,9 +119,21 @@ fn every_manifest_is_a_valid_kubernetes_object() {
         "Role",
         "RoleBinding",
         "Deployment",
-        "Secret",
     ] {
         assert_eq!(kinds.get(kind), Some(&1), "one {kind}: {kinds:?}");
+    }
+    // The store's connection string and the API token.
+    assert_eq!(kinds.get("Secret"), Some(&2), "two Secrets: {kinds:?}");
+    let secrets: Vec<&str> = docs
+        .iter()
+        .filter(|(_, d)| d["kind"] == "Secret")
+        .filter_map(|(_, d)| d["metadata"]["name"].as_str())
+        .collect();
+    for s in &token_secrets {
+        assert!(
+            secrets.contains(&s.as_str()),
+            "the token's Secret {s} is not shipped: {secrets:?}"
+        );
     }
 }
 
