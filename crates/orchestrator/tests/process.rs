@@ -399,8 +399,9 @@ async fn state_files_are_private_and_processes_get_an_explicit_environment() {
     // The test process has variables a child must not inherit (HOME, cargo's
     // CARGO_*), so the check below can fail.
     assert!(std::env::vars().any(|(k, _)| !allowed(&k)));
+    let key = "a-session-key-that-stays-out-of-the-record";
     let status = o
-        .ensure_service(sleeper("replica-1", 1, 1).env("LOCKSTEP_SESSION_KEY", "k"))
+        .ensure_service(sleeper("replica-1", 1, 1).env("LOCKSTEP_SESSION_KEY", key))
         .await
         .unwrap();
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
@@ -408,6 +409,23 @@ async fn state_files_are_private_and_processes_get_an_explicit_environment() {
     assert_eq!(mode(&sandbox.path().join("services")), 0o700);
     assert_eq!(mode(&sandbox.path().join("logs")), 0o700);
     assert_eq!(mode(&sandbox.path().join("services/replica-1.json")), 0o600);
+    // The key is in its own private file, not in the service record.
+    let record = std::fs::read_to_string(sandbox.path().join("services/replica-1.json")).unwrap();
+    assert!(!record.contains(key), "the record holds the key: {record}");
+    let env_file = sandbox.path().join("services/replica-1.env");
+    assert_eq!(mode(&env_file), 0o600);
+    assert!(std::fs::read_to_string(&env_file).unwrap().contains(key));
+    // A new orchestrator reads it back: the unchanged service is adopted.
+    drop(o);
+    let again = sandbox
+        .orchestrator(2)
+        .ensure_service(sleeper("replica-1", 1, 1).env("LOCKSTEP_SESSION_KEY", key))
+        .await
+        .unwrap();
+    assert_eq!(
+        again.processes[0].pid, status.processes[0].pid,
+        "adopted, not restarted"
+    );
     assert_eq!(mode(&sandbox.path().join("logs/replica-1-0.log")), 0o600);
     let pid = status.processes[0].pid.unwrap();
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();

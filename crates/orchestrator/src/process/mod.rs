@@ -243,6 +243,11 @@ struct ServiceRecord {
     epoch: u64,
     labels: BTreeMap<String, String>,
     program: PathBuf,
+    /// The processes' environment (session keys, passwords): never in the
+    /// record itself, but in its own private file beside it
+    /// ([`state::env_path`]). Records written before that held it inline;
+    /// they are still read.
+    #[serde(default, skip_serializing)]
     env: BTreeMap<String, String>,
     port_names: Vec<String>,
     processes: Vec<ProcessRecord>,

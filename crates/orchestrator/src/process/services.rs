@@ -215,7 +215,7 @@ impl Inner {
             }
         }
         let path = self.record_path(name);
-        std::fs::remove_file(&path).map_err(|e| Self::state_err(&path, e))?;
+        remove_record(&path).map_err(|e| Self::state_err(&path, e))?;
         // Its logs go with it (best effort: a leftover is only disk).
         for i in 0..record.processes.len() {
             let log = self.log_path(name, i);

@@ -70,15 +70,25 @@ impl Inner {
         read_all_records(&self.config.state_dir)
     }
 
+    /// Writes the record, and its environment to its own private file
+    /// first (so a record is never newer than its environment).
     pub(super) fn write(&self, record: &ServiceRecord) -> Result<(), StateError> {
         let path = self.record_path(&record.name);
-        let tmp = path.with_extension("json.tmp");
+        let env = env_path(&path);
+        let env_bytes = serde_json::to_vec(&record.env).expect("an environment serializes");
         let bytes = serde_json::to_vec_pretty(record).expect("records serialize");
-        let result = (|| {
+        let write = |path: &Path, bytes: &[u8]| -> std::io::Result<()> {
+            let mut tmp = path.as_os_str().to_owned();
+            tmp.push(".tmp");
+            let tmp = PathBuf::from(tmp);
             let mut f = private_file(&tmp)?;
-            f.write_all(&bytes)?;
+            f.write_all(bytes)?;
             f.sync_all()?;
-            std::fs::rename(&tmp, &path)?;
+            std::fs::rename(&tmp, path)
+        };
+        let result = (|| {
+            write(&env, &env_bytes)?;
+            write(&path, &bytes)?;
             File::open(path.parent().expect("has a parent"))?.sync_all()
         })();
         result.map_err(|e| Self::state_err(&path, e))
@@ -135,7 +145,36 @@ pub(super) fn read_record(path: &Path) -> Result<Option<ServiceRecord>, StateErr
             reason: format!("unknown record version {}", record.version),
         });
     }
+    let mut record = record;
+    let env = env_path(path);
+    match std::fs::read(&env) {
+        Ok(bytes) => {
+            record.env = serde_json::from_slice(&bytes).map_err(|e| StateError::Corrupt {
+                path: env.clone(),
+                reason: e.to_string(),
+            })?;
+        }
+        // A record written before environments had their own file.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Inner::state_err(&env, e)),
+    }
     Ok(Some(record))
+}
+
+/// The private file beside a record that holds its processes' environment
+/// (`NAME.env` beside `NAME.json`, 0600): secrets stay out of the record.
+pub(super) fn env_path(record: &Path) -> PathBuf {
+    record.with_extension("env")
+}
+
+/// Removes a record and its environment file.
+pub(super) fn remove_record(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(env_path(path)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::remove_file(path)
 }
 
 pub(super) fn read_all_records(state_dir: &Path) -> Result<Vec<ServiceRecord>, StateError> {
@@ -195,7 +234,7 @@ pub fn kill_all_services(state_dir: &Path) -> Result<usize, StateError> {
                 }
             }
         }
-        let _ = std::fs::remove_file(&path);
+        let _ = remove_record(&path);
     }
     killed += kill_strays(state_dir);
     crate::hosts::remove_for_state_dir(state_dir);

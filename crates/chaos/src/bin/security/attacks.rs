@@ -454,6 +454,7 @@ pub(super) async fn keys_at_rest_and_in_children(_v: Variant) -> Result<(), Fail
         created.map_err(|e| Failure::Harness(format!("creating a replica: {e}")))?;
         use std::os::unix::fs::PermissionsExt;
         let mut wide = Vec::new();
+        let mut in_records = Vec::new();
         let orchestrator = state.path().join("orchestrator");
         let mut check = |p: PathBuf, want: u32| {
             let mode = std::fs::metadata(&p)
@@ -471,12 +472,24 @@ pub(super) async fn keys_at_rest_and_in_children(_v: Variant) -> Result<(), Fail
             .flatten()
         {
             check(entry.path(), 0o600);
+            // No secret in a service record: the environment (the session
+            // key) has its own file.
+            if entry.path().extension().is_some_and(|e| e == "json")
+                && std::fs::read_to_string(entry.path())
+                    .unwrap_or_default()
+                    .contains("LOCKSTEP_SESSION_KEY")
+            {
+                in_records.push(format!("{} holds the session key", entry.path().display()));
+            }
         }
         if !wide.is_empty() {
             return Err(violation(
                 "S1",
                 format!("secrets readable by other users: {}", wide.join(", ")),
             ));
+        }
+        if !in_records.is_empty() {
+            return Err(violation("S1", in_records.join(", ")));
         }
         Ok(())
     })();
