@@ -1244,7 +1244,7 @@ async fn crash_inner(
     Ok(Ok(()))
 }
 
-/// A stale `lockstep serve` halts (exits 2, saying another controller took
+/// A stale `lockstep serve` halts (exits 3, saying another controller took
 /// over) on its next catalog write, and the newer one is unaffected (O3).
 pub async fn stale_binary_halts(bin: &Path, rule: &str) -> Outcome {
     stale_binary_halts_on(Backend::Process, bin, rule).await
@@ -1272,7 +1272,7 @@ async fn stale_binary_inner(
         return Ok(Err("O3: the stale controller accepted a create".into()));
     }
     let (status, stderr) = a.wait_exit().await?;
-    if status.code() != Some(2) || !stderr.contains("another controller took over") {
+    if status.code() != Some(3) || !stderr.contains("another controller took over") {
         return Ok(Err(format!(
             "O3: the stale controller did not halt with a clear message: exit {status}; stderr:\n{stderr}"
         )));

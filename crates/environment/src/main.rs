@@ -12,8 +12,8 @@
 //! lockstep demo
 //! ```
 //!
-//! Exit codes: 0 success, 1 error, 2 halted because another controller took
-//! over (O3).
+//! Exit codes: 0 success, 1 error, 2 a usage error (clap's), 3 halted
+//! because another controller took over (O3).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -31,8 +31,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use lockstep_environment::proto::environment_client::EnvironmentClient;
 use lockstep_environment::{proto, EnvError, Environment, EnvironmentConfig, ServiceTemplate};
 
-/// The exit code of a controller that halted because another took over.
-const EXIT_HALTED: u8 = 2;
+/// The exit code of a controller that halted because another took over
+/// (not 2, which clap gives a usage error).
+const EXIT_HALTED: u8 = 3;
 
 #[derive(Parser)]
 #[command(
