@@ -192,6 +192,14 @@ async fn ensure_is_conditional_on_the_epoch_and_on_tombstones() {
 
 /// The precondition must stop a delete racing a re-create with the same
 /// name: controller A (epoch 1) drops `replica-1`; between its read of pod
+/// Relabels object `name` with `epoch` behind the backend's back, as a newer
+/// controller's write would.
+fn relabel_epoch(api: &ApiServerDouble, resource: &str, name: &str, epoch: &str) {
+    let mut object = api.get(resource, NS, name).unwrap();
+    object["metadata"]["labels"]["lockstep/epoch"] = json!(epoch);
+    api.replace(resource, NS, name, object).unwrap();
+}
+
 /// `replica-1-0` and its delete, controller B (epoch 2) re-creates the
 /// service (a new record and a new pod of the same name).
 fn race_recreate(api: &ApiServerDouble) {
@@ -310,9 +318,7 @@ async fn a_409_on_ensure_is_read_again_and_decided_again() {
     api.before_next(
         Matcher::new(Method::PUT, "services", Some("replica-1")),
         move |_| {
-            let mut record = b.get("services", NS, "replica-1").unwrap();
-            record["metadata"]["labels"]["lockstep/epoch"] = json!("4");
-            b.replace("services", NS, "replica-1", record).unwrap();
+            relabel_epoch(&b, "services", "replica-1", "4");
         },
     );
     match orchestrator(&api, 3)
@@ -342,12 +348,8 @@ async fn restart_racing_a_newer_controller_leaves_its_pod_alone() {
     api.before_next(
         Matcher::new(Method::DELETE, "pods", Some("replica-1-0")),
         move |_| {
-            let mut record = b.get("services", NS, "replica-1").unwrap();
-            record["metadata"]["labels"]["lockstep/epoch"] = json!("2");
-            b.replace("services", NS, "replica-1", record).unwrap();
-            let mut pod = b.get("pods", NS, "replica-1-0").unwrap();
-            pod["metadata"]["labels"]["lockstep/epoch"] = json!("2");
-            b.replace("pods", NS, "replica-1-0", pod).unwrap();
+            relabel_epoch(&b, "services", "replica-1", "2");
+            relabel_epoch(&b, "pods", "replica-1-0", "2");
         },
     );
     let before = uid(&api, "pods", "replica-1-0");
@@ -719,9 +721,7 @@ async fn an_older_epoch_cannot_overwrite_the_key_secret_of_a_newer_one() {
     api.before_next(
         Matcher::new(Method::GET, "secrets", Some("replica-1-env")),
         move |_| {
-            let mut record = b.get("services", NS, "replica-1").unwrap();
-            record["metadata"]["labels"]["lockstep/epoch"] = json!("2");
-            b.replace("services", NS, "replica-1", record).unwrap();
+            relabel_epoch(&b, "services", "replica-1", "2");
             let mut secret = b.get("secrets", NS, "replica-1-env").unwrap();
             secret["metadata"]["labels"]["lockstep/epoch"] = json!("2");
             secret["data"]["LOCKSTEP_SESSION_KEY"] = json!("ZXBvY2gtMg==");
