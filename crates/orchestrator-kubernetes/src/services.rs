@@ -1,0 +1,222 @@
+//! ensure and list: a service's record, Secret and pods made to match its config, and its status.
+
+use super::*;
+
+impl Inner {
+    /// Waits (bounded by `ready_timeout`) until every pod has an IP, then
+    /// returns the status.
+    pub(super) async fn status_when_ready(
+        &self,
+        record: &Service,
+    ) -> Result<ServiceStatus, StateError> {
+        let deadline = tokio::time::Instant::now() + self.config.ready_timeout;
+        loop {
+            let pods = self.service_pods(&record.name_any()).await?;
+            let status = self.status_of(record, &pods);
+            let ready = pods.iter().all(|p| pod_ip(p).is_some());
+            if ready || tokio::time::Instant::now() >= deadline {
+                return Ok(status);
+            }
+            tokio::time::sleep(self.config.poll_interval).await;
+        }
+    }
+
+    pub(super) fn status_of(&self, record: &Service, pods: &[Pod]) -> ServiceStatus {
+        let labels = record.labels();
+        let mut all: BTreeMap<String, String> = record
+            .annotations()
+            .get(LABELS_ANNOTATION)
+            .and_then(|j| serde_json::from_str(j).ok())
+            .unwrap_or_default();
+        let epoch = label_u64(labels, EPOCH_LABEL).unwrap_or(0);
+        let id = label_u64(labels, ID_LABEL).unwrap_or(0);
+        all.insert(EPOCH_LABEL.to_string(), epoch.to_string());
+        all.insert(ID_LABEL.to_string(), id.to_string());
+        let ports: Vec<(String, u16)> = record
+            .spec
+            .as_ref()
+            .and_then(|s| s.ports.as_ref())
+            .map(|ps| {
+                ps.iter()
+                    .filter_map(|p| Some((p.name.clone()?, u16::try_from(p.port).ok()?)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        ServiceStatus {
+            name: record.name_any(),
+            id,
+            epoch,
+            labels: all,
+            processes: pods
+                .iter()
+                .filter_map(|p| {
+                    let index = pod_index(p);
+                    (index != usize::MAX).then(|| ProcessStatus {
+                        index,
+                        pid: None,
+                        running: pod_running(p),
+                        addresses: pod_ip(p)
+                            .map(|ip| {
+                                ports
+                                    .iter()
+                                    .map(|(n, port)| (n.clone(), SocketAddr::new(ip, *port)))
+                                    .collect()
+                            })
+                            .unwrap_or_default(),
+                        restarts: pod_restarts(p),
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    pub(super) async fn ensure(&self, config: ServiceConfig) -> Result<ServiceStatus, EnsureError> {
+        objects::validate_name(&config.name).map_err(EnsureError::Invalid)?;
+        if config.scale == 0 {
+            return Err(EnsureError::Invalid(format!(
+                "service {} needs at least one process",
+                config.name
+            )));
+        }
+        let _lock = self.lock(&config.name).await;
+        let ours = self.config.epoch;
+        let name = config.name.clone();
+        let template = objects::template(&self.context(), &config);
+        let mut record = self.write_record(&config, &template).await?;
+        self.write_secret(&config).await?;
+        let mut created = Vec::new();
+        let mut decided = false;
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let generation = generation_of(&record);
+            let pods = self.service_pods(&name).await?;
+            if pods.is_empty() {
+                // Nothing runs: every pod starts in the record's generation.
+                created = self
+                    .create_pods(&record, &template, generation, |_| 0)
+                    .await
+                    .map_err(|e| e.into_ensure(&name, ours))?;
+                decided = true;
+                break;
+            }
+            let ctx = self.context();
+            let desired: Vec<Pod> = (0..config.scale)
+                .map(|i| objects::pod(&ctx, &name, config.id, &template, i, generation, 0))
+                .collect();
+            if adoptable(&pods, &desired) {
+                // Adopt: relabel with our epoch, CAS on what we read.
+                let mut conflict = false;
+                for (p, d) in pods.iter().zip(&desired) {
+                    if p.labels() == d.labels() {
+                        continue;
+                    }
+                    let mut relabelled = p.clone();
+                    relabelled.metadata.labels = d.metadata.labels.clone();
+                    match self
+                        .pods
+                        .replace(&p.name_any(), &PostParams::default(), &relabelled)
+                        .await
+                    {
+                        Ok(_) => {}
+                        Err(e) if is_conflict(&e) => {
+                            tracing::info!(pod = %p.name_any(), "pod changed under us (409): reading again");
+                            conflict = true;
+                            break;
+                        }
+                        Err(e) => return Err(api_error("write pod", e).into()),
+                    }
+                }
+                if conflict {
+                    continue;
+                }
+                decided = true;
+                break;
+            }
+            // A changed spec, a pod missing or dead, a pod of another
+            // generation: shared fate, every pod goes and a new generation
+            // starts.
+            let (r, c) = self
+                .new_generation(&name, record, None, false)
+                .await
+                .map_err(|e| e.into_ensure(&name, ours))?;
+            record = r;
+            created = c;
+            decided = true;
+            break;
+        }
+        if !decided {
+            return Err(too_many_conflicts(&format!("pods of {name}")).into());
+        }
+        // Did a newer controller take the record over while we wrote pods?
+        // Then its deletes may have missed the pods we created: remove them.
+        match self.read_record(&name).await? {
+            Record::Live { epoch, .. } if self.config.conditional_writes && epoch > ours => {
+                self.remove_created(&created).await;
+                return Err(EnsureError::StaleEpoch {
+                    service: name,
+                    stored: epoch,
+                    ours,
+                });
+            }
+            Record::Dropped { by, .. } if self.config.conditional_writes && by > ours => {
+                self.remove_created(&created).await;
+                return Err(EnsureError::DroppedByNewer {
+                    service: name,
+                    dropped_at: by,
+                    ours,
+                });
+            }
+            _ => {}
+        }
+        self.announce(&name, &created);
+        Ok(self.status_when_ready(&record).await?)
+    }
+
+    /// `Started` for each pod created.
+    pub(super) fn announce(&self, service: &str, created: &[(String, String)]) {
+        for (pod, _) in created {
+            let index = pod.rsplit('-').next().and_then(|i| i.parse().ok());
+            let _ = self.events.send(ServiceEvent {
+                service: service.to_string(),
+                process: index,
+                kind: ServiceEventKind::Started { pid: 0 },
+            });
+        }
+    }
+
+    pub(super) async fn remove_created(&self, created: &[(String, String)]) {
+        for (name, uid) in created {
+            if let Ok(Some(p)) = self.pods.get_opt(name).await {
+                if p.uid().as_deref() == Some(uid.as_str()) {
+                    let _ = self.delete_pod_as_read(&p).await;
+                }
+            }
+        }
+    }
+
+    pub(super) async fn list_inner(&self) -> Result<Vec<ServiceStatus>, StateError> {
+        let records = self.list_records().await?;
+        let lp =
+            ListParams::default().labels(&objects::environment_selector(&self.config.environment));
+        let pods = self
+            .pods
+            .list(&lp)
+            .await
+            .map_err(|e| api_error("list pods", e))?
+            .items;
+        let mut out: Vec<ServiceStatus> = records
+            .iter()
+            .map(|r| {
+                let name = r.name_any();
+                let mut mine: Vec<Pod> = pods
+                    .iter()
+                    .filter(|p| p.labels().get(objects::SERVICE_LABEL) == Some(&name))
+                    .cloned()
+                    .collect();
+                mine.sort_by_key(pod_index);
+                self.status_of(r, &mine)
+            })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+}
