@@ -6,7 +6,7 @@
 //! SQLite file in the state directory (rusqlite, bundled) so the embedded
 //! default needs no server, or a PostgreSQL database (tokio-postgres), so
 //! that an environment can fail over to another machine. [`Catalog`] is one
-//! API over both; the backends are `sqlite.rs` and `postgres.rs`, and
+//! API over both; the backends are `sqlite.rs` and `postgres/`, and
 //! [`Catalog`] dispatches to them in one place.
 //!
 //! Three properties make it safe to run several controllers against it, which
