@@ -1,0 +1,276 @@
+//! The compute model's configuration and steps: the I/O around the session
+//! machines (channels, mesh, stream, log), sessions and replica restarts.
+
+use std::sync::Arc;
+
+use lockstep_protocol::{Digest, Strategy};
+use lockstep_reconcile::{
+    Action, BarrierDecision, ControllerSession, DataflowKey, GateMutant, HistoryStep,
+    MeshAnnouncement, Order, RoundMutant,
+};
+
+use super::state::{
+    description, digest_of, CmdKind, ComputeState, Msg, Runs, Worker, LABELS, MAX_DATAFLOWS,
+};
+use super::{ComputeBounds, ComputeModel, HistoryCheck};
+
+impl ComputeModel {
+    /// The digest a worker reports on Hello under the history check.
+    fn history_digest(&self, w: &Worker) -> Digest {
+        match self.history {
+            // The compacted history: the creates of what still runs, in order.
+            HistoryCheck::Compacted | HistoryCheck::Off => digest_of(&w.keys()),
+            HistoryCheck::Full => digest_of(&(&w.log, &w.installed)),
+        }
+    }
+
+    /// A dataflow's name in traces.
+    pub(super) fn label(&self, k: &DataflowKey) -> &'static str {
+        self.pool
+            .iter()
+            .position(|p| p == k)
+            .map_or("?", |i| LABELS[i])
+    }
+
+    /// The name of a dataflow ID in traces (the first pool entry with it).
+    pub(super) fn id_label(&self, id: u64) -> &'static str {
+        self.pool
+            .iter()
+            .position(|p| p.id == id)
+            .map_or("?", |i| LABELS[i])
+    }
+
+    /// The model of `strategy` within `bounds`.
+    pub fn new(strategy: Strategy, bounds: ComputeBounds) -> Self {
+        assert!(
+            bounds.dataflows <= MAX_DATAFLOWS,
+            "at most {MAX_DATAFLOWS} dataflows"
+        );
+        let pool = (0..bounds.dataflows)
+            .map(|i| {
+                let d = description(i);
+                DataflowKey {
+                    id: d.id,
+                    hash: d.hash(),
+                }
+            })
+            .collect();
+        ComputeModel {
+            strategy,
+            mutant: RoundMutant::None,
+            gate_mutant: GateMutant::None,
+            history: HistoryCheck::Off,
+            bounds,
+            pool,
+            reachable: Arc::default(),
+        }
+    }
+
+    /// The naive model with a history check on reconnect.
+    pub fn with_history_check(mut self, history: HistoryCheck) -> Self {
+        assert_eq!(
+            self.strategy,
+            Strategy::Naive,
+            "the history check rides on naive"
+        );
+        self.history = history;
+        self
+    }
+
+    /// The same model with a flaw planted in the controller's history check.
+    pub fn with_gate_mutant(mut self, mutant: GateMutant) -> Self {
+        self.gate_mutant = mutant;
+        self
+    }
+
+    /// The controller's next step in the history check, from the reports of
+    /// its session so far (what the controller's actor runs; the model's
+    /// bound never passes).
+    pub fn history_step(&self, s: &ComputeState) -> HistoryStep {
+        s.ctl.machine.clone().check_histories(0, u64::MAX)
+    }
+
+    /// A fresh controller session machine.
+    pub(super) fn controller_machine(&self, workers: usize) -> ControllerSession {
+        ControllerSession::new(workers).with_gate_mutant(self.gate_mutant)
+    }
+
+    /// The same model with a flaw planted in every worker's round book.
+    pub fn with_mutant(mut self, mutant: RoundMutant) -> Self {
+        self.mutant = mutant;
+        self
+    }
+
+    pub(super) fn uses_channels(&self) -> bool {
+        self.strategy != Strategy::Log
+    }
+
+    /// Sends one command: to every channel (naive, barrier), to the
+    /// sequencer's channel (broadcast), or appended to the log (log).
+    pub(super) fn send(&self, s: &mut ComputeState, msg: Msg) {
+        match self.strategy {
+            Strategy::Naive | Strategy::Barrier => {
+                for c in &mut s.channels {
+                    c.push_back(msg.clone());
+                }
+            }
+            Strategy::Broadcast => s.channels[0].push_back(msg),
+            Strategy::Log => s.stream.push(msg),
+        }
+    }
+
+    /// A new session (the controller's machine was told the old one
+    /// ended, or is new): Hello, then the target, after the history check
+    /// if there is one.
+    pub(super) fn start_session(&self, s: &mut ComputeState) {
+        if s.ctl.machine.phase().is_connected() {
+            s.ctl.machine.disconnected(0);
+        } else {
+            s.ctl.machine.connect();
+        }
+        s.ctl.machine.connected(s.workers.len());
+        s.ctl.session += 1;
+        let session = s.ctl.session;
+        self.send(s, Msg::Hello { session });
+        s.ctl.machine.rehydrated(0);
+        if self.history == HistoryCheck::Off {
+            // No history check: the controller's bound for the reports
+            // passes at once, and it completes unchecked.
+            match s.ctl.machine.check_histories(1, 0) {
+                HistoryStep::Complete { .. } => self.complete(s),
+                step => unreachable!("an unchecked session completes, not {step:?}"),
+            }
+        }
+    }
+
+    /// InitializationComplete: the target, then the machine serves.
+    pub(super) fn complete(&self, s: &mut ComputeState) {
+        self.send_target(s);
+        s.ctl.machine.serving(0);
+    }
+
+    /// The target and InitializationComplete, after Hello.
+    fn send_target(&self, s: &mut ComputeState) {
+        let session = s.ctl.session;
+        let keys = s.ctl.catalog.clone();
+        self.send(
+            s,
+            Msg::Target {
+                session,
+                seqno: 1,
+                keys,
+            },
+        );
+        s.ctl.seqno = 2;
+    }
+
+    /// Restarts the replica: fresh processes, an empty mesh, a new session.
+    pub(super) fn restart_replica(&self, s: &mut ComputeState) {
+        s.replica_restarts += 1;
+        for c in &mut s.channels {
+            c.clear();
+        }
+        for inbox in &mut s.inboxes {
+            inbox.clear();
+        }
+        if self.strategy == Strategy::Broadcast {
+            s.stream.clear();
+        }
+        let cursor = if self.strategy == Strategy::Log {
+            s.stream.len()
+        } else {
+            0
+        };
+        let peers = s.workers.len();
+        for (i, w) in s.workers.iter_mut().enumerate() {
+            *w = Worker::fresh(i, peers, self.mutant, cursor);
+        }
+        s.reports = vec![None; s.workers.len()];
+        self.start_session(s);
+    }
+
+    /// Worker `p` receives `msg` in its order: its session machine queues
+    /// it, then runs until it waits.
+    pub(super) fn receive(&self, s: &mut ComputeState, p: usize, msg: &Msg) {
+        for cmd in msg.commands(Order::of(self.strategy)) {
+            s.workers[p].machine.push(cmd);
+        }
+        self.run(s, p);
+    }
+
+    /// Performs what worker `p`'s session machine hands out until it waits,
+    /// as the replica's worker does.
+    pub(super) fn run(&self, s: &mut ComputeState, p: usize) {
+        loop {
+            let w = &mut s.workers[p];
+            let Some(action) = w.machine.next(&Runs(&w.installed, &w.log), 0) else {
+                return;
+            };
+            match action {
+                Action::Announce(record) => self.mesh_send(s, p, record),
+                Action::Hello { cmd, .. } => {
+                    if let (CmdKind::Hello(session), true) =
+                        (cmd.kind, self.history != HistoryCheck::Off)
+                    {
+                        let digest = self.history_digest(&s.workers[p]);
+                        s.reports[p] = Some((session, digest));
+                        if session == s.ctl.session {
+                            let nonce = s.ctl.machine.nonce();
+                            s.ctl.machine.reported(p as u32, nonce, digest);
+                        }
+                    }
+                }
+                Action::Drop { id, .. } => w.drop_id(id),
+                Action::Apply(cmd) => w.apply(&cmd),
+                Action::ResetHistory | Action::Skipped { .. } => {}
+                Action::Halt(_) => {
+                    w.halted = true;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Worker `me` sends `record` on the mesh: every peer's queue gets it
+    /// (its own machine read it when it announced it). Under `naive` no
+    /// round is ever announced, so nothing reads the joins it sends and the
+    /// model does not queue them.
+    fn mesh_send(&self, s: &mut ComputeState, me: usize, record: MeshAnnouncement) {
+        if self.strategy == Strategy::Naive {
+            return;
+        }
+        for (w, inbox) in s.inboxes.iter_mut().enumerate() {
+            if w != me {
+                inbox.push_back((me, record.clone()));
+            }
+        }
+    }
+
+    /// The decision on worker `me`'s pending round after its machine read
+    /// 0, 1, ... up to every record of its mesh queue (each record read
+    /// once); empty without a pending round.
+    pub(super) fn decisions(&self, s: &ComputeState, me: usize) -> Vec<BarrierDecision> {
+        let w = &s.workers[me];
+        let Some(first) = w.machine.decision() else {
+            return Vec::new();
+        };
+        let mut machine = w.machine.clone();
+        let mut out = vec![first];
+        for (from, record) in &s.inboxes[me] {
+            machine.on_mesh(*from, record.clone());
+            out.extend(machine.decision());
+        }
+        out
+    }
+
+    /// The decision on worker `me`'s pending round after it read the next
+    /// `read` records of its mesh queue.
+    pub(super) fn decision(
+        &self,
+        s: &ComputeState,
+        me: usize,
+        read: usize,
+    ) -> Option<BarrierDecision> {
+        self.decisions(s, me).into_iter().nth(read)
+    }
+}
