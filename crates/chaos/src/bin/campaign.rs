@@ -404,11 +404,19 @@ impl Run {
     /// (the final checks). Reads what the environment logged since the last
     /// call.
     fn workers_agreed(&mut self, i: usize) -> Result<(), Failure> {
-        let text = std::fs::read(self.sandbox.path().join("campaign-env.stderr"))
-            .map_err(|e| Failure::Harness(format!("reading the environment's log: {e}")))?;
-        let new = &text[self.log_read.min(text.len())..];
-        self.log_read = text.len();
-        let new = String::from_utf8_lossy(new);
+        // Only what was logged since the last call: the log grows with the
+        // run, and this runs after every operation.
+        let mut new = Vec::new();
+        (|| -> std::io::Result<()> {
+            use std::io::{Read, Seek, SeekFrom};
+            let mut f = std::fs::File::open(self.sandbox.path().join("campaign-env.stderr"))?;
+            f.seek(SeekFrom::Start(self.log_read as u64))?;
+            f.read_to_end(&mut new)?;
+            Ok(())
+        })()
+        .map_err(|e| Failure::Harness(format!("reading the environment's log: {e}")))?;
+        self.log_read += new.len();
+        let new = String::from_utf8_lossy(&new);
         for line in new.lines().filter(|l| l.contains(DISAGREEMENT)) {
             let line = strip_ansi(line);
             if line.contains("creation_logs=\"same\"") {
