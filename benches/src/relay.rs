@@ -305,14 +305,20 @@ mod tests {
         s.read_exact(&mut got).unwrap();
         writer.join().unwrap();
         assert!(got == sent, "the relay changed or reordered bytes");
-        assert_eq!(
-            relay.counters().to_target.load(Ordering::Relaxed),
-            sent.len() as u64
-        );
-        assert_eq!(
-            relay.counters().from_target.load(Ordering::Relaxed),
-            sent.len() as u64
-        );
+        // The relay counts a chunk after forwarding it: the last count may
+        // land just after the client read the bytes. Wait for it, bounded.
+        let want = sent.len() as u64;
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let counts = || {
+            (
+                relay.counters().to_target.load(Ordering::Relaxed),
+                relay.counters().from_target.load(Ordering::Relaxed),
+            )
+        };
+        while counts() != (want, want) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(counts(), (want, want));
     }
 
     #[test]
