@@ -1,0 +1,240 @@
+//! A seed's run: its setup, the I1 check on the environment's log after every
+//! operation, environment restarts and the resolution of creates and drops
+//! of unknown fate.
+
+use super::*;
+use env::*;
+use model::{identity_collection, Fate, Rng, INPUTS};
+
+impl Run {
+    pub(super) async fn setup(
+        seed: u64,
+        strategy: &str,
+        processes: u32,
+        workers: u32,
+    ) -> Result<Run, Failure> {
+        let sandbox = Sandbox::new().map_err(|e| format!("sandbox: {e:#}"))?;
+        let env = Env::start(sandbox.path(), strategy == "naive", None).await?;
+        let client = env.client().await?;
+        let mut run = Run {
+            seed,
+            strategy: strategy.to_string(),
+            processes,
+            sandbox,
+            env,
+            client,
+            world: World::new(),
+            faults: 0,
+            crashed_for: None,
+            log_read: 0,
+            partial_drops: 0,
+        };
+        run.set_policy(strategy)
+            .await
+            .map_err(|e| Failure::Harness(format!("setting the policy {strategy}: {e}")))?;
+        run.client
+            .create_replica(proto::CreateReplicaRequest {
+                name: REPLICA.into(),
+                processes,
+                workers_per_process: workers,
+                config: String::new(),
+            })
+            .await
+            .map_err(|e| format!("creating the replica: {}", code(&e)))?;
+        run.world.log(format!(
+            "setup: replica {processes}x{workers}, policy {strategy}"
+        ));
+        // The identity dataflows, and a first write to every input.
+        for k in INPUTS {
+            let text = format!("get({k})");
+            let plan = model::parse(&text)?;
+            let mut d = model::DataflowRec {
+                collection: identity_collection(k),
+                text,
+                plan,
+                inputs: vec![k],
+                id: None,
+                live: true,
+                unknown: false,
+                identity: true,
+            };
+            let created = run
+                .client
+                .create_dataflow(create_request(&d))
+                .await
+                .map_err(|e| format!("creating the identity dataflow of {k}: {}", code(&e)))?;
+            d.id = created.into_inner().dataflow.map(|d| d.id);
+            run.world.dataflows.push(d);
+            let mut r = Rng::new(seed ^ k);
+            let w = run.world.new_write(usize::MAX, k, &mut r);
+            run.client
+                .write_input(write_request(&w))
+                .await
+                .map_err(|e| format!("the first write to {k}: {}", code(&e)))?;
+            run.world.record_write(w, Fate::Acked);
+        }
+        Ok(run)
+    }
+
+    /// I1 at every connection: the environment's controller compares every
+    /// worker's creation log and installed dataflows each time it connects
+    /// (after every environment restart and every replica reconnect) and
+    /// logs [`DISAGREEMENT`] on a difference, saying whether the creation
+    /// logs differ. It then repairs it, but workers whose creation logs
+    /// differ did build different dataflows: a violation of I1, whatever
+    /// came after. Installed sets that differ alone (a drop that reached some
+    /// processes before the controller crashed, which `barrier` leaves to the
+    /// collective reconciliation) are counted, and must be gone by the end
+    /// (the final checks). Reads what the environment logged since the last
+    /// call.
+    pub(super) fn workers_agreed(&mut self, i: usize) -> Result<(), Failure> {
+        // Only what was logged since the last call: the log grows with the
+        // run, and this runs after every operation.
+        let mut new = Vec::new();
+        (|| -> std::io::Result<()> {
+            use std::io::{Read, Seek, SeekFrom};
+            let mut f = std::fs::File::open(self.sandbox.path().join("campaign-env.stderr"))?;
+            f.seek(SeekFrom::Start(self.log_read as u64))?;
+            f.read_to_end(&mut new)?;
+            Ok(())
+        })()
+        .map_err(|e| Failure::Harness(format!("reading the environment's log: {e}")))?;
+        self.log_read += new.len();
+        let new = String::from_utf8_lossy(&new);
+        for line in new.lines().filter(|l| l.contains(DISAGREEMENT)) {
+            let line = strip_ansi(line);
+            if line.contains("creation_logs=\"same\"") {
+                self.partial_drops += 1;
+                // Each fault leaves at most one command applied by some
+                // processes only, which the next connection repairs. More
+                // mismatches than faults: a repair did not take (I4).
+                if self.partial_drops > self.faults {
+                    return Err(violation(
+                        "I4",
+                        format!(
+                            "by operation {i}, {} history checks found installed sets that differ after {} faults: a collective reconciliation did not repair what a fault left: {line}",
+                            self.partial_drops, self.faults
+                        ),
+                    ));
+                }
+                continue;
+            }
+            return Err(violation(
+                "I1",
+                format!(
+                    "by operation {i}, the history check on a connection found workers that built different dataflows: {line}"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) async fn set_policy(&mut self, strategy: &str) -> Result<(), String> {
+        let file = policy_file(strategy);
+        let wasm = std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+        self.client
+            .set_policy(proto::SetPolicyRequest {
+                name: strategy.into(),
+                wasm,
+                replica: String::new(),
+            })
+            .await
+            .map_err(|e| code(&e))?;
+        Ok(())
+    }
+
+    pub(super) async fn pids(&mut self) -> Result<Vec<u32>, String> {
+        let r = self
+            .client
+            .list_replicas(proto::ListReplicasRequest::default())
+            .await
+            .map_err(|e| code(&e))?
+            .into_inner();
+        Ok(r.replicas
+            .iter()
+            .find(|r| r.name == REPLICA)
+            .map(|r| r.process_status.iter().map(|p| p.pid).collect())
+            .unwrap_or_default())
+    }
+
+    /// kill -9 the environment (it must be gone), then start it again on
+    /// the same state directory, and resolve what the catalog holds.
+    pub(super) async fn restart_env(&mut self, failpoints: Option<&str>) -> Result<(), Failure> {
+        self.crashed_for = None;
+        self.env.kill().await;
+        self.env = Env::start(self.sandbox.path(), self.strategy == "naive", failpoints).await?;
+        self.client = self.env.client().await?;
+        if failpoints.is_none() {
+            self.resolve_dataflows().await?;
+        }
+        Ok(())
+    }
+
+    /// Resolves creates and drops of unknown fate from the catalog.
+    pub(super) async fn resolve_dataflows(&mut self) -> Result<(), Failure> {
+        if !self.world.dataflows.iter().any(|d| d.unknown) {
+            return Ok(());
+        }
+        let mut listed = std::collections::BTreeMap::new();
+        let mut token = String::new();
+        loop {
+            let page = self
+                .client
+                .list_dataflows(proto::ListDataflowsRequest {
+                    page_size: 1000,
+                    page_token: token.clone(),
+                })
+                .await
+                .map_err(|e| format!("listing dataflows: {}", code(&e)))?
+                .into_inner();
+            for e in page.dataflows {
+                if let Some(d) = e.dataflow {
+                    for x in &d.exports {
+                        listed.insert(x.collection_id, d.id);
+                    }
+                }
+            }
+            if page.next_page_token.is_empty() {
+                break;
+            }
+            token = page.next_page_token;
+        }
+        let mut lines = Vec::new();
+        for d in self.world.dataflows.iter_mut().filter(|d| d.unknown) {
+            d.unknown = false;
+            match listed.get(&d.collection) {
+                Some(id) => {
+                    d.live = true;
+                    d.id = Some(*id);
+                }
+                None => d.live = false,
+            }
+            lines.push(format!(
+                "  resolved: dataflow {} ({}) is {}",
+                d.collection,
+                d.text,
+                if d.live { "live" } else { "absent" }
+            ));
+        }
+        self.world.history.extend(lines);
+        Ok(())
+    }
+}
+
+/// A log line without its terminal colours.
+pub(super) fn strip_ansi(line: &str) -> String {
+    let mut out = String::new();
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
