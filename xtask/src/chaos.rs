@@ -228,8 +228,9 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
 /// The seeded random fault campaign (`crates/chaos/src/bin/campaign.rs`):
 /// builds `lockstep`, `lockstep-replica` and `lockstep-chaos-campaign` with
 /// failpoints, the shipped distribution policies if missing, and a `naive`
-/// policy for the negative control; runs the strategies (default:
-/// broadcast barrier log naive).
+/// policy for the negative control; runs the variants (default:
+/// broadcast barrier log log@postgres, log@hosts where simulated hosts can
+/// be made, and naive).
 fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
     build_with_environment("lockstep-chaos-campaign")?;
     let shipped = crate::policies::out_dir();
@@ -239,7 +240,15 @@ fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
     {
         crate::policies::build_all()?;
     }
-    let defaults = ["broadcast", "barrier", "log", "naive"].map(String::from);
+    let mut defaults = ["broadcast", "barrier", "log", "log@postgres"]
+        .map(String::from)
+        .to_vec();
+    // The link cuts need simulated hosts: network namespaces, root, iproute2.
+    match crate::tasks::hosts_unavailable() {
+        None => defaults.push("log@hosts".into()),
+        Some(why) => eprintln!("xtask: the @hosts variant of chaos campaign is skipped: {why}"),
+    }
+    defaults.push("naive".into());
     let strategies = if strategies.is_empty() {
         &defaults[..]
     } else {

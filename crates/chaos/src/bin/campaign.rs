@@ -11,7 +11,11 @@
 //! `controller_partial_broadcast`) and started again on the same state
 //! directory; a replica process killed with SIGKILL, or stopped (SIGSTOP)
 //! and resumed; the distribution policy swapped at run time (SetPolicy);
-//! the whole replica killed. Every request and its answer (or unknown fate)
+//! the whole replica killed; and, in the variants with a place of their own
+//! ([`variant`]), the PostgreSQL server under a `--store` environment
+//! restarted with a write in flight (`STRATEGY@postgres`) or a simulated
+//! host's control or mesh link cut and healed (`STRATEGY@hosts`). Every
+//! request and its answer (or unknown fate)
 //! is recorded; after the run the campaign checks:
 //!
 //! - **I2** the replica reaches the target within [`RECOVERY`] after the
@@ -55,10 +59,11 @@
 //! some workers only, which never answers (I2).
 //!
 //! Usage: `lockstep-chaos-campaign [--seeds A..B | --seed S] [--steps N]
-//! [--strategy X ...] [--keep I,J,...] [--shrink]` (default, the quick set
-//! `cargo xtask test` runs: seeds [`QUICK_SEEDS`] × [`QUICK_STEPS`]
-//! operations and the shrunk [`REGRESSIONS`] for broadcast barrier log, and
-//! seeds [`QUICK_NAIVE_SEEDS`] for naive). Prints one line per seed,
+//! [--strategy X[@postgres|@hosts] ...] [--keep I,J,...] [--shrink]`
+//! (default, the quick set `cargo xtask test` runs: seeds [`QUICK_SEEDS`] ×
+//! [`QUICK_STEPS`] operations and the shrunk [`REGRESSIONS`] for broadcast
+//! barrier log, seeds [`QUICK_PLACE_SEEDS`] for the `@postgres` and `@hosts`
+//! variants, and seeds [`QUICK_NAIVE_SEEDS`] for naive). Prints one line per seed,
 //! the replay command of a failing one, then the reporting contract's JSON
 //! line per strategy (suite `campaign`). Exits non-zero if a strategy that
 //! must pass had a violation, any seed had a harness error, or `naive` (the
@@ -88,9 +93,12 @@ mod model;
 mod ops;
 #[path = "campaign/run.rs"]
 mod run;
+#[path = "campaign/variant.rs"]
+mod variant;
 
 use env::{lockstep_binary, lockstep_dir, policy_file, target_debug, Client, Env};
 use model::World;
+use variant::{Place, SeedStore, Store, Variant};
 
 const SUITE: &str = "campaign";
 const REPLICA: &str = "c";
@@ -106,7 +114,16 @@ const STRATEGIES: [&str; 3] = ["broadcast", "barrier", "log"];
 /// One seed's run: its sandbox, environment, client and model.
 struct Run {
     seed: u64,
+    /// The distribution policy's strategy.
     strategy: String,
+    /// Where the environment runs.
+    place: Place,
+    /// `lockstep serve`'s arguments for that place (`--store`, `--hosts`).
+    serve_args: Vec<String>,
+    /// The seed's database (`@postgres`).
+    store: Option<SeedStore>,
+    /// The simulated hosts, adopted at the first link cut (`@hosts`).
+    hosts: Option<lockstep_orchestrator::hosts::SimulatedHosts>,
     processes: u32,
     sandbox: Sandbox,
     env: Env,
@@ -130,13 +147,14 @@ struct Run {
 async fn run_seed(
     seed: u64,
     steps: usize,
-    strategy: &str,
+    variant: &Variant,
+    store: Option<&Store>,
     keep: Option<&BTreeSet<usize>>,
     history_file: &Path,
 ) -> (Result<(), Failure>, String) {
-    let plan = model::generate(seed, steps);
+    let plan = model::with_place_fault(model::generate(seed, steps), seed, variant.place_fault());
     let started = Instant::now();
-    let mut run = match Run::setup(seed, strategy, plan.processes, plan.workers).await {
+    let mut run = match Run::setup(seed, variant, store, plan.processes, plan.workers).await {
         Ok(r) => r,
         Err(e) => return (Err(e), format!("{}x{}", plan.processes, plan.workers)),
     };
@@ -169,7 +187,15 @@ async fn run_seed(
         run.sandbox.path().join("campaign-env.stderr"),
         history_file.with_extension("env.log"),
     );
+    let orchestrator_dir = run
+        .sandbox
+        .path()
+        .join(lockstep_environment::ORCHESTRATOR_DIR);
+    let hosts = run.place == Place::Hosts;
     drop(run);
+    if hosts {
+        lockstep_orchestrator::hosts::remove_for_state_dir(&orchestrator_dir);
+    }
     let line = format!(
         "{}x{}, {} faults, {:.0} s{}{}",
         plan.processes,
@@ -189,13 +215,14 @@ async fn run_seed(
 async fn bounded_seed(
     seed: u64,
     steps: usize,
-    strategy: &str,
+    variant: &Variant,
+    store: Option<&Store>,
     keep: Option<&BTreeSet<usize>>,
     history_file: &Path,
 ) -> (Result<(), Failure>, String) {
     match tokio::time::timeout(
         SEED_BOUND,
-        run_seed(seed, steps, strategy, keep, history_file),
+        run_seed(seed, steps, variant, store, keep, history_file),
     )
     .await
     {
@@ -224,7 +251,8 @@ fn same_failure(a: &Result<(), Failure>, b: &Result<(), Failure>) -> bool {
 async fn shrink(
     seed: u64,
     steps: usize,
-    strategy: &str,
+    variant: &Variant,
+    store: Option<&Store>,
     failure: &Result<(), Failure>,
     budget: Duration,
     scratch: &Path,
@@ -242,10 +270,10 @@ async fn shrink(
                 .filter(|(j, _)| *j < start || *j >= start + chunk)
                 .map(|(_, i)| *i)
                 .collect();
-            let (o, _) = bounded_seed(seed, steps, strategy, Some(&candidate), scratch).await;
+            let (o, _) = bounded_seed(seed, steps, variant, store, Some(&candidate), scratch).await;
             if same_failure(&o, failure) {
                 eprintln!(
-                    "campaign: shrink {strategy} seed {seed}: {} operations still fail",
+                    "campaign: shrink {variant} seed {seed}: {} operations still fail",
                     candidate.len()
                 );
                 kept = candidate.into_iter().collect();
@@ -264,7 +292,7 @@ async fn shrink(
 struct Args {
     seeds: Vec<u64>,
     steps: usize,
-    strategies: Vec<String>,
+    strategies: Vec<Variant>,
     keep: Option<BTreeSet<usize>>,
     shrink: bool,
     /// The quick set (no `--seeds`, `--seed` or `--keep`): the
@@ -276,10 +304,16 @@ struct Args {
 /// found a defect in a longer run (9 and 20: see [`REGRESSIONS`]).
 const QUICK_SEEDS: [u64; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 20];
 
+/// The quick set's seeds for the variants with a place of their own
+/// (`@postgres`, `@hosts`): their faults are drawn in place of some of the
+/// seed's operations, so these seeds run the embedded seeds' faults too.
+const QUICK_PLACE_SEEDS: [u64; 4] = [1, 2, 3, 4];
+
 /// The quick set's seeds for the negative control `naive`: more than for
 /// the others, since whether a seed catches it depends on where the
-/// controller's crashes land (3 to 6 of 10 seeds caught it in single runs).
-const QUICK_NAIVE_SEEDS: std::ops::RangeInclusive<u64> = 1..=20;
+/// controller's crashes land (3 to 6 of 10 seeds caught it in single runs,
+/// 9 and 10 of 1–20 in two full runs).
+const QUICK_NAIVE_SEEDS: std::ops::RangeInclusive<u64> = 1..=14;
 
 /// The quick set's operations per seed.
 const QUICK_STEPS: usize = 60;
@@ -337,7 +371,7 @@ fn parse_args() -> Result<Args, String> {
                     .parse()
                     .map_err(|e| format!("--steps: {e}"))?
             }
-            "--strategy" => args.strategies.push(value("--strategy")?),
+            "--strategy" => args.strategies.push(Variant::parse(&value("--strategy")?)?),
             "--keep" => {
                 args.regressions = false;
                 let v = value("--keep")?;
@@ -354,15 +388,8 @@ fn parse_args() -> Result<Args, String> {
     }
     if args.strategies.is_empty() {
         args.strategies = ["broadcast", "barrier", "log", "naive"]
-            .map(String::from)
+            .map(|s| Variant::parse(s).expect("known strategies"))
             .to_vec();
-    }
-    for s in &args.strategies {
-        if !STRATEGIES.contains(&s.as_str()) && s != "naive" {
-            return Err(format!(
-                "unknown strategy {s:?} (broadcast, barrier, log, naive)"
-            ));
-        }
     }
     Ok(args)
 }
@@ -378,7 +405,7 @@ fn main() {
     let mut missing: Vec<PathBuf> =
         vec![lockstep_binary(), target_debug().join("lockstep-replica")];
     missing.extend(STRATEGIES.iter().map(|s| policy_file(s)));
-    if args.strategies.iter().any(|s| s == "naive") {
+    if args.strategies.iter().any(Variant::negative) {
         missing.push(policy_file("naive"));
     }
     missing.retain(|p| !p.exists());
@@ -388,6 +415,25 @@ fn main() {
         );
         std::process::exit(2);
     }
+    if args.strategies.iter().any(|s| s.place == Place::Hosts) {
+        if let Err(e) = lockstep_orchestrator::hosts::available() {
+            eprintln!("lockstep-chaos-campaign: the @hosts variants need simulated hosts: {e}");
+            std::process::exit(2);
+        }
+    }
+    // One throw-away PostgreSQL server for the `@postgres` variants; each
+    // seed run gets a database of its own.
+    let store = if args.strategies.iter().any(|s| s.place == Place::Postgres) {
+        match Store::start() {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("lockstep-chaos-campaign: the @postgres variants: {e}");
+                std::process::exit(2);
+            }
+        }
+    } else {
+        None
+    };
     let out_dir = lockstep_dir().join("campaign");
     let _ = std::fs::create_dir_all(&out_dir);
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -397,10 +443,12 @@ fn main() {
         .expect("runtime");
     let mut ok = true;
     for strategy in &args.strategies {
-        let negative = strategy == "naive";
+        let negative = strategy.negative();
         let mut tally = Tally::default();
         let seeds: Vec<u64> = if args.regressions && negative {
             QUICK_NAIVE_SEEDS.collect()
+        } else if args.regressions && strategy.place != Place::Embedded {
+            QUICK_PLACE_SEEDS.to_vec()
         } else {
             args.seeds.clone()
         };
@@ -408,7 +456,7 @@ fn main() {
             .iter()
             .map(|&seed| (seed, args.steps, args.keep.clone()))
             .collect();
-        if args.regressions && !negative {
+        if args.regressions && !negative && strategy.place == Place::Embedded {
             cases.extend(
                 REGRESSIONS.iter().map(|&(seed, steps, keep)| {
                     (seed, steps, Some(keep.iter().copied().collect()))
@@ -427,8 +475,14 @@ fn main() {
                 "{strategy}-seed-{seed}{}.log",
                 if keep.is_some() { "-kept" } else { "" }
             ));
-            let (outcome, line) =
-                runtime.block_on(bounded_seed(seed, steps, strategy, keep.as_ref(), &history));
+            let (outcome, line) = runtime.block_on(bounded_seed(
+                seed,
+                steps,
+                strategy,
+                store.as_ref(),
+                keep.as_ref(),
+                &history,
+            ));
             let what = tally.record(&outcome);
             eprintln!("campaign: {strategy} seed {seed}{keep_arg} ({line}): {what}");
             if outcome.is_err() {
@@ -442,6 +496,7 @@ fn main() {
                         seed,
                         steps,
                         strategy,
+                        store.as_ref(),
                         &outcome,
                         Duration::from_secs(300),
                         &scratch,
@@ -455,7 +510,10 @@ fn main() {
                 }
             }
         }
-        println!("{}", tally.summary_line(SUITE, strategy, negative));
+        println!(
+            "{}",
+            tally.summary_line(SUITE, &strategy.to_string(), negative)
+        );
         ok &= tally.ok(negative);
     }
     std::process::exit(if ok { 0 } else { 1 });

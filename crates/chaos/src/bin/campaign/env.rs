@@ -45,9 +45,12 @@ pub(super) struct Env {
 }
 
 impl Env {
+    /// Starts `lockstep serve` on `state` with `serve_args` (`--store`,
+    /// `--hosts`) and `failpoints`.
     pub(super) async fn start(
         state: &Path,
         naive: bool,
+        serve_args: &[String],
         failpoints: Option<&str>,
     ) -> Result<Env, String> {
         let stderr = std::fs::OpenOptions::new()
@@ -66,6 +69,7 @@ impl Env {
             .stdout(Stdio::piped())
             .stderr(stderr)
             .kill_on_drop(true);
+        cmd.args(serve_args);
         if naive {
             // The negative control: naive delivery, and none of the
             // environment's repairs (restarts on a silent process, lost

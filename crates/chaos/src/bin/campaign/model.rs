@@ -83,6 +83,12 @@ pub enum Op {
     SwapPolicy,
     /// kill -9 every process of the replica (a restart of the replica).
     RestartReplica,
+    /// Restart the PostgreSQL server under a `--store` environment, with a
+    /// write in flight (`@postgres` variants only).
+    RestartStore,
+    /// Cut a simulated host's control or mesh link for a while, then heal
+    /// it (`@hosts` variants only).
+    CutLink,
 }
 
 impl Op {
@@ -95,6 +101,8 @@ impl Op {
                 | Op::KillProcess
                 | Op::StopCont
                 | Op::RestartReplica
+                | Op::RestartStore
+                | Op::CutLink
         )
     }
 }
@@ -145,6 +153,21 @@ pub fn generate(seed: u64, steps: usize) -> Plan0 {
         workers,
         ops,
     }
+}
+
+/// A variant's own fault (`place_fault`: a store restart, a link cut) in
+/// place of about one operation in 16 of `plan`, drawn from a stream of its
+/// own, so the variants without one run exactly the seed's operations.
+pub fn with_place_fault(mut plan: Plan0, seed: u64, place_fault: Option<Op>) -> Plan0 {
+    if let Some(fault) = place_fault {
+        let mut r = Rng::new(seed ^ 0x9e37_79b9_7f4a_7c15);
+        for op in plan.ops.iter_mut() {
+            if r.below(16) == 0 {
+                *op = fault;
+            }
+        }
+    }
+    plan
 }
 
 /// A random plan over the inputs, as text (parsed by `parse_plan`).

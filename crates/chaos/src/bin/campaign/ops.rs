@@ -135,6 +135,8 @@ impl Run {
                 self.world
                     .log(format!("{i} restart the replica: kill -9 all of {pids:?}"));
             }
+            Op::RestartStore => self.restart_store(i, &mut r).await?,
+            Op::CutLink => self.cut_link(i, &mut r).await?,
             Op::SwapPolicy => {
                 let to = if self.strategy == "naive" {
                     "naive".to_string()

@@ -9,16 +9,33 @@ use model::{identity_collection, Fate, Rng, INPUTS};
 impl Run {
     pub(super) async fn setup(
         seed: u64,
-        strategy: &str,
+        variant: &Variant,
+        store: Option<&Store>,
         processes: u32,
         workers: u32,
     ) -> Result<Run, Failure> {
+        let strategy = variant.strategy.as_str();
         let sandbox = Sandbox::new().map_err(|e| format!("sandbox: {e:#}"))?;
-        let env = Env::start(sandbox.path(), strategy == "naive", None).await?;
+        let (store, serve_args) = match variant.place {
+            Place::Embedded => (None, Vec::new()),
+            Place::Postgres => {
+                let store = store
+                    .ok_or_else(|| Failure::Harness("no PostgreSQL server".into()))?
+                    .new_database()?;
+                let args = vec!["--store".to_string(), store.url.clone()];
+                (Some(store), args)
+            }
+            Place::Hosts => (None, vec!["--hosts".into(), variant::HOSTS.to_string()]),
+        };
+        let env = Env::start(sandbox.path(), variant.negative(), &serve_args, None).await?;
         let client = env.client().await?;
         let mut run = Run {
             seed,
             strategy: strategy.to_string(),
+            place: variant.place,
+            serve_args,
+            store,
+            hosts: None,
             processes,
             sandbox,
             env,
@@ -42,7 +59,7 @@ impl Run {
             .await
             .map_err(|e| format!("creating the replica: {}", code(&e)))?;
         run.world.log(format!(
-            "setup: replica {processes}x{workers}, policy {strategy}"
+            "setup: replica {processes}x{workers}, policy {strategy}, {variant}"
         ));
         // The identity dataflows, and a first write to every input.
         for k in INPUTS {
@@ -162,7 +179,13 @@ impl Run {
     pub(super) async fn restart_env(&mut self, failpoints: Option<&str>) -> Result<(), Failure> {
         self.crashed_for = None;
         self.env.kill().await;
-        self.env = Env::start(self.sandbox.path(), self.strategy == "naive", failpoints).await?;
+        self.env = Env::start(
+            self.sandbox.path(),
+            self.strategy == "naive",
+            &self.serve_args,
+            failpoints,
+        )
+        .await?;
         self.client = self.env.client().await?;
         if failpoints.is_none() {
             self.resolve_dataflows().await?;
