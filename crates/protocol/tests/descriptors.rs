@@ -1,0 +1,383 @@
+//! The descriptor compatibility check: today's `proto/` against the
+//! descriptors of every release checked into `crates/protocol/golden/`
+//! (docs/compatibility.md).
+//!
+//! [`breaking_changes`] follows the spirit of `buf breaking`'s WIRE rules,
+//! over the `FileDescriptorSet`s protox compiles: for every message of the
+//! release (nested ones included) it reports a message that disappeared; a
+//! field whose number, type (scalar kind, or message/enum type name), label
+//! (singular, `optional`, `repeated`) or oneof changed; a field that
+//! disappeared without its number being `reserved`; and for every enum a
+//! value whose number changed, or that disappeared without its number being
+//! reserved. It is stricter than buf in one way: any type change is
+//! reported, even between wire-compatible scalars (`int32` and `int64`),
+//! because our decoders check values, not just the wire.
+//!
+//! Adding messages, fields, enum values and oneof members, and renaming a
+//! field in place (same number, type, label), are allowed.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use prost::Message as _;
+use protox::prost_reflect::prost_types::{
+    field_descriptor_proto::{Label, Type},
+    DescriptorProto, EnumDescriptorProto, FieldDescriptorProto, FileDescriptorSet,
+};
+
+/// Every message of `set` by full name (`.package.Outer.Inner`).
+fn messages(set: &FileDescriptorSet) -> BTreeMap<String, &DescriptorProto> {
+    fn walk<'a>(
+        prefix: &str,
+        m: &'a DescriptorProto,
+        out: &mut BTreeMap<String, &'a DescriptorProto>,
+    ) {
+        let name = format!("{prefix}.{}", m.name());
+        for nested in &m.nested_type {
+            walk(&name, nested, out);
+        }
+        out.insert(name, m);
+    }
+    let mut out = BTreeMap::new();
+    for file in &set.file {
+        let prefix = if file.package().is_empty() {
+            String::new()
+        } else {
+            format!(".{}", file.package())
+        };
+        for m in &file.message_type {
+            walk(&prefix, m, &mut out);
+        }
+    }
+    out
+}
+
+/// Every enum of `set` by full name, nested ones included.
+fn enums(set: &FileDescriptorSet) -> BTreeMap<String, &EnumDescriptorProto> {
+    fn walk<'a>(
+        prefix: &str,
+        m: &'a DescriptorProto,
+        out: &mut BTreeMap<String, &'a EnumDescriptorProto>,
+    ) {
+        let name = format!("{prefix}.{}", m.name());
+        for e in &m.enum_type {
+            out.insert(format!("{name}.{}", e.name()), e);
+        }
+        for nested in &m.nested_type {
+            walk(&name, nested, out);
+        }
+    }
+    let mut out = BTreeMap::new();
+    for file in &set.file {
+        let prefix = if file.package().is_empty() {
+            String::new()
+        } else {
+            format!(".{}", file.package())
+        };
+        for e in &file.enum_type {
+            out.insert(format!("{prefix}.{}", e.name()), e);
+        }
+        for m in &file.message_type {
+            walk(&prefix, m, &mut out);
+        }
+    }
+    out
+}
+
+/// A field's label as the wire sees it: proto3 `optional` (presence) is a
+/// label of its own.
+fn label(f: &FieldDescriptorProto) -> &'static str {
+    match (f.label(), f.proto3_optional()) {
+        (Label::Repeated, _) => "repeated",
+        (Label::Required, _) => "required",
+        (_, true) => "optional",
+        (Label::Optional, false) => "singular",
+    }
+}
+
+/// A field's type: the scalar kind, or the message or enum it names.
+fn type_of(f: &FieldDescriptorProto) -> String {
+    match f.r#type() {
+        Type::Message | Type::Enum | Type::Group => {
+            format!("{:?} {}", f.r#type(), f.type_name())
+        }
+        other => format!("{other:?}"),
+    }
+}
+
+/// The oneof a field belongs to (by name), unless it is a proto3 `optional`
+/// (whose synthetic oneof is its label, compared by [`label`]).
+fn oneof_of(m: &DescriptorProto, f: &FieldDescriptorProto) -> Option<String> {
+    if f.proto3_optional() {
+        return None;
+    }
+    let index = usize::try_from(f.oneof_index?).ok()?;
+    Some(m.oneof_decl.get(index)?.name().to_string())
+}
+
+fn reserved_field(m: &DescriptorProto, number: i32) -> bool {
+    // Message reserved ranges are [start, end).
+    m.reserved_range
+        .iter()
+        .any(|r| r.start() <= number && number < r.end())
+}
+
+fn reserved_value(e: &EnumDescriptorProto, number: i32) -> bool {
+    // Enum reserved ranges are [start, end], both inclusive.
+    e.reserved_range
+        .iter()
+        .any(|r| r.start() <= number && number <= r.end())
+}
+
+/// The wire-breaking differences from `old` (a release) to `new` (today),
+/// one sentence each, naming the message or enum and the field or value.
+fn breaking_changes(old: &FileDescriptorSet, new: &FileDescriptorSet) -> Vec<String> {
+    let mut out = Vec::new();
+    let new_messages = messages(new);
+    for (name, om) in messages(old) {
+        let Some(nm) = new_messages.get(&name) else {
+            out.push(format!("message {name} disappeared"));
+            continue;
+        };
+        let by_number: BTreeMap<i32, &FieldDescriptorProto> =
+            nm.field.iter().map(|f| (f.number(), f)).collect();
+        for of in &om.field {
+            let field = format!("{name}.{} (number {})", of.name(), of.number());
+            if let Some(nf) = nm.field.iter().find(|f| f.name() == of.name()) {
+                if nf.number() != of.number() {
+                    out.push(format!(
+                        "field {field} changed number from {} to {}",
+                        of.number(),
+                        nf.number()
+                    ));
+                    // The number's own fate is reported below.
+                }
+            }
+            let Some(nf) = by_number.get(&of.number()) else {
+                if !reserved_field(nm, of.number()) {
+                    out.push(format!(
+                        "field {field} disappeared without its number being reserved"
+                    ));
+                }
+                continue;
+            };
+            if type_of(of) != type_of(nf) {
+                out.push(format!(
+                    "field {field} changed type from {} to {}",
+                    type_of(of),
+                    type_of(nf)
+                ));
+            }
+            if label(of) != label(nf) {
+                out.push(format!(
+                    "field {field} changed label from {} to {}",
+                    label(of),
+                    label(nf)
+                ));
+            }
+            let (oo, no) = (oneof_of(om, of), oneof_of(nm, nf));
+            if oo != no {
+                out.push(format!(
+                    "field {field} moved from oneof {oo:?} to oneof {no:?}"
+                ));
+            }
+        }
+    }
+    let new_enums = enums(new);
+    for (name, oe) in enums(old) {
+        let Some(ne) = new_enums.get(&name) else {
+            out.push(format!("enum {name} disappeared"));
+            continue;
+        };
+        for ov in &oe.value {
+            let value = format!("{name}.{} (number {})", ov.name(), ov.number());
+            if let Some(nv) = ne.value.iter().find(|v| v.name() == ov.name()) {
+                if nv.number() != ov.number() {
+                    out.push(format!(
+                        "enum value {value} changed number from {} to {}",
+                        ov.number(),
+                        nv.number()
+                    ));
+                }
+            }
+            if !ne.value.iter().any(|v| v.number() == ov.number())
+                && !reserved_value(ne, ov.number())
+            {
+                out.push(format!(
+                    "enum value {value} disappeared without its number being reserved"
+                ));
+            }
+        }
+    }
+    out
+}
+
+fn todays_descriptors() -> FileDescriptorSet {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let mut compiler = protox::Compiler::new([&root]).expect("proto root");
+    compiler.include_imports(true).include_source_info(false);
+    compiler
+        .open_files([
+            "lockstep/compute/v1/compute.proto",
+            "lockstep/environment/v1/environment.proto",
+        ])
+        .expect("proto/ compiles");
+    compiler.file_descriptor_set()
+}
+
+fn release_descriptors(release: &str) -> FileDescriptorSet {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("golden")
+        .join(release)
+        .join("descriptors.binpb");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    FileDescriptorSet::decode(bytes.as_slice()).expect("a FileDescriptorSet")
+}
+
+/// Today's `proto/` breaks nothing a v0.2.0 process or client relies on.
+#[test]
+fn todays_protos_are_wire_compatible_with_v0_2_0() {
+    let old = release_descriptors("v0.2.0");
+    // The snapshot holds both APIs, so the check has something to compare.
+    let names = messages(&old);
+    assert!(names.contains_key(".lockstep.compute.v1.Hello"));
+    assert!(names.contains_key(".lockstep.environment.v1.ReplicaProcess"));
+    let breaks = breaking_changes(&old, &todays_descriptors());
+    assert!(
+        breaks.is_empty(),
+        "proto/ breaks the wire of release v0.2.0:\n{}",
+        breaks.join("\n")
+    );
+}
+
+fn message_mut<'a>(set: &'a mut FileDescriptorSet, name: &str) -> &'a mut DescriptorProto {
+    set.file
+        .iter_mut()
+        .flat_map(|f| f.message_type.iter_mut())
+        .find(|m| m.name() == name)
+        .unwrap_or_else(|| panic!("no message {name}"))
+}
+
+fn field_mut<'a>(m: &'a mut DescriptorProto, name: &str) -> &'a mut FieldDescriptorProto {
+    m.field
+        .iter_mut()
+        .find(|f| f.name() == name)
+        .unwrap_or_else(|| panic!("no field {name}"))
+}
+
+/// The check can fail: each planted break is reported, naming its message
+/// and field (or enum and value).
+#[test]
+fn planted_breaks_are_each_reported() {
+    let old = todays_descriptors();
+    assert_eq!(breaking_changes(&old, &old), Vec::<String>::new());
+
+    let renumbered = {
+        let mut new = old.clone();
+        field_mut(message_mut(&mut new, "Hello"), "epoch").number = Some(20);
+        new
+    };
+    let retyped = {
+        let mut new = old.clone();
+        field_mut(message_mut(&mut new, "Peek"), "timestamp").r#type = Some(Type::String as i32);
+        new
+    };
+    let relabeled = {
+        let mut new = old.clone();
+        field_mut(message_mut(&mut new, "Status"), "applied_seqno").label =
+            Some(Label::Repeated as i32);
+        new
+    };
+    let removed = {
+        let mut new = old.clone();
+        message_mut(&mut new, "Status")
+            .field
+            .retain(|f| f.name() != "installed");
+        new
+    };
+    let enum_renumbered = {
+        let mut new = old.clone();
+        let e = new
+            .file
+            .iter_mut()
+            .flat_map(|f| f.enum_type.iter_mut())
+            .find(|e| e.name() == "ErrorKind")
+            .expect("ErrorKind");
+        e.value
+            .iter_mut()
+            .find(|v| v.name() == "ERROR_KIND_STALE_EPOCH")
+            .expect("STALE_EPOCH")
+            .number = Some(42);
+        new
+    };
+    let cases = [
+        (
+            "renumbered",
+            renumbered,
+            "field .lockstep.compute.v1.Hello.epoch (number 2) changed number from 2 to 20",
+        ),
+        (
+            "retyped",
+            retyped,
+            "field .lockstep.compute.v1.Peek.timestamp (number 3) changed type from Uint64 to String",
+        ),
+        (
+            "relabeled",
+            relabeled,
+            "field .lockstep.compute.v1.Status.applied_seqno (number 4) changed label from singular to repeated",
+        ),
+        (
+            "removed",
+            removed,
+            "field .lockstep.compute.v1.Status.installed (number 7) disappeared without its number being reserved",
+        ),
+        (
+            "enum renumbered",
+            enum_renumbered,
+            "enum value .lockstep.compute.v1.ErrorKind.ERROR_KIND_STALE_EPOCH (number 2) changed number from 2 to 42",
+        ),
+    ];
+    for (what, new, expected) in cases {
+        let breaks = breaking_changes(&old, &new);
+        assert!(
+            breaks.iter().any(|b| b == expected),
+            "{what}: expected {expected:?} among {breaks:#?}"
+        );
+    }
+}
+
+/// What the rules allow: a new field, a field removed with its number
+/// reserved, a renamed field, a new enum value.
+#[test]
+fn additions_and_reserved_removals_pass() {
+    let old = todays_descriptors();
+    let mut new = old.clone();
+    let status = message_mut(&mut new, "Status");
+    let installed = status
+        .field
+        .iter()
+        .position(|f| f.name() == "installed")
+        .expect("installed");
+    let mut added = status.field.remove(installed);
+    status.reserved_range.push(
+        protox::prost_reflect::prost_types::descriptor_proto::ReservedRange {
+            start: Some(7),
+            end: Some(8),
+        },
+    );
+    added.name = Some("installed_now".to_string());
+    added.number = Some(99);
+    status.field.push(added);
+    field_mut(message_mut(&mut new, "Peek"), "timestamp").name = Some("at".to_string());
+    let e = new
+        .file
+        .iter_mut()
+        .flat_map(|f| f.enum_type.iter_mut())
+        .find(|e| e.name() == "ErrorKind")
+        .expect("ErrorKind");
+    let mut value = e.value[0].clone();
+    value.name = Some("ERROR_KIND_NEW".to_string());
+    value.number = Some(100);
+    e.value.push(value);
+    assert_eq!(breaking_changes(&old, &new), Vec::<String>::new());
+}
