@@ -313,6 +313,15 @@ struct ServeArgs {
     /// environment's objects from others' in the same namespace.
     #[arg(long, default_value = "lockstep")]
     kubernetes_environment: String,
+    /// The resource requests of every replica pod's container, as
+    /// `NAME=QUANTITY,...` (Kubernetes backend). Default: cpu=500m,memory=512Mi.
+    #[arg(long, value_parser = lockstep_orchestrator_kubernetes::objects::PodResources::parse_list)]
+    kubernetes_replica_requests: Option<std::collections::BTreeMap<String, String>>,
+    /// The resource limits of every replica pod's container, as
+    /// `NAME=QUANTITY,...` (Kubernetes backend). Default: memory=2Gi (no CPU
+    /// limit: a throttled worker holds up its whole replica).
+    #[arg(long, value_parser = lockstep_orchestrator_kubernetes::objects::PodResources::parse_list)]
+    kubernetes_replica_limits: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// The orchestrator backend of `lockstep serve`.
@@ -844,6 +853,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let namespace = args.namespace;
             let image = args.kubernetes_image;
             let environment = args.kubernetes_environment;
+            let mut resources =
+                lockstep_orchestrator_kubernetes::objects::PodResources::replica_default();
+            if let Some(requests) = args.kubernetes_replica_requests {
+                resources.requests = requests;
+            }
+            if let Some(limits) = args.kubernetes_replica_limits {
+                resources.limits = limits;
+            }
             // The master secret of the replicas' session keys lives in the
             // cluster (Secret ENVIRONMENT-master), not in the state
             // directory: a pod's emptyDir would lose it on every restart,
@@ -865,6 +882,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 );
                 c.image = image;
                 c.environment = environment;
+                c.resources = resources;
                 c.conditional_writes = p.conditional_writes;
                 Ok(std::sync::Arc::new(
                     lockstep_orchestrator_kubernetes::KubernetesOrchestrator::new(client, c),

@@ -15,7 +15,11 @@
 //!   its generation in the env [`objects::GENERATION_ENV`]
 //!   (`LOCKSTEP_GENERATION`) and the label [`objects::GENERATION_KEY`], and
 //!   `restartPolicy: Always` (the kubelet restarts a container that exits in
-//!   place; the backend then restarts the whole service, see *Shared fate*);
+//!   place; the backend then restarts the whole service, see *Shared fate*),
+//!   the configured resources
+//!   ([`KubernetesOrchestratorConfig::resources`]), a restricted security
+//!   context and a preferred anti-affinity against the service's other pods
+//!   (see [`objects::pod`]);
 //! - a Secret `NAME-env` with the config's environment (the replica's session
 //!   key among it), passed to the container with `envFrom`, labelled with
 //!   the epoch that wrote it: it is replaced only by a write with the
@@ -188,6 +192,10 @@ pub struct KubernetesOrchestratorConfig {
     /// The environment's own object (e.g. its Deployment): every object gets
     /// an owner reference to it, so deleting the environment deletes them.
     pub owner: Option<OwnerReference>,
+    /// The compute resources of every process's container
+    /// ([`objects::PodResources::replica_default`] unless set). Part of the
+    /// spec hash: a change replaces the pods on the next ensure.
+    pub resources: objects::PodResources,
     /// Whether `ensure_service` and `restart_service` refuse to overwrite a
     /// service with a newer epoch (O4). Only the negative tests turn it off.
     pub conditional_writes: bool,
@@ -212,8 +220,8 @@ pub struct KubernetesOrchestratorConfig {
 
 impl KubernetesOrchestratorConfig {
     /// Defaults: environment `lockstep`, image `lockstep:latest`, domain
-    /// `cluster.local`, ports from 2100, conditional writes on, 60 s waits,
-    /// shared fate on with a 1 s delay.
+    /// `cluster.local`, ports from 2100, the default replica resources,
+    /// conditional writes on, 60 s waits, shared fate on with a 1 s delay.
     pub fn new(namespace: impl Into<String>, epoch: u64) -> Self {
         KubernetesOrchestratorConfig {
             namespace: namespace.into(),
@@ -223,6 +231,7 @@ impl KubernetesOrchestratorConfig {
             cluster_domain: "cluster.local".to_string(),
             base_port: 2100,
             owner: None,
+            resources: objects::PodResources::replica_default(),
             conditional_writes: true,
             delete_preconditions: true,
             ready_timeout: Duration::from_secs(60),
@@ -496,6 +505,7 @@ impl Inner {
             cluster_domain: self.config.cluster_domain.clone(),
             base_port: self.config.base_port,
             owner: self.config.owner.clone(),
+            resources: self.config.resources.clone(),
         }
     }
 

@@ -6,10 +6,13 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Container, ContainerPort, EnvFromSource, EnvVar, Pod, PodSpec, Secret, SecretEnvSource,
-    Service, ServicePort, ServiceSpec,
+    Affinity, Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource, EnvVar,
+    Pod, PodAffinityTerm, PodAntiAffinity, PodSecurityContext, PodSpec, ResourceRequirements,
+    SeccompProfile, Secret, SecretEnvSource, SecurityContext, Service, ServicePort, ServiceSpec,
+    Volume, VolumeMount, WeightedPodAffinityTerm,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::ByteString;
 use lockstep_orchestrator::{ServiceAssignment, ServiceConfig, EPOCH_LABEL, ID_LABEL};
 use serde::{Deserialize, Serialize};
@@ -50,6 +53,75 @@ pub const TEMPLATE_ANNOTATION: &str = "lockstep/template";
 pub use lockstep_orchestrator::process::GENERATION_ENV;
 /// The name of the one container of a process's pod.
 pub const CONTAINER: &str = "process";
+/// The user and group a process's container runs as: the image's `lockstep`
+/// user (uid and gid 10001, see the Containerfile).
+pub const PROCESS_UID: i64 = 10001;
+/// The writable scratch directory of a process's pod (an `emptyDir`): the
+/// container's root filesystem is read-only.
+pub const SCRATCH_DIR: &str = "/tmp";
+/// The node label a replica's pods prefer to spread over (pod
+/// anti-affinity): one process per node where the cluster allows it.
+pub const SPREAD_TOPOLOGY_KEY: &str = "kubernetes.io/hostname";
+
+/// The compute resources of every process's container: Kubernetes
+/// resource names (`cpu`, `memory`, ...) to quantities (`500m`, `512Mi`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodResources {
+    /// What the scheduler reserves for the container.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub requests: BTreeMap<String, String>,
+    /// What the container may use at most (memory past it is an OOM kill).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub limits: BTreeMap<String, String>,
+}
+
+impl PodResources {
+    /// The default of a replica process: requests `cpu: 500m`,
+    /// `memory: 512Mi`, limit `memory: 2Gi` (a Burstable pod, never
+    /// BestEffort, which is evicted first and stalls its whole replica). No
+    /// CPU limit: a throttled worker holds up every barrier of its replica.
+    pub fn replica_default() -> Self {
+        PodResources {
+            requests: BTreeMap::from([
+                ("cpu".to_string(), "500m".to_string()),
+                ("memory".to_string(), "512Mi".to_string()),
+            ]),
+            limits: BTreeMap::from([("memory".to_string(), "2Gi".to_string())]),
+        }
+    }
+
+    /// Parses `NAME=QUANTITY[,NAME=QUANTITY...]` (e.g. `cpu=500m,memory=1Gi`;
+    /// empty: none) into resource names and quantities.
+    pub fn parse_list(text: &str) -> Result<BTreeMap<String, String>, String> {
+        text.split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(|p| match p.split_once('=') {
+                Some((k, v)) if !k.trim().is_empty() && !v.trim().is_empty() => {
+                    Ok((k.trim().to_string(), v.trim().to_string()))
+                }
+                _ => Err(format!(
+                    "{p:?} is not NAME=QUANTITY (e.g. cpu=500m or memory=1Gi)"
+                )),
+            })
+            .collect()
+    }
+
+    fn requirements(&self) -> Option<ResourceRequirements> {
+        let map = |m: &BTreeMap<String, String>| {
+            (!m.is_empty()).then(|| {
+                m.iter()
+                    .map(|(k, v)| (k.clone(), Quantity(v.clone())))
+                    .collect()
+            })
+        };
+        (!self.requests.is_empty() || !self.limits.is_empty()).then(|| ResourceRequirements {
+            requests: map(&self.requests),
+            limits: map(&self.limits),
+            ..ResourceRequirements::default()
+        })
+    }
+}
 
 /// What every object of a service needs beyond its [`ServiceConfig`].
 #[derive(Clone, Debug)]
@@ -68,6 +140,8 @@ pub struct ObjectContext {
     pub base_port: u16,
     /// The owner of every object (the environment's own object), if any.
     pub owner: Option<OwnerReference>,
+    /// The compute resources of every process's container.
+    pub resources: PodResources,
 }
 
 /// The Secret holding a service's environment.
@@ -314,6 +388,10 @@ pub struct PodTemplate {
     pub argv: Vec<Vec<String>>,
     /// Each process's [`template_hash`].
     pub hash: Vec<String>,
+    /// The container's compute resources (absent in records written before
+    /// they were set: none).
+    #[serde(default)]
+    pub resources: PodResources,
 }
 
 /// The template of `config`'s pods: each process's command line from
@@ -326,6 +404,7 @@ pub fn template(ctx: &ObjectContext, config: &ServiceConfig) -> PodTemplate {
         ports: port_numbers(config, ctx.base_port),
         hash: argv.iter().map(|a| template_hash(ctx, config, a)).collect(),
         argv,
+        resources: ctx.resources.clone(),
     }
 }
 
@@ -353,8 +432,9 @@ pub fn master_secret(ctx: &ObjectContext, bytes: &[u8]) -> Secret {
     }
 }
 
-/// The hash of what a process runs: program, image, arguments, environment
-/// and ports. Labels are not in it: a relabel keeps the pod.
+/// The hash of what a process runs: program, image, arguments, environment,
+/// ports and compute resources (a pod's resources cannot change in place).
+/// Labels are not in it: a relabel keeps the pod.
 pub fn template_hash(ctx: &ObjectContext, config: &ServiceConfig, argv: &[String]) -> String {
     let mut h = blake3::Hasher::new();
     let doc = serde_json::json!({
@@ -364,6 +444,7 @@ pub fn template_hash(ctx: &ObjectContext, config: &ServiceConfig, argv: &[String
         "env": config.env,
         "ports": port_numbers(config, ctx.base_port),
         "scale": config.scale,
+        "resources": ctx.resources,
     });
     h.update(doc.to_string().as_bytes());
     h.finalize().to_hex()[..16].to_string()
@@ -385,6 +466,14 @@ pub fn spec_hash(template_hash: &str, generation: u64) -> String {
 /// service as a new generation), its environment from the Secret, its
 /// generation in [`GENERATION_ENV`] and the [`GENERATION_KEY`] label.
 /// `ctx.epoch` labels it.
+///
+/// It is made to be operable: the template's compute [`PodResources`], a
+/// restricted security context (non-root as [`PROCESS_UID`], no privilege
+/// escalation, every capability dropped, a read-only root filesystem with an
+/// `emptyDir` at [`SCRATCH_DIR`], the runtime's default seccomp profile), and
+/// a preferred pod anti-affinity over [`SPREAD_TOPOLOGY_KEY`] against the
+/// service's other pods, so a node lost or drained takes one process of a
+/// replica where the cluster has room.
 pub fn pod(
     ctx: &ObjectContext,
     service: &str,
@@ -412,12 +501,51 @@ pub fn pod(
         (RESTARTS_ANNOTATION.to_string(), restarts.to_string()),
     ]);
     let name = pod_name(service, index);
+    let siblings = BTreeMap::from([
+        (MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string()),
+        (ENVIRONMENT_LABEL.to_string(), ctx.environment.clone()),
+        (SERVICE_LABEL.to_string(), service.to_string()),
+    ]);
     Pod {
         metadata: meta(ctx, name.clone(), labels, annotations),
         spec: Some(PodSpec {
             hostname: Some(name),
             subdomain: Some(service.to_string()),
             restart_policy: Some("Always".to_string()),
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                run_as_user: Some(PROCESS_UID),
+                run_as_group: Some(PROCESS_UID),
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".to_string(),
+                    ..SeccompProfile::default()
+                }),
+                ..PodSecurityContext::default()
+            }),
+            affinity: Some(Affinity {
+                pod_anti_affinity: Some(PodAntiAffinity {
+                    preferred_during_scheduling_ignored_during_execution: Some(vec![
+                        WeightedPodAffinityTerm {
+                            weight: 100,
+                            pod_affinity_term: PodAffinityTerm {
+                                label_selector: Some(LabelSelector {
+                                    match_labels: Some(siblings),
+                                    ..LabelSelector::default()
+                                }),
+                                topology_key: SPREAD_TOPOLOGY_KEY.to_string(),
+                                ..PodAffinityTerm::default()
+                            },
+                        },
+                    ]),
+                    ..PodAntiAffinity::default()
+                }),
+                ..Affinity::default()
+            }),
+            volumes: Some(vec![Volume {
+                name: "scratch".to_string(),
+                empty_dir: Some(EmptyDirVolumeSource::default()),
+                ..Volume::default()
+            }]),
             containers: vec![Container {
                 name: CONTAINER.to_string(),
                 image: Some(template.image.clone()),
@@ -458,6 +586,22 @@ pub fn pod(
                         })
                         .collect(),
                 ),
+                resources: template.resources.requirements(),
+                security_context: Some(SecurityContext {
+                    allow_privilege_escalation: Some(false),
+                    privileged: Some(false),
+                    read_only_root_filesystem: Some(true),
+                    capabilities: Some(Capabilities {
+                        drop: Some(vec!["ALL".to_string()]),
+                        ..Capabilities::default()
+                    }),
+                    ..SecurityContext::default()
+                }),
+                volume_mounts: Some(vec![VolumeMount {
+                    name: "scratch".to_string(),
+                    mount_path: SCRATCH_DIR.to_string(),
+                    ..VolumeMount::default()
+                }]),
                 ..Container::default()
             }],
             ..PodSpec::default()

@@ -832,3 +832,104 @@ async fn a_restart_with_the_master_secret_from_the_cluster_keeps_every_pod() {
         .unwrap();
     wait_replaced(&api, "replica-1", &before, "2").await;
 }
+
+/// Every pod of a service, by index, as its k8s-openapi type.
+fn typed_pods(
+    api: &ApiServerDouble,
+    service: &str,
+    scale: usize,
+) -> Vec<k8s_openapi::api::core::v1::Pod> {
+    (0..scale)
+        .map(|i| {
+            let v = api
+                .get("pods", NS, &format!("{service}-{i}"))
+                .expect("the pod exists");
+            serde_json::from_value(v).expect("a valid Pod")
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn replica_pods_have_resources_a_restricted_security_context_and_spread_over_nodes() {
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    let api = ApiServerDouble::new();
+    let o = orchestrator(&api, 1);
+    o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
+    let check = |pods: &[k8s_openapi::api::core::v1::Pod], cpu: &str, memory_limit: &str| {
+        for pod in pods {
+            let spec = pod.spec.as_ref().unwrap();
+            let c = &spec.containers[0];
+            // Not BestEffort: requests for CPU and memory, a memory limit.
+            let r = c.resources.as_ref().expect("resources");
+            let requests = r.requests.as_ref().expect("requests");
+            assert_eq!(requests.get("cpu"), Some(&Quantity(cpu.into())));
+            assert!(requests.contains_key("memory"), "{requests:?}");
+            let limits = r.limits.as_ref().expect("limits");
+            assert_eq!(limits.get("memory"), Some(&Quantity(memory_limit.into())));
+            // Restricted: non-root as the image's user, no escalation,
+            // every capability dropped, read-only root, seccomp.
+            let psc = spec.security_context.as_ref().expect("pod securityContext");
+            assert_eq!(psc.run_as_non_root, Some(true));
+            assert_eq!(psc.run_as_user, Some(10001));
+            assert_eq!(
+                psc.seccomp_profile.as_ref().map(|s| s.type_.as_str()),
+                Some("RuntimeDefault")
+            );
+            let sc = c
+                .security_context
+                .as_ref()
+                .expect("container securityContext");
+            assert_eq!(sc.allow_privilege_escalation, Some(false));
+            assert_eq!(sc.read_only_root_filesystem, Some(true));
+            assert_eq!(
+                sc.capabilities.as_ref().and_then(|c| c.drop.clone()),
+                Some(vec!["ALL".to_string()])
+            );
+            // A writable /tmp on the read-only root.
+            let mounts = c.volume_mounts.as_ref().expect("mounts");
+            assert!(mounts.iter().any(|m| m.mount_path == "/tmp"), "{mounts:?}");
+            // Preferred anti-affinity against the service's own pods, per node.
+            let terms = spec
+                .affinity
+                .as_ref()
+                .and_then(|a| a.pod_anti_affinity.as_ref())
+                .and_then(|a| {
+                    a.preferred_during_scheduling_ignored_during_execution
+                        .clone()
+                })
+                .expect("preferred pod anti-affinity");
+            assert_eq!(terms.len(), 1);
+            let term = &terms[0].pod_affinity_term;
+            assert_eq!(term.topology_key, "kubernetes.io/hostname");
+            let select = term
+                .label_selector
+                .as_ref()
+                .and_then(|s| s.match_labels.clone())
+                .expect("matchLabels");
+            assert_eq!(
+                select.get("lockstep/service").map(String::as_str),
+                Some("replica-1")
+            );
+            // The selector picks every pod of the service and no other.
+            let labels = pod.metadata.labels.clone().unwrap();
+            assert!(select.iter().all(|(k, v)| labels.get(k) == Some(v)));
+        }
+    };
+    check(&typed_pods(&api, "replica-1", 2), "500m", "2Gi");
+
+    // A whole restart rebuilds the pods from the record's template: the
+    // same resources.
+    o.restart_service("replica-1").await.unwrap();
+    check(&typed_pods(&api, "replica-1", 2), "500m", "2Gi");
+
+    // Resources come from the configuration, and a change replaces the pods
+    // (a pod's resources cannot change in place).
+    let before = uid(&api, "pods", "replica-1-0");
+    let mut c = config(1);
+    c.resources.requests.insert("cpu".into(), "2".into());
+    c.resources.limits.insert("memory".into(), "8Gi".into());
+    let o = KubernetesOrchestrator::new(api.client(NS), c);
+    o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
+    assert_ne!(uid(&api, "pods", "replica-1-0"), before, "replaced");
+    check(&typed_pods(&api, "replica-1", 2), "2", "8Gi");
+}

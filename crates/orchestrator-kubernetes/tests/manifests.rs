@@ -2,7 +2,10 @@
 //! deserializes into its k8s-openapi type and serializes back to the same
 //! JSON (so a misspelled or misplaced field fails), and the Role grants
 //! exactly the verbs the backend's requests need (least privilege, checked
-//! against the requests recorded by the API double).
+//! against the requests recorded by the API double). The Deployment is
+//! operable: probes on grpc.health.v1, requests and limits, a restricted
+//! securityContext, its state on a shipped PersistentVolumeClaim, and a
+//! Service reaching its API and metrics ports.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -10,8 +13,11 @@ use std::time::Duration;
 
 use http::Method;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Namespace, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    Container, Namespace, PersistentVolumeClaim, PodSpec, Probe, Secret, Service, ServiceAccount,
+};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use lockstep_kube_double::{ApiServerDouble, RecordedRequest};
 use lockstep_orchestrator::{Orchestrator, ServiceConfig};
 use lockstep_orchestrator_kubernetes::{KubernetesOrchestrator, KubernetesOrchestratorConfig};
@@ -60,6 +66,9 @@ fn every_manifest_is_a_valid_kubernetes_object() {
     let docs = documents();
     let mut kinds = BTreeMap::new();
     let mut token_secrets = Vec::new();
+    let mut deployments = Vec::new();
+    let mut services = Vec::new();
+    let mut claims = Vec::new();
     for (file, doc) in &docs {
         let kind = doc["kind"]
             .as_str()
@@ -71,8 +80,11 @@ fn every_manifest_is_a_valid_kubernetes_object() {
             "Role" => drop(round_trip::<Role>(file, doc)),
             "RoleBinding" => drop(round_trip::<RoleBinding>(file, doc)),
             "Secret" => drop(round_trip::<Secret>(file, doc)),
+            "Service" => services.push(round_trip::<Service>(file, doc)),
+            "PersistentVolumeClaim" => claims.push(round_trip::<PersistentVolumeClaim>(file, doc)),
             "Deployment" => {
                 let d: Deployment = round_trip(file, doc);
+                deployments.push(d.clone());
                 let pod = d.spec.unwrap().template.spec.unwrap();
                 assert_eq!(
                     pod.service_account_name.as_deref(),
@@ -119,6 +131,8 @@ fn every_manifest_is_a_valid_kubernetes_object() {
         "Role",
         "RoleBinding",
         "Deployment",
+        "Service",
+        "PersistentVolumeClaim",
     ] {
         assert_eq!(kinds.get(kind), Some(&1), "one {kind}: {kinds:?}");
     }
@@ -135,6 +149,201 @@ fn every_manifest_is_a_valid_kubernetes_object() {
             "the token's Secret {s} is not shipped: {secrets:?}"
         );
     }
+    operable(&deployments[0], &services[0], &claims[0]);
+}
+
+/// The value of `--NAME=VALUE` in `args`.
+fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter()
+        .find_map(|a| a.strip_prefix(&format!("--{name}=")))
+}
+
+/// The port a probe checks, if it is a gRPC probe (grpc.health.v1) or an
+/// HTTP GET of /metrics.
+fn probe_port(p: &Probe) -> Option<i32> {
+    if let Some(g) = &p.grpc {
+        return Some(g.port);
+    }
+    let h = p.http_get.as_ref()?;
+    (h.path.as_deref() == Some("/metrics")).then_some(match &h.port {
+        IntOrString::Int(n) => *n,
+        IntOrString::String(_) => -1,
+    })
+}
+
+/// Requests and limits for CPU and memory.
+fn has_requests_and_limits(c: &Container) {
+    let r = c
+        .resources
+        .as_ref()
+        .unwrap_or_else(|| panic!("container {} has no resources", c.name));
+    for (what, m) in [("requests", &r.requests), ("limits", &r.limits)] {
+        let m = m
+            .as_ref()
+            .unwrap_or_else(|| panic!("container {}: no {what}", c.name));
+        for res in ["cpu", "memory"] {
+            assert!(m.contains_key(res), "container {}: no {what}.{res}", c.name);
+        }
+    }
+}
+
+/// Non-root as the image's user (10001), no privilege escalation, every
+/// capability dropped, a read-only root filesystem.
+fn restricted(pod: &PodSpec, c: &Container) {
+    let psc = pod
+        .security_context
+        .as_ref()
+        .expect("a pod securityContext");
+    assert_eq!(psc.run_as_non_root, Some(true), "runAsNonRoot");
+    assert_eq!(psc.run_as_user, Some(10001), "the Containerfile's uid");
+    assert_eq!(
+        psc.seccomp_profile.as_ref().map(|s| s.type_.as_str()),
+        Some("RuntimeDefault")
+    );
+    let sc = c
+        .security_context
+        .as_ref()
+        .unwrap_or_else(|| panic!("container {}: no securityContext", c.name));
+    assert_eq!(sc.allow_privilege_escalation, Some(false), "{}", c.name);
+    assert_ne!(sc.privileged, Some(true), "{}", c.name);
+    assert_eq!(sc.read_only_root_filesystem, Some(true), "{}", c.name);
+    assert_eq!(
+        sc.capabilities.as_ref().and_then(|c| c.drop.clone()),
+        Some(vec!["ALL".to_string()]),
+        "{}",
+        c.name
+    );
+    assert!(
+        sc.capabilities
+            .as_ref()
+            .and_then(|c| c.add.as_ref())
+            .is_none(),
+        "{}: no capability added",
+        c.name
+    );
+}
+
+/// The Deployment starts and can be operated: probes, resources, security,
+/// persistent state, a Service for the API and the metrics.
+fn operable(d: &Deployment, service: &Service, claim: &PersistentVolumeClaim) {
+    let spec = d.spec.as_ref().unwrap();
+    let pod_labels = spec
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .clone()
+        .unwrap();
+    let pod = spec.template.spec.as_ref().unwrap();
+    let c = &pod.containers[0];
+    let args = c.args.clone().unwrap();
+    let port_of = |flag_name: &str| -> i32 {
+        flag(&args, flag_name)
+            .and_then(|a| a.rsplit_once(':'))
+            .and_then(|(_, p)| p.parse().ok())
+            .unwrap_or_else(|| panic!("no --{flag_name}=HOST:PORT in {args:?}"))
+    };
+    let api_port = port_of("listen");
+    let metrics_port = port_of("metrics-listen");
+    let named = |n: i32| {
+        c.ports
+            .iter()
+            .flatten()
+            .find(|p| p.container_port == n)
+            .and_then(|p| p.name.clone())
+            .unwrap_or_else(|| panic!("port {n} is not a named container port"))
+    };
+    let (api_name, metrics_name) = (named(api_port), named(metrics_port));
+
+    // Probes on grpc.health.v1 (open without a token) or /metrics.
+    for (what, probe) in [
+        ("readiness", &c.readiness_probe),
+        ("liveness", &c.liveness_probe),
+    ] {
+        let probe = probe.as_ref().unwrap_or_else(|| panic!("no {what} probe"));
+        let port = probe_port(probe).unwrap_or_else(|| panic!("{what}: not gRPC or /metrics"));
+        assert!(
+            port == api_port || port == metrics_port,
+            "{what} probe on port {port}, which nothing serves"
+        );
+        if probe.grpc.is_some() {
+            assert_eq!(port, api_port, "{what}: grpc.health.v1 is on the API port");
+        }
+    }
+
+    // Requests and limits, a restricted securityContext, for every container.
+    for c in pod.init_containers.iter().flatten().chain(&pod.containers) {
+        has_requests_and_limits(c);
+        restricted(pod, c);
+    }
+
+    // The state directory is on the shipped PersistentVolumeClaim, not an
+    // emptyDir, and is a directory of its own that an init container makes
+    // with mode 0700 (fsGroup makes a volume's root group-writable, which
+    // `lockstep serve` refuses).
+    let state_dir = flag(&args, "state-dir").expect("--state-dir");
+    let mounts = c.volume_mounts.clone().unwrap_or_default();
+    let mount = mounts
+        .iter()
+        .filter(|m| state_dir.starts_with(&m.mount_path))
+        .max_by_key(|m| m.mount_path.len())
+        .unwrap_or_else(|| panic!("{state_dir} is on no volume"));
+    assert_ne!(mount.read_only, Some(true), "the state volume is writable");
+    let volume = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)
+        .unwrap();
+    assert!(
+        volume.empty_dir.is_none(),
+        "the state dir is not an emptyDir"
+    );
+    let pvc = volume
+        .persistent_volume_claim
+        .as_ref()
+        .expect("the state dir is on a PersistentVolumeClaim");
+    assert_eq!(Some(&pvc.claim_name), claim.metadata.name.as_ref());
+    if state_dir.trim_end_matches('/') != mount.mount_path.trim_end_matches('/') {
+        let makes = pod.init_containers.iter().flatten().any(|i| {
+            let cmd = i.command.clone().unwrap_or_default();
+            cmd.iter().any(|a| a == state_dir)
+                && cmd.windows(2).any(|w| w[0] == "-m" && w[1] == "0700")
+                && i.volume_mounts
+                    .iter()
+                    .flatten()
+                    .any(|m| m.name == mount.name && m.mount_path == mount.mount_path)
+        });
+        assert!(makes, "no init container makes {state_dir} with mode 0700");
+    }
+    // With a read-only root, /tmp is a volume too.
+    assert!(mounts.iter().any(|m| m.mount_path == "/tmp"), "{mounts:?}");
+
+    // A Service selecting the pod, with the API and the metrics ports.
+    let sspec = service.spec.as_ref().unwrap();
+    let selector = sspec.selector.clone().expect("a selector");
+    assert!(
+        selector.iter().all(|(k, v)| pod_labels.get(k) == Some(v)),
+        "the Service {selector:?} does not select the pod {pod_labels:?}"
+    );
+    let targets: Vec<IntOrString> = sspec
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| p.target_port.clone().unwrap_or(IntOrString::Int(p.port)))
+        .collect();
+    for (port, name) in [(api_port, &api_name), (metrics_port, &metrics_name)] {
+        assert!(
+            targets.contains(&IntOrString::Int(port))
+                || targets.contains(&IntOrString::String(name.clone())),
+            "the Service does not reach port {port} ({name}): {targets:?}"
+        );
+    }
+    assert!(
+        !args.iter().any(|a| a.starts_with("--metrics-listen=127.")),
+        "metrics on loopback are unreachable from the Service"
+    );
 }
 
 /// The RBAC verb of a recorded request.
