@@ -183,8 +183,21 @@ pub(crate) enum Request {
     ProcessLags {
         reply: oneshot::Sender<Vec<Option<u64>>>,
     },
+    ProcessVersions {
+        reply: oneshot::Sender<Vec<Option<ProcessVersion>>>,
+    },
     Reconnect,
     Shutdown,
+}
+
+/// What a replica process speaks, as agreed in the current session.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessVersion {
+    /// The agreed protocol version.
+    pub protocol_version: u32,
+    /// The process's build version, which it reports from protocol version
+    /// 3 on (`None` from a version-2 process).
+    pub build_version: Option<String>,
 }
 
 /// A handle to a running controller.
@@ -440,6 +453,19 @@ impl Controller {
         self.ask(
             "the frontier lags",
             |reply| Request::ProcessLags { reply },
+            self.timeouts.request,
+        )
+        .await
+    }
+
+    /// Per process, the protocol version agreed in the current session and
+    /// the process's build version (reported from protocol version 3 on);
+    /// `None` while the process has not answered this session's Hello.
+    /// Answered from what the controller holds: no replica round trip.
+    pub async fn process_versions(&self) -> Result<Vec<Option<ProcessVersion>>, ControllerError> {
+        self.ask(
+            "the protocol versions",
+            |reply| Request::ProcessVersions { reply },
             self.timeouts.request,
         )
         .await

@@ -4,6 +4,10 @@
 //! first `N` processes (`KIND:lastN`: the last `N`, so process 0 is missed).
 //! The distribution fault suite uses it to reproduce partial deliveries.
 //! Without the feature, [`partial_broadcast`] always answers `None`.
+//!
+//! Delivery sees it through one hook, [`CrashHook`]: armed for each command
+//! as it is numbered, taken by whatever writes the copies (or, in a log
+//! session's first batch, remembered with the command's position).
 
 use lockstep_protocol::Command;
 
@@ -34,10 +38,36 @@ impl Reach {
     }
 }
 
+/// The failpoint's hold on the command being delivered: armed as a
+/// command is numbered (`arm`), taken where its copies are written
+/// (`take`). Disarmed unless the `failpoints` feature is on and the
+/// failpoint names the command's kind.
+#[derive(Debug, Default)]
+pub(crate) struct CrashHook {
+    armed: Option<Reach>,
+}
+
+impl CrashHook {
+    /// Arms the hook for a command of `kind` (see [`partial_broadcast`]).
+    pub(crate) fn arm(&mut self, kind: &str) {
+        self.armed = partial_broadcast(kind);
+    }
+
+    /// Where the armed command crashes, if it is armed.
+    pub(crate) fn peek(&self) -> Option<Reach> {
+        self.armed
+    }
+
+    /// Where the armed command crashes, disarming the hook.
+    pub(crate) fn take(&mut self) -> Option<Reach> {
+        self.armed.take()
+    }
+}
+
 /// Which processes a broadcast of `kind` reaches before the controller
 /// crashes, if the failpoint `controller_partial_broadcast` says so: value
 /// `KIND:N` for the first N processes, `KIND:lastN` for the last N.
-pub(crate) fn partial_broadcast(kind: &str) -> Option<Reach> {
+fn partial_broadcast(kind: &str) -> Option<Reach> {
     let _ = kind;
     fail::fail_point!("controller_partial_broadcast", |arg: Option<String>| {
         let arg = arg?;

@@ -35,7 +35,7 @@ use crate::connection::{self, Conn, ConnEvent, FromConn};
 use crate::deliver::LogBatch;
 use crate::{ControllerError, ReplicaAddrs, Request, Timeouts};
 
-pub(crate) use failpoint::{partial_broadcast, Reach};
+pub(crate) use failpoint::{CrashHook, Reach};
 pub(crate) use lockstep_reconcile::Phase;
 
 /// Something the owner of a controller should know.
@@ -262,6 +262,9 @@ pub(crate) struct Actor {
     /// While a log session starts: the commands to append in one go, each
     /// with the failpoint's crash point, and the per-process Hellos.
     pub(crate) log_batch: Option<LogBatch>,
+    /// The partial-broadcast failpoint's hold on the command being
+    /// delivered (disarmed in production builds).
+    pub(crate) crash_hook: CrashHook,
     /// The log offset of this session's Hello marker (log sessions).
     pub(crate) log_marker: Option<u64>,
     /// The (sequence number, log offset) of this session's StatusRequests
@@ -298,6 +301,10 @@ pub(crate) struct Actor {
     next_subscribe_id: u64,
     subs: BTreeMap<u64, Sub>,
     statuses: BTreeMap<u32, Status>,
+    /// Per process, the protocol version agreed in this session and its
+    /// build, once known: from its HelloResponse (version 3 and up), or
+    /// version 2 when a Status came first (a version-2 process).
+    versions: Vec<Option<crate::ProcessVersion>>,
     /// The latest full status (history digest and creation log) per worker.
     full_statuses: BTreeMap<u32, Status>,
     /// Callers waiting for a Status from every worker that answers the
@@ -390,6 +397,7 @@ impl Actor {
             log: None,
             log_opening: None,
             log_batch: None,
+            crash_hook: CrashHook::default(),
             log_marker: None,
             log_status_requests: Default::default(),
             session: ControllerSession::new(replica_workers),
@@ -415,6 +423,7 @@ impl Actor {
             next_subscribe_id: first_request_id(epoch),
             subs: BTreeMap::new(),
             statuses: BTreeMap::new(),
+            versions: Vec::new(),
             full_statuses: BTreeMap::new(),
             status_waiters: Vec::new(),
             frontier_waiters: Vec::new(),
@@ -547,6 +556,11 @@ impl Actor {
             }
             Request::ProcessLags { reply } => {
                 let _ = reply.send(self.process_lags());
+            }
+            Request::ProcessVersions { reply } => {
+                let mut versions = self.versions.clone();
+                versions.resize(self.replica.processes.len(), None);
+                let _ = reply.send(versions);
             }
             Request::Reconnect => self.disconnect("reconnect requested".into()),
             Request::Shutdown => {}
@@ -724,6 +738,14 @@ impl Actor {
                     );
                     return;
                 }
+                // A Status before any HelloResponse: the process agreed
+                // on version 2 (it sends a HelloResponse from 3 on).
+                if let Some(v @ None) = self.versions.get_mut(p) {
+                    *v = Some(crate::ProcessVersion {
+                        protocol_version: 2,
+                        build_version: None,
+                    });
+                }
                 let full = s.history_hash.is_some();
                 if full {
                     self.full_statuses.insert(s.worker_index, s.clone());
@@ -731,6 +753,33 @@ impl Actor {
                 }
                 self.statuses.insert(s.worker_index, s);
                 self.answer_status_waiters();
+            }
+            ResponseKind::HelloResponse(h) => {
+                // The agreed version must be one this controller offered.
+                let (low, high) = lockstep_protocol::handshake::SUPPORTED_VERSIONS;
+                if !(low..=high).contains(&h.protocol_version) {
+                    self.refuse_answer(
+                        p,
+                        format!(
+                            "a HelloResponse agreeing on protocol version {}, outside the offered {low} to {high}",
+                            h.protocol_version
+                        ),
+                    );
+                    return;
+                }
+                tracing::info!(
+                    process = p,
+                    protocol_version = h.protocol_version,
+                    build_version = %h.build_version,
+                    "replica process agreed on a protocol version"
+                );
+                if let Some(v) = self.versions.get_mut(p) {
+                    *v = Some(crate::ProcessVersion {
+                        protocol_version: h.protocol_version,
+                        // For display only: bounded, whatever the process sent.
+                        build_version: Some(h.build_version.chars().take(64).collect()),
+                    });
+                }
             }
             ResponseKind::Error(error) => {
                 tracing::warn!(process = p, ?error, "replica error");

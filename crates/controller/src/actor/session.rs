@@ -136,6 +136,7 @@ impl Actor {
         self.frontiers.clear();
         self.unknown_frontiers = 0;
         self.statuses.clear();
+        self.versions = vec![None; self.conns.len()];
         self.full_statuses.clear();
         for p in self.peeks.values_mut() {
             p.results.clear();

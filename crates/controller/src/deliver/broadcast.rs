@@ -7,11 +7,11 @@
 
 use lockstep_protocol::Command;
 
-use crate::actor::{Actor, Reach};
+use crate::actor::Actor;
 
 impl Actor {
     /// Sends a `broadcast` command: a copy to every process.
-    pub(super) fn deliver_broadcast(&mut self, cmd: Command, crash: Option<Reach>) {
-        self.send_copies(cmd, crash);
+    pub(super) fn deliver_broadcast(&mut self, cmd: Command) {
+        self.send_copies(cmd);
     }
 }

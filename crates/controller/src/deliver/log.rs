@@ -24,34 +24,45 @@ use crate::actor::{Actor, Event, Reach};
 pub(crate) struct LogBatch {
     /// The Hello of each process, in process order.
     pub(crate) hellos: Vec<Command>,
-    /// The commands sent while the session starts, each with the
-    /// failpoint's crash point.
-    pub(crate) commands: Vec<(Command, Option<Reach>)>,
+    /// The commands sent while the session starts.
+    pub(crate) commands: Vec<Command>,
+    /// The failpoint's crash point, if it was armed for one of them: the
+    /// command's position in `commands` and the processes it reaches.
+    pub(crate) crash: Option<(usize, Reach)>,
 }
 
 impl Actor {
     /// Sends a `log` command: appended first (or batched while the session
     /// starts), then a copy to every process. A crash before any process
     /// got its copy is a crash before the append.
-    pub(super) fn deliver_log(&mut self, cmd: Command, crash: Option<Reach>) {
+    pub(super) fn deliver_log(&mut self, cmd: Command) {
         if let Some(batch) = &mut self.log_batch {
-            batch.commands.push((cmd, crash));
+            if let Some(reach) = self.crash_hook.take() {
+                batch.crash.get_or_insert((batch.commands.len(), reach));
+            }
+            batch.commands.push(cmd);
             return;
         }
         // The log is the truth: append first; the socket copies only
         // wake the processes. A crash before any process got its copy
         // is a crash before the append.
-        if crash.is_some_and(|r| r.count(self.conns.len()) == 0) {
+        if self
+            .crash_hook
+            .peek()
+            .is_some_and(|r| r.count(self.conns.len()) == 0)
+        {
+            self.crash_hook.take();
             self.crash();
             return;
         }
         let Some(offset) = self.append_log_at(std::slice::from_ref(&cmd)) else {
+            self.crash_hook.take();
             return;
         };
         if matches!(cmd.kind, CommandKind::StatusRequest { .. }) {
             self.log_status_requests.push_back((cmd.seqno, offset));
         }
-        self.send_copies(cmd, crash);
+        self.send_copies(cmd);
     }
 
     /// Deletes the StatusRequests (heartbeats) every worker of this session
@@ -145,18 +156,13 @@ impl Actor {
             return;
         };
         let n = self.conns.len();
-        let crash = batch
-            .commands
-            .iter()
-            .position(|(_, c)| c.is_some())
-            .map(|i| (i, batch.commands[i].1.expect("found")));
-        let appended = match crash {
+        let appended = match batch.crash {
             Some((i, r)) if r.count(n) == 0 => i,
             Some((i, _)) => i + 1,
             None => batch.commands.len(),
         };
         let mut entries = vec![batch.hellos[0].clone()];
-        entries.extend(batch.commands[..appended].iter().map(|(c, _)| c.clone()));
+        entries.extend(batch.commands[..appended].iter().cloned());
         match self.append_log_at(&entries) {
             Some(marker) => self.log_marker = Some(marker),
             None => return,
@@ -164,12 +170,12 @@ impl Actor {
         for (i, hello) in batch.hellos.into_iter().enumerate() {
             self.write(i, hello);
         }
-        for (k, (cmd, crash)) in batch.commands.into_iter().enumerate() {
+        for (k, cmd) in batch.commands.into_iter().enumerate() {
             if k == appended {
                 self.crash();
                 return;
             }
-            if let Some(reach) = crash {
+            if let Some(reach) = batch.crash.filter(|(at, _)| *at == k).map(|(_, r)| r) {
                 self.write_reached(&cmd, reach);
                 self.crash();
                 return;

@@ -7,7 +7,8 @@
 //! per strategy, named like the replica's side (`crates/replica/src/order/`):
 //! `naive`, `barrier`, `broadcast` and `log` (which also appends to the
 //! command log, before the copies). The partial-broadcast failpoint
-//! (`crate::actor::partial_broadcast`) may cut any of them short.
+//! may cut any of them short: `broadcast_with` arms the actor's
+//! `CrashHook` for each command, and whatever writes the copies takes it.
 
 mod barrier;
 mod broadcast;
@@ -17,7 +18,7 @@ mod naive;
 use lockstep_policy::{CommandClass, CommandInfo};
 use lockstep_protocol::{Command, CommandKind, Strategy, WireMessage};
 
-use crate::actor::{partial_broadcast, Actor, Reach};
+use crate::actor::Actor;
 
 pub(crate) use log::LogBatch;
 
@@ -69,7 +70,7 @@ impl Actor {
         if !self.phase().is_connected() {
             return;
         }
-        let crash = partial_broadcast(kind.name());
+        self.crash_hook.arm(kind.name());
         self.seqno += 1;
         if let CommandKind::CreateDataflow(d) = &kind {
             self.sent_creates.insert(self.seqno, d.id);
@@ -80,10 +81,10 @@ impl Actor {
             kind,
         };
         match strategy {
-            Strategy::Naive => self.deliver_naive(cmd, crash),
-            Strategy::Barrier => self.deliver_barrier(cmd, crash),
-            Strategy::Broadcast => self.deliver_broadcast(cmd, crash),
-            Strategy::Log => self.deliver_log(cmd, crash),
+            Strategy::Naive => self.deliver_naive(cmd),
+            Strategy::Barrier => self.deliver_barrier(cmd),
+            Strategy::Broadcast => self.deliver_broadcast(cmd),
+            Strategy::Log => self.deliver_log(cmd),
         }
     }
 
@@ -94,7 +95,8 @@ impl Actor {
     fn broadcast_each(&mut self, kinds: Vec<CommandKind>, strategy: Strategy) {
         debug_assert!(matches!(strategy, Strategy::Barrier | Strategy::Naive));
         let Some(first) = kinds.first() else { return };
-        let crash = partial_broadcast(first.name());
+        self.crash_hook.arm(first.name());
+        let crash = self.crash_hook.take();
         self.seqno += 1;
         let n = self.conns.len();
         for (i, kind) in kinds.into_iter().enumerate() {
@@ -113,10 +115,10 @@ impl Actor {
         }
     }
 
-    /// Writes a copy of `cmd` to every process, or, if the failpoint says
-    /// so, to the processes it reaches, and then crashes.
-    fn send_copies(&mut self, cmd: Command, crash: Option<Reach>) {
-        if let Some(reach) = crash {
+    /// Writes a copy of `cmd` to every process, or, if the failpoint's
+    /// hook is armed, to the processes it reaches, and then crashes.
+    fn send_copies(&mut self, cmd: Command) {
+        if let Some(reach) = self.crash_hook.take() {
             self.write_reached(&cmd, reach);
             self.crash();
             return;
