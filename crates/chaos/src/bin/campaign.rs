@@ -191,6 +191,11 @@ async fn run_seed(
         .sandbox
         .path()
         .join(lockstep_environment::ORCHESTRATOR_DIR);
+    if outcome.is_err() {
+        // What the processes said and what the orchestrator recorded, for
+        // the diagnosis (the sandbox goes with the run).
+        keep_orchestrator_files(&orchestrator_dir, &history_file.with_extension("processes"));
+    }
     let hosts = run.place == Place::Hosts;
     drop(run);
     if hosts {
@@ -210,6 +215,25 @@ async fn run_seed(
         detail
     );
     (outcome, line)
+}
+
+/// Copies the replica processes' logs and the service records (without
+/// their `.env` files, which hold the session key) of a failed run to `to`.
+fn keep_orchestrator_files(orchestrator_dir: &Path, to: &Path) {
+    let _ = std::fs::remove_dir_all(to);
+    for sub in ["logs", "services"] {
+        let Ok(entries) = std::fs::read_dir(orchestrator_dir.join(sub)) else {
+            continue;
+        };
+        let _ = std::fs::create_dir_all(to.join(sub));
+        for e in entries.flatten() {
+            let name = e.file_name();
+            if name.to_string_lossy().ends_with(".env") {
+                continue;
+            }
+            let _ = std::fs::copy(e.path(), to.join(sub).join(name));
+        }
+    }
 }
 
 async fn bounded_seed(
