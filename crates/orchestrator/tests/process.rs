@@ -968,3 +968,60 @@ async fn processes_that_escaped_the_record_are_killed_when_an_orchestrator_start
         "a recorded process's child is not a stray"
     );
 }
+
+/// An orchestrator killed while it wrote a record leaves the new record in
+/// `NAME.json.tmp`, never renamed: the process it names was spawned and is
+/// recorded nowhere that counts. The next orchestrator must kill it (found
+/// by the campaign, `log@hosts` seed 103: a process of a generation whose
+/// record write was cut short by a kill -9 of the environment survived the
+/// next start, held the replica's port and served the controller, while
+/// the recorded processes kept failing to bind).
+#[tokio::test]
+async fn a_process_named_only_by_an_unfinished_record_write_is_a_stray() {
+    use std::os::unix::process::CommandExt;
+    let sandbox = Sandbox::new();
+    let o = sandbox.orchestrator(1);
+    o.ensure_service(ServiceConfig::new("replica-1", 1, "sleep").fixed_args(["300".to_string()]))
+        .await
+        .unwrap();
+    let mut stray = std::process::Command::new("sleep")
+        .arg("300")
+        .env(
+            lockstep_orchestrator::process::ORCHESTRATOR_ENV,
+            std::path::absolute(sandbox.path()).unwrap(),
+        )
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let stray_pid = stray.id();
+    eventually("the stray to run with the marker", || {
+        std::fs::read(format!("/proc/{stray_pid}/environ")).is_ok_and(|e| {
+            e.split(|b| *b == 0)
+                .any(|v| v.starts_with(b"LOCKSTEP_ORCHESTRATOR="))
+        })
+    })
+    .await;
+    // The unfinished write: the new generation's record, naming the stray,
+    // synced but not renamed over the record.
+    let path = sandbox.path().join("services").join("replica-1.json");
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    record["processes"][0]["pid"] = serde_json::json!(stray_pid);
+    std::fs::write(
+        sandbox.path().join("services").join("replica-1.json.tmp"),
+        serde_json::to_vec(&record).unwrap(),
+    )
+    .unwrap();
+    assert!(alive(stray_pid));
+    drop(o);
+    let _next = sandbox.orchestrator(2);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stray.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the process {stray_pid} named only by replica-1.json.tmp is still alive 10 s after the next orchestrator started; strays seen now: {:?}",
+            lockstep_orchestrator::process::strays(sandbox.path()),
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -34,7 +34,14 @@ pub fn strays(state_dir: &Path) -> Vec<u32> {
     let mut recorded = std::collections::BTreeSet::new();
     if let Ok(entries) = std::fs::read_dir(state_dir.join("services")) {
         for entry in entries.flatten() {
-            if let Ok(Some(record)) = read_record(&entry.path()) {
+            // Only the records: not `NAME.json.tmp`, which an orchestrator
+            // killed part-way through a write leaves, naming processes it
+            // spawned and never recorded (they are strays).
+            let path = entry.path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            if let Ok(Some(record)) = read_record(&path) {
                 recorded.extend(record.processes.iter().filter_map(|p| p.pid));
             }
         }
