@@ -12,8 +12,9 @@
 //! lockstep demo
 //! ```
 //!
-//! Exit codes: 0 success, 1 error, 2 a usage error (clap's), 3 halted
-//! because another controller took over (O3).
+//! Exit codes: 0 success (`lockstep serve`: shut down by SIGTERM or SIGINT),
+//! 1 error, 2 a usage error (clap's), 3 halted because another controller
+//! took over (O3).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -309,6 +310,12 @@ struct ServeArgs {
     /// The container image of replica pods (it holds --service-binary).
     #[arg(long, default_value = "lockstep:latest")]
     kubernetes_image: String,
+    /// On SIGTERM or SIGINT: how long calls in flight may take to finish
+    /// after health turned NOT_SERVING and new calls are refused; then the
+    /// process exits 0, leaving the replicas running for the next
+    /// environment to adopt.
+    #[arg(long, default_value_t = 5, value_name = "SECONDS")]
+    shutdown_grace_secs: u64,
     /// The label value (`lockstep/environment`) that tells this
     /// environment's objects from others' in the same namespace.
     #[arg(long, default_value = "lockstep")]
@@ -404,7 +411,11 @@ fn main() -> ExitCode {
                 std::process::abort();
             }));
             let _failpoints = fail::FailScenario::setup();
-            match runtime.block_on(serve(*args)) {
+            let result = runtime.block_on(serve(*args));
+            // Do not wait for tasks still blocked (a connection cut at the
+            // end of the grace period, a blocking read): replicas run on.
+            runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+            match result {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => match e.downcast_ref::<EnvError>() {
                     Some(EnvError::Halted(reason)) => {
@@ -748,7 +759,24 @@ fn api_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
 /// Where clients and `lockstep serve` find the API token.
 const API_TOKEN_ENV: &str = "LOCKSTEP_API_TOKEN";
 
+/// Resolves on the first SIGTERM or SIGINT (the handlers are installed when
+/// it is called, so a signal that arrives during start-up is kept and acted
+/// on once the environment serves).
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(async move {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!("{name}: shutting down gracefully");
+    })
+}
+
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let shutdown = shutdown_signal()?;
     let token = api_token(args.api_token_file.as_deref())?;
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => {
@@ -923,7 +951,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     // A replica whose ensure failed (after its catalog write) is retried.
     let retry = env.spawn_replica_retry(std::time::Duration::from_secs(5));
-    let result = env.serve_with(listener, tls).await;
+    let grace = std::time::Duration::from_secs(args.shutdown_grace_secs);
+    let result = env.serve_until(listener, tls, shutdown, grace).await;
     retry.abort();
     if let Some(task) = background {
         task.abort();
@@ -994,8 +1023,15 @@ fn print_processes(r: &proto::Replica) {
             .iter()
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
+        // The agreed protocol version and the build, once the process
+        // answered this session's Hello (the build from version 3 on).
+        let version = match (p.protocol_version, &p.build_version) {
+            (Some(v), Some(b)) => format!(" protocol {v} build {b}"),
+            (Some(v), None) => format!(" protocol {v}"),
+            (None, _) => String::new(),
+        };
         println!(
-            "    process {} pid {} {} restarts {} {}",
+            "    process {} pid {} {} restarts {} {}{version}",
             p.index,
             p.pid,
             if p.running { "running" } else { "down" },
