@@ -180,7 +180,14 @@ pub fn accept(
     tokio::spawn(async move {
         let mut next = 0u64;
         loop {
-            let (stream, _) = match listener.accept().await {
+            // Once the consumer is gone (a server shutting down), close the
+            // listener at once, so new connections are refused rather than
+            // accepted and left unanswered.
+            let accepted = tokio::select! {
+                r = listener.accept() => r,
+                () = tx.closed() => return,
+            };
+            let (stream, _) = match accepted {
                 Ok(s) => s,
                 Err(e) => {
                     // Out of descriptors (or another transient failure):
@@ -317,6 +324,28 @@ mod tests {
         let mut b = [0u8; 1];
         let closed = tokio::time::timeout(Duration::from_secs(5), flood[0].read(&mut b)).await;
         assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+    }
+
+    #[tokio::test]
+    async fn the_listener_closes_once_the_consumer_is_gone() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let rx = accept(listener, Limits::default(), "test");
+        drop(rx);
+        // Bounded: the accept loop notices at once, without a connection.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match TcpStream::connect(addr).await {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => break,
+                // A connection caught as the listener closed.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+                Err(e) => panic!("{e}"),
+                Ok(_) => {
+                    assert!(Instant::now() < deadline, "still listening");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
     }
 
     #[tokio::test]

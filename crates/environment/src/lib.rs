@@ -209,7 +209,16 @@ fn process_orchestrator_on(
 }
 
 /// How long a halted environment keeps answering in-flight requests.
-const HALT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+pub const HALT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Why [`Environment::serve_until`] stops serving.
+#[derive(Clone, Copy, Debug)]
+enum Stop {
+    /// Another controller took over (O3).
+    Halted,
+    /// The caller's shutdown signal.
+    Shutdown,
+}
 
 /// Where the replicas' command logs live.
 #[derive(Clone, Debug)]
@@ -1114,6 +1123,31 @@ impl Environment {
         listener: tokio::net::TcpListener,
         tls: Option<tonic::transport::ServerTlsConfig>,
     ) -> Result<(), EnvError> {
+        self.serve_until(listener, tls, std::future::pending(), HALT_GRACE)
+            .await
+    }
+
+    /// [`serve_with`](Self::serve_with) until `shutdown` resolves (the
+    /// `lockstep` binary: SIGTERM or SIGINT), then shuts down gracefully:
+    ///
+    /// 1. grpc.health.v1 says NOT_SERVING at once, for the server (`""`)
+    ///    and the API service, so a watch or a probe sees it;
+    /// 2. the listener closes (a new connection is refused) and every open
+    ///    connection is told to go away (HTTP/2 GOAWAY: a call the client
+    ///    sent before it learnt that is still served, a later one is refused);
+    /// 3. calls in flight get up to `grace` to finish; whatever is still open
+    ///    then is cut;
+    /// 4. it returns `Ok(())`. Replica processes (or pods) are left running,
+    ///    for the next environment to adopt.
+    ///
+    /// A halt still returns [`EnvError::Halted`], after [`HALT_GRACE`].
+    pub async fn serve_until(
+        self: Arc<Self>,
+        listener: tokio::net::TcpListener,
+        tls: Option<tonic::transport::ServerTlsConfig>,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+        grace: std::time::Duration,
+    ) -> Result<(), EnvError> {
         // Bounded acceptance (`admission`): a cap on open connections, a
         // deadline for a silent one, the oldest silent one closed first, an
         // accept loop that backs off on EMFILE. TCP_NODELAY is set on each
@@ -1139,17 +1173,47 @@ impl Environment {
                 }
             }
         });
-        let me = self.clone();
-        let shutdown = async move {
-            me.wait_halted().await;
-        };
         // grpc.health.v1: the API, and each replica as `replica/NAME`,
         // serving while it answers a ping.
         let (health, health_service) = tonic_health::server::health_reporter();
         health
             .set_serving::<proto::environment_server::EnvironmentServer<server::EnvironmentService>>()
             .await;
-        let checker = tokio::spawn(self.clone().report_replica_health(health));
+        let checker = tokio::spawn(self.clone().report_replica_health(health.clone()));
+        // What stops the server: a halt, or `shutdown` (health turns
+        // NOT_SERVING first). `stopping` says which, once one happened.
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(None::<Stop>);
+        let me = self.clone();
+        let stopper = tokio::spawn(async move {
+            let why = tokio::select! {
+                _ = me.wait_halted() => Stop::Halted,
+                () = shutdown => {
+                    health
+                        .set_not_serving::<proto::environment_server::EnvironmentServer<server::EnvironmentService>>()
+                        .await;
+                    health
+                        .set_service_status("", tonic_health::ServingStatus::NotServing)
+                        .await;
+                    tracing::info!(grace = ?grace, "shutting down: health NOT_SERVING, no new calls, in-flight calls get the grace period");
+                    Stop::Shutdown
+                }
+            };
+            let _ = stop_tx.send(Some(why));
+        });
+        let stopped = |mut rx: tokio::sync::watch::Receiver<Option<Stop>>| async move {
+            let why = rx.wait_for(Option::is_some).await.map(|why| *why);
+            match why {
+                Ok(Some(why)) => why,
+                // The stopper ended without a reason: never.
+                _ => std::future::pending().await,
+            }
+        };
+        let shutdown = {
+            let rx = stop_rx.clone();
+            async move {
+                stopped(rx).await;
+            }
+        };
         // Server reflection, v1 and v1alpha, over the API, the compute
         // protocol and the health service.
         let reflection = || {
@@ -1189,24 +1253,32 @@ impl Environment {
                 .map_err(|e| EnvError::Orchestrator(format!("TLS configuration: {e}")))?;
         }
         let server = builder
+            .layer(tower::util::MapRequestLayer::new(log_call))
             .add_optional_service(open)
             .add_optional_service(guarded)
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .serve_with_incoming_shutdown(incoming, shutdown);
-        // Once halted, in-flight requests get a bounded grace period.
-        let me = self.clone();
+        // Once halted or shut down, in-flight requests get a bounded grace
+        // period.
         let grace = async move {
-            me.wait_halted().await;
-            tokio::time::sleep(HALT_GRACE).await;
+            let bound = match stopped(stop_rx).await {
+                Stop::Halted => HALT_GRACE,
+                Stop::Shutdown => grace,
+            };
+            tokio::time::sleep(bound).await;
         };
         let result = tokio::select! {
             r = server => r.map_err(|e| EnvError::Orchestrator(format!("gRPC server failed: {e}"))),
-            () = grace => Ok(()),
+            () = grace => {
+                tracing::warn!("the grace period ended with calls still open; they are cut");
+                Ok(())
+            }
         };
         logger.abort();
         checker.abort();
+        stopper.abort();
         result?;
         match self.halted() {
             Some(reason) => Err(EnvError::Halted(reason)),
@@ -1324,6 +1396,13 @@ impl Environment {
             tokio::time::sleep(HEALTH_INTERVAL).await;
         }
     }
+}
+
+/// Logs (at debug) every call as it arrives, before it is routed or its
+/// token checked: what was in flight when something happened.
+fn log_call<B>(request: http::Request<B>) -> http::Request<B> {
+    tracing::debug!(path = %request.uri().path(), "API call received");
+    request
 }
 
 /// How often replica health is checked, and how long a ping may take.

@@ -272,6 +272,15 @@ fn operable(d: &Deployment, service: &Service, claim: &PersistentVolumeClaim) {
         }
     }
 
+    // The kubelet's SIGKILL comes after the environment's own grace period.
+    let grace: i64 = flag(&args, "shutdown-grace-secs")
+        .map_or(5, |g| g.parse().expect("--shutdown-grace-secs is a number"));
+    let kill_after = pod.termination_grace_period_seconds.unwrap_or(30);
+    assert!(
+        kill_after > grace,
+        "terminationGracePeriodSeconds {kill_after} must exceed --shutdown-grace-secs {grace}"
+    );
+
     // Requests and limits, a restricted securityContext, for every container.
     for c in pod.init_containers.iter().flatten().chain(&pod.containers) {
         has_requests_and_limits(c);
