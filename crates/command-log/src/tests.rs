@@ -14,7 +14,7 @@ fn hello(epoch: u64, nonce: u64) -> Command {
     cmd(
         0,
         CommandKind::Hello(Hello {
-            protocol_version: lockstep_protocol::PROTOCOL_VERSION,
+            protocol_version: lockstep_protocol::MIN_PROTOCOL_VERSION,
             epoch,
             nonce,
             replica_id: 1,
@@ -22,6 +22,7 @@ fn hello(epoch: u64, nonce: u64) -> Command {
             process_count: 1,
             workers_per_process: 1,
             proof: Vec::new(),
+            max_protocol_version: lockstep_protocol::PROTOCOL_VERSION,
         }),
     )
 }

@@ -196,6 +196,8 @@ pub fn to_proto(info: &ReplicaInfo) -> proto::Replica {
                     .collect(),
                 restarts: p.restarts,
                 frontier_lag: None,
+                protocol_version: None,
+                build_version: None,
             })
             .collect(),
     }
@@ -262,6 +264,12 @@ impl EnvironmentApi for EnvironmentService {
                 if let Ok(lags) = c.process_lags().await {
                     for (p, lag) in r.process_status.iter_mut().zip(lags) {
                         p.frontier_lag = lag;
+                    }
+                }
+                if let Ok(versions) = c.process_versions().await {
+                    for (p, v) in r.process_status.iter_mut().zip(versions) {
+                        p.protocol_version = v.as_ref().map(|v| v.protocol_version);
+                        p.build_version = v.and_then(|v| v.build_version);
                     }
                 }
             }

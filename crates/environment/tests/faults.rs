@@ -376,6 +376,26 @@ async fn frontier_lag_per_process_is_in_the_metrics_and_the_replica_list() {
         }
     };
     wait_for("caught up", |l| l.iter().all(|l| *l == Some(0))).await;
+    // Each process's agreed protocol version and build are listed too
+    // (docs/compatibility.md).
+    let listed = api
+        .clone()
+        .list_replicas(proto::ListReplicasRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    for p in &listed.replicas[0].process_status {
+        assert_eq!(
+            p.protocol_version,
+            Some(lockstep_protocol::PROTOCOL_VERSION),
+            "{p:?}"
+        );
+        assert_eq!(
+            p.build_version.as_deref(),
+            Some(env!("CARGO_PKG_VERSION")),
+            "{p:?}"
+        );
+    }
     // The metrics say the same (the health loop updates them every second).
     let started = Instant::now();
     loop {

@@ -425,6 +425,7 @@ impl From<CommandKind> for p::command::Kind {
                 process_count: h.process_count,
                 workers_per_process: h.workers_per_process,
                 proof: h.proof,
+                max_protocol_version: h.max_protocol_version,
             }),
             CommandKind::CreateInstance(settings) => {
                 Kind::CreateInstance(p::CreateInstance { settings })
@@ -480,6 +481,7 @@ impl TryFrom<p::command::Kind> for CommandKind {
                 process_count: h.process_count,
                 workers_per_process: h.workers_per_process,
                 proof: h.proof,
+                max_protocol_version: h.max_protocol_version,
             }),
             Kind::CreateInstance(c) => CommandKind::CreateInstance(c.settings),
             Kind::InitializationComplete(_) => CommandKind::InitializationComplete,
@@ -678,6 +680,10 @@ impl From<ResponseKind> for p::response::Kind {
                 message: e.message,
                 seqno: e.seqno,
             }),
+            ResponseKind::HelloResponse(h) => Kind::HelloResponse(p::HelloResponse {
+                protocol_version: h.protocol_version,
+                build_version: h.build_version,
+            }),
         }
     }
 }
@@ -751,6 +757,10 @@ impl TryFrom<p::response::Kind> for ResponseKind {
                 kind: error_kind_from(e.kind)?,
                 message: e.message,
                 seqno: e.seqno,
+            }),
+            Kind::HelloResponse(h) => ResponseKind::HelloResponse(HelloResponse {
+                protocol_version: h.protocol_version,
+                build_version: h.build_version,
             }),
         })
     }

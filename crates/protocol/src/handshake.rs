@@ -4,13 +4,67 @@
 //! A process started with a session key ([`SessionKey`]) first refuses a
 //! Hello that does not prove the key (S1: only the environment drives a
 //! replica): nothing an unauthenticated peer sends changes the process's
-//! state. Then it refuses a Hello from another protocol version (naming both),
-//! from a controller whose epoch is older than the newest it has seen (a stale
-//! controller must not drive the replica after a newer one did), and for a
-//! replica shape that is not its own.
+//! state. Then it refuses a Hello whose protocol versions do not overlap its
+//! own (naming both ranges), from a controller whose epoch is older than the
+//! newest it has seen (a stale controller must not drive the replica after a
+//! newer one did), and for a replica shape that is not its own.
+//!
+//! **Version negotiation** (docs/compatibility.md). A Hello offers a range:
+//! `protocol_version` is the lowest version the controller speaks and
+//! `max_protocol_version` the highest (0: `protocol_version` only). The
+//! lowest goes in `protocol_version` because a version-2 process (release
+//! v0.2.0) accepts a Hello only when that field is exactly 2 and ignores the
+//! field it does not know; so a controller of this build (2 ..= 3) drives
+//! it at version 2, and a version-2 controller (2, no maximum) is accepted
+//! here at version 2. The agreed version is [`negotiate`]'s: the highest
+//! both speak.
+//!
+//! **Downgrade.** The Hello's `proof` covers the seven fields a version-2
+//! process knows, not `max_protocol_version`: a version-2 process checks the
+//! proof over exactly those, so covering the new field would lock every new
+//! controller out of every old replica. The field is protected instead by
+//! the session ([`crate::secure`]): with a session key, every frame, the
+//! Hello included, is encrypted and authenticated under keys only the two
+//! proven ends hold, so a peer in the middle cannot strip or lower it (an
+//! altered record fails to decrypt and ends the connection). Without a key
+//! (a replica started by hand) nothing is authenticated, versions included.
+//! The no-mutual negative control of the security suite sends plain frames
+//! with a proof: there a peer in the middle could strip the field, and the
+//! worst it gets is version 2, which every build of this range speaks fully
+//! (the process's build version is then not shown).
 
 use crate::types::{Command, CommandKind, ErrorKind, ErrorResponse, Hello};
-use crate::PROTOCOL_VERSION;
+use crate::{MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
+
+/// The protocol versions this build speaks, `(lowest, highest)`.
+pub const SUPPORTED_VERSIONS: (u32, u32) = (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION);
+
+/// The agreed version of two ranges `(lowest, highest)`: the highest version
+/// both speak, or `None` when the ranges do not overlap.
+pub fn negotiate(ours: (u32, u32), theirs: (u32, u32)) -> Option<u32> {
+    let low = ours.0.max(theirs.0);
+    let high = ours.1.min(theirs.1);
+    (low <= high).then_some(high)
+}
+
+/// A Hello a process accepted, with the version agreed in it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AcceptedHello {
+    /// The Hello.
+    pub hello: Hello,
+    /// The agreed protocol version ([`negotiate`] of this build's
+    /// [`SUPPORTED_VERSIONS`] and the Hello's range).
+    pub protocol_version: u32,
+}
+
+/// `version N` for a range of one, `version N to version M` otherwise.
+fn range_text(range: (u32, u32)) -> String {
+    if range.0 == range.1 {
+        format!("version {}", range.0)
+    } else {
+        format!("version {} to version {}", range.0, range.1)
+    }
+}
 
 /// Who a replica process is, as fixed by its command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,9 +81,13 @@ pub struct ProcessIdentity {
 
 impl ProcessIdentity {
     /// The Hello a controller sends to this process.
+    /// It offers every version this build speaks ([`SUPPORTED_VERSIONS`]):
+    /// the lowest as `protocol_version`, the highest as
+    /// `max_protocol_version`.
     pub fn hello(&self, epoch: u64, nonce: u64) -> Hello {
         Hello {
-            protocol_version: PROTOCOL_VERSION,
+            protocol_version: MIN_PROTOCOL_VERSION,
+            max_protocol_version: PROTOCOL_VERSION,
             epoch,
             nonce,
             replica_id: self.replica_id,
@@ -184,13 +242,13 @@ pub enum HandshakeError {
         /// The command's name.
         got: &'static str,
     },
-    /// Different protocol versions.
-    #[error("protocol version mismatch: this process speaks version {ours}, the controller version {theirs}")]
+    /// The Hello's protocol versions and this process's do not overlap.
+    #[error("protocol version mismatch: this process speaks {}, the controller {}", range_text(*ours), range_text(*theirs))]
     VersionMismatch {
-        /// This process's version.
-        ours: u32,
-        /// The controller's version.
-        theirs: u32,
+        /// This process's versions, `(lowest, highest)`.
+        ours: (u32, u32),
+        /// The controller's versions, `(lowest, highest)`.
+        theirs: (u32, u32),
     },
     /// A stale controller.
     #[error("stale epoch: controller epoch {offered} is older than epoch {newest} already seen")]
@@ -233,13 +291,14 @@ impl HandshakeError {
 /// Checks the first command of a connection. `newest_epoch` is the newest
 /// controller epoch this process has accepted so far (0 if none); `key` is
 /// the replica's session key, if it has one: then a Hello must prove it,
-/// which is checked first.
+/// which is checked first. An accepted Hello comes back with the agreed
+/// protocol version.
 pub fn check_hello(
     first: &Command,
     me: &ProcessIdentity,
     newest_epoch: u64,
     key: Option<&SessionKey>,
-) -> Result<Hello, HandshakeError> {
+) -> Result<AcceptedHello, HandshakeError> {
     let CommandKind::Hello(hello) = &first.kind else {
         return Err(HandshakeError::NotHello {
             got: first.kind.name(),
@@ -250,12 +309,12 @@ pub fn check_hello(
             return Err(HandshakeError::Unauthenticated);
         }
     }
-    if hello.protocol_version != PROTOCOL_VERSION {
+    let Some(protocol_version) = negotiate(SUPPORTED_VERSIONS, hello.version_range()) else {
         return Err(HandshakeError::VersionMismatch {
-            ours: PROTOCOL_VERSION,
-            theirs: hello.protocol_version,
+            ours: SUPPORTED_VERSIONS,
+            theirs: hello.version_range(),
         });
-    }
+    };
     if hello.epoch < newest_epoch {
         return Err(HandshakeError::StaleEpoch {
             offered: hello.epoch,
@@ -289,7 +348,10 @@ pub fn check_hello(
             });
         }
     }
-    Ok(hello.clone())
+    Ok(AcceptedHello {
+        hello: hello.clone(),
+        protocol_version,
+    })
 }
 
 #[cfg(test)]
@@ -324,27 +386,80 @@ mod tests {
         }
     }
 
-    #[test]
-    fn accepts_matching_hello() {
-        let h = me().hello(5, 99);
-        assert_eq!(check_hello(&cmd(h.clone()), &me(), 5, None), Ok(h));
+    fn accepted(hello: Hello, protocol_version: u32) -> Result<AcceptedHello, HandshakeError> {
+        Ok(AcceptedHello {
+            hello,
+            protocol_version,
+        })
     }
 
     #[test]
-    fn version_mismatch_names_both_versions() {
+    fn accepts_matching_hello() {
+        let h = me().hello(5, 99);
+        assert_eq!(h.version_range(), (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION));
+        assert_eq!(
+            check_hello(&cmd(h.clone()), &me(), 5, None),
+            accepted(h, PROTOCOL_VERSION)
+        );
+    }
+
+    #[test]
+    fn negotiation_takes_the_highest_common_version() {
+        assert_eq!(negotiate((2, 3), (2, 3)), Some(3));
+        assert_eq!(negotiate((2, 3), (2, 2)), Some(2));
+        assert_eq!(negotiate((2, 2), (2, 3)), Some(2));
+        assert_eq!(negotiate((3, 4), (2, 3)), Some(3));
+        assert_eq!(negotiate((2, 3), (4, 5)), None);
+        assert_eq!(negotiate((3, 3), (2, 2)), None);
+    }
+
+    #[test]
+    fn a_version_2_hello_is_accepted_at_version_2() {
+        // What a v0.2.0 controller sends: exactly 2, no maximum.
+        let mut h = me().hello(5, 99);
+        h.protocol_version = 2;
+        h.max_protocol_version = 0;
+        assert_eq!(h.version_range(), (2, 2));
+        assert_eq!(check_hello(&cmd(h.clone()), &me(), 5, None), accepted(h, 2));
+        // A maximum below the minimum means the minimum only.
+        let mut h = me().hello(5, 99);
+        h.protocol_version = 3;
+        h.max_protocol_version = 1;
+        assert_eq!(check_hello(&cmd(h.clone()), &me(), 5, None), accepted(h, 3));
+    }
+
+    #[test]
+    fn version_mismatch_names_both_ranges() {
         let mut h = me().hello(5, 99);
         h.protocol_version = PROTOCOL_VERSION + 1;
+        h.max_protocol_version = PROTOCOL_VERSION + 2;
         let err = check_hello(&cmd(h), &me(), 0, None).unwrap_err();
         let msg = err.to_string();
-        assert!(
-            msg.contains(&format!("version {PROTOCOL_VERSION}")),
-            "{msg}"
-        );
-        assert!(
-            msg.contains(&format!("version {}", PROTOCOL_VERSION + 1)),
-            "{msg}"
+        assert_eq!(
+            msg,
+            format!(
+                "protocol version mismatch: this process speaks version {MIN_PROTOCOL_VERSION} to version {PROTOCOL_VERSION}, the controller version {} to version {}",
+                PROTOCOL_VERSION + 1,
+                PROTOCOL_VERSION + 2
+            )
         );
         assert_eq!(err.to_response().kind, ErrorKind::VersionMismatch);
+        // Below the range: a version-1 controller.
+        let mut h = me().hello(5, 99);
+        h.protocol_version = 1;
+        h.max_protocol_version = 0;
+        let err = check_hello(&cmd(h), &me(), 0, None).unwrap_err();
+        assert_eq!(
+            err,
+            HandshakeError::VersionMismatch {
+                ours: SUPPORTED_VERSIONS,
+                theirs: (1, 1)
+            }
+        );
+        assert!(
+            err.to_string().ends_with("the controller version 1"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -394,10 +509,16 @@ mod tests {
         let signed = key.sign(me().hello(3, 1));
         assert_eq!(
             check_hello(&cmd(signed.clone()), &me(), 0, Some(&key)),
-            Ok(signed.clone())
+            accepted(signed.clone(), PROTOCOL_VERSION)
         );
         // No proof, a proof of another key, a tampered field, a forged
         // epoch: all refused, before the epoch or shape is even looked at.
+        // `max_protocol_version` is not covered by the proof (a version-2
+        // process checks the proof over the seven fields it knows); the
+        // session's encryption protects it (see the module docs).
+        let mut lowered = signed.clone();
+        lowered.max_protocol_version = 0;
+        assert!(key.verify(&lowered));
         let other = SessionKey::derive(&[9; 32], 8);
         let mut tampered = signed.clone();
         tampered.epoch = u64::MAX;

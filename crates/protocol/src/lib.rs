@@ -36,13 +36,20 @@ pub use codec::{
 };
 pub use convert::ConvertError;
 pub use endpoint::{Endpoint, EndpointError};
-pub use handshake::{HandshakeError, ProcessIdentity, SessionKey, SESSION_KEY_ENV};
+pub use handshake::{negotiate, HandshakeError, ProcessIdentity, SessionKey, SESSION_KEY_ENV};
 pub use history::CommandHistory;
 pub use types::*;
 
-/// The protocol version this build speaks. A process refuses a `Hello` with any
-/// other version.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// The newest protocol version this build speaks. Version 3 added the
+/// version range in `Hello` and the `HelloResponse`
+/// (docs/compatibility.md).
+pub const PROTOCOL_VERSION: u32 = 3;
+
+/// The oldest protocol version this build speaks: an environment of release
+/// N drives the replicas of release N-1 and N, and a replica of release N
+/// accepts the controllers of both. A controller sends it as `Hello`'s
+/// `protocol_version`, since a version-2 process accepts exactly 2 there.
+pub const MIN_PROTOCOL_VERSION: u32 = 2;
 
 /// The generated wire types. Use [`types`] inside the code; these only at the edges.
 #[allow(missing_docs, clippy::all)]

@@ -170,7 +170,8 @@ impl CommandKind {
 /// The handshake command.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Hello {
-    /// The controller's protocol version.
+    /// The lowest protocol version the controller speaks (a version-2
+    /// controller: its only one). See [`Hello::version_range`].
     pub protocol_version: u32,
     /// The controller's epoch.
     pub epoch: u64,
@@ -187,6 +188,22 @@ pub struct Hello {
     /// Proof of the replica's session key (see
     /// [`crate::handshake::SessionKey`]); empty without one.
     pub proof: Vec<u8>,
+    /// The highest protocol version the controller speaks (since version
+    /// 3); 0, as from a version-2 controller, means `protocol_version` only.
+    /// Not covered by `proof` (see [`crate::handshake`]).
+    pub max_protocol_version: u32,
+}
+
+impl Hello {
+    /// The versions the sender speaks, `(lowest, highest)`: a
+    /// `max_protocol_version` of 0 (a version-2 controller) or below
+    /// `protocol_version` means `protocol_version` only.
+    pub fn version_range(&self) -> (u32, u32) {
+        (
+            self.protocol_version,
+            self.max_protocol_version.max(self.protocol_version),
+        )
+    }
 }
 
 /// A scalar expression over a row.
@@ -669,6 +686,18 @@ pub enum ResponseKind {
     Status(Status),
     /// An error.
     Error(ErrorResponse),
+    /// Since version 3: the agreed version and the process's build, sent
+    /// once per accepted Hello before any Status of that session.
+    HelloResponse(HelloResponse),
+}
+
+/// A process's answer to a Hello accepted at version 3 or more.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HelloResponse {
+    /// The agreed protocol version (the highest both ends speak).
+    pub protocol_version: u32,
+    /// The process's build version (its Cargo package version).
+    pub build_version: String,
 }
 
 /// A process's share of a peek's answer.

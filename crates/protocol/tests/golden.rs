@@ -215,6 +215,7 @@ fn v0_2_0() -> Vec<(&'static str, Wire)> {
         process_count: 2,
         workers_per_process: 4,
         proof: Vec::new(),
+        max_protocol_version: 0,
     };
     let signed = SessionKey::from_bytes([0x5a; 32]).sign(hello.clone());
     let settings: BTreeMap<String, String> = [("a", "1"), ("zeta", "")]
@@ -620,4 +621,173 @@ fn regenerate() {
     std::fs::write(dir.join("encodings.hex"), text).expect("write encodings.hex");
     std::fs::write(dir.join("descriptors.binpb"), todays_descriptors())
         .expect("write descriptors.binpb");
+}
+
+// ---------------------------------------------------------------------------
+// Version negotiation across releases (protocol version 3 against v0.2.0).
+
+/// The identity the golden Hellos were made for.
+fn golden_identity() -> ProcessIdentity {
+    ProcessIdentity {
+        replica_id: 11,
+        process_index: 1,
+        process_count: 2,
+        workers_per_process: 4,
+    }
+}
+
+fn golden(release: &str, name: &str) -> Vec<u8> {
+    read_encodings(release)
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("no golden encoding {name} in {release}"))
+        .1
+}
+
+/// A v0.2.0 controller's Hello (the golden bytes, signed and unsigned) is
+/// accepted by today's replica-side check, at version 2.
+#[test]
+fn a_v0_2_0_hello_is_accepted_at_version_2() {
+    let key = SessionKey::from_bytes([0x5a; 32]);
+    for (name, key) in [
+        ("command/hello", None),
+        ("command/hello-signed", Some(&key)),
+    ] {
+        let bytes = golden("v0.2.0", name);
+        let cmd = Command::try_from(proto::Command::decode(bytes.as_slice()).expect("decodes"))
+            .expect("converts");
+        let accepted = handshake::check_hello(&cmd, &golden_identity(), 0, key)
+            .unwrap_or_else(|e| panic!("{name}: refused: {e}"));
+        assert_eq!(accepted.protocol_version, 2, "{name}");
+        assert_eq!(accepted.hello.version_range(), (2, 2), "{name}");
+    }
+}
+
+/// The v0.2.0 rules for a Hello, written out from the v0.2.0 code (not
+/// today's): decoded with the v0.2.0 descriptors, `protocol_version` must be
+/// exactly 2, and the proof is the keyed BLAKE3 hash of the seven fields.
+fn v0_2_0_accepts_hello(bytes: &[u8], key: &[u8; 32]) -> Result<(), String> {
+    use protox::prost_reflect::{DescriptorPool, DynamicMessage, Value};
+    let pool = DescriptorPool::decode(
+        std::fs::read(golden_dir("v0.2.0").join("descriptors.binpb"))
+            .expect("descriptors")
+            .as_slice(),
+    )
+    .map_err(|e| e.to_string())?;
+    let command = pool
+        .get_message_by_name("lockstep.compute.v1.Command")
+        .ok_or("no Command in v0.2.0")?;
+    let msg = DynamicMessage::decode(command, bytes).map_err(|e| e.to_string())?;
+    let unknown: Vec<u32> = msg.unknown_fields().map(|f| f.number()).collect();
+    if !unknown.is_empty() {
+        return Err(format!("unknown Command fields {unknown:?}"));
+    }
+    let hello = match msg.get_field_by_name("hello").as_deref() {
+        Some(Value::Message(h)) => h.clone(),
+        other => return Err(format!("not a Hello: {other:?}")),
+    };
+    let u32_of = |f: &str| match hello.get_field_by_name(f).as_deref() {
+        Some(Value::U32(v)) => Ok(*v),
+        other => Err(format!("{f}: {other:?}")),
+    };
+    let u64_of = |f: &str| match hello.get_field_by_name(f).as_deref() {
+        Some(Value::U64(v)) => Ok(*v),
+        other => Err(format!("{f}: {other:?}")),
+    };
+    let version = u32_of("protocol_version")?;
+    if version != 2 {
+        return Err(format!(
+            "protocol version mismatch: this process speaks version 2, the controller version {version}"
+        ));
+    }
+    let mut mac = blake3::Hasher::new_keyed(key);
+    mac.update(&version.to_le_bytes());
+    for f in ["epoch", "nonce", "replica_id"] {
+        mac.update(&u64_of(f)?.to_le_bytes());
+    }
+    for f in ["process_index", "process_count", "workers_per_process"] {
+        mac.update(&u32_of(f)?.to_le_bytes());
+    }
+    let proof = match hello.get_field_by_name("proof").as_deref() {
+        Some(Value::Bytes(b)) => b.to_vec(),
+        other => return Err(format!("proof: {other:?}")),
+    };
+    if proof != mac.finalize().as_bytes().to_vec() {
+        return Err("the proof does not match under the v0.2.0 rule".to_string());
+    }
+    // What v0.2.0 does not know it skips: only max_protocol_version (9).
+    let skipped: Vec<u32> = hello.unknown_fields().map(|f| f.number()).collect();
+    if skipped != [9] {
+        return Err(format!("unexpected unknown Hello fields {skipped:?}"));
+    }
+    Ok(())
+}
+
+/// Today's controller Hello offers versions 2 to 3 and is accepted under
+/// the v0.2.0 rules (`protocol_version` exactly 2, the proof over seven
+/// fields); today's replica-side check agrees on 3 for it.
+#[test]
+fn todays_hello_is_accepted_by_v0_2_0_rules() {
+    let key = SessionKey::from_bytes([0x5a; 32]);
+    let hello = key.sign(golden_identity().hello(7, 3));
+    assert_eq!(hello.version_range(), (2, PROTOCOL_VERSION));
+    let cmd = Command {
+        seqno: 0,
+        strategy: Strategy::Log,
+        kind: CommandKind::Hello(hello),
+    };
+    let bytes = proto::Command::from(cmd.clone()).encode_to_vec();
+    v0_2_0_accepts_hello(&bytes, key.bytes()).expect("v0.2.0 accepts today's Hello");
+    let accepted =
+        handshake::check_hello(&cmd, &golden_identity(), 0, Some(&key)).expect("accepted");
+    assert_eq!(accepted.protocol_version, PROTOCOL_VERSION);
+    // The rule the test applies can fail: a Hello that starts at 3.
+    let mut late = golden_identity().hello(7, 3);
+    late.protocol_version = 3;
+    let late = Command {
+        kind: CommandKind::Hello(key.sign(late)),
+        ..cmd
+    };
+    let err =
+        v0_2_0_accepts_hello(&proto::Command::from(late).encode_to_vec(), key.bytes()).unwrap_err();
+    assert!(err.contains("controller version 3"), "{err}");
+}
+
+/// The fields added in version 3 survive the wire, and a HelloResponse is
+/// what a v0.2.0 controller could not read (a Response whose kind it does
+/// not know), which is why a process sends it only at version 3.
+#[test]
+fn version_3_fields_roundtrip() {
+    let hello = Command {
+        seqno: 0,
+        strategy: Strategy::Barrier,
+        kind: CommandKind::Hello(golden_identity().hello(1, 2)),
+    };
+    let wire = Wire::Command(hello);
+    assert_eq!(wire.decode_like(&wire.encode()), Ok(wire.clone()));
+    let answer = Wire::Response(Response {
+        process_index: 1,
+        kind: ResponseKind::HelloResponse(HelloResponse {
+            protocol_version: 3,
+            build_version: "0.3.0-dev".to_string(),
+        }),
+    });
+    let bytes = answer.encode();
+    assert_eq!(answer.decode_like(&bytes), Ok(answer.clone()));
+    use protox::prost_reflect::{DescriptorPool, DynamicMessage};
+    let pool = DescriptorPool::decode(
+        std::fs::read(golden_dir("v0.2.0").join("descriptors.binpb"))
+            .expect("descriptors")
+            .as_slice(),
+    )
+    .expect("pool");
+    let old = DynamicMessage::decode(
+        pool.get_message_by_name("lockstep.compute.v1.Response")
+            .expect("Response"),
+        bytes.as_slice(),
+    )
+    .expect("decodes as a Response without a kind");
+    assert!(!old.has_field_by_name("status") && !old.has_field_by_name("error"));
+    let unknown: Vec<u32> = old.unknown_fields().map(|f| f.number()).collect();
+    assert_eq!(unknown, [15]);
 }

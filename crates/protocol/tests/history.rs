@@ -165,6 +165,7 @@ fn hello_and_status_requests_are_not_history() {
         process_count: 1,
         workers_per_process: 1,
         proof: Vec::new(),
+        max_protocol_version: 0,
     }));
     assert!(h.is_empty());
 }

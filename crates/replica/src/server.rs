@@ -2,7 +2,9 @@
 //!
 //! The controller connects to every process directly. A connection starts
 //! with Hello, checked by [`lockstep_protocol::handshake::check_hello`]
-//! (version, epoch, replica shape). An accepted Hello makes that connection
+//! (versions, epoch, replica shape); at an agreed version of 3 or more the
+//! process answers with a `HelloResponse` (the version and its build)
+//! before its workers' statuses. An accepted Hello makes that connection
 //! the current one: a connection opened by an older controller session stops
 //! being read and its responses stop. Under broadcast and log, workers may
 //! start a session (a Hello from the mesh or the log) before this process
@@ -530,7 +532,7 @@ async fn handshake(
     framed: &mut Framed<TcpStream, SecureCodec<ReplicaCodec>>,
     config: &ReplicaConfig,
     shared: &Mutex<Shared>,
-) -> Result<(Command, lockstep_protocol::Hello), (Refusal, String)> {
+) -> Result<(Command, lockstep_protocol::Hello, u32), (Refusal, String)> {
     let me = config.identity.process_index;
     let first = match framed.next().await {
         None => return Err((Refusal::Closed, "closed before a Hello".into())),
@@ -543,13 +545,13 @@ async fn handshake(
         Some(Ok(cmd)) => cmd,
     };
     let newest = shared.lock().expect("not poisoned").newest_epoch;
-    let hello = match check_hello(
+    let (hello, protocol_version) = match check_hello(
         &first,
         &config.identity,
         newest,
         config.session_key.as_ref(),
     ) {
-        Ok(h) => h,
+        Ok(accepted) => (accepted.hello, accepted.protocol_version),
         Err(e) => {
             let _ = framed
                 .send(Response {
@@ -585,7 +587,7 @@ async fn handshake(
             ),
         ));
     }
-    Ok((first, hello))
+    Ok((first, hello, protocol_version))
 }
 
 async fn connection(
@@ -626,7 +628,7 @@ async fn connection(
         let accepted = handshake(&mut framed, &config, &shared).await?;
         Ok::<_, (Refusal, String)>((framed, accepted))
     };
-    let (mut framed, (first, hello)) = tokio::select! {
+    let (mut framed, (first, hello, protocol_version)) = tokio::select! {
         () = evict.cancelled() => {
             return Err(Ended::Unproven((Refusal::Evicted, format!(
                 "{MAX_UNPROVEN_CONNECTIONS} connections were waiting for their Hello; closed the oldest"
@@ -662,6 +664,18 @@ async fn connection(
         s.newest_epoch = hello.epoch;
         s.generation += 1;
         s.writer_session = session_of(hello.epoch, hello.nonce);
+        // From version 3 on, the agreed version and this build come first,
+        // before any Status of the session (a version-2 controller would
+        // not know the message, so it gets none).
+        if protocol_version >= 3 {
+            let _ = wtx.send(Response {
+                process_index: me,
+                kind: ResponseKind::HelloResponse(lockstep_protocol::HelloResponse {
+                    protocol_version,
+                    build_version: env!("CARGO_PKG_VERSION").to_string(),
+                }),
+            });
+        }
         if s.writer_session >= s.workers_session {
             for r in s.pending.drain(..) {
                 let _ = wtx.send(r);
@@ -674,6 +688,7 @@ async fn connection(
     tracing::info!(
         epoch = hello.epoch,
         nonce = hello.nonce,
+        protocol_version,
         "controller session started"
     );
 

@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 
 use lockstep_protocol::{
     Aggregate, Command, CommandKind, CompareOp, CreationLogEntry, DataflowDescription, Digest,
-    ErrorKind, ErrorResponse, Export, Expr, Frontier, Hello, Peek, PeekResponse, PeekResult, Plan,
-    Predicate, Response, ResponseKind, Row, Status, Subscribe, SubscribeBatch, Update, WriteInput,
+    ErrorKind, ErrorResponse, Export, Expr, Frontier, Hello, HelloResponse, Peek, PeekResponse,
+    PeekResult, Plan, Predicate, Response, ResponseKind, Row, Status, Subscribe, SubscribeBatch,
+    Update, WriteInput,
 };
 use proptest::collection::{btree_map, vec};
 use proptest::prelude::*;
@@ -131,18 +132,22 @@ pub fn command_kind() -> impl Strategy<Value = CommandKind> {
             any::<u32>(),
             any::<u32>(),
             any::<u32>(),
-            proptest::collection::vec(any::<u8>(), 0..40)
+            proptest::collection::vec(any::<u8>(), 0..40),
+            any::<u32>()
         )
-            .prop_map(|(v, e, n, r, pi, pc, w, proof)| CommandKind::Hello(Hello {
-                protocol_version: v,
-                epoch: e,
-                nonce: n,
-                replica_id: r,
-                process_index: pi,
-                process_count: pc,
-                workers_per_process: w,
-                proof
-            })),
+            .prop_map(
+                |(v, e, n, r, pi, pc, w, proof, max)| CommandKind::Hello(Hello {
+                    protocol_version: v,
+                    epoch: e,
+                    nonce: n,
+                    replica_id: r,
+                    process_index: pi,
+                    process_count: pc,
+                    workers_per_process: w,
+                    proof,
+                    max_protocol_version: max,
+                })
+            ),
         map().prop_map(CommandKind::CreateInstance),
         Just(CommandKind::InitializationComplete),
         map().prop_map(CommandKind::UpdateConfiguration),
@@ -270,6 +275,12 @@ pub fn response() -> impl Strategy<Value = Response> {
                 kind,
                 message,
                 seqno,
+            })
+        }),
+        (any::<u32>(), ".{0,20}").prop_map(|(protocol_version, build_version)| {
+            ResponseKind::HelloResponse(HelloResponse {
+                protocol_version,
+                build_version,
             })
         }),
     ];
