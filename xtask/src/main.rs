@@ -65,6 +65,14 @@ enum Task {
         /// Which world it implements.
         #[arg(long, value_enum)]
         kind: new_policy::Kind,
+        /// Write a standalone crate DIR/NAME (its own workspace) instead of
+        /// policies/NAME, for a policy kept outside this repository.
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+        /// With --out: take lockstep-policy-sdk from this git repository
+        /// instead of this checkout's path.
+        #[arg(long, requires = "out")]
+        sdk_git: Option<String>,
     },
     /// Fault suites on real processes (`orphans`, `distribution`, `security`, `campaign`); prints the JSON summary lines.
     Chaos {
@@ -111,6 +119,23 @@ fn main() -> anyhow::Result<()> {
         } => chaos::run_suite_with(&suite, &strategies, &campaign),
         Task::Image { from_source, keep } => image::image(&image::Options { from_source, keep }),
         Task::Model { variants } => model::run(&variants),
-        Task::NewPolicy { name, kind } => new_policy::scaffold(&name, kind),
+        Task::NewPolicy {
+            name,
+            kind,
+            out: None,
+            ..
+        } => new_policy::scaffold(&name, kind),
+        Task::NewPolicy {
+            name,
+            kind,
+            out: Some(out),
+            sdk_git,
+        } => {
+            let sdk = match sdk_git {
+                Some(url) => new_policy::Sdk::Git(url),
+                None => new_policy::Sdk::Path(util::root().join("crates/policy-sdk")),
+            };
+            new_policy::scaffold_standalone(&name, kind, &out, &sdk)
+        }
     }
 }

@@ -2,6 +2,15 @@
 //! policy crate under `policies/NAME` that builds with `cargo xtask
 //! build-policies` and passes the conformance check as it is, so a user
 //! starts from something that works and changes the rule.
+//!
+//! With `--out DIR` it writes a standalone crate `DIR/NAME` instead, for a
+//! policy kept outside this repository: its own workspace, a path (or,
+//! with `--sdk-git URL`, git) dependency on `lockstep-policy-sdk`, and a
+//! `.cargo/config.toml` that links the wasm target with `wasm-component-ld`,
+//! so `cargo build --release --target wasm32-unknown-unknown` there writes
+//! the component (`cargo xtask test` scaffolds one into a temporary
+//! directory outside the checkout, builds it there and runs the conformance
+//! check on it: [`crate::policies::check_standalone`]).
 
 use std::path::Path;
 
@@ -16,6 +25,121 @@ pub enum Kind {
     Distribution,
     /// Decides which orchestrator services are orphans.
     Orphans,
+}
+
+/// Where a standalone policy takes `lockstep-policy-sdk` from.
+#[derive(Clone, Debug)]
+pub enum Sdk {
+    /// A path (this checkout's `crates/policy-sdk`).
+    Path(std::path::PathBuf),
+    /// A git repository holding this workspace.
+    Git(String),
+}
+
+/// Writes the standalone crate `out/NAME` (see the module docs). Refuses to
+/// overwrite.
+pub fn scaffold_standalone(name: &str, kind: Kind, out: &Path, sdk: &Sdk) -> anyhow::Result<()> {
+    check_name(name)?;
+    let dir = out.join(name);
+    if dir.exists() {
+        bail!(
+            "{} already exists: pick another name or directory",
+            dir.display()
+        );
+    }
+    step(&format!(
+        "scaffolding {} ({kind:?} policy, standalone)",
+        dir.display()
+    ));
+    write_standalone(&dir, name, kind, sdk)?;
+    eprintln!(
+        "xtask: wrote {dir}\n\
+         xtask: build it there with `cargo build --release --target {target}` (-> target/{target}/release/{file}.wasm)\n\
+         xtask: check it with `lockstep policy check target/{target}/release/{file}.wasm`",
+        dir = dir.display(),
+        target = crate::policies::WASM_TARGET,
+        file = name.replace('-', "_"),
+    );
+    Ok(())
+}
+
+/// Writes the standalone crate `name` into `dir`.
+pub fn write_standalone(dir: &Path, name: &str, kind: Kind, sdk: &Sdk) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir.join("src"))
+        .with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::create_dir_all(dir.join(".cargo"))?;
+    let what = match kind {
+        Kind::Distribution => "distribution",
+        Kind::Orphans => "orphan",
+    };
+    let dependency = match sdk {
+        Sdk::Path(p) => format!("{{ path = {:?} }}", p.display().to_string()),
+        Sdk::Git(url) => format!("{{ git = {url:?} }}"),
+    };
+    std::fs::write(
+        dir.join("Cargo.toml"),
+        format!(
+            r#"[package]
+name = "{name}"
+description = "A lockstep {what} policy."
+version = "0.1.0"
+edition = "2021"
+publish = false
+
+# A WebAssembly component: `cargo build --release --target {target}`
+# (the linker is set in .cargo/config.toml).
+[lib]
+crate-type = ["cdylib", "rlib"]
+
+[dependencies]
+lockstep-policy-sdk = {dependency}
+
+# Its own workspace, wherever it is put.
+[workspace]
+"#,
+            target = crate::policies::WASM_TARGET,
+        ),
+    )?;
+    std::fs::write(
+        dir.join(".cargo/config.toml"),
+        format!(
+            r#"# The policy is a WebAssembly component with no imports but `log`:
+# wasm-component-ld (shipped with rustup's {target} target support)
+# wraps the core module, and debug info is stripped (it would make a 28 KB
+# policy 1.6 MB).
+[target.{target}]
+linker = "wasm-component-ld"
+rustflags = ["-C", "strip=debuginfo"]
+"#,
+            target = crate::policies::WASM_TARGET,
+        ),
+    )?;
+    let build = format!(
+        "cargo build --release --target {}",
+        crate::policies::WASM_TARGET
+    );
+    std::fs::write(
+        dir.join("src/lib.rs"),
+        source(name, kind).replace("cargo xtask build-policies", &build),
+    )?;
+    std::fs::write(
+        dir.join("README.md"),
+        format!(
+            r#"# {name}
+
+A lockstep {what} policy, written with `lockstep-policy-sdk`.
+
+- Test the rule: `cargo test`
+- Build the component: `{build}`
+  (`rustup target add {target}` once)
+- Check it: `lockstep policy check target/{target}/release/{file}.wasm`
+- Put it in force: `lockstep policy set target/{target}/release/{file}.wasm`
+"#,
+            target = crate::policies::WASM_TARGET,
+            file = name.replace('-', "_"),
+        ),
+    )?;
+    Ok(())
 }
 
 /// Writes `policies/NAME` (Cargo.toml and src/lib.rs). Refuses to overwrite.

@@ -263,3 +263,77 @@ fn copy_out(built: &std::path::Path, dir: &std::path::Path, name: &str) -> anyho
         .with_context(|| format!("copying {} to {}", built.display(), dest.display()))?;
     Ok(dest)
 }
+
+/// A policy kept outside this repository: scaffolds a standalone
+/// distribution policy (`new-policy --out`) into a temporary directory
+/// outside the checkout, builds it there with plain `cargo build` (its own
+/// workspace and `.cargo/config.toml`; the SDK by path), and runs
+/// `lockstep policy check` (the binary `cargo xtask test` built) on what it
+/// built. It builds into the policy fixtures' target directory, where
+/// [`build_all`] built the dependencies already.
+pub fn check_standalone(lockstep: &std::path::Path) -> anyhow::Result<()> {
+    use crate::new_policy::{write_standalone, Kind, Sdk};
+    step("a standalone policy, scaffolded and built outside the checkout, passes `lockstep policy check`");
+    let scratch = tempfile::Builder::new()
+        .prefix("lockstep-standalone-policy-")
+        .tempdir()
+        .context("a temporary directory")?;
+    if scratch.path().starts_with(root()) {
+        bail!(
+            "the temporary directory {} is inside the checkout: set TMPDIR elsewhere",
+            scratch.path().display()
+        );
+    }
+    let name = "standalone-policy";
+    let dir = scratch.path().join(name);
+    write_standalone(
+        &dir,
+        name,
+        Kind::Distribution,
+        &Sdk::Path(root().join("crates/policy-sdk")),
+    )?;
+    // Start from the fixtures' lock file so no new versions are resolved.
+    std::fs::copy(fixtures_dir().join("Cargo.lock"), dir.join("Cargo.lock"))?;
+    // The fixtures' target directory (`build_all` filled it): the
+    // dependencies are built already.
+    let target = root().join("target/lockstep/test-policies-build");
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    // From the crate's directory, so its .cargo/config.toml applies.
+    cmd.current_dir(&dir)
+        .args(["build", "--release", "--quiet", "--target", WASM_TARGET])
+        .arg("--target-dir")
+        .arg(&target);
+    run(cmd)?;
+    let built = artefact(&target, name);
+    if !built.exists() {
+        bail!(
+            "the standalone policy built, but {} is missing",
+            built.display()
+        );
+    }
+    let out = Command::new(lockstep)
+        .args(["policy", "check"])
+        .arg(&built)
+        .output()
+        .with_context(|| format!("running {}", lockstep.display()))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    print!("{stdout}");
+    if !out.status.success() {
+        bail!(
+            "lockstep policy check refused the standalone policy ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // The reporting contract's line: every scenario passed.
+    let line: serde_json::Value = stdout
+        .lines()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .with_context(|| format!("lockstep policy check printed no JSON line: {stdout}"))?;
+    let (scenarios, passed) = (&line["scenarios"], &line["passed"]);
+    if scenarios.as_u64().unwrap_or(0) == 0 || scenarios != passed {
+        bail!("the standalone policy did not pass every scenario: {line}");
+    }
+    eprintln!("xtask: standalone policy: ok");
+    Ok(())
+}

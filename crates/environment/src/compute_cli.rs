@@ -33,14 +33,7 @@ pub enum DataflowCommand {
         id: u64,
     },
     /// List dataflows.
-    ///
-    /// `-o json`: `{"dataflows": [{"id", "replica", "name", "as_of",
-    /// "inputs": [ID], "exports": [{"collection_id", "plan"}]}]}`, each plan
-    /// in the syntax `--export` takes.
-    List {
-        #[command(flatten)]
-        output: crate::output::OutputArg,
-    },
+    List,
 }
 
 /// Parses `ROW@TIME[:DIFF]`, e.g. `1,10@0` or `1,10@2:-1`.
@@ -132,7 +125,7 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
                 .map_err(status_err)?;
             println!("dropped dataflow {id}");
         }
-        DataflowCommand::List { output } => {
+        DataflowCommand::List => {
             let mut entries = Vec::new();
             let mut page_token = String::new();
             loop {
@@ -150,61 +143,23 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
                 }
                 page_token = page.next_page_token;
             }
-            let mut dataflows = Vec::new();
+            println!("{:<6} {:<12} {:<16} EXPORTS", "ID", "REPLICA", "NAME");
             for e in entries {
                 let Some(d) = e.dataflow else { continue };
-                dataflows.push((
-                    e.replica,
-                    lockstep_protocol::DataflowDescription::try_from(d)?,
-                ));
-            }
-            if output.json() {
-                let dataflows: Vec<serde_json::Value> = dataflows
-                    .iter()
-                    .map(|(replica, d)| {
-                        let exports: Vec<serde_json::Value> = d
-                            .exports
-                            .iter()
-                            .map(|x| {
-                                serde_json::json!({
-                                    "collection_id": x.collection_id,
-                                    "plan": x.plan.to_string(),
-                                })
-                            })
-                            .collect();
-                        serde_json::json!({
-                            "id": d.id,
-                            "replica": replica,
-                            "name": d.debug_name,
-                            "as_of": d.as_of,
-                            "inputs": d.inputs,
-                            "exports": exports,
-                        })
-                    })
-                    .collect();
-                return crate::output::print_json(&serde_json::json!({ "dataflows": dataflows }));
-            }
-            use crate::output::{Align, Table};
-            let mut table = Table::new(&[
-                ("ID", Align::Right),
-                ("REPLICA", Align::Left),
-                ("NAME", Align::Left),
-                ("EXPORTS", Align::Left),
-            ]);
-            for (replica, d) in &dataflows {
+                let d = lockstep_protocol::DataflowDescription::try_from(d)?;
                 let exports: Vec<String> = d
                     .exports
                     .iter()
                     .map(|x| format!("{}={}", x.collection_id, x.plan))
                     .collect();
-                table.row(vec![
-                    d.id.to_string(),
-                    replica.clone(),
-                    d.debug_name.clone(),
-                    exports.join("  "),
-                ]);
+                println!(
+                    "{:<6} {:<12} {:<16} {}",
+                    d.id,
+                    e.replica,
+                    d.debug_name,
+                    exports.join("  ")
+                );
             }
-            table.print();
         }
     }
     Ok(())

@@ -3,7 +3,7 @@
 //! ```text
 //! lockstep serve --state-dir DIR --listen 127.0.0.1:6875 --orphan-rule id-watermark
 //! lockstep replica create r1 --processes 2 --workers 4
-//! lockstep replica list -o json
+//! lockstep replica list
 //! lockstep replica drop r1
 //! lockstep dataflow create --replica r1 --input 1 --export '101=reduce(get(1), [#0], count)'
 //! lockstep input write --replica r1 --collection 1 --upper 1 --update 1,10@0
@@ -21,8 +21,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 mod compute_cli;
-mod output;
-use output::{print_json, Align, OutputArg, Table};
 // The demo and the soak: harnesses the binary runs (`lockstep demo`,
 // `lockstep soak`), not part of the library.
 mod demo;
@@ -56,17 +54,9 @@ enum Command {
     /// A one-screen summary of a running environment: its epoch and orphan
     /// rule, and per replica its shape, processes, restarts and whether it
     /// serves (answers a ping).
-    ///
-    /// `-o json`: `{"server", "epoch", "orphan_rule", "orphans_removed": [NAME],
-    /// "replicas": [{"name", "id", "processes", "workers_per_process",
-    /// "running", "restarts", "frontier_lag": [N or null per process],
-    /// "serving": "SERVING" | "NOT_SERVING" | "UNKNOWN" | null (not checked
-    /// yet)}]}`.
     Status {
         #[command(flatten)]
         server: ServerArg,
-        #[command(flatten)]
-        output: OutputArg,
     },
     /// Manage replicas on a running environment.
     Replica {
@@ -145,14 +135,6 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         hosts: usize,
     },
-    /// Print a shell completion script, e.g. `lockstep completions bash >
-    /// /etc/bash_completion.d/lockstep`, or `source <(lockstep completions
-    /// bash)`.
-    Completions {
-        /// The shell.
-        #[arg(value_enum)]
-        shell: clap_complete::Shell,
-    },
     /// The soak (run it with `cargo xtask soak`): many rounds of writes,
     /// peeks, dataflows and subscriptions through the API, the environment
     /// killed and restarted between rounds; writes a JSON report.
@@ -206,14 +188,7 @@ enum PolicyCommand {
         replica: Option<String>,
     },
     /// The policies in force on a running environment.
-    ///
-    /// `-o json`: `{"policies": [{"kind", "name", "hash" (null: native),
-    /// "replica" (null: the whole environment), "since" (unix seconds, null:
-    /// since start)}]}`.
-    Show {
-        #[command(flatten)]
-        output: OutputArg,
-    },
+    Show,
 }
 
 #[derive(Subcommand)]
@@ -400,14 +375,6 @@ enum ReplicaCommand {
         /// Free-form configuration for the replica.
         #[arg(long, default_value = "")]
         config: String,
-        /// Wait until the replica serves: every process connected to its
-        /// controller and answering (grpc.health.v1 `replica/NAME` SERVING).
-        /// Exit 1 if it does not within --timeout.
-        #[arg(long)]
-        wait: bool,
-        /// How long --wait waits, in seconds.
-        #[arg(long, default_value_t = 60, value_name = "SECONDS", requires = "wait")]
-        timeout: u64,
     },
     /// Drop a replica.
     Drop {
@@ -415,17 +382,7 @@ enum ReplicaCommand {
         name: String,
     },
     /// List replicas and their processes.
-    ///
-    /// `-o json`: `{"replicas": [{"id", "name", "processes",
-    /// "workers_per_process", "config", "service" (null: none yet),
-    /// "service_epoch", "process_status": [{"index", "pid" (null: none, a
-    /// pod), "running", "restarts", "addresses": {NAME: "HOST:PORT"},
-    /// "frontier_lag", "protocol_version", "build_version" (null: not
-    /// known)}]}]}`.
-    List {
-        #[command(flatten)]
-        output: OutputArg,
-    },
+    List,
 }
 
 fn main() -> ExitCode {
@@ -472,15 +429,7 @@ fn main() -> ExitCode {
                 },
             }
         }
-        Command::Status { server, output } => {
-            finish(runtime.block_on(status_summary(server, output)))
-        }
-        Command::Completions { shell } => {
-            use clap::CommandFactory;
-            let mut script = Vec::new();
-            clap_complete::generate(shell, &mut Cli::command(), "lockstep", &mut script);
-            finish(output::write_stdout(&script))
-        }
+        Command::Status { server } => finish(runtime.block_on(status_summary(server))),
         Command::Replica { server, command } => finish(runtime.block_on(client(server, command))),
         Command::Dataflow { server, command } => finish(runtime.block_on(async move {
             compute_cli::dataflow(&mut connect(&server).await?, command).await
@@ -562,7 +511,7 @@ fn main() -> ExitCode {
         })),
         Command::Policy {
             server,
-            command: PolicyCommand::Show { output },
+            command: PolicyCommand::Show,
         } => finish(runtime.block_on(async move {
             let list = connect(&server)
                 .await?
@@ -571,28 +520,10 @@ fn main() -> ExitCode {
                 .map_err(status_err)?
                 .into_inner()
                 .policies;
-            if output.json() {
-                let policies: Vec<serde_json::Value> = list
-                    .iter()
-                    .map(|p| {
-                        serde_json::json!({
-                            "kind": p.kind,
-                            "name": p.name,
-                            "hash": (!p.hash.is_empty()).then_some(&p.hash),
-                            "replica": (!p.replica.is_empty()).then_some(&p.replica),
-                            "since": (p.since != 0).then_some(p.since),
-                        })
-                    })
-                    .collect();
-                return print_json(&serde_json::json!({ "policies": policies }));
-            }
-            let mut table = Table::new(&[
-                ("KIND", Align::Left),
-                ("REPLICA", Align::Left),
-                ("NAME", Align::Left),
-                ("HASH", Align::Left),
-                ("SINCE", Align::Left),
-            ]);
+            println!(
+                "{:<13} {:<20} {:<24} {:<17} SINCE",
+                "KIND", "REPLICA", "NAME", "HASH"
+            );
             for p in list {
                 let since = if p.since == 0 {
                     "start".to_string()
@@ -605,15 +536,11 @@ fn main() -> ExitCode {
                 } else {
                     &p.replica
                 };
-                table.row(vec![
-                    p.kind.clone(),
-                    replica.to_string(),
-                    p.name.clone(),
-                    hash.to_string(),
-                    since,
-                ]);
+                println!(
+                    "{:<13} {:<20} {:<24} {:<17} {since}",
+                    p.kind, replica, p.name, hash
+                );
             }
-            table.print();
             Ok(())
         })),
         Command::Demo { keep, store, hosts } => {
@@ -684,7 +611,7 @@ async fn all_replicas(client: &mut Client) -> anyhow::Result<Vec<proto::Replica>
 }
 
 /// `lockstep status`.
-async fn status_summary(server: ServerArg, output: OutputArg) -> anyhow::Result<()> {
+async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
@@ -696,52 +623,6 @@ async fn status_summary(server: ServerArg, output: OutputArg) -> anyhow::Result<
         .into_inner();
     let replicas = all_replicas(&mut client).await?;
     let mut health = HealthClient::new(connect_channel(&server).await?);
-    let mut rows = Vec::new();
-    for r in &replicas {
-        // The health status's name, or None: not checked yet; Err: unknown.
-        let serving: Result<Option<ServingStatus>, String> = match health
-            .check(HealthCheckRequest {
-                service: format!("replica/{}", r.name),
-            })
-            .await
-        {
-            Ok(h) => Ok(Some(h.into_inner().status())),
-            Err(s) if s.code() == tonic::Code::NotFound => Ok(None),
-            Err(s) => Err(s.message().to_string()),
-        };
-        rows.push((r, serving));
-    }
-    let running = |r: &proto::Replica| r.process_status.iter().filter(|p| p.running).count();
-    let restarts = |r: &proto::Replica| r.process_status.iter().map(|p| p.restarts).sum::<u32>();
-    if output.json() {
-        let replicas: Vec<serde_json::Value> = rows
-            .iter()
-            .map(|(r, serving)| {
-                let serving = match serving {
-                    Ok(Some(s)) => Some(s.as_str_name()),
-                    Ok(None) => None,
-                    Err(_) => Some("UNKNOWN"),
-                };
-                serde_json::json!({
-                    "name": r.name,
-                    "id": r.id,
-                    "processes": r.processes,
-                    "workers_per_process": r.workers_per_process,
-                    "running": running(r),
-                    "restarts": restarts(r),
-                    "frontier_lag": r.process_status.iter().map(|p| p.frontier_lag).collect::<Vec<_>>(),
-                    "serving": serving,
-                })
-            })
-            .collect();
-        return print_json(&serde_json::json!({
-            "server": server.url,
-            "epoch": status.epoch,
-            "orphan_rule": status.orphan_rule,
-            "orphans_removed": status.orphans_removed,
-            "replicas": replicas,
-        }));
-    }
     println!(
         "environment {}: epoch {}, orphan rule {}, {} replica(s)",
         server.url,
@@ -749,23 +630,27 @@ async fn status_summary(server: ServerArg, output: OutputArg) -> anyhow::Result<
         status.orphan_rule,
         replicas.len()
     );
-    let mut table = Table::new(&[
-        ("REPLICA", Align::Left),
-        ("ID", Align::Right),
-        ("SHAPE", Align::Right),
-        ("RUNNING", Align::Right),
-        ("RESTARTS", Align::Right),
-        ("LAG", Align::Right),
-        ("SERVING", Align::Left),
-    ]);
-    for (r, serving) in &rows {
-        let serving = match serving {
-            Ok(Some(ServingStatus::Serving)) => "yes".to_string(),
-            Ok(Some(ServingStatus::NotServing)) => "no".to_string(),
-            Ok(Some(other)) => format!("{other:?}").to_lowercase(),
-            Ok(None) => "not checked yet".to_string(),
-            Err(m) => format!("unknown ({m})"),
+    println!(
+        "{:<20} {:>5} {:>7} {:>9} {:>8} {:>12}  SERVING",
+        "REPLICA", "ID", "SHAPE", "RUNNING", "RESTARTS", "LAG"
+    );
+    for r in &replicas {
+        let serving = match health
+            .check(HealthCheckRequest {
+                service: format!("replica/{}", r.name),
+            })
+            .await
+        {
+            Ok(h) => match h.into_inner().status() {
+                ServingStatus::Serving => "yes".to_string(),
+                ServingStatus::NotServing => "no".to_string(),
+                other => format!("{other:?}").to_lowercase(),
+            },
+            Err(s) if s.code() == tonic::Code::NotFound => "not checked yet".to_string(),
+            Err(s) => format!("unknown ({})", s.message()),
         };
+        let running = r.process_status.iter().filter(|p| p.running).count();
+        let restarts: u32 = r.process_status.iter().map(|p| p.restarts).sum();
         // Per process, comma-separated; `?` where it is not known.
         let lag = r
             .process_status
@@ -773,17 +658,16 @@ async fn status_summary(server: ServerArg, output: OutputArg) -> anyhow::Result<
             .map(|p| p.frontier_lag.map_or("?".to_string(), |l| l.to_string()))
             .collect::<Vec<_>>()
             .join(",");
-        table.row(vec![
-            r.name.clone(),
-            r.id.to_string(),
+        println!(
+            "{:<20} {:>5} {:>7} {:>9} {:>8} {:>12}  {serving}",
+            r.name,
+            r.id,
             format!("{}x{}", r.processes, r.workers_per_process),
-            format!("{}/{}", running(r), r.processes),
-            restarts(r).to_string(),
-            lag,
-            serving,
-        ]);
+            format!("{running}/{}", r.processes),
+            restarts,
+            lag
+        );
     }
-    table.print();
     Ok(())
 }
 
@@ -1085,12 +969,10 @@ async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow::Result<()
             processes,
             workers,
             config,
-            wait,
-            timeout,
         } => {
             let r = client
                 .create_replica(proto::CreateReplicaRequest {
-                    name: name.clone(),
+                    name,
                     processes,
                     workers_per_process: workers,
                     config,
@@ -1102,11 +984,6 @@ async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow::Result<()
                 println!("created replica {} (id {})", r.name, r.id);
                 print_processes(&r);
             }
-            if wait {
-                let took =
-                    wait_serving(&server, &name, std::time::Duration::from_secs(timeout)).await?;
-                println!("replica {name} serving after {:.1} s", took.as_secs_f64());
-            }
         }
         ReplicaCommand::Drop { name } => {
             let r = client
@@ -1116,111 +993,27 @@ async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow::Result<()
                 .into_inner();
             println!("dropped replica {name} (id {})", r.id);
         }
-        ReplicaCommand::List { output } => {
+        ReplicaCommand::List => {
             let replicas = all_replicas(&mut client).await?;
-            if output.json() {
-                let replicas: Vec<serde_json::Value> = replicas.iter().map(replica_json).collect();
-                return print_json(&serde_json::json!({ "replicas": replicas }));
-            }
-            let mut table = Table::new(&[
-                ("ID", Align::Right),
-                ("NAME", Align::Left),
-                ("PROCESSES", Align::Right),
-                ("WORKERS", Align::Right),
-                ("SERVICE", Align::Left),
-                ("EPOCH", Align::Right),
-            ]);
+            println!(
+                "{:<6} {:<20} {:>9} {:>7} {:<14} EPOCH",
+                "ID", "NAME", "PROCESSES", "WORKERS", "SERVICE"
+            );
             for r in &replicas {
                 let service = if r.service.is_empty() {
                     "-"
                 } else {
                     &r.service
                 };
-                table.row(vec![
-                    r.id.to_string(),
-                    r.name.clone(),
-                    r.processes.to_string(),
-                    r.workers_per_process.to_string(),
-                    service.to_string(),
-                    r.service_epoch.to_string(),
-                ]);
-            }
-            // Each replica's line, then its processes' lines.
-            let lines = table.lines();
-            println!("{}", lines[0]);
-            for (line, r) in lines[1..].iter().zip(&replicas) {
-                println!("{line}");
+                println!(
+                    "{:<6} {:<20} {:>9} {:>7} {:<14} {}",
+                    r.id, r.name, r.processes, r.workers_per_process, service, r.service_epoch
+                );
                 print_processes(r);
             }
         }
     }
     Ok(())
-}
-
-/// Waits (bounded by `timeout`) until replica `name` serves: its
-/// grpc.health.v1 status `replica/NAME` is SERVING (its controller reached
-/// every process). Returns how long that took.
-async fn wait_serving(
-    server: &ServerArg,
-    name: &str,
-    timeout: std::time::Duration,
-) -> anyhow::Result<std::time::Duration> {
-    use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::health_client::HealthClient;
-    use tonic_health::pb::HealthCheckRequest;
-    let started = std::time::Instant::now();
-    let mut health = HealthClient::new(connect_channel(server).await?);
-    let mut last = "not checked yet".to_string();
-    loop {
-        match health
-            .check(HealthCheckRequest {
-                service: format!("replica/{name}"),
-            })
-            .await
-        {
-            Ok(h) if h.get_ref().status() == ServingStatus::Serving => return Ok(started.elapsed()),
-            Ok(h) => last = h.into_inner().status().as_str_name().to_string(),
-            Err(s) if s.code() == tonic::Code::NotFound => {}
-            Err(s) => return Err(status_err(s)),
-        }
-        if started.elapsed() >= timeout {
-            anyhow::bail!(
-                "replica {name} did not serve within {} s (health: {last})",
-                timeout.as_secs()
-            );
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
-}
-
-/// A replica in the JSON of `lockstep replica list -o json`.
-fn replica_json(r: &proto::Replica) -> serde_json::Value {
-    let processes: Vec<serde_json::Value> = r
-        .process_status
-        .iter()
-        .map(|p| {
-            serde_json::json!({
-                "index": p.index,
-                "pid": (p.pid != 0).then_some(p.pid),
-                "running": p.running,
-                "restarts": p.restarts,
-                "addresses": p.addresses.iter().collect::<std::collections::BTreeMap<_, _>>(),
-                "frontier_lag": p.frontier_lag,
-                "protocol_version": p.protocol_version,
-                "build_version": p.build_version,
-            })
-        })
-        .collect();
-    serde_json::json!({
-        "id": r.id,
-        "name": r.name,
-        "processes": r.processes,
-        "workers_per_process": r.workers_per_process,
-        "config": r.config,
-        "service": (!r.service.is_empty()).then_some(&r.service),
-        "service_epoch": r.service_epoch,
-        "process_status": processes,
-    })
 }
 
 fn print_processes(r: &proto::Replica) {
