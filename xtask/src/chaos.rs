@@ -11,7 +11,7 @@
 //! negative control `catalog-only`, each on the process backend, as
 //! `RULE@kubernetes` on the Kubernetes backend over an in-memory API
 //! server double, and as `RULE@postgres` with the catalog in a throw-away
-//! PostgreSQL; scenarios in `crates/chaos/src/environment.rs`) and `distribution` (the strategies
+//! PostgreSQL; scenarios in `crates/chaos/src/environment/`) and `distribution` (the strategies
 //! `broadcast`, `barrier`, `log`, `log@postgres` (the command log in a
 //! throw-away PostgreSQL), the negative control `naive`, and
 //! `naive+history-check` (naive delivery, history check restarting the

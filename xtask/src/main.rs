@@ -5,6 +5,8 @@
 mod bench;
 mod chaos;
 mod chart;
+#[cfg(test)]
+mod doclinks;
 mod image;
 mod model;
 mod network;

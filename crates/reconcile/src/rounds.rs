@@ -103,7 +103,7 @@ impl RoundMutant {
         (RoundMutant::SkipBarrier, "mutant-skip-barrier"),
     ];
     // `IgnoreNewerSessions` deadlocks only with two faults and no command,
-    // a bound of its own: the model's tests check it (tests/models.rs).
+    // a bound of its own: the model's tests check it (crates/model/tests/models.rs).
 }
 
 /// What one worker knows of the barrier rounds of its replica.
