@@ -33,7 +33,14 @@ pub enum DataflowCommand {
         id: u64,
     },
     /// List dataflows.
-    List,
+    ///
+    /// `-o json`: `{"dataflows": [{"id", "replica", "name", "as_of",
+    /// "inputs": [ID], "exports": [{"collection_id", "plan"}]}]}`, each plan
+    /// in the syntax `--export` takes.
+    List {
+        #[command(flatten)]
+        output: crate::output::OutputArg,
+    },
 }
 
 /// Parses `ROW@TIME[:DIFF]`, e.g. `1,10@0` or `1,10@2:-1`.
@@ -67,6 +74,18 @@ pub fn parse_update(s: &str) -> anyhow::Result<wire::Update> {
 }
 
 pub(crate) fn status_err(s: tonic::Status) -> anyhow::Error {
+    // An answer over this client's decoding limit fails here, in tonic, as
+    // OUT_OF_RANGE, which the API uses for reads below a since: say what it
+    // is (the environment itself refuses a larger answer with
+    // RESOURCE_EXHAUSTED before sending it).
+    if s.code() == tonic::Code::OutOfRange && s.message().contains("message length too large") {
+        return anyhow::anyhow!(
+            "{}: the answer is larger than this client's limit of {} bytes: {}",
+            tonic::Code::ResourceExhausted,
+            lockstep_environment::server::MAX_ANSWER_BYTES,
+            s.message()
+        );
+    }
     anyhow::anyhow!("{}: {}", s.code(), s.message())
 }
 
@@ -125,7 +144,7 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
                 .map_err(status_err)?;
             println!("dropped dataflow {id}");
         }
-        DataflowCommand::List => {
+        DataflowCommand::List { output } => {
             let mut entries = Vec::new();
             let mut page_token = String::new();
             loop {
@@ -143,23 +162,61 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
                 }
                 page_token = page.next_page_token;
             }
-            println!("{:<6} {:<12} {:<16} EXPORTS", "ID", "REPLICA", "NAME");
+            let mut dataflows = Vec::new();
             for e in entries {
                 let Some(d) = e.dataflow else { continue };
-                let d = lockstep_protocol::DataflowDescription::try_from(d)?;
+                dataflows.push((
+                    e.replica,
+                    lockstep_protocol::DataflowDescription::try_from(d)?,
+                ));
+            }
+            if output.json() {
+                let dataflows: Vec<serde_json::Value> = dataflows
+                    .iter()
+                    .map(|(replica, d)| {
+                        let exports: Vec<serde_json::Value> = d
+                            .exports
+                            .iter()
+                            .map(|x| {
+                                serde_json::json!({
+                                    "collection_id": x.collection_id,
+                                    "plan": x.plan.to_string(),
+                                })
+                            })
+                            .collect();
+                        serde_json::json!({
+                            "id": d.id,
+                            "replica": replica,
+                            "name": d.debug_name,
+                            "as_of": d.as_of,
+                            "inputs": d.inputs,
+                            "exports": exports,
+                        })
+                    })
+                    .collect();
+                return crate::output::print_json(&serde_json::json!({ "dataflows": dataflows }));
+            }
+            use crate::output::{Align, Table};
+            let mut table = Table::new(&[
+                ("ID", Align::Right),
+                ("REPLICA", Align::Left),
+                ("NAME", Align::Left),
+                ("EXPORTS", Align::Left),
+            ]);
+            for (replica, d) in &dataflows {
                 let exports: Vec<String> = d
                     .exports
                     .iter()
                     .map(|x| format!("{}={}", x.collection_id, x.plan))
                     .collect();
-                println!(
-                    "{:<6} {:<12} {:<16} {}",
-                    d.id,
-                    e.replica,
-                    d.debug_name,
-                    exports.join("  ")
-                );
+                table.row(vec![
+                    d.id.to_string(),
+                    replica.clone(),
+                    d.debug_name.clone(),
+                    exports.join("  "),
+                ]);
             }
+            table.print();
         }
     }
     Ok(())

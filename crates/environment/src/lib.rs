@@ -429,6 +429,9 @@ pub struct Environment {
     /// The per-replica policies in force (over the environment-wide ones),
     /// by replica ID.
     replica_policies_in_force: Mutex<BTreeMap<u64, policies::PolicyInForce>>,
+    /// The largest answer the API sends ([`server::MAX_ANSWER_BYTES`]
+    /// unless set): a larger one is RESOURCE_EXHAUSTED.
+    max_answer_bytes: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for Environment {
@@ -627,6 +630,7 @@ impl Environment {
             command_logs: None,
             session_secret: None,
             api_token: None,
+            max_answer_bytes: std::sync::atomic::AtomicUsize::new(server::MAX_ANSWER_BYTES),
             policies_dir: None,
             replica_policies_in_force: Mutex::new(BTreeMap::new()),
             policies_in_force: Mutex::new(BTreeMap::from([
@@ -660,6 +664,22 @@ impl Environment {
     /// --experiments-no-replica-restarts`).
     pub fn set_replica_restarts(&self, on: bool) {
         self.compute.set_replica_restarts(on);
+    }
+
+    /// Sets the largest answer the API sends (default
+    /// [`server::MAX_ANSWER_BYTES`], what the `lockstep` CLI accepts): a peek
+    /// whose answer is larger is refused with RESOURCE_EXHAUSTED, naming the
+    /// limit, instead of failing in the client. `lockstep serve
+    /// --max-answer-bytes` (hidden) lowers it for tests.
+    pub fn set_max_answer_bytes(&self, bytes: usize) {
+        self.max_answer_bytes
+            .store(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The largest answer the API sends.
+    pub fn max_answer_bytes(&self) -> usize {
+        self.max_answer_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Asks every API call for `token` (`authorization: Bearer TOKEN`).

@@ -3,7 +3,7 @@
 //! ```text
 //! lockstep serve --state-dir DIR --listen 127.0.0.1:6875 --orphan-rule id-watermark
 //! lockstep replica create r1 --processes 2 --workers 4
-//! lockstep replica list
+//! lockstep replica list -o json
 //! lockstep replica drop r1
 //! lockstep dataflow create --replica r1 --input 1 --export '101=reduce(get(1), [#0], count)'
 //! lockstep input write --replica r1 --collection 1 --upper 1 --update 1,10@0
@@ -21,6 +21,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 mod compute_cli;
+mod output;
+use output::{print_json, Align, OutputArg, Table};
 // The demo and the soak: harnesses the binary runs (`lockstep demo`,
 // `lockstep soak`), not part of the library.
 mod demo;
@@ -54,9 +56,17 @@ enum Command {
     /// A one-screen summary of a running environment: its epoch and orphan
     /// rule, and per replica its shape, processes, restarts and whether it
     /// serves (answers a ping).
+    ///
+    /// `-o json`: `{"server", "epoch", "orphan_rule", "orphans_removed": [NAME],
+    /// "replicas": [{"name", "id", "processes", "workers_per_process",
+    /// "running", "restarts", "frontier_lag": [N or null per process],
+    /// "serving": "SERVING" | "NOT_SERVING" | "UNKNOWN" | null (not checked
+    /// yet)}]}`.
     Status {
         #[command(flatten)]
         server: ServerArg,
+        #[command(flatten)]
+        output: OutputArg,
     },
     /// Manage replicas on a running environment.
     Replica {
@@ -135,6 +145,14 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         hosts: usize,
     },
+    /// Print a shell completion script, e.g. `lockstep completions bash >
+    /// /etc/bash_completion.d/lockstep`, or `source <(lockstep completions
+    /// bash)`.
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// The soak (run it with `cargo xtask soak`): many rounds of writes,
     /// peeks, dataflows and subscriptions through the API, the environment
     /// killed and restarted between rounds; writes a JSON report.
@@ -188,7 +206,14 @@ enum PolicyCommand {
         replica: Option<String>,
     },
     /// The policies in force on a running environment.
-    Show,
+    ///
+    /// `-o json`: `{"policies": [{"kind", "name", "hash" (null: native),
+    /// "replica" (null: the whole environment), "since" (unix seconds, null:
+    /// since start)}]}`.
+    Show {
+        #[command(flatten)]
+        output: OutputArg,
+    },
 }
 
 #[derive(Subcommand)]
@@ -291,6 +316,11 @@ struct ServeArgs {
     /// PGPASSWORD (or the whole string in LOCKSTEP_STORE).
     #[arg(long, env = "LOCKSTEP_STORE")]
     store: Option<String>,
+    /// The largest answer the API sends (default 256 MiB, what this CLI
+    /// accepts); a larger peek answer is refused with RESOURCE_EXHAUSTED
+    /// (tests lower it).
+    #[arg(long, hide = true, default_value_t = lockstep_environment::server::MAX_ANSWER_BYTES)]
+    max_answer_bytes: usize,
     /// Let a stale ensure overwrite a newer controller's service (negative tests only).
     #[arg(long, hide = true)]
     unconditional_writes: bool,
@@ -375,6 +405,14 @@ enum ReplicaCommand {
         /// Free-form configuration for the replica.
         #[arg(long, default_value = "")]
         config: String,
+        /// Wait until the replica serves: every process connected to its
+        /// controller and answering (grpc.health.v1 `replica/NAME` SERVING).
+        /// Exit 1 if it does not within --timeout.
+        #[arg(long)]
+        wait: bool,
+        /// How long --wait waits, in seconds.
+        #[arg(long, default_value_t = 60, value_name = "SECONDS", requires = "wait")]
+        timeout: u64,
     },
     /// Drop a replica.
     Drop {
@@ -382,7 +420,17 @@ enum ReplicaCommand {
         name: String,
     },
     /// List replicas and their processes.
-    List,
+    ///
+    /// `-o json`: `{"replicas": [{"id", "name", "processes",
+    /// "workers_per_process", "config", "service" (null: none yet),
+    /// "service_epoch", "process_status": [{"index", "pid" (null: none, a
+    /// pod), "running", "restarts", "addresses": {NAME: "HOST:PORT"},
+    /// "frontier_lag", "protocol_version", "build_version" (null: not
+    /// known)}]}]}`.
+    List {
+        #[command(flatten)]
+        output: OutputArg,
+    },
 }
 
 fn main() -> ExitCode {
@@ -429,7 +477,15 @@ fn main() -> ExitCode {
                 },
             }
         }
-        Command::Status { server } => finish(runtime.block_on(status_summary(server))),
+        Command::Status { server, output } => {
+            finish(runtime.block_on(status_summary(server, output)))
+        }
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "lockstep", &mut script);
+            finish(output::write_stdout(&script))
+        }
         Command::Replica { server, command } => finish(runtime.block_on(client(server, command))),
         Command::Dataflow { server, command } => finish(runtime.block_on(async move {
             compute_cli::dataflow(&mut connect(&server).await?, command).await
@@ -511,7 +567,7 @@ fn main() -> ExitCode {
         })),
         Command::Policy {
             server,
-            command: PolicyCommand::Show,
+            command: PolicyCommand::Show { output },
         } => finish(runtime.block_on(async move {
             let list = connect(&server)
                 .await?
@@ -520,10 +576,28 @@ fn main() -> ExitCode {
                 .map_err(status_err)?
                 .into_inner()
                 .policies;
-            println!(
-                "{:<13} {:<20} {:<24} {:<17} SINCE",
-                "KIND", "REPLICA", "NAME", "HASH"
-            );
+            if output.json() {
+                let policies: Vec<serde_json::Value> = list
+                    .iter()
+                    .map(|p| {
+                        serde_json::json!({
+                            "kind": p.kind,
+                            "name": p.name,
+                            "hash": (!p.hash.is_empty()).then_some(&p.hash),
+                            "replica": (!p.replica.is_empty()).then_some(&p.replica),
+                            "since": (p.since != 0).then_some(p.since),
+                        })
+                    })
+                    .collect();
+                return print_json(&serde_json::json!({ "policies": policies }));
+            }
+            let mut table = Table::new(&[
+                ("KIND", Align::Left),
+                ("REPLICA", Align::Left),
+                ("NAME", Align::Left),
+                ("HASH", Align::Left),
+                ("SINCE", Align::Left),
+            ]);
             for p in list {
                 let since = if p.since == 0 {
                     "start".to_string()
@@ -536,11 +610,15 @@ fn main() -> ExitCode {
                 } else {
                     &p.replica
                 };
-                println!(
-                    "{:<13} {:<20} {:<24} {:<17} {since}",
-                    p.kind, replica, p.name, hash
-                );
+                table.row(vec![
+                    p.kind.clone(),
+                    replica.to_string(),
+                    p.name.clone(),
+                    hash.to_string(),
+                    since,
+                ]);
             }
+            table.print();
             Ok(())
         })),
         Command::Demo { keep, store, hosts } => {
@@ -611,7 +689,7 @@ async fn all_replicas(client: &mut Client) -> anyhow::Result<Vec<proto::Replica>
 }
 
 /// `lockstep status`.
-async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
+async fn status_summary(server: ServerArg, output: OutputArg) -> anyhow::Result<()> {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
@@ -623,6 +701,52 @@ async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
         .into_inner();
     let replicas = all_replicas(&mut client).await?;
     let mut health = HealthClient::new(connect_channel(&server).await?);
+    let mut rows = Vec::new();
+    for r in &replicas {
+        // The health status's name, or None: not checked yet; Err: unknown.
+        let serving: Result<Option<ServingStatus>, String> = match health
+            .check(HealthCheckRequest {
+                service: format!("replica/{}", r.name),
+            })
+            .await
+        {
+            Ok(h) => Ok(Some(h.into_inner().status())),
+            Err(s) if s.code() == tonic::Code::NotFound => Ok(None),
+            Err(s) => Err(s.message().to_string()),
+        };
+        rows.push((r, serving));
+    }
+    let running = |r: &proto::Replica| r.process_status.iter().filter(|p| p.running).count();
+    let restarts = |r: &proto::Replica| r.process_status.iter().map(|p| p.restarts).sum::<u32>();
+    if output.json() {
+        let replicas: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|(r, serving)| {
+                let serving = match serving {
+                    Ok(Some(s)) => Some(s.as_str_name()),
+                    Ok(None) => None,
+                    Err(_) => Some("UNKNOWN"),
+                };
+                serde_json::json!({
+                    "name": r.name,
+                    "id": r.id,
+                    "processes": r.processes,
+                    "workers_per_process": r.workers_per_process,
+                    "running": running(r),
+                    "restarts": restarts(r),
+                    "frontier_lag": r.process_status.iter().map(|p| p.frontier_lag).collect::<Vec<_>>(),
+                    "serving": serving,
+                })
+            })
+            .collect();
+        return print_json(&serde_json::json!({
+            "server": server.url,
+            "epoch": status.epoch,
+            "orphan_rule": status.orphan_rule,
+            "orphans_removed": status.orphans_removed,
+            "replicas": replicas,
+        }));
+    }
     println!(
         "environment {}: epoch {}, orphan rule {}, {} replica(s)",
         server.url,
@@ -630,27 +754,23 @@ async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
         status.orphan_rule,
         replicas.len()
     );
-    println!(
-        "{:<20} {:>5} {:>7} {:>9} {:>8} {:>12}  SERVING",
-        "REPLICA", "ID", "SHAPE", "RUNNING", "RESTARTS", "LAG"
-    );
-    for r in &replicas {
-        let serving = match health
-            .check(HealthCheckRequest {
-                service: format!("replica/{}", r.name),
-            })
-            .await
-        {
-            Ok(h) => match h.into_inner().status() {
-                ServingStatus::Serving => "yes".to_string(),
-                ServingStatus::NotServing => "no".to_string(),
-                other => format!("{other:?}").to_lowercase(),
-            },
-            Err(s) if s.code() == tonic::Code::NotFound => "not checked yet".to_string(),
-            Err(s) => format!("unknown ({})", s.message()),
+    let mut table = Table::new(&[
+        ("REPLICA", Align::Left),
+        ("ID", Align::Right),
+        ("SHAPE", Align::Right),
+        ("RUNNING", Align::Right),
+        ("RESTARTS", Align::Right),
+        ("LAG", Align::Right),
+        ("SERVING", Align::Left),
+    ]);
+    for (r, serving) in &rows {
+        let serving = match serving {
+            Ok(Some(ServingStatus::Serving)) => "yes".to_string(),
+            Ok(Some(ServingStatus::NotServing)) => "no".to_string(),
+            Ok(Some(other)) => format!("{other:?}").to_lowercase(),
+            Ok(None) => "not checked yet".to_string(),
+            Err(m) => format!("unknown ({m})"),
         };
-        let running = r.process_status.iter().filter(|p| p.running).count();
-        let restarts: u32 = r.process_status.iter().map(|p| p.restarts).sum();
         // Per process, comma-separated; `?` where it is not known.
         let lag = r
             .process_status
@@ -658,16 +778,17 @@ async fn status_summary(server: ServerArg) -> anyhow::Result<()> {
             .map(|p| p.frontier_lag.map_or("?".to_string(), |l| l.to_string()))
             .collect::<Vec<_>>()
             .join(",");
-        println!(
-            "{:<20} {:>5} {:>7} {:>9} {:>8} {:>12}  {serving}",
-            r.name,
-            r.id,
+        table.row(vec![
+            r.name.clone(),
+            r.id.to_string(),
             format!("{}x{}", r.processes, r.workers_per_process),
-            format!("{running}/{}", r.processes),
-            restarts,
-            lag
-        );
+            format!("{}/{}", running(r), r.processes),
+            restarts(r).to_string(),
+            lag,
+            serving,
+        ]);
     }
+    table.print();
     Ok(())
 }
 
@@ -919,6 +1040,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             Environment::start_with_secret(config, factory, Some(master)).await?
         }
     };
+    env.set_max_answer_bytes(args.max_answer_bytes);
     if args.experiments_no_replica_restarts {
         tracing::warn!("replica restarts on controller events are off (experiment)");
         env.set_replica_restarts(false);
@@ -969,10 +1091,12 @@ async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow::Result<()
             processes,
             workers,
             config,
+            wait,
+            timeout,
         } => {
             let r = client
                 .create_replica(proto::CreateReplicaRequest {
-                    name,
+                    name: name.clone(),
                     processes,
                     workers_per_process: workers,
                     config,
@@ -984,6 +1108,11 @@ async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow::Result<()
                 println!("created replica {} (id {})", r.name, r.id);
                 print_processes(&r);
             }
+            if wait {
+                let took =
+                    wait_serving(&server, &name, std::time::Duration::from_secs(timeout)).await?;
+                println!("replica {name} serving after {:.1} s", took.as_secs_f64());
+            }
         }
         ReplicaCommand::Drop { name } => {
             let r = client
@@ -993,27 +1122,111 @@ async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow::Result<()
                 .into_inner();
             println!("dropped replica {name} (id {})", r.id);
         }
-        ReplicaCommand::List => {
+        ReplicaCommand::List { output } => {
             let replicas = all_replicas(&mut client).await?;
-            println!(
-                "{:<6} {:<20} {:>9} {:>7} {:<14} EPOCH",
-                "ID", "NAME", "PROCESSES", "WORKERS", "SERVICE"
-            );
+            if output.json() {
+                let replicas: Vec<serde_json::Value> = replicas.iter().map(replica_json).collect();
+                return print_json(&serde_json::json!({ "replicas": replicas }));
+            }
+            let mut table = Table::new(&[
+                ("ID", Align::Right),
+                ("NAME", Align::Left),
+                ("PROCESSES", Align::Right),
+                ("WORKERS", Align::Right),
+                ("SERVICE", Align::Left),
+                ("EPOCH", Align::Right),
+            ]);
             for r in &replicas {
                 let service = if r.service.is_empty() {
                     "-"
                 } else {
                     &r.service
                 };
-                println!(
-                    "{:<6} {:<20} {:>9} {:>7} {:<14} {}",
-                    r.id, r.name, r.processes, r.workers_per_process, service, r.service_epoch
-                );
+                table.row(vec![
+                    r.id.to_string(),
+                    r.name.clone(),
+                    r.processes.to_string(),
+                    r.workers_per_process.to_string(),
+                    service.to_string(),
+                    r.service_epoch.to_string(),
+                ]);
+            }
+            // Each replica's line, then its processes' lines.
+            let lines = table.lines();
+            println!("{}", lines[0]);
+            for (line, r) in lines[1..].iter().zip(&replicas) {
+                println!("{line}");
                 print_processes(r);
             }
         }
     }
     Ok(())
+}
+
+/// Waits (bounded by `timeout`) until replica `name` serves: its
+/// grpc.health.v1 status `replica/NAME` is SERVING (its controller reached
+/// every process). Returns how long that took.
+async fn wait_serving(
+    server: &ServerArg,
+    name: &str,
+    timeout: std::time::Duration,
+) -> anyhow::Result<std::time::Duration> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let started = std::time::Instant::now();
+    let mut health = HealthClient::new(connect_channel(server).await?);
+    let mut last = "not checked yet".to_string();
+    loop {
+        match health
+            .check(HealthCheckRequest {
+                service: format!("replica/{name}"),
+            })
+            .await
+        {
+            Ok(h) if h.get_ref().status() == ServingStatus::Serving => return Ok(started.elapsed()),
+            Ok(h) => last = h.into_inner().status().as_str_name().to_string(),
+            Err(s) if s.code() == tonic::Code::NotFound => {}
+            Err(s) => return Err(status_err(s)),
+        }
+        if started.elapsed() >= timeout {
+            anyhow::bail!(
+                "replica {name} did not serve within {} s (health: {last})",
+                timeout.as_secs()
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// A replica in the JSON of `lockstep replica list -o json`.
+fn replica_json(r: &proto::Replica) -> serde_json::Value {
+    let processes: Vec<serde_json::Value> = r
+        .process_status
+        .iter()
+        .map(|p| {
+            serde_json::json!({
+                "index": p.index,
+                "pid": (p.pid != 0).then_some(p.pid),
+                "running": p.running,
+                "restarts": p.restarts,
+                "addresses": p.addresses.iter().collect::<std::collections::BTreeMap<_, _>>(),
+                "frontier_lag": p.frontier_lag,
+                "protocol_version": p.protocol_version,
+                "build_version": p.build_version,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "id": r.id,
+        "name": r.name,
+        "processes": r.processes,
+        "workers_per_process": r.workers_per_process,
+        "config": r.config,
+        "service": (!r.service.is_empty()).then_some(&r.service),
+        "service_epoch": r.service_epoch,
+        "process_status": processes,
+    })
 }
 
 fn print_processes(r: &proto::Replica) {

@@ -54,8 +54,23 @@ impl EnvironmentService {
 pub const MAX_REQUEST_BYTES: usize = crate::policies::MAX_POLICY_BYTES + (64 << 10);
 
 /// The largest answer a client of this crate's CLI accepts (a peek of many
-/// rows; tonic's default of 4 MiB would refuse a large one in the client).
+/// rows; tonic's default of 4 MiB would refuse a large one in the client),
+/// and the largest the API sends: a larger peek answer is refused by the
+/// server with RESOURCE_EXHAUSTED ([`check_answer_len`]), not cut off in the
+/// client with OUT_OF_RANGE (which the API uses for reads below a since).
 pub const MAX_ANSWER_BYTES: usize = 256 << 20;
+
+/// RESOURCE_EXHAUSTED, naming the limit, if an answer of `len` encoded
+/// bytes is over `limit`.
+pub fn check_answer_len(what: &str, len: usize, limit: usize) -> Result<(), Status> {
+    if len <= limit {
+        return Ok(());
+    }
+    Err(Status::resource_exhausted(format!(
+        "the {what} answer is {len} bytes, over the API's answer limit of {limit} bytes ({:.1} MiB): read a smaller collection, or one with fewer distinct rows",
+        limit as f64 / f64::from(1u32 << 20)
+    )))
+}
 
 impl EnvironmentService {}
 
@@ -413,12 +428,18 @@ impl EnvironmentApi for EnvironmentService {
                 .peek(&r.replica, r.collection_id, r.timestamp)
                 .await
                 .map_err(compute_status)?;
-            Ok(Response::new(proto::PeekResponse {
+            let answer = proto::PeekResponse {
                 rows: rows
                     .into_iter()
                     .map(|(values, diff)| lockstep_protocol::proto::Row { values, diff })
                     .collect(),
-            }))
+            };
+            check_answer_len(
+                "peek",
+                prost::Message::encoded_len(&answer),
+                self.env.max_answer_bytes(),
+            )?;
+            Ok(Response::new(answer))
         }
         .await;
         self.observed("Peek", started, result)
@@ -531,6 +552,19 @@ pub fn compute_status(e: crate::compute::ComputeError) -> Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_answer_over_the_limit_is_resource_exhausted_naming_the_limit() {
+        assert!(check_answer_len("peek", MAX_ANSWER_BYTES, MAX_ANSWER_BYTES).is_ok());
+        let e = check_answer_len("peek", MAX_ANSWER_BYTES + 1, MAX_ANSWER_BYTES).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+        assert!(
+            e.message()
+                .contains(&format!("limit of {MAX_ANSWER_BYTES} bytes (256.0 MiB)")),
+            "{}",
+            e.message()
+        );
+    }
 
     #[test]
     fn pages_cover_every_item_once_in_id_order() {

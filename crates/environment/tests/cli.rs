@@ -1,0 +1,264 @@
+//! The `lockstep` CLI for scripts and people, on a real `lockstep serve`
+//! with a real replica: `-o json` on every list and status command (parsed
+//! here with serde_json), tables as wide as their content, `replica create
+//! --wait`, shell completions, and `-o` refusing an unknown format.
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use lockstep_chaos::environment::Sandbox;
+use serde_json::Value;
+use tokio::io::AsyncBufReadExt;
+
+fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_lockstep"))
+}
+
+fn replica_binary() -> PathBuf {
+    let path = bin().with_file_name("lockstep-replica");
+    assert!(
+        path.is_file(),
+        "{} is missing: build it first with `cargo build -p lockstep-replica`",
+        path.display()
+    );
+    path
+}
+
+/// Every bounded wait of this test.
+const WAIT: Duration = Duration::from_secs(90);
+
+/// Runs `lockstep ARGS` (bounded).
+async fn run(args: &[&str]) -> Output {
+    tokio::time::timeout(
+        WAIT,
+        tokio::process::Command::new(bin())
+            .args(args)
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the CLI finished in time")
+    .unwrap()
+}
+
+/// Runs `lockstep ARGS --server URL`, which must succeed; its stdout.
+async fn ok(url: &str, args: &[&str]) -> String {
+    let mut all = args.to_vec();
+    all.extend(["--server", url]);
+    let o = run(&all).await;
+    assert!(
+        o.status.success(),
+        "lockstep {all:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).unwrap()
+}
+
+/// `lockstep ARGS -o json`, parsed.
+async fn json(url: &str, args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.extend(["-o", "json"]);
+    let text = ok(url, &all).await;
+    serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("lockstep {all:?}: not JSON ({e}): {text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_list_and_status_command_prints_json_and_tables_fit_their_content() {
+    let sandbox = Sandbox::new().unwrap();
+    let stderr = std::fs::File::create(sandbox.path().join("serve.stderr")).unwrap();
+    let mut serve = tokio::process::Command::new(bin())
+        // A small answer limit, so that a peek can exceed it here.
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--max-answer-bytes",
+            "4096",
+        ])
+        .arg("--state-dir")
+        .arg(sandbox.path())
+        .arg("--service-binary")
+        .arg(replica_binary())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(serve.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(WAIT, lines.next_line())
+        .await
+        .expect("lockstep serve served in time")
+        .unwrap()
+        .expect("a serving line");
+    let addr = line
+        .strip_prefix("lockstep: serving on ")
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    let url = format!("http://{addr}");
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+
+    // A replica with a name longer than the old fixed column (20), created
+    // with --wait: it returns once the replica serves.
+    let long = "a-replica-named-longer-than-twenty-characters";
+    let out = ok(
+        &url,
+        &[
+            "replica",
+            "create",
+            long,
+            "--processes",
+            "2",
+            "--wait",
+            "--timeout",
+            "60",
+        ],
+    )
+    .await;
+    assert!(
+        out.contains(&format!("replica {long} serving after")),
+        "{out}"
+    );
+    ok(
+        &url,
+        &[
+            "dataflow",
+            "create",
+            "--replica",
+            long,
+            "--input",
+            "1",
+            "--export",
+            "101=reduce(get(1), [#0], count)",
+        ],
+    )
+    .await;
+
+    // replica list -o json.
+    let v = json(&url, &["replica", "list"]).await;
+    let replicas = v["replicas"].as_array().expect("replicas: an array");
+    assert_eq!(replicas.len(), 1, "{v}");
+    let r = &replicas[0];
+    assert_eq!(r["name"], long);
+    assert_eq!(r["processes"], 2);
+    assert_eq!(r["workers_per_process"], 1);
+    assert_eq!(r["service"], "replica-1");
+    let processes = r["process_status"].as_array().expect("process_status");
+    assert_eq!(processes.len(), 2, "{v}");
+    for p in processes {
+        assert_eq!(p["running"], true, "{p}");
+        assert!(p["pid"].as_u64().is_some_and(|pid| pid > 0), "{p}");
+        assert!(p["addresses"]["controller"].is_string(), "{p}");
+    }
+
+    // status -o json: after --wait, the replica serves.
+    let v = json(&url, &["status"]).await;
+    assert_eq!(v["epoch"], 1, "{v}");
+    assert_eq!(v["orphan_rule"], "id-watermark");
+    assert_eq!(v["replicas"][0]["name"], long);
+    assert_eq!(v["replicas"][0]["running"], 2);
+    assert_eq!(v["replicas"][0]["serving"], "SERVING", "{v}");
+    assert_eq!(
+        v["replicas"][0]["frontier_lag"].as_array().map(Vec::len),
+        Some(2)
+    );
+
+    // dataflow list -o json.
+    let v = json(&url, &["dataflow", "list"]).await;
+    let d = &v["dataflows"][0];
+    assert_eq!(d["replica"], long, "{v}");
+    assert_eq!(d["inputs"], serde_json::json!([1]));
+    assert_eq!(d["exports"][0]["collection_id"], 101);
+    assert!(
+        d["exports"][0]["plan"]
+            .as_str()
+            .is_some_and(|p| p.starts_with("reduce(get(1)")),
+        "{v}"
+    );
+
+    // policy show -o json.
+    let v = json(&url, &["policy", "show"]).await;
+    let policies = v["policies"].as_array().expect("policies");
+    assert!(
+        policies.iter().any(|p| p["kind"] == "orphans"
+            && p["name"] == "id-watermark"
+            && p["replica"].is_null()),
+        "{v}"
+    );
+
+    // The table sizes its columns to the long name: the row's next column
+    // starts where the header's does.
+    let table = ok(&url, &["replica", "list"]).await;
+    let mut lines = table.lines();
+    let header = lines.next().unwrap();
+    let row = lines.next().unwrap();
+    let name_at = header.find("NAME").unwrap();
+    assert_eq!(row.find(long), Some(name_at), "{table}");
+    let after_name = name_at + long.len();
+    assert!(
+        header[after_name..].starts_with("  ") && row[after_name..].starts_with("  "),
+        "the NAME column is as wide as the name:\n{table}"
+    );
+    assert!(header.ends_with("EPOCH") && row.ends_with('1'), "{table}");
+
+    // A peek answer over the API's answer limit (4096 bytes here) is
+    // RESOURCE_EXHAUSTED naming the limit; a smaller one is answered.
+    let collection = ["--replica", long, "--collection"];
+    ok(
+        &url,
+        &[
+            &["input", "write"][..],
+            &collection,
+            &["1", "--upper", "1", "--update", "1,10@0"],
+        ]
+        .concat(),
+    )
+    .await;
+    let small = ok(
+        &url,
+        &[&["peek"][..], &collection, &["101", "--at", "0"]].concat(),
+    )
+    .await;
+    assert_eq!(small.trim(), "1,1\t1", "{small}");
+    let updates: Vec<String> = (0..1000).map(|i| format!("{i},{i}@1")).collect();
+    let mut write: Vec<&str> =
+        [&["input", "write"][..], &collection, &["1", "--upper", "2"]].concat();
+    for u in &updates {
+        write.extend(["--update", u]);
+    }
+    ok(&url, &write).await;
+    let o = run(&[
+        &["peek"][..],
+        &collection,
+        &["101", "--at", "1", "--server", &url],
+    ]
+    .concat())
+    .await;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&tonic::Code::ResourceExhausted.to_string())
+            && err.contains("answer limit of 4096 bytes"),
+        "{err}"
+    );
+
+    // An unknown format is a usage error (2).
+    let o = run(&["replica", "list", "-o", "yaml", "--server", &url]).await;
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+
+    // Shell completions.
+    for shell in ["bash", "zsh", "fish"] {
+        let o = run(&["completions", shell]).await;
+        assert!(o.status.success(), "{o:?}");
+        let script = String::from_utf8(o.stdout).unwrap();
+        assert!(
+            script.contains("lockstep") && script.contains("replica"),
+            "{shell}: {script}"
+        );
+    }
+
+    serve.kill().await.unwrap();
+}
