@@ -331,7 +331,12 @@ const QUICK_SEEDS: [u64; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 20];
 /// The quick set's seeds for the variants with a place of their own
 /// (`@postgres`, `@hosts`): their faults are drawn in place of some of the
 /// seed's operations, so these seeds run the embedded seeds' faults too.
-const QUICK_PLACE_SEEDS: [u64; 4] = [1, 2, 3, 4];
+/// Seed 103 found a defect as `log@hosts` in the long run (a process named
+/// only by an unfinished record write survived the next environment start:
+/// `crates/orchestrator/tests/process.rs`,
+/// `a_process_named_only_by_an_unfinished_record_write_is_a_stray`, is its
+/// deterministic regression; the seed's timing is not).
+const QUICK_PLACE_SEEDS: [u64; 4] = [1, 2, 3, 103];
 
 /// The quick set's seeds for the negative control `naive`: more than for
 /// the others, since whether a seed catches it depends on where the
