@@ -17,7 +17,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Labels of an API request.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -205,10 +204,11 @@ impl Metrics {
 
 /// Serves `GET /metrics` on `listener` until the task is dropped; anything
 /// else gets 404. Connections are bounded as the API's are
-/// ([`crate::admission`]); a request head is read up to 8 KiB within 5 s in
-/// all. With `token`, a request must carry `Authorization: Bearer TOKEN`
-/// (401 otherwise): `lockstep serve` gives the API token when the endpoint
-/// listens on a non-loopback address.
+/// ([`crate::admission`]); each is served by hyper (HTTP/1.1, keep-alive
+/// off), which must have the request head within 5 s. With `token`, a
+/// request must carry `Authorization: Bearer TOKEN` (401 otherwise):
+/// `lockstep serve` gives the API token when the endpoint listens on a
+/// non-loopback address.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
@@ -216,72 +216,70 @@ pub async fn serve(
 ) {
     let mut incoming =
         crate::admission::accept(listener, crate::admission::Limits::default(), "metrics");
-    let expected = token;
+    let token: Option<Arc<str>> = token.map(Arc::from);
     while let Some(conn) = incoming.recv().await {
-        let Ok(mut sock) = conn else { continue };
+        let Ok(sock) = conn else { continue };
         let metrics = metrics.clone();
-        let expected = expected.clone();
+        let token = token.clone();
         tokio::spawn(async move {
-            let mut buf = vec![0u8; 8192];
-            let mut len = 0;
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-            // Read until the end of the request head (or the buffer is full),
-            // within one deadline for the whole head.
-            while len < buf.len() {
-                match tokio::time::timeout_at(deadline, sock.read(&mut buf[len..])).await {
-                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
-                    Ok(Ok(n)) => {
-                        len += n;
-                        if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-                            break;
-                        }
-                    }
-                }
-            }
-            let head = String::from_utf8_lossy(&buf[..len]);
-            let path = head.split_whitespace().nth(1).unwrap_or("");
-            let authorized = match &expected {
-                None => true,
-                Some(want) => head.lines().any(|l| {
-                    let Some((k, v)) = l.split_once(':') else {
-                        return false;
-                    };
-                    // Bytes, not str slices: a header with multi-byte
-                    // characters must not split one.
-                    let v = v.trim().as_bytes();
-                    k.trim().eq_ignore_ascii_case("authorization")
-                        && v.len() > 7
-                        && v[..7].eq_ignore_ascii_case(b"bearer ")
-                        && crate::server::constant_time_eq(&v[7..], want.as_bytes())
-                }),
-            };
-            let (status, body, kind) = if !authorized {
-                (
-                    "401 Unauthorized",
-                    "a bearer token is required\n".to_string(),
-                    "text/plain",
-                )
-            } else if head.starts_with("GET ") && path == "/metrics" {
-                (
-                    "200 OK",
-                    metrics.encode(),
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                )
-            } else {
-                (
-                    "404 Not Found",
-                    "only GET /metrics\n".to_string(),
-                    "text/plain",
-                )
-            };
-            let response = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = sock.write_all(response.as_bytes()).await;
-            let _ = sock.shutdown().await;
+            let service = hyper::service::service_fn(move |req| {
+                let response = respond(&req, &metrics, token.as_deref());
+                async move { Ok::<_, std::convert::Infallible>(response) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(5))
+                .keep_alive(false)
+                .serve_connection(hyper_util::rt::TokioIo::new(sock), service)
+                .await;
         });
     }
+}
+
+/// The answer to one request of the metrics endpoint.
+fn respond<B>(
+    req: &hyper::Request<B>,
+    metrics: &Metrics,
+    token: Option<&str>,
+) -> hyper::Response<http_body_util::Full<hyper::body::Bytes>> {
+    let authorized = token.is_none_or(|want| {
+        req.headers()
+            .get_all(hyper::header::AUTHORIZATION)
+            .iter()
+            .any(|v| {
+                let v = v.as_bytes();
+                v.len() > 7
+                    && v[..7].eq_ignore_ascii_case(b"bearer ")
+                    && crate::server::constant_time_eq(&v[7..], want.as_bytes())
+            })
+    });
+    let (status, body, kind) = if !authorized {
+        (
+            hyper::StatusCode::UNAUTHORIZED,
+            "a bearer token is required\n".to_string(),
+            "text/plain",
+        )
+    } else if req.method() == hyper::Method::GET && req.uri().path() == "/metrics" {
+        (
+            hyper::StatusCode::OK,
+            metrics.encode(),
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )
+    } else {
+        (
+            hyper::StatusCode::NOT_FOUND,
+            "only GET /metrics\n".to_string(),
+            "text/plain",
+        )
+    };
+    let mut response =
+        hyper::Response::new(http_body_util::Full::new(hyper::body::Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(kind),
+    );
+    response
 }
 
 /// A gRPC status code as the gRPC specification spells it (`OK`,
@@ -306,5 +304,91 @@ pub fn grpc_code_name(code: tonic::Code) -> &'static str {
         Unavailable => "UNAVAILABLE",
         DataLoss => "DATA_LOSS",
         Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Serves fresh metrics (with `token`) on a loopback port.
+    async fn endpoint(token: Option<&str>) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let metrics = Arc::new(Metrics::new());
+        metrics.epoch.set(7);
+        tokio::spawn(serve(listener, metrics, token.map(String::from)));
+        addr
+    }
+
+    /// Sends `request` and reads the whole answer (the server closes).
+    async fn exchange(addr: std::net::SocketAddr, request: &str) -> String {
+        let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+        sock.write_all(request.as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), sock.read_to_end(&mut out))
+            .await
+            .expect("the endpoint answers and closes within 10 s")
+            .unwrap();
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    #[tokio::test]
+    async fn get_metrics_is_answered_and_anything_else_is_not_found() {
+        let addr = endpoint(None).await;
+        let ok = exchange(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+        assert!(ok.contains("lockstep_epoch 7"), "{ok}");
+        assert!(ok.contains("application/openmetrics-text"), "{ok}");
+        let other = exchange(addr, "GET /other HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert!(other.starts_with("HTTP/1.1 404"), "{other}");
+        let post = exchange(
+            addr,
+            "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+        )
+        .await;
+        assert!(post.starts_with("HTTP/1.1 404"), "{post}");
+    }
+
+    #[tokio::test]
+    async fn with_a_token_only_its_bearer_is_answered() {
+        let addr = endpoint(Some("s3cret")).await;
+        let none = exchange(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert!(none.starts_with("HTTP/1.1 401"), "{none}");
+        assert!(!none.contains("lockstep_epoch"), "{none}");
+        let wrong = exchange(
+            addr,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n\r\n",
+        )
+        .await;
+        assert!(wrong.starts_with("HTTP/1.1 401"), "{wrong}");
+        let right = exchange(
+            addr,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nauthorization: bearer s3cret\r\n\r\n",
+        )
+        .await;
+        assert!(right.starts_with("HTTP/1.1 200"), "{right}");
+        assert!(right.contains("lockstep_epoch 7"), "{right}");
+    }
+
+    #[tokio::test]
+    async fn a_request_head_that_never_ends_is_cut_off() {
+        let addr = endpoint(None).await;
+        let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+        sock.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        // The head's deadline is 5 s; the connection must end well within 15.
+        let read = tokio::time::timeout(Duration::from_secs(15), sock.read_to_end(&mut out)).await;
+        assert!(
+            read.is_ok(),
+            "a slow head kept the connection open past 15 s"
+        );
+        assert!(
+            !String::from_utf8_lossy(&out).contains("lockstep_epoch"),
+            "an unfinished request got the metrics"
+        );
     }
 }
