@@ -108,8 +108,11 @@ fn run_suite_binary(
         .with_context(|| format!("could not start {}", bin.display()))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     print!("{stdout}");
-    let prefix = format!("{{\"suite\":\"{suite}\"");
-    let summaries = stdout.lines().filter(|l| l.starts_with(&prefix)).count();
+    let summaries = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["suite"] == suite)
+        .count();
     if summaries != variants {
         bail!("chaos {suite}: expected {variants} summary lines, got {summaries}");
     }

@@ -91,21 +91,33 @@ impl Tally {
         }
     }
 
-    /// The reporting contract's JSON line.
+    /// The reporting contract's JSON line (`caught` only for a negative
+    /// control).
     pub fn summary_line(&self, suite: &str, variant: &str, negative_control: bool) -> String {
-        let scenarios = self.passed + self.violations + self.harness_errors;
-        let mut line = format!(
-            r#"{{"suite":"{suite}","variant":"{variant}","scenarios":{scenarios},"passed":{},"failed":{},"violations":{},"harness_errors":{}"#,
-            self.passed,
-            self.violations + self.harness_errors,
-            self.violations,
-            self.harness_errors
-        );
-        if negative_control {
-            line.push_str(&format!(r#","caught":{}"#, self.caught()));
+        /// The line's fields, in the contract's order.
+        #[derive(serde::Serialize)]
+        struct Line<'a> {
+            suite: &'a str,
+            variant: &'a str,
+            scenarios: usize,
+            passed: usize,
+            failed: usize,
+            violations: usize,
+            harness_errors: usize,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            caught: Option<bool>,
         }
-        line.push('}');
-        line
+        serde_json::to_string(&Line {
+            suite,
+            variant,
+            scenarios: self.passed + self.violations + self.harness_errors,
+            passed: self.passed,
+            failed: self.violations + self.harness_errors,
+            violations: self.violations,
+            harness_errors: self.harness_errors,
+            caught: negative_control.then(|| self.caught()),
+        })
+        .expect("a summary line serializes")
     }
 }
 

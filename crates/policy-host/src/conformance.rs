@@ -67,14 +67,23 @@ impl SuiteLine {
     /// The reporting contract's JSON object, on one line:
     /// `{"suite":"policy-conformance","variant":"epoch","scenarios":12,"passed":12,"failed":0}`.
     pub fn to_json(&self) -> String {
-        format!(
-            "{{\"suite\":{},\"variant\":{},\"scenarios\":{},\"passed\":{},\"failed\":{}}}",
-            serde_json::Value::from(self.suite.as_str()),
-            serde_json::Value::from(self.variant.as_str()),
-            self.scenarios,
-            self.passed,
-            self.failed
-        )
+        /// The line's fields, in the contract's order.
+        #[derive(serde::Serialize)]
+        struct Line<'a> {
+            suite: &'a str,
+            variant: &'a str,
+            scenarios: usize,
+            passed: usize,
+            failed: usize,
+        }
+        serde_json::to_string(&Line {
+            suite: &self.suite,
+            variant: &self.variant,
+            scenarios: self.scenarios,
+            passed: self.passed,
+            failed: self.failed,
+        })
+        .expect("a summary line serializes")
     }
 
     /// A line from the results of its scenarios (`Err`: what broke).
