@@ -77,6 +77,7 @@ pub mod worker;
 pub use controller::{ControllerSession, HistoryStep, MismatchResolution, Phase};
 pub use initialization::{GateMutant, InitializationDecision, InitializationGate};
 pub use rounds::{PlanError, Report, RoundBook, RoundMutant};
+pub use worker::log::LogHoldMutant;
 pub use worker::{
     Action, CommandClass, MeshAnnouncement, Order, PendingRound, Reconciliation, SessionCommand,
     WorkerSession, WorkerView,

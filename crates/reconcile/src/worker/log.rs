@@ -22,17 +22,93 @@
 //!   still come (a worker without a log hold), are skipped: applying them
 //!   inside the newer session would apply commands the controller never
 //!   sent in it (I2).
+//! - The other way round, socket-ordered (`barrier`, `naive`) commands of a
+//!   session older than the one the worker joined are skipped too, on a
+//!   worker that tails a log. A newer `log` session starts when its Hello
+//!   is read from the log, and that may come before the last socket copies
+//!   of the session it cuts off reach the worker (the controller appends
+//!   the Hello before it connects anew, and the old connection's last
+//!   frames are still forwarded until the new one is accepted). Taken into
+//!   the log session's start they would change its target on some workers
+//!   only: the model checker found a worker that built a dataflow twice
+//!   that way (`log-then-barrier`, I1). Skipping them is what a worker
+//!   that joined the log session later does anyway: its `barrier` rounds
+//!   of the old session are abandoned once a peer joined the new one, and
+//!   the new session's reconciliation repairs a drop that only some
+//!   workers applied. A socket command belongs to the session of the
+//!   socket Hello before it (a connection starts with its Hello, and the
+//!   replica takes no frame of an older connection once a newer one is
+//!   accepted).
+//!
+//!
+//! What a read of the log does to the machine is here too,
+//! [`WorkerSession::on_log_entries`]: the entries sent with `log` join the
+//! queue, and every session's marker, whatever its strategy, is passed to
+//! [`WorkerSession::on_log_marker`]. The replica's shell
+//! (`crates/replica/src/order/log.rs`) reads the entries from its command
+//! log and hands them over; the model checker (`crates/model`, variant
+//! `log-then-barrier`) hands over the entries of its in-memory log, so both
+//! run the same reading code. Where the worker reads from, when, and how
+//! many entries at a time are the shell's.
 //!
 //! [`BARRIER_TIMEOUT_MS`]: super::BARRIER_TIMEOUT_MS
 
 use super::{Order, SessionCommand, WorkerSession, BARRIER_TIMEOUT_MS};
 use crate::Session;
 
+/// A deliberate flaw planted in the log-marker hold, so that the model
+/// checker can show it catches it (feature `mutants`; the replica never
+/// sets one).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum LogHoldMutant {
+    /// The hold as it is meant to be.
+    #[default]
+    None,
+    /// Nothing is held: a newer socket-ordered session starts as soon as
+    /// its Hello arrives, whatever the worker has read from its log.
+    NoHold,
+}
+
+impl LogHoldMutant {
+    /// The planted flaw's variant name in the model's report.
+    pub const NAME: &'static str = "mutant-no-log-hold";
+}
+
 impl<C: SessionCommand> WorkerSession<C> {
     /// Makes this worker hold newer socket-ordered sessions until their log
     /// marker was read: the worker tails a command log.
     pub fn set_tails_log(&mut self) {
         self.tails_log = true;
+    }
+
+    /// The same machine with a flaw planted in its log-marker hold (model
+    /// checking only).
+    #[cfg(feature = "mutants")]
+    pub fn with_log_hold_mutant(mut self, mutant: LogHoldMutant) -> Self {
+        self.hold_mutant = mutant;
+        self
+    }
+
+    /// Entries the worker read from its command log, in log order: those
+    /// sent with `log` join the queue, and the marker of every session (a
+    /// Hello, of any strategy) releases what waits for it
+    /// ([`WorkerSession::on_log_marker`]). Returns how many entries there
+    /// were.
+    pub fn on_log_entries(&mut self, entries: impl IntoIterator<Item = C>) -> usize {
+        let mut read = 0;
+        for cmd in entries {
+            read += 1;
+            let marker = cmd.hello_session();
+            if cmd.order() == Order::Log {
+                self.push(cmd);
+            }
+            // Every session's marker, whatever its strategy: a newer
+            // session's socket commands wait for it.
+            if let Some(session) = marker {
+                self.on_log_marker(session);
+            }
+        }
+        read
     }
 
     /// Whether `cmd`, just taken from the queue, is a command-log entry of a
@@ -48,6 +124,24 @@ impl<C: SessionCommand> WorkerSession<C> {
                 false
             }
             None => self.log_marker < self.session,
+        }
+    }
+
+    /// Whether `cmd`, just taken from the queue, is a socket-ordered
+    /// (`barrier`, `naive`) command of a session older than the one this
+    /// worker joined, on a worker that tails a log (and notes the session of
+    /// a socket Hello). Without a log every session starts from the socket,
+    /// in order, and nothing is stale.
+    pub(super) fn stale_socket_command(&mut self, cmd: &C) -> bool {
+        if !self.tails_log || !matches!(cmd.order(), Order::Naive | Order::Barrier) {
+            return false;
+        }
+        match cmd.hello_session() {
+            Some(session) => {
+                self.socket_marker = session;
+                false
+            }
+            None => self.socket_marker < self.session,
         }
     }
 
@@ -81,7 +175,8 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// worker that tails a log, a socket-ordered Hello of a session newer
     /// than every marker read, and what follows it.
     pub(super) fn holds(&self, cmd: &C) -> bool {
-        if !self.tails_log || cmd.order() == Order::Log {
+        if !self.tails_log || cmd.order() == Order::Log || self.hold_mutant == LogHoldMutant::NoHold
+        {
             return false;
         }
         !self.held.is_empty()

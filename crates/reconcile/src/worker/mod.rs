@@ -4,8 +4,8 @@
 //! command in the order the worker's strategy delivers it: a Hello starts a
 //! session, the session start is buffered until InitializationComplete and
 //! then reconciled (alone or collectively), a CreateDataflow of a new dataflow
-//! waits at a barrier round, command-log entries of an older session are
-//! skipped, and a worker that cannot prove it is in lockstep halts. It owns
+//! waits at a barrier round, commands of an older session are skipped (see
+//! [`log`]), and a worker that cannot prove it is in lockstep halts. It owns
 //! the queue of commands the worker has not applied yet, the pending barrier
 //! round and the worker's [`RoundBook`].
 //!
@@ -22,8 +22,10 @@
 //!
 //! Each strategy's part of the machine is in the file named after it:
 //! [`naive`] (per-worker reconciliation), [`barrier`] (create rounds, and the
-//! collective reconciliation every other strategy uses), [`log`] (entries of
-//! older log sessions are skipped). Where a strategy takes its commands from
+//! collective reconciliation every other strategy uses), [`log`] (what a
+//! read of the command log does, the hold of a newer session until its log
+//! marker was read, and the skip of entries of older log sessions). Where a
+//! strategy takes its commands from
 //! (the socket, the sequencer on the mesh, the command log) is the shell's
 //! part: see [`Order`].
 
@@ -227,7 +229,9 @@ pub enum Action<C> {
     ResetHistory,
     /// Apply this command now (build, drop, write, ...).
     Apply(C),
-    /// A command-log entry of a session older than the worker's was skipped.
+    /// A command of a session older than the worker's was skipped: a
+    /// command-log entry, or (on a worker that tails a log) a socket copy
+    /// that came after the worker joined a newer session from the log.
     Skipped {
         /// Its sequence number.
         seqno: u64,
@@ -284,6 +288,8 @@ pub struct WorkerSession<C> {
     session: Session,
     /// The session of the last command-log marker taken from the queue.
     log_marker: Session,
+    /// The session of the last socket-ordered Hello taken from the queue.
+    socket_marker: Session,
     /// Commands of a session start, until InitializationComplete.
     reconciling: Option<Vec<C>>,
     queue: VecDeque<C>,
@@ -299,6 +305,8 @@ pub struct WorkerSession<C> {
     /// read up to that session's marker, and since when (ms).
     held: VecDeque<C>,
     held_since_ms: Option<u64>,
+    /// A flaw planted in the hold (model checking only).
+    hold_mutant: log::LogHoldMutant,
 }
 
 impl<C: SessionCommand> WorkerSession<C> {
@@ -311,6 +319,7 @@ impl<C: SessionCommand> WorkerSession<C> {
             has_mesh,
             session: 0,
             log_marker: 0,
+            socket_marker: 0,
             reconciling: None,
             queue: VecDeque::new(),
             pending: None,
@@ -321,6 +330,7 @@ impl<C: SessionCommand> WorkerSession<C> {
             log_fence: 0,
             held: VecDeque::new(),
             held_since_ms: None,
+            hold_mutant: log::LogHoldMutant::None,
         }
     }
 
@@ -338,6 +348,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     pub fn resumed(mut self, session: Session) -> Self {
         self.session = session;
         self.log_marker = session;
+        self.socket_marker = session;
         self.reconciling = None;
         self.rounds.start_session(session);
         for w in 0..self.rounds.peers() {
@@ -442,7 +453,7 @@ impl<C: SessionCommand> WorkerSession<C> {
                 continue;
             }
             let cmd = self.queue.pop_front()?;
-            if self.stale_log_entry(&cmd) {
+            if self.stale_log_entry(&cmd) || self.stale_socket_command(&cmd) {
                 return Some(Action::Skipped { seqno: cmd.seqno() });
             }
             self.handle(cmd, view, now_ms);

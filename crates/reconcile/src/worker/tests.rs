@@ -288,6 +288,115 @@ fn a_newer_session_waits_for_its_log_marker() {
     );
 }
 
+/// A read of the log queues the `log` entries and takes every Hello, of
+/// any strategy, as its session's marker: a barrier session's marker is not
+/// applied, but it releases that session's held socket commands after the
+/// log session's entries read before it.
+#[test]
+fn a_log_read_queues_log_entries_and_takes_every_marker() {
+    let mut m = WorkerSession::new(0, 1, false);
+    m.set_tails_log();
+    let mut runs = Runs::default();
+    let read = m.on_log_entries([
+        cmd(Order::Log, 0, TestClass::Hello(3)),
+        cmd(Order::Log, 1, TestClass::Complete),
+    ]);
+    assert_eq!(read, 2);
+    run(&mut m, &mut runs, 0);
+    assert_eq!(m.session(), 3);
+    // The barrier session 4 arrives on the socket first: held.
+    session_start(&mut m, Order::Barrier, 4, &[(1, 1)]);
+    assert!(m.holding());
+    assert!(run(&mut m, &mut runs, 0).is_empty(), "held");
+    // One read: the cut-off session's last create, then session 4's marker.
+    let read = m.on_log_entries([
+        cmd(Order::Log, 2, TestClass::Create(2, 2)),
+        cmd(Order::Barrier, 0, TestClass::Hello(4)),
+    ]);
+    assert_eq!(read, 2);
+    assert!(!m.holding(), "the marker released session 4");
+    let actions = run(&mut m, &mut runs, 0);
+    let hellos: Vec<_> = actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Hello { started, .. } => Some(*started),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(hellos, vec![Some(4)], "only the socket Hello is answered");
+    assert_eq!(m.session(), 4);
+    assert_eq!(
+        runs.0,
+        vec![key(1, 1)],
+        "session 4 reconciled to its target"
+    );
+}
+
+/// Under the planted flaw nothing is held: the newer session starts at once.
+#[cfg(feature = "mutants")]
+#[test]
+fn the_no_hold_mutant_holds_nothing() {
+    let mut m = WorkerSession::new(0, 1, false).with_log_hold_mutant(log::LogHoldMutant::NoHold);
+    m.set_tails_log();
+    let mut runs = Runs::default();
+    m.on_log_entries([cmd(Order::Log, 0, TestClass::Hello(3))]);
+    run(&mut m, &mut runs, 0);
+    session_start(&mut m, Order::Barrier, 4, &[]);
+    assert!(!m.holding());
+    run(&mut m, &mut runs, 0);
+    assert_eq!(m.session(), 4);
+}
+
+/// A log session read from the log before the last socket copies of the
+/// barrier session it cuts off: those copies are skipped, not taken into
+/// the log session's start (found by the model, `log-then-barrier`).
+#[test]
+fn socket_commands_of_an_older_session_are_skipped_on_a_log_tailing_worker() {
+    let mut m = WorkerSession::new(0, 1, false);
+    m.set_tails_log();
+    let mut runs = Runs::default();
+    // Barrier session 2: its marker, then its Hello on the socket.
+    m.on_log_entries([cmd(Order::Barrier, 0, TestClass::Hello(2))]);
+    m.push(cmd(Order::Barrier, 0, TestClass::Hello(2)));
+    run(&mut m, &mut runs, 0);
+    assert_eq!(m.session(), 2);
+    // Log session 3 starts from the log with an empty target ...
+    m.on_log_entries([
+        cmd(Order::Log, 0, TestClass::Hello(3)),
+        cmd(Order::Log, 1, TestClass::Complete),
+    ]);
+    // ... and session 2's target reaches the worker only now.
+    m.push(cmd(Order::Barrier, 1, TestClass::Create(1, 1)));
+    m.push(cmd(Order::Barrier, 2, TestClass::Complete));
+    let actions = run(&mut m, &mut runs, 0);
+    assert_eq!(m.session(), 3);
+    assert!(!m.is_reconciling());
+    assert!(
+        actions.contains(&Action::Skipped { seqno: 1 })
+            && actions.contains(&Action::Skipped { seqno: 2 }),
+        "{actions:?}"
+    );
+    assert!(runs.0.is_empty(), "session 2's create is not built");
+    // A newer barrier session's commands apply again.
+    m.on_log_entries([cmd(Order::Barrier, 0, TestClass::Hello(4))]);
+    session_start(&mut m, Order::Barrier, 4, &[(1, 1)]);
+    run(&mut m, &mut runs, 0);
+    assert_eq!(m.session(), 4);
+    assert_eq!(runs.0, vec![key(1, 1)]);
+}
+
+/// Without a log, socket commands are never stale: every session starts
+/// from the socket, in order.
+#[test]
+fn socket_commands_are_not_skipped_without_a_log() {
+    let mut m = WorkerSession::new(0, 1, false).resumed(3);
+    let mut runs = Runs::default();
+    m.push(cmd(Order::Barrier, 5, TestClass::Create(1, 1)));
+    let actions = run(&mut m, &mut runs, 0);
+    assert!(!actions.iter().any(|a| matches!(a, Action::Skipped { .. })));
+    assert_eq!(runs.0, vec![key(1, 1)]);
+}
+
 #[test]
 fn a_missing_log_marker_halts() {
     let mut m = WorkerSession::new(0, 1, false);

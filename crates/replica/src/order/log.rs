@@ -8,10 +8,11 @@
 //! mesh, so every worker applies the same sequence; until that announcement
 //! arrives, no worker reads. A worker then reads up to `LOG_BATCH` (256) entries
 //! at a time, when a socket copy pokes it or at least every [`LOG_POLL`], and
-//! queues only the entries that carry `log`; every session's marker (a Hello
-//! of any strategy) is passed to the session machine, which holds a newer
-//! socket-ordered session until its marker was read, so that every worker
-//! cuts a log session at the same entry (`lockstep_reconcile::worker::log`).
+//! hands them to the session machine (`WorkerSession::on_log_entries`),
+//! which queues only the entries that carry `log` and takes every session's
+//! marker (a Hello of any strategy): it holds a newer socket-ordered session
+//! until its marker was read, so that every worker cuts a log session at the
+//! same entry (`lockstep_reconcile::worker::log`).
 //! A corrupt entry halts the worker; other read errors are retried. A worker
 //! of a replica started without a command log refuses `log` commands. Log
 //! sessions reconcile collectively (`lockstep_reconcile::worker::barrier`).
@@ -19,8 +20,7 @@
 use std::time::Duration;
 
 use lockstep_command_log::{AnyLog, CommandLog};
-use lockstep_protocol::{Command, CommandKind, ErrorKind, Strategy};
-use lockstep_reconcile::session_of;
+use lockstep_protocol::{Command, ErrorKind};
 
 use crate::worker::{MeshMessage, WorkerState};
 
@@ -129,21 +129,13 @@ impl WorkerState {
                 if let Some(last) = entries.last() {
                     tail.next = Some(last.offset + 1);
                 }
-                for e in entries {
-                    let marker = match &e.command.kind {
-                        CommandKind::Hello(h) => Some(session_of(h.epoch, h.nonce)),
-                        _ => None,
-                    };
-                    if e.command.strategy == Strategy::Log {
-                        self.machine.push(e.command);
-                    }
-                    // Every session's marker, whatever its strategy: a newer
-                    // session's socket commands wait for it (see
-                    // `lockstep_reconcile::worker::log`).
-                    if let Some(session) = marker {
-                        self.machine.on_log_marker(session);
-                    }
-                }
+                // What a read does to the machine is the machine's (the
+                // model runs the same): `log` entries are queued, and every
+                // session's marker, whatever its strategy, releases the
+                // socket commands of that session that wait for it (see
+                // `lockstep_reconcile::worker::log`).
+                self.machine
+                    .on_log_entries(entries.into_iter().map(|e| e.command));
                 got > 0
             }
             Err(e @ lockstep_command_log::LogError::Corrupt { .. }) => {
