@@ -2,7 +2,8 @@
 //!
 //! Builds and runs the `lockstep-model` binary (crate `crates/model`) in
 //! release mode: the stateright models of the compute protocol (variants
-//! `naive`, `broadcast`, `barrier`, `log`) and of orphan removal (`epoch`,
+//! `naive`, `broadcast`, `barrier`, `log`, and `log-then-barrier`, whose
+//! sessions alternate between two strategies) and of orphan removal (`epoch`,
 //! `id-watermark`, `catalog-only`), each within CI-sized bounds. The binary
 //! prints each negative control's shortest counterexample as a readable trace
 //! and one JSON line per variant (suite `model`, with the number of states
@@ -18,11 +19,12 @@ use anyhow::{bail, Context};
 use crate::util::{cargo, step};
 
 /// Every variant the model binary checks, in report order.
-pub const VARIANTS: [&str; 11] = [
+pub const VARIANTS: [&str; 13] = [
     "naive",
     "broadcast",
     "barrier",
     "log",
+    "log-then-barrier",
     "epoch",
     "id-watermark",
     "catalog-only",
@@ -30,6 +32,7 @@ pub const VARIANTS: [&str; 11] = [
     "mutant-local-reconcile-under-barrier",
     "mutant-skip-barrier",
     "mutant-complete-before-history-check",
+    "mutant-no-log-hold",
 ];
 
 /// The variants that must be caught (and every `mutant-*` variant).

@@ -6,7 +6,10 @@
 //! reconciliation or in an orphan rule, so both live here:
 //!
 //! - [`compute`]: the compute protocol under each distribution strategy
-//!   (naive, broadcast, barrier, log), with invariants I1, I4 and liveness.
+//!   (naive, broadcast, barrier, log), and with sessions that alternate
+//!   between log and barrier (`log-then-barrier`, where the workers' log
+//!   reads and log-marker hold are the replica's own code), with invariants
+//!   I1, I4 and liveness.
 //!   Every worker of the model runs the replica's own session machine
 //!   (`lockstep_reconcile::WorkerSession`: sessions, buffering,
 //!   reconciliation, barrier rounds, halts), and the controller decides
@@ -30,7 +33,9 @@
 //!
 //! The models are checked against themselves too (`tests/models.rs`): a
 //! barrier that reconciles locally, or that waits on a peer that skipped a
-//! session, is caught ([`lockstep_reconcile::RoundMutant`]); so are an unconditional ensure
+//! session, is caught ([`lockstep_reconcile::RoundMutant`]), and so is a
+//! worker without the log-marker hold ([`lockstep_reconcile::LogHoldMutant`]);
+//! so are an unconditional ensure
 //! (O4) and an orchestrator without tombstones (O2). [`EXTRA_VARIANTS`] adds
 //! the history check, over naive: with the compacted
 //! history digest it is caught, with a digest of everything a process did it
@@ -79,6 +84,11 @@ impl Explain for ComputeModel {
         }
         if let Err(e) = self.check_i4(s) {
             out.push(e);
+        }
+        if self.then.is_some() {
+            if let Err(e) = self.check_no_halt(s) {
+                out.push(e);
+            }
         }
         if !self.target_reachable(s) {
             out.push(
@@ -274,6 +284,9 @@ pub enum Variant {
     History(compute::HistoryCheck, ComputeBounds),
     /// A flaw planted in a production machine the model runs.
     Mutant(Mutant, ComputeBounds),
+    /// The compute model with sessions alternating between `log` and this
+    /// socket-ordered strategy (`log-then-barrier`).
+    LogThen(Strategy, ComputeBounds),
 }
 
 /// A flaw planted in one of the production types the compute model runs.
@@ -283,6 +296,8 @@ pub enum Mutant {
     Round(lockstep_reconcile::RoundMutant),
     /// In the controller's history check, over naive delivery.
     Gate(lockstep_reconcile::GateMutant),
+    /// In every worker's log-marker hold, under `log-then-barrier`.
+    LogHold(lockstep_reconcile::LogHoldMutant),
 }
 
 /// The bounds the mutants are checked within: small, and enough for each
@@ -295,11 +310,12 @@ const MUTANT_BOUNDS: ComputeBounds = ComputeBounds {
 };
 
 /// The mutant variants: each must be caught.
-pub const MUTANT_VARIANTS: [&str; 4] = [
+pub const MUTANT_VARIANTS: [&str; 5] = [
     "mutant-overwrite-reports",
     "mutant-local-reconcile-under-barrier",
     "mutant-skip-barrier",
     "mutant-complete-before-history-check",
+    "mutant-no-log-hold",
 ];
 
 /// The planted flaw of a mutant variant.
@@ -308,6 +324,9 @@ pub fn mutant(name: &str) -> Option<Mutant> {
         return Some(Mutant::Gate(
             lockstep_reconcile::GateMutant::CompleteBeforeHistoryCheck,
         ));
+    }
+    if name == lockstep_reconcile::LogHoldMutant::NAME {
+        return Some(Mutant::LogHold(lockstep_reconcile::LogHoldMutant::NoHold));
     }
     lockstep_reconcile::RoundMutant::ALL
         .iter()
@@ -346,12 +365,40 @@ const ORPHANS: OrphanBounds = OrphanBounds {
     crashes: 2,
 };
 
+/// The `log-then-barrier` scenarios: sessions alternate between `log` and
+/// `barrier`, so a session switch (a controller crash and restart, a dropped
+/// connection, a replica restart) cuts a log session that some worker has
+/// not read to its end, or a barrier session whose last socket copies some
+/// worker has not received. Two faults (log, barrier, log again) with two
+/// commands; one fault with three; three processes with one command.
+const LOG_THEN_BARRIER: [ComputeBounds; 3] = [
+    ComputeBounds {
+        processes: 2,
+        dataflows: 2,
+        commands: 2,
+        faults: 2,
+    },
+    ComputeBounds {
+        processes: 2,
+        dataflows: 2,
+        commands: 3,
+        faults: 1,
+    },
+    ComputeBounds {
+        processes: 3,
+        dataflows: 2,
+        commands: 1,
+        faults: 1,
+    },
+];
+
 /// Every variant `cargo xtask model` checks, in report order.
-pub const VARIANTS: [&str; 11] = [
+pub const VARIANTS: [&str; 13] = [
     "naive",
     "broadcast",
     "barrier",
     "log",
+    "log-then-barrier",
     "epoch",
     "id-watermark",
     "catalog-only",
@@ -359,6 +406,7 @@ pub const VARIANTS: [&str; 11] = [
     MUTANT_VARIANTS[1],
     MUTANT_VARIANTS[2],
     MUTANT_VARIANTS[3],
+    MUTANT_VARIANTS[4],
 ];
 
 /// Variants checked only when named (not part of the CI report): the history
@@ -383,6 +431,14 @@ pub fn scenarios(name: &str) -> Option<Vec<Variant>> {
         "broadcast" => Strategy::Broadcast,
         "barrier" => Strategy::Barrier,
         "log" => Strategy::Log,
+        "log-then-barrier" => {
+            return Some(
+                LOG_THEN_BARRIER
+                    .iter()
+                    .map(|b| Variant::LogThen(Strategy::Barrier, *b))
+                    .collect(),
+            )
+        }
         "epoch" => return Some(vec![Variant::Orphan("epoch", ORPHANS)]),
         "id-watermark" => return Some(vec![Variant::Orphan("id-watermark", ORPHANS)]),
         "catalog-only" => return Some(vec![Variant::Orphan("catalog-only", ORPHANS)]),
@@ -433,6 +489,18 @@ pub fn run(name: &'static str, variant: Variant) -> Report {
         ),
         Variant::Mutant(Mutant::Round(m), bounds) => check(
             ComputeModel::new(Strategy::Barrier, bounds).with_mutant(m),
+            name,
+            bounds.to_string(),
+            negative,
+        ),
+        Variant::LogThen(then, bounds) => check(
+            ComputeModel::log_then(then, bounds),
+            name,
+            bounds.to_string(),
+            negative,
+        ),
+        Variant::Mutant(Mutant::LogHold(m), bounds) => check(
+            ComputeModel::log_then(Strategy::Barrier, bounds).with_log_hold_mutant(m),
             name,
             bounds.to_string(),
             negative,

@@ -124,20 +124,33 @@ fn apply(mut variant: Variant, overrides: &[(String, usize)]) -> Result<Variant,
         let n = *n;
         match (&mut variant, flag.as_str()) {
             (
-                Variant::Compute(_, b) | Variant::History(_, b) | Variant::Mutant(_, b),
+                Variant::Compute(_, b)
+                | Variant::History(_, b)
+                | Variant::Mutant(_, b)
+                | Variant::LogThen(_, b),
                 "processes",
             ) => b.processes = n,
             (
-                Variant::Compute(_, b) | Variant::History(_, b) | Variant::Mutant(_, b),
+                Variant::Compute(_, b)
+                | Variant::History(_, b)
+                | Variant::Mutant(_, b)
+                | Variant::LogThen(_, b),
                 "dataflows",
             ) => b.dataflows = n.min(lockstep_model::compute::MAX_DATAFLOWS),
             (
-                Variant::Compute(_, b) | Variant::History(_, b) | Variant::Mutant(_, b),
+                Variant::Compute(_, b)
+                | Variant::History(_, b)
+                | Variant::Mutant(_, b)
+                | Variant::LogThen(_, b),
                 "commands",
             ) => b.commands = n,
-            (Variant::Compute(_, b) | Variant::History(_, b) | Variant::Mutant(_, b), "faults") => {
-                b.faults = n
-            }
+            (
+                Variant::Compute(_, b)
+                | Variant::History(_, b)
+                | Variant::Mutant(_, b)
+                | Variant::LogThen(_, b),
+                "faults",
+            ) => b.faults = n,
             (Variant::Orphan(_, b), "serve-ops") => b.serve_ops = n,
             (Variant::Orphan(_, b), "crashes") => b.crashes = n,
             (_, "processes" | "dataflows" | "commands" | "faults" | "serve-ops" | "crashes") => {}

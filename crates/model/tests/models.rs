@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use lockstep_model::compute::{ComputeAction as A, ComputeState, HistoryCheck};
 use lockstep_model::{check, ComputeBounds, ComputeModel, OrphanBounds, OrphanModel, Strategy};
-use lockstep_reconcile::RoundMutant;
+use lockstep_reconcile::{LogHoldMutant, RoundMutant};
 use stateright::Model;
 
 const SMALL: ComputeBounds = ComputeBounds {
@@ -263,6 +263,45 @@ fn without_tombstones_a_stale_ensure_resurrects_a_dropped_replica() {
     let r = check(m, "epoch-no-tombstones", String::new(), false);
     assert_eq!(violated(&r), vec!["O2 orphans go"]);
     assert!(r.violations[0].trace.contains("O2 broken"));
+}
+
+/// Sessions that alternate between `log` and `barrier`, within one fault:
+/// the log-marker hold keeps every worker in lockstep with no halt, and it
+/// is exercised (a newer barrier session waits for its marker on some
+/// worker). Without the hold a worker joins the barrier session before it
+/// read the cut-off log session's create that its peer built: the
+/// reconciliation finds their creation logs differ and halts them.
+#[test]
+fn log_then_barrier_needs_the_log_marker_hold() {
+    let bounds = ComputeBounds {
+        processes: 2,
+        dataflows: 1,
+        commands: 1,
+        faults: 1,
+    };
+    let r = check(
+        ComputeModel::log_then(Strategy::Barrier, bounds),
+        "log-then-barrier",
+        String::new(),
+        false,
+    );
+    assert!(
+        r.ok(),
+        "{:?} {:?}",
+        r.violations.first().map(|v| &v.trace),
+        r.missing_examples
+    );
+    assert!(r.states > 100, "only {} states", r.states);
+    let m = ComputeModel::log_then(Strategy::Barrier, bounds)
+        .with_log_hold_mutant(LogHoldMutant::NoHold);
+    let r = check(m, "mutant-no-log-hold", String::new(), true);
+    assert_eq!(violated(&r), vec!["no worker loses lockstep"]);
+    let trace = &r.violations[0].trace;
+    assert!(
+        trace.contains("from the log") && trace.contains("lost lockstep"),
+        "{trace}"
+    );
+    assert!(r.json().contains(r#""caught":true"#));
 }
 
 /// Every flaw planted in a production machine the model runs is caught, by a

@@ -1,4 +1,5 @@
-//! Model 1: the compute protocol, one strategy at a time.
+//! Model 1: the compute protocol, one strategy at a time (or `log` and
+//! `barrier` in turn, `log-then-barrier`).
 //!
 //! # What is modelled
 //!
@@ -29,7 +30,16 @@
 //!     worker applies in order (the other processes' copies are
 //!     acknowledgements only and are not modelled);
 //!   - `log`: the controller appends commands, epoch markers and targets to a
-//!     durable log (it survives crashes) that every worker tails.
+//!     durable log (it survives crashes) that every worker tails;
+//!   - `log-then-barrier`: sessions alternate between `log` and `barrier`
+//!     (the first is `log`). The controller appends every session's marker
+//!     to the log, whatever its strategy, before it sends the session's
+//!     Hellos; a `barrier` session's commands go on the channels. Every
+//!     worker tails the log (`WorkerSession::set_tails_log`) and hands what
+//!     it reads to its machine through the replica's own reading code
+//!     (`WorkerSession::on_log_entries`), so a newer `barrier` session waits
+//!     on a worker until it read that session's marker (the log-marker
+//!     hold).
 //!
 //!   The machine reconciles `naive` per worker ([`lockstep_reconcile::local`])
 //!   and every other strategy collectively, in a mesh round; `barrier`
@@ -68,13 +78,19 @@
 //! joined the controller's session, reconciled, has no barrier round pending
 //! and nothing queued, has applied the whole stream (broadcast, log) and is
 //! not halted.
+//!
+//! Under `log-then-barrier` one more: **no worker loses lockstep** (no
+//! `LOCKSTEP_LOST` halt of a session machine). A cut-off log session is cut
+//! at the same entry on every worker, so no reconciliation finds creation
+//! logs that differ; without the hold one does, and the replica is
+//! restarted (the replica hung before the creation logs were compared).
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use lockstep_protocol::Strategy;
-use lockstep_reconcile::{DataflowKey, GateMutant, RoundMutant};
+use lockstep_reconcile::{DataflowKey, GateMutant, LogHoldMutant, RoundMutant};
 
 mod model;
 mod properties;
@@ -135,8 +151,18 @@ pub enum HistoryCheck {
 /// The compute-protocol model for one strategy.
 #[derive(Clone, Debug)]
 pub struct ComputeModel {
-    /// The strategy under check.
+    /// The strategy under check (of every session, or of the odd ones when
+    /// sessions alternate, see [`ComputeModel::then`]).
     pub strategy: Strategy,
+    /// The strategy of every even session (`log-then-barrier`): sessions
+    /// alternate between [`ComputeModel::strategy`] (the first session's)
+    /// and this one, as when a restarted controller or a changed policy
+    /// starts the next session with another strategy. `None`: every
+    /// session uses `strategy`.
+    pub then: Option<Strategy>,
+    /// A flaw planted in every worker's log-marker hold
+    /// (`mutant-no-log-hold`); [`LogHoldMutant::None`] otherwise.
+    pub hold_mutant: LogHoldMutant,
     /// A flaw planted in every worker's round book (`mutant-*` variants,
     /// the model's own tests); [`RoundMutant::None`] otherwise.
     pub mutant: RoundMutant,

@@ -7,7 +7,7 @@ use lockstep_protocol::Strategy;
 use lockstep_reconcile::{BarrierDecision, HistoryStep, MismatchResolution};
 use stateright::{Model, Property};
 
-use super::state::{ComputeAction, ComputeState, Controller, Msg, Worker};
+use super::state::{ComputeAction, ComputeState, Controller, Msg};
 use super::{ComputeModel, MAX_REPLICA_RESTARTS};
 
 impl Model for ComputeModel {
@@ -18,7 +18,7 @@ impl Model for ComputeModel {
         let n = self.bounds.processes;
         let workers = (0..n)
             .map(|i| {
-                let mut w = Worker::fresh(i, n, self.mutant, 0);
+                let mut w = self.fresh_worker(i, n, 0);
                 w.machine = w.machine.resumed(1);
                 w
             })
@@ -97,17 +97,13 @@ impl Model for ComputeModel {
                 continue;
             }
             let waiting = w.machine.pending().is_some();
-            match self.strategy {
+            if !s.channels[p].is_empty() {
                 // The sequencer forwards what it receives whatever it waits on.
-                Strategy::Broadcast if !s.channels[p].is_empty() => {
-                    actions.push(ComputeAction::Receive(p))
+                if self.strategy == Strategy::Broadcast || (self.uses_channels() && !waiting) {
+                    actions.push(ComputeAction::Receive(p));
                 }
-                Strategy::Naive | Strategy::Barrier if !waiting && !s.channels[p].is_empty() => {
-                    actions.push(ComputeAction::Receive(p))
-                }
-                _ => {}
             }
-            if matches!(self.strategy, Strategy::Broadcast | Strategy::Log)
+            if (self.strategy == Strategy::Broadcast || self.tails_log())
                 && !waiting
                 && w.cursor < s.stream.len()
             {
@@ -195,9 +191,9 @@ impl Model for ComputeModel {
             ComputeAction::Receive(p) => {
                 let msg = s.channels[p].pop_front()?;
                 match self.strategy {
-                    Strategy::Naive | Strategy::Barrier => self.receive(&mut s, p, &msg),
                     Strategy::Broadcast => s.stream.push(msg),
-                    Strategy::Log => return None,
+                    _ if self.uses_channels() => self.receive(&mut s, p, &msg),
+                    _ => return None,
                 }
             }
             ComputeAction::Decide(p, read) => {
@@ -214,14 +210,18 @@ impl Model for ComputeModel {
             ComputeAction::Apply(p) => {
                 let msg = s.stream.get(s.workers[p].cursor)?.clone();
                 s.workers[p].cursor += 1;
-                self.receive(&mut s, p, &msg);
+                if self.tails_log() {
+                    self.read_log(&mut s, p, &msg);
+                } else {
+                    self.receive(&mut s, p, &msg);
+                }
             }
         }
         Some(s)
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        vec![
+        let mut properties = vec![
             Property::always("I1 lockstep", |m: &Self, s| m.check_i1(s).is_ok()),
             Property::always("I4 no partial install", |m: &Self, s| m.check_i4(s).is_ok()),
             Property::always(
@@ -234,6 +234,18 @@ impl Model for ComputeModel {
                     s.ctl.faults > 0 && !s.ctl.catalog.is_empty() && m.done(s)
                 },
             ),
-        ]
+        ];
+        if self.then.is_some() {
+            properties.extend([
+                Property::always("no worker loses lockstep", |m: &Self, s| {
+                    m.check_no_halt(s).is_ok()
+                }),
+                Property::sometimes(
+                    "a newer session waits for its log marker",
+                    |_: &Self, s: &ComputeState| s.workers.iter().any(|w| w.machine.holding()),
+                ),
+            ]);
+        }
+        properties
     }
 }

@@ -20,7 +20,7 @@ impl ComputeModel {
             && s.channels.iter().all(|c| c.is_empty())
             && s.workers.iter().all(|w| {
                 w.settled_in(s.ctl.session)
-                    && (!matches!(self.strategy, Strategy::Broadcast | Strategy::Log)
+                    && (!(self.strategy == Strategy::Broadcast || self.tails_log())
                         || w.cursor == s.stream.len())
             })
     }
@@ -63,6 +63,17 @@ impl ComputeModel {
             }
         }
         Ok(())
+    }
+
+    /// Under alternating strategies (`log-then-barrier`): no session
+    /// machine halted for lost lockstep. `Err` names the first that did.
+    pub fn check_no_halt(&self, s: &ComputeState) -> Result<(), String> {
+        match s.workers.iter().position(|w| w.machine.halted()) {
+            Some(w) => Err(format!(
+                "worker {w} lost lockstep and halted (LOCKSTEP_LOST): its session machine could not prove lockstep"
+            )),
+            None => Ok(()),
+        }
     }
 
     /// The target: quiet, lockstep, every worker runs exactly the catalog.

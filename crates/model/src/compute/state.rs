@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use lockstep_protocol::{DataflowDescription, Digest, Export, Plan};
 use lockstep_reconcile::{
     CommandClass, ControllerSession, CreationEntry, DataflowKey, MeshAnnouncement, Order, Phase,
-    RoundMutant, SessionCommand, WorkerSession, WorkerView,
+    SessionCommand, WorkerSession, WorkerView,
 };
 
 /// A command from the controller, as carried by a channel, the broadcast
@@ -121,6 +121,16 @@ impl SessionCommand for Cmd {
 }
 
 impl Msg {
+    /// The session it was sent in.
+    pub fn session(&self) -> u64 {
+        match self {
+            Msg::Hello { session }
+            | Msg::Target { session, .. }
+            | Msg::Create { session, .. }
+            | Msg::Drop { session, .. } => *session,
+        }
+    }
+
     /// The commands a worker receives for this message.
     pub(super) fn commands(&self, order: Order) -> Vec<Cmd> {
         let cmd = |seqno, kind| Cmd { order, seqno, kind };
@@ -179,9 +189,9 @@ impl WorkerView<Cmd> for Runs<'_> {
 }
 
 impl Worker {
-    /// Fresh worker `index` of a replica of `peers` workers, in session 0.
-    pub(super) fn fresh(index: usize, peers: usize, mutant: RoundMutant, cursor: usize) -> Self {
-        let machine = WorkerSession::new(index, peers, true).with_mutant(mutant);
+    /// A fresh worker running `machine` (in session 0), reading the stream
+    /// or log from `cursor`.
+    pub(super) fn fresh(machine: WorkerSession<Cmd>, cursor: usize) -> Self {
         Worker {
             machine,
             installed: Vec::new(),
@@ -237,7 +247,8 @@ pub struct ComputeState {
     /// Per worker: the mesh records it has not read yet, in order, with
     /// their sender.
     pub inboxes: Vec<VecDeque<(usize, MeshAnnouncement)>>,
-    /// Broadcast: the sequenced stream. Log: the durable log.
+    /// Broadcast: the sequenced stream. Log: the durable log (under
+    /// `log-then-barrier`, with a marker of every `barrier` session too).
     pub stream: Vec<Msg>,
     /// Replica restarts after a halt.
     pub replica_restarts: usize,
@@ -273,7 +284,8 @@ pub enum ComputeAction {
     /// leads to the same decision; exploring every count of records read
     /// covers every state the worker's book can be in when it decides.)
     Decide(usize, usize),
-    /// A worker applies the next entry of the stream (broadcast, log).
+    /// A worker applies the next entry of the stream (broadcast), or reads
+    /// the next entry of the log (log).
     Apply(usize),
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use lockstep_protocol::{Digest, Strategy};
 use lockstep_reconcile::{
     Action, BarrierDecision, ControllerSession, DataflowKey, GateMutant, HistoryStep,
-    MeshAnnouncement, Order, RoundMutant,
+    LogHoldMutant, MeshAnnouncement, Order, RoundMutant, WorkerSession,
 };
 
 use super::state::{
@@ -57,6 +57,8 @@ impl ComputeModel {
             .collect();
         ComputeModel {
             strategy,
+            then: None,
+            hold_mutant: LogHoldMutant::None,
             mutant: RoundMutant::None,
             gate_mutant: GateMutant::None,
             history: HistoryCheck::Off,
@@ -64,6 +66,52 @@ impl ComputeModel {
             pool,
             reachable: Arc::default(),
         }
+    }
+
+    /// The model whose sessions alternate between `log` (the first session)
+    /// and the socket-ordered `then` (`barrier` or `naive`): the
+    /// `log-then-barrier` variant. Every worker tails the log.
+    pub fn log_then(then: Strategy, bounds: ComputeBounds) -> Self {
+        assert!(
+            matches!(then, Strategy::Barrier | Strategy::Naive),
+            "a log session alternates with a socket-ordered one"
+        );
+        let mut m = Self::new(Strategy::Log, bounds);
+        m.then = Some(then);
+        m
+    }
+
+    /// The same model with a flaw planted in every worker's log-marker
+    /// hold.
+    pub fn with_log_hold_mutant(mut self, mutant: LogHoldMutant) -> Self {
+        self.hold_mutant = mutant;
+        self
+    }
+
+    /// The strategy the controller sends `session` with.
+    pub fn session_strategy(&self, session: u64) -> Strategy {
+        match self.then {
+            Some(then) if session.is_multiple_of(2) => then,
+            _ => self.strategy,
+        }
+    }
+
+    /// Whether workers tail the durable log (some session uses `log`).
+    pub(super) fn tails_log(&self) -> bool {
+        self.strategy == Strategy::Log || self.then == Some(Strategy::Log)
+    }
+
+    /// A fresh worker `index` of `peers`, in session 0, reading the stream
+    /// or log from `cursor`: the replica's machine with the model's planted
+    /// flaws, tailing the log if there is one.
+    pub(super) fn fresh_worker(&self, index: usize, peers: usize, cursor: usize) -> Worker {
+        let mut machine = WorkerSession::new(index, peers, true)
+            .with_mutant(self.mutant)
+            .with_log_hold_mutant(self.hold_mutant);
+        if self.tails_log() {
+            machine.set_tails_log();
+        }
+        Worker::fresh(machine, cursor)
     }
 
     /// The naive model with a history check on reconnect.
@@ -102,13 +150,14 @@ impl ComputeModel {
     }
 
     pub(super) fn uses_channels(&self) -> bool {
-        self.strategy != Strategy::Log
+        self.strategy != Strategy::Log || self.then.is_some()
     }
 
-    /// Sends one command: to every channel (naive, barrier), to the
-    /// sequencer's channel (broadcast), or appended to the log (log).
+    /// Sends one command of the controller's session: to every channel
+    /// (naive, barrier), to the sequencer's channel (broadcast), or
+    /// appended to the log (log).
     pub(super) fn send(&self, s: &mut ComputeState, msg: Msg) {
-        match self.strategy {
+        match self.session_strategy(s.ctl.session) {
             Strategy::Naive | Strategy::Barrier => {
                 for c in &mut s.channels {
                     c.push_back(msg.clone());
@@ -131,6 +180,12 @@ impl ComputeModel {
         s.ctl.machine.connected(s.workers.len());
         s.ctl.session += 1;
         let session = s.ctl.session;
+        if self.tails_log() && self.session_strategy(session) != Strategy::Log {
+            // The controller appends every session's marker to the log,
+            // whatever its strategy, before it sends the Hellos (a log
+            // session's Hello is its marker).
+            s.stream.push(Msg::Hello { session });
+        }
         self.send(s, Msg::Hello { session });
         s.ctl.machine.rehydrated(0);
         if self.history == HistoryCheck::Off {
@@ -176,25 +231,39 @@ impl ComputeModel {
         if self.strategy == Strategy::Broadcast {
             s.stream.clear();
         }
-        let cursor = if self.strategy == Strategy::Log {
-            s.stream.len()
-        } else {
-            0
-        };
+        // Fresh workers read the log from the next session's marker.
+        let cursor = if self.tails_log() { s.stream.len() } else { 0 };
         let peers = s.workers.len();
-        for (i, w) in s.workers.iter_mut().enumerate() {
-            *w = Worker::fresh(i, peers, self.mutant, cursor);
+        for i in 0..peers {
+            s.workers[i] = self.fresh_worker(i, peers, cursor);
         }
         s.reports = vec![None; s.workers.len()];
         self.start_session(s);
     }
 
+    /// The order of the commands of `msg`: that of its session's strategy.
+    fn order_of(&self, msg: &Msg) -> Order {
+        Order::of(self.session_strategy(msg.session()))
+    }
+
     /// Worker `p` receives `msg` in its order: its session machine queues
     /// it, then runs until it waits.
     pub(super) fn receive(&self, s: &mut ComputeState, p: usize, msg: &Msg) {
-        for cmd in msg.commands(Order::of(self.strategy)) {
+        for cmd in msg.commands(self.order_of(msg)) {
             s.workers[p].machine.push(cmd);
         }
+        self.run(s, p);
+    }
+
+    /// Worker `p` reads the log entry `msg` (one read of one entry, or of a
+    /// target's entries): its session machine takes it as the replica's
+    /// worker hands it what it read (`WorkerSession::on_log_entries`: `log`
+    /// entries are queued, every session's marker releases what waits for
+    /// it), then runs until it waits.
+    pub(super) fn read_log(&self, s: &mut ComputeState, p: usize, msg: &Msg) {
+        s.workers[p]
+            .machine
+            .on_log_entries(msg.commands(self.order_of(msg)));
         self.run(s, p);
     }
 

@@ -44,6 +44,8 @@ impl ComputeModel {
                 inst.join(","),
                 if w.machine.pending().is_some() {
                     " (at barrier)"
+                } else if w.machine.holding() {
+                    " (holds a session for its log marker)"
                 } else {
                     ""
                 },
@@ -56,6 +58,11 @@ impl ComputeModel {
     /// A readable description of a step taken from `s`.
     pub fn describe(&self, s: &ComputeState, a: &ComputeAction) -> String {
         let show = |m: &Msg| match m {
+            // Sessions of two strategies: say which.
+            Msg::Hello { session } if self.then.is_some() => format!(
+                "Hello(session {session}, {})",
+                self.session_strategy(*session).name()
+            ),
             Msg::Hello { session } => format!("Hello(session {session})"),
             Msg::Target { keys, .. } => format!(
                 "Target[{}]+InitializationComplete",
@@ -134,6 +141,7 @@ impl ComputeModel {
                 )
             }
             ComputeAction::Apply(p) => match s.stream.get(s.workers[*p].cursor) {
+                Some(m) if self.tails_log() => format!("p{p} reads {} from the log", show(m)),
                 Some(m) => format!("p{p} applies {} from the stream", show(m)),
                 None => format!("p{p} applies nothing"),
             },
