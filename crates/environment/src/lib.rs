@@ -78,6 +78,7 @@ pub mod compute;
 mod inputs;
 pub mod metrics;
 pub mod policies;
+pub mod rpc_metrics;
 pub mod server;
 pub mod template;
 
@@ -1274,6 +1275,7 @@ impl Environment {
         }
         let server = builder
             .layer(tower::util::MapRequestLayer::new(log_call))
+            .layer(rpc_metrics::RpcMetricsLayer::new(self.metrics()))
             .add_optional_service(open)
             .add_optional_service(guarded)
             .add_service(health_service)

@@ -178,19 +178,23 @@ impl Metrics {
         }
     }
 
-    /// Records one API request.
-    pub fn api(&self, method: &str, code: tonic::Code, took: Duration) {
+    /// Records how long an API call took to its response headers.
+    pub fn api_latency(&self, method: &str, took: Duration) {
+        self.api_seconds
+            .get_or_create(&MethodLabel {
+                method: method.to_string(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    /// Counts one ended API call with its status code.
+    pub fn api_code(&self, method: &str, code: tonic::Code) {
         self.api_requests
             .get_or_create(&ApiLabels {
                 method: method.to_string(),
                 code: grpc_code_name(code).to_string(),
             })
             .inc();
-        self.api_seconds
-            .get_or_create(&MethodLabel {
-                method: method.to_string(),
-            })
-            .observe(took.as_secs_f64());
     }
 
     /// The OpenMetrics text of every metric.

@@ -18,22 +18,6 @@ pub struct EnvironmentService {
 }
 
 impl EnvironmentService {
-    /// Counts one request in the metrics (method, status code, latency) and
-    /// passes its result on.
-    fn observed<T>(
-        &self,
-        method: &'static str,
-        started: std::time::Instant,
-        result: Result<T, Status>,
-    ) -> Result<T, Status> {
-        let code = match &result {
-            Ok(_) => tonic::Code::Ok,
-            Err(s) => s.code(),
-        };
-        self.env.metrics().api(method, code, started.elapsed());
-        result
-    }
-
     /// Serves `env`.
     pub fn new(env: Arc<Environment>) -> Self {
         EnvironmentService { env }
@@ -224,8 +208,7 @@ impl EnvironmentApi for EnvironmentService {
         &self,
         request: Request<proto::CreateReplicaRequest>,
     ) -> Result<Response<proto::CreateReplicaResponse>, Status> {
-        let started = std::time::Instant::now();
-        let result = async {
+        async {
             let r = request.into_inner();
             let info = self
                 .env
@@ -243,30 +226,26 @@ impl EnvironmentApi for EnvironmentService {
                 replica: Some(to_proto(&info)),
             }))
         }
-        .await;
-        self.observed("CreateReplica", started, result)
+        .await
     }
 
     async fn drop_replica(
         &self,
         request: Request<proto::DropReplicaRequest>,
     ) -> Result<Response<proto::DropReplicaResponse>, Status> {
-        let started = std::time::Instant::now();
-        let result = async {
+        async {
             let r = request.into_inner();
             let replica = self.env.drop_replica(&r.name).await.map_err(status)?;
             Ok(Response::new(proto::DropReplicaResponse { id: replica.id }))
         }
-        .await;
-        self.observed("DropReplica", started, result)
+        .await
     }
 
     async fn list_replicas(
         &self,
         request: Request<proto::ListReplicasRequest>,
     ) -> Result<Response<proto::ListReplicasResponse>, Status> {
-        let started = std::time::Instant::now();
-        let result = async {
+        async {
             let r = request.into_inner();
             let list = self.env.list_replicas().await.map_err(status)?;
             let (page, next_page_token) =
@@ -293,32 +272,28 @@ impl EnvironmentApi for EnvironmentService {
                 next_page_token,
             }))
         }
-        .await;
-        self.observed("ListReplicas", started, result)
+        .await
     }
 
     async fn get_status(
         &self,
         _request: Request<proto::GetStatusRequest>,
     ) -> Result<Response<proto::GetStatusResponse>, Status> {
-        let started = std::time::Instant::now();
-        let result = async {
+        async {
             Ok(Response::new(proto::GetStatusResponse {
                 epoch: self.env.epoch(),
                 orphan_rule: self.env.orphan_rule(),
                 orphans_removed: self.env.orphans_removed(),
             }))
         }
-        .await;
-        self.observed("GetStatus", started, result)
+        .await
     }
 
     async fn create_dataflow(
         &self,
         request: Request<proto::CreateDataflowRequest>,
     ) -> Result<Response<proto::CreateDataflowResponse>, Status> {
-        let started = std::time::Instant::now();
-        let result = async {
+        async {
             let r = request.into_inner();
             let exports = r
                 .exports
@@ -345,32 +320,28 @@ impl EnvironmentApi for EnvironmentService {
                 dataflow: Some(desc.into()),
             }))
         }
-        .await;
-        self.observed("CreateDataflow", started, result)
+        .await
     }
 
     async fn drop_dataflow(
         &self,
         request: Request<proto::DropDataflowRequest>,
     ) -> Result<Response<proto::DropDataflowResponse>, Status> {
-        let started = std::time::Instant::now();
-        let result = async {
+        async {
             self.env
                 .drop_dataflow(request.into_inner().id)
                 .await
                 .map_err(compute_status)?;
             Ok(Response::new(proto::DropDataflowResponse {}))
         }
-        .await;
-        self.observed("DropDataflow", started, result)
+        .await
     }
 
     async fn list_dataflows(
         &self,
         request: Request<proto::ListDataflowsRequest>,
     ) -> Result<Response<proto::ListDataflowsResponse>, Status> {
-        let started = std::time::Instant::now();
-        let result = async {
+        async {
             let r = request.into_inner();
             let list = self.env.list_dataflows().map_err(compute_status)?;
             let (page, next_page_token) =
@@ -386,16 +357,14 @@ impl EnvironmentApi for EnvironmentService {
                     .collect(),
             }))
         }
-        .await;
-        self.observed("ListDataflows", started, result)
+        .await
     }
 
     async fn write_input(
         &self,
         request: Request<proto::WriteInputRequest>,
     ) -> Result<Response<proto::WriteInputResponse>, Status> {
-        let started = std::time::Instant::now();
-        let result = async {
+        async {
             let r = request.into_inner();
             let updates = r
                 .updates
@@ -412,16 +381,14 @@ impl EnvironmentApi for EnvironmentService {
                 .map_err(compute_status)?;
             Ok(Response::new(proto::WriteInputResponse {}))
         }
-        .await;
-        self.observed("WriteInput", started, result)
+        .await
     }
 
     async fn peek(
         &self,
         request: Request<proto::PeekRequest>,
     ) -> Result<Response<proto::PeekResponse>, Status> {
-        let started = std::time::Instant::now();
-        let result = async {
+        async {
             let r = request.into_inner();
             let rows = self
                 .env
@@ -441,16 +408,14 @@ impl EnvironmentApi for EnvironmentService {
             )?;
             Ok(Response::new(answer))
         }
-        .await;
-        self.observed("Peek", started, result)
+        .await
     }
 
     async fn set_policy(
         &self,
         request: Request<proto::SetPolicyRequest>,
     ) -> Result<Response<proto::SetPolicyResponse>, Status> {
-        let started = std::time::Instant::now();
-        let result = async {
+        async {
             let r = request.into_inner();
             let p = self
                 .env
@@ -465,24 +430,21 @@ impl EnvironmentApi for EnvironmentService {
                 policy: Some(policy_to_proto(&p)),
             }))
         }
-        .await;
-        self.observed("SetPolicy", started, result)
+        .await
     }
 
     async fn list_policies(
         &self,
         _request: Request<proto::ListPoliciesRequest>,
     ) -> Result<Response<proto::ListPoliciesResponse>, Status> {
-        let started = std::time::Instant::now();
-        let result = Ok(Response::new(proto::ListPoliciesResponse {
+        Ok(Response::new(proto::ListPoliciesResponse {
             policies: self
                 .env
                 .policies_in_force()
                 .iter()
                 .map(policy_to_proto)
                 .collect(),
-        }));
-        self.observed("ListPolicies", started, result)
+        }))
     }
 
     type SubscribeStream = std::pin::Pin<
@@ -496,8 +458,7 @@ impl EnvironmentApi for EnvironmentService {
         &self,
         request: Request<proto::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
-        let started = std::time::Instant::now();
-        let result = async {
+        async {
             let r = request.into_inner();
             let rx = self
                 .env
@@ -516,8 +477,7 @@ impl EnvironmentApi for EnvironmentService {
             });
             Ok(Response::new(Box::pin(stream) as Self::SubscribeStream))
         }
-        .await;
-        self.observed("Subscribe", started, result)
+        .await
     }
 }
 
