@@ -1,0 +1,333 @@
+//! One controller connection: the handshake (Hello checked, the
+//! connection made current, the HelloResponse at version 3 or more), then
+//! commands in sequence to every local worker and responses back.
+
+use super::*;
+
+/// What a process sends instead of a response of `len` bytes, over the frame
+/// limit `max`: the peek's error answer, or an error.
+pub(super) fn too_large(
+    process_index: u32,
+    peek_id: Option<u64>,
+    len: usize,
+    max: usize,
+) -> Response {
+    tracing::warn!(
+        len,
+        max,
+        ?peek_id,
+        "a response exceeds the frame limit; answering with an error"
+    );
+    match peek_id {
+        Some(peek_id) => Response {
+            process_index,
+            kind: ResponseKind::PeekResponse(lockstep_protocol::PeekResponse {
+                peek_id,
+                result: lockstep_protocol::PeekResult::Error(format!(
+                    "the answer of process {process_index} is {len} bytes, over the frame limit of {max} bytes; peek a narrower collection"
+                )),
+            }),
+        },
+        None => error_response(
+            process_index,
+            ErrorKind::InvalidCommand,
+            format!("a response of {len} bytes exceeds the frame limit of {max} bytes and was dropped"),
+            0,
+        ),
+    }
+}
+
+pub(super) fn error_response(
+    process_index: u32,
+    kind: ErrorKind,
+    message: String,
+    seqno: u64,
+) -> Response {
+    Response {
+        process_index,
+        kind: ResponseKind::Error(ErrorResponse {
+            kind,
+            message,
+            seqno,
+        }),
+    }
+}
+
+/// Reads and checks a connection's first frame; a refusal is answered (an
+/// Error response) and returned with its reason.
+pub(super) async fn handshake(
+    framed: &mut Framed<TcpStream, SecureCodec<ReplicaCodec>>,
+    config: &ReplicaConfig,
+    shared: &Mutex<Shared>,
+) -> Result<(Command, lockstep_protocol::Hello, u32), (Refusal, String)> {
+    let me = config.identity.process_index;
+    let first = match framed.next().await {
+        None => return Err((Refusal::Closed, "closed before a Hello".into())),
+        Some(Err(e)) => {
+            let _ = framed
+                .send(error_response(me, ErrorKind::Malformed, e.to_string(), 0))
+                .await;
+            return Err((Refusal::Malformed, format!("malformed first frame: {e}")));
+        }
+        Some(Ok(cmd)) => cmd,
+    };
+    let newest = shared.lock().expect("not poisoned").newest_epoch;
+    let (hello, protocol_version) = match check_hello(
+        &first,
+        &config.identity,
+        newest,
+        config.session_key.as_ref(),
+    ) {
+        Ok(accepted) => (accepted.hello, accepted.protocol_version),
+        Err(e) => {
+            let _ = framed
+                .send(Response {
+                    process_index: me,
+                    kind: ResponseKind::Error(e.to_response()),
+                })
+                .await;
+            return Err((Refusal::RefusedHello, format!("refused Hello: {e}")));
+        }
+    };
+    // A Hello of a session that is not newer than the current one is a
+    // replay (or a duplicate): taking it would cut the current controller
+    // off. Every real connection attempt carries a new nonce.
+    let current = shared.lock().expect("not poisoned").writer_session;
+    let session = session_of(hello.epoch, hello.nonce);
+    if current != 0 && session <= current {
+        let _ = framed
+            .send(error_response(
+                me,
+                ErrorKind::StaleEpoch,
+                format!(
+                    "Hello of epoch {} nonce {} is not newer than the current session; replayed or duplicated, refused",
+                    hello.epoch, hello.nonce
+                ),
+                0,
+            ))
+            .await;
+        return Err((
+            Refusal::Replayed,
+            format!(
+                "refused a replayed Hello (epoch {}, nonce {})",
+                hello.epoch, hello.nonce
+            ),
+        ));
+    }
+    Ok((first, hello, protocol_version))
+}
+
+pub(super) async fn connection(
+    sock: TcpStream,
+    config: ReplicaConfig,
+    shared: Arc<Mutex<Shared>>,
+    workers: Arc<Workers>,
+    mut unproven: Unproven,
+    evict: tokio_util::sync::CancellationToken,
+) -> Result<(), Ended> {
+    let me = config.identity.process_index;
+    // Until a Hello is accepted, frames are capped at HELLO_MAX_FRAME_LEN:
+    // nothing sent before the handshake makes the process buffer or decode
+    // more than that.
+    //
+    // Handshake: with a session key, first the session (the controller
+    // proves the key, this process proves it back, and every frame after
+    // is encrypted and authenticated: `lockstep_protocol::secure`), then the
+    // whole first frame, its checks and any refusal sent, all within one
+    // deadline; closed at once if a newer connection evicts it.
+    let setup = async {
+        let mut sock = sock;
+        let session = match (&config.session_key, config.one_way_proof) {
+            (Some(key), false) => Some(
+                lockstep_protocol::secure::respond(&mut sock, key, config.identity.replica_id, me)
+                    .await
+                    .map_err(|e| (Refusal::NotProven, format!("no session: {e}")))?,
+            ),
+            _ => None,
+        };
+        let mut framed = Framed::new(
+            sock,
+            SecureCodec::new(
+                ReplicaCodec::new(config.max_frame_len.min(HELLO_MAX_FRAME_LEN)),
+                session,
+            ),
+        );
+        let accepted = handshake(&mut framed, &config, &shared).await?;
+        Ok::<_, (Refusal, String)>((framed, accepted))
+    };
+    let (mut framed, (first, hello, protocol_version)) = tokio::select! {
+        () = evict.cancelled() => {
+            return Err(Ended::Unproven((Refusal::Evicted, format!(
+                "{MAX_UNPROVEN_CONNECTIONS} connections were waiting for their Hello; closed the oldest"
+            ))));
+        }
+        r = tokio::time::timeout(HELLO_DEADLINE, setup) => match r {
+            Err(_) => {
+                return Err(Ended::Unproven((
+                    Refusal::TimedOut,
+                    format!("no Hello within {HELLO_DEADLINE:?}"),
+                )))
+            }
+            Ok(Err(refusal)) => return Err(Ended::Unproven(refusal)),
+            Ok(Ok(accepted)) => accepted,
+        },
+    };
+    unproven.proven();
+    framed
+        .codec_mut()
+        .inner_mut()
+        .set_max_frame_len(config.max_frame_len);
+    let (mut sink, mut stream) = framed.split();
+
+    // This connection becomes the current one.
+    let (wtx, mut wrx) = mpsc::unbounded_channel::<Response>();
+    let generation = {
+        let mut s = shared.lock().expect("not poisoned");
+        if hello.epoch < s.newest_epoch {
+            return Err(
+                anyhow::anyhow!("stale epoch {} (newest {})", hello.epoch, s.newest_epoch).into(),
+            );
+        }
+        s.newest_epoch = hello.epoch;
+        s.generation += 1;
+        s.writer_session = session_of(hello.epoch, hello.nonce);
+        // From version 3 on, the agreed version and this build come first,
+        // before any Status of the session (a version-2 controller would
+        // not know the message, so it gets none).
+        if protocol_version >= 3 {
+            let _ = wtx.send(Response {
+                process_index: me,
+                kind: ResponseKind::HelloResponse(lockstep_protocol::HelloResponse {
+                    protocol_version,
+                    build_version: env!("CARGO_PKG_VERSION").to_string(),
+                }),
+            });
+        }
+        if s.writer_session >= s.workers_session {
+            for r in s.pending.drain(..) {
+                let _ = wtx.send(r);
+            }
+        }
+        s.writer = Some(wtx);
+        workers.send(&first);
+        s.generation
+    };
+    tracing::info!(
+        epoch = hello.epoch,
+        nonce = hello.nonce,
+        protocol_version,
+        "controller session started"
+    );
+
+    let max_frame_len = config.max_frame_len;
+    let writer = tokio::spawn(async move {
+        while let Some(r) = wrx.recv().await {
+            // A peek answer too large for one frame goes in parts.
+            let r = match r.kind {
+                ResponseKind::PeekResponse(p) => {
+                    let process_index = r.process_index;
+                    let mut parts = p.split(max_frame_len / 2).into_iter();
+                    let last = parts.next_back().expect("at least one part");
+                    let mut failed = false;
+                    for part in parts {
+                        let part = Response {
+                            process_index,
+                            kind: ResponseKind::PeekResponse(part),
+                        };
+                        if sink.send(part).await.is_err() {
+                            failed = true;
+                            break;
+                        }
+                    }
+                    if failed {
+                        break;
+                    }
+                    Response {
+                        process_index,
+                        kind: ResponseKind::PeekResponse(last),
+                    }
+                }
+                kind => Response { kind, ..r },
+            };
+            let process_index = r.process_index;
+            let peek_id = match &r.kind {
+                ResponseKind::PeekResponse(p) => Some(p.peek_id),
+                _ => None,
+            };
+            match sink.send(r).await {
+                Ok(()) => {}
+                // A response too large for one frame is answered with an
+                // error instead (the codec checks the length before writing
+                // anything): the process must not go silent, be restarted
+                // and be asked the same peek again, forever.
+                Err(CodecError::FrameTooLarge { len, max }) => {
+                    let replacement = too_large(process_index, peek_id, len, max);
+                    if sink.send(replacement).await.is_err() {
+                        break;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        let _ = sink.close().await;
+    });
+
+    let mut expected = 1u64;
+    let result = loop {
+        let next = stream.next().await;
+        let current = shared.lock().expect("not poisoned").generation == generation;
+        if !current {
+            break Ok(()); // a newer controller session took over
+        }
+        let cmd: Command = match next {
+            None => break Ok(()),
+            Some(Err(CodecError::Io(e))) => break Err(anyhow::anyhow!("connection lost: {e}")),
+            Some(Err(e)) => {
+                send_current(
+                    &shared,
+                    generation,
+                    error_response(me, ErrorKind::Malformed, e.to_string(), expected),
+                );
+                break Err(anyhow::anyhow!("malformed frame: {e}"));
+            }
+            Some(Ok(cmd)) => cmd,
+        };
+        if matches!(cmd.kind, CommandKind::Hello(_)) || cmd.seqno != expected {
+            let msg = if matches!(cmd.kind, CommandKind::Hello(_)) {
+                "Hello in the middle of a connection".to_string()
+            } else {
+                format!("expected sequence number {expected}, got {}", cmd.seqno)
+            };
+            send_current(
+                &shared,
+                generation,
+                error_response(me, ErrorKind::Sequence, msg.clone(), cmd.seqno),
+            );
+            break Err(anyhow::anyhow!(msg));
+        }
+        expected += 1;
+        let s = shared.lock().expect("not poisoned");
+        if s.generation != generation {
+            break Ok(());
+        }
+        workers.send(&cmd);
+    };
+    {
+        let mut s = shared.lock().expect("not poisoned");
+        if s.generation == generation {
+            s.writer = None;
+        }
+    }
+    // Give queued responses (an error, say) a moment to leave.
+    let _ = tokio::time::timeout(Duration::from_millis(200), writer).await;
+    result.map_err(Ended::Proven)
+}
+
+pub(super) fn send_current(shared: &Arc<Mutex<Shared>>, generation: u64, r: Response) {
+    let s = shared.lock().expect("not poisoned");
+    if s.generation == generation {
+        if let Some(w) = &s.writer {
+            let _ = w.send(r);
+        }
+    }
+}

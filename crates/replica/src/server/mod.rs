@@ -1,0 +1,337 @@
+//! The process: timely cluster, workers, and the controller connections.
+//!
+//! The controller connects to every process directly. A connection starts
+//! with Hello, checked by [`lockstep_protocol::handshake::check_hello`]
+//! (versions, epoch, replica shape); at an agreed version of 3 or more the
+//! process answers with a `HelloResponse` (the version and its build)
+//! before its workers' statuses. An accepted Hello makes that connection
+//! the current one: a connection opened by an older controller session stops
+//! being read and its responses stop. Under broadcast and log, workers may
+//! start a session (a Hello from the mesh or the log) before this process
+//! accepted that session's connection: their responses wait for it. Commands must arrive with consecutive
+//! sequence numbers; a gap, a malformed frame or an unknown variant gets an
+//! Error response and closes the connection, never a panic. Each accepted
+//! command goes, in order, to every local worker.
+//!
+//! Before its Hello is proved (S1), a connection costs a bounded amount and
+//! cannot keep a proving controller out: at most
+//! [`MAX_UNPROVEN_CONNECTIONS`] wait, a new one past the cap closes the
+//! oldest, each has [`HELLO_DEADLINE`] for its whole first frame, and those
+//! closed before proof are counted into at most one log line per
+//! [`REFUSAL_LOG_INTERVAL`].
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::Thread;
+use std::time::Duration;
+
+use anyhow::Context;
+use futures::{SinkExt, StreamExt};
+use lockstep_protocol::handshake::check_hello;
+use lockstep_protocol::secure::SecureCodec;
+use lockstep_protocol::{
+    CodecError, Command, CommandKind, Endpoint, ErrorKind, ErrorResponse, ProcessIdentity,
+    ReplicaCodec, Response, ResponseKind, HELLO_MAX_FRAME_LEN,
+};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_util::codec::Framed;
+
+use crate::aggregate::Aggregator;
+use crate::cluster;
+use crate::worker::{run_worker, session_of, FromWorker};
+
+mod admission;
+mod connection;
+
+use admission::*;
+pub use admission::{HELLO_DEADLINE, MAX_UNPROVEN_CONNECTIONS, REFUSAL_LOG_INTERVAL};
+use connection::*;
+
+/// How a replica process is started.
+#[derive(Clone, Debug)]
+pub struct ReplicaConfig {
+    /// Who this process is.
+    pub identity: ProcessIdentity,
+    /// Every process's timely address (`host:port`, a name or an IP), in
+    /// process order; this process's own entry is the address it advertises.
+    pub timely_peers: Vec<Endpoint>,
+    /// The address both listeners bind (`0.0.0.0`, a pod IP); `None`: the
+    /// address this process's own `timely_peers` entry resolves to.
+    pub listen_host: Option<IpAddr>,
+    /// The port controllers connect to.
+    pub controller_port: u16,
+    /// The bound on resolving the peers and forming the timely cluster.
+    pub cluster_timeout: Duration,
+    /// The largest frame accepted.
+    pub max_frame_len: usize,
+    /// The command log of the `log` strategy, if the replica has one.
+    pub command_log: Option<lockstep_command_log::LogLocation>,
+    /// The replica's session key: when set, a Hello that does not prove it
+    /// is refused before any other check (S1).
+    pub session_key: Option<lockstep_protocol::SessionKey>,
+    /// The generation the orchestrator started this process in: timely
+    /// peers of another generation are refused (`cluster`).
+    pub generation: u64,
+    /// With a session key, accept a Hello that proves it on plain frames
+    /// and never prove the key back, as before sessions were mutual. The
+    /// negative control `no-mutual` of the security suite only.
+    pub one_way_proof: bool,
+}
+
+struct Shared {
+    newest_epoch: u64,
+    generation: u64,
+    writer: Option<mpsc::UnboundedSender<Response>>,
+    /// The session (see `session_of`) of the current connection.
+    writer_session: lockstep_reconcile::Session,
+    /// The newest session the local workers started.
+    workers_session: lockstep_reconcile::Session,
+    /// Responses produced while no connection of the workers' session was
+    /// current. Under broadcast
+    /// and log a worker can start a session (a Hello read from the mesh or
+    /// the log) before this process accepted that session's connection;
+    /// what it answers then waits here for the connection. Emptied when a
+    /// newer session starts; bounded by [`MAX_PENDING_RESPONSES`].
+    pending: std::collections::VecDeque<Response>,
+}
+
+/// The most responses kept while no controller is connected.
+pub const MAX_PENDING_RESPONSES: usize = 100_000;
+
+struct Workers {
+    senders: Vec<std_mpsc::Sender<Command>>,
+    threads: Mutex<Vec<Thread>>,
+}
+
+impl Workers {
+    fn send(&self, cmd: &Command) {
+        for s in &self.senders {
+            // A closed channel means the worker is gone; the process is exiting.
+            let _ = s.send(cmd.clone());
+        }
+        for t in self.threads.lock().expect("not poisoned").iter() {
+            t.unpark();
+        }
+    }
+}
+
+/// Makes every panic, on any thread, end the process: a timely peer that died
+/// poisons the cluster, and a half-alive process must not pretend to work.
+pub fn install_panic_exit() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default(info);
+        eprintln!("lockstep-replica: a thread panicked; exiting so the replica can be restarted");
+        std::process::exit(70);
+    }));
+}
+
+/// Runs one replica process until it is killed.
+pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
+    let id = config.identity;
+    let me = id.process_index as usize;
+    let workers = id.workers_per_process as usize;
+    if config.timely_peers.len() != id.process_count as usize {
+        anyhow::bail!(
+            "{} timely addresses given for a replica of {} processes",
+            config.timely_peers.len(),
+            id.process_count
+        );
+    }
+    if me >= config.timely_peers.len() {
+        anyhow::bail!(
+            "process index {me} is out of range for {} processes",
+            id.process_count
+        );
+    }
+    if workers == 0 {
+        anyhow::bail!("a process needs at least one worker");
+    }
+    let started = std::time::Instant::now();
+    let timely_addrs = cluster::resolve_peers(&config.timely_peers, config.cluster_timeout)?;
+    let listen_ip = config.listen_host.unwrap_or(timely_addrs[me].ip());
+    let controller_addr = SocketAddr::new(listen_ip, config.controller_port);
+    let listener = std::net::TcpListener::bind(controller_addr)
+        .with_context(|| format!("cannot listen for controllers on {controller_addr}"))?;
+    listener.set_nonblocking(true)?;
+    if let Some(location) = &config.command_log {
+        // Fail fast, before forming the cluster, on a log that cannot be
+        // used. The launcher normally created it already (reading needs no
+        // lock); a process started by hand creates it.
+        if lockstep_command_log::AnyLog::open_reader(location).is_err() {
+            lockstep_command_log::AnyLog::open(location)?;
+        }
+    }
+
+    let sockets = cluster::connect_mesh(
+        &timely_addrs,
+        SocketAddr::new(listen_ip, timely_addrs[me].port()),
+        me,
+        cluster::MeshId {
+            replica_id: id.replica_id,
+            generation: config.generation,
+        },
+        config.session_key.as_ref(),
+        config.cluster_timeout,
+    )?;
+    let (builders, guard) = cluster::allocators(sockets, me, workers)?;
+    tracing::info!(elapsed = ?started.elapsed(), generation = config.generation, "timely cluster formed");
+
+    let (tx, rx) = mpsc::unbounded_channel::<FromWorker>();
+    let mut senders = Vec::new();
+    let mut receivers = Vec::new();
+    for _ in 0..workers {
+        let (s, r) = std_mpsc::channel();
+        senders.push(s);
+        receivers.push(Some(r));
+    }
+    let receivers = Arc::new(Mutex::new(receivers));
+    let handles = Arc::new(Workers {
+        senders,
+        threads: Mutex::new(Vec::new()),
+    });
+    let handles2 = Arc::clone(&handles);
+    let command_log = config.command_log.clone();
+    let _guards = timely::execute::execute_from(
+        builders,
+        Box::new(guard),
+        timely::WorkerConfig::default(),
+        move |worker| {
+            let local = worker.index() % workers;
+            handles2
+                .threads
+                .lock()
+                .expect("not poisoned")
+                .push(std::thread::current());
+            let commands = receivers.lock().expect("not poisoned")[local]
+                .take()
+                .expect("each local worker starts once");
+            let log = command_log.as_ref().map(|location| {
+                lockstep_command_log::AnyLog::open_reader(location).unwrap_or_else(|e| {
+                    // Opened once already above: only a vanished file or an
+                    // unreachable database gets here.
+                    panic!("worker {}: {e}", worker.index())
+                })
+            });
+            run_worker(worker, commands, tx.clone(), workers, log);
+        },
+    )
+    .map_err(|e| anyhow::anyhow!("starting timely workers: {e}"))?;
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(serve(listener, config, handles, rx))
+}
+
+async fn serve(
+    listener: std::net::TcpListener,
+    config: ReplicaConfig,
+    workers: Arc<Workers>,
+    mut from_workers: mpsc::UnboundedReceiver<FromWorker>,
+) -> anyhow::Result<()> {
+    let listener = TcpListener::from_std(listener)?;
+    let shared = Arc::new(Mutex::new(Shared {
+        newest_epoch: 0,
+        generation: 0,
+        writer: None,
+        writer_session: 0,
+        workers_session: 0,
+        pending: std::collections::VecDeque::new(),
+    }));
+    let process_index = config.identity.process_index;
+    let local_workers = config.identity.workers_per_process as usize;
+
+    // Worker responses -> the current connection.
+    let shared2 = Arc::clone(&shared);
+    tokio::spawn(async move {
+        let mut agg = Aggregator::new(local_workers);
+        while let Some(msg) = from_workers.recv().await {
+            if let FromWorker::NewSession { session, .. } = &msg {
+                if agg.session() != Some(*session) {
+                    let mut s = shared2.lock().expect("not poisoned");
+                    s.pending.clear();
+                    s.workers_session = s.workers_session.max(*session);
+                }
+            }
+            for kind in agg.on(msg) {
+                let response = Response {
+                    process_index,
+                    kind,
+                };
+                let mut s = shared2.lock().expect("not poisoned");
+                match &s.writer {
+                    Some(w) if s.writer_session >= s.workers_session => {
+                        let _ = w.send(response);
+                    }
+                    _ => {
+                        if s.pending.len() == MAX_PENDING_RESPONSES {
+                            s.pending.pop_front();
+                            tracing::warn!(
+                                "no controller connected; dropping the oldest kept response"
+                            );
+                        }
+                        s.pending.push_back(response);
+                    }
+                }
+            }
+        }
+    });
+
+    // Connections that have not proved a Hello yet, capped (S1): past the
+    // cap the OLDEST unproven one is closed and the new one admitted, so a
+    // flood of idle connections costs a bounded amount and can never keep
+    // a proving controller out. What is refused before proof is counted
+    // and summarized, not logged line by line.
+    let admission = Arc::new(Mutex::new(Admission::default()));
+    let refusals = Arc::new(Mutex::new(Refusals::default()));
+    {
+        let refusals = Arc::clone(&refusals);
+        tokio::spawn(async move {
+            // Checked ten times an interval: a summary is due once the
+            // interval since the last one has passed.
+            let mut tick = tokio::time::interval(REFUSAL_LOG_INTERVAL / 10);
+            loop {
+                tick.tick().await;
+                refusals.lock().expect("not poisoned").flush();
+            }
+        });
+    }
+    loop {
+        let (sock, peer) = listener.accept().await?;
+        let (id, cancel) = {
+            let mut a = admission.lock().expect("not poisoned");
+            let evicted = a.admit();
+            if let Some(oldest) = evicted {
+                oldest.cancel();
+            }
+            a.queue
+                .back()
+                .map(|(id, c)| (*id, c.clone()))
+                .expect("admitted")
+        };
+        let unproven = Unproven {
+            admission: Some(Arc::clone(&admission)),
+            id,
+        };
+        let _ = sock.set_nodelay(true);
+        tracing::debug!(%peer, "controller connected");
+        let shared = Arc::clone(&shared);
+        let workers = Arc::clone(&workers);
+        let config = config.clone();
+        let refusals = Arc::clone(&refusals);
+        tokio::spawn(async move {
+            match connection(sock, config, shared, workers, unproven, cancel).await {
+                Ok(()) => {}
+                Err(Ended::Unproven(reason)) => {
+                    refusals.lock().expect("not poisoned").note(reason, peer);
+                }
+                Err(Ended::Proven(e)) => {
+                    tracing::warn!(%peer, "controller connection ended: {e}");
+                }
+            }
+        });
+    }
+}
