@@ -15,6 +15,7 @@ mod policies;
 mod scale;
 mod soak;
 mod tasks;
+mod upgrade;
 mod util;
 
 use clap::{Parser, Subcommand};
@@ -98,6 +99,10 @@ enum Task {
         #[arg(long)]
         keep: bool,
     },
+    /// Today's `lockstep serve` adopts the replica processes of the newest
+    /// release in RELEASES (built from a git worktree into its own target
+    /// dir); not part of `test`. See docs/compatibility.md.
+    Upgrade,
     /// Model-check the protocols (stateright, CI-sized bounds); prints the JSON summary lines.
     Model {
         /// Variants to check (default: all).
@@ -114,6 +119,7 @@ fn main() -> anyhow::Result<()> {
         Task::Demo => tasks::demo(),
         Task::Bench { quick, readme } => bench::bench(quick, readme),
         Task::Soak { quick } => soak::soak(quick),
+        Task::Upgrade => upgrade::upgrade(),
         Task::Chaos {
             suite,
             strategies,

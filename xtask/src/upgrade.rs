@@ -1,0 +1,514 @@
+//! `cargo xtask upgrade`: today's `lockstep serve` adopts the replica
+//! processes of the newest release in `RELEASES` (docs/compatibility.md).
+//!
+//! 1. `git worktree add` the release's commit at `target/upgrade/src` and
+//!    build its `lockstep` and `lockstep-replica` into
+//!    `target/upgrade/target`; build today's into `target/debug`.
+//! 2. Start the release's `lockstep serve` on a fresh state dir
+//!    (`target/upgrade/state`) with the release's replica binary (copied to
+//!    `target/upgrade/bin`, the one path both environments are given), create
+//!    a replica of 2 processes x 2 workers and two dataflows, write, peek.
+//! 3. SIGKILL that environment (the replica processes run on), start
+//!    today's `lockstep serve` on the same state dir, and check: the same
+//!    replica PIDs, no process restarted, no dataflow dropped by
+//!    reconciliation (the replica logs' "reconciliation drops dataflow"
+//!    lines), the version agreed with the old processes is 2 (today's `replica
+//!    list`), the old answers are still right, and a new write is answered.
+//!
+//! Every client command is the release's own `lockstep` binary, so the API
+//! is exercised across versions too. Not in `cargo xtask test`: it builds a
+//! second copy of the workspace.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use crate::util::{cargo, root, run, step};
+
+/// The newest release in `RELEASES`: (version, commit).
+fn newest_release(root: &Path) -> anyhow::Result<(String, String)> {
+    let text = std::fs::read_to_string(root.join("RELEASES")).context("reading RELEASES")?;
+    text.lines()
+        .map(str::trim)
+        .rfind(|l| !l.is_empty() && !l.starts_with('#'))
+        .and_then(|l| {
+            let mut f = l.split_whitespace();
+            Some((f.next()?.to_string(), f.next()?.to_string()))
+        })
+        .context("RELEASES names no release")
+}
+
+fn git(root: &Path, args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new("git")
+        .current_dir(root)
+        .args(args)
+        .output()
+        .with_context(|| format!("git {args:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Runs a client command of `lockstep` against `url`; its stdout.
+fn client(lockstep: &Path, url: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(lockstep)
+        .args(args)
+        .arg("--server")
+        .arg(url)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {} {args:?}", lockstep.display()))?;
+    if !out.status.success() {
+        bail!(
+            "lockstep {args:?} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Retries `f` every 200 ms for up to `bound`.
+fn eventually<T>(
+    what: &str,
+    bound: Duration,
+    mut f: impl FnMut() -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let started = Instant::now();
+    loop {
+        match f() {
+            Ok(v) => return Ok(v),
+            Err(e) if started.elapsed() > bound => {
+                return Err(e.context(format!("{what}: not within {bound:?}")))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+}
+
+fn serve(
+    lockstep: &Path,
+    state: &Path,
+    port: u16,
+    replica_bin: &Path,
+    log: &Path,
+) -> anyhow::Result<Child> {
+    let log = std::fs::File::create(log)?;
+    Command::new(lockstep)
+        .arg("serve")
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--service-binary")
+        .arg(replica_bin)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting {} serve", lockstep.display()))
+}
+
+/// `(index, pid, running)` of each process in `replica list` output.
+fn processes(list: &str) -> Vec<(u32, u32, bool)> {
+    list.lines()
+        .filter_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            if w.first() != Some(&"process") || w.len() < 5 || w[2] != "pid" {
+                return None;
+            }
+            Some((w[1].parse().ok()?, w[3].parse().ok()?, w[4] == "running"))
+        })
+        .collect()
+}
+
+/// The peek's rows, sorted (`ROW\tDIFF` lines).
+fn peek(lockstep: &Path, url: &str, collection: u64, at: u64) -> anyhow::Result<Vec<String>> {
+    let out = client(
+        lockstep,
+        url,
+        &[
+            "peek",
+            "--replica",
+            "r1",
+            "--collection",
+            &collection.to_string(),
+            "--at",
+            &at.to_string(),
+        ],
+    )?;
+    let mut rows: Vec<String> = out.lines().map(str::to_string).collect();
+    rows.sort();
+    Ok(rows)
+}
+
+/// Lines of every process log (`*.log*`) under `state` containing `needle`.
+fn count_in_logs(state: &Path, needle: &str) -> anyhow::Result<usize> {
+    let mut n = 0;
+    let mut dirs = vec![state.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let p = e?.path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().contains(".log"))
+            {
+                let text = std::fs::read_to_string(&p).unwrap_or_default();
+                n += text.lines().filter(|l| l.contains(needle)).count();
+            }
+        }
+    }
+    Ok(n)
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn kill(pid: u32) {
+    let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+}
+
+/// Builds both versions and runs the scenario; prints the contract lines.
+pub fn upgrade() -> anyhow::Result<()> {
+    let root = root();
+    let (version, commit) = newest_release(&root)?;
+    let head = git(&root, &["rev-parse", "HEAD"])?;
+    if head == commit {
+        bail!("HEAD is release {version} itself: nothing to upgrade from");
+    }
+    let base = root.join("target/upgrade");
+    let src = base.join("src");
+    step(&format!(
+        "release {version} ({commit}) at {}",
+        src.display()
+    ));
+    if src.exists() {
+        let at = git(&src, &["rev-parse", "HEAD"])?;
+        if at != commit {
+            bail!(
+                "{} is at {at}, not {commit}: remove it (git worktree remove --force {})",
+                src.display(),
+                src.display()
+            );
+        }
+    } else {
+        git(
+            &root,
+            &[
+                "worktree",
+                "add",
+                "--detach",
+                &src.to_string_lossy(),
+                &commit,
+            ],
+        )?;
+    }
+    let started = Instant::now();
+    let mut cmd = cargo();
+    cmd.current_dir(&src)
+        .env("CARGO_TARGET_DIR", base.join("target"))
+        .args([
+            "build",
+            "-p",
+            "lockstep-environment",
+            "-p",
+            "lockstep-replica",
+            "--bins",
+        ]);
+    run(cmd)?;
+    let old_build = started.elapsed();
+    step("today's lockstep and lockstep-replica");
+    let started = Instant::now();
+    let mut cmd = cargo();
+    cmd.args([
+        "build",
+        "-p",
+        "lockstep-environment",
+        "-p",
+        "lockstep-replica",
+        "--bins",
+    ]);
+    run(cmd)?;
+    let new_build = started.elapsed();
+    let old_lockstep = base.join("target/debug/lockstep");
+    let new_lockstep = root.join("target/debug/lockstep");
+
+    // One replica binary path for both environments: an environment that
+    // sees another command line for the service would restart it.
+    let bin = base.join("bin");
+    std::fs::create_dir_all(&bin)?;
+    let replica_bin = bin.join("lockstep-replica");
+    std::fs::copy(base.join("target/debug/lockstep-replica"), &replica_bin)?;
+    let state = base.join("state");
+    if state.exists() {
+        std::fs::remove_dir_all(&state)?;
+    }
+    std::fs::create_dir_all(&state)?;
+    let port = free_port()?;
+    let url = format!("http://127.0.0.1:{port}");
+    let scenario = Instant::now();
+
+    step(&format!(
+        "{version}: lockstep serve, a replica, dataflows, writes"
+    ));
+    let mut old_env = serve(
+        &old_lockstep,
+        &state,
+        port,
+        &replica_bin,
+        &base.join("env-old.log"),
+    )?;
+    let mut pids = Vec::new();
+    let result = (|| -> anyhow::Result<String> {
+        eventually(
+            "the release's environment serves",
+            Duration::from_secs(60),
+            || client(&old_lockstep, &url, &["status"]),
+        )?;
+        client(
+            &old_lockstep,
+            &url,
+            &[
+                "replica",
+                "create",
+                "r1",
+                "--processes",
+                "2",
+                "--workers",
+                "2",
+            ],
+        )?;
+        client(
+            &old_lockstep,
+            &url,
+            &[
+                "dataflow",
+                "create",
+                "--replica",
+                "r1",
+                "--name",
+                "ident",
+                "--input",
+                "1",
+                "--export",
+                "100=get(1)",
+            ],
+        )?;
+        client(
+            &old_lockstep,
+            &url,
+            &[
+                "dataflow",
+                "create",
+                "--replica",
+                "r1",
+                "--name",
+                "count",
+                "--input",
+                "1",
+                "--export",
+                "101=reduce(get(1), [#0], count, sum(#1))",
+            ],
+        )?;
+        client(
+            &old_lockstep,
+            &url,
+            &[
+                "input",
+                "write",
+                "--replica",
+                "r1",
+                "--collection",
+                "1",
+                "--update",
+                "1,10@0",
+                "--update",
+                "1,20@0",
+                "--update",
+                "2,5@0",
+                "--upper",
+                "1",
+            ],
+        )?;
+        let want_ident = vec!["1,10\t1".to_string(), "1,20\t1".into(), "2,5\t1".into()];
+        let want_count = vec!["1,2,30\t1".to_string(), "2,1,5\t1".into()];
+        let got = eventually("the release answers", Duration::from_secs(60), || {
+            let got = (
+                peek(&old_lockstep, &url, 100, 0)?,
+                peek(&old_lockstep, &url, 101, 0)?,
+            );
+            if got != (want_ident.clone(), want_count.clone()) {
+                bail!("peeks {got:?}");
+            }
+            Ok(got)
+        })?;
+        let list = client(&old_lockstep, &url, &["replica", "list"])?;
+        let before = processes(&list);
+        if before.len() != 2 || !before.iter().all(|p| p.2 && p.1 != 0) {
+            bail!("the release's replica is not running: {list}");
+        }
+        pids = before.iter().map(|p| p.1).collect();
+        let dropped_before = count_in_logs(&state, "reconciliation drops dataflow")?;
+
+        step(&format!(
+            "SIGKILL {version}'s environment; today's lockstep serve on the same state"
+        ));
+        kill(old_env.id());
+        let _ = old_env.wait();
+        for pid in &pids {
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                bail!("replica process {pid} died with the release's environment");
+            }
+        }
+        let mut new_env = serve(
+            &new_lockstep,
+            &state,
+            port,
+            &replica_bin,
+            &base.join("env-new.log"),
+        )?;
+        let checks = (|| -> anyhow::Result<String> {
+            let adopted = eventually(
+                "today's environment answers the old peeks",
+                Duration::from_secs(90),
+                || {
+                    let now = (
+                        peek(&old_lockstep, &url, 100, 0)?,
+                        peek(&old_lockstep, &url, 101, 0)?,
+                    );
+                    if now != got {
+                        bail!("peeks {now:?}");
+                    }
+                    Ok(now)
+                },
+            )?;
+            let list = eventually(
+                "today's replica list shows the agreed version",
+                Duration::from_secs(30),
+                || {
+                    let list = client(&new_lockstep, &url, &["replica", "list"])?;
+                    if !list.contains(" protocol 2") {
+                        bail!("no agreed version 2 yet: {list}");
+                    }
+                    Ok(list)
+                },
+            )?;
+            let after = processes(&list);
+            let now: Vec<u32> = after.iter().map(|p| p.1).collect();
+            if now != pids {
+                bail!("replica PIDs {pids:?} before, {now:?} after: not adopted");
+            }
+            if list.contains(" build ") {
+                bail!("a v0.2.0 process reported a build version: {list}");
+            }
+            client(
+                &old_lockstep,
+                &url,
+                &[
+                    "input",
+                    "write",
+                    "--replica",
+                    "r1",
+                    "--collection",
+                    "1",
+                    "--update",
+                    "3,7@1",
+                    "--update",
+                    "1,10@1:-1",
+                    "--upper",
+                    "2",
+                ],
+            )?;
+            eventually(
+                "a write after the upgrade is answered",
+                Duration::from_secs(60),
+                || {
+                    let (ident, count) = (
+                        peek(&old_lockstep, &url, 100, 1)?,
+                        peek(&old_lockstep, &url, 101, 1)?,
+                    );
+                    let want = (
+                        vec!["1,20\t1".to_string(), "2,5\t1".into(), "3,7\t1".into()],
+                        vec![
+                            "1,1,20\t1".to_string(),
+                            "2,1,5\t1".into(),
+                            "3,1,7\t1".into(),
+                        ],
+                    );
+                    if (ident.clone(), count.clone()) != want {
+                        bail!("peeks at 1: {ident:?} {count:?}");
+                    }
+                    Ok(())
+                },
+            )?;
+            let dropped = count_in_logs(&state, "reconciliation drops dataflow")? - dropped_before;
+            if dropped != 0 {
+                bail!("{dropped} dataflow(s) dropped by reconciliation after the upgrade");
+            }
+            let final_list = client(&new_lockstep, &url, &["replica", "list"])?;
+            let restarts: Vec<&str> = final_list
+                .lines()
+                .filter(|l| l.trim_start().starts_with("process"))
+                .filter(|l| !l.contains("restarts 0"))
+                .collect();
+            if !restarts.is_empty() {
+                bail!("restarted processes: {restarts:?}");
+            }
+            Ok(format!(
+                "upgrade: {version} -> HEAD {}: replica r1 (2x2, 2 dataflows) adopted with the same PIDs {pids:?}, 0 restarts, 0 dataflows dropped by reconciliation, agreed protocol version 2, answers right before ({} rows) and after a new write",
+                &head[..7],
+                adopted.0.len() + adopted.1.len()
+            ))
+        })();
+        kill(new_env.id());
+        let _ = new_env.wait();
+        checks
+    })();
+    let _ = old_env.kill();
+    for pid in &pids {
+        kill(*pid);
+    }
+    let line = result.context(format!(
+        "logs: {}, {}, {}",
+        base.join("env-old.log").display(),
+        base.join("env-new.log").display(),
+        state.join("orchestrator").display()
+    ))?;
+    println!("{line}");
+    println!(
+        "upgrade: build {version} {:.0} s, build HEAD {:.0} s, scenario {:.1} s",
+        old_build.as_secs_f64(),
+        new_build.as_secs_f64(),
+        scenario.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_process_lines_of_replica_list() {
+        let list = "ID     NAME  PROCESSES WORKERS SERVICE EPOCH\n1 r1 2 2 replica-1 1\n    process 0 pid 123 running restarts 0 timely=1 controller=2 protocol 2\n    process 1 pid 0 down restarts 1 \n";
+        assert_eq!(processes(list), vec![(0, 123, true), (1, 0, false)]);
+    }
+
+    #[test]
+    fn the_newest_release_is_the_last_line() {
+        let (version, commit) = newest_release(&root()).unwrap();
+        assert!(version.starts_with('v'), "{version}");
+        assert_eq!(commit.len(), 40, "{commit}");
+    }
+}
