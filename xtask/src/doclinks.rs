@@ -19,6 +19,9 @@ const EXAMPLES: [(&str, &str, &str); 1] = [(
     "what the README's `cargo xtask new-policy my-rule` example writes",
 )];
 
+/// Files not searched: this module, whose tests name missing paths on purpose.
+const NOT_SEARCHED: [&str; 1] = ["xtask/src/doclinks.rs"];
+
 /// The top-level directories whose paths are checked.
 const ROOTS: [&str; 11] = [
     "crates", "docs", "proto", "deploy", "xtask", "policies", "wit", "tests", "benches", ".ci",
@@ -109,7 +112,10 @@ pub fn dangling(root: &Path, files: &[String]) -> Vec<(String, String)> {
     crates.push(root.join("xtask"));
     crates.push(root.join("benches"));
     let mut out = Vec::new();
-    for file in files.iter().filter(|f| searched(f)) {
+    for file in files
+        .iter()
+        .filter(|f| searched(f) && !NOT_SEARCHED.contains(&f.as_str()))
+    {
         let Ok(text) = std::fs::read_to_string(root.join(file)) else {
             continue;
         };
