@@ -4,7 +4,9 @@
 //! re-listing) runs unchanged against it.
 //!
 //! What it implements, for the core/v1 resources `pods`, `services`,
-//! `secrets` and `configmaps` in any namespace, as the API server does:
+//! `secrets` and `configmaps` and the policy/v1 `poddisruptionbudgets` in
+//! any namespace, as the API server does (no disruption controller: a
+//! budget's status stays empty and nothing is evicted):
 //!
 //! - **create** (`POST`): 409 `AlreadyExists` if the name is taken; assigns a
 //!   `uid` and a `resourceVersion` from one counter for the whole store.
@@ -160,7 +162,16 @@ fn kind_of(resource: &str) -> Option<&'static str> {
         "services" => Some("Service"),
         "secrets" => Some("Secret"),
         "configmaps" => Some("ConfigMap"),
+        "poddisruptionbudgets" => Some("PodDisruptionBudget"),
         _ => None,
+    }
+}
+
+/// The API group and version of a resource's objects.
+fn api_version_of(resource: &str) -> &'static str {
+    match resource {
+        "poddisruptionbudgets" => "policy/v1",
+        _ => "v1",
     }
 }
 
@@ -325,7 +336,7 @@ impl Store {
         self.uids += 1;
         let rv = self.next_rv();
         object["kind"] = json!(kind);
-        object["apiVersion"] = json!("v1");
+        object["apiVersion"] = json!(api_version_of(resource));
         let meta = &mut object["metadata"];
         meta["namespace"] = json!(namespace);
         meta["uid"] = json!(format!("00000000-0000-4000-8000-{:012}", self.uids));
@@ -395,7 +406,7 @@ impl Store {
         }
         let rv = self.next_rv();
         object["kind"] = stored["kind"].clone();
-        object["apiVersion"] = json!("v1");
+        object["apiVersion"] = stored["apiVersion"].clone();
         object["status"] = stored["status"].clone();
         let meta = &mut object["metadata"];
         meta["namespace"] = json!(namespace);
@@ -611,6 +622,10 @@ impl ApiServerDouble {
         let (namespace, resource, name) = match segments.as_slice() {
             ["api", "v1", "namespaces", ns, resource] => (*ns, *resource, None),
             ["api", "v1", "namespaces", ns, resource, name] => (*ns, *resource, Some(*name)),
+            ["apis", "policy", "v1", "namespaces", ns, resource] => (*ns, *resource, None),
+            ["apis", "policy", "v1", "namespaces", ns, resource, name] => {
+                (*ns, *resource, Some(*name))
+            }
             _ => {
                 return error(
                     404,
@@ -677,7 +692,7 @@ impl ApiServerDouble {
                     StatusCode::OK,
                     json!({
                         "kind": format!("{}List", kind_of(resource).unwrap_or_default()),
-                        "apiVersion": "v1",
+                        "apiVersion": api_version_of(resource),
                         "metadata": {"resourceVersion": s.rv.to_string()},
                         "items": items,
                     }),

@@ -109,6 +109,17 @@ impl Inner {
                 Err(e) => return Err(api_error("read secret", e).into()),
             }
         }
+        for _ in 0..CONFLICT_ATTEMPTS {
+            match self.budgets.get_opt(name).await {
+                Ok(None) => break,
+                Ok(Some(b)) => match self.budgets.delete(name, &self.delete_params(&b)).await {
+                    Ok(_) => break,
+                    Err(e) if is_conflict(&e) || is_not_found(&e) => continue,
+                    Err(e) => return Err(api_error("delete poddisruptionbudget", e).into()),
+                },
+                Err(e) => return Err(api_error("read poddisruptionbudget", e).into()),
+            }
+        }
         if existed {
             tracing::info!(service = name, "dropped");
             let _ = self.events.send(ServiceEvent {

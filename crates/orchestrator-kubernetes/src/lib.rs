@@ -20,6 +20,9 @@
 //!   ([`KubernetesOrchestratorConfig::resources`]), a restricted security
 //!   context and a preferred anti-affinity against the service's other pods
 //!   (see [`objects::pod`]);
+//! - a PodDisruptionBudget `NAME` over its pods (`maxUnavailable: 1`,
+//!   [`objects::disruption_budget`]), written and fenced like the Secret,
+//!   deleted with the service;
 //! - a Secret `NAME-env` with the config's environment (the replica's session
 //!   key among it), passed to the container with `envFrom`, labelled with
 //!   the epoch that wrote it: it is replaced only by a write with the
@@ -53,19 +56,21 @@
 //!   resourceVersion it read (or creates it). A 409 means someone wrote in
 //!   between: it reads again and decides again (at most
 //!   [`CONFLICT_ATTEMPTS`] times), never retries the same write blindly.
-//!   The write keeps the record's generation. Then the Secret and the pods:
+//!   The write keeps the record's generation. Then the Secret, the
+//!   PodDisruptionBudget and the pods:
 //!   if none exists, every pod is created in the record's generation; if
 //!   every pod has the spec hash of its process in that generation (the
-//!   hash covers program, image, arguments, environment, ports and the
-//!   generation) and none died, they are kept and relabelled (adopted);
+//!   hash covers program, image, arguments, environment, ports, resources
+//!   and the generation) and none died, they are kept and relabelled (adopted);
 //!   anything else (a changed spec, a pod missing, dead or of another
 //!   generation) is a whole restart as `restart_service` does it, with the
 //!   new spec. Finally it reads the record once more: if a newer
 //!   controller took it over meanwhile, it deletes the pods it created (with
 //!   preconditions) and refuses.
 //! - `drop_service` turns the record into a tombstone (a write with the
-//!   record's resourceVersion, or a create), then deletes the service's pods
-//!   and Secret, each with the uid and resourceVersion it read. A 409 on a
+//!   record's resourceVersion, or a create), then deletes the service's
+//!   pods, Secret and PodDisruptionBudget, each with the uid and
+//!   resourceVersion it read. A 409 on a
 //!   pod means it changed (re-created by someone else): it reads again and
 //!   decides again.
 //! - `restart_service` is kill all, then start all: it checks the record's
@@ -148,6 +153,7 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{
     Api, DeleteParams, ListParams, PostParams, Preconditions, WatchEvent, WatchParams,
@@ -258,6 +264,7 @@ struct Inner {
     services: Api<Service>,
     pods: Api<Pod>,
     secrets: Api<Secret>,
+    budgets: Api<PodDisruptionBudget>,
     events: broadcast::Sender<ServiceEvent>,
     /// One lock per service: this orchestrator's ensure, drop, restart and
     /// shared-fate restarts of a service never interleave, so the
@@ -460,7 +467,8 @@ impl KubernetesOrchestrator {
             inner: Arc::new(Inner {
                 services: Api::namespaced(client.clone(), ns),
                 pods: Api::namespaced(client.clone(), ns),
-                secrets: Api::namespaced(client, ns),
+                secrets: Api::namespaced(client.clone(), ns),
+                budgets: Api::namespaced(client, ns),
                 config,
                 events,
                 locks: std::sync::Mutex::new(BTreeMap::new()),

@@ -11,8 +11,10 @@ use k8s_openapi::api::core::v1::{
     SeccompProfile, Secret, SecretEnvSource, SecurityContext, Service, ServicePort, ServiceSpec,
     Volume, VolumeMount, WeightedPodAffinityTerm,
 };
+use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_openapi::ByteString;
 use lockstep_orchestrator::{ServiceAssignment, ServiceConfig, EPOCH_LABEL, ID_LABEL};
 use serde::{Deserialize, Serialize};
@@ -349,6 +351,44 @@ pub fn tombstone(ctx: &ObjectContext, name: &str, dropped_by: u64) -> Service {
     }
 }
 
+/// The labels that select every pod of `service` (and no other): what the
+/// pod anti-affinity and the [`disruption_budget`] select.
+pub fn pod_selector_labels(ctx: &ObjectContext, service: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string()),
+        (ENVIRONMENT_LABEL.to_string(), ctx.environment.clone()),
+        (SERVICE_LABEL.to_string(), service.to_string()),
+    ])
+}
+
+/// The PodDisruptionBudget of a service, named like it: at most one of its
+/// pods evicted at a time (`maxUnavailable: 1`), so a node drain takes one
+/// process of a replica, and the backend's shared-fate restart brings the
+/// whole replica back before the next eviction may proceed. A pod that is
+/// not ready may always be evicted (`unhealthyPodEvictionPolicy:
+/// AlwaysAllow`), so a broken replica never blocks a drain. Labelled with
+/// the epoch like the Secret.
+pub fn disruption_budget(ctx: &ObjectContext, config: &ServiceConfig) -> PodDisruptionBudget {
+    PodDisruptionBudget {
+        metadata: meta(
+            ctx,
+            config.name.clone(),
+            labels(ctx, config),
+            BTreeMap::new(),
+        ),
+        spec: Some(PodDisruptionBudgetSpec {
+            max_unavailable: Some(IntOrString::Int(1)),
+            selector: Some(LabelSelector {
+                match_labels: Some(pod_selector_labels(ctx, &config.name)),
+                ..LabelSelector::default()
+            }),
+            unhealthy_pod_eviction_policy: Some("AlwaysAllow".to_string()),
+            ..PodDisruptionBudgetSpec::default()
+        }),
+        status: None,
+    }
+}
+
 /// The Secret with the service's environment ([`ServiceConfig::env`], which
 /// carries the replica's session key): it reaches the processes through
 /// `envFrom`, never their command line or the pod spec.
@@ -501,11 +541,7 @@ pub fn pod(
         (RESTARTS_ANNOTATION.to_string(), restarts.to_string()),
     ]);
     let name = pod_name(service, index);
-    let siblings = BTreeMap::from([
-        (MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string()),
-        (ENVIRONMENT_LABEL.to_string(), ctx.environment.clone()),
-        (SERVICE_LABEL.to_string(), service.to_string()),
-    ]);
+    let siblings = pod_selector_labels(ctx, service);
     Pod {
         metadata: meta(ctx, name.clone(), labels, annotations),
         spec: Some(PodSpec {

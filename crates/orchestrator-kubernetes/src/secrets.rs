@@ -49,6 +49,52 @@ impl Inner {
         Err(too_many_conflicts(&format!("secret {name}")).into())
     }
 
+    /// Writes the service's PodDisruptionBudget
+    /// ([`objects::disruption_budget`]) by the rules of
+    /// [`write_secret`](Self::write_secret): created if missing, kept if
+    /// equal, else replaced with the resourceVersion read; one labelled with
+    /// a newer epoch is refused ([`EnsureError::StaleEpoch`]).
+    pub(super) async fn write_budget(&self, config: &ServiceConfig) -> Result<(), EnsureError> {
+        let name = config.name.clone();
+        let ours = self.config.epoch;
+        for _ in 0..CONFLICT_ATTEMPTS {
+            let mut desired = objects::disruption_budget(&self.context(), config);
+            let result = match self
+                .budgets
+                .get_opt(&name)
+                .await
+                .map_err(|e| api_error("read poddisruptionbudget", e))?
+            {
+                None => self.budgets.create(&PostParams::default(), &desired).await,
+                Some(b)
+                    if self.config.conditional_writes
+                        && label_u64(b.labels(), EPOCH_LABEL).is_some_and(|e| e > ours) =>
+                {
+                    return Err(EnsureError::StaleEpoch {
+                        service: config.name.clone(),
+                        stored: label_u64(b.labels(), EPOCH_LABEL).unwrap_or(0),
+                        ours,
+                    })
+                }
+                Some(b) if b.spec == desired.spec && b.labels() == desired.labels() => {
+                    return Ok(())
+                }
+                Some(b) => {
+                    desired.metadata.resource_version = b.resource_version();
+                    self.budgets
+                        .replace(&name, &PostParams::default(), &desired)
+                        .await
+                }
+            };
+            match result {
+                Ok(_) => return Ok(()),
+                Err(e) if is_conflict(&e) => continue,
+                Err(e) => return Err(api_error("write poddisruptionbudget", e).into()),
+            }
+        }
+        Err(too_many_conflicts(&format!("poddisruptionbudget {name}")).into())
+    }
+
     pub(super) async fn master_secret(&self) -> Result<[u8; 32], StateError> {
         let name = objects::master_secret_name(&self.config.environment);
         let corrupt = |reason: String| StateError::Corrupt {

@@ -84,6 +84,7 @@ impl Inner {
         let template = objects::template(&self.context(), &config);
         let mut record = self.write_record(&config, &template).await?;
         self.write_secret(&config).await?;
+        self.write_budget(&config).await?;
         let mut created = Vec::new();
         let mut decided = false;
         for _ in 0..CONFLICT_ATTEMPTS {

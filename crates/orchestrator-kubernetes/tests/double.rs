@@ -933,3 +933,52 @@ async fn replica_pods_have_resources_a_restricted_security_context_and_spread_ov
     assert_ne!(uid(&api, "pods", "replica-1-0"), before, "replaced");
     check(&typed_pods(&api, "replica-1", 2), "2", "8Gi");
 }
+
+#[tokio::test]
+async fn every_replica_has_a_disruption_budget_over_its_own_pods_dropped_with_it() {
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    let api = ApiServerDouble::new();
+    let o = orchestrator(&api, 1);
+    o.ensure_service(replica("replica-1", 1, 3)).await.unwrap();
+    o.ensure_service(replica("replica-2", 2, 1)).await.unwrap();
+    let budget: PodDisruptionBudget = serde_json::from_value(
+        api.get("poddisruptionbudgets", NS, "replica-1")
+            .expect("a budget"),
+    )
+    .expect("a valid PodDisruptionBudget");
+    let spec = budget.spec.unwrap();
+    assert_eq!(spec.max_unavailable, Some(IntOrString::Int(1)));
+    assert_eq!(
+        spec.unhealthy_pod_eviction_policy.as_deref(),
+        Some("AlwaysAllow")
+    );
+    let select = spec.selector.unwrap().match_labels.unwrap();
+    // It selects exactly replica-1's three pods.
+    let mut selected: Vec<String> = api
+        .names("pods", NS)
+        .into_iter()
+        .filter(|p| {
+            let pod = api.get("pods", NS, p).unwrap();
+            select
+                .iter()
+                .all(|(k, v)| pod["metadata"]["labels"][k].as_str() == Some(v))
+        })
+        .collect();
+    selected.sort();
+    assert_eq!(selected, ["replica-1-0", "replica-1-1", "replica-1-2"]);
+
+    // A newer controller takes it over (relabelled), an older one may not.
+    let newer = orchestrator(&api, 2);
+    newer
+        .ensure_service(replica("replica-1", 1, 3))
+        .await
+        .unwrap();
+    let labels = &api.get("poddisruptionbudgets", NS, "replica-1").unwrap()["metadata"]["labels"];
+    assert_eq!(labels["lockstep/epoch"], "2");
+
+    // Dropped with its service; the other replica's stays.
+    assert!(newer.drop_service("replica-1").await.unwrap());
+    assert!(api.get("poddisruptionbudgets", NS, "replica-1").is_none());
+    assert!(api.get("poddisruptionbudgets", NS, "replica-2").is_some());
+}

@@ -355,11 +355,18 @@ fn operable(d: &Deployment, service: &Service, claim: &PersistentVolumeClaim) {
     );
 }
 
-/// The RBAC verb of a recorded request.
-fn verb(r: &RecordedRequest) -> (String, &'static str) {
+/// The API group, resource and RBAC verb of a recorded request
+/// (`/api/v1/namespaces/NS/RESOURCE[/NAME]`: the core group "";
+/// `/apis/GROUP/VERSION/namespaces/NS/RESOURCE[/NAME]`: GROUP).
+fn verb(r: &RecordedRequest) -> (String, String, &'static str) {
     let parts: Vec<&str> = r.path.trim_matches('/').split('/').collect();
-    let resource = parts[4].to_string();
-    let item = parts.len() > 5;
+    let group = if parts[0] == "apis" { parts[1] } else { "" }.to_string();
+    let ns = parts
+        .iter()
+        .position(|p| *p == "namespaces")
+        .expect("namespaced");
+    let resource = parts[ns + 2].to_string();
+    let item = parts.len() > ns + 3;
     let verb = match (&r.method, item) {
         (&Method::GET, true) => "get",
         (&Method::GET, false) if r.query.contains_key("watch") => "watch",
@@ -369,7 +376,7 @@ fn verb(r: &RecordedRequest) -> (String, &'static str) {
         (&Method::DELETE, _) => "delete",
         _ => "unknown",
     };
-    (resource, verb)
+    (group, resource, verb)
 }
 
 #[tokio::test]
@@ -398,23 +405,21 @@ async fn the_role_grants_exactly_what_the_backend_uses() {
     o2.list_services().await.unwrap();
     o2.drop_service("replica-1").await.unwrap();
     let _ = tokio::time::timeout(Duration::from_secs(2), events.recv()).await;
-    let used: BTreeSet<(String, &str)> = api.requests().iter().map(verb).collect();
+    let used: BTreeSet<(String, String, &str)> = api.requests().iter().map(verb).collect();
 
     let role: Role = documents()
         .into_iter()
         .find(|(_, d)| d["kind"] == "Role")
         .map(|(f, d)| round_trip(&f, &d))
         .unwrap();
-    let granted: BTreeSet<(String, &str)> = role
+    let granted: BTreeSet<(String, String, &str)> = role
         .rules
         .unwrap()
         .iter()
         .flat_map(|r| {
-            assert_eq!(
-                r.api_groups.as_deref(),
-                Some(&[String::new()][..]),
-                "core group only"
-            );
+            let groups = r.api_groups.clone().unwrap_or_default();
+            assert_eq!(groups.len(), 1, "one API group per rule: {groups:?}");
+            let group = groups[0].clone();
             let verbs: Vec<&'static str> = r
                 .verbs
                 .iter()
@@ -424,7 +429,13 @@ async fn the_role_grants_exactly_what_the_backend_uses() {
                 .clone()
                 .unwrap()
                 .into_iter()
-                .flat_map(move |res| verbs.clone().into_iter().map(move |v| (res.clone(), v)))
+                .flat_map(move |res| {
+                    let group = group.clone();
+                    verbs
+                        .clone()
+                        .into_iter()
+                        .map(move |v| (group.clone(), res.clone(), v))
+                })
         })
         .collect();
     assert_eq!(granted, used, "the Role must grant exactly the verbs used");

@@ -250,6 +250,26 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
     );
     respond(send, 201, &stored(body, "uid-secret", 11));
 
+    // The PodDisruptionBudget (policy/v1), read and created the same way:
+    // at most one of the service's pods evicted at a time.
+    let budgets = format!("/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets");
+    let (_, send) = expect(&mut mock, Method::GET, &format!("{budgets}/replica-5"), &[]).await;
+    not_found(send, "poddisruptionbudgets \"replica-5\"");
+    let (body, send) = expect(&mut mock, Method::POST, &budgets, &[]).await;
+    assert_eq!(body["metadata"]["name"], "replica-5");
+    assert_eq!(body["metadata"]["labels"]["lockstep/epoch"], "7");
+    assert_eq!(body["spec"]["maxUnavailable"], 1);
+    assert_eq!(body["spec"]["unhealthyPodEvictionPolicy"], "AlwaysAllow");
+    assert_eq!(
+        body["spec"]["selector"],
+        json!({"matchLabels": {
+            "app.kubernetes.io/managed-by": "lockstep",
+            "lockstep/environment": "test",
+            "lockstep/service": "replica-5"
+        }})
+    );
+    respond(send, 201, &stored(body, "uid-budget", 11));
+
     // The pods: none yet, so every pod starts in the record's generation.
     let (_, send) = expect(
         &mut mock,
@@ -500,6 +520,24 @@ async fn drop_writes_a_tombstone_by_cas_and_deletes_each_object_with_preconditio
     assert_eq!(
         body,
         json!({"preconditions": {"uid": "uid-s", "resourceVersion": "33"}})
+    );
+    respond(
+        send,
+        200,
+        &json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 200}),
+    );
+    // The PodDisruptionBudget, as read, with preconditions too.
+    let budget = format!("/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/replica-5");
+    let (_, send) = expect(&mut mock, Method::GET, &budget, &[]).await;
+    respond(
+        send,
+        200,
+        &json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "replica-5", "uid": "uid-b", "resourceVersion": "34"}}),
+    );
+    let (body, send) = expect(&mut mock, Method::DELETE, &budget, &[]).await;
+    assert_eq!(
+        body,
+        json!({"preconditions": {"uid": "uid-b", "resourceVersion": "34"}})
     );
     respond(
         send,
