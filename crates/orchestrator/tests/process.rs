@@ -902,7 +902,6 @@ async fn restarting_an_unknown_dropped_or_newer_service_is_refused() {
 /// starts; what recorded processes spawned (same process group) stays.
 #[tokio::test]
 async fn processes_that_escaped_the_record_are_killed_when_an_orchestrator_starts() {
-    use std::os::unix::process::CommandExt;
     let sandbox = Sandbox::new();
     let o = sandbox.orchestrator(1);
     // A recorded service whose process spawns a child of its own.
@@ -923,25 +922,7 @@ async fn processes_that_escaped_the_record_are_killed_when_an_orchestrator_start
         .unwrap();
     // A process as the window leaves it: spawned with the orchestrator's
     // marker, in its own process group, recorded nowhere.
-    let mut stray = std::process::Command::new("sleep")
-        .arg("300")
-        .env(
-            lockstep_orchestrator::process::ORCHESTRATOR_ENV,
-            std::path::absolute(sandbox.path()).unwrap(),
-        )
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    let stray_pid = stray.id();
-    // As the window leaves it: running the program, with its environment.
-    eventually("the stray to run with the marker", || {
-        std::fs::read(format!("/proc/{stray_pid}/environ")).is_ok_and(|e| {
-            e.split(|b| *b == 0)
-                .any(|v| v.starts_with(b"LOCKSTEP_ORCHESTRATOR="))
-        })
-    })
-    .await;
-    assert!(alive(stray_pid));
+    let (mut stray, stray_pid) = spawn_stray(&sandbox).await;
     drop(o);
     let _next = sandbox.orchestrator(2);
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -969,6 +950,33 @@ async fn processes_that_escaped_the_record_are_killed_when_an_orchestrator_start
     );
 }
 
+/// A process as an orchestrator killed between spawn and record leaves it:
+/// spawned with the orchestrator's marker, in its own process group,
+/// recorded nowhere; returned once it runs the program with that
+/// environment (and is alive).
+async fn spawn_stray(sandbox: &Sandbox) -> (std::process::Child, u32) {
+    use std::os::unix::process::CommandExt;
+    let stray = std::process::Command::new("sleep")
+        .arg("300")
+        .env(
+            lockstep_orchestrator::process::ORCHESTRATOR_ENV,
+            std::path::absolute(sandbox.path()).unwrap(),
+        )
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let pid = stray.id();
+    eventually("the stray to run with the marker", || {
+        std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|e| {
+            e.split(|b| *b == 0)
+                .any(|v| v.starts_with(b"LOCKSTEP_ORCHESTRATOR="))
+        })
+    })
+    .await;
+    assert!(alive(pid));
+    (stray, pid)
+}
+
 /// An orchestrator killed while it wrote a record leaves the new record in
 /// `NAME.json.tmp`, never renamed: the process it names was spawned and is
 /// recorded nowhere that counts. The next orchestrator must kill it (found
@@ -978,29 +986,12 @@ async fn processes_that_escaped_the_record_are_killed_when_an_orchestrator_start
 /// the recorded processes kept failing to bind).
 #[tokio::test]
 async fn a_process_named_only_by_an_unfinished_record_write_is_a_stray() {
-    use std::os::unix::process::CommandExt;
     let sandbox = Sandbox::new();
     let o = sandbox.orchestrator(1);
     o.ensure_service(ServiceConfig::new("replica-1", 1, "sleep").fixed_args(["300".to_string()]))
         .await
         .unwrap();
-    let mut stray = std::process::Command::new("sleep")
-        .arg("300")
-        .env(
-            lockstep_orchestrator::process::ORCHESTRATOR_ENV,
-            std::path::absolute(sandbox.path()).unwrap(),
-        )
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    let stray_pid = stray.id();
-    eventually("the stray to run with the marker", || {
-        std::fs::read(format!("/proc/{stray_pid}/environ")).is_ok_and(|e| {
-            e.split(|b| *b == 0)
-                .any(|v| v.starts_with(b"LOCKSTEP_ORCHESTRATOR="))
-        })
-    })
-    .await;
+    let (mut stray, stray_pid) = spawn_stray(&sandbox).await;
     // The unfinished write: the new generation's record, naming the stray,
     // synced but not renamed over the record.
     let path = sandbox.path().join("services").join("replica-1.json");
