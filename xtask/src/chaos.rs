@@ -40,7 +40,7 @@ pub const SUITES: [&str; 4] = ["orphans", "distribution", "security", "campaign"
 /// `lockstep-chaos-campaign`.
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct CampaignArgs {
-    /// For `campaign`: the seeds, `A..B` (B excluded) or `A..=B` (default: the quick set, 1..=9 and 20, with the kept regressions).
+    /// For `campaign`: the seeds, `A..B` (B excluded) or `A..=B` (default: the quick set, 1..=8 with the kept regressions; 1, 2 and 103 for the @postgres and @hosts variants; 1..=10 for naive).
     #[arg(long)]
     pub seeds: Option<String>,
     /// For `campaign`: one seed (replays a failing one).

@@ -324,9 +324,10 @@ struct Args {
     regressions: bool,
 }
 
-/// The quick set's seeds (`cargo xtask test`): 1–8, and the seeds that
-/// found a defect in a longer run (9 and 20: see [`REGRESSIONS`]).
-const QUICK_SEEDS: [u64; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 20];
+/// The quick set's seeds (`cargo xtask test`): 1–8. (Seeds 9 and 20, on
+/// which the peek-ID defect was found, ran here until the CI budget needed
+/// their time; the shrunk [`REGRESSIONS`] reproduce that defect.)
+const QUICK_SEEDS: [u64; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
 
 /// The quick set's seeds for the variants with a place of their own
 /// (`@postgres`, `@hosts`): their faults are drawn in place of some of the
@@ -336,13 +337,13 @@ const QUICK_SEEDS: [u64; 10] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 20];
 /// `crates/orchestrator/tests/process.rs`,
 /// `a_process_named_only_by_an_unfinished_record_write_is_a_stray`, is its
 /// deterministic regression; the seed's timing is not).
-const QUICK_PLACE_SEEDS: [u64; 4] = [1, 2, 3, 103];
+const QUICK_PLACE_SEEDS: [u64; 3] = [1, 2, 103];
 
 /// The quick set's seeds for the negative control `naive`: more than for
 /// the others, since whether a seed catches it depends on where the
 /// controller's crashes land (3 to 6 of 10 seeds caught it in single runs,
-/// 9 and 10 of 1–20 in two full runs).
-const QUICK_NAIVE_SEEDS: std::ops::RangeInclusive<u64> = 1..=14;
+/// 9 and 10 of 1–20 in two full runs, 9 of 1–14 in one).
+const QUICK_NAIVE_SEEDS: std::ops::RangeInclusive<u64> = 1..=10;
 
 /// The quick set's operations per seed.
 const QUICK_STEPS: usize = 60;
