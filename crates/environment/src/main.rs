@@ -38,6 +38,10 @@ use lockstep_environment::{proto, EnvError, Environment, EnvironmentConfig, Serv
 /// (not 2, which clap gives a usage error).
 const EXIT_HALTED: u8 = 3;
 
+/// `json` makes the logs one JSON object per line (the replica processes
+/// inherit it).
+const LOG_FORMAT_ENV: &str = "LOCKSTEP_LOG_FORMAT";
+
 #[derive(Parser)]
 #[command(
     name = "lockstep",
@@ -435,13 +439,19 @@ enum ReplicaCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
+    // The level from LOCKSTEP_LOG (default info); with LOCKSTEP_LOG_FORMAT=json
+    // one JSON object per line, with the spans (a controller's `replica`).
+    let logs = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("LOCKSTEP_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+        );
+    if std::env::var(LOG_FORMAT_ENV).is_ok_and(|f| f == "json") {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

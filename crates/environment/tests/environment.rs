@@ -526,3 +526,60 @@ async fn the_api_serves_tls_with_a_given_certificate() {
     assert!(!plain.status.success(), "plain HTTP/2 was served");
     env.kill().await.unwrap();
 }
+
+/// With LOCKSTEP_LOG_FORMAT=json every log line of `lockstep serve` is one
+/// JSON object, and a controller's lines carry its span (`controller`, with
+/// the replica's ID); the replica's processes inherit the setting.
+#[tokio::test]
+async fn json_logs_carry_the_controllers_replica_and_reach_the_processes() {
+    let sandbox = Sandbox::new().unwrap();
+    let env = EnvProcess::start_with_env(
+        bin(),
+        sandbox.path(),
+        "epoch",
+        None,
+        &[],
+        &[("LOCKSTEP_LOG_FORMAT".into(), "json".into())],
+    )
+    .await
+    .unwrap();
+    let o = cli(bin(), &env.url, &["create", "r1", "--processes", "1"])
+        .await
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    // The services run `sleep 300`: the controller cannot connect, and says
+    // so (within its connect bound) from inside its span.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    let lines = loop {
+        let text = std::fs::read_to_string(&env.stderr_path).unwrap_or_default();
+        let parsed: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}"))
+            })
+            .collect();
+        if parsed.iter().any(|v| v["span"]["name"] == "controller") {
+            break parsed;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no line from a controller's span within 90 s:\n{text}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    let controller = lines
+        .iter()
+        .find(|v| v["span"]["name"] == "controller")
+        .unwrap();
+    assert_eq!(controller["span"]["replica"], 1, "{controller}");
+    assert!(controller["fields"]["message"].is_string(), "{controller}");
+    let services = sandbox.services().await.unwrap();
+    let pid = services[0].processes[0].pid.expect("the process runs");
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    assert!(
+        environ
+            .split(|b| *b == 0)
+            .any(|v| v == b"LOCKSTEP_LOG_FORMAT=json"),
+        "the replica process did not inherit LOCKSTEP_LOG_FORMAT"
+    );
+}

@@ -69,12 +69,18 @@ struct Args {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
+    // The level from RUST_LOG (default info); with LOCKSTEP_LOG_FORMAT=json
+    // (inherited from `lockstep serve`) one JSON object per line.
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    if std::env::var("LOCKSTEP_LOG_FORMAT").is_ok_and(|f| f == "json") {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
     lockstep_replica::server::install_panic_exit();
     // Test hooks: FAILPOINTS="name=actions;..." (feature `failpoints` only).
     #[cfg(feature = "failpoints")]

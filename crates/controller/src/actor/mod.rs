@@ -271,26 +271,32 @@ pub(crate) fn spawn(
             let _ = tx.send(AnyLog::open(&location));
         });
     }
-    tokio::spawn(async move {
-        actor.start_connecting();
-        let mut tick = tokio::time::interval(actor.timeouts.heartbeat_interval);
-        loop {
-            tokio::select! {
-                req = requests.recv() => match req {
-                    None | Some(Request::Shutdown) => break,
-                    Some(r) => actor.on_request(r),
-                },
-                Some(msg) = from_conns.recv() => actor.on_conn(msg),
-                Some((generation, result)) = connected_rx.recv() => actor.on_connected(generation, result),
-                _ = tick.tick() => actor.on_tick(),
+    // Every line the controller (and the connection tasks it spawns) logs
+    // names its replica.
+    let span = tracing::info_span!("controller", replica = actor.replica.replica_id);
+    tokio::spawn(tracing::Instrument::instrument(
+        async move {
+            actor.start_connecting();
+            let mut tick = tokio::time::interval(actor.timeouts.heartbeat_interval);
+            loop {
+                tokio::select! {
+                    req = requests.recv() => match req {
+                        None | Some(Request::Shutdown) => break,
+                        Some(r) => actor.on_request(r),
+                    },
+                    Some(msg) = from_conns.recv() => actor.on_conn(msg),
+                    Some((generation, result)) = connected_rx.recv() => actor.on_connected(generation, result),
+                    _ = tick.tick() => actor.on_tick(),
+                }
+                if actor.phase() == Phase::Crashed {
+                    break;
+                }
             }
-            if actor.phase() == Phase::Crashed {
-                break;
-            }
-        }
-        actor.current_generation.store(u64::MAX, Ordering::SeqCst);
-        tracing::info!("controller shut down");
-    });
+            actor.current_generation.store(u64::MAX, Ordering::SeqCst);
+            tracing::info!("controller shut down");
+        },
+        span,
+    ));
 }
 
 impl Actor {

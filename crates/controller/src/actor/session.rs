@@ -55,7 +55,7 @@ impl Actor {
         // After sessions that ended quickly, it first waits (backoff): a
         // replica that drops every session must not be reconnected to in a
         // tight loop.
-        tokio::spawn(async move {
+        tokio::spawn(tracing::Instrument::in_current_span(async move {
             tokio::time::sleep(backoff).await;
             'attempt: loop {
                 let deadline = Instant::now() + bound;
@@ -85,7 +85,7 @@ impl Actor {
                 let _ = tx.send((generation, Ok(socks)));
                 return;
             }
-        });
+        }));
     }
 
     pub(super) fn on_connected(

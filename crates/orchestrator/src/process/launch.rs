@@ -141,9 +141,17 @@ impl Inner {
 }
 
 /// The variables a service's process inherits from the orchestrator's
-/// environment; everything else it gets comes from its spec.
-pub(super) const INHERITED_ENV: [&str; 6] =
-    ["PATH", "RUST_LOG", "RUST_BACKTRACE", "LANG", "TZ", "TMPDIR"];
+/// environment; everything else it gets comes from its spec. (Not part of
+/// the spec, so setting one does not replace running processes.)
+pub(super) const INHERITED_ENV: [&str; 7] = [
+    "PATH",
+    "RUST_LOG",
+    "LOCKSTEP_LOG_FORMAT",
+    "RUST_BACKTRACE",
+    "LANG",
+    "TZ",
+    "TMPDIR",
+];
 
 /// Where process `i` runs: its host as peers name it, the address it binds,
 /// its namespace and its address from here.
