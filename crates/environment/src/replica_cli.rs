@@ -1,0 +1,344 @@
+//! The client commands about replicas (`lockstep replica ...`, `lockstep
+//! status`): listing, creating (with `--wait`), dropping, and their table
+//! and JSON output.
+
+use super::*;
+
+#[derive(Subcommand)]
+pub(crate) enum ReplicaCommand {
+    /// Create a replica.
+    Create {
+        /// Its unique name.
+        name: String,
+        /// OS processes.
+        #[arg(long, default_value_t = 1)]
+        processes: u32,
+        /// Workers per process.
+        #[arg(long, default_value_t = 1)]
+        workers: u32,
+        /// Free-form configuration for the replica.
+        #[arg(long, default_value = "")]
+        config: String,
+        /// Wait until the replica serves: every process connected to its
+        /// controller and answering (grpc.health.v1 `replica/NAME` SERVING).
+        /// Exit 1 if it does not within --timeout.
+        #[arg(long)]
+        wait: bool,
+        /// How long --wait waits, in seconds.
+        #[arg(long, default_value_t = 60, value_name = "SECONDS", requires = "wait")]
+        timeout: u64,
+    },
+    /// Drop a replica.
+    Drop {
+        /// Its name.
+        name: String,
+    },
+    /// List replicas and their processes.
+    ///
+    /// `-o json`: `{"replicas": [{"id", "name", "processes",
+    /// "workers_per_process", "config", "service" (null: none yet),
+    /// "service_epoch", "process_status": [{"index", "pid" (null: none, a
+    /// pod), "running", "restarts", "addresses": {NAME: "HOST:PORT"},
+    /// "frontier_lag", "protocol_version", "build_version" (null: not
+    /// known)}]}]}`.
+    List {
+        #[command(flatten)]
+        output: OutputArg,
+    },
+}
+
+/// Every replica, page by page.
+pub(crate) async fn all_replicas(client: &mut Client) -> anyhow::Result<Vec<proto::Replica>> {
+    let mut all = Vec::new();
+    let mut page_token = String::new();
+    loop {
+        let page = client
+            .list_replicas(proto::ListReplicasRequest {
+                page_size: 1000,
+                page_token,
+            })
+            .await
+            .map_err(status_err)?
+            .into_inner();
+        all.extend(page.replicas);
+        if page.next_page_token.is_empty() {
+            return Ok(all);
+        }
+        page_token = page.next_page_token;
+    }
+}
+
+/// `lockstep status`.
+pub(crate) async fn status_summary(server: ServerArg, output: OutputArg) -> anyhow::Result<()> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let mut client = connect(&server).await?;
+    let status = client
+        .get_status(proto::GetStatusRequest {})
+        .await
+        .map_err(status_err)?
+        .into_inner();
+    let replicas = all_replicas(&mut client).await?;
+    let mut health = HealthClient::new(connect_channel(&server).await?);
+    let mut rows = Vec::new();
+    for r in &replicas {
+        // The health status's name, or None: not checked yet; Err: unknown.
+        let serving: Result<Option<ServingStatus>, String> = match health
+            .check(HealthCheckRequest {
+                service: format!("replica/{}", r.name),
+            })
+            .await
+        {
+            Ok(h) => Ok(Some(h.into_inner().status())),
+            Err(s) if s.code() == tonic::Code::NotFound => Ok(None),
+            Err(s) => Err(s.message().to_string()),
+        };
+        rows.push((r, serving));
+    }
+    let running = |r: &proto::Replica| r.process_status.iter().filter(|p| p.running).count();
+    let restarts = |r: &proto::Replica| r.process_status.iter().map(|p| p.restarts).sum::<u32>();
+    if output.json() {
+        let replicas: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|(r, serving)| {
+                let serving = match serving {
+                    Ok(Some(s)) => Some(s.as_str_name()),
+                    Ok(None) => None,
+                    Err(_) => Some("UNKNOWN"),
+                };
+                serde_json::json!({
+                    "name": r.name,
+                    "id": r.id,
+                    "processes": r.processes,
+                    "workers_per_process": r.workers_per_process,
+                    "running": running(r),
+                    "restarts": restarts(r),
+                    "frontier_lag": r.process_status.iter().map(|p| p.frontier_lag).collect::<Vec<_>>(),
+                    "serving": serving,
+                })
+            })
+            .collect();
+        return print_json(&serde_json::json!({
+            "server": server.url,
+            "epoch": status.epoch,
+            "orphan_rule": status.orphan_rule,
+            "orphans_removed": status.orphans_removed,
+            "replicas": replicas,
+        }));
+    }
+    println!(
+        "environment {}: epoch {}, orphan rule {}, {} replica(s)",
+        server.url,
+        status.epoch,
+        status.orphan_rule,
+        replicas.len()
+    );
+    let mut table = Table::new(&[
+        ("REPLICA", Align::Left),
+        ("ID", Align::Right),
+        ("SHAPE", Align::Right),
+        ("RUNNING", Align::Right),
+        ("RESTARTS", Align::Right),
+        ("LAG", Align::Right),
+        ("SERVING", Align::Left),
+    ]);
+    for (r, serving) in &rows {
+        let serving = match serving {
+            Ok(Some(ServingStatus::Serving)) => "yes".to_string(),
+            Ok(Some(ServingStatus::NotServing)) => "no".to_string(),
+            Ok(Some(other)) => format!("{other:?}").to_lowercase(),
+            Ok(None) => "not checked yet".to_string(),
+            Err(m) => format!("unknown ({m})"),
+        };
+        // Per process, comma-separated; `?` where it is not known.
+        let lag = r
+            .process_status
+            .iter()
+            .map(|p| p.frontier_lag.map_or("?".to_string(), |l| l.to_string()))
+            .collect::<Vec<_>>()
+            .join(",");
+        table.row(vec![
+            r.name.clone(),
+            r.id.to_string(),
+            format!("{}x{}", r.processes, r.workers_per_process),
+            format!("{}/{}", running(r), r.processes),
+            restarts(r).to_string(),
+            lag,
+            serving,
+        ]);
+    }
+    table.print();
+    Ok(())
+}
+
+pub(crate) async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow::Result<()> {
+    let mut client = connect(&server).await?;
+    match command {
+        ReplicaCommand::Create {
+            name,
+            processes,
+            workers,
+            config,
+            wait,
+            timeout,
+        } => {
+            let r = client
+                .create_replica(proto::CreateReplicaRequest {
+                    name: name.clone(),
+                    processes,
+                    workers_per_process: workers,
+                    config,
+                })
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            if let Some(r) = r.replica {
+                println!("created replica {} (id {})", r.name, r.id);
+                print_processes(&r);
+            }
+            if wait {
+                let took =
+                    wait_serving(&server, &name, std::time::Duration::from_secs(timeout)).await?;
+                println!("replica {name} serving after {:.1} s", took.as_secs_f64());
+            }
+        }
+        ReplicaCommand::Drop { name } => {
+            let r = client
+                .drop_replica(proto::DropReplicaRequest { name: name.clone() })
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            println!("dropped replica {name} (id {})", r.id);
+        }
+        ReplicaCommand::List { output } => {
+            let replicas = all_replicas(&mut client).await?;
+            if output.json() {
+                let replicas: Vec<serde_json::Value> = replicas.iter().map(replica_json).collect();
+                return print_json(&serde_json::json!({ "replicas": replicas }));
+            }
+            let mut table = Table::new(&[
+                ("ID", Align::Right),
+                ("NAME", Align::Left),
+                ("PROCESSES", Align::Right),
+                ("WORKERS", Align::Right),
+                ("SERVICE", Align::Left),
+                ("EPOCH", Align::Right),
+            ]);
+            for r in &replicas {
+                let service = if r.service.is_empty() {
+                    "-"
+                } else {
+                    &r.service
+                };
+                table.row(vec![
+                    r.id.to_string(),
+                    r.name.clone(),
+                    r.processes.to_string(),
+                    r.workers_per_process.to_string(),
+                    service.to_string(),
+                    r.service_epoch.to_string(),
+                ]);
+            }
+            // Each replica's line, then its processes' lines.
+            let lines = table.lines();
+            println!("{}", lines[0]);
+            for (line, r) in lines[1..].iter().zip(&replicas) {
+                println!("{line}");
+                print_processes(r);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Waits (bounded by `timeout`) until replica `name` serves: its
+/// grpc.health.v1 status `replica/NAME` is SERVING (its controller reached
+/// every process). Returns how long that took.
+pub(crate) async fn wait_serving(
+    server: &ServerArg,
+    name: &str,
+    timeout: std::time::Duration,
+) -> anyhow::Result<std::time::Duration> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let started = std::time::Instant::now();
+    let mut health = HealthClient::new(connect_channel(server).await?);
+    let mut last = "not checked yet".to_string();
+    loop {
+        match health
+            .check(HealthCheckRequest {
+                service: format!("replica/{name}"),
+            })
+            .await
+        {
+            Ok(h) if h.get_ref().status() == ServingStatus::Serving => return Ok(started.elapsed()),
+            Ok(h) => last = h.into_inner().status().as_str_name().to_string(),
+            Err(s) if s.code() == tonic::Code::NotFound => {}
+            Err(s) => return Err(status_err(s)),
+        }
+        if started.elapsed() >= timeout {
+            anyhow::bail!(
+                "replica {name} did not serve within {} s (health: {last})",
+                timeout.as_secs()
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// A replica in the JSON of `lockstep replica list -o json`.
+pub(crate) fn replica_json(r: &proto::Replica) -> serde_json::Value {
+    let processes: Vec<serde_json::Value> = r
+        .process_status
+        .iter()
+        .map(|p| {
+            serde_json::json!({
+                "index": p.index,
+                "pid": (p.pid != 0).then_some(p.pid),
+                "running": p.running,
+                "restarts": p.restarts,
+                "addresses": p.addresses.iter().collect::<std::collections::BTreeMap<_, _>>(),
+                "frontier_lag": p.frontier_lag,
+                "protocol_version": p.protocol_version,
+                "build_version": p.build_version,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "id": r.id,
+        "name": r.name,
+        "processes": r.processes,
+        "workers_per_process": r.workers_per_process,
+        "config": r.config,
+        "service": (!r.service.is_empty()).then_some(&r.service),
+        "service_epoch": r.service_epoch,
+        "process_status": processes,
+    })
+}
+
+pub(crate) fn print_processes(r: &proto::Replica) {
+    for p in &r.process_status {
+        let addrs: Vec<String> = p
+            .addresses
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        // The agreed protocol version and the build, once the process
+        // answered this session's Hello (the build from version 3 on).
+        let version = match (p.protocol_version, &p.build_version) {
+            (Some(v), Some(b)) => format!(" protocol {v} build {b}"),
+            (Some(v), None) => format!(" protocol {v}"),
+            (None, _) => String::new(),
+        };
+        println!(
+            "    process {} pid {} {} restarts {} {}{version}",
+            p.index,
+            p.pid,
+            if p.running { "running" } else { "down" },
+            p.restarts,
+            addrs.join(" ")
+        );
+    }
+}

@@ -1,0 +1,419 @@
+//! `lockstep serve`: its arguments, the API token, the shutdown signal, and
+//! the wiring of the environment library (store, orchestrator, policies,
+//! metrics, TLS) into a serving process.
+
+use super::*;
+
+#[derive(clap::Args)]
+pub(crate) struct ServeArgs {
+    /// Directory holding the catalog and the orchestrator state; must exist.
+    #[arg(long)]
+    state_dir: PathBuf,
+    /// Address to serve the gRPC API on (port 0 picks one; the chosen address
+    /// is printed as `lockstep: serving on ADDR`).
+    #[arg(long, default_value = "127.0.0.1:6875")]
+    listen: SocketAddr,
+    /// The orphan rule.
+    #[arg(long, value_enum, default_value_t = OrphanRule::IdWatermark)]
+    orphan_rule: OrphanRule,
+    /// The replica program (default: lockstep-replica beside this binary, or in PATH).
+    #[arg(long)]
+    service_binary: Option<PathBuf>,
+    /// An argument template for replica processes (repeat for several; see
+    /// `ServiceTemplate` for placeholders such as {process} and {peers:timely}).
+    /// Default: the lockstep-replica arguments.
+    #[arg(long = "service-arg", allow_hyphen_values = true)]
+    service_args: Vec<String>,
+    /// A WASM orphan policy (a component of the `orphans` world) instead of
+    /// `--orphan-rule`, e.g. target/lockstep/policies/id-watermark.wasm. On a
+    /// failing call it deletes nothing.
+    #[arg(long)]
+    orphan_policy: Option<PathBuf>,
+    /// A WASM distribution policy (the `distribution` world) choosing the
+    /// strategy of every command, e.g. target/lockstep/policies/barrier.wasm.
+    /// Default: the native rule, `barrier` for every command. On a failing
+    /// call the command is sent with `barrier`.
+    #[arg(long)]
+    distribution_policy: Option<PathBuf>,
+    /// Seconds between background orphan removals while serving (0: only at start).
+    #[arg(long, default_value_t = 30)]
+    orphan_interval_secs: u64,
+    /// The largest frame on a replica connection, in bytes (at least 64 KiB);
+    /// replica processes get the same. Writes and peek answers larger than
+    /// half of it travel in parts.
+    #[arg(long, env = "LOCKSTEP_MAX_FRAME_LEN", default_value_t = lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(65536..=(1u64 << 30)))]
+    max_frame_len: usize,
+    /// How far, in timestamps, an input collection's since stays behind its
+    /// upper: updates below it are compacted (a row inserted and retracted
+    /// there leaves nothing) and reads below it are refused with
+    /// OUT_OF_RANGE. Omitted: every time is kept, and storage grows with
+    /// every distinct (row, time) written.
+    #[arg(long)]
+    compaction_lag: Option<u64>,
+    /// A file holding the token every API call must carry
+    /// (`authorization: Bearer TOKEN`; at least 16 characters; the file's
+    /// first line). Also read from LOCKSTEP_API_TOKEN. Required to serve on
+    /// an address that is not loopback.
+    #[arg(long)]
+    api_token_file: Option<PathBuf>,
+    /// Serve the API over TLS with this certificate chain (PEM); needs
+    /// --tls-key.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Serve Prometheus metrics (OpenMetrics text) on this address at
+    /// /metrics (port 0 picks one; printed on the serving line).
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
+    /// Let a WASM distribution policy choose `naive`, the negative control
+    /// (each worker reconciles alone; it breaks I1 under faults). Refused
+    /// otherwise, with the fallback `barrier` used instead.
+    #[arg(long)]
+    experiments_allow_naive: bool,
+    /// Never restart a replica on a controller event (a silent process,
+    /// lost lockstep, a history mismatch): the negative control of the
+    /// seeded campaign, which shows what those restarts repair.
+    #[arg(long, hide = true)]
+    experiments_no_replica_restarts: bool,
+    /// Where the catalog and the replicas' command logs live: omitted, SQLite
+    /// files in the state directory (the embedded default); or a PostgreSQL
+    /// database, `postgres://USER@HOST:PORT/DB`, shared by environments on
+    /// several machines. Keep the password out of the command line: set
+    /// PGPASSWORD (or the whole string in LOCKSTEP_STORE).
+    #[arg(long, env = "LOCKSTEP_STORE")]
+    store: Option<String>,
+    /// The largest answer the API sends (default 256 MiB, what this CLI
+    /// accepts); a larger peek answer is refused with RESOURCE_EXHAUSTED
+    /// (tests lower it).
+    #[arg(long, hide = true, default_value_t = lockstep_environment::server::MAX_ANSWER_BYTES)]
+    max_answer_bytes: usize,
+    /// Let a stale ensure overwrite a newer controller's service (negative tests only).
+    #[arg(long, hide = true)]
+    unconditional_writes: bool,
+    /// Where replicas run: supervised processes on this machine, or pods
+    /// in a Kubernetes cluster (in-cluster service account, or KUBECONFIG).
+    #[arg(long, value_enum, default_value_t = OrchestratorKind::Process)]
+    orchestrator: OrchestratorKind,
+    /// Place every replica's process i on simulated host i mod N: a network
+    /// namespace of its own joined to this one by veth pairs (process
+    /// backend only; needs root and iproute2; see docs/hosts.md). 0: every
+    /// process on this host's loopback.
+    #[arg(long, default_value_t = 0)]
+    hosts: usize,
+    /// The Kubernetes namespace of the replicas' objects.
+    #[arg(long, default_value = "lockstep")]
+    namespace: String,
+    /// The container image of replica pods (it holds --service-binary).
+    #[arg(long, default_value = "lockstep:latest")]
+    kubernetes_image: String,
+    /// On SIGTERM or SIGINT: how long calls in flight may take to finish
+    /// after health turned NOT_SERVING and new calls are refused; then the
+    /// process exits 0, leaving the replicas running for the next
+    /// environment to adopt.
+    #[arg(long, default_value_t = 5, value_name = "SECONDS")]
+    shutdown_grace_secs: u64,
+    /// The label value (`lockstep/environment`) that tells this
+    /// environment's objects from others' in the same namespace.
+    #[arg(long, default_value = "lockstep")]
+    kubernetes_environment: String,
+    /// The resource requests of every replica pod's container, as
+    /// `NAME=QUANTITY,...` (Kubernetes backend). Default: cpu=500m,memory=512Mi.
+    #[arg(long, value_parser = lockstep_orchestrator_kubernetes::objects::PodResources::parse_list)]
+    kubernetes_replica_requests: Option<std::collections::BTreeMap<String, String>>,
+    /// The resource limits of every replica pod's container, as
+    /// `NAME=QUANTITY,...` (Kubernetes backend). Default: memory=2Gi (no CPU
+    /// limit: a throttled worker holds up its whole replica).
+    #[arg(long, value_parser = lockstep_orchestrator_kubernetes::objects::PodResources::parse_list)]
+    kubernetes_replica_limits: Option<std::collections::BTreeMap<String, String>>,
+}
+
+/// The orchestrator backend of `lockstep serve`.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum OrchestratorKind {
+    /// Supervised OS processes on this machine (state in STATE_DIR/orchestrator).
+    Process,
+    /// Pods and headless Services in a Kubernetes namespace.
+    Kubernetes,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum OrphanRule {
+    /// Delete services absent from the catalog with an older epoch.
+    Epoch,
+    /// Halt on a service ID at or above our next ID, else delete every service absent from the catalog.
+    IdWatermark,
+    /// Negative control: delete every service absent from the catalog.
+    CatalogOnly,
+}
+
+impl OrphanRule {
+    fn name(self) -> &'static str {
+        match self {
+            OrphanRule::Epoch => "epoch",
+            OrphanRule::IdWatermark => "id-watermark",
+            OrphanRule::CatalogOnly => "catalog-only",
+        }
+    }
+}
+
+/// The API token from `file`, or from LOCKSTEP_API_TOKEN.
+pub(crate) fn api_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    let token = match file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the API token file {}", path.display()))?
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_string(),
+        ),
+        None => std::env::var(API_TOKEN_ENV)
+            .ok()
+            .map(|t| t.trim().to_string()),
+    };
+    match token {
+        Some(t) if t.len() < lockstep_environment::server::MIN_TOKEN_LEN => anyhow::bail!(
+            "an API token has at least {} characters",
+            lockstep_environment::server::MIN_TOKEN_LEN
+        ),
+        Some(t) if !t.chars().all(|c| c.is_ascii_graphic()) => {
+            anyhow::bail!("an API token holds printable ASCII only")
+        }
+        t => Ok(t),
+    }
+}
+
+/// Where clients and `lockstep serve` find the API token.
+pub(crate) const API_TOKEN_ENV: &str = "LOCKSTEP_API_TOKEN";
+
+/// Resolves on the first SIGTERM or SIGINT (the handlers are installed when
+/// it is called, so a signal that arrives during start-up is kept and acted
+/// on once the environment serves).
+pub(crate) fn shutdown_signal(
+) -> anyhow::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(async move {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!("{name}: shutting down gracefully");
+    })
+}
+
+pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let shutdown = shutdown_signal()?;
+    let token = api_token(args.api_token_file.as_deref())?;
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => {
+            let read = |p: &PathBuf, what: &str| {
+                std::fs::read(p).with_context(|| format!("reading the TLS {what} {}", p.display()))
+            };
+            Some(tonic::transport::ServerTlsConfig::new().identity(
+                tonic::transport::Identity::from_pem(read(cert, "certificate")?, read(key, "key")?),
+            ))
+        }
+        _ => None,
+    };
+    if token.is_none() && !args.listen.ip().is_loopback() {
+        anyhow::bail!(
+            "refusing to serve the API on {} without a token: anyone who reaches it could drive every replica; give --api-token-file (or LOCKSTEP_API_TOKEN), or listen on a loopback address",
+            args.listen
+        );
+    }
+    // Bind first: failing to listen must not fence the running controller.
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let metrics_listener = match args.metrics_listen {
+        Some(a) => Some(
+            tokio::net::TcpListener::bind(a)
+                .await
+                .with_context(|| format!("cannot listen on {a} for metrics"))?,
+        ),
+        None => None,
+    };
+    let mut service = ServiceTemplate::lockstep_replica();
+    if let Some(program) = args.service_binary {
+        service.program = program;
+    }
+    if !args.service_args.is_empty() {
+        service.args = args.service_args;
+    }
+    let orphan_policy: Box<dyn lockstep_policy::OrphanPolicy + Send> = match &args.orphan_policy {
+        Some(path) => {
+            let p = lockstep_policy_host::WasmOrphanPolicy::load(path, Default::default())
+                .with_context(|| format!("loading the orphan policy {}", path.display()))?;
+            Box::new(lockstep_policy_host::SafeOrphans::new(p))
+        }
+        None => lockstep_policy::native_orphan_rule(args.orphan_rule.name())
+            .expect("every OrphanRule value names a native rule"),
+    };
+    if let Some(path) = &args.distribution_policy {
+        // Load once now, so that a bad file fails the start with a clear error.
+        lockstep_policy_host::WasmDistributionPolicy::load(path, Default::default())
+            .with_context(|| format!("loading the distribution policy {}", path.display()))?;
+    }
+    let orphan_in_force = match &args.orphan_policy {
+        Some(p) => p.display().to_string(),
+        None => format!("native {}", args.orphan_rule.name()),
+    };
+    let distribution_in_force = match &args.distribution_policy {
+        Some(p) => p.display().to_string(),
+        None => "native barrier".to_string(),
+    };
+    tracing::info!(
+        orphan_policy = %orphan_in_force,
+        distribution_policy = %distribution_in_force,
+        "policies in force"
+    );
+    if let Some(store) = &args.store {
+        if store_has_password(store) {
+            tracing::warn!(
+                "the --store URL carries a password, which other users can read in the process list if it was given on the command line: set PGPASSWORD (or the whole URL in LOCKSTEP_STORE) instead"
+            );
+        }
+    }
+    let token_for_metrics = token.clone();
+    let config = EnvironmentConfig {
+        state_dir: args.state_dir,
+        orphan_policy,
+        service,
+        conditional_writes: !args.unconditional_writes,
+        distribution_policy: args.distribution_policy,
+        max_frame_len: args.max_frame_len,
+        compaction_lag: args.compaction_lag,
+        api_token: token,
+        allow_naive: args.experiments_allow_naive,
+        store: args.store,
+    };
+    let env = match args.orchestrator {
+        OrchestratorKind::Process if args.hosts > 0 => {
+            Environment::start_with(
+                config,
+                lockstep_environment::process_orchestrator_on_hosts(args.hosts),
+            )
+            .await?
+        }
+        OrchestratorKind::Process => Environment::start(config).await?,
+        OrchestratorKind::Kubernetes if args.hosts > 0 => {
+            anyhow::bail!("--hosts places processes on simulated hosts of the process backend; pods already run on their own network stacks")
+        }
+        OrchestratorKind::Kubernetes => {
+            let client = kube::Client::try_default()
+                .await
+                .context("connecting to the Kubernetes API server")?;
+            let namespace = args.namespace;
+            let image = args.kubernetes_image;
+            let environment = args.kubernetes_environment;
+            let mut resources =
+                lockstep_orchestrator_kubernetes::objects::PodResources::replica_default();
+            if let Some(requests) = args.kubernetes_replica_requests {
+                resources.requests = requests;
+            }
+            if let Some(limits) = args.kubernetes_replica_limits {
+                resources.limits = limits;
+            }
+            // The master secret of the replicas' session keys lives in the
+            // cluster (Secret ENVIRONMENT-master), not in the state
+            // directory: a pod's emptyDir would lose it on every restart,
+            // and with it every replica's key, Secret and pod.
+            let master = {
+                let mut c = lockstep_orchestrator_kubernetes::KubernetesOrchestratorConfig::new(
+                    namespace.clone(),
+                    0,
+                );
+                c.environment = environment.clone();
+                lockstep_orchestrator_kubernetes::KubernetesOrchestrator::new(client.clone(), c)
+                    .master_secret()
+                    .await
+                    .context("reading (or creating) the master secret in the cluster")?
+            };
+            let factory: lockstep_environment::OrchestratorFactory = Box::new(move |p| {
+                let mut c = lockstep_orchestrator_kubernetes::KubernetesOrchestratorConfig::new(
+                    namespace, p.epoch,
+                );
+                c.image = image;
+                c.environment = environment;
+                c.resources = resources;
+                c.conditional_writes = p.conditional_writes;
+                Ok(std::sync::Arc::new(
+                    lockstep_orchestrator_kubernetes::KubernetesOrchestrator::new(client, c),
+                ))
+            });
+            Environment::start_with_secret(config, factory, Some(master)).await?
+        }
+    };
+    env.set_max_answer_bytes(args.max_answer_bytes);
+    if args.experiments_no_replica_restarts {
+        tracing::warn!("replica restarts on controller events are off (experiment)");
+        env.set_replica_restarts(false);
+    }
+    let metrics_note = match metrics_listener {
+        Some(l) => {
+            let at = l.local_addr()?;
+            // Off loopback, the metrics need the API token too.
+            let token = (!at.ip().is_loopback())
+                .then(|| token_for_metrics.clone())
+                .flatten();
+            tokio::spawn(lockstep_environment::metrics::serve(
+                l,
+                env.metrics(),
+                token,
+            ));
+            format!(", metrics on http://{at}/metrics")
+        }
+        None => String::new(),
+    };
+    println!(
+        "lockstep: serving on {addr} (epoch {}){metrics_note}",
+        env.epoch()
+    );
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    tracing::info!(%addr, epoch = env.epoch(), "serving");
+    let background = (args.orphan_interval_secs > 0).then(|| {
+        env.spawn_orphan_removal(std::time::Duration::from_secs(args.orphan_interval_secs))
+    });
+    // A replica whose ensure failed (after its catalog write) is retried.
+    let retry = env.spawn_replica_retry(std::time::Duration::from_secs(5));
+    let grace = std::time::Duration::from_secs(args.shutdown_grace_secs);
+    let result = env.serve_until(listener, tls, shutdown, grace).await;
+    retry.abort();
+    if let Some(task) = background {
+        task.abort();
+    }
+    result?;
+    Ok(())
+}
+
+/// Whether a `postgres://USER:PASSWORD@HOST/...` URL carries a password.
+pub(crate) fn store_has_password(url: &str) -> bool {
+    let Some(rest) = url.split_once("://").map(|(_, r)| r) else {
+        return false;
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    authority
+        .rsplit_once('@')
+        .is_some_and(|(userinfo, _)| userinfo.contains(':'))
+}
+
+#[cfg(test)]
+mod store_url_tests {
+    use super::store_has_password;
+
+    #[test]
+    fn a_password_in_the_store_url_is_noticed() {
+        assert!(store_has_password("postgres://u:secret@db:5432/x"));
+        assert!(!store_has_password("postgres://u@db:5432/x"));
+        assert!(!store_has_password("postgres://db:5432/x"));
+        assert!(!store_has_password("postgres://u@db:5432/x?opt=a:b"));
+    }
+}
