@@ -35,9 +35,10 @@
 //!   worker's creation log and installed dataflows each time the controller
 //!   connects (every environment restart, every replica reconnect) and logs
 //!   `workers disagree about what they applied` on a difference, with
-//!   `creation_logs="differ"` when the creation logs differ (read from its
-//!   stderr after every operation, which must be at `warn` or finer:
-//!   `LOCKSTEP_CAMPAIGN_LOG`, default `warn`). Creation logs that differ are
+//!   `creation_logs` = `differ` when the creation logs differ (read from
+//!   its stderr after every operation: JSON lines, `LOCKSTEP_LOG_FORMAT=json`,
+//!   the finding in `fields.creation_logs`; the level must be `warn` or
+//!   finer: `LOCKSTEP_CAMPAIGN_LOG`, default `warn`). Creation logs that differ are
 //!   a violation of I1, even though the environment then repairs them: the
 //!   workers did build different dataflows. Installed sets that differ alone
 //!   (a drop that reached some processes before the controller crashed,

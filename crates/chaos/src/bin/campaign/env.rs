@@ -65,6 +65,9 @@ impl Env {
                 "LOCKSTEP_LOG",
                 std::env::var("LOCKSTEP_CAMPAIGN_LOG").unwrap_or_else(|_| "warn".into()),
             )
+            // One JSON object per line: the campaign reads the history
+            // check's findings from its fields.
+            .env("LOCKSTEP_LOG_FORMAT", "json")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)
@@ -131,6 +134,9 @@ impl Env {
 /// What the environment's controller logs when its history check on a
 /// connection finds workers that applied different commands (I1).
 pub(super) const DISAGREEMENT: &str = "workers disagree";
+
+/// The whole message of that line (`fields.message` in the JSON log).
+pub(super) const DISAGREEMENT_MESSAGE: &str = "workers disagree about what they applied";
 
 pub(super) fn code(s: &tonic::Status) -> String {
     format!("{:?}: {}", s.code(), s.message())

@@ -116,11 +116,28 @@ impl Run {
             Ok(())
         })()
         .map_err(|e| Failure::Harness(format!("reading the environment's log: {e}")))?;
-        self.log_read += new.len();
-        let new = String::from_utf8_lossy(&new);
+        // Whole lines only: the environment may be writing the next one.
+        let whole = new.iter().rposition(|b| *b == b'\n').map_or(0, |k| k + 1);
+        self.log_read += whole;
+        let new = String::from_utf8_lossy(&new[..whole]);
         for line in new.lines().filter(|l| l.contains(DISAGREEMENT)) {
-            let line = strip_ansi(line);
-            if line.contains("creation_logs=\"same\"") {
+            // The environment logs JSON (LOCKSTEP_LOG_FORMAT=json): the
+            // history check's finding is a field, not text to match.
+            let parsed: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+                Failure::Harness(format!(
+                    "a log line of the environment is not JSON ({e}): {line}"
+                ))
+            })?;
+            if parsed["fields"]["message"] != DISAGREEMENT_MESSAGE {
+                continue;
+            }
+            let creation_logs = parsed["fields"]["creation_logs"].as_str().unwrap_or("");
+            if !matches!(creation_logs, "same" | "differ") {
+                return Err(Failure::Harness(format!(
+                    "the history check's line says neither creation_logs=same nor differ: {line}"
+                )));
+            }
+            if creation_logs == "same" {
                 self.partial_drops += 1;
                 // Each fault leaves at most one command applied by some
                 // processes only, which the next connection repairs. More
@@ -242,22 +259,4 @@ impl Run {
         self.world.history.extend(lines);
         Ok(())
     }
-}
-
-/// A log line without its terminal colours.
-pub(super) fn strip_ansi(line: &str) -> String {
-    let mut out = String::new();
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
