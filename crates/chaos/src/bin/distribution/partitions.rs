@@ -28,7 +28,9 @@ use lockstep_orchestrator::hosts::Link;
 use lockstep_orchestrator::Orchestrator;
 use lockstep_protocol::CommandHistory;
 
-use super::{check, controller, d1, d2, history, ready, x, Replica, Variant};
+use super::replica::{controller, Replica};
+use super::variant::Variant;
+use super::workload::{check, d1, d2, history, ready, x};
 
 /// A cut shorter than the heartbeat timeout (1 s).
 const SHORT: Duration = Duration::from_millis(400);

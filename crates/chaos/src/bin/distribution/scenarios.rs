@@ -1,0 +1,346 @@
+//! The distribution suite's scenario table and the scenarios themselves:
+//! start a replica, run the scenario's fault (on the replica, or, for the
+//! `@hosts` variants, the partitions), and check I1 to I4.
+
+use std::time::Duration;
+
+use lockstep_chaos::outcome::{violation, Failure};
+use lockstep_controller::Controller;
+use lockstep_orchestrator::Orchestrator;
+use lockstep_protocol::Strategy;
+
+use super::partitions;
+use super::replica::{controller, pid_of, signal, start_replica, Replica};
+use super::variant::Variant;
+use super::workload::{
+    check, crash_on, crash_reaching, crashed, d1, d2, history, ready, x, y, LAST_TIME,
+};
+
+pub(crate) const SCENARIOS: [&str; 27] = [
+    "partial-create-unwanted",
+    "partial-create-wanted",
+    "strategy-switched-after-partial-create",
+    "partial-create-then-create",
+    "partial-drop-wanted-again",
+    "partial-drop-unwanted",
+    "partial-peek",
+    "partial-write",
+    "partial-reconcile",
+    "partial-reconcile-changed",
+    "dropped-connections",
+    "changed-target",
+    "killed-process",
+    "stopped-process",
+    "partial-create-last",
+    "partial-create-last-wanted",
+    "partial-drop-wanted-again-mirrored",
+    "partial-write-last",
+    "double-crash",
+    "three-processes-partial-create",
+    "three-processes-partial-drop-wanted-again",
+    "reconnect-between-creates",
+    "stale-controller",
+    "killed-process-0",
+    "killed-during-reconcile",
+    "stopped-process-0",
+    "stopped-process-restarted",
+];
+
+/// Runs one scenario. Errors of the harness's own steps (starting the
+/// replica, the setup before the fault, sending signals, finding PIDs) are
+/// [`Failure::Harness`]; only what [`check`] finds broken, and a stopped
+/// process not reported silent, are violations.
+pub(crate) async fn scenario(
+    name: &str,
+    id: u64,
+    s: Variant,
+    postgres: Option<&str>,
+) -> Result<(), Failure> {
+    let (processes, workers) = if name.starts_with("three-processes") {
+        (3, 1)
+    } else {
+        (2, 2)
+    };
+    let postgres = if s.postgres { postgres } else { None };
+    let hosts = if s.hosts { 2 } else { 0 };
+    let r = start_replica(id, processes, workers, postgres, hosts).await?;
+    let result = if s.hosts {
+        partitions::scenario_on(&r, name, s).await
+    } else {
+        scenario_on(&r, name, s).await
+    };
+    if result.is_err() && std::env::var_os("LOCKSTEP_CHAOS_REPLICA_LOG").is_some() {
+        print_process_logs(r.dir.path());
+    }
+    result
+}
+
+/// Debugging (with `LOCKSTEP_CHAOS_REPLICA_LOG` set): the replica
+/// processes' logs of a failed scenario, to stderr.
+fn print_process_logs(dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            print_process_logs(&path);
+        } else if path.extension().is_some_and(|x| x == "log") {
+            eprintln!("==== {}", path.display());
+            eprintln!("{}", std::fs::read_to_string(&path).unwrap_or_default());
+        }
+    }
+}
+
+async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure> {
+    let base = vec![d1(), d2()];
+    let a = controller(r, 1, s, history(&base));
+    ready(&a, &base).await?;
+    match name {
+        "partial-create-unwanted" => {
+            crash_on("create-dataflow");
+            // The controller crashes inside this call: what it returns does not matter.
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            check(&controller(r, 2, s, history(&base)), &base).await
+        }
+        "partial-create-wanted" => {
+            crash_on("create-dataflow");
+            // The controller crashes inside this call: what it returns does not matter.
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            let t = vec![d1(), d2(), x()];
+            check(&controller(r, 2, s, history(&t)), &t).await
+        }
+        "strategy-switched-after-partial-create" => {
+            // The next controller runs another strategy (log, or barrier
+            // after log), as after a policy swapped at run time.
+            crash_on("create-dataflow");
+            // The controller crashes inside this call: what it returns does not matter.
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            let t = vec![d1(), d2(), x()];
+            let switched = Variant {
+                strategy: if s.strategy == Strategy::Log {
+                    Strategy::Barrier
+                } else {
+                    Strategy::Log
+                },
+                // The history check's answer stays what the variant's is.
+                check_reconciles: s.check_reconciles,
+                postgres: s.postgres,
+                hosts: s.hosts,
+            };
+            check(&controller(r, 2, switched, history(&t)), &t).await
+        }
+        "partial-create-then-create" => {
+            crash_on("create-dataflow");
+            // The controller crashes inside this call: what it returns does not matter.
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            let b = controller(r, 2, s, history(&base));
+            b.create_dataflow(y()).map_err(|e| e.to_string())?;
+            check(&b, &[d1(), d2(), y()]).await
+        }
+        "partial-drop-wanted-again" => {
+            // Process 0 sees build and drop of X, process 1 only the build;
+            // the restarted controller wants X again.
+            a.create_dataflow(x()).map_err(|e| e.to_string())?;
+            ready(&a, &[x()]).await?;
+            crash_on("allow-compaction");
+            let _ = a.drop_dataflow(&x());
+            crashed(&a).await;
+            let t = vec![d1(), d2(), x()];
+            check(&controller(r, 2, s, history(&t)), &t).await
+        }
+        "partial-drop-unwanted" => {
+            a.create_dataflow(x()).map_err(|e| e.to_string())?;
+            ready(&a, &[x()]).await?;
+            crash_on("allow-compaction");
+            let _ = a.drop_dataflow(&x());
+            crashed(&a).await;
+            check(&controller(r, 2, s, history(&base)), &base).await
+        }
+        "partial-peek" => {
+            crash_on("peek");
+            let _ = tokio::time::timeout(Duration::from_millis(300), a.peek(1001, LAST_TIME)).await;
+            crashed(&a).await;
+            check(&controller(r, 2, s, history(&base)), &base).await
+        }
+        "partial-write" => {
+            crash_on("write-input");
+            let _ = a.write_input(1, vec![], LAST_TIME + 1);
+            crashed(&a).await;
+            check(&controller(r, 2, s, history(&base)), &base).await
+        }
+        "partial-reconcile" => {
+            // The restarted controller crashes during reconciliation itself.
+            a.shutdown();
+            let t = vec![d1(), d2(), x()];
+            crash_on("initialization-complete");
+            let b = controller(r, 2, s, history(&t));
+            crashed(&b).await;
+            check(&controller(r, 3, s, history(&t)), &t).await
+        }
+        "partial-reconcile-changed" => {
+            a.create_dataflow(x()).map_err(|e| e.to_string())?;
+            ready(&a, &[x()]).await?;
+            a.shutdown();
+            crash_on("initialization-complete");
+            let b = controller(r, 2, s, history(&base));
+            crashed(&b).await;
+            let t = vec![d1(), d2(), x(), y()];
+            check(&controller(r, 3, s, history(&t)), &t).await
+        }
+        "dropped-connections" => {
+            a.reconnect().map_err(|e| e.to_string())?;
+            a.create_dataflow(x()).map_err(|e| e.to_string())?;
+            check(&a, &[d1(), d2(), x()]).await
+        }
+        "changed-target" => {
+            a.shutdown();
+            let t = vec![d2(), x()];
+            check(&controller(r, 2, s, history(&t)), &t).await
+        }
+        "partial-create-last" => {
+            crash_reaching("create-dataflow", "last1");
+            // The controller crashes inside this call: what it returns does not matter.
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            check(&controller(r, 2, s, history(&base)), &base).await
+        }
+        "partial-create-last-wanted" => {
+            crash_reaching("create-dataflow", "last1");
+            // The controller crashes inside this call: what it returns does not matter.
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            let t = vec![d1(), d2(), x()];
+            check(&controller(r, 2, s, history(&t)), &t).await
+        }
+        "partial-drop-wanted-again-mirrored" => {
+            // Process 1 sees build and drop of X, process 0 only the build.
+            a.create_dataflow(x()).map_err(|e| e.to_string())?;
+            ready(&a, &[x()]).await?;
+            crash_reaching("allow-compaction", "last1");
+            let _ = a.drop_dataflow(&x());
+            crashed(&a).await;
+            let t = vec![d1(), d2(), x()];
+            check(&controller(r, 2, s, history(&t)), &t).await
+        }
+        "partial-write-last" => {
+            crash_reaching("write-input", "last1");
+            let _ = a.write_input(1, vec![], LAST_TIME + 1);
+            crashed(&a).await;
+            check(&controller(r, 2, s, history(&base)), &base).await
+        }
+        "double-crash" => {
+            // A crash in a create, then the successor crashes reconciling.
+            crash_on("create-dataflow");
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            let t = vec![d1(), d2(), y()];
+            crash_on("initialization-complete");
+            let b = controller(r, 2, s, history(&t));
+            crashed(&b).await;
+            check(&controller(r, 3, s, history(&t)), &t).await
+        }
+        "three-processes-partial-create" => {
+            crash_reaching("create-dataflow", "2");
+            let _ = a.create_dataflow(x());
+            crashed(&a).await;
+            check(&controller(r, 2, s, history(&base)), &base).await
+        }
+        "three-processes-partial-drop-wanted-again" => {
+            a.create_dataflow(x()).map_err(|e| e.to_string())?;
+            ready(&a, &[x()]).await?;
+            crash_reaching("allow-compaction", "last2");
+            let _ = a.drop_dataflow(&x());
+            crashed(&a).await;
+            let t = vec![d1(), d2(), x()];
+            check(&controller(r, 2, s, history(&t)), &t).await
+        }
+        "reconnect-between-creates" => {
+            a.create_dataflow(x()).map_err(|e| e.to_string())?;
+            a.reconnect().map_err(|e| e.to_string())?;
+            a.create_dataflow(y()).map_err(|e| e.to_string())?;
+            check(&a, &[d1(), d2(), x(), y()]).await
+        }
+        "stale-controller" => {
+            // The successor connects while the old controller still runs;
+            // what the old one sends afterwards must change nothing.
+            let t = vec![d1(), d2(), x()];
+            let b = controller(r, 2, s, history(&t));
+            ready(&b, &[x()]).await?;
+            let _ = a.create_dataflow(y());
+            let _ = a.drop_dataflow(&d1());
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            check(&b, &t).await
+        }
+        "killed-process" => {
+            let pid = pid_of(r, 1).await?;
+            signal(pid, libc::SIGKILL)?;
+            check(&a, &base).await
+        }
+        "killed-process-0" => {
+            let pid = pid_of(r, 0).await?;
+            signal(pid, libc::SIGKILL)?;
+            check(&a, &base).await
+        }
+        "killed-during-reconcile" => {
+            a.shutdown();
+            let t = vec![d1(), d2(), x()];
+            let b = controller(r, 2, s, history(&t));
+            let pid = pid_of(r, 1).await?;
+            signal(pid, libc::SIGKILL)?;
+            check(&b, &t).await
+        }
+        "stopped-process" => {
+            stop_until_silent(r, &a, 1).await?;
+            signal(pid_of(r, 1).await?, libc::SIGCONT)?;
+            check(&a, &base).await
+        }
+        "stopped-process-0" => {
+            stop_until_silent(r, &a, 0).await?;
+            signal(pid_of(r, 0).await?, libc::SIGCONT)?;
+            check(&a, &base).await
+        }
+        "stopped-process-restarted" => {
+            // What the environment does with a silent process: restart the
+            // replica through the orchestrator.
+            stop_until_silent(r, &a, 1).await?;
+            r.orchestrator
+                .restart_service(&r.service)
+                .await
+                .map_err(|e| format!("restart: {e}"))?;
+            check(&a, &base).await
+        }
+        other => Err(Failure::Harness(format!("unknown scenario {other}"))),
+    }
+}
+
+/// Stops (SIGSTOP) a process and waits until the controller reports it silent.
+async fn stop_until_silent(r: &Replica, a: &Controller, process: usize) -> Result<(), Failure> {
+    let pid = pid_of(r, process).await?;
+    let mut events = a.events();
+    signal(pid, libc::SIGSTOP)?;
+    let silent = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if let Ok(lockstep_controller::Event::ProcessSilent { process, .. }) =
+                events.recv().await
+            {
+                return process;
+            }
+        }
+    })
+    .await;
+    if silent != Ok(process) {
+        signal(pid, libc::SIGCONT)?;
+        return Err(violation(
+            "I2",
+            format!(
+                "the stopped process {process} was not reported silent within 5 s ({silent:?})"
+            ),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,178 @@
+//! What every scenario runs and checks: the writes and the dataflows (D1,
+//! D2, X, Y) with their histories, the failpoint that crashes the
+//! controller part-way through a broadcast, and the check of I1 to I4.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use lockstep_chaos::outcome::{violation, Failure};
+use lockstep_controller::Controller;
+use lockstep_protocol::reference::evaluate;
+use lockstep_protocol::text::parse_plan;
+use lockstep_protocol::{CommandHistory, CommandKind, DataflowDescription, Export, Update};
+
+pub(crate) const LAST_TIME: u64 = 3;
+pub(crate) const FAILPOINT: &str = "controller_partial_broadcast";
+
+fn u(row: &[i64], time: u64, diff: i64) -> Update {
+    Update {
+        row: row.to_vec(),
+        time,
+        diff,
+    }
+}
+
+fn writes() -> Vec<(u64, Vec<Update>, u64)> {
+    vec![
+        (
+            1,
+            vec![u(&[1, 10], 0, 1), u(&[2, 20], 0, 1), u(&[3, 30], 0, 1)],
+            1,
+        ),
+        (2, vec![u(&[1, 100], 0, 1), u(&[2, 200], 0, 1)], 1),
+        (1, vec![u(&[1, 10], 1, -1), u(&[1, 11], 1, 1)], 2),
+        (2, vec![u(&[3, 300], 2, 2)], 3),
+        (1, vec![u(&[4, 40], 3, 1)], LAST_TIME + 1),
+        (2, vec![u(&[2, 200], 3, -1)], LAST_TIME + 1),
+    ]
+}
+
+fn dataflow(id: u64, plan: &str) -> DataflowDescription {
+    DataflowDescription {
+        id,
+        as_of: 0,
+        inputs: vec![1, 2],
+        exports: vec![Export {
+            collection_id: 1000 + id,
+            plan: parse_plan(plan).expect("a valid plan"),
+        }],
+        debug_name: format!("chaos-{id}"),
+    }
+}
+
+pub(crate) fn d1() -> DataflowDescription {
+    dataflow(1, "join(get(1), get(2), #0, #0)")
+}
+pub(crate) fn d2() -> DataflowDescription {
+    dataflow(2, "reduce(get(1), [#0], count, sum(#1))")
+}
+pub(crate) fn x() -> DataflowDescription {
+    dataflow(3, "reduce(get(2), [#1], count)")
+}
+pub(crate) fn y() -> DataflowDescription {
+    dataflow(4, "filter(get(1), #1 > 10)")
+}
+
+/// A history: every write, then these dataflows.
+pub(crate) fn history(dataflows: &[DataflowDescription]) -> CommandHistory {
+    let mut h = CommandHistory::new();
+    h.push(CommandKind::CreateInstance(Default::default()));
+    for (c, ups, upper) in writes() {
+        h.push(CommandKind::WriteInput(lockstep_protocol::WriteInput {
+            collection_id: c,
+            updates: ups,
+            upper,
+            more: false,
+            batch_digest: None,
+        }));
+    }
+    for d in dataflows {
+        h.push(CommandKind::CreateDataflow(d.clone()));
+    }
+    h
+}
+
+/// Checks I1 to I4 against `target`: a broken invariant is a violation.
+pub(crate) async fn check(c: &Controller, target: &[DataflowDescription]) -> Result<(), Failure> {
+    for d in target {
+        for e in &d.exports {
+            c.wait_for_frontier(e.collection_id, LAST_TIME)
+                .await
+                .map_err(|err| {
+                    violation(
+                        "I2",
+                        format!("dataflow {} did not reach time {LAST_TIME}: {err}", d.id),
+                    )
+                })?;
+        }
+    }
+    let statuses = c
+        .statuses()
+        .await
+        .map_err(|e| violation("I2", format!("no status from every worker: {e}")))?;
+    let logs = lockstep_reconcile::creation_logs(&statuses);
+    lockstep_reconcile::lockstep_check(&logs).map_err(|d| violation("I1", d.to_string()))?;
+    let want: BTreeSet<u64> = target.iter().map(|d| d.id).collect();
+    for s in &statuses {
+        let got: BTreeSet<u64> = s.installed.iter().copied().collect();
+        if got != want {
+            return Err(violation(
+                "I4",
+                format!(
+                    "worker {} has dataflows {got:?} installed, the target is {want:?}",
+                    s.worker_index
+                ),
+            ));
+        }
+    }
+    let mut inputs: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
+    for (coll, ups, _) in writes() {
+        inputs.entry(coll).or_default().extend(ups);
+    }
+    for d in target {
+        for e in &d.exports {
+            let got: BTreeMap<Vec<i64>, i64> = c
+                .peek(e.collection_id, LAST_TIME)
+                .await
+                .map_err(|err| {
+                    violation("I3", format!("peek of {} failed: {err}", e.collection_id))
+                })?
+                .into_iter()
+                .collect();
+            let want = evaluate(&e.plan, &inputs, LAST_TIME);
+            if got != want {
+                return Err(violation(
+                    "I3",
+                    format!(
+                        "collection {} at {LAST_TIME} is {got:?}, the reference says {want:?}",
+                        e.collection_id
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Sets the failpoint so that the next broadcast of `kind` reaches process 0 only.
+pub(crate) fn crash_on(kind: &str) {
+    crash_reaching(kind, "1");
+}
+
+/// Sets the failpoint so that the next broadcast of `kind` reaches the
+/// processes `reach` says (`N`: the first N, `lastN`: the last N).
+pub(crate) fn crash_reaching(kind: &str, reach: &str) {
+    fail::cfg(FAILPOINT, &format!("return({kind}:{reach})")).expect("failpoint");
+}
+
+pub(crate) async fn crashed(c: &Controller) {
+    // The actor stops at the failpoint; give it a moment, then clear it.
+    for _ in 0..100 {
+        if c.history().await.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    fail::remove(FAILPOINT);
+}
+
+/// Waits for the dataflows of the setup, before any fault: a failure here is
+/// the harness's (the system never got going), not a violation.
+pub(crate) async fn ready(c: &Controller, dataflows: &[DataflowDescription]) -> Result<(), String> {
+    for d in dataflows {
+        c.wait_for_frontier(d.exports[0].collection_id, LAST_TIME)
+            .await
+            .map_err(|e| format!("setup: {e}"))?;
+    }
+    Ok(())
+}
