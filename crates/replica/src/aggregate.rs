@@ -8,6 +8,10 @@
 //! - A subscription's batch covers `[lower, meet of the workers' uppers)` and
 //!   carries every update below that meet.
 //!
+//! - An answer of a worker that has not yet started the newest session one
+//!   of its peers started belongs to the session before: it is dropped, not
+//!   merged into the new session's (the new session replays what it needs).
+//!
 //! The merging itself is `lockstep_protocol::merge`, shared with the controller.
 
 use std::collections::BTreeMap;
@@ -21,6 +25,8 @@ use crate::worker::FromWorker;
 pub struct Aggregator {
     local_workers: usize,
     session: Option<lockstep_reconcile::Session>,
+    /// The session each local worker last started.
+    worker_sessions: BTreeMap<usize, lockstep_reconcile::Session>,
     frontiers: BTreeMap<u64, BTreeMap<usize, Frontier>>,
     reported: BTreeMap<u64, Frontier>,
     peeks: BTreeMap<u64, BTreeMap<usize, PeekResult>>,
@@ -33,6 +39,7 @@ impl Aggregator {
         Aggregator {
             local_workers,
             session: None,
+            worker_sessions: BTreeMap::new(),
             frontiers: BTreeMap::new(),
             reported: BTreeMap::new(),
             peeks: BTreeMap::new(),
@@ -45,11 +52,29 @@ impl Aggregator {
         self.session
     }
 
+    /// Whether `worker` has not started the newest session yet: what it
+    /// answers belongs to an older one.
+    fn behind(&self, worker: usize) -> bool {
+        self.session
+            .is_some_and(|newest| self.worker_sessions.get(&worker) != Some(&newest))
+    }
+
     /// Takes one worker message; returns the process-level responses it completes.
     pub fn on(&mut self, msg: FromWorker) -> Vec<ResponseKind> {
+        match &msg {
+            FromWorker::Frontier { worker, .. }
+            | FromWorker::Peek { worker, .. }
+            | FromWorker::Subscribe { worker, .. }
+                if self.behind(*worker) =>
+            {
+                return vec![];
+            }
+            _ => {}
+        }
         match msg {
-            FromWorker::NewSession { session, .. } => {
-                if self.session != Some(session) {
+            FromWorker::NewSession { worker, session } => {
+                self.worker_sessions.insert(worker, session);
+                if self.session.is_none_or(|s| session > s) {
                     self.session = Some(session);
                     self.frontiers.clear();
                     self.reported.clear();
@@ -148,6 +173,46 @@ mod tests {
             a.on(fr(0, None)),
             vec![ResponseKind::Frontiers(vec![(7, None)])]
         );
+    }
+
+    /// Worker 0 started session 2 while worker 1 still answers session 1:
+    /// worker 1's batch of session 1 is not merged into session 2's (it
+    /// would be counted with the replay's), its batch of session 2 is.
+    #[test]
+    fn a_worker_behind_the_newest_session_is_not_merged() {
+        let mut a = Aggregator::new(2);
+        let started = |worker, session| FromWorker::NewSession { worker, session };
+        let batch = |worker, rows: &[i64]| FromWorker::Subscribe {
+            worker,
+            batch: lockstep_protocol::SubscribeBatch {
+                subscribe_id: 3,
+                lower: 0,
+                upper: Some(1),
+                updates: rows
+                    .iter()
+                    .map(|r| lockstep_protocol::Update {
+                        row: vec![*r],
+                        time: 0,
+                        diff: 1,
+                    })
+                    .collect(),
+            },
+        };
+        a.on(started(0, 1));
+        a.on(started(1, 1));
+        a.on(started(0, 2));
+        assert!(a.on(batch(1, &[10])).is_empty(), "worker 1 is in session 1");
+        assert!(
+            a.on(batch(0, &[20])).is_empty(),
+            "worker 1 has not answered"
+        );
+        a.on(started(1, 2));
+        let out = a.on(batch(1, &[10]));
+        let [ResponseKind::SubscribeResponse(b)] = out.as_slice() else {
+            panic!("one merged batch, got {out:?}");
+        };
+        let rows: Vec<_> = b.updates.iter().map(|u| u.row[0]).collect();
+        assert_eq!(rows, vec![10, 20], "each row once");
     }
 
     #[test]

@@ -92,7 +92,7 @@ pub(super) async fn handshake(
     // A Hello of a session that is not newer than the current one is a
     // replay (or a duplicate): taking it would cut the current controller
     // off. Every real connection attempt carries a new nonce.
-    let current = shared.lock().expect("not poisoned").writer_session;
+    let current = shared.lock().expect("not poisoned").outbox.writer_session();
     let session = session_of(hello.epoch, hello.nonce);
     if current != 0 && session <= current {
         let _ = framed
@@ -190,7 +190,6 @@ pub(super) async fn connection(
         }
         s.newest_epoch = hello.epoch;
         s.generation += 1;
-        s.writer_session = session_of(hello.epoch, hello.nonce);
         // From version 3 on, the agreed version and this build come first,
         // before any Status of the session (a version-2 controller would
         // not know the message, so it gets none).
@@ -203,12 +202,8 @@ pub(super) async fn connection(
                 }),
             });
         }
-        if s.writer_session >= s.workers_session {
-            for r in s.pending.drain(..) {
-                let _ = wtx.send(r);
-            }
-        }
-        s.writer = Some(wtx);
+        s.outbox
+            .connected(session_of(hello.epoch, hello.nonce), wtx);
         workers.send(&first);
         s.generation
     };
@@ -315,7 +310,7 @@ pub(super) async fn connection(
     {
         let mut s = shared.lock().expect("not poisoned");
         if s.generation == generation {
-            s.writer = None;
+            s.outbox.disconnected();
         }
     }
     // Give queued responses (an error, say) a moment to leave.
@@ -326,8 +321,6 @@ pub(super) async fn connection(
 pub(super) fn send_current(shared: &Arc<Mutex<Shared>>, generation: u64, r: Response) {
     let s = shared.lock().expect("not poisoned");
     if s.generation == generation {
-        if let Some(w) = &s.writer {
-            let _ = w.send(r);
-        }
+        s.outbox.send_on_connection(r);
     }
 }

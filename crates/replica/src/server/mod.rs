@@ -44,10 +44,13 @@ use crate::worker::{run_worker, session_of, FromWorker};
 
 mod admission;
 mod connection;
+mod outbox;
 
 use admission::*;
 pub use admission::{HELLO_DEADLINE, MAX_UNPROVEN_CONNECTIONS, REFUSAL_LOG_INTERVAL};
 use connection::*;
+use outbox::Outbox;
+pub use outbox::MAX_PENDING_RESPONSES;
 
 /// How a replica process is started.
 #[derive(Clone, Debug)]
@@ -83,22 +86,9 @@ pub struct ReplicaConfig {
 struct Shared {
     newest_epoch: u64,
     generation: u64,
-    writer: Option<mpsc::UnboundedSender<Response>>,
-    /// The session (see `session_of`) of the current connection.
-    writer_session: lockstep_reconcile::Session,
-    /// The newest session the local workers started.
-    workers_session: lockstep_reconcile::Session,
-    /// Responses produced while no connection of the workers' session was
-    /// current. Under broadcast
-    /// and log a worker can start a session (a Hello read from the mesh or
-    /// the log) before this process accepted that session's connection;
-    /// what it answers then waits here for the connection. Emptied when a
-    /// newer session starts; bounded by [`MAX_PENDING_RESPONSES`].
-    pending: std::collections::VecDeque<Response>,
+    /// The current connection, and responses waiting for their session's.
+    outbox: Outbox,
 }
-
-/// The most responses kept while no controller is connected.
-pub const MAX_PENDING_RESPONSES: usize = 100_000;
 
 struct Workers {
     senders: Vec<std_mpsc::Sender<Command>>,
@@ -236,10 +226,7 @@ async fn serve(
     let shared = Arc::new(Mutex::new(Shared {
         newest_epoch: 0,
         generation: 0,
-        writer: None,
-        writer_session: 0,
-        workers_session: 0,
-        pending: std::collections::VecDeque::new(),
+        outbox: Outbox::default(),
     }));
     let process_index = config.identity.process_index;
     let local_workers = config.identity.workers_per_process as usize;
@@ -250,32 +237,22 @@ async fn serve(
         let mut agg = Aggregator::new(local_workers);
         while let Some(msg) = from_workers.recv().await {
             if let FromWorker::NewSession { session, .. } = &msg {
-                if agg.session() != Some(*session) {
-                    let mut s = shared2.lock().expect("not poisoned");
-                    s.pending.clear();
-                    s.workers_session = s.workers_session.max(*session);
-                }
+                shared2
+                    .lock()
+                    .expect("not poisoned")
+                    .outbox
+                    .workers_started(*session);
             }
             for kind in agg.on(msg) {
                 let response = Response {
                     process_index,
                     kind,
                 };
-                let mut s = shared2.lock().expect("not poisoned");
-                match &s.writer {
-                    Some(w) if s.writer_session >= s.workers_session => {
-                        let _ = w.send(response);
-                    }
-                    _ => {
-                        if s.pending.len() == MAX_PENDING_RESPONSES {
-                            s.pending.pop_front();
-                            tracing::warn!(
-                                "no controller connected; dropping the oldest kept response"
-                            );
-                        }
-                        s.pending.push_back(response);
-                    }
-                }
+                shared2
+                    .lock()
+                    .expect("not poisoned")
+                    .outbox
+                    .deliver(response);
             }
         }
     });
