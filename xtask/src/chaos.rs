@@ -31,7 +31,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context};
 
-use crate::util::{cargo, root, run, step};
+use crate::util::{build_bins, cargo, root, run, step, target_dir};
 
 /// The suites `run` knows.
 pub const SUITES: [&str; 4] = ["orphans", "distribution", "security", "campaign"];
@@ -86,12 +86,6 @@ pub fn run_suite(suite: &str) -> anyhow::Result<()> {
     }
 }
 
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target"))
-}
-
 /// Runs a suite binary, echoes its stdout, and checks the summary lines.
 fn run_suite_binary(
     bin: PathBuf,
@@ -125,19 +119,7 @@ fn run_suite_binary(
 
 /// The orphan-removal suite.
 fn orphans() -> anyhow::Result<()> {
-    step("building lockstep and lockstep-chaos with failpoints");
-    let mut cmd = cargo();
-    cmd.args([
-        "build",
-        "-p",
-        "lockstep-environment",
-        "-p",
-        "lockstep-chaos",
-        "--features",
-        "lockstep-environment/failpoints",
-        "--bins",
-    ]);
-    run(cmd)?;
+    build_with_environment("lockstep-chaos")?;
     let bin = target_dir().join("debug").join("lockstep-chaos");
     // Three rules on the process backend, three on the Kubernetes one,
     // three with the catalog in PostgreSQL.
@@ -150,20 +132,10 @@ fn orphans() -> anyhow::Result<()> {
 /// lockstep-chaos, features being unified).
 fn build_with_environment(suite: &str) -> anyhow::Result<()> {
     step(&format!("building lockstep, lockstep-replica and {suite}"));
-    let mut cmd = cargo();
-    cmd.args([
-        "build",
-        "-p",
-        "lockstep-environment",
-        "-p",
-        "lockstep-replica",
-        "-p",
-        "lockstep-chaos",
-        "--bins",
-        "--features",
-        crate::tasks::TEST_FEATURES,
-    ]);
-    run(cmd)
+    run(build_bins(
+        &["lockstep-environment", "lockstep-replica", "lockstep-chaos"],
+        Some(crate::tasks::TEST_FEATURES),
+    ))
 }
 
 /// The security suite: attacks on real replicas and a real environment
@@ -177,19 +149,7 @@ fn security() -> anyhow::Result<()> {
 
 /// The distribution fault suite.
 fn distribution(strategies: &[String]) -> anyhow::Result<()> {
-    step("building lockstep-replica and lockstep-chaos-distribution (with failpoints)");
-    let mut cmd = cargo();
-    cmd.args([
-        "build",
-        "-p",
-        "lockstep-replica",
-        "-p",
-        "lockstep-chaos",
-        "--bins",
-        "--features",
-        crate::tasks::TEST_FEATURES,
-    ]);
-    run(cmd)?;
+    build_with_environment("lockstep-chaos-distribution")?;
     let bin = target_dir()
         .join("debug")
         .join("lockstep-chaos-distribution");

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-use crate::util::{root, run, step};
+use crate::util::{root, run, step, target_dir};
 
 /// The image this task builds (and removes unless `--keep`).
 pub const IMAGE: &str = "lockstep:dev";
@@ -169,13 +169,6 @@ impl Times {
         self.close();
         self.done.push((what, Duration::ZERO));
     }
-}
-
-/// The target directory (CARGO_TARGET_DIR or target/).
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target"))
 }
 
 /// Whether `program` is found in PATH.

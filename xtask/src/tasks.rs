@@ -1,7 +1,7 @@
 //! The top-level tasks: build, test, demo.
 
 use crate::policies;
-use crate::util::{cargo, run, step};
+use crate::util::{build_bins, cargo, run, step, target_dir};
 
 /// Builds every host crate and every policy.
 pub fn build() -> anyhow::Result<()> {
@@ -14,10 +14,12 @@ pub fn build() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Features the workspace's tests and lints build with: the replica's test
-/// hooks (failpoints). The distribution suite builds with the same, so one
-/// build of the replica serves both.
-pub const TEST_FEATURES: &str = "lockstep-replica/failpoints";
+/// Features the workspace's tests and lints build with: the test hooks
+/// (failpoints) of the replica and of the environment. The demos and every
+/// chaos suite of `cargo xtask test` build with the same, so one build of
+/// each binary serves them all (a crate built with other features is built
+/// again).
+pub const TEST_FEATURES: &str = "lockstep-replica/failpoints,lockstep-environment/failpoints";
 
 /// Runs every check CI runs.
 pub fn test(lint: bool) -> anyhow::Result<()> {
@@ -46,7 +48,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     let mut cmd = cargo();
     cmd.args(["test", "--workspace", "--features", TEST_FEATURES]);
     run(cmd)?;
-    demo()?;
+    demo_built_with(Some(TEST_FEATURES))?;
     demo_on_postgres()?;
     demo_hosts()?;
     python_api()?;
@@ -92,28 +94,19 @@ pub fn python_api() -> anyhow::Result<()> {
     run(cmd)
 }
 
-/// The cargo target directory.
-fn target_dir() -> std::path::PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| crate::util::root().join("target"))
-}
-
 /// The demo: builds the `lockstep` and `lockstep-replica` binaries and runs
 /// `lockstep demo` (crates/environment/src/demo.rs, a module of the binary), which prints its progress
 /// and ends with `demo: ok`, or says what failed and exits non-zero.
 pub fn demo() -> anyhow::Result<()> {
+    demo_built_with(None)
+}
+
+/// The demo on binaries built with `features` (`cargo xtask test` builds
+/// them with [`TEST_FEATURES`]: failpoints compiled in, none set).
+fn demo_built_with(features: Option<&str>) -> anyhow::Result<()> {
     step("building lockstep and lockstep-replica");
-    let mut cmd = cargo();
-    cmd.args([
-        "build",
-        "--quiet",
-        "-p",
-        "lockstep-environment",
-        "-p",
-        "lockstep-replica",
-        "--bins",
-    ]);
+    let mut cmd = build_bins(&["lockstep-environment", "lockstep-replica"], features);
+    cmd.arg("--quiet");
     run(cmd)?;
     step("demo");
     let mut cmd = std::process::Command::new(target_dir().join("debug/lockstep"));

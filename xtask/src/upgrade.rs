@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-use crate::util::{cargo, root, run, step};
+use crate::util::{build_bins, root, run, step};
 
 /// The newest release in `RELEASES`: (version, commit).
 fn newest_release(root: &Path) -> anyhow::Result<(String, String)> {
@@ -215,31 +215,17 @@ pub fn upgrade() -> anyhow::Result<()> {
         )?;
     }
     let started = Instant::now();
-    let mut cmd = cargo();
+    let mut cmd = build_bins(&["lockstep-environment", "lockstep-replica"], None);
     cmd.current_dir(&src)
-        .env("CARGO_TARGET_DIR", base.join("target"))
-        .args([
-            "build",
-            "-p",
-            "lockstep-environment",
-            "-p",
-            "lockstep-replica",
-            "--bins",
-        ]);
+        .env("CARGO_TARGET_DIR", base.join("target"));
     run(cmd)?;
     let old_build = started.elapsed();
     step("today's lockstep and lockstep-replica");
     let started = Instant::now();
-    let mut cmd = cargo();
-    cmd.args([
-        "build",
-        "-p",
-        "lockstep-environment",
-        "-p",
-        "lockstep-replica",
-        "--bins",
-    ]);
-    run(cmd)?;
+    run(build_bins(
+        &["lockstep-environment", "lockstep-replica"],
+        None,
+    ))?;
     let new_build = started.elapsed();
     let old_lockstep = base.join("target/debug/lockstep");
     let new_lockstep = root.join("target/debug/lockstep");

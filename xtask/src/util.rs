@@ -20,6 +20,29 @@ pub fn cargo() -> Command {
     cmd
 }
 
+/// The cargo target directory (CARGO_TARGET_DIR, or `target/`).
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"))
+}
+
+/// `cargo build --bins` of `packages` with `features` (none: the
+/// production build). The one build command of the tasks that run
+/// binaries: [`crate::tasks::TEST_FEATURES`] everywhere in `cargo xtask
+/// test`, so that one build serves the tests, the demos and every suite.
+pub fn build_bins(packages: &[&str], features: Option<&str>) -> Command {
+    let mut cmd = cargo();
+    cmd.args(["build", "--bins"]);
+    for p in packages {
+        cmd.args(["-p", p]);
+    }
+    if let Some(f) = features {
+        cmd.args(["--features", f]);
+    }
+    cmd
+}
+
 /// Runs a command, echoing it, and fails with its exit status.
 pub fn run(mut cmd: Command) -> anyhow::Result<()> {
     eprintln!("xtask: $ {}", show(&cmd));
