@@ -171,6 +171,9 @@ def main():
         # DropReplica
         r.code("DropReplica, empty name: INVALID_ARGUMENT", lambda: api.DropReplica(ep.DropReplicaRequest(name="")), C.INVALID_ARGUMENT)
         r.code("DropReplica, unknown: NOT_FOUND", lambda: api.DropReplica(ep.DropReplicaRequest(name="nope")), C.NOT_FOUND)
+        # RestartReplica
+        r.code("RestartReplica, empty name: INVALID_ARGUMENT", lambda: api.RestartReplica(ep.RestartReplicaRequest(name="")), C.INVALID_ARGUMENT)
+        r.code("RestartReplica, unknown: NOT_FOUND", lambda: api.RestartReplica(ep.RestartReplicaRequest(name="nope")), C.NOT_FOUND)
         # CreateDataflow
         r.code("CreateDataflow, unknown replica: NOT_FOUND", lambda: create("x", [1], [export(900, get(1))], replica="nope"), C.NOT_FOUND)
         r.code("CreateDataflow, empty replica name: INVALID_ARGUMENT", lambda: create("x", [1], [export(900, get(1))], replica=""), C.INVALID_ARGUMENT)

@@ -14,6 +14,11 @@
 //!    reconciliation (the replica logs' "reconciliation drops dataflow"
 //!    lines), the version agreed with the old processes is 2 (today's `replica
 //!    list`), the old answers are still right, and a new write is answered.
+//! 4. Put today's `lockstep-replica` at the one path (a rename: the old
+//!    binary is running) and run today's `lockstep replica upgrade r1`: every
+//!    process restarts on it, reports protocol 3 and today's build, and the
+//!    answers are right again; the downtime it printed goes into the
+//!    contract line.
 //!
 //! Every client command is the release's own `lockstep` binary, so the API
 //! is exercised across versions too. Not in `cargo xtask test`: it builds a
@@ -451,10 +456,58 @@ pub fn upgrade() -> anyhow::Result<()> {
             if !restarts.is_empty() {
                 bail!("restarted processes: {restarts:?}");
             }
+
+            // The replica itself moves: today's replica binary put at the
+            // path by a rename (the old one is running), then `lockstep
+            // replica upgrade r1` restarts every process on it.
+            step("lockstep replica upgrade r1 onto today's lockstep-replica");
+            let staged = bin.join("lockstep-replica.new");
+            std::fs::copy(root.join("target/debug/lockstep-replica"), &staged)?;
+            std::fs::rename(&staged, &replica_bin)?;
+            let upgraded = client(&new_lockstep, &url, &["replica", "upgrade", "r1"])?;
+            let want = format!(
+                "replica r1 upgraded: no build version (protocol 2) -> build {} (protocol 3); down ",
+                env!("CARGO_PKG_VERSION")
+            );
+            let Some(down) = upgraded
+                .lines()
+                .find_map(|l| l.strip_prefix(&want))
+                .and_then(|rest| rest.split_whitespace().next())
+            else {
+                bail!("replica upgrade printed {upgraded:?}, not {want:?}");
+            };
+            let list = client(&new_lockstep, &url, &["replica", "list"])?;
+            let moved: Vec<u32> = processes(&list).iter().map(|p| p.1).collect();
+            if moved.iter().any(|p| pids.contains(p)) {
+                bail!("replica upgrade kept a process of the release: {pids:?} -> {moved:?}");
+            }
+            eventually(
+                "the upgraded replica answers",
+                Duration::from_secs(60),
+                || {
+                    let answers = (
+                        peek(&new_lockstep, &url, 100, 1)?,
+                        peek(&new_lockstep, &url, 101, 1)?,
+                    );
+                    let want = (
+                        vec!["1,20\t1".to_string(), "2,5\t1".into(), "3,7\t1".into()],
+                        vec![
+                            "1,1,20\t1".to_string(),
+                            "2,1,5\t1".into(),
+                            "3,1,7\t1".into(),
+                        ],
+                    );
+                    if answers != want {
+                        bail!("after replica upgrade: peeks at 1 {answers:?}");
+                    }
+                    Ok(())
+                },
+            )?;
             Ok(format!(
-                "upgrade: {version} -> HEAD {}: replica r1 (2x2, 2 dataflows) adopted with the same PIDs {pids:?}, 0 restarts, 0 dataflows dropped by reconciliation, agreed protocol version 2, answers right before ({} rows) and after a new write",
+                "upgrade: {version} -> HEAD {}: replica r1 (2x2, 2 dataflows) adopted with the same PIDs {pids:?}, 0 restarts, 0 dataflows dropped by reconciliation, agreed protocol version 2, answers right before ({} rows) and after a new write\nupgrade: replica upgrade r1: release processes {pids:?} -> HEAD processes {moved:?} (protocol 3, build {}), down {down} s (restart to serving, rebuilt from the catalog), answers right after",
                 &head[..7],
-                adopted.0.len() + adopted.1.len()
+                adopted.0.len() + adopted.1.len(),
+                env!("CARGO_PKG_VERSION")
             ))
         })();
         kill(new_env.id());
@@ -465,6 +518,12 @@ pub fn upgrade() -> anyhow::Result<()> {
     for pid in &pids {
         kill(*pid);
     }
+    // And the processes `replica upgrade` started, by their program path.
+    let _ = Command::new("pkill")
+        .arg("-9")
+        .arg("-f")
+        .arg(&replica_bin)
+        .status();
     let line = result.context(format!(
         "logs: {}, {}, {}",
         base.join("env-old.log").display(),

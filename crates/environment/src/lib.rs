@@ -103,7 +103,7 @@ use std::sync::{Arc, Mutex};
 use lockstep_catalog::{Catalog, CatalogState, Replica, ReplicaConfig, Store, WriteError};
 use lockstep_command_log::LogLocation;
 use lockstep_orchestrator::process::{ProcessOrchestrator, ProcessOrchestratorConfig};
-use lockstep_orchestrator::{EnsureError, Orchestrator, ServiceStatus};
+use lockstep_orchestrator::{EnsureError, Orchestrator, RestartError, ServiceStatus};
 use lockstep_policy::{CatalogView, OrphanDecision, OrphanPolicy, PolicyError, Service};
 use tokio::sync::watch;
 

@@ -28,6 +28,40 @@ pub(crate) enum ReplicaCommand {
         #[arg(long, default_value_t = 60, value_name = "SECONDS", requires = "wait")]
         timeout: u64,
     },
+    /// Restart every process of a replica as one new generation, on the
+    /// program its service names. The replica rehydrates (its dataflows
+    /// are built again); the catalog does not change.
+    Restart {
+        /// Its name.
+        name: String,
+        /// Wait until the replica serves again; exit 1 if it does not
+        /// within --timeout.
+        #[arg(long)]
+        wait: bool,
+        /// How long --wait waits, in seconds.
+        #[arg(long, default_value_t = 60, value_name = "SECONDS", requires = "wait")]
+        timeout: u64,
+    },
+    /// Move a replica's processes to a new build, in place: put the new
+    /// lockstep-replica at the program path the environment runs replicas
+    /// from (`lockstep serve --service-binary`; replace the file by a
+    /// rename, it is running), then run this. It restarts every process
+    /// (`replica restart`), waits until the replica serves, and checks that
+    /// every process reports build VERSION. Prints the builds before and
+    /// after and how long the replica was down (restart to serving). Exit 1
+    /// if a process reports another build (the binary was not replaced) or
+    /// the replica does not serve within --timeout.
+    Upgrade {
+        /// Its name.
+        name: String,
+        /// The build every process must report afterwards (default: this
+        /// lockstep's own version).
+        #[arg(long, value_name = "VERSION")]
+        to: Option<String>,
+        /// How long to wait for the replica to serve and report, in seconds.
+        #[arg(long, default_value_t = 120, value_name = "SECONDS")]
+        timeout: u64,
+    },
     /// Drop a replica.
     Drop {
         /// Its name.
@@ -203,6 +237,64 @@ pub(crate) async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow
                 println!("replica {name} serving after {:.1} s", took.as_secs_f64());
             }
         }
+        ReplicaCommand::Restart {
+            name,
+            wait,
+            timeout,
+        } => {
+            let r = restart(&mut client, &name).await?;
+            println!("restarted replica {} (id {})", r.name, r.id);
+            print_processes(&r);
+            if wait {
+                let took =
+                    wait_serving(&server, &name, std::time::Duration::from_secs(timeout)).await?;
+                println!("replica {name} serving after {:.1} s", took.as_secs_f64());
+            }
+        }
+        ReplicaCommand::Upgrade { name, to, timeout } => {
+            let to = to.unwrap_or_else(|| env!("CARGO_PKG_VERSION").to_string());
+            let before = builds(&find_replica(&mut client, &name).await?);
+            let started = std::time::Instant::now();
+            let timeout = std::time::Duration::from_secs(timeout);
+            let restarted = restart(&mut client, &name).await?;
+            let pids: Vec<u32> = restarted.process_status.iter().map(|p| p.pid).collect();
+            let after = loop {
+                let r = find_replica(&mut client, &name).await?;
+                let now: Vec<u32> = r.process_status.iter().map(|p| p.pid).collect();
+                let known = r
+                    .process_status
+                    .iter()
+                    .all(|p| p.protocol_version.is_some());
+                if known && now == pids && !pids.is_empty() {
+                    let wrong: Vec<String> = r
+                        .process_status
+                        .iter()
+                        .filter(|p| p.build_version.as_deref() != Some(to.as_str()))
+                        .map(|p| format!("process {} reports {}", p.index, build_of(p)))
+                        .collect();
+                    if !wrong.is_empty() {
+                        anyhow::bail!(
+                            "replica {name} restarted, but not on build {to}: {}; put the new lockstep-replica at the path the environment runs replicas from (lockstep serve --service-binary) and run this again",
+                            wrong.join(", ")
+                        );
+                    }
+                    wait_serving(&server, &name, timeout.saturating_sub(started.elapsed())).await?;
+                    break builds(&r);
+                }
+                if started.elapsed() >= timeout {
+                    anyhow::bail!(
+                        "replica {name} serves, but not every process reported its version within {} s",
+                        timeout.as_secs()
+                    );
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            };
+            let down = started.elapsed();
+            println!(
+                "replica {name} upgraded: {before} -> {after}; down {:.2} s (restart to serving)",
+                down.as_secs_f64()
+            );
+        }
         ReplicaCommand::Drop { name } => {
             let r = client
                 .drop_replica(proto::DropReplicaRequest { name: name.clone() })
@@ -250,6 +342,44 @@ pub(crate) async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow
         }
     }
     Ok(())
+}
+
+/// Restarts replica `name` (RestartReplica); the replica as restarted.
+async fn restart(client: &mut Client, name: &str) -> anyhow::Result<proto::Replica> {
+    client
+        .restart_replica(proto::RestartReplicaRequest {
+            name: name.to_string(),
+        })
+        .await
+        .map_err(status_err)?
+        .into_inner()
+        .replica
+        .ok_or_else(|| anyhow::anyhow!("RestartReplica answered without the replica"))
+}
+
+/// Replica `name` as ListReplicas shows it.
+async fn find_replica(client: &mut Client, name: &str) -> anyhow::Result<proto::Replica> {
+    all_replicas(client)
+        .await?
+        .into_iter()
+        .find(|r| r.name == name)
+        .ok_or_else(|| anyhow::anyhow!("no replica named {name}"))
+}
+
+/// What a process reports of its build.
+fn build_of(p: &proto::ReplicaProcess) -> String {
+    match (p.protocol_version, &p.build_version) {
+        (Some(v), Some(b)) => format!("build {b} (protocol {v})"),
+        (Some(v), None) => format!("no build version (protocol {v})"),
+        (None, _) => "nothing yet".to_string(),
+    }
+}
+
+/// The builds a replica's processes report, as one phrase.
+fn builds(r: &proto::Replica) -> String {
+    let mut all: Vec<String> = r.process_status.iter().map(build_of).collect();
+    all.dedup();
+    all.join(", ")
 }
 
 /// Waits (bounded by `timeout`) until replica `name` serves: its

@@ -244,6 +244,46 @@ impl Environment {
         Ok(replica)
     }
 
+    /// Restarts every process of replica `name` as one new generation, on
+    /// the program its service names (the way to move a replica to a new
+    /// replica binary put at that path: `lockstep replica upgrade`). Its
+    /// controller reconnects by itself and the replica rehydrates; nothing
+    /// changes in the catalog. A service ensured by a newer controller halts
+    /// us (O3), as every fenced write does.
+    pub async fn restart_replica(&self, name: &str) -> Result<ReplicaInfo, EnvError> {
+        let _ops = self.ops.lock().await;
+        self.check_not_halted()?;
+        if name.is_empty() {
+            return Err(EnvError::Catalog(WriteError::Invalid(
+                "a replica needs a name".into(),
+            )));
+        }
+        let replica = self
+            .view()
+            .replicas
+            .into_values()
+            .find(|r| r.name == name)
+            .ok_or_else(|| EnvError::Catalog(WriteError::NoSuchReplica(name.to_string())))?;
+        let service = ServiceTemplate::service_name(replica.id);
+        match self.orchestrator.restart_service(&service).await {
+            Ok(status) => {
+                tracing::info!(replica = %replica.name, %service, "restarted every process");
+                // The controller starts a session with the new processes
+                // now, not when it notices the old connections died: what
+                // it answers after this (versions) is of no old process.
+                if let Some(c) = self.compute.controller(replica.id) {
+                    let _ = c.reconnect();
+                }
+                Ok(ReplicaInfo {
+                    replica,
+                    service: Some(status),
+                })
+            }
+            Err(e @ RestartError::StaleEpoch { .. }) => Err(self.halt(e.to_string())),
+            Err(e) => Err(EnvError::Orchestrator(e.to_string())),
+        }
+    }
+
     /// Lists our catalog's replicas with their services' status.
     pub async fn list_replicas(&self) -> Result<Vec<ReplicaInfo>, EnvError> {
         self.check_not_halted()?;

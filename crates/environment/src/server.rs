@@ -241,6 +241,20 @@ impl EnvironmentApi for EnvironmentService {
         .await
     }
 
+    async fn restart_replica(
+        &self,
+        request: Request<proto::RestartReplicaRequest>,
+    ) -> Result<Response<proto::RestartReplicaResponse>, Status> {
+        async {
+            let r = request.into_inner();
+            let info = self.env.restart_replica(&r.name).await.map_err(status)?;
+            Ok(Response::new(proto::RestartReplicaResponse {
+                replica: Some(to_proto(&info)),
+            }))
+        }
+        .await
+    }
+
     async fn list_replicas(
         &self,
         request: Request<proto::ListReplicasRequest>,

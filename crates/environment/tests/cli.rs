@@ -65,19 +65,13 @@ async fn json(url: &str, args: &[&str]) -> Value {
         .unwrap_or_else(|e| panic!("lockstep {all:?}: not JSON ({e}): {text}"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_list_and_status_command_prints_json_and_tables_fit_their_content() {
-    let sandbox = Sandbox::new().unwrap();
+/// Starts `lockstep serve` on `sandbox` with `extra` arguments; the child
+/// (killed on drop) and the API's URL.
+async fn serve(sandbox: &Sandbox, extra: &[&str]) -> (tokio::process::Child, String) {
     let stderr = std::fs::File::create(sandbox.path().join("serve.stderr")).unwrap();
     let mut serve = tokio::process::Command::new(bin())
-        // A small answer limit, so that a peek can exceed it here.
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--max-answer-bytes",
-            "4096",
-        ])
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(extra)
         .arg("--state-dir")
         .arg(sandbox.path())
         .arg("--service-binary")
@@ -100,6 +94,109 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
         .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
     let url = format!("http://{addr}");
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    (serve, url)
+}
+
+/// The PIDs of replica `name`'s processes, from `replica list -o json`.
+async fn pids(url: &str, name: &str) -> Vec<u64> {
+    let v = json(url, &["replica", "list"]).await;
+    let r = v["replicas"]
+        .as_array()
+        .and_then(|rs| rs.iter().find(|r| r["name"] == name))
+        .unwrap_or_else(|| panic!("no replica {name}: {v}"))
+        .clone();
+    r["process_status"]
+        .as_array()
+        .expect("process_status")
+        .iter()
+        .map(|p| p["pid"].as_u64().expect("a pid"))
+        .collect()
+}
+
+/// `lockstep replica upgrade` restarts every process as one new generation
+/// and checks the build they report: asked for a build they do not run, it
+/// exits 1 naming what they report; asked for this build, it prints the
+/// builds before and after and the downtime. The replica rehydrates: the
+/// answer after is the answer before. An unknown replica is NOT_FOUND.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_upgrade_restarts_every_process_and_checks_the_build() {
+    let sandbox = Sandbox::new().unwrap();
+    let (_serve, url) = serve(&sandbox, &[]).await;
+    let version = env!("CARGO_PKG_VERSION");
+    ok(
+        &url,
+        &["replica", "create", "u", "--processes", "2", "--wait"],
+    )
+    .await;
+    ok(
+        &url,
+        &[
+            "dataflow",
+            "create",
+            "--replica",
+            "u",
+            "--input",
+            "1",
+            "--export",
+            "101=get(1)",
+        ],
+    )
+    .await;
+    let collection = ["--replica", "u", "--collection"];
+    ok(
+        &url,
+        &[
+            &["input", "write"][..],
+            &collection,
+            &["1", "--upper", "1", "--update", "1,10@0"],
+        ]
+        .concat(),
+    )
+    .await;
+    let peek = [&["peek"][..], &collection, &["101", "--at", "0"]].concat();
+    assert_eq!(ok(&url, &peek).await.trim(), "1,10\t1");
+    let first = pids(&url, "u").await;
+
+    // Not the build the processes run: restarted, then refused by name.
+    let o = run(&["replica", "upgrade", "u", "--to", "9.9.9", "--server", &url]).await;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("not on build 9.9.9") && err.contains(&format!("reports build {version}")),
+        "{err}"
+    );
+    let second = pids(&url, "u").await;
+    assert!(
+        first.iter().all(|p| !second.contains(p)),
+        "every process restarted: {first:?} then {second:?}"
+    );
+
+    // This build: upgraded, with the builds and the downtime printed.
+    let out = ok(&url, &["replica", "upgrade", "u"]).await;
+    assert!(
+        out.contains(&format!(
+            "replica u upgraded: build {version} (protocol 3) -> build {version} (protocol 3); down "
+        )),
+        "{out}"
+    );
+    let third = pids(&url, "u").await;
+    assert!(
+        second.iter().all(|p| !third.contains(p)),
+        "every process restarted: {second:?} then {third:?}"
+    );
+    assert_eq!(ok(&url, &peek).await.trim(), "1,10\t1", "rehydrated");
+
+    let o = run(&["replica", "restart", "nosuch", "--server", &url]).await;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains(&tonic::Code::NotFound.to_string()), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_list_and_status_command_prints_json_and_tables_fit_their_content() {
+    let sandbox = Sandbox::new().unwrap();
+    // A small answer limit, so that a peek can exceed it here.
+    let (mut server, url) = serve(&sandbox, &["--max-answer-bytes", "4096"]).await;
 
     // A replica with a name longer than the old fixed column (20), created
     // with --wait: it returns once the replica serves.
@@ -260,5 +357,5 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
         );
     }
 
-    serve.kill().await.unwrap();
+    server.kill().await.unwrap();
 }

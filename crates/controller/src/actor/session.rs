@@ -354,6 +354,9 @@ impl Actor {
     /// new generation (and, once connected, a new nonce).
     pub(crate) fn disconnect(&mut self, reason: String) {
         self.conns.iter_mut().for_each(|c| *c = None);
+        // No session: no version agreed (the next session's processes may
+        // be other builds).
+        self.versions.iter_mut().for_each(|v| *v = None);
         let now = self.now_ms();
         let backoff = Duration::from_millis(self.session.disconnected(now));
         tracing::info!(%reason, ?backoff, "reconnecting to every process");
