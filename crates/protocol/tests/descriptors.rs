@@ -16,8 +16,9 @@
 //! Adding messages, fields, enum values and oneof members, and renaming a
 //! field in place (same number, type, label), are allowed.
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use prost::Message as _;
 use protox::prost_reflect::prost_types::{
@@ -213,25 +214,12 @@ fn breaking_changes(old: &FileDescriptorSet, new: &FileDescriptorSet) -> Vec<Str
 }
 
 fn todays_descriptors() -> FileDescriptorSet {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let mut compiler = protox::Compiler::new([&root]).expect("proto root");
-    compiler.include_imports(true).include_source_info(false);
-    compiler
-        .open_files([
-            "lockstep/compute/v1/compute.proto",
-            "lockstep/environment/v1/environment.proto",
-        ])
-        .expect("proto/ compiles");
-    compiler.file_descriptor_set()
+    common::todays_compiler().file_descriptor_set()
 }
 
 fn release_descriptors(release: &str) -> FileDescriptorSet {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("golden")
-        .join(release)
-        .join("descriptors.binpb");
-    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    FileDescriptorSet::decode(bytes.as_slice()).expect("a FileDescriptorSet")
+    FileDescriptorSet::decode(common::release_descriptor_bytes(release).as_slice())
+        .expect("a FileDescriptorSet")
 }
 
 /// Today's `proto/` breaks nothing a v0.2.0 process or client relies on.

@@ -20,9 +20,10 @@
 //! LOCKSTEP_GOLDEN_RELEASE=v0.2.0 cargo test -p lockstep-protocol --test golden -- --ignored regenerate
 //! ```
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::fmt::Debug;
-use std::path::PathBuf;
 
 use lockstep_protocol::*;
 use prost::Message as _;
@@ -61,29 +62,9 @@ impl Wire {
     }
 }
 
-fn golden_dir(release: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("golden")
-        .join(release)
-}
-
-fn proto_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto")
-}
-
-/// The `FileDescriptorSet` of today's `proto/` (compute and environment
-/// APIs, imports included, no source info), encoded.
+/// The `FileDescriptorSet` of today's `proto/`, encoded.
 fn todays_descriptors() -> Vec<u8> {
-    let root = proto_root();
-    let mut compiler = protox::Compiler::new([&root]).expect("proto root");
-    compiler.include_imports(true).include_source_info(false);
-    compiler
-        .open_files([
-            "lockstep/compute/v1/compute.proto",
-            "lockstep/environment/v1/environment.proto",
-        ])
-        .expect("proto/ compiles");
-    compiler.encode_file_descriptor_set()
+    common::todays_compiler().encode_file_descriptor_set()
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -100,7 +81,7 @@ fn unhex(text: &str) -> Vec<u8> {
 
 /// The golden encodings of `release`, in file order.
 fn read_encodings(release: &str) -> Vec<(String, Vec<u8>)> {
-    let path = golden_dir(release).join("encodings.hex");
+    let path = common::golden_dir(release).join("encodings.hex");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     text.lines()
         .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
@@ -604,7 +585,7 @@ fn regenerate() {
         "v0.2.0" => v0_2_0(),
         other => panic!("no golden values are defined for release {other}"),
     };
-    let dir = golden_dir(&release);
+    let dir = common::golden_dir(&release);
     assert!(
         !dir.exists(),
         "{} exists: a release's golden files are never regenerated",
@@ -668,12 +649,8 @@ fn a_v0_2_0_hello_is_accepted_at_version_2() {
 /// exactly 2, and the proof is the keyed BLAKE3 hash of the seven fields.
 fn v0_2_0_accepts_hello(bytes: &[u8], key: &[u8; 32]) -> Result<(), String> {
     use protox::prost_reflect::{DescriptorPool, DynamicMessage, Value};
-    let pool = DescriptorPool::decode(
-        std::fs::read(golden_dir("v0.2.0").join("descriptors.binpb"))
-            .expect("descriptors")
-            .as_slice(),
-    )
-    .map_err(|e| e.to_string())?;
+    let pool = DescriptorPool::decode(common::release_descriptor_bytes("v0.2.0").as_slice())
+        .map_err(|e| e.to_string())?;
     let command = pool
         .get_message_by_name("lockstep.compute.v1.Command")
         .ok_or("no Command in v0.2.0")?;
@@ -775,12 +752,8 @@ fn version_3_fields_roundtrip() {
     let bytes = answer.encode();
     assert_eq!(answer.decode_like(&bytes), Ok(answer.clone()));
     use protox::prost_reflect::{DescriptorPool, DynamicMessage};
-    let pool = DescriptorPool::decode(
-        std::fs::read(golden_dir("v0.2.0").join("descriptors.binpb"))
-            .expect("descriptors")
-            .as_slice(),
-    )
-    .expect("pool");
+    let pool = DescriptorPool::decode(common::release_descriptor_bytes("v0.2.0").as_slice())
+        .expect("pool");
     let old = DynamicMessage::decode(
         pool.get_message_by_name("lockstep.compute.v1.Response")
             .expect("Response"),
