@@ -97,6 +97,17 @@ async fn serve(sandbox: &Sandbox, extra: &[&str]) -> (tokio::process::Child, Str
     (serve, url)
 }
 
+/// `lockstep input write --replica REPLICA --collection ARGS`, which must
+/// succeed.
+async fn write(url: &str, replica: &str, args: &[&str]) {
+    let all = [
+        &["input", "write", "--replica", replica, "--collection"][..],
+        args,
+    ]
+    .concat();
+    ok(url, &all).await;
+}
+
 /// The PIDs of replica `name`'s processes, from `replica list -o json`.
 async fn pids(url: &str, name: &str) -> Vec<u64> {
     let v = json(url, &["replica", "list"]).await;
@@ -143,16 +154,7 @@ async fn replica_upgrade_restarts_every_process_and_checks_the_build() {
     )
     .await;
     let collection = ["--replica", "u", "--collection"];
-    ok(
-        &url,
-        &[
-            &["input", "write"][..],
-            &collection,
-            &["1", "--upper", "1", "--update", "1,10@0"],
-        ]
-        .concat(),
-    )
-    .await;
+    write(&url, "u", &["1", "--upper", "1", "--update", "1,10@0"]).await;
     let peek = [&["peek"][..], &collection, &["101", "--at", "0"]].concat();
     assert_eq!(ok(&url, &peek).await.trim(), "1,10\t1");
     let first = pids(&url, "u").await;
@@ -304,16 +306,7 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
     // A peek answer over the API's answer limit (4096 bytes here) is
     // RESOURCE_EXHAUSTED naming the limit; a smaller one is answered.
     let collection = ["--replica", long, "--collection"];
-    ok(
-        &url,
-        &[
-            &["input", "write"][..],
-            &collection,
-            &["1", "--upper", "1", "--update", "1,10@0"],
-        ]
-        .concat(),
-    )
-    .await;
+    write(&url, long, &["1", "--upper", "1", "--update", "1,10@0"]).await;
     let small = ok(
         &url,
         &[&["peek"][..], &collection, &["101", "--at", "0"]].concat(),
