@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-/// The golden files of `release` (`crates/protocol/golden/RELEASE`).
+/// The golden files of `release`, under `crates/protocol/golden/`.
 pub fn golden_dir(release: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("golden")
