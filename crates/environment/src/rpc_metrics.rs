@@ -58,9 +58,10 @@ pub struct RpcMetrics<S> {
 /// The API's methods (checked against `environment.proto` by a test): a
 /// label takes only these values, or [`OTHER`], so no client can grow the
 /// metrics by calling made-up methods.
-const METHODS: [&str; 12] = [
+const METHODS: [&str; 13] = [
     "CreateReplica",
     "DropReplica",
+    "RestartReplica",
     "ListReplicas",
     "GetStatus",
     "CreateDataflow",
