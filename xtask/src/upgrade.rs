@@ -7,7 +7,9 @@
 //! 2. Start the release's `lockstep serve` on a fresh state dir
 //!    (`target/upgrade/state`) with the release's replica binary (copied to
 //!    `target/upgrade/bin`, the one path both environments are given), create
-//!    a replica of 2 processes x 2 workers and two dataflows, write, peek.
+//!    three replicas of 2 processes x 2 workers, one per strategy (`r1`
+//!    barrier, the default; `r2` broadcast and `r3` log, by `policy set
+//!    --replica`), two dataflows on each, write, peek.
 //! 3. SIGKILL that environment (the replica processes run on), start
 //!    today's `lockstep serve` on the same state dir, and check: the same
 //!    replica PIDs, no process restarted, no dataflow dropped by
@@ -15,10 +17,10 @@
 //!    lines), the version agreed with the old processes is 2 (today's `replica
 //!    list`), the old answers are still right, and a new write is answered.
 //! 4. Put today's `lockstep-replica` at the one path (a rename: the old
-//!    binary is running) and run today's `lockstep replica upgrade r1`: every
-//!    process restarts on it, reports protocol 3 and today's build, and the
-//!    answers are right again; the downtime it printed goes into the
-//!    contract line.
+//!    binary is running) and run today's `lockstep replica upgrade` on each
+//!    replica: every process restarts on it, reports protocol 3 and today's
+//!    build, and the answers are right again; the downtimes it printed go
+//!    into the contract line.
 //!
 //! Every client command is the release's own `lockstep` binary, so the API
 //! is exercised across versions too. Not in `cargo xtask test`: it builds a
@@ -120,12 +122,114 @@ fn serve(
         .with_context(|| format!("starting {} serve", lockstep.display()))
 }
 
-/// `(index, pid, running)` of each process in `replica list` output.
-fn processes(list: &str) -> Vec<(u32, u32, bool)> {
+/// A replica of the scenario: its name, the strategy it runs under and
+/// the shipped policy that chooses it (`None`: the default, barrier).
+struct ScenarioReplica {
+    name: &'static str,
+    strategy: &'static str,
+    policy: Option<&'static str>,
+}
+
+/// One replica per strategy.
+const REPLICAS: [ScenarioReplica; 3] = [
+    ScenarioReplica {
+        name: "r1",
+        strategy: "barrier",
+        policy: None,
+    },
+    ScenarioReplica {
+        name: "r2",
+        strategy: "broadcast",
+        policy: Some("broadcast"),
+    },
+    ScenarioReplica {
+        name: "r3",
+        strategy: "log",
+        policy: Some("log"),
+    },
+];
+
+/// The answers of collections 100 (`get(1)`) and 101 (count and sum per
+/// key) at time 0 and at time 1 (after the second write).
+const AT_0: [&[&str]; 2] = [
+    &["1,10\t1", "1,20\t1", "2,5\t1"],
+    &["1,2,30\t1", "2,1,5\t1"],
+];
+const AT_1: [&[&str]; 2] = [
+    &["1,20\t1", "2,5\t1", "3,7\t1"],
+    &["1,1,20\t1", "2,1,5\t1", "3,1,7\t1"],
+];
+
+/// Writes `updates` (`ROW@TIME[:DIFF]`) to collection 1 of `replica`.
+fn write(
+    lockstep: &Path,
+    url: &str,
+    replica: &str,
+    updates: &[&str],
+    upper: u64,
+) -> anyhow::Result<()> {
+    let upper = upper.to_string();
+    let mut args = vec![
+        "input",
+        "write",
+        "--replica",
+        replica,
+        "--collection",
+        "1",
+        "--upper",
+        &upper,
+    ];
+    for u in updates {
+        args.extend(["--update", u]);
+    }
+    client(lockstep, url, &args).map(drop)
+}
+
+/// Whether `replica`'s collections 100 and 101 answer `want` at `at`.
+fn answers_are(
+    lockstep: &Path,
+    url: &str,
+    replica: &str,
+    at: u64,
+    want: &[&[&str]; 2],
+) -> anyhow::Result<()> {
+    for (collection, want) in [100, 101].into_iter().zip(want) {
+        let got = peek(lockstep, url, replica, collection, at)?;
+        if got != *want {
+            bail!("replica {replica}: collection {collection} at {at}: {got:?}, not {want:?}");
+        }
+    }
+    Ok(())
+}
+
+/// Waits (up to 90 s) until every scenario replica answers `want` at `at`.
+fn every_replica_answers(
+    lockstep: &Path,
+    url: &str,
+    at: u64,
+    want: &[&[&str]; 2],
+    what: &str,
+) -> anyhow::Result<()> {
+    for r in REPLICAS {
+        eventually(what, Duration::from_secs(90), || {
+            answers_are(lockstep, url, r.name, at, want)
+        })?;
+    }
+    Ok(())
+}
+
+/// `(index, pid, running)` of each process of replica `name` in `replica
+/// list` output (a replica's line, then its processes' lines).
+fn processes(list: &str, name: &str) -> Vec<(u32, u32, bool)> {
+    let mut mine = false;
     list.lines()
         .filter_map(|l| {
             let w: Vec<&str> = l.split_whitespace().collect();
-            if w.first() != Some(&"process") || w.len() < 5 || w[2] != "pid" {
+            if w.first() != Some(&"process") {
+                mine = w.get(1) == Some(&name);
+                return None;
+            }
+            if !mine || w.len() < 5 || w[2] != "pid" {
                 return None;
             }
             Some((w[1].parse().ok()?, w[3].parse().ok()?, w[4] == "running"))
@@ -134,14 +238,20 @@ fn processes(list: &str) -> Vec<(u32, u32, bool)> {
 }
 
 /// The peek's rows, sorted (`ROW\tDIFF` lines).
-fn peek(lockstep: &Path, url: &str, collection: u64, at: u64) -> anyhow::Result<Vec<String>> {
+fn peek(
+    lockstep: &Path,
+    url: &str,
+    replica: &str,
+    collection: u64,
+    at: u64,
+) -> anyhow::Result<Vec<String>> {
     let out = client(
         lockstep,
         url,
         &[
             "peek",
             "--replica",
-            "r1",
+            replica,
             "--collection",
             &collection.to_string(),
             "--at",
@@ -225,7 +335,8 @@ pub fn upgrade() -> anyhow::Result<()> {
         .env("CARGO_TARGET_DIR", base.join("target"));
     run(cmd)?;
     let old_build = started.elapsed();
-    step("today's lockstep and lockstep-replica");
+    step("today's lockstep, lockstep-replica and the shipped policies");
+    crate::policies::build_all()?;
     let started = Instant::now();
     run(build_bins(
         &["lockstep-environment", "lockstep-replica"],
@@ -260,96 +371,88 @@ pub fn upgrade() -> anyhow::Result<()> {
         &replica_bin,
         &base.join("env-old.log"),
     )?;
-    let mut pids = Vec::new();
+    let mut pids: Vec<u32> = Vec::new();
     let result = (|| -> anyhow::Result<String> {
         eventually(
             "the release's environment serves",
             Duration::from_secs(60),
             || client(&old_lockstep, &url, &["status"]),
         )?;
-        client(
-            &old_lockstep,
-            &url,
-            &[
-                "replica",
-                "create",
-                "r1",
-                "--processes",
-                "2",
-                "--workers",
-                "2",
-            ],
-        )?;
-        client(
-            &old_lockstep,
-            &url,
-            &[
-                "dataflow",
-                "create",
-                "--replica",
-                "r1",
-                "--name",
-                "ident",
-                "--input",
-                "1",
-                "--export",
-                "100=get(1)",
-            ],
-        )?;
-        client(
-            &old_lockstep,
-            &url,
-            &[
-                "dataflow",
-                "create",
-                "--replica",
-                "r1",
-                "--name",
-                "count",
-                "--input",
-                "1",
-                "--export",
-                "101=reduce(get(1), [#0], count, sum(#1))",
-            ],
-        )?;
-        client(
-            &old_lockstep,
-            &url,
-            &[
-                "input",
-                "write",
-                "--replica",
-                "r1",
-                "--collection",
-                "1",
-                "--update",
-                "1,10@0",
-                "--update",
-                "1,20@0",
-                "--update",
-                "2,5@0",
-                "--upper",
-                "1",
-            ],
-        )?;
-        let want_ident = vec!["1,10\t1".to_string(), "1,20\t1".into(), "2,5\t1".into()];
-        let want_count = vec!["1,2,30\t1".to_string(), "2,1,5\t1".into()];
-        let got = eventually("the release answers", Duration::from_secs(60), || {
-            let got = (
-                peek(&old_lockstep, &url, 100, 0)?,
-                peek(&old_lockstep, &url, 101, 0)?,
-            );
-            if got != (want_ident.clone(), want_count.clone()) {
-                bail!("peeks {got:?}");
+        // One replica per strategy: barrier is the default policy, the
+        // others are set on their replica (the policies today's xtask
+        // built; the WIT interface is 0.1.0 on both sides).
+        let policies = crate::policies::out_dir();
+        for r in REPLICAS {
+            client(
+                &old_lockstep,
+                &url,
+                &[
+                    "replica",
+                    "create",
+                    r.name,
+                    "--processes",
+                    "2",
+                    "--workers",
+                    "2",
+                ],
+            )?;
+            if let Some(policy) = r.policy {
+                let wasm = policies.join(format!("{policy}.wasm"));
+                if !wasm.is_file() {
+                    bail!("{} is missing: cargo xtask build-policies", wasm.display());
+                }
+                client(
+                    &old_lockstep,
+                    &url,
+                    &[
+                        "policy",
+                        "set",
+                        "--replica",
+                        r.name,
+                        &wasm.to_string_lossy(),
+                    ],
+                )?;
             }
-            Ok(got)
-        })?;
-        let list = client(&old_lockstep, &url, &["replica", "list"])?;
-        let before = processes(&list);
-        if before.len() != 2 || !before.iter().all(|p| p.2 && p.1 != 0) {
-            bail!("the release's replica is not running: {list}");
+            for (name, export) in [
+                ("ident", "100=get(1)"),
+                ("count", "101=reduce(get(1), [#0], count, sum(#1))"),
+            ] {
+                client(
+                    &old_lockstep,
+                    &url,
+                    &[
+                        "dataflow",
+                        "create",
+                        "--replica",
+                        r.name,
+                        "--name",
+                        name,
+                        "--input",
+                        "1",
+                        "--export",
+                        export,
+                    ],
+                )?;
+            }
+            write(
+                &old_lockstep,
+                &url,
+                r.name,
+                &["1,10@0", "1,20@0", "2,5@0"],
+                1,
+            )?;
         }
-        pids = before.iter().map(|p| p.1).collect();
+        let mut before = Vec::new();
+        every_replica_answers(&old_lockstep, &url, 0, &AT_0, "the release answers")?;
+        for r in REPLICAS {
+            let list = client(&old_lockstep, &url, &["replica", "list"])?;
+            let procs = processes(&list, r.name);
+            if procs.len() != 2 || !procs.iter().all(|p| p.2 && p.1 != 0) {
+                bail!("the release's replica {} is not running: {list}", r.name);
+            }
+            before.push(procs.iter().map(|p| p.1).collect::<Vec<u32>>());
+        }
+        pids = before.concat();
         let dropped_before = count_in_logs(&state, "reconciliation drops dataflow")?;
 
         step(&format!(
@@ -370,78 +473,45 @@ pub fn upgrade() -> anyhow::Result<()> {
             &base.join("env-new.log"),
         )?;
         let checks = (|| -> anyhow::Result<String> {
-            let adopted = eventually(
+            every_replica_answers(
+                &old_lockstep,
+                &url,
+                0,
+                &AT_0,
                 "today's environment answers the old peeks",
-                Duration::from_secs(90),
-                || {
-                    let now = (
-                        peek(&old_lockstep, &url, 100, 0)?,
-                        peek(&old_lockstep, &url, 101, 0)?,
-                    );
-                    if now != got {
-                        bail!("peeks {now:?}");
-                    }
-                    Ok(now)
-                },
             )?;
             let list = eventually(
                 "today's replica list shows the agreed version",
                 Duration::from_secs(30),
                 || {
                     let list = client(&new_lockstep, &url, &["replica", "list"])?;
-                    if !list.contains(" protocol 2") {
-                        bail!("no agreed version 2 yet: {list}");
+                    if list.matches(" protocol 2").count() != 2 * REPLICAS.len() {
+                        bail!("not every process agreed version 2 yet: {list}");
                     }
                     Ok(list)
                 },
             )?;
-            let after = processes(&list);
-            let now: Vec<u32> = after.iter().map(|p| p.1).collect();
-            if now != pids {
-                bail!("replica PIDs {pids:?} before, {now:?} after: not adopted");
+            for (r, was) in REPLICAS.iter().zip(&before) {
+                let now: Vec<u32> = processes(&list, r.name).iter().map(|p| p.1).collect();
+                if &now != was {
+                    bail!(
+                        "replica {}: PIDs {was:?} before, {now:?} after: not adopted",
+                        r.name
+                    );
+                }
             }
             if list.contains(" build ") {
-                bail!("a v0.2.0 process reported a build version: {list}");
+                bail!("a {version} process reported a build version: {list}");
             }
-            client(
+            for r in REPLICAS {
+                write(&old_lockstep, &url, r.name, &["3,7@1", "1,10@1:-1"], 2)?;
+            }
+            every_replica_answers(
                 &old_lockstep,
                 &url,
-                &[
-                    "input",
-                    "write",
-                    "--replica",
-                    "r1",
-                    "--collection",
-                    "1",
-                    "--update",
-                    "3,7@1",
-                    "--update",
-                    "1,10@1:-1",
-                    "--upper",
-                    "2",
-                ],
-            )?;
-            eventually(
+                1,
+                &AT_1,
                 "a write after the upgrade is answered",
-                Duration::from_secs(60),
-                || {
-                    let (ident, count) = (
-                        peek(&old_lockstep, &url, 100, 1)?,
-                        peek(&old_lockstep, &url, 101, 1)?,
-                    );
-                    let want = (
-                        vec!["1,20\t1".to_string(), "2,5\t1".into(), "3,7\t1".into()],
-                        vec![
-                            "1,1,20\t1".to_string(),
-                            "2,1,5\t1".into(),
-                            "3,1,7\t1".into(),
-                        ],
-                    );
-                    if (ident.clone(), count.clone()) != want {
-                        bail!("peeks at 1: {ident:?} {count:?}");
-                    }
-                    Ok(())
-                },
             )?;
             let dropped = count_in_logs(&state, "reconciliation drops dataflow")? - dropped_before;
             if dropped != 0 {
@@ -457,57 +527,53 @@ pub fn upgrade() -> anyhow::Result<()> {
                 bail!("restarted processes: {restarts:?}");
             }
 
-            // The replica itself moves: today's replica binary put at the
-            // path by a rename (the old one is running), then `lockstep
-            // replica upgrade r1` restarts every process on it.
-            step("lockstep replica upgrade r1 onto today's lockstep-replica");
+            // The replicas themselves move: today's replica binary put at
+            // the path by a rename (the old one is running), then `lockstep
+            // replica upgrade` restarts every process of each on it.
+            step("lockstep replica upgrade, each replica onto today's lockstep-replica");
             let staged = bin.join("lockstep-replica.new");
             std::fs::copy(root.join("target/debug/lockstep-replica"), &staged)?;
             std::fs::rename(&staged, &replica_bin)?;
-            let upgraded = client(&new_lockstep, &url, &["replica", "upgrade", "r1"])?;
             let want = format!(
-                "replica r1 upgraded: no build version (protocol 2) -> build {} (protocol 3); down ",
+                "upgraded: no build version (protocol 2) -> build {} (protocol 3); down ",
                 env!("CARGO_PKG_VERSION")
             );
-            let Some(down) = upgraded
-                .lines()
-                .find_map(|l| l.strip_prefix(&want))
-                .and_then(|rest| rest.split_whitespace().next())
-            else {
-                bail!("replica upgrade printed {upgraded:?}, not {want:?}");
-            };
+            let mut downs = Vec::new();
+            for r in REPLICAS {
+                let upgraded = client(&new_lockstep, &url, &["replica", "upgrade", r.name])?;
+                let prefix = format!("replica {} {want}", r.name);
+                let Some(down) = upgraded
+                    .lines()
+                    .find_map(|l| l.strip_prefix(&prefix))
+                    .and_then(|rest| rest.split_whitespace().next())
+                else {
+                    bail!("replica upgrade printed {upgraded:?}, not {prefix:?}");
+                };
+                downs.push(format!("{} ({}) {down} s", r.name, r.strategy));
+            }
             let list = client(&new_lockstep, &url, &["replica", "list"])?;
-            let moved: Vec<u32> = processes(&list).iter().map(|p| p.1).collect();
-            if moved.iter().any(|p| pids.contains(p)) {
+            let moved: Vec<u32> = REPLICAS
+                .iter()
+                .flat_map(|r| processes(&list, r.name))
+                .map(|p| p.1)
+                .collect();
+            if moved.len() != pids.len() || moved.iter().any(|p| pids.contains(p)) {
                 bail!("replica upgrade kept a process of the release: {pids:?} -> {moved:?}");
             }
-            eventually(
+            every_replica_answers(
+                &new_lockstep,
+                &url,
+                1,
+                &AT_1,
                 "the upgraded replica answers",
-                Duration::from_secs(60),
-                || {
-                    let answers = (
-                        peek(&new_lockstep, &url, 100, 1)?,
-                        peek(&new_lockstep, &url, 101, 1)?,
-                    );
-                    let want = (
-                        vec!["1,20\t1".to_string(), "2,5\t1".into(), "3,7\t1".into()],
-                        vec![
-                            "1,1,20\t1".to_string(),
-                            "2,1,5\t1".into(),
-                            "3,1,7\t1".into(),
-                        ],
-                    );
-                    if answers != want {
-                        bail!("after replica upgrade: peeks at 1 {answers:?}");
-                    }
-                    Ok(())
-                },
             )?;
+            let strategies: Vec<&str> = REPLICAS.iter().map(|r| r.strategy).collect();
             Ok(format!(
-                "upgrade: {version} -> HEAD {}: replica r1 (2x2, 2 dataflows) adopted with the same PIDs {pids:?}, 0 restarts, 0 dataflows dropped by reconciliation, agreed protocol version 2, answers right before ({} rows) and after a new write\nupgrade: replica upgrade r1: release processes {pids:?} -> HEAD processes {moved:?} (protocol 3, build {}), down {down} s (restart to serving, rebuilt from the catalog), answers right after",
+                "upgrade: {version} -> HEAD {}: replicas {} (2x2, 2 dataflows each) adopted with the same PIDs {pids:?}, 0 restarts, 0 dataflows dropped by reconciliation, agreed protocol version 2, answers right before and after a new write\nupgrade: replica upgrade onto HEAD's binary (protocol 3, build {}): processes {pids:?} -> {moved:?}, down {} (restart to serving, rebuilt from the catalog), answers right after",
                 &head[..7],
-                adopted.0.len() + adopted.1.len(),
-                env!("CARGO_PKG_VERSION")
+                strategies.join(", "),
+                env!("CARGO_PKG_VERSION"),
+                downs.join(", ")
             ))
         })();
         kill(new_env.id());
@@ -546,8 +612,9 @@ mod tests {
 
     #[test]
     fn parses_the_process_lines_of_replica_list() {
-        let list = "ID     NAME  PROCESSES WORKERS SERVICE EPOCH\n1 r1 2 2 replica-1 1\n    process 0 pid 123 running restarts 0 timely=1 controller=2 protocol 2\n    process 1 pid 0 down restarts 1 \n";
-        assert_eq!(processes(list), vec![(0, 123, true), (1, 0, false)]);
+        let list = "ID     NAME  PROCESSES WORKERS SERVICE EPOCH\n1 r1 2 2 replica-1 1\n    process 0 pid 123 running restarts 0 timely=1 controller=2 protocol 2\n    process 1 pid 0 down restarts 1 \n2 r2 1 1 replica-2 1\n    process 0 pid 456 running restarts 0 timely=3 controller=4\n";
+        assert_eq!(processes(list, "r1"), vec![(0, 123, true), (1, 0, false)]);
+        assert_eq!(processes(list, "r2"), vec![(0, 456, true)]);
     }
 
     #[test]
