@@ -412,10 +412,25 @@ enum GoalFigure {
     WorstMedian(&'static str, f64),
     /// The ratio of one benchmark's median to another's, against a bound.
     Ratio(&'static str, &'static str, f64),
+    /// The largest, over [`FLOOR_STRATEGIES`], of `measurement`'s median on
+    /// shape `PxW` over its floor (the sum of the medians named), against a
+    /// bound: the cost against what the machine itself costs for the same
+    /// bytes, measured in the same run (`benches/benches/floors.rs`).
+    FloorRatio {
+        measurement: &'static str,
+        shape: &'static str,
+        floor: &'static [&'static str],
+        bound: f64,
+    },
 }
 
+/// The strategies a floor goal holds for: the symmetric ones and
+/// broadcast (naive is the negative control; `log@postgres` has a floor of
+/// its own, the server's).
+const FLOOR_STRATEGIES: [&str; 3] = ["broadcast", "barrier", "log"];
+
 /// The issues' goals that this suite measures.
-const GOALS: [(&str, GoalFigure); 14] = [
+const GOALS: [(&str, GoalFigure); 17] = [
     (
         "a 2x2 replica is ready (Hello answered) in under 100 ms",
         GoalFigure::Median("replica/start_2x2_to_hello_answered", 100e6),
@@ -429,8 +444,46 @@ const GOALS: [(&str, GoalFigure); 14] = [
         GoalFigure::WorstRatio("install", "barrier", "naive", 1.5),
     ),
     (
-        "symmetric (barrier) small-command latency at most half of broadcast's",
-        GoalFigure::WorstRatio("small_command", "barrier", "broadcast", 0.5),
+        "small command within 1.5x of its floor at 1x1 (a loopback round trip of its frame)",
+        GoalFigure::FloorRatio {
+            measurement: "small_command",
+            shape: "1x1",
+            floor: &["floors/tcp_round_trip/small/1"],
+            bound: 1.5,
+        },
+    ),
+    (
+        "small command within 2x of its floor at 2x2 (round trips to 2 processes at once)",
+        GoalFigure::FloorRatio {
+            measurement: "small_command",
+            shape: "2x2",
+            floor: &["floors/tcp_round_trip/small/2"],
+            bound: 2.0,
+        },
+    ),
+    (
+        "install within 1.5x of its floor at 1x1 (a round trip of its frame + timely's own build)",
+        GoalFigure::FloorRatio {
+            measurement: "install",
+            shape: "1x1",
+            floor: &[
+                "floors/tcp_round_trip/install/1",
+                "limits/install/timely/1x1",
+            ],
+            bound: 1.5,
+        },
+    ),
+    (
+        "install within 2x of its floor at 2x2 (round trips to 2 processes + timely's own build)",
+        GoalFigure::FloorRatio {
+            measurement: "install",
+            shape: "2x2",
+            floor: &[
+                "floors/tcp_round_trip/install/2",
+                "limits/install/timely/1x1",
+            ],
+            bound: 2.0,
+        },
     ),
     (
         "1,000 unchanged dataflows reconciled in under 2 s, none rebuilt",
@@ -528,6 +581,38 @@ impl Report {
                         (Some(x), Some(y)) => {
                             let r = x / y;
                             (format!("{r:.2}x (`{a}` / `{b}`)"), Some(r <= *bound))
+                        }
+                        _ => ("not measured".into(), None),
+                    }
+                }
+                GoalFigure::FloorRatio {
+                    measurement,
+                    shape,
+                    floor,
+                    bound,
+                } => {
+                    let floor_ns: Option<f64> =
+                        floor.iter().map(|f| self.medians.get(*f).copied()).sum();
+                    let worst = FLOOR_STRATEGIES
+                        .iter()
+                        .filter_map(|s| {
+                            let ns = self
+                                .medians
+                                .get(&format!("strategies/{measurement}/{s}/{shape}"))?;
+                            Some((*s, ns))
+                        })
+                        .max_by(|x, y| x.1.total_cmp(y.1));
+                    match (worst, floor_ns) {
+                        (Some((s, ns)), Some(f)) => {
+                            let r = ns / f;
+                            (
+                                format!(
+                                    "{r:.2}x at worst ({s}: {} over a floor of {})",
+                                    human(*ns),
+                                    human(f)
+                                ),
+                                Some(r <= *bound),
+                            )
                         }
                         _ => ("not measured".into(), None),
                     }
@@ -959,6 +1044,37 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("not measured | - |"), "{t}");
+    }
+
+    #[test]
+    fn a_floor_goal_divides_the_worst_strategy_by_the_summed_floor() {
+        let row = |name: &str, ns: f64| Row {
+            name: name.into(),
+            median_ns: ns,
+            bytes: None,
+            elements: None,
+        };
+        let report = Report::new(
+            vec![
+                row("strategies/install/broadcast/1x1", 200e3),
+                row("strategies/install/barrier/1x1", 300e3),
+                row("strategies/install/naive/1x1", 900e3),
+                row("floors/tcp_round_trip/install/1", 80e3),
+                row("limits/install/timely/1x1", 20e3),
+                row("strategies/small_command/barrier/1x1", 100e3),
+            ],
+            String::new(),
+        );
+        let t = report.goals_table();
+        assert!(
+            t.contains("| install within 1.5x of its floor at 1x1 (a round trip of its frame + timely's own build) | 3.00x at worst (barrier: 300.0 µs over a floor of 100.0 µs) | **no** |"),
+            "{t}"
+        );
+        // No floor measured: not measured, neither met nor missed.
+        assert!(
+            t.contains("| small command within 1.5x of its floor at 1x1 (a loopback round trip of its frame) | not measured | - |"),
+            "{t}"
+        );
     }
 
     #[test]

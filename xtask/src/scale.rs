@@ -195,11 +195,14 @@ impl<'a> Scale<'a> {
             flat.map(|(r, _)| r <= 1.5),
         ));
         let ratio = |a: &str, b: &str| Some(self.get(a)? / self.get(b)?);
+        // Install through lockstep against timely alone: reported, not a
+        // goal (lockstep's path has a round trip timely's has not; the
+        // goal is against the floor that counts it, in bench.rs).
         let inst = ratio("limits/install/lockstep/1x1", "limits/install/timely/1x1");
         goals.push((
-            "install through lockstep within 1.5x of timely by itself".into(),
+            "install through lockstep against timely by itself (no round trip; see the floor goals)".into(),
             inst.map_or("not measured".into(), |r| format!("{r:.2}x (1x1)")),
-            inst.map(|r| r <= 1.5),
+            None,
         ));
         // Throughput ratio: differential's time over lockstep's.
         let ingest = ratio(
@@ -237,7 +240,9 @@ mod tests {
         let g = s.goals();
         assert_eq!(g[0].2, Some(true), "{:?}", g[0]);
         assert_eq!(g[1].2, Some(false), "{:?}", g[1]);
-        assert_eq!(g[2].2, Some(false), "{:?}", g[2]);
+        // Against timely alone: reported, neither met nor missed.
+        assert_eq!(g[2].2, None, "{:?}", g[2]);
+        assert_eq!(g[2].1, "2.00x (1x1)");
         assert_eq!(g[3].2, None);
         assert!(s
             .section()

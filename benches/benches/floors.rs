@@ -1,0 +1,163 @@
+//! The physical floors of the replica measurements, measured in the same run
+//! (issue 33): what the machine itself costs for the same bytes, with no
+//! lockstep in the way, so that `cargo xtask bench` can state each cost as
+//! a ratio to its floor.
+//!
+//! - `floors/tcp_round_trip/{small,install}/{n}`: a frame the size of an
+//!   encoded small command (the StatusRequest of `small_command`) or of a
+//!   small dataflow's CreateDataflow (`install`), length-prefixed like the
+//!   replica's frames, written to `n` echo servers on loopback at once,
+//!   until every one answered with a frame the size of a worker's Status.
+//!   Each server is a thread with its own current-thread runtime (as a
+//!   replica process's connection task is); the client runs on a
+//!   one-worker runtime, like the benches' controller. `n` is the replica's
+//!   process count: the controller talks to every process.
+//!
+//! Timely's own build of the install's dataflow is measured by the scale
+//! bench (`limits/install/timely/1x1`); the install floor is the round trip
+//! plus that build.
+
+#![allow(missing_docs)] // criterion_group! generates undocumented functions
+
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use lockstep_benches::harness;
+use lockstep_protocol::{
+    Command, CommandKind, Response, ResponseKind, Status, Strategy, WireMessage,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Encoded sizes of the frames the measurements carry.
+fn sizes() -> (usize, usize, usize) {
+    let small = Command {
+        seqno: 1,
+        strategy: Strategy::Barrier,
+        kind: CommandKind::StatusRequest { full: false },
+    }
+    .encode_to_vec()
+    .len();
+    let install = Command {
+        seqno: 1,
+        strategy: Strategy::Barrier,
+        kind: CommandKind::CreateDataflow(lockstep_benches::small_dataflow(20_001)),
+    }
+    .encode_to_vec()
+    .len();
+    let status = Response {
+        process_index: 0,
+        kind: ResponseKind::Status(Status {
+            worker_index: 0,
+            epoch: 1,
+            nonce: 1,
+            applied_seqno: 1,
+            history_hash: None,
+            creation_log: Vec::new(),
+            installed: vec![1],
+        }),
+    }
+    .encode_to_vec()
+    .len();
+    (small, install, status)
+}
+
+/// Reads one length-prefixed frame into `buf`; false at end of stream.
+async fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> bool {
+    let mut len = [0u8; 4];
+    if s.read_exact(&mut len).await.is_err() {
+        return false;
+    }
+    buf.resize(u32::from_be_bytes(len) as usize, 0);
+    s.read_exact(buf).await.is_ok()
+}
+
+/// Writes one length-prefixed frame of `payload`.
+async fn write_frame(s: &mut TcpStream, payload: &[u8]) {
+    let mut frame = Vec::with_capacity(4 + payload.len());
+    frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    frame.extend_from_slice(payload);
+    s.write_all(&frame).await.expect("write a frame");
+}
+
+/// An echo server on its own thread: answers every frame with a frame of
+/// `answer` bytes. Returns its address.
+fn echo_server(answer: usize) -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    listener.set_nonblocking(true).expect("nonblocking");
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let listener = TcpListener::from_std(listener).expect("listener");
+            loop {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    return;
+                };
+                let _ = s.set_nodelay(true);
+                tokio::spawn(async move {
+                    let reply = vec![7u8; answer];
+                    let mut buf = Vec::new();
+                    while read_frame(&mut s, &mut buf).await {
+                        write_frame(&mut s, &reply).await;
+                    }
+                });
+            }
+        });
+    });
+    addr
+}
+
+fn floors(c: &mut Criterion) {
+    let (small, install, status) = sizes();
+    let rt = harness::rt();
+    let mut g = c.benchmark_group("floors");
+    harness::timings(&mut g, 30, 1000);
+    for n in [1usize, 2, 4] {
+        let mut conns: Vec<TcpStream> = rt.block_on(async {
+            let mut conns = Vec::new();
+            for _ in 0..n {
+                let s = TcpStream::connect(echo_server(status))
+                    .await
+                    .expect("connect");
+                s.set_nodelay(true).expect("nodelay");
+                conns.push(s);
+            }
+            conns
+        });
+        for (what, size) in [("small", small), ("install", install)] {
+            let payload = vec![1u8; size];
+            g.bench_function(format!("tcp_round_trip/{what}/{n}"), |b| {
+                b.iter(|| {
+                    rt.block_on(async {
+                        // Every frame goes out before any answer is
+                        // awaited, as the controller's do.
+                        let round = async {
+                            for s in conns.iter_mut() {
+                                write_frame(s, &payload).await;
+                            }
+                            let mut buf = Vec::new();
+                            for s in conns.iter_mut() {
+                                assert!(read_frame(s, &mut buf).await, "the echo server left");
+                                assert_eq!(buf.len(), status);
+                            }
+                        };
+                        tokio::time::timeout(Duration::from_secs(5), round)
+                            .await
+                            .expect("a loopback round trip within 5 s");
+                    })
+                })
+            });
+        }
+    }
+    g.finish();
+    eprintln!(
+        "floors: frames of {small} bytes (small command), {install} bytes (install), answered with {status} bytes (a Status)"
+    );
+}
+
+criterion_group!(benches, floors);
+criterion_main!(benches);
