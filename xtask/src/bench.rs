@@ -1050,14 +1050,18 @@ mod tests {
         assert_eq!(baseline_of("api/ingest_10k/differential"), None);
     }
 
-    #[test]
-    fn goals_take_the_worst_shape() {
-        let row = |name: &str, ns: f64| Row {
+    /// A benchmark's row with only its median.
+    fn row(name: &str, ns: f64) -> Row {
+        Row {
             name: name.into(),
             median_ns: ns,
             bytes: None,
             elements: None,
-        };
+        }
+    }
+
+    #[test]
+    fn goals_take_the_worst_shape() {
         let report = Report::new(
             vec![
                 row("strategies/install/barrier/1x1", 120.0),
@@ -1081,12 +1085,6 @@ mod tests {
 
     #[test]
     fn a_floor_goal_divides_the_worst_strategy_by_the_summed_floor() {
-        let row = |name: &str, ns: f64| Row {
-            name: name.into(),
-            median_ns: ns,
-            bytes: None,
-            elements: None,
-        };
         let report = Report::new(
             vec![
                 row("strategies/install/broadcast/1x1", 200e3),
