@@ -20,6 +20,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use lockstep_pg::tokio_postgres::types::Type;
 use lockstep_pg::tokio_postgres::Client;
 use lockstep_pg::{Conn, Options, PgError, Session};
 use lockstep_protocol::{Command, WireMessage};
@@ -284,12 +285,16 @@ impl PgLog {
             Box::pin(async move {
                 c.batch_execute("BEGIN").await?;
                 let out = async {
+                    // Typed statements go in one round trip each (no
+                    // separate prepare).
                     let row = c
-                        .query_opt(
+                        .query_typed(
                             "SELECT epoch, truncated FROM command_log_fence WHERE log = $1 FOR UPDATE",
-                            &[&name],
+                            &[(&name, Type::TEXT)],
                         )
                         .await?
+                        .into_iter()
+                        .next()
                         .ok_or_else(|| {
                             Failure::Log(LogError::Format {
                                 path: PathBuf::new(),
@@ -323,36 +328,42 @@ impl CommandLog for PgLog {
         }
         self.fenced(epoch, move |c, name, truncated| {
             Box::pin(async move {
-                c.execute(
-                    "UPDATE command_log_fence SET epoch = $2 WHERE log = $1",
-                    &[&name, &(epoch as i64)],
-                )
-                .await?;
                 // The marker at the truncation point always stays, so the
                 // newest offset never goes back; `truncated` covers the rest.
+                // A statement of its own after the fence row was locked: its
+                // snapshot sees every append committed before ours.
                 let newest: Option<i64> = c
-                    .query_one(
+                    .query_typed(
                         "SELECT MAX(log_offset) FROM command_log_entries WHERE log = $1",
-                        &[&name],
+                        &[(&name, Type::TEXT)],
                     )
                     .await?
-                    .get(0);
+                    .first()
+                    .and_then(|r| r.get(0));
                 let first = newest.unwrap_or(0).max(truncated) + 1;
                 let offsets: Vec<i64> = (first..first + encoded.len() as i64).collect();
                 let last = first + encoded.len() as i64 - 1;
-                c.execute(
-                    "INSERT INTO command_log_entries (log, log_offset, epoch, marker, command) \
-                     SELECT $1, o, $2, m, b FROM UNNEST($3::BIGINT[], $4::SMALLINT[], $5::BYTEA[]) AS t (o, m, b)",
-                    &[&name, &(epoch as i64), &offsets, &markers, &encoded],
+                // The fence's epoch, the entries and the notification in one
+                // statement (data-modifying parts run to completion whatever
+                // the outer query returns; the notification only when there
+                // are entries, and it is delivered at commit).
+                c.query_typed(
+                    "WITH fence AS (UPDATE command_log_fence SET epoch = $2 WHERE log = $1 RETURNING 1), \
+                          entries AS (INSERT INTO command_log_entries (log, log_offset, epoch, marker, command) \
+                              SELECT $1, o, $2, m, b FROM UNNEST($3::BIGINT[], $4::SMALLINT[], $5::BYTEA[]) AS t (o, m, b) \
+                              RETURNING 1) \
+                     SELECT pg_notify($6, $7) WHERE cardinality($3::BIGINT[]) > 0",
+                    &[
+                        (&name, Type::TEXT),
+                        (&(epoch as i64), Type::INT8),
+                        (&offsets, Type::INT8_ARRAY),
+                        (&markers, Type::INT2_ARRAY),
+                        (&encoded, Type::BYTEA_ARRAY),
+                        (&channel_of(&name), Type::TEXT),
+                        (&last.to_string(), Type::TEXT),
+                    ],
                 )
                 .await?;
-                if !encoded.is_empty() {
-                    c.execute(
-                        "SELECT pg_notify($1, $2)",
-                        &[&channel_of(&name), &last.to_string()],
-                    )
-                    .await?;
-                }
                 Ok(last as u64)
             })
         })
@@ -362,13 +373,14 @@ impl CommandLog for PgLog {
         let name = self.name.clone();
         let rows: Vec<(i64, Vec<u8>)> = self.run(move |c| {
             Box::pin(async move {
-                Ok(c.query(
+                // Typed: one round trip (a worker reads on every poke).
+                Ok(c.query_typed(
                     "SELECT log_offset, command FROM command_log_entries \
                          WHERE log = $1 AND log_offset >= $2 ORDER BY log_offset LIMIT $3",
                     &[
-                        &name,
-                        &(offset as i64),
-                        &(max.min(i64::MAX as usize) as i64),
+                        (&name, Type::TEXT),
+                        (&(offset as i64), Type::INT8),
+                        (&(max.min(i64::MAX as usize) as i64), Type::INT8),
                     ],
                 )
                 .await?
