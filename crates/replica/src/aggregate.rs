@@ -47,11 +47,6 @@ impl Aggregator {
         }
     }
 
-    /// The session the workers last started, if any.
-    pub fn session(&self) -> Option<lockstep_reconcile::Session> {
-        self.session
-    }
-
     /// Whether `worker` has not started the newest session yet: what it
     /// answers belongs to an older one.
     fn behind(&self, worker: usize) -> bool {

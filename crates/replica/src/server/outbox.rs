@@ -75,7 +75,9 @@ impl Outbox {
             _ => {
                 if self.pending.len() == MAX_PENDING_RESPONSES {
                     self.pending.pop_front();
-                    tracing::warn!("no controller connected; dropping the oldest kept response");
+                    tracing::warn!(
+                        "no connection of the workers' session; dropping the oldest kept response"
+                    );
                 }
                 self.pending.push_back(response);
             }
