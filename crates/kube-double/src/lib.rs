@@ -159,12 +159,7 @@ impl ApiServerDouble {
         self.store
             .lock()
             .expect("poisoned")
-            .objects
-            .get(&(
-                resource.to_string(),
-                namespace.to_string(),
-                name.to_string(),
-            ))
+            .object(resource, namespace, name)
             .cloned()
     }
 

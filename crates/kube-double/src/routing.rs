@@ -151,12 +151,7 @@ impl ApiServerDouble {
                 .insert(resource, namespace, body)
                 .map(|o| (StatusCode::CREATED, o)),
             (&Method::GET, Some(name)) => s
-                .objects
-                .get(&(
-                    resource.to_string(),
-                    namespace.to_string(),
-                    name.to_string(),
-                ))
+                .object(resource, namespace, name)
                 .cloned()
                 .map(|o| (StatusCode::OK, o))
                 .ok_or((404, format!("{resource} \"{name}\" not found"))),

@@ -136,6 +136,15 @@ impl Store {
         Ok(object)
     }
 
+    /// The stored object `resource` `namespace`/`name`, if any.
+    pub(crate) fn object(&self, resource: &str, namespace: &str, name: &str) -> Option<&Value> {
+        self.objects.get(&(
+            resource.to_string(),
+            namespace.to_string(),
+            name.to_string(),
+        ))
+    }
+
     pub(crate) fn replace(
         &mut self,
         resource: &str,
