@@ -74,7 +74,29 @@ def start(lockstep, state, extra):
     if not m:
         proc.kill()
         raise SystemExit(f"unexpected first line from lockstep serve: {line!r}")
-    return proc, m.group(1)
+    metrics = re.search(r"metrics on (\S+)", line)
+    return proc, m.group(1), metrics and metrics.group(1)
+
+
+def metric_families(url):
+    """GETs url and parses it with prometheus_client's OpenMetrics parser,
+    which raises on anything that is not valid OpenMetrics."""
+    import urllib.request
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        content_type = answer.headers.get("Content-Type", "")
+        text = answer.read().decode()
+    return content_type, {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def sample(families, family, name, **labels):
+    """The value of the sample `name` of `family` with (at least) `labels`, or None."""
+    f = families.get(family)
+    for s in f.samples if f else []:
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    return None
 
 
 def main():
@@ -91,7 +113,9 @@ def main():
 
     r = Results()
     state = tempfile.mkdtemp(prefix="lockstep-py-state-")
-    proc, addr = start(args.lockstep, state, ["--compaction-lag", "4"])
+    proc, addr, metrics_url = start(
+        args.lockstep, state, ["--compaction-lag", "4", "--metrics-listen", "127.0.0.1:0"]
+    )
     try:
         channel = grpc.insecure_channel(addr)
         grpc.channel_ready_future(channel).result(timeout=30)
@@ -235,6 +259,60 @@ def main():
         r.check("Subscribe streams the snapshot", len(first.updates) == 12, str(first))
         api.DropDataflow(ep.DropDataflowRequest(id=d.id))
         r.code("Subscribe, dataflow dropped: NOT_FOUND", lambda: sub, C.NOT_FOUND)
+
+        # Metrics: the environment's and every replica process's, each read
+        # with prometheus_client's OpenMetrics parser (which raises on any
+        # error in the exposition).
+        r.check("serve prints its metrics address", metrics_url is not None)
+        content_type, env = metric_families(metrics_url)
+        r.check("environment metrics are OpenMetrics", content_type.startswith("application/openmetrics-text"), content_type)
+        r.check(
+            "environment metrics count NOT_FOUND answers of DropReplica",
+            (sample(env, "lockstep_api_requests", "lockstep_api_requests_total", method="DropReplica", code="NOT_FOUND") or 0) >= 1,
+            str(env.get("lockstep_api_requests")),
+        )
+        processes = [p for rep in api.ListReplicas(ep.ListReplicasRequest()).replicas if rep.name == "py" for p in rep.process_status]
+        r.check("ListReplicas reports each process's metrics URL", len(processes) == 2 and all(p.metrics_url.startswith("http://") for p in processes), str(processes))
+        for p in processes:
+            content_type, rep = metric_families(p.metrics_url)
+            name = f"replica process {p.index} metrics"
+            r.check(f"{name} are OpenMetrics", content_type.startswith("application/openmetrics-text"), content_type)
+            created = sample(rep, "lockstep_replica_commands_applied", "lockstep_replica_commands_applied_total", kind="create-dataflow")
+            r.check(f"{name} count the dataflows created", (created or 0) >= 2, str(rep.get("lockstep_replica_commands_applied")))
+            written = sample(rep, "lockstep_replica_commands_applied", "lockstep_replica_commands_applied_total", kind="write-input")
+            r.check(f"{name} count the writes", (written or 0) >= 12, str(written))
+            r.check(f"{name} know the mesh peer", sample(rep, "lockstep_replica_mesh_peers", "lockstep_replica_mesh_peers") == 1)
+            # The drop reaches the workers after DropDataflow answered: read
+            # again until it shows, within a bound.
+            deadline = time.time() + 10
+            installed = None
+            while time.time() < deadline:
+                installed = sample(metric_families(p.metrics_url)[1], "lockstep_replica_dataflows_installed", "lockstep_replica_dataflows_installed")
+                if installed == 1:
+                    break
+                time.sleep(0.1)
+            r.check(f"{name} count one installed dataflow after the drop", installed == 1, str(installed))
+            r.check(
+                f"{name} count controller bytes both ways",
+                (sample(rep, "lockstep_replica_controller_bytes", "lockstep_replica_controller_bytes_total", direction="in") or 0) > 0
+                and (sample(rep, "lockstep_replica_controller_bytes", "lockstep_replica_controller_bytes_total", direction="out") or 0) > 0,
+            )
+            r.check(f"{name} name the build", sample(rep, "lockstep_replica_build_info", "lockstep_replica_build_info") == 1)
+            # The same, relayed by the environment's endpoint (one address
+            # and one token for every process).
+            content_type, relayed = metric_families(f"{metrics_url}/replicas/py/{p.index}")
+            r.check(
+                f"{name} relayed by the environment",
+                content_type.startswith("application/openmetrics-text")
+                and sample(relayed, "lockstep_replica_mesh_peers", "lockstep_replica_mesh_peers") == 1,
+                content_type,
+            )
+        import urllib.error
+        try:
+            metric_families(f"{metrics_url}/replicas/nope/0")
+            r.check("relayed metrics of an unknown replica: 404", False, "answered 200")
+        except urllib.error.HTTPError as e:
+            r.check("relayed metrics of an unknown replica: 404", e.code == 404, str(e))
     finally:
         proc.kill()
         proc.wait()

@@ -62,7 +62,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
 }
 
 /// The Python modules the API client test needs.
-const PYTHON_MODULES: &str = "grpc, grpc_tools, grpc_reflection, grpc_health";
+const PYTHON_MODULES: &str = "grpc, grpc_tools, grpc_reflection, grpc_health, prometheus_client";
 
 /// The API through a client generated in another language
 /// (`tests/python/api_test.py`, after `demo` built the binaries). Skipped,
@@ -77,7 +77,7 @@ pub fn python_api() -> anyhow::Result<()> {
         Ok(o) if o.status.success() => {}
         Ok(o) => {
             eprintln!(
-                "xtask: python API test skipped: python3 cannot import {PYTHON_MODULES} ({}); pip install grpcio grpcio-tools grpcio-reflection grpcio-health-checking",
+                "xtask: python API test skipped: python3 cannot import {PYTHON_MODULES} ({}); pip install grpcio grpcio-tools grpcio-reflection grpcio-health-checking prometheus-client",
                 String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("").trim()
             );
             return Ok(());

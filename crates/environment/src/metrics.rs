@@ -206,84 +206,63 @@ impl Metrics {
     }
 }
 
-/// Serves `GET /metrics` on `listener` until the task is dropped; anything
-/// else gets 404. Connections are bounded as the API's are
-/// ([`crate::admission`]); each is served by hyper (HTTP/1.1, keep-alive
-/// off), which must have the request head within 5 s. With `token`, a
-/// request must carry `Authorization: Bearer TOKEN` (401 otherwise):
-/// `lockstep serve` gives the API token when the endpoint listens on a
-/// non-loopback address.
+/// Serves the metrics endpoint on `listener` until the task is dropped
+/// ([`lockstep_metrics_http`]: anything but a known `GET` gets 404, the
+/// request head within 5 s, keep-alive off); connections are bounded as the
+/// API's are ([`crate::admission`]):
+///
+/// - `GET /metrics`: these metrics;
+/// - `GET /metrics/replicas/NAME/INDEX` (with `replicas`): process INDEX of
+///   replica NAME's own metrics, fetched from it with its metrics token
+///   ([`crate::Environment::replica_metrics`]), so that a scraper needs one
+///   address and one token for every process; 404 for an unknown replica
+///   or process, 502 when the process does not answer.
+///
+/// With `token`, a request must carry `Authorization: Bearer TOKEN` (401
+/// otherwise): `lockstep serve` gives the API token when the endpoint
+/// listens on a non-loopback address.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
+    replicas: Option<Arc<crate::Environment>>,
     token: Option<String>,
 ) {
     let mut incoming =
         crate::admission::accept(listener, crate::admission::Limits::default(), "metrics");
     let token: Option<Arc<str>> = token.map(Arc::from);
+    let handler: lockstep_metrics_http::Handler = Arc::new(move |path: String| {
+        let metrics = metrics.clone();
+        let replicas = replicas.clone();
+        Box::pin(async move { answer(&path, &metrics, replicas.as_deref()).await })
+    });
     while let Some(conn) = incoming.recv().await {
         let Ok(sock) = conn else { continue };
-        let metrics = metrics.clone();
-        let token = token.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let response = respond(&req, &metrics, token.as_deref());
-                async move { Ok::<_, std::convert::Infallible>(response) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(Duration::from_secs(5))
-                .keep_alive(false)
-                .serve_connection(hyper_util::rt::TokioIo::new(sock), service)
-                .await;
-        });
+        tokio::spawn(lockstep_metrics_http::serve_connection(
+            sock,
+            handler.clone(),
+            token.clone(),
+        ));
     }
 }
 
-/// The answer to one request of the metrics endpoint.
-fn respond<B>(
-    req: &hyper::Request<B>,
+/// What the endpoint answers for `path`.
+async fn answer(
+    path: &str,
     metrics: &Metrics,
-    token: Option<&str>,
-) -> hyper::Response<http_body_util::Full<hyper::body::Bytes>> {
-    let authorized = token.is_none_or(|want| {
-        req.headers()
-            .get_all(hyper::header::AUTHORIZATION)
-            .iter()
-            .any(|v| {
-                let v = v.as_bytes();
-                v.len() > 7
-                    && v[..7].eq_ignore_ascii_case(b"bearer ")
-                    && crate::server::constant_time_eq(&v[7..], want.as_bytes())
-            })
-    });
-    let (status, body, kind) = if !authorized {
-        (
-            hyper::StatusCode::UNAUTHORIZED,
-            "a bearer token is required\n".to_string(),
-            "text/plain",
-        )
-    } else if req.method() == hyper::Method::GET && req.uri().path() == "/metrics" {
-        (
-            hyper::StatusCode::OK,
-            metrics.encode(),
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )
-    } else {
-        (
-            hyper::StatusCode::NOT_FOUND,
-            "only GET /metrics\n".to_string(),
-            "text/plain",
-        )
-    };
-    let mut response =
-        hyper::Response::new(http_body_util::Full::new(hyper::body::Bytes::from(body)));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        hyper::header::CONTENT_TYPE,
-        hyper::header::HeaderValue::from_static(kind),
-    );
-    response
+    replicas: Option<&crate::Environment>,
+) -> lockstep_metrics_http::Answer {
+    use lockstep_metrics_http::Answer;
+    if path == "/metrics" {
+        return Answer::Metrics(metrics.encode());
+    }
+    let relayed = path
+        .strip_prefix("/metrics/replicas/")
+        .and_then(|rest| rest.split_once('/'))
+        .and_then(|(name, index)| Some((name, index.parse::<usize>().ok()?)));
+    match (relayed, replicas) {
+        (Some((name, index)), Some(env)) => env.replica_metrics(name, index).await,
+        _ => Answer::NotFound("only GET /metrics and GET /metrics/replicas/NAME/INDEX".into()),
+    }
 }
 
 /// A gRPC status code as the gRPC specification spells it (`OK`,
@@ -316,83 +295,24 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// Serves fresh metrics (with `token`) on a loopback port.
-    async fn endpoint(token: Option<&str>) -> std::net::SocketAddr {
+    #[tokio::test]
+    async fn the_endpoint_serves_these_metrics() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let metrics = Arc::new(Metrics::new());
         metrics.epoch.set(7);
-        tokio::spawn(serve(listener, metrics, token.map(String::from)));
-        addr
-    }
-
-    /// Sends `request` and reads the whole answer (the server closes).
-    async fn exchange(addr: std::net::SocketAddr, request: &str) -> String {
+        tokio::spawn(serve(listener, metrics, None, None));
         let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-        sock.write_all(request.as_bytes()).await.unwrap();
+        sock.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
         let mut out = Vec::new();
         tokio::time::timeout(Duration::from_secs(10), sock.read_to_end(&mut out))
             .await
             .expect("the endpoint answers and closes within 10 s")
             .unwrap();
-        String::from_utf8_lossy(&out).into_owned()
-    }
-
-    #[tokio::test]
-    async fn get_metrics_is_answered_and_anything_else_is_not_found() {
-        let addr = endpoint(None).await;
-        let ok = exchange(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
-        assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
-        assert!(ok.contains("lockstep_epoch 7"), "{ok}");
-        assert!(ok.contains("application/openmetrics-text"), "{ok}");
-        let other = exchange(addr, "GET /other HTTP/1.1\r\nHost: x\r\n\r\n").await;
-        assert!(other.starts_with("HTTP/1.1 404"), "{other}");
-        let post = exchange(
-            addr,
-            "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
-        )
-        .await;
-        assert!(post.starts_with("HTTP/1.1 404"), "{post}");
-    }
-
-    #[tokio::test]
-    async fn with_a_token_only_its_bearer_is_answered() {
-        let addr = endpoint(Some("s3cret")).await;
-        let none = exchange(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
-        assert!(none.starts_with("HTTP/1.1 401"), "{none}");
-        assert!(!none.contains("lockstep_epoch"), "{none}");
-        let wrong = exchange(
-            addr,
-            "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n\r\n",
-        )
-        .await;
-        assert!(wrong.starts_with("HTTP/1.1 401"), "{wrong}");
-        let right = exchange(
-            addr,
-            "GET /metrics HTTP/1.1\r\nHost: x\r\nauthorization: bearer s3cret\r\n\r\n",
-        )
-        .await;
-        assert!(right.starts_with("HTTP/1.1 200"), "{right}");
-        assert!(right.contains("lockstep_epoch 7"), "{right}");
-    }
-
-    #[tokio::test]
-    async fn a_request_head_that_never_ends_is_cut_off() {
-        let addr = endpoint(None).await;
-        let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-        sock.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
-            .await
-            .unwrap();
-        let mut out = Vec::new();
-        // The head's deadline is 5 s; the connection must end well within 15.
-        let read = tokio::time::timeout(Duration::from_secs(15), sock.read_to_end(&mut out)).await;
-        assert!(
-            read.is_ok(),
-            "a slow head kept the connection open past 15 s"
-        );
-        assert!(
-            !String::from_utf8_lossy(&out).contains("lockstep_epoch"),
-            "an unfinished request got the metrics"
-        );
+        let out = String::from_utf8_lossy(&out);
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        assert!(out.contains("lockstep_epoch 7"), "{out}");
     }
 }

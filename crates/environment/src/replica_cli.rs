@@ -73,6 +73,7 @@ pub(crate) enum ReplicaCommand {
     /// "workers_per_process", "config", "service" (null: none yet),
     /// "service_epoch", "process_status": [{"index", "pid" (null: none, a
     /// pod), "running", "restarts", "addresses": {NAME: "HOST:PORT"},
+    /// "metrics_url",
     /// "frontier_lag", "protocol_version", "build_version" (null: not
     /// known)}]}]}`.
     List {
@@ -430,6 +431,7 @@ pub(crate) fn replica_json(r: &proto::Replica) -> serde_json::Value {
                 "running": p.running,
                 "restarts": p.restarts,
                 "addresses": p.addresses.iter().collect::<std::collections::BTreeMap<_, _>>(),
+                "metrics_url": p.metrics_url,
                 "frontier_lag": p.frontier_lag,
                 "protocol_version": p.protocol_version,
                 "build_version": p.build_version,

@@ -284,6 +284,42 @@ impl Environment {
         }
     }
 
+    /// Process `index` of replica `name`'s own metrics, fetched from its
+    /// controller port (`GET /metrics`) with the replica's metrics token
+    /// ([`lockstep_protocol::SessionKey::metrics_token`]) within 5 s.
+    pub async fn replica_metrics(&self, name: &str, index: usize) -> lockstep_metrics_http::Answer {
+        use lockstep_metrics_http::Answer;
+        let replicas = match self.list_replicas().await {
+            Ok(r) => r,
+            Err(e) => return Answer::Unavailable(e.to_string()),
+        };
+        let Some(info) = replicas.iter().find(|r| r.replica.name == name) else {
+            return Answer::NotFound(format!("no replica named {name:?}"));
+        };
+        let Some(addr) = info
+            .service
+            .iter()
+            .flat_map(|s| &s.processes)
+            .find(|p| p.index == index)
+            .and_then(|p| p.addresses.get("controller"))
+        else {
+            return Answer::NotFound(format!(
+                "replica {name:?} has no process {index} with a controller address"
+            ));
+        };
+        let token = self.session_key(info.replica.id).map(|k| k.metrics_token());
+        match lockstep_metrics_http::fetch(
+            *addr,
+            token.as_deref(),
+            std::time::Duration::from_secs(5),
+        )
+        .await
+        {
+            Ok(text) => Answer::Metrics(text),
+            Err(e) => Answer::Unavailable(format!("process {index} of replica {name:?}: {e}")),
+        }
+    }
+
     /// Lists our catalog's replicas with their services' status.
     pub async fn list_replicas(&self) -> Result<Vec<ReplicaInfo>, EnvError> {
         self.check_not_halted()?;

@@ -366,6 +366,7 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             tokio::spawn(lockstep_environment::metrics::serve(
                 l,
                 env.metrics(),
+                Some(env.clone()),
                 token,
             ));
             format!(", metrics on http://{at}/metrics")

@@ -61,11 +61,7 @@ impl EnvironmentService {}
 /// The minimum length of an API token.
 pub const MIN_TOKEN_LEN: usize = 16;
 
-/// Whether `a` and `b` are equal, in time that depends on their lengths
-/// only (tokens are compared with it).
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
+pub use lockstep_metrics_http::constant_time_eq;
 
 /// Checks every request's `authorization: Bearer TOKEN` (compared in
 /// constant time); a request without it, or with another token, is
@@ -194,6 +190,11 @@ pub fn to_proto(info: &ReplicaInfo) -> proto::Replica {
                     .map(|(k, v)| (k.clone(), v.to_string()))
                     .collect(),
                 restarts: p.restarts,
+                metrics_url: p
+                    .addresses
+                    .get("controller")
+                    .map(|a| format!("http://{a}/metrics"))
+                    .unwrap_or_default(),
                 frontier_lag: None,
                 protocol_version: None,
                 build_version: None,

@@ -160,6 +160,15 @@ impl SessionKey {
         &self.0
     }
 
+    /// The bearer token of the replica's `/metrics` endpoints (64 hex
+    /// digits): derived from the key one way, so a scraper that holds it
+    /// can read the metrics and nothing else (it proves no session).
+    pub fn metrics_token(&self) -> String {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(b"lockstep replica metrics token v1");
+        h.finalize().to_hex().to_string()
+    }
+
     /// The key as 64 hex digits.
     pub fn to_hex(&self) -> String {
         self.0.iter().map(|b| format!("{b:02x}")).collect()

@@ -14,10 +14,12 @@
 //!   applies, and what it waits for, is the command's strategy ([`order`]);
 //! - merges its workers' responses into one response per process
 //!   ([`aggregate`]): frontiers as the meet, peeks once every local worker
-//!   answered, subscribe batches by time.
+//!   answered, subscribe batches by time;
+//! - serves its Prometheus metrics on its controller port ([`metrics`]).
 
 pub mod aggregate;
 pub mod cluster;
+pub mod metrics;
 pub mod order;
 pub mod render;
 pub mod server;

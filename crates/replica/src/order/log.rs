@@ -22,6 +22,7 @@ use std::time::Duration;
 use lockstep_command_log::{AnyLog, CommandLog};
 use lockstep_protocol::{Command, ErrorKind};
 
+use crate::metrics::{ReplicaMetrics, METRICS};
 use crate::worker::{MeshMessage, WorkerState};
 
 /// How often a worker reads a SQLite command log when nothing woke it.
@@ -43,6 +44,9 @@ pub(crate) struct LogTail {
     /// its marker: read the log now.
     pub(crate) poked: bool,
     last_read: std::time::Instant,
+    /// When the oldest socket copy not yet followed by a log read arrived
+    /// (for [`crate::metrics::ReplicaMetrics::log_wait`]).
+    copy_arrived: Option<std::time::Instant>,
 }
 
 impl WorkerState {
@@ -70,6 +74,7 @@ impl WorkerState {
             next: None,
             poked: false,
             last_read: std::time::Instant::now(),
+            copy_arrived: None,
         });
     }
 
@@ -77,7 +82,10 @@ impl WorkerState {
     /// a replica without a command log).
     pub(crate) fn poke_log(&mut self, cmd: &Command) {
         match &mut self.log {
-            Some(tail) => tail.poked = true,
+            Some(tail) => {
+                tail.poked = true;
+                tail.copy_arrived.get_or_insert_with(std::time::Instant::now);
+            }
             None => self.error(
                 cmd.seqno,
                 ErrorKind::InvalidCommand,
@@ -120,9 +128,16 @@ impl WorkerState {
         }
         tail.poked = false;
         tail.last_read = std::time::Instant::now();
-        match tail.log.read_from(next, LOG_BATCH) {
+        let read = tail.log.read_from(next, LOG_BATCH);
+        ReplicaMetrics::observe(&METRICS.log_read, tail.last_read.elapsed());
+        match read {
             Ok(entries) => {
                 let got = entries.len();
+                if got > 0 {
+                    if let Some(arrived) = tail.copy_arrived.take() {
+                        ReplicaMetrics::observe(&METRICS.log_wait, arrived.elapsed());
+                    }
+                }
                 if got == LOG_BATCH {
                     tail.poked = true; // more to read
                 }

@@ -125,6 +125,12 @@ impl Refusals {
     /// interval.
     pub(super) fn note(&mut self, (refusal, detail): (Refusal, String), peer: SocketAddr) {
         *self.counts.entry(refusal).or_default() += 1;
+        crate::metrics::METRICS
+            .refused
+            .get_or_create(&crate::metrics::ReasonLabel {
+                reason: refusal.name(),
+            })
+            .inc();
         self.last = Some((peer, format!("{}: {detail}", refusal.name())));
         self.flush();
     }

@@ -56,7 +56,7 @@ pub(super) fn error_response(
 /// Reads and checks a connection's first frame; a refusal is answered (an
 /// Error response) and returned with its reason.
 pub(super) async fn handshake(
-    framed: &mut Framed<TcpStream, SecureCodec<ReplicaCodec>>,
+    framed: &mut Framed<Counted<TcpStream>, SecureCodec<ReplicaCodec>>,
     config: &ReplicaConfig,
     shared: &Mutex<Shared>,
 ) -> Result<(Command, lockstep_protocol::Hello, u32), (Refusal, String)> {
@@ -117,6 +117,39 @@ pub(super) async fn handshake(
     Ok((first, hello, protocol_version))
 }
 
+/// A connection whose Hello was accepted: its frames, and the Hello (as
+/// a command, checked, and the agreed version).
+type Accepted = (
+    Framed<Counted<TcpStream>, SecureCodec<ReplicaCodec>>,
+    (Command, lockstep_protocol::Hello, u32),
+);
+
+/// What a connection turned out to be once its first bytes arrived.
+enum Opened {
+    /// A controller whose Hello was accepted.
+    Session(Box<Accepted>),
+    /// An HTTP request (`GET /metrics`).
+    Scrape(TcpStream),
+}
+
+/// Serves one metrics request on `sock` within [`HELLO_DEADLINE`]. Off
+/// loopback, a process with a session key answers only a request bearing
+/// the key's metrics token.
+async fn scrape(sock: TcpStream, config: &ReplicaConfig) {
+    let loopback = sock.local_addr().is_ok_and(|a| a.ip().is_loopback());
+    let token = config
+        .session_key
+        .as_ref()
+        .filter(|_| !loopback)
+        .map(|k| Arc::from(k.metrics_token()));
+    let handler = lockstep_metrics_http::metrics_only(|| crate::metrics::METRICS.encode());
+    let _ = tokio::time::timeout(
+        HELLO_DEADLINE,
+        lockstep_metrics_http::serve_connection(sock, handler, token),
+    )
+    .await;
+}
+
 pub(super) async fn connection(
     sock: TcpStream,
     config: ReplicaConfig,
@@ -135,8 +168,18 @@ pub(super) async fn connection(
     // is encrypted and authenticated: `lockstep_protocol::secure`), then the
     // whole first frame, its checks and any refusal sent, all within one
     // deadline; closed at once if a newer connection evicts it.
+    //
+    // A connection whose first byte is `G` is a metrics scrape (`GET
+    // /metrics`): no controller's first frame starts with it (a session
+    // handshake message and a plain frame both start with the high byte of
+    // a small length, 0). It is served under the same deadline, holding its
+    // place among the unproven connections.
     let setup = async {
-        let mut sock = sock;
+        let mut first = [0u8; 1];
+        if sock.peek(&mut first).await.unwrap_or(0) == 1 && first[0] == b'G' {
+            return Ok(Opened::Scrape(sock));
+        }
+        let mut sock = Counted(sock);
         let session = match (&config.session_key, config.one_way_proof) {
             (Some(key), false) => Some(
                 lockstep_protocol::secure::respond(&mut sock, key, config.identity.replica_id, me)
@@ -153,9 +196,9 @@ pub(super) async fn connection(
             ),
         );
         let accepted = handshake(&mut framed, &config, &shared).await?;
-        Ok::<_, (Refusal, String)>((framed, accepted))
+        Ok::<_, (Refusal, String)>(Opened::Session(Box::new((framed, accepted))))
     };
-    let (mut framed, (first, hello, protocol_version)) = tokio::select! {
+    let opened = tokio::select! {
         () = evict.cancelled() => {
             return Err(Ended::Unproven((Refusal::Evicted, format!(
                 "{MAX_UNPROVEN_CONNECTIONS} connections were waiting for their Hello; closed the oldest"
@@ -169,10 +212,18 @@ pub(super) async fn connection(
                 )))
             }
             Ok(Err(refusal)) => return Err(Ended::Unproven(refusal)),
-            Ok(Ok(accepted)) => accepted,
+            Ok(Ok(opened)) => opened,
         },
     };
+    let (mut framed, (first, hello, protocol_version)) = match opened {
+        Opened::Session(accepted) => *accepted,
+        Opened::Scrape(sock) => {
+            scrape(sock, &config).await;
+            return Ok(());
+        }
+    };
     unproven.proven();
+    crate::metrics::METRICS.sessions.inc();
     framed
         .codec_mut()
         .inner_mut()

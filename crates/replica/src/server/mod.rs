@@ -40,6 +40,7 @@ use tokio_util::codec::Framed;
 
 use crate::aggregate::Aggregator;
 use crate::cluster;
+use crate::metrics::Counted;
 use crate::worker::{run_worker, session_of, FromWorker};
 
 mod admission;
@@ -166,6 +167,9 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
         config.session_key.as_ref(),
         config.cluster_timeout,
     )?;
+    crate::metrics::METRICS
+        .mesh_peers
+        .set(sockets.iter().flatten().count() as i64);
     let (builders, guard) = cluster::allocators(sockets, me, workers)?;
     tracing::info!(elapsed = ?started.elapsed(), generation = config.generation, "timely cluster formed");
 

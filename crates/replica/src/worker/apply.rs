@@ -17,6 +17,8 @@ use timely::dataflow::ProbeHandle;
 use timely::progress::Antichain;
 use timely::worker::Worker;
 
+use crate::metrics::{ExportLabels, METRICS};
+
 use crate::render::{render, validate, Coll};
 use crate::worker::{ExportState, FromWorker, Installed, SubState, Tap, WorkerState};
 
@@ -355,6 +357,10 @@ impl WorkerState {
         if let Some(inst) = self.dataflows.remove(&id) {
             for c in &inst.desc.exports {
                 self.collections.remove(&c.collection_id);
+                METRICS.frontier_lag.remove(&ExportLabels {
+                    export: c.collection_id,
+                    worker: self.index as u64,
+                });
             }
             let timely_index = inst.timely_index;
             drop(inst);

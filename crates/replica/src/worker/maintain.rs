@@ -11,6 +11,7 @@ use lockstep_protocol::{Frontier, Peek, PeekResult, Row, SubscribeBatch, Update}
 use timely::dataflow::ProbeHandle;
 use timely::progress::Antichain;
 
+use crate::metrics::{ExportLabels, METRICS};
 use crate::worker::{FromWorker, Trace, WorkerState};
 
 fn passed(upper: Frontier, t: u64) -> bool {
@@ -70,6 +71,18 @@ impl WorkerState {
                 // tapped updates are in the trace.
                 if let Some(f) = f {
                     e.tap.borrow_mut().recent.retain(|u| u.time >= f);
+                }
+                // How far behind its inputs this export is (0 once caught
+                // up or closed; unknown, and left as it was, without inputs).
+                if let Some(t) = target {
+                    let lag = f.map_or(0, |f| t.saturating_sub(f));
+                    METRICS
+                        .frontier_lag
+                        .get_or_create(&ExportLabels {
+                            export: *id,
+                            worker: self.index as u64,
+                        })
+                        .set(i64::try_from(lag).unwrap_or(i64::MAX));
                 }
                 done &= f == target;
             }

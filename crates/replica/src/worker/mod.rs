@@ -61,6 +61,7 @@ use timely::dataflow::ProbeHandle;
 use timely::worker::Worker;
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::metrics::{ReplicaMetrics, WorkerLabel, METRICS};
 use crate::order::log::LogTail;
 use crate::render::validate;
 
@@ -366,6 +367,7 @@ impl WorkerState {
                     });
                 }
                 self.applied_seqno = 0;
+                METRICS.applied(cmd.kind.name(), cmd.strategy.name());
                 self.send(FromWorker::Status(self.status(true)));
             }
             Action::Drop { id, how } => {
@@ -376,9 +378,14 @@ impl WorkerState {
                     "reconciliation drops dataflow"
                 );
                 self.drop_dataflow(worker, id);
+                self.count_installed();
             }
             Action::ResetHistory => self.history = CommandHistory::summarizing(),
-            Action::Apply(cmd) => self.apply(worker, cmd),
+            Action::Apply(cmd) => {
+                METRICS.applied(cmd.kind.name(), cmd.strategy.name());
+                self.apply(worker, cmd);
+                self.count_installed();
+            }
             Action::Skipped { seqno } => tracing::debug!(
                 worker = self.index,
                 seqno,
@@ -386,6 +393,16 @@ impl WorkerState {
             ),
             Action::Halt(reason) => self.halt(reason),
         }
+    }
+
+    /// Sets this worker's installed-dataflows gauge.
+    fn count_installed(&self) {
+        METRICS
+            .dataflows_installed
+            .get_or_create(&WorkerLabel {
+                worker: self.index as u64,
+            })
+            .set(self.dataflows.len() as i64);
     }
 
     /// Performs what the session machine decides until it waits (nothing
@@ -462,6 +479,8 @@ pub fn run_worker(
     if let Some(log) = log {
         state.tail_log(log);
     }
+    // When the current barrier round started, for its wait time.
+    let mut round_started: Option<Instant> = None;
     loop {
         let mut handled = false;
         loop {
@@ -480,6 +499,14 @@ pub fn run_worker(
         let waiting = state.machine.pending().is_some();
         if state.drive(worker) {
             handled = true;
+        }
+        match (state.machine.pending().is_some(), round_started) {
+            (true, None) => round_started = Some(Instant::now()),
+            (false, Some(t)) => {
+                ReplicaMetrics::observe(&METRICS.barrier_wait, t.elapsed());
+                round_started = None;
+            }
+            _ => {}
         }
         if handled {
             // Answer what is ready now (a peek at a passed time, say), then
