@@ -133,7 +133,7 @@ fn orphans() -> anyhow::Result<()> {
 fn build_with_environment(suite: &str) -> anyhow::Result<()> {
     step(&format!("building lockstep, lockstep-replica and {suite}"));
     run(build_bins(
-        &["lockstep-environment", "lockstep-replica", "lockstep-chaos"],
+        &["lockstep-cli", "lockstep-replica", "lockstep-chaos"],
         Some(crate::tasks::TEST_FEATURES),
     ))
 }

@@ -617,7 +617,7 @@ fn prepare_context(context: &Path) -> anyhow::Result<()> {
         let src = debug.join(bin);
         if !src.is_file() {
             bail!(
-                "{} is missing: build it first (cargo build -p lockstep-environment -p lockstep-replica --bins), or use --from-source",
+                "{} is missing: build it first (cargo build -p lockstep-cli -p lockstep-replica --bins), or use --from-source",
                 src.display()
             );
         }

@@ -1,5 +1,5 @@
 //! `cargo xtask soak [--quick]`: builds the release binaries, runs
-//! `lockstep soak` (see `crates/environment/src/soak.rs`), and judges its
+//! `lockstep soak` (see `crates/cli/src/soak.rs`), and judges its
 //! report: every figure's `end_over_start` must be at most the report's
 //! `flat_bound`. Writes `target/lockstep/soak.json` (the report) and
 //! `target/lockstep/soak.svg` (one panel per figure over the rounds), prints
@@ -30,7 +30,7 @@ pub fn soak(quick: bool) -> anyhow::Result<()> {
         "--release",
         "--quiet",
         "-p",
-        "lockstep-environment",
+        "lockstep-cli",
         "-p",
         "lockstep-replica",
     ]);

@@ -19,7 +19,7 @@ pub fn build() -> anyhow::Result<()> {
 /// chaos suite of `cargo xtask test` build with the same, so one build of
 /// each binary serves them all (a crate built with other features is built
 /// again).
-pub const TEST_FEATURES: &str = "lockstep-replica/failpoints,lockstep-environment/failpoints";
+pub const TEST_FEATURES: &str = "lockstep-replica/failpoints,lockstep-cli/failpoints";
 
 /// Runs every check CI runs.
 pub fn test(lint: bool) -> anyhow::Result<()> {
@@ -95,7 +95,7 @@ pub fn python_api() -> anyhow::Result<()> {
 }
 
 /// The demo: builds the `lockstep` and `lockstep-replica` binaries and runs
-/// `lockstep demo` (crates/environment/src/demo.rs, a module of the binary), which prints its progress
+/// `lockstep demo` (crates/cli/src/demo.rs, a module of the binary), which prints its progress
 /// and ends with `demo: ok`, or says what failed and exits non-zero.
 pub fn demo() -> anyhow::Result<()> {
     demo_built_with(None)
@@ -105,7 +105,7 @@ pub fn demo() -> anyhow::Result<()> {
 /// them with [`TEST_FEATURES`]: failpoints compiled in, none set).
 fn demo_built_with(features: Option<&str>) -> anyhow::Result<()> {
     step("building lockstep and lockstep-replica");
-    let mut cmd = build_bins(&["lockstep-environment", "lockstep-replica"], features);
+    let mut cmd = build_bins(&["lockstep-cli", "lockstep-replica"], features);
     cmd.arg("--quiet");
     run(cmd)?;
     step("demo");

@@ -330,6 +330,8 @@ pub fn upgrade() -> anyhow::Result<()> {
         )?;
     }
     let started = Instant::now();
+    // The old release's `lockstep` binary is in its `lockstep-environment`
+    // package (lockstep-cli came later).
     let mut cmd = build_bins(&["lockstep-environment", "lockstep-replica"], None);
     cmd.current_dir(&src)
         .env("CARGO_TARGET_DIR", base.join("target"));
@@ -338,10 +340,7 @@ pub fn upgrade() -> anyhow::Result<()> {
     step("today's lockstep, lockstep-replica and the shipped policies");
     crate::policies::build_all()?;
     let started = Instant::now();
-    run(build_bins(
-        &["lockstep-environment", "lockstep-replica"],
-        None,
-    ))?;
+    run(build_bins(&["lockstep-cli", "lockstep-replica"], None))?;
     let new_build = started.elapsed();
     let old_lockstep = base.join("target/debug/lockstep");
     let new_lockstep = root.join("target/debug/lockstep");

@@ -1,7 +1,7 @@
 //! Crash the real `lockstep` binary at every failpoint of create and drop
 //! replica, restart it, and check that no orphan survives and no wanted
 //! replica is lost (O1, O2), for every orphan rule. Needs the `failpoints`
-//! feature (`cargo test -p lockstep-environment --features failpoints`).
+//! feature (`cargo test -p lockstep-cli --features failpoints`).
 
 use std::path::Path;
 
