@@ -41,6 +41,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
             "warnings",
         ]);
         run(cmd)?;
+        client_alone()?;
     }
     step("building the policies");
     policies::build_all()?;
@@ -59,6 +60,60 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     crate::model::run(&[])?;
     eprintln!("\nxtask: test: ok");
     Ok(())
+}
+
+/// What the API client must not link: the environment library and what it
+/// brings (the policy runtime, the Kubernetes client).
+const NOT_IN_THE_CLIENT: [&str; 4] = ["lockstep-environment", "wasmtime", "kube", "kube-client"];
+
+/// The `lockstep` command without its `server` feature is the API client
+/// alone: its dependency tree holds none of [`NOT_IN_THE_CLIENT`], and it
+/// builds without warnings.
+fn client_alone() -> anyhow::Result<()> {
+    step("the API client alone (lockstep-cli --no-default-features): no environment, wasmtime or kube");
+    let mut cmd = cargo();
+    cmd.args([
+        "tree",
+        "-p",
+        "lockstep-cli",
+        "--no-default-features",
+        "-e",
+        "normal",
+        "--prefix",
+        "none",
+        "--format",
+        "{p}",
+    ]);
+    let out = cmd.output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "cargo tree failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tree = String::from_utf8_lossy(&out.stdout);
+    let linked: Vec<&str> = tree
+        .lines()
+        .filter(|l| {
+            let name = l.split_whitespace().next().unwrap_or("");
+            NOT_IN_THE_CLIENT.contains(&name)
+        })
+        .collect();
+    anyhow::ensure!(
+        tree.lines().any(|l| l.starts_with("lockstep-api ")),
+        "cargo tree of the client does not list lockstep-api: {tree}"
+    );
+    anyhow::ensure!(linked.is_empty(), "the API client links {linked:?}");
+    let mut cmd = cargo();
+    cmd.args([
+        "clippy",
+        "-p",
+        "lockstep-cli",
+        "--no-default-features",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    run(cmd)
 }
 
 /// The Python modules the API client test needs.

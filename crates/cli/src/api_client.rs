@@ -1,5 +1,6 @@
 //! A client of the environment's API: the channel (TLS when asked), and the
-//! API token added to every call.
+//! API token added to every call. It links `lockstep-api` only (no
+//! environment, wasmtime or kube).
 
 use super::*;
 
@@ -32,8 +33,8 @@ pub(crate) async fn connect(server: &ServerArg) -> anyhow::Result<Client> {
     let channel = connect_channel(server).await?;
     Ok(
         EnvironmentClient::with_interceptor(channel, AddToken(token))
-            .max_decoding_message_size(lockstep_environment::server::MAX_ANSWER_BYTES)
-            .max_encoding_message_size(lockstep_environment::server::MAX_REQUEST_BYTES),
+            .max_decoding_message_size(lockstep_api::MAX_ANSWER_BYTES)
+            .max_encoding_message_size(lockstep_api::MAX_REQUEST_BYTES),
     )
 }
 
@@ -59,3 +60,34 @@ pub(crate) async fn connect_channel(arg: &ServerArg) -> anyhow::Result<tonic::tr
         .with_context(|| format!("cannot connect to the environment at {server}"))?;
     Ok(channel)
 }
+
+/// The API token from `file`, or from LOCKSTEP_API_TOKEN.
+pub(crate) fn api_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    let token = match file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the API token file {}", path.display()))?
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_string(),
+        ),
+        None => std::env::var(API_TOKEN_ENV)
+            .ok()
+            .map(|t| t.trim().to_string()),
+    };
+    match token {
+        Some(t) if t.len() < lockstep_api::MIN_TOKEN_LEN => anyhow::bail!(
+            "an API token has at least {} characters",
+            lockstep_api::MIN_TOKEN_LEN
+        ),
+        Some(t) if !t.chars().all(|c| c.is_ascii_graphic()) => {
+            anyhow::bail!("an API token holds printable ASCII only")
+        }
+        t => Ok(t),
+    }
+}
+
+/// Where clients and `lockstep serve` find the API token.
+pub(crate) const API_TOKEN_ENV: &str = "LOCKSTEP_API_TOKEN";

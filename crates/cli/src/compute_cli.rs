@@ -4,7 +4,7 @@
 use anyhow::Context;
 use clap::Subcommand;
 use futures::StreamExt;
-use lockstep_environment::proto;
+use lockstep_api::proto;
 use lockstep_protocol::proto as wire;
 use lockstep_protocol::text::parse_plan;
 
@@ -82,7 +82,7 @@ pub(crate) fn status_err(s: tonic::Status) -> anyhow::Error {
         return anyhow::anyhow!(
             "{}: the answer is larger than this client's limit of {} bytes: {}",
             tonic::Code::ResourceExhausted,
-            lockstep_environment::server::MAX_ANSWER_BYTES,
+            lockstep_api::MAX_ANSWER_BYTES,
             s.message()
         );
     }

@@ -16,6 +16,7 @@
 //! 1 error, 2 a usage error (clap's), 3 halted because another controller
 //! took over (O3).
 
+#[cfg(feature = "server")]
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -24,24 +25,34 @@ mod api_client;
 mod compute_cli;
 mod output;
 mod replica_cli;
-mod serve_cli;
 use api_client::*;
 use output::{print_json, Align, OutputArg, Table};
 use replica_cli::*;
-use serve_cli::*;
-// The demo and the soak: harnesses the binary runs (`lockstep demo`,
-// `lockstep soak`), not part of the library.
+// What needs the environment library (feature `server`, on by default):
+// `lockstep serve`, `policy check` (wasmtime), and the demo and the soak,
+// harnesses the binary runs. Without it the binary is the client alone.
+#[cfg(feature = "server")]
 mod demo;
+#[cfg(feature = "server")]
+mod serve_cli;
+#[cfg(feature = "server")]
 mod soak;
 use compute_cli::status_err;
+#[cfg(feature = "server")]
+use serve_cli::*;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand, ValueEnum};
-use lockstep_environment::proto::environment_client::EnvironmentClient;
-use lockstep_environment::{proto, EnvError, Environment, EnvironmentConfig, ServiceTemplate};
+#[cfg(feature = "server")]
+use clap::ValueEnum;
+use clap::{Parser, Subcommand};
+use lockstep_api::proto;
+use lockstep_api::proto::environment_client::EnvironmentClient;
+#[cfg(feature = "server")]
+use lockstep_environment::{EnvError, Environment, EnvironmentConfig, ServiceTemplate};
 
 /// The exit code of a controller that halted because another took over
 /// (not 2, which clap gives a usage error).
+#[cfg(feature = "server")]
 const EXIT_HALTED: u8 = 3;
 
 /// `json` makes the logs one JSON object per line (the replica processes
@@ -62,6 +73,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the environment: open the catalog, ensure replicas, remove orphans, serve.
+    #[cfg(feature = "server")]
     Serve(Box<ServeArgs>),
     /// A one-screen summary of a running environment: its epoch and orphan
     /// rule, and per replica its shape, processes, restarts and whether it
@@ -141,6 +153,7 @@ enum Command {
     /// The demo: an environment, a 2x2 replica, three dataflows, every answer
     /// checked against a plain-Rust reference, the environment killed and
     /// restarted, the answers checked again.
+    #[cfg(feature = "server")]
     Demo {
         /// Keep the state directory (printed) instead of deleting it.
         #[arg(long)]
@@ -166,6 +179,7 @@ enum Command {
     /// The soak (run it with `cargo xtask soak`): many rounds of writes,
     /// peeks, dataflows and subscriptions through the API, the environment
     /// killed and restarted between rounds; writes a JSON report.
+    #[cfg(feature = "server")]
     Soak {
         /// 25 rounds and 1,000,000 rows instead of 100 rounds and 6,000,000.
         #[arg(long)]
@@ -200,6 +214,7 @@ struct ServerArg {
 enum PolicyCommand {
     /// Load WASM policies, run the scenarios of their kind, and print one
     /// JSON line per policy (the reporting contract); exit 1 on a failure.
+    #[cfg(feature = "server")]
     Check {
         /// Policy files (.wasm components).
         #[arg(required = true)]
@@ -268,6 +283,7 @@ fn main() -> ExitCode {
         }
     };
     match cli.command {
+        #[cfg(feature = "server")]
         Command::Serve(args) => {
             // A panic anywhere (a failpoint included) crashes the controller,
             // as a real crash would, instead of killing one request's task.
@@ -351,6 +367,7 @@ fn main() -> ExitCode {
             )
             .await
         })),
+        #[cfg(feature = "server")]
         Command::Policy {
             command: PolicyCommand::Check { files },
             ..
@@ -364,7 +381,12 @@ fn main() -> ExitCode {
             let p = connect(&server)
                 .await?
                 .set_policy(proto::SetPolicyRequest {
-                    name: lockstep_policy_host::policy_name(&file),
+                    // Its file name without the extension, as
+                    // `lockstep_policy_host::policy_name` says.
+                    name: file.file_stem().map_or_else(
+                        || file.display().to_string(),
+                        |s| s.to_string_lossy().into_owned(),
+                    ),
                     wasm,
                     replica: replica.unwrap_or_default(),
                 })
@@ -439,9 +461,11 @@ fn main() -> ExitCode {
             table.print();
             Ok(())
         })),
+        #[cfg(feature = "server")]
         Command::Demo { keep, store, hosts } => {
             finish(runtime.block_on(demo::run(keep, store, hosts)))
         }
+        #[cfg(feature = "server")]
         Command::Soak { quick, out } => {
             use soak::{run, SoakOptions};
             let opts = if quick {
@@ -454,6 +478,7 @@ fn main() -> ExitCode {
     }
 }
 
+#[cfg(feature = "server")]
 fn policy_check(files: &[PathBuf]) -> ExitCode {
     let mut ok = true;
     for file in files {

@@ -159,37 +159,6 @@ impl OrphanRule {
     }
 }
 
-/// The API token from `file`, or from LOCKSTEP_API_TOKEN.
-pub(crate) fn api_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
-    let token = match file {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("reading the API token file {}", path.display()))?
-                .lines()
-                .next()
-                .unwrap_or("")
-                .trim()
-                .to_string(),
-        ),
-        None => std::env::var(API_TOKEN_ENV)
-            .ok()
-            .map(|t| t.trim().to_string()),
-    };
-    match token {
-        Some(t) if t.len() < lockstep_environment::server::MIN_TOKEN_LEN => anyhow::bail!(
-            "an API token has at least {} characters",
-            lockstep_environment::server::MIN_TOKEN_LEN
-        ),
-        Some(t) if !t.chars().all(|c| c.is_ascii_graphic()) => {
-            anyhow::bail!("an API token holds printable ASCII only")
-        }
-        t => Ok(t),
-    }
-}
-
-/// Where clients and `lockstep serve` find the API token.
-pub(crate) const API_TOKEN_ENV: &str = "LOCKSTEP_API_TOKEN";
-
 /// Resolves on the first SIGTERM or SIGINT (the handlers are installed when
 /// it is called, so a signal that arrives during start-up is kept and acted
 /// on once the environment serves).

@@ -85,16 +85,9 @@ pub mod server;
 mod startup;
 pub mod template;
 
-/// The generated gRPC types and services of `lockstep.environment.v1`.
-#[allow(missing_docs, clippy::all)]
-pub mod proto {
-    tonic::include_proto!("lockstep.environment.v1");
-
-    /// The encoded descriptor set of the API and the compute protocol it
-    /// imports, served by gRPC reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] =
-        include_bytes!(concat!(env!("OUT_DIR"), "/environment_descriptor.bin"));
-}
+/// The generated gRPC types and services of `lockstep.environment.v1`
+/// (crate `lockstep-api`, which clients link alone).
+pub use lockstep_api::proto;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

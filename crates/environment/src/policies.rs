@@ -311,5 +311,5 @@ impl Environment {
     }
 }
 
-/// The largest policy component accepted.
-pub const MAX_POLICY_BYTES: usize = 16 << 20;
+/// The largest policy component accepted (the API's limit).
+pub use lockstep_api::MAX_POLICY_BYTES;

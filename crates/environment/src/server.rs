@@ -31,18 +31,11 @@ impl EnvironmentService {
     }
 }
 
-/// The largest request the API accepts: a `SetPolicy` carrying the largest
-/// policy ([`MAX_POLICY_BYTES`](crate::policies::MAX_POLICY_BYTES), as
-/// `environment.proto` documents) and its envelope. Derived from that one
-/// limit, so the two cannot disagree.
-pub const MAX_REQUEST_BYTES: usize = crate::policies::MAX_POLICY_BYTES + (64 << 10);
-
-/// The largest answer a client of this crate's CLI accepts (a peek of many
-/// rows; tonic's default of 4 MiB would refuse a large one in the client),
-/// and the largest the API sends: a larger peek answer is refused by the
-/// server with RESOURCE_EXHAUSTED ([`check_answer_len`]), not cut off in the
-/// client with OUT_OF_RANGE (which the API uses for reads below a since).
-pub const MAX_ANSWER_BYTES: usize = 256 << 20;
+/// The API's limits, in one place (`lockstep-api`, which clients link):
+/// the largest answer it sends (a larger peek answer is refused with
+/// RESOURCE_EXHAUSTED, [`check_answer_len`]), the largest request it
+/// accepts, and the shortest token.
+pub use lockstep_api::{MAX_ANSWER_BYTES, MAX_REQUEST_BYTES, MIN_TOKEN_LEN};
 
 /// RESOURCE_EXHAUSTED, naming the limit, if an answer of `len` encoded
 /// bytes is over `limit`.
@@ -57,9 +50,6 @@ pub fn check_answer_len(what: &str, len: usize, limit: usize) -> Result<(), Stat
 }
 
 impl EnvironmentService {}
-
-/// The minimum length of an API token.
-pub const MIN_TOKEN_LEN: usize = 16;
 
 pub use lockstep_metrics_http::constant_time_eq;
 
