@@ -128,6 +128,17 @@ pub(crate) struct ServeArgs {
     /// limit: a throttled worker holds up its whole replica).
     #[arg(long, value_parser = lockstep_orchestrator_kubernetes::objects::PodResources::parse_list)]
     kubernetes_replica_limits: Option<std::collections::BTreeMap<String, String>>,
+    /// The environment's own object, `Deployment/NAME` in --namespace: every
+    /// object made for a replica (pods, Services, Secrets,
+    /// PodDisruptionBudgets) gets an owner reference to it, so deleting the
+    /// Deployment garbage-collects the replicas. Read once at start (its
+    /// uid); a missing one is an error. Unset: the objects have no owner.
+    #[arg(
+        long,
+        env = "LOCKSTEP_KUBERNETES_OWNER",
+        value_name = "Deployment/NAME"
+    )]
+    kubernetes_owner: Option<String>,
 }
 
 /// The orchestrator backend of `lockstep serve`.
@@ -290,6 +301,14 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             if let Some(limits) = args.kubernetes_replica_limits {
                 resources.limits = limits;
             }
+            let owner = match &args.kubernetes_owner {
+                Some(object) => Some(
+                    lockstep_orchestrator_kubernetes::owner_of(client.clone(), &namespace, object)
+                        .await
+                        .map_err(|e| anyhow::anyhow!("--kubernetes-owner: {e}"))?,
+                ),
+                None => None,
+            };
             // The master secret of the replicas' session keys lives in the
             // cluster (Secret ENVIRONMENT-master), not in the state
             // directory: a pod's emptyDir would lose it on every restart,
@@ -312,6 +331,7 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 c.image = image;
                 c.environment = environment;
                 c.resources = resources;
+                c.owner = owner;
                 c.conditional_writes = p.conditional_writes;
                 Ok(std::sync::Arc::new(
                     lockstep_orchestrator_kubernetes::KubernetesOrchestrator::new(client, c),

@@ -109,8 +109,8 @@ impl ApiServerDouble {
         let (namespace, resource, name) = match segments.as_slice() {
             ["api", "v1", "namespaces", ns, resource] => (*ns, *resource, None),
             ["api", "v1", "namespaces", ns, resource, name] => (*ns, *resource, Some(*name)),
-            ["apis", "policy", "v1", "namespaces", ns, resource] => (*ns, *resource, None),
-            ["apis", "policy", "v1", "namespaces", ns, resource, name] => {
+            ["apis", "policy" | "apps", "v1", "namespaces", ns, resource] => (*ns, *resource, None),
+            ["apis", "policy" | "apps", "v1", "namespaces", ns, resource, name] => {
                 (*ns, *resource, Some(*name))
             }
             _ => {

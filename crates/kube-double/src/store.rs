@@ -31,6 +31,7 @@ pub(crate) fn kind_of(resource: &str) -> Option<&'static str> {
         "secrets" => Some("Secret"),
         "configmaps" => Some("ConfigMap"),
         "poddisruptionbudgets" => Some("PodDisruptionBudget"),
+        "deployments" => Some("Deployment"),
         _ => None,
     }
 }
@@ -39,6 +40,7 @@ pub(crate) fn kind_of(resource: &str) -> Option<&'static str> {
 pub(crate) fn api_version_of(resource: &str) -> &'static str {
     match resource {
         "poddisruptionbudgets" => "policy/v1",
+        "deployments" => "apps/v1",
         _ => "v1",
     }
 }

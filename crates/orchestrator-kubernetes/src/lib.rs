@@ -598,8 +598,40 @@ impl Orchestrator for KubernetesOrchestrator {
     }
 }
 
+/// The owner reference to the environment's own object (for
+/// [`KubernetesOrchestratorConfig::owner`]), `object` as
+/// `Deployment/NAME` (the only kind supported: the environment runs as one),
+/// read from the API server in `namespace` for its UID. An error names the
+/// object and says what is wrong.
+pub async fn owner_of(
+    client: kube::Client,
+    namespace: &str,
+    object: &str,
+) -> Result<OwnerReference, String> {
+    let name = match object.split_once('/') {
+        Some(("Deployment", name)) if !name.is_empty() && !name.contains('/') => name,
+        _ => {
+            return Err(format!(
+                "the environment's owner object {object:?} is not Deployment/NAME"
+            ))
+        }
+    };
+    let api: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
+        kube::Api::namespaced(client, namespace);
+    let deployment = api
+        .get(name)
+        .await
+        .map_err(|e| format!("reading Deployment {name} in namespace {namespace}: {e}"))?;
+    let uid = deployment
+        .metadata
+        .uid
+        .ok_or_else(|| format!("Deployment {name} in namespace {namespace} has no uid"))?;
+    Ok(owner_reference("apps/v1", "Deployment", name, &uid))
+}
+
 /// The owner reference of the environment's own object, for
-/// [`KubernetesOrchestratorConfig::owner`].
+/// [`KubernetesOrchestratorConfig::owner`]: `kind/name` (of `api_version`)
+/// with `uid`, neither the controller nor blocking its owner's deletion.
 pub fn owner_reference(api_version: &str, kind: &str, name: &str, uid: &str) -> OwnerReference {
     OwnerReference {
         api_version: api_version.to_string(),

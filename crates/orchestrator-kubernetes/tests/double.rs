@@ -494,6 +494,43 @@ async fn every_object_is_owned_by_the_environment_object_when_one_is_given() {
     }
 }
 
+#[tokio::test]
+async fn the_owner_is_read_from_the_named_deployment_and_a_bad_one_is_named() {
+    let api = ApiServerDouble::new();
+    let created = api
+        .create(
+            "deployments",
+            NS,
+            json!({"metadata": {"name": "lockstep-environment"}, "spec": {}}),
+        )
+        .unwrap();
+    let uid = created["metadata"]["uid"].as_str().unwrap().to_string();
+    let owner = lockstep_orchestrator_kubernetes::owner_of(
+        api.client(NS),
+        NS,
+        "Deployment/lockstep-environment",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        owner,
+        lockstep_orchestrator_kubernetes::owner_reference(
+            "apps/v1",
+            "Deployment",
+            "lockstep-environment",
+            &uid
+        )
+    );
+    let missing = lockstep_orchestrator_kubernetes::owner_of(api.client(NS), NS, "Deployment/nope")
+        .await
+        .unwrap_err();
+    assert!(missing.contains("Deployment nope"), "{missing}");
+    let bad = lockstep_orchestrator_kubernetes::owner_of(api.client(NS), NS, "Pod/x")
+        .await
+        .unwrap_err();
+    assert!(bad.contains("not Deployment/NAME"), "{bad}");
+}
+
 /// Each pod's (uid, `LOCKSTEP_GENERATION` of its container), by index.
 fn pods_of(api: &ApiServerDouble, service: &str, scale: usize) -> Vec<Option<(String, String)>> {
     (0..scale)

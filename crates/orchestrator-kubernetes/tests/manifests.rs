@@ -244,6 +244,12 @@ fn operable(d: &Deployment, service: &Service, claim: &PersistentVolumeClaim) {
             .and_then(|(_, p)| p.parse().ok())
             .unwrap_or_else(|| panic!("no --{flag_name}=HOST:PORT in {args:?}"))
     };
+    // The replicas' objects are owned by this very Deployment.
+    assert_eq!(
+        flag(&args, "kubernetes-owner"),
+        Some(format!("Deployment/{}", d.metadata.name.as_deref().unwrap()).as_str()),
+        "{args:?}"
+    );
     let api_port = port_of("listen");
     let metrics_port = port_of("metrics-listen");
     let named = |n: i32| {
@@ -387,6 +393,20 @@ async fn the_role_grants_exactly_what_the_backend_uses() {
     c.poll_interval = Duration::from_millis(5);
     let o = KubernetesOrchestrator::new(api.client("lockstep"), c.clone());
     let mut events = o.watch_services();
+    // `lockstep serve --kubernetes-owner Deployment/NAME` reads its owner.
+    api.create(
+        "deployments",
+        "lockstep",
+        serde_json::json!({"metadata": {"name": "lockstep-environment"}, "spec": {}}),
+    )
+    .unwrap();
+    lockstep_orchestrator_kubernetes::owner_of(
+        api.client("lockstep"),
+        "lockstep",
+        "Deployment/lockstep-environment",
+    )
+    .await
+    .unwrap();
     o.master_secret().await.unwrap();
     let config = || {
         ServiceConfig::new("replica-1", 1, "lockstep-replica")
