@@ -22,8 +22,9 @@
 //! 6. Removes the containers always, and the image and the context unless
 //!    `--keep` (podman's vfs driver copies every layer).
 //!
-//! Not part of `cargo xtask test`: it takes minutes and needs root for
-//! podman and debootstrap. See docs/image.md.
+//! `cargo xtask test` runs it ([`in_test`]) where a container engine
+//! answers here, and skips it, saying why, elsewhere (`.ci/run` installs
+//! podman, debootstrap and runc). See docs/image.md.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -52,6 +53,33 @@ pub struct Options {
     pub from_source: bool,
     /// Keep the image and the build context.
     pub keep: bool,
+}
+
+/// The image check of `cargo xtask test`: [`image`] from the host's
+/// binaries (just built by the test), where a container engine can run
+/// here (podman whose `podman info` answers, or docker with its daemon);
+/// skipped, saying why, elsewhere.
+pub fn in_test() -> anyhow::Result<()> {
+    step("the container image (cargo xtask image): lockstep demo and lockstep serve inside it");
+    let engine = match Engine::find() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("xtask: image check skipped: {e:#}");
+            return Ok(());
+        }
+    };
+    if let Engine::Podman { .. } = engine {
+        let mut info = engine.cmd();
+        info.arg("info").stdout(Stdio::null()).stderr(Stdio::null());
+        if !succeeds(info) {
+            eprintln!("xtask: image check skipped: podman is installed but `podman info` fails here");
+            return Ok(());
+        }
+    }
+    image(&Options {
+        from_source: false,
+        keep: false,
+    })
 }
 
 /// Runs the task.

@@ -53,6 +53,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     demo_on_postgres()?;
     demo_hosts()?;
     python_api()?;
+    crate::image::in_test()?;
     policies::check_standalone(&target_dir().join("debug/lockstep"))?;
     for suite in crate::chaos::SUITES {
         crate::chaos::run_suite(suite)?;
