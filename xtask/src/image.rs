@@ -72,7 +72,9 @@ pub fn in_test() -> anyhow::Result<()> {
         let mut info = engine.cmd();
         info.arg("info").stdout(Stdio::null()).stderr(Stdio::null());
         if !succeeds(info) {
-            eprintln!("xtask: image check skipped: podman is installed but `podman info` fails here");
+            eprintln!(
+                "xtask: image check skipped: podman is installed but `podman info` fails here"
+            );
             return Ok(());
         }
     }
