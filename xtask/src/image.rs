@@ -19,7 +19,10 @@
 //!    the host that the API answers with the token and refuses without, that
 //!    a replica created through it serves (grpc.health.v1, `lockstep
 //!    status`), and that /metrics answers; then stops it.
-//! 6. Removes the containers always, and the image and the context unless
+//! 6. Runs `lockstep serve` in it with the shipped Deployment's exact
+//!    command, arguments and environment against the Kubernetes API double
+//!    and a throw-away PostgreSQL server ([`deployment`]).
+//! 7. Removes the containers always, and the image and the context unless
 //!    `--keep` (podman's vfs driver copies every layer).
 //!
 //! `cargo xtask test` runs it ([`in_test`]) where a container engine
@@ -35,6 +38,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 
 use crate::util::{root, run, step, target_dir};
+
+mod deployment;
 
 /// The image this task builds (and removes unless `--keep`).
 pub const IMAGE: &str = "lockstep:dev";
@@ -161,6 +166,8 @@ fn run_all(opts: &Options, times: &mut Times) -> anyhow::Result<()> {
 
     times.start("lockstep serve inside the image, checked from the host");
     serve_in_image(&engine)?;
+    times.start("lockstep serve inside the image as the shipped Deployment runs it");
+    deployment::run_check(&engine)?;
 
     times.start(if opts.keep {
         "keeping the image and the build context (--keep)"

@@ -1,0 +1,58 @@
+//! `lockstep-kube-double`: the in-memory Kubernetes API server of the tests,
+//! served over HTTP on loopback for a `lockstep serve --orchestrator
+//! kubernetes` in another process (or container) to talk to. Used by `cargo
+//! xtask image` to start the environment's container with the shipped
+//! Deployment's exact arguments.
+//!
+//! ```text
+//! lockstep-kube-double --namespace NS --kubeconfig FILE [--deployment NAME]
+//! ```
+//!
+//! Writes a kubeconfig for the server to FILE, creates the Deployment NAME in
+//! NS if asked (the environment's owner object), prints `kube-double:
+//! serving on URL` and serves until killed.
+
+use lockstep_kube_double::{kubeconfig, ApiServerDouble};
+
+fn usage() -> ! {
+    eprintln!("usage: lockstep-kube-double --namespace NS --kubeconfig FILE [--deployment NAME]");
+    std::process::exit(2)
+}
+
+#[tokio::main]
+async fn main() {
+    let mut namespace = None;
+    let mut kubeconfig_file = None;
+    let mut deployment = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let value = args.next().unwrap_or_else(|| usage());
+        match flag.as_str() {
+            "--namespace" => namespace = Some(value),
+            "--kubeconfig" => kubeconfig_file = Some(value),
+            "--deployment" => deployment = Some(value),
+            _ => usage(),
+        }
+    }
+    let (Some(namespace), Some(kubeconfig_file)) = (namespace, kubeconfig_file) else {
+        usage()
+    };
+    let api = ApiServerDouble::new();
+    if let Some(name) = deployment {
+        api.create(
+            "deployments",
+            &namespace,
+            serde_json::json!({"metadata": {"name": name}, "spec": {}}),
+        )
+        .unwrap_or_else(|e| panic!("creating Deployment {name}: {e}"));
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind a loopback port");
+    let url = format!("http://{}", listener.local_addr().expect("bound"));
+    std::fs::write(&kubeconfig_file, kubeconfig(&url, &namespace))
+        .unwrap_or_else(|e| panic!("writing {kubeconfig_file}: {e}"));
+    let server = api.serve(listener);
+    println!("kube-double: serving on {url}");
+    let _ = server.await;
+}
