@@ -66,6 +66,12 @@ const LOG_FORMAT_ENV: &str = "LOCKSTEP_LOG_FORMAT";
     about = "lockstep's environment: controller server and CLI"
 )]
 struct Cli {
+    /// The log format on stderr: `text`, or `json` (one JSON object per
+    /// line, with the spans); the replica processes `lockstep serve` starts
+    /// log the same way.
+    #[arg(long, global = true, env = LOG_FORMAT_ENV, default_value = "text",
+          value_parser = ["text", "json"])]
+    log_format: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -262,15 +268,21 @@ enum InputCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // The level from LOCKSTEP_LOG (default info); with LOCKSTEP_LOG_FORMAT=json
-    // one JSON object per line, with the spans (a controller's `replica`).
+    // The level from LOCKSTEP_LOG (default info); with `--log-format json`
+    // (or LOCKSTEP_LOG_FORMAT=json) one JSON object per line, with the spans
+    // (a controller's `replica`). The variable is set for the replica
+    // processes to inherit (the orchestrator passes it on); nothing else
+    // runs yet, so setting it is safe.
+    if cli.log_format == "json" {
+        std::env::set_var(LOG_FORMAT_ENV, "json");
+    }
     let logs = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("LOCKSTEP_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         );
-    if std::env::var(LOG_FORMAT_ENV).is_ok_and(|f| f == "json") {
+    if cli.log_format == "json" {
         logs.json().init();
     } else {
         logs.init();

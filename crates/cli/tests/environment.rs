@@ -532,17 +532,22 @@ async fn the_api_serves_tls_with_a_given_certificate() {
 /// the replica's ID); the replica's processes inherit the setting.
 #[tokio::test]
 async fn json_logs_carry_the_controllers_replica_and_reach_the_processes() {
+    json_logs(&[], &[("LOCKSTEP_LOG_FORMAT".into(), "json".into())]).await;
+}
+
+/// The same with `--log-format json` on the command line.
+#[tokio::test]
+async fn the_log_format_flag_gives_the_same_json_logs() {
+    json_logs(&["--log-format", "json"], &[]).await;
+}
+
+/// Starts `lockstep serve` with `args` and `vars`, which must make its logs
+/// JSON, and checks them and the replica process's inherited setting.
+async fn json_logs(args: &[&str], vars: &[(String, std::path::PathBuf)]) {
     let sandbox = Sandbox::new().unwrap();
-    let env = EnvProcess::start_with_env(
-        bin(),
-        sandbox.path(),
-        "epoch",
-        None,
-        &[],
-        &[("LOCKSTEP_LOG_FORMAT".into(), "json".into())],
-    )
-    .await
-    .unwrap();
+    let env = EnvProcess::start_with_env(bin(), sandbox.path(), "epoch", None, args, vars)
+        .await
+        .unwrap();
     let o = cli(bin(), &env.url, &["create", "r1", "--processes", "1"])
         .await
         .unwrap();

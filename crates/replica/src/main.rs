@@ -66,17 +66,24 @@ struct Args {
     /// `no-mutual` of the security suite only.
     #[arg(long, hide = true, env = "LOCKSTEP_INSECURE_ONE_WAY_PROOF")]
     insecure_one_way_proof: bool,
+    /// The log format on stderr: `text`, or `json` (one JSON object per
+    /// line).
+    #[arg(long, env = "LOCKSTEP_LOG_FORMAT", default_value = "text",
+          value_parser = ["text", "json"])]
+    log_format: String,
 }
 
 fn main() {
-    // The level from RUST_LOG (default info); with LOCKSTEP_LOG_FORMAT=json
-    // (inherited from `lockstep serve`) one JSON object per line.
+    let args = Args::parse();
+    // The level from RUST_LOG (default info); with `--log-format json` (or
+    // LOCKSTEP_LOG_FORMAT=json, inherited from `lockstep serve`) one JSON
+    // object per line.
     let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr);
-    if std::env::var("LOCKSTEP_LOG_FORMAT").is_ok_and(|f| f == "json") {
+    if args.log_format == "json" {
         logs.json().init();
     } else {
         logs.init();
@@ -85,7 +92,6 @@ fn main() {
     // Test hooks: FAILPOINTS="name=actions;..." (feature `failpoints` only).
     #[cfg(feature = "failpoints")]
     std::mem::forget(fail::FailScenario::setup());
-    let args = Args::parse();
     if args.peers.len() != args.processes as usize {
         eprintln!(
             "lockstep-replica: error: --peers lists {} addresses but --processes is {}",
