@@ -174,6 +174,14 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         hosts: usize,
     },
+    /// Print the man page lockstep(1) (roff), e.g. `lockstep man | man -l -`;
+    /// with `--out DIR`, write it and one page per subcommand
+    /// (lockstep-serve.1, lockstep-replica.1, ...) to DIR.
+    Man {
+        /// The directory to write every page to.
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
+    },
     /// Print a shell completion script, e.g. `lockstep completions bash >
     /// /etc/bash_completion.d/lockstep`, or `source <(lockstep completions
     /// bash)`.
@@ -326,6 +334,7 @@ fn main() -> ExitCode {
         Command::Status { server, output } => {
             finish(runtime.block_on(status_summary(server, output)))
         }
+        Command::Man { out } => finish(man_pages(out)),
         Command::Completions { shell } => {
             use clap::CommandFactory;
             let mut script = Vec::new();
@@ -509,6 +518,26 @@ fn policy_check(files: &[PathBuf]) -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    }
+}
+
+/// The man pages (`clap_mangen`, from the same definitions as `--help`).
+fn man_pages(out: Option<PathBuf>) -> anyhow::Result<()> {
+    use clap::CommandFactory;
+    let cmd = Cli::command();
+    match out {
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            clap_mangen::generate_to(cmd, &dir)
+                .with_context(|| format!("writing the man pages to {}", dir.display()))?;
+            println!("man pages written to {}", dir.display());
+            Ok(())
+        }
+        None => {
+            let mut page = Vec::new();
+            clap_mangen::Man::new(cmd).render(&mut page)?;
+            output::write_stdout(&page)
+        }
     }
 }
 

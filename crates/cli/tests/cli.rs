@@ -350,5 +350,20 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
         );
     }
 
+    // The man pages: lockstep(1) on stdout, and one per subcommand.
+    let o = run(&["man"]).await;
+    assert!(o.status.success(), "{o:?}");
+    let page = String::from_utf8(o.stdout).unwrap();
+    assert!(page.contains(".TH lockstep 1"), "{page}");
+    assert!(page.contains("replica"), "{page}");
+    let dir = tempfile::tempdir().unwrap();
+    let o = run(&["man", "--out", dir.path().to_str().unwrap()]).await;
+    assert!(o.status.success(), "{o:?}");
+    for page in ["lockstep.1", "lockstep-serve.1", "lockstep-replica.1"] {
+        let text = std::fs::read_to_string(dir.path().join(page))
+            .unwrap_or_else(|e| panic!("{page}: {e}"));
+        assert!(text.contains(".TH"), "{page}: {text}");
+    }
+
     server.kill().await.unwrap();
 }
