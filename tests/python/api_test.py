@@ -260,6 +260,14 @@ def main():
         api.DropDataflow(ep.DropDataflowRequest(id=d.id))
         r.code("Subscribe, dataflow dropped: NOT_FOUND", lambda: sub, C.NOT_FOUND)
 
+        # Request IDs: the client's comes back, and one is made when none is sent.
+        _, call = api.GetStatus.with_call(ep.GetStatusRequest(), metadata=(("x-request-id", "py-call-1"),))
+        echoed = dict(call.initial_metadata()).get("x-request-id")
+        r.check("a client's x-request-id comes back", echoed == "py-call-1", str(call.initial_metadata()))
+        _, call = api.GetStatus.with_call(ep.GetStatusRequest())
+        made = dict(call.initial_metadata()).get("x-request-id")
+        r.check("a call without one gets an x-request-id", bool(made), str(call.initial_metadata()))
+
         # Metrics: the environment's and every replica process's, each read
         # with prometheus_client's OpenMetrics parser (which raises on any
         # error in the exposition).

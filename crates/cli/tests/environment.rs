@@ -577,6 +577,21 @@ async fn json_logs(args: &[&str], vars: &[(String, std::path::PathBuf)]) {
         .find(|v| v["span"]["name"] == "controller")
         .unwrap();
     assert_eq!(controller["span"]["replica"], 1, "{controller}");
+    // The API call that created the replica logged inside its request span
+    // (method and request ID).
+    let created = lines
+        .iter()
+        .find(|v| v["fields"]["message"] == "created")
+        .unwrap_or_else(|| panic!("no `created` line: {lines:?}"));
+    let request = created["spans"]
+        .as_array()
+        .and_then(|spans| spans.iter().find(|s| s["name"] == "request"))
+        .unwrap_or_else(|| panic!("`created` is not inside a request span: {created}"));
+    assert_eq!(request["method"], "CreateReplica", "{created}");
+    assert!(
+        request["id"].as_str().is_some_and(|id| !id.is_empty()),
+        "{created}"
+    );
     assert!(controller["fields"]["message"].is_string(), "{controller}");
     let services = sandbox.services().await.unwrap();
     let pid = services[0].processes[0].pid.expect("the process runs");

@@ -6,6 +6,12 @@
 //! check and the decoder, it also counts calls refused for a missing token
 //! (`UNAUTHENTICATED`) or a request that does not decode.
 //!
+//! Each call also runs in a tracing span `request` with its `method` and an
+//! `id`: the client's `x-request-id` header if it sent a short one of
+//! letters, digits and `-_.:`, else one made here (`PID-N`); the answer
+//! carries it back in `x-request-id`, so a client's error and the server's
+//! log lines of that call can be matched.
+//!
 //! The code is read where gRPC puts it: the `grpc-status` header of a
 //! trailers-only answer (an error before any message), or the trailers at
 //! the end of the body; a body dropped before either (the client went
@@ -113,24 +119,57 @@ where
         let method = method_of(request.uri().path());
         let started = Instant::now();
         let metrics = self.metrics.clone();
-        let call = self.inner.call(request);
-        Box::pin(async move {
-            let response = call.await?;
-            let Some(method) = method else {
-                return Ok(response.map(|body| Counted { body, call: None }));
-            };
-            metrics.api_latency(method, started.elapsed());
-            let mut open = OpenCall { method, metrics };
-            let ended = response.headers().get("grpc-status").map(code_of);
-            let call = match ended {
-                Some(code) => {
-                    open.end(code);
-                    None
+        let id = request_id(request.headers().get(REQUEST_ID));
+        let span = tracing::info_span!("request", id = %id, method = method.unwrap_or(OTHER));
+        let call = {
+            let _entered = span.enter();
+            self.inner.call(request)
+        };
+        Box::pin(tracing::Instrument::instrument(
+            async move {
+                let mut response = call.await?;
+                if let Ok(v) = http::HeaderValue::from_str(&id) {
+                    response.headers_mut().insert(REQUEST_ID, v);
                 }
-                None => Some(open),
-            };
-            Ok(response.map(|body| Counted { body, call }))
-        })
+                let Some(method) = method else {
+                    return Ok(response.map(|body| Counted { body, call: None }));
+                };
+                metrics.api_latency(method, started.elapsed());
+                let mut open = OpenCall { method, metrics };
+                let ended = response.headers().get("grpc-status").map(code_of);
+                let call = match ended {
+                    Some(code) => {
+                        open.end(code);
+                        None
+                    }
+                    None => Some(open),
+                };
+                Ok(response.map(|body| Counted { body, call }))
+            },
+            span,
+        ))
+    }
+}
+
+/// The header that carries a call's request ID both ways.
+const REQUEST_ID: &str = "x-request-id";
+
+/// A call's request ID: the client's, if it is 1 to 64 of letters, digits
+/// and `-_.:`; else a new one, `PID-N`.
+fn request_id(given: Option<&http::HeaderValue>) -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let ok = |s: &str| {
+        (1..=64).contains(&s.len())
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
+    };
+    match given.and_then(|v| v.to_str().ok()) {
+        Some(s) if ok(s) => s.to_string(),
+        _ => format!(
+            "{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ),
     }
 }
 
@@ -344,5 +383,20 @@ mod tests {
             code_of(&http::HeaderValue::from_static("x")),
             tonic::Code::Unknown
         );
+    }
+
+    #[test]
+    fn a_request_id_is_the_clients_when_it_is_tame_else_a_new_one() {
+        let given = http::HeaderValue::from_static("abc-123_x.y:z");
+        assert_eq!(request_id(Some(&given)), "abc-123_x.y:z");
+        let hostile = http::HeaderValue::from_static("a b\"c");
+        let made = request_id(Some(&hostile));
+        assert!(
+            made.starts_with(&format!("{}-", std::process::id())),
+            "{made}"
+        );
+        let long = http::HeaderValue::from_str(&"x".repeat(65)).unwrap();
+        assert_ne!(request_id(Some(&long)), "x".repeat(65));
+        assert_ne!(request_id(None), request_id(None), "each made ID is new");
     }
 }
