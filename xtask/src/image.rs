@@ -815,18 +815,41 @@ fn serve_in_image(engine: &Engine) -> anyhow::Result<()> {
         .arg(format!("--metrics-listen=127.0.0.1:{metrics_port}"))
         .arg("--distribution-policy=/usr/local/share/lockstep/policies/barrier.wasm");
     run(cmd)?;
-    let result = check_serving(engine, &name, &url, metrics_port, &token);
+    check_then_stop(engine, &name, 20, || {
+        check_serving(engine, &name, &url, metrics_port, &token)
+    })
+}
+
+/// Runs `check` on the running container `name` (printing its logs if the
+/// check fails), then stops it with SIGTERM, allowing `grace_secs`; the
+/// container's exit code must be 0.
+fn check_then_stop(
+    engine: &Engine,
+    name: &str,
+    grace_secs: u32,
+    check: impl FnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let result = check();
     if result.is_err() {
         eprintln!("xtask: logs of {name}:");
         let mut logs = engine.cmd();
-        logs.args(["logs", &name]);
+        logs.args(["logs", name]);
         let _ = logs.status();
     }
     result?;
-    eprintln!("xtask: stopping {name}");
+    eprintln!("xtask: stopping {name} (SIGTERM, {grace_secs} s to exit)");
     let mut stop = engine.cmd();
-    stop.args(["stop", "--time", "20", &name]);
+    stop.args(["stop", "--time", &grace_secs.to_string(), name]);
     run(stop)?;
+    let mut inspect = engine.cmd();
+    inspect.args(["inspect", "--format", "{{.State.ExitCode}}", name]);
+    let code = output(inspect).map_err(|e| anyhow::anyhow!("inspecting {name}: {e}"))?;
+    anyhow::ensure!(
+        code.trim() == "0",
+        "{name} exited {} on SIGTERM, not 0",
+        code.trim()
+    );
+    eprintln!("xtask: {name} exited 0 on SIGTERM");
     Ok(())
 }
 

@@ -18,8 +18,8 @@ use anyhow::{bail, Context};
 use serde_json::Value;
 
 use super::{
-    client, container_name, output, poll, random_token, running, Cleanup, Engine, Removal, IMAGE,
-    IMAGE_UID,
+    check_then_stop, client, container_name, output, poll, random_token, running, Cleanup, Engine,
+    Removal, IMAGE, IMAGE_UID,
 };
 use crate::util::{build_bins, root, run, target_dir};
 
@@ -189,28 +189,11 @@ pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
     cmd.args(["--entrypoint", &shipped.command[0], IMAGE])
         .args(&shipped.command[1..]);
     run(cmd)?;
-    let result = check(engine, &name, api_port, metrics_port, &token);
-    if result.is_err() {
-        eprintln!("xtask: logs of {name}:");
-        let mut logs = engine.cmd();
-        logs.args(["logs", &name]);
-        let _ = logs.status();
-    }
-    result?;
-    eprintln!("xtask: stopping {name} (SIGTERM; the Deployment's grace is 20 s)");
-    let mut stop = engine.cmd();
-    stop.args(["stop", "--time", "25", &name]);
-    run(stop)?;
-    let mut inspect = engine.cmd();
-    inspect.args(["inspect", "--format", "{{.State.ExitCode}}", &name]);
-    let code = output(inspect).map_err(|e| anyhow::anyhow!("inspecting {name}: {e}"))?;
-    anyhow::ensure!(
-        code.trim() == "0",
-        "the environment exited {} on SIGTERM, not 0",
-        code.trim()
-    );
-    eprintln!("xtask: exited 0 on SIGTERM");
-    Ok(())
+    // The Deployment's own shutdown grace is 20 s, under a 30 s termination
+    // grace period.
+    check_then_stop(engine, &name, 25, || {
+        check(engine, &name, api_port, metrics_port, &token)
+    })
 }
 
 fn check(
