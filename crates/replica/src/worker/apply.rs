@@ -250,6 +250,7 @@ impl WorkerState {
                         tap,
                         since: 0,
                         reported: None,
+                        lag: None,
                     },
                 );
             }

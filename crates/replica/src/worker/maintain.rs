@@ -74,15 +74,17 @@ impl WorkerState {
                 }
                 // How far behind its inputs this export is (0 once caught
                 // up or closed; unknown, and left as it was, without inputs).
-                if let Some(t) = target {
-                    let lag = f.map_or(0, |f| t.saturating_sub(f));
-                    METRICS
-                        .frontier_lag
-                        .get_or_create(&ExportLabels {
-                            export: *id,
-                            worker: self.index as u64,
-                        })
-                        .set(i64::try_from(lag).unwrap_or(i64::MAX));
+                if let Some(lag) = target.map(|t| f.map_or(0, |f| t.saturating_sub(f))) {
+                    if e.lag != Some(lag) {
+                        e.lag = Some(lag);
+                        METRICS
+                            .frontier_lag
+                            .get_or_create(&ExportLabels {
+                                export: *id,
+                                worker: self.index as u64,
+                            })
+                            .set(i64::try_from(lag).unwrap_or(i64::MAX));
+                    }
                 }
                 done &= f == target;
             }

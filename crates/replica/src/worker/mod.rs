@@ -131,6 +131,9 @@ struct ExportState {
     tap: Rc<RefCell<Tap>>,
     since: u64,
     reported: Option<Frontier>,
+    /// The frontier lag last set in the metrics (set again only when it
+    /// changes: `maintain` runs on every loop).
+    lag: Option<u64>,
 }
 
 /// An installed dataflow.
@@ -383,8 +386,11 @@ impl WorkerState {
             Action::ResetHistory => self.history = CommandHistory::summarizing(),
             Action::Apply(cmd) => {
                 METRICS.applied(cmd.kind.name(), cmd.strategy.name());
+                let installed = self.dataflows.len();
                 self.apply(worker, cmd);
-                self.count_installed();
+                if self.dataflows.len() != installed {
+                    self.count_installed();
+                }
             }
             Action::Skipped { seqno } => tracing::debug!(
                 worker = self.index,
