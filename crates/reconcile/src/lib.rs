@@ -79,8 +79,8 @@ pub use initialization::{GateMutant, InitializationDecision, InitializationGate}
 pub use rounds::{PlanError, Report, RoundBook, RoundMutant};
 pub use worker::log::LogHoldMutant;
 pub use worker::{
-    Action, CommandClass, MeshAnnouncement, Order, PendingRound, Reconciliation, SessionCommand,
-    WorkerSession, WorkerView,
+    rules, socket_ordered, Action, CommandClass, MeshAnnouncement, PendingRound, Reconciliation,
+    SessionCommand, Source, WorkerSession, WorkerStrategy, WorkerView,
 };
 
 /// One dataflow as reconciliation sees it: its catalog ID and the hash of its

@@ -15,12 +15,12 @@ use std::time::Duration;
 
 use lockstep_policy::{MismatchAction, MismatchInfo};
 use lockstep_protocol::{Command, CommandKind, Status, Strategy};
-use lockstep_reconcile::{HistoryStep, MismatchResolution, Phase};
+use lockstep_reconcile::{rules, HistoryStep, MismatchResolution, Phase};
 use tokio::time::Instant;
 
 use super::{Actor, Event};
 use crate::connection;
-use crate::deliver::LogBatch;
+use crate::deliver::{delivery, LogBatch};
 
 impl Actor {
     /// The session's phase.
@@ -149,7 +149,7 @@ impl Actor {
         // Hello to every process, then the compacted history, then
         // InitializationComplete: the replica reconciles to this target.
         self.session_strategy = strategy;
-        if matches!(self.session_strategy, Strategy::Log) {
+        if delivery(strategy).appends_to_log() {
             self.log_batch = Some(LogBatch::default());
         }
         // A replica with a command log gets every session's marker, whatever
@@ -322,7 +322,7 @@ impl Actor {
     /// and status requests from before it are asked again.
     fn complete_initialization(&mut self, collective: bool) {
         let strategy = self.strategy_for(&CommandKind::InitializationComplete);
-        let strategy = if collective && strategy == Strategy::Naive {
+        let strategy = if collective && !rules(strategy).reconciles_collectively() {
             Strategy::Barrier
         } else {
             strategy

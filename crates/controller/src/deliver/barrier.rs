@@ -9,11 +9,14 @@
 
 use lockstep_protocol::Command;
 
+use super::Delivery;
 use crate::actor::Actor;
 
-impl Actor {
-    /// Sends a `barrier` command: a copy to every process.
-    pub(super) fn deliver_barrier(&mut self, cmd: Command) {
-        self.send_copies(cmd);
+/// `barrier` on the controller side: a copy to every process.
+pub(crate) struct Barrier;
+
+impl Delivery for Barrier {
+    fn deliver(&self, actor: &mut Actor, cmd: Command) {
+        actor.send_copies(cmd);
     }
 }

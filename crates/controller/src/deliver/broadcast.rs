@@ -7,11 +7,14 @@
 
 use lockstep_protocol::Command;
 
+use super::Delivery;
 use crate::actor::Actor;
 
-impl Actor {
-    /// Sends a `broadcast` command: a copy to every process.
-    pub(super) fn deliver_broadcast(&mut self, cmd: Command) {
-        self.send_copies(cmd);
+/// `broadcast` on the controller side: a copy to every process.
+pub(crate) struct Broadcast;
+
+impl Delivery for Broadcast {
+    fn deliver(&self, actor: &mut Actor, cmd: Command) {
+        actor.send_copies(cmd);
     }
 }

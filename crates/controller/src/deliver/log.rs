@@ -17,7 +17,20 @@ use lockstep_protocol::{Command, CommandKind};
 /// How many applied StatusRequests are deleted from the log at once.
 pub(crate) const FORGET_BATCH: usize = 16;
 
+use super::Delivery;
 use crate::actor::{Actor, Event, Reach};
+
+/// `log` on the controller side: append, then a copy to every process.
+pub(crate) struct Log;
+
+impl Delivery for Log {
+    fn deliver(&self, actor: &mut Actor, cmd: Command) {
+        actor.deliver_log(cmd);
+    }
+    fn appends_to_log(&self) -> bool {
+        true
+    }
+}
 
 /// The start of a log session, appended to the log in one transaction.
 #[derive(Default)]
@@ -35,7 +48,7 @@ impl Actor {
     /// Sends a `log` command: appended first (or batched while the session
     /// starts), then a copy to every process. A crash before any process
     /// got its copy is a crash before the append.
-    pub(super) fn deliver_log(&mut self, cmd: Command) {
+    fn deliver_log(&mut self, cmd: Command) {
         if let Some(batch) = &mut self.log_batch {
             if let Some(reach) = self.crash_hook.take() {
                 batch.crash.get_or_insert((batch.commands.len(), reach));

@@ -3,10 +3,11 @@
 //! it on the controller side (`broadcast_with` dispatches).
 //!
 //! Every command gets the session's next sequence number and one socket
-//! copy per process; what differs is which copy a worker applies. One file
-//! per strategy, named like the replica's side (`crates/replica/src/order/`):
-//! `naive`, `barrier`, `broadcast` and `log` (which also appends to the
-//! command log, before the copies). The partial-broadcast failpoint
+//! copy per process; what differs is which copy a worker applies. Each
+//! strategy's controller side is one [`Delivery`] type in the file named
+//! after it, like its worker side (`lockstep_reconcile::worker`): `naive`,
+//! `barrier`, `broadcast` and `log` (which also appends to the command log,
+//! before the copies); [`delivery`] is the one place it is chosen. The partial-broadcast failpoint
 //! may cut any of them short: `broadcast_with` arms the actor's
 //! `CrashHook` for each command, and whatever writes the copies takes it.
 
@@ -17,10 +18,36 @@ mod naive;
 
 use lockstep_policy::{CommandClass, CommandInfo};
 use lockstep_protocol::{Command, CommandKind, Strategy, WireMessage};
+use lockstep_reconcile::socket_ordered;
 
 use crate::actor::Actor;
 
 pub(crate) use log::LogBatch;
+
+/// One strategy's controller side: how a numbered command that carries it
+/// reaches the replica.
+pub(crate) trait Delivery: Sync {
+    /// Sends `cmd` to the replica's processes. The partial-broadcast
+    /// failpoint may cut it short (the actor's `CrashHook` is armed).
+    fn deliver(&self, actor: &mut Actor, cmd: Command);
+    /// Whether it appends commands to the replica's command log (a choice
+    /// of it for a replica without one gets the fallback, and a session
+    /// started with it appends its start in one batch).
+    fn appends_to_log(&self) -> bool {
+        false
+    }
+}
+
+/// The controller side of `strategy`: the one place each strategy's type is
+/// chosen.
+pub(crate) fn delivery(strategy: Strategy) -> &'static dyn Delivery {
+    match strategy {
+        Strategy::Naive => &naive::Naive,
+        Strategy::Barrier => &barrier::Barrier,
+        Strategy::Broadcast => &broadcast::Broadcast,
+        Strategy::Log => &log::Log,
+    }
+}
 
 impl Actor {
     /// Sends a command to every process (if connected).
@@ -35,10 +62,7 @@ impl Actor {
             // process only those (`split_per_process`). Not with `broadcast`
             // (worker 0's copy goes to every worker) or `log` (one copy in
             // the log for all).
-            CommandKind::WriteInput(w)
-                if matches!(strategy, Strategy::Barrier | Strategy::Naive)
-                    && self.conns.len() > 1 =>
-            {
+            CommandKind::WriteInput(w) if socket_ordered(strategy) && self.conns.len() > 1 => {
                 let per_process = w.split_per_process(
                     self.conns.len(),
                     self.replica.workers_per_process as usize,
@@ -80,12 +104,7 @@ impl Actor {
             strategy,
             kind,
         };
-        match strategy {
-            Strategy::Naive => self.deliver_naive(cmd),
-            Strategy::Barrier => self.deliver_barrier(cmd),
-            Strategy::Broadcast => self.deliver_broadcast(cmd),
-            Strategy::Log => self.deliver_log(cmd),
-        }
+        delivery(strategy).deliver(self, cmd);
     }
 
     /// Sends process `i` the command `kinds[i]`, all under one sequence
@@ -93,7 +112,7 @@ impl Actor {
     /// whose controller side is only the copies): a write split per process.
     /// The partial-broadcast failpoint may cut it short.
     fn broadcast_each(&mut self, kinds: Vec<CommandKind>, strategy: Strategy) {
-        debug_assert!(matches!(strategy, Strategy::Barrier | Strategy::Naive));
+        debug_assert!(socket_ordered(strategy));
         let Some(first) = kinds.first() else { return };
         self.crash_hook.arm(first.name());
         let crash = self.crash_hook.take();
@@ -115,7 +134,8 @@ impl Actor {
         }
     }
 
-    /// Writes a copy of `cmd` to every process, or, if the failpoint's
+    /// Writes a copy of `cmd` to every process (the whole controller side
+    /// of the socket-ordered strategies and `broadcast`), or, if the failpoint's
     /// hook is armed, to the processes it reaches, and then crashes.
     fn send_copies(&mut self, cmd: Command) {
         if let Some(reach) = self.crash_hook.take() {
@@ -138,12 +158,16 @@ impl Actor {
         }
     }
 
-    /// The strategy of a command in this session (see `session_strategy`).
+    /// The strategy of a command in this session (see `session_strategy`):
+    /// a session started with a strategy that is not socket-ordered
+    /// (`broadcast`, `log`) sends every command with it, since its workers
+    /// apply only that order; in a socket-ordered session the policy
+    /// chooses among the socket-ordered ones.
     pub(crate) fn strategy_for(&mut self, kind: &CommandKind) -> Strategy {
         match self.session_strategy {
-            s @ (Strategy::Broadcast | Strategy::Log) => s,
+            s if !socket_ordered(s) => s,
             _ => match self.choose(kind) {
-                s @ (Strategy::Broadcast | Strategy::Log) => {
+                s if !socket_ordered(s) => {
                     tracing::warn!(
                         chosen = %s,
                         session = %self.session_strategy,
@@ -173,7 +197,7 @@ impl Actor {
             reconciling: self.phase().reconciling(),
         };
         match self.policy.choose(&info) {
-            Ok(Strategy::Log) if self.replica.command_log.is_none() => {
+            Ok(s) if delivery(s).appends_to_log() && self.replica.command_log.is_none() => {
                 tracing::warn!(fallback = %self.fallback, "the policy chose the log strategy but the replica has no command log; using the fallback");
                 self.fallback
             }

@@ -5,11 +5,14 @@
 
 use lockstep_protocol::Command;
 
+use super::Delivery;
 use crate::actor::Actor;
 
-impl Actor {
-    /// Sends a `naive` command: a copy to every process.
-    pub(super) fn deliver_naive(&mut self, cmd: Command) {
-        self.send_copies(cmd);
+/// `naive` on the controller side: a copy to every process.
+pub(crate) struct Naive;
+
+impl Delivery for Naive {
+    fn deliver(&self, actor: &mut Actor, cmd: Command) {
+        actor.send_copies(cmd);
     }
 }

@@ -3,7 +3,6 @@
 
 use std::collections::VecDeque;
 
-use lockstep_protocol::Strategy;
 use lockstep_reconcile::{BarrierDecision, HistoryStep, LogHoldMutant, MismatchResolution};
 use stateright::{Model, Property};
 
@@ -69,11 +68,7 @@ impl Model for ComputeModel {
             if s.ctl.faults < b.faults {
                 actions.push(ComputeAction::Crash);
                 if self.uses_channels() {
-                    let connections = if self.strategy == Strategy::Broadcast {
-                        1
-                    } else {
-                        b.processes
-                    };
+                    let connections = if self.sequenced() { 1 } else { b.processes };
                     for p in 0..connections {
                         actions.push(ComputeAction::DropConnection(p));
                     }
@@ -99,14 +94,11 @@ impl Model for ComputeModel {
             let waiting = w.machine.pending().is_some();
             if !s.channels[p].is_empty() {
                 // The sequencer forwards what it receives whatever it waits on.
-                if self.strategy == Strategy::Broadcast || (self.uses_channels() && !waiting) {
+                if self.sequenced() || (self.uses_channels() && !waiting) {
                     actions.push(ComputeAction::Receive(p));
                 }
             }
-            if (self.strategy == Strategy::Broadcast || self.tails_log())
-                && !waiting
-                && w.cursor < s.stream.len()
-            {
+            if (self.sequenced() || self.tails_log()) && !waiting && w.cursor < s.stream.len() {
                 actions.push(ComputeAction::Apply(p));
             }
             if waiting {
@@ -190,10 +182,12 @@ impl Model for ComputeModel {
             ComputeAction::RestartReplica => self.restart_replica(&mut s),
             ComputeAction::Receive(p) => {
                 let msg = s.channels[p].pop_front()?;
-                match self.strategy {
-                    Strategy::Broadcast => s.stream.push(msg),
-                    _ if self.uses_channels() => self.receive(&mut s, p, &msg),
-                    _ => return None,
+                if self.sequenced() {
+                    s.stream.push(msg);
+                } else if self.uses_channels() {
+                    self.receive(&mut s, p, &msg);
+                } else {
+                    return None;
                 }
             }
             ComputeAction::Decide(p, read) => {

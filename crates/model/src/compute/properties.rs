@@ -3,7 +3,6 @@
 
 use std::collections::{BTreeSet, HashSet};
 
-use lockstep_protocol::Strategy;
 use lockstep_reconcile::{
     lockstep_check, lockstep_prefix_check, CreationEntry, DataflowKey, Phase,
 };
@@ -20,8 +19,7 @@ impl ComputeModel {
             && s.channels.iter().all(|c| c.is_empty())
             && s.workers.iter().all(|w| {
                 w.settled_in(s.ctl.session)
-                    && (!(self.strategy == Strategy::Broadcast || self.tails_log())
-                        || w.cursor == s.stream.len())
+                    && (!(self.sequenced() || self.tails_log()) || w.cursor == s.stream.len())
             })
     }
 

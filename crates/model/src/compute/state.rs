@@ -3,9 +3,9 @@
 
 use std::collections::VecDeque;
 
-use lockstep_protocol::{DataflowDescription, Digest, Export, Plan};
+use lockstep_protocol::{DataflowDescription, Digest, Export, Plan, Strategy};
 use lockstep_reconcile::{
-    CommandClass, ControllerSession, CreationEntry, DataflowKey, MeshAnnouncement, Order, Phase,
+    CommandClass, ControllerSession, CreationEntry, DataflowKey, MeshAnnouncement, Phase,
     SessionCommand, WorkerSession, WorkerView,
 };
 
@@ -80,8 +80,8 @@ impl Controller {
 /// as the replica receives them.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Cmd {
-    /// The order of the strategy it was sent with.
-    pub order: Order,
+    /// The strategy it was sent with.
+    pub strategy: Strategy,
     /// Its sequence number in its session.
     pub seqno: u64,
     /// What it is.
@@ -105,8 +105,8 @@ impl SessionCommand for Cmd {
     fn seqno(&self) -> u64 {
         self.seqno
     }
-    fn order(&self) -> Order {
-        self.order
+    fn strategy(&self) -> Strategy {
+        self.strategy
     }
     fn class(&self) -> CommandClass {
         match self.kind {
@@ -132,8 +132,12 @@ impl Msg {
     }
 
     /// The commands a worker receives for this message.
-    pub(super) fn commands(&self, order: Order) -> Vec<Cmd> {
-        let cmd = |seqno, kind| Cmd { order, seqno, kind };
+    pub(super) fn commands(&self, strategy: Strategy) -> Vec<Cmd> {
+        let cmd = |seqno, kind| Cmd {
+            strategy,
+            seqno,
+            kind,
+        };
         match self {
             Msg::Hello { session } => vec![cmd(0, CmdKind::Hello(*session))],
             Msg::Target { seqno, keys, .. } => keys

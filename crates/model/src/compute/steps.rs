@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use lockstep_protocol::{Digest, Strategy};
 use lockstep_reconcile::{
-    Action, BarrierDecision, ControllerSession, DataflowKey, GateMutant, HistoryStep,
-    LogHoldMutant, MeshAnnouncement, Order, RoundMutant, WorkerSession,
+    rules, socket_ordered, Action, BarrierDecision, ControllerSession, DataflowKey, GateMutant,
+    HistoryStep, LogHoldMutant, MeshAnnouncement, RoundMutant, Source, WorkerSession,
 };
 
 use super::state::{
@@ -73,7 +73,7 @@ impl ComputeModel {
     /// `log-then-barrier` variant. Every worker tails the log.
     pub fn log_then(then: Strategy, bounds: ComputeBounds) -> Self {
         assert!(
-            matches!(then, Strategy::Barrier | Strategy::Naive),
+            socket_ordered(then),
             "a log session alternates with a socket-ordered one"
         );
         let mut m = Self::new(Strategy::Log, bounds);
@@ -149,22 +149,29 @@ impl ComputeModel {
         self
     }
 
+    /// Whether worker 0 sequences the commands (the strategy's source is
+    /// the sequencer: broadcast): the stream is the mesh's broadcast.
+    pub(super) fn sequenced(&self) -> bool {
+        rules(self.strategy).source() == Source::Sequencer
+    }
+
     pub(super) fn uses_channels(&self) -> bool {
         self.strategy != Strategy::Log || self.then.is_some()
     }
 
-    /// Sends one command of the controller's session: to every channel
-    /// (naive, barrier), to the sequencer's channel (broadcast), or
-    /// appended to the log (log).
+    /// Sends one command of the controller's session where its strategy's
+    /// worker side takes it from (the machine's [`rules`]): to every
+    /// channel (socket order: naive, barrier), to the sequencer's channel
+    /// (broadcast), or appended to the log (log).
     pub(super) fn send(&self, s: &mut ComputeState, msg: Msg) {
-        match self.session_strategy(s.ctl.session) {
-            Strategy::Naive | Strategy::Barrier => {
+        match rules(self.session_strategy(s.ctl.session)).source() {
+            Source::Socket => {
                 for c in &mut s.channels {
                     c.push_back(msg.clone());
                 }
             }
-            Strategy::Broadcast => s.channels[0].push_back(msg),
-            Strategy::Log => s.stream.push(msg),
+            Source::Sequencer => s.channels[0].push_back(msg),
+            Source::Log => s.stream.push(msg),
         }
     }
 
@@ -228,7 +235,7 @@ impl ComputeModel {
         for inbox in &mut s.inboxes {
             inbox.clear();
         }
-        if self.strategy == Strategy::Broadcast {
+        if self.sequenced() {
             s.stream.clear();
         }
         // Fresh workers read the log from the next session's marker.
@@ -241,15 +248,15 @@ impl ComputeModel {
         self.start_session(s);
     }
 
-    /// The order of the commands of `msg`: that of its session's strategy.
-    fn order_of(&self, msg: &Msg) -> Order {
-        Order::of(self.session_strategy(msg.session()))
+    /// The strategy of the commands of `msg`: that of its session.
+    fn strategy_of(&self, msg: &Msg) -> Strategy {
+        self.session_strategy(msg.session())
     }
 
     /// Worker `p` receives `msg` in its order: its session machine queues
     /// it, then runs until it waits.
     pub(super) fn receive(&self, s: &mut ComputeState, p: usize, msg: &Msg) {
-        for cmd in msg.commands(self.order_of(msg)) {
+        for cmd in msg.commands(self.strategy_of(msg)) {
             s.workers[p].machine.push(cmd);
         }
         self.run(s, p);
@@ -263,7 +270,7 @@ impl ComputeModel {
     pub(super) fn read_log(&self, s: &mut ComputeState, p: usize, msg: &Msg) {
         s.workers[p]
             .machine
-            .on_log_entries(msg.commands(self.order_of(msg)));
+            .on_log_entries(msg.commands(self.strategy_of(msg)));
         self.run(s, p);
     }
 

@@ -22,10 +22,25 @@
 use lockstep_protocol::Digest;
 
 use super::{
-    target_of, Action, MeshAnnouncement, Pending, Reconciliation, SessionCommand, WorkerSession,
-    WorkerView,
+    target_of, Action, MeshAnnouncement, Pending, Reconciliation, SessionCommand, Source,
+    WorkerSession, WorkerStrategy, WorkerView,
 };
 use crate::{Announcement, BarrierDecision, DataflowKey, Report};
+
+/// The `barrier` strategy on the worker side: the socket copy; a
+/// CreateDataflow of a new, valid dataflow waits at a barrier round; a
+/// session reconciles collectively.
+#[derive(Clone, Copy, Debug)]
+pub struct Barrier;
+
+impl WorkerStrategy for Barrier {
+    fn source(&self) -> Source {
+        Source::Socket
+    }
+    fn creates_in_rounds(&self) -> bool {
+        true
+    }
+}
 
 /// The longest a worker waits at a barrier before it halts, in ms.
 pub const BARRIER_TIMEOUT_MS: u64 = 20_000;

@@ -53,7 +53,7 @@
 //!
 //! [`BARRIER_TIMEOUT_MS`]: super::BARRIER_TIMEOUT_MS
 
-use super::{Order, SessionCommand, WorkerSession, BARRIER_TIMEOUT_MS};
+use super::{rules, SessionCommand, Source, WorkerSession, WorkerStrategy, BARRIER_TIMEOUT_MS};
 use crate::Session;
 
 /// A deliberate flaw planted in the log-marker hold, so that the model
@@ -67,6 +67,17 @@ pub enum LogHoldMutant {
     /// Nothing is held: a newer socket-ordered session starts as soon as
     /// its Hello arrives, whatever the worker has read from its log.
     NoHold,
+}
+
+/// The `log` strategy on the worker side: commands come from the command
+/// log; a session reconciles collectively.
+#[derive(Clone, Copy, Debug)]
+pub struct Log;
+
+impl WorkerStrategy for Log {
+    fn source(&self) -> Source {
+        Source::Log
+    }
 }
 
 impl LogHoldMutant {
@@ -99,7 +110,7 @@ impl<C: SessionCommand> WorkerSession<C> {
         for cmd in entries {
             read += 1;
             let marker = cmd.hello_session();
-            if cmd.order() == Order::Log {
+            if rules(cmd.strategy()).source() == Source::Log {
                 self.push(cmd);
             }
             // Every session's marker, whatever its strategy: a newer
@@ -115,7 +126,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// session older than the one this worker joined (and notes the session
     /// of a log marker).
     pub(super) fn stale_log_entry(&mut self, cmd: &C) -> bool {
-        if cmd.order() != Order::Log {
+        if rules(cmd.strategy()).source() != Source::Log {
             return false;
         }
         match cmd.hello_session() {
@@ -133,7 +144,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// a socket Hello). Without a log every session starts from the socket,
     /// in order, and nothing is stale.
     pub(super) fn stale_socket_command(&mut self, cmd: &C) -> bool {
-        if !self.tails_log || !matches!(cmd.order(), Order::Naive | Order::Barrier) {
+        if !self.tails_log || rules(cmd.strategy()).source() != Source::Socket {
             return false;
         }
         match cmd.hello_session() {
@@ -175,7 +186,9 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// worker that tails a log, a socket-ordered Hello of a session newer
     /// than every marker read, and what follows it.
     pub(super) fn holds(&self, cmd: &C) -> bool {
-        if !self.tails_log || cmd.order() == Order::Log || self.hold_mutant == LogHoldMutant::NoHold
+        if !self.tails_log
+            || rules(cmd.strategy()).source() == Source::Log
+            || self.hold_mutant == LogHoldMutant::NoHold
         {
             return false;
         }

@@ -20,16 +20,18 @@
 //! type under every interleaving of channel and mesh deliveries, crashes and
 //! reconnects.
 //!
-//! Each strategy's part of the machine is in the file named after it:
-//! [`naive`] (per-worker reconciliation), [`barrier`] (create rounds, and the
-//! collective reconciliation every other strategy uses), [`log`] (what a
-//! read of the command log does, the hold of a newer session until its log
-//! marker was read, and the skip of entries of older log sessions). Where a
-//! strategy takes its commands from
-//! (the socket, the sequencer on the mesh, the command log) is the shell's
-//! part: see [`Order`].
+//! Each strategy's part of the machine is one type in the file named after
+//! it, implementing [`WorkerStrategy`] (where its commands come from, what
+//! gates them, how it reconciles), chosen by [`rules`]: [`naive`]
+//! (per-worker reconciliation), [`barrier`] (create rounds, and the
+//! collective reconciliation every other strategy uses), [`broadcast`] (the
+//! sequencer), [`log`] (what a read of the command log does, the hold of a
+//! newer session until its log marker was read, and the skip of entries of
+//! older log sessions). Taking the commands from their [`Source`] (the
+//! socket, the sequencer on the mesh, the command log) is the shell's part.
 
 pub mod barrier;
+pub mod broadcast;
 pub mod log;
 pub mod naive;
 
@@ -43,47 +45,59 @@ use crate::{
 
 pub use barrier::BARRIER_TIMEOUT_MS;
 
-/// Where a worker takes a strategy's commands from, and what gates them.
+/// Where a worker takes a strategy's commands from.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
-pub enum Order {
-    /// `naive`: the worker's own socket copy, in socket order, ungated.
-    /// InitializationComplete reconciles per worker.
-    Naive,
-    /// `barrier`: the worker's own socket copy, in socket order; a
-    /// CreateDataflow of a new, valid dataflow waits at a barrier round.
-    Barrier,
-    /// `broadcast`: worker 0's socket copy, forwarded on the control mesh,
-    /// in the order the mesh delivers it; other socket copies are not
-    /// applied.
-    Broadcast,
-    /// `log`: the command log, read from the offset worker 0 announced; the
-    /// socket copy only makes the worker read the log now.
+pub enum Source {
+    /// The worker's own process's controller connection, in socket order
+    /// (the *socket-ordered* strategies).
+    Socket,
+    /// Worker 0's socket copy, forwarded on the control mesh, in the order
+    /// the mesh delivers it; other socket copies are not applied.
+    Sequencer,
+    /// The command log, read from the offset worker 0 announced; the socket
+    /// copy only makes the worker read the log now.
     Log,
 }
 
-impl Order {
-    /// The order of the commands sent with `strategy`.
-    pub fn of(strategy: Strategy) -> Order {
-        match strategy {
-            Strategy::Naive => Order::Naive,
-            Strategy::Barrier => Order::Barrier,
-            Strategy::Broadcast => Order::Broadcast,
-            Strategy::Log => Order::Log,
-        }
-    }
-
+/// One strategy's part of the worker session: where its commands come from
+/// and what gates them. One type per strategy, in the file named after it
+/// ([`naive::Naive`], [`barrier::Barrier`], [`broadcast::Broadcast`],
+/// [`log::Log`]); [`rules`] is the one place a strategy is registered. The
+/// replica's shell takes commands from each [`Source`]
+/// (`crates/replica/src/order/`), the controller's side of each strategy
+/// is in `crates/controller/src/deliver/`, and the model routes its
+/// messages by the same rules.
+pub trait WorkerStrategy: Sync {
+    /// Where a worker takes the commands sent with it from.
+    fn source(&self) -> Source;
     /// Whether a CreateDataflow of a new, valid dataflow waits at a barrier
     /// round before it builds.
-    pub fn creates_in_rounds(self) -> bool {
-        self == Order::Barrier
+    fn creates_in_rounds(&self) -> bool {
+        false
     }
-
-    /// Whether an InitializationComplete of this order starts a collective
+    /// Whether an InitializationComplete sent with it starts a collective
     /// reconciliation (on a worker with a control mesh); otherwise the
     /// worker reconciles alone.
-    pub fn reconciles_collectively(self) -> bool {
-        self != Order::Naive
+    fn reconciles_collectively(&self) -> bool {
+        true
     }
+}
+
+/// The worker-side rules of `strategy`: the one place each strategy's type
+/// is chosen.
+pub fn rules(strategy: Strategy) -> &'static dyn WorkerStrategy {
+    match strategy {
+        Strategy::Naive => &naive::Naive,
+        Strategy::Barrier => &barrier::Barrier,
+        Strategy::Broadcast => &broadcast::Broadcast,
+        Strategy::Log => &log::Log,
+    }
+}
+
+/// Whether commands sent with `strategy` are applied in socket order
+/// (each worker applies its own process's copy).
+pub fn socket_ordered(strategy: Strategy) -> bool {
+    rules(strategy).source() == Source::Socket
 }
 
 /// What the session machine needs to know of a command.
@@ -110,8 +124,8 @@ pub enum CommandClass {
 pub trait SessionCommand: Clone {
     /// Its sequence number within its session.
     fn seqno(&self) -> u64;
-    /// The order of the strategy it was sent with.
-    fn order(&self) -> Order;
+    /// The strategy it was sent with.
+    fn strategy(&self) -> Strategy;
     /// What kind of command it is.
     fn class(&self) -> CommandClass;
     /// The session of a Hello, `None` for any other command. Asked of every
@@ -132,8 +146,8 @@ impl SessionCommand for Command {
         self.seqno
     }
 
-    fn order(&self) -> Order {
-        Order::of(self.strategy)
+    fn strategy(&self) -> Strategy {
+        self.strategy
     }
 
     fn class(&self) -> CommandClass {
@@ -479,11 +493,11 @@ impl<C: SessionCommand> WorkerSession<C> {
             return;
         }
         if let Some(buffer) = &mut self.reconciling {
-            let (order, seqno) = (cmd.order(), cmd.seqno());
+            let (strategy, seqno) = (cmd.strategy(), cmd.seqno());
             buffer.push(cmd);
             if class == CommandClass::InitializationComplete {
                 let buffer = self.reconciling.take().unwrap_or_default();
-                if order.reconciles_collectively() && self.has_mesh {
+                if rules(strategy).reconciles_collectively() && self.has_mesh {
                     self.start_collective(buffer, seqno, view, now_ms);
                 } else {
                     self.reconcile_locally(buffer, view);
@@ -492,7 +506,7 @@ impl<C: SessionCommand> WorkerSession<C> {
             return;
         }
         if let CommandClass::Create { key } = class {
-            if cmd.order().creates_in_rounds()
+            if rules(cmd.strategy()).creates_in_rounds()
                 && self.has_mesh
                 && !view.is_installed(key.id)
                 && view.buildable(&cmd)

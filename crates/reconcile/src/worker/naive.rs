@@ -8,7 +8,23 @@
 //! commands builds the rest. It is wrong as soon as workers disagree on
 //! what is installed, which is what the fault suite and the model show.
 
-use super::{target_of, Reconciliation, SessionCommand, WorkerSession, WorkerView};
+use super::{
+    target_of, Reconciliation, SessionCommand, Source, WorkerSession, WorkerStrategy, WorkerView,
+};
+
+/// The `naive` strategy on the worker side: the socket copy, ungated,
+/// reconciled per worker.
+#[derive(Clone, Copy, Debug)]
+pub struct Naive;
+
+impl WorkerStrategy for Naive {
+    fn source(&self) -> Source {
+        Source::Socket
+    }
+    fn reconciles_collectively(&self) -> bool {
+        false
+    }
+}
 
 impl<C: SessionCommand> WorkerSession<C> {
     /// Per-worker reconciliation at InitializationComplete: drops every

@@ -5,7 +5,7 @@ use crate::Digest;
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Cmd {
     seqno: u64,
-    order: Order,
+    strategy: Strategy,
     class: TestClass,
 }
 
@@ -21,8 +21,8 @@ impl SessionCommand for Cmd {
     fn seqno(&self) -> u64 {
         self.seqno
     }
-    fn order(&self) -> Order {
-        self.order
+    fn strategy(&self) -> Strategy {
+        self.strategy
     }
     fn class(&self) -> CommandClass {
         match self.class {
@@ -41,10 +41,10 @@ fn key(id: u64, h: u8) -> DataflowKey {
     }
 }
 
-fn cmd(order: Order, seqno: u64, class: TestClass) -> Cmd {
+fn cmd(strategy: Strategy, seqno: u64, class: TestClass) -> Cmd {
     Cmd {
         seqno,
-        order,
+        strategy,
         class,
     }
 }
@@ -114,19 +114,24 @@ fn run(m: &mut WorkerSession<Cmd>, runs: &mut Runs, now_ms: u64) -> Vec<Action<C
     out
 }
 
-fn session_start(m: &mut WorkerSession<Cmd>, order: Order, session: Session, target: &[(u64, u8)]) {
-    m.push(cmd(order, 0, TestClass::Hello(session)));
+fn session_start(
+    m: &mut WorkerSession<Cmd>,
+    strategy: Strategy,
+    session: Session,
+    target: &[(u64, u8)],
+) {
+    m.push(cmd(strategy, 0, TestClass::Hello(session)));
     for (i, (id, h)) in target.iter().enumerate() {
-        m.push(cmd(order, 1 + i as u64, TestClass::Create(*id, *h)));
+        m.push(cmd(strategy, 1 + i as u64, TestClass::Create(*id, *h)));
     }
-    m.push(cmd(order, 1 + target.len() as u64, TestClass::Complete));
+    m.push(cmd(strategy, 1 + target.len() as u64, TestClass::Complete));
 }
 
 #[test]
 fn a_naive_session_start_reconciles_alone() {
     let mut m = WorkerSession::new(0, 2, true);
     let mut runs = Runs(vec![key(1, 1), key(2, 2)]);
-    session_start(&mut m, Order::Naive, 7, &[(1, 1), (3, 3)]);
+    session_start(&mut m, Strategy::Naive, 7, &[(1, 1), (3, 3)]);
     let actions = run(&mut m, &mut runs, 0);
     assert!(matches!(
         &actions[0],
@@ -151,7 +156,7 @@ fn a_naive_session_start_reconciles_alone() {
 fn a_barrier_create_waits_for_every_worker() {
     let mut m = WorkerSession::new(0, 2, true);
     let mut runs = Runs::default();
-    session_start(&mut m, Order::Barrier, 5, &[]);
+    session_start(&mut m, Strategy::Barrier, 5, &[]);
     m.on_mesh(1, MeshAnnouncement::Joined { session: 5 });
     let start = run(&mut m, &mut runs, 0);
     assert!(m.pending().is_some_and(|p| p.reconcile), "{start:?}");
@@ -163,8 +168,8 @@ fn a_barrier_create_waits_for_every_worker() {
     );
     run(&mut m, &mut runs, 0);
     assert!(m.pending().is_none());
-    m.push(cmd(Order::Barrier, 2, TestClass::Create(4, 4)));
-    m.push(cmd(Order::Barrier, 3, TestClass::Other));
+    m.push(cmd(Strategy::Barrier, 2, TestClass::Create(4, 4)));
+    m.push(cmd(Strategy::Barrier, 3, TestClass::Other));
     let waiting = run(&mut m, &mut runs, 0);
     assert_eq!(waiting.len(), 1, "only the announcement: {waiting:?}");
     assert!(runs.0.is_empty(), "nothing built before the round passes");
@@ -183,8 +188,8 @@ fn a_barrier_create_waits_for_every_worker() {
 fn different_commands_halt() {
     let mut m = WorkerSession::new(0, 2, true);
     let mut runs = Runs::default();
-    m.push(cmd(Order::Barrier, 0, TestClass::Hello(5)));
-    m.push(cmd(Order::Barrier, 1, TestClass::Complete));
+    m.push(cmd(Strategy::Barrier, 0, TestClass::Hello(5)));
+    m.push(cmd(Strategy::Barrier, 1, TestClass::Complete));
     m.on_mesh(1, MeshAnnouncement::Joined { session: 5 });
     m.on_mesh(1, peer_round(5, 1, Digest([9; 32]), report(vec![])));
     let actions = run(&mut m, &mut runs, 0);
@@ -193,7 +198,7 @@ fn different_commands_halt() {
         "{actions:?}"
     );
     assert!(m.halted());
-    m.push(cmd(Order::Barrier, 2, TestClass::Other));
+    m.push(cmd(Strategy::Barrier, 2, TestClass::Other));
     assert_eq!(m.next(&runs, 0), None, "nothing after a halt");
 }
 
@@ -201,8 +206,8 @@ fn different_commands_halt() {
 fn a_round_that_waits_too_long_halts() {
     let mut m = WorkerSession::new(0, 2, true);
     let mut runs = Runs::default();
-    m.push(cmd(Order::Barrier, 0, TestClass::Hello(5)));
-    m.push(cmd(Order::Barrier, 1, TestClass::Complete));
+    m.push(cmd(Strategy::Barrier, 0, TestClass::Hello(5)));
+    m.push(cmd(Strategy::Barrier, 1, TestClass::Complete));
     run(&mut m, &mut runs, 1_000);
     assert!(m.pending().is_some());
     assert!(run(&mut m, &mut runs, 1_000 + BARRIER_TIMEOUT_MS).is_empty());
@@ -217,7 +222,7 @@ fn a_peer_create_read_with_its_report_keeps_every_dataflow() {
     let installed = vec![key(1, 1), key(2, 2)];
     let mut m = WorkerSession::new(0, 2, true);
     let mut runs = Runs(installed.clone());
-    session_start(&mut m, Order::Barrier, 9, &[(1, 1), (2, 2)]);
+    session_start(&mut m, Strategy::Barrier, 9, &[(1, 1), (2, 2)]);
     m.on_mesh(1, MeshAnnouncement::Joined { session: 9 });
     run(&mut m, &mut runs, 0);
     let target_hash = barrier::target_hash(&installed);
@@ -237,19 +242,19 @@ fn log_entries_of_an_older_session_are_skipped() {
     let mut runs = Runs::default();
     // A log session 3 starts, then a barrier session 4 cuts it off; the
     // log's remaining entries of session 3 are read afterwards.
-    m.push(cmd(Order::Log, 0, TestClass::Hello(3)));
-    m.push(cmd(Order::Log, 1, TestClass::Complete));
+    m.push(cmd(Strategy::Log, 0, TestClass::Hello(3)));
+    m.push(cmd(Strategy::Log, 1, TestClass::Complete));
     run(&mut m, &mut runs, 0);
-    session_start(&mut m, Order::Barrier, 4, &[]);
+    session_start(&mut m, Strategy::Barrier, 4, &[]);
     run(&mut m, &mut runs, 0);
-    m.push(cmd(Order::Log, 2, TestClass::Create(1, 1)));
+    m.push(cmd(Strategy::Log, 2, TestClass::Create(1, 1)));
     let actions = run(&mut m, &mut runs, 0);
     assert_eq!(actions, vec![Action::Skipped { seqno: 2 }]);
     assert!(runs.0.is_empty());
     // A newer log marker: its entries apply again.
-    m.push(cmd(Order::Log, 0, TestClass::Hello(6)));
-    m.push(cmd(Order::Log, 1, TestClass::Complete));
-    m.push(cmd(Order::Log, 2, TestClass::Create(1, 1)));
+    m.push(cmd(Strategy::Log, 0, TestClass::Hello(6)));
+    m.push(cmd(Strategy::Log, 1, TestClass::Complete));
+    m.push(cmd(Strategy::Log, 2, TestClass::Create(1, 1)));
     run(&mut m, &mut runs, 0);
     assert_eq!(runs.0, vec![key(1, 1)]);
 }
@@ -262,15 +267,15 @@ fn a_newer_session_waits_for_its_log_marker() {
     let mut m = WorkerSession::new(0, 1, false);
     m.set_tails_log();
     let mut runs = Runs::default();
-    m.push(cmd(Order::Log, 0, TestClass::Hello(3)));
+    m.push(cmd(Strategy::Log, 0, TestClass::Hello(3)));
     m.on_log_marker(3);
-    m.push(cmd(Order::Log, 1, TestClass::Complete));
+    m.push(cmd(Strategy::Log, 1, TestClass::Complete));
     run(&mut m, &mut runs, 0);
     // The barrier session 4 arrives on the socket before the log's last
     // entry of session 3 was read.
-    session_start(&mut m, Order::Barrier, 4, &[(1, 1)]);
+    session_start(&mut m, Strategy::Barrier, 4, &[(1, 1)]);
     assert!(run(&mut m, &mut runs, 0).is_empty(), "held");
-    m.push(cmd(Order::Log, 2, TestClass::Create(2, 2)));
+    m.push(cmd(Strategy::Log, 2, TestClass::Create(2, 2)));
     run(&mut m, &mut runs, 0);
     assert_eq!(
         runs.0,
@@ -298,20 +303,20 @@ fn a_log_read_queues_log_entries_and_takes_every_marker() {
     m.set_tails_log();
     let mut runs = Runs::default();
     let read = m.on_log_entries([
-        cmd(Order::Log, 0, TestClass::Hello(3)),
-        cmd(Order::Log, 1, TestClass::Complete),
+        cmd(Strategy::Log, 0, TestClass::Hello(3)),
+        cmd(Strategy::Log, 1, TestClass::Complete),
     ]);
     assert_eq!(read, 2);
     run(&mut m, &mut runs, 0);
     assert_eq!(m.session(), 3);
     // The barrier session 4 arrives on the socket first: held.
-    session_start(&mut m, Order::Barrier, 4, &[(1, 1)]);
+    session_start(&mut m, Strategy::Barrier, 4, &[(1, 1)]);
     assert!(m.holding());
     assert!(run(&mut m, &mut runs, 0).is_empty(), "held");
     // One read: the cut-off session's last create, then session 4's marker.
     let read = m.on_log_entries([
-        cmd(Order::Log, 2, TestClass::Create(2, 2)),
-        cmd(Order::Barrier, 0, TestClass::Hello(4)),
+        cmd(Strategy::Log, 2, TestClass::Create(2, 2)),
+        cmd(Strategy::Barrier, 0, TestClass::Hello(4)),
     ]);
     assert_eq!(read, 2);
     assert!(!m.holding(), "the marker released session 4");
@@ -339,9 +344,9 @@ fn the_no_hold_mutant_holds_nothing() {
     let mut m = WorkerSession::new(0, 1, false).with_log_hold_mutant(log::LogHoldMutant::NoHold);
     m.set_tails_log();
     let mut runs = Runs::default();
-    m.on_log_entries([cmd(Order::Log, 0, TestClass::Hello(3))]);
+    m.on_log_entries([cmd(Strategy::Log, 0, TestClass::Hello(3))]);
     run(&mut m, &mut runs, 0);
-    session_start(&mut m, Order::Barrier, 4, &[]);
+    session_start(&mut m, Strategy::Barrier, 4, &[]);
     assert!(!m.holding());
     run(&mut m, &mut runs, 0);
     assert_eq!(m.session(), 4);
@@ -356,18 +361,18 @@ fn socket_commands_of_an_older_session_are_skipped_on_a_log_tailing_worker() {
     m.set_tails_log();
     let mut runs = Runs::default();
     // Barrier session 2: its marker, then its Hello on the socket.
-    m.on_log_entries([cmd(Order::Barrier, 0, TestClass::Hello(2))]);
-    m.push(cmd(Order::Barrier, 0, TestClass::Hello(2)));
+    m.on_log_entries([cmd(Strategy::Barrier, 0, TestClass::Hello(2))]);
+    m.push(cmd(Strategy::Barrier, 0, TestClass::Hello(2)));
     run(&mut m, &mut runs, 0);
     assert_eq!(m.session(), 2);
     // Log session 3 starts from the log with an empty target ...
     m.on_log_entries([
-        cmd(Order::Log, 0, TestClass::Hello(3)),
-        cmd(Order::Log, 1, TestClass::Complete),
+        cmd(Strategy::Log, 0, TestClass::Hello(3)),
+        cmd(Strategy::Log, 1, TestClass::Complete),
     ]);
     // ... and session 2's target reaches the worker only now.
-    m.push(cmd(Order::Barrier, 1, TestClass::Create(1, 1)));
-    m.push(cmd(Order::Barrier, 2, TestClass::Complete));
+    m.push(cmd(Strategy::Barrier, 1, TestClass::Create(1, 1)));
+    m.push(cmd(Strategy::Barrier, 2, TestClass::Complete));
     let actions = run(&mut m, &mut runs, 0);
     assert_eq!(m.session(), 3);
     assert!(!m.is_reconciling());
@@ -378,8 +383,8 @@ fn socket_commands_of_an_older_session_are_skipped_on_a_log_tailing_worker() {
     );
     assert!(runs.0.is_empty(), "session 2's create is not built");
     // A newer barrier session's commands apply again.
-    m.on_log_entries([cmd(Order::Barrier, 0, TestClass::Hello(4))]);
-    session_start(&mut m, Order::Barrier, 4, &[(1, 1)]);
+    m.on_log_entries([cmd(Strategy::Barrier, 0, TestClass::Hello(4))]);
+    session_start(&mut m, Strategy::Barrier, 4, &[(1, 1)]);
     run(&mut m, &mut runs, 0);
     assert_eq!(m.session(), 4);
     assert_eq!(runs.0, vec![key(1, 1)]);
@@ -391,7 +396,7 @@ fn socket_commands_of_an_older_session_are_skipped_on_a_log_tailing_worker() {
 fn socket_commands_are_not_skipped_without_a_log() {
     let mut m = WorkerSession::new(0, 1, false).resumed(3);
     let mut runs = Runs::default();
-    m.push(cmd(Order::Barrier, 5, TestClass::Create(1, 1)));
+    m.push(cmd(Strategy::Barrier, 5, TestClass::Create(1, 1)));
     let actions = run(&mut m, &mut runs, 0);
     assert!(!actions.iter().any(|a| matches!(a, Action::Skipped { .. })));
     assert_eq!(runs.0, vec![key(1, 1)]);
@@ -402,7 +407,7 @@ fn a_missing_log_marker_halts() {
     let mut m = WorkerSession::new(0, 1, false);
     m.set_tails_log();
     let mut runs = Runs::default();
-    session_start(&mut m, Order::Barrier, 4, &[]);
+    session_start(&mut m, Strategy::Barrier, 4, &[]);
     assert!(run(&mut m, &mut runs, 5).is_empty());
     let late = run(&mut m, &mut runs, 6 + BARRIER_TIMEOUT_MS);
     assert!(matches!(late.as_slice(), [Action::Halt(_)]), "{late:?}");
@@ -413,7 +418,7 @@ fn a_missing_log_marker_halts() {
 fn different_creation_logs_halt_the_reconciliation() {
     let mut m = WorkerSession::new(0, 2, true);
     let mut runs = Runs::default();
-    session_start(&mut m, Order::Barrier, 5, &[]);
+    session_start(&mut m, Strategy::Barrier, 5, &[]);
     m.on_mesh(1, MeshAnnouncement::Joined { session: 5 });
     m.on_mesh(
         1,
