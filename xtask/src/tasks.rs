@@ -59,6 +59,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
         crate::chaos::run_suite(suite)?;
     }
     crate::model::run(&[])?;
+    crate::util::step_times();
     eprintln!("\nxtask: test: ok");
     Ok(())
 }

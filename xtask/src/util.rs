@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::Mutex;
+use std::time::Instant;
 
 use anyhow::{bail, Context};
 
@@ -57,7 +59,42 @@ pub fn run(mut cmd: Command) -> anyhow::Result<()> {
 
 /// Prints a step banner so long work shows progress.
 pub fn step(what: &str) {
+    let now = Instant::now();
+    let mut steps = STEPS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((last, since)) = steps.last_mut() {
+        eprintln!(
+            "xtask: <== {last}: {:.1} s",
+            now.duration_since(*since).as_secs_f64()
+        );
+        *last = format!("{last}: {:.1} s", now.duration_since(*since).as_secs_f64());
+    }
+    steps.push((what.to_string(), now));
     eprintln!("\nxtask: ==> {what}");
+}
+
+/// Every step so far, with its time (`step`), and when each started.
+static STEPS: Mutex<Vec<(String, Instant)>> = Mutex::new(Vec::new());
+
+/// Prints how long each step took (the last one until now) and the total:
+/// where a long task such as `cargo xtask test` spends its time.
+pub fn step_times() {
+    let now = Instant::now();
+    let steps = STEPS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(first) = steps.first().map(|(_, t)| *t) else {
+        return;
+    };
+    eprintln!("\nxtask: step times");
+    for (i, (what, since)) in steps.iter().enumerate() {
+        if i + 1 == steps.len() {
+            eprintln!(
+                "  {what}: {:.1} s",
+                now.duration_since(*since).as_secs_f64()
+            );
+        } else {
+            eprintln!("  {what}");
+        }
+    }
+    eprintln!("  total: {:.1} s", now.duration_since(first).as_secs_f64());
 }
 
 fn show(cmd: &Command) -> String {

@@ -77,7 +77,7 @@ pub mod worker;
 pub use controller::{ControllerSession, HistoryStep, MismatchResolution, Phase};
 pub use initialization::{GateMutant, InitializationDecision, InitializationGate};
 pub use rounds::{PlanError, Report, RoundBook, RoundMutant};
-pub use worker::log::LogHoldMutant;
+pub use worker::log::{LogHoldMutant, LogRead};
 pub use worker::{
     rules, socket_ordered, Action, CommandClass, MeshAnnouncement, PendingRound, Reconciliation,
     SessionCommand, Source, WorkerSession, WorkerStrategy, WorkerView,

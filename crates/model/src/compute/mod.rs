@@ -35,9 +35,9 @@
 //!     (the first is `log`). The controller appends every session's marker
 //!     to the log, whatever its strategy, before it sends the session's
 //!     Hellos; a `barrier` session's commands go on the channels. Every
-//!     worker tails the log (`WorkerSession::set_tails_log`) and hands what
-//!     it reads to its machine through the replica's own reading code
-//!     (`WorkerSession::on_log_entries`), so a newer `barrier` session waits
+//!     worker tails the log (`WorkerSession::set_tails_log`) and its machine
+//!     reads it through the replica's own reading code
+//!     (`WorkerSession::read_log` over the model's in-memory `LogRead`), so a newer `barrier` session waits
 //!     on a worker until it read that session's marker (the log-marker
 //!     hold).
 //!

@@ -98,7 +98,7 @@ impl Model for ComputeModel {
                     actions.push(ComputeAction::Receive(p));
                 }
             }
-            if (self.sequenced() || self.tails_log()) && !waiting && w.cursor < s.stream.len() {
+            if (self.sequenced() || self.tails_log()) && !waiting && w.position() < s.stream.len() {
                 actions.push(ComputeAction::Apply(p));
             }
             if waiting {
@@ -202,11 +202,14 @@ impl Model for ComputeModel {
                 self.run(&mut s, p);
             }
             ComputeAction::Apply(p) => {
-                let msg = s.stream.get(s.workers[p].cursor)?.clone();
-                s.workers[p].cursor += 1;
                 if self.tails_log() {
-                    self.read_log(&mut s, p, &msg);
+                    if s.workers[p].position() >= s.stream.len() {
+                        return None;
+                    }
+                    self.read_log(&mut s, p);
                 } else {
+                    let msg = s.stream.get(s.workers[p].cursor)?.clone();
+                    s.workers[p].cursor += 1;
                     self.receive(&mut s, p, &msg);
                 }
             }

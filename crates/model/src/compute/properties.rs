@@ -19,7 +19,7 @@ impl ComputeModel {
             && s.channels.iter().all(|c| c.is_empty())
             && s.workers.iter().all(|w| {
                 w.settled_in(s.ctl.session)
-                    && (!(self.sequenced() || self.tails_log()) || w.cursor == s.stream.len())
+                    && (!(self.sequenced() || self.tails_log()) || w.position() == s.stream.len())
             })
     }
 

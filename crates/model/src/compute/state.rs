@@ -164,7 +164,8 @@ pub struct Worker {
     pub log: Vec<CreationEntry>,
     /// Its next timely dataflow index.
     pub next_index: u64,
-    /// Position in the broadcast stream or durable log.
+    /// Position in the broadcast stream (a worker that tails the log keeps
+    /// its position there in its machine: [`Worker::position`]).
     pub cursor: usize,
     /// It halted (a barrier diverged, or its process died).
     pub halted: bool,
@@ -204,6 +205,15 @@ impl Worker {
             cursor,
             halted: false,
         }
+    }
+
+    /// Its position in what it reads in the stream's order: the durable
+    /// log (the machine's position) if it tails one, else the broadcast
+    /// stream.
+    pub fn position(&self) -> usize {
+        self.machine
+            .log_position()
+            .map_or(self.cursor, |p| p as usize)
     }
 
     pub(super) fn keys(&self) -> Vec<DataflowKey> {

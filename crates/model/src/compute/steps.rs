@@ -6,11 +6,11 @@ use std::sync::Arc;
 use lockstep_protocol::{Digest, Strategy};
 use lockstep_reconcile::{
     rules, socket_ordered, Action, BarrierDecision, ControllerSession, DataflowKey, GateMutant,
-    HistoryStep, LogHoldMutant, MeshAnnouncement, RoundMutant, Source, WorkerSession,
+    HistoryStep, LogHoldMutant, LogRead, MeshAnnouncement, RoundMutant, Source, WorkerSession,
 };
 
 use super::state::{
-    description, digest_of, CmdKind, ComputeState, Msg, Runs, Worker, LABELS, MAX_DATAFLOWS,
+    description, digest_of, Cmd, CmdKind, ComputeState, Msg, Runs, Worker, LABELS, MAX_DATAFLOWS,
 };
 use super::{ComputeBounds, ComputeModel, HistoryCheck};
 
@@ -110,6 +110,7 @@ impl ComputeModel {
             .with_log_hold_mutant(self.hold_mutant);
         if self.tails_log() {
             machine.set_tails_log();
+            machine.log_starts_at(cursor as u64);
         }
         Worker::fresh(machine, cursor)
     }
@@ -262,15 +263,18 @@ impl ComputeModel {
         self.run(s, p);
     }
 
-    /// Worker `p` reads the log entry `msg` (one read of one entry, or of a
-    /// target's entries): its session machine takes it as the replica's
-    /// worker hands it what it read (`WorkerSession::on_log_entries`: `log`
-    /// entries are queued, every session's marker releases what waits for
-    /// it), then runs until it waits.
-    pub(super) fn read_log(&self, s: &mut ComputeState, p: usize, msg: &Msg) {
-        s.workers[p]
-            .machine
-            .on_log_entries(msg.commands(self.strategy_of(msg)));
+    /// Worker `p` reads the next entry of the log (one read of one entry,
+    /// or of a target's entries) through the machine, as the replica's
+    /// worker does (`WorkerSession::read_log` over the model's in-memory
+    /// log: `log` entries are queued, every session's marker releases what
+    /// waits for it), then runs until it waits.
+    pub(super) fn read_log(&self, s: &mut ComputeState, p: usize) {
+        let mut log = StreamLog {
+            stream: &s.stream,
+            model: self,
+        };
+        let Ok(read) = s.workers[p].machine.read_log(&mut log, 1);
+        debug_assert!(read > 0, "a read is enabled only with an entry to read");
         self.run(s, p);
     }
 
@@ -348,5 +352,26 @@ impl ComputeModel {
         read: usize,
     ) -> Option<BarrierDecision> {
         self.decisions(s, me).into_iter().nth(read)
+    }
+}
+
+/// The model's durable log as a worker's machine reads it: one [`Msg`] per
+/// offset, expanded into the commands the worker receives for it.
+struct StreamLog<'a> {
+    stream: &'a [Msg],
+    model: &'a ComputeModel,
+}
+
+impl LogRead<Cmd> for StreamLog<'_> {
+    type Error = std::convert::Infallible;
+
+    fn read_from(&mut self, offset: u64, max: usize) -> Result<(Vec<Cmd>, u64), Self::Error> {
+        let mut commands = Vec::new();
+        let mut next = offset;
+        for msg in self.stream.iter().skip(offset as usize).take(max) {
+            commands.extend(msg.commands(self.model.strategy_of(msg)));
+            next += 1;
+        }
+        Ok((commands, next))
     }
 }

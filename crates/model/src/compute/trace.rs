@@ -140,7 +140,7 @@ impl ComputeModel {
                     self.decision(s, *p, *read)
                 )
             }
-            ComputeAction::Apply(p) => match s.stream.get(s.workers[*p].cursor) {
+            ComputeAction::Apply(p) => match s.stream.get(s.workers[*p].position()) {
                 Some(m) if self.tails_log() => format!("p{p} reads {} from the log", show(m)),
                 Some(m) => format!("p{p} applies {} from the stream", show(m)),
                 None => format!("p{p} applies nothing"),

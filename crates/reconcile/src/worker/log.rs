@@ -80,6 +80,18 @@ impl WorkerStrategy for Log {
     }
 }
 
+/// A command log as a worker reads it: the replica's
+/// (`lockstep_command_log`), or the model's in-memory stream. The machine
+/// keeps the worker's position in it ([`WorkerSession::log_starts_at`],
+/// [`WorkerSession::read_log`]), so both read the same way.
+pub trait LogRead<C> {
+    /// Why a read failed.
+    type Error;
+    /// The entries from `offset` on, at most `max`, in log order, and the
+    /// offset after the last one read (`offset` itself if none).
+    fn read_from(&mut self, offset: u64, max: usize) -> Result<(Vec<C>, u64), Self::Error>;
+}
+
 impl LogHoldMutant {
     /// The planted flaw's variant name in the model's report.
     pub const NAME: &'static str = "mutant-no-log-hold";
@@ -98,6 +110,32 @@ impl<C: SessionCommand> WorkerSession<C> {
     pub fn with_log_hold_mutant(mut self, mutant: LogHoldMutant) -> Self {
         self.hold_mutant = mutant;
         self
+    }
+
+    /// Worker 0 announced where every worker starts reading the log (the
+    /// newest epoch marker when the process started); until then
+    /// [`WorkerSession::read_log`] reads nothing.
+    pub fn log_starts_at(&mut self, offset: u64) {
+        self.log_next = Some(offset);
+    }
+
+    /// The offset of the next log entry this worker reads, once it knows
+    /// where to start.
+    pub fn log_position(&self) -> Option<u64> {
+        self.log_next
+    }
+
+    /// Reads up to `max` entries from `log` at this worker's position and
+    /// takes them ([`WorkerSession::on_log_entries`]); returns how many
+    /// commands it read (none before [`WorkerSession::log_starts_at`]).
+    /// A failed read changes nothing.
+    pub fn read_log<L: LogRead<C>>(&mut self, log: &mut L, max: usize) -> Result<usize, L::Error> {
+        let Some(next) = self.log_next else {
+            return Ok(0);
+        };
+        let (entries, after) = log.read_from(next, max)?;
+        self.log_next = Some(after);
+        Ok(self.on_log_entries(entries))
     }
 
     /// Entries the worker read from its command log, in log order: those

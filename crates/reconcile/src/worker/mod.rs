@@ -315,6 +315,9 @@ pub struct WorkerSession<C> {
     tails_log: bool,
     /// The newest session whose marker the worker read from the log.
     log_fence: Session,
+    /// The offset of the next log entry to read, once worker 0 announced
+    /// where to start.
+    log_next: Option<u64>,
     /// Commands of a newer socket-ordered session, held until the log was
     /// read up to that session's marker, and since when (ms).
     held: VecDeque<C>,
@@ -342,6 +345,7 @@ impl<C: SessionCommand> WorkerSession<C> {
             halted: false,
             tails_log: false,
             log_fence: 0,
+            log_next: None,
             held: VecDeque::new(),
             held_since_ms: None,
             hold_mutant: log::LogHoldMutant::None,

@@ -8,8 +8,9 @@
 //! mesh, so every worker applies the same sequence; until that announcement
 //! arrives, no worker reads. A worker then reads up to `LOG_BATCH` (256) entries
 //! at a time, when a socket copy pokes it or at least every [`LOG_POLL`], and
-//! hands them to the session machine (`WorkerSession::on_log_entries`),
-//! which queues only the entries that carry `log` and takes every session's
+//! hands them to the session machine, which keeps the worker's position in
+//! the log (`WorkerSession::read_log`, through the `LogRead` trait the model
+//! implements over its in-memory log too) and queues only the entries that carry `log` and takes every session's
 //! marker (a Hello of any strategy): it holds a newer socket-ordered session
 //! until its marker was read, so that every worker cuts a log session at the
 //! same entry (`lockstep_reconcile::worker::log`).
@@ -19,8 +20,9 @@
 
 use std::time::Duration;
 
-use lockstep_command_log::{AnyLog, CommandLog};
+use lockstep_command_log::{AnyLog, CommandLog, LogError};
 use lockstep_protocol::{Command, ErrorKind};
+use lockstep_reconcile::LogRead;
 
 use crate::metrics::{ReplicaMetrics, METRICS};
 use crate::worker::{MeshMessage, WorkerState};
@@ -35,11 +37,10 @@ pub const NOTIFIED_LOG_POLL: Duration = Duration::from_millis(100);
 /// How many log entries a worker reads at once.
 const LOG_BATCH: usize = 256;
 
-/// A worker's position in the command log.
+/// A worker's command log (its position in it is the session machine's:
+/// `WorkerSession::log_position`).
 pub(crate) struct LogTail {
     log: AnyLog,
-    /// `None` until worker 0 announced the start offset on the mesh.
-    next: Option<u64>,
     /// A socket copy of a log command arrived, or a newer session waits for
     /// its marker: read the log now.
     pub(crate) poked: bool,
@@ -71,7 +72,6 @@ impl WorkerState {
         }
         self.log = Some(LogTail {
             log,
-            next: None,
             poked: false,
             last_read: std::time::Instant::now(),
             copy_arrived: None,
@@ -101,7 +101,7 @@ impl WorkerState {
     pub(crate) fn log_starts_at(&mut self, offset: u64) {
         if let Some(tail) = &mut self.log {
             tracing::info!(worker = self.index, offset, "tailing the command log");
-            tail.next = Some(offset);
+            self.machine.log_starts_at(offset);
             tail.poked = true;
         }
     }
@@ -111,7 +111,9 @@ impl WorkerState {
         let Some(tail) = &mut self.log else {
             return false;
         };
-        let Some(next) = tail.next else { return false };
+        if self.machine.log_position().is_none() {
+            return false;
+        }
         if !tail.poked {
             match &mut tail.log {
                 AnyLog::Sqlite(_) if tail.last_read.elapsed() < LOG_POLL => return false,
@@ -128,11 +130,15 @@ impl WorkerState {
         }
         tail.poked = false;
         tail.last_read = std::time::Instant::now();
-        let read = tail.log.read_from(next, LOG_BATCH);
+        // What a read does to the machine is the machine's (the model runs
+        // the same, over its in-memory log): `log` entries are queued, and
+        // every session's marker, whatever its strategy, releases the socket
+        // commands of that session that wait for it (see
+        // `lockstep_reconcile::worker::log`).
+        let read = self.machine.read_log(&mut Reader(&mut tail.log), LOG_BATCH);
         ReplicaMetrics::observe(&METRICS.log_read, tail.last_read.elapsed());
         match read {
-            Ok(entries) => {
-                let got = entries.len();
+            Ok(got) => {
                 if got > 0 {
                     if let Some(arrived) = tail.copy_arrived.take() {
                         ReplicaMetrics::observe(&METRICS.log_wait, arrived.elapsed());
@@ -141,19 +147,9 @@ impl WorkerState {
                 if got == LOG_BATCH {
                     tail.poked = true; // more to read
                 }
-                if let Some(last) = entries.last() {
-                    tail.next = Some(last.offset + 1);
-                }
-                // What a read does to the machine is the machine's (the
-                // model runs the same): `log` entries are queued, and every
-                // session's marker, whatever its strategy, releases the
-                // socket commands of that session that wait for it (see
-                // `lockstep_reconcile::worker::log`).
-                self.machine
-                    .on_log_entries(entries.into_iter().map(|e| e.command));
                 got > 0
             }
-            Err(e @ lockstep_command_log::LogError::Corrupt { .. }) => {
+            Err(e @ LogError::Corrupt { .. }) => {
                 self.halt(format!("cannot read the command log: {e}"));
                 false
             }
@@ -162,5 +158,18 @@ impl WorkerState {
                 false
             }
         }
+    }
+}
+
+/// The replica's command log as the session machine reads it.
+struct Reader<'a>(&'a mut AnyLog);
+
+impl LogRead<Command> for Reader<'_> {
+    type Error = LogError;
+
+    fn read_from(&mut self, offset: u64, max: usize) -> Result<(Vec<Command>, u64), LogError> {
+        let entries = self.0.read_from(offset, max)?;
+        let after = entries.last().map_or(offset, |e| e.offset + 1);
+        Ok((entries.into_iter().map(|e| e.command).collect(), after))
     }
 }
