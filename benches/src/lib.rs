@@ -111,13 +111,16 @@ pub mod replica {
     use lockstep_protocol::{CommandHistory, Strategy};
 
     /// The `lockstep-replica` binary: `$LOCKSTEP_REPLICA_BIN`, or the release
-    /// build in this workspace's `target/` (`cargo xtask bench` builds it).
+    /// build in `$CARGO_TARGET_DIR` or this workspace's `target/` (`cargo
+    /// xtask bench` builds it).
     pub fn binary() -> PathBuf {
         if let Ok(p) = std::env::var("LOCKSTEP_REPLICA_BIN") {
             return PathBuf::from(p);
         }
-        let p =
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/lockstep-replica");
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
+        let p = target.join("release/lockstep-replica");
         assert!(
             p.exists(),
             "{} is missing: run `cargo build --release -p lockstep-replica` (cargo xtask bench does) or set LOCKSTEP_REPLICA_BIN",

@@ -42,6 +42,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
         ]);
         run(cmd)?;
         client_alone()?;
+        kubernetes_version_alone()?;
     }
     step("building the policies");
     policies::build_all()?;
@@ -116,6 +117,50 @@ fn client_alone() -> anyhow::Result<()> {
         "warnings",
     ]);
     run(cmd)
+}
+
+/// Every package whose tests or benchmarks link k8s-openapi picks its
+/// Kubernetes API version (a `v1_*` feature) when built alone (`cargo test
+/// -p NAME`, `cargo bench -p NAME`): a library leaves the choice to the
+/// final crate (k8s-openapi's rule), and `cargo test --workspace` unifies
+/// features, so only this catches a crate that builds in the workspace and
+/// not alone (as `cargo xtask bench` did not, after the environment stopped
+/// choosing). Reads `cargo tree`; builds nothing.
+fn kubernetes_version_alone() -> anyhow::Result<()> {
+    step("every package that links k8s-openapi picks its API version when built alone");
+    let mut cmd = cargo();
+    cmd.args(["metadata", "--no-deps", "--format-version", "1"]);
+    let out = cmd.output()?;
+    anyhow::ensure!(out.status.success(), "cargo metadata failed");
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let mut missing = Vec::new();
+    for package in meta["packages"].as_array().into_iter().flatten() {
+        let Some(name) = package["name"].as_str() else {
+            continue;
+        };
+        let mut cmd = cargo();
+        cmd.args(["tree", "-p", name, "-e", "normal,dev,build"]);
+        cmd.args(["--prefix", "none", "--format", "{p} [{f}]"]);
+        let out = cmd.output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "cargo tree -p {name} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let tree = String::from_utf8_lossy(&out.stdout);
+        if tree
+            .lines()
+            .any(|l| l.starts_with("k8s-openapi ") && !l.contains("v1_"))
+        {
+            missing.push(name.to_string());
+        }
+    }
+    anyhow::ensure!(
+        missing.is_empty(),
+        "these packages link k8s-openapi without a Kubernetes version when built alone \
+         (add a dev-dependency `k8s-openapi = {{ workspace = true, features = [\"v1_33\"] }}`): {missing:?}"
+    );
+    Ok(())
 }
 
 /// The Python modules the API client test needs.
