@@ -74,26 +74,15 @@ const NOT_IN_THE_CLIENT: [&str; 4] = ["lockstep-environment", "wasmtime", "kube"
 /// builds without warnings.
 fn client_alone() -> anyhow::Result<()> {
     step("the API client alone (lockstep-cli --no-default-features): no environment, wasmtime or kube");
-    let mut cmd = cargo();
-    cmd.args([
-        "tree",
+    let tree = cargo_tree(&[
         "-p",
         "lockstep-cli",
         "--no-default-features",
         "-e",
         "normal",
-        "--prefix",
-        "none",
         "--format",
         "{p}",
-    ]);
-    let out = cmd.output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "cargo tree failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let tree = String::from_utf8_lossy(&out.stdout);
+    ])?;
     let linked: Vec<&str> = tree
         .lines()
         .filter(|l| {
@@ -138,16 +127,14 @@ fn kubernetes_version_alone() -> anyhow::Result<()> {
         let Some(name) = package["name"].as_str() else {
             continue;
         };
-        let mut cmd = cargo();
-        cmd.args(["tree", "-p", name, "-e", "normal,dev,build"]);
-        cmd.args(["--prefix", "none", "--format", "{p} [{f}]"]);
-        let out = cmd.output()?;
-        anyhow::ensure!(
-            out.status.success(),
-            "cargo tree -p {name} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let tree = String::from_utf8_lossy(&out.stdout);
+        let tree = cargo_tree(&[
+            "-p",
+            name,
+            "-e",
+            "normal,dev,build",
+            "--format",
+            "{p} [{f}]",
+        ])?;
         if tree
             .lines()
             .any(|l| l.starts_with("k8s-openapi ") && !l.contains("v1_"))
@@ -161,6 +148,20 @@ fn kubernetes_version_alone() -> anyhow::Result<()> {
          (add a dev-dependency `k8s-openapi = {{ workspace = true, features = [\"v1_33\"] }}`): {missing:?}"
     );
     Ok(())
+}
+
+/// `cargo tree ARGS --prefix none`: one package per line.
+fn cargo_tree(args: &[&str]) -> anyhow::Result<String> {
+    let mut cmd = cargo();
+    cmd.arg("tree").args(args).args(["--prefix", "none"]);
+    let out = cmd.output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "cargo tree {} failed: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// The Python modules the API client test needs.
