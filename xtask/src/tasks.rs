@@ -50,6 +50,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     let mut cmd = cargo();
     cmd.args(["test", "--workspace", "--features", TEST_FEATURES]);
     run(cmd)?;
+    crate::util::after_workspace_tests();
     demo_built_with(Some(TEST_FEATURES))?;
     demo_on_postgres()?;
     demo_hosts()?;

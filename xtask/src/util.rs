@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -22,6 +23,16 @@ pub fn cargo() -> Command {
     cmd
 }
 
+/// Set once `cargo test --workspace` with the test features has run: see
+/// [`build_bins`].
+static WORKSPACE_TESTS_BUILT: AtomicBool = AtomicBool::new(false);
+
+/// Says that `cargo test --workspace --features TEST_FEATURES` has built
+/// everything: [`build_bins`] with the test features builds the same units.
+pub fn after_workspace_tests() {
+    WORKSPACE_TESTS_BUILT.store(true, Relaxed);
+}
+
 /// The cargo target directory (CARGO_TARGET_DIR, or `target/`).
 pub fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
@@ -33,11 +44,23 @@ pub fn target_dir() -> PathBuf {
 /// production build). The one build command of the tasks that run
 /// binaries: [`crate::tasks::TEST_FEATURES`] everywhere in `cargo xtask
 /// test`, so that one build serves the tests, the demos and every suite.
+///
+/// Within `cargo xtask test` ([`after_workspace_tests`]) it builds every
+/// package's binaries *and tests* (`--workspace --bins --tests`): features
+/// are then resolved as `cargo test --workspace` resolves them
+/// (dev-dependencies included), so after the test step it builds nothing.
+/// Built per package without `--tests`, the binaries get another feature set
+/// and were rebuilt from scratch (238 s of a fresh clone's 36-minute `cargo
+/// xtask test`).
 pub fn build_bins(packages: &[&str], features: Option<&str>) -> Command {
     let mut cmd = cargo();
     cmd.args(["build", "--bins"]);
-    for p in packages {
-        cmd.args(["-p", p]);
+    if features == Some(crate::tasks::TEST_FEATURES) && WORKSPACE_TESTS_BUILT.load(Relaxed) {
+        cmd.args(["--workspace", "--tests"]);
+    } else {
+        for p in packages {
+            cmd.args(["-p", p]);
+        }
     }
     if let Some(f) = features {
         cmd.args(["--features", f]);
