@@ -205,6 +205,10 @@ pub struct ProcessVersion {
 pub struct Controller {
     tx: mpsc::UnboundedSender<Request>,
     events: broadcast::Sender<Event>,
+    /// The receiver made with the channel, holding every event since the
+    /// start (the channel's last 1,024), shared by clones, until [`Controller::events_since_start`]
+    /// takes it.
+    first_events: std::sync::Arc<std::sync::Mutex<Option<broadcast::Receiver<Event>>>>,
     timeouts: Timeouts,
 }
 
@@ -221,7 +225,7 @@ impl Controller {
         timeouts: Timeouts,
     ) -> Controller {
         let (tx, rx) = mpsc::unbounded_channel();
-        let (events, _) = broadcast::channel(1024);
+        let (events, first_events) = broadcast::channel(1024);
         actor::spawn(
             replica,
             epoch,
@@ -234,6 +238,7 @@ impl Controller {
         Controller {
             tx,
             events,
+            first_events: std::sync::Arc::new(std::sync::Mutex::new(Some(first_events))),
             timeouts,
         }
     }
@@ -263,6 +268,18 @@ impl Controller {
     /// Subscribes to the controller's events (connections, silent processes, errors).
     pub fn events(&self) -> broadcast::Receiver<Event> {
         self.events.subscribe()
+    }
+
+    /// The events since the controller started (the last 1,024 of them at
+    /// most), for the first caller; `None` after that. [`Controller::events`]
+    /// sees only events after it subscribes, and the controller connects in
+    /// the background, so an event of the first connection (a dataflow of
+    /// the rehydrated history refused, say) may come before it.
+    pub fn events_since_start(&self) -> Option<broadcast::Receiver<Event>> {
+        self.first_events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     /// Builds a dataflow on every worker.
