@@ -84,19 +84,20 @@ pub fn run(mut cmd: Command) -> anyhow::Result<()> {
 pub fn step(what: &str) {
     let now = Instant::now();
     let mut steps = STEPS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((last, since)) = steps.last_mut() {
-        eprintln!(
-            "xtask: <== {last}: {:.1} s",
-            now.duration_since(*since).as_secs_f64()
-        );
-        *last = format!("{last}: {:.1} s", now.duration_since(*since).as_secs_f64());
+    if let Some((last, since)) = steps.last() {
+        eprintln!("xtask: <== {last}: {:.1} s", secs(now, *since));
     }
     steps.push((what.to_string(), now));
     eprintln!("\nxtask: ==> {what}");
 }
 
-/// Every step so far, with its time (`step`), and when each started.
+/// Every step so far and when it started (it ends when the next starts).
 static STEPS: Mutex<Vec<(String, Instant)>> = Mutex::new(Vec::new());
+
+/// Seconds from `since` to `until`.
+fn secs(until: Instant, since: Instant) -> f64 {
+    until.duration_since(since).as_secs_f64()
+}
 
 /// Prints how long each step took (the last one until now) and the total:
 /// where a long task such as `cargo xtask test` spends its time.
@@ -107,17 +108,11 @@ pub fn step_times() {
         return;
     };
     eprintln!("\nxtask: step times");
-    for (i, (what, since)) in steps.iter().enumerate() {
-        if i + 1 == steps.len() {
-            eprintln!(
-                "  {what}: {:.1} s",
-                now.duration_since(*since).as_secs_f64()
-            );
-        } else {
-            eprintln!("  {what}");
-        }
+    let ends = steps.iter().skip(1).map(|(_, t)| *t).chain([now]);
+    for ((what, since), end) in steps.iter().zip(ends) {
+        eprintln!("  {what}: {:.1} s", secs(end, *since));
     }
-    eprintln!("  total: {:.1} s", now.duration_since(first).as_secs_f64());
+    eprintln!("  total: {:.1} s", secs(now, first));
 }
 
 fn show(cmd: &Command) -> String {
