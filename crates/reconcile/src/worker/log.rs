@@ -53,7 +53,7 @@
 //!
 //! [`BARRIER_TIMEOUT_MS`]: super::BARRIER_TIMEOUT_MS
 
-use super::{rules, SessionCommand, Source, WorkerSession, WorkerStrategy, BARRIER_TIMEOUT_MS};
+use super::{source_of, SessionCommand, Source, WorkerSession, WorkerStrategy, BARRIER_TIMEOUT_MS};
 use crate::Session;
 
 /// A deliberate flaw planted in the log-marker hold, so that the model
@@ -148,7 +148,7 @@ impl<C: SessionCommand> WorkerSession<C> {
         for cmd in entries {
             read += 1;
             let marker = cmd.hello_session();
-            if rules(cmd.strategy()).source() == Source::Log {
+            if source_of(&cmd) == Source::Log {
                 self.push(cmd);
             }
             // Every session's marker, whatever its strategy: a newer
@@ -164,7 +164,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// session older than the one this worker joined (and notes the session
     /// of a log marker).
     pub(super) fn stale_log_entry(&mut self, cmd: &C) -> bool {
-        if rules(cmd.strategy()).source() != Source::Log {
+        if source_of(cmd) != Source::Log {
             return false;
         }
         match cmd.hello_session() {
@@ -182,7 +182,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// a socket Hello). Without a log every session starts from the socket,
     /// in order, and nothing is stale.
     pub(super) fn stale_socket_command(&mut self, cmd: &C) -> bool {
-        if !self.tails_log || rules(cmd.strategy()).source() != Source::Socket {
+        if !self.tails_log || source_of(cmd) != Source::Socket {
             return false;
         }
         match cmd.hello_session() {
@@ -225,7 +225,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// than every marker read, and what follows it.
     pub(super) fn holds(&self, cmd: &C) -> bool {
         if !self.tails_log
-            || rules(cmd.strategy()).source() == Source::Log
+            || source_of(cmd) == Source::Log
             || self.hold_mutant == LogHoldMutant::NoHold
         {
             return false;

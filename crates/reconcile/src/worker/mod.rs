@@ -94,6 +94,11 @@ pub fn rules(strategy: Strategy) -> &'static dyn WorkerStrategy {
     }
 }
 
+/// Where a worker takes `cmd` from: the source of its strategy.
+fn source_of<C: SessionCommand>(cmd: &C) -> Source {
+    rules(cmd.strategy()).source()
+}
+
 /// Whether commands sent with `strategy` are applied in socket order
 /// (each worker applies its own process's copy).
 pub fn socket_ordered(strategy: Strategy) -> bool {
