@@ -218,7 +218,7 @@ impl std::str::FromStr for LogLocation {
 }
 
 impl std::fmt::Display for LogLocation {
-    /// The location as [`LogLocation::from_str`] reads it, without any
+    /// The location as its `FromStr` implementation reads it, without any
     /// password: safe for messages and for a command line (the reader then
     /// takes the password from `PGPASSWORD`).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -288,6 +288,7 @@ lockstep_pgtest::on_both_backends!(
     truncation_keeps_offsets_and_is_fenced,
     status_requests_are_forgotten_without_reusing_offsets_and_fenced,
     a_waiting_reader_is_woken_by_an_append,
+    concurrent_appenders_get_consecutive_offsets,
 );
 
 /// A reader waiting with a 30 s bound is woken by an append from another
@@ -329,6 +330,46 @@ fn a_waiting_reader_is_woken_by_an_append(s: &TestLog) {
     let t = Instant::now();
     assert!(reader.wait_for_append(Duration::from_secs(30)).unwrap());
     assert!(t.elapsed() < Duration::from_secs(10));
+}
+
+/// Two writers of one epoch appending at once (two controllers' handles of
+/// one replica's log): every batch gets its own consecutive offsets, none
+/// is lost or numbered twice, and each append returns its batch's last.
+fn concurrent_appenders_get_consecutive_offsets(s: &TestLog) {
+    const BATCHES: u64 = 40;
+    let writers: Vec<_> = (0..2u64)
+        .map(|w| {
+            let mut log = s.open();
+            std::thread::spawn(move || {
+                (0..BATCHES)
+                    .map(|i| {
+                        let seqno = w * 1_000 + i * 2;
+                        let last = log
+                            .append(
+                                1,
+                                &[
+                                    cmd(seqno, CommandKind::InitializationComplete),
+                                    cmd(seqno + 1, CommandKind::InitializationComplete),
+                                ],
+                            )
+                            .unwrap();
+                        (last, seqno)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let appended: Vec<(u64, u64)> = writers
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    let entries = s.reader().read_from(1, 1_000).unwrap();
+    let offsets: Vec<u64> = entries.iter().map(|e| e.offset).collect();
+    assert_eq!(offsets, (1..=4 * BATCHES).collect::<Vec<_>>());
+    for (last, seqno) in appended {
+        let at = |o: u64| &entries[(o - 1) as usize].command;
+        assert_eq!((at(last - 1).seqno, at(last).seqno), (seqno, seqno + 1));
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -38,7 +38,8 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use tokio::sync::mpsc;
-use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
+use tokio_postgres::types::Type;
+use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Statement};
 
 pub use tokio_postgres;
 
@@ -127,6 +128,28 @@ pub struct Session {
     /// Which connection this is: 1 for the first, one more for every
     /// reconnect.
     pub generation: u64,
+    /// Statements prepared on this connection, by their text (a reconnect
+    /// starts a new session, so they are prepared again).
+    statements: std::collections::HashMap<&'static str, Statement>,
+}
+
+impl Session {
+    /// `sql` prepared with parameter `types` on this connection: a round
+    /// trip the first time, none after. A statement run on every operation
+    /// is parsed and planned once this way (PostgreSQL keeps the plan once
+    /// it sees that a generic one serves) instead of on every call.
+    pub async fn prepare_cached(
+        &mut self,
+        sql: &'static str,
+        types: &[Type],
+    ) -> Result<Statement, tokio_postgres::Error> {
+        if let Some(s) = self.statements.get(sql) {
+            return Ok(s.clone());
+        }
+        let s = self.client.prepare_typed(sql, types).await?;
+        self.statements.insert(sql, s.clone());
+        Ok(s)
+    }
 }
 
 type Job = Box<dyn for<'c> FnOnce(&'c mut Session) -> BoxFuture<'c, ()> + Send>;
@@ -360,6 +383,7 @@ impl Worker {
         self.session = Some(Session {
             client,
             generation: self.generation,
+            statements: Default::default(),
         });
         Ok(())
     }
