@@ -227,7 +227,7 @@ fn replica_names_and_shapes_are_bounded(s: &TestStore) {
 
 fn a_stale_handle_is_fenced_and_writes_nothing(s: &TestStore) {
     let mut old = s.open();
-    old.create_replica("r1", cfg(1)).unwrap();
+    let r1 = old.create_replica("r1", cfg(1)).unwrap();
     let mut new = s.open();
     let err = old.create_replica("r2", cfg(1)).unwrap_err();
     assert_eq!(
@@ -240,7 +240,20 @@ fn a_stale_handle_is_fenced_and_writes_nothing(s: &TestStore) {
     assert!(err.to_string().contains("another controller took over"));
     assert!(old.drop_replica("r1").unwrap_err().fenced().is_some());
     assert!(old.check_fence().unwrap_err().fenced().is_some());
+    let err = old.append_input(r1.id, 7, b"stale").unwrap_err();
+    assert_eq!(
+        err.fenced(),
+        Some(Fenced {
+            ours: 1,
+            current: 2
+        }),
+        "{err}"
+    );
     let state = new.state().unwrap();
+    assert!(
+        state.input_writes.is_empty(),
+        "the fenced input write wrote nothing"
+    );
     assert_eq!(state.replicas.len(), 1);
     assert_eq!(
         state.next_replica_id, 2,

@@ -13,7 +13,10 @@
 //!   bump of a newer opener updates that row, so it waits for a running
 //!   write and every later write sees the new epoch and fails with
 //!   [`Fenced`]. Holding that row lock also serializes the writers, as
-//!   SQLite's `BEGIN IMMEDIATE` does.
+//!   SQLite's `BEGIN IMMEDIATE` does. BEGIN and the lock go out together
+//!   (one round trip, the lock's statement prepared once per connection);
+//!   an input write, which every WriteInput pays, is one round trip in all
+//!   (see `PgCatalog::append_input`).
 //! - **Failures.** A write whose connection breaks returns
 //!   [`WriteError::Postgres`]; it either committed entirely or not at all
 //!   (a reopened catalog tells which). The next call reconnects.
@@ -21,6 +24,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use lockstep_pg::tokio_postgres::types::{ToSql, Type};
 use lockstep_pg::tokio_postgres::{Client, IsolationLevel};
 use lockstep_pg::{BoxFuture, Conn, Options, PgError, Session};
 
@@ -321,18 +325,63 @@ impl PgCatalog {
         })
     }
 
-    /// Records a write to an input collection.
+    /// Records a write to an input collection, in one round trip (every
+    /// WriteInput pays it): BEGIN, the fence lock, an insert that checks the
+    /// epoch and the replica itself, and COMMIT go out pipelined. The insert
+    /// is a statement of its own after the lock, so it sees every write
+    /// committed before (and a newer opener's epoch); when it inserts
+    /// nothing, the fence row's epoch says whether this catalog was fenced
+    /// out or the replica is missing.
     pub(crate) fn append_input(
         &mut self,
         replica_id: u64,
         collection_id: u64,
         write: &[u8],
     ) -> Result<InputWrite, WriteError> {
+        let epoch = self.epoch;
         let write = write.to_vec();
-        self.write(move |c| {
+        self.conn.run(move |s: &mut Session| {
             Box::pin(async move {
-                replica_exists(c, replica_id).await?;
-                insert_input(c, replica_id, collection_id, write).await
+                let lock = s.prepare_cached(FENCE, &[]).await?;
+                let insert = s
+                    .prepare_cached(
+                        INSERT_INPUT,
+                        &[Type::INT8, Type::INT8, Type::BYTEA, Type::INT8],
+                    )
+                    .await?;
+                let c = &s.client;
+                let params: [&(dyn ToSql + Sync); 4] = [
+                    &(replica_id as i64),
+                    &(collection_id as i64),
+                    &write,
+                    &(epoch as i64),
+                ];
+                let (begin, current, inserted, commit) = futures::join!(
+                    c.batch_execute("BEGIN"),
+                    c.query_one(&lock, &[]),
+                    c.query_opt(&insert, &params),
+                    c.batch_execute("COMMIT"),
+                );
+                begin?;
+                let current = current?.get::<_, i64>(0) as u64;
+                let inserted = inserted?;
+                commit?;
+                if current != epoch {
+                    return Err(Fenced {
+                        ours: epoch,
+                        current,
+                    }
+                    .into());
+                }
+                match inserted {
+                    Some(row) => Ok(InputWrite {
+                        seq: row.get::<_, i64>(0) as u64,
+                        replica_id,
+                        collection_id,
+                        write,
+                    }),
+                    None => Err(WriteError::NoSuchReplica(format!("with ID {replica_id}"))),
+                }
             })
         })
     }
@@ -493,10 +542,14 @@ impl PgCatalog {
         let epoch = self.epoch;
         self.conn.run(move |s: &mut Session| {
             Box::pin(async move {
+                let lock = s.prepare_cached(FENCE, &[]).await?;
                 let c = &s.client;
-                c.batch_execute("BEGIN").await?;
+                // BEGIN and the fence lock in one round trip.
+                let (begin, current) =
+                    futures::join!(c.batch_execute("BEGIN"), c.query_one(&lock, &[]));
                 let out = async {
-                    fence(c, epoch).await?;
+                    begin?;
+                    check_fence(current?.get(0), epoch)?;
                     f(c).await
                 }
                 .await;
@@ -515,15 +568,25 @@ impl PgCatalog {
     }
 }
 
+/// Locks the epoch row until the transaction ends; returns its value.
+const FENCE: &str = "SELECT value FROM catalog_meta WHERE key = 'epoch' FOR UPDATE";
+
+/// Inserts an input write, run after [`FENCE`]: `$1` replica, `$2`
+/// collection, `$3` the write, `$4` this catalog's epoch. Inserts nothing
+/// (returns no row) if the epoch is not `$4` or the replica is missing.
+const INSERT_INPUT: &str = "INSERT INTO catalog_input_writes (replica_id, collection_id, write) \
+     SELECT $1, $2, $3 \
+     WHERE (SELECT value FROM catalog_meta WHERE key = 'epoch') = $4 \
+       AND EXISTS (SELECT 1 FROM catalog_replicas WHERE id = $1) \
+     RETURNING seq";
+
 /// Locks the epoch row and fails with [`Fenced`] unless it is still ours.
 async fn fence(c: &Client, epoch: u64) -> Result<(), WriteError> {
-    let current: i64 = c
-        .query_one(
-            "SELECT value FROM catalog_meta WHERE key = 'epoch' FOR UPDATE",
-            &[],
-        )
-        .await?
-        .get(0);
+    check_fence(c.query_one(FENCE, &[]).await?.get(0), epoch)
+}
+
+/// Fails with [`Fenced`] unless the stored epoch `current` is `epoch`.
+fn check_fence(current: i64, epoch: u64) -> Result<(), WriteError> {
     let current = current as u64;
     if current != epoch {
         return Err(Fenced {
@@ -538,11 +601,12 @@ async fn fence(c: &Client, epoch: u64) -> Result<(), WriteError> {
 /// Fails with `NoSuchReplica` unless the replica is in the catalog.
 async fn replica_exists(c: &Client, replica_id: u64) -> Result<(), WriteError> {
     match c
-        .query_opt(
+        .query_typed(
             "SELECT id FROM catalog_replicas WHERE id = $1",
-            &[&(replica_id as i64)],
+            &[(&(replica_id as i64), Type::INT8)],
         )
         .await?
+        .first()
     {
         Some(_) => Ok(()),
         None => Err(WriteError::NoSuchReplica(format!("with ID {replica_id}"))),
