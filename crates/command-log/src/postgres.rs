@@ -14,9 +14,7 @@
 //!   checks the fence, numbers and inserts the entries and notifies, and
 //!   COMMIT go out pipelined. A read is one. Both run statements prepared
 //!   once per connection (`Session::prepare_cached`), so they are not parsed
-//!   and planned on every call. Measured: `stores/log_append_read/postgres`
-//!   2.23 ms before, 0.80 ms after, beside a 0.39 ms server floor
-//!   (`stores/fenced_insert_read/postgres`), in one session.
+//!   and planned on every call (measured in docs/stores.md).
 //! - **Wake-ups.** An append calls `pg_notify('lockstep_log_<name>', <last
 //!   offset>)` in its transaction; the notification is delivered when it
 //!   commits. Readers `LISTEN` on that channel and
@@ -88,8 +86,9 @@ FROM f LEFT JOIN b ON TRUE";
 const READ: &str = "SELECT log_offset, command FROM command_log_entries \
                     WHERE log = $1 AND log_offset >= $2 ORDER BY log_offset LIMIT $3";
 
-/// Locks a log's fence row until the transaction ends: `$1` log.
-const LOCK: &str = "SELECT 1 FROM command_log_fence WHERE log = $1 FOR UPDATE";
+/// Locks a log's fence row until the transaction ends and returns its
+/// epoch: `$1` log.
+const LOCK: &str = "SELECT epoch FROM command_log_fence WHERE log = $1 FOR UPDATE";
 
 /// What an append's statement returned.
 struct Appended {
@@ -239,7 +238,7 @@ impl PgLog {
     /// every write: a newer epoch's log is left alone. Returns how many
     /// entries went.
     pub fn remove(&mut self, epoch: u64) -> Result<usize, LogError> {
-        self.fenced(epoch, move |c, name, _| {
+        self.fenced(epoch, move |c, name| {
             Box::pin(async move {
                 let gone = c
                     .execute("DELETE FROM command_log_entries WHERE log = $1", &[&name])
@@ -326,15 +325,11 @@ impl PgLog {
 
     /// Runs `f` in one transaction that locks the log's fence row first and
     /// fails with [`LogError::Fenced`] if a newer epoch than `epoch`
-    /// appended. `f` gets the stored `truncated` watermark.
+    /// appended.
     fn fenced<T, F>(&self, epoch: u64, f: F) -> Result<T, LogError>
     where
         T: Send + 'static,
-        F: for<'c> FnOnce(
-                &'c Client,
-                String,
-                i64,
-            ) -> lockstep_pg::BoxFuture<'c, Result<T, Failure>>
+        F: for<'c> FnOnce(&'c Client, String) -> lockstep_pg::BoxFuture<'c, Result<T, Failure>>
             + Send
             + 'static,
     {
@@ -346,10 +341,7 @@ impl PgLog {
                     // Typed statements go in one round trip each (no
                     // separate prepare).
                     let row = c
-                        .query_typed(
-                            "SELECT epoch, truncated FROM command_log_fence WHERE log = $1 FOR UPDATE",
-                            &[(&name, Type::TEXT)],
-                        )
+                        .query_typed(LOCK, &[(&name, Type::TEXT)])
                         .await?
                         .into_iter()
                         .next()
@@ -367,7 +359,7 @@ impl PgLog {
                             newest,
                         }));
                     }
-                    f(c, name, row.get::<_, i64>(1)).await
+                    f(c, name).await
                 }
                 .await;
                 finish(c, out).await
@@ -403,25 +395,16 @@ impl CommandLog for PgLog {
                     )
                     .await?;
                 let c = &s.client;
-                // One round trip: the four statements are pipelined (sent
-                // together, run in order). The first locks the fence row,
-                // which serializes writers; the append is a statement of its
-                // own after it, so (read committed) its snapshot sees every
-                // append committed before ours; see [`APPEND`]. A failed
-                // statement aborts the transaction, and COMMIT then rolls it
-                // back.
-                let begin = c.batch_execute("BEGIN");
+                // One round trip; the lock serializes writers (see [`APPEND`]).
                 let lock_params: [&(dyn ToSql + Sync); 1] = [&name];
                 let append_params: [&(dyn ToSql + Sync); 5] =
                     [&name, &epoch, &markers, &encoded, &channel];
-                let lock = c.query(&lock, &lock_params);
-                let append = c.query(&append, &append_params);
-                let commit = c.batch_execute("COMMIT");
-                let (begin, lock, append, commit) = futures::join!(begin, lock, append, commit);
-                begin?;
-                lock?;
-                let row = append?;
-                commit?;
+                let (_, row) = lockstep_pg::pipelined_transaction(
+                    c,
+                    c.query(&lock, &lock_params),
+                    c.query(&append, &append_params),
+                )
+                .await?;
                 Ok(row.first().map(|r| Appended {
                     newest_epoch: r.get(0),
                     last: r.get(1),
@@ -494,7 +477,7 @@ impl CommandLog for PgLog {
     }
 
     fn truncate_before(&mut self, epoch: u64, offset: u64) -> Result<usize, LogError> {
-        self.fenced(epoch, move |c, name, _| {
+        self.fenced(epoch, move |c, name| {
             Box::pin(async move {
                 let gone = c
                     .execute(
@@ -513,7 +496,7 @@ impl CommandLog for PgLog {
     }
 
     fn forget_status_requests(&mut self, epoch: u64, offset: u64) -> Result<usize, LogError> {
-        self.fenced(epoch, move |c, name, _| {
+        self.fenced(epoch, move |c, name| {
             Box::pin(async move {
                 let gone = c
                     .execute(

@@ -152,6 +152,32 @@ impl Session {
     }
 }
 
+/// Runs `lock` and then `statement` in one transaction and one round trip:
+/// BEGIN, the two, and COMMIT are pipelined (sent together, run in order
+/// by the server). Pass the futures of tokio-postgres queries on `client`,
+/// not yet polled: they send on their first poll, which is in this order.
+/// `statement` runs as a statement of its own after `lock`, so under read
+/// committed its snapshot sees everything committed before the lock was
+/// granted. If either fails, the transaction is aborted and the COMMIT
+/// rolls it back; the first error is returned.
+pub async fn pipelined_transaction<A, B>(
+    client: &Client,
+    lock: impl Future<Output = Result<A, tokio_postgres::Error>>,
+    statement: impl Future<Output = Result<B, tokio_postgres::Error>>,
+) -> Result<(A, B), tokio_postgres::Error> {
+    let (begin, lock, statement, commit) = futures::join!(
+        client.batch_execute("BEGIN"),
+        lock,
+        statement,
+        client.batch_execute("COMMIT")
+    );
+    begin?;
+    let lock = lock?;
+    let statement = statement?;
+    commit?;
+    Ok((lock, statement))
+}
+
 type Job = Box<dyn for<'c> FnOnce(&'c mut Session) -> BoxFuture<'c, ()> + Send>;
 type Failed = Box<dyn FnOnce(PgError) + Send>;
 

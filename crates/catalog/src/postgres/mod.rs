@@ -356,23 +356,13 @@ impl PgCatalog {
                     &write,
                     &(epoch as i64),
                 ];
-                let (begin, current, inserted, commit) = futures::join!(
-                    c.batch_execute("BEGIN"),
+                let (current, inserted) = lockstep_pg::pipelined_transaction(
+                    c,
                     c.query_one(&lock, &[]),
                     c.query_opt(&insert, &params),
-                    c.batch_execute("COMMIT"),
-                );
-                begin?;
-                let current = current?.get::<_, i64>(0) as u64;
-                let inserted = inserted?;
-                commit?;
-                if current != epoch {
-                    return Err(Fenced {
-                        ours: epoch,
-                        current,
-                    }
-                    .into());
-                }
+                )
+                .await?;
+                check_fence(current.get(0), epoch)?;
                 match inserted {
                     Some(row) => Ok(InputWrite {
                         seq: row.get::<_, i64>(0) as u64,
