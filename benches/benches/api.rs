@@ -30,8 +30,8 @@ use lockstep_environment::proto::environment_client::EnvironmentClient;
 use lockstep_environment::proto::{PeekRequest, WriteInputRequest};
 use lockstep_environment::template::DEFAULT_REPLICA_ARGS;
 use lockstep_environment::{Environment, EnvironmentConfig, ServiceTemplate};
-use lockstep_protocol::text::parse_plan;
-use lockstep_protocol::{proto as wire, Export, Update};
+use lockstep_plan::text::parse_plan;
+use lockstep_protocol::{proto as wire, Update};
 use tokio::runtime::Runtime;
 use tonic::transport::Channel;
 
@@ -102,14 +102,11 @@ async fn fixture() -> Fixture {
             0,
             vec![input],
             vec![
-                Export {
-                    collection_id: 100 + input,
-                    plan: parse_plan(&format!("get({input})")).unwrap(),
-                },
-                Export {
-                    collection_id: 200 + input,
-                    plan: parse_plan(&format!("filter(get({input}), #0 < 1)")).unwrap(),
-                },
+                lockstep_plan::export(100 + input, &parse_plan(&format!("get({input})")).unwrap()),
+                lockstep_plan::export(
+                    200 + input,
+                    &parse_plan(&format!("filter(get({input}), #0 < 1)")).unwrap(),
+                ),
             ],
         )
         .await

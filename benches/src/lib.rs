@@ -1,7 +1,8 @@
 //! Criterion benchmarks of lockstep. The benchmarks live in `benches/`; this
 //! library holds the fixtures they share.
 
-use lockstep_protocol::{DataflowDescription, Export, Plan, Row, Update};
+use lockstep_plan::Plan;
+use lockstep_protocol::{DataflowDescription, Row, Update};
 
 pub mod harness;
 pub mod relay;
@@ -23,10 +24,10 @@ pub fn small_dataflow(id: u64) -> DataflowDescription {
         id,
         as_of: 0,
         inputs: vec![1],
-        exports: vec![Export {
-            collection_id: 1000 + id,
-            plan: Plan::Get { collection_id: 1 },
-        }],
+        exports: vec![lockstep_plan::export(
+            1000 + id,
+            &Plan::Get { collection_id: 1 },
+        )],
         debug_name: format!("bench-{id}"),
     }
 }
@@ -41,12 +42,12 @@ pub fn dataflow_over(id: u64, input: u64, export: u64) -> DataflowDescription {
         id,
         as_of: 0,
         inputs: vec![input],
-        exports: vec![Export {
-            collection_id: export,
-            plan: Plan::Get {
+        exports: vec![lockstep_plan::export(
+            export,
+            &Plan::Get {
                 collection_id: input,
             },
-        }],
+        )],
         debug_name: format!("bench-write-{id}"),
     }
 }

@@ -5,8 +5,8 @@ use anyhow::Context;
 use clap::Subcommand;
 use futures::StreamExt;
 use lockstep_api::proto;
+use lockstep_plan::text::parse_plan;
 use lockstep_protocol::proto as wire;
-use lockstep_protocol::text::parse_plan;
 
 /// Dataflow commands.
 #[derive(Subcommand)]
@@ -118,7 +118,7 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
                     let plan = parse_plan(plan.trim()).with_context(|| format!("export {e:?}"))?;
                     Ok(wire::Export {
                         collection_id,
-                        plan: Some(plan.into()),
+                        description: lockstep_plan::encode(&plan),
                     })
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
@@ -180,7 +180,7 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
                             .map(|x| {
                                 serde_json::json!({
                                     "collection_id": x.collection_id,
-                                    "plan": x.plan.to_string(),
+                                    "plan": lockstep_plan::display(x),
                                 })
                             })
                             .collect();
@@ -207,7 +207,7 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
                 let exports: Vec<String> = d
                     .exports
                     .iter()
-                    .map(|x| format!("{}={}", x.collection_id, x.plan))
+                    .map(|x| format!("{}={}", x.collection_id, lockstep_plan::display(x)))
                     .collect();
                 table.row(vec![
                     d.id.to_string(),

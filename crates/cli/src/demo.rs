@@ -5,7 +5,7 @@
 //! process backend, creates three dataflows (a join, a reduce, a filter+map),
 //! writes inputs with retractions over several timestamps, and checks every
 //! peek and a subscription against a reference computed in plain Rust
-//! ([`lockstep_protocol::reference`]). Then it kills the environment with
+//! ([`lockstep_plan::reference`]). Then it kills the environment with
 //! SIGKILL, starts it again on the same state directory, and checks that the
 //! replica's processes were adopted (same PIDs), that the new controller
 //! reconnected, and that the answers, old and new, are still right.
@@ -23,10 +23,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use futures::StreamExt;
+use lockstep_plan::reference::{at_time, evaluate, Multiset};
+use lockstep_plan::text::parse_plan;
+use lockstep_plan::Plan;
 use lockstep_protocol::proto as wire;
-use lockstep_protocol::reference::{at_time, evaluate, Multiset};
-use lockstep_protocol::text::parse_plan;
-use lockstep_protocol::{Plan, Update};
+use lockstep_protocol::Update;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tonic::transport::Channel;
@@ -316,7 +317,7 @@ async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> 
             inputs: vec![1],
             exports: vec![wire::Export {
                 collection_id: 900,
-                plan: Some(parse_plan("get(7)")?.into()),
+                description: lockstep_plan::encode(&parse_plan("get(7)")?),
             }],
             as_of: 0,
         })
@@ -328,7 +329,7 @@ async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> 
             inputs: vec![1],
             exports: vec![wire::Export {
                 collection_id: 101,
-                plan: Some(parse_plan("get(1)")?.into()),
+                description: lockstep_plan::encode(&parse_plan("get(1)")?),
             }],
             as_of: 0,
         })
@@ -337,7 +338,7 @@ async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> 
     // carry (it used to be accepted, then refused by every replica, forever).
     let mut deep = parse_plan("get(1)")?;
     for _ in 1..48 {
-        deep = lockstep_protocol::Plan::Arrange {
+        deep = lockstep_plan::Plan::Arrange {
             input: Box::new(deep),
             key: vec![0],
         };
@@ -349,7 +350,7 @@ async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> 
             inputs: vec![1],
             exports: vec![wire::Export {
                 collection_id: 901,
-                plan: Some(deep.into()),
+                description: lockstep_plan::encode(&deep),
             }],
             as_of: 0,
         })
@@ -515,7 +516,7 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
                 inputs,
                 exports: vec![wire::Export {
                     collection_id: collection,
-                    plan: Some(plan.clone().into()),
+                    description: lockstep_plan::encode(&plan),
                 }],
                 as_of: 0,
             })

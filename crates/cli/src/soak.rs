@@ -32,10 +32,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use futures::StreamExt;
 use lockstep_orchestrator::process::rss_mib;
+use lockstep_plan::reference::{evaluate, Multiset};
+use lockstep_plan::text::parse_plan;
+use lockstep_plan::Plan;
 use lockstep_protocol::proto as wire;
-use lockstep_protocol::reference::{evaluate, Multiset};
-use lockstep_protocol::text::parse_plan;
-use lockstep_protocol::{Plan, Update};
+use lockstep_protocol::Update;
 use tonic::transport::Channel;
 
 use crate::demo::{client, start_env_with, Env};
@@ -143,7 +144,7 @@ fn create_request(prefix: &str, collection: u64, plan: &Plan) -> proto::CreateDa
         inputs: vec![INPUT],
         exports: vec![wire::Export {
             collection_id: collection,
-            plan: Some(plan.clone().into()),
+            description: lockstep_plan::encode(&plan),
         }],
         as_of: 0,
     }

@@ -18,7 +18,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use lockstep_chaos::environment::Sandbox;
-use lockstep_protocol::reference::evaluate;
+use lockstep_plan::reference::evaluate;
 
 mod common;
 use common::*;
@@ -116,10 +116,10 @@ async fn a_taken_port_is_rechosen_for_every_process_and_the_replica_answers_agai
 }
 
 /// A plan of `depth` levels: filters without predicates around `get(1)`.
-fn nested(depth: usize) -> lockstep_protocol::Plan {
-    let mut plan = lockstep_protocol::Plan::Get { collection_id: 1 };
+fn nested(depth: usize) -> lockstep_plan::Plan {
+    let mut plan = lockstep_plan::Plan::Get { collection_id: 1 };
     for _ in 1..depth {
-        plan = lockstep_protocol::Plan::Filter {
+        plan = lockstep_plan::Plan::Filter {
             input: Box::new(plan),
             predicates: vec![],
         };
@@ -132,7 +132,8 @@ fn nested(depth: usize) -> lockstep_protocol::Plan {
 async fn plan_depths_at_the_limit_are_refused_through_the_api_exactly_as_a_replica_would() {
     use lockstep_environment::proto;
     use lockstep_environment::proto::environment_client::EnvironmentClient;
-    use lockstep_protocol::{proto as wire, MAX_PLAN_DEPTH};
+    use lockstep_plan::MAX_PLAN_DEPTH;
+    use lockstep_protocol::proto as wire;
     use tonic::Code;
 
     let sandbox = Sandbox::new().unwrap();
@@ -148,7 +149,7 @@ async fn plan_depths_at_the_limit_are_refused_through_the_api_exactly_as_a_repli
         inputs: vec![1],
         exports: vec![wire::Export {
             collection_id,
-            plan: Some(nested(depth).into()),
+            description: lockstep_plan::encode(&nested(depth)),
         }],
         as_of: 0,
     };
@@ -166,30 +167,39 @@ async fn plan_depths_at_the_limit_are_refused_through_the_api_exactly_as_a_repli
         .expect("the replica built the deepest plan the environment accepts");
 
     // Past the limit (the report was at 48): refused as
-    // INVALID_ARGUMENT with the depth in the message, nothing recorded,
-    // until the API's own protobuf decoder (recursion limit 100) refuses
-    // the request before the environment sees it: INTERNAL from there on.
+    // INVALID_ARGUMENT, nothing recorded. The API carries the plan as the
+    // family's bytes, so its own protobuf decoder never sees the nesting:
+    // the family's check names the depth, until the family's decoder
+    // (protobuf's recursion limit, 100) refuses the bytes themselves, which
+    // is INVALID_ARGUMENT too, naming the export.
     let before = dataflows(&env);
     let mut undecodable_from = None;
     for depth in MAX_PLAN_DEPTH + 1..=64 {
         let e = api.create_dataflow(create(200, depth)).await.unwrap_err();
-        match (e.code(), undecodable_from) {
-            (Code::InvalidArgument, None) => assert!(
-                e.message().contains(&format!("nests {depth} levels deep")),
+        assert_eq!(
+            e.code(),
+            Code::InvalidArgument,
+            "depth {depth}: {}",
+            e.message()
+        );
+        if e.message()
+            .contains("export 200's description is not a plan")
+        {
+            undecodable_from.get_or_insert(depth);
+        } else {
+            assert!(
+                undecodable_from.is_none()
+                    && e.message().contains(&format!("nests {depth} levels deep")),
                 "depth {depth}: {}",
                 e.message()
-            ),
-            (Code::Internal, _) => {
-                undecodable_from.get_or_insert(depth);
-            }
-            (code, _) => panic!("depth {depth}: {code:?} {}", e.message()),
+            );
         }
         assert_eq!(dataflows(&env), before, "depth {depth}: nothing recorded");
     }
-    let undecodable_from = undecodable_from.expect("the API's decoder has a limit");
+    let undecodable_from = undecodable_from.expect("the family's decoder has a limit");
     assert!(undecodable_from > 48, "{undecodable_from}");
     eprintln!(
-        "the API refuses plans {}..{undecodable_from} deep as INVALID_ARGUMENT, deeper as INTERNAL",
+        "the API refuses plans {}..{undecodable_from} deep by their depth, deeper as undecodable",
         MAX_PLAN_DEPTH + 1
     );
     peek_until(&env, 100, 0, &expected, Duration::from_secs(30))
@@ -204,8 +214,7 @@ async fn plan_depths_at_the_limit_are_refused_through_the_api_exactly_as_a_repli
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dataflow_too_large_for_a_replica_frame_is_refused_before_it_is_recorded() {
     use lockstep_environment::compute::ComputeError;
-    use lockstep_protocol::text::parse_plan;
-    use lockstep_protocol::Export;
+    use lockstep_plan::text::parse_plan;
 
     let sandbox = Sandbox::new().unwrap();
     let mut config = config(sandbox.path(), None);
@@ -219,10 +228,7 @@ async fn a_dataflow_too_large_for_a_replica_frame_is_refused_before_it_is_record
             &"x".repeat(100 << 10),
             0,
             vec![1],
-            vec![Export {
-                collection_id: 101,
-                plan: parse_plan("get(1)").unwrap(),
-            }],
+            vec![lockstep_plan::export(101, &parse_plan("get(1)").unwrap())],
         )
         .await;
     let Err(e) = e else {
@@ -251,8 +257,7 @@ async fn a_dataflow_too_large_for_a_replica_frame_is_refused_before_it_is_record
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dataflow_a_replica_refuses_as_malformed_fails_its_request_and_leaves_the_history() {
     use lockstep_environment::compute::ComputeError;
-    use lockstep_protocol::text::parse_plan;
-    use lockstep_protocol::Export;
+    use lockstep_plan::text::parse_plan;
 
     let sandbox = Sandbox::new().unwrap();
     let small_frames = || {
@@ -276,10 +281,7 @@ async fn a_dataflow_a_replica_refuses_as_malformed_fails_its_request_and_leaves_
             &"x".repeat(100 << 10),
             0,
             vec![1],
-            vec![Export {
-                collection_id: 103,
-                plan: parse_plan("get(1)").unwrap(),
-            }],
+            vec![lockstep_plan::export(103, &parse_plan("get(1)").unwrap())],
         )
         .await;
     match &poison {
@@ -309,7 +311,7 @@ async fn a_dataflow_a_replica_refuses_as_malformed_fails_its_request_and_leaves_
         .expect("the other dataflow answers after the refusal");
     let more = vec![u(&[4], 1, 1)];
     env.write_input("r1", 1, more.clone(), 2).await.unwrap();
-    let expected2: lockstep_protocol::reference::Multiset = updates
+    let expected2: lockstep_plan::reference::Multiset = updates
         .iter()
         .chain(&more)
         .map(|u| (u.row.clone(), u.diff))

@@ -12,9 +12,8 @@ use common::*;
 use lockstep_catalog::Catalog;
 use lockstep_chaos::environment::Sandbox;
 use lockstep_environment::compute::ComputeError;
-use lockstep_protocol::reference::evaluate;
-use lockstep_protocol::text::parse_plan;
-use lockstep_protocol::Export;
+use lockstep_plan::reference::evaluate;
+use lockstep_plan::text::parse_plan;
 
 /// Thousands of small writes that mostly cancel out: the catalog keeps their
 /// consolidation (not one row per write), and an environment restarted on
@@ -25,7 +24,7 @@ async fn stored_writes_stay_consolidated_and_survive_a_restart() {
     let sandbox = Sandbox::new().unwrap();
     let env = start(sandbox.path()).await;
     env.create_replica("r1", shape(2, 1)).await.unwrap();
-    let plan = create_identity(&env, 101).await.exports[0].plan.clone();
+    let plan = first_plan(&create_identity(&env, 101).await);
     const WRITES: u64 = 3_000;
     let mut all = Vec::new();
     for t in 0..WRITES {
@@ -109,7 +108,7 @@ async fn overflowing_multiplicities_are_refused_before_they_are_stored() {
         &env,
         101,
         0,
-        &lockstep_protocol::reference::Multiset::from([(vec![1], BIG)]),
+        &lockstep_plan::reference::Multiset::from([(vec![1], BIG)]),
         Duration::from_secs(30),
     )
     .await
@@ -140,10 +139,7 @@ async fn reads_of_a_collection_nobody_exports_are_not_found() {
             "identity",
             0,
             vec![1],
-            vec![Export {
-                collection_id: 101,
-                plan: parse_plan("get(1)").unwrap(),
-            }],
+            vec![lockstep_plan::export(101, &parse_plan("get(1)").unwrap())],
         )
         .await
         .unwrap();
@@ -176,7 +172,7 @@ async fn with_a_compaction_lag_storage_follows_the_live_rows() {
     cfg.compaction_lag = Some(8);
     let env = start_config(cfg).await;
     env.create_replica("r1", shape(2, 1)).await.unwrap();
-    let plan = create_identity(&env, 101).await.exports[0].plan.clone();
+    let plan = first_plan(&create_identity(&env, 101).await);
     // Batch t inserts 10 rows and retracts those of batch t - 4.
     const BATCHES: u64 = 2_000;
     let mut all = Vec::new();

@@ -13,7 +13,7 @@ use common::*;
 use lockstep_chaos::environment::Sandbox;
 use lockstep_command_log::{CommandLog, LogLocation};
 use lockstep_pgtest::PgServer;
-use lockstep_protocol::reference::evaluate;
+use lockstep_plan::reference::evaluate;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_environment_runs_on_postgresql() {

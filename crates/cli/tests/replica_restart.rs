@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use lockstep_chaos::environment::Sandbox;
 use lockstep_environment::compute::ComputeError;
-use lockstep_protocol::reference::evaluate;
+use lockstep_plan::reference::evaluate;
 use lockstep_protocol::Update;
 use std::path::Path;
 
@@ -281,7 +281,7 @@ async fn a_replica_whose_ensure_failed_is_ensured_in_the_background() {
     env.write_input("r1", 1, vec![u(&[4], 0, 1)], 1)
         .await
         .unwrap();
-    let expected = lockstep_protocol::reference::Multiset::from([(vec![4], 1)]);
+    let expected = lockstep_plan::reference::Multiset::from([(vec![4], 1)]);
     peek_until(&env, 101, 0, &expected, Duration::from_secs(30))
         .await
         .expect("the replica ensured in the background answers");

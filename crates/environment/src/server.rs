@@ -303,19 +303,11 @@ impl EnvironmentApi for EnvironmentService {
             let exports = r
                 .exports
                 .into_iter()
-                .map(|e| {
-                    Ok(lockstep_protocol::Export {
-                        collection_id: e.collection_id,
-                        plan: e
-                            .plan
-                            .ok_or_else(|| Status::invalid_argument("an export has no plan"))?
-                            .try_into()
-                            .map_err(|e: lockstep_protocol::ConvertError| {
-                                Status::invalid_argument(e.to_string())
-                            })?,
-                    })
+                .map(|e| lockstep_protocol::Export {
+                    collection_id: e.collection_id,
+                    description: e.description,
                 })
-                .collect::<Result<Vec<_>, Status>>()?;
+                .collect();
             let desc = self
                 .env
                 .create_dataflow(&r.replica, &r.name, r.as_of, r.inputs, exports)

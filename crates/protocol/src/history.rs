@@ -491,7 +491,7 @@ pub fn consolidate(mut updates: Vec<Update>) -> Vec<Update> {
 #[cfg(test)]
 mod forget_tests {
     use super::*;
-    use crate::types::{Export, Peek, Plan};
+    use crate::types::{Export, Peek};
 
     fn create(id: u64, export: u64) -> CommandKind {
         CommandKind::CreateDataflow(DataflowDescription {
@@ -500,7 +500,7 @@ mod forget_tests {
             inputs: vec![1],
             exports: vec![Export {
                 collection_id: export,
-                plan: Plan::Get { collection_id: 1 },
+                description: vec![1],
             }],
             debug_name: String::new(),
         })

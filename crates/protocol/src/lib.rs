@@ -14,8 +14,13 @@
 //! - [`handshake`]: the checks a process makes on `Hello`;
 //! - [`history`]: the compacted command history and its stable hash, which
 //!   rehydration and the history check are built on;
-//! - [`validate`]: the checks a replica makes before building a dataflow,
-//!   shared with the environment, which refuses exactly what a replica would.
+//! - [`validate`]: the checks a replica makes on a dataflow's envelope before
+//!   building it, shared with the environment, which refuses exactly what a
+//!   replica would.
+//!
+//! The protocol carries dataflows it does not understand: an export's
+//! description is the dataflow family's own bytes (the built-in family, the
+//! plan language, is the `lockstep-plan` crate).
 //! - [`endpoint`]: the `host:port` addresses processes are reached at.
 
 pub mod codec;
@@ -24,9 +29,7 @@ pub mod endpoint;
 pub mod handshake;
 pub mod history;
 pub mod merge;
-pub mod reference;
 pub mod secure;
-pub mod text;
 pub mod types;
 pub mod validate;
 

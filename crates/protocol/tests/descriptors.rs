@@ -14,7 +14,14 @@
 //! because our decoders check values, not just the wire.
 //!
 //! Adding messages, fields, enum values and oneof members, and renaming a
-//! field in place (same number, type, label), are allowed.
+//! field in place (same number, type, label), are allowed. Two changes the
+//! wire cannot see are allowed too, as protobuf's own compatibility rules
+//! allow them: a message or enum that moved to another package under the
+//! same name (the wire carries no names; its fields and values are then
+//! checked where it went), and a field retyped from an embedded message to
+//! `bytes` (both are length-delimited; the bytes hold the encoded message,
+//! which is how the compute protocol came to carry dataflow descriptions it
+//! does not read: `Export.description` was `lockstep.compute.v1.Plan plan`).
 
 mod common;
 
@@ -130,13 +137,48 @@ fn reserved_value(e: &EnumDescriptorProto, number: i32) -> bool {
         .any(|r| r.start() <= number && number <= r.end())
 }
 
+/// Where a message or enum named `name` (`.package.Name`) of a release is
+/// today: under the same full name, or else the one of that short name in
+/// another package, if exactly one exists.
+fn find_moved<'a, T>(all: &'a BTreeMap<String, &'a T>, name: &str) -> Option<&'a T> {
+    if let Some(found) = all.get(name) {
+        return Some(found);
+    }
+    let short = name.rsplit('.').next()?;
+    let mut same = all
+        .iter()
+        .filter(|(n, _)| n.rsplit('.').next() == Some(short))
+        .map(|(_, t)| *t);
+    match (same.next(), same.next()) {
+        (Some(one), None) => Some(one),
+        _ => None,
+    }
+}
+
+/// The type name without its package, for comparing types that moved.
+fn short_type(t: &str) -> &str {
+    t.rsplit('.').next().unwrap_or(t)
+}
+
+/// Whether `old` and `new`, two field types, are the same on the wire: equal,
+/// the same message or enum moved to another package, or an embedded message
+/// that became `bytes`.
+fn same_wire_type(old: &FieldDescriptorProto, new: &FieldDescriptorProto) -> bool {
+    let (o, n) = (type_of(old), type_of(new));
+    o == n
+        || (old.r#type() == new.r#type()
+            && matches!(old.r#type(), Type::Message | Type::Enum)
+            && short_type(old.type_name()) == short_type(new.type_name()))
+        || (old.r#type() == Type::Message && new.r#type() == Type::Bytes)
+}
+
 /// The wire-breaking differences from `old` (a release) to `new` (today),
 /// one sentence each, naming the message or enum and the field or value.
 fn breaking_changes(old: &FileDescriptorSet, new: &FileDescriptorSet) -> Vec<String> {
     let mut out = Vec::new();
     let new_messages = messages(new);
     for (name, om) in messages(old) {
-        let Some(nm) = new_messages.get(&name) else {
+        let Some(nm) = find_moved(&new_messages, &name) else {
             out.push(format!("message {name} disappeared"));
             continue;
         };
@@ -162,7 +204,7 @@ fn breaking_changes(old: &FileDescriptorSet, new: &FileDescriptorSet) -> Vec<Str
                 }
                 continue;
             };
-            if type_of(of) != type_of(nf) {
+            if !same_wire_type(of, nf) {
                 out.push(format!(
                     "field {field} changed type from {} to {}",
                     type_of(of),
@@ -186,7 +228,7 @@ fn breaking_changes(old: &FileDescriptorSet, new: &FileDescriptorSet) -> Vec<Str
     }
     let new_enums = enums(new);
     for (name, oe) in enums(old) {
-        let Some(ne) = new_enums.get(&name) else {
+        let Some(ne) = find_moved(&new_enums, &name) else {
             out.push(format!("enum {name} disappeared"));
             continue;
         };
@@ -270,6 +312,12 @@ fn planted_breaks_are_each_reported() {
         field_mut(message_mut(&mut new, "Peek"), "timestamp").r#type = Some(Type::String as i32);
         new
     };
+    let other_message = {
+        let mut new = old.clone();
+        field_mut(message_mut(&mut new, "CreateDataflow"), "dataflow").type_name =
+            Some(".lockstep.compute.v1.Peek".to_string());
+        new
+    };
     let relabeled = {
         let mut new = old.clone();
         field_mut(message_mut(&mut new, "Status"), "applied_seqno").label =
@@ -308,6 +356,11 @@ fn planted_breaks_are_each_reported() {
             "retyped",
             retyped,
             "field .lockstep.compute.v1.Peek.timestamp (number 3) changed type from Uint64 to String",
+        ),
+        (
+            "retyped to another message",
+            other_message,
+            "field .lockstep.compute.v1.CreateDataflow.dataflow (number 1) changed type from Message .lockstep.compute.v1.DataflowDescription to Message .lockstep.compute.v1.Peek",
         ),
         (
             "relabeled",

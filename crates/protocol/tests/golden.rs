@@ -25,6 +25,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 
+use lockstep_plan::{Aggregate, CompareOp, Expr, Plan, Predicate};
 use lockstep_protocol::*;
 use prost::Message as _;
 
@@ -208,14 +209,8 @@ fn v0_2_0() -> Vec<(&'static str, Wire)> {
         as_of: 5,
         inputs: vec![1, 2],
         exports: vec![
-            Export {
-                collection_id: 100,
-                plan: every_plan_node(),
-            },
-            Export {
-                collection_id: 101,
-                plan: Plan::Get { collection_id: 2 },
-            },
+            lockstep_plan::export(100, &every_plan_node()),
+            lockstep_plan::export(101, &Plan::Get { collection_id: 2 }),
         ],
         debug_name: "golden dataflow ü".to_string(),
     };

@@ -9,7 +9,7 @@ fn dataflow(id: u64, collection: u64) -> DataflowDescription {
         inputs: vec![1],
         exports: vec![Export {
             collection_id: collection,
-            plan: Plan::Get { collection_id: 1 },
+            description: vec![0x0a, 0x02, 0x08, 0x01],
         }],
         debug_name: format!("df{id}"),
     }

@@ -147,34 +147,6 @@ fn multi_element_frontier_is_an_error() {
 }
 
 #[test]
-fn plan_without_node_is_an_error() {
-    let wire = proto::Command {
-        seqno: 1,
-        strategy: proto::Strategy::Barrier as i32,
-        kind: Some(proto::command::Kind::CreateDataflow(
-            proto::CreateDataflow {
-                dataflow: Some(proto::DataflowDescription {
-                    id: 1,
-                    exports: vec![proto::Export {
-                        collection_id: 2,
-                        plan: Some(proto::Plan { node: None }),
-                    }],
-                    ..Default::default()
-                }),
-            },
-        )),
-    };
-    let err = Command::try_from(wire).unwrap_err();
-    assert_eq!(
-        err,
-        ConvertError::Missing {
-            message: "Plan",
-            field: "node"
-        }
-    );
-}
-
-#[test]
 fn short_digest_is_an_error() {
     let wire = proto::Response {
         process_index: 0,

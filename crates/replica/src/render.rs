@@ -1,10 +1,11 @@
-//! Rendering the plan IR into differential-dataflow operators.
+//! Rendering the built-in family's plans (`lockstep-plan`) into
+//! differential-dataflow operators.
 //!
 //! Rendering is deterministic: the same description renders the same timely
 //! operators in the same order on every worker, which is what keeps the
-//! workers' channel identifiers aligned. A description is validated *before*
-//! anything is built ([`validate`]), so a bad plan is refused identically on
-//! every worker and never leaves a half-built dataflow behind.
+//! workers' channel identifiers aligned. A description is decoded and checked
+//! *before* anything is built ([`plans`]), so a bad plan is refused
+//! identically on every worker and never leaves a half-built dataflow behind.
 //!
 //! Rows are `Vec<i64>`. An expression naming a column a row does not have
 //! drops that row (map, filter, join key, reduce key); a summed column a row
@@ -13,15 +14,17 @@
 use std::collections::BTreeMap;
 
 use differential_dataflow::VecCollection;
-use lockstep_protocol::{aggregate_group, Plan, Row};
+use lockstep_plan::{aggregate_group, Plan};
+use lockstep_protocol::Row;
 
 /// A collection of rows at u64 times with i64 multiplicities.
 pub type Coll<'s> = VecCollection<'s, u64, Row, i64>;
 
-/// Checks a description before building it (the checks the environment
-/// makes too, see [`lockstep_protocol::validate`]).
-pub use lockstep_protocol::validate::validate_dataflow as validate;
-/// Why a description cannot be built: the protocol's shared checks.
+/// A description's plans, decoded and checked before anything is built (the
+/// checks the environment makes too, see [`lockstep_plan::check`]).
+pub use lockstep_plan::plans;
+/// Why a description cannot be built: the protocol's envelope checks and
+/// the family's.
 pub use lockstep_protocol::validate::InvalidDataflow as RenderError;
 
 fn key_of(row: &[i64], key: &[u32]) -> Option<Row> {

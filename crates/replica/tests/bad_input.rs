@@ -203,7 +203,7 @@ async fn bad_input_gets_clear_errors_and_disturbs_nothing() {
     assert_eq!(e.kind, ErrorKind::Malformed, "{}", e.message);
 
     // A plan naming an unknown collection.
-    let mut bad = dataflow(30, &[1], lockstep_protocol::Plan::Get { collection_id: 77 });
+    let mut bad = dataflow(30, &[1], lockstep_plan::Plan::Get { collection_id: 77 });
     bad.debug_name = "bad".into();
     c.create_dataflow(bad).unwrap();
     let err = loop {
@@ -247,7 +247,7 @@ async fn replayed_hellos_and_connection_floods_do_not_cut_the_controller_off() {
     use tokio::io::AsyncReadExt;
     let r = start_replica(9, 2, 1).await;
     let c = controller(&r, 1, CommandHistory::new());
-    let d = dataflow(1, &[1], lockstep_protocol::Plan::Get { collection_id: 1 });
+    let d = dataflow(1, &[1], lockstep_plan::Plan::Get { collection_id: 1 });
     c.create_dataflow(d).unwrap();
     c.write_input(1, vec![u(&[1], 0, 1)], 1).unwrap();
     assert_eq!(c.peek(1001, 0).await.unwrap(), vec![(vec![1], 1)]);

@@ -117,7 +117,7 @@ async fn subscribe_streams_every_change() {
             upper = b.upper;
         }
         for t in 0..4 {
-            let got = lockstep_protocol::reference::at_time(&acc, t);
+            let got = lockstep_plan::reference::at_time(&acc, t);
             assert_eq!(
                 got,
                 reference(d, &writes, t),
@@ -206,7 +206,7 @@ async fn restart_keeps_unchanged_dataflows(replica_id: u64, strategy: Strategy) 
     let new = dataflow(
         20,
         &[1, 2],
-        lockstep_protocol::Plan::Join {
+        lockstep_plan::Plan::Join {
             left: get(2),
             right: get(1),
             left_key: 0,
@@ -328,7 +328,7 @@ async fn many_writes_keep_frontiers_moving() {
 /// benchmark of reconciliation after restarts found a hang here.)
 async fn restarts_then_more_creates(replica_id: u64, strategy: Strategy) {
     let r = start_replica(replica_id, 2, 2).await;
-    let small = |id: u64| dataflow(id, &[1], lockstep_protocol::Plan::Get { collection_id: 1 });
+    let small = |id: u64| dataflow(id, &[1], lockstep_plan::Plan::Get { collection_id: 1 });
     let a = controller_with(&r, 1, CommandHistory::new(), strategy);
     a.write_input(1, vec![u(&[1, 1], 0, 1)], 1).unwrap();
     for id in 1..=100 {
@@ -412,11 +412,7 @@ async fn writes_peeks_and_rehydration_50_times_the_frame_limit_travel_in_parts()
     const LIMIT: usize = 64 << 10;
     let limit = LIMIT.to_string();
     let env = [("LOCKSTEP_MAX_FRAME_LEN", limit.as_str())];
-    let identity = dataflow(
-        1,
-        &[1],
-        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
-    );
+    let identity = dataflow(1, &[1], lockstep_plan::text::parse_plan("get(1)").unwrap());
     // 60,000 rows of 8 large values: about 3.7 MB encoded, over 50 frames.
     let rows: Vec<_> = (0..60_000i64)
         .map(|i| {
@@ -482,11 +478,7 @@ async fn a_log_session_does_not_keep_its_status_requests() {
     use lockstep_command_log::CommandLog;
     let r = start_replica(26, 2, 1).await;
     let c = controller_with(&r, 1, CommandHistory::new(), Strategy::Log);
-    let identity = dataflow(
-        1,
-        &[1],
-        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
-    );
+    let identity = dataflow(1, &[1], lockstep_plan::text::parse_plan("get(1)").unwrap());
     c.create_dataflow(identity).unwrap();
     c.write_input(1, vec![u(&[5], 0, 1)], 1).unwrap();
     c.wait_for_frontier(1001, 0).await.unwrap();
@@ -549,16 +541,8 @@ async fn subscriptions_end_when_canceled_or_dropped() {
     use lockstep_protocol::CommandKind;
     let r = start_replica(27, 2, 1).await;
     let c = controller(&r, 1, CommandHistory::new());
-    let a = dataflow(
-        1,
-        &[1],
-        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
-    );
-    let b = dataflow(
-        2,
-        &[1],
-        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
-    );
+    let a = dataflow(1, &[1], lockstep_plan::text::parse_plan("get(1)").unwrap());
+    let b = dataflow(2, &[1], lockstep_plan::text::parse_plan("get(1)").unwrap());
     c.create_dataflow(a.clone()).unwrap();
     c.create_dataflow(b.clone()).unwrap();
     c.write_input(1, vec![u(&[5], 0, 1)], 1).unwrap();
@@ -683,22 +667,11 @@ async fn a_replica_that_drops_every_session_is_reconnected_to_with_backoff() {
 async fn a_dataflow_a_replica_refuses_as_malformed_leaves_the_history() {
     let r = start_replica_with_env(29, 1, 1, &[("LOCKSTEP_MAX_FRAME_LEN", "65536")]).await;
     // One dataflow of 8,000 exports: about 100 KB, over the replica's limit.
-    let mut big = dataflow(
-        2,
-        &[1],
-        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
-    );
+    let mut big = dataflow(2, &[1], lockstep_plan::text::parse_plan("get(1)").unwrap());
     big.exports = (0..8_000)
-        .map(|i| lockstep_protocol::Export {
-            collection_id: 10_000 + i,
-            plan: lockstep_protocol::Plan::Get { collection_id: 1 },
-        })
+        .map(|i| lockstep_plan::export(10_000 + i, &lockstep_plan::Plan::Get { collection_id: 1 }))
         .collect();
-    let mut small = dataflow(
-        1,
-        &[1],
-        lockstep_protocol::text::parse_plan("get(1)").unwrap(),
-    );
+    let mut small = dataflow(1, &[1], lockstep_plan::text::parse_plan("get(1)").unwrap());
     small.exports[0].collection_id = 1001;
     let mut history = CommandHistory::new();
     history.push(lockstep_protocol::CommandKind::CreateDataflow(small));
@@ -771,7 +744,7 @@ async fn a_write_split_per_process_arrives_whole_and_keeps_histories_equal() {
         c.create_dataflow(dataflow(
             1,
             &[1],
-            lockstep_protocol::text::parse_plan("get(1)").unwrap(),
+            lockstep_plan::text::parse_plan("get(1)").unwrap(),
         ))
         .unwrap();
         c.write_input(1, rows.clone(), 1).unwrap();

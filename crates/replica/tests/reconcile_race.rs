@@ -17,7 +17,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use lockstep_protocol::{CommandHistory, Plan};
+use lockstep_plan::Plan;
+use lockstep_protocol::CommandHistory;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_worker_reconciles_from_its_peers_reconcile_reports() {

@@ -50,7 +50,7 @@ async fn a_proving_controller_gets_in_past_a_flood_of_idle_connections() {
     c.create_dataflow(dataflow(
         1,
         &[1],
-        lockstep_protocol::Plan::Get { collection_id: 1 },
+        lockstep_plan::Plan::Get { collection_id: 1 },
     ))
     .unwrap();
     c.write_input(1, vec![u(&[7], 0, 1)], 1).unwrap();

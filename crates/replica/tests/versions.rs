@@ -60,7 +60,7 @@ async fn answers(r: &TestReplica, hello: Hello, n: usize) -> Vec<Response> {
 async fn versions_are_negotiated_and_reported() {
     let r = start_replica(23, 1, 2).await;
     let c = controller(&r, 1, CommandHistory::new());
-    let d = dataflow(1, &[1], lockstep_protocol::Plan::Get { collection_id: 1 });
+    let d = dataflow(1, &[1], lockstep_plan::Plan::Get { collection_id: 1 });
     c.create_dataflow(d).unwrap();
     c.write_input(1, vec![u(&[1], 0, 1)], 1).unwrap();
     assert_eq!(c.peek(1001, 0).await.unwrap(), vec![(vec![1], 1)]);

@@ -36,10 +36,11 @@ use lockstep_orchestrator::process::{
     kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
 };
 use lockstep_orchestrator::Orchestrator;
+use lockstep_plan::Plan;
 use lockstep_policy::FixedStrategy;
 use lockstep_protocol::{
-    Command, CommandHistory, CommandKind, ControllerCodec, DataflowDescription, Export, Plan,
-    ResponseKind, SessionKey, Strategy, Update,
+    Command, CommandHistory, CommandKind, ControllerCodec, DataflowDescription, ResponseKind,
+    SessionKey, Strategy, Update,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -170,10 +171,7 @@ fn identity_dataflow() -> DataflowDescription {
         id: 1,
         as_of: 0,
         inputs: vec![1],
-        exports: vec![Export {
-            collection_id: 101,
-            plan: Plan::Get { collection_id: 1 },
-        }],
+        exports: vec![lockstep_plan::export(101, &Plan::Get { collection_id: 1 })],
         debug_name: "identity".into(),
     }
 }

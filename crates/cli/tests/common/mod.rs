@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use lockstep_environment::template::DEFAULT_REPLICA_ARGS;
 use lockstep_environment::{Environment, EnvironmentConfig, ServiceTemplate};
 use lockstep_orchestrator::ServiceStatus;
-use lockstep_protocol::reference::Multiset;
-use lockstep_protocol::text::parse_plan;
-use lockstep_protocol::{Export, Update};
+use lockstep_plan::reference::Multiset;
+use lockstep_plan::text::parse_plan;
+use lockstep_protocol::Update;
 
 pub fn replica_binary() -> PathBuf {
     let path = std::env::var_os("LOCKSTEP_REPLICA_BIN")
@@ -84,17 +84,14 @@ pub async fn service(env: &Environment) -> ServiceStatus {
 
 /// Creates the dataflow both tests peek: a reduce over input 1, exported as
 /// collection 101 on replica `r1`; returns its plan.
-pub async fn create_reduce(env: &Environment) -> lockstep_protocol::Plan {
+pub async fn create_reduce(env: &Environment) -> lockstep_plan::Plan {
     let plan = parse_plan("reduce(get(1), [#0], count, sum(#1))").unwrap();
     env.create_dataflow(
         "r1",
         "reduce",
         0,
         vec![1],
-        vec![Export {
-            collection_id: 101,
-            plan: plan.clone(),
-        }],
+        vec![lockstep_plan::export(101, &plan)],
     )
     .await
     .unwrap();
@@ -176,10 +173,10 @@ pub async fn try_create_identity(
         "identity",
         0,
         vec![1],
-        vec![Export {
+        vec![lockstep_plan::export(
             collection_id,
-            plan: parse_plan("get(1)").unwrap(),
-        }],
+            &parse_plan("get(1)").unwrap(),
+        )],
     )
     .await
 }
@@ -202,4 +199,10 @@ pub fn require_built(paths: &[&Path]) {
             p.display()
         );
     }
+}
+
+/// The plan of `desc`'s first export (a dataflow of the built-in family).
+pub fn first_plan(desc: &lockstep_protocol::DataflowDescription) -> lockstep_plan::Plan {
+    let export = &desc.exports[0];
+    lockstep_plan::decode(export.collection_id, &export.description).expect("a built-in plan")
 }

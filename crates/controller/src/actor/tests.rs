@@ -156,7 +156,8 @@ async fn frontiers_of_too_many_unknown_collections_end_the_session() {
             inputs: vec![1],
             exports: vec![lockstep_protocol::Export {
                 collection_id: 1001,
-                plan: lockstep_protocol::Plan::Get { collection_id: 1 },
+                // The built-in family's `get(1)`; the controller never reads it.
+                description: vec![0x0a, 0x02, 0x08, 0x01],
             }],
             debug_name: "d".into(),
         },

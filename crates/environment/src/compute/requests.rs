@@ -212,9 +212,10 @@ impl Environment {
             exports,
             debug_name: debug_name.to_string(),
         };
-        // What a replica would refuse (the same checks, and its decoder's
-        // limits) is refused here, before anything is recorded.
-        lockstep_protocol::validate::check_dataflow(&desc, self.compute.max_frame_len())
+        // What a replica would refuse (the same checks, the built-in family's
+        // included, and its decoder's limits) is refused here, before
+        // anything is recorded.
+        lockstep_plan::check(&desc, self.compute.max_frame_len())
             .map_err(|e| ComputeError::Invalid(e.to_string()))?;
         let declared: BTreeSet<u64> = desc.inputs.iter().copied().collect();
         let (exported, written) = self.namespace(&replica)?;

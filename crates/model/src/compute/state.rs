@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 
-use lockstep_protocol::{DataflowDescription, Digest, Export, Plan, Strategy};
+use lockstep_protocol::{DataflowDescription, Digest, Export, Strategy};
 use lockstep_reconcile::{
     CommandClass, ControllerSession, CreationEntry, DataflowKey, MeshAnnouncement, Phase,
     SessionCommand, WorkerSession, WorkerView,
@@ -339,7 +339,8 @@ pub(super) fn description(i: usize) -> DataflowDescription {
         inputs: vec![100],
         exports: vec![Export {
             collection_id: 1000 + id,
-            plan: Plan::Get { collection_id: 100 },
+            // The built-in family's `get(100)`; the model never reads it.
+            description: vec![0x0a, 0x02, 0x08, 100],
         }],
         debug_name: LABELS[i.min(MAX_DATAFLOWS - 1)].to_string(),
     }

@@ -7,8 +7,6 @@
 use crate::proto as p;
 use crate::types::*;
 
-mod plan;
-
 /// A wire message that decodes but breaks a rule of the protocol.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConvertError {
@@ -120,7 +118,7 @@ impl From<DataflowDescription> for p::DataflowDescription {
                 .into_iter()
                 .map(|e| p::Export {
                     collection_id: e.collection_id,
-                    plan: Some(e.plan.into()),
+                    description: e.description,
                 })
                 .collect(),
             debug_name: d.debug_name,
@@ -138,16 +136,11 @@ impl TryFrom<p::DataflowDescription> for DataflowDescription {
             exports: d
                 .exports
                 .into_iter()
-                .map(|e| {
-                    Ok(Export {
-                        collection_id: e.collection_id,
-                        plan: e
-                            .plan
-                            .ok_or_else(|| missing("Export", "plan"))?
-                            .try_into()?,
-                    })
+                .map(|e| Export {
+                    collection_id: e.collection_id,
+                    description: e.description,
                 })
-                .collect::<Result<_, ConvertError>>()?,
+                .collect(),
             debug_name: d.debug_name,
         })
     }

@@ -6,10 +6,6 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-mod plan;
-
-pub use plan::*;
-
 /// A logical timestamp.
 pub type Timestamp = u64;
 
@@ -215,11 +211,15 @@ impl Hello {
 pub struct Export {
     /// The collection's ID.
     pub collection_id: u64,
-    /// How to compute it.
-    pub plan: Plan,
+    /// How to compute it, in the dataflow family's own encoding (for the
+    /// built-in family, `lockstep-plan`, an encoded plan). The control plane
+    /// never looks inside: it routes, records and hashes these bytes.
+    pub description: Vec<u8>,
 }
 
-/// What every worker builds for one CreateDataflow.
+/// What every worker builds for one CreateDataflow: the envelope the control
+/// plane needs (ID, as_of, inputs, exports' IDs) around descriptions only the
+/// dataflow's family reads (see [`Export::description`]).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct DataflowDescription {
     /// The dataflow's catalog ID.

@@ -12,7 +12,8 @@ pub fn golden_dir(release: &str) -> PathBuf {
 }
 
 /// A protox compiler with today's `proto/` open: the compute and
-/// environment APIs, imports included, no source info.
+/// environment APIs and the built-in plan family, imports included, no
+/// source info.
 pub fn todays_compiler() -> protox::Compiler {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
     let mut compiler = protox::Compiler::new([&root]).expect("proto root");
@@ -21,6 +22,7 @@ pub fn todays_compiler() -> protox::Compiler {
         .open_files([
             "lockstep/compute/v1/compute.proto",
             "lockstep/environment/v1/environment.proto",
+            "lockstep/plan/v1/plan.proto",
         ])
         .expect("proto/ compiles");
     compiler

@@ -9,6 +9,7 @@ use std::rc::Rc;
 
 use differential_dataflow::input::InputSession;
 use differential_dataflow::trace::TraceReader;
+use lockstep_plan::Plan;
 use lockstep_protocol::{
     Command, CommandKind, CreationLogEntry, DataflowDescription, ErrorKind, Frontier, PeekResult,
     Row, Update, WriteInput,
@@ -19,7 +20,7 @@ use timely::worker::Worker;
 
 use crate::metrics::{ExportLabels, METRICS};
 
-use crate::render::{render, validate, Coll};
+use crate::render::{plans, render, Coll};
 use crate::worker::{ExportState, FromWorker, Installed, SubState, Tap, WorkerState};
 
 /// The worker of the replica that introduces an update of `row`: the rule
@@ -58,26 +59,31 @@ impl WorkerState {
                         return;
                     }
                     // Same description: kept (reconciliation), nothing to build.
-                } else if let Err(e) = validate(desc) {
-                    self.error(
-                        seqno,
-                        ErrorKind::InvalidCommand,
-                        format!("dataflow {}: {e}", desc.id),
-                    );
-                    return;
-                } else if let Some(c) = desc
-                    .exports
-                    .iter()
-                    .find(|e| self.collections.contains_key(&e.collection_id))
-                {
-                    self.error(
-                        seqno,
-                        ErrorKind::InvalidCommand,
-                        format!("collection {} already exists", c.collection_id),
-                    );
-                    return;
                 } else {
-                    self.build(worker, desc.clone());
+                    let plans = match plans(desc) {
+                        Ok(plans) => plans,
+                        Err(e) => {
+                            self.error(
+                                seqno,
+                                ErrorKind::InvalidCommand,
+                                format!("dataflow {}: {e}", desc.id),
+                            );
+                            return;
+                        }
+                    };
+                    if let Some(c) = desc
+                        .exports
+                        .iter()
+                        .find(|e| self.collections.contains_key(&e.collection_id))
+                    {
+                        self.error(
+                            seqno,
+                            ErrorKind::InvalidCommand,
+                            format!("collection {} already exists", c.collection_id),
+                        );
+                        return;
+                    }
+                    self.build(worker, desc.clone(), &plans);
                 }
             }
             CommandKind::AllowCompaction {
@@ -208,7 +214,7 @@ impl WorkerState {
         }
     }
 
-    fn build(&mut self, worker: &mut Worker, desc: DataflowDescription) {
+    fn build(&mut self, worker: &mut Worker, desc: DataflowDescription, plans: &[(u64, Plan)]) {
         let timely_index = worker.next_dataflow_index();
         let hash = desc.hash();
         let name = format!("dataflow-{}-{}", desc.id, desc.debug_name);
@@ -221,11 +227,11 @@ impl WorkerState {
                 sessions.push((id, session));
             }
             let mut exports = BTreeMap::new();
-            for e in &desc.exports {
+            for (collection_id, plan) in plans {
                 let tap: Rc<RefCell<Tap>> = Rc::default();
                 let tap2 = Rc::clone(&tap);
                 let probe = ProbeHandle::new();
-                let arranged = render(&e.plan, &colls).arrange_by_self();
+                let arranged = render(plan, &colls).arrange_by_self();
                 let trace = arranged.trace.clone();
                 arranged
                     .as_collection(|k: &Row, _v: &()| k.clone())
@@ -243,7 +249,7 @@ impl WorkerState {
                     })
                     .probe_with(&probe);
                 exports.insert(
-                    e.collection_id,
+                    *collection_id,
                     ExportState {
                         trace,
                         probe,

@@ -63,7 +63,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::{ReplicaMetrics, WorkerLabel, METRICS};
 use crate::order::log::LogTail;
-use crate::render::validate;
+use crate::render::plans;
 
 pub use crate::order::log::LOG_POLL;
 
@@ -248,7 +248,7 @@ impl WorkerView<Command> for View<'_> {
     }
 
     fn buildable(&self, cmd: &Command) -> bool {
-        matches!(&cmd.kind, CommandKind::CreateDataflow(d) if validate(d).is_ok())
+        matches!(&cmd.kind, CommandKind::CreateDataflow(d) if plans(d).is_ok())
     }
 
     fn creation_digest(&self) -> Digest {

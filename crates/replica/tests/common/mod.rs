@@ -10,12 +10,10 @@ use lockstep_orchestrator::process::{
     kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
 };
 use lockstep_orchestrator::{Orchestrator, ServiceConfig, ServiceStatus};
+use lockstep_plan::reference::{evaluate, Multiset};
+use lockstep_plan::{Aggregate, CompareOp, Expr, Plan, Predicate};
 use lockstep_policy::FixedStrategy;
-use lockstep_protocol::reference::{evaluate, Multiset};
-use lockstep_protocol::{
-    Aggregate, CommandHistory, CompareOp, DataflowDescription, Export, Expr, Plan, Predicate,
-    Strategy, Update,
-};
+use lockstep_protocol::{CommandHistory, DataflowDescription, Strategy, Update};
 
 pub struct TestReplica {
     pub dir: tempfile::TempDir,
@@ -158,10 +156,7 @@ pub fn dataflow(id: u64, inputs: &[u64], plan: Plan) -> DataflowDescription {
         id,
         as_of: 0,
         inputs: inputs.to_vec(),
-        exports: vec![Export {
-            collection_id: 1000 + id,
-            plan,
-        }],
+        exports: vec![lockstep_plan::export(1000 + id, &plan)],
         debug_name: format!("test-{id}"),
     }
 }
@@ -256,7 +251,10 @@ pub fn reference(
     for (c, ups, _) in writes {
         inputs.entry(*c).or_default().extend(ups.iter().cloned());
     }
-    evaluate(&desc.exports[0].plan, &inputs, t)
+    let export = &desc.exports[0];
+    let plan = lockstep_plan::decode(export.collection_id, &export.description)
+        .expect("the test's own plan");
+    evaluate(&plan, &inputs, t)
 }
 
 pub fn as_multiset(rows: Vec<(Vec<i64>, i64)>) -> Multiset {

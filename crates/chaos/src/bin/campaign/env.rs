@@ -186,7 +186,7 @@ pub(super) fn create_request(d: &model::DataflowRec) -> proto::CreateDataflowReq
         inputs: d.inputs.clone(),
         exports: vec![wire::Export {
             collection_id: d.collection,
-            plan: Some(d.plan.clone().into()),
+            description: lockstep_plan::encode(&d.plan),
         }],
         as_of: 0,
     }

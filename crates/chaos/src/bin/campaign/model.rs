@@ -4,9 +4,10 @@
 
 use std::collections::BTreeMap;
 
-use lockstep_protocol::reference::{evaluate, Multiset};
-use lockstep_protocol::text::parse_plan;
-use lockstep_protocol::{Plan, Update};
+use lockstep_plan::reference::{evaluate, Multiset};
+use lockstep_plan::text::parse_plan;
+use lockstep_plan::Plan;
+use lockstep_protocol::Update;
 
 /// splitmix64: a tiny, seeded, portable generator (the same sequence on
 /// every machine, so a seed replays).
@@ -190,21 +191,7 @@ pub fn random_plan(r: &mut Rng) -> String {
 
 /// The input collections `plan` reads.
 pub fn plan_inputs(plan: &Plan) -> Vec<u64> {
-    fn walk(p: &Plan, out: &mut Vec<u64>) {
-        match p {
-            Plan::Get { collection_id } => out.push(*collection_id),
-            Plan::Map { input, .. }
-            | Plan::Filter { input, .. }
-            | Plan::Reduce { input, .. }
-            | Plan::Arrange { input, .. } => walk(input, out),
-            Plan::Join { left, right, .. } => {
-                walk(left, out);
-                walk(right, out);
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(plan, &mut out);
+    let mut out = plan.inputs();
     out.sort();
     out.dedup();
     out

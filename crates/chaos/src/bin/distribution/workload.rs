@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use lockstep_chaos::outcome::{violation, Failure};
 use lockstep_controller::Controller;
-use lockstep_protocol::reference::evaluate;
-use lockstep_protocol::text::parse_plan;
-use lockstep_protocol::{CommandHistory, CommandKind, DataflowDescription, Export, Update};
+use lockstep_plan::reference::evaluate;
+use lockstep_plan::text::parse_plan;
+use lockstep_protocol::{CommandHistory, CommandKind, DataflowDescription, Update};
 
 pub(crate) const LAST_TIME: u64 = 3;
 pub(crate) const FAILPOINT: &str = "controller_partial_broadcast";
@@ -42,10 +42,10 @@ fn dataflow(id: u64, plan: &str) -> DataflowDescription {
         id,
         as_of: 0,
         inputs: vec![1, 2],
-        exports: vec![Export {
-            collection_id: 1000 + id,
-            plan: parse_plan(plan).expect("a valid plan"),
-        }],
+        exports: vec![lockstep_plan::export(
+            1000 + id,
+            &parse_plan(plan).expect("a valid plan"),
+        )],
         debug_name: format!("chaos-{id}"),
     }
 }
@@ -129,7 +129,9 @@ pub(crate) async fn check(c: &Controller, target: &[DataflowDescription]) -> Res
                 })?
                 .into_iter()
                 .collect();
-            let want = evaluate(&e.plan, &inputs, LAST_TIME);
+            let plan = lockstep_plan::decode(e.collection_id, &e.description)
+                .map_err(|err| Failure::Harness(format!("the workload's own plan: {err}")))?;
+            let want = evaluate(&plan, &inputs, LAST_TIME);
             if got != want {
                 return Err(violation(
                     "I3",

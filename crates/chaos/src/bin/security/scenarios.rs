@@ -266,7 +266,7 @@ pub(super) async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Fail
                             inputs: vec![1],
                             exports: vec![lockstep_protocol::proto::Export {
                                 collection_id: 101,
-                                plan: Some(plan.into()),
+                                description: lockstep_plan::encode(&plan),
                             }],
                             as_of: 0,
                         })

@@ -1,8 +1,16 @@
 //! Conversions of the plan IR (expressions, predicates, aggregates, plans)
-//! to and from the wire; a plan deeper than the protocol allows is refused
-//! while it is read.
+//! to and from their wire messages (`proto/lockstep/plan/v1/plan.proto`).
+//! Plain to wire is infallible; wire to plain names the missing field or
+//! unknown enum value.
 
-use super::*;
+use lockstep_protocol::ConvertError;
+
+use crate::ir::*;
+use crate::proto as p;
+
+fn missing(message: &'static str, field: &'static str) -> ConvertError {
+    ConvertError::Missing { message, field }
+}
 
 impl From<Expr> for p::Expr {
     fn from(e: Expr) -> Self {

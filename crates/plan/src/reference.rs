@@ -8,7 +8,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::types::{aggregate_group, Plan, Row, Timestamp, Update};
+use lockstep_protocol::{Row, Timestamp, Update};
+
+use crate::ir::{aggregate_group, Plan};
 
 /// A multiset of rows: row -> multiplicity (never zero).
 pub type Multiset = BTreeMap<Row, i64>;
@@ -109,7 +111,7 @@ pub fn evaluate(plan: &Plan, inputs: &BTreeMap<u64, Vec<Update>>, t: Timestamp) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::{Aggregate, CompareOp, Expr, Predicate};
+    use crate::ir::{Aggregate, CompareOp, Expr, Predicate};
 
     fn u(row: &[i64], time: u64, diff: i64) -> Update {
         Update {

@@ -18,7 +18,7 @@
 
 use std::fmt;
 
-use crate::types::{Aggregate, CompareOp, Expr, Plan, Predicate, MAX_PLAN_DEPTH};
+use crate::ir::{Aggregate, CompareOp, Expr, Plan, Predicate, MAX_PLAN_DEPTH};
 
 /// Why a plan text does not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -3,7 +3,7 @@
 
 mod arb;
 
-use lockstep_protocol::text::parse_plan;
+use lockstep_plan::text::parse_plan;
 use proptest::prelude::*;
 
 /// Text made of the syntax's own pieces (so that the parser gets deep into

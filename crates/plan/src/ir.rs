@@ -1,7 +1,7 @@
 //! The plan IR every worker renders into the same differential operators:
 //! scalar expressions, predicates, aggregates and plans, and their bounds.
 
-use super::*;
+use lockstep_protocol::Row;
 
 /// A scalar expression over a row.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -160,11 +160,11 @@ pub enum Plan {
     },
 }
 
-/// The deepest plan the protocol carries: plan operators and expressions
-/// nested along any path, counted together. A command wraps a plan in a few
-/// messages, and each level of plan or expression is two protobuf messages,
-/// so this keeps every command well under prost's decoding recursion limit
-/// (100): a plan accepted anywhere is decodable everywhere.
+/// The deepest plan this family accepts: plan operators and expressions
+/// nested along any path, counted together. Each level of plan or expression
+/// is two protobuf messages, so this keeps every encoded plan well under
+/// prost's decoding recursion limit (100): a plan accepted anywhere is
+/// decodable everywhere.
 pub const MAX_PLAN_DEPTH: usize = 32;
 
 impl Expr {
