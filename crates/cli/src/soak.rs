@@ -144,7 +144,7 @@ fn create_request(prefix: &str, collection: u64, plan: &Plan) -> proto::CreateDa
         inputs: vec![INPUT],
         exports: vec![wire::Export {
             collection_id: collection,
-            description: lockstep_plan::encode(&plan),
+            description: lockstep_plan::encode(plan),
         }],
         as_of: 0,
     }
