@@ -8,7 +8,8 @@
 //! - accepts controller connections ([`server`]): every process receives every
 //!   command itself, Hello included; there is no command-forwarding dataflow;
 //! - hands each command to each of its workers ([`worker`]), which render
-//!   dataflows from the plan IR with differential ([`render`]), keep inputs,
+//!   dataflows with their [`family`] (the built-in one renders the plan
+//!   language with differential, [`render`]), keep inputs,
 //!   answer peeks and subscribes, and keep the dataflow-creation log that
 //!   invariant I1 is checked against; which copy of a command a worker
 //!   applies, and what it waits for, is the command's strategy ([`order`]);
@@ -19,10 +20,13 @@
 
 pub mod aggregate;
 pub mod cluster;
+pub mod family;
 pub mod metrics;
 pub mod order;
+pub mod process;
 pub mod render;
 pub mod server;
 pub mod worker;
 
+pub use process::Builder;
 pub use server::{run, ReplicaConfig};

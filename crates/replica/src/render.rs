@@ -4,8 +4,9 @@
 //! Rendering is deterministic: the same description renders the same timely
 //! operators in the same order on every worker, which is what keeps the
 //! workers' channel identifiers aligned. A description is decoded and checked
-//! *before* anything is built ([`plans`]), so a bad plan is refused
-//! identically on every worker and never leaves a half-built dataflow behind.
+//! *before* anything is built (`lockstep_plan::plans`, through the
+//! [`crate::family::PlanFamily`]), so a bad plan is refused identically on
+//! every worker and never leaves a half-built dataflow behind.
 //!
 //! Rows are `Vec<i64>`. An expression naming a column a row does not have
 //! drops that row (map, filter, join key, reduce key); a summed column a row
@@ -19,13 +20,6 @@ use lockstep_protocol::Row;
 
 /// A collection of rows at u64 times with i64 multiplicities.
 pub type Coll<'s> = VecCollection<'s, u64, Row, i64>;
-
-/// A description's plans, decoded and checked before anything is built (the
-/// checks the environment makes too, see [`lockstep_plan::check`]).
-pub use lockstep_plan::plans;
-/// Why a description cannot be built: the protocol's envelope checks and
-/// the family's.
-pub use lockstep_protocol::validate::InvalidDataflow as RenderError;
 
 fn key_of(row: &[i64], key: &[u32]) -> Option<Row> {
     key.iter().map(|&c| row.get(c as usize).copied()).collect()

@@ -82,6 +82,9 @@ pub struct ReplicaConfig {
     /// and never prove the key back, as before sessions were mutual. The
     /// negative control `no-mutual` of the security suite only.
     pub one_way_proof: bool,
+    /// The dataflow family this process builds (the built-in one is
+    /// [`crate::family::PlanFamily`]).
+    pub family: Arc<dyn crate::family::Family>,
 }
 
 struct Shared {
@@ -188,6 +191,7 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
     });
     let handles2 = Arc::clone(&handles);
     let command_log = config.command_log.clone();
+    let family = Arc::clone(&config.family);
     let _guards = timely::execute::execute_from(
         builders,
         Box::new(guard),
@@ -209,7 +213,14 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
                     panic!("worker {}: {e}", worker.index())
                 })
             });
-            run_worker(worker, commands, tx.clone(), workers, log);
+            run_worker(
+                worker,
+                commands,
+                tx.clone(),
+                workers,
+                log,
+                Arc::clone(&family),
+            );
         },
     )
     .map_err(|e| anyhow::anyhow!("starting timely workers: {e}"))?;

@@ -9,7 +9,6 @@ use std::rc::Rc;
 
 use differential_dataflow::input::InputSession;
 use differential_dataflow::trace::TraceReader;
-use lockstep_plan::Plan;
 use lockstep_protocol::{
     Command, CommandKind, CreationLogEntry, DataflowDescription, ErrorKind, Frontier, PeekResult,
     Row, Update, WriteInput,
@@ -20,7 +19,8 @@ use timely::worker::Worker;
 
 use crate::metrics::{ExportLabels, METRICS};
 
-use crate::render::{plans, render, Coll};
+use crate::family::Prepared;
+use crate::render::Coll;
 use crate::worker::{ExportState, FromWorker, Installed, SubState, Tap, WorkerState};
 
 /// The worker of the replica that introduces an update of `row`: the rule
@@ -60,8 +60,8 @@ impl WorkerState {
                     }
                     // Same description: kept (reconciliation), nothing to build.
                 } else {
-                    let plans = match plans(desc) {
-                        Ok(plans) => plans,
+                    let prepared = match self.family.prepare(desc) {
+                        Ok(prepared) => prepared,
                         Err(e) => {
                             self.error(
                                 seqno,
@@ -83,7 +83,7 @@ impl WorkerState {
                         );
                         return;
                     }
-                    self.build(worker, desc.clone(), &plans);
+                    self.build(worker, desc.clone(), prepared.as_ref());
                 }
             }
             CommandKind::AllowCompaction {
@@ -214,7 +214,7 @@ impl WorkerState {
         }
     }
 
-    fn build(&mut self, worker: &mut Worker, desc: DataflowDescription, plans: &[(u64, Plan)]) {
+    fn build(&mut self, worker: &mut Worker, desc: DataflowDescription, prepared: &dyn Prepared) {
         let timely_index = worker.next_dataflow_index();
         let hash = desc.hash();
         let name = format!("dataflow-{}-{}", desc.id, desc.debug_name);
@@ -227,11 +227,11 @@ impl WorkerState {
                 sessions.push((id, session));
             }
             let mut exports = BTreeMap::new();
-            for (collection_id, plan) in plans {
+            for (collection_id, collection) in prepared.render(&colls) {
                 let tap: Rc<RefCell<Tap>> = Rc::default();
                 let tap2 = Rc::clone(&tap);
                 let probe = ProbeHandle::new();
-                let arranged = render(plan, &colls).arrange_by_self();
+                let arranged = collection.arrange_by_self();
                 let trace = arranged.trace.clone();
                 arranged
                     .as_collection(|k: &Row, _v: &()| k.clone())
@@ -249,7 +249,7 @@ impl WorkerState {
                     })
                     .probe_with(&probe);
                 exports.insert(
-                    *collection_id,
+                    collection_id,
                     ExportState {
                         trace,
                         probe,

@@ -46,6 +46,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use differential_dataflow::input::InputSession;
@@ -61,9 +62,9 @@ use timely::dataflow::ProbeHandle;
 use timely::worker::Worker;
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::family::Family;
 use crate::metrics::{ReplicaMetrics, WorkerLabel, METRICS};
 use crate::order::log::LogTail;
-use crate::render::plans;
 
 pub use crate::order::log::LOG_POLL;
 
@@ -190,6 +191,8 @@ pub use lockstep_reconcile::{session_of, Session};
 /// its session machine ([`WorkerSession`]), which decides what happens to
 /// each command and when.
 pub struct WorkerState {
+    /// What it builds dataflows with.
+    family: Arc<dyn Family>,
     pub(crate) index: usize,
     peers: usize,
     reports_errors: bool,
@@ -224,6 +227,7 @@ pub struct WorkerState {
 
 /// What a worker runs, as its session machine sees it.
 struct View<'a> {
+    family: &'a dyn Family,
     dataflows: &'a BTreeMap<u64, Installed>,
     creation_log: &'a [CreationLogEntry],
 }
@@ -248,7 +252,7 @@ impl WorkerView<Command> for View<'_> {
     }
 
     fn buildable(&self, cmd: &Command) -> bool {
-        matches!(&cmd.kind, CommandKind::CreateDataflow(d) if plans(d).is_ok())
+        matches!(&cmd.kind, CommandKind::CreateDataflow(d) if self.family.prepare(d).is_ok())
     }
 
     fn creation_digest(&self) -> Digest {
@@ -267,15 +271,17 @@ impl WorkerState {
     /// first worker of each process, which alone reports command errors;
     /// `mesh` its control mesh, the first dataflow of every worker (without
     /// one, every reconciliation is per worker and no create waits at a
-    /// barrier round).
+    /// barrier round); `family` what it builds dataflows with.
     pub fn new(
         index: usize,
         peers: usize,
         reports_errors: bool,
         tx: UnboundedSender<FromWorker>,
         mesh: Option<Mesh>,
+        family: Arc<dyn Family>,
     ) -> Self {
         WorkerState {
+            family,
             index,
             peers,
             reports_errors,
@@ -423,6 +429,7 @@ impl WorkerState {
             }
             let now_ms = self.now_ms();
             let view = View {
+                family: self.family.as_ref(),
                 dataflows: &self.dataflows,
                 creation_log: &self.creation_log,
             };
@@ -471,6 +478,7 @@ pub fn run_worker(
     tx: UnboundedSender<FromWorker>,
     workers_per_process: usize,
     log: Option<AnyLog>,
+    family: Arc<dyn Family>,
 ) {
     let index = worker.index();
     // The control mesh is every worker's first dataflow.
@@ -481,6 +489,7 @@ pub fn run_worker(
         index.is_multiple_of(workers_per_process),
         tx,
         Some(mesh),
+        family,
     );
     if let Some(log) = log {
         state.tail_log(log);

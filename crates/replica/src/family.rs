@@ -1,0 +1,81 @@
+//! The replica's extension point: the dataflow family it builds.
+//!
+//! The compute protocol carries dataflows it does not understand: an
+//! export's description is its family's bytes. A replica process is built
+//! with one [`Family`], which turns a [`DataflowDescription`] into what a
+//! worker renders ([`Family::prepare`]) and renders it on that worker
+//! ([`Prepared::render`]). Everything else (sessions, strategies, inputs,
+//! peeks, subscribes, reconciliation, the creation log) is the replica's and
+//! the same for every family.
+//!
+//! The contract a family keeps, because timely needs every worker to build
+//! the same dataflows in the same order:
+//!
+//! - [`Family::prepare`] is a pure function of the description: every worker
+//!   of every process decides the same (accept or refuse, with the same
+//!   message), on every build of the family. No clock, no randomness, no
+//!   worker index, no I/O.
+//! - [`Prepared::render`] builds the same timely operators in the same order
+//!   on every worker, reads only the inputs it is given, and returns one
+//!   collection per export, in the description's export order.
+//! - It never panics on a description it accepted; a description it cannot
+//!   build is refused by `prepare`, before anything is built, so no worker is
+//!   left with half a dataflow.
+//!
+//! Rows are the protocol's rows (`lockstep_protocol::Row`, vectors of i64)
+//! for now; the built-in family is [`PlanFamily`] (`lockstep-plan`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use lockstep_plan::Plan;
+use lockstep_protocol::validate::InvalidDataflow;
+use lockstep_protocol::DataflowDescription;
+
+use crate::render::{render, Coll};
+
+/// A dataflow family: what a replica builds for a CreateDataflow. See the
+/// module documentation for the contract.
+pub trait Family: fmt::Debug + Send + Sync + 'static {
+    /// The format name of the descriptions it reads (for logs and errors).
+    fn format(&self) -> &str;
+
+    /// Checks `desc` and returns what a worker renders for it, or why it
+    /// cannot be built (the envelope's rules,
+    /// [`lockstep_protocol::validate::validate_dataflow`], included).
+    /// Deterministic: every worker decides the same.
+    fn prepare(&self, desc: &DataflowDescription) -> Result<Box<dyn Prepared>, InvalidDataflow>;
+}
+
+/// A checked dataflow, ready to render on a worker.
+pub trait Prepared {
+    /// Renders every export over `inputs` (one collection per declared
+    /// input), returning `(collection ID, collection)` in export order.
+    fn render<'s>(&self, inputs: &BTreeMap<u64, Coll<'s>>) -> Vec<(u64, Coll<'s>)>;
+}
+
+/// The built-in family: the plan language of `lockstep-plan`, format
+/// [`lockstep_plan::FORMAT`], rendered by [`crate::render`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PlanFamily;
+
+struct Plans(Vec<(u64, Plan)>);
+
+impl Family for PlanFamily {
+    fn format(&self) -> &str {
+        lockstep_plan::FORMAT
+    }
+
+    fn prepare(&self, desc: &DataflowDescription) -> Result<Box<dyn Prepared>, InvalidDataflow> {
+        Ok(Box::new(Plans(lockstep_plan::plans(desc)?)))
+    }
+}
+
+impl Prepared for Plans {
+    fn render<'s>(&self, inputs: &BTreeMap<u64, Coll<'s>>) -> Vec<(u64, Coll<'s>)> {
+        self.0
+            .iter()
+            .map(|(collection, plan)| (*collection, render(plan, inputs)))
+            .collect()
+    }
+}

@@ -1,0 +1,199 @@
+//! A replica process from its command line, built from parts: the
+//! `lockstep-replica` binary is [`Builder::new`] with the built-in family,
+//! and a binary of one's own is the same with [`Builder::family`].
+//!
+//! ```no_run
+//! fn main() {
+//!     lockstep_replica::Builder::new()
+//!         .family(lockstep_replica::family::PlanFamily)
+//!         .main()
+//! }
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use lockstep_protocol::{Endpoint, ProcessIdentity, DEFAULT_MAX_FRAME_LEN};
+
+use crate::family::{Family, PlanFamily};
+use crate::server::{run, ReplicaConfig};
+
+/// One process of a lockstep replica.
+///
+/// The argument names match the orchestrator's default replica template
+/// (`lockstep-environment`'s `DEFAULT_REPLICA_ARGS`).
+#[derive(Parser, Debug)]
+#[command(name = "lockstep-replica", version = env!("CARGO_PKG_VERSION"))]
+struct Args {
+    /// The replica's catalog ID.
+    #[arg(long)]
+    replica_id: u64,
+    /// This process's index, in 0..processes.
+    #[arg(long)]
+    process: u32,
+    /// How many processes the replica has.
+    #[arg(long)]
+    processes: u32,
+    /// Timely workers in this process.
+    #[arg(long, default_value_t = 1)]
+    workers: u32,
+    /// Every process's timely address, comma-separated, in process order:
+    /// `HOST:PORT` with HOST a name (a pod's DNS name, a host in /etc/hosts)
+    /// or an IP. This process's own entry is the address it advertises to its
+    /// peers. Names are looked up with retries until --cluster-timeout-secs.
+    #[arg(long, value_delimiter = ',', required = true)]
+    peers: Vec<Endpoint>,
+    /// The port this process listens on for timely peers (must match its entry in --peers).
+    #[arg(long)]
+    timely_port: u16,
+    /// The port this process listens on for controllers.
+    #[arg(long)]
+    controller_port: u16,
+    /// The address both ports are bound on (`0.0.0.0` for every interface, a
+    /// pod IP). Default: the address this process's own --peers entry
+    /// resolves to.
+    #[arg(long, alias = "host")]
+    listen_host: Option<std::net::IpAddr>,
+    /// Seconds to resolve every peer and wait for it to connect before
+    /// giving up.
+    #[arg(long, default_value_t = 30)]
+    cluster_timeout_secs: u64,
+    /// The largest frame accepted from a controller or sent to one, in bytes
+    /// (at least 64 KiB); peek answers larger than half of it go in parts.
+    #[arg(long, env = "LOCKSTEP_MAX_FRAME_LEN", default_value_t = DEFAULT_MAX_FRAME_LEN,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(65536..=(1u64 << 30)))]
+    max_frame_len: usize,
+    /// The replica's command log, needed by commands sent with the `log`
+    /// strategy: a SQLite file shared by its processes, or
+    /// `postgres://USER@HOST:PORT/DB#NAME` (the password in `PGPASSWORD`).
+    #[arg(long, env = "LOCKSTEP_COMMAND_LOG")]
+    command_log: Option<lockstep_command_log::LogLocation>,
+    /// The generation the orchestrator started this process in (every
+    /// process of a replica is started together, as one generation): timely
+    /// peers of another generation are refused.
+    #[arg(long, env = "LOCKSTEP_GENERATION", default_value_t = 0)]
+    generation: u64,
+    /// Accept a Hello that proves the key on plain frames and never prove
+    /// the key back, as before sessions were mutual: the negative control
+    /// `no-mutual` of the security suite only.
+    #[arg(long, hide = true, env = "LOCKSTEP_INSECURE_ONE_WAY_PROOF")]
+    insecure_one_way_proof: bool,
+    /// The log format on stderr: `text`, or `json` (one JSON object per
+    /// line).
+    #[arg(long, env = "LOCKSTEP_LOG_FORMAT", default_value = "text",
+          value_parser = ["text", "json"])]
+    log_format: String,
+}
+
+/// A replica process to be run: its dataflow family, and its command line
+/// (the arguments of `lockstep-replica --help`, which the environment's
+/// replica template passes).
+#[derive(Debug)]
+pub struct Builder {
+    family: Arc<dyn Family>,
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Builder::new()
+    }
+}
+
+impl Builder {
+    /// A process that builds the built-in family ([`PlanFamily`]).
+    pub fn new() -> Self {
+        Builder {
+            family: Arc::new(PlanFamily),
+        }
+    }
+
+    /// Builds dataflows with `family` instead (see [`crate::family`] for
+    /// its contract).
+    pub fn family(mut self, family: impl Family) -> Self {
+        self.family = Arc::new(family);
+        self
+    }
+
+    /// Parses this process's command line, sets up its logs, and runs it
+    /// until it ends: exits with 2 on bad arguments, 1 on an error, 0
+    /// otherwise (it never returns).
+    pub fn main(self) -> ! {
+        let args = Args::parse();
+        let family = self.family;
+        // The level from RUST_LOG (default info); with `--log-format json` (or
+        // LOCKSTEP_LOG_FORMAT=json, inherited from `lockstep serve`) one JSON
+        // object per line.
+        let logs = tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| "info".into()),
+            )
+            .with_writer(std::io::stderr);
+        if args.log_format == "json" {
+            logs.json().init();
+        } else {
+            logs.init();
+        }
+        crate::server::install_panic_exit();
+        // Test hooks: FAILPOINTS="name=actions;..." (feature `failpoints` only).
+        #[cfg(feature = "failpoints")]
+        std::mem::forget(fail::FailScenario::setup());
+        if args.peers.len() != args.processes as usize {
+            eprintln!(
+                "lockstep-replica: error: --peers lists {} addresses but --processes is {}",
+                args.peers.len(),
+                args.processes
+            );
+            std::process::exit(2);
+        }
+        if args.peers.get(args.process as usize).map(|a| a.port()) != Some(args.timely_port) {
+            eprintln!(
+                "lockstep-replica: error: --timely-port {} is not process {}'s entry in --peers",
+                args.timely_port, args.process
+            );
+            std::process::exit(2);
+        }
+        let config = ReplicaConfig {
+            identity: ProcessIdentity {
+                replica_id: args.replica_id,
+                process_index: args.process,
+                process_count: args.processes,
+                workers_per_process: args.workers,
+            },
+            timely_peers: args.peers,
+            listen_host: args.listen_host,
+            controller_port: args.controller_port,
+            cluster_timeout: Duration::from_secs(args.cluster_timeout_secs),
+            max_frame_len: args.max_frame_len,
+            command_log: args.command_log,
+            generation: args.generation,
+            one_way_proof: args.insecure_one_way_proof,
+            family,
+            session_key: match std::env::var(lockstep_protocol::SESSION_KEY_ENV) {
+                Ok(hex) => match lockstep_protocol::SessionKey::from_hex(&hex) {
+                    Ok(k) => Some(k),
+                    Err(e) => {
+                        eprintln!(
+                            "lockstep-replica: error: {}: {e}",
+                            lockstep_protocol::SESSION_KEY_ENV
+                        );
+                        std::process::exit(2);
+                    }
+                },
+                Err(_) => {
+                    tracing::warn!(
+                        "no {} set: any peer that reaches the controller port can drive this process",
+                        lockstep_protocol::SESSION_KEY_ENV
+                    );
+                    None
+                }
+            },
+        };
+        if let Err(e) = run(config) {
+            eprintln!("lockstep-replica: error: {e:#}");
+            std::process::exit(1);
+        }
+        std::process::exit(0)
+    }
+}
