@@ -2,12 +2,12 @@
 //! `lockstep-replica` binary is [`Builder::new`] with the built-in family,
 //! and a binary of one's own is the same with [`Builder::family`].
 //!
+//! A binary's `main` is one line:
+//!
 //! ```no_run
-//! fn main() {
-//!     lockstep_replica::Builder::new()
-//!         .family(lockstep_replica::family::PlanFamily)
-//!         .main()
-//! }
+//! lockstep_replica::Builder::new()
+//!     .family(lockstep_replica::family::PlanFamily)
+//!     .main()
 //! ```
 
 use std::sync::Arc;
