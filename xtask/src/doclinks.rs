@@ -109,6 +109,11 @@ pub fn dangling(root: &Path, files: &[String]) -> Vec<(String, String)> {
     let mut crates: Vec<PathBuf> = std::fs::read_dir(root.join("crates"))
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
+    crates.extend(
+        std::fs::read_dir(root.join("examples"))
+            .map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>())
+            .unwrap_or_default(),
+    );
     crates.push(root.join("xtask"));
     crates.push(root.join("benches"));
     let mut out = Vec::new();

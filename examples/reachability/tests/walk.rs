@@ -1,0 +1,208 @@
+//! The reachability family through real replica processes of its own
+//! binary (`lockstep-replica-reachability`), driven by lockstep's
+//! controller, which knows nothing of the family: under every
+//! distribution strategy that keeps lockstep, the exports answer what the
+//! plain-Rust reference says at every time, every worker built the same
+//! dataflows in the same order (I1), and a description the family cannot
+//! read is refused by every process before anything is built.
+
+use std::time::Duration;
+
+use lockstep_controller::{launch, Controller, Event, ReplicaAddrs, Timeouts};
+use lockstep_example_reachability::{describe, reference, FORMAT};
+use lockstep_orchestrator::process::{
+    kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
+};
+use lockstep_orchestrator::Orchestrator;
+use lockstep_policy::FixedStrategy;
+use lockstep_protocol::{
+    CommandHistory, DataflowDescription, ErrorKind, SessionKey, Strategy, Update,
+};
+
+const PROCESSES: usize = 2;
+const WORKERS: u32 = 2;
+
+/// A replica of the family's binary, and a controller that sends every
+/// command with `strategy`.
+struct Walk {
+    dir: tempfile::TempDir,
+    controller: Controller,
+}
+
+impl Drop for Walk {
+    fn drop(&mut self) {
+        self.controller.shutdown();
+        let _ = kill_all_services(self.dir.path());
+    }
+}
+
+async fn start(replica_id: u64, strategy: Strategy) -> Walk {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
+        .expect("orchestrator");
+    let log = lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite"));
+    let key = SessionKey::derive(&[0x7a; 32], replica_id);
+    let service = launch::replica_service(
+        std::path::Path::new(env!("CARGO_BIN_EXE_lockstep-replica-reachability")),
+        replica_id,
+        PROCESSES,
+        WORKERS,
+    )
+    .env("RUST_LOG", "warn");
+    let status = orchestrator
+        .ensure_service(launch::with_command_log(
+            launch::with_session_key(service, &key),
+            &log,
+        ))
+        .await
+        .expect("the family's replica starts");
+    let addrs = ReplicaAddrs {
+        replica_id,
+        processes: status
+            .processes
+            .iter()
+            .map(|p| p.addresses["controller"].into())
+            .collect(),
+        workers_per_process: WORKERS,
+        command_log: Some(log),
+        session_key: Some(key),
+        one_way_proof: false,
+        max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
+    };
+    let controller = Controller::start(
+        addrs,
+        1,
+        CommandHistory::new(),
+        Box::new(FixedStrategy(strategy)),
+        Timeouts {
+            connect: Duration::from_secs(20),
+            heartbeat_interval: Duration::from_millis(100),
+            heartbeat_timeout: Duration::from_secs(2),
+            request: Duration::from_secs(20),
+        },
+    );
+    Walk { dir, controller }
+}
+
+fn edge(src: i64, dst: i64, time: u64, diff: i64) -> Update {
+    Update {
+        row: vec![src, dst],
+        time,
+        diff,
+    }
+}
+
+/// Three writes of edges: a chain and a branch, a cycle closed, an edge
+/// taken away (which makes node 4 unreachable from 0 and farther from 5).
+fn writes() -> Vec<(Vec<Update>, u64)> {
+    vec![
+        (
+            vec![
+                edge(0, 1, 0, 1),
+                edge(1, 2, 0, 1),
+                edge(2, 3, 0, 1),
+                edge(1, 4, 0, 1),
+            ],
+            1,
+        ),
+        (
+            vec![
+                edge(3, 0, 1, 1),
+                edge(5, 4, 1, 1),
+                edge(4, 6, 1, 1),
+                edge(5, 0, 1, 1),
+            ],
+            2,
+        ),
+        (vec![edge(1, 4, 2, -1), edge(6, 7, 2, 1)], 3),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distances_match_the_reference_under_every_strategy() {
+    let roots = [(101u64, 0i64), (102, 5)];
+    for (i, strategy) in [Strategy::Barrier, Strategy::Broadcast, Strategy::Log]
+        .into_iter()
+        .enumerate()
+    {
+        let walk = start(40 + i as u64, strategy).await;
+        let c = &walk.controller;
+        c.create_dataflow(DataflowDescription {
+            id: 1,
+            as_of: 0,
+            inputs: vec![1],
+            exports: roots.iter().map(|&(c, r)| describe(c, r)).collect(),
+            debug_name: "distances".into(),
+        })
+        .unwrap();
+        let mut written = Vec::new();
+        for (updates, upper) in writes() {
+            written.extend(updates.iter().cloned());
+            c.write_input(1, updates, upper).unwrap();
+        }
+        for &(collection, root) in &roots {
+            c.wait_for_frontier(collection, 2).await.unwrap();
+            for t in 0..3 {
+                let got: std::collections::BTreeSet<Vec<i64>> = c
+                    .peek(collection, t)
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .map(|(row, diff)| {
+                        assert_eq!(diff, 1, "{strategy}: {row:?} at {t}");
+                        row
+                    })
+                    .collect();
+                assert_eq!(
+                    got,
+                    reference(&written, root, t),
+                    "{strategy}: distances from {root} at {t}"
+                );
+            }
+        }
+        // The reference is not trivially small: node 7 is 3 steps from 5 at
+        // time 2 (5 -> 4 -> 6 -> 7).
+        assert!(reference(&written, 5, 2).contains(&vec![7, 3]));
+        // I1: every worker built the same dataflows in the same order.
+        let statuses = c.statuses().await.unwrap();
+        assert_eq!(statuses.len(), PROCESSES * WORKERS as usize);
+        for s in &statuses {
+            assert_eq!(s.creation_log, statuses[0].creation_log, "{strategy}");
+            assert_eq!(s.creation_log.len(), 1, "{strategy}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_description_the_family_cannot_read_is_refused_before_anything_is_built() {
+    let walk = start(50, Strategy::Barrier).await;
+    let c = &walk.controller;
+    let mut events = c.events();
+    let mut bad = DataflowDescription {
+        id: 2,
+        as_of: 0,
+        inputs: vec![1],
+        exports: vec![describe(201, 0)],
+        debug_name: "bad".into(),
+    };
+    // Seven bytes: not a root.
+    bad.exports[0].description.pop();
+    c.create_dataflow(bad).unwrap();
+    let error = loop {
+        let e = tokio::time::timeout(Duration::from_secs(20), events.recv())
+            .await
+            .expect("an error event within 20 s")
+            .unwrap();
+        if let Event::ReplicaError { error, .. } = e {
+            break error;
+        }
+    };
+    assert_eq!(error.kind, ErrorKind::InvalidCommand);
+    assert!(
+        error.message.contains("7 bytes") && error.message.contains(FORMAT),
+        "{}",
+        error.message
+    );
+    let statuses = c.statuses().await.unwrap();
+    assert!(statuses.iter().all(|s| s.creation_log.is_empty()));
+}
