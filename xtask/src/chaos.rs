@@ -131,9 +131,16 @@ fn orphans() -> anyhow::Result<()> {
 /// `lockstep serve` (the controller's failpoints reach `lockstep` through
 /// lockstep-chaos, features being unified).
 fn build_with_environment(suite: &str) -> anyhow::Result<()> {
-    step(&format!("building lockstep, lockstep-replica and {suite}"));
+    step(&format!(
+        "building lockstep, lockstep-replica, lockstep-replica-reachability and {suite}"
+    ));
     run(build_bins(
-        &["lockstep-cli", "lockstep-replica", "lockstep-chaos"],
+        &[
+            "lockstep-cli",
+            "lockstep-replica",
+            "lockstep-example-reachability",
+            "lockstep-chaos",
+        ],
         Some(crate::tasks::TEST_FEATURES),
     ))
 }
@@ -160,6 +167,10 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
         "log@postgres",
         "naive",
         "naive+history-check",
+        "broadcast+reachability",
+        "barrier+reachability",
+        "log+reachability",
+        "naive+reachability",
     ]
     .map(String::from)
     .to_vec();

@@ -34,9 +34,17 @@
 //! scenarios instead, on two simulated hosts ([`partitions`]); they need
 //! root and iproute2.
 //!
+//! The `+reachability` variants run six of the scenarios
+//! ([`scenarios::FAMILY_SCENARIOS`]) with the dataflows written in the
+//! example family of `examples/reachability`, on its own replica binary
+//! (`lockstep-replica-reachability`): the control plane and the checks are
+//! the same, only the family and its reference change.
+//!
 //! Usage: `lockstep-chaos-distribution [VARIANT...]` (default: broadcast
-//! barrier log log@postgres naive naive+history-check, and where simulated
-//! hosts can be made, broadcast@hosts barrier@hosts log@hosts naive@hosts;
+//! barrier log log@postgres naive naive+history-check, the same four
+//! strategies' `+reachability` variants (broadcast, barrier, log, naive), and
+//! where simulated hosts can be made, broadcast@hosts barrier@hosts log@hosts
+//! naive@hosts;
 //! `STRATEGY@postgres` keeps the replica's command log in a throw-away
 //! PostgreSQL server instead of a SQLite file). Prints what broke, then one JSON
 //! line per variant. Exits non-zero if a variant that must pass had a
@@ -60,7 +68,7 @@ mod variant;
 mod workload;
 
 use replica::replica_binary;
-use scenarios::{scenario, SCENARIOS};
+use scenarios::{scenario, FAMILY_SCENARIOS, SCENARIOS};
 use variant::{Variant, DEFAULT_VARIANTS, HOSTS_VARIANTS};
 use workload::FAILPOINT;
 
@@ -97,12 +105,15 @@ fn main() {
             std::process::exit(2);
         }
     }
-    if !replica_binary().exists() {
-        eprintln!(
-            "lockstep-chaos-distribution: {} is missing: build lockstep-replica (cargo xtask chaos distribution does)",
-            replica_binary().display()
-        );
-        std::process::exit(2);
+    for s in &strategies {
+        let binary = replica_binary(s.family);
+        if !binary.exists() {
+            eprintln!(
+                "lockstep-chaos-distribution: {} is missing: build it (cargo xtask chaos distribution does)",
+                binary.display()
+            );
+            std::process::exit(2);
+        }
     }
     // One throw-away PostgreSQL server for the `@postgres` variants; each
     // replica's log is its own in it.
@@ -133,6 +144,8 @@ fn main() {
         let only = std::env::var("LOCKSTEP_CHAOS_SCENARIOS").unwrap_or_default();
         let scenarios: &[&str] = if s.hosts {
             &partitions::SCENARIOS
+        } else if s.family != variant::Family::Plan {
+            &FAMILY_SCENARIOS
         } else {
             &SCENARIOS
         };

@@ -174,8 +174,8 @@ async fn connected(events: &mut tokio::sync::broadcast::Receiver<Event>) -> Resu
 /// Runs one partition scenario on `r` (2x2, on two simulated hosts).
 pub async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure> {
     let restarter = Restarter::default();
-    let base = vec![d1(), d2()];
-    let with_x = vec![d1(), d2(), x()];
+    let base = vec![d1(s), d2(s)];
+    let with_x = vec![d1(s), d2(s), x(s)];
     let a = restarter.controller(r, 1, s, history(&base));
     ready(&a, &base).await?;
     let (link, long) = match name.split('-').take(3).collect::<Vec<_>>()[..] {
@@ -191,10 +191,10 @@ pub async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Fail
     if name.ends_with("during-create") {
         cut_for(r, &a, link, hold, until_silent, || {
             // Sent into the partition: its answer may come after the heal.
-            let _ = a.create_dataflow(x());
+            let _ = a.create_dataflow(x(s));
         })
         .await?;
-        check(&a, &with_x).await
+        check(s, &a, &with_x).await
     } else if name.ends_with("during-reconcile") {
         a.shutdown();
         let b = restarter.controller(r, 2, s, history(&with_x));
@@ -203,7 +203,7 @@ pub async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Fail
         // Reconciliation of process 1 runs into the partition; a long
         // one outlasts the heartbeat timeout.
         cut_for(r, &b, link, hold, false, || {}).await?;
-        check(&b, &with_x).await
+        check(s, &b, &with_x).await
     } else if name.ends_with("create-new-controller") {
         // The controller is replaced while process 1 is cut off, right
         // after a create; the successor does not want that dataflow. The
@@ -214,14 +214,14 @@ pub async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Fail
         // old connection, so its socket copy of the create is lost.
         let cut_at = Instant::now();
         set_link(r, link, false)?;
-        let _ = a.create_dataflow(x());
+        let _ = a.create_dataflow(x(s));
         tokio::time::sleep(SHORT).await;
         a.shutdown();
         if link == Link::Mesh {
             let b = restarter.controller(r, 2, s, history(&base));
             tokio::time::sleep(TAKEOVER.saturating_sub(cut_at.elapsed())).await;
             set_link(r, link, true)?;
-            return check(&b, &base).await;
+            return check(s, &b, &base).await;
         }
         // On the control link the successor reaches process 1 only after
         // the heal, and only then starts its heartbeats, over connections
@@ -246,7 +246,7 @@ pub async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Fail
             }
         };
         tokio::select! {
-            result = check(&b, &base) => result,
+            result = check(s, &b, &base) => result,
             (process, silent_for) = silent => Err(violation(
                 "I2",
                 format!(

@@ -16,7 +16,7 @@ use lockstep_policy::{
 };
 use lockstep_protocol::{CommandHistory, Strategy};
 
-use super::variant::Variant;
+use super::variant::{Family, Variant};
 
 pub(crate) struct Replica {
     pub(crate) dir: tempfile::TempDir,
@@ -31,20 +31,23 @@ impl Drop for Replica {
     }
 }
 
-pub(crate) fn replica_binary() -> PathBuf {
+/// The replica binary that builds `family`, beside this one.
+pub(crate) fn replica_binary(family: Family) -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
-    exe.parent().expect("a directory").join("lockstep-replica")
+    exe.parent().expect("a directory").join(family.binary())
 }
 
-/// Starts replica `id` of `processes` x `workers`, on `hosts` simulated
-/// hosts if not 0; its command log is a SQLite file in its directory, or the
-/// log `replica-ID` in the PostgreSQL database at `postgres`.
+/// Starts replica `id` of `processes` x `workers` of the binary that builds
+/// `family`, on `hosts` simulated hosts if not 0; its command log is a
+/// SQLite file in its directory, or the log `replica-ID` in the PostgreSQL
+/// database at `postgres`.
 pub(crate) async fn start_replica(
     id: u64,
     processes: usize,
     workers: u32,
     postgres: Option<&str>,
     hosts: usize,
+    family: Family,
 ) -> Result<Replica, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let mut config = ProcessOrchestratorConfig::new(dir.path(), 1);
@@ -61,7 +64,7 @@ pub(crate) async fn start_replica(
     let key = lockstep_protocol::SessionKey::derive(&[0xc4; 32], id);
     let config = launch::with_session_key(
         launch::with_command_log(
-            launch::replica_service(&replica_binary(), id, processes, workers),
+            launch::replica_service(&replica_binary(family), id, processes, workers),
             &log,
         ),
         &key,

@@ -16,6 +16,19 @@ use super::workload::{
     check, crash_on, crash_reaching, crashed, d1, d2, history, ready, x, y, LAST_TIME,
 };
 
+/// The scenarios of a variant with another dataflow family (`+reachability`):
+/// a partial create (unwanted, wanted), a partial drop, a partial write, a
+/// partial reconciliation and a killed process, which between them reach
+/// every command a family's dataflows go through.
+pub(crate) const FAMILY_SCENARIOS: [&str; 6] = [
+    "partial-create-unwanted",
+    "partial-create-wanted",
+    "partial-drop-wanted-again",
+    "partial-write",
+    "partial-reconcile",
+    "killed-process",
+];
+
 pub(crate) const SCENARIOS: [&str; 27] = [
     "partial-create-unwanted",
     "partial-create-wanted",
@@ -63,7 +76,7 @@ pub(crate) async fn scenario(
     };
     let postgres = if s.postgres { postgres } else { None };
     let hosts = if s.hosts { 2 } else { 0 };
-    let r = start_replica(id, processes, workers, postgres, hosts).await?;
+    let r = start_replica(id, processes, workers, postgres, hosts, s.family).await?;
     let result = if s.hosts {
         partitions::scenario_on(&r, name, s).await
     } else {
@@ -93,33 +106,33 @@ fn print_process_logs(dir: &std::path::Path) {
 }
 
 async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure> {
-    let base = vec![d1(), d2()];
+    let base = vec![d1(s), d2(s)];
     let a = controller(r, 1, s, history(&base));
     ready(&a, &base).await?;
     match name {
         "partial-create-unwanted" => {
             crash_on("create-dataflow");
             // The controller crashes inside this call: what it returns does not matter.
-            let _ = a.create_dataflow(x());
+            let _ = a.create_dataflow(x(s));
             crashed(&a).await;
-            check(&controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(&base)), &base).await
         }
         "partial-create-wanted" => {
             crash_on("create-dataflow");
             // The controller crashes inside this call: what it returns does not matter.
-            let _ = a.create_dataflow(x());
+            let _ = a.create_dataflow(x(s));
             crashed(&a).await;
-            let t = vec![d1(), d2(), x()];
-            check(&controller(r, 2, s, history(&t)), &t).await
+            let t = vec![d1(s), d2(s), x(s)];
+            check(s, &controller(r, 2, s, history(&t)), &t).await
         }
         "strategy-switched-after-partial-create" => {
             // The next controller runs another strategy (log, or barrier
             // after log), as after a policy swapped at run time.
             crash_on("create-dataflow");
             // The controller crashes inside this call: what it returns does not matter.
-            let _ = a.create_dataflow(x());
+            let _ = a.create_dataflow(x(s));
             crashed(&a).await;
-            let t = vec![d1(), d2(), x()];
+            let t = vec![d1(s), d2(s), x(s)];
             let switched = Variant {
                 strategy: if s.strategy == Strategy::Log {
                     Strategy::Barrier
@@ -130,179 +143,180 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
                 check_reconciles: s.check_reconciles,
                 postgres: s.postgres,
                 hosts: s.hosts,
+                family: s.family,
             };
-            check(&controller(r, 2, switched, history(&t)), &t).await
+            check(s, &controller(r, 2, switched, history(&t)), &t).await
         }
         "partial-create-then-create" => {
             crash_on("create-dataflow");
             // The controller crashes inside this call: what it returns does not matter.
-            let _ = a.create_dataflow(x());
+            let _ = a.create_dataflow(x(s));
             crashed(&a).await;
             let b = controller(r, 2, s, history(&base));
-            b.create_dataflow(y()).map_err(|e| e.to_string())?;
-            check(&b, &[d1(), d2(), y()]).await
+            b.create_dataflow(y(s)).map_err(|e| e.to_string())?;
+            check(s, &b, &[d1(s), d2(s), y(s)]).await
         }
         "partial-drop-wanted-again" => {
             // Process 0 sees build and drop of X, process 1 only the build;
             // the restarted controller wants X again.
-            a.create_dataflow(x()).map_err(|e| e.to_string())?;
-            ready(&a, &[x()]).await?;
+            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+            ready(&a, &[x(s)]).await?;
             crash_on("allow-compaction");
-            let _ = a.drop_dataflow(&x());
+            let _ = a.drop_dataflow(&x(s));
             crashed(&a).await;
-            let t = vec![d1(), d2(), x()];
-            check(&controller(r, 2, s, history(&t)), &t).await
+            let t = vec![d1(s), d2(s), x(s)];
+            check(s, &controller(r, 2, s, history(&t)), &t).await
         }
         "partial-drop-unwanted" => {
-            a.create_dataflow(x()).map_err(|e| e.to_string())?;
-            ready(&a, &[x()]).await?;
+            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+            ready(&a, &[x(s)]).await?;
             crash_on("allow-compaction");
-            let _ = a.drop_dataflow(&x());
+            let _ = a.drop_dataflow(&x(s));
             crashed(&a).await;
-            check(&controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(&base)), &base).await
         }
         "partial-peek" => {
             crash_on("peek");
             let _ = tokio::time::timeout(Duration::from_millis(300), a.peek(1001, LAST_TIME)).await;
             crashed(&a).await;
-            check(&controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(&base)), &base).await
         }
         "partial-write" => {
             crash_on("write-input");
             let _ = a.write_input(1, vec![], LAST_TIME + 1);
             crashed(&a).await;
-            check(&controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(&base)), &base).await
         }
         "partial-reconcile" => {
             // The restarted controller crashes during reconciliation itself.
             a.shutdown();
-            let t = vec![d1(), d2(), x()];
+            let t = vec![d1(s), d2(s), x(s)];
             crash_on("initialization-complete");
             let b = controller(r, 2, s, history(&t));
             crashed(&b).await;
-            check(&controller(r, 3, s, history(&t)), &t).await
+            check(s, &controller(r, 3, s, history(&t)), &t).await
         }
         "partial-reconcile-changed" => {
-            a.create_dataflow(x()).map_err(|e| e.to_string())?;
-            ready(&a, &[x()]).await?;
+            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+            ready(&a, &[x(s)]).await?;
             a.shutdown();
             crash_on("initialization-complete");
             let b = controller(r, 2, s, history(&base));
             crashed(&b).await;
-            let t = vec![d1(), d2(), x(), y()];
-            check(&controller(r, 3, s, history(&t)), &t).await
+            let t = vec![d1(s), d2(s), x(s), y(s)];
+            check(s, &controller(r, 3, s, history(&t)), &t).await
         }
         "dropped-connections" => {
             a.reconnect().map_err(|e| e.to_string())?;
-            a.create_dataflow(x()).map_err(|e| e.to_string())?;
-            check(&a, &[d1(), d2(), x()]).await
+            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+            check(s, &a, &[d1(s), d2(s), x(s)]).await
         }
         "changed-target" => {
             a.shutdown();
-            let t = vec![d2(), x()];
-            check(&controller(r, 2, s, history(&t)), &t).await
+            let t = vec![d2(s), x(s)];
+            check(s, &controller(r, 2, s, history(&t)), &t).await
         }
         "partial-create-last" => {
             crash_reaching("create-dataflow", "last1");
             // The controller crashes inside this call: what it returns does not matter.
-            let _ = a.create_dataflow(x());
+            let _ = a.create_dataflow(x(s));
             crashed(&a).await;
-            check(&controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(&base)), &base).await
         }
         "partial-create-last-wanted" => {
             crash_reaching("create-dataflow", "last1");
             // The controller crashes inside this call: what it returns does not matter.
-            let _ = a.create_dataflow(x());
+            let _ = a.create_dataflow(x(s));
             crashed(&a).await;
-            let t = vec![d1(), d2(), x()];
-            check(&controller(r, 2, s, history(&t)), &t).await
+            let t = vec![d1(s), d2(s), x(s)];
+            check(s, &controller(r, 2, s, history(&t)), &t).await
         }
         "partial-drop-wanted-again-mirrored" => {
             // Process 1 sees build and drop of X, process 0 only the build.
-            a.create_dataflow(x()).map_err(|e| e.to_string())?;
-            ready(&a, &[x()]).await?;
+            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+            ready(&a, &[x(s)]).await?;
             crash_reaching("allow-compaction", "last1");
-            let _ = a.drop_dataflow(&x());
+            let _ = a.drop_dataflow(&x(s));
             crashed(&a).await;
-            let t = vec![d1(), d2(), x()];
-            check(&controller(r, 2, s, history(&t)), &t).await
+            let t = vec![d1(s), d2(s), x(s)];
+            check(s, &controller(r, 2, s, history(&t)), &t).await
         }
         "partial-write-last" => {
             crash_reaching("write-input", "last1");
             let _ = a.write_input(1, vec![], LAST_TIME + 1);
             crashed(&a).await;
-            check(&controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(&base)), &base).await
         }
         "double-crash" => {
             // A crash in a create, then the successor crashes reconciling.
             crash_on("create-dataflow");
-            let _ = a.create_dataflow(x());
+            let _ = a.create_dataflow(x(s));
             crashed(&a).await;
-            let t = vec![d1(), d2(), y()];
+            let t = vec![d1(s), d2(s), y(s)];
             crash_on("initialization-complete");
             let b = controller(r, 2, s, history(&t));
             crashed(&b).await;
-            check(&controller(r, 3, s, history(&t)), &t).await
+            check(s, &controller(r, 3, s, history(&t)), &t).await
         }
         "three-processes-partial-create" => {
             crash_reaching("create-dataflow", "2");
-            let _ = a.create_dataflow(x());
+            let _ = a.create_dataflow(x(s));
             crashed(&a).await;
-            check(&controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(&base)), &base).await
         }
         "three-processes-partial-drop-wanted-again" => {
-            a.create_dataflow(x()).map_err(|e| e.to_string())?;
-            ready(&a, &[x()]).await?;
+            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+            ready(&a, &[x(s)]).await?;
             crash_reaching("allow-compaction", "last2");
-            let _ = a.drop_dataflow(&x());
+            let _ = a.drop_dataflow(&x(s));
             crashed(&a).await;
-            let t = vec![d1(), d2(), x()];
-            check(&controller(r, 2, s, history(&t)), &t).await
+            let t = vec![d1(s), d2(s), x(s)];
+            check(s, &controller(r, 2, s, history(&t)), &t).await
         }
         "reconnect-between-creates" => {
-            a.create_dataflow(x()).map_err(|e| e.to_string())?;
+            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
             a.reconnect().map_err(|e| e.to_string())?;
-            a.create_dataflow(y()).map_err(|e| e.to_string())?;
-            check(&a, &[d1(), d2(), x(), y()]).await
+            a.create_dataflow(y(s)).map_err(|e| e.to_string())?;
+            check(s, &a, &[d1(s), d2(s), x(s), y(s)]).await
         }
         "stale-controller" => {
             // The successor connects while the old controller still runs;
             // what the old one sends afterwards must change nothing.
-            let t = vec![d1(), d2(), x()];
+            let t = vec![d1(s), d2(s), x(s)];
             let b = controller(r, 2, s, history(&t));
-            ready(&b, &[x()]).await?;
-            let _ = a.create_dataflow(y());
-            let _ = a.drop_dataflow(&d1());
+            ready(&b, &[x(s)]).await?;
+            let _ = a.create_dataflow(y(s));
+            let _ = a.drop_dataflow(&d1(s));
             tokio::time::sleep(Duration::from_millis(300)).await;
-            check(&b, &t).await
+            check(s, &b, &t).await
         }
         "killed-process" => {
             let pid = pid_of(r, 1).await?;
             signal(pid, libc::SIGKILL)?;
-            check(&a, &base).await
+            check(s, &a, &base).await
         }
         "killed-process-0" => {
             let pid = pid_of(r, 0).await?;
             signal(pid, libc::SIGKILL)?;
-            check(&a, &base).await
+            check(s, &a, &base).await
         }
         "killed-during-reconcile" => {
             a.shutdown();
-            let t = vec![d1(), d2(), x()];
+            let t = vec![d1(s), d2(s), x(s)];
             let b = controller(r, 2, s, history(&t));
             let pid = pid_of(r, 1).await?;
             signal(pid, libc::SIGKILL)?;
-            check(&b, &t).await
+            check(s, &b, &t).await
         }
         "stopped-process" => {
             stop_until_silent(r, &a, 1).await?;
             signal(pid_of(r, 1).await?, libc::SIGCONT)?;
-            check(&a, &base).await
+            check(s, &a, &base).await
         }
         "stopped-process-0" => {
             stop_until_silent(r, &a, 0).await?;
             signal(pid_of(r, 0).await?, libc::SIGCONT)?;
-            check(&a, &base).await
+            check(s, &a, &base).await
         }
         "stopped-process-restarted" => {
             // What the environment does with a silent process: restart the
@@ -312,7 +326,7 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
                 .restart_service(&r.service)
                 .await
                 .map_err(|e| format!("restart: {e}"))?;
-            check(&a, &base).await
+            check(s, &a, &base).await
         }
         other => Err(Failure::Harness(format!("unknown scenario {other}"))),
     }

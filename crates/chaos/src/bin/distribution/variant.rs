@@ -1,6 +1,6 @@
 //! The distribution suite's variants: what a variant name on the command
-//! line (`STRATEGY[+history-check][@postgres|@hosts]`) means, and the
-//! variants run by default.
+//! line (`STRATEGY[+history-check|+reachability][@postgres|@hosts]`) means,
+//! and the variants run by default.
 
 use lockstep_protocol::Strategy;
 
@@ -21,6 +21,29 @@ pub(crate) struct Variant {
     pub(crate) check_reconciles: bool,
     /// `@hosts`: the partition scenarios, on two simulated hosts.
     pub(crate) hosts: bool,
+    /// The dataflow family the replica builds (`+reachability`: the example
+    /// family of `examples/reachability`, on its own replica binary).
+    pub(crate) family: Family,
+}
+
+/// A dataflow family the suite's workload can be written in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Family {
+    /// The built-in plan language (`lockstep-plan`), on `lockstep-replica`.
+    Plan,
+    /// Breadth-first distances (`lockstep-example-reachability`), on
+    /// `lockstep-replica-reachability`.
+    Reachability,
+}
+
+impl Family {
+    /// The replica binary that builds this family.
+    pub(crate) fn binary(self) -> &'static str {
+        match self {
+            Family::Plan => "lockstep-replica",
+            Family::Reachability => "lockstep-replica-reachability",
+        }
+    }
 }
 
 impl std::fmt::Display for Variant {
@@ -28,6 +51,9 @@ impl std::fmt::Display for Variant {
         write!(f, "{}", self.strategy)?;
         if self.check_reconciles {
             write!(f, "+history-check")?;
+        }
+        if self.family == Family::Reachability {
+            write!(f, "+reachability")?;
         }
         if self.hosts {
             write!(f, "@hosts")?;
@@ -52,6 +78,10 @@ impl std::str::FromStr for Variant {
             }
             None => (s, false, false),
         };
+        let (s, family) = match s.strip_suffix("+reachability") {
+            Some(n) => (n, Family::Reachability),
+            None => (s, Family::Plan),
+        };
         let (name, check_reconciles) = match s.strip_suffix("+history-check") {
             Some(n) => (n, true),
             None => (s, false),
@@ -61,20 +91,27 @@ impl std::str::FromStr for Variant {
             postgres,
             check_reconciles,
             hosts,
+            family,
         })
     }
 }
 
 /// The variants run by default: the three strategies that must pass, the
 /// log strategy with its command log in PostgreSQL, the negative control,
-/// and naive delivery repaired by the history check.
-pub(crate) const DEFAULT_VARIANTS: [&str; 6] = [
+/// naive delivery repaired by the history check, and the strategies and the
+/// negative control again with the reachability family (its scenarios are
+/// [`super::scenarios::FAMILY_SCENARIOS`]).
+pub(crate) const DEFAULT_VARIANTS: [&str; 10] = [
     "broadcast",
     "barrier",
     "log",
     "log@postgres",
     "naive",
     "naive+history-check",
+    "broadcast+reachability",
+    "barrier+reachability",
+    "log+reachability",
+    "naive+reachability",
 ];
 
 /// The partition variants, run by default where simulated hosts can be made.

@@ -1,15 +1,23 @@
 //! What every scenario runs and checks: the writes and the dataflows (D1,
 //! D2, X, Y) with their histories, the failpoint that crashes the
 //! controller part-way through a broadcast, and the check of I1 to I4.
+//!
+//! The dataflows are written in the variant's family: plans of the built-in
+//! language, or roots of the reachability family (`examples/reachability`),
+//! whose edges are the same two-column rows the writes hold; each family's
+//! own reference says what a peek must answer.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use lockstep_chaos::outcome::{violation, Failure};
 use lockstep_controller::Controller;
+use lockstep_example_reachability as reachability;
 use lockstep_plan::reference::evaluate;
 use lockstep_plan::text::parse_plan;
-use lockstep_protocol::{CommandHistory, CommandKind, DataflowDescription, Update};
+use lockstep_protocol::{CommandHistory, CommandKind, DataflowDescription, Export, Update};
+
+use super::variant::{Family, Variant};
 
 pub(crate) const LAST_TIME: u64 = 3;
 pub(crate) const FAILPOINT: &str = "controller_partial_broadcast";
@@ -50,17 +58,71 @@ fn dataflow(id: u64, plan: &str) -> DataflowDescription {
     }
 }
 
-pub(crate) fn d1() -> DataflowDescription {
-    dataflow(1, "join(get(1), get(2), #0, #0)")
+/// A reachability dataflow: the distances from `root` over the edges of
+/// `input`.
+fn distances(id: u64, input: u64, root: i64) -> DataflowDescription {
+    DataflowDescription {
+        id,
+        as_of: 0,
+        inputs: vec![input],
+        exports: vec![reachability::describe(1000 + id, root)],
+        debug_name: format!("chaos-{id}"),
+    }
 }
-pub(crate) fn d2() -> DataflowDescription {
-    dataflow(2, "reduce(get(1), [#0], count, sum(#1))")
+
+pub(crate) fn d1(s: Variant) -> DataflowDescription {
+    match s.family {
+        Family::Plan => dataflow(1, "join(get(1), get(2), #0, #0)"),
+        Family::Reachability => distances(1, 1, 1),
+    }
 }
-pub(crate) fn x() -> DataflowDescription {
-    dataflow(3, "reduce(get(2), [#1], count)")
+pub(crate) fn d2(s: Variant) -> DataflowDescription {
+    match s.family {
+        Family::Plan => dataflow(2, "reduce(get(1), [#0], count, sum(#1))"),
+        Family::Reachability => distances(2, 2, 1),
+    }
 }
-pub(crate) fn y() -> DataflowDescription {
-    dataflow(4, "filter(get(1), #1 > 10)")
+pub(crate) fn x(s: Variant) -> DataflowDescription {
+    match s.family {
+        Family::Plan => dataflow(3, "reduce(get(2), [#1], count)"),
+        Family::Reachability => distances(3, 2, 3),
+    }
+}
+pub(crate) fn y(s: Variant) -> DataflowDescription {
+    match s.family {
+        Family::Plan => dataflow(4, "filter(get(1), #1 > 10)"),
+        Family::Reachability => distances(4, 1, 4),
+    }
+}
+
+/// What export `e` of `d` holds at `t` by its family's reference.
+fn reference(
+    s: Variant,
+    d: &DataflowDescription,
+    e: &Export,
+    inputs: &BTreeMap<u64, Vec<Update>>,
+    t: u64,
+) -> Result<BTreeMap<Vec<i64>, i64>, Failure> {
+    let own = |err: String| Failure::Harness(format!("the workload's own dataflow: {err}"));
+    Ok(match s.family {
+        Family::Plan => {
+            let plan = lockstep_plan::decode(e.collection_id, &e.description)
+                .map_err(|err| own(err.to_string()))?;
+            evaluate(&plan, inputs, t)
+        }
+        Family::Reachability => {
+            let root: [u8; 8] = e
+                .description
+                .as_slice()
+                .try_into()
+                .map_err(|_| own(format!("export {} has no root", e.collection_id)))?;
+            let edges = inputs.get(&d.inputs[0]).cloned().unwrap_or_default();
+            reachability::reference(&edges, i64::from_le_bytes(root), t)
+                .into_iter()
+                .map(|row| (row, 1))
+                .collect()
+        }
+    })
 }
 
 /// A history: every write, then these dataflows.
@@ -83,7 +145,11 @@ pub(crate) fn history(dataflows: &[DataflowDescription]) -> CommandHistory {
 }
 
 /// Checks I1 to I4 against `target`: a broken invariant is a violation.
-pub(crate) async fn check(c: &Controller, target: &[DataflowDescription]) -> Result<(), Failure> {
+pub(crate) async fn check(
+    s: Variant,
+    c: &Controller,
+    target: &[DataflowDescription],
+) -> Result<(), Failure> {
     for d in target {
         for e in &d.exports {
             c.wait_for_frontier(e.collection_id, LAST_TIME)
@@ -129,9 +195,7 @@ pub(crate) async fn check(c: &Controller, target: &[DataflowDescription]) -> Res
                 })?
                 .into_iter()
                 .collect();
-            let plan = lockstep_plan::decode(e.collection_id, &e.description)
-                .map_err(|err| Failure::Harness(format!("the workload's own plan: {err}")))?;
-            let want = evaluate(&plan, &inputs, LAST_TIME);
+            let want = reference(s, d, e, &inputs, LAST_TIME)?;
             if got != want {
                 return Err(violation(
                     "I3",
