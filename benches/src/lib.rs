@@ -29,6 +29,7 @@ pub fn small_dataflow(id: u64) -> DataflowDescription {
             &Plan::Get { collection_id: 1 },
         )],
         debug_name: format!("bench-{id}"),
+        format: lockstep_plan::FORMAT.into(),
     }
 }
 
@@ -49,6 +50,7 @@ pub fn dataflow_over(id: u64, input: u64, export: u64) -> DataflowDescription {
             },
         )],
         debug_name: format!("bench-write-{id}"),
+        format: lockstep_plan::FORMAT.into(),
     }
 }
 

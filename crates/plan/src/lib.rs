@@ -26,7 +26,9 @@ pub mod wire;
 
 pub use ir::*;
 
-use lockstep_protocol::validate::{check_dataflow, validate_dataflow, InvalidDataflow, Refused};
+use lockstep_protocol::validate::{
+    check_dataflow, check_format, validate_dataflow, InvalidDataflow, Refused,
+};
 use lockstep_protocol::{DataflowDescription, Export};
 use prost::Message as _;
 
@@ -141,14 +143,17 @@ pub fn dataflow(
         inputs,
         exports: exports.iter().map(|(c, p)| export(*c, p)).collect(),
         debug_name: debug_name.into(),
+        format: FORMAT.into(),
     }
 }
 
 /// The plans of `desc`, `(collection ID, plan)` in export order, checked:
-/// the protocol's envelope rules ([`validate_dataflow`]), then every
+/// its format is [`FORMAT`], the protocol's envelope rules
+/// ([`validate_dataflow`]), then every
 /// description decodes, nests at most [`MAX_PLAN_DEPTH`] deep and reads
 /// declared inputs only. A replica's workers build only what passes.
 pub fn plans(desc: &DataflowDescription) -> Result<Vec<(u64, Plan)>, InvalidDataflow> {
+    check_format(desc, FORMAT)?;
     validate_dataflow(desc)?;
     desc.exports
         .iter()
@@ -259,5 +264,9 @@ mod tests {
             plans(&d).unwrap(),
             vec![(101, Plan::Get { collection_id: 1 })]
         );
+        // Another family's dataflow is refused by its format, before its
+        // descriptions are read.
+        d.format = "lockstep.example.reachability.v1".into();
+        assert!(matches!(plans(&d), Err(InvalidDataflow::Format { .. })));
     }
 }

@@ -503,6 +503,7 @@ mod forget_tests {
                 description: vec![1],
             }],
             debug_name: String::new(),
+            format: crate::DEFAULT_FORMAT.into(),
         })
     }
 

@@ -29,6 +29,14 @@ pub enum InvalidDataflow {
         /// The ID.
         collection: u64,
     },
+    /// The dataflow is of a format (family) the process does not build.
+    #[error("the dataflow is of format {format:?}; this process builds {builds:?}")]
+    Format {
+        /// The dataflow's format.
+        format: String,
+        /// The format the process builds.
+        builds: String,
+    },
     /// The dataflow's family refuses an export's description (it does not
     /// decode, reads an undeclared input, nests too deep, ...).
     #[error("{reason}")]
@@ -55,6 +63,18 @@ pub fn validate_dataflow(desc: &DataflowDescription) -> Result<(), InvalidDatafl
         }
     }
     Ok(())
+}
+
+/// Checks that `desc` is of format `builds`, the one the process builds.
+pub fn check_format(desc: &DataflowDescription, builds: &str) -> Result<(), InvalidDataflow> {
+    if desc.format == builds {
+        Ok(())
+    } else {
+        Err(InvalidDataflow::Format {
+            format: desc.format.clone(),
+            builds: builds.to_string(),
+        })
+    }
 }
 
 /// Why a replica would refuse a CreateDataflow.
@@ -126,6 +146,7 @@ mod tests {
                 description: vec![0x0a, 0x02, 0x08, 0x01],
             }],
             debug_name: "t".into(),
+            format: crate::DEFAULT_FORMAT.into(),
         }
     }
 
@@ -162,5 +183,11 @@ mod tests {
         );
         d.exports.clear();
         assert_eq!(validate_dataflow(&d), Err(InvalidDataflow::NoExports));
+        check_format(&d, crate::DEFAULT_FORMAT).unwrap();
+        let err = check_format(&d, "lockstep.example.other.v1").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the dataflow is of format \"lockstep.plan.v1\"; this process builds \"lockstep.example.other.v1\""
+        );
     }
 }

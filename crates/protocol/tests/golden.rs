@@ -213,6 +213,7 @@ fn v0_2_0() -> Vec<(&'static str, Wire)> {
             lockstep_plan::export(101, &Plan::Get { collection_id: 2 }),
         ],
         debug_name: "golden dataflow ü".to_string(),
+        format: lockstep_plan::FORMAT.into(),
     };
     let updates = vec![
         Update {

@@ -12,6 +12,7 @@ fn dataflow(id: u64, collection: u64) -> DataflowDescription {
             description: vec![0x0a, 0x02, 0x08, 0x01],
         }],
         debug_name: format!("df{id}"),
+        format: DEFAULT_FORMAT.into(),
     }
 }
 

@@ -11,7 +11,9 @@
 //! The contract a family keeps, because timely needs every worker to build
 //! the same dataflows in the same order:
 //!
-//! - [`Family::prepare`] is a pure function of the description: every worker
+//! - [`Family::prepare`] sees only dataflows of its [`Family::format`] (the
+//!   replica refuses the others, [`prepare`]) and is a pure function of the
+//!   description: every worker
 //!   of every process decides the same (accept or refuse, with the same
 //!   message), on every build of the family. No clock, no randomness, no
 //!   worker index, no I/O.
@@ -52,6 +54,17 @@ pub trait Prepared {
     /// Renders every export over `inputs` (one collection per declared
     /// input), returning `(collection ID, collection)` in export order.
     fn render<'s>(&self, inputs: &BTreeMap<u64, Coll<'s>>) -> Vec<(u64, Coll<'s>)>;
+}
+
+/// `family.prepare(desc)` for a dataflow of the family's format; a dataflow
+/// of another format is refused without being read
+/// ([`lockstep_protocol::validate::check_format`]).
+pub fn prepare(
+    family: &dyn Family,
+    desc: &DataflowDescription,
+) -> Result<Box<dyn Prepared>, InvalidDataflow> {
+    lockstep_protocol::validate::check_format(desc, family.format())?;
+    family.prepare(desc)
 }
 
 /// The built-in family: the plan language of `lockstep-plan`, format

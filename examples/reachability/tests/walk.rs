@@ -133,6 +133,7 @@ async fn distances_match_the_reference_under_every_strategy() {
             inputs: vec![1],
             exports: roots.iter().map(|&(c, r)| describe(c, r)).collect(),
             debug_name: "distances".into(),
+            format: FORMAT.into(),
         })
         .unwrap();
         let mut written = Vec::new();
@@ -184,6 +185,7 @@ async fn a_description_the_family_cannot_read_is_refused_before_anything_is_buil
         inputs: vec![1],
         exports: vec![describe(201, 0)],
         debug_name: "bad".into(),
+        format: FORMAT.into(),
     };
     // Seven bytes: not a root.
     bad.exports[0].description.pop();
@@ -200,6 +202,37 @@ async fn a_description_the_family_cannot_read_is_refused_before_anything_is_buil
     assert_eq!(error.kind, ErrorKind::InvalidCommand);
     assert!(
         error.message.contains("7 bytes") && error.message.contains(FORMAT),
+        "{}",
+        error.message
+    );
+    // A dataflow of another family (the built-in plan language's format)
+    // is refused by its format, before its descriptions are read.
+    let other = DataflowDescription {
+        id: 3,
+        as_of: 0,
+        inputs: vec![1],
+        exports: vec![describe(301, 0)],
+        debug_name: "other".into(),
+        format: lockstep_protocol::DEFAULT_FORMAT.into(),
+    };
+    c.create_dataflow(other).unwrap();
+    let error = loop {
+        let e = tokio::time::timeout(Duration::from_secs(20), events.recv())
+            .await
+            .expect("an error event within 20 s")
+            .unwrap();
+        // Every process reports the first refusal: skip those.
+        if let Event::ReplicaError { error, .. } = e {
+            if !error.message.starts_with("dataflow 3:") {
+                continue;
+            }
+            break error;
+        }
+    };
+    assert_eq!(error.kind, ErrorKind::InvalidCommand);
+    assert!(
+        error.message.contains("format \"lockstep.plan.v1\"")
+            && error.message.contains(&format!("builds \"{FORMAT}\"")),
         "{}",
         error.message
     );

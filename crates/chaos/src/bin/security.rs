@@ -173,6 +173,7 @@ fn identity_dataflow() -> DataflowDescription {
         inputs: vec![1],
         exports: vec![lockstep_plan::export(101, &Plan::Get { collection_id: 1 })],
         debug_name: "identity".into(),
+        format: lockstep_plan::FORMAT.into(),
     }
 }
 

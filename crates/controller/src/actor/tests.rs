@@ -160,6 +160,7 @@ async fn frontiers_of_too_many_unknown_collections_end_the_session() {
                 description: vec![0x0a, 0x02, 0x08, 0x01],
             }],
             debug_name: "d".into(),
+            format: lockstep_protocol::DEFAULT_FORMAT.into(),
         },
     ));
     h.answer(

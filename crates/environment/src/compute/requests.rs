@@ -211,6 +211,7 @@ impl Environment {
             inputs,
             exports,
             debug_name: debug_name.to_string(),
+            format: lockstep_plan::FORMAT.into(),
         };
         // What a replica would refuse (the same checks, the built-in family's
         // included, and its decoder's limits) is refused here, before

@@ -343,6 +343,7 @@ pub(super) fn description(i: usize) -> DataflowDescription {
             description: vec![0x0a, 0x02, 0x08, 100],
         }],
         debug_name: LABELS[i.min(MAX_DATAFLOWS - 1)].to_string(),
+        format: lockstep_protocol::DEFAULT_FORMAT.into(),
     }
 }
 

@@ -122,6 +122,11 @@ impl From<DataflowDescription> for p::DataflowDescription {
                 })
                 .collect(),
             debug_name: d.debug_name,
+            format: if d.format == DEFAULT_FORMAT {
+                String::new()
+            } else {
+                d.format
+            },
         }
     }
 }
@@ -142,6 +147,11 @@ impl TryFrom<p::DataflowDescription> for DataflowDescription {
                 })
                 .collect(),
             debug_name: d.debug_name,
+            format: if d.format.is_empty() {
+                DEFAULT_FORMAT.to_string()
+            } else {
+                d.format
+            },
         })
     }
 }

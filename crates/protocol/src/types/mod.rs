@@ -232,7 +232,15 @@ pub struct DataflowDescription {
     pub exports: Vec<Export>,
     /// For logs only.
     pub debug_name: String,
+    /// The family whose encoding the exports' descriptions are in
+    /// ([`DEFAULT_FORMAT`] for the built-in plan language).
+    pub format: String,
 }
+
+/// The format of a dataflow whose description names none: the built-in plan
+/// language (`lockstep-plan`), the only family before protocol version 3. On
+/// the wire it is the empty string, so such a dataflow encodes as in v0.2.0.
+pub const DEFAULT_FORMAT: &str = "lockstep.plan.v1";
 
 /// A read of a collection at a time.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -38,9 +38,14 @@ pub fn dataflow() -> impl Strategy<Value = DataflowDescription> {
         vec(0u64..10, 0..3),
         vec((any::<u64>(), vec(any::<u8>(), 0..16)), 1..3),
         "[a-z ]{0,10}",
+        // The default (empty on the wire) or another family's name.
+        prop_oneof![
+            Just(lockstep_protocol::DEFAULT_FORMAT.to_string()),
+            "[a-z.]{1,12}"
+        ],
     )
         .prop_map(
-            |(id, as_of, inputs, exports, debug_name)| DataflowDescription {
+            |(id, as_of, inputs, exports, debug_name, format)| DataflowDescription {
                 id,
                 as_of,
                 inputs,
@@ -52,6 +57,7 @@ pub fn dataflow() -> impl Strategy<Value = DataflowDescription> {
                     })
                     .collect(),
                 debug_name,
+                format,
             },
         )
 }

@@ -19,7 +19,7 @@ use timely::worker::Worker;
 
 use crate::metrics::{ExportLabels, METRICS};
 
-use crate::family::Prepared;
+use crate::family::{prepare, Prepared};
 use crate::render::Coll;
 use crate::worker::{ExportState, FromWorker, Installed, SubState, Tap, WorkerState};
 
@@ -60,7 +60,7 @@ impl WorkerState {
                     }
                     // Same description: kept (reconciliation), nothing to build.
                 } else {
-                    let prepared = match self.family.prepare(desc) {
+                    let prepared = match prepare(self.family.as_ref(), desc) {
                         Ok(prepared) => prepared,
                         Err(e) => {
                             self.error(

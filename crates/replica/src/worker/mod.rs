@@ -62,7 +62,7 @@ use timely::dataflow::ProbeHandle;
 use timely::worker::Worker;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::family::Family;
+use crate::family::{prepare, Family};
 use crate::metrics::{ReplicaMetrics, WorkerLabel, METRICS};
 use crate::order::log::LogTail;
 
@@ -252,7 +252,7 @@ impl WorkerView<Command> for View<'_> {
     }
 
     fn buildable(&self, cmd: &Command) -> bool {
-        matches!(&cmd.kind, CommandKind::CreateDataflow(d) if self.family.prepare(d).is_ok())
+        matches!(&cmd.kind, CommandKind::CreateDataflow(d) if prepare(self.family, d).is_ok())
     }
 
     fn creation_digest(&self) -> Digest {

@@ -158,6 +158,7 @@ pub fn dataflow(id: u64, inputs: &[u64], plan: Plan) -> DataflowDescription {
         inputs: inputs.to_vec(),
         exports: vec![lockstep_plan::export(1000 + id, &plan)],
         debug_name: format!("test-{id}"),
+        format: lockstep_plan::FORMAT.into(),
     }
 }
 

@@ -55,6 +55,7 @@ fn dataflow(id: u64, plan: &str) -> DataflowDescription {
             &parse_plan(plan).expect("a valid plan"),
         )],
         debug_name: format!("chaos-{id}"),
+        format: lockstep_plan::FORMAT.into(),
     }
 }
 
@@ -67,6 +68,7 @@ fn distances(id: u64, input: u64, root: i64) -> DataflowDescription {
         inputs: vec![input],
         exports: vec![reachability::describe(1000 + id, root)],
         debug_name: format!("chaos-{id}"),
+        format: reachability::FORMAT.into(),
     }
 }
 
