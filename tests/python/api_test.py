@@ -28,6 +28,7 @@ def generate(out):
     files = [
         "lockstep/compute/v1/compute.proto",
         "lockstep/environment/v1/environment.proto",
+        "lockstep/plan/v1/plan.proto",
     ]
     include = os.path.join(os.path.dirname(protoc.__file__), "_proto")
     for f in files:
@@ -106,6 +107,7 @@ def main():
     gen = tempfile.mkdtemp(prefix="lockstep-py-")
     generate(gen)
     from lockstep.compute.v1 import compute_pb2 as cp
+    from lockstep.plan.v1 import plan_pb2 as pp
     from lockstep.environment.v1 import environment_pb2 as ep
     from lockstep.environment.v1 import environment_pb2_grpc as eg
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -166,11 +168,13 @@ def main():
             time.sleep(0.2)
         r.check("health of a running replica: SERVING", status == S, str(status))
 
+        # An export's description is the family's bytes: for the built-in
+        # family, an encoded lockstep.plan.v1.Plan.
         def export(cid, plan):
-            return cp.Export(collection_id=cid, plan=plan)
+            return cp.Export(collection_id=cid, description=plan.SerializeToString())
 
         def get(c):
-            return cp.Plan(get=cp.Get(collection_id=c))
+            return pp.Plan(get=pp.Get(collection_id=c))
 
         def create(name, inputs, exports, replica="py"):
             return api.CreateDataflow(ep.CreateDataflowRequest(replica=replica, name=name, inputs=inputs, exports=exports))
@@ -209,9 +213,10 @@ def main():
         r.code("CreateDataflow, reads an export: INVALID_ARGUMENT", lambda: create("x", [101], [export(900, get(101))]), C.INVALID_ARGUMENT)
         deep = get(1)
         for _ in range(40):
-            deep = cp.Plan(filter=cp.Filter(input=deep))
+            deep = pp.Plan(filter=pp.Filter(input=deep))
         r.code("CreateDataflow, plan too deep: INVALID_ARGUMENT", lambda: create("x", [1], [export(900, deep)]), C.INVALID_ARGUMENT)
         r.code("CreateDataflow, plan missing: INVALID_ARGUMENT", lambda: create("x", [1], [cp.Export(collection_id=900)]), C.INVALID_ARGUMENT)
+        r.code("CreateDataflow, description not a plan: INVALID_ARGUMENT", lambda: create("x", [1], [cp.Export(collection_id=900, description=b"\xff\xff")]), C.INVALID_ARGUMENT)
         # DropDataflow
         r.code("DropDataflow, unknown: NOT_FOUND", lambda: api.DropDataflow(ep.DropDataflowRequest(id=999999)), C.NOT_FOUND)
         # WriteInput
