@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use lockstep_controller::{launch, Controller, Event, ReplicaAddrs, Timeouts};
+use lockstep_controller::{launch, Controller, Event, Timeouts};
 use lockstep_example_reachability::{describe, reference, FORMAT};
 use lockstep_orchestrator::process::{
     kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
@@ -56,19 +56,9 @@ async fn start(replica_id: u64, strategy: Strategy) -> Walk {
         ))
         .await
         .expect("the family's replica starts");
-    let addrs = ReplicaAddrs {
-        replica_id,
-        processes: status
-            .processes
-            .iter()
-            .map(|p| p.addresses["controller"].into())
-            .collect(),
-        workers_per_process: WORKERS,
-        command_log: Some(log),
-        session_key: Some(key),
-        one_way_proof: false,
-        max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
-    };
+    let mut addrs = launch::replica_addrs(&status, WORKERS).expect("controller ports");
+    addrs.command_log = Some(log);
+    addrs.session_key = Some(key);
     let controller = Controller::start(
         addrs,
         1,
@@ -174,6 +164,24 @@ async fn distances_match_the_reference_under_every_strategy() {
     }
 }
 
+/// The next error a process reports about the command whose message starts
+/// with `about` (every process reports its own refusal).
+async fn next_error(
+    events: &mut tokio::sync::broadcast::Receiver<Event>,
+    about: &str,
+) -> lockstep_protocol::ErrorResponse {
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(20), events.recv())
+            .await
+            .expect("an error event within 20 s")
+            .unwrap();
+        match e {
+            Event::ReplicaError { error, .. } if error.message.starts_with(about) => return error,
+            _ => {}
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_description_the_family_cannot_read_is_refused_before_anything_is_built() {
     let walk = start(50, Strategy::Barrier).await;
@@ -190,15 +198,7 @@ async fn a_description_the_family_cannot_read_is_refused_before_anything_is_buil
     // Seven bytes: not a root.
     bad.exports[0].description.pop();
     c.create_dataflow(bad).unwrap();
-    let error = loop {
-        let e = tokio::time::timeout(Duration::from_secs(20), events.recv())
-            .await
-            .expect("an error event within 20 s")
-            .unwrap();
-        if let Event::ReplicaError { error, .. } = e {
-            break error;
-        }
-    };
+    let error = next_error(&mut events, "dataflow 2:").await;
     assert_eq!(error.kind, ErrorKind::InvalidCommand);
     assert!(
         error.message.contains("7 bytes") && error.message.contains(FORMAT),
@@ -216,19 +216,7 @@ async fn a_description_the_family_cannot_read_is_refused_before_anything_is_buil
         format: lockstep_protocol::DEFAULT_FORMAT.into(),
     };
     c.create_dataflow(other).unwrap();
-    let error = loop {
-        let e = tokio::time::timeout(Duration::from_secs(20), events.recv())
-            .await
-            .expect("an error event within 20 s")
-            .unwrap();
-        // Every process reports the first refusal: skip those.
-        if let Event::ReplicaError { error, .. } = e {
-            if !error.message.starts_with("dataflow 3:") {
-                continue;
-            }
-            break error;
-        }
-    };
+    let error = next_error(&mut events, "dataflow 3:").await;
     assert_eq!(error.kind, ErrorKind::InvalidCommand);
     assert!(
         error.message.contains("format \"lockstep.plan.v1\"")
