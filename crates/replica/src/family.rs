@@ -13,10 +13,9 @@
 //!
 //! - [`Family::prepare`] sees only dataflows of its [`Family::format`] (the
 //!   replica refuses the others, [`prepare`]) and is a pure function of the
-//!   description: every worker
-//!   of every process decides the same (accept or refuse, with the same
-//!   message), on every build of the family. No clock, no randomness, no
-//!   worker index, no I/O.
+//!   description: every worker of every process decides the same (accept or
+//!   refuse, with the same message), on every build of the family. No clock,
+//!   no randomness, no worker index, no I/O.
 //! - [`Prepared::render`] builds the same timely operators in the same order
 //!   on every worker, reads only the inputs it is given, and returns one
 //!   collection per export, in the description's export order.
@@ -39,7 +38,8 @@ use crate::render::{render, Coll};
 /// A dataflow family: what a replica builds for a CreateDataflow. See the
 /// module documentation for the contract.
 pub trait Family: fmt::Debug + Send + Sync + 'static {
-    /// The format name of the descriptions it reads (for logs and errors).
+    /// The format name of the dataflows it builds: the replica refuses a
+    /// dataflow whose `format` is another, naming both.
     fn format(&self) -> &str;
 
     /// Checks `desc` and returns what a worker renders for it, or why it
