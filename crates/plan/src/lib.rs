@@ -14,7 +14,7 @@
 //!   decoded, at most [`MAX_PLAN_DEPTH`] deep and reading declared inputs
 //!   only); [`check`] adds the replica's frame limit, for the environment;
 //! - [`text`]: the text syntax the CLI and the docs use;
-//! - [`reference`]: a plain-Rust evaluator the tests and fault suites compare
+//! - [`mod@reference`]: a plain-Rust evaluator the tests and fault suites compare
 //!   answers with (invariant I3).
 //!
 //! The replica renders these plans (`lockstep-replica`'s `render`).

@@ -102,7 +102,7 @@ impl ProcessIdentity {
 /// A replica's session key: 32 secret bytes that the environment gives the
 /// replica's processes (in the environment variable [`SESSION_KEY_ENV`],
 /// never on a command line) and its controller. A Hello proves it with the
-/// keyed BLAKE3 hash of its other fields ([`SessionKey::prove`]).
+/// keyed BLAKE3 hash of its other fields ([`SessionKey::sign`]).
 #[derive(Clone, PartialEq, Eq)]
 pub struct SessionKey([u8; 32]);
 

@@ -9,7 +9,7 @@
 //! written once and retracted at most once). Each export's description is
 //! its root node, 8 bytes little-endian ([`describe`]); the export holds a
 //! row `[node, distance]` for every node reachable from the root, the root
-//! at distance 0. [`reference`] computes the same in plain Rust.
+//! at distance 0. [`reference()`] computes the same in plain Rust.
 //!
 //! Nothing in the controller, the protocol or the replica's core knows this
 //! family: it travels as bytes in `Export.description` and is read here.

@@ -121,8 +121,8 @@ use crate::{
 /// The host every process listens on, without simulated hosts.
 const HOST: &str = "127.0.0.1";
 
-/// The variable that tells a process its generation
-/// ([`ServiceRecord::generation`]).
+/// The variable that tells a process its generation (the one its service
+/// record keeps).
 pub const GENERATION_ENV: &str = "LOCKSTEP_GENERATION";
 
 /// The version of the state file format.
