@@ -1,8 +1,8 @@
 //! The reachability family through real replica processes of its own
 //! binary (`lockstep-replica-reachability`), driven by lockstep's
 //! controller, which knows nothing of the family: under every
-//! distribution strategy that keeps lockstep, the exports answer what the
-//! plain-Rust reference says at every time, every worker built the same
+//! distribution strategy that keeps lockstep, the exports' peeks and a
+//! subscription answer what the plain-Rust reference says at every time, every worker built the same
 //! dataflows in the same order (I1), and a description the family cannot
 //! read is refused by every process before anything is built.
 
@@ -126,10 +126,36 @@ async fn distances_match_the_reference_under_every_strategy() {
             format: FORMAT.into(),
         })
         .unwrap();
+        // A subscription to the distances from 5, from before the writes.
+        let mut changes = c.subscribe(102, 0).unwrap();
         let mut written = Vec::new();
         for (updates, upper) in writes() {
             written.extend(updates.iter().cloned());
             c.write_input(1, updates, upper).unwrap();
+        }
+        let mut streamed: Vec<Update> = Vec::new();
+        let mut upper = Some(0);
+        while upper.is_some_and(|u| u < 3) {
+            let batch = tokio::time::timeout(Duration::from_secs(20), changes.recv())
+                .await
+                .expect("a subscribe batch within 20 s")
+                .expect("the subscription is open")
+                .expect("a batch, not an error");
+            streamed.extend(batch.updates);
+            upper = batch.upper;
+        }
+        for t in 0..3 {
+            let mut at: std::collections::BTreeMap<Vec<i64>, i64> = Default::default();
+            for u in streamed.iter().filter(|u| u.time <= t) {
+                *at.entry(u.row.clone()).or_insert(0) += u.diff;
+            }
+            at.retain(|_, d| *d != 0);
+            assert!(at.values().all(|d| *d == 1), "{strategy}: {at:?} at {t}");
+            assert_eq!(
+                at.into_keys().collect::<std::collections::BTreeSet<_>>(),
+                reference(&written, 5, t),
+                "{strategy}: the subscription's distances from 5 at {t}"
+            );
         }
         for &(collection, root) in &roots {
             c.wait_for_frontier(collection, 2).await.unwrap();
