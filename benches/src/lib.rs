@@ -20,17 +20,13 @@ pub fn rows(n: i64) -> Vec<Update> {
 
 /// A small dataflow description: a filter over one input, exported.
 pub fn small_dataflow(id: u64) -> DataflowDescription {
-    DataflowDescription {
+    lockstep_plan::dataflow(
         id,
-        as_of: 0,
-        inputs: vec![1],
-        exports: vec![lockstep_plan::export(
-            1000 + id,
-            &Plan::Get { collection_id: 1 },
-        )],
-        debug_name: format!("bench-{id}"),
-        format: lockstep_plan::FORMAT.into(),
-    }
+        0,
+        vec![1],
+        &[(1000 + id, Plan::Get { collection_id: 1 })],
+        format!("bench-{id}"),
+    )
 }
 
 /// Columns per row written by [`payload`]; each value takes 8 bytes on the
@@ -39,19 +35,18 @@ pub const COLUMNS: usize = 16;
 
 /// A dataflow exporting `get(input)` as `export`.
 pub fn dataflow_over(id: u64, input: u64, export: u64) -> DataflowDescription {
-    DataflowDescription {
+    lockstep_plan::dataflow(
         id,
-        as_of: 0,
-        inputs: vec![input],
-        exports: vec![lockstep_plan::export(
+        0,
+        vec![input],
+        &[(
             export,
-            &Plan::Get {
+            Plan::Get {
                 collection_id: input,
             },
         )],
-        debug_name: format!("bench-write-{id}"),
-        format: lockstep_plan::FORMAT.into(),
-    }
+        format!("bench-write-{id}"),
+    )
 }
 
 /// Rows holding `bytes` bytes of row data: [`COLUMNS`] values per row, each

@@ -39,6 +39,23 @@ pub fn describe(collection_id: u64, root: i64) -> Export {
     }
 }
 
+/// The root an export's description holds ([`describe`]'s inverse).
+pub fn root(e: &Export) -> Result<i64, InvalidDataflow> {
+    let bytes: [u8; 8] =
+        e.description
+            .as_slice()
+            .try_into()
+            .map_err(|_| InvalidDataflow::Description {
+                export: e.collection_id,
+                reason: format!(
+                "export {}'s description is {} bytes; a {FORMAT} root is 8 (i64, little-endian)",
+                e.collection_id,
+                e.description.len()
+            ),
+            })?;
+    Ok(i64::from_le_bytes(bytes))
+}
+
 /// Roots of the exports, in export order; each prepared dataflow reads one
 /// input, the edges.
 struct Roots {
@@ -66,19 +83,7 @@ impl Family for Reachability {
         let roots = desc
             .exports
             .iter()
-            .map(|e| {
-                let bytes: [u8; 8] = e.description.as_slice().try_into().map_err(|_| {
-                    InvalidDataflow::Description {
-                        export: e.collection_id,
-                        reason: format!(
-                            "export {}'s description is {} bytes; a {FORMAT} root is 8 (i64, little-endian)",
-                            e.collection_id,
-                            e.description.len()
-                        ),
-                    }
-                })?;
-                Ok((e.collection_id, i64::from_le_bytes(bytes)))
-            })
+            .map(|e| Ok((e.collection_id, root(e)?)))
             .collect::<Result<_, InvalidDataflow>>()?;
         Ok(Box::new(Roots { edges, roots }))
     }

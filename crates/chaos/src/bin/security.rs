@@ -167,14 +167,13 @@ fn controller(addrs: &ReplicaAddrs) -> Controller {
 }
 
 fn identity_dataflow() -> DataflowDescription {
-    DataflowDescription {
-        id: 1,
-        as_of: 0,
-        inputs: vec![1],
-        exports: vec![lockstep_plan::export(101, &Plan::Get { collection_id: 1 })],
-        debug_name: "identity".into(),
-        format: lockstep_plan::FORMAT.into(),
-    }
+    lockstep_plan::dataflow(
+        1,
+        0,
+        vec![1],
+        &[(101, Plan::Get { collection_id: 1 })],
+        "identity",
+    )
 }
 
 /// The controller drives the replica: a create (first time), a write at

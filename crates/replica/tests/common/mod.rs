@@ -152,14 +152,13 @@ pub fn get(c: u64) -> Box<Plan> {
 }
 
 pub fn dataflow(id: u64, inputs: &[u64], plan: Plan) -> DataflowDescription {
-    DataflowDescription {
+    lockstep_plan::dataflow(
         id,
-        as_of: 0,
-        inputs: inputs.to_vec(),
-        exports: vec![lockstep_plan::export(1000 + id, &plan)],
-        debug_name: format!("test-{id}"),
-        format: lockstep_plan::FORMAT.into(),
-    }
+        0,
+        inputs.to_vec(),
+        &[(1000 + id, plan)],
+        format!("test-{id}"),
+    )
 }
 
 /// One dataflow per plan operator, reading inputs 1 and 2.

@@ -46,17 +46,13 @@ fn writes() -> Vec<(u64, Vec<Update>, u64)> {
 }
 
 fn dataflow(id: u64, plan: &str) -> DataflowDescription {
-    DataflowDescription {
+    lockstep_plan::dataflow(
         id,
-        as_of: 0,
-        inputs: vec![1, 2],
-        exports: vec![lockstep_plan::export(
-            1000 + id,
-            &parse_plan(plan).expect("a valid plan"),
-        )],
-        debug_name: format!("chaos-{id}"),
-        format: lockstep_plan::FORMAT.into(),
-    }
+        0,
+        vec![1, 2],
+        &[(1000 + id, parse_plan(plan).expect("a valid plan"))],
+        format!("chaos-{id}"),
+    )
 }
 
 /// A reachability dataflow: the distances from `root` over the edges of
@@ -113,13 +109,9 @@ fn reference(
             evaluate(&plan, inputs, t)
         }
         Family::Reachability => {
-            let root: [u8; 8] = e
-                .description
-                .as_slice()
-                .try_into()
-                .map_err(|_| own(format!("export {} has no root", e.collection_id)))?;
+            let root = reachability::root(e).map_err(|err| own(err.to_string()))?;
             let edges = inputs.get(&d.inputs[0]).cloned().unwrap_or_default();
-            reachability::reference(&edges, i64::from_le_bytes(root), t)
+            reachability::reference(&edges, root, t)
                 .into_iter()
                 .map(|row| (row, 1))
                 .collect()
