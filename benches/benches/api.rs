@@ -53,10 +53,15 @@ struct Fixture {
     next: [AtomicU64; 6],
 }
 
+/// The columns of the `n` rows written at `t`.
+fn values(n: i64, t: u64) -> impl Iterator<Item = Vec<i64>> {
+    (0..n).map(move |i| vec![i, t as i64, 7])
+}
+
 fn rows(n: i64, t: u64) -> Vec<Update> {
-    (0..n)
-        .map(|i| Update {
-            row: vec![i, t as i64, 7],
+    values(n, t)
+        .map(|v| Update {
+            row: lockstep_plan::row(&v),
             time: t,
             diff: 1,
         })
@@ -79,6 +84,7 @@ async fn fixture() -> Fixture {
         api_token: None,
         allow_naive: false,
         store: None,
+        format: None,
     })
     .await
     .unwrap();
@@ -220,8 +226,8 @@ fn differential_ingest(iters: u64) -> Duration {
         });
         let start = Instant::now();
         for t in 0..iters {
-            for u in rows(INGEST_ROWS, t) {
-                input.update_at(u.row, u.time, u.diff);
+            for v in values(INGEST_ROWS, t) {
+                input.update_at(v, t, 1);
             }
             input.advance_to(t + 1);
             input.flush();

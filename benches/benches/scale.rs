@@ -192,7 +192,7 @@ fn sweeps(c: &mut Criterion) {
 fn batch(t: u64) -> Vec<Update> {
     (0..BATCH_ROWS as i64)
         .map(|i| Update {
-            row: vec![i, t as i64],
+            row: lockstep_plan::row(&[i, t as i64]),
             time: t,
             diff: 1,
         })
@@ -301,11 +301,19 @@ fn differential_ingest() -> Duration {
                 .probe_with(&probe);
         });
         input.advance_to(1);
-        let batches: Vec<Vec<Update>> = (1..=BATCHES).map(batch).collect();
+        // The same rows as the plan language's columns, made before the
+        // clock starts as the lockstep path's are.
+        let batches: Vec<Vec<(Vec<i64>, u64)>> = (1..=BATCHES)
+            .map(|t| {
+                (0..BATCH_ROWS as i64)
+                    .map(|i| (vec![i, t as i64], t))
+                    .collect()
+            })
+            .collect();
         let start = Instant::now();
         for rows in batches {
-            for u in rows {
-                input.update_at(u.row, u.time, u.diff);
+            for (row, time) in rows {
+                input.update_at(row, time, 1);
             }
             input.advance_to(input.time() + 1);
             input.flush();

@@ -39,8 +39,8 @@ fn batch() -> Vec<u8> {
         .flat_map(|u| {
             u.row
                 .iter()
-                .chain([u.time as i64, u.diff].iter())
-                .flat_map(|v| v.to_le_bytes())
+                .copied()
+                .chain([u.time as i64, u.diff].iter().flat_map(|v| v.to_le_bytes()))
                 .collect::<Vec<u8>>()
         })
         .collect()

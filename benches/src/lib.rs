@@ -11,7 +11,7 @@ pub mod relay;
 pub fn rows(n: i64) -> Vec<Update> {
     (0..n)
         .map(|i| Update {
-            row: vec![i, i * 10],
+            row: lockstep_plan::row(&[i, i * 10]),
             time: 0,
             diff: 1,
         })
@@ -55,9 +55,10 @@ pub fn payload(bytes: usize) -> Vec<Row> {
     let per_row = COLUMNS * 8;
     (0..bytes / per_row)
         .map(|r| {
-            (0..COLUMNS)
+            let values: Vec<i64> = (0..COLUMNS)
                 .map(|c| (1i64 << 50) + (r * COLUMNS + c) as i64)
-                .collect()
+                .collect();
+            lockstep_plan::row(&values)
         })
         .collect()
 }

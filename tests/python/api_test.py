@@ -184,8 +184,20 @@ def main():
                 ep.WriteInputRequest(replica=replica, collection_id=collection, updates=updates, upper=upper)
             )
 
+        # A row is its family's bytes: for the built-in family, 64-bit
+        # integers as canonical varints (a packed int64's bytes).
+        def encode_row(values):
+            out = bytearray()
+            for v in values:
+                v &= (1 << 64) - 1
+                while v >= 0x80:
+                    out.append((v & 0x7F) | 0x80)
+                    v >>= 7
+                out.append(v)
+            return bytes(out)
+
         def up(row, time_, diff):
-            return cp.Update(row=row, time=time_, diff=diff)
+            return cp.Update(row=encode_row(row), time=time_, diff=diff)
 
         d = create("ok", [1], [export(101, get(1))]).dataflow
         for t in range(12):
@@ -206,6 +218,7 @@ def main():
         r.code("CreateDataflow, unknown replica: NOT_FOUND", lambda: create("x", [1], [export(900, get(1))], replica="nope"), C.NOT_FOUND)
         r.code("CreateDataflow, empty replica name: INVALID_ARGUMENT", lambda: create("x", [1], [export(900, get(1))], replica=""), C.INVALID_ARGUMENT)
         r.code("CreateDataflow, no export: INVALID_ARGUMENT", lambda: create("x", [1], []), C.INVALID_ARGUMENT)
+        r.code("CreateDataflow, a format the replicas do not build: INVALID_ARGUMENT", lambda: api.CreateDataflow(ep.CreateDataflowRequest(replica="py", name="x", inputs=[1], exports=[export(900, get(1))], format="another.family.v1")), C.INVALID_ARGUMENT)
         r.code("CreateDataflow, undeclared input: INVALID_ARGUMENT", lambda: create("x", [1], [export(900, get(7))]), C.INVALID_ARGUMENT)
         r.code("CreateDataflow, an export twice: INVALID_ARGUMENT", lambda: create("x", [1], [export(900, get(1)), export(900, get(1))]), C.INVALID_ARGUMENT)
         r.code("CreateDataflow, export ID in use: ALREADY_EXISTS", lambda: create("x", [1], [export(101, get(1))]), C.ALREADY_EXISTS)
@@ -226,6 +239,7 @@ def main():
         r.code("WriteInput, time below the upper: OUT_OF_RANGE", lambda: write(1, [up([1], 2, 1)], 20), C.OUT_OF_RANGE)
         r.code("WriteInput, time not below the new upper: OUT_OF_RANGE", lambda: write(1, [up([1], 20, 1)], 20), C.OUT_OF_RANGE)
         big = 2**63 - 1
+        r.code("WriteInput, a row that is not the built-in family's: INVALID_ARGUMENT", lambda: write(1, [cp.Update(row=b"\x81\x00", time=12, diff=1)], 13), C.INVALID_ARGUMENT)
         r.code("WriteInput, multiplicities overflow: INVALID_ARGUMENT", lambda: write(1, [up([5], 12, big), up([6], 12, big)], 13), C.INVALID_ARGUMENT)
         # ListReplicas, ListDataflows: pages
         create("page", [1], [export(301, get(1))])

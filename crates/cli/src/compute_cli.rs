@@ -56,7 +56,7 @@ pub fn parse_update(s: &str) -> anyhow::Result<wire::Update> {
         ),
         None => (rest, 1),
     };
-    let row = if row.is_empty() {
+    let values: Vec<i64> = if row.is_empty() {
         vec![]
     } else {
         row.split(',')
@@ -65,7 +65,7 @@ pub fn parse_update(s: &str) -> anyhow::Result<wire::Update> {
             .with_context(|| format!("update {s:?}: a row is comma-separated integers"))?
     };
     Ok(wire::Update {
-        row,
+        row: lockstep_plan::row(&values),
         time: time
             .parse()
             .with_context(|| format!("update {s:?}: bad time"))?,
@@ -89,10 +89,24 @@ pub(crate) fn status_err(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{}: {}", s.code(), s.message())
 }
 
+/// A row as the CLI prints it: a row of the built-in family as its
+/// comma-separated integers, any other row as `0x` and its bytes in hex.
+pub fn show_row(row: &[u8]) -> String {
+    match lockstep_plan::rows::decode(row) {
+        Ok(values) => values
+            .iter()
+            .map(|v| v.to_string())
+            .collect::<Vec<_>>()
+            .join(","),
+        Err(_) => std::iter::once("0x".to_string())
+            .chain(row.iter().map(|b| format!("{b:02x}")))
+            .collect(),
+    }
+}
+
 fn show_rows(rows: &[wire::Row]) {
     for r in rows {
-        let vals: Vec<String> = r.values.iter().map(|v| v.to_string()).collect();
-        println!("{}\t{}", vals.join(","), r.diff);
+        println!("{}\t{}", show_row(&r.values), r.diff);
     }
 }
 
@@ -129,6 +143,7 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
                     inputs,
                     exports,
                     as_of: 0,
+                    format: String::new(),
                 })
                 .await
                 .map_err(status_err)?
@@ -288,8 +303,7 @@ pub async fn subscribe(
     while let Some(batch) = stream.next().await {
         let batch = batch.map_err(status_err)?;
         for u in &batch.updates {
-            let vals: Vec<String> = u.row.iter().map(|v| v.to_string()).collect();
-            println!("{}\t{}\t{}", u.time, vals.join(","), u.diff);
+            println!("{}\t{}\t{}", u.time, show_row(&u.row), u.diff);
         }
         match batch.upper.first() {
             None => break,

@@ -181,7 +181,7 @@ pub(crate) async fn client(url: &str) -> anyhow::Result<EnvironmentClient<Channe
 
 fn u(row: &[i64], time: u64, diff: i64) -> Update {
     Update {
-        row: row.to_vec(),
+        row: lockstep_plan::row(row),
         time,
         diff,
     }
@@ -320,6 +320,7 @@ async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> 
                 description: lockstep_plan::encode(&parse_plan("get(7)")?),
             }],
             as_of: 0,
+            format: String::new(),
         })
         .await;
     let taken = c
@@ -332,6 +333,7 @@ async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> 
                 description: lockstep_plan::encode(&parse_plan("get(1)")?),
             }],
             as_of: 0,
+            format: String::new(),
         })
         .await;
     // 48 levels: decodable by the API, but past what a replica command may
@@ -353,6 +355,7 @@ async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> 
                 description: lockstep_plan::encode(&deep),
             }],
             as_of: 0,
+            format: String::new(),
         })
         .await;
     let backwards = c
@@ -519,6 +522,7 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
                     description: lockstep_plan::encode(&plan),
                 }],
                 as_of: 0,
+                format: String::new(),
             })
             .await
             .with_context(|| format!("create dataflow {name}"))?

@@ -19,6 +19,13 @@ pub(crate) struct ServeArgs {
     /// The replica program (default: lockstep-replica beside this binary, or in PATH).
     #[arg(long)]
     service_binary: Option<PathBuf>,
+    /// The dataflow format the replica program builds, for a replica built
+    /// with a family of your own (docs/embedding.md), e.g.
+    /// lockstep.example.reachability.v2. Default: the built-in plan
+    /// language (lockstep.plan.v1), whose plans and rows are checked here;
+    /// another family's are checked by its replicas.
+    #[arg(long)]
+    format: Option<String>,
     /// An argument template for replica processes (repeat for several; see
     /// `ServiceTemplate` for placeholders such as {process} and {peers:timely}).
     /// Default: the lockstep-replica arguments.
@@ -273,6 +280,7 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         api_token: token,
         allow_naive: args.experiments_allow_naive,
         store: args.store,
+        format: args.format,
     };
     let env = match args.orchestrator {
         OrchestratorKind::Process if args.hosts > 0 => {

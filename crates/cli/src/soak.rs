@@ -147,6 +147,7 @@ fn create_request(prefix: &str, collection: u64, plan: &Plan) -> proto::CreateDa
             description: lockstep_plan::encode(plan),
         }],
         as_of: 0,
+        format: String::new(),
     }
 }
 
@@ -165,8 +166,8 @@ struct Driver {
 }
 
 impl Driver {
-    fn batch_rows(&self, t: u64) -> impl Iterator<Item = Vec<i64>> + '_ {
-        (0..self.opts.batch_rows).map(move |i| vec![t as i64, i, i % BUCKETS])
+    fn batch_rows(&self, t: u64) -> impl Iterator<Item = Vec<u8>> + '_ {
+        (0..self.opts.batch_rows).map(move |i| lockstep_plan::row(&[t as i64, i, i % BUCKETS]))
     }
 
     /// The live updates after batch `t`: batches t - 1 and t, at time t.

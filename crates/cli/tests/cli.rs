@@ -3,26 +3,17 @@
 //! here with serde_json), tables as wide as their content, `replica create
 //! --wait`, shell completions, and `-o` refusing an unknown format.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
+mod common;
+
 use lockstep_chaos::environment::Sandbox;
 use serde_json::Value;
-use tokio::io::AsyncBufReadExt;
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_lockstep"))
-}
-
-fn replica_binary() -> PathBuf {
-    let path = bin().with_file_name("lockstep-replica");
-    assert!(
-        path.is_file(),
-        "{} is missing: build it first with `cargo build -p lockstep-replica`",
-        path.display()
-    );
-    path
 }
 
 /// Every bounded wait of this test.
@@ -68,33 +59,7 @@ async fn json(url: &str, args: &[&str]) -> Value {
 /// Starts `lockstep serve` on `sandbox` with `extra` arguments; the child
 /// (killed on drop) and the API's URL.
 async fn serve(sandbox: &Sandbox, extra: &[&str]) -> (tokio::process::Child, String) {
-    let stderr = std::fs::File::create(sandbox.path().join("serve.stderr")).unwrap();
-    let mut serve = tokio::process::Command::new(bin())
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .args(extra)
-        .arg("--state-dir")
-        .arg(sandbox.path())
-        .arg("--service-binary")
-        .arg(replica_binary())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = tokio::io::BufReader::new(serve.stdout.take().unwrap()).lines();
-    let line = tokio::time::timeout(WAIT, lines.next_line())
-        .await
-        .expect("lockstep serve served in time")
-        .unwrap()
-        .expect("a serving line");
-    let addr = line
-        .strip_prefix("lockstep: serving on ")
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
-    let url = format!("http://{addr}");
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    (serve, url)
+    common::serve(sandbox.path(), &common::replica_binary(), extra).await
 }
 
 /// `lockstep input write --replica REPLICA --collection ARGS`, which must

@@ -340,6 +340,7 @@ async fn a_failing_or_nonsensical_policy_deletes_nothing() {
             api_token: None,
             allow_naive: false,
             store: None,
+            format: None,
             state_dir: sandbox.path().to_path_buf(),
             orphan_policy: Box::new(Scripted(answer)),
             service: sleep_template(),

@@ -152,6 +152,7 @@ async fn plan_depths_at_the_limit_are_refused_through_the_api_exactly_as_a_repli
             description: lockstep_plan::encode(&nested(depth)),
         }],
         as_of: 0,
+        format: String::new(),
     };
     let dataflows = |env: &lockstep_environment::Environment| env.view().dataflows.len();
 

@@ -298,7 +298,7 @@ mod tests {
 
     fn up(v: i64, time: u64, diff: i64) -> Update {
         Update {
-            row: vec![v],
+            row: lockstep_plan::row(&[v]),
             time,
             diff,
         }

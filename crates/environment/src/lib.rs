@@ -248,6 +248,13 @@ pub struct EnvironmentConfig {
     /// SQLite files in the state directory, or a PostgreSQL connection
     /// string (`postgres://…`).
     pub store: Option<String>,
+    /// The dataflow format the replica program builds (its family's
+    /// `format`): `None` for the built-in plan language
+    /// (`lockstep.plan.v1`), whose descriptions and rows the environment
+    /// checks before recording them. For another family it checks the
+    /// envelope and the frame limit, and a description the replicas refuse
+    /// is not created (docs/embedding.md).
+    pub format: Option<String>,
 }
 
 impl std::fmt::Debug for EnvironmentConfig {

@@ -310,7 +310,7 @@ impl EnvironmentApi for EnvironmentService {
                 .collect();
             let desc = self
                 .env
-                .create_dataflow(&r.replica, &r.name, r.as_of, r.inputs, exports)
+                .create_dataflow_of(&r.format, &r.replica, &r.name, r.as_of, r.inputs, exports)
                 .await
                 .map_err(compute_status)?;
             Ok(Response::new(proto::CreateDataflowResponse {

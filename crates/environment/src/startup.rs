@@ -86,6 +86,7 @@ impl Environment {
         env.compute
             .set_distribution_policy(config.distribution_policy);
         env.compute.set_max_frame_len(config.max_frame_len);
+        env.compute.set_format(config.format.clone());
         env.compute.set_naive_allowed(config.allow_naive);
         env.inputs
             .lock()

@@ -1,7 +1,7 @@
 //! The plan IR every worker renders into the same differential operators:
 //! scalar expressions, predicates, aggregates and plans, and their bounds.
 
-use lockstep_protocol::Row;
+use crate::rows::Values;
 
 /// A scalar expression over a row.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -90,7 +90,7 @@ pub enum Aggregate {
 pub fn aggregate_group<'a>(
     aggregates: &[Aggregate],
     rows: impl Iterator<Item = (&'a [i64], i64)> + Clone,
-) -> Option<Row> {
+) -> Option<Values> {
     let count: i64 = rows.clone().map(|(_, d)| d).fold(0, i64::wrapping_add);
     if count == 0 {
         return None;

@@ -13,6 +13,8 @@
 //!   a dataflow (the protocol's envelope checks, then each description
 //!   decoded, at most [`MAX_PLAN_DEPTH`] deep and reading declared inputs
 //!   only); [`check`] adds the replica's frame limit, for the environment;
+//! - [`rows`]: its rows (64-bit integers) and their encoding as the
+//!   protocol's row bytes ([`row`] encodes one);
 //! - [`text`]: the text syntax the CLI and the docs use;
 //! - [`mod@reference`]: a plain-Rust evaluator the tests and fault suites compare
 //!   answers with (invariant I3).
@@ -21,10 +23,12 @@
 
 pub mod ir;
 pub mod reference;
+pub mod rows;
 pub mod text;
 pub mod wire;
 
 pub use ir::*;
+pub use rows::encode as row;
 
 use lockstep_protocol::validate::{
     check_dataflow, check_format, validate_dataflow, InvalidDataflow, Refused,

@@ -11,11 +11,16 @@ use std::collections::BTreeMap;
 use lockstep_protocol::{Row, Timestamp, Update};
 
 use crate::ir::{aggregate_group, Plan};
+use crate::rows::{self, Values};
 
-/// A multiset of rows: row -> multiplicity (never zero).
+/// A multiset of encoded rows (as peeks answer them): row -> multiplicity
+/// (never zero).
 pub type Multiset = BTreeMap<Row, i64>;
 
-fn add(m: &mut Multiset, row: Row, d: i64) {
+/// A multiset of decoded rows, what the evaluation works on.
+type Bag = BTreeMap<Values, i64>;
+
+fn add<R: Ord + Clone>(m: &mut BTreeMap<R, i64>, row: R, d: i64) {
     let e = m.entry(row.clone()).or_insert(0);
     *e = e.wrapping_add(d);
     if *e == 0 {
@@ -32,28 +37,46 @@ pub fn at_time(updates: &[Update], t: Timestamp) -> Multiset {
     m
 }
 
-fn key_of(row: &[i64], key: &[u32]) -> Option<Row> {
+fn key_of(row: &[i64], key: &[u32]) -> Option<Values> {
     key.iter().map(|&c| row.get(c as usize).copied()).collect()
 }
 
-/// Evaluates `plan` at time `t` over the input collections' updates.
-/// A Get of a collection absent from `inputs` reads an empty collection.
+/// Evaluates `plan` at time `t` over the input collections' updates,
+/// returning its rows encoded. A Get of a collection absent from `inputs`
+/// reads an empty collection; an input row that is not a row of this family
+/// is dropped (as the replica drops it).
 pub fn evaluate(plan: &Plan, inputs: &BTreeMap<u64, Vec<Update>>, t: Timestamp) -> Multiset {
+    eval(plan, inputs, t)
+        .into_iter()
+        .map(|(values, d)| (rows::encode(&values), d))
+        .collect()
+}
+
+fn eval(plan: &Plan, inputs: &BTreeMap<u64, Vec<Update>>, t: Timestamp) -> Bag {
     match plan {
-        Plan::Get { collection_id } => inputs
-            .get(collection_id)
-            .map(|u| at_time(u, t))
-            .unwrap_or_default(),
+        Plan::Get { collection_id } => {
+            let mut m = Bag::new();
+            for u in inputs.get(collection_id).into_iter().flatten() {
+                if let (true, Ok(values)) = (u.time <= t, rows::decode(&u.row)) {
+                    add(&mut m, values, u.diff);
+                }
+            }
+            m
+        }
         Plan::Map { input, exprs } => {
-            let mut out = Multiset::new();
-            for (row, d) in evaluate(input, inputs, t) {
-                if let Some(r) = exprs.iter().map(|e| e.eval(&row)).collect::<Option<Row>>() {
+            let mut out = Bag::new();
+            for (row, d) in eval(input, inputs, t) {
+                if let Some(r) = exprs
+                    .iter()
+                    .map(|e| e.eval(&row))
+                    .collect::<Option<Values>>()
+                {
                     add(&mut out, r, d);
                 }
             }
             out
         }
-        Plan::Filter { input, predicates } => evaluate(input, inputs, t)
+        Plan::Filter { input, predicates } => eval(input, inputs, t)
             .into_iter()
             .filter(|(row, _)| predicates.iter().all(|p| p.eval(row) == Some(true)))
             .collect(),
@@ -63,9 +86,9 @@ pub fn evaluate(plan: &Plan, inputs: &BTreeMap<u64, Vec<Update>>, t: Timestamp) 
             left_key,
             right_key,
         } => {
-            let l = evaluate(left, inputs, t);
-            let r = evaluate(right, inputs, t);
-            let mut out = Multiset::new();
+            let l = eval(left, inputs, t);
+            let r = eval(right, inputs, t);
+            let mut out = Bag::new();
             for (lrow, ld) in &l {
                 let Some(lk) = lrow.get(*left_key as usize) else {
                     continue;
@@ -85,13 +108,13 @@ pub fn evaluate(plan: &Plan, inputs: &BTreeMap<u64, Vec<Update>>, t: Timestamp) 
             key,
             aggregates,
         } => {
-            let mut groups: BTreeMap<Row, Vec<(Row, i64)>> = BTreeMap::new();
-            for (row, d) in evaluate(input, inputs, t) {
+            let mut groups: BTreeMap<Values, Vec<(Values, i64)>> = BTreeMap::new();
+            for (row, d) in eval(input, inputs, t) {
                 if let Some(k) = key_of(&row, key) {
                     groups.entry(k).or_default().push((row, d));
                 }
             }
-            let mut out = Multiset::new();
+            let mut out = Bag::new();
             for (mut k, rows) in groups {
                 let rows = rows.iter().map(|(row, d)| (&row[..], *d));
                 if let Some(aggs) = aggregate_group(aggregates, rows) {
@@ -101,7 +124,7 @@ pub fn evaluate(plan: &Plan, inputs: &BTreeMap<u64, Vec<Update>>, t: Timestamp) 
             }
             out
         }
-        Plan::Arrange { input, key } => evaluate(input, inputs, t)
+        Plan::Arrange { input, key } => eval(input, inputs, t)
             .into_iter()
             .filter(|(row, _)| key_of(row, key).is_some())
             .collect(),
@@ -115,7 +138,7 @@ mod tests {
 
     fn u(row: &[i64], time: u64, diff: i64) -> Update {
         Update {
-            row: row.to_vec(),
+            row: rows::encode(row),
             time,
             diff,
         }
@@ -136,8 +159,8 @@ mod tests {
             right_key: 0,
         };
         let at1 = evaluate(&join, &inputs, 1);
-        assert_eq!(at1.get(&vec![1, 10, 1, 100]), Some(&1));
-        assert_eq!(at1.get(&vec![2, 20, 2, 200]), Some(&2));
+        assert_eq!(at1.get(&rows::encode(&[1, 10, 1, 100])), Some(&1));
+        assert_eq!(at1.get(&rows::encode(&[2, 20, 2, 200])), Some(&2));
         let at2 = evaluate(&join, &inputs, 2);
         assert_eq!(at2.len(), 1, "the retraction at 2 removes key 1");
 
@@ -148,7 +171,7 @@ mod tests {
         };
         assert_eq!(
             evaluate(&reduce, &inputs, 1),
-            [(vec![3, 500], 1)].into_iter().collect()
+            [(rows::encode(&[3, 500]), 1)].into_iter().collect()
         );
 
         let fm = Plan::Map {
@@ -167,7 +190,7 @@ mod tests {
         };
         assert_eq!(
             evaluate(&fm, &inputs, 5),
-            [(vec![21], 1)].into_iter().collect()
+            [(rows::encode(&[21]), 1)].into_iter().collect()
         );
     }
 }

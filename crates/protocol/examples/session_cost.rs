@@ -24,7 +24,7 @@ fn small() -> Command {
 fn write_43k_rows() -> Command {
     let updates: Vec<Update> = (0..43_000)
         .map(|i| Update {
-            row: vec![i, i * 7],
+            row: lockstep_plan::row(&[i, i * 7]),
             time: 5,
             diff: 1,
         })

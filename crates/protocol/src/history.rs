@@ -339,11 +339,26 @@ pub fn updates_digest(updates: &[Update]) -> [u64; 4] {
 }
 
 fn add_to_sum(sum: &mut [u64; 4], u: &Update) {
-    let mut h = blake3::Hasher::new();
-    for v in &u.row {
-        h.update(&v.to_le_bytes());
-    }
-    h.update(&(u.row.len() as u64).to_le_bytes());
+    // A row of canonical varints (the built-in family's, and every row up
+    // to v0.2.0) is hashed by its values as v0.2.0 did, so histories
+    // recorded then keep their digests; any other row by its bytes, under a
+    // key of its own so the two kinds never collide by construction.
+    let mut h = match crate::types::varint_count(&u.row) {
+        Some(n) => {
+            let mut h = blake3::Hasher::new();
+            for v in crate::types::varint_values(&u.row) {
+                h.update(&v.to_le_bytes());
+            }
+            h.update(&(n as u64).to_le_bytes());
+            h
+        }
+        None => {
+            let mut h = blake3::Hasher::new_derive_key("lockstep 2026 opaque row digest");
+            h.update(&u.row);
+            h.update(&(u.row.len() as u64).to_le_bytes());
+            h
+        }
+    };
     h.update(&u.time.to_le_bytes());
     let bytes = h.finalize();
     for (lane, chunk) in sum.iter_mut().zip(bytes.as_bytes().chunks_exact(8)) {

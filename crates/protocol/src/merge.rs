@@ -127,7 +127,7 @@ mod tests {
             updates: updates
                 .into_iter()
                 .map(|(v, t)| Update {
-                    row: vec![v],
+                    row: vec![v as u8],
                     time: t,
                     diff: 1,
                 })

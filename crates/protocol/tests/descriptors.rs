@@ -22,6 +22,9 @@
 //! `bytes` (both are length-delimited; the bytes hold the encoded message,
 //! which is how the compute protocol came to carry dataflow descriptions it
 //! does not read: `Export.description` was `lockstep.compute.v1.Plan plan`).
+//! A third: a packed `repeated int64` retyped to singular `bytes` (the bytes
+//! are the packed varints; every sender of a release, prost, packs), which
+//! is how rows became their family's bytes (`Update.row`, `Row.values`).
 
 mod common;
 
@@ -170,6 +173,18 @@ fn same_wire_type(old: &FieldDescriptorProto, new: &FieldDescriptorProto) -> boo
             && matches!(old.r#type(), Type::Message | Type::Enum)
             && short_type(old.type_name()) == short_type(new.type_name()))
         || (old.r#type() == Type::Message && new.r#type() == Type::Bytes)
+        || packed_to_bytes(old, new)
+}
+
+/// Whether `old` is a packed `repeated int64` and `new` a singular `bytes`:
+/// the bytes hold the packed varints, so the wire does not change.
+fn packed_to_bytes(old: &FieldDescriptorProto, new: &FieldDescriptorProto) -> bool {
+    let packed = old.options.as_ref().and_then(|o| o.packed) != Some(false);
+    old.r#type() == Type::Int64
+        && label(old) == "repeated"
+        && packed
+        && new.r#type() == Type::Bytes
+        && label(new) == "singular"
 }
 
 /// The wire-breaking differences from `old` (a release) to `new` (today),
@@ -211,7 +226,7 @@ fn breaking_changes(old: &FileDescriptorSet, new: &FileDescriptorSet) -> Vec<Str
                     type_of(nf)
                 ));
             }
-            if label(of) != label(nf) {
+            if label(of) != label(nf) && !packed_to_bytes(of, nf) {
                 out.push(format!(
                     "field {field} changed label from {} to {}",
                     label(of),
@@ -421,4 +436,34 @@ fn additions_and_reserved_removals_pass() {
     value.number = Some(100);
     e.value.push(value);
     assert_eq!(breaking_changes(&old, &new), Vec::<String>::new());
+}
+
+/// The packed-`int64`-to-`bytes` allowance is that change only: the same
+/// field made `repeated bytes`, or an unpacked `repeated int64` made
+/// `bytes`, is still reported against v0.2.0.
+#[test]
+fn rows_as_bytes_are_allowed_only_from_packed_int64_to_singular_bytes() {
+    let old = release_descriptors("v0.2.0");
+    let mut repeated = todays_descriptors();
+    field_mut(message_mut(&mut repeated, "Update"), "row").label = Some(Label::Repeated as i32);
+    assert_eq!(
+        breaking_changes(&old, &repeated),
+        vec![
+            "field .lockstep.compute.v1.Update.row (number 1) changed type from Int64 to Bytes"
+                .to_string()
+        ]
+    );
+    let mut unpacked = old.clone();
+    field_mut(message_mut(&mut unpacked, "Update"), "row")
+        .options
+        .get_or_insert_with(Default::default)
+        .packed = Some(false);
+    let breaks = breaking_changes(&unpacked, &todays_descriptors());
+    assert!(
+        breaks.contains(
+            &"field .lockstep.compute.v1.Update.row (number 1) changed type from Int64 to Bytes"
+                .to_string()
+        ),
+        "{breaks:?}"
+    );
 }

@@ -217,7 +217,7 @@ fn v0_2_0() -> Vec<(&'static str, Wire)> {
     };
     let updates = vec![
         Update {
-            row: vec![1, -2, i64::MAX],
+            row: lockstep_plan::row(&[1, -2, i64::MAX]),
             time: 5,
             diff: 1,
         },
@@ -227,7 +227,10 @@ fn v0_2_0() -> Vec<(&'static str, Wire)> {
             diff: -3,
         },
     ];
-    let rows = vec![(vec![1, 2], 1), (vec![i64::MIN], -2)];
+    let rows = vec![
+        (lockstep_plan::row(&[1, 2]), 1),
+        (lockstep_plan::row(&[i64::MIN]), -2),
+    ];
     let status = |full: bool| Status {
         worker_index: 3,
         epoch: 7,

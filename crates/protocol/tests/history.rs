@@ -22,7 +22,7 @@ fn write(updates: &[(i64, u64, i64)], upper: u64) -> CommandKind {
         updates: updates
             .iter()
             .map(|&(v, time, diff)| Update {
-                row: vec![v],
+                row: lockstep_plan::row(&[v]),
                 time,
                 diff,
             })

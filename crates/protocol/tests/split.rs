@@ -2,6 +2,7 @@
 //! owns its row, part lists line up, and a worker's history digest over its
 //! share equals the controller's over the whole write.
 
+use lockstep_plan::row;
 use lockstep_protocol::history::updates_digest;
 use lockstep_protocol::{row_owner, CommandHistory, CommandKind, Update, WriteInput};
 
@@ -10,7 +11,7 @@ fn write(n: i64) -> WriteInput {
         collection_id: 7,
         updates: (0..n)
             .map(|i| Update {
-                row: vec![i, i * 31, 1 << 40],
+                row: lockstep_plan::row(&[i, i * 31, 1 << 40]),
                 time: 3 + (i as u64 % 2),
                 diff: if i % 5 == 0 { -1 } else { 1 },
             })
@@ -25,20 +26,20 @@ fn write(n: i64) -> WriteInput {
 fn the_owner_rule_is_pinned() {
     // The controller and the replica may be built apart: a change of this
     // rule must be a protocol change, so it is pinned here.
-    assert_eq!(row_owner(&[], 8), 7);
-    assert_eq!(row_owner(&[0], 8), 6);
-    assert_eq!(row_owner(&[1, 2], 8), 4);
-    assert_eq!(row_owner(&[-1, 7, 3], 8), 5);
-    assert_eq!(row_owner(&[1 << 50, 5], 8), 6);
-    assert_eq!(row_owner(&[1, 2], 3), 2);
-    assert_eq!(row_owner(&[1 << 50, 5], 3), 0);
+    assert_eq!(row_owner(&row(&[]), 8), 7);
+    assert_eq!(row_owner(&row(&[0]), 8), 6);
+    assert_eq!(row_owner(&row(&[1, 2]), 8), 4);
+    assert_eq!(row_owner(&row(&[-1, 7, 3]), 8), 5);
+    assert_eq!(row_owner(&row(&[1 << 50, 5]), 8), 6);
+    assert_eq!(row_owner(&row(&[1, 2]), 3), 2);
+    assert_eq!(row_owner(&row(&[1 << 50, 5]), 3), 0);
 }
 
 #[test]
 fn rows_spread_over_the_workers() {
     let mut counts = [0usize; 8];
     for i in 0..80_000i64 {
-        counts[row_owner(&[i, 10 * i], 8)] += 1;
+        counts[row_owner(&row(&[i, 10 * i]), 8)] += 1;
     }
     for (w, c) in counts.iter().enumerate() {
         assert!(
@@ -118,4 +119,33 @@ fn a_split_write_round_trips_on_the_wire() {
     };
     let wire = lockstep_protocol::proto::Command::from(cmd.clone());
     assert_eq!(lockstep_protocol::Command::try_from(wire).unwrap(), cmd);
+}
+
+#[test]
+fn rows_that_are_not_integers_have_owners_and_digests_of_their_own() {
+    // Text rows (another family's): not canonical varints (0x80 and up
+    // continue a varint the row ends inside).
+    let a = "n1\tn2".as_bytes().to_vec();
+    let b = vec![0x80];
+    assert!(lockstep_protocol::varint_count(&b).is_none());
+    let mut counts = [0usize; 8];
+    for i in 0..8_000 {
+        counts[row_owner(format!("node-{i}\tnode-{}", i * 7).as_bytes(), 8)] += 1;
+    }
+    assert!(
+        counts.iter().all(|c| (800..1_200).contains(c)),
+        "{counts:?}"
+    );
+    // Each row has its own digest, and a non-canonical encoding of 1 is not
+    // the row [1].
+    let digest = |row: Vec<u8>| {
+        updates_digest(&[Update {
+            row,
+            time: 0,
+            diff: 1,
+        }])
+    };
+    assert_ne!(digest(a.clone()), digest(b.clone()));
+    assert_ne!(digest(vec![0x81, 0x00]), digest(row(&[1])));
+    assert_eq!(digest(a.clone()), digest(a));
 }

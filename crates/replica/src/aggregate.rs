@@ -186,7 +186,7 @@ mod tests {
                 updates: rows
                     .iter()
                     .map(|r| lockstep_protocol::Update {
-                        row: vec![*r],
+                        row: r.to_le_bytes().to_vec(),
                         time: 0,
                         diff: 1,
                     })

@@ -23,17 +23,27 @@
 //!   build is refused by `prepare`, before anything is built, so no worker is
 //!   left with half a dataflow.
 //!
-//! Rows are the protocol's rows (`lockstep_protocol::Row`, vectors of i64)
-//! for now; the built-in family is [`PlanFamily`] (`lockstep-plan`).
+//! Rows are bytes in the family's encoding ([`lockstep_protocol::Row`]):
+//! the replica stores, routes and arranges them without reading them; a
+//! family decodes the rows of the inputs it reads and encodes the rows of
+//! its exports. A row the family cannot decode is dropped from what it
+//! renders (the same row on every worker, so alike everywhere); the
+//! environment refuses such rows before they are written. The built-in
+//! family is [`PlanFamily`] (`lockstep-plan`).
 
 use std::collections::BTreeMap;
 use std::fmt;
 
-use lockstep_plan::Plan;
+use differential_dataflow::VecCollection;
+use lockstep_plan::{rows, Plan};
 use lockstep_protocol::validate::InvalidDataflow;
-use lockstep_protocol::DataflowDescription;
+use lockstep_protocol::{DataflowDescription, Row};
 
-use crate::render::{render, Coll};
+use crate::render::{render, PlanColl};
+
+/// A collection of encoded rows at u64 times with i64 multiplicities: what a
+/// family's rendering reads (inputs) and returns (exports).
+pub type Coll<'s> = VecCollection<'s, u64, Row, i64>;
 
 /// A dataflow family: what a replica builds for a CreateDataflow. See the
 /// module documentation for the contract.
@@ -86,9 +96,23 @@ impl Family for PlanFamily {
 
 impl Prepared for Plans {
     fn render<'s>(&self, inputs: &BTreeMap<u64, Coll<'s>>) -> Vec<(u64, Coll<'s>)> {
+        // Each input the plans read is decoded once for the dataflow; a row
+        // that is not a plan row is dropped.
+        let mut decoded: BTreeMap<u64, PlanColl<'s>> = BTreeMap::new();
+        for (_, plan) in &self.0 {
+            for id in plan.inputs() {
+                if let (Some(coll), false) = (inputs.get(&id), decoded.contains_key(&id)) {
+                    let values = coll.clone().flat_map(|row: Row| rows::decode(&row).ok());
+                    decoded.insert(id, values);
+                }
+            }
+        }
         self.0
             .iter()
-            .map(|(collection, plan)| (*collection, render(plan, inputs)))
+            .map(|(collection, plan)| {
+                let exported = render(plan, &decoded).map(|values| rows::encode(&values));
+                (*collection, exported)
+            })
             .collect()
     }
 }

@@ -8,18 +8,21 @@
 //! [`crate::family::PlanFamily`]), so a bad plan is refused identically on
 //! every worker and never leaves a half-built dataflow behind.
 //!
-//! Rows are `Vec<i64>`. An expression naming a column a row does not have
+//! Rows are the plan language's (`lockstep_plan::rows::Values`), decoded
+//! from the protocol's row bytes by [`crate::family::PlanFamily`] before
+//! they reach [`render`] and encoded after. An expression naming a column a row does not have
 //! drops that row (map, filter, join key, reduce key); a summed column a row
 //! lacks contributes 0.
 
 use std::collections::BTreeMap;
 
 use differential_dataflow::VecCollection;
+use lockstep_plan::rows::Values as Row;
 use lockstep_plan::{aggregate_group, Plan};
-use lockstep_protocol::Row;
 
-/// A collection of rows at u64 times with i64 multiplicities.
-pub type Coll<'s> = VecCollection<'s, u64, Row, i64>;
+/// A collection of the plan language's rows at u64 times with i64
+/// multiplicities.
+pub type PlanColl<'s> = VecCollection<'s, u64, Row, i64>;
 
 fn key_of(row: &[i64], key: &[u32]) -> Option<Row> {
     key.iter().map(|&c| row.get(c as usize).copied()).collect()
@@ -27,7 +30,7 @@ fn key_of(row: &[i64], key: &[u32]) -> Option<Row> {
 
 /// Renders `plan` over the given input collections. The plan must have been
 /// validated, so every Get finds its input.
-pub fn render<'s>(plan: &Plan, inputs: &BTreeMap<u64, Coll<'s>>) -> Coll<'s> {
+pub fn render<'s>(plan: &Plan, inputs: &BTreeMap<u64, PlanColl<'s>>) -> PlanColl<'s> {
     match plan {
         Plan::Get { collection_id } => inputs[collection_id].clone(),
         Plan::Map { input, exprs } => {

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use lockstep_controller::{launch, Controller, Event, Timeouts};
-use lockstep_example_reachability::{describe, reference, FORMAT};
+use lockstep_example_reachability::{self as reachability, describe, distance, reference, FORMAT};
 use lockstep_orchestrator::process::{
     kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
 };
@@ -74,43 +74,9 @@ async fn start(replica_id: u64, strategy: Strategy) -> Walk {
     Walk { dir, controller }
 }
 
-fn edge(src: i64, dst: i64, time: u64, diff: i64) -> Update {
-    Update {
-        row: vec![src, dst],
-        time,
-        diff,
-    }
-}
-
-/// Three writes of edges: a chain and a branch, a cycle closed, an edge
-/// taken away (which makes node 4 unreachable from 0 and farther from 5).
-fn writes() -> Vec<(Vec<Update>, u64)> {
-    vec![
-        (
-            vec![
-                edge(0, 1, 0, 1),
-                edge(1, 2, 0, 1),
-                edge(2, 3, 0, 1),
-                edge(1, 4, 0, 1),
-            ],
-            1,
-        ),
-        (
-            vec![
-                edge(3, 0, 1, 1),
-                edge(5, 4, 1, 1),
-                edge(4, 6, 1, 1),
-                edge(5, 0, 1, 1),
-            ],
-            2,
-        ),
-        (vec![edge(1, 4, 2, -1), edge(6, 7, 2, 1)], 3),
-    ]
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn distances_match_the_reference_under_every_strategy() {
-    let roots = [(101u64, 0i64), (102, 5)];
+    let roots = [(101u64, "n0"), (102, "n5")];
     for (i, strategy) in [Strategy::Barrier, Strategy::Broadcast, Strategy::Log]
         .into_iter()
         .enumerate()
@@ -129,7 +95,7 @@ async fn distances_match_the_reference_under_every_strategy() {
         // A subscription to the distances from 5, from before the writes.
         let mut changes = c.subscribe(102, 0).unwrap();
         let mut written = Vec::new();
-        for (updates, upper) in writes() {
+        for (updates, upper) in reachability::sample_writes() {
             written.extend(updates.iter().cloned());
             c.write_input(1, updates, upper).unwrap();
         }
@@ -145,7 +111,7 @@ async fn distances_match_the_reference_under_every_strategy() {
             upper = batch.upper;
         }
         for t in 0..3 {
-            let mut at: std::collections::BTreeMap<Vec<i64>, i64> = Default::default();
+            let mut at: std::collections::BTreeMap<Vec<u8>, i64> = Default::default();
             for u in streamed.iter().filter(|u| u.time <= t) {
                 *at.entry(u.row.clone()).or_insert(0) += u.diff;
             }
@@ -153,14 +119,14 @@ async fn distances_match_the_reference_under_every_strategy() {
             assert!(at.values().all(|d| *d == 1), "{strategy}: {at:?} at {t}");
             assert_eq!(
                 at.into_keys().collect::<std::collections::BTreeSet<_>>(),
-                reference(&written, 5, t),
-                "{strategy}: the subscription's distances from 5 at {t}"
+                reference(&written, "n5", t),
+                "{strategy}: the subscription's distances from n5 at {t}"
             );
         }
         for &(collection, root) in &roots {
             c.wait_for_frontier(collection, 2).await.unwrap();
             for t in 0..3 {
-                let got: std::collections::BTreeSet<Vec<i64>> = c
+                let got: std::collections::BTreeSet<Vec<u8>> = c
                     .peek(collection, t)
                     .await
                     .unwrap()
@@ -179,7 +145,7 @@ async fn distances_match_the_reference_under_every_strategy() {
         }
         // The reference is not trivially small: node 7 is 3 steps from 5 at
         // time 2 (5 -> 4 -> 6 -> 7).
-        assert!(reference(&written, 5, 2).contains(&vec![7, 3]));
+        assert!(reference(&written, "n5", 2).contains(&distance("n7", 3)));
         // I1: every worker built the same dataflows in the same order.
         let statuses = c.statuses().await.unwrap();
         assert_eq!(statuses.len(), PROCESSES * WORKERS as usize);
@@ -217,17 +183,17 @@ async fn a_description_the_family_cannot_read_is_refused_before_anything_is_buil
         id: 2,
         as_of: 0,
         inputs: vec![1],
-        exports: vec![describe(201, 0)],
+        exports: vec![describe(201, "n0")],
         debug_name: "bad".into(),
         format: FORMAT.into(),
     };
-    // Seven bytes: not a root.
-    bad.exports[0].description.pop();
+    // Not UTF-8: not a node name.
+    bad.exports[0].description = vec![0xff, 0xfe];
     c.create_dataflow(bad).unwrap();
     let error = next_error(&mut events, "dataflow 2:").await;
     assert_eq!(error.kind, ErrorKind::InvalidCommand);
     assert!(
-        error.message.contains("7 bytes") && error.message.contains(FORMAT),
+        error.message.contains("(2 bytes) is not a") && error.message.contains(FORMAT),
         "{}",
         error.message
     );
@@ -237,7 +203,7 @@ async fn a_description_the_family_cannot_read_is_refused_before_anything_is_buil
         id: 3,
         as_of: 0,
         inputs: vec![1],
-        exports: vec![describe(301, 0)],
+        exports: vec![describe(301, "n0")],
         debug_name: "other".into(),
         format: lockstep_protocol::DEFAULT_FORMAT.into(),
     };

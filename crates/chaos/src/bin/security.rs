@@ -186,7 +186,7 @@ async fn drives(c: &Controller, t: u64) -> Result<(), String> {
     c.write_input(
         1,
         vec![Update {
-            row: vec![t as i64],
+            row: lockstep_plan::row(&[t as i64]),
             time: t,
             diff: 1,
         }],
@@ -194,7 +194,10 @@ async fn drives(c: &Controller, t: u64) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     let rows = c.peek(101, t).await.map_err(|e| e.to_string())?;
-    let want: Vec<(Vec<i64>, i64)> = (0..=t).map(|i| (vec![i as i64], 1)).collect();
+    let mut want: Vec<(Vec<u8>, i64)> = (0..=t)
+        .map(|i| (lockstep_plan::row(&[i as i64]), 1))
+        .collect();
+    want.sort();
     let mut got = rows;
     got.sort();
     if got != want {

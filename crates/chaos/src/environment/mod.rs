@@ -388,6 +388,7 @@ fn env_config(
         api_token: None,
         allow_naive: false,
         store: None,
+        format: None,
         state_dir: dir.to_path_buf(),
         orphan_policy,
         service: sleep_template(),

@@ -26,6 +26,62 @@ pub fn replica_binary() -> PathBuf {
     path
 }
 
+/// The replica binary of the example family beside `lockstep`
+/// (`examples/reachability`, built by `cargo test --workspace`).
+pub fn reachability_binary() -> PathBuf {
+    let path =
+        Path::new(env!("CARGO_BIN_EXE_lockstep")).with_file_name("lockstep-replica-reachability");
+    assert!(
+        path.is_file(),
+        "{} is missing: build it first with `cargo build -p lockstep-example-reachability` \
+         (`cargo test --workspace` and `cargo xtask test` do)",
+        path.display()
+    );
+    path
+}
+
+/// Starts `lockstep serve` on `state` with replica program `replica` and
+/// `extra` arguments (its stderr in `state/serve.stderr`); the child (killed
+/// on drop) and the API's URL, once it printed it (within 90 s).
+pub async fn serve(
+    state: &Path,
+    replica: &Path,
+    extra: &[&str],
+) -> (tokio::process::Child, String) {
+    use tokio::io::AsyncBufReadExt;
+    let stderr = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(state.join("serve.stderr"))
+        .unwrap();
+    let mut serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(extra)
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--service-binary")
+        .arg(replica)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(serve.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(90), lines.next_line())
+        .await
+        .expect("lockstep serve served in time")
+        .unwrap()
+        .expect("a serving line");
+    let addr = line
+        .strip_prefix("lockstep: serving on ")
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    let url = format!("http://{addr}");
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    (serve, url)
+}
+
 pub fn load_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environment {
     Environment::load(config(state_dir, distribution_policy)).unwrap()
 }
@@ -46,6 +102,7 @@ pub fn config(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environ
         api_token: None,
         allow_naive: false,
         store: None,
+        format: None,
     }
 }
 
@@ -70,7 +127,7 @@ pub async fn start_with(state_dir: &Path, distribution_policy: Option<PathBuf>) 
 
 pub fn u(row: &[i64], time: u64, diff: i64) -> Update {
     Update {
-        row: row.to_vec(),
+        row: lockstep_plan::row(row),
         time,
         diff,
     }

@@ -95,10 +95,11 @@ pub enum Event {
         /// What the policy decided.
         action: MismatchAction,
     },
-    /// A process refused the CreateDataflow of `dataflow` as malformed (its
+    /// A process refused the CreateDataflow of `dataflow`: as malformed (its
     /// frame did not decode there: too large for the process's frame limit,
-    /// too deep for its decoder, or a build that does not know a field).
-    /// The dataflow left the controller's history, so it is not resent; the
+    /// too deep for its decoder, or a build that does not know a field), or
+    /// as invalid (its family refused the description, or the ID is taken
+    /// by another description). The dataflow left the controller's history, so it is not resent; the
     /// owner should forget it too (the catalog), and fail its request.
     DataflowRefused {
         /// The dataflow.

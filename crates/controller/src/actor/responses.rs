@@ -221,7 +221,11 @@ impl Actor {
             }
             ResponseKind::Error(error) => {
                 tracing::warn!(process = p, ?error, "replica error");
-                if error.kind == lockstep_protocol::ErrorKind::Malformed {
+                if matches!(
+                    error.kind,
+                    lockstep_protocol::ErrorKind::Malformed
+                        | lockstep_protocol::ErrorKind::InvalidCommand
+                ) {
                     self.refuse_dataflow(p, &error);
                 }
                 self.emit(Event::ReplicaError { process: p, error });
@@ -242,10 +246,13 @@ impl Actor {
         self.disconnect(format!("process {p}: {reason}"));
     }
 
-    /// A process refused a frame as malformed; if it carried a
-    /// CreateDataflow, that dataflow leaves the history (resent, it would be
-    /// refused again, and the process drops the connection each time, so
-    /// none of the replica's dataflows would answer) and the owner is told.
+    /// A process refused a command as malformed (a frame that does not
+    /// decode) or invalid (a description its family refuses, or an ID taken
+    /// by another description); if it was a CreateDataflow, that dataflow
+    /// leaves the history (resent, it would be refused again, and a
+    /// malformed frame costs the connection each time, so none of the
+    /// replica's dataflows would answer; an invalid one is built nowhere,
+    /// so it would never answer) and the owner is told.
     pub(super) fn refuse_dataflow(&mut self, process: usize, error: &ErrorResponse) {
         let Some(&id) = self.sent_creates.get(&error.seqno) else {
             return;

@@ -73,8 +73,8 @@ impl Sub {
     }
 }
 
-/// The estimated bytes an update (or a peek's row) of `width` columns
-/// takes in memory.
-pub(super) fn update_bytes(width: usize) -> usize {
-    std::mem::size_of::<lockstep_protocol::Update>() + 8 * width
+/// The estimated bytes an update (or a peek's row) whose row takes
+/// `row_bytes` bytes takes in memory.
+pub(super) fn update_bytes(row_bytes: usize) -> usize {
+    std::mem::size_of::<lockstep_protocol::Update>() + row_bytes
 }

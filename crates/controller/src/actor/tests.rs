@@ -186,7 +186,7 @@ async fn frontiers_of_too_many_unknown_collections_end_the_session() {
 #[tokio::test]
 async fn peek_parts_past_the_bound_end_the_session_and_fail_the_peek() {
     let mut h = connected(2, 1).await;
-    h.actor.limits.peek_part_bytes = 100 * update_bytes(1);
+    h.actor.limits.peek_part_bytes = 100 * update_bytes(8);
     let (reply, mut answer) = oneshot::channel();
     h.actor.on_request(Request::Peek {
         collection: 1001,
@@ -197,7 +197,7 @@ async fn peek_parts_past_the_bound_end_the_session_and_fail_the_peek() {
     let part = |n: i64| {
         ResponseKind::PeekResponse(PeekResponse {
             peek_id,
-            result: PeekResult::Part((0..n).map(|i| (vec![i], 1)).collect()),
+            result: PeekResult::Part((0..n).map(|i| (i.to_le_bytes().to_vec(), 1)).collect()),
         })
     };
     // Within the bound, over both processes.
@@ -236,7 +236,7 @@ async fn an_answer_to_an_earlier_controllers_peek_is_not_taken_for_ours() {
         0,
         ResponseKind::PeekResponse(PeekResponse {
             peek_id: earlier,
-            result: PeekResult::Rows(vec![(vec![666], 1)]),
+            result: PeekResult::Rows(vec![(vec![66], 1)]),
         }),
     );
     assert!(
@@ -259,7 +259,7 @@ async fn an_answer_to_an_earlier_controllers_peek_is_not_taken_for_ours() {
 #[tokio::test]
 async fn completed_peek_parts_are_not_counted_against_the_next() {
     let mut h = connected(1, 1).await;
-    h.actor.limits.peek_part_bytes = 100 * update_bytes(1);
+    h.actor.limits.peek_part_bytes = 100 * update_bytes(8);
     let (reply, mut answer) = oneshot::channel();
     h.actor.on_request(Request::Peek {
         collection: 1001,
@@ -267,7 +267,11 @@ async fn completed_peek_parts_are_not_counted_against_the_next() {
         reply,
     });
     let peek_id = h.actor.next_peek_id - 1;
-    let rows = |n: i64| (0..n).map(|i| (vec![i], 1)).collect::<Vec<_>>();
+    let rows = |n: i64| {
+        (0..n)
+            .map(|i| (i.to_le_bytes().to_vec(), 1))
+            .collect::<Vec<_>>()
+    };
     h.answer(
         0,
         ResponseKind::PeekResponse(PeekResponse {
@@ -293,7 +297,7 @@ fn batch(id: u64, lower: u64, upper: Frontier, times: std::ops::Range<u64>) -> R
         upper,
         updates: times
             .map(|t| Update {
-                row: vec![t as i64],
+                row: t.to_le_bytes().to_vec(),
                 time: t,
                 diff: 1,
             })
@@ -334,7 +338,7 @@ async fn a_stalled_subscriber_is_cut_off_not_buffered() {
 #[tokio::test]
 async fn a_subscription_held_back_past_the_bound_ends_the_session() {
     let mut h = connected(2, 1).await;
-    h.actor.limits.subscribe_buffer_bytes = 100 * update_bytes(1);
+    h.actor.limits.subscribe_buffer_bytes = 100 * update_bytes(8);
     let (sink, mut out) = mpsc::channel(crate::SUBSCRIBE_CHANNEL_BATCHES);
     h.actor.on_request(Request::Subscribe {
         collection: 1001,

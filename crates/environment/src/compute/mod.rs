@@ -114,6 +114,9 @@ pub struct Compute {
     restart_interval: Duration,
     /// The frame limit of every replica connection.
     max_frame_len: std::sync::atomic::AtomicUsize,
+    /// The dataflow format the replicas build (`None`: the built-in
+    /// family's, [`lockstep_plan::FORMAT`]).
+    format: Mutex<Option<String>>,
     /// The environment's metrics.
     metrics: Arc<crate::metrics::Metrics>,
     /// Whether a WASM distribution policy may choose `naive`.
@@ -199,6 +202,7 @@ impl Default for Compute {
             replica_distribution: Mutex::new(BTreeMap::new()),
             restart_interval: REPLICA_RESTART_INTERVAL,
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN.into(),
+            format: Mutex::new(None),
             metrics: Default::default(),
             allow_naive: false.into(),
             restarts: Arc::new(true.into()),
@@ -211,6 +215,27 @@ impl Compute {
     pub fn set_max_frame_len(&self, max_frame_len: usize) {
         self.max_frame_len
             .store(max_frame_len, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Sets the dataflow format the replicas build (`None`: the built-in
+    /// family's).
+    pub fn set_format(&self, format: Option<String>) {
+        *self.format.lock().expect("poisoned") = format;
+    }
+
+    /// The dataflow format the replicas build.
+    pub fn format(&self) -> String {
+        self.format
+            .lock()
+            .expect("poisoned")
+            .clone()
+            .unwrap_or_else(|| lockstep_plan::FORMAT.to_string())
+    }
+
+    /// Whether the replicas build the built-in family, whose descriptions
+    /// and rows the environment checks itself.
+    pub fn builds_plans(&self) -> bool {
+        self.format() == lockstep_plan::FORMAT
     }
 
     /// The environment's metrics.

@@ -193,7 +193,8 @@ impl Environment {
         self.compute.stop(replica_id);
     }
 
-    /// Creates a dataflow on a replica: catalog transaction, then the replica.
+    /// Creates a dataflow of the replicas' format on a replica: catalog
+    /// transaction, then the replica.
     pub async fn create_dataflow(
         &self,
         replica_name: &str,
@@ -202,8 +203,30 @@ impl Environment {
         inputs: Vec<u64>,
         exports: Vec<Export>,
     ) -> Result<DataflowDescription, ComputeError> {
+        self.create_dataflow_of("", replica_name, debug_name, as_of, inputs, exports)
+            .await
+    }
+
+    /// Creates a dataflow of `format` (empty: the replicas' format, which
+    /// any other is refused for) on a replica: catalog transaction, then
+    /// the replica.
+    pub async fn create_dataflow_of(
+        &self,
+        format: &str,
+        replica_name: &str,
+        debug_name: &str,
+        as_of: Timestamp,
+        inputs: Vec<u64>,
+        exports: Vec<Export>,
+    ) -> Result<DataflowDescription, ComputeError> {
         let ops = self.ops.lock().await;
         self.check_not_halted()?;
+        let served = self.compute.format();
+        if !format.is_empty() && format != served {
+            return Err(ComputeError::Invalid(format!(
+                "a dataflow of format {format:?}: this environment's replicas build {served:?}"
+            )));
+        }
         let replica = self.replica_named(replica_name)?;
         let mut desc = DataflowDescription {
             id: 0,
@@ -211,13 +234,19 @@ impl Environment {
             inputs,
             exports,
             debug_name: debug_name.to_string(),
-            format: lockstep_plan::FORMAT.into(),
+            format: served,
         };
         // What a replica would refuse (the same checks, the built-in family's
         // included, and its decoder's limits) is refused here, before
-        // anything is recorded.
-        lockstep_plan::check(&desc, self.compute.max_frame_len())
-            .map_err(|e| ComputeError::Invalid(e.to_string()))?;
+        // anything is recorded. Another family's descriptions are its
+        // replicas' to check (their refusal removes the dataflow below).
+        let plans = self.compute.builds_plans();
+        if plans {
+            lockstep_plan::check(&desc, self.compute.max_frame_len())
+        } else {
+            lockstep_protocol::validate::check_dataflow(&desc, self.compute.max_frame_len())
+        }
+        .map_err(|e| ComputeError::Invalid(e.to_string()))?;
         let declared: BTreeSet<u64> = desc.inputs.iter().copied().collect();
         let (exported, written) = self.namespace(&replica)?;
         if let Some((c, d)) = declared
@@ -292,6 +321,13 @@ impl Environment {
             biased;
             message = refused => {
                 forget_refused(&self.catalog, &self.view, &self.halt, self.epoch, desc.id)?;
+                if !plans {
+                    // The family's own check, which only its replicas run.
+                    return Err(ComputeError::Invalid(format!(
+                        "replica {:?} refused the dataflow; it was not created: {message}",
+                        replica.name
+                    )));
+                }
                 return Err(ComputeError::Refused(format!(
                     "replica {:?} refused the dataflow's command as malformed; the dataflow was not created: {message}",
                     replica.name
@@ -363,6 +399,17 @@ impl Environment {
             return Err(ComputeError::Invalid(format!(
                 "collection {collection_id} is an export of dataflow {d}, not an input collection"
             )));
+        }
+        // A row no dataflow of the built-in family could read is refused
+        // before it is recorded; another family's rows are its own.
+        if self.compute.builds_plans() {
+            if let Some((i, e)) = updates
+                .iter()
+                .enumerate()
+                .find_map(|(i, u)| lockstep_plan::rows::check(&u.row).err().map(|e| (i, e)))
+            {
+                return Err(ComputeError::Invalid(format!("update {i}: {e}")));
+            }
         }
         self.inputs
             .lock()

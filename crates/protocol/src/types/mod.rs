@@ -13,8 +13,11 @@ pub type Timestamp = u64;
 /// `None` is the empty antichain (complete, or dropped).
 pub type Frontier = Option<Timestamp>;
 
-/// A row: a vector of 64-bit integers.
-pub type Row = Vec<i64>;
+/// A row in its dataflow family's encoding: the control plane only routes
+/// and hashes it ([`row_owner`], [`crate::history::updates_digest`]). The
+/// built-in family's rows are 64-bit integers as back-to-back varints
+/// (`lockstep_plan::row`).
+pub type Row = Vec<u8>;
 
 /// A 32-byte digest (BLAKE3).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -296,29 +299,83 @@ pub struct WriteInput {
 
 /// The global index of the worker that introduces `row` into a replica of
 /// `workers` timely workers in all (process `p`'s workers are
-/// `p * workers_per_process ..`): a splitmix64 fold over the row's length
-/// and values, modulo `workers`. Specified here, not left to a std hasher,
-/// because the controller (which splits writes per process) and the
-/// replica (whose workers keep only the rows they own) must agree even
-/// when built apart.
-pub fn row_owner(row: &[i64], workers: usize) -> usize {
+/// `p * workers_per_process ..`), modulo `workers` of a splitmix64 fold.
+/// Specified here, not left to a std hasher, because the controller (which
+/// splits writes per process) and the replica (whose workers keep only the
+/// rows they own) must agree even when built apart.
+///
+/// A row whose bytes are canonical varints ([`varint_values`]: every row of
+/// the built-in family, and every row up to v0.2.0, when rows were integer
+/// vectors on the wire) folds its length and values as v0.2.0 did, so a
+/// v0.2.0 process and this one split alike; any other row folds its byte
+/// length and its bytes in 8-byte words from another seed.
+pub fn row_owner(row: &[u8], workers: usize) -> usize {
     fn mix(mut z: u64) -> u64 {
         z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
-    let mut h = mix(row.len() as u64);
-    for &v in row {
-        h = mix(h ^ v as u64);
-    }
+    let h = match varint_count(row) {
+        Some(n) => {
+            let mut h = mix(n as u64);
+            for v in varint_values(row) {
+                h = mix(h ^ v as u64);
+            }
+            h
+        }
+        None => {
+            let mut h = mix(row.len() as u64 ^ OPAQUE_ROW_SEED);
+            for chunk in row.chunks(8) {
+                let mut word = [0u8; 8];
+                word[..chunk.len()].copy_from_slice(chunk);
+                h = mix(h ^ u64::from_le_bytes(word));
+            }
+            h
+        }
+    };
     (h % workers.max(1) as u64) as usize
 }
 
-/// An upper bound on the bytes one update or row of `arity` values takes in
-/// an encoded message (each varint at most 10 bytes, plus tags and lengths).
-pub fn encoded_row_bound(arity: usize) -> usize {
-    11 * arity + 32
+/// Seeds [`row_owner`]'s fold for a row that is not canonical varints.
+const OPAQUE_ROW_SEED: u64 = 0x6c6f_636b_7374_6570;
+
+/// How many values `row` holds if it is canonical varints back to back (each
+/// the shortest encoding of its 64-bit value, as protobuf encodes a packed
+/// `int64`), else `None`.
+pub fn varint_count(row: &[u8]) -> Option<usize> {
+    let mut rest = row;
+    let mut n = 0;
+    while !rest.is_empty() {
+        let before = rest.len();
+        let v = prost::encoding::decode_varint(&mut rest).ok()?;
+        if before - rest.len() != prost::encoding::encoded_len_varint(v) {
+            return None;
+        }
+        n += 1;
+    }
+    Some(n)
+}
+
+/// The 64-bit values of a row [`varint_count`] accepted, in order (on other
+/// bytes it stops at the first that does not decode).
+pub fn varint_values(row: &[u8]) -> impl Iterator<Item = i64> + '_ {
+    let mut rest = row;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        prost::encoding::decode_varint(&mut rest)
+            .ok()
+            .map(|v| v as i64)
+    })
+}
+
+/// An upper bound on the bytes one update or peek row whose row takes
+/// `row_bytes` bytes takes in an encoded message (its tags, lengths, time
+/// and diff included).
+pub fn encoded_row_bound(row_bytes: usize) -> usize {
+    row_bytes + 40
 }
 
 /// Splits `items` into runs whose encoded size (by `bound`) stays within

@@ -24,7 +24,7 @@ fn map() -> impl Strategy<Value = BTreeMap<String, String>> {
 }
 
 fn row() -> impl Strategy<Value = Row> {
-    vec(any::<i64>(), 0..4)
+    vec(any::<u8>(), 0..24)
 }
 
 pub fn update() -> impl Strategy<Value = Update> {

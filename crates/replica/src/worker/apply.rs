@@ -19,8 +19,8 @@ use timely::worker::Worker;
 
 use crate::metrics::{ExportLabels, METRICS};
 
+use crate::family::Coll;
 use crate::family::{prepare, Prepared};
-use crate::render::Coll;
 use crate::worker::{ExportState, FromWorker, Installed, SubState, Tap, WorkerState};
 
 /// The worker of the replica that introduces an update of `row`: the rule

@@ -141,7 +141,7 @@ pub fn controller_with(
 
 pub fn u(row: &[i64], time: u64, diff: i64) -> Update {
     Update {
-        row: row.to_vec(),
+        row: lockstep_plan::row(row),
         time,
         diff,
     }
@@ -257,6 +257,6 @@ pub fn reference(
     evaluate(&plan, &inputs, t)
 }
 
-pub fn as_multiset(rows: Vec<(Vec<i64>, i64)>) -> Multiset {
+pub fn as_multiset(rows: Vec<(lockstep_protocol::Row, i64)>) -> Multiset {
     rows.into_iter().collect()
 }

@@ -189,6 +189,7 @@ pub(super) fn create_request(d: &model::DataflowRec) -> proto::CreateDataflowReq
             description: lockstep_plan::encode(&d.plan),
         }],
         as_of: 0,
+        format: String::new(),
     }
 }
 

@@ -273,7 +273,7 @@ pub struct World {
     pub acked_upper: BTreeMap<u64, u64>,
     /// Rows of acknowledged inserts that may still be retracted (each is
     /// retracted at most once, so every write's effect stays distinct).
-    pub retractable: BTreeMap<u64, Vec<Vec<i64>>>,
+    pub retractable: BTreeMap<u64, Vec<lockstep_protocol::Row>>,
     pub next_uid: i64,
     pub next_collection: u64,
     /// One line per request and answer.
@@ -303,7 +303,7 @@ impl World {
             let uid = self.next_uid;
             self.next_uid += 1;
             updates.push(Update {
-                row: vec![r.below(5) as i64, r.below(30) as i64, uid],
+                row: lockstep_plan::row(&[r.below(5) as i64, r.below(30) as i64, uid]),
                 time,
                 diff: 1,
             });
@@ -388,7 +388,7 @@ impl World {
 }
 
 /// A multiset from answer rows (summing duplicates, dropping zeros).
-pub fn multiset(rows: impl IntoIterator<Item = (Vec<i64>, i64)>) -> Multiset {
+pub fn multiset(rows: impl IntoIterator<Item = (lockstep_protocol::Row, i64)>) -> Multiset {
     let mut m = Multiset::new();
     for (row, d) in rows {
         *m.entry(row).or_insert(0) += d;

@@ -176,7 +176,7 @@ pub async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Fail
     let restarter = Restarter::default();
     let base = vec![d1(s), d2(s)];
     let with_x = vec![d1(s), d2(s), x(s)];
-    let a = restarter.controller(r, 1, s, history(&base));
+    let a = restarter.controller(r, 1, s, history(s, &base));
     ready(&a, &base).await?;
     let (link, long) = match name.split('-').take(3).collect::<Vec<_>>()[..] {
         ["control", "cut", "short"] => (Link::Control, false),
@@ -197,7 +197,7 @@ pub async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Fail
         check(s, &a, &with_x).await
     } else if name.ends_with("during-reconcile") {
         a.shutdown();
-        let b = restarter.controller(r, 2, s, history(&with_x));
+        let b = restarter.controller(r, 2, s, history(s, &with_x));
         let mut events = b.events();
         connected(&mut events).await?;
         // Reconciliation of process 1 runs into the partition; a long
@@ -218,7 +218,7 @@ pub async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Fail
         tokio::time::sleep(SHORT).await;
         a.shutdown();
         if link == Link::Mesh {
-            let b = restarter.controller(r, 2, s, history(&base));
+            let b = restarter.controller(r, 2, s, history(s, &base));
             tokio::time::sleep(TAKEOVER.saturating_sub(cut_at.elapsed())).await;
             set_link(r, link, true)?;
             return check(s, &b, &base).await;
@@ -227,7 +227,7 @@ pub async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Fail
         // the heal, and only then starts its heartbeats, over connections
         // opened after the heal: a process it finds silent is a hang the
         // network did not cause (I2), whatever a restart repairs after it.
-        let b = controller(r, 2, s, history(&base));
+        let b = controller(r, 2, s, history(s, &base));
         let mut events = b.events();
         tokio::time::sleep(TAKEOVER.saturating_sub(cut_at.elapsed())).await;
         set_link(r, link, true)?;

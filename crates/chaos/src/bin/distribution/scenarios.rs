@@ -107,7 +107,7 @@ fn print_process_logs(dir: &std::path::Path) {
 
 async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure> {
     let base = vec![d1(s), d2(s)];
-    let a = controller(r, 1, s, history(&base));
+    let a = controller(r, 1, s, history(s, &base));
     ready(&a, &base).await?;
     match name {
         "partial-create-unwanted" => {
@@ -115,7 +115,7 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
             // The controller crashes inside this call: what it returns does not matter.
             let _ = a.create_dataflow(x(s));
             crashed(&a).await;
-            check(s, &controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(s, &base)), &base).await
         }
         "partial-create-wanted" => {
             crash_on("create-dataflow");
@@ -123,7 +123,7 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
             let _ = a.create_dataflow(x(s));
             crashed(&a).await;
             let t = vec![d1(s), d2(s), x(s)];
-            check(s, &controller(r, 2, s, history(&t)), &t).await
+            check(s, &controller(r, 2, s, history(s, &t)), &t).await
         }
         "strategy-switched-after-partial-create" => {
             // The next controller runs another strategy (log, or barrier
@@ -145,14 +145,14 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
                 hosts: s.hosts,
                 family: s.family,
             };
-            check(s, &controller(r, 2, switched, history(&t)), &t).await
+            check(s, &controller(r, 2, switched, history(s, &t)), &t).await
         }
         "partial-create-then-create" => {
             crash_on("create-dataflow");
             // The controller crashes inside this call: what it returns does not matter.
             let _ = a.create_dataflow(x(s));
             crashed(&a).await;
-            let b = controller(r, 2, s, history(&base));
+            let b = controller(r, 2, s, history(s, &base));
             b.create_dataflow(y(s)).map_err(|e| e.to_string())?;
             check(s, &b, &[d1(s), d2(s), y(s)]).await
         }
@@ -165,7 +165,7 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
             let _ = a.drop_dataflow(&x(s));
             crashed(&a).await;
             let t = vec![d1(s), d2(s), x(s)];
-            check(s, &controller(r, 2, s, history(&t)), &t).await
+            check(s, &controller(r, 2, s, history(s, &t)), &t).await
         }
         "partial-drop-unwanted" => {
             a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
@@ -173,38 +173,38 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
             crash_on("allow-compaction");
             let _ = a.drop_dataflow(&x(s));
             crashed(&a).await;
-            check(s, &controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(s, &base)), &base).await
         }
         "partial-peek" => {
             crash_on("peek");
             let _ = tokio::time::timeout(Duration::from_millis(300), a.peek(1001, LAST_TIME)).await;
             crashed(&a).await;
-            check(s, &controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(s, &base)), &base).await
         }
         "partial-write" => {
             crash_on("write-input");
             let _ = a.write_input(1, vec![], LAST_TIME + 1);
             crashed(&a).await;
-            check(s, &controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(s, &base)), &base).await
         }
         "partial-reconcile" => {
             // The restarted controller crashes during reconciliation itself.
             a.shutdown();
             let t = vec![d1(s), d2(s), x(s)];
             crash_on("initialization-complete");
-            let b = controller(r, 2, s, history(&t));
+            let b = controller(r, 2, s, history(s, &t));
             crashed(&b).await;
-            check(s, &controller(r, 3, s, history(&t)), &t).await
+            check(s, &controller(r, 3, s, history(s, &t)), &t).await
         }
         "partial-reconcile-changed" => {
             a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
             ready(&a, &[x(s)]).await?;
             a.shutdown();
             crash_on("initialization-complete");
-            let b = controller(r, 2, s, history(&base));
+            let b = controller(r, 2, s, history(s, &base));
             crashed(&b).await;
             let t = vec![d1(s), d2(s), x(s), y(s)];
-            check(s, &controller(r, 3, s, history(&t)), &t).await
+            check(s, &controller(r, 3, s, history(s, &t)), &t).await
         }
         "dropped-connections" => {
             a.reconnect().map_err(|e| e.to_string())?;
@@ -214,14 +214,14 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
         "changed-target" => {
             a.shutdown();
             let t = vec![d2(s), x(s)];
-            check(s, &controller(r, 2, s, history(&t)), &t).await
+            check(s, &controller(r, 2, s, history(s, &t)), &t).await
         }
         "partial-create-last" => {
             crash_reaching("create-dataflow", "last1");
             // The controller crashes inside this call: what it returns does not matter.
             let _ = a.create_dataflow(x(s));
             crashed(&a).await;
-            check(s, &controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(s, &base)), &base).await
         }
         "partial-create-last-wanted" => {
             crash_reaching("create-dataflow", "last1");
@@ -229,7 +229,7 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
             let _ = a.create_dataflow(x(s));
             crashed(&a).await;
             let t = vec![d1(s), d2(s), x(s)];
-            check(s, &controller(r, 2, s, history(&t)), &t).await
+            check(s, &controller(r, 2, s, history(s, &t)), &t).await
         }
         "partial-drop-wanted-again-mirrored" => {
             // Process 1 sees build and drop of X, process 0 only the build.
@@ -239,13 +239,13 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
             let _ = a.drop_dataflow(&x(s));
             crashed(&a).await;
             let t = vec![d1(s), d2(s), x(s)];
-            check(s, &controller(r, 2, s, history(&t)), &t).await
+            check(s, &controller(r, 2, s, history(s, &t)), &t).await
         }
         "partial-write-last" => {
             crash_reaching("write-input", "last1");
             let _ = a.write_input(1, vec![], LAST_TIME + 1);
             crashed(&a).await;
-            check(s, &controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(s, &base)), &base).await
         }
         "double-crash" => {
             // A crash in a create, then the successor crashes reconciling.
@@ -254,15 +254,15 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
             crashed(&a).await;
             let t = vec![d1(s), d2(s), y(s)];
             crash_on("initialization-complete");
-            let b = controller(r, 2, s, history(&t));
+            let b = controller(r, 2, s, history(s, &t));
             crashed(&b).await;
-            check(s, &controller(r, 3, s, history(&t)), &t).await
+            check(s, &controller(r, 3, s, history(s, &t)), &t).await
         }
         "three-processes-partial-create" => {
             crash_reaching("create-dataflow", "2");
             let _ = a.create_dataflow(x(s));
             crashed(&a).await;
-            check(s, &controller(r, 2, s, history(&base)), &base).await
+            check(s, &controller(r, 2, s, history(s, &base)), &base).await
         }
         "three-processes-partial-drop-wanted-again" => {
             a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
@@ -271,7 +271,7 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
             let _ = a.drop_dataflow(&x(s));
             crashed(&a).await;
             let t = vec![d1(s), d2(s), x(s)];
-            check(s, &controller(r, 2, s, history(&t)), &t).await
+            check(s, &controller(r, 2, s, history(s, &t)), &t).await
         }
         "reconnect-between-creates" => {
             a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
@@ -283,7 +283,7 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
             // The successor connects while the old controller still runs;
             // what the old one sends afterwards must change nothing.
             let t = vec![d1(s), d2(s), x(s)];
-            let b = controller(r, 2, s, history(&t));
+            let b = controller(r, 2, s, history(s, &t));
             ready(&b, &[x(s)]).await?;
             let _ = a.create_dataflow(y(s));
             let _ = a.drop_dataflow(&d1(s));
@@ -303,7 +303,7 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
         "killed-during-reconcile" => {
             a.shutdown();
             let t = vec![d1(s), d2(s), x(s)];
-            let b = controller(r, 2, s, history(&t));
+            let b = controller(r, 2, s, history(s, &t));
             let pid = pid_of(r, 1).await?;
             signal(pid, libc::SIGKILL)?;
             check(s, &b, &t).await

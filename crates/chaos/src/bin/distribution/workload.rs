@@ -3,8 +3,9 @@
 //! controller part-way through a broadcast, and the check of I1 to I4.
 //!
 //! The dataflows are written in the variant's family: plans of the built-in
-//! language, or roots of the reachability family (`examples/reachability`),
-//! whose edges are the same two-column rows the writes hold; each family's
+//! language, or roots of the reachability family (`examples/reachability`);
+//! the writes are the same pairs in either, encoded as the family's rows
+//! (two integers, or an edge between nodes named by them); each family's
 //! own reference says what a peek must answer.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -15,33 +16,54 @@ use lockstep_controller::Controller;
 use lockstep_example_reachability as reachability;
 use lockstep_plan::reference::evaluate;
 use lockstep_plan::text::parse_plan;
-use lockstep_protocol::{CommandHistory, CommandKind, DataflowDescription, Export, Update};
+use lockstep_protocol::{CommandHistory, CommandKind, DataflowDescription, Export, Row, Update};
 
 use super::variant::{Family, Variant};
 
 pub(crate) const LAST_TIME: u64 = 3;
 pub(crate) const FAILPOINT: &str = "controller_partial_broadcast";
 
-fn u(row: &[i64], time: u64, diff: i64) -> Update {
-    Update {
-        row: row.to_vec(),
-        time,
-        diff,
-    }
+/// The writes, as `(collection, [(pair, time, diff)], upper)`.
+type Writes = Vec<(u64, Vec<([i64; 2], u64, i64)>, u64)>;
+
+fn u(row: [i64; 2], time: u64, diff: i64) -> ([i64; 2], u64, i64) {
+    (row, time, diff)
 }
 
-fn writes() -> Vec<(u64, Vec<Update>, u64)> {
+/// The writes with their rows in the variant's family.
+fn writes(s: Variant) -> Vec<(u64, Vec<Update>, u64)> {
+    let row = |[a, b]: [i64; 2]| match s.family {
+        Family::Plan => lockstep_plan::row(&[a, b]),
+        Family::Reachability => reachability::edge(&a.to_string(), &b.to_string()),
+    };
+    pairs()
+        .into_iter()
+        .map(|(c, ups, upper)| {
+            let ups = ups
+                .into_iter()
+                .map(|(pair, time, diff)| Update {
+                    row: row(pair),
+                    time,
+                    diff,
+                })
+                .collect();
+            (c, ups, upper)
+        })
+        .collect()
+}
+
+fn pairs() -> Writes {
     vec![
         (
             1,
-            vec![u(&[1, 10], 0, 1), u(&[2, 20], 0, 1), u(&[3, 30], 0, 1)],
+            vec![u([1, 10], 0, 1), u([2, 20], 0, 1), u([3, 30], 0, 1)],
             1,
         ),
-        (2, vec![u(&[1, 100], 0, 1), u(&[2, 200], 0, 1)], 1),
-        (1, vec![u(&[1, 10], 1, -1), u(&[1, 11], 1, 1)], 2),
-        (2, vec![u(&[3, 300], 2, 2)], 3),
-        (1, vec![u(&[4, 40], 3, 1)], LAST_TIME + 1),
-        (2, vec![u(&[2, 200], 3, -1)], LAST_TIME + 1),
+        (2, vec![u([1, 100], 0, 1), u([2, 200], 0, 1)], 1),
+        (1, vec![u([1, 10], 1, -1), u([1, 11], 1, 1)], 2),
+        (2, vec![u([3, 300], 2, 2)], 3),
+        (1, vec![u([4, 40], 3, 1)], LAST_TIME + 1),
+        (2, vec![u([2, 200], 3, -1)], LAST_TIME + 1),
     ]
 }
 
@@ -57,7 +79,7 @@ fn dataflow(id: u64, plan: &str) -> DataflowDescription {
 
 /// A reachability dataflow: the distances from `root` over the edges of
 /// `input`.
-fn distances(id: u64, input: u64, root: i64) -> DataflowDescription {
+fn distances(id: u64, input: u64, root: &str) -> DataflowDescription {
     DataflowDescription {
         id,
         as_of: 0,
@@ -71,25 +93,25 @@ fn distances(id: u64, input: u64, root: i64) -> DataflowDescription {
 pub(crate) fn d1(s: Variant) -> DataflowDescription {
     match s.family {
         Family::Plan => dataflow(1, "join(get(1), get(2), #0, #0)"),
-        Family::Reachability => distances(1, 1, 1),
+        Family::Reachability => distances(1, 1, "1"),
     }
 }
 pub(crate) fn d2(s: Variant) -> DataflowDescription {
     match s.family {
         Family::Plan => dataflow(2, "reduce(get(1), [#0], count, sum(#1))"),
-        Family::Reachability => distances(2, 2, 1),
+        Family::Reachability => distances(2, 2, "1"),
     }
 }
 pub(crate) fn x(s: Variant) -> DataflowDescription {
     match s.family {
         Family::Plan => dataflow(3, "reduce(get(2), [#1], count)"),
-        Family::Reachability => distances(3, 2, 3),
+        Family::Reachability => distances(3, 2, "3"),
     }
 }
 pub(crate) fn y(s: Variant) -> DataflowDescription {
     match s.family {
         Family::Plan => dataflow(4, "filter(get(1), #1 > 10)"),
-        Family::Reachability => distances(4, 1, 4),
+        Family::Reachability => distances(4, 1, "4"),
     }
 }
 
@@ -100,7 +122,7 @@ fn reference(
     e: &Export,
     inputs: &BTreeMap<u64, Vec<Update>>,
     t: u64,
-) -> Result<BTreeMap<Vec<i64>, i64>, Failure> {
+) -> Result<BTreeMap<Row, i64>, Failure> {
     let own = |err: String| Failure::Harness(format!("the workload's own dataflow: {err}"));
     Ok(match s.family {
         Family::Plan => {
@@ -111,7 +133,7 @@ fn reference(
         Family::Reachability => {
             let root = reachability::root(e).map_err(|err| own(err.to_string()))?;
             let edges = inputs.get(&d.inputs[0]).cloned().unwrap_or_default();
-            reachability::reference(&edges, root, t)
+            reachability::reference(&edges, &root, t)
                 .into_iter()
                 .map(|row| (row, 1))
                 .collect()
@@ -120,10 +142,10 @@ fn reference(
 }
 
 /// A history: every write, then these dataflows.
-pub(crate) fn history(dataflows: &[DataflowDescription]) -> CommandHistory {
+pub(crate) fn history(s: Variant, dataflows: &[DataflowDescription]) -> CommandHistory {
     let mut h = CommandHistory::new();
     h.push(CommandKind::CreateInstance(Default::default()));
-    for (c, ups, upper) in writes() {
+    for (c, ups, upper) in writes(s) {
         h.push(CommandKind::WriteInput(lockstep_protocol::WriteInput {
             collection_id: c,
             updates: ups,
@@ -176,12 +198,12 @@ pub(crate) async fn check(
         }
     }
     let mut inputs: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
-    for (coll, ups, _) in writes() {
+    for (coll, ups, _) in writes(s) {
         inputs.entry(coll).or_default().extend(ups);
     }
     for d in target {
         for e in &d.exports {
-            let got: BTreeMap<Vec<i64>, i64> = c
+            let got: BTreeMap<Row, i64> = c
                 .peek(e.collection_id, LAST_TIME)
                 .await
                 .map_err(|err| {

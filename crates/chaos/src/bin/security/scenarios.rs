@@ -269,6 +269,7 @@ pub(super) async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Fail
                                 description: lockstep_plan::encode(&plan),
                             }],
                             as_of: 0,
+                            format: String::new(),
                         })
                         .await,
                     tonic::Code::InvalidArgument,

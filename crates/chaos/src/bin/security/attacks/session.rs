@@ -116,7 +116,10 @@ fn forged_answer(peek_id: u64) -> Vec<u8> {
                 process_index: 0,
                 kind: ResponseKind::PeekResponse(lockstep_protocol::PeekResponse {
                     peek_id,
-                    result: lockstep_protocol::PeekResult::Rows(vec![(vec![999_999], 1)]),
+                    result: lockstep_protocol::PeekResult::Rows(vec![(
+                        lockstep_plan::row(&[999_999]),
+                        1,
+                    )]),
                 }),
             },
             &mut out,
