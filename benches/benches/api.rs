@@ -169,14 +169,7 @@ impl Fixture {
             .write_input(WriteInputRequest {
                 replica: REPLICA.into(),
                 collection_id: collection,
-                updates: rows(n, t)
-                    .into_iter()
-                    .map(|u| wire::Update {
-                        row: u.row,
-                        time: u.time,
-                        diff: u.diff,
-                    })
-                    .collect(),
+                updates: rows(n, t).into_iter().map(wire::Update::from).collect(),
                 upper,
             })
             .await

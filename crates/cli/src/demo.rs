@@ -263,14 +263,7 @@ async fn write_all(
         c.write_input(proto::WriteInputRequest {
             replica: "demo".into(),
             collection_id: *collection,
-            updates: ups
-                .iter()
-                .map(|u| wire::Update {
-                    row: u.row.clone(),
-                    time: u.time,
-                    diff: u.diff,
-                })
-                .collect(),
+            updates: ups.iter().cloned().map(wire::Update::from).collect(),
             upper: *upper,
         })
         .await
@@ -563,11 +556,7 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
             .await
             .context("no subscribe batch within 30 s")?
             .context("the subscription ended early")??;
-        changes.extend(batch.updates.into_iter().map(|u| Update {
-            row: u.row,
-            time: u.time,
-            diff: u.diff,
-        }));
+        changes.extend(batch.updates.into_iter().map(Update::from));
         if batch.upper.first().is_none_or(|&t| t >= 4) {
             break;
         }

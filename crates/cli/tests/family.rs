@@ -65,14 +65,7 @@ async fn write(c: &mut EnvironmentClient<Channel>, updates: &[Update], upper: u6
     c.write_input(proto::WriteInputRequest {
         replica: REPLICA.into(),
         collection_id: 1,
-        updates: updates
-            .iter()
-            .map(|u| wire::Update {
-                row: u.row.clone(),
-                time: u.time,
-                diff: u.diff,
-            })
-            .collect(),
+        updates: updates.iter().cloned().map(wire::Update::from).collect(),
         upper,
     })
     .await

@@ -366,11 +366,7 @@ impl EnvironmentApi for EnvironmentService {
             let updates = r
                 .updates
                 .into_iter()
-                .map(|u| lockstep_protocol::Update {
-                    row: u.row,
-                    time: u.time,
-                    diff: u.diff,
-                })
+                .map(lockstep_protocol::Update::from)
                 .collect();
             self.env
                 .write_input(&r.replica, r.collection_id, updates, r.upper)

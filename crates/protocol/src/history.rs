@@ -486,10 +486,10 @@ fn reduce_commands(commands: Vec<CommandKind>, retired: BTreeSet<u64>) -> Vec<Co
     out
 }
 
-/// Sorts updates by (row, time), sums the diffs of equal (row, time) and drops
-/// the zeros.
+/// Sorts updates by (row, time) ([`row_order`]), sums the diffs of equal
+/// (row, time) and drops the zeros.
 pub fn consolidate(mut updates: Vec<Update>) -> Vec<Update> {
-    updates.sort_by(|a, b| (&a.row, a.time).cmp(&(&b.row, b.time)));
+    updates.sort_by(|a, b| row_order(&a.row, &b.row).then(a.time.cmp(&b.time)));
     let mut out: Vec<Update> = Vec::with_capacity(updates.len());
     for u in updates {
         match out.last_mut() {
@@ -501,6 +501,20 @@ pub fn consolidate(mut updates: Vec<Update>) -> Vec<Update> {
     }
     out.retain(|u| u.diff != 0);
     out
+}
+
+/// The order [`consolidate`] sorts rows in: by the 64-bit values their
+/// bytes decode to as varints ([`crate::varint_values`]), then by the bytes.
+/// A total order in which equal rows are adjacent. Rows of 64-bit integers
+/// (the built-in family's) sort in numeric order, as they did when rows were
+/// integer vectors, so a write of rows in that order is already sorted and
+/// costs one pass: byte order is not numeric order for varints (128 encodes
+/// as `80 01`, after 2's `02`), and sorting every write again cost the
+/// ingest of a million rows about a third more.
+pub fn row_order(a: &[u8], b: &[u8]) -> std::cmp::Ordering {
+    crate::varint_values(a)
+        .cmp(crate::varint_values(b))
+        .then_with(|| a.cmp(b))
 }
 
 #[cfg(test)]

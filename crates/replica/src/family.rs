@@ -96,10 +96,17 @@ impl Family for PlanFamily {
 
 impl Prepared for Plans {
     fn render<'s>(&self, inputs: &BTreeMap<u64, Coll<'s>>) -> Vec<(u64, Coll<'s>)> {
-        // Each input the plans read is decoded once for the dataflow; a row
-        // that is not a plan row is dropped.
+        // An export that is an input as it is keeps the input's bytes (a
+        // row that is not a plan row is dropped, as decoding would): no
+        // decode and encode per row.
+        let passthrough = |plan: &Plan| match plan {
+            Plan::Get { collection_id } => Some(*collection_id),
+            _ => None,
+        };
+        // Each input the other plans read is decoded once for the dataflow;
+        // a row that is not a plan row is dropped.
         let mut decoded: BTreeMap<u64, PlanColl<'s>> = BTreeMap::new();
-        for (_, plan) in &self.0 {
+        for (_, plan) in self.0.iter().filter(|(_, p)| passthrough(p).is_none()) {
             for id in plan.inputs() {
                 if let (Some(coll), false) = (inputs.get(&id), decoded.contains_key(&id)) {
                     let values = coll.clone().flat_map(|row: Row| rows::decode(&row).ok());
@@ -110,7 +117,12 @@ impl Prepared for Plans {
         self.0
             .iter()
             .map(|(collection, plan)| {
-                let exported = render(plan, &decoded).map(|values| rows::encode(&values));
+                let exported = match passthrough(plan) {
+                    Some(id) => inputs[&id]
+                        .clone()
+                        .filter(|row: &Row| rows::check(row).is_ok()),
+                    None => render(plan, &decoded).map(|values| rows::encode(&values)),
+                };
                 (*collection, exported)
             })
             .collect()

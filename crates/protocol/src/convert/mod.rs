@@ -168,19 +168,24 @@ impl DataflowDescription {
 
 // ---------------------------------------------------------------- commands
 
-fn update_to(u: Update) -> p::Update {
-    p::Update {
-        row: u.row,
-        time: u.time,
-        diff: u.diff,
+impl From<Update> for p::Update {
+    fn from(u: Update) -> Self {
+        p::Update {
+            row: u.row,
+            time: u.time,
+            diff: u.diff,
+        }
     }
 }
 
-fn update_from(u: p::Update) -> Update {
-    Update {
-        row: u.row,
-        time: u.time,
-        diff: u.diff,
+/// Every wire update is an update: a row is bytes its family reads.
+impl From<p::Update> for Update {
+    fn from(u: p::Update) -> Self {
+        Update {
+            row: u.row,
+            time: u.time,
+            diff: u.diff,
+        }
     }
 }
 
@@ -294,7 +299,7 @@ impl From<WriteInput> for p::WriteInput {
     fn from(w: WriteInput) -> Self {
         p::WriteInput {
             collection_id: w.collection_id,
-            updates: w.updates.into_iter().map(update_to).collect(),
+            updates: w.updates.into_iter().map(p::Update::from).collect(),
             upper: w.upper,
             more: w.more,
             batch_digest: w.batch_digest.map(Vec::from).unwrap_or_default(),
@@ -310,7 +315,7 @@ impl TryFrom<p::WriteInput> for WriteInput {
     fn try_from(w: p::WriteInput) -> Result<Self, ConvertError> {
         Ok(WriteInput {
             collection_id: w.collection_id,
-            updates: w.updates.into_iter().map(update_from).collect(),
+            updates: w.updates.into_iter().map(Update::from).collect(),
             upper: w.upper,
             more: w.more,
             batch_digest: match w.batch_digest.len() {
@@ -428,7 +433,7 @@ impl From<ResponseKind> for p::response::Kind {
                 subscribe_id: b.subscribe_id,
                 lower: b.lower,
                 upper: frontier_to(b.upper),
-                updates: b.updates.into_iter().map(update_to).collect(),
+                updates: b.updates.into_iter().map(p::Update::from).collect(),
             }),
             ResponseKind::Status(s) => Kind::Status(p::Status {
                 worker_index: s.worker_index,
@@ -497,7 +502,7 @@ impl TryFrom<p::response::Kind> for ResponseKind {
                 subscribe_id: b.subscribe_id,
                 lower: b.lower,
                 upper: frontier_from("SubscribeResponse.upper", b.upper)?,
-                updates: b.updates.into_iter().map(update_from).collect(),
+                updates: b.updates.into_iter().map(Update::from).collect(),
             }),
             Kind::Status(s) => ResponseKind::Status(Status {
                 worker_index: s.worker_index,

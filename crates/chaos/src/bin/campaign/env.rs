@@ -166,15 +166,7 @@ pub(super) fn write_request(w: &model::WriteRec) -> proto::WriteInputRequest {
     proto::WriteInputRequest {
         replica: REPLICA.into(),
         collection_id: w.input,
-        updates: w
-            .updates
-            .iter()
-            .map(|u| wire::Update {
-                row: u.row.clone(),
-                time: u.time,
-                diff: u.diff,
-            })
-            .collect(),
+        updates: w.updates.iter().cloned().map(wire::Update::from).collect(),
         upper: w.time + 1,
     }
 }
