@@ -509,8 +509,8 @@ pub fn consolidate(mut updates: Vec<Update>) -> Vec<Update> {
 /// (the built-in family's) sort in numeric order, as they did when rows were
 /// integer vectors, so a write of rows in that order is already sorted and
 /// costs one pass: byte order is not numeric order for varints (128 encodes
-/// as `80 01`, after 2's `02`), and sorting every write again cost the
-/// ingest of a million rows about a third more.
+/// as `80 01`, after 2's `02`), and sorting every write again showed in the
+/// ingest of a million rows (`limits/ingest_1M`, about 0.2 s of 2 s).
 pub fn row_order(a: &[u8], b: &[u8]) -> std::cmp::Ordering {
     crate::varint_values(a)
         .cmp(crate::varint_values(b))
