@@ -227,6 +227,7 @@ impl Environment {
                 "a dataflow of format {format:?}: this environment's replicas build {served:?}"
             )));
         }
+        let plans = served == lockstep_plan::FORMAT;
         let replica = self.replica_named(replica_name)?;
         let mut desc = DataflowDescription {
             id: 0,
@@ -240,7 +241,6 @@ impl Environment {
         // included, and its decoder's limits) is refused here, before
         // anything is recorded. Another family's descriptions are its
         // replicas' to check (their refusal removes the dataflow below).
-        let plans = self.compute.builds_plans();
         if plans {
             lockstep_plan::check(&desc, self.compute.max_frame_len())
         } else {
