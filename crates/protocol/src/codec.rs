@@ -63,6 +63,13 @@ pub trait WireMessage: Sized {
     fn decode_from(bytes: &[u8]) -> Result<Self, CodecError> {
         Ok(Self::from_wire(Self::Wire::decode(bytes)?)?)
     }
+
+    /// Decodes from a frame's protobuf bytes (no length prefix). Its
+    /// `bytes` fields are decoded as slices of `frame`, so a row costs one
+    /// copy (into its [`crate::Row`]), not two.
+    fn decode_frame(frame: bytes::Bytes) -> Result<Self, CodecError> {
+        Ok(Self::from_wire(Self::Wire::decode(frame)?)?)
+    }
 }
 
 impl WireMessage for Command {
@@ -144,7 +151,7 @@ impl<Out, In: WireMessage> Decoder for FrameCodec<Out, In> {
         }
         src.advance(4);
         let frame = src.split_to(len);
-        Ok(Some(In::decode_from(&frame)?))
+        Ok(Some(In::decode_frame(frame.freeze())?))
     }
 
     fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<In>, CodecError> {

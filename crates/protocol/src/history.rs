@@ -332,36 +332,45 @@ impl InputLog {
 /// the digests of any split of them.
 pub fn updates_digest(updates: &[Update]) -> [u64; 4] {
     let mut sum = [0u64; 4];
+    let mut material = Vec::new();
     for u in updates {
-        add_to_sum(&mut sum, u);
+        add_to_sum(&mut sum, u, &mut material);
     }
     sum
 }
 
-fn add_to_sum(sum: &mut [u64; 4], u: &Update) {
+/// Adds one update's digest to `sum`; `material` is scratch space, kept
+/// between updates so that hashing a row allocates nothing.
+fn add_to_sum(sum: &mut [u64; 4], u: &Update, material: &mut Vec<u8>) {
     // A row of canonical varints (the built-in family's, and every row up
     // to v0.2.0) is hashed by its values as v0.2.0 did, so histories
     // recorded then keep their digests; any other row by its bytes, under a
-    // key of its own so the two kinds never collide by construction.
-    let mut h = match crate::types::varint_count(&u.row) {
-        Some(n) => {
-            let mut h = blake3::Hasher::new();
-            for v in crate::types::varint_values(&u.row) {
-                h.update(&v.to_le_bytes());
-            }
-            h.update(&(n as u64).to_le_bytes());
-            h
+    // key of its own so the two kinds never collide by construction. Both
+    // hash the same bytes as one BLAKE3 update per field would: the values
+    // (or the bytes), the count, the time.
+    static OPAQUE: std::sync::LazyLock<blake3::Hasher> = std::sync::LazyLock::new(|| {
+        blake3::Hasher::new_derive_key("lockstep 2026 opaque row digest")
+    });
+    material.clear();
+    let canonical = crate::types::for_each_canonical_varint(&u.row, |v| {
+        material.extend_from_slice(&v.to_le_bytes())
+    });
+    let hash = match canonical {
+        true => {
+            let n = material.len() / 8;
+            material.extend_from_slice(&(n as u64).to_le_bytes());
+            material.extend_from_slice(&u.time.to_le_bytes());
+            blake3::hash(material)
         }
-        None => {
-            let mut h = blake3::Hasher::new_derive_key("lockstep 2026 opaque row digest");
+        false => {
+            let mut h = OPAQUE.clone();
             h.update(&u.row);
             h.update(&(u.row.len() as u64).to_le_bytes());
-            h
+            h.update(&u.time.to_le_bytes());
+            h.finalize()
         }
     };
-    h.update(&u.time.to_le_bytes());
-    let bytes = h.finalize();
-    for (lane, chunk) in sum.iter_mut().zip(bytes.as_bytes().chunks_exact(8)) {
+    for (lane, chunk) in sum.iter_mut().zip(hash.as_bytes().chunks_exact(8)) {
         let x = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
         *lane = lane.wrapping_add(x.wrapping_mul(u.diff as u64));
     }
@@ -512,9 +521,25 @@ pub fn consolidate(mut updates: Vec<Update>) -> Vec<Update> {
 /// as `80 01`, after 2's `02`), and sorting every write again showed in the
 /// ingest of a million rows (`limits/ingest_1M`, about 0.2 s of 2 s).
 pub fn row_order(a: &[u8], b: &[u8]) -> std::cmp::Ordering {
-    crate::varint_values(a)
-        .cmp(crate::varint_values(b))
-        .then_with(|| a.cmp(b))
+    use std::cmp::Ordering;
+    let (mut i, mut j) = (0, 0);
+    loop {
+        // Compared as `Iterator::cmp` compares the two value sequences
+        // (a sequence that ends first is less), written out because it is
+        // every comparison of every sort of rows.
+        match (
+            crate::types::next_varint(a, &mut i),
+            crate::types::next_varint(b, &mut j),
+        ) {
+            (Some(x), Some(y)) => match (x as i64).cmp(&(y as i64)) {
+                Ordering::Equal => {}
+                other => return other,
+            },
+            (None, Some(_)) => return Ordering::Less,
+            (Some(_), None) => return Ordering::Greater,
+            (None, None) => return a.cmp(b),
+        }
+    }
 }
 
 #[cfg(test)]

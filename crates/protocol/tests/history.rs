@@ -232,3 +232,118 @@ fn long_histories_stay_small() {
     }
     assert!(h.len() < 100, "history holds {} commands", h.len());
 }
+
+/// The input digest as specified (and as v0.2.0 computed it, one BLAKE3
+/// update per field): for a row of canonical varints, its values as 8-byte
+/// little-endian words, their count, the time; for any other row, under the
+/// derived key, its bytes, their length, the time. Each update adds its hash
+/// times its diff, in four wrapping lanes.
+fn digest_as_specified(updates: &[Update]) -> [u64; 4] {
+    let mut sum = [0u64; 4];
+    for u in updates {
+        let mut h = match varint_count(&u.row) {
+            Some(n) => {
+                let mut h = blake3::Hasher::new();
+                for v in varint_values(&u.row) {
+                    h.update(&v.to_le_bytes());
+                }
+                h.update(&(n as u64).to_le_bytes());
+                h
+            }
+            None => {
+                let mut h = blake3::Hasher::new_derive_key("lockstep 2026 opaque row digest");
+                h.update(&u.row);
+                h.update(&(u.row.len() as u64).to_le_bytes());
+                h
+            }
+        };
+        h.update(&u.time.to_le_bytes());
+        let hash = h.finalize();
+        for (lane, chunk) in sum.iter_mut().zip(hash.as_bytes().chunks_exact(8)) {
+            let x = u64::from_le_bytes(chunk.try_into().unwrap());
+            *lane = lane.wrapping_add(x.wrapping_mul(u.diff as u64));
+        }
+    }
+    sum
+}
+
+#[test]
+fn the_input_digest_hashes_what_it_specifies() {
+    let rows: Vec<Vec<u8>> = vec![
+        lockstep_plan::row(&[]),
+        lockstep_plan::row(&[0]),
+        lockstep_plan::row(&[1, 2, 3]),
+        lockstep_plan::row(&[-1, i64::MIN, i64::MAX, 127, 128, 300]),
+        lockstep_plan::row(&(0..40).collect::<Vec<i64>>()),
+        b"a\tb".to_vec(),
+        vec![0x81, 0x00], // 1, not canonically encoded: an opaque row
+        vec![0xff; 11],   // no varint at all
+    ];
+    let updates: Vec<Update> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, row)| Update {
+            row: row.clone(),
+            time: i as u64 * 7,
+            diff: i as i64 - 3,
+        })
+        .collect();
+    for u in &updates {
+        assert_eq!(
+            history::updates_digest(std::slice::from_ref(u)),
+            digest_as_specified(std::slice::from_ref(u)),
+            "row {:?}",
+            u.row
+        );
+    }
+    assert_eq!(
+        history::updates_digest(&updates),
+        digest_as_specified(&updates)
+    );
+    assert_ne!(history::updates_digest(&updates), [0; 4]);
+}
+
+#[test]
+fn rows_consolidate_in_the_order_of_their_values_then_bytes() {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut values: Vec<Vec<i64>> = vec![vec![], vec![0], vec![-1], vec![i64::MIN], vec![i64::MAX]];
+    for _ in 0..200 {
+        let len = (next() % 4) as usize;
+        values.push(
+            (0..len)
+                .map(|_| match next() % 3 {
+                    0 => (next() % 300) as i64,
+                    1 => -((next() % 300) as i64),
+                    _ => next() as i64,
+                })
+                .collect(),
+        );
+    }
+    let mut rows: Vec<Vec<u8>> = values.iter().map(|v| lockstep_plan::row(v)).collect();
+    rows.extend([
+        b"a\tb".to_vec(),
+        vec![0x81, 0x00],
+        vec![0xff; 11],
+        vec![0x05, 0x80],
+    ]);
+    for a in &rows {
+        for b in &rows {
+            let expected = varint_values(a)
+                .cmp(varint_values(b))
+                .then_with(|| a.cmp(b));
+            assert_eq!(history::row_order(a, b), expected, "{a:02x?} {b:02x?}");
+        }
+    }
+    // Integer rows: numeric order, as when rows were integer vectors.
+    for (va, a) in values.iter().zip(&rows) {
+        for (vb, b) in values.iter().zip(&rows) {
+            assert_eq!(history::row_order(a, b), va.cmp(vb), "{va:?} {vb:?}");
+        }
+    }
+}
