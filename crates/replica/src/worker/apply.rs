@@ -21,7 +21,7 @@ use crate::metrics::{ExportLabels, METRICS};
 
 use crate::family::Coll;
 use crate::family::{prepare, Prepared};
-use crate::worker::{ExportState, FromWorker, Installed, SubState, Tap, WorkerState};
+use crate::worker::{ArrangedRow, ExportState, FromWorker, Installed, SubState, Tap, WorkerState};
 
 /// The worker of the replica that introduces an update of `row`: the rule
 /// the controller splits writes by ([`lockstep_protocol::row_owner`]).
@@ -231,10 +231,10 @@ impl WorkerState {
                 let tap: Rc<RefCell<Tap>> = Rc::default();
                 let tap2 = Rc::clone(&tap);
                 let probe = ProbeHandle::new();
-                let arranged = collection.arrange_by_self();
+                let arranged = collection.map(ArrangedRow).arrange_by_self();
                 let trace = arranged.trace.clone();
                 arranged
-                    .as_collection(|k: &Row, _v: &()| k.clone())
+                    .as_collection(|k: &ArrangedRow, _v: &()| k.0.clone())
                     .inspect(move |(row, time, diff): &(Row, u64, i64)| {
                         let u = Update {
                             row: row.clone(),

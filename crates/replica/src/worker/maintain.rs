@@ -12,7 +12,7 @@ use timely::dataflow::ProbeHandle;
 use timely::progress::Antichain;
 
 use crate::metrics::{ExportLabels, METRICS};
-use crate::worker::{FromWorker, Trace, WorkerState};
+use crate::worker::{ArrangedRow, FromWorker, Trace, WorkerState};
 
 fn passed(upper: Frontier, t: u64) -> bool {
     upper.is_none_or(|u| u > t)
@@ -29,7 +29,7 @@ fn read_trace(trace: &mut Trace) -> Vec<Update> {
     };
     let (mut cursor, storage) = cursor_list(batches);
     let mut out = Vec::new();
-    for ((row, ()), times) in cursor.to_vec(&storage, |k: &Row| k.clone(), |_v| ()) {
+    for ((row, ()), times) in cursor.to_vec(&storage, |k: &ArrangedRow| k.0.clone(), |_v| ()) {
         for (time, diff) in times {
             out.push(Update {
                 row: row.clone(),
