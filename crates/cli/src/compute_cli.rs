@@ -23,9 +23,15 @@ pub enum DataflowCommand {
         #[arg(long = "input", required = true)]
         inputs: Vec<u64>,
         /// An export as `COLLECTION_ID=PLAN`, e.g.
-        /// `101=reduce(get(1), [#0], count, sum(#1))` (repeat for several).
+        /// `101=reduce(get(1), [#0], count, sum(#1))`, or as
+        /// `COLLECTION_ID=0xHEX`: the description's bytes, for a family
+        /// other than the built-in one (repeat for several).
         #[arg(long = "export", required = true)]
         exports: Vec<String>,
+        /// The dataflow's format: the one the environment serves
+        /// (`lockstep serve --format`) if not given.
+        #[arg(long, default_value = "")]
+        format: String,
     },
     /// Drop a dataflow.
     Drop {
@@ -36,14 +42,28 @@ pub enum DataflowCommand {
     ///
     /// `-o json`: `{"dataflows": [{"id", "replica", "name", "as_of",
     /// "inputs": [ID], "exports": [{"collection_id", "plan"}]}]}`, each plan
-    /// in the syntax `--export` takes.
+    /// in the syntax `--export` takes (a description of another family as
+    /// `0x` and its bytes in hex).
     List {
         #[command(flatten)]
         output: crate::output::OutputArg,
     },
 }
 
-/// Parses `ROW@TIME[:DIFF]`, e.g. `1,10@0` or `1,10@2:-1`.
+/// Parses `0x` and an even number of hex digits into bytes.
+fn parse_hex(s: &str) -> Option<Vec<u8>> {
+    let digits = s.strip_prefix("0x")?;
+    if digits.len() % 2 != 0 {
+        return None;
+    }
+    (0..digits.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(digits.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// Parses `ROW@TIME[:DIFF]`, e.g. `1,10@0` or `1,10@2:-1`; a row written
+/// `0xHEX` is its bytes as they are (a row of another family).
 pub fn parse_update(s: &str) -> anyhow::Result<wire::Update> {
     let (row, rest) = s
         .split_once('@')
@@ -56,16 +76,24 @@ pub fn parse_update(s: &str) -> anyhow::Result<wire::Update> {
         ),
         None => (rest, 1),
     };
-    let values: Vec<i64> = if row.is_empty() {
-        vec![]
+    let row = if row.starts_with("0x") {
+        parse_hex(row).with_context(|| {
+            format!("update {s:?}: a row written 0x... is an even number of hex digits")
+        })?
+    } else if row.is_empty() {
+        lockstep_plan::row(&[])
     } else {
-        row.split(',')
+        let values: Vec<i64> = row
+            .split(',')
             .map(|v| v.trim().parse::<i64>())
             .collect::<Result<_, _>>()
-            .with_context(|| format!("update {s:?}: a row is comma-separated integers"))?
+            .with_context(|| {
+                format!("update {s:?}: a row is comma-separated integers, or 0x and hex digits")
+            })?;
+        lockstep_plan::row(&values)
     };
     Ok(wire::Update {
-        row: lockstep_plan::row(&values),
+        row,
         time: time
             .parse()
             .with_context(|| format!("update {s:?}: bad time"))?,
@@ -89,24 +117,43 @@ pub(crate) fn status_err(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{}: {}", s.code(), s.message())
 }
 
+/// `0x` and `bytes` in hex.
+fn show_hex(bytes: &[u8]) -> String {
+    std::iter::once("0x".to_string())
+        .chain(bytes.iter().map(|b| format!("{b:02x}")))
+        .collect()
+}
+
 /// A row as the CLI prints it: a row of the built-in family as its
-/// comma-separated integers, any other row as `0x` and its bytes in hex.
-pub fn show_row(row: &[u8]) -> String {
+/// comma-separated integers, any other row (or every row, if `hex`) as `0x`
+/// and its bytes in hex.
+pub fn show_row(row: &[u8], hex: bool) -> String {
     match lockstep_plan::rows::decode(row) {
-        Ok(values) => values
+        Ok(values) if !hex => values
             .iter()
             .map(|v| v.to_string())
             .collect::<Vec<_>>()
             .join(","),
-        Err(_) => std::iter::once("0x".to_string())
-            .chain(row.iter().map(|b| format!("{b:02x}")))
-            .collect(),
+        _ => show_hex(row),
     }
 }
 
-fn show_rows(rows: &[wire::Row]) {
+/// An export's description as the CLI prints it: a plan in the syntax
+/// `--export` takes, or `0x` and the bytes of another family's.
+fn show_description(
+    d: &lockstep_protocol::DataflowDescription,
+    x: &lockstep_protocol::Export,
+) -> String {
+    if d.format == lockstep_plan::FORMAT {
+        lockstep_plan::display(x)
+    } else {
+        show_hex(&x.description)
+    }
+}
+
+fn show_rows(rows: &[wire::Row], hex: bool) {
     for r in rows {
-        println!("{}\t{}", show_row(&r.values), r.diff);
+        println!("{}\t{}", show_row(&r.values, hex), r.diff);
     }
 }
 
@@ -118,21 +165,29 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
             name,
             inputs,
             exports,
+            format,
         } => {
             let exports = exports
                 .iter()
                 .map(|e| {
-                    let (id, plan) = e
-                        .split_once('=')
-                        .with_context(|| format!("export {e:?}: expected COLLECTION_ID=PLAN"))?;
+                    let (id, plan) = e.split_once('=').with_context(|| {
+                        format!("export {e:?}: expected COLLECTION_ID=PLAN or COLLECTION_ID=0xHEX")
+                    })?;
                     let collection_id = id
                         .trim()
                         .parse()
                         .with_context(|| format!("export {e:?}: bad collection ID"))?;
-                    let plan = parse_plan(plan.trim()).with_context(|| format!("export {e:?}"))?;
+                    let plan = plan.trim();
+                    let description = if plan.starts_with("0x") {
+                        parse_hex(plan).with_context(|| {
+                            format!("export {e:?}: a description written 0x... is an even number of hex digits")
+                        })?
+                    } else {
+                        lockstep_plan::encode(&parse_plan(plan).with_context(|| format!("export {e:?}"))?)
+                    };
                     Ok(wire::Export {
                         collection_id,
-                        description: lockstep_plan::encode(&plan),
+                        description,
                     })
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
@@ -143,7 +198,7 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
                     inputs,
                     exports,
                     as_of: 0,
-                    format: String::new(),
+                    format,
                 })
                 .await
                 .map_err(status_err)?
@@ -195,7 +250,7 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
                             .map(|x| {
                                 serde_json::json!({
                                     "collection_id": x.collection_id,
-                                    "plan": lockstep_plan::display(x),
+                                    "plan": show_description(d, x),
                                 })
                             })
                             .collect();
@@ -222,7 +277,7 @@ pub async fn dataflow(client: &mut crate::Client, command: DataflowCommand) -> a
                 let exports: Vec<String> = d
                     .exports
                     .iter()
-                    .map(|x| format!("{}={}", x.collection_id, lockstep_plan::display(x)))
+                    .map(|x| format!("{}={}", x.collection_id, show_description(d, x)))
                     .collect();
                 table.row(vec![
                     d.id.to_string(),
@@ -269,6 +324,7 @@ pub async fn peek(
     replica: String,
     collection_id: u64,
     timestamp: u64,
+    hex: bool,
 ) -> anyhow::Result<()> {
     let r = client
         .peek(proto::PeekRequest {
@@ -279,7 +335,7 @@ pub async fn peek(
         .await
         .map_err(status_err)?
         .into_inner();
-    show_rows(&r.rows);
+    show_rows(&r.rows, hex);
     Ok(())
 }
 
@@ -290,6 +346,7 @@ pub async fn subscribe(
     collection_id: u64,
     as_of: u64,
     until: Option<u64>,
+    hex: bool,
 ) -> anyhow::Result<()> {
     let mut stream = client
         .subscribe(proto::SubscribeRequest {
@@ -303,7 +360,7 @@ pub async fn subscribe(
     while let Some(batch) = stream.next().await {
         let batch = batch.map_err(status_err)?;
         for u in &batch.updates {
-            println!("{}\t{}\t{}", u.time, show_row(&u.row), u.diff);
+            println!("{}\t{}\t{}", u.time, show_row(&u.row, hex), u.diff);
         }
         match batch.upper.first() {
             None => break,

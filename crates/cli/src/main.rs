@@ -130,6 +130,10 @@ enum Command {
         /// The time to read at.
         #[arg(long)]
         at: u64,
+        /// Print rows as `0x` and their bytes in hex (a family other than
+        /// the built-in one), not as the built-in family's integers.
+        #[arg(long)]
+        hex: bool,
     },
     /// Stream a collection's changes (prints `time<TAB>row<TAB>diff` lines).
     Subscribe {
@@ -147,6 +151,10 @@ enum Command {
         /// Stop once the stream has passed this time.
         #[arg(long)]
         until: Option<u64>,
+        /// Print rows as `0x` and their bytes in hex (a family other than
+        /// the built-in one), not as the built-in family's integers.
+        #[arg(long)]
+        hex: bool,
     },
     /// Policies: the conformance check, and the policies of a running
     /// environment (set, show).
@@ -369,8 +377,9 @@ fn main() -> ExitCode {
             replica,
             collection,
             at,
+            hex,
         } => finish(runtime.block_on(async move {
-            compute_cli::peek(&mut connect(&server).await?, replica, collection, at).await
+            compute_cli::peek(&mut connect(&server).await?, replica, collection, at, hex).await
         })),
         Command::Subscribe {
             server,
@@ -378,6 +387,7 @@ fn main() -> ExitCode {
             collection,
             as_of,
             until,
+            hex,
         } => finish(runtime.block_on(async move {
             compute_cli::subscribe(
                 &mut connect(&server).await?,
@@ -385,6 +395,7 @@ fn main() -> ExitCode {
                 collection,
                 as_of,
                 until,
+                hex,
             )
             .await
         })),

@@ -11,7 +11,8 @@
 //! times; peek every root at every time and accumulate the subscription;
 //! kill the environment with SIGKILL and start it again on the same state;
 //! the replica's processes are adopted (same PIDs), the answers are the
-//! same, and a further write is answered right.
+//! same, and a further write is answered right; then the `lockstep` CLI
+//! creates a dataflow, writes and peeks with the family's bytes in hex.
 
 mod common;
 
@@ -240,4 +241,102 @@ async fn a_family_of_your_own_walks_through_lockstep_serve_and_a_restart() {
     )
     .await;
     assert!(reference(&written, "n5", 3).contains(&reachability::distance("n8", 4)));
+
+    // The CLI drives the family with its bytes written in hex: a dataflow
+    // (the distances from n7), a write, a peek printed in hex, the listing.
+    let hex = |bytes: &[u8]| -> String {
+        std::iter::once("0x".to_string())
+            .chain(bytes.iter().map(|b| format!("{b:02x}")))
+            .collect()
+    };
+    let description = hex(&describe(103, "n7").description);
+    let out = lockstep(
+        &url,
+        &[
+            "dataflow",
+            "create",
+            "--replica",
+            REPLICA,
+            "--name",
+            "from-n7",
+            "--format",
+            FORMAT,
+            "--input",
+            "1",
+            "--export",
+            &format!("103={description}"),
+        ],
+    )
+    .await;
+    assert!(out.starts_with("created dataflow"), "{out}");
+    let edge = reachability::edge("n8", "n9");
+    lockstep(
+        &url,
+        &[
+            "input",
+            "write",
+            "--replica",
+            REPLICA,
+            "--collection",
+            "1",
+            "--update",
+            &format!("{}@4", hex(&edge)),
+            "--upper",
+            "5",
+        ],
+    )
+    .await;
+    written.push(Update {
+        row: edge,
+        time: 4,
+        diff: 1,
+    });
+    let out = lockstep(
+        &url,
+        &[
+            "peek",
+            "--replica",
+            REPLICA,
+            "--collection",
+            "103",
+            "--at",
+            "4",
+            "--hex",
+        ],
+    )
+    .await;
+    let printed: BTreeSet<String> = out.lines().map(str::to_string).collect();
+    let expected: BTreeSet<String> = reference(&written, "n7", 4)
+        .iter()
+        .map(|row| format!("{}\t1", hex(row)))
+        .collect();
+    assert_eq!(
+        printed, expected,
+        "the CLI's peek of the distances from n7 at 4"
+    );
+    assert!(expected.contains(&format!("{}\t1", hex(&reachability::distance("n9", 2)))));
+    let out = lockstep(&url, &["dataflow", "list"]).await;
+    assert!(out.contains(&format!("103={description}")), "{out}");
+}
+
+/// Runs the `lockstep` CLI against the environment at `url`; its standard
+/// output, once it exited successfully.
+async fn lockstep(url: &str, args: &[&str]) -> String {
+    let out = tokio::time::timeout(
+        WAIT,
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+            .args(args)
+            .arg("--server")
+            .arg(url)
+            .output(),
+    )
+    .await
+    .expect("the CLI in time")
+    .expect("the CLI runs");
+    assert!(
+        out.status.success(),
+        "lockstep {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("UTF-8 output")
 }
