@@ -153,6 +153,29 @@ pub mod replica {
         start_on(replica_id, processes, workers, None).await
     }
 
+    /// Starts a replica of `processes` x `workers` running `program` (a
+    /// replica binary, or a script that runs one, e.g. under valgrind), its
+    /// command log a SQLite file.
+    pub async fn start_program(
+        program: &std::path::Path,
+        replica_id: u64,
+        processes: usize,
+        workers: u32,
+    ) -> BenchReplica {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
+            .expect("orchestrator");
+        let log = lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite"));
+        let service = launch::replica_service(program, replica_id, processes, workers);
+        let addrs = ensure(&orchestrator, service, log, workers).await;
+        BenchReplica {
+            dir,
+            orchestrator,
+            addrs,
+            relays: Vec::new(),
+        }
+    }
+
     /// Starts a replica of `processes` x `workers`; its command log is the
     /// log `replica-ID` in the PostgreSQL database at `postgres`, or a
     /// SQLite file in its directory.

@@ -190,6 +190,19 @@ pub fn human(ns: f64) -> String {
     }
 }
 
+/// `n` with commas between groups of three digits.
+fn group_thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
 fn mib_per_s(bytes: u64, ns: f64) -> f64 {
     bytes as f64 / (ns / 1e9) / (1024.0 * 1024.0)
 }
@@ -200,17 +213,54 @@ struct Report {
     medians: BTreeMap<String, f64>,
     /// The network bench's wire counts (`$LOCKSTEP_BENCH_WIRE`'s lines).
     wire: String,
+    /// The instruction counts (`instructions/{measurement}/{strategy}/{shape}`).
+    instructions: Vec<Instructions>,
+}
+
+/// One instruction count: `benches/src/bin/instructions.rs`'s figure.
+#[derive(serde::Deserialize)]
+struct Instructions {
+    name: String,
+    instructions_per_op: u64,
+    ops: u64,
 }
 
 impl Report {
-    fn new(mut rows: Vec<Row>, wire: String) -> Report {
+    fn new(mut rows: Vec<Row>, wire: String, instructions: Vec<Instructions>) -> Report {
         rows.sort_by(|a, b| a.name.cmp(&b.name));
         let medians = rows.iter().map(|r| (r.name.clone(), r.median_ns)).collect();
         Report {
             rows,
             medians,
             wire,
+            instructions,
         }
+    }
+
+    /// The instruction counts beside the wall-clock medians of the same
+    /// operations in the same run.
+    fn instructions_table(&self) -> String {
+        let mut t = String::from(
+            "| operation | strategy | shape | instructions per operation | wall-clock median |\n\
+             | --- | --- | --- | ---: | ---: |\n",
+        );
+        for i in &self.instructions {
+            let mut parts = i.name.split('/').skip(1);
+            let (Some(m), Some(strategy), Some(shape)) = (parts.next(), parts.next(), parts.next())
+            else {
+                continue;
+            };
+            let wall = self
+                .medians
+                .get(&format!("strategies/{m}/{strategy}/{shape}"))
+                .map(|ns| human(*ns))
+                .unwrap_or_else(|| "-".into());
+            t.push_str(&format!(
+                "| {m} | {strategy} | {shape} | {} | {wall} |\n",
+                group_thousands(i.instructions_per_op)
+            ));
+        }
+        t
     }
 
     /// The network bench's figures.
@@ -281,6 +331,13 @@ impl Report {
                 }
                 obj
             })
+            .chain(self.instructions.iter().map(|i| {
+                serde_json::json!({
+                    "name": i.name,
+                    "instructions_per_op": i.instructions_per_op,
+                    "ops": i.ops,
+                })
+            }))
             .collect();
         serde_json::Value::Array(objs)
     }
@@ -793,6 +850,14 @@ const STORES: &str = "The same work on both stores, in one run: the catalog's fe
 (`log@postgres`, against `log` on a SQLite file). The PostgreSQL server runs on this machine, so \
 these figures hold its round trips on loopback, not a network's.";
 
+const INSTRUCTIONS: &str = "Instructions each operation executes in the replica's processes \
+(summed over them), counted by valgrind's callgrind while the controller drives them from outside \
+(`benches/src/bin/instructions.rs`): a regression figure the shared machine's load does not move, \
+beside the wall-clock median of the same operation in this run. A count includes the processes' \
+timer-driven polls while the operation runs (longer under callgrind): two runs agreed within \
+about 10% (small commands at 1x1, about 35%). `cargo xtask bench --instructions` measures them \
+alone.";
+
 /// `docs/bench/results.md`: everything.
 fn results_md(report: &Report, m: &Machine, run: &RunInfo) -> String {
     let mut s = String::from("# Benchmark results\n\n");
@@ -815,6 +880,12 @@ fn results_md(report: &Report, m: &Machine, run: &RunInfo) -> String {
     s.push_str(&skipped_paragraph(run));
     s.push_str(&report.strategy_table(None));
     s.push_str(&report.network_and_scale(false));
+    if !report.instructions.is_empty() {
+        s.push_str("\n## Instruction counts\n\n");
+        s.push_str(INSTRUCTIONS);
+        s.push_str("\n\n");
+        s.push_str(&report.instructions_table());
+    }
     s.push_str("\n## Stores\n\n");
     s.push_str(STORES);
     s.push_str("\n\n");
@@ -873,6 +944,55 @@ fn replace_between_markers(text: &str, section: &str) -> anyhow::Result<String> 
 }
 
 /// Builds what the benchmarks need, runs them, writes the report.
+/// Counts instructions per operation (`benches/src/bin/instructions.rs`,
+/// on the release replica, which must be built) into
+/// `target/lockstep/instructions.json`; the counts, or why there are none.
+fn instructions(quick: bool) -> Result<Vec<Instructions>, String> {
+    let found = Command::new("valgrind").arg("--version").output();
+    if found.is_err() {
+        return Err("instruction counts: valgrind is not installed (Debian: valgrind)".into());
+    }
+    step(if quick {
+        "instruction counts under callgrind (quick: 1x1)"
+    } else {
+        "instruction counts under callgrind (1x1, 2x2)"
+    });
+    let out = root().join("target/lockstep/instructions.json");
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "lockstep-benches",
+        "--bin",
+        "instructions",
+        "--",
+    ])
+    .arg(&out);
+    if quick {
+        cmd.env("LOCKSTEP_BENCH_QUICK", "1");
+    } else {
+        cmd.env_remove("LOCKSTEP_BENCH_QUICK");
+    }
+    run(cmd).map_err(|e| format!("instruction counts: {e:#}"))?;
+    let text = std::fs::read_to_string(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", out.display()))
+}
+
+/// `cargo xtask bench --instructions`: the instruction counts alone.
+pub fn instructions_only(quick: bool) -> anyhow::Result<()> {
+    step("building the release replica");
+    let mut cmd = cargo();
+    cmd.args(["build", "--release", "--quiet", "-p", "lockstep-replica"]);
+    run(cmd)?;
+    let counts = instructions(quick).map_err(anyhow::Error::msg)?;
+    let report = Report::new(Vec::new(), String::new(), counts);
+    println!("\n{}", report.instructions_table());
+    eprintln!("xtask: wrote target/lockstep/instructions.json");
+    Ok(())
+}
+
 pub fn bench(quick: bool, readme: bool) -> anyhow::Result<()> {
     let started = Instant::now();
     step("building the release replica and the policies");
@@ -913,15 +1033,23 @@ pub fn bench(quick: bool, readme: bool) -> anyhow::Result<()> {
     cmd.env("LOCKSTEP_BENCH_WIRE", &wire);
     run(cmd)?;
 
-    let mut rows = Vec::new();
-    collect(&criterion_dir, &mut rows)?;
-    let report = Report::new(rows, std::fs::read_to_string(&wire).unwrap_or_default());
-    let skipped: Vec<String> = std::fs::read_to_string(&skips)
+    let mut skipped: Vec<String> = std::fs::read_to_string(&skips)
         .unwrap_or_default()
         .lines()
         .filter(|l| !l.trim().is_empty())
         .map(str::to_string)
         .collect();
+    let counts = instructions(quick).unwrap_or_else(|why| {
+        skipped.push(format!("(instruction counts)\tevery shape\t{why}"));
+        Vec::new()
+    });
+    let mut rows = Vec::new();
+    collect(&criterion_dir, &mut rows)?;
+    let report = Report::new(
+        rows,
+        std::fs::read_to_string(&wire).unwrap_or_default(),
+        counts,
+    );
     let mut command = String::from("cargo xtask bench");
     if quick {
         command.push_str(" --quick");
@@ -1071,6 +1199,7 @@ mod tests {
                 row("policy/load_cold", 10e6),
             ],
             String::new(),
+            Vec::new(),
         );
         let t = report.goals_table();
         assert!(t.contains("| barrier install within 1.5x of naive | 3.00x at worst (2x2; install, barrier / naive) | **no** |"), "{t}");
@@ -1096,6 +1225,7 @@ mod tests {
                 row("strategies/small_command/barrier/1x1", 100e3),
             ],
             String::new(),
+            Vec::new(),
         );
         let t = report.goals_table();
         assert!(
@@ -1118,5 +1248,43 @@ mod tests {
             "a\n<!-- bench:start -->\n### Results\n\nnew\n<!-- bench:end -->\nb\n"
         );
         assert!(replace_between_markers("no markers", "x").is_err());
+    }
+
+    #[test]
+    fn instruction_counts_sit_beside_the_same_operations_wall_clock() {
+        let report = Report::new(
+            vec![row("strategies/install/barrier/1x1", 250e3)],
+            String::new(),
+            vec![
+                Instructions {
+                    name: "instructions/install/barrier/1x1".into(),
+                    instructions_per_op: 1_234_567,
+                    ops: 20,
+                },
+                Instructions {
+                    name: "instructions/reconcile_100/barrier/1x1".into(),
+                    instructions_per_op: 42,
+                    ops: 1,
+                },
+            ],
+        );
+        let t = report.instructions_table();
+        assert!(
+            t.contains("| install | barrier | 1x1 | 1,234,567 | 250.0 µs |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| reconcile_100 | barrier | 1x1 | 42 | - |"),
+            "{t}"
+        );
+        let json = report.json();
+        assert!(
+            json.as_array()
+                .unwrap()
+                .iter()
+                .any(|o| o["name"] == "instructions/install/barrier/1x1"
+                    && o["instructions_per_op"] == 1_234_567),
+            "{json}"
+        );
     }
 }

@@ -51,6 +51,10 @@ enum Task {
         /// Also replace README.md's Results section (between the bench markers).
         #[arg(long)]
         readme: bool,
+        /// Only the instruction counts per operation (callgrind): write
+        /// target/lockstep/instructions.json and print their table.
+        #[arg(long, conflicts_with = "readme")]
+        instructions: bool,
     },
     /// Soak a real environment: rounds of writes, peeks, dataflows and
     /// subscriptions with the environment killed between rounds; checks every
@@ -117,7 +121,12 @@ fn main() -> anyhow::Result<()> {
         Task::BuildPolicies => policies::build_all().map(|_| ()),
         Task::Test { no_lint } => tasks::test(!no_lint),
         Task::Demo => tasks::demo(),
-        Task::Bench { quick, readme } => bench::bench(quick, readme),
+        Task::Bench {
+            quick,
+            instructions: true,
+            ..
+        } => bench::instructions_only(quick),
+        Task::Bench { quick, readme, .. } => bench::bench(quick, readme),
         Task::Soak { quick } => soak::soak(quick),
         Task::Upgrade => upgrade::upgrade(),
         Task::Chaos {
