@@ -182,17 +182,7 @@ impl Bench<'_> {
     fn next_write(&mut self) -> (u64, Vec<Update>) {
         let t = self.time;
         self.time += 1;
-        let diff = if t % 2 == 1 { 1 } else { -1 };
-        let updates = self
-            .rows
-            .iter()
-            .map(|row| Update {
-                row: row.clone(),
-                time: t,
-                diff,
-            })
-            .collect();
-        (t, updates)
+        (t, lockstep_benches::alternating_write(&self.rows, t))
     }
 
     fn write(&self, (t, updates): (u64, Vec<Update>)) {

@@ -396,16 +396,7 @@ fn measure(
                 || {
                     let t = time;
                     time += 1;
-                    let diff = if t % 2 == 1 { 1 } else { -1 };
-                    let updates: Vec<Update> = rows
-                        .iter()
-                        .map(|row| Update {
-                            row: row.clone(),
-                            time: t,
-                            diff,
-                        })
-                        .collect();
-                    (t, updates)
+                    (t, lockstep_benches::alternating_write(&rows, t))
                 },
                 |(t, updates)| {
                     ctl.write_input(WRITE_INPUT, updates, t + 1).expect("write");

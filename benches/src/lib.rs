@@ -49,6 +49,19 @@ pub fn dataflow_over(id: u64, input: u64, export: u64) -> DataflowDescription {
     )
 }
 
+/// A write of `rows` at time `t`: inserted at odd times, retracted at even
+/// ones, so that a collection written at 1, 2, 3, ... stays small.
+pub fn alternating_write(rows: &[Row], t: u64) -> Vec<Update> {
+    let diff = if t % 2 == 1 { 1 } else { -1 };
+    rows.iter()
+        .map(|row| Update {
+            row: row.clone(),
+            time: t,
+            diff,
+        })
+        .collect()
+}
+
 /// Rows holding `bytes` bytes of row data: [`COLUMNS`] values per row, each
 /// large enough to take 8 bytes as a protobuf varint.
 pub fn payload(bytes: usize) -> Vec<Row> {
@@ -162,24 +175,23 @@ pub mod replica {
         processes: usize,
         workers: u32,
     ) -> BenchReplica {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
-            .expect("orchestrator");
-        let log = lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite"));
-        let service = launch::replica_service(program, replica_id, processes, workers);
-        let addrs = ensure(&orchestrator, service, log, workers).await;
-        BenchReplica {
-            dir,
-            orchestrator,
-            addrs,
-            relays: Vec::new(),
-        }
+        start_with(program, replica_id, processes, workers, None).await
     }
 
     /// Starts a replica of `processes` x `workers`; its command log is the
     /// log `replica-ID` in the PostgreSQL database at `postgres`, or a
     /// SQLite file in its directory.
     pub async fn start_on(
+        replica_id: u64,
+        processes: usize,
+        workers: u32,
+        postgres: Option<&str>,
+    ) -> BenchReplica {
+        start_with(&binary(), replica_id, processes, workers, postgres).await
+    }
+
+    async fn start_with(
+        program: &std::path::Path,
         replica_id: u64,
         processes: usize,
         workers: u32,
@@ -195,7 +207,7 @@ pub mod replica {
             },
             None => lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite")),
         };
-        let service = launch::replica_service(&binary(), replica_id, processes, workers);
+        let service = launch::replica_service(program, replica_id, processes, workers);
         let addrs = ensure(&orchestrator, service, log, workers).await;
         BenchReplica {
             dir,

@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use lockstep_benches::harness::{self, rt};
 use lockstep_benches::replica::{self, BenchReplica};
-use lockstep_benches::{dataflow_over, payload, small_dataflow};
-use lockstep_protocol::{Strategy, Update};
+use lockstep_benches::{alternating_write, dataflow_over, payload, small_dataflow};
+use lockstep_protocol::Strategy;
 
 /// How long one operation may take under callgrind (tens of times slower).
 const OP_BOUND: Duration = Duration::from_secs(300);
@@ -245,16 +245,8 @@ fn measure(
     batch("write_1KiB", BATCH, &mut || {
         let t = time;
         time += 1;
-        let diff = if t % 2 == 1 { 1 } else { -1 };
-        let updates: Vec<Update> = rows
-            .iter()
-            .map(|row| Update {
-                row: row.clone(),
-                time: t,
-                diff,
-            })
-            .collect();
-        ctl.write_input(2, updates, t + 1).expect("write");
+        ctl.write_input(2, alternating_write(&rows, t), t + 1)
+            .expect("write");
         op!("write", ctl.wait_for_frontier(WRITE_EXPORT, t));
     })?;
 
