@@ -6,6 +6,10 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+mod rows;
+pub(crate) use rows::{for_each_canonical_varint, next_varint};
+pub use rows::{row_owner, varint_count, varint_values};
+
 /// A logical timestamp.
 pub type Timestamp = u64;
 
@@ -297,107 +301,6 @@ pub struct WriteInput {
     pub batch_digest: Option<[u64; 4]>,
 }
 
-/// The global index of the worker that introduces `row` into a replica of
-/// `workers` timely workers in all (process `p`'s workers are
-/// `p * workers_per_process ..`), modulo `workers` of a splitmix64 fold.
-/// Specified here, not left to a std hasher, because the controller (which
-/// splits writes per process) and the replica (whose workers keep only the
-/// rows they own) must agree even when built apart.
-///
-/// A row whose bytes are canonical varints ([`varint_values`]: every row of
-/// the built-in family, and every row up to v0.2.0, when rows were integer
-/// vectors on the wire) folds its length and values as v0.2.0 did, so a
-/// v0.2.0 process and this one split alike; any other row folds its byte
-/// length and its bytes in 8-byte words from another seed.
-pub fn row_owner(row: &[u8], workers: usize) -> usize {
-    fn mix(mut z: u64) -> u64 {
-        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    if workers <= 1 {
-        return 0;
-    }
-    // One pass for the canonical case: the count is the number of bytes
-    // that end a varint, and a row that turns out not to be canonical
-    // varints is folded again as bytes.
-    let canonical = || {
-        let n = row.iter().filter(|b| **b < 0x80).count();
-        let mut h = mix(n as u64);
-        for_each_canonical_varint(row, |v| h = mix(h ^ v)).then_some(h)
-    };
-    let h = canonical().unwrap_or_else(|| {
-        let mut h = mix(row.len() as u64 ^ OPAQUE_ROW_SEED);
-        for chunk in row.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            h = mix(h ^ u64::from_le_bytes(word));
-        }
-        h
-    });
-    (h % workers.max(1) as u64) as usize
-}
-
-/// Seeds [`row_owner`]'s fold for a row that is not canonical varints.
-const OPAQUE_ROW_SEED: u64 = 0x6c6f_636b_7374_6570;
-
-/// How many values `row` holds if it is canonical varints back to back (each
-/// the shortest encoding of its 64-bit value, as protobuf encodes a packed
-/// `int64`), else `None`.
-pub fn varint_count(row: &[u8]) -> Option<usize> {
-    let mut n = 0;
-    for_each_canonical_varint(row, |_| n += 1).then_some(n)
-}
-
-/// Calls `f` with each value of `row` if it is canonical varints
-/// ([`varint_count`]), in one pass; `false` (having called `f` with the
-/// values before the first that is not canonical) if it is not.
-#[inline]
-pub(crate) fn for_each_canonical_varint(row: &[u8], mut f: impl FnMut(u64)) -> bool {
-    let mut pos = 0;
-    while pos < row.len() {
-        let start = pos;
-        let Some(v) = next_varint(row, &mut pos) else {
-            return false;
-        };
-        if pos - start != prost::encoding::encoded_len_varint(v) {
-            return false;
-        }
-        f(v);
-    }
-    true
-}
-
-/// The 64-bit values of a row [`varint_count`] accepted, in order (on other
-/// bytes it stops at the first that does not decode).
-pub fn varint_values(row: &[u8]) -> impl Iterator<Item = i64> + '_ {
-    let mut pos = 0;
-    std::iter::from_fn(move || next_varint(row, &mut pos).map(|v| v as i64))
-}
-
-/// The varint at `*pos` in `buf` (advancing `*pos` past it), decoded as
-/// protobuf decodes one: at most ten bytes, the tenth at most 1. `None` at
-/// the end of `buf`, or where no varint decodes. On the hot path of every
-/// row's owner, digest and order, hence written out rather than going
-/// through `bytes::Buf`.
-#[inline]
-pub(crate) fn next_varint(buf: &[u8], pos: &mut usize) -> Option<u64> {
-    let mut v = 0u64;
-    for k in 0..10 {
-        let b = *buf.get(*pos)?;
-        *pos += 1;
-        if k == 9 && b > 1 {
-            return None;
-        }
-        v |= u64::from(b & 0x7f) << (7 * k);
-        if b < 0x80 {
-            return Some(v);
-        }
-    }
-    None
-}
-
 /// An upper bound on the bytes one update or peek row whose row takes
 /// `row_bytes` bytes takes in an encoded message (its tags, lengths, time
 /// and diff included).
@@ -673,74 +576,4 @@ pub struct ErrorResponse {
     pub message: String,
     /// The command it refers to (0 if none).
     pub seqno: u64,
-}
-
-#[cfg(test)]
-mod varint_tests {
-    use super::*;
-
-    /// What prost's own decoder reads from `bytes`, one varint after
-    /// another, until the end or the first that does not decode.
-    fn prost_values(bytes: &[u8]) -> Vec<u64> {
-        let mut rest = bytes;
-        let mut out = Vec::new();
-        while !rest.is_empty() {
-            match prost::encoding::decode_varint(&mut rest) {
-                Ok(v) => out.push(v),
-                Err(_) => break,
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn the_row_varint_reader_decodes_what_prost_decodes() {
-        let mut cases: Vec<Vec<u8>> = vec![
-            vec![],
-            vec![0],
-            vec![0x80],
-            vec![0x81, 0x00],
-            vec![0xff; 9],
-            vec![0xff; 10],
-            vec![0xff; 11],
-            [vec![0xff; 9], vec![0x01]].concat(),
-            [vec![0xff; 9], vec![0x02]].concat(),
-            [vec![0x80; 9], vec![0x00]].concat(),
-        ];
-        // Every value's canonical encoding, and some noise.
-        for v in [0u64, 1, 127, 128, 300, 1 << 35, u64::MAX, i64::MIN as u64] {
-            let mut b = Vec::new();
-            prost::encoding::encode_varint(v, &mut b);
-            cases.push(b);
-        }
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        for len in 0..64 {
-            let bytes: Vec<u8> = (0..len)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    x as u8
-                })
-                .collect();
-            cases.push(bytes);
-        }
-        for bytes in cases {
-            let ours: Vec<u64> = varint_values(&bytes).map(|v| v as u64).collect();
-            assert_eq!(ours, prost_values(&bytes), "{bytes:02x?}");
-            let canonical = {
-                let mut rest = &bytes[..];
-                let mut ok = true;
-                while !rest.is_empty() && ok {
-                    let before = rest.len();
-                    ok = match prost::encoding::decode_varint(&mut rest) {
-                        Ok(v) => before - rest.len() == prost::encoding::encoded_len_varint(v),
-                        Err(_) => false,
-                    };
-                }
-                ok.then(|| prost_values(&bytes).len())
-            };
-            assert_eq!(varint_count(&bytes), canonical, "{bytes:02x?}");
-        }
-    }
 }
