@@ -355,20 +355,17 @@ fn add_to_sum(sum: &mut [u64; 4], u: &Update, material: &mut Vec<u8>) {
     let canonical = crate::types::for_each_canonical_varint(&u.row, |v| {
         material.extend_from_slice(&v.to_le_bytes())
     });
-    let hash = match canonical {
-        true => {
-            let n = material.len() / 8;
-            material.extend_from_slice(&(n as u64).to_le_bytes());
-            material.extend_from_slice(&u.time.to_le_bytes());
-            blake3::hash(material)
-        }
-        false => {
-            let mut h = OPAQUE.clone();
-            h.update(&u.row);
-            h.update(&(u.row.len() as u64).to_le_bytes());
-            h.update(&u.time.to_le_bytes());
-            h.finalize()
-        }
+    let hash = if canonical {
+        let n = material.len() / 8;
+        material.extend_from_slice(&(n as u64).to_le_bytes());
+        material.extend_from_slice(&u.time.to_le_bytes());
+        blake3::hash(material)
+    } else {
+        let mut h = OPAQUE.clone();
+        h.update(&u.row);
+        h.update(&(u.row.len() as u64).to_le_bytes());
+        h.update(&u.time.to_le_bytes());
+        h.finalize()
     };
     for (lane, chunk) in sum.iter_mut().zip(hash.as_bytes().chunks_exact(8)) {
         let x = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
