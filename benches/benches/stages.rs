@@ -9,7 +9,9 @@
 //!
 //! - `api_decode`: the gRPC request decoded (prost, as tonic does) and its
 //!   updates converted (`Update::from`, as the environment's server does);
-//!   floor `memcpy`: the request's bytes copied once;
+//!   floor `row_copies`: every row's bytes copied into a row of its own
+//!   (what any decoder into owned rows does: an allocation and a copy per
+//!   row; `memcpy`, the request's bytes copied once, is beside it);
 //! - `validate`: every row checked (`lockstep_plan::rows::check`, what the
 //!   environment does before it records a write); floor `memcpy`;
 //! - `durable_append`: the write encoded for the catalog and appended in a
@@ -19,15 +21,16 @@
 //!   durability (`synchronous = FULL`), no fence, no lockstep code;
 //! - `encode_seal`: the command framed and encrypted by the controller's
 //!   codec (`SecureCodec<ControllerCodec>`, under a session set up by
-//!   `secure::initiate` and `secure::respond`); floor `cipher_seal`: snow
-//!   alone encrypting the frame's bytes in records of the same size;
+//!   `secure::initiate` and `secure::respond`); floor `memcpy` +
+//!   `cipher_seal`: the bytes written once, and snow alone encrypting the
+//!   frame's bytes in records of the same size;
 //! - the wire, floor `tcp`: the sealed bytes over a loopback TCP connection
 //!   to a reader that acknowledges them with one byte (lockstep adds nothing
 //!   to this stage: its framing is already in the bytes, so it has no
 //!   lockstep figure of its own);
 //! - `open_decode`: the replica's codec (`SecureCodec<ReplicaCodec>`)
-//!   decrypting and decoding the frame; floor `cipher_open`: snow alone
-//!   decrypting the records;
+//!   decrypting and decoding the frame; floor `cipher_open` + `row_copies`:
+//!   snow alone decrypting the records, and the rows copied out;
 //! - `replica_ingest`: a replica worker (`lockstep_replica::worker::run_worker`
 //!   with the built-in family, in this process, one worker: 1x1) applying
 //!   the decoded write until its export's frontier passes it; floor
@@ -271,6 +274,15 @@ fn stages(c: &mut Criterion) {
         })
     });
     let batch = write(INPUT, 1);
+    g.bench_function("floor_row_copies", |b| {
+        b.iter(|| {
+            let rows: Vec<Vec<u8>> = black_box(&batch.updates)
+                .iter()
+                .map(|u| u.row.to_vec())
+                .collect();
+            rows
+        })
+    });
     g.bench_function("validate", |b| {
         b.iter(|| {
             for u in black_box(&batch.updates) {

@@ -29,6 +29,7 @@ use anyhow::{bail, Context};
 use crate::chart::{self, Panel, Point};
 use crate::network::Network;
 use crate::scale::Scale;
+use crate::stages::Stages;
 use crate::util::{cargo, root, run, step};
 
 /// One measured benchmark.
@@ -622,11 +623,13 @@ impl Report {
         let mut t = String::from("| goal | measured | met |\n| --- | --- | --- |\n");
         let network = self.network();
         let scale = self.scale();
+        let stages = Stages::new(&self.medians);
         for (goal, measured, met) in self
             .goals()
             .into_iter()
             .chain(network.goals())
             .chain(scale.goals())
+            .chain(stages.goals())
         {
             let met = match met {
                 Some(true) => "yes",
@@ -885,6 +888,11 @@ fn results_md(report: &Report, m: &Machine, run: &RunInfo) -> String {
         s.push_str(INSTRUCTIONS);
         s.push_str("\n\n");
         s.push_str(&report.instructions_table());
+    }
+    let stages = Stages::new(&report.medians).section();
+    if !stages.is_empty() {
+        s.push_str("\n## Stages of a write\n\n");
+        s.push_str(&stages);
     }
     s.push_str("\n## Stores\n\n");
     s.push_str(STORES);

@@ -14,6 +14,7 @@ mod new_policy;
 mod policies;
 mod scale;
 mod soak;
+mod stages;
 mod tasks;
 mod upgrade;
 mod util;

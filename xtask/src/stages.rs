@@ -1,0 +1,320 @@
+//! The stage breakdown of a write in `cargo xtask bench`'s report (the
+//! `stages` bench): each stage of a 10,000-row write against its floor
+//! measured in the same run, their sum against the whole write, and the
+//! goals that rest on them.
+
+use std::collections::BTreeMap;
+
+use crate::bench::human;
+
+const PREFIX: &str = "stages/ingest_10k/";
+
+/// One stage: its bench name (without [`PREFIX`]; `None` for a stage that
+/// is only its floor), what it is, and the floors it is held to (summed).
+struct Stage {
+    name: Option<&'static str>,
+    what: &'static str,
+    floor: &'static [&'static str],
+    floor_what: &'static str,
+}
+
+/// The stages of a write, in path order.
+const STAGES: [Stage; 7] = [
+    Stage {
+        name: Some("api_decode"),
+        what: "API decode (prost, then the environment's conversion)",
+        floor: &["floor_row_copies"],
+        floor_what: "every row copied into a row of its own",
+    },
+    Stage {
+        name: Some("validate"),
+        what: "validation (every row checked)",
+        floor: &["floor_memcpy"],
+        floor_what: "the request's bytes copied once",
+    },
+    Stage {
+        name: Some("durable_append"),
+        what: "durable catalog append (encoded, fenced SQLite transaction)",
+        floor: &["floor_sqlite_insert"],
+        floor_what: "the same bytes inserted in a bare SQLite file, same durability",
+    },
+    Stage {
+        name: Some("encode_seal"),
+        what: "controller encode and encryption (its codec)",
+        floor: &["floor_memcpy", "floor_cipher_seal"],
+        floor_what: "a copy of the bytes + snow's encryption of them",
+    },
+    Stage {
+        name: None,
+        what: "wire (loopback TCP, acknowledged)",
+        floor: &["floor_tcp"],
+        floor_what: "the sealed bytes over TCP: lockstep adds nothing here",
+    },
+    Stage {
+        name: Some("open_decode"),
+        what: "replica decryption and decode (its codec)",
+        floor: &["floor_cipher_open", "floor_row_copies"],
+        floor_what: "snow's decryption + every row copied out",
+    },
+    Stage {
+        name: Some("replica_ingest"),
+        what: "replica ingest (a worker applies it until its export passes)",
+        floor: &["floor_differential"],
+        floor_what: "differential's own ingest of the same rows into an arrangement",
+    },
+];
+
+/// What a stage must stay within, as a multiple of its floor.
+const STAGE_BOUND: f64 = 2.0;
+
+/// The stage figures among a run's medians.
+pub struct Stages<'a> {
+    medians: &'a BTreeMap<String, f64>,
+}
+
+/// One stage's figures: its median (if it has one of its own), its floor.
+struct Measured {
+    stage: &'static Stage,
+    median: Option<f64>,
+    floor: f64,
+}
+
+impl<'a> Stages<'a> {
+    /// The stage figures among `medians`.
+    pub fn new(medians: &'a BTreeMap<String, f64>) -> Stages<'a> {
+        Stages { medians }
+    }
+
+    fn get(&self, name: &str) -> Option<f64> {
+        self.medians.get(&format!("{PREFIX}{name}")).copied()
+    }
+
+    /// Every stage with its floor, if the bench ran.
+    fn measured(&self) -> Option<Vec<Measured>> {
+        STAGES
+            .iter()
+            .map(|stage| {
+                let floor = stage
+                    .floor
+                    .iter()
+                    .map(|f| self.get(f))
+                    .sum::<Option<f64>>()?;
+                let median = match stage.name {
+                    Some(n) => Some(self.get(n)?),
+                    None => None,
+                };
+                Some(Measured {
+                    stage,
+                    median,
+                    floor,
+                })
+            })
+            .collect()
+    }
+
+    /// The report's section: the table, the sum against the whole write.
+    pub fn section(&self) -> String {
+        let Some(stages) = self.measured() else {
+            return String::new();
+        };
+        let mut s = String::from(
+            "One write of 10,000 rows (the batch of `limits/ingest_1M` and `api/ingest_10k`, \
+             about 110 KB) through each stage of its path, every stage the production code's own \
+             functions on the same bytes, beside its floor: what the machine costs for that \
+             stage's work with no lockstep code, measured in the same run \
+             (`benches/benches/stages.rs`). The replica's ingest is one worker (1x1).\n\n\
+             | stage | median | floor | floor median | ratio |\n| --- | ---: | --- | ---: | ---: |\n",
+        );
+        let mut sum = 0.0;
+        let mut floors = 0.0;
+        for m in &stages {
+            let cost = m.median.unwrap_or(m.floor);
+            sum += cost;
+            floors += m.floor;
+            let (median, ratio) = match m.median {
+                Some(ns) => (human(ns), format!("{:.2}x", ns / m.floor)),
+                None => ("-".into(), "-".into()),
+            };
+            s.push_str(&format!(
+                "| {} | {median} | {} | {} | {ratio} |\n",
+                m.stage.what,
+                m.stage.floor_what,
+                human(m.floor)
+            ));
+        }
+        s.push_str(&format!(
+            "| **sum** | {} | | {} | {:.2}x |\n",
+            human(sum),
+            human(floors),
+            sum / floors
+        ));
+        let whole = [
+            (
+                "api/ingest_10k/grpc",
+                "through the gRPC API, 2x2, batches back to back",
+            ),
+            (
+                "api/ingest_10k/core",
+                "through the environment in process, 2x2",
+            ),
+        ];
+        for (name, what) in whole {
+            if let Some(ns) = self.medians.get(name) {
+                s.push_str(&format!(
+                    "\nThe whole write {what} (`{name}`): {} a batch, {:.2}x the stages' sum.",
+                    human(*ns),
+                    ns / sum
+                ));
+            }
+        }
+        s.push_str(
+            "\nThe whole write also holds what no stage above has: the environment's and the \
+             controller's in-memory input logs, the split per process and the waits between \
+             stages; batches back to back overlap one batch's replica ingest with the next one's \
+             append.\n",
+        );
+        s
+    }
+
+    /// The goals on the stages: goal, what was measured, met.
+    pub fn goals(&self) -> Vec<(String, String, Option<bool>)> {
+        let Some(stages) = self.measured() else {
+            return vec![(
+                format!("every stage of a 10,000-row write within {STAGE_BOUND}x of its floor"),
+                "not measured".into(),
+                None,
+            )];
+        };
+        let worst = stages
+            .iter()
+            .filter_map(|m| Some((m.median? / m.floor, m)))
+            .max_by(|a, b| a.0.total_cmp(&b.0));
+        let mut out = Vec::new();
+        if let Some((r, m)) = worst {
+            out.push((
+                format!("every stage of a 10,000-row write within {STAGE_BOUND}x of its floor"),
+                format!(
+                    "{r:.2}x at worst ({}: {} over a floor of {})",
+                    m.stage.what,
+                    human(m.median.unwrap_or_default()),
+                    human(m.floor)
+                ),
+                Some(r <= STAGE_BOUND),
+            ));
+        }
+        // With the durable write included: the environment's ingest against
+        // differential's; if durability alone costs more than
+        // differential's ingest, the stages' goal stands for it.
+        let durable = self.get("floor_sqlite_insert");
+        let differential = self.get("floor_differential");
+        let core = self.medians.get("api/ingest_10k/core");
+        let raw = self.medians.get("api/ingest_10k/differential");
+        if let (Some(durable), Some(differential), Some(core), Some(raw)) =
+            (durable, differential, core, raw)
+        {
+            let ratio = raw / core;
+            let alone = if durable > differential {
+                format!(
+                    "durability alone costs more: a bare SQLite insert of the batch takes {} \
+                     against differential's {} ingest, so at most {:.2}x if the two overlapped \
+                     fully; the stages' goal stands for it",
+                    human(durable),
+                    human(differential),
+                    differential / durable
+                )
+            } else {
+                format!(
+                    "a bare SQLite insert of the batch takes {} against differential's {}",
+                    human(durable),
+                    human(differential)
+                )
+            };
+            out.push((
+                "ingest in 10,000-row batches, durable write included, at 0.5x or more of \
+                 differential's throughput"
+                    .into(),
+                format!(
+                    "{ratio:.2}x (`api/ingest_10k/differential` / `api/ingest_10k/core`); {alone}"
+                ),
+                Some(ratio >= 0.5),
+            ));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn medians(pairs: &[(&str, f64)]) -> BTreeMap<String, f64> {
+        pairs.iter().map(|(n, v)| (n.to_string(), *v)).collect()
+    }
+
+    fn all(replica_ingest: f64) -> BTreeMap<String, f64> {
+        let mut m = medians(&[
+            ("api_decode", 100.0),
+            ("validate", 10.0),
+            ("durable_append", 1000.0),
+            ("encode_seal", 100.0),
+            ("open_decode", 100.0),
+            ("replica_ingest", replica_ingest),
+            ("floor_row_copies", 60.0),
+            ("floor_memcpy", 10.0),
+            ("floor_sqlite_insert", 900.0),
+            ("floor_cipher_seal", 50.0),
+            ("floor_cipher_open", 50.0),
+            ("floor_tcp", 30.0),
+            ("floor_differential", 400.0),
+        ]);
+        m = m
+            .into_iter()
+            .map(|(k, v)| (format!("{PREFIX}{k}"), v))
+            .collect();
+        m
+    }
+
+    #[test]
+    fn the_worst_stage_against_its_summed_floor_decides_the_goal() {
+        let m = all(700.0);
+        let goals = Stages::new(&m).goals();
+        assert_eq!(goals.len(), 1, "no API figures, no durable-ingest goal");
+        // api_decode: 100 / 60 = 1.67; replica_ingest 700 / 400 = 1.75.
+        assert!(goals[0].1.starts_with("1.75x"), "{}", goals[0].1);
+        assert_eq!(goals[0].2, Some(true));
+        let m = all(900.0);
+        let goals = Stages::new(&m).goals();
+        assert!(goals[0].1.starts_with("2.25x"), "{}", goals[0].1);
+        assert_eq!(goals[0].2, Some(false));
+        let section = Stages::new(&m).section();
+        // The wire stage counts its floor; the sum is every stage's cost.
+        let sum = 100.0 + 10.0 + 1000.0 + 100.0 + 30.0 + 100.0 + 900.0;
+        assert!(
+            section.contains(&format!("| **sum** | {} |", human(sum))),
+            "{section}"
+        );
+    }
+
+    #[test]
+    fn durable_ingest_states_the_durable_floor_when_it_costs_more() {
+        let mut m = all(700.0);
+        m.insert("api/ingest_10k/core".into(), 4000.0);
+        m.insert("api/ingest_10k/differential".into(), 1000.0);
+        let goals = Stages::new(&m).goals();
+        assert_eq!(goals.len(), 2);
+        assert!(goals[1].1.starts_with("0.25x"), "{}", goals[1].1);
+        assert!(
+            goals[1].1.contains("durability alone costs more"),
+            "{}",
+            goals[1].1
+        );
+        assert_eq!(goals[1].2, Some(false));
+    }
+
+    #[test]
+    fn nothing_measured_is_said_so() {
+        let m = medians(&[]);
+        assert!(Stages::new(&m).section().is_empty());
+        assert_eq!(Stages::new(&m).goals()[0].1, "not measured");
+    }
+}
