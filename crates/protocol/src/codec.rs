@@ -59,6 +59,12 @@ pub trait WireMessage: Sized {
         self.to_wire().encode_to_vec()
     }
 
+    /// The length of its protobuf encoding (no length prefix), without
+    /// encoding it.
+    fn encoded_len(self) -> usize {
+        self.to_wire().encoded_len()
+    }
+
     /// Decodes from protobuf bytes (no length prefix).
     fn decode_from(bytes: &[u8]) -> Result<Self, CodecError> {
         Ok(Self::from_wire(Self::Wire::decode(bytes)?)?)

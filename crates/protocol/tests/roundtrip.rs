@@ -14,6 +14,12 @@ proptest! {
         prop_assert_eq!(Command::try_from(wire).unwrap(), cmd);
     }
 
+    /// The length a policy is told is the encoding's.
+    #[test]
+    fn encoded_len_is_the_encodings_length(cmd in arb::command()) {
+        prop_assert_eq!(cmd.clone().encoded_len(), cmd.encode_to_vec().len());
+    }
+
     #[test]
     fn response_roundtrips_through_wire_types(resp in arb::response()) {
         let wire = proto::Response::from(resp.clone());

@@ -210,13 +210,13 @@ impl Actor {
     }
 }
 
-/// The encoded size of a command, for policies.
+/// The encoded size of a command, for policies: its wire form's length,
+/// computed without encoding it (every write passes here).
 fn encoded_size(kind: &CommandKind) -> u64 {
     Command {
         seqno: 0,
         strategy: Strategy::Naive,
         kind: kind.clone(),
     }
-    .encode_to_vec()
-    .len() as u64
+    .encoded_len() as u64
 }
