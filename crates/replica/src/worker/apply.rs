@@ -161,16 +161,18 @@ impl WorkerState {
                     );
                     return;
                 }
-                if w.more {
+                let CommandKind::WriteInput(mut whole) = cmd.kind else {
+                    unreachable!("matched a write")
+                };
+                if whole.more {
                     // Not applied (nor history) before the last part.
                     self.write_parts
-                        .entry(w.collection_id)
+                        .entry(whole.collection_id)
                         .or_default()
-                        .extend(w.updates.iter().cloned());
+                        .append(&mut whole.updates);
                     return;
                 }
-                let mut whole = w.clone();
-                if let Some(mut parts) = self.write_parts.remove(&w.collection_id) {
+                if let Some(mut parts) = self.write_parts.remove(&whole.collection_id) {
                     parts.append(&mut whole.updates);
                     whole.updates = parts;
                 }
@@ -199,7 +201,6 @@ impl WorkerState {
             "write input"
         );
         store.upper = new_upper;
-        store.extend(fresh.iter().cloned());
         for (dataflow_id, inst) in self.dataflows.iter_mut() {
             for (id, session) in &mut inst.sessions {
                 if *id == w.collection_id {
@@ -212,6 +213,8 @@ impl WorkerState {
                 }
             }
         }
+        // The store keeps the fresh updates themselves, not another copy.
+        store.extend(fresh);
     }
 
     fn build(&mut self, worker: &mut Worker, desc: DataflowDescription, prepared: &dyn Prepared) {
