@@ -23,7 +23,10 @@
 //!   arranged and probed, as the replica renders `Get`) installed through
 //!   the controller until its frontier passes 0, then dropped; and the same
 //!   dataflow built directly in a timely worker in this process, stepped
-//!   until its probe passes 0, then dropped;
+//!   until its probe passes 0, then dropped; `limits/install/timely/2x2`:
+//!   the same built by every worker of a 2x2 timely cluster (two timely
+//!   processes of two workers, threads of this process connected over
+//!   loopback TCP), the floor of an install on a 2x2 replica;
 //! - `limits/ingest_1M/{lockstep,differential}/1x1`: 1,000,000 rows in
 //!   batches of 10,000 through the controller until the frontier passes the
 //!   last, and the same batches into a differential `InputSession` in one
@@ -217,6 +220,9 @@ fn limits(c: &mut Criterion) {
     g.bench_function("timely/1x1", |b| {
         b.iter_custom(timely_install);
     });
+    g.bench_function("timely/2x2", |b| {
+        b.iter_custom(timely_install_2x2);
+    });
     g.finish();
 
     // Each ingest writes to a fresh input read by a fresh dataflow, so that
@@ -257,32 +263,88 @@ fn limits(c: &mut Criterion) {
 /// `iters` small dataflows built directly in one timely worker, each
 /// stepped until its probe passes 0, then dropped.
 fn timely_install(iters: u64) -> Duration {
-    timely::execute_directly(move |worker| {
-        use differential_dataflow::input::InputSession;
-        use timely::dataflow::operators::Probe;
-        let start = Instant::now();
-        for _ in 0..iters {
-            let mut input: InputSession<u64, Vec<i64>, i64> = InputSession::new();
-            let probe = timely::dataflow::ProbeHandle::new();
-            let index = worker.next_dataflow_index();
-            worker.dataflow::<u64, _, _>(|scope| {
-                input
-                    .to_collection(scope)
-                    .arrange_by_self()
-                    .as_collection(|k: &Vec<i64>, _v: &()| k.clone())
-                    .inner
-                    .probe_with(&probe);
-            });
-            input.advance_to(1);
-            input.flush();
-            while probe.less_than(&1) {
+    timely::execute_directly(move |worker| build_dataflows(worker, iters, false))
+}
+
+/// The same in a 2x2 timely cluster of this process's threads: two timely
+/// processes of two workers each, connected over loopback TCP as a
+/// replica's processes are; every worker builds each dataflow and steps
+/// until its probe passes 0. The slowest worker's time.
+fn timely_install_2x2(iters: u64) -> Duration {
+    let addresses: Vec<String> = (0..2)
+        .map(|_| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+            format!("127.0.0.1:{}", l.local_addr().expect("addr").port())
+        })
+        .collect();
+    let processes: Vec<_> = (0..2)
+        .map(|process| {
+            let addresses = addresses.clone();
+            std::thread::spawn(move || {
+                let config = timely::Config {
+                    communication: timely::CommunicationConfig::Cluster {
+                        threads: 2,
+                        process,
+                        addresses,
+                        report: false,
+                        zerocopy: false,
+                    },
+                    worker: timely::WorkerConfig::default(),
+                };
+                timely::execute(config, move |worker| build_dataflows(worker, iters, true))
+                    .expect("a 2x2 timely cluster")
+                    .join()
+                    .into_iter()
+                    .map(|r| r.expect("a timely worker"))
+                    .collect::<Vec<Duration>>()
+            })
+        })
+        .collect();
+    processes
+        .into_iter()
+        .flat_map(|p| p.join().expect("a timely process"))
+        .max()
+        .expect("four workers")
+}
+
+/// Builds one dataflow unmeasured (in a cluster, every worker is then
+/// past its connection set-up), then `iters` more, each stepped until its
+/// probe passes 0 and dropped; the time of those. With `park`, a worker
+/// waiting for its peers parks until their messages wake it, as a
+/// replica's workers do (four workers spinning on two cores would measure
+/// the scheduler's time slices).
+fn build_dataflows(worker: &mut timely::worker::Worker, iters: u64, park: bool) -> Duration {
+    use differential_dataflow::input::InputSession;
+    use timely::dataflow::operators::Probe;
+    let mut start = Instant::now();
+    for i in 0..=iters {
+        if i == 1 {
+            start = Instant::now();
+        }
+        let mut input: InputSession<u64, Vec<i64>, i64> = InputSession::new();
+        let probe = timely::dataflow::ProbeHandle::new();
+        let index = worker.next_dataflow_index();
+        worker.dataflow::<u64, _, _>(|scope| {
+            input
+                .to_collection(scope)
+                .arrange_by_self()
+                .as_collection(|k: &Vec<i64>, _v: &()| k.clone())
+                .inner
+                .probe_with(&probe);
+        });
+        input.advance_to(1);
+        input.flush();
+        while probe.less_than(&1) {
+            if park {
+                worker.step_or_park(Some(Duration::from_millis(1)));
+            } else {
                 worker.step();
             }
-            drop(input);
-            worker.drop_dataflow(index);
         }
-        start.elapsed()
-    })
+        drop(input);
+        worker.drop_dataflow(index);
+    }
+    start.elapsed()
 }
 
 /// [`BATCHES`] batches of [`BATCH_ROWS`] into an arranged `InputSession` in
