@@ -205,31 +205,10 @@ impl Fixture {
 /// Raw differential: `iters` batches of `INGEST_ROWS` into an arranged input
 /// in one worker, each stepped until the probe passes it.
 fn differential_ingest(iters: u64) -> Duration {
-    timely::execute_directly(move |worker| {
-        use differential_dataflow::input::InputSession;
-        use timely::dataflow::operators::Probe;
-        let mut input: InputSession<u64, Vec<i64>, i64> = InputSession::new();
-        let probe = timely::dataflow::ProbeHandle::new();
-        worker.dataflow::<u64, _, _>(|scope| {
-            input
-                .to_collection(scope)
-                .arrange_by_self()
-                .stream
-                .probe_with(&probe);
-        });
-        let start = Instant::now();
-        for t in 0..iters {
-            for v in values(INGEST_ROWS, t) {
-                input.update_at(v, t, 1);
-            }
-            input.advance_to(t + 1);
-            input.flush();
-            while probe.less_than(&(t + 1)) {
-                worker.step();
-            }
-        }
-        start.elapsed()
-    })
+    let batches = (0..iters)
+        .map(|t| values(INGEST_ROWS, t).collect())
+        .collect();
+    lockstep_benches::differential_ingest::<Vec<i64>>(batches, 0, true)
 }
 
 fn api(c: &mut Criterion) {

@@ -350,41 +350,12 @@ fn build_dataflows(worker: &mut timely::worker::Worker, iters: u64, park: bool) 
 /// [`BATCHES`] batches of [`BATCH_ROWS`] into an arranged `InputSession` in
 /// one worker, until the probe passes the last.
 fn differential_ingest() -> Duration {
-    timely::execute_directly(move |worker| {
-        use differential_dataflow::input::InputSession;
-        use timely::dataflow::operators::Probe;
-        let mut input: InputSession<u64, Vec<i64>, i64> = InputSession::new();
-        let probe = timely::dataflow::ProbeHandle::new();
-        worker.dataflow::<u64, _, _>(|scope| {
-            input
-                .to_collection(scope)
-                .arrange_by_self()
-                .stream
-                .probe_with(&probe);
-        });
-        input.advance_to(1);
-        // The same rows as the plan language's columns, made before the
-        // clock starts as the lockstep path's are.
-        let batches: Vec<Vec<(Vec<i64>, u64)>> = (1..=BATCHES)
-            .map(|t| {
-                (0..BATCH_ROWS as i64)
-                    .map(|i| (vec![i, t as i64], t))
-                    .collect()
-            })
-            .collect();
-        let start = Instant::now();
-        for rows in batches {
-            for (row, time) in rows {
-                input.update_at(row, time, 1);
-            }
-            input.advance_to(input.time() + 1);
-            input.flush();
-        }
-        while probe.less_than(&(BATCHES + 1)) {
-            worker.step();
-        }
-        start.elapsed()
-    })
+    // The same rows as the plan language's columns, made before the
+    // clock starts as the lockstep path's are.
+    let batches = (1..=BATCHES)
+        .map(|t| (0..BATCH_ROWS as i64).map(|i| vec![i, t as i64]).collect())
+        .collect();
+    lockstep_benches::differential_ingest::<Vec<i64>>(batches, 1, false)
 }
 
 criterion_group!(benches, limits, start, sweeps);

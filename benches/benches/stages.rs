@@ -54,8 +54,8 @@ use lockstep_environment::proto::WriteInputRequest;
 use lockstep_protocol::codec::{ControllerCodec, ReplicaCodec};
 use lockstep_protocol::secure::{self, SecureCodec, Session, NOISE_PARAMS};
 use lockstep_protocol::{
-    proto as wire, Command, CommandKind, Hello, SessionKey, Strategy, Update, WireMessage,
-    WriteInput,
+    proto as wire, Command, CommandKind, ProcessIdentity, SessionKey, Strategy, Update,
+    WireMessage, WriteInput,
 };
 use lockstep_replica::family::PlanFamily;
 use lockstep_replica::worker::{run_worker, FromWorker};
@@ -159,17 +159,15 @@ impl InProcessWorker {
         };
         w.send_seq(
             0,
-            CommandKind::Hello(Hello {
-                protocol_version: lockstep_protocol::MIN_PROTOCOL_VERSION,
-                max_protocol_version: lockstep_protocol::PROTOCOL_VERSION,
-                epoch: 1,
-                nonce: 1,
-                replica_id: 1,
-                process_index: 0,
-                process_count: 1,
-                workers_per_process: 1,
-                proof: Vec::new(),
-            }),
+            CommandKind::Hello(
+                ProcessIdentity {
+                    replica_id: 1,
+                    process_index: 0,
+                    process_count: 1,
+                    workers_per_process: 1,
+                }
+                .hello(1, 1),
+            ),
         );
         // Nothing to reconcile: the session's history starts empty.
         w.send(CommandKind::InitializationComplete);
@@ -218,35 +216,13 @@ impl InProcessWorker {
     }
 }
 
-/// `iters` writes of [`ROWS`] rows into an arranged `InputSession` of
-/// encoded rows in one worker, each stepped until the probe passes it.
+/// `iters` writes of [`ROWS`] rows, as bytes, into an arranged
+/// `InputSession` in one worker, each stepped until the probe passes it.
 fn differential_ingest(iters: u64) -> Duration {
-    timely::execute_directly(move |worker| {
-        use differential_dataflow::input::InputSession;
-        use timely::dataflow::operators::Probe;
-        let mut input: InputSession<u64, Vec<u8>, i64> = InputSession::new();
-        let probe = timely::dataflow::ProbeHandle::new();
-        worker.dataflow::<u64, _, _>(|scope| {
-            input
-                .to_collection(scope)
-                .arrange_by_self()
-                .stream
-                .probe_with(&probe);
-        });
-        let batches: Vec<Vec<Update>> = (0..iters).map(updates).collect();
-        let start = Instant::now();
-        for (t, batch) in batches.into_iter().enumerate() {
-            for u in batch {
-                input.update_at(u.row, u.time, u.diff);
-            }
-            input.advance_to(t as u64 + 1);
-            input.flush();
-            while probe.less_than(&(t as u64 + 1)) {
-                worker.step();
-            }
-        }
-        start.elapsed()
-    })
+    let batches = (0..iters)
+        .map(|t| updates(t).into_iter().map(|u| u.row).collect())
+        .collect();
+    lockstep_benches::differential_ingest::<Vec<u8>>(batches, 0, true)
 }
 
 fn stages(c: &mut Criterion) {

@@ -1,6 +1,8 @@
 //! Criterion benchmarks of lockstep. The benchmarks live in `benches/`; this
 //! library holds the fixtures they share.
 
+use std::time::Duration;
+
 use lockstep_plan::Plan;
 use lockstep_protocol::{DataflowDescription, Row, Update};
 
@@ -370,4 +372,48 @@ pub fn record_skip(what: &str, shape: &str, why: &str) {
             let _ = writeln!(f, "{what}\t{shape}\t{why}");
         }
     }
+}
+
+/// Differential by itself, the limit the replica's ingest is held to:
+/// `batches` into an `InputSession` feeding an arrangement in one timely
+/// worker in this process, batch `i` at time `first + i`, the input
+/// advanced past each batch as it goes in. With `wait_each`, every batch is
+/// stepped until the probe passes it (one write at a time); without, the
+/// batches go in back to back and the probe is awaited once. The rows are
+/// made by the caller, before the clock starts; the time from the first
+/// batch until the probe passes the last.
+pub fn differential_ingest<D>(batches: Vec<Vec<D>>, first: u64, wait_each: bool) -> Duration
+where
+    D: differential_dataflow::ExchangeData + differential_dataflow::Hashable + Sync,
+{
+    timely::execute_directly(move |worker| {
+        use differential_dataflow::input::InputSession;
+        use timely::dataflow::operators::Probe;
+        let mut input: InputSession<u64, D, i64> = InputSession::new();
+        let probe = timely::dataflow::ProbeHandle::new();
+        worker.dataflow::<u64, _, _>(|scope| {
+            input
+                .to_collection(scope)
+                .arrange_by_self()
+                .stream
+                .probe_with(&probe);
+        });
+        input.advance_to(first);
+        let end = first + batches.len() as u64;
+        let start = std::time::Instant::now();
+        for (t, batch) in (first..).zip(batches) {
+            for row in batch {
+                input.update_at(row, t, 1);
+            }
+            input.advance_to(t + 1);
+            input.flush();
+            while wait_each && probe.less_than(&(t + 1)) {
+                worker.step();
+            }
+        }
+        while probe.less_than(&end) {
+            worker.step();
+        }
+        start.elapsed()
+    })
 }

@@ -313,33 +313,43 @@ impl Report {
     }
 
     fn json(&self) -> serde_json::Value {
-        let objs: Vec<serde_json::Value> = self
-            .rows
-            .iter()
-            .map(|r| {
-                let mut obj = serde_json::json!({ "name": r.name, "median_ns": r.median_ns });
-                if let Some((b, x)) = self.ratio(&r.name) {
-                    obj["baseline"] = serde_json::json!(b);
-                    obj["ratio"] = serde_json::json!(x);
-                }
-                if let Some(bytes) = r.bytes {
-                    obj["bytes"] = serde_json::json!(bytes);
-                    obj["mib_per_s"] = serde_json::json!(mib_per_s(bytes, r.median_ns));
-                }
-                if let Some(n) = r.elements {
-                    obj["rows"] = serde_json::json!(n);
-                    obj["rows_per_s"] = serde_json::json!(n as f64 / (r.median_ns / 1e9));
-                }
-                obj
-            })
-            .chain(self.instructions.iter().map(|i| {
-                serde_json::json!({
-                    "name": i.name,
-                    "instructions_per_op": i.instructions_per_op,
-                    "ops": i.ops,
+        let objs: Vec<serde_json::Value> =
+            self.rows
+                .iter()
+                .map(|r| {
+                    let mut obj = serde_json::json!({ "name": r.name, "median_ns": r.median_ns });
+                    if let Some((b, x)) = self.ratio(&r.name) {
+                        obj["baseline"] = serde_json::json!(b);
+                        obj["ratio"] = serde_json::json!(x);
+                    }
+                    if let Some(bytes) = r.bytes {
+                        obj["bytes"] = serde_json::json!(bytes);
+                        obj["mib_per_s"] = serde_json::json!(mib_per_s(bytes, r.median_ns));
+                    }
+                    if let Some(n) = r.elements {
+                        obj["rows"] = serde_json::json!(n);
+                        obj["rows_per_s"] = serde_json::json!(n as f64 / (r.median_ns / 1e9));
+                    }
+                    obj
                 })
-            }))
-            .collect();
+                .chain(self.instructions.iter().map(|i| {
+                    serde_json::json!({
+                        "name": i.name,
+                        "instructions_per_op": i.instructions_per_op,
+                        "ops": i.ops,
+                    })
+                }))
+                .chain(self.all_goals().into_iter().enumerate().map(
+                    |(i, (goal, measured, met))| {
+                        serde_json::json!({
+                            "name": format!("goals/{:02}", i + 1),
+                            "goal": goal,
+                            "measured": measured,
+                            "met": met,
+                        })
+                    },
+                ))
+                .collect();
         serde_json::Value::Array(objs)
     }
 
@@ -621,16 +631,7 @@ impl Report {
     /// The goals table: each goal, what was measured, and whether it is met.
     fn goals_table(&self) -> String {
         let mut t = String::from("| goal | measured | met |\n| --- | --- | --- |\n");
-        let network = self.network();
-        let scale = self.scale();
-        let stages = Stages::new(&self.medians);
-        for (goal, measured, met) in self
-            .goals()
-            .into_iter()
-            .chain(network.goals())
-            .chain(scale.goals())
-            .chain(stages.goals())
-        {
+        for (goal, measured, met) in self.all_goals() {
             let met = match met {
                 Some(true) => "yes",
                 Some(false) => "**no**",
@@ -639,6 +640,16 @@ impl Report {
             t.push_str(&format!("| {goal} | {measured} | {met} |\n"));
         }
         t
+    }
+
+    /// Every goal row of the report: [`GOALS`], the network's, the scale
+    /// sweeps' and the stages'.
+    fn all_goals(&self) -> Vec<(String, String, Option<bool>)> {
+        let mut goals = self.goals();
+        goals.extend(self.network().goals());
+        goals.extend(self.scale().goals());
+        goals.extend(Stages::new(&self.medians).goals());
+        goals
     }
 
     /// The goals of [`GOALS`]: goal, what was measured, met.
@@ -1293,6 +1304,38 @@ mod tests {
                 .any(|o| o["name"] == "instructions/install/barrier/1x1"
                     && o["instructions_per_op"] == 1_234_567),
             "{json}"
+        );
+    }
+
+    #[test]
+    fn bench_json_holds_every_goal_row_of_the_report() {
+        let report = Report::new(
+            vec![
+                row("policy/choose_wasm", 300.0),
+                row("policy/load_cold", 60e6),
+            ],
+            String::new(),
+            Vec::new(),
+        );
+        let json = report.json();
+        let goals: Vec<&serde_json::Value> = json
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|o| o["name"].as_str().unwrap().starts_with("goals/"))
+            .collect();
+        assert_eq!(goals.len(), report.all_goals().len());
+        let goal = |text: &str| {
+            goals
+                .iter()
+                .find(|o| o["goal"].as_str().unwrap().starts_with(text))
+                .unwrap_or_else(|| panic!("no goal {text} in {json}"))
+        };
+        assert_eq!(goal("a WASM distribution decision")["met"], true);
+        assert_eq!(goal("loading a policy cold")["met"], false);
+        assert_eq!(
+            goal("a 2x2 replica is ready")["met"],
+            serde_json::Value::Null
         );
     }
 }
