@@ -187,16 +187,16 @@ impl<'a> Stages<'a> {
         };
         let worst = stages
             .iter()
-            .filter_map(|m| Some((m.median? / m.floor, m)))
+            .filter_map(|m| m.median.map(|ns| (ns / m.floor, ns, m)))
             .max_by(|a, b| a.0.total_cmp(&b.0));
         let mut out = Vec::new();
-        if let Some((r, m)) = worst {
+        if let Some((r, ns, m)) = worst {
             out.push((
                 format!("every stage of a 10,000-row write within {STAGE_BOUND}x of its floor"),
                 format!(
                     "{r:.2}x at worst ({}: {} over a floor of {})",
                     m.stage.what,
-                    human(m.median.unwrap_or_default()),
+                    human(ns),
                     human(m.floor)
                 ),
                 Some(r <= STAGE_BOUND),
@@ -252,7 +252,7 @@ mod tests {
     }
 
     fn all(replica_ingest: f64) -> BTreeMap<String, f64> {
-        let mut m = medians(&[
+        medians(&[
             ("api_decode", 100.0),
             ("validate", 10.0),
             ("durable_append", 1000.0),
@@ -266,12 +266,10 @@ mod tests {
             ("floor_cipher_open", 50.0),
             ("floor_tcp", 30.0),
             ("floor_differential", 400.0),
-        ]);
-        m = m
-            .into_iter()
-            .map(|(k, v)| (format!("{PREFIX}{k}"), v))
-            .collect();
-        m
+        ])
+        .into_iter()
+        .map(|(k, v)| (format!("{PREFIX}{k}"), v))
+        .collect()
     }
 
     #[test]

@@ -35,8 +35,13 @@ impl WorkerState {
     pub(crate) fn apply(&mut self, worker: &mut Worker, cmd: Command) {
         let seqno = cmd.seqno;
         self.applied_seqno = seqno;
-        match &cmd.kind {
+        let kind = match cmd.kind {
+            CommandKind::WriteInput(w) => return self.apply_write(seqno, w),
+            kind => kind,
+        };
+        match &kind {
             CommandKind::Hello(_) => {}
+            CommandKind::WriteInput(_) => unreachable!("a write is applied by apply_write"),
             CommandKind::StatusRequest { full } => {
                 self.send(FromWorker::Status(self.status(*full)));
                 return;
@@ -149,39 +154,38 @@ impl WorkerState {
                     return;
                 }
             }
-            CommandKind::WriteInput(w) => {
-                if let Some(u) = w.updates.iter().find(|u| u.time >= w.upper) {
-                    self.error(
-                        seqno,
-                        ErrorKind::InvalidCommand,
-                        format!(
-                            "WriteInput to {}: update at time {} is not below the new upper {}",
-                            w.collection_id, u.time, w.upper
-                        ),
-                    );
-                    return;
-                }
-                let CommandKind::WriteInput(mut whole) = cmd.kind else {
-                    unreachable!("matched a write")
-                };
-                if whole.more {
-                    // Not applied (nor history) before the last part.
-                    self.write_parts
-                        .entry(whole.collection_id)
-                        .or_default()
-                        .append(&mut whole.updates);
-                    return;
-                }
-                if let Some(mut parts) = self.write_parts.remove(&whole.collection_id) {
-                    parts.append(&mut whole.updates);
-                    whole.updates = parts;
-                }
-                self.write_input(&whole);
-                self.history.push(CommandKind::WriteInput(whole));
-                return;
-            }
         }
-        self.history.push(cmd.kind);
+        self.history.push(kind);
+    }
+
+    /// Applies a write, or holds it until its last part arrives; it enters
+    /// the history whole, once applied.
+    fn apply_write(&mut self, seqno: u64, mut whole: WriteInput) {
+        if let Some(u) = whole.updates.iter().find(|u| u.time >= whole.upper) {
+            self.error(
+                seqno,
+                ErrorKind::InvalidCommand,
+                format!(
+                    "WriteInput to {}: update at time {} is not below the new upper {}",
+                    whole.collection_id, u.time, whole.upper
+                ),
+            );
+            return;
+        }
+        if whole.more {
+            // Not applied (nor history) before the last part.
+            self.write_parts
+                .entry(whole.collection_id)
+                .or_default()
+                .append(&mut whole.updates);
+            return;
+        }
+        if let Some(mut parts) = self.write_parts.remove(&whole.collection_id) {
+            parts.append(&mut whole.updates);
+            whole.updates = parts;
+        }
+        self.write_input(&whole);
+        self.history.push(CommandKind::WriteInput(whole));
     }
 
     fn write_input(&mut self, w: &WriteInput) {
