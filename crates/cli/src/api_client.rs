@@ -20,22 +20,29 @@ impl tonic::service::Interceptor for AddToken {
     }
 }
 
+impl AddToken {
+    /// Sends `token` as `authorization: Bearer TOKEN` (none: nothing).
+    pub(crate) fn bearer(token: Option<&str>) -> anyhow::Result<AddToken> {
+        Ok(AddToken(
+            token
+                .map(|t| format!("Bearer {t}").parse())
+                .transpose()
+                .context("the API token is not a valid header value")?,
+        ))
+    }
+}
+
 /// An API client that sends the token.
 pub(crate) type Client = EnvironmentClient<
     tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AddToken>,
 >;
 
 pub(crate) async fn connect(server: &ServerArg) -> anyhow::Result<Client> {
-    let token = api_token(server.token_file.as_deref())?
-        .map(|t| format!("Bearer {t}").parse())
-        .transpose()
-        .context("the API token is not a valid header value")?;
+    let token = AddToken::bearer(client_token(server)?.as_deref())?;
     let channel = connect_channel(server).await?;
-    Ok(
-        EnvironmentClient::with_interceptor(channel, AddToken(token))
-            .max_decoding_message_size(lockstep_api::MAX_ANSWER_BYTES)
-            .max_encoding_message_size(lockstep_api::MAX_REQUEST_BYTES),
-    )
+    Ok(EnvironmentClient::with_interceptor(channel, token)
+        .max_decoding_message_size(lockstep_api::MAX_ANSWER_BYTES)
+        .max_encoding_message_size(lockstep_api::MAX_REQUEST_BYTES))
 }
 
 pub(crate) async fn connect_channel(arg: &ServerArg) -> anyhow::Result<tonic::transport::Channel> {
@@ -91,3 +98,36 @@ pub(crate) fn api_token(file: Option<&std::path::Path>) -> anyhow::Result<Option
 
 /// Where clients and `lockstep serve` find the API token.
 pub(crate) const API_TOKEN_ENV: &str = "LOCKSTEP_API_TOKEN";
+
+/// Where a client finds the file of the API token, after
+/// [`API_TOKEN_ENV`].
+pub(crate) const TOKEN_FILE_ENV: &str = "LOCKSTEP_TOKEN_FILE";
+
+/// The API token file `lockstep serve` makes in its state directory
+/// (`lockstep_environment::private::API_TOKEN_FILE`; the client does not
+/// link the environment).
+pub(crate) const STATE_API_TOKEN_FILE: &str = "api.token";
+
+/// A client's API token: `--token-file`, else LOCKSTEP_API_TOKEN, else the
+/// file LOCKSTEP_TOKEN_FILE names, else `api.token` in `--state-dir`
+/// (LOCKSTEP_STATE_DIR), else none (an environment serving with
+/// `--insecure-loopback`).
+pub(crate) fn client_token(server: &ServerArg) -> anyhow::Result<Option<String>> {
+    if server.token_file.is_some() || std::env::var_os(API_TOKEN_ENV).is_some() {
+        return api_token(server.token_file.as_deref());
+    }
+    if let Some(file) = std::env::var_os(TOKEN_FILE_ENV) {
+        return api_token(Some(std::path::Path::new(&file)));
+    }
+    if let Some(dir) = &server.state_dir {
+        let file = dir.join(STATE_API_TOKEN_FILE);
+        return api_token(Some(&file)).with_context(|| {
+            format!(
+                "the environment of state directory {} keeps its API token there; is `lockstep serve --state-dir {}` running as this user?",
+                dir.display(),
+                dir.display()
+            )
+        });
+    }
+    Ok(None)
+}

@@ -30,7 +30,6 @@ use lockstep_protocol::proto as wire;
 use lockstep_protocol::Update;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
-use tonic::transport::Channel;
 
 use lockstep_environment::proto;
 use lockstep_environment::proto::environment_client::EnvironmentClient;
@@ -47,6 +46,18 @@ pub(crate) struct Env {
     pub(crate) url: String,
     /// `host:port` of the metrics endpoint, if it serves one.
     pub(crate) metrics: Option<String>,
+    /// The API token `lockstep serve` made in the state directory (none
+    /// with `--insecure-loopback`).
+    pub(crate) token: Option<String>,
+    /// The read-only metrics token it made there.
+    pub(crate) metrics_token: Option<String>,
+}
+
+impl Env {
+    /// A client of this environment, sending its token.
+    pub(crate) async fn client(&self) -> anyhow::Result<crate::api_client::Client> {
+        client(&self.url, self.token.as_deref()).await
+    }
 }
 
 /// Where the demo runs: the environment's `--store` (none: SQLite in the
@@ -95,14 +106,20 @@ fn check_hosts(pids: &[u32]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `GET /metrics` from `addr`: the response body.
-async fn fetch_metrics(addr: &str) -> anyhow::Result<String> {
+/// `GET /metrics` from `addr` with `token`: the response body.
+async fn fetch_metrics(addr: &str, token: Option<&str>) -> anyhow::Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut sock = tokio::net::TcpStream::connect(addr)
         .await
         .with_context(|| format!("connecting to the metrics endpoint {addr}"))?;
-    sock.write_all(b"GET /metrics HTTP/1.1\r\nHost: lockstep\r\nConnection: close\r\n\r\n")
-        .await?;
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    sock.write_all(
+        format!("GET /metrics HTTP/1.1\r\nHost: lockstep\r\n{auth}Connection: close\r\n\r\n")
+            .as_bytes(),
+    )
+    .await?;
     let mut response = String::new();
     tokio::time::timeout(Duration::from_secs(10), sock.read_to_string(&mut response))
         .await
@@ -124,6 +141,42 @@ async fn fetch_metrics(addr: &str) -> anyhow::Result<String> {
 fn sample(text: &str, name: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Checks the default posture on disk: the state directory 0700 and
+/// everything in it (the tokens, the catalog) 0600 or 0700.
+fn check_private(state: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| -> anyhow::Result<u32> {
+        Ok(std::fs::symlink_metadata(p)
+            .with_context(|| format!("reading the mode of {}", p.display()))?
+            .permissions()
+            .mode()
+            & 0o777)
+    };
+    if mode(state)? != 0o700 {
+        bail!("the state directory is {:o}, not 0700", mode(state)?);
+    }
+    let mut open = Vec::new();
+    for entry in std::fs::read_dir(state)? {
+        let path = entry?.path();
+        if mode(&path)? & 0o077 != 0 {
+            open.push(format!("{} ({:o})", path.display(), mode(&path)?));
+        }
+    }
+    if !open.is_empty() {
+        bail!(
+            "files of the state directory open to other users: {}",
+            open.join(", ")
+        );
+    }
+    println!(
+        "demo:       state directory 0700, its files private; the API asks the token in {}",
+        state
+            .join(lockstep_environment::private::API_TOKEN_FILE)
+            .display()
+    );
+    Ok(())
 }
 
 /// Starts `bin serve` on `state` with `extra` arguments; returns once it
@@ -161,22 +214,42 @@ pub(crate) async fn start_env_with(
         .map(str::to_string);
     // Keep draining stdout so the child never blocks on it.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    // The tokens `serve` made before it printed its address (none with
+    // --insecure-loopback).
+    let insecure = extra.contains(&"--insecure-loopback");
+    let token_in = |file: &str| -> anyhow::Result<Option<String>> {
+        if insecure {
+            return Ok(None);
+        }
+        let path = state.join(file);
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading the token {}", path.display()))?;
+        Ok(Some(text.trim().to_string()))
+    };
     Ok(Env {
         child,
         url: format!("http://{addr}"),
         metrics,
+        token: token_in(lockstep_environment::private::API_TOKEN_FILE)?,
+        metrics_token: token_in(lockstep_environment::private::METRICS_TOKEN_FILE)?,
     })
 }
 
-/// A client of the environment at `url`.
-pub(crate) async fn client(url: &str) -> anyhow::Result<EnvironmentClient<Channel>> {
+/// A client of the environment at `url`, sending `token`.
+pub(crate) async fn client(
+    url: &str,
+    token: Option<&str>,
+) -> anyhow::Result<crate::api_client::Client> {
     let channel = tonic::transport::Endpoint::from_shared(url.to_string())?
         .connect_timeout(Duration::from_secs(5))
         .timeout(Duration::from_secs(60))
         .connect()
         .await
         .with_context(|| format!("connecting to {url}"))?;
-    Ok(EnvironmentClient::new(channel))
+    Ok(EnvironmentClient::with_interceptor(
+        channel,
+        crate::api_client::AddToken::bearer(token)?,
+    ))
 }
 
 fn u(row: &[i64], time: u64, diff: i64) -> Update {
@@ -256,7 +329,7 @@ fn reference(plan: &Plan, writes: &[(u64, Vec<Update>, u64)], t: u64) -> Multise
 }
 
 async fn write_all(
-    c: &mut EnvironmentClient<Channel>,
+    c: &mut crate::api_client::Client,
     writes: &[(u64, Vec<Update>, u64)],
 ) -> anyhow::Result<()> {
     for (collection, ups, upper) in writes {
@@ -273,7 +346,7 @@ async fn write_all(
 }
 
 async fn check_peeks(
-    c: &mut EnvironmentClient<Channel>,
+    c: &mut crate::api_client::Client,
     writes: &[(u64, Vec<Update>, u64)],
     times: std::ops::Range<u64>,
 ) -> anyhow::Result<usize> {
@@ -301,7 +374,7 @@ async fn check_peeks(
     Ok(checked)
 }
 
-async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> {
+async fn bad_requests(c: &mut crate::api_client::Client) -> anyhow::Result<()> {
     use tonic::Code;
     let undeclared = c
         .create_dataflow(proto::CreateDataflowRequest {
@@ -410,7 +483,7 @@ async fn bad_requests(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> 
     Ok(())
 }
 
-async fn replica_pids(c: &mut EnvironmentClient<Channel>) -> anyhow::Result<Vec<u32>> {
+async fn replica_pids(c: &mut crate::api_client::Client) -> anyhow::Result<Vec<u32>> {
     let r = c
         .list_replicas(proto::ListReplicasRequest::default())
         .await?
@@ -474,7 +547,8 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
         ),
     );
     let mut env = start_env(bin, state, on).await?;
-    let mut c = client(&env.url).await?;
+    check_private(state)?;
+    let mut c = env.client().await?;
 
     step(
         2,
@@ -582,7 +656,7 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
     let status = env.child.wait().await?;
     println!("demo:       environment exited: {status}");
     let env2 = start_env(bin, state, on).await?;
-    let mut c = client(&env2.url).await?;
+    let mut c = env2.client().await?;
     let after = replica_pids(&mut c).await?;
     if after != pids {
         bail!("the restarted environment did not adopt the replica: processes {pids:?} became {after:?}");
@@ -611,6 +685,32 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
         "sending bad requests: each must be refused with a clear error, changing nothing",
     );
     bad_requests(&mut c).await?;
+    // Private by default: a call on loopback without the token that
+    // `serve` made in the state directory is refused, with and without a
+    // wrong one.
+    for (what, token) in [
+        ("a call without the API token", None),
+        (
+            "a call with another token",
+            Some("not-this-environments-token"),
+        ),
+    ] {
+        match client(&env2.url, token)
+            .await?
+            .list_replicas(proto::ListReplicasRequest::default())
+            .await
+        {
+            Err(s) if s.code() == tonic::Code::Unauthenticated => {
+                println!("demo:       refused {what}: {}", s.message())
+            }
+            Err(s) => bail!(
+                "{what}: expected Unauthenticated, got {:?}: {}",
+                s.code(),
+                s.message()
+            ),
+            Ok(_) => bail!("{what} was accepted"),
+        }
+    }
     let n = check_peeks(&mut c, &all, 4..5).await?;
     println!("demo:       {n} peeks still equal the reference");
 
@@ -626,7 +726,7 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
     // by a check every second.
     let deadline = Instant::now() + Duration::from_secs(10);
     let text = loop {
-        let text = fetch_metrics(&addr).await?;
+        let text = fetch_metrics(&addr, env2.metrics_token.as_deref()).await?;
         if sample(&text, "lockstep_replica_serving{replica=\"demo\"}") == Some(1.0)
             && sample(
                 &text,
@@ -669,7 +769,8 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
         }
     }
     let out = Command::new(bin)
-        .args(["status", "--server", &env2.url])
+        .args(["status", "--server", &env2.url, "--state-dir"])
+        .arg(state)
         .output()
         .await
         .context("running lockstep status")?;
@@ -679,7 +780,10 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
             .lines()
             .any(|l| l.starts_with("demo ") && l.trim_end().ends_with("yes"))
     {
-        bail!("lockstep status does not show replica demo serving:\n{summary}");
+        bail!(
+            "lockstep status does not show replica demo serving:\n{summary}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     println!("demo:       lockstep status:");
     for l in summary.lines() {

@@ -223,10 +223,15 @@ struct ServerArg {
         default_value = "http://127.0.0.1:6875"
     )]
     url: String,
-    /// A file holding the environment's API token (its first line); also
-    /// read from LOCKSTEP_API_TOKEN.
+    /// A file holding the environment's API token (its first line). Without
+    /// it: LOCKSTEP_API_TOKEN, then the file LOCKSTEP_TOKEN_FILE names, then
+    /// the token `lockstep serve` made in its state directory (--state-dir).
     #[arg(long, global = true)]
     token_file: Option<PathBuf>,
+    /// The environment's state directory, whose `api.token` (made by
+    /// `lockstep serve`, readable by its user only) this command sends.
+    #[arg(long, global = true, env = "LOCKSTEP_STATE_DIR")]
+    state_dir: Option<PathBuf>,
     /// The CA certificate (PEM) to check an https:// server against.
     #[arg(long, global = true)]
     tls_ca: Option<PathBuf>,

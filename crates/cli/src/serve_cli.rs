@@ -6,8 +6,11 @@ use super::*;
 
 #[derive(clap::Args)]
 pub(crate) struct ServeArgs {
-    /// Directory holding the catalog and the orchestrator state; must exist.
-    #[arg(long)]
+    /// Directory holding the catalog, the orchestrator state and the tokens
+    /// (also read from LOCKSTEP_STATE_DIR, as the client commands do).
+    /// Created 0700 if missing; refused if other users can enter it; every
+    /// file in it is made 0600.
+    #[arg(long, env = "LOCKSTEP_STATE_DIR")]
     state_dir: PathBuf,
     /// Address to serve the gRPC API on (port 0 picks one; the chosen address
     /// is printed as `lockstep: serving on ADDR`).
@@ -60,10 +63,23 @@ pub(crate) struct ServeArgs {
     compaction_lag: Option<u64>,
     /// A file holding the token every API call must carry
     /// (`authorization: Bearer TOKEN`; at least 16 characters; the file's
-    /// first line). Also read from LOCKSTEP_API_TOKEN. Required to serve on
-    /// an address that is not loopback.
+    /// first line). Also read from LOCKSTEP_API_TOKEN. Without either, the
+    /// token is STATE_DIR/api.token (made on first start, 0600), which the
+    /// client commands read with --state-dir or LOCKSTEP_STATE_DIR.
     #[arg(long)]
     api_token_file: Option<PathBuf>,
+    /// Serve the API without a token, on a loopback address only: then any
+    /// local user can drive every replica and read every row (the behaviour
+    /// before tokens were the default). The metrics endpoint, if on
+    /// loopback, asks no token either.
+    #[arg(long)]
+    insecure_loopback: bool,
+    /// A file holding the read-only token of the metrics endpoint (its
+    /// first line; what Prometheus holds: it reads metrics and can do
+    /// nothing else). Default: STATE_DIR/metrics.token, made on first
+    /// start. The API token is not accepted there.
+    #[arg(long)]
+    metrics_token_file: Option<PathBuf>,
     /// Serve the API over TLS with this certificate chain (PEM); needs
     /// --tls-key.
     #[arg(long, requires = "tls_key")]
@@ -196,7 +212,37 @@ pub(crate) fn shutdown_signal(
 
 pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let shutdown = shutdown_signal()?;
-    let token = api_token(args.api_token_file.as_deref())?;
+    // Private by default (R1): the state directory 0700 (made if missing,
+    // refused if open to others), the umask 077, the tokens in it.
+    lockstep_environment::private::prepare_state_dir(&args.state_dir)?;
+    let explicit = api_token(args.api_token_file.as_deref())?;
+    let token = match explicit {
+        Some(t) => Some(t),
+        None if args.insecure_loopback => {
+            tracing::warn!(
+                "--insecure-loopback: the API asks no token; any local user can drive every replica and read every row"
+            );
+            None
+        }
+        None => Some(
+            lockstep_environment::private::state_token(
+                &args.state_dir,
+                lockstep_environment::private::API_TOKEN_FILE,
+            )
+            .context("reading or making the API token in the state directory")?,
+        ),
+    };
+    let metrics_token = match (&args.metrics_token_file, args.insecure_loopback) {
+        (Some(file), _) => api_token(Some(file))?,
+        (None, true) => None,
+        (None, false) => Some(
+            lockstep_environment::private::state_token(
+                &args.state_dir,
+                lockstep_environment::private::METRICS_TOKEN_FILE,
+            )
+            .context("reading or making the metrics token in the state directory")?,
+        ),
+    };
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => {
             let read = |p: &PathBuf, what: &str| {
@@ -210,9 +256,16 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     if token.is_none() && !args.listen.ip().is_loopback() {
         anyhow::bail!(
-            "refusing to serve the API on {} without a token: anyone who reaches it could drive every replica; give --api-token-file (or LOCKSTEP_API_TOKEN), or listen on a loopback address",
+            "refusing to serve the API on {} without a token: anyone who reaches it could drive every replica; --insecure-loopback is for a loopback address only",
             args.listen
         );
+    }
+    if metrics_token.is_none() {
+        if let Some(at) = args.metrics_listen.filter(|a| !a.ip().is_loopback()) {
+            anyhow::bail!(
+                "refusing to serve metrics on {at} without a token; --insecure-loopback is for a loopback address only"
+            );
+        }
     }
     // Bind first: failing to listen must not fence the running controller.
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -268,7 +321,6 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             );
         }
     }
-    let token_for_metrics = token.clone();
     let config = EnvironmentConfig {
         state_dir: args.state_dir,
         orphan_policy,
@@ -356,15 +408,13 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let metrics_note = match metrics_listener {
         Some(l) => {
             let at = l.local_addr()?;
-            // Off loopback, the metrics need the API token too.
-            let token = (!at.ip().is_loopback())
-                .then(|| token_for_metrics.clone())
-                .flatten();
+            // The read-only metrics token, on loopback too (unless
+            // --insecure-loopback).
             tokio::spawn(lockstep_environment::metrics::serve(
                 l,
                 env.metrics(),
                 Some(env.clone()),
-                token,
+                metrics_token.clone(),
             ));
             format!(", metrics on http://{at}/metrics")
         }

@@ -37,11 +37,9 @@ use lockstep_plan::text::parse_plan;
 use lockstep_plan::Plan;
 use lockstep_protocol::proto as wire;
 use lockstep_protocol::Update;
-use tonic::transport::Channel;
 
-use crate::demo::{client, start_env_with, Env};
+use crate::demo::{start_env_with, Env};
 use lockstep_environment::proto;
-use lockstep_environment::proto::environment_client::EnvironmentClient;
 
 /// The bound on every figure's `end_over_start`.
 pub const FLAT_BOUND: f64 = 1.5;
@@ -187,10 +185,7 @@ impl Driver {
         evaluate(plan, &BTreeMap::from([(INPUT, self.live(t))]), t)
     }
 
-    async fn write_batch(
-        &mut self,
-        c: &mut EnvironmentClient<Channel>,
-    ) -> anyhow::Result<Duration> {
+    async fn write_batch(&mut self, c: &mut crate::api_client::Client) -> anyhow::Result<Duration> {
         let t = self.batch;
         let mut updates: Vec<wire::Update> = self
             .batch_rows(t)
@@ -226,7 +221,7 @@ impl Driver {
     /// reference of `plan`.
     async fn check_peek(
         &self,
-        c: &mut EnvironmentClient<Channel>,
+        c: &mut crate::api_client::Client,
         collection: u64,
         plan: &Plan,
     ) -> anyhow::Result<Duration> {
@@ -256,7 +251,7 @@ impl Driver {
     }
 
     /// Creates and drops dataflows; every tenth is peeked before its drop.
-    async fn churn_dataflows(&mut self, c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> {
+    async fn churn_dataflows(&mut self, c: &mut crate::api_client::Client) -> anyhow::Result<()> {
         let plan = parse_plan("filter(get(1), #2 < 1)")?;
         for k in 0..self.opts.dataflows_per_round {
             let collection = 10_000 + self.next_dataflow;
@@ -281,7 +276,7 @@ impl Driver {
 
     /// Subscribes to the counts at the last written time, checks the first
     /// batch against the reference and cancels (drops the stream).
-    async fn subscribe_and_cancel(&self, c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> {
+    async fn subscribe_and_cancel(&self, c: &mut crate::api_client::Client) -> anyhow::Result<()> {
         let t = self.batch - 1;
         let mut stream = c
             .subscribe(proto::SubscribeRequest {
@@ -310,7 +305,7 @@ impl Driver {
     }
 
     /// The PIDs of the replica's processes.
-    async fn replica_pids(&self, c: &mut EnvironmentClient<Channel>) -> anyhow::Result<Vec<u32>> {
+    async fn replica_pids(&self, c: &mut crate::api_client::Client) -> anyhow::Result<Vec<u32>> {
         let r = c
             .list_replicas(proto::ListReplicasRequest::default())
             .await?
@@ -325,7 +320,7 @@ impl Driver {
             .collect())
     }
 
-    async fn setup(&mut self, c: &mut EnvironmentClient<Channel>) -> anyhow::Result<()> {
+    async fn setup(&mut self, c: &mut crate::api_client::Client) -> anyhow::Result<()> {
         c.create_replica(proto::CreateReplicaRequest {
             name: REPLICA.into(),
             processes: 2,
@@ -348,7 +343,7 @@ impl Driver {
         env: &Env,
         reconnect_ms: Option<f64>,
     ) -> anyhow::Result<Sample> {
-        let mut c = client(&env.url).await?;
+        let mut c = env.client().await?;
         let mut writes = Vec::new();
         let mut peeks = Vec::new();
         for _ in 0..self.opts.batches_per_round {
@@ -379,7 +374,7 @@ impl Driver {
     async fn restart(&self) -> anyhow::Result<(Env, Duration)> {
         let started = Instant::now();
         let env = start_env_with(&self.bin, &self.state, &["--compaction-lag", LAG]).await?;
-        let mut c = client(&env.url).await?;
+        let mut c = env.client().await?;
         let deadline = started + Duration::from_secs(120);
         let counts = self.counts_plan.clone();
         loop {
@@ -469,7 +464,7 @@ pub async fn run(opts: SoakOptions, quick: bool, out: &Path) -> anyhow::Result<s
     let result = async {
         let mut samples = Vec::new();
         let mut env = start_env_with(&driver.bin, &state, &["--compaction-lag", LAG]).await?;
-        driver.setup(&mut client(&env.url).await?).await?;
+        driver.setup(&mut env.client().await?).await?;
         let mut restarts = 0;
         for round in 0..opts.rounds {
             let reconnect = if round == 0 {

@@ -1,117 +1,142 @@
-//! Bounded acceptance of the API's and the metrics endpoint's connections:
-//! a flood of idle connections can neither exhaust the environment's file
-//! descriptors nor keep a real client out, and an accept loop that fails
-//! (EMFILE) backs off instead of spinning.
+//! Admission of the API's and the metrics endpoint's connections (R1), on
+//! [`lockstep_admission`]: the environment's descriptor budget, one pool
+//! per port, and the proof of an API connection.
 //!
-//! - At most [`Limits::max_connections`] connections are open at once.
-//! - A connection that has sent nothing yet is *unproven*; it must send its
-//!   first bytes within [`Limits::first_bytes`] or it is closed.
-//! - Past the cap, a new connection closes the oldest unproven one (the new
-//!   one may be the real client); if every open connection has sent bytes,
-//!   the new one is closed instead.
-//! - Refusals are counted and logged as one summary line per interval.
+//! - The budget ([`process_budget`]): the soft descriptor limit raised to
+//!   the hard one, [`ENVIRONMENT_RESERVE`] (or a quarter of the limit) kept
+//!   for the catalog, command logs, process logs, the supervisor and the
+//!   connections to replica processes, the rest split between the API and
+//!   the metrics endpoint.
+//! - An API connection is *proven* by a request whose credential was
+//!   checked ([`prove_request`], called by the token check; without a token,
+//!   by any request), not by bytes received: until then it holds a place in
+//!   the API's small unproven pool, with one deadline for its whole
+//!   handshake (TCP, TLS, the HTTP/2 preface, the first authenticated call),
+//!   and past the pool's cap the oldest is closed.
+//! - The metrics endpoint answers one request per connection: its
+//!   connections are unproven for their short life, in their own pool with
+//!   the request head's deadline.
+//! - The accept loop never ends on an error; EMFILE backs off.
 
-use std::collections::VecDeque;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::OnceLock;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use lockstep_admission::{Budget, Pool, Proof, Share, Slot};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
-/// The bounds of an acceptor.
-#[derive(Clone, Copy, Debug)]
-pub struct Limits {
-    /// Connections open at once.
-    pub max_connections: usize,
-    /// How long a new connection may stay silent.
-    pub first_bytes: Duration,
-    /// How long the accept loop waits after a failed accept (EMFILE).
-    pub accept_backoff: Duration,
+/// Descriptors the environment keeps for its own work beside its listeners:
+/// the catalog (SQLite's database, `-wal` and `-shm`, or a PostgreSQL
+/// pool), the replicas' command logs, process logs, the supervisor's pipes
+/// and records, and one outgoing connection per replica process (so about
+/// 200 replica processes within the least reserve; a larger limit's
+/// quarter covers more).
+pub const ENVIRONMENT_RESERVE: u64 = 512;
+
+/// The most proven API connections (clients that showed the token).
+pub const API_MAX_PROVEN: usize = 4096;
+
+/// The API's pool of unproven connections, at most.
+pub const API_UNPROVEN: usize = 64;
+
+/// The time an API connection has, from its accept, to complete its whole
+/// handshake: TLS, the HTTP/2 preface and a first call whose credential
+/// was checked. Closed after it unless proven.
+pub const API_HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The metrics endpoint's pool (every connection of it), at most.
+pub const METRICS_UNPROVEN: usize = 64;
+
+/// The shares of the environment's listeners.
+fn shares() -> [Share; 2] {
+    [
+        Share {
+            name: "api",
+            weight: 7,
+            max_proven: API_MAX_PROVEN,
+            unproven: API_UNPROVEN,
+        },
+        Share {
+            name: "metrics",
+            weight: 1,
+            max_proven: 4,
+            unproven: METRICS_UNPROVEN,
+        },
+    ]
 }
 
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            max_connections: 512,
-            first_bytes: Duration::from_secs(10),
-            accept_backoff: Duration::from_millis(100),
-        }
-    }
+/// This process's budget, made once (the first call raises the soft
+/// descriptor limit). A limit too small even for half of it as the reserve
+/// is logged, and the least caps are used (4 of each kind per listener).
+pub fn process_budget() -> &'static Budget {
+    static BUDGET: OnceLock<Budget> = OnceLock::new();
+    BUDGET.get_or_init(|| {
+        let budget = Budget::for_process(ENVIRONMENT_RESERVE, &shares()).unwrap_or_else(|e| {
+            tracing::error!("{e}; using the least caps");
+            Budget::split(64, 32, &shares()).expect("64 is enough for the least caps")
+        });
+        tracing::info!("{}", budget.summary());
+        budget
+    })
 }
 
-/// At most one summary of refused connections per this interval.
-const SUMMARY_INTERVAL: Duration = Duration::from_secs(10);
-
-struct Entry {
-    id: u64,
-    proven: Arc<AtomicBool>,
-    close: CancellationToken,
+/// The API port's pool, publishing its usage in `metrics`.
+pub fn api_pool(metrics: &crate::metrics::Metrics) -> Pool {
+    Pool::new("api", process_budget().caps("api"), API_HANDSHAKE_DEADLINE)
+        .with_gauges(metrics.budget.used.clone())
 }
 
-#[derive(Default)]
-struct Book {
-    open: VecDeque<Entry>,
-    evicted: u64,
-    refused: u64,
-    silent: u64,
-    failed_accepts: u64,
-    last_summary: Option<Instant>,
+/// The metrics port's pool, publishing its usage in `metrics`.
+pub fn metrics_pool(metrics: &crate::metrics::Metrics) -> Pool {
+    Pool::new(
+        "metrics",
+        process_budget().caps("metrics"),
+        lockstep_metrics_http::HEAD_TIMEOUT,
+    )
+    .with_gauges(metrics.budget.used.clone())
 }
 
-impl Book {
-    fn summarize(&mut self, what: &str) {
-        let due = self
-            .last_summary
-            .is_none_or(|t| t.elapsed() >= SUMMARY_INTERVAL);
-        let any = self.evicted + self.refused + self.silent + self.failed_accepts > 0;
-        if due && any {
-            tracing::warn!(
-                endpoint = what,
-                evicted = self.evicted,
-                refused = self.refused,
-                silent = self.silent,
-                failed_accepts = self.failed_accepts,
-                open = self.open.len(),
-                "connections closed by the admission bounds since the last summary"
-            );
-            (self.evicted, self.refused, self.silent, self.failed_accepts) = (0, 0, 0, 0);
-            self.last_summary = Some(Instant::now());
-        }
-    }
+/// What the API's services learn of a connection (a request extension):
+/// its address, and the handle that proves it.
+#[derive(Clone)]
+pub struct AdmittedInfo {
+    /// The TCP connection's addresses.
+    pub tcp: tonic::transport::server::TcpConnectInfo,
+    /// Proves the connection once a request's credential was checked.
+    pub proof: Proof,
 }
 
-/// An accepted connection: marks itself proven at its first bytes, closes
-/// when the acceptor says so, and leaves the book when dropped.
+/// Proves the connection a request came on, found in its `extensions`
+/// (plain or TLS). False if the connection's pool refused it (the proven
+/// cap is full, or it was closed meanwhile); true if proven, or if the
+/// request came on a connection this module did not admit.
+pub fn prove_request(extensions: &http::Extensions) -> bool {
+    let info = extensions.get::<AdmittedInfo>().or_else(|| {
+        extensions
+            .get::<tonic::transport::server::TlsConnectInfo<AdmittedInfo>>()
+            .map(|t| t.get_ref())
+    });
+    info.is_none_or(|i| i.proof.prove())
+}
+
+/// An accepted connection: closes when its pool says so (evicted, past
+/// the deadline unproven, refused a proven slot), and leaves the pool when
+/// dropped.
 pub struct Admitted {
     stream: TcpStream,
-    proven: Arc<AtomicBool>,
+    slot: Slot,
     close: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
-    book: Arc<Mutex<Book>>,
-    id: u64,
-}
-
-impl Drop for Admitted {
-    fn drop(&mut self) {
-        self.book
-            .lock()
-            .expect("not poisoned")
-            .open
-            .retain(|e| e.id != self.id);
-    }
 }
 
 impl Admitted {
     fn closed(&mut self, cx: &mut Context<'_>) -> bool {
+        use std::future::Future;
         self.close.as_mut().poll(cx).is_ready()
     }
 }
-
-use std::future::Future;
 
 fn closed_error() -> std::io::Error {
     std::io::Error::new(
@@ -129,12 +154,7 @@ impl AsyncRead for Admitted {
         if self.closed(cx) {
             return Poll::Ready(Err(closed_error()));
         }
-        let before = buf.filled().len();
-        let r = Pin::new(&mut self.stream).poll_read(cx, buf);
-        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.proven.store(true, Ordering::Relaxed);
-        }
-        r
+        Pin::new(&mut self.stream).poll_read(cx, buf)
     }
 }
 
@@ -160,103 +180,39 @@ impl AsyncWrite for Admitted {
 }
 
 impl tonic::transport::server::Connected for Admitted {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    type ConnectInfo = AdmittedInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.stream.connect_info()
+        AdmittedInfo {
+            tcp: self.stream.connect_info(),
+            proof: self.slot.proof(),
+        }
     }
 }
 
-/// Accepts on `listener` within `limits`; the admitted connections arrive
-/// on the returned channel (its capacity is small: a consumer that stops
-/// taking them stops the accepting). `what` names the endpoint in logs.
-pub fn accept(
-    listener: TcpListener,
-    limits: Limits,
-    what: &'static str,
-) -> mpsc::Receiver<std::io::Result<Admitted>> {
+/// Accepts on `listener` into `pool`; the admitted connections arrive on
+/// the returned channel (its capacity is small: a consumer that stops
+/// taking them stops the accepting). The loop never ends on an error (out
+/// of descriptors it backs off), only when the consumer is gone.
+pub fn accept(listener: TcpListener, pool: Pool) -> mpsc::Receiver<std::io::Result<Admitted>> {
     let (tx, rx) = mpsc::channel(16);
-    let book: Arc<Mutex<Book>> = Arc::default();
     tokio::spawn(async move {
-        let mut next = 0u64;
+        let mut errors = lockstep_admission::AcceptErrors::new(pool.name());
         loop {
             // Once the consumer is gone (a server shutting down), close the
             // listener at once, so new connections are refused rather than
             // accepted and left unanswered.
-            let accepted = tokio::select! {
-                r = listener.accept() => r,
+            let (stream, _) = tokio::select! {
+                r = lockstep_admission::accept(&listener, &mut errors) => r,
                 () = tx.closed() => return,
             };
-            let (stream, _) = match accepted {
-                Ok(s) => s,
-                Err(e) => {
-                    // Out of descriptors (or another transient failure):
-                    // back off instead of spinning on the error.
-                    {
-                        let mut b = book.lock().expect("not poisoned");
-                        b.failed_accepts += 1;
-                        tracing::debug!("accept failed: {e}");
-                        b.summarize(what);
-                    }
-                    tokio::time::sleep(limits.accept_backoff).await;
-                    continue;
-                }
-            };
             let _ = stream.set_nodelay(true);
-            next += 1;
-            let id = next;
-            let proven = Arc::new(AtomicBool::new(false));
-            let close = CancellationToken::new();
-            {
-                let mut b = book.lock().expect("not poisoned");
-                if b.open.len() >= limits.max_connections {
-                    match b
-                        .open
-                        .iter()
-                        .position(|e| !e.proven.load(Ordering::Relaxed))
-                    {
-                        Some(i) => {
-                            let oldest = b.open.remove(i).expect("in range");
-                            oldest.close.cancel();
-                            b.evicted += 1;
-                        }
-                        None => {
-                            b.refused += 1;
-                            b.summarize(what);
-                            continue;
-                        }
-                    }
-                }
-                b.open.push_back(Entry {
-                    id,
-                    proven: Arc::clone(&proven),
-                    close: close.clone(),
-                });
-                b.summarize(what);
-            }
-            // A connection silent past the bound is closed.
-            {
-                let (proven, close, book) = (Arc::clone(&proven), close.clone(), Arc::clone(&book));
-                tokio::spawn(async move {
-                    tokio::select! {
-                        () = tokio::time::sleep(limits.first_bytes) => {
-                            if !proven.load(Ordering::Relaxed) {
-                                close.cancel();
-                                let mut b = book.lock().expect("not poisoned");
-                                b.silent += 1;
-                                b.summarize(what);
-                            }
-                        }
-                        () = close.cancelled() => {}
-                    }
-                });
-            }
+            let slot = pool.admit();
+            let close = Box::pin(slot.close_token().cancelled_owned());
             let admitted = Admitted {
                 stream,
-                proven,
-                close: Box::pin(close.cancelled_owned()),
-                book: Arc::clone(&book),
-                id,
+                slot,
+                close,
             };
             if tx.send(Ok(admitted)).await.is_err() {
                 return;
@@ -269,17 +225,25 @@ pub fn accept(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lockstep_admission::Caps;
+    use std::time::Instant;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    async fn echo_server(limits: Limits) -> std::net::SocketAddr {
+    /// An echo server whose connections are proven by their first byte
+    /// `p` (standing in for a checked credential).
+    async fn echo_server(caps: Caps, deadline: Duration) -> std::net::SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut rx = accept(listener, limits, "test");
+        let mut rx = accept(listener, Pool::new("test", caps, deadline));
         tokio::spawn(async move {
             while let Some(Ok(mut c)) = rx.recv().await {
                 tokio::spawn(async move {
                     let mut b = [0u8; 64];
                     while let Ok(n) = c.read(&mut b).await {
+                        if n > 0 && b[0] == b'p' {
+                            use tonic::transport::server::Connected;
+                            c.connect_info().proof.prove();
+                        }
                         if n == 0 || c.write_all(&b[..n]).await.is_err() {
                             break;
                         }
@@ -290,8 +254,8 @@ mod tests {
         addr
     }
 
-    async fn echoes(s: &mut TcpStream) -> bool {
-        if s.write_all(b"x").await.is_err() {
+    async fn echoes(s: &mut TcpStream, byte: u8) -> bool {
+        if s.write_all(&[byte]).await.is_err() {
             return false;
         }
         let mut b = [0u8; 1];
@@ -302,35 +266,52 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_flood_of_silent_connections_cannot_keep_a_client_out() {
-        let limits = Limits {
-            max_connections: 16,
-            first_bytes: Duration::from_secs(30),
-            accept_backoff: Duration::from_millis(10),
+    async fn bytes_without_a_proof_hold_no_slot_and_a_flood_cannot_keep_a_client_out() {
+        let caps = Caps {
+            proven: 8,
+            unproven: 16,
         };
-        let addr = echo_server(limits).await;
-        // A client that talks, then a flood past the cap.
+        let addr = echo_server(caps, Duration::from_secs(30)).await;
+        // A client that proves itself, then a flood past the cap that
+        // sends bytes (an HTTP/2 preface, say) but no proof.
         let mut early = TcpStream::connect(addr).await.unwrap();
-        assert!(echoes(&mut early).await);
+        assert!(echoes(&mut early, b'p').await);
         let mut flood = Vec::new();
         for _ in 0..64 {
-            flood.push(TcpStream::connect(addr).await.unwrap());
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            let _ = s.write_all(b"PRI * HTTP/2.0").await;
+            flood.push(s);
         }
-        // A new client still gets in, and the one that talked is kept.
+        // A new client still gets in, and the one that proved is kept.
         let mut late = TcpStream::connect(addr).await.unwrap();
-        assert!(echoes(&mut late).await, "the new client was kept out");
-        assert!(echoes(&mut early).await, "a talking client was evicted");
-        // The oldest silent ones were closed.
-        let mut b = [0u8; 1];
-        let closed = tokio::time::timeout(Duration::from_secs(5), flood[0].read(&mut b)).await;
-        assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+        assert!(echoes(&mut late, b'p').await, "the new client was kept out");
+        assert!(
+            echoes(&mut early, b'p').await,
+            "a proven client was evicted"
+        );
+        // The oldest talking-but-unproven ones were closed.
+        let mut b = [0u8; 64];
+        let mut closed = false;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !closed && Instant::now() < deadline {
+            match tokio::time::timeout(Duration::from_secs(5), flood[0].read(&mut b)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => closed = true,
+                Ok(Ok(_)) => {}
+                Err(_) => break,
+            }
+        }
+        assert!(closed, "the oldest unproven connection was not closed");
     }
 
     #[tokio::test]
     async fn the_listener_closes_once_the_consumer_is_gone() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let rx = accept(listener, Limits::default(), "test");
+        let caps = Caps {
+            proven: 4,
+            unproven: 4,
+        };
+        let rx = accept(listener, Pool::new("test", caps, Duration::from_secs(5)));
         drop(rx);
         // Bounded: the accept loop notices at once, without a connection.
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -349,17 +330,17 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_silent_connection_is_closed_at_the_bound() {
-        let limits = Limits {
-            max_connections: 16,
-            first_bytes: Duration::from_millis(300),
-            accept_backoff: Duration::from_millis(10),
+    async fn an_unproven_connection_is_closed_at_the_deadline_even_if_it_talks() {
+        let caps = Caps {
+            proven: 4,
+            unproven: 16,
         };
-        let addr = echo_server(limits).await;
-        let mut silent = TcpStream::connect(addr).await.unwrap();
+        let addr = echo_server(caps, Duration::from_millis(300)).await;
+        let mut talker = TcpStream::connect(addr).await.unwrap();
         let started = Instant::now();
+        assert!(echoes(&mut talker, b'x').await, "served while unproven");
         let mut b = [0u8; 1];
-        let r = tokio::time::timeout(Duration::from_secs(5), silent.read(&mut b)).await;
+        let r = tokio::time::timeout(Duration::from_secs(5), talker.read(&mut b)).await;
         assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "{r:?}");
         assert!(started.elapsed() >= Duration::from_millis(250));
     }

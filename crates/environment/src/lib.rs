@@ -78,6 +78,7 @@ pub mod compute;
 mod inputs;
 pub mod metrics;
 pub mod policies;
+pub mod private;
 mod replicas;
 pub mod rpc_metrics;
 mod serve;
@@ -121,8 +122,6 @@ pub const SESSION_SECRET_FILE: &str = "session.secret";
 /// Reads the master secret in `dir`, creating it (32 bytes from the OS's
 /// random source, mode 0600) if it does not exist.
 pub fn session_secret(dir: &Path) -> std::io::Result<[u8; 32]> {
-    use std::io::{Read, Write};
-    use std::os::unix::fs::OpenOptionsExt;
     let path = dir.join(SESSION_SECRET_FILE);
     match std::fs::read(&path) {
         Ok(bytes) => <[u8; 32]>::try_from(bytes.as_slice()).map_err(|_| {
@@ -137,25 +136,8 @@ pub fn session_secret(dir: &Path) -> std::io::Result<[u8; 32]> {
         }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let mut secret = [0u8; 32];
-            std::fs::File::open("/dev/urandom")?.read_exact(&mut secret)?;
-            let tmp = dir.join(format!("{SESSION_SECRET_FILE}.{}", std::process::id()));
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&tmp)?;
-            f.write_all(&secret)?;
-            f.sync_all()?;
-            // Two environments starting at once: the first link wins, and
-            // both read what it wrote.
-            if std::fs::hard_link(&tmp, &path).is_err() && !path.exists() {
-                std::fs::remove_file(&tmp)?;
-                return Err(std::io::Error::other(format!(
-                    "cannot create {}",
-                    path.display()
-                )));
-            }
-            std::fs::remove_file(&tmp)?;
+            private::random_bytes(&mut secret)?;
+            private::create_once(&path, &secret)?;
             session_secret(dir)
         }
         Err(e) => Err(e),
@@ -305,8 +287,8 @@ pub enum StartError {
         /// What the OS said.
         source: std::io::Error,
     },
-    /// Other users can write the state directory.
-    #[error("state directory {path} is writable by other users (mode {mode:o}); it holds the replicas' secrets: chmod go-w it, or use a directory only you can write")]
+    /// Other users can read, write or enter the state directory.
+    #[error("state directory {path} is open to other users (mode {mode:o}); it holds every input row, plan, token and the replicas' secrets: chmod 700 it, or use a directory only you can enter")]
     StateDirUnsafe {
         /// The directory.
         path: PathBuf,
@@ -454,12 +436,15 @@ pub fn check_state_dir(dir: &Path) -> Result<(), StartError> {
             })
         }
     }
-    // The directory holds the master secret and every replica's key: a
-    // directory other users can write lets them replace or move those.
+    // The directory holds the master secret, every replica's key, the
+    // tokens and every row: a directory other users can enter lets them
+    // read those (R1: private by default). Ours and only readable: made
+    // 0700; writable by others: refused.
+    private::force_private(dir)?;
     if let Ok(m) = std::fs::metadata(dir) {
         use std::os::unix::fs::PermissionsExt;
         let mode = m.permissions().mode() & 0o777;
-        if mode & 0o022 != 0 {
+        if mode & 0o077 != 0 {
             return Err(StartError::StateDirUnsafe {
                 path: dir.to_path_buf(),
                 mode,

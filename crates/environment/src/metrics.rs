@@ -91,6 +91,9 @@ pub struct Metrics {
     pub frontier_lag: Family<ProcessLabels, Gauge>,
     /// The epoch this environment owns.
     pub epoch: Gauge,
+    /// The descriptor budget (R1): limit, reserve, and each listener's caps
+    /// and open connections (`api`, `metrics`).
+    pub budget: lockstep_admission::BudgetMetrics,
 }
 
 impl Default for Metrics {
@@ -162,7 +165,11 @@ impl Metrics {
             frontier_lag.clone(),
         );
         registry.register("epoch", "The epoch this environment owns", epoch.clone());
+        let budget = lockstep_admission::BudgetMetrics::default();
+        budget.register(&mut registry);
+        budget.set(crate::admission::process_budget());
         Metrics {
+            budget,
             registry,
             api_requests,
             api_seconds,
@@ -227,8 +234,7 @@ pub async fn serve(
     replicas: Option<Arc<crate::Environment>>,
     token: Option<String>,
 ) {
-    let mut incoming =
-        crate::admission::accept(listener, crate::admission::Limits::default(), "metrics");
+    let mut incoming = crate::admission::accept(listener, crate::admission::metrics_pool(&metrics));
     let token: Option<Arc<str>> = token.map(Arc::from);
     let handler: lockstep_metrics_http::Handler = Arc::new(move |path: String| {
         let metrics = metrics.clone();

@@ -52,14 +52,15 @@ impl Environment {
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
         grace: std::time::Duration,
     ) -> Result<(), EnvError> {
-        // Bounded acceptance (`admission`): a cap on open connections, a
-        // deadline for a silent one, the oldest silent one closed first, an
-        // accept loop that backs off on EMFILE. TCP_NODELAY is set on each
-        // (without it a small response waits for the client's delayed ACK).
+        // Bounded acceptance (`admission`, R1): a small pool of unproven
+        // connections with one handshake deadline (the oldest closed
+        // first), proven slots only for a request whose credential was
+        // checked, an accept loop that backs off on EMFILE and never ends.
+        // TCP_NODELAY is set on each (without it a small response waits for
+        // the client's delayed ACK).
         let incoming = tokio_stream::wrappers::ReceiverStream::new(admission::accept(
             listener,
-            admission::Limits::default(),
-            "api",
+            admission::api_pool(&self.metrics()),
         ));
         // Log every service event (crashes, restarts) while we serve.
         let mut events = self.orchestrator.watch_services();
@@ -156,8 +157,19 @@ impl Environment {
                 .tls_config(tls)
                 .map_err(|e| EnvError::Orchestrator(format!("TLS configuration: {e}")))?;
         }
+        // Without a token every call proves its connection (there is no
+        // credential to check); with one, only the token check does.
+        let open_api = self.api_token.is_none();
         let server = builder
             .layer(tower::util::MapRequestLayer::new(log_call))
+            .layer(tower::util::MapRequestLayer::new(
+                move |request: http::Request<tonic::body::Body>| {
+                    if open_api {
+                        admission::prove_request(request.extensions());
+                    }
+                    request
+                },
+            ))
             .layer(rpc_metrics::RpcMetricsLayer::new(self.metrics()))
             .add_optional_service(open)
             .add_optional_service(guarded)

@@ -78,7 +78,14 @@ impl tonic::service::Interceptor for TokenCheck {
             .map(|v| v.as_bytes())
             .unwrap_or_default();
         if constant_time_eq(given, &self.expected) {
-            Ok(request)
+            // A checked credential is what proves a connection (R1).
+            if crate::admission::prove_request(request.extensions()) {
+                Ok(request)
+            } else {
+                Err(Status::resource_exhausted(
+                    "the environment's API has as many clients as its descriptor budget allows; try again later",
+                ))
+            }
         } else if given.is_empty() {
             Err(Status::unauthenticated(
                 "this environment requires an API token (authorization: Bearer TOKEN)",

@@ -103,6 +103,9 @@ pub struct ReplicaMetrics {
     pub refused: Family<ReasonLabel, Counter>,
     /// 1, labelled with this build's version.
     pub build_info: Family<BuildLabels, Gauge>,
+    /// The descriptor budget (R1): limit, reserve, and the controller
+    /// port's caps and open connections.
+    pub budget: lockstep_admission::BudgetMetrics,
 }
 
 /// The process's metrics.
@@ -123,6 +126,7 @@ impl ReplicaMetrics {
             sessions: Counter::default(),
             refused: Family::default(),
             build_info: Family::default(),
+            budget: Default::default(),
         };
         m.build_info
             .get_or_create(&BuildLabels {
@@ -130,6 +134,7 @@ impl ReplicaMetrics {
             })
             .set(1);
         let mut registry = Registry::with_prefix("lockstep_replica");
+        m.budget.register(&mut registry);
         registry.register(
             "commands_applied",
             "Commands a worker applied, by kind and strategy",

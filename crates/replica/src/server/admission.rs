@@ -1,12 +1,29 @@
-//! Connections before their Hello is proved (S1): the cap on waiting ones
-//! (the oldest closed first), the deadline for a whole first frame, and the
-//! rate-limited summary of refusals.
+//! Connections before their Hello is proved (S1, R1): the controller
+//! port's caps and deadline (its [`lockstep_admission::Pool`] closes the
+//! oldest unproven connection first and any unproven one at the deadline),
+//! and the rate-limited summary of refusals.
 
 use super::*;
 
-/// Connections a process keeps while they have not proved a Hello; past
-/// it, the oldest of them is closed to admit a new one.
+/// Connections a process keeps while they have not proved a Hello (the
+/// most: a small descriptor limit shrinks it, [`controller_share`]); past
+/// it, the oldest of them is closed to admit a new one. Controller
+/// handshakes and metrics scrapes share it.
 pub const MAX_UNPROVEN_CONNECTIONS: usize = 64;
+
+/// Proven controller connections a process keeps at most: the current
+/// session's, and older ones on their way out.
+pub const MAX_PROVEN_CONNECTIONS: usize = 16;
+
+/// The controller port's share of the process's descriptor budget.
+pub fn controller_share() -> lockstep_admission::Share {
+    lockstep_admission::Share {
+        name: "controller",
+        weight: 1,
+        max_proven: MAX_PROVEN_CONNECTIONS,
+        unproven: MAX_UNPROVEN_CONNECTIONS,
+    }
+}
 
 /// The time a connection has, from its accept, to deliver a whole first
 /// frame (its Hello) and have it checked; after it, it is closed.
@@ -16,60 +33,14 @@ pub const HELLO_DEADLINE: Duration = Duration::from_secs(5);
 /// interval (a key-less client must not be able to grow the log).
 pub const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
-/// The unproven connections, oldest first, each with the token that closes
-/// it.
-#[derive(Default)]
-pub(super) struct Admission {
-    pub(super) next_id: u64,
-    pub(super) queue: std::collections::VecDeque<(u64, tokio_util::sync::CancellationToken)>,
-}
-
-impl Admission {
-    /// Admits one more connection (the last of the queue); returns the
-    /// oldest one's token if the cap made room by evicting it.
-    pub(super) fn admit(&mut self) -> Option<tokio_util::sync::CancellationToken> {
-        let evicted = if self.queue.len() >= MAX_UNPROVEN_CONNECTIONS {
-            self.queue.pop_front().map(|(_, c)| c)
-        } else {
-            None
-        };
-        self.next_id += 1;
-        self.queue
-            .push_back((self.next_id, tokio_util::sync::CancellationToken::new()));
-        evicted
-    }
-}
-
-/// Holds a connection's place among the unproven until dropped or
-/// [`Unproven::proven`].
-pub(super) struct Unproven {
-    pub(super) admission: Option<Arc<Mutex<Admission>>>,
-    pub(super) id: u64,
-}
-
-impl Unproven {
-    pub(super) fn proven(&mut self) {
-        if let Some(a) = self.admission.take() {
-            let mut a = a.lock().expect("not poisoned");
-            if let Some(i) = a.queue.iter().position(|(id, _)| *id == self.id) {
-                a.queue.remove(i);
-            }
-        }
-    }
-}
-
-impl Drop for Unproven {
-    fn drop(&mut self) {
-        self.proven();
-    }
-}
-
 /// Why a connection ended before it proved a Hello: counted, not logged
 /// one by one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum Refusal {
     /// Closed to admit a newer connection past [`MAX_UNPROVEN_CONNECTIONS`].
     Evicted,
+    /// Proved, but [`MAX_PROVEN_CONNECTIONS`] were open.
+    Full,
     /// No checked Hello within [`HELLO_DEADLINE`].
     TimedOut,
     /// Closed by the peer before a first frame.
@@ -88,6 +59,7 @@ impl Refusal {
     pub(super) fn name(self) -> &'static str {
         match self {
             Refusal::Evicted => "evicted",
+            Refusal::Full => "full",
             Refusal::TimedOut => "timed_out",
             Refusal::Closed => "closed",
             Refusal::Malformed => "malformed",

@@ -132,10 +132,11 @@ enum Opened {
     Scrape(TcpStream),
 }
 
-/// Serves one metrics request on `sock` within [`HELLO_DEADLINE`]. Off
-/// loopback, a process with a session key answers only a request bearing
-/// the key's metrics token.
-async fn scrape(sock: TcpStream, config: &ReplicaConfig) {
+/// Serves one metrics request on `sock` within [`HELLO_DEADLINE`] of its
+/// admission, holding its unproven slot throughout (closed at once if the
+/// pool evicts it). Off loopback, a process with a session key answers only
+/// a request bearing the key's metrics token.
+async fn scrape(sock: TcpStream, config: &ReplicaConfig, slot: &lockstep_admission::Slot) {
     let loopback = sock.local_addr().is_ok_and(|a| a.ip().is_loopback());
     let token = config
         .session_key
@@ -143,11 +144,13 @@ async fn scrape(sock: TcpStream, config: &ReplicaConfig) {
         .filter(|_| !loopback)
         .map(|k| Arc::from(k.metrics_token()));
     let handler = lockstep_metrics_http::metrics_only(|| crate::metrics::METRICS.encode());
-    let _ = tokio::time::timeout(
-        HELLO_DEADLINE,
-        lockstep_metrics_http::serve_connection(sock, handler, token),
-    )
-    .await;
+    tokio::select! {
+        () = slot.closed() => {}
+        _ = tokio::time::timeout(
+            HELLO_DEADLINE.saturating_sub(slot.admitted().elapsed()),
+            lockstep_metrics_http::serve_connection(sock, handler, token),
+        ) => {}
+    }
 }
 
 pub(super) async fn connection(
@@ -155,8 +158,7 @@ pub(super) async fn connection(
     config: ReplicaConfig,
     shared: Arc<Mutex<Shared>>,
     workers: Arc<Workers>,
-    mut unproven: Unproven,
-    evict: tokio_util::sync::CancellationToken,
+    slot: lockstep_admission::Slot,
 ) -> Result<(), Ended> {
     let me = config.identity.process_index;
     // Until a Hello is accepted, frames are capped at HELLO_MAX_FRAME_LEN:
@@ -199,9 +201,16 @@ pub(super) async fn connection(
         Ok::<_, (Refusal, String)>(Opened::Session(Box::new((framed, accepted))))
     };
     let opened = tokio::select! {
-        () = evict.cancelled() => {
+        () = slot.closed() => {
+            if slot.admitted().elapsed() >= HELLO_DEADLINE {
+                return Err(Ended::Unproven((
+                    Refusal::TimedOut,
+                    format!("no Hello within {HELLO_DEADLINE:?}"),
+                )));
+            }
             return Err(Ended::Unproven((Refusal::Evicted, format!(
-                "{MAX_UNPROVEN_CONNECTIONS} connections were waiting for their Hello; closed the oldest"
+                "{} connections were waiting for their Hello; closed the oldest",
+                slot.caps().unproven
             ))));
         }
         r = tokio::time::timeout(HELLO_DEADLINE, setup) => match r {
@@ -218,11 +227,19 @@ pub(super) async fn connection(
     let (mut framed, (first, hello, protocol_version)) = match opened {
         Opened::Session(accepted) => *accepted,
         Opened::Scrape(sock) => {
-            scrape(sock, &config).await;
+            scrape(sock, &config, &slot).await;
             return Ok(());
         }
     };
-    unproven.proven();
+    if !slot.prove() {
+        return Err(Ended::Unproven((
+            Refusal::Full,
+            format!(
+                "{} proven controller connections are open; refused another",
+                slot.caps().proven
+            ),
+        )));
+    }
     crate::metrics::METRICS.sessions.inc();
     framed
         .codec_mut()

@@ -13,12 +13,15 @@
 //! Error response and closes the connection, never a panic. Each accepted
 //! command goes, in order, to every local worker.
 //!
-//! Before its Hello is proved (S1), a connection costs a bounded amount and
-//! cannot keep a proving controller out: at most
-//! [`MAX_UNPROVEN_CONNECTIONS`] wait, a new one past the cap closes the
-//! oldest, each has [`HELLO_DEADLINE`] for its whole first frame, and those
-//! closed before proof are counted into at most one log line per
-//! [`REFUSAL_LOG_INTERVAL`].
+//! Before its Hello is proved (S1, R1), a connection costs a bounded amount
+//! and cannot keep a proving controller out: at most
+//! [`MAX_UNPROVEN_CONNECTIONS`] wait (controller handshakes and metrics
+//! scrapes in one pool, `lockstep_admission`), a new one past the cap
+//! closes the oldest, each has [`HELLO_DEADLINE`] for its whole first frame
+//! (or its whole scrape), and those closed before proof are counted into at
+//! most one log line per [`REFUSAL_LOG_INTERVAL`]. The caps come from the
+//! process's descriptor budget ([`process_budget`]), and no failed accept
+//! ends the server.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::mpsc as std_mpsc;
@@ -48,7 +51,10 @@ mod connection;
 mod outbox;
 
 use admission::*;
-pub use admission::{HELLO_DEADLINE, MAX_UNPROVEN_CONNECTIONS, REFUSAL_LOG_INTERVAL};
+pub use admission::{
+    controller_share, HELLO_DEADLINE, MAX_PROVEN_CONNECTIONS, MAX_UNPROVEN_CONNECTIONS,
+    REFUSAL_LOG_INTERVAL,
+};
 use connection::*;
 use outbox::Outbox;
 pub use outbox::MAX_PENDING_RESPONSES;
@@ -85,6 +91,22 @@ pub struct ReplicaConfig {
     /// The dataflow family this process builds (the built-in one is
     /// [`crate::family::PlanFamily`]).
     pub family: Arc<dyn crate::family::Family>,
+}
+
+/// The descriptors a replica process keeps for its own work beside the
+/// controller port: its timely mesh (one socket per peer), its command
+/// log (SQLite's database, `-wal` and `-shm`, or a PostgreSQL
+/// connection), its log file, the runtime's own (epoll, eventfds) and
+/// timely's threads.
+pub const REPLICA_RESERVE: u64 = lockstep_admission::MIN_RESERVE;
+
+/// A replica process's budget: the soft descriptor limit raised to the
+/// hard one, [`REPLICA_RESERVE`] (or a quarter of the limit) kept, the
+/// controller port's caps from the rest.
+pub fn process_budget() -> anyhow::Result<lockstep_admission::Budget> {
+    let budget = lockstep_admission::Budget::for_process(REPLICA_RESERVE, &[controller_share()])?;
+    crate::metrics::METRICS.budget.set(&budget);
+    Ok(budget)
 }
 
 struct Shared {
@@ -144,6 +166,8 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
         anyhow::bail!("a process needs at least one worker");
     }
     let started = std::time::Instant::now();
+    let budget = process_budget()?;
+    tracing::info!("{}", budget.summary());
     let timely_addrs = cluster::resolve_peers(&config.timely_peers, config.cluster_timeout)?;
     let listen_ip = config.listen_host.unwrap_or(timely_addrs[me].ip());
     let controller_addr = SocketAddr::new(listen_ip, config.controller_port);
@@ -228,12 +252,13 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(serve(listener, config, handles, rx))
+    runtime.block_on(serve(listener, config, budget, handles, rx))
 }
 
 async fn serve(
     listener: std::net::TcpListener,
     config: ReplicaConfig,
+    budget: lockstep_admission::Budget,
     workers: Arc<Workers>,
     mut from_workers: mpsc::UnboundedReceiver<FromWorker>,
 ) -> anyhow::Result<()> {
@@ -272,12 +297,16 @@ async fn serve(
         }
     });
 
-    // Connections that have not proved a Hello yet, capped (S1): past the
-    // cap the OLDEST unproven one is closed and the new one admitted, so a
-    // flood of idle connections costs a bounded amount and can never keep
-    // a proving controller out. What is refused before proof is counted
-    // and summarized, not logged line by line.
-    let admission = Arc::new(Mutex::new(Admission::default()));
+    // Connections that have not proved a Hello yet (controller handshakes
+    // and metrics scrapes alike) share one small pool with one deadline
+    // (S1, R1): past its cap the OLDEST unproven one is closed and the new
+    // one admitted, so a flood of idle connections costs a bounded amount
+    // and can never keep a proving controller out. A proven controller
+    // holds one of the few proven slots. What is refused before proof is
+    // counted and summarized, not logged line by line.
+    let pool =
+        lockstep_admission::Pool::new("controller", budget.caps("controller"), HELLO_DEADLINE)
+            .with_gauges(crate::metrics::METRICS.budget.used.clone());
     let refusals = Arc::new(Mutex::new(Refusals::default()));
     {
         let refusals = Arc::clone(&refusals);
@@ -291,23 +320,12 @@ async fn serve(
             }
         });
     }
+    // The accept never fails: out of descriptors it backs off and goes on
+    // (R1: no server stops on a resource error).
+    let mut accept_errors = lockstep_admission::AcceptErrors::new("controller");
     loop {
-        let (sock, peer) = listener.accept().await?;
-        let (id, cancel) = {
-            let mut a = admission.lock().expect("not poisoned");
-            let evicted = a.admit();
-            if let Some(oldest) = evicted {
-                oldest.cancel();
-            }
-            a.queue
-                .back()
-                .map(|(id, c)| (*id, c.clone()))
-                .expect("admitted")
-        };
-        let unproven = Unproven {
-            admission: Some(Arc::clone(&admission)),
-            id,
-        };
+        let (sock, peer) = lockstep_admission::accept(&listener, &mut accept_errors).await;
+        let slot = pool.admit();
         let _ = sock.set_nodelay(true);
         tracing::debug!(%peer, "controller connected");
         let shared = Arc::clone(&shared);
@@ -315,7 +333,7 @@ async fn serve(
         let config = config.clone();
         let refusals = Arc::clone(&refusals);
         tokio::spawn(async move {
-            match connection(sock, config, shared, workers, unproven, cancel).await {
+            match connection(sock, config, shared, workers, slot).await {
                 Ok(()) => {}
                 Err(Ended::Unproven(reason)) => {
                     refusals.lock().expect("not poisoned").note(reason, peer);
