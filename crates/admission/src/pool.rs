@@ -343,16 +343,24 @@ mod tests {
         // A closed one cannot be proven after all.
         assert!(!flood[0].prove());
         assert!(flood[9].prove());
-        drop(flood);
         assert_eq!(
             p.usage(),
             PoolUsage {
                 proven: 2,
+                unproven: 3
+            }
+        );
+        // Closing connections frees their places, proven or not.
+        drop(flood);
+        assert_eq!(
+            p.usage(),
+            PoolUsage {
+                proven: 1,
                 unproven: 0
             }
         );
         drop(kept);
-        assert_eq!(p.usage().proven, 1);
+        assert_eq!(p.usage().proven, 0);
     }
 
     #[tokio::test]
