@@ -305,7 +305,10 @@ pub enum ServiceEventKind {
         /// How long we wait first.
         backoff: Duration,
     },
-    /// The process could not be restarted.
+    /// The process could not be restarted now (or its state could not be
+    /// read to decide whether to restart it, e.g. out of file descriptors).
+    /// Not final: the supervisor keeps trying, with backoff, until the
+    /// process runs again or its service is dropped.
     Failed {
         /// Why.
         reason: String,

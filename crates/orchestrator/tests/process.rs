@@ -1016,3 +1016,50 @@ async fn a_process_named_only_by_an_unfinished_record_write_is_a_stray() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A record that cannot be read now (here its environment file, a
+/// directory: EISDIR; in production EMFILE) does not name no process (R1):
+/// while it cannot be read, nothing is a stray, so an orchestrator starting
+/// meanwhile kills neither the process it records nor, for that matter, a
+/// real stray; once it can be read again, only the real stray is one.
+#[tokio::test]
+async fn while_a_record_cannot_be_read_no_process_is_a_stray() {
+    let sandbox = Sandbox::new();
+    let o = sandbox.orchestrator(1);
+    let status = o
+        .ensure_service(ServiceConfig::new("replica-1", 1, "sleep").fixed_args(["300".to_string()]))
+        .await
+        .unwrap();
+    let recorded = status.processes[0].pid.unwrap();
+    let (mut stray, stray_pid) = spawn_stray(&sandbox).await;
+    drop(o);
+    let env = sandbox.path().join("services").join("replica-1.env");
+    let content = std::fs::read(&env).unwrap();
+    std::fs::remove_file(&env).unwrap();
+    std::fs::create_dir(&env).unwrap();
+    assert_eq!(
+        lockstep_orchestrator::process::strays(sandbox.path()),
+        Vec::<u32>::new()
+    );
+    // An orchestrator started now kills nothing (it kills strays under the
+    // lock before it returns).
+    drop(sandbox.orchestrator(2));
+    assert!(
+        alive(recorded),
+        "the recorded process was killed as a stray"
+    );
+    assert!(stray.try_wait().unwrap().is_none());
+    std::fs::remove_dir(&env).unwrap();
+    std::fs::write(&env, content).unwrap();
+    assert_eq!(
+        lockstep_orchestrator::process::strays(sandbox.path()),
+        vec![stray_pid]
+    );
+    let _next = sandbox.orchestrator(3);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stray.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the stray {stray_pid} survived");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(alive(recorded));
+}

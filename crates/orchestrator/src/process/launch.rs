@@ -51,17 +51,30 @@ impl Inner {
             .stdout(log.try_clone()?)
             .stderr(log)
             .process_group(0);
-        let child = cmd.spawn()?;
+        let mut child = cmd.spawn()?;
         let pid = child.id();
         // If it died at once (a zombie we can read no more of), 0 is a start
         // time that never matches, so it counts as dead.
-        let start = proc_start_time(pid).unwrap_or_default();
+        let start = match proc_start_time_now(pid) {
+            Ok(start) => start.unwrap_or_default(),
+            // `/proc` cannot be read now (EMFILE): recorded without its start
+            // time, the process would count as dead to every other
+            // orchestrator, which could neither kill it nor tell it from a
+            // reused PID. Not started, then: the caller tries again later.
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e);
+            }
+        };
         self.children.lock().expect("poisoned").insert(pid, child);
         tracing::info!(service = %record.name, process = i, pid, "started");
         Ok((pid, start))
     }
 
-    /// Kills the process group of a recorded process, if it is still ours.
+    /// Kills the process group of a recorded process, if it is still ours
+    /// (one that cannot be told ours now is not signalled: a caller that
+    /// needs it gone checks [`proc_liveness`] afterwards).
     pub(super) fn kill(&self, service: &str, i: usize, pid: u32, start_time: u64) {
         // Signal only a leader that is alive and ours: a PID whose process
         // exited may already belong to someone else.
@@ -88,16 +101,44 @@ impl Inner {
         }
     }
 
-    /// Whether the process we recorded still runs; reaps it if it is our child.
+    /// [`Inner::kill`], then whether the process is gone. Error: why it may
+    /// not be: still alive 5 s after SIGKILL, or `/proc` cannot tell now
+    /// (then it may not even have been signalled). Not knowing is not
+    /// "gone" (R1): no new process may start beside an old one.
+    pub(super) fn kill_confirmed(
+        &self,
+        service: &str,
+        i: usize,
+        pid: u32,
+        start_time: u64,
+    ) -> Result<(), String> {
+        self.kill(service, i, pid, start_time);
+        match proc_liveness(pid, start_time) {
+            Ok(false) => Ok(()),
+            Ok(true) => Err("still alive 5 s after SIGKILL".to_string()),
+            Err(e) => Err(format!("cannot tell whether it is gone: {e}")),
+        }
+    }
+
+    /// Whether the process we recorded still runs; reaps it if it is our
+    /// child. `false` also when that cannot be told now: for reports only;
+    /// what acts on a dead process asks [`Inner::liveness`].
     pub(super) fn alive(&self, pid: u32, start_time: u64) -> bool {
+        self.liveness(pid, start_time).unwrap_or(false)
+    }
+
+    /// Whether the process we recorded still runs, or `Err` if that cannot
+    /// be told now (`/proc` unreadable, e.g. EMFILE): not knowing is not
+    /// "dead" (R1). Reaps it if it is our child.
+    pub(super) fn liveness(&self, pid: u32, start_time: u64) -> std::io::Result<bool> {
         let mut children = self.children.lock().expect("poisoned");
         if let Some(child) = children.get_mut(&pid) {
             // A reaped child stays in the map (its status cached) until
             // `exit_status` takes it.
-            return matches!(child.try_wait(), Ok(None));
+            return Ok(matches!(child.try_wait(), Ok(None)));
         }
         drop(children);
-        proc_alive(pid, start_time)
+        proc_liveness(pid, start_time)
     }
 
     pub(super) fn exit_status(&self, pid: u32) -> String {

@@ -4,48 +4,75 @@
 
 use super::*;
 
-/// The start time of a live (non-zombie) process, from `/proc/PID/stat`.
+/// The start time of a live (non-zombie) process, from `/proc/PID/stat`;
+/// `None` also when `/proc` cannot be read now (see [`proc_start_time_now`]
+/// where that matters).
 pub(super) fn proc_start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    proc_start_time_now(pid).ok().flatten()
+}
+
+/// The start time of a live (non-zombie) process, from `/proc/PID/stat`:
+/// `Ok(None)` if there is no such process (or only its zombie), `Err` if
+/// `/proc` cannot be read now (EMFILE, ENOMEM, …). Not knowing is not
+/// "dead" (R1): a caller that would act on a dead process tries again later.
+pub(super) fn proc_start_time_now(pid: u32) -> std::io::Result<Option<u64>> {
+    let stat = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat,
+        // No such process; or it was reaped between the open and the read.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(nix::errno::Errno::ESRCH as i32) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let malformed = || {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("/proc/{pid}/stat has no start time"),
+        )
+    };
     // The command name (field 2) is in parentheses and may contain spaces.
-    let rest = &stat[stat.rfind(')')? + 1..];
+    let rest = &stat[stat.rfind(')').ok_or_else(malformed)? + 1..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // fields[0] is field 3 (state); field 22 (starttime) is fields[19].
     if matches!(fields.first(), Some(&"Z") | Some(&"X")) {
-        return None;
+        return Ok(None);
     }
-    fields.get(19)?.parse().ok()
+    let start = fields.get(19).and_then(|f| f.parse().ok());
+    start.map(Some).ok_or_else(malformed)
 }
 
-/// Whether `pid` is alive and is the process that started at `start_time`.
+/// Whether `pid` is alive and is the process that started at `start_time`;
+/// `false` also when `/proc` cannot be read now (see [`proc_liveness`] where
+/// that matters).
 pub(super) fn proc_alive(pid: u32, start_time: u64) -> bool {
-    proc_start_time(pid) == Some(start_time)
+    proc_liveness(pid, start_time).unwrap_or(false)
+}
+
+/// Whether `pid` is alive and is the process that started at `start_time`,
+/// or `Err` if `/proc` cannot be read now: a process we cannot see is not
+/// taken for dead (R1).
+pub(super) fn proc_liveness(pid: u32, start_time: u64) -> std::io::Result<bool> {
+    Ok(proc_start_time_now(pid)? == Some(start_time))
 }
 
 /// The process groups of processes that carry `state_dir` in
 /// [`ORCHESTRATOR_ENV`] but that no record in `state_dir/services` names.
 /// Call it under the lock to act on it: a spawn and its record happen under
-/// it too.
+/// it too. None at all while a record (or the directory of records) cannot
+/// be read: a process its unreadable record names is not a stray (R1).
 pub fn strays(state_dir: &Path) -> Vec<u32> {
     let Ok(marker) = std::path::absolute(state_dir) else {
         return Vec::new();
     };
     let needle = format!("{ORCHESTRATOR_ENV}={}", marker.display());
-    let mut recorded = std::collections::BTreeSet::new();
-    if let Ok(entries) = std::fs::read_dir(state_dir.join("services")) {
-        for entry in entries.flatten() {
-            // Only the records: not `NAME.json.tmp`, which an orchestrator
-            // killed part-way through a write leaves, naming processes it
-            // spawned and never recorded (they are strays).
-            let path = entry.path();
-            if path.extension().is_none_or(|e| e != "json") {
-                continue;
-            }
-            if let Ok(Some(record)) = read_record(&path) {
-                recorded.extend(record.processes.iter().filter_map(|p| p.pid));
-            }
+    let recorded = match recorded_pids(&state_dir.join("services")) {
+        Ok(recorded) => recorded,
+        Err(e) => {
+            tracing::warn!(
+                "cannot read the service records now, so cannot tell strays: none killed: {e}"
+            );
+            return Vec::new();
         }
-    }
+    };
     let mut groups = std::collections::BTreeSet::new();
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -80,6 +107,33 @@ pub fn strays(state_dir: &Path) -> Vec<u32> {
         }
     }
     groups.into_iter().collect()
+}
+
+/// The PIDs the records in `dir` name (none if there is no `dir`). Error:
+/// `dir` or a record in it cannot be read now.
+fn recorded_pids(dir: &Path) -> Result<std::collections::BTreeSet<u32>, String> {
+    let mut recorded = std::collections::BTreeSet::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(recorded),
+        Err(e) => return Err(format!("{}: {e}", dir.display())),
+    };
+    for entry in entries {
+        let path = entry.map_err(|e| format!("{}: {e}", dir.display()))?.path();
+        // Only the records: not `NAME.json.tmp`, which an orchestrator
+        // killed part-way through a write leaves, naming processes it
+        // spawned and never recorded (they are strays).
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        match read_record(&path) {
+            Ok(Some(record)) => recorded.extend(record.processes.iter().filter_map(|p| p.pid)),
+            // Removed since it was listed.
+            Ok(None) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(recorded)
 }
 
 /// Kills the process groups [`strays`] finds; returns how many.

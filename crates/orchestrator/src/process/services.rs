@@ -204,14 +204,12 @@ impl Inner {
         };
         for (i, p) in record.processes.iter().enumerate() {
             if let Some((pid, start)) = p.handle() {
-                self.kill(name, i, pid, start);
-                if proc_alive(pid, start) {
-                    return Err(DropError::Kill {
+                self.kill_confirmed(name, i, pid, start)
+                    .map_err(|reason| DropError::Kill {
                         service: name.to_string(),
                         pid,
-                        reason: "still alive 5 s after SIGKILL".to_string(),
-                    });
-                }
+                        reason,
+                    })?;
             }
         }
         let path = self.record_path(name);
@@ -250,10 +248,10 @@ impl Inner {
         }
         // Every old process must be gone before a new one binds its ports.
         self.kill_all(&record)
-            .map_err(|(_, pid)| RestartError::Kill {
+            .map_err(|(_, pid, reason)| RestartError::Kill {
                 service: name.to_string(),
                 pid,
-                reason: "still alive 5 s after SIGKILL".to_string(),
+                reason,
             })?;
         let (spawned, failure) = self.start_generation(&mut record);
         self.commit_generation(&record, spawned)?;

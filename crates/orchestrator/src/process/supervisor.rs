@@ -34,6 +34,14 @@ impl Inner {
         }
     }
 
+    /// Watches process `i` of service `name` (last seen as `watched`) until
+    /// the service is dropped or the process leaves its record
+    /// ([`Decision::Stop`]): restarts the service when the process exits.
+    /// A check it cannot make now ([`Decision::Retry`]: the lock, the record
+    /// or `/proc` cannot be read, e.g. EMFILE) is made again after a wait
+    /// ([`RETRY_INITIAL`] doubling to [`RETRY_MAX`]), reported at most once
+    /// per [`REPORT_EVERY`]; a restart that fails is tried again after the
+    /// restart backoff. Neither ends the supervision (R1).
     pub(super) async fn supervisor(
         self: Arc<Self>,
         name: String,
@@ -44,30 +52,53 @@ impl Inner {
         let mut wait = backoff.initial;
         let mut attempt = 0u32;
         let mut since = Instant::now();
+        // Whether `watched` is known to have exited (its exit reported), or
+        // there is no process to watch.
+        let mut down = watched.is_none();
+        let mut retries = Retries::default();
+        let mut pause = self.config.poll_interval;
         loop {
-            tokio::time::sleep(self.config.poll_interval).await;
-            if let Some((pid, start)) = watched {
-                if self.alive(pid, start) {
-                    self.rotate_running_log(&name, i);
-                    if since.elapsed() >= backoff.reset_after {
-                        wait = backoff.initial;
-                        attempt = 0;
+            tokio::time::sleep(pause).await;
+            pause = self.config.poll_interval;
+            if let Some((pid, start)) = watched.filter(|_| !down) {
+                match self.liveness(pid, start) {
+                    Ok(true) => {
+                        retries.watching(&name, i);
+                        self.rotate_running_log(&name, i);
+                        if since.elapsed() >= backoff.reset_after {
+                            wait = backoff.initial;
+                            attempt = 0;
+                        }
+                        continue;
                     }
-                    continue;
+                    Ok(false) => {
+                        let status = self.exit_status(pid);
+                        tracing::warn!(service = %name, process = i, pid, %status, "process exited");
+                        self.emit(&name, Some(i), ServiceEventKind::Exited { pid, status });
+                        down = true;
+                    }
+                    Err(e) => {
+                        let reason = format!("cannot tell whether PID {pid} still runs: {e}");
+                        pause = self.retry_later(&name, i, &mut retries, down, reason);
+                        continue;
+                    }
                 }
-                let status = self.exit_status(pid);
-                tracing::warn!(service = %name, process = i, pid, %status, "process exited");
-                self.emit(&name, Some(i), ServiceEventKind::Exited { pid, status });
             }
-            // Dead (or never started): check the record before restarting.
+            // Down (or never started): check the record before restarting.
             match self.check_record(&name, i, watched).await {
                 Decision::Stop => return,
                 Decision::Watch(h) => {
+                    retries.watching(&name, i);
                     watched = Some(h);
+                    down = false;
                     since = Instant::now();
                     continue;
                 }
-                Decision::Restart => {}
+                Decision::Restart => retries.checked(&name, i),
+                Decision::Retry(reason) => {
+                    pause = self.retry_later(&name, i, &mut retries, down, reason);
+                    continue;
+                }
             }
             let reassign_after = self.config.reassign_ports_after;
             if reassign_after > 0 && attempt >= reassign_after {
@@ -81,7 +112,9 @@ impl Inner {
                     Ok(Reassigned::NotNeeded) => {}
                     Ok(Reassigned::Decided(Decision::Stop)) => return,
                     Ok(Reassigned::Decided(Decision::Watch(h))) => {
+                        retries.watching(&name, i);
                         watched = Some(h);
+                        down = false;
                         since = Instant::now();
                         wait = backoff.initial;
                         attempt = 0;
@@ -92,6 +125,10 @@ impl Inner {
                         watched = None;
                         wait = backoff.initial;
                         attempt = 0;
+                    }
+                    Ok(Reassigned::Decided(Decision::Retry(reason))) => {
+                        pause = self.retry_later(&name, i, &mut retries, down, reason);
+                        continue;
                     }
                     Err(reason) => {
                         tracing::error!(service = %name, process = i, %reason, "re-choosing ports failed");
@@ -117,20 +154,62 @@ impl Inner {
                 .expect("restart panicked");
             match result {
                 Ok(Decision::Watch(h)) => {
+                    retries.watching(&name, i);
                     watched = Some(h);
+                    down = false;
                     since = Instant::now();
                 }
                 Ok(Decision::Stop) => return,
                 Ok(Decision::Restart) => {}
+                Ok(Decision::Retry(reason)) => {
+                    pause = self.retry_later(&name, i, &mut retries, down, reason);
+                }
+                // Not an end either (a spawn that failed with EMFILE, a
+                // record that could not be written): the next check finds
+                // the process still dead (the record names it, or none) and
+                // restarts again after the backoff. `watched` stays the dead
+                // process, so its exit is not reported twice.
                 Err(reason) => {
                     tracing::error!(service = %name, process = i, %reason, "restart failed");
                     self.emit(&name, Some(i), ServiceEventKind::Failed { reason });
-                    watched = None;
                 }
             }
         }
     }
 
+    /// A check of process `i` that could not be made now: not a decision
+    /// (R1). Logs it, and if the process is `down` reports it as
+    /// [`ServiceEventKind::Failed`] (it cannot be restarted now), both at
+    /// most once per [`REPORT_EVERY`] while the process stays down. Returns
+    /// how long to wait before checking again.
+    fn retry_later(
+        &self,
+        name: &str,
+        i: usize,
+        retries: &mut Retries,
+        down: bool,
+        reason: String,
+    ) -> Duration {
+        let (wait, report) = retries.fail();
+        if report {
+            tracing::warn!(
+                service = name,
+                process = i,
+                %reason,
+                retry_in = ?wait,
+                failed_checks = retries.failed,
+                "cannot check the process now: trying again (reported at most every {REPORT_EVERY:?})"
+            );
+            if down {
+                let reason = format!("{reason}; trying again");
+                self.emit(name, Some(i), ServiceEventKind::Failed { reason });
+            }
+        }
+        wait
+    }
+
+    /// What to do about process `i` (last seen as `watched`), decided under
+    /// the lock; [`Decision::Retry`] if the lock cannot be taken now.
     pub(super) async fn check_record(
         self: &Arc<Self>,
         name: &str,
@@ -142,7 +221,7 @@ impl Inner {
         tokio::task::spawn_blocking(move || {
             let _lock = match inner.lock() {
                 Ok(l) => l,
-                Err(_) => return Decision::Restart,
+                Err(e) => return Decision::Retry(lock_failed(&e)),
             };
             inner.decide(&name, i, watched)
         })
@@ -152,17 +231,49 @@ impl Inner {
 
     /// Under the lock: what to do about a dead process `watched`.
     pub(super) fn decide(&self, name: &str, i: usize, watched: Option<(u32, u64)>) -> Decision {
-        match self.read(name) {
-            Ok(Some(record)) => match record.processes.get(i) {
-                None => Decision::Stop,
-                Some(p) => match p.handle() {
-                    Some(h) if Some(h) != watched => Decision::Watch(h),
-                    Some(h) if self.alive(h.0, h.1) => Decision::Watch(h),
-                    _ => Decision::Restart,
-                },
+        match self.decide_restart(name, i, watched) {
+            Ok(_) => Decision::Restart,
+            Err(decision) => decision,
+        }
+    }
+
+    /// Under the lock: [`Decision::Restart`] as the record to restart from
+    /// (`Ok`), or any other decision (`Err`). Only a record read as gone
+    /// (the service was dropped) or without process `i` (its shape changed)
+    /// stops the supervisor; one that cannot be read now, the environment
+    /// file beside it included, is [`Decision::Retry`] (R1: a transient
+    /// error, EMFILE, is not a drop), and so is a process whose liveness
+    /// `/proc` cannot tell now.
+    pub(super) fn decide_restart(
+        &self,
+        name: &str,
+        i: usize,
+        watched: Option<(u32, u64)>,
+    ) -> Result<ServiceRecord, Decision> {
+        let record = match self.read(name) {
+            Ok(Some(record)) => record,
+            // Dropped: not ours to restart.
+            Ok(None) => return Err(Decision::Stop),
+            Err(e) => {
+                return Err(Decision::Retry(format!(
+                    "cannot read the service record: {e}"
+                )))
+            }
+        };
+        let Some(p) = record.processes.get(i) else {
+            return Err(Decision::Stop);
+        };
+        match p.handle() {
+            Some(h) if Some(h) != watched => Err(Decision::Watch(h)),
+            Some(h) => match self.liveness(h.0, h.1) {
+                Ok(true) => Err(Decision::Watch(h)),
+                Ok(false) => Ok(record),
+                Err(e) => Err(Decision::Retry(format!(
+                    "cannot tell whether PID {} still runs: {e}",
+                    h.0
+                ))),
             },
-            // Dropped, or unreadable: not ours to restart.
-            _ => Decision::Stop,
+            None => Ok(record),
         }
     }
 
@@ -179,14 +290,13 @@ impl Inner {
         i: usize,
         watched: Option<(u32, u64)>,
     ) -> Result<Reassigned, String> {
-        let _lock = self.lock().map_err(|e| e.to_string())?;
-        match self.decide(name, i, watched) {
-            Decision::Restart => {}
-            other => return Ok(Reassigned::Decided(other)),
-        }
-        let mut record = match self.read(name) {
-            Ok(Some(r)) => r,
-            _ => return Ok(Reassigned::Decided(Decision::Stop)),
+        let _lock = match self.lock() {
+            Ok(l) => l,
+            Err(e) => return Ok(Reassigned::Decided(Decision::Retry(lock_failed(&e)))),
+        };
+        let mut record = match self.decide_restart(name, i, watched) {
+            Ok(record) => record,
+            Err(other) => return Ok(Reassigned::Decided(other)),
         };
         let held: Vec<u16> = record.processes[i]
             .ports
@@ -219,7 +329,7 @@ impl Inner {
             .collect();
         let argv = argv_for(&args, &placements, &ports);
         self.kill_all(&record)
-            .map_err(|(j, pid)| format!("process {j} (PID {pid}) still alive 5 s after SIGKILL"))?;
+            .map_err(|(j, pid, reason)| format!("process {j} (PID {pid}): {reason}"))?;
         for (j, (argv, ports)) in argv.into_iter().zip(ports).enumerate() {
             record.processes[j].argv = argv;
             record.processes[j].ports = ports;
@@ -261,20 +371,19 @@ impl Inner {
         i: usize,
         watched: Option<(u32, u64)>,
     ) -> Result<Decision, String> {
-        let _lock = self.lock().map_err(|e| e.to_string())?;
-        match self.decide(name, i, watched) {
-            Decision::Restart => {}
-            other => return Ok(other),
-        }
-        let mut record = match self.read(name) {
-            Ok(Some(r)) => r,
-            _ => return Ok(Decision::Stop),
+        let _lock = match self.lock() {
+            Ok(l) => l,
+            Err(e) => return Ok(Decision::Retry(lock_failed(&e))),
+        };
+        let mut record = match self.decide_restart(name, i, watched) {
+            Ok(record) => record,
+            Err(other) => return Ok(other),
         };
         // Shared fate: the processes of a service form one cluster, and a
         // process started alone would join peers of another generation.
         // Kill them all, start them all.
         self.kill_all(&record)
-            .map_err(|(j, pid)| format!("process {j} (PID {pid}) still alive 5 s after SIGKILL"))?;
+            .map_err(|(j, pid, reason)| format!("process {j} (PID {pid}): {reason}"))?;
         tracing::warn!(
             service = name,
             process = i,
@@ -299,14 +408,13 @@ impl Inner {
     }
 
     /// Under the lock: kills every recorded process of `record`. Error: the
-    /// first (index, PID) still alive 5 s after SIGKILL.
-    pub(super) fn kill_all(&self, record: &ServiceRecord) -> Result<(), (usize, u32)> {
+    /// first (index, PID) not known to be gone after, and why (see
+    /// [`Inner::kill_confirmed`]).
+    pub(super) fn kill_all(&self, record: &ServiceRecord) -> Result<(), (usize, u32, String)> {
         for (i, p) in record.processes.iter().enumerate() {
             if let Some((pid, start)) = p.handle() {
-                self.kill(&record.name, i, pid, start);
-                if proc_alive(pid, start) {
-                    return Err((i, pid));
-                }
+                self.kill_confirmed(&record.name, i, pid, start)
+                    .map_err(|reason| (i, pid, reason))?;
             }
         }
         Ok(())
@@ -395,10 +503,92 @@ impl Inner {
     }
 }
 
+/// What a supervisor does about its process.
 pub(super) enum Decision {
+    /// Stop supervising: the service was dropped (no record), or its
+    /// record has no such process any more. Only a record read says so.
     Stop,
+    /// Watch this process (PID, start time): it runs, or replaced ours.
     Watch((u32, u64)),
+    /// Start the service again as a new generation.
     Restart,
+    /// Nothing can be decided now (the lock, the record or `/proc` cannot be
+    /// read: EMFILE, ENFILE, ENOMEM, an IO error): check again after a wait.
+    /// Why, for the report.
+    Retry(String),
+}
+
+/// Why the state lock cannot be taken now, for [`Decision::Retry`].
+fn lock_failed(e: &StateError) -> String {
+    format!("cannot take the state lock: {e}")
+}
+
+/// The first wait of a supervisor before checking again after a check it
+/// could not make; it doubles up to [`RETRY_MAX`].
+const RETRY_INITIAL: Duration = Duration::from_millis(100);
+
+/// The longest wait of a supervisor before checking again after a check it
+/// could not make.
+const RETRY_MAX: Duration = Duration::from_secs(2);
+
+/// A supervisor whose checks keep failing while its process is down reports
+/// it (a warning, and [`ServiceEventKind::Failed`]) at most once per this
+/// interval, not once per retry.
+const REPORT_EVERY: Duration = Duration::from_secs(10);
+
+/// A supervisor's checks that could not be made ([`Decision::Retry`]): how
+/// many in a row, the wait before the next, and when they were last
+/// reported.
+#[derive(Debug, Default)]
+struct Retries {
+    /// Checks that failed in a row.
+    failed: u32,
+    /// The wait before the next check.
+    wait: Duration,
+    /// When a failed check was last reported, while the process stays down.
+    reported: Option<Instant>,
+}
+
+impl Retries {
+    /// Counts a check that could not be made. Returns the wait before the
+    /// next ([`RETRY_INITIAL`], doubling to [`RETRY_MAX`]) and whether to
+    /// report this one (the first, then one per [`REPORT_EVERY`]).
+    fn fail(&mut self) -> (Duration, bool) {
+        self.failed += 1;
+        self.wait = if self.failed == 1 {
+            RETRY_INITIAL
+        } else {
+            (self.wait * 2).min(RETRY_MAX)
+        };
+        let report = self.reported.is_none_or(|at| at.elapsed() >= REPORT_EVERY);
+        if report {
+            self.reported = Some(Instant::now());
+        }
+        (self.wait, report)
+    }
+
+    /// A check was made again: the next failure waits from
+    /// [`RETRY_INITIAL`] again (but is reported only once per
+    /// [`REPORT_EVERY`] while the process stays down).
+    fn checked(&mut self, name: &str, i: usize) {
+        if self.failed > 0 {
+            tracing::info!(
+                service = name,
+                process = i,
+                failed_checks = self.failed,
+                "the process can be checked again"
+            );
+        }
+        self.failed = 0;
+        self.wait = Duration::ZERO;
+    }
+
+    /// The process runs (or is watched) again: the next failure is
+    /// reported at once.
+    fn watching(&mut self, name: &str, i: usize) {
+        self.checked(name, i);
+        self.reported = None;
+    }
 }
 
 /// What [`Inner::reassign_ports`] did.
@@ -412,3 +602,167 @@ pub(super) enum Reassigned {
 
 /// A process started: its index, PID and start time.
 pub(super) type Spawned = (usize, u32, u64);
+
+#[cfg(test)]
+mod tests {
+    //! The decision rule (R1): only a record read as gone stops a
+    //! supervisor; a check that cannot be made now is a retry. State that
+    //! cannot be read is made here by a directory where a file should be
+    //! (EISDIR): descriptor exhaustion itself is process-wide, so its test
+    //! is a binary of its own (`tests/descriptors.rs`).
+
+    use super::*;
+
+    /// An orchestrator on a fresh state directory, and a record of service
+    /// `s` whose one process is dead: recorded as this test process with
+    /// another start time (returned as the watched handle).
+    fn setup() -> (tempfile::TempDir, ProcessOrchestrator, (u32, u64)) {
+        let dir = tempfile::tempdir().unwrap();
+        let o = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1)).unwrap();
+        let me = std::process::id();
+        let dead = (me, proc_start_time(me).unwrap() + 1);
+        let record = ServiceRecord {
+            version: RECORD_VERSION,
+            name: "s".to_string(),
+            id: 1,
+            epoch: 1,
+            labels: BTreeMap::new(),
+            program: PathBuf::from("/nonexistent/bin/lockstep-test"),
+            env: BTreeMap::from([("K".to_string(), "v".to_string())]),
+            port_names: Vec::new(),
+            processes: vec![ProcessRecord {
+                argv: Vec::new(),
+                ports: BTreeMap::new(),
+                pid: Some(dead.0),
+                start_time: Some(dead.1),
+                restarts: 0,
+                namespace: None,
+                address: None,
+            }],
+            generation: 1,
+        };
+        o.inner.write(&record).unwrap();
+        (dir, o, dead)
+    }
+
+    /// Puts a directory where the file `path` is (reads of it fail with
+    /// EISDIR); returns its content to put back.
+    fn make_unreadable(path: &Path) -> Vec<u8> {
+        let content = std::fs::read(path).unwrap();
+        std::fs::remove_file(path).unwrap();
+        std::fs::create_dir(path).unwrap();
+        content
+    }
+
+    fn make_readable(path: &Path, content: &[u8]) {
+        std::fs::remove_dir(path).unwrap();
+        std::fs::write(path, content).unwrap();
+    }
+
+    fn is_retry(d: &Decision) -> bool {
+        matches!(d, Decision::Retry(_))
+    }
+
+    #[test]
+    fn only_a_record_read_as_gone_stops_a_supervisor() {
+        let (_dir, o, dead) = setup();
+        let inner = &o.inner;
+        assert!(matches!(
+            inner.decide("s", 0, Some(dead)),
+            Decision::Restart
+        ));
+        // No such process in the record: stop.
+        assert!(matches!(inner.decide("s", 1, Some(dead)), Decision::Stop));
+        // Another process in the record than the one that died: watch it.
+        assert!(matches!(
+            inner.decide("s", 0, None),
+            Decision::Watch(h) if h == dead
+        ));
+
+        // The record cannot be read now: not a drop.
+        let path = inner.record_path("s");
+        let content = make_unreadable(&path);
+        let d = inner.decide("s", 0, Some(dead));
+        assert!(
+            matches!(&d, Decision::Retry(r) if r.contains("cannot read the service record")),
+            "a record that cannot be read is not dropped"
+        );
+        // Neither may a restart or a port reassignment stop on it.
+        assert!(is_retry(&inner.restart("s", 0, Some(dead)).unwrap()));
+        assert!(matches!(
+            inner.reassign_ports("s", 0, Some(dead)),
+            Ok(Reassigned::Decided(Decision::Retry(_)))
+        ));
+        make_readable(&path, &content);
+        assert!(matches!(
+            inner.decide("s", 0, Some(dead)),
+            Decision::Restart
+        ));
+
+        // Nor its environment file.
+        let env = env_path(&path);
+        let content = make_unreadable(&env);
+        assert!(is_retry(&inner.decide("s", 0, Some(dead))));
+        assert!(is_retry(&inner.restart("s", 0, Some(dead)).unwrap()));
+        make_readable(&env, &content);
+
+        // Dropped (the record gone): stop.
+        remove_record(&path).unwrap();
+        assert!(matches!(inner.decide("s", 0, Some(dead)), Decision::Stop));
+        assert!(matches!(
+            inner.restart("s", 0, Some(dead)),
+            Ok(Decision::Stop)
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_lock_that_cannot_be_taken_is_a_retry() {
+        let (dir, o, dead) = setup();
+        let lock = dir.path().join("orchestrator.lock");
+        let content = make_unreadable(&lock);
+        let d = o.inner.check_record("s", 0, Some(dead)).await;
+        assert!(
+            matches!(&d, Decision::Retry(r) if r.contains("cannot take the state lock")),
+            "a lock that cannot be taken is no decision to restart"
+        );
+        assert!(is_retry(&o.inner.restart("s", 0, Some(dead)).unwrap()));
+        assert!(matches!(
+            o.inner.reassign_ports("s", 0, Some(dead)),
+            Ok(Reassigned::Decided(Decision::Retry(_)))
+        ));
+        make_readable(&lock, &content);
+        assert!(matches!(
+            o.inner.check_record("s", 0, Some(dead)).await,
+            Decision::Restart
+        ));
+    }
+
+    #[test]
+    fn retries_back_off_and_are_reported_once_per_interval() {
+        let mut r = Retries::default();
+        let waits: Vec<(Duration, bool)> = (0..7).map(|_| r.fail()).collect();
+        let ms = Duration::from_millis;
+        assert_eq!(
+            waits,
+            vec![
+                (ms(100), true),
+                (ms(200), false),
+                (ms(400), false),
+                (ms(800), false),
+                (ms(1600), false),
+                (ms(2000), false),
+                (ms(2000), false),
+            ]
+        );
+        // A check made again: the wait starts over, the report does not
+        // (the process is still down).
+        r.checked("s", 0);
+        assert_eq!(r.fail(), (ms(100), false));
+        // Once it runs again, the next failure is reported at once.
+        r.watching("s", 0);
+        assert_eq!(r.fail(), (ms(100), true));
+        // And one report per interval while it stays down.
+        r.reported = Instant::now().checked_sub(REPORT_EVERY);
+        assert_eq!(r.fail(), (ms(200), true));
+    }
+}
