@@ -176,8 +176,8 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
     .to_vec();
     // The partition variants (`crates/chaos/src/bin/distribution/partitions.rs`)
     // need simulated hosts: network namespaces, root and iproute2.
-    match crate::tasks::hosts_unavailable() {
-        None => defaults.extend(
+    if crate::tasks::hosts_available()? {
+        defaults.extend(
             [
                 "broadcast@hosts",
                 "barrier@hosts",
@@ -185,10 +185,7 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
                 "naive@hosts",
             ]
             .map(String::from),
-        ),
-        Some(why) => {
-            eprintln!("xtask: the @hosts variants of chaos distribution are skipped: {why}")
-        }
+        );
     }
     let strategies = if strategies.is_empty() {
         &defaults[..]
@@ -218,9 +215,8 @@ fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
         .map(String::from)
         .to_vec();
     // The link cuts need simulated hosts: network namespaces, root, iproute2.
-    match crate::tasks::hosts_unavailable() {
-        None => defaults.push("log@hosts".into()),
-        Some(why) => eprintln!("xtask: the @hosts variant of chaos campaign is skipped: {why}"),
+    if crate::tasks::hosts_available()? {
+        defaults.push("log@hosts".into());
     }
     defaults.push("naive".into());
     let strategies = if strategies.is_empty() {

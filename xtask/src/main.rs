@@ -12,6 +12,7 @@ mod model;
 mod network;
 mod new_policy;
 mod policies;
+mod prereqs;
 mod scale;
 mod soak;
 mod stages;
@@ -40,6 +41,11 @@ enum Task {
         /// Skip `cargo fmt --check` and clippy (faster local iteration).
         #[arg(long)]
         no_lint: bool,
+        /// Skip a step on purpose (repeat for several): python, hosts or
+        /// image. Listed again in the closing summary; nothing else is
+        /// ever skipped (a missing piece is installed, or fails the run).
+        #[arg(long = "skip", value_name = "NAME")]
+        skip: Vec<String>,
     },
     /// The main job: run the demo on the embedded default.
     Demo,
@@ -120,7 +126,7 @@ fn main() -> anyhow::Result<()> {
     match cli.task {
         Task::Build => tasks::build(),
         Task::BuildPolicies => policies::build_all().map(|_| ()),
-        Task::Test { no_lint } => tasks::test(!no_lint),
+        Task::Test { no_lint, skip } => tasks::test(!no_lint, &skip),
         Task::Demo => tasks::demo(),
         Task::Bench {
             quick,

@@ -21,8 +21,12 @@ pub fn build() -> anyhow::Result<()> {
 /// again).
 pub const TEST_FEATURES: &str = "lockstep-replica/failpoints,lockstep-cli/failpoints";
 
-/// Runs every check CI runs.
-pub fn test(lint: bool) -> anyhow::Result<()> {
+/// Runs every check CI runs. What a step needs beyond Rust is installed
+/// where it can be, else the run fails naming it (`crate::prereqs`);
+/// `skips` names steps skipped on purpose, listed again at the end.
+pub fn test(lint: bool, skips: &[String]) -> anyhow::Result<()> {
+    crate::prereqs::set_skips(skips)?;
+    crate::prereqs::set_strict();
     if lint {
         step("cargo fmt --check");
         let mut cmd = cargo();
@@ -46,6 +50,8 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     }
     step("building the policies");
     policies::build_all()?;
+    step("PostgreSQL for the store tests (installed if missing)");
+    crate::prereqs::postgres()?;
     step("cargo test (every crate)");
     let mut cmd = cargo();
     cmd.args(["test", "--workspace", "--features", TEST_FEATURES]);
@@ -62,6 +68,7 @@ pub fn test(lint: bool) -> anyhow::Result<()> {
     }
     crate::model::run(&[])?;
     crate::util::step_times();
+    crate::prereqs::summary();
     eprintln!("\nxtask: test: ok");
     Ok(())
 }
@@ -165,33 +172,17 @@ fn cargo_tree(args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// The Python modules the API client test needs.
-const PYTHON_MODULES: &str = "grpc, grpc_tools, grpc_reflection, grpc_health, prometheus_client";
-
 /// The API through a client generated in another language
-/// (`tests/python/api_test.py`, after `demo` built the binaries). Skipped,
-/// saying why, when Python or its grpc packages are missing (`.ci/run`
-/// installs them).
+/// (`tests/python/api_test.py`, after `demo` built the binaries), with a
+/// python3 that has its packages (`crate::prereqs::python`: installed into
+/// a virtual environment under `target/` if the system's lacks them).
 pub fn python_api() -> anyhow::Result<()> {
     step("the API from a generated Python client (reflection, health, every error code)");
-    let probe = std::process::Command::new("python3")
-        .args(["-c", &format!("import {PYTHON_MODULES}")])
-        .output();
-    match probe {
-        Ok(o) if o.status.success() => {}
-        Ok(o) => {
-            eprintln!(
-                "xtask: python API test skipped: python3 cannot import {PYTHON_MODULES} ({}); pip install grpcio grpcio-tools grpcio-reflection grpcio-health-checking prometheus-client",
-                String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("").trim()
-            );
-            return Ok(());
-        }
-        Err(e) => {
-            eprintln!("xtask: python API test skipped: no python3 ({e})");
-            return Ok(());
-        }
+    if crate::prereqs::skipped("python") {
+        return Ok(());
     }
-    let mut cmd = std::process::Command::new("python3");
+    let python = crate::prereqs::python()?;
+    let mut cmd = std::process::Command::new(python);
     cmd.arg(crate::util::root().join("tests/python/api_test.py"))
         .arg("--lockstep")
         .arg(target_dir().join("debug/lockstep"));
@@ -235,39 +226,31 @@ pub fn demo_on_postgres() -> anyhow::Result<()> {
 }
 
 /// `lockstep demo --hosts 2` (after [`demo`] built the binaries): the
-/// replica's processes on two simulated hosts. Skipped, saying why, where
-/// network namespaces cannot be made.
+/// replica's processes on two simulated hosts.
 pub fn demo_hosts() -> anyhow::Result<()> {
     step("demo across 2 simulated hosts (network namespaces)");
-    match hosts_unavailable() {
-        Some(why) => {
-            eprintln!("xtask: demo --hosts 2 skipped: {why}");
-            Ok(())
-        }
-        None => {
-            let mut cmd = std::process::Command::new(target_dir().join("debug/lockstep"));
-            cmd.args(["demo", "--hosts", "2"]);
-            run(cmd)
-        }
+    if !hosts_available()? {
+        return Ok(());
     }
+    let mut cmd = std::process::Command::new(target_dir().join("debug/lockstep"));
+    cmd.args(["demo", "--hosts", "2"]);
+    run(cmd)
 }
 
-/// Why simulated hosts (network namespaces, `lockstep serve --hosts`)
-/// cannot run here, if they cannot: they need root and `ip` (iproute2).
-pub fn hosts_unavailable() -> Option<String> {
-    let uid = std::process::Command::new("id")
-        .arg("-u")
-        .output()
-        .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
-    if uid.as_deref() != Some("0") {
-        return Some(format!(
-            "network namespaces need root (uid {})",
-            uid.as_deref().unwrap_or("unknown")
-        ));
+/// Whether simulated hosts (network namespaces, `lockstep serve --hosts`:
+/// root and iproute2) can run here, iproute2 installed if missing. False
+/// when skipped on purpose (`--skip hosts`); under `cargo xtask test` an
+/// error when they cannot run, elsewhere false, saying why.
+pub fn hosts_available() -> anyhow::Result<bool> {
+    if crate::prereqs::skipped("hosts") {
+        return Ok(false);
     }
-    match std::process::Command::new("ip").arg("-V").output() {
-        Ok(o) if o.status.success() => None,
-        _ => Some("the `ip` command (iproute2) is missing".to_string()),
+    match crate::prereqs::hosts() {
+        Ok(()) => Ok(true),
+        Err(e) if crate::prereqs::strict() => Err(e),
+        Err(e) => {
+            eprintln!("xtask: simulated hosts cannot run here: {e:#}");
+            Ok(false)
+        }
     }
 }
