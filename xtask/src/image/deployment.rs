@@ -238,14 +238,10 @@ fn health_serving(port: u16) -> anyhow::Result<()> {
          r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=''), timeout=10)\n\
          print(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))\n"
     );
-    let probe = Command::new("python3")
-        .args(["-c", "import grpc, grpc_health"])
-        .output();
-    if !matches!(probe, Ok(o) if o.status.success()) {
-        eprintln!("xtask: health not checked: python3 cannot import grpc, grpc_health");
-        return Ok(());
-    }
-    let out = Command::new("python3").args(["-c", &script]).output()?;
+    // A python3 with grpcio (installed into a venv under target/ if the
+    // system's lacks it): the health check is never left out.
+    let python = crate::prereqs::python()?;
+    let out = Command::new(python).args(["-c", &script]).output()?;
     let said = String::from_utf8_lossy(&out.stdout).trim().to_string();
     anyhow::ensure!(
         out.status.success() && said == "SERVING",
