@@ -29,4 +29,4 @@ pub use budget::{
     raise_descriptor_limit, Budget, BudgetError, BudgetMetrics, Caps, ListenerLabels, Share,
     MIN_RESERVE,
 };
-pub use pool::{Pool, PoolUsage, Proof, Slot, SUMMARY_INTERVAL};
+pub use pool::{Pool, PoolUsage, Proof, Slot, NO_BOUNDS_ENV, SUMMARY_INTERVAL};

@@ -17,6 +17,11 @@ use crate::budget::{Caps, ListenerLabels};
 /// pool: a peer without a credential must not be able to grow the log.
 pub const SUMMARY_INTERVAL: Duration = Duration::from_secs(10);
 
+/// Set in a process's environment, its pools have no caps and no
+/// deadline: the negative control of the hostile-neighbour campaign, which
+/// must catch it. Never set in production.
+pub const NO_BOUNDS_ENV: &str = "LOCKSTEP_EXPERIMENT_NO_ADMISSION_BOUNDS";
+
 /// What a port has open, for tests and logs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolUsage {
@@ -98,7 +103,23 @@ pub struct Pool {
 impl Pool {
     /// A pool named `name` (in logs and metrics) with `caps`; an unproven
     /// connection is closed `deadline` after its admission.
+    ///
+    /// With [`NO_BOUNDS_ENV`] set (the hostile campaign's negative control
+    /// only), the caps and the deadline are as good as none.
     pub fn new(name: &'static str, caps: Caps, deadline: Duration) -> Pool {
+        let (caps, deadline) = if std::env::var_os(NO_BOUNDS_ENV).is_some() {
+            tracing::warn!(
+                listener = name,
+                "{NO_BOUNDS_ENV} is set: no caps and no deadline on connections (a negative control)"
+            );
+            let none = Caps {
+                proven: 1 << 30,
+                unproven: 1 << 30,
+            };
+            (none, Duration::from_secs(86_400))
+        } else {
+            (caps, deadline)
+        };
         Pool {
             shared: Arc::new(Shared {
                 name,
