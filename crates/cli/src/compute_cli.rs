@@ -153,7 +153,7 @@ fn show_description(
 
 fn show_rows(rows: &[wire::Row], hex: bool) {
     for r in rows {
-        println!("{}\t{}", show_row(&r.values, hex), r.diff);
+        crate::output::line(format_args!("{}\t{}", show_row(&r.values, hex), r.diff));
     }
 }
 
@@ -360,7 +360,12 @@ pub async fn subscribe(
     while let Some(batch) = stream.next().await {
         let batch = batch.map_err(status_err)?;
         for u in &batch.updates {
-            println!("{}\t{}\t{}", u.time, show_row(&u.row, hex), u.diff);
+            crate::output::line(format_args!(
+                "{}\t{}\t{}",
+                u.time,
+                show_row(&u.row, hex),
+                u.diff
+            ));
         }
         match batch.upper.first() {
             None => break,

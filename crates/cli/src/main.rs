@@ -297,7 +297,9 @@ fn main() -> ExitCode {
     if cli.log_format == "json" {
         std::env::set_var(LOG_FORMAT_ENV, "json");
     }
+    // No ANSI colour where stderr is not a terminal (a file, a pipe, CI).
     let logs = tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("LOCKSTEP_LOG")

@@ -48,6 +48,21 @@ pub fn write_stdout(bytes: &[u8]) -> anyhow::Result<()> {
     }
 }
 
+/// Writes one line to stdout; once the reader went away (`peek | head`,
+/// `subscribe | head`) the command ends quietly with exit code 0, instead
+/// of a panic on the broken pipe.
+pub fn line(text: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_fmt(text).and_then(|()| out.write_all(b"\n")) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("lockstep: error: writing to stdout: {e}");
+        std::process::exit(1);
+    }
+}
+
 /// How a column's cells line up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Align {

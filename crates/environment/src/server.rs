@@ -88,7 +88,7 @@ impl tonic::service::Interceptor for TokenCheck {
             }
         } else if given.is_empty() {
             Err(Status::unauthenticated(
-                "this environment requires an API token (authorization: Bearer TOKEN)",
+                "this environment requires an API token (authorization: Bearer TOKEN); the lockstep CLI sends the one `lockstep serve` keeps in STATE_DIR/api.token with --state-dir DIR or LOCKSTEP_STATE_DIR, or --token-file FILE",
             ))
         } else {
             Err(Status::unauthenticated(
