@@ -6,12 +6,18 @@ reflection, checks grpc.health.v1 (the API and a replica), and then sends
 every error case of the table in proto/lockstep/environment/v1/environment.proto,
 checking the documented status code of each.
 
+`lockstep serve` runs as it does by default: every API call carries the
+token it made in its state directory (STATE/api.token) as
+`authorization: Bearer TOKEN` (health and reflection need none), and the
+metrics endpoint asks the read-only token it made there (STATE/metrics.token).
+
 Run by `cargo xtask test` (which skips it, saying why, if Python or the grpc
 packages are missing): python3 tests/python/api_test.py --lockstep BIN
 Ends with the line 'N passed, N failed'; exits 1 if anything failed.
 """
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -64,6 +70,42 @@ class Results:
             self.check(name, e.code() == expected, f"expected {expected.name}, got {e.code().name}: {e.details()}")
 
 
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer TOKEN` to the metadata of every call."""
+
+    def __init__(self, token):
+        self.header = ("authorization", "Bearer " + token)
+
+    def _details(self, d):
+        return _CallDetails(
+            d.method,
+            d.timeout,
+            list(d.metadata or []) + [self.header],
+            d.credentials,
+            getattr(d, "wait_for_ready", None),
+            getattr(d, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+
+def read_token(state, name):
+    """The first line of STATE/NAME, which `lockstep serve` wrote before its serving line."""
+    with open(os.path.join(state, name)) as f:
+        return f.readline().strip()
+
+
 def start(lockstep, state, extra):
     proc = subprocess.Popen(
         [lockstep, "serve", "--listen", "127.0.0.1:0", "--state-dir", state, "--orphan-interval-secs", "0"] + extra,
@@ -79,13 +121,17 @@ def start(lockstep, state, extra):
     return proc, m.group(1), metrics and metrics.group(1)
 
 
-def metric_families(url):
-    """GETs url and parses it with prometheus_client's OpenMetrics parser,
-    which raises on anything that is not valid OpenMetrics."""
+def metric_families(url, token=None):
+    """GETs url (with `token` as its bearer, if any) and parses it with
+    prometheus_client's OpenMetrics parser, which raises on anything that is
+    not valid OpenMetrics."""
     import urllib.request
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url, timeout=10) as answer:
+    request = urllib.request.Request(url)
+    if token is not None:
+        request.add_header("Authorization", "Bearer " + token)
+    with urllib.request.urlopen(request, timeout=10) as answer:
         content_type = answer.headers.get("Content-Type", "")
         text = answer.read().decode()
     return content_type, {f.name: f for f in text_string_to_metric_families(text)}
@@ -114,14 +160,33 @@ def main():
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     r = Results()
+    # mkdtemp makes it 0700, as `lockstep serve` requires.
     state = tempfile.mkdtemp(prefix="lockstep-py-state-")
     proc, addr, metrics_url = start(
         args.lockstep, state, ["--compaction-lag", "4", "--metrics-listen", "127.0.0.1:0"]
     )
     try:
+        token = read_token(state, "api.token")
+        metrics_token = read_token(state, "metrics.token")
         channel = grpc.insecure_channel(addr)
         grpc.channel_ready_future(channel).result(timeout=30)
-        api = eg.EnvironmentStub(channel)
+        # Health and reflection on the bare channel (they need no token),
+        # the API with its token on every call.
+        api = eg.EnvironmentStub(grpc.intercept_channel(channel, Bearer(token)))
+
+        # The token: a call without it, or with the metrics token, is refused.
+        r.code(
+            "an API call without the token: UNAUTHENTICATED",
+            lambda: eg.EnvironmentStub(channel).GetStatus(ep.GetStatusRequest()),
+            grpc.StatusCode.UNAUTHENTICATED,
+        )
+        r.code(
+            "an API call with the metrics token: UNAUTHENTICATED",
+            lambda: eg.EnvironmentStub(channel).GetStatus(
+                ep.GetStatusRequest(), metadata=(("authorization", "Bearer " + metrics_token),)
+            ),
+            grpc.StatusCode.UNAUTHENTICATED,
+        )
 
         # Discovery by reflection.
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -291,7 +356,17 @@ def main():
         # with prometheus_client's OpenMetrics parser (which raises on any
         # error in the exposition).
         r.check("serve prints its metrics address", metrics_url is not None)
-        content_type, env = metric_families(metrics_url)
+        import urllib.error
+
+        # The metrics endpoint asks its own token, on loopback too; the API
+        # token is not accepted there.
+        for what, bearer in (("no token", None), ("the API token", token)):
+            try:
+                metric_families(metrics_url, bearer)
+                r.check(f"environment metrics with {what}: 401", False, "answered 200")
+            except urllib.error.HTTPError as e:
+                r.check(f"environment metrics with {what}: 401", e.code == 401, str(e))
+        content_type, env = metric_families(metrics_url, metrics_token)
         r.check("environment metrics are OpenMetrics", content_type.startswith("application/openmetrics-text"), content_type)
         r.check(
             "environment metrics count NOT_FOUND answers of DropReplica",
@@ -327,16 +402,15 @@ def main():
             r.check(f"{name} name the build", sample(rep, "lockstep_replica_build_info", "lockstep_replica_build_info") == 1)
             # The same, relayed by the environment's endpoint (one address
             # and one token for every process).
-            content_type, relayed = metric_families(f"{metrics_url}/replicas/py/{p.index}")
+            content_type, relayed = metric_families(f"{metrics_url}/replicas/py/{p.index}", metrics_token)
             r.check(
                 f"{name} relayed by the environment",
                 content_type.startswith("application/openmetrics-text")
                 and sample(relayed, "lockstep_replica_mesh_peers", "lockstep_replica_mesh_peers") == 1,
                 content_type,
             )
-        import urllib.error
         try:
-            metric_families(f"{metrics_url}/replicas/nope/0")
+            metric_families(f"{metrics_url}/replicas/nope/0", metrics_token)
             r.check("relayed metrics of an unknown replica: 404", False, "answered 200")
         except urllib.error.HTTPError as e:
             r.check("relayed metrics of an unknown replica: 404", e.code == 404, str(e))

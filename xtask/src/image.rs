@@ -18,7 +18,10 @@
 //!    environment, state on a tmpfs owned by the image's user), checks from
 //!    the host that the API answers with the token and refuses without, that
 //!    a replica created through it serves (grpc.health.v1, `lockstep
-//!    status`), and that /metrics answers; then stops it.
+//!    status`), and that /metrics answers with the read-only metrics token
+//!    `lockstep serve` made in its state directory (read from the
+//!    container), and refuses without it or with the API token; then stops
+//!    it.
 //! 6. Runs `lockstep serve` in it with the shipped Deployment's exact
 //!    command, arguments and environment against the Kubernetes API double
 //!    and a throw-away PostgreSQL server ([`deployment`]).
@@ -61,26 +64,24 @@ pub struct Options {
 }
 
 /// The image check of `cargo xtask test`: [`image`] from the host's
-/// binaries (just built by the test), where a container engine can run
-/// here (podman whose `podman info` answers, or docker with its daemon);
-/// skipped, saying why, elsewhere.
+/// binaries (just built by the test). podman, debootstrap and runc are
+/// installed where they are missing (`crate::prereqs::podman`); an engine
+/// that still does not answer fails the run, naming it (`--skip image`
+/// skips the step on purpose).
 pub fn in_test() -> anyhow::Result<()> {
     step("the container image (cargo xtask image): lockstep demo and lockstep serve inside it");
-    let engine = match Engine::find() {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("xtask: image check skipped: {e:#}");
-            return Ok(());
-        }
-    };
+    if crate::prereqs::skipped("image") {
+        return Ok(());
+    }
+    crate::prereqs::podman()?;
+    let engine = Engine::find().context("the image check needs a container engine")?;
     if let Engine::Podman { .. } = engine {
         let mut info = engine.cmd();
         info.arg("info").stdout(Stdio::null()).stderr(Stdio::null());
         if !succeeds(info) {
-            eprintln!(
-                "xtask: image check skipped: podman is installed but `podman info` fails here"
+            anyhow::bail!(
+                "podman is installed but `podman info` fails here: the image check cannot run (pass --skip image to leave it out on purpose)"
             );
-            return Ok(());
         }
     }
     image(&Options {
@@ -981,23 +982,50 @@ fn check_serving(
         },
     )?;
     eprintln!("xtask: `lockstep status`:\n{status}");
-    let metrics = http_get(metrics_port, "/metrics")?;
-    if !metrics.starts_with("HTTP/1.1 200") && !metrics.starts_with("HTTP/1.0 200") {
+    // /metrics asks its own read-only token, on loopback too: the one
+    // `lockstep serve` made in its state directory, read in the container
+    // (as the image's user, who owns it).
+    let mut read = engine.cmd();
+    read.args(["exec", name, "cat", "/var/lib/lockstep/metrics.token"]);
+    let metrics_token =
+        output(read).map_err(|e| anyhow::anyhow!("reading the metrics token in {name}: {e}"))?;
+    let metrics_token = metrics_token.lines().next().unwrap_or("").trim();
+    let ok =
+        |answer: &str| answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200");
+    for (what, bearer) in [("no token", None), ("the API token", Some(token))] {
+        let answer = http_get(metrics_port, "/metrics", bearer)?;
+        if ok(&answer) {
+            bail!("/metrics answered with {what}");
+        }
+        eprintln!(
+            "xtask: /metrics with {what}: {}",
+            answer.lines().next().unwrap_or("")
+        );
+    }
+    let metrics = http_get(metrics_port, "/metrics", Some(metrics_token))?;
+    if !ok(&metrics) {
         bail!(
-            "/metrics did not answer 200: {}",
+            "/metrics did not answer 200 with the metrics token: {}",
             metrics.lines().next().unwrap_or("")
         );
     }
-    eprintln!("xtask: /metrics: 200, {} lines", metrics.lines().count());
+    eprintln!(
+        "xtask: /metrics with the metrics token: 200, {} lines",
+        metrics.lines().count()
+    );
     Ok(())
 }
 
-/// A plain HTTP/1.0 GET on 127.0.0.1; the whole answer.
-fn http_get(port: u16, path: &str) -> anyhow::Result<String> {
+/// A plain HTTP/1.0 GET on 127.0.0.1, with `token` as its bearer; the
+/// whole answer.
+fn http_get(port: u16, path: &str, token: Option<&str>) -> anyhow::Result<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port))
         .with_context(|| format!("connecting to the metrics port {port}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n{auth}\r\n")?;
     let mut answer = String::new();
     s.read_to_string(&mut answer)?;
     Ok(answer)

@@ -134,7 +134,10 @@ fn apt_install(packages: &[&str], for_what: &str) -> anyhow::Result<()> {
         .status()
         .context("running apt-get update")?;
     if !update.success() {
-        bail!("apt-get update failed ({update}); {for_what} needs {}", packages.join(", "));
+        bail!(
+            "apt-get update failed ({update}); {for_what} needs {}",
+            packages.join(", ")
+        );
     }
     let status = Command::new("apt-get")
         .args(["install", "-y", "-qq"])
@@ -193,7 +196,10 @@ pub fn python() -> anyhow::Result<PathBuf> {
             .is_ok_and(|o| o.status.success())
     };
     if !make(&venv) {
-        apt_install(&["python3-venv"], "the Python API test's virtual environment")?;
+        apt_install(
+            &["python3-venv"],
+            "the Python API test's virtual environment",
+        )?;
         if !make(&venv) {
             bail!(
                 "python3 -m venv {} failed even with python3-venv installed",
@@ -207,7 +213,13 @@ pub fn python() -> anyhow::Result<PathBuf> {
         venv.display()
     );
     let status = Command::new(&python)
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
         .args(PYTHON_PACKAGES)
         .status()
         .context("running pip in the virtual environment")?;

@@ -11,7 +11,9 @@
 //!    barrier, the default; `r2` broadcast and `r3` log, by `policy set
 //!    --replica`), two dataflows on each, write, peek.
 //! 3. SIGKILL that environment (the replica processes run on), start
-//!    today's `lockstep serve` on the same state dir, and check: the same
+//!    today's `lockstep serve` on the same state dir (0700; in its default
+//!    posture: from then on every client command sends the API token it
+//!    makes there, by `--token-file`), and check: the same
 //!    replica PIDs, no process restarted, no dataflow dropped by
 //!    reconciliation (the replica logs' "reconciliation drops dataflow"
 //!    lines), the version agreed with the old processes is 2 (today's `replica
@@ -26,7 +28,7 @@
 //! is exercised across versions too. Not in `cargo xtask test`: it builds a
 //! second copy of the workspace.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -62,12 +64,24 @@ fn git(root: &Path, args: &[&str]) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-/// Runs a client command of `lockstep` against `url`; its stdout.
-fn client(lockstep: &Path, url: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(lockstep)
-        .args(args)
-        .arg("--server")
-        .arg(url)
+/// The environment of the scenario: its API's URL, and the API token
+/// today's `lockstep serve` makes in the state directory (the release's
+/// serves without one on loopback and makes none).
+struct Server {
+    url: String,
+    token_file: PathBuf,
+}
+
+/// Runs a client command of `lockstep` against `server`, with the API token
+/// once today's environment made it (`--token-file`, which the release's
+/// client knows too); its stdout.
+fn client(lockstep: &Path, server: &Server, args: &[&str]) -> anyhow::Result<String> {
+    let mut cmd = Command::new(lockstep);
+    cmd.args(args).arg("--server").arg(&server.url);
+    if server.token_file.is_file() {
+        cmd.arg("--token-file").arg(&server.token_file);
+    }
+    let out = cmd
         .stdin(Stdio::null())
         .output()
         .with_context(|| format!("running {} {args:?}", lockstep.display()))?;
@@ -163,7 +177,7 @@ const AT_1: [&[&str]; 2] = [
 /// Writes `updates` (`ROW@TIME[:DIFF]`) to collection 1 of `replica`.
 fn write(
     lockstep: &Path,
-    url: &str,
+    server: &Server,
     replica: &str,
     updates: &[&str],
     upper: u64,
@@ -182,19 +196,19 @@ fn write(
     for u in updates {
         args.extend(["--update", u]);
     }
-    client(lockstep, url, &args).map(drop)
+    client(lockstep, server, &args).map(drop)
 }
 
 /// Whether `replica`'s collections 100 and 101 answer `want` at `at`.
 fn answers_are(
     lockstep: &Path,
-    url: &str,
+    server: &Server,
     replica: &str,
     at: u64,
     want: &[&[&str]; 2],
 ) -> anyhow::Result<()> {
     for (collection, want) in [100, 101].into_iter().zip(want) {
-        let got = peek(lockstep, url, replica, collection, at)?;
+        let got = peek(lockstep, server, replica, collection, at)?;
         if got != *want {
             bail!("replica {replica}: collection {collection} at {at}: {got:?}, not {want:?}");
         }
@@ -205,14 +219,14 @@ fn answers_are(
 /// Waits (up to 90 s) until every scenario replica answers `want` at `at`.
 fn every_replica_answers(
     lockstep: &Path,
-    url: &str,
+    server: &Server,
     at: u64,
     want: &[&[&str]; 2],
     what: &str,
 ) -> anyhow::Result<()> {
     for r in REPLICAS {
         eventually(what, Duration::from_secs(90), || {
-            answers_are(lockstep, url, r.name, at, want)
+            answers_are(lockstep, server, r.name, at, want)
         })?;
     }
     Ok(())
@@ -240,14 +254,14 @@ fn processes(list: &str, name: &str) -> Vec<(u32, u32, bool)> {
 /// The peek's rows, sorted (`ROW\tDIFF` lines).
 fn peek(
     lockstep: &Path,
-    url: &str,
+    server: &Server,
     replica: &str,
     collection: u64,
     at: u64,
 ) -> anyhow::Result<Vec<String>> {
     let out = client(
         lockstep,
-        url,
+        server,
         &[
             "peek",
             "--replica",
@@ -356,8 +370,20 @@ pub fn upgrade() -> anyhow::Result<()> {
         std::fs::remove_dir_all(&state)?;
     }
     std::fs::create_dir_all(&state)?;
+    // Private (0700): today's `lockstep serve` refuses a state directory
+    // other users can enter. What the release's made in it under the
+    // usual umask, today's narrows to 0600/0700.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700))?;
+    }
     let port = free_port()?;
-    let url = format!("http://127.0.0.1:{port}");
+    // Today's environment serves in its default posture: every call with
+    // the token it makes in the state directory.
+    let server = Server {
+        url: format!("http://127.0.0.1:{port}"),
+        token_file: state.join("api.token"),
+    };
     let scenario = Instant::now();
 
     step(&format!(
@@ -375,7 +401,7 @@ pub fn upgrade() -> anyhow::Result<()> {
         eventually(
             "the release's environment serves",
             Duration::from_secs(60),
-            || client(&old_lockstep, &url, &["status"]),
+            || client(&old_lockstep, &server, &["status"]),
         )?;
         // One replica per strategy: barrier is the default policy, the
         // others are set on their replica (the policies today's xtask
@@ -384,7 +410,7 @@ pub fn upgrade() -> anyhow::Result<()> {
         for r in REPLICAS {
             client(
                 &old_lockstep,
-                &url,
+                &server,
                 &[
                     "replica",
                     "create",
@@ -402,7 +428,7 @@ pub fn upgrade() -> anyhow::Result<()> {
                 }
                 client(
                     &old_lockstep,
-                    &url,
+                    &server,
                     &[
                         "policy",
                         "set",
@@ -418,7 +444,7 @@ pub fn upgrade() -> anyhow::Result<()> {
             ] {
                 client(
                     &old_lockstep,
-                    &url,
+                    &server,
                     &[
                         "dataflow",
                         "create",
@@ -435,16 +461,16 @@ pub fn upgrade() -> anyhow::Result<()> {
             }
             write(
                 &old_lockstep,
-                &url,
+                &server,
                 r.name,
                 &["1,10@0", "1,20@0", "2,5@0"],
                 1,
             )?;
         }
         let mut before = Vec::new();
-        every_replica_answers(&old_lockstep, &url, 0, &AT_0, "the release answers")?;
+        every_replica_answers(&old_lockstep, &server, 0, &AT_0, "the release answers")?;
         for r in REPLICAS {
-            let list = client(&old_lockstep, &url, &["replica", "list"])?;
+            let list = client(&old_lockstep, &server, &["replica", "list"])?;
             let procs = processes(&list, r.name);
             if procs.len() != 2 || !procs.iter().all(|p| p.2 && p.1 != 0) {
                 bail!("the release's replica {} is not running: {list}", r.name);
@@ -474,7 +500,7 @@ pub fn upgrade() -> anyhow::Result<()> {
         let checks = (|| -> anyhow::Result<String> {
             every_replica_answers(
                 &old_lockstep,
-                &url,
+                &server,
                 0,
                 &AT_0,
                 "today's environment answers the old peeks",
@@ -483,7 +509,7 @@ pub fn upgrade() -> anyhow::Result<()> {
                 "today's replica list shows the agreed version",
                 Duration::from_secs(30),
                 || {
-                    let list = client(&new_lockstep, &url, &["replica", "list"])?;
+                    let list = client(&new_lockstep, &server, &["replica", "list"])?;
                     if list.matches(" protocol 2").count() != 2 * REPLICAS.len() {
                         bail!("not every process agreed version 2 yet: {list}");
                     }
@@ -503,11 +529,11 @@ pub fn upgrade() -> anyhow::Result<()> {
                 bail!("a {version} process reported a build version: {list}");
             }
             for r in REPLICAS {
-                write(&old_lockstep, &url, r.name, &["3,7@1", "1,10@1:-1"], 2)?;
+                write(&old_lockstep, &server, r.name, &["3,7@1", "1,10@1:-1"], 2)?;
             }
             every_replica_answers(
                 &old_lockstep,
-                &url,
+                &server,
                 1,
                 &AT_1,
                 "a write after the upgrade is answered",
@@ -516,7 +542,7 @@ pub fn upgrade() -> anyhow::Result<()> {
             if dropped != 0 {
                 bail!("{dropped} dataflow(s) dropped by reconciliation after the upgrade");
             }
-            let final_list = client(&new_lockstep, &url, &["replica", "list"])?;
+            let final_list = client(&new_lockstep, &server, &["replica", "list"])?;
             let restarts: Vec<&str> = final_list
                 .lines()
                 .filter(|l| l.trim_start().starts_with("process"))
@@ -539,7 +565,7 @@ pub fn upgrade() -> anyhow::Result<()> {
             );
             let mut downs = Vec::new();
             for r in REPLICAS {
-                let upgraded = client(&new_lockstep, &url, &["replica", "upgrade", r.name])?;
+                let upgraded = client(&new_lockstep, &server, &["replica", "upgrade", r.name])?;
                 let prefix = format!("replica {} {want}", r.name);
                 let Some(down) = upgraded
                     .lines()
@@ -550,7 +576,7 @@ pub fn upgrade() -> anyhow::Result<()> {
                 };
                 downs.push(format!("{} ({}) {down} s", r.name, r.strategy));
             }
-            let list = client(&new_lockstep, &url, &["replica", "list"])?;
+            let list = client(&new_lockstep, &server, &["replica", "list"])?;
             let moved: Vec<u32> = REPLICAS
                 .iter()
                 .flat_map(|r| processes(&list, r.name))
@@ -561,7 +587,7 @@ pub fn upgrade() -> anyhow::Result<()> {
             }
             every_replica_answers(
                 &new_lockstep,
-                &url,
+                &server,
                 1,
                 &AT_1,
                 "the upgraded replica answers",

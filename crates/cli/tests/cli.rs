@@ -3,7 +3,7 @@
 //! here with serde_json), tables as wide as their content, `replica create
 //! --wait`, shell completions, and `-o` refusing an unknown format.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
@@ -19,63 +19,84 @@ fn bin() -> &'static Path {
 /// Every bounded wait of this test.
 const WAIT: Duration = Duration::from_secs(90);
 
-/// Runs `lockstep ARGS` (bounded).
-async fn run(args: &[&str]) -> Output {
-    tokio::time::timeout(
-        WAIT,
-        tokio::process::Command::new(bin())
-            .args(args)
-            .stdin(Stdio::null())
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("the CLI finished in time")
-    .unwrap()
+/// A `lockstep serve` of this test: its API's URL and its state directory,
+/// whose `api.token` (made by `lockstep serve`) the CLI sends, given the
+/// directory as a user gives it (`LOCKSTEP_STATE_DIR`).
+struct Api {
+    url: String,
+    state: PathBuf,
 }
 
-/// Runs `lockstep ARGS --server URL`, which must succeed; its stdout.
-async fn ok(url: &str, args: &[&str]) -> String {
+/// Runs `lockstep ARGS` (bounded).
+async fn run(args: &[&str]) -> Output {
+    command(args, None).await
+}
+
+/// Runs `lockstep ARGS --server URL` against `api` (bounded).
+async fn run_on(api: &Api, args: &[&str]) -> Output {
     let mut all = args.to_vec();
-    all.extend(["--server", url]);
-    let o = run(&all).await;
+    all.extend(["--server", &api.url]);
+    command(&all, Some(&api.state)).await
+}
+
+/// Runs `lockstep ARGS` with `LOCKSTEP_STATE_DIR` set to `state`, if any
+/// (bounded).
+async fn command(args: &[&str], state: Option<&Path>) -> Output {
+    let mut cmd = tokio::process::Command::new(bin());
+    cmd.args(args).stdin(Stdio::null()).kill_on_drop(true);
+    match state {
+        Some(state) => cmd.env("LOCKSTEP_STATE_DIR", state),
+        None => cmd.env_remove("LOCKSTEP_STATE_DIR"),
+    };
+    tokio::time::timeout(WAIT, cmd.output())
+        .await
+        .expect("the CLI finished in time")
+        .unwrap()
+}
+
+/// Runs `lockstep ARGS --server URL` against `api`, which must succeed; its
+/// stdout.
+async fn ok(api: &Api, args: &[&str]) -> String {
+    let o = run_on(api, args).await;
     assert!(
         o.status.success(),
-        "lockstep {all:?}: {}",
+        "lockstep {args:?}: {}",
         String::from_utf8_lossy(&o.stderr)
     );
     String::from_utf8(o.stdout).unwrap()
 }
 
 /// `lockstep ARGS -o json`, parsed.
-async fn json(url: &str, args: &[&str]) -> Value {
+async fn json(api: &Api, args: &[&str]) -> Value {
     let mut all = args.to_vec();
     all.extend(["-o", "json"]);
-    let text = ok(url, &all).await;
+    let text = ok(api, &all).await;
     serde_json::from_str(&text)
         .unwrap_or_else(|e| panic!("lockstep {all:?}: not JSON ({e}): {text}"))
 }
 
 /// Starts `lockstep serve` on `sandbox` with `extra` arguments; the child
-/// (killed on drop) and the API's URL.
-async fn serve(sandbox: &Sandbox, extra: &[&str]) -> (tokio::process::Child, String) {
-    common::serve(sandbox.path(), &common::replica_binary(), extra).await
+/// (killed on drop) and its API.
+async fn serve(sandbox: &Sandbox, extra: &[&str]) -> (tokio::process::Child, Api) {
+    let (child, url) = common::serve(sandbox.path(), &common::replica_binary(), extra).await;
+    let state = sandbox.path().to_path_buf();
+    (child, Api { url, state })
 }
 
 /// `lockstep input write --replica REPLICA --collection ARGS`, which must
 /// succeed.
-async fn write(url: &str, replica: &str, args: &[&str]) {
+async fn write(api: &Api, replica: &str, args: &[&str]) {
     let all = [
         &["input", "write", "--replica", replica, "--collection"][..],
         args,
     ]
     .concat();
-    ok(url, &all).await;
+    ok(api, &all).await;
 }
 
 /// The PIDs of replica `name`'s processes, from `replica list -o json`.
-async fn pids(url: &str, name: &str) -> Vec<u64> {
-    let v = json(url, &["replica", "list"]).await;
+async fn pids(api: &Api, name: &str) -> Vec<u64> {
+    let v = json(api, &["replica", "list"]).await;
     let r = v["replicas"]
         .as_array()
         .and_then(|rs| rs.iter().find(|r| r["name"] == name))
@@ -97,15 +118,15 @@ async fn pids(url: &str, name: &str) -> Vec<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_upgrade_restarts_every_process_and_checks_the_build() {
     let sandbox = Sandbox::new().unwrap();
-    let (_serve, url) = serve(&sandbox, &[]).await;
+    let (_serve, api) = serve(&sandbox, &[]).await;
     let version = env!("CARGO_PKG_VERSION");
     ok(
-        &url,
+        &api,
         &["replica", "create", "u", "--processes", "2", "--wait"],
     )
     .await;
     ok(
-        &url,
+        &api,
         &[
             "dataflow",
             "create",
@@ -119,41 +140,41 @@ async fn replica_upgrade_restarts_every_process_and_checks_the_build() {
     )
     .await;
     let collection = ["--replica", "u", "--collection"];
-    write(&url, "u", &["1", "--upper", "1", "--update", "1,10@0"]).await;
+    write(&api, "u", &["1", "--upper", "1", "--update", "1,10@0"]).await;
     let peek = [&["peek"][..], &collection, &["101", "--at", "0"]].concat();
-    assert_eq!(ok(&url, &peek).await.trim(), "1,10\t1");
-    let first = pids(&url, "u").await;
+    assert_eq!(ok(&api, &peek).await.trim(), "1,10\t1");
+    let first = pids(&api, "u").await;
 
     // Not the build the processes run: restarted, then refused by name.
-    let o = run(&["replica", "upgrade", "u", "--to", "9.9.9", "--server", &url]).await;
+    let o = run_on(&api, &["replica", "upgrade", "u", "--to", "9.9.9"]).await;
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(
         err.contains("not on build 9.9.9") && err.contains(&format!("reports build {version}")),
         "{err}"
     );
-    let second = pids(&url, "u").await;
+    let second = pids(&api, "u").await;
     assert!(
         first.iter().all(|p| !second.contains(p)),
         "every process restarted: {first:?} then {second:?}"
     );
 
     // This build: upgraded, with the builds and the downtime printed.
-    let out = ok(&url, &["replica", "upgrade", "u"]).await;
+    let out = ok(&api, &["replica", "upgrade", "u"]).await;
     assert!(
         out.contains(&format!(
             "replica u upgraded: build {version} (protocol 3) -> build {version} (protocol 3); down "
         )),
         "{out}"
     );
-    let third = pids(&url, "u").await;
+    let third = pids(&api, "u").await;
     assert!(
         second.iter().all(|p| !third.contains(p)),
         "every process restarted: {second:?} then {third:?}"
     );
-    assert_eq!(ok(&url, &peek).await.trim(), "1,10\t1", "rehydrated");
+    assert_eq!(ok(&api, &peek).await.trim(), "1,10\t1", "rehydrated");
 
-    let o = run(&["replica", "restart", "nosuch", "--server", &url]).await;
+    let o = run_on(&api, &["replica", "restart", "nosuch"]).await;
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains(&tonic::Code::NotFound.to_string()), "{err}");
@@ -163,13 +184,13 @@ async fn replica_upgrade_restarts_every_process_and_checks_the_build() {
 async fn every_list_and_status_command_prints_json_and_tables_fit_their_content() {
     let sandbox = Sandbox::new().unwrap();
     // A small answer limit, so that a peek can exceed it here.
-    let (mut server, url) = serve(&sandbox, &["--max-answer-bytes", "4096"]).await;
+    let (mut server, api) = serve(&sandbox, &["--max-answer-bytes", "4096"]).await;
 
     // A replica with a name longer than the old fixed column (20), created
     // with --wait: it returns once the replica serves.
     let long = "a-replica-named-longer-than-twenty-characters";
     let out = ok(
-        &url,
+        &api,
         &[
             "replica",
             "create",
@@ -187,7 +208,7 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
         "{out}"
     );
     ok(
-        &url,
+        &api,
         &[
             "dataflow",
             "create",
@@ -202,7 +223,7 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
     .await;
 
     // replica list -o json.
-    let v = json(&url, &["replica", "list"]).await;
+    let v = json(&api, &["replica", "list"]).await;
     let replicas = v["replicas"].as_array().expect("replicas: an array");
     assert_eq!(replicas.len(), 1, "{v}");
     let r = &replicas[0];
@@ -219,7 +240,7 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
     }
 
     // status -o json: after --wait, the replica serves.
-    let v = json(&url, &["status"]).await;
+    let v = json(&api, &["status"]).await;
     assert_eq!(v["epoch"], 1, "{v}");
     assert_eq!(v["orphan_rule"], "id-watermark");
     assert_eq!(v["replicas"][0]["name"], long);
@@ -231,7 +252,7 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
     );
 
     // dataflow list -o json.
-    let v = json(&url, &["dataflow", "list"]).await;
+    let v = json(&api, &["dataflow", "list"]).await;
     let d = &v["dataflows"][0];
     assert_eq!(d["replica"], long, "{v}");
     assert_eq!(d["inputs"], serde_json::json!([1]));
@@ -244,7 +265,7 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
     );
 
     // policy show -o json.
-    let v = json(&url, &["policy", "show"]).await;
+    let v = json(&api, &["policy", "show"]).await;
     let policies = v["policies"].as_array().expect("policies");
     assert!(
         policies.iter().any(|p| p["kind"] == "orphans"
@@ -255,7 +276,7 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
 
     // The table sizes its columns to the long name: the row's next column
     // starts where the header's does.
-    let table = ok(&url, &["replica", "list"]).await;
+    let table = ok(&api, &["replica", "list"]).await;
     let mut lines = table.lines();
     let header = lines.next().unwrap();
     let row = lines.next().unwrap();
@@ -271,9 +292,9 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
     // A peek answer over the API's answer limit (4096 bytes here) is
     // RESOURCE_EXHAUSTED naming the limit; a smaller one is answered.
     let collection = ["--replica", long, "--collection"];
-    write(&url, long, &["1", "--upper", "1", "--update", "1,10@0"]).await;
+    write(&api, long, &["1", "--upper", "1", "--update", "1,10@0"]).await;
     let small = ok(
-        &url,
+        &api,
         &[&["peek"][..], &collection, &["101", "--at", "0"]].concat(),
     )
     .await;
@@ -284,13 +305,11 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
     for u in &updates {
         write.extend(["--update", u]);
     }
-    ok(&url, &write).await;
-    let o = run(&[
-        &["peek"][..],
-        &collection,
-        &["101", "--at", "1", "--server", &url],
-    ]
-    .concat())
+    ok(&api, &write).await;
+    let o = run_on(
+        &api,
+        &[&["peek"][..], &collection, &["101", "--at", "1"]].concat(),
+    )
     .await;
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
@@ -301,7 +320,7 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
     );
 
     // An unknown format is a usage error (2).
-    let o = run(&["replica", "list", "-o", "yaml", "--server", &url]).await;
+    let o = run_on(&api, &["replica", "list", "-o", "yaml"]).await;
     assert_eq!(o.status.code(), Some(2), "{o:?}");
 
     // Shell completions.

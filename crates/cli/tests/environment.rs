@@ -142,6 +142,38 @@ async fn the_cli_creates_lists_and_drops_replicas() {
     assert!(!stdout(&o).contains("r1"));
 }
 
+/// The permission bits of `path`.
+fn mode(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
+fn set_mode(path: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// Runs `lockstep replica ARGS --server URL` as a user would: no token but
+/// what `args` give (not even from the state directory of the environment
+/// this test started, which [`cli`] would pass).
+async fn cli_as_given(url: &str, args: &[&str]) -> Output {
+    tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        tokio::process::Command::new(bin())
+            .arg("replica")
+            .args(args)
+            .args(["--server", url])
+            .env_remove("LOCKSTEP_STATE_DIR")
+            .env_remove("LOCKSTEP_API_TOKEN")
+            .env_remove("LOCKSTEP_TOKEN_FILE")
+            .stdin(std::process::Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("the CLI finished in time")
+    .unwrap()
+}
+
 async fn serve_fails(state_dir: &Path, extra: &[&str]) -> String {
     let o = tokio::time::timeout(
         std::time::Duration::from_secs(30),
@@ -164,15 +196,38 @@ async fn bad_input_is_refused_clearly_and_deletes_nothing() {
     let sandbox = Sandbox::new().unwrap();
     let sleep = ["--service-binary", "sleep", "--service-arg", "300"];
 
-    let err = serve_fails(&sandbox.path().join("missing"), &sleep).await;
+    // A missing state directory is created 0700 (before the bad service
+    // binary is refused).
+    let missing = sandbox.path().join("missing");
+    let err = serve_fails(&missing, &["--service-binary", "/nonexistent/replica"]).await;
     assert!(err.contains("does not exist"), "{err}");
-    assert!(!sandbox.path().join("missing").exists(), "not created");
+    assert_eq!(mode(&missing), 0o700, "created private");
+    // One other users can write is refused, naming its mode.
+    let shared = sandbox.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    set_mode(&shared, 0o775);
+    let err = serve_fails(&shared, &sleep).await;
+    assert!(
+        err.contains("open to other users") && err.contains("775"),
+        "{err}"
+    );
+    assert_eq!(mode(&shared), 0o775, "left as it is");
+    // One of ours others can only read or enter (what `mkdir` makes under a
+    // 022 umask) is never used open: refused naming its mode, or made 0700
+    // before anything is written in it (before the bad service binary is
+    // refused).
+    let readable = sandbox.path().join("readable");
+    std::fs::create_dir(&readable).unwrap();
+    set_mode(&readable, 0o755);
+    let err = serve_fails(&readable, &["--service-binary", "/nonexistent/replica"]).await;
+    let refused = err.contains("open to other users") && err.contains("755");
+    assert!(refused || mode(&readable) == 0o700, "{err}");
     let file = sandbox.path().join("file");
     std::fs::write(&file, b"x").unwrap();
     let err = serve_fails(&file, &sleep).await;
     assert!(err.contains("is not a directory"), "{err}");
-    // Even root cannot create files in /proc.
-    let err = serve_fails(Path::new("/proc"), &sleep).await;
+    // Even root cannot create files in /proc/self/fd (a 0500 directory).
+    let err = serve_fails(Path::new("/proc/self/fd"), &sleep).await;
     assert!(err.contains("not writable"), "{err}");
 
     // A running environment with a replica, then crashed.
@@ -368,16 +423,19 @@ async fn a_failing_or_nonsensical_policy_deletes_nothing() {
     }
 }
 
-/// The API off loopback needs a token, and with one every call must carry
-/// it: without it or with another, UNAUTHENTICATED; the CLI sends it from
-/// `--token-file`.
+/// The API needs a token, on loopback too, and every call must carry it:
+/// without it or with another, UNAUTHENTICATED. By default `lockstep serve`
+/// makes it in its state directory (`api.token`, 0600, kept across
+/// restarts) and the CLI sends it from `--state-dir`; a given one
+/// (`--api-token-file`) the CLI sends from `--token-file`. Without a token
+/// (`--insecure-loopback`) it serves on loopback only.
 #[tokio::test]
-async fn the_api_token_is_required_off_loopback_and_checked_on_every_call() {
+async fn the_api_token_is_required_by_default_and_checked_on_every_call() {
     let sandbox = Sandbox::new().unwrap();
     let o = tokio::process::Command::new(bin())
         .args(["serve", "--state-dir"])
         .arg(sandbox.path())
-        .args(["--listen", "0.0.0.0:0"])
+        .args(["--listen", "0.0.0.0:0", "--insecure-loopback"])
         .env_remove("LOCKSTEP_API_TOKEN")
         .output()
         .await
@@ -436,6 +494,58 @@ async fn the_api_token_is_required_off_loopback_and_checked_on_every_call() {
     let o = list(vec!["--token-file".into(), token.display().to_string()]).await;
     assert!(o.status.success(), "{}", stderr(&o));
     env.kill().await.unwrap();
+
+    // The default: the token made in the state directory, on loopback too.
+    let state = Sandbox::new().unwrap();
+    let env = EnvProcess::start(bin(), state.path(), "id-watermark", None, &[])
+        .await
+        .unwrap();
+    let made = env
+        .token
+        .clone()
+        .expect("a token made in the state directory");
+    assert!(
+        made.len() == 64 && made.chars().all(|c| c.is_ascii_hexdigit()),
+        "{made}"
+    );
+    let file = state.path().join("api.token");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), format!("{made}\n"));
+    assert_eq!(mode(&file), 0o600);
+    assert_eq!(mode(&state.path().join("metrics.token")), 0o600);
+    let o = cli_as_given(&env.url, &["list"]).await;
+    assert!(!o.status.success(), "served a call without the token");
+    assert!(
+        stderr(&o).contains("requires an API token"),
+        "{}",
+        stderr(&o)
+    );
+    let metrics = state.path().join("metrics.token");
+    let o = cli_as_given(
+        &env.url,
+        &["list", "--token-file", metrics.to_str().unwrap()],
+    )
+    .await;
+    assert!(!o.status.success(), "the metrics token drove the API");
+    let dir = state.path().to_str().unwrap();
+    let o = cli_as_given(&env.url, &["list", "--state-dir", dir]).await;
+    assert!(o.status.success(), "{}", stderr(&o));
+    drop(env);
+
+    // --insecure-loopback: no token on loopback.
+    let state = Sandbox::new().unwrap();
+    let env = EnvProcess::start(
+        bin(),
+        state.path(),
+        "id-watermark",
+        None,
+        &["--insecure-loopback"],
+    )
+    .await
+    .unwrap();
+    assert_eq!(env.token, None);
+    assert!(!state.path().join("api.token").exists());
+    let o = cli_as_given(&env.url, &["list"]).await;
+    assert!(o.status.success(), "{}", stderr(&o));
 }
 
 /// With --tls-cert and --tls-key the API speaks TLS: a client that trusts

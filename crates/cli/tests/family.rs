@@ -17,15 +17,15 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::time::Duration;
 
+use common::Client;
 use futures::StreamExt;
 use lockstep_chaos::environment::Sandbox;
 use lockstep_environment::proto;
-use lockstep_environment::proto::environment_client::EnvironmentClient;
 use lockstep_example_reachability::{self as reachability, describe, reference, FORMAT};
 use lockstep_protocol::{proto as wire, Update};
-use tonic::transport::Channel;
 
 const REPLICA: &str = "graph";
 /// The exports: the distances from n0 and from n5.
@@ -33,15 +33,10 @@ const ROOTS: [(u64, &str); 2] = [(101, "n0"), (102, "n5")];
 /// Every bounded wait of this test.
 const WAIT: Duration = Duration::from_secs(60);
 
-async fn client(url: &str) -> EnvironmentClient<Channel> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
-        .unwrap()
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(WAIT)
-        .connect()
-        .await
-        .unwrap();
-    EnvironmentClient::new(channel)
+/// A client of the environment at `url` on `state`, sending the token
+/// `lockstep serve` made there.
+async fn client(url: &str, state: &Path) -> Client {
+    common::client(url, state, WAIT).await
 }
 
 fn create(format: &str, exports: Vec<wire::Export>) -> proto::CreateDataflowRequest {
@@ -62,7 +57,7 @@ fn export(e: lockstep_protocol::Export) -> wire::Export {
     }
 }
 
-async fn write(c: &mut EnvironmentClient<Channel>, updates: &[Update], upper: u64) {
+async fn write(c: &mut Client, updates: &[Update], upper: u64) {
     c.write_input(proto::WriteInputRequest {
         replica: REPLICA.into(),
         collection_id: 1,
@@ -75,12 +70,7 @@ async fn write(c: &mut EnvironmentClient<Channel>, updates: &[Update], upper: u6
 
 /// Peeks every root at every time in `times` and compares with the
 /// reference over `written`.
-async fn check_peeks(
-    c: &mut EnvironmentClient<Channel>,
-    written: &[Update],
-    times: std::ops::Range<u64>,
-    when: &str,
-) {
+async fn check_peeks(c: &mut Client, written: &[Update], times: std::ops::Range<u64>, when: &str) {
     for (collection, root) in ROOTS {
         for t in times.clone() {
             let rows = c
@@ -109,7 +99,7 @@ async fn check_peeks(
     }
 }
 
-async fn pids(c: &mut EnvironmentClient<Channel>) -> Vec<u32> {
+async fn pids(c: &mut Client) -> Vec<u32> {
     let r = c
         .list_replicas(proto::ListReplicasRequest::default())
         .await
@@ -125,7 +115,7 @@ async fn a_family_of_your_own_walks_through_lockstep_serve_and_a_restart() {
     let binary = common::reachability_binary();
     let args = ["--format", FORMAT];
     let (mut serve, url) = common::serve(sandbox.path(), &binary, &args).await;
-    let mut c = client(&url).await;
+    let mut c = client(&url, sandbox.path()).await;
     let r = c
         .create_replica(proto::CreateReplicaRequest {
             name: REPLICA.into(),
@@ -223,7 +213,7 @@ async fn a_family_of_your_own_walks_through_lockstep_serve_and_a_restart() {
     // SIGKILL, then the same state: the processes are adopted.
     serve.kill().await.unwrap();
     let (_serve, url) = common::serve(sandbox.path(), &binary, &args).await;
-    let mut c = client(&url).await;
+    let mut c = client(&url, sandbox.path()).await;
     assert_eq!(pids(&mut c).await, before, "the processes were adopted");
     check_peeks(&mut c, &written, 0..3, "after the restart").await;
     let more = vec![Update {
@@ -252,6 +242,7 @@ async fn a_family_of_your_own_walks_through_lockstep_serve_and_a_restart() {
     let description = hex(&describe(103, "n7").description);
     let out = lockstep(
         &url,
+        sandbox.path(),
         &[
             "dataflow",
             "create",
@@ -272,6 +263,7 @@ async fn a_family_of_your_own_walks_through_lockstep_serve_and_a_restart() {
     let edge = reachability::edge("n8", "n9");
     lockstep(
         &url,
+        sandbox.path(),
         &[
             "input",
             "write",
@@ -293,6 +285,7 @@ async fn a_family_of_your_own_walks_through_lockstep_serve_and_a_restart() {
     });
     let out = lockstep(
         &url,
+        sandbox.path(),
         &[
             "peek",
             "--replica",
@@ -315,19 +308,21 @@ async fn a_family_of_your_own_walks_through_lockstep_serve_and_a_restart() {
         "the CLI's peek of the distances from n7 at 4"
     );
     assert!(expected.contains(&format!("{}\t1", hex(&reachability::distance("n9", 2)))));
-    let out = lockstep(&url, &["dataflow", "list"]).await;
+    let out = lockstep(&url, sandbox.path(), &["dataflow", "list"]).await;
     assert!(out.contains(&format!("103={description}")), "{out}");
 }
 
-/// Runs the `lockstep` CLI against the environment at `url`; its standard
-/// output, once it exited successfully.
-async fn lockstep(url: &str, args: &[&str]) -> String {
+/// Runs the `lockstep` CLI against the environment at `url` on state
+/// directory `state` (whose token it sends: `LOCKSTEP_STATE_DIR`); its
+/// standard output, once it exited successfully.
+async fn lockstep(url: &str, state: &Path, args: &[&str]) -> String {
     let out = tokio::time::timeout(
         WAIT,
         tokio::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
             .args(args)
             .arg("--server")
             .arg(url)
+            .env("LOCKSTEP_STATE_DIR", state)
             .output(),
     )
     .await

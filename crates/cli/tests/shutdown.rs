@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use lockstep_chaos::environment::{cli, EnvProcess, Sandbox};
 use lockstep_environment::proto;
-use lockstep_environment::proto::environment_client::EnvironmentClient;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
@@ -39,9 +38,10 @@ fn alive(pid: u32) -> bool {
     })
 }
 
-/// The PIDs of replica `name`'s processes, as the API lists them.
-async fn pids(url: &str, name: &str) -> Vec<u32> {
-    let mut client = EnvironmentClient::connect(url.to_string()).await.unwrap();
+/// The PIDs of replica `name`'s processes, as the API of `env` lists them
+/// (called with the token `lockstep serve` made in its state directory).
+async fn pids(env: &EnvProcess, name: &str) -> Vec<u32> {
+    let mut client = env.client().await.unwrap();
     let replicas = client
         .list_replicas(proto::ListReplicasRequest::default())
         .await
@@ -85,11 +85,12 @@ async fn sigterm_drains_in_flight_calls_exits_0_and_leaves_replicas_to_be_adopte
         .await
         .unwrap();
     assert!(o.status.success(), "{o:?}");
-    let before = pids(&url, "r1").await;
+    let before = pids(&env, "r1").await;
     assert_eq!(before.len(), 2, "{before:?}");
     assert!(before.iter().all(|p| *p != 0 && alive(*p)), "{before:?}");
 
-    // A health watch of the whole server, SERVING to begin with.
+    // A health watch of the whole server, SERVING to begin with (health
+    // asks no token).
     let channel = tonic::transport::Endpoint::from_shared(url.clone())
         .unwrap()
         .connect()
@@ -112,7 +113,7 @@ async fn sigterm_drains_in_flight_calls_exits_0_and_leaves_replicas_to_be_adopte
 
     // A slow call (SetPolicy runs the policy's conformance check), in
     // flight: the server logged its arrival before the signal.
-    let mut client = EnvironmentClient::connect(url.clone()).await.unwrap();
+    let mut client = env.client().await.unwrap();
     let wasm = std::fs::read(&barrier).unwrap();
     let call = tokio::spawn(async move {
         let answer = client
@@ -208,10 +209,10 @@ async fn sigterm_drains_in_flight_calls_exits_0_and_leaves_replicas_to_be_adopte
         .await
         .unwrap();
     assert_eq!(
-        pids(&next_env.url, "r1").await,
-        before,
-        "adopted, not replaced"
+        next_env.token, env.token,
+        "the API token made in the state directory is kept across restarts"
     );
+    assert_eq!(pids(&next_env, "r1").await, before, "adopted, not replaced");
     let o = cli(bin(), &next_env.url, &["list"]).await.unwrap();
     assert!(String::from_utf8_lossy(&o.stdout).contains("r1"), "{o:?}");
 }

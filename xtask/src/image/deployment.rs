@@ -5,7 +5,7 @@
 //! throw-away PostgreSQL server (the Deployment's `LOCKSTEP_STORE`), the
 //! state volume as its init container leaves it. It must start, answer
 //! grpc.health.v1 SERVING and the API with the token (refusing a call
-//! without), serve /metrics to the token only (it listens off loopback),
+//! without), serve /metrics to the read-only metrics token only (not the API token),
 //! and exit 0 on SIGTERM.
 
 use std::io::{Read, Write};
@@ -218,10 +218,25 @@ fn check(
         "/metrics off loopback answered without the token: {}",
         bare.lines().next().unwrap_or("")
     );
-    let metrics = http_get(metrics_port, Some(token))?;
+    // /metrics asks the read-only metrics token the environment made in
+    // its state directory (the Deployment's --state-dir), not the API's.
+    let with_api_token = http_get(metrics_port, Some(token))?;
+    anyhow::ensure!(
+        with_api_token.starts_with("HTTP/1.1 401") || with_api_token.starts_with("HTTP/1.0 401"),
+        "/metrics answered the API token: {}",
+        with_api_token.lines().next().unwrap_or("")
+    );
+    let mut read = engine.cmd();
+    read.args(["exec", name, "cat", "/var/lib/lockstep/state/metrics.token"]);
+    let metrics_token =
+        output(read).map_err(|e| anyhow::anyhow!("reading the metrics token in {name}: {e}"))?;
+    let metrics = http_get(
+        metrics_port,
+        Some(metrics_token.lines().next().unwrap_or("").trim()),
+    )?;
     anyhow::ensure!(
         metrics.starts_with("HTTP/1.1 200") || metrics.starts_with("HTTP/1.0 200"),
-        "/metrics with the token: {}",
+        "/metrics with the metrics token: {}",
         metrics.lines().next().unwrap_or("")
     );
     anyhow::ensure!(running(engine, name), "{name} stopped");

@@ -2,22 +2,28 @@
 //! replica processes and a real environment, each checked against S1 (only
 //! the environment may drive a replica).
 //!
-//! Variants: `authenticated` (replicas with a session key, the API with a
-//! token: what `lockstep serve` runs) must pass every scenario; `open` (no
-//! session key, no API token) is the negative control and must be caught.
+//! Variants: `authenticated` (replicas with a session key, the API with the
+//! token `lockstep serve` makes in its state directory: what it runs by
+//! default) must pass every scenario; `open` (no session key, and
+//! `--insecure-loopback`: no API or metrics token) is the negative control
+//! and must be caught. `no-mutual` gives the API its token by
+//! `--api-token-file`.
 //! Each scenario ends as a pass, a violation of S1, or a harness error
 //! (which fails the run and never catches the negative control).
 //!
 //! Scenarios: a forged Hello with epoch 2^64-1; a replayed Hello; a Hello
 //! for another replica; a spoofed timely mesh peer; idle connections while
 //! the mesh forms; a 1 GiB length prefix; a 60 MiB frame before any Hello; a
-//! flood of connections; an API call without a token, and with a wrong one;
-//! an oversized replica shape; an oversized plan; and (`attacks`) an impostor
+//! flood of connections; an API call without a token (on loopback: the
+//! default asks one there too), with a wrong one, and with the read-only
+//! metrics token; an oversized replica shape; an oversized plan; and
+//! (`attacks`) an impostor
 //! on a freed controller port, a frame injected into a proven session,
 //! unproven-connection floods during a reconnect, slow handshakes, mesh
 //! connection floods and trickles, a log flood, a keyless peer, keys at rest
-//! and in child processes, a state directory others can write, a process
-//! lying about worker indices, and a flood of peek parts. The second
+//! and in child processes, a state directory others can enter, /metrics
+//! without its token (on and off loopback), a process lying about worker
+//! indices, and a flood of peek parts. The second
 //! negative control, `no-mutual` (the session key proved by the Hello alone,
 //! plain frames after it), must be caught by the impostor or the injection.
 
@@ -414,15 +420,39 @@ async fn api(
     ))
 }
 
+/// The read-only metrics token `lockstep serve` made in `state`.
+fn metrics_token(state: &Path) -> Result<String, Failure> {
+    let file = state.join("metrics.token");
+    std::fs::read_to_string(&file)
+        .map(|t| t.lines().next().unwrap_or("").trim().to_string())
+        .map_err(|e| Failure::Harness(format!("{}: {e}", file.display())))
+}
+
+/// `lockstep serve` on a fresh private state directory (a `tempfile`
+/// directory: 0700) with the variant's API posture: `authenticated` the
+/// default (the token made in the state directory, on loopback too),
+/// `no-mutual` [`TOKEN`] given by `--api-token-file`, `open`
+/// `--insecure-loopback` (no token). Its token, if any, is the returned
+/// [`EnvProcess::token`].
 async fn start_env(v: Variant) -> Result<(EnvProcess, tempfile::TempDir), String> {
+    start_env_with(v, &[]).await
+}
+
+/// [`start_env`] with `more` arguments.
+async fn start_env_with(
+    v: Variant,
+    more: &[&str],
+) -> Result<(EnvProcess, tempfile::TempDir), String> {
     let state = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let token = state.path().join("api.token");
+    let token = state.path().join("given.token");
     std::fs::write(&token, format!("{TOKEN}\n")).map_err(|e| e.to_string())?;
     let token = token.to_string_lossy().into_owned();
-    let extra: Vec<&str> = match v {
-        Variant::Authenticated | Variant::NoMutual => vec!["--api-token-file", &token],
-        Variant::Open => vec![],
+    let mut extra: Vec<&str> = match v {
+        Variant::Authenticated => vec![],
+        Variant::NoMutual => vec!["--api-token-file", &token],
+        Variant::Open => vec!["--insecure-loopback"],
     };
+    extra.extend(more);
     let env = EnvProcess::start(
         &lockstep_binary(),
         state.path(),

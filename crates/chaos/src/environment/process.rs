@@ -1,9 +1,17 @@
 //! A running `lockstep serve` process ([`EnvProcess`]) and the
 //! `lockstep replica` CLI, as the crash scenarios and the environment's
 //! integration tests drive them.
+//!
+//! `lockstep serve` runs in its default posture unless the caller says
+//! otherwise: every API call needs the token it made in its state directory
+//! (`api.token`, written before the serving line). [`EnvProcess::client`]
+//! sends it, and [`cli`] gives the CLI that state directory
+//! (`LOCKSTEP_STATE_DIR`), as a user of `lockstep replica --state-dir` would.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Mutex;
 
 use anyhow::{anyhow, bail, Context};
 use lockstep_orchestrator::ServiceStatus;
@@ -24,7 +32,75 @@ pub struct EnvProcess {
     pub stderr_path: PathBuf,
     /// The line it printed when it started serving (addresses, epoch).
     pub serving_line: String,
+    /// The token every API call must carry: the one it made in its state
+    /// directory (`api.token`), or the one it was given
+    /// (`--api-token-file`, `LOCKSTEP_API_TOKEN`); none with
+    /// `--insecure-loopback`.
+    pub token: Option<String>,
+    /// Its state directory.
+    pub state_dir: PathBuf,
 }
+
+/// The file of the API token `lockstep serve` makes in its state directory.
+const API_TOKEN_FILE: &str = "api.token";
+
+/// The state directory of every environment this process started that
+/// keeps its token there (the default posture), by its API port: where
+/// [`cli`] points the CLI for its token. An environment started otherwise
+/// removes its port's entry.
+static STATE_DIRS: Mutex<BTreeMap<u16, PathBuf>> = Mutex::new(BTreeMap::new());
+
+/// The port of `url` (`scheme://host:port[/]`).
+fn port_of(url: &str) -> Option<u16> {
+    url.trim_end_matches('/').rsplit_once(':')?.1.parse().ok()
+}
+
+/// The value of `--flag VALUE` or `--flag=VALUE` in `args`.
+fn flag_value<'a>(args: &[&'a str], flag: &str) -> Option<&'a str> {
+    args.iter().enumerate().find_map(|(i, a)| {
+        if *a == flag {
+            args.get(i + 1).copied()
+        } else {
+            a.strip_prefix(flag)?.strip_prefix('=')
+        }
+    })
+}
+
+/// The first line of the token file `path`.
+fn read_token(path: &Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the API token {}", path.display()))?;
+    Ok(text.lines().next().unwrap_or("").trim().to_string())
+}
+
+/// Adds `authorization: Bearer TOKEN` to every call, if there is a token.
+#[derive(Clone, Debug)]
+pub struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl Bearer {
+    /// The interceptor sending `token`, if any.
+    pub fn new(token: Option<&str>) -> anyhow::Result<Bearer> {
+        let value = token
+            .map(|t| format!("Bearer {t}").parse())
+            .transpose()
+            .context("the API token is not a valid header value")?;
+        Ok(Bearer(value))
+    }
+}
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+/// A client of the API sending the environment's token.
+pub type Client = EnvironmentClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>,
+>;
 
 impl EnvProcess {
     /// Starts `lockstep serve` on `state_dir` with `rule`, the `sleep`
@@ -92,21 +168,52 @@ impl EnvProcess {
             .ok_or_else(|| anyhow!("unexpected first line {line:?}"))?;
         // Keep draining stdout so the server never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let url = format!("http://{addr}");
+        // Its token, which it wrote before its serving line: none with
+        // --insecure-loopback, else the one it was given, else the one it
+        // keeps in its state directory.
+        let given = env
+            .iter()
+            .find(|(k, _)| k == "LOCKSTEP_API_TOKEN")
+            .map(|(_, v)| v.to_string_lossy().into_owned())
+            .or_else(|| std::env::var("LOCKSTEP_API_TOKEN").ok());
+        let (token, keeps_it) = if extra_args.contains(&"--insecure-loopback") {
+            (None, false)
+        } else if let Some(file) = flag_value(extra_args, "--api-token-file") {
+            (Some(read_token(Path::new(file))?), false)
+        } else if let Some(t) = given {
+            (Some(t), false)
+        } else {
+            (Some(read_token(&state_dir.join(API_TOKEN_FILE))?), true)
+        };
+        if let Some(port) = port_of(&url) {
+            let mut dirs = STATE_DIRS.lock().expect("poisoned");
+            if keeps_it {
+                dirs.insert(port, state_dir.to_path_buf());
+            } else {
+                dirs.remove(&port);
+            }
+        }
         Ok(EnvProcess {
             child,
-            url: format!("http://{addr}"),
+            url,
             stderr_path,
             serving_line: line.clone(),
+            token,
+            state_dir: state_dir.to_path_buf(),
         })
     }
 
-    /// A gRPC client of it.
-    pub async fn client(&self) -> anyhow::Result<EnvironmentClient<tonic::transport::Channel>> {
-        Ok(
-            tokio::time::timeout(WAIT, EnvironmentClient::connect(self.url.clone()))
-                .await
-                .context("connect timed out")??,
-        )
+    /// A gRPC client of it, sending its token.
+    pub async fn client(&self) -> anyhow::Result<Client> {
+        let channel = tonic::transport::Endpoint::from_shared(self.url.clone())?;
+        let channel = tokio::time::timeout(WAIT, channel.connect())
+            .await
+            .context("connect timed out")??;
+        Ok(EnvironmentClient::with_interceptor(
+            channel,
+            Bearer::new(self.token.as_deref())?,
+        ))
     }
 
     /// Waits (bounded) for it to exit; returns its status and stderr.
@@ -129,7 +236,12 @@ impl EnvProcess {
     }
 }
 
-/// Runs the `lockstep replica ...` CLI against `url` (bounded).
+/// Runs the `lockstep replica ...` CLI against `url` (bounded). For an
+/// environment this process started that keeps its token in its state
+/// directory (the default posture), the CLI is given that directory
+/// (`LOCKSTEP_STATE_DIR`) and so sends the token, unless `args` name a
+/// token file or a state directory themselves; otherwise it sends what
+/// `args` say (nothing, by default).
 pub async fn cli(bin: &Path, url: &str, args: &[&str]) -> anyhow::Result<std::process::Output> {
     let mut cmd = tokio::process::Command::new(bin);
     cmd.arg("replica")
@@ -137,6 +249,17 @@ pub async fn cli(bin: &Path, url: &str, args: &[&str]) -> anyhow::Result<std::pr
         .args(["--server", url])
         .stdin(Stdio::null())
         .kill_on_drop(true);
+    let own = args.iter().any(|a| {
+        ["--token-file", "--state-dir"]
+            .iter()
+            .any(|f| a == f || a.starts_with(&format!("{f}=")))
+    });
+    let state_dir =
+        port_of(url).and_then(|p| STATE_DIRS.lock().expect("poisoned").get(&p).cloned());
+    match state_dir {
+        Some(dir) if !own => cmd.env("LOCKSTEP_STATE_DIR", dir),
+        _ => cmd.env_remove("LOCKSTEP_STATE_DIR"),
+    };
     Ok(tokio::time::timeout(WAIT, cmd.output())
         .await
         .context("the CLI did not finish in time")??)

@@ -40,9 +40,13 @@ pub fn reachability_binary() -> PathBuf {
     path
 }
 
-/// Starts `lockstep serve` on `state` with replica program `replica` and
-/// `extra` arguments (its stderr in `state/serve.stderr`); the child (killed
-/// on drop) and the API's URL, once it printed it (within 90 s).
+/// Starts `lockstep serve` on `state` (which must be private, 0700: a
+/// `tempfile` directory or a [`lockstep_chaos::environment::Sandbox`]) with
+/// replica program `replica` and `extra` arguments (its stderr in
+/// `state/serve.stderr`); the child (killed on drop) and the API's URL, once
+/// it printed it (within 90 s). Unless `extra` says otherwise, every API
+/// call must then carry the token it made in `state` ([`api_token`],
+/// [`client`]; the CLI finds it with `--state-dir` or `LOCKSTEP_STATE_DIR`).
 pub async fn serve(
     state: &Path,
     replica: &Path,
@@ -80,6 +84,46 @@ pub async fn serve(
     let url = format!("http://{addr}");
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     (serve, url)
+}
+
+/// The API token `lockstep serve` made in its state directory `state`
+/// (`api.token`, written before it printed its serving line).
+pub fn api_token(state: &Path) -> String {
+    let file = state.join("api.token");
+    let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    text.lines().next().unwrap_or("").trim().to_string()
+}
+
+/// Adds `authorization: Bearer TOKEN` to every call.
+#[derive(Clone)]
+pub struct Bearer(tonic::metadata::MetadataValue<tonic::metadata::Ascii>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        req.metadata_mut().insert("authorization", self.0.clone());
+        Ok(req)
+    }
+}
+
+/// A client of the API of a `lockstep serve`, sending its token.
+pub type Client = lockstep_environment::proto::environment_client::EnvironmentClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>,
+>;
+
+/// A client of the `lockstep serve` at `url` on state directory `state`,
+/// sending the token it made there; each call bounded by `timeout`.
+pub async fn client(url: &str, state: &Path, timeout: Duration) -> Client {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(timeout)
+        .connect()
+        .await
+        .unwrap();
+    let bearer = Bearer(format!("Bearer {}", api_token(state)).parse().unwrap());
+    lockstep_environment::proto::environment_client::EnvironmentClient::with_interceptor(
+        channel, bearer,
+    )
 }
 
 pub fn load_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environment {

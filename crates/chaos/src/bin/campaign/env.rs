@@ -5,8 +5,20 @@
 use super::*;
 use model::Fate;
 
-/// A client of the environment's API.
-pub(super) type Client = EnvironmentClient<Channel>;
+/// A client of the environment's API, sending its token.
+pub(super) type Client =
+    EnvironmentClient<tonic::service::interceptor::InterceptedService<Channel, Bearer>>;
+
+/// Adds `authorization: Bearer TOKEN` to every call.
+#[derive(Clone)]
+pub(super) struct Bearer(tonic::metadata::MetadataValue<tonic::metadata::Ascii>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        req.metadata_mut().insert("authorization", self.0.clone());
+        Ok(req)
+    }
+}
 
 pub(super) fn target_debug() -> PathBuf {
     std::env::current_exe()
@@ -38,10 +50,13 @@ pub(super) fn policy_file(strategy: &str) -> PathBuf {
     }
 }
 
-/// A running `lockstep serve`.
+/// A running `lockstep serve`, in its default posture: every API call
+/// carries the token it made in its state directory.
 pub(super) struct Env {
     child: tokio::process::Child,
     url: String,
+    /// `Bearer TOKEN`, of the token in the state directory.
+    bearer: Bearer,
 }
 
 impl Env {
@@ -108,9 +123,18 @@ impl Env {
             .ok_or_else(|| format!("unexpected first line {line:?}"))?
             .to_string();
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        // The token it made in the state directory (the same across
+        // restarts), written before its serving line.
+        let file = state.join("api.token");
+        let token = std::fs::read_to_string(&file)
+            .map_err(|e| format!("reading the API token {}: {e}", file.display()))?;
+        let bearer = format!("Bearer {}", token.lines().next().unwrap_or("").trim())
+            .parse()
+            .map_err(|e| format!("the API token in {}: {e}", file.display()))?;
         Ok(Env {
             child,
             url: format!("http://{addr}"),
+            bearer: Bearer(bearer),
         })
     }
 
@@ -122,7 +146,10 @@ impl Env {
             .connect()
             .await
             .map_err(|e| format!("connecting to {}: {e}", self.url))?;
-        Ok(EnvironmentClient::new(channel))
+        Ok(EnvironmentClient::with_interceptor(
+            channel,
+            self.bearer.clone(),
+        ))
     }
 
     /// SIGKILL, and reap it.

@@ -20,8 +20,8 @@ mod replica;
 mod session;
 
 pub(super) use environment::{
-    api_connection_exhaustion, keys_at_rest_and_in_children, metrics_off_loopback_without_token,
-    state_dir_writable_by_others,
+    api_connection_exhaustion, keys_at_rest_and_in_children, metrics_without_token,
+    state_dir_open_to_others,
 };
 pub(super) use lying_process::{lying_worker_index, parts_flood};
 pub(super) use replica::{

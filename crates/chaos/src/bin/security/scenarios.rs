@@ -1,7 +1,7 @@
 //! The security suite's scenario table: every scenario by name (the forged,
 //! replayed and misdirected Hellos, mesh spoofing and floods, oversized
-//! frames, API tokens and shapes, and the `attacks` ones), and the list the
-//! suite runs.
+//! frames, API tokens (on loopback too) and shapes, and the `attacks` ones),
+//! and the list the suite runs.
 
 use super::*;
 
@@ -212,9 +212,20 @@ pub(super) async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Fail
                 )
             })
         }
-        "api-without-token" | "api-wrong-token" => {
-            let (mut env, _state) = start_env(v).await?;
-            let token = (name == "api-wrong-token").then_some("a-wrong-but-long-token");
+        "api-without-token" | "api-wrong-token" | "api-with-metrics-token" => {
+            // On loopback: by default the API asks its token there too.
+            let (mut env, state) = start_env(v).await?;
+            // The read-only metrics token `lockstep serve` made (`open`
+            // makes none: any other token stands for it).
+            let metrics_token = match v {
+                Variant::Open => "a-metrics-token-of-no-environment".to_string(),
+                _ => metrics_token(state.path())?,
+            };
+            let token = match name {
+                "api-wrong-token" => Some("a-wrong-but-long-token"),
+                "api-with-metrics-token" => Some(metrics_token.as_str()),
+                _ => None,
+            };
             let mut client = api(&env.url, token).await?;
             let r = client
                 .list_replicas(proto::ListReplicasRequest::default())
@@ -228,7 +239,7 @@ pub(super) async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Fail
         }
         "oversized-shape" | "oversized-plan" => {
             let (mut env, _state) = start_env(v).await?;
-            let mut client = api(&env.url, Some(TOKEN)).await?;
+            let mut client = api(&env.url, env.token.as_deref()).await?;
             let refused = if name == "oversized-shape" {
                 code_is(
                     client
@@ -293,13 +304,12 @@ pub(super) async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Fail
         "log-flood" => attacks::log_flood(id, v).await,
         "keyless-peer-gets-nothing" => attacks::keyless_peer_gets_nothing(id, v).await,
         "keys-at-rest-and-in-children" => attacks::keys_at_rest_and_in_children(v).await,
-        "state-dir-writable-by-others" => attacks::state_dir_writable_by_others(v).await,
+        "state-dir-open-to-others" => attacks::state_dir_open_to_others(v).await,
         "lying-worker-index" => attacks::lying_worker_index(id, v).await,
         "peek-parts-flood" => attacks::parts_flood(id, v).await,
         "api-connection-exhaustion" => attacks::api_connection_exhaustion(v).await,
-        "metrics-off-loopback-without-token" => {
-            attacks::metrics_off_loopback_without_token(v).await
-        }
+        "metrics-off-loopback-without-token" => attacks::metrics_without_token(v, false).await,
+        "metrics-on-loopback-without-token" => attacks::metrics_without_token(v, true).await,
         other => Err(Failure::Harness(format!("unknown scenario {other}"))),
     }
 }
@@ -308,9 +318,10 @@ pub(super) async fn scenario(name: &str, id: u64, v: Variant) -> Result<(), Fail
 /// negative control `no-mutual` must be caught by one of them.
 pub(super) const MUTUAL_SCENARIOS: [&str; 2] = ["impostor-on-freed-port", "injected-frame"];
 
-pub(super) const SCENARIOS: [&str; 26] = [
+pub(super) const SCENARIOS: [&str; 28] = [
     "api-connection-exhaustion",
     "metrics-off-loopback-without-token",
+    "metrics-on-loopback-without-token",
     "mesh-connection-flood",
     "mesh-trickle",
     "impostor-on-freed-port",
@@ -320,7 +331,7 @@ pub(super) const SCENARIOS: [&str; 26] = [
     "log-flood",
     "keyless-peer-gets-nothing",
     "keys-at-rest-and-in-children",
-    "state-dir-writable-by-others",
+    "state-dir-open-to-others",
     "lying-worker-index",
     "peek-parts-flood",
     "forged-hello-huge-epoch",
@@ -333,6 +344,7 @@ pub(super) const SCENARIOS: [&str; 26] = [
     "connection-flood",
     "api-without-token",
     "api-wrong-token",
+    "api-with-metrics-token",
     "oversized-shape",
     "oversized-plan",
 ];
