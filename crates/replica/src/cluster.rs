@@ -36,7 +36,9 @@
 //! one, so a flood of unproven connections delays a real peer by at most one
 //! handshake instead of keeping it out. The whole wait is
 //! bounded: a cluster that does not form in time is an error, never a
-//! silent hang. The sockets are then handed to
+//! silent hang. With a session key every link is then encrypted
+//! ([`encrypt_mesh`]: a Noise session per link, timely's bytes relayed in
+//! authenticated records), and the sockets are handed to
 //! `initialize_networking_from_sockets`.
 
 use std::collections::VecDeque;
@@ -46,6 +48,9 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lockstep_protocol::{Endpoint, SessionKey};
+
+mod encrypt;
+pub use encrypt::encrypt_mesh;
 use timely::communication::allocator::zero_copy::initialize::{
     initialize_networking_from_sockets, CommsGuard,
 };
@@ -386,7 +391,14 @@ pub fn connect_mesh(
                     });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) => return Err(e.into()),
+                // Out of descriptors (or a connection reset before its
+                // accept): counted, and formation goes on (R1); the bound
+                // still ends it.
+                Err(e) => {
+                    refused += 1;
+                    last_refusal = Some(format!("accept failed: {e}"));
+                    break;
+                }
             }
         }
         while let Ok(r) = accepted.try_recv() {

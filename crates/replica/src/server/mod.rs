@@ -183,17 +183,24 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
         }
     }
 
+    let mesh_id = cluster::MeshId {
+        replica_id: id.replica_id,
+        generation: config.generation,
+    };
+    let formed_by = std::time::Instant::now() + config.cluster_timeout;
     let sockets = cluster::connect_mesh(
         &timely_addrs,
         SocketAddr::new(listen_ip, timely_addrs[me].port()),
         me,
-        cluster::MeshId {
-            replica_id: id.replica_id,
-            generation: config.generation,
-        },
+        mesh_id,
         config.session_key.as_ref(),
         config.cluster_timeout,
     )?;
+    // With a key, the mesh is encrypted after its handshake (S1).
+    let sockets = match &config.session_key {
+        Some(key) => cluster::encrypt_mesh(sockets, key, mesh_id, me, formed_by)?,
+        None => sockets,
+    };
     crate::metrics::METRICS
         .mesh_peers
         .set(sockets.iter().flatten().count() as i64);
