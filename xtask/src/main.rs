@@ -3,6 +3,7 @@
 //! cargo. Each task lives in its own module; `main` only dispatches.
 
 mod bench;
+mod buf;
 mod chaos;
 mod chart;
 #[cfg(test)]
@@ -114,6 +115,9 @@ enum Task {
     /// release in RELEASES (built from a git worktree into its own target
     /// dir); not part of `test`. See docs/compatibility.md.
     Upgrade,
+    /// `buf lint` and `buf breaking` of proto/ against the newest release in
+    /// RELEASES (buf installed into target/buf); part of `test`.
+    Buf,
     /// Model-check the protocols (stateright, CI-sized bounds); prints the JSON summary lines.
     Model {
         /// Variants to check (default: all).
@@ -136,6 +140,7 @@ fn main() -> anyhow::Result<()> {
         Task::Bench { quick, readme, .. } => bench::bench(quick, readme),
         Task::Soak { quick } => soak::soak(quick),
         Task::Upgrade => upgrade::upgrade(),
+        Task::Buf => buf::check(),
         Task::Chaos {
             suite,
             strategies,

@@ -47,6 +47,7 @@ pub fn test(lint: bool, skips: &[String]) -> anyhow::Result<()> {
         run(cmd)?;
         client_alone()?;
         kubernetes_version_alone()?;
+        crate::buf::check()?;
     }
     step("building the policies");
     policies::build_all()?;
