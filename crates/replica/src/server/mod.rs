@@ -144,8 +144,33 @@ pub fn install_panic_exit() {
     }));
 }
 
-/// Runs one replica process until it is killed.
+/// On SIGTERM (a pod deleted, `kill`), exits at once with 0, whatever the
+/// process is doing (forming its cluster included; as PID 1 of a container
+/// SIGTERM would otherwise be ignored). Nothing needs flushing: the next
+/// generation rebuilds from the controller's history, and the peers see
+/// the mesh close as they would a crash (shared fate).
+fn exit_on_sigterm() -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()?;
+    let mut terminate = runtime
+        .block_on(async {
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        })
+        .context("installing the SIGTERM handler")?;
+    std::thread::Builder::new()
+        .name("sigterm".into())
+        .spawn(move || {
+            runtime.block_on(terminate.recv());
+            tracing::info!("SIGTERM: exiting");
+            std::process::exit(0);
+        })?;
+    Ok(())
+}
+
+/// Runs one replica process until it is killed (or SIGTERM).
 pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
+    exit_on_sigterm()?;
     let id = config.identity;
     let me = id.process_index as usize;
     let workers = id.workers_per_process as usize;
