@@ -92,6 +92,7 @@ struct Args {
 #[derive(Debug)]
 pub struct Builder {
     family: Arc<dyn Family>,
+    version: &'static str,
 }
 
 impl Default for Builder {
@@ -105,7 +106,18 @@ impl Builder {
     pub fn new() -> Self {
         Builder {
             family: Arc::new(PlanFamily),
+            version: env!("CARGO_PKG_VERSION"),
         }
+    }
+
+    /// The build version this binary reports: `--version`, the
+    /// `HelloResponse` every controller session gets, and so
+    /// `ListReplicas`' `build_version` and what `lockstep replica upgrade
+    /// --to VERSION` waits for. Default: lockstep's own version; a family's
+    /// binary gives its own (`env!("CARGO_PKG_VERSION")` of its crate).
+    pub fn version(mut self, version: &'static str) -> Self {
+        self.version = version;
+        self
     }
 
     /// Builds dataflows with `family` instead (see [`crate::family`] for
@@ -119,7 +131,11 @@ impl Builder {
     /// until it ends: exits with 2 on bad arguments, 1 on an error, 0
     /// otherwise (it never returns).
     pub fn main(self) -> ! {
-        let args = Args::parse();
+        use clap::{CommandFactory, FromArgMatches};
+        let args = Args::command()
+            .version(self.version)
+            .get_matches();
+        let args = Args::from_arg_matches(&args).unwrap_or_else(|e| e.exit());
         let family = self.family;
         // The level from RUST_LOG (default info); with `--log-format json` (or
         // LOCKSTEP_LOG_FORMAT=json, inherited from `lockstep serve`) one JSON
@@ -170,6 +186,7 @@ impl Builder {
             generation: args.generation,
             one_way_proof: args.insecure_one_way_proof,
             family,
+            build_version: self.version.to_string(),
             session_key: match std::env::var(lockstep_protocol::SESSION_KEY_ENV) {
                 Ok(hex) => match lockstep_protocol::SessionKey::from_hex(&hex) {
                     Ok(k) => Some(k),

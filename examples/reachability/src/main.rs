@@ -5,5 +5,6 @@
 fn main() {
     lockstep_replica::Builder::new()
         .family(lockstep_example_reachability::Reachability)
+        .version(env!("CARGO_PKG_VERSION"))
         .main()
 }

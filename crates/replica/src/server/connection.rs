@@ -266,7 +266,7 @@ pub(super) async fn connection(
                 process_index: me,
                 kind: ResponseKind::HelloResponse(lockstep_protocol::HelloResponse {
                     protocol_version,
-                    build_version: env!("CARGO_PKG_VERSION").to_string(),
+                    build_version: config.build_version.clone(),
                 }),
             });
         }

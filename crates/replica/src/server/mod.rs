@@ -91,6 +91,10 @@ pub struct ReplicaConfig {
     /// The dataflow family this process builds (the built-in one is
     /// [`crate::family::PlanFamily`]).
     pub family: Arc<dyn crate::family::Family>,
+    /// The build version the process reports to controllers
+    /// (`HelloResponse`): lockstep's, or a family binary's own
+    /// ([`crate::Builder::version`]).
+    pub build_version: String,
 }
 
 /// The descriptors a replica process keeps for its own work beside the
