@@ -1,4 +1,4 @@
-//! What the wire-compatibility tests (`golden.rs`, `descriptors.rs`) share:
+//! What the wire-compatibility tests (`golden.rs`) share:
 //! where a release's golden files are, today's `proto/` compiled with
 //! protox, and a release's recorded descriptors.
 
