@@ -82,6 +82,9 @@ fn every_manifest_is_a_valid_kubernetes_object() {
             "Secret" => drop(round_trip::<Secret>(file, doc)),
             "Service" => services.push(round_trip::<Service>(file, doc)),
             "PersistentVolumeClaim" => claims.push(round_trip::<PersistentVolumeClaim>(file, doc)),
+            "NetworkPolicy" => {
+                drop(round_trip::<k8s_openapi::api::networking::v1::NetworkPolicy>(file, doc))
+            }
             "Deployment" => {
                 let d: Deployment = round_trip(file, doc);
                 deployments.push(d.clone());
@@ -133,6 +136,7 @@ fn every_manifest_is_a_valid_kubernetes_object() {
         "Deployment",
         "Service",
         "PersistentVolumeClaim",
+        "NetworkPolicy",
     ] {
         assert_eq!(kinds.get(kind), Some(&1), "one {kind}: {kinds:?}");
     }
