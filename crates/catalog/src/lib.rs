@@ -51,7 +51,14 @@ use sqlite::SqliteCatalog;
 pub const APPLICATION_ID: i32 = 0x4c4b_5354;
 
 /// The schema version this build writes and understands (both backends).
-pub const SCHEMA_VERSION: i32 = 3;
+///
+/// Version 4 added the table of environment settings (`settings`;
+/// PostgreSQL `catalog_settings`), which records the dataflow format the
+/// environment's replicas build ([`Catalog::format`]).
+pub const SCHEMA_VERSION: i32 = 4;
+
+/// The settings key of the environment's dataflow format.
+const FORMAT_SETTING: &str = "format";
 
 /// Why a catalog could not be opened. In every case the store was not
 /// modified. For a PostgreSQL store, `path` holds the redacted connection
@@ -556,6 +563,24 @@ impl Catalog {
     /// The per-replica policies set at run time, by replica ID and kind.
     pub fn replica_policies(&mut self) -> Result<Vec<(u64, StoredPolicy)>, ReadError> {
         dispatch!(self, c => c.replica_policies())
+    }
+
+    /// The dataflow format (family) the environment's replicas build, as
+    /// recorded by [`record_format`](Self::record_format); `None` if it
+    /// never was (a new catalog, or one migrated from schema version 3 or
+    /// older). One per environment: the replica program is environment-wide.
+    pub fn format(&mut self) -> Result<Option<String>, ReadError> {
+        dispatch!(self, c => c.setting(FORMAT_SETTING))
+    }
+
+    /// Records the dataflow format the environment's replicas build
+    /// (replacing any), fenced like every write. The environment records
+    /// it at its first start and refuses later starts that ask for another.
+    pub fn record_format(&mut self, format: &str) -> Result<(), WriteError> {
+        if format.is_empty() {
+            return Err(WriteError::Invalid("a dataflow format needs a name".into()));
+        }
+        dispatch!(self, c => c.set_setting(FORMAT_SETTING, format))
     }
 
     /// Drops a dataflow.

@@ -68,6 +68,15 @@ CREATE TABLE IF NOT EXISTS replica_policies (
 ) STRICT;
 ";
 
+/// Version 4 adds the environment's settings (the dataflow format its
+/// replicas build, under `format`).
+const SCHEMA_V4: &str = "
+CREATE TABLE IF NOT EXISTS settings (
+    key   TEXT PRIMARY KEY NOT NULL,
+    value TEXT NOT NULL
+) STRICT;
+";
+
 /// An open SQLite catalog, owning the epoch it bumped when it was opened.
 #[derive(Debug)]
 pub(crate) struct SqliteCatalog {
@@ -124,6 +133,7 @@ impl SqliteCatalog {
             tx.execute_batch(SCHEMA).map_err(sqlite)?;
             tx.execute_batch(SCHEMA_V2).map_err(sqlite)?;
             tx.execute_batch(SCHEMA_V3).map_err(sqlite)?;
+            tx.execute_batch(SCHEMA_V4).map_err(sqlite)?;
             tx.pragma_update(None, "application_id", APPLICATION_ID)
                 .map_err(sqlite)?;
             tx.pragma_update(None, "user_version", SCHEMA_VERSION)
@@ -138,6 +148,9 @@ impl SqliteCatalog {
             }
             if version < 3 {
                 tx.execute_batch(SCHEMA_V3).map_err(sqlite)?;
+            }
+            if version < 4 {
+                tx.execute_batch(SCHEMA_V4).map_err(sqlite)?;
             }
             if version < SCHEMA_VERSION {
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION)
@@ -454,6 +467,28 @@ impl SqliteCatalog {
             ))
         })?;
         Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// The value of an environment setting, if it was ever recorded.
+    pub fn setting(&mut self, key: &str) -> Result<Option<String>, ReadError> {
+        Ok(self
+            .conn
+            .query_row("SELECT value FROM settings WHERE key = ?1", [key], |r| {
+                r.get(0)
+            })
+            .optional()?)
+    }
+
+    /// Records an environment setting (replacing any value).
+    pub fn set_setting(&mut self, key: &str, value: &str) -> Result<(), WriteError> {
+        self.write(|tx| {
+            tx.execute(
+                "INSERT INTO settings (key, value) VALUES (?1, ?2) \
+                 ON CONFLICT (key) DO UPDATE SET value = ?2",
+                params![key, value],
+            )?;
+            Ok(())
+        })
     }
 
     /// Drops a dataflow.

@@ -49,6 +49,8 @@ fn a_version_1_catalog_is_migrated_and_policies_are_kept_and_fenced(s: &TestStor
         "kept across the migration"
     );
     assert!(c.policies().unwrap().is_empty());
+    assert_eq!(c.format().unwrap(), None, "no format recorded");
+    assert_eq!(s.version(), SCHEMA_VERSION);
     let p = StoredPolicy {
         kind: "distribution".into(),
         name: "log".into(),
@@ -66,6 +68,69 @@ fn a_version_1_catalog_is_migrated_and_policies_are_kept_and_fenced(s: &TestStor
     let mut reopened = s.open();
     assert_eq!(reopened.policies().unwrap(), vec![newer]);
     assert!(c.set_policy(&p).unwrap_err().fenced().is_some());
+}
+
+fn a_version_3_catalog_is_migrated_and_has_no_format(s: &TestStore) {
+    let (r, d, p) = {
+        let mut c = s.open();
+        let r = c.create_replica("r", cfg(1)).unwrap();
+        let d = c.create_dataflow(r.id, b"desc").unwrap();
+        let p = StoredPolicy {
+            kind: "distribution".into(),
+            name: "log".into(),
+            wasm: vec![0, 97, 115, 109],
+            set_at: 7,
+        };
+        c.set_replica_policy(r.id, &p).unwrap();
+        // Make it a version 3 catalog, as the previous build left it.
+        s.make_version_3(&c);
+        (r, d, p)
+    };
+    assert_eq!(s.version(), 3);
+    let mut c = s.open();
+    assert_eq!(s.version(), SCHEMA_VERSION, "migrated on open");
+    let state = c.state().unwrap();
+    assert_eq!(state.replicas[&r.id], r, "kept across the migration");
+    assert_eq!(state.dataflows[&d.id], d);
+    assert_eq!(c.replica_policies().unwrap(), vec![(r.id, p)]);
+    assert_eq!(c.format().unwrap(), None, "an older catalog recorded none");
+    c.record_format("lockstep.example.other.v1").unwrap();
+    assert_eq!(
+        s.open().format().unwrap().as_deref(),
+        Some("lockstep.example.other.v1")
+    );
+}
+
+fn the_format_is_recorded_kept_and_fenced(s: &TestStore) {
+    let mut c = s.open();
+    assert_eq!(c.format().unwrap(), None, "a new catalog has none");
+    assert!(matches!(c.record_format(""), Err(WriteError::Invalid(_))));
+    c.record_format("lockstep.plan.v1").unwrap();
+    assert_eq!(c.format().unwrap().as_deref(), Some("lockstep.plan.v1"));
+    c.record_format("lockstep.example.other.v1").unwrap();
+    assert_eq!(
+        c.format().unwrap().as_deref(),
+        Some("lockstep.example.other.v1"),
+        "replaced"
+    );
+    let mut newer = s.open();
+    assert_eq!(
+        newer.format().unwrap().as_deref(),
+        Some("lockstep.example.other.v1"),
+        "kept across a reopen"
+    );
+    let err = c.record_format("lockstep.plan.v1").unwrap_err();
+    assert!(err.fenced().is_some(), "{err}");
+    assert_eq!(
+        newer.format().unwrap().as_deref(),
+        Some("lockstep.example.other.v1"),
+        "the fenced write wrote nothing"
+    );
+    // Reading is allowed when fenced.
+    assert_eq!(
+        c.format().unwrap().as_deref(),
+        Some("lockstep.example.other.v1")
+    );
 }
 
 fn replica_policies_are_kept_fenced_and_go_with_their_replica(s: &TestStore) {
@@ -378,17 +443,57 @@ impl TestStore {
             TestStore::Sqlite(_) => c
                 .sqlite_conn()
                 .execute_batch(
-                    "DROP TABLE replica_policies; DROP TABLE policies; PRAGMA user_version = 1;",
+                    "DROP TABLE settings; DROP TABLE replica_policies; DROP TABLE policies; \
+                     PRAGMA user_version = 1;",
                 )
                 .unwrap(),
             TestStore::Postgres(pg) => {
                 pg.psql(
                     lockstep_pgtest::DATABASE,
-                    "DROP TABLE catalog_replica_policies; DROP TABLE catalog_policies; \
+                    "DROP TABLE catalog_settings; DROP TABLE catalog_replica_policies; \
+                     DROP TABLE catalog_policies; \
                      UPDATE lockstep_schema SET version = 1 WHERE component = 'catalog';",
                 )
                 .unwrap();
             }
+        }
+    }
+
+    /// Turns the catalog into a version 3 catalog, as an older build (v0.2.0
+    /// among them) left it: no settings table.
+    fn make_version_3(&self, c: &Catalog) {
+        match self {
+            TestStore::Sqlite(_) => c
+                .sqlite_conn()
+                .execute_batch("DROP TABLE settings; PRAGMA user_version = 3;")
+                .unwrap(),
+            TestStore::Postgres(pg) => {
+                pg.psql(
+                    lockstep_pgtest::DATABASE,
+                    "DROP TABLE catalog_settings; \
+                     UPDATE lockstep_schema SET version = 3 WHERE component = 'catalog';",
+                )
+                .unwrap();
+            }
+        }
+    }
+
+    /// The schema version the store holds now.
+    fn version(&self) -> i32 {
+        match self {
+            TestStore::Sqlite(dir) => Connection::open(dir.path().join("catalog.db"))
+                .unwrap()
+                .pragma_query_value(None, "user_version", |r| r.get(0))
+                .unwrap(),
+            TestStore::Postgres(pg) => pg
+                .psql(
+                    lockstep_pgtest::DATABASE,
+                    "SELECT version FROM lockstep_schema WHERE component = 'catalog'",
+                )
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap(),
         }
     }
 }
@@ -397,6 +502,8 @@ lockstep_pgtest::on_both_backends!(
     TestStore;
     inputs_and_dataflows_survive_reopen_and_go_with_their_replica,
     a_version_1_catalog_is_migrated_and_policies_are_kept_and_fenced,
+    a_version_3_catalog_is_migrated_and_has_no_format,
+    the_format_is_recorded_kept_and_fenced,
     replica_policies_are_kept_fenced_and_go_with_their_replica,
     replacing_inputs_keeps_other_collections_and_is_fenced,
     opening_bumps_the_epoch_and_ids_are_monotonic,

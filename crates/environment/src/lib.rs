@@ -333,6 +333,24 @@ pub enum StartError {
         /// What the decoder said.
         reason: String,
     },
+    /// The dataflow format asked for (`--format`, or the built-in one when
+    /// none is given) is not the one the catalog's replicas build.
+    #[error(
+        "this catalog's replicas build format {recorded}; {}: start with --format {recorded} (or a fresh state directory)",
+        match .given {
+            Some(g) => format!("--format says {g}"),
+            None => format!("no --format was given, which means the built-in {}", lockstep_plan::FORMAT),
+        }
+    )]
+    FormatMismatch {
+        /// The catalog's format (recorded, or named by its dataflows).
+        recorded: String,
+        /// The `--format` given, if any.
+        given: Option<String>,
+    },
+    /// The catalog could not record the environment's format.
+    #[error("cannot record the dataflow format in the catalog: {0}")]
+    FormatRecord(#[source] WriteError),
 }
 
 /// Why an environment operation failed.

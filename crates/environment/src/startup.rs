@@ -39,7 +39,8 @@ impl Environment {
         }
         let store = Store::from_arg(config.store.as_deref(), config.state_dir.join(CATALOG_FILE))
             .map_err(StartError::Store)?;
-        let catalog = Catalog::open_store(&store)?;
+        let mut catalog = Catalog::open_store(&store)?;
+        let format = resolve_format(&mut catalog, config.format.clone())?;
         let orchestrator = orchestrator(OrchestratorParams {
             state_dir: &config.state_dir,
             epoch: catalog.epoch(),
@@ -86,7 +87,7 @@ impl Environment {
         env.compute
             .set_distribution_policy(config.distribution_policy);
         env.compute.set_max_frame_len(config.max_frame_len);
-        env.compute.set_format(config.format.clone());
+        env.compute.set_format(Some(format));
         env.compute.set_naive_allowed(config.allow_naive);
         env.inputs
             .lock()
@@ -302,5 +303,48 @@ impl Environment {
         env.remove_orphans().await?;
         env.start_compute().await?;
         Ok(Arc::new(env))
+    }
+}
+
+/// The dataflow format (family) this start serves: the one the catalog
+/// records, which a `--format` (`given`) must not contradict. A catalog that
+/// records none (a new one, or one of schema version 3 or older) records
+/// `given`, or the built-in [`lockstep_plan::FORMAT`]; unless its dataflows
+/// (stored before formats were recorded) are of another format, which is
+/// refused as a contradiction too. Nothing is recorded on a refusal.
+pub(crate) fn resolve_format(
+    catalog: &mut Catalog,
+    given: Option<String>,
+) -> Result<String, StartError> {
+    match (catalog.format()?, given) {
+        (Some(recorded), None) => {
+            tracing::info!(format = %recorded, "format taken from the catalog");
+            Ok(recorded)
+        }
+        (Some(recorded), Some(given)) if recorded == given => Ok(recorded),
+        (Some(recorded), Some(given)) => Err(StartError::FormatMismatch {
+            recorded,
+            given: Some(given),
+        }),
+        (None, given) => {
+            let format = given
+                .clone()
+                .unwrap_or_else(|| lockstep_plan::FORMAT.to_string());
+            let state = catalog.state()?;
+            let stored = state.dataflows.values().find_map(|d| {
+                compute::decode_dataflow(&d.description)
+                    .ok()
+                    .map(|desc| desc.format)
+                    .filter(|f| *f != format)
+            });
+            if let Some(recorded) = stored {
+                return Err(StartError::FormatMismatch { recorded, given });
+            }
+            catalog
+                .record_format(&format)
+                .map_err(StartError::FormatRecord)?;
+            tracing::info!(%format, "format recorded in the catalog");
+            Ok(format)
+        }
     }
 }

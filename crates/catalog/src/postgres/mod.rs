@@ -504,6 +504,36 @@ impl PgCatalog {
         })
     }
 
+    /// The value of an environment setting, if it was ever recorded.
+    pub(crate) fn setting(&mut self, key: &str) -> Result<Option<String>, ReadError> {
+        let key = key.to_string();
+        self.conn.run(move |s: &mut Session| {
+            Box::pin(async move {
+                let row = s
+                    .client
+                    .query_opt("SELECT value FROM catalog_settings WHERE key = $1", &[&key])
+                    .await?;
+                Ok(row.map(|r| r.get(0)))
+            })
+        })
+    }
+
+    /// Records an environment setting (replacing any value).
+    pub(crate) fn set_setting(&mut self, key: &str, value: &str) -> Result<(), WriteError> {
+        let (key, value) = (key.to_string(), value.to_string());
+        self.write(move |c| {
+            Box::pin(async move {
+                c.execute(
+                    "INSERT INTO catalog_settings (key, value) VALUES ($1, $2) \
+                     ON CONFLICT (key) DO UPDATE SET value = $2",
+                    &[&key, &value],
+                )
+                .await?;
+                Ok(())
+            })
+        })
+    }
+
     /// Drops a dataflow.
     pub(crate) fn drop_dataflow(&mut self, id: u64) -> Result<(), WriteError> {
         self.write(move |c| {

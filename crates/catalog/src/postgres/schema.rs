@@ -56,6 +56,15 @@ CREATE TABLE IF NOT EXISTS catalog_replica_policies (
 );
 ";
 
+/// Version 4 adds the environment's settings (the dataflow format its
+/// replicas build, under `format`).
+const SCHEMA_V4: &str = "
+CREATE TABLE IF NOT EXISTS catalog_settings (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+";
+
 /// The open transaction: schema check, creation or migration, epoch bump.
 pub(super) async fn open_transaction(c: &Client, path: PathBuf) -> Result<u64, OpenError> {
     let pg = |source: lockstep_pg::tokio_postgres::Error| OpenError::Postgres {
@@ -101,6 +110,7 @@ pub(super) async fn open_transaction(c: &Client, path: PathBuf) -> Result<u64, O
                 c.batch_execute(SCHEMA).await.map_err(pg)?;
                 c.batch_execute(SCHEMA_V2).await.map_err(pg)?;
                 c.batch_execute(SCHEMA_V3).await.map_err(pg)?;
+                c.batch_execute(SCHEMA_V4).await.map_err(pg)?;
                 c.execute(
                     "INSERT INTO lockstep_schema (component, version) VALUES ('catalog', $1)",
                     &[&SCHEMA_VERSION],
@@ -126,6 +136,9 @@ pub(super) async fn open_transaction(c: &Client, path: PathBuf) -> Result<u64, O
                 }
                 if found < 3 {
                     c.batch_execute(SCHEMA_V3).await.map_err(pg)?;
+                }
+                if found < 4 {
+                    c.batch_execute(SCHEMA_V4).await.map_err(pg)?;
                 }
                 if found < SCHEMA_VERSION {
                     c.execute(
