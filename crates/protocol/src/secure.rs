@@ -86,7 +86,13 @@ fn noise(e: snow::Error) -> SecureError {
     SecureError::Malformed(e.to_string())
 }
 
-fn builder<'a>(key: &'a [u8; 32], prologue: &'a [u8]) -> Result<snow::Builder<'a>, SecureError> {
+/// A Noise builder of [`NOISE_PARAMS`] with `key` as the pre-shared key
+/// and `prologue` bound: the controller sessions' and the timely mesh
+/// links' (`lockstep_replica::cluster`) one way to set up a session.
+pub fn builder<'a>(
+    key: &'a [u8; 32],
+    prologue: &'a [u8],
+) -> Result<snow::Builder<'a>, SecureError> {
     let params: snow::params::NoiseParams = NOISE_PARAMS.parse().map_err(noise)?;
     snow::Builder::new(params)
         .prologue(prologue)

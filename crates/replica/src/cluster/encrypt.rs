@@ -26,8 +26,6 @@ use lockstep_protocol::SessionKey;
 
 use super::{read_exact_by, ClusterError, MeshId};
 
-/// The Noise protocol of a mesh link (the controller sessions' own).
-const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
 /// The longest Noise message.
 const MAX_RECORD: usize = 65_535;
 /// The authentication tag of every record.
@@ -59,13 +57,9 @@ fn handshake(
     peer: usize,
     deadline: Instant,
 ) -> std::io::Result<snow::StatelessTransportState> {
-    let params: snow::params::NoiseParams = NOISE_PARAMS.parse().map_err(noise)?;
     let prologue = prologue(id, me, peer);
-    let builder = snow::Builder::new(params)
-        .prologue(&prologue)
-        .map_err(noise)?
-        .psk(0, key.bytes())
-        .map_err(noise)?;
+    let builder = lockstep_protocol::secure::builder(key.bytes(), &prologue)
+        .map_err(|e| std::io::Error::other(format!("mesh session: {e}")))?;
     let initiator = me > peer;
     let mut hs = if initiator {
         builder.build_initiator()
