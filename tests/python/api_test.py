@@ -352,6 +352,11 @@ def main():
         made = dict(call.initial_metadata()).get("x-request-id")
         r.check("a call without one gets an x-request-id", bool(made), str(call.initial_metadata()))
 
+        # The format the replicas build (what the CLI reads a dataflow's and
+        # a row's syntax from): the built-in family's, by default.
+        status = api.GetStatus(ep.GetStatusRequest())
+        r.check("GetStatus names the format served: lockstep.plan.v1", status.format == "lockstep.plan.v1", str(status))
+
         # Metrics: the environment's and every replica process's, each read
         # with prometheus_client's OpenMetrics parser (which raises on any
         # error in the exposition).

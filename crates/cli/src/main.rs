@@ -81,11 +81,12 @@ enum Command {
     /// Run the environment: open the catalog, ensure replicas, remove orphans, serve.
     #[cfg(feature = "server")]
     Serve(Box<ServeArgs>),
-    /// A one-screen summary of a running environment: its epoch and orphan
-    /// rule, and per replica its shape, processes, restarts and whether it
-    /// serves (answers a ping).
+    /// A one-screen summary of a running environment: its epoch, orphan
+    /// rule and the dataflow format its replicas build, and per replica its
+    /// shape, processes, restarts and whether it serves (answers a ping).
     ///
-    /// `-o json`: `{"server", "epoch", "orphan_rule", "orphans_removed": [NAME],
+    /// `-o json`: `{"server", "epoch", "orphan_rule", "format" (null: an
+    /// environment too old to say), "orphans_removed": [NAME],
     /// "replicas": [{"name", "id", "processes", "workers_per_process",
     /// "running", "restarts", "frontier_lag": [N or null per process],
     /// "serving": "SERVING" | "NOT_SERVING" | "UNKNOWN" | null (not checked
@@ -118,6 +119,14 @@ enum Command {
         command: InputCommand,
     },
     /// Read a collection at a time (prints `row<TAB>count` lines).
+    ///
+    /// The environment is asked which format it serves. A row of the
+    /// built-in family prints as its comma-separated integers; a row of
+    /// another family as its text if it is printable (UTF-8, not empty, no
+    /// control character but tab, no whitespace but space and tab, no
+    /// invisible format character, not starting with `0x` or `@`: the text
+    /// `input write --update TEXT@T` takes), else as `0x` and its bytes in
+    /// hex. A text row may hold tabs: the count is the last field.
     Peek {
         #[command(flatten)]
         server: ServerArg,
@@ -130,12 +139,16 @@ enum Command {
         /// The time to read at.
         #[arg(long)]
         at: u64,
-        /// Print rows as `0x` and their bytes in hex (a family other than
-        /// the built-in one), not as the built-in family's integers.
+        /// Print every row as `0x` and its bytes in hex, whatever its
+        /// family.
         #[arg(long)]
         hex: bool,
     },
     /// Stream a collection's changes (prints `time<TAB>row<TAB>diff` lines).
+    ///
+    /// Rows print as `peek` prints them (integers, text or hex, by the
+    /// format the environment serves); a text row may hold tabs: the time
+    /// is the first field, the diff the last.
     Subscribe {
         #[command(flatten)]
         server: ServerArg,
@@ -151,8 +164,8 @@ enum Command {
         /// Stop once the stream has passed this time.
         #[arg(long)]
         until: Option<u64>,
-        /// Print rows as `0x` and their bytes in hex (a family other than
-        /// the built-in one), not as the built-in family's integers.
+        /// Print every row as `0x` and its bytes in hex, whatever its
+        /// family.
         #[arg(long)]
         hex: bool,
     },
@@ -278,7 +291,18 @@ enum InputCommand {
         /// The input collection.
         #[arg(long)]
         collection: u64,
-        /// An update as `ROW@TIME[:DIFF]`, e.g. `1,10@0` or `1,10@2:-1` (repeat).
+        /// An update as `ROW@TIME[:DIFF]` (repeat): TIME is what follows the
+        /// last `@` (a row may hold `@`), DIFF (default 1, negative
+        /// retracts) what follows the `:` after it. ROW is, for every
+        /// family, `0xHEX` (the row's bytes in hex) or `@FILE` (the bytes of
+        /// FILE as they are; for the built-in family its encoding, the
+        /// columns as varints: a packed protobuf `repeated int64`), e.g.
+        /// `@row.bin@3`. Otherwise, by the
+        /// format the environment serves: for the built-in family
+        /// comma-separated integers, e.g. `1,10@0` or `1,10@2:-1` (nothing:
+        /// the row of no columns); for another family TEXT, its UTF-8 bytes
+        /// as written (never read as integers), e.g. `hello@0`. Write a row
+        /// that starts with `0x` or `@` in a file.
         #[arg(long = "update", allow_hyphen_values = true)]
         updates: Vec<String>,
         /// The new upper: every update's time must be below it.

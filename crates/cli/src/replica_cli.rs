@@ -158,15 +158,23 @@ pub(crate) async fn status_summary(server: ServerArg, output: OutputArg) -> anyh
             "server": server.url,
             "epoch": status.epoch,
             "orphan_rule": status.orphan_rule,
+            "format": (!status.format.is_empty()).then_some(&status.format),
             "orphans_removed": status.orphans_removed,
             "replicas": replicas,
         }));
     }
+    // "" from an environment older than the field, which says nothing.
+    let format = if status.format.is_empty() {
+        "(not reported)".to_string()
+    } else {
+        status.format.clone()
+    };
     println!(
-        "environment {}: epoch {}, orphan rule {}, {} replica(s)",
+        "environment {}: epoch {}, orphan rule {}, format {}, {} replica(s)",
         server.url,
         status.epoch,
         status.orphan_rule,
+        format,
         replicas.len()
     );
     let mut table = Table::new(&[

@@ -11,8 +11,12 @@
 //! times; peek every root at every time and accumulate the subscription;
 //! kill the environment with SIGKILL and start it again on the same state;
 //! the replica's processes are adopted (same PIDs), the answers are the
-//! same, and a further write is answered right; then the `lockstep` CLI
-//! creates a dataflow, writes and peeks with the family's bytes in hex.
+//! same, and a further write is answered right; then the `lockstep` CLI,
+//! which asks the environment its format, shows it in `status`, creates a
+//! dataflow whose description it reads from a file (`--export ID=@FILE`),
+//! writes rows given as text (`--update TEXT@T`) and in a file
+//! (`--update @FILE@T`), and peeks, printing the text rows as text (and in
+//! hex with `--hex`).
 
 mod common;
 
@@ -232,14 +236,21 @@ async fn a_family_of_your_own_walks_through_lockstep_serve_and_a_restart() {
     .await;
     assert!(reference(&written, "n5", 3).contains(&reachability::distance("n8", 4)));
 
-    // The CLI drives the family with its bytes written in hex: a dataflow
-    // (the distances from n7), a write, a peek printed in hex, the listing.
-    let hex = |bytes: &[u8]| -> String {
-        std::iter::once("0x".to_string())
-            .chain(bytes.iter().map(|b| format!("{b:02x}")))
-            .collect()
-    };
-    let description = hex(&describe(103, "n7").description);
+    // The CLI knows the family from the environment (GetStatus's format)
+    // and drives it in its own bytes: `status` names the format; a
+    // dataflow (the distances from n7) whose description is read from a
+    // file, with no `--format`; a write of one edge as its text and one
+    // read from a file; a peek printing the text rows as text (not as
+    // integers, not in hex), and in hex with `--hex`; the listing.
+    let out = lockstep(&url, sandbox.path(), &["status"]).await;
+    assert!(out.contains(&format!("format {FORMAT},")), "{out}");
+    let status: serde_json::Value =
+        serde_json::from_str(&lockstep(&url, sandbox.path(), &["status", "-o", "json"]).await)
+            .expect("status -o json");
+    assert_eq!(status["format"], FORMAT, "{status}");
+    let files = tempfile::tempdir().unwrap();
+    let root = files.path().join("root");
+    std::fs::write(&root, describe(103, "n7").description).unwrap();
     let out = lockstep(
         &url,
         sandbox.path(),
@@ -250,17 +261,18 @@ async fn a_family_of_your_own_walks_through_lockstep_serve_and_a_restart() {
             REPLICA,
             "--name",
             "from-n7",
-            "--format",
-            FORMAT,
             "--input",
             "1",
             "--export",
-            &format!("103={description}"),
+            &format!("103=@{}", root.display()),
         ],
     )
     .await;
     assert!(out.starts_with("created dataflow"), "{out}");
     let edge = reachability::edge("n8", "n9");
+    let from_file = reachability::edge("n9", "n10");
+    let edge_file = files.path().join("edge");
+    std::fs::write(&edge_file, &from_file).unwrap();
     lockstep(
         &url,
         sandbox.path(),
@@ -272,44 +284,55 @@ async fn a_family_of_your_own_walks_through_lockstep_serve_and_a_restart() {
             "--collection",
             "1",
             "--update",
-            &format!("{}@4", hex(&edge)),
+            &format!("{}@4", std::str::from_utf8(&edge).unwrap()),
+            "--update",
+            &format!("@{}@4:1", edge_file.display()),
             "--upper",
             "5",
         ],
     )
     .await;
-    written.push(Update {
-        row: edge,
-        time: 4,
-        diff: 1,
-    });
-    let out = lockstep(
-        &url,
-        sandbox.path(),
-        &[
-            "peek",
-            "--replica",
-            REPLICA,
-            "--collection",
-            "103",
-            "--at",
-            "4",
-            "--hex",
-        ],
-    )
-    .await;
+    for row in [edge, from_file] {
+        written.push(Update {
+            row,
+            time: 4,
+            diff: 1,
+        });
+    }
+    let peek = [
+        "peek",
+        "--replica",
+        REPLICA,
+        "--collection",
+        "103",
+        "--at",
+        "4",
+    ];
+    let out = lockstep(&url, sandbox.path(), &peek).await;
+    let printed: BTreeSet<String> = out.lines().map(str::to_string).collect();
+    let expected: BTreeSet<String> = reference(&written, "n7", 4)
+        .iter()
+        .map(|row| format!("{}\t1", std::str::from_utf8(row).unwrap()))
+        .collect();
+    assert_eq!(
+        printed, expected,
+        "the CLI's peek of the distances from n7 at 4, as text"
+    );
+    assert!(expected.contains("n9\t2\t1") && expected.contains("n10\t3\t1"));
+    let hex = |bytes: &[u8]| -> String {
+        std::iter::once("0x".to_string())
+            .chain(bytes.iter().map(|b| format!("{b:02x}")))
+            .collect()
+    };
+    let out = lockstep(&url, sandbox.path(), &[&peek[..], &["--hex"]].concat()).await;
     let printed: BTreeSet<String> = out.lines().map(str::to_string).collect();
     let expected: BTreeSet<String> = reference(&written, "n7", 4)
         .iter()
         .map(|row| format!("{}\t1", hex(row)))
         .collect();
-    assert_eq!(
-        printed, expected,
-        "the CLI's peek of the distances from n7 at 4"
-    );
-    assert!(expected.contains(&format!("{}\t1", hex(&reachability::distance("n9", 2)))));
+    assert_eq!(printed, expected, "the CLI's peek --hex");
     let out = lockstep(&url, sandbox.path(), &["dataflow", "list"]).await;
-    assert!(out.contains(&format!("103={description}")), "{out}");
+    assert!(out.contains("103=n7"), "{out}");
 }
 
 /// Runs the `lockstep` CLI against the environment at `url` on state

@@ -82,11 +82,12 @@ async fn serve(state: &Path) -> Serve {
     }
 }
 
+/// Adds the token to a request.
+type AddToken =
+    Box<dyn FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Send>;
+
 type Client = EnvironmentClient<
-    tonic::service::interceptor::InterceptedService<
-        tonic::transport::Channel,
-        Box<dyn FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Send>,
-    >,
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AddToken>,
 >;
 
 /// A new connection to `url` that sends `token`.
@@ -99,9 +100,7 @@ async fn client(url: &str, token: Option<&str>) -> Result<Client, tonic::transpo
         .await?;
     let header: Option<tonic::metadata::MetadataValue<_>> =
         token.map(|t| format!("Bearer {t}").parse().unwrap());
-    let add: Box<
-        dyn FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Send,
-    > = Box::new(move |mut r: tonic::Request<()>| {
+    let add: AddToken = Box::new(move |mut r: tonic::Request<()>| {
         if let Some(h) = &header {
             r.metadata_mut().insert("authorization", h.clone());
         }
@@ -239,10 +238,7 @@ async fn floods_on_both_ports_leave_serving_and_supervision_intact() {
     drop(held_api);
     drop(held_metrics);
     let _ = c
-        .drop_replica(proto::DropReplicaRequest {
-            name: "r1".into(),
-            ..Default::default()
-        })
+        .drop_replica(proto::DropReplicaRequest { name: "r1".into() })
         .await;
     s.child.kill().await.unwrap();
 }

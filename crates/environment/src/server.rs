@@ -296,6 +296,7 @@ impl EnvironmentApi for EnvironmentService {
                 epoch: self.env.epoch(),
                 orphan_rule: self.env.orphan_rule(),
                 orphans_removed: self.env.orphans_removed(),
+                format: self.env.compute.format(),
             }))
         }
         .await
