@@ -132,9 +132,7 @@ impl Builder {
     /// otherwise (it never returns).
     pub fn main(self) -> ! {
         use clap::{CommandFactory, FromArgMatches};
-        let args = Args::command()
-            .version(self.version)
-            .get_matches();
+        let args = Args::command().version(self.version).get_matches();
         let args = Args::from_arg_matches(&args).unwrap_or_else(|e| e.exit());
         let family = self.family;
         // The level from RUST_LOG (default info); with `--log-format json` (or
