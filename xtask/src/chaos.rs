@@ -19,6 +19,12 @@
 //! partitions on two simulated hosts where namespaces can be made; scenarios
 //! in `crates/chaos/src/bin/distribution.rs` and `distribution/partitions.rs`).
 //!
+//! `hostile` is a seeded hostile-neighbour campaign: attackers on every
+//! port of a real `lockstep serve` and its replica processes, their
+//! descriptors limited, while a token holder works and a process is killed;
+//! `bounded` must pass, the negative control `no-bounds` must be caught
+//! (`crates/chaos/src/bin/hostile.rs`; `--seeds`, `--seed`, `--long`).
+//!
 //! `campaign` is a seeded random fault campaign on a real `lockstep serve`
 //! and real replica processes, one variant per strategy (`broadcast`,
 //! `barrier`, `log`, and the negative control `naive`), each seed a scenario
@@ -34,7 +40,7 @@ use anyhow::{bail, Context};
 use crate::util::{build_bins, cargo, root, run, step, target_dir};
 
 /// The suites `run` knows.
-pub const SUITES: [&str; 4] = ["orphans", "distribution", "security", "campaign"];
+pub const SUITES: [&str; 5] = ["orphans", "distribution", "security", "campaign", "hostile"];
 
 /// The options of `cargo xtask chaos campaign`, passed on to
 /// `lockstep-chaos-campaign`.
@@ -55,6 +61,9 @@ pub struct CampaignArgs {
     /// For `campaign`: shrink a failing seed's history (drop operations while it still fails).
     #[arg(long)]
     pub shrink: bool,
+    /// For `hostile`: the long run (seeds 1..=200 of `bounded`, 1..=20 of `no-bounds`) instead of the quick set.
+    #[arg(long)]
+    pub long: bool,
 }
 
 /// Runs one suite by name (`strategies` only matters for `distribution`
@@ -68,6 +77,7 @@ pub fn run_suite_with(
     match suite {
         "distribution" => distribution(strategies),
         "campaign" => campaign(strategies, campaign_args),
+        "hostile" => hostile(strategies, campaign_args),
         other => run_suite(other),
     }
 }
@@ -79,6 +89,7 @@ pub fn run_suite(suite: &str) -> anyhow::Result<()> {
         "distribution" => distribution(&[]),
         "security" => security(),
         "campaign" => campaign(&[], &CampaignArgs::default()),
+        "hostile" => hostile(&[], &CampaignArgs::default()),
         other => bail!(
             "unknown chaos suite {other:?}; known: {}",
             SUITES.join(", ")
@@ -249,6 +260,38 @@ fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
     }
     let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
     run_suite_binary(bin, &argv, "campaign", strategies.len())
+}
+
+/// The seeded hostile-neighbour campaign (`crates/chaos/src/bin/hostile.rs`):
+/// attackers on every port of a real `lockstep serve` and its replica
+/// processes (descriptors limited with `prlimit`) while a token holder
+/// writes and peeks and a process is killed; `bounded` must pass every
+/// seed, `no-bounds` (the admission bounds off) must be caught. Without
+/// options the quick set; `--seeds`/`--seed` and `--long` are passed on,
+/// `--strategy` names the variants (`bounded`, `no-bounds`).
+fn hostile(variants: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
+    build_with_environment("lockstep-chaos-hostile")?;
+    let bin = target_dir().join("debug").join("lockstep-chaos-hostile");
+    let mut argv: Vec<String> = Vec::new();
+    if let Some(seeds) = &args.seeds {
+        argv.extend(["--seeds".into(), seeds.clone()]);
+    }
+    if let Some(seed) = args.seed {
+        argv.extend(["--seed".into(), seed.to_string()]);
+    }
+    if args.long {
+        argv.push("--long".into());
+    }
+    for v in variants {
+        argv.extend(["--variant".into(), v.clone()]);
+    }
+    let expected = if variants.is_empty() {
+        2
+    } else {
+        variants.len()
+    };
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    run_suite_binary(bin, &argv, "hostile", expected)
 }
 
 /// Builds `target/lockstep/campaign-policies/naive.wasm`: a distribution

@@ -89,9 +89,9 @@ enum Task {
         #[arg(long, requires = "out")]
         sdk_git: Option<String>,
     },
-    /// Fault suites on real processes (`orphans`, `distribution`, `security`, `campaign`); prints the JSON summary lines.
+    /// Fault suites on real processes (`orphans`, `distribution`, `security`, `campaign`, `hostile`); prints the JSON summary lines.
     Chaos {
-        /// The suite to run: `orphans`, `distribution`, `security` or `campaign` (a seeded random fault campaign).
+        /// The suite to run: `orphans`, `distribution`, `security`, `campaign` (a seeded random fault campaign) or `hostile` (a seeded hostile-neighbour campaign).
         suite: String,
         /// For `distribution`: the variants to run (default: broadcast barrier log log@postgres naive naive+history-check); for `campaign`: the strategies (default: broadcast barrier log naive).
         #[arg(long = "strategy")]
