@@ -89,6 +89,11 @@ enum Task {
         #[arg(long, requires = "out")]
         sdk_git: Option<String>,
     },
+    /// Rewrite the checked-in standalone policy templates
+    /// (templates/my-distribution-policy, templates/my-orphan-policy) from
+    /// the generator `new-policy --out` uses, then build one from a scratch
+    /// directory outside the checkout and check it (as `test` does).
+    PolicyTemplates,
     /// Fault suites on real processes (`orphans`, `distribution`, `security`, `campaign`, `hostile`); prints the JSON summary lines.
     Chaos {
         /// The suite to run: `orphans`, `distribution`, `security`, `campaign` (a seeded random fault campaign) or `hostile` (a seeded hostile-neighbour campaign).
@@ -148,6 +153,10 @@ fn main() -> anyhow::Result<()> {
         } => chaos::run_suite_with(&suite, &strategies, &campaign),
         Task::Image { from_source, keep } => image::image(&image::Options { from_source, keep }),
         Task::Model { variants } => model::run(&variants),
+        Task::PolicyTemplates => {
+            new_policy::write_templates(&util::root())?;
+            policies::check_standalone(&util::target_dir().join("debug/lockstep"))
+        }
         Task::NewPolicy {
             name,
             kind,

@@ -34,6 +34,51 @@ pub enum Sdk {
     Path(std::path::PathBuf),
     /// A git repository holding this workspace.
     Git(String),
+    /// A git repository at a revision (the checked-in templates name
+    /// placeholders the user replaces).
+    GitRev {
+        /// The repository.
+        url: String,
+        /// The commit.
+        rev: String,
+    },
+}
+
+/// The checked-in templates of a standalone policy, one per kind: what
+/// [`write_standalone`] writes for a policy named as the folder, with the
+/// SDK taken from git at a revision the user fills in. A user copies one
+/// and needs no lockstep build; `cargo xtask test` checks they are what the
+/// generator writes, and builds one from a scratch directory.
+pub const TEMPLATES: [(Kind, &str); 2] = [
+    (Kind::Distribution, "templates/my-distribution-policy"),
+    (Kind::Orphans, "templates/my-orphan-policy"),
+];
+
+/// The SDK line of the checked-in templates: the placeholders a user
+/// replaces with this repository's git URL and a commit.
+pub fn template_sdk() -> Sdk {
+    Sdk::GitRev {
+        url: "GIT-URL-OF-LOCKSTEP".into(),
+        rev: "COMMIT".into(),
+    }
+}
+
+/// (Re)writes the checked-in templates under `root` (`cargo xtask
+/// new-policy --templates`).
+pub fn write_templates(root: &Path) -> anyhow::Result<()> {
+    for (kind, folder) in TEMPLATES {
+        let dir = root.join(folder);
+        let name = dir
+            .file_name()
+            .expect("a folder name")
+            .to_string_lossy()
+            .into_owned();
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)?;
+        }
+        write_standalone(&dir, &name, kind, &template_sdk())?;
+    }
+    Ok(())
 }
 
 /// Writes the standalone crate `out/NAME` (see the module docs). Refuses to
@@ -75,7 +120,24 @@ pub fn write_standalone(dir: &Path, name: &str, kind: Kind, sdk: &Sdk) -> anyhow
     let dependency = match sdk {
         Sdk::Path(p) => format!("{{ path = {:?} }}", p.display().to_string()),
         Sdk::Git(url) => format!("{{ git = {url:?} }}"),
+        Sdk::GitRev { url, rev } => format!("{{ git = {url:?}, rev = {rev:?} }}"),
     };
+    // The toolchain this repository pins, with the wasm target, so the
+    // policy builds the same wherever it is kept.
+    let pinned = std::fs::read_to_string(root().join("rust-toolchain.toml"))
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("channel = ").map(|v| v.trim().to_string()))
+        })
+        .unwrap_or_else(|| "\"stable\"".into());
+    std::fs::write(
+        dir.join("rust-toolchain.toml"),
+        format!(
+            "[toolchain]\nchannel = {pinned}\ntargets = [\"{target}\"]\nprofile = \"minimal\"\n",
+            target = crate::policies::WASM_TARGET,
+        ),
+    )?;
     std::fs::write(
         dir.join("Cargo.toml"),
         format!(
@@ -129,7 +191,7 @@ rustflags = ["-C", "strip=debuginfo"]
 
 A lockstep {what} policy, written with `lockstep-policy-sdk`.
 
-- Test the rule: `cargo test`
+{sdk_note}- Test the rule: `cargo test`
 - Build the component: `{build}`
   (`rustup target add {target}` once)
 - Check it: `lockstep policy check target/{target}/release/{file}.wasm`
@@ -137,6 +199,10 @@ A lockstep {what} policy, written with `lockstep-policy-sdk`.
 "#,
             target = crate::policies::WASM_TARGET,
             file = name.replace('-', "_"),
+            sdk_note = match sdk {
+                Sdk::GitRev { .. } => "- First, in `Cargo.toml`, put lockstep's git URL and a commit in the\n  `lockstep-policy-sdk` line (`GIT-URL-OF-LOCKSTEP`, `COMMIT`), and rename\n  the package if you like. Nothing of lockstep needs building.\n",
+                _ => "",
+            },
         ),
     )?;
     Ok(())
@@ -363,6 +429,40 @@ mod tests {{
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every file of `dir`, by its path below it.
+    fn files(dir: &Path) -> std::collections::BTreeMap<String, String> {
+        let mut out = std::collections::BTreeMap::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap().flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else {
+                    let rel = p.strip_prefix(dir).unwrap().display().to_string();
+                    out.insert(rel, std::fs::read_to_string(&p).unwrap());
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_checked_in_templates_are_what_the_generator_writes() {
+        let scratch = tempfile::tempdir().unwrap();
+        write_templates(scratch.path()).unwrap();
+        for (_, folder) in TEMPLATES {
+            let want = files(&scratch.path().join(folder));
+            let have = files(&root().join(folder));
+            assert!(
+                want == have,
+                "{folder} differs from what the generator writes: run `cargo xtask new-policy --templates`"
+            );
+            assert!(have.contains_key("rust-toolchain.toml"));
+            assert!(have["Cargo.toml"].contains("rev = \"COMMIT\""));
+        }
+    }
 
     #[test]
     fn names_are_checked() {

@@ -265,14 +265,15 @@ fn copy_out(built: &std::path::Path, dir: &std::path::Path, name: &str) -> anyho
 }
 
 /// A policy kept outside this repository: scaffolds a standalone
-/// distribution policy (`new-policy --out`) into a temporary directory
-/// outside the checkout, builds it there with plain `cargo build` (its own
-/// workspace and `.cargo/config.toml`; the SDK by path), and runs
+/// distribution policy (the checked-in `templates/my-distribution-policy`,
+/// copied as a user would, its SDK line pointed at this checkout) into a
+/// temporary directory outside the checkout, builds it there with plain
+/// `cargo build` (its own workspace and `.cargo/config.toml`), and runs
 /// `lockstep policy check` (the binary `cargo xtask test` built) on what it
 /// built. It builds into the policy fixtures' target directory, where
 /// [`build_all`] built the dependencies already.
 pub fn check_standalone(lockstep: &std::path::Path) -> anyhow::Result<()> {
-    use crate::new_policy::{write_standalone, Kind, Sdk};
+    use crate::new_policy::TEMPLATES;
     step("a standalone policy, scaffolded and built outside the checkout, passes `lockstep policy check`");
     let scratch = tempfile::Builder::new()
         .prefix("lockstep-standalone-policy-")
@@ -284,13 +285,33 @@ pub fn check_standalone(lockstep: &std::path::Path) -> anyhow::Result<()> {
             scratch.path().display()
         );
     }
-    let name = "standalone-policy";
+    // The checked-in template, copied as a user would, with its SDK line
+    // (a git URL and commit to fill in) pointed at this checkout.
+    let (_, folder) = TEMPLATES[0];
+    let name = std::path::Path::new(folder)
+        .file_name()
+        .expect("a folder")
+        .to_string_lossy()
+        .into_owned();
+    let name = name.as_str();
     let dir = scratch.path().join(name);
-    write_standalone(
-        &dir,
-        name,
-        Kind::Distribution,
-        &Sdk::Path(root().join("crates/policy-sdk")),
+    copy_dir(&root().join(folder), &dir)?;
+    let manifest = dir.join("Cargo.toml");
+    let text = std::fs::read_to_string(&manifest)?;
+    let sdk_line = text
+        .lines()
+        .find(|l| l.starts_with("lockstep-policy-sdk = "))
+        .context("the template names lockstep-policy-sdk")?
+        .to_string();
+    std::fs::write(
+        &manifest,
+        text.replace(
+            &sdk_line,
+            &format!(
+                "lockstep-policy-sdk = {{ path = {:?} }}",
+                root().join("crates/policy-sdk").display().to_string()
+            ),
+        ),
     )?;
     // Start from the fixtures' lock file so no new versions are resolved.
     std::fs::copy(fixtures_dir().join("Cargo.lock"), dir.join("Cargo.lock"))?;
@@ -335,5 +356,20 @@ pub fn check_standalone(lockstep: &std::path::Path) -> anyhow::Result<()> {
         bail!("the standalone policy did not pass every scenario: {line}");
     }
     eprintln!("xtask: standalone policy: ok");
+    Ok(())
+}
+
+/// Copies the directory `from` to `to` (files and folders).
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for e in std::fs::read_dir(from)? {
+        let e = e?;
+        let target = to.join(e.file_name());
+        if e.file_type()?.is_dir() {
+            copy_dir(&e.path(), &target)?;
+        } else {
+            std::fs::copy(e.path(), target)?;
+        }
+    }
     Ok(())
 }
