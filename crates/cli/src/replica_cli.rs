@@ -16,7 +16,9 @@ pub(crate) enum ReplicaCommand {
         /// Workers per process.
         #[arg(long, default_value_t = 1)]
         workers: u32,
-        /// Free-form configuration for the replica.
+        /// Free-form configuration for the replica: its processes get it in
+        /// LOCKSTEP_REPLICA_CONFIG, and a family binary made with
+        /// `Builder::family_from_config` reads it (docs/embedding.md).
         #[arg(long, default_value = "")]
         config: String,
         /// Wait until the replica serves: every process connected to its

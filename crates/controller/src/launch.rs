@@ -91,6 +91,17 @@ pub fn with_session_key(
     config.env(lockstep_protocol::SESSION_KEY_ENV, key.to_hex())
 }
 
+/// `config` with the replica's free-form configuration for its processes
+/// (`LOCKSTEP_REPLICA_CONFIG`), if it has one: an empty one sets nothing,
+/// so a replica without one keeps the service spec it always had.
+pub fn with_replica_config(config: ServiceConfig, text: &str) -> ServiceConfig {
+    if text.is_empty() {
+        config
+    } else {
+        config.env(lockstep_protocol::REPLICA_CONFIG_ENV, text)
+    }
+}
+
 /// `config` with the frame limit its processes use (`LOCKSTEP_MAX_FRAME_LEN`);
 /// give the controller the same in [`ReplicaAddrs::max_frame_len`].
 pub fn with_max_frame_len(config: ServiceConfig, max_frame_len: usize) -> ServiceConfig {
@@ -137,4 +148,24 @@ pub fn replica_addrs(
         one_way_proof: false,
         max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replica_configuration_reaches_the_processes_only_when_given() {
+        let base = || ServiceConfig::new("replica-1", 1, "lockstep-replica");
+        let with = with_replica_config(base(), "depth=3");
+        assert_eq!(
+            with.env
+                .get(lockstep_protocol::REPLICA_CONFIG_ENV)
+                .map(String::as_str),
+            Some("depth=3")
+        );
+        // None given: the spec is what it always was (no restart on adoption).
+        let without = with_replica_config(base(), "");
+        assert_eq!(without.env, base().env);
+    }
 }

@@ -269,6 +269,8 @@ impl Environment {
         };
         let config =
             lockstep_controller::launch::with_max_frame_len(config, self.compute.max_frame_len());
+        let config =
+            lockstep_controller::launch::with_replica_config(config, &replica.config.config);
         match self.session_key(replica.id) {
             Some(key) => lockstep_controller::launch::with_session_key(config, &key),
             None => config,

@@ -110,6 +110,11 @@ pub struct SessionKey([u8; 32]);
 /// 64 hex digits.
 pub const SESSION_KEY_ENV: &str = "LOCKSTEP_SESSION_KEY";
 
+/// The environment variable carrying a replica's free-form configuration
+/// (`CreateReplica`'s `config`) to its processes, set only when it is not
+/// empty; a family's binary reads it (`lockstep_replica::Builder::family_from_config`).
+pub const REPLICA_CONFIG_ENV: &str = "LOCKSTEP_REPLICA_CONFIG";
+
 impl std::fmt::Debug for SessionKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("SessionKey(..)")

@@ -39,7 +39,9 @@ pub use codec::{
 };
 pub use convert::ConvertError;
 pub use endpoint::{Endpoint, EndpointError};
-pub use handshake::{negotiate, HandshakeError, ProcessIdentity, SessionKey, SESSION_KEY_ENV};
+pub use handshake::{
+    negotiate, HandshakeError, ProcessIdentity, SessionKey, REPLICA_CONFIG_ENV, SESSION_KEY_ENV,
+};
 pub use history::CommandHistory;
 pub use types::*;
 

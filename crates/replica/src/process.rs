@@ -79,6 +79,10 @@ struct Args {
     /// `no-mutual` of the security suite only.
     #[arg(long, hide = true, env = "LOCKSTEP_INSECURE_ONE_WAY_PROOF")]
     insecure_one_way_proof: bool,
+    /// The replica's free-form configuration (`CreateReplica`'s `config`),
+    /// which a family's binary may read (`Builder::family_from_config`).
+    #[arg(long, env = lockstep_protocol::REPLICA_CONFIG_ENV, default_value = "", hide = true)]
+    replica_config: String,
     /// The log format on stderr: `text`, or `json` (one JSON object per
     /// line).
     #[arg(long, env = "LOCKSTEP_LOG_FORMAT", default_value = "text",
@@ -89,10 +93,23 @@ struct Args {
 /// A replica process to be run: its dataflow family, and its command line
 /// (the arguments of `lockstep-replica --help`, which the environment's
 /// replica template passes).
-#[derive(Debug)]
 pub struct Builder {
     family: Arc<dyn Family>,
+    configured: Option<FromConfig>,
     version: &'static str,
+}
+
+/// Makes a family from the replica's configuration.
+type FromConfig = Box<dyn Fn(&str) -> Result<Arc<dyn Family>, String>>;
+
+impl std::fmt::Debug for Builder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Builder")
+            .field("family", &self.family)
+            .field("configured", &self.configured.is_some())
+            .field("version", &self.version)
+            .finish()
+    }
 }
 
 impl Default for Builder {
@@ -106,7 +123,31 @@ impl Builder {
     pub fn new() -> Self {
         Builder {
             family: Arc::new(PlanFamily),
+            configured: None,
             version: env!("CARGO_PKG_VERSION"),
+        }
+    }
+
+    /// Builds dataflows with the family `make` returns for the replica's
+    /// free-form configuration (`CreateReplica`'s `config`, in
+    /// `LOCKSTEP_REPLICA_CONFIG`; `""` when it has none). An `Err` ends the
+    /// process with exit code 2 and the message: a configuration the family
+    /// refuses never runs.
+    pub fn family_from_config<F: Family>(
+        mut self,
+        make: impl Fn(&str) -> Result<F, String> + 'static,
+    ) -> Self {
+        self.configured = Some(Box::new(move |config: &str| {
+            make(config).map(|f| Arc::new(f) as Arc<dyn Family>)
+        }));
+        self
+    }
+
+    /// The family for the replica's configuration `config`.
+    fn family_for(&self, config: &str) -> Result<Arc<dyn Family>, String> {
+        match &self.configured {
+            Some(make) => make(config),
+            None => Ok(Arc::clone(&self.family)),
         }
     }
 
@@ -124,6 +165,7 @@ impl Builder {
     /// its contract).
     pub fn family(mut self, family: impl Family) -> Self {
         self.family = Arc::new(family);
+        self.configured = None;
         self
     }
 
@@ -134,7 +176,13 @@ impl Builder {
         use clap::{CommandFactory, FromArgMatches};
         let args = Args::command().version(self.version).get_matches();
         let args = Args::from_arg_matches(&args).unwrap_or_else(|e| e.exit());
-        let family = self.family;
+        let family = match self.family_for(&args.replica_config) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("lockstep-replica: error: the replica's configuration: {e}");
+                std::process::exit(2);
+            }
+        };
         // The level from RUST_LOG (default info); with `--log-format json` (or
         // LOCKSTEP_LOG_FORMAT=json, inherited from `lockstep serve`) one JSON
         // object per line.
@@ -210,5 +258,27 @@ impl Builder {
             std::process::exit(1);
         }
         std::process::exit(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_family_is_made_from_the_replica_configuration() {
+        let b = Builder::new().family_from_config(|config: &str| match config {
+            "" | "plan" => Ok(PlanFamily),
+            other => Err(format!("unknown setting {other:?}")),
+        });
+        assert_eq!(b.family_for("").unwrap().format(), lockstep_plan::FORMAT);
+        assert_eq!(
+            b.family_for("plan").unwrap().format(),
+            lockstep_plan::FORMAT
+        );
+        assert!(b.family_for("nonsense").unwrap_err().contains("nonsense"));
+        // A fixed family takes no configuration.
+        let fixed = Builder::new().family(PlanFamily);
+        assert!(fixed.family_for("anything").is_ok());
     }
 }
