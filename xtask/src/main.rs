@@ -12,6 +12,7 @@ mod image;
 mod model;
 mod network;
 mod new_policy;
+mod outside;
 mod policies;
 mod prereqs;
 mod scale;
@@ -89,6 +90,9 @@ enum Task {
         #[arg(long, requires = "out")]
         sdk_git: Option<String>,
     },
+    /// Build the reachability family from a scratch directory outside the
+    /// checkout, as an adopter's repository would (part of `test`).
+    OutsideFamily,
     /// Rewrite the checked-in standalone policy templates
     /// (templates/my-distribution-policy, templates/my-orphan-policy) from
     /// the generator `new-policy --out` uses, then build one from a scratch
@@ -153,6 +157,7 @@ fn main() -> anyhow::Result<()> {
         } => chaos::run_suite_with(&suite, &strategies, &campaign),
         Task::Image { from_source, keep } => image::image(&image::Options { from_source, keep }),
         Task::Model { variants } => model::run(&variants),
+        Task::OutsideFamily => outside::check_family(),
         Task::PolicyTemplates => {
             new_policy::write_templates(&util::root())?;
             policies::check_standalone(&util::target_dir().join("debug/lockstep"))

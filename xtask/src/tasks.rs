@@ -64,6 +64,7 @@ pub fn test(lint: bool, skips: &[String]) -> anyhow::Result<()> {
     python_api()?;
     crate::image::in_test()?;
     policies::check_standalone(&target_dir().join("debug/lockstep"))?;
+    crate::outside::check_family()?;
     for suite in crate::chaos::SUITES {
         crate::chaos::run_suite(suite)?;
     }
