@@ -358,6 +358,12 @@ fn main() {
         );
         std::process::exit(2);
     }
+    // The other user's probe runs this binary: keep it where a rebuild
+    // cannot take it away mid-run.
+    if let Err(e) = other_user::keep_probe_binary(&env::out_dir()) {
+        eprintln!("lockstep-chaos-hostile: {e}");
+        std::process::exit(2);
+    }
     // The attackers hold thousands of sockets: this process's soft
     // descriptor limit goes up to its hard one (what the budget of a
     // lockstep process does first).

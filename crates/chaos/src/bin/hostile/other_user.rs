@@ -167,7 +167,7 @@ pub(crate) async fn probe(state: &Path, env: &EnvView, shared: &Shared) -> Resul
             ),
         ));
     }
-    let mut cmd = tokio::process::Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+    let mut cmd = tokio::process::Command::new(probe_binary());
     cmd.arg(PROBE_ARG)
         .arg(state)
         .arg(&env.api.url)
@@ -238,4 +238,38 @@ pub(crate) async fn probe(state: &Path, env: &EnvView, shared: &Shared) -> Resul
         p.held
     ));
     Ok(())
+}
+
+/// The probe's program: a link to this binary made at start
+/// ([`keep_probe_binary`]), so a rebuild of the suite's binary while it
+/// runs (cargo replaces the file) does not take the probe's program away.
+static PROBE_BINARY: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+/// Links (or copies) this binary to `dir/probe-PID` for the probe, once at
+/// start; older links of other runs are removed.
+pub(crate) fn keep_probe_binary(dir: &std::path::Path) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("this binary's path: {e}"))?;
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with("probe-") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    let kept = dir.join(format!("probe-{}", std::process::id()));
+    if std::fs::hard_link(&exe, &kept).is_err() {
+        std::fs::copy(&exe, &kept).map_err(|e| format!("copying {}: {e}", exe.display()))?;
+    }
+    let _ = PROBE_BINARY.set(kept);
+    Ok(())
+}
+
+/// The probe's program: the kept link, else this binary's path.
+fn probe_binary() -> std::path::PathBuf {
+    PROBE_BINARY
+        .get()
+        .cloned()
+        .or_else(|| std::env::current_exe().ok())
+        .unwrap_or_else(|| std::path::PathBuf::from("/proc/self/exe"))
 }
