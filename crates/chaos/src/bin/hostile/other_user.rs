@@ -246,13 +246,19 @@ pub(crate) async fn probe(state: &Path, env: &EnvView, shared: &Shared) -> Resul
 static PROBE_BINARY: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
 
 /// Links (or copies) this binary to `dir/probe-PID` for the probe, once at
-/// start; older links of other runs are removed.
+/// start; the links of runs that ended are removed.
 pub(crate) fn keep_probe_binary(dir: &std::path::Path) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| format!("this binary's path: {e}"))?;
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // Links of runs that ended go; a run still going keeps its own.
     if let Ok(entries) = std::fs::read_dir(dir) {
         for e in entries.flatten() {
-            if e.file_name().to_string_lossy().starts_with("probe-") {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let ended = name
+                .strip_prefix("probe-")
+                .and_then(|pid| pid.parse::<u32>().ok())
+                .is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists());
+            if ended {
                 let _ = std::fs::remove_file(e.path());
             }
         }
