@@ -23,6 +23,7 @@ use std::process::ExitCode;
 
 mod api_client;
 mod compute_cli;
+mod family_bytes;
 mod output;
 mod replica_cli;
 use api_client::*;
@@ -33,6 +34,8 @@ use replica_cli::*;
 // harnesses the binary runs. Without it the binary is the client alone.
 #[cfg(feature = "server")]
 mod demo;
+#[cfg(feature = "server")]
+mod serve_child;
 #[cfg(feature = "server")]
 mod serve_cli;
 #[cfg(feature = "server")]

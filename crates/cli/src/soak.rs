@@ -38,7 +38,7 @@ use lockstep_plan::Plan;
 use lockstep_protocol::proto as wire;
 use lockstep_protocol::Update;
 
-use crate::demo::{start_env_with, Env};
+use crate::serve_child::{start_env_with, Env};
 use lockstep_environment::proto;
 
 /// The bound on every figure's `end_over_start`.
