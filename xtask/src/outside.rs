@@ -21,16 +21,7 @@ const BIN: &str = "outside-family-replica";
 /// checkout and runs its binary's `--version`.
 pub fn check_family() -> anyhow::Result<()> {
     step("a family crate built outside the checkout (docs/embedding.md's dependencies)");
-    let scratch = tempfile::Builder::new()
-        .prefix("lockstep-outside-family-")
-        .tempdir()
-        .context("a temporary directory")?;
-    if scratch.path().starts_with(root()) {
-        bail!(
-            "the temporary directory {} is inside the checkout: set TMPDIR elsewhere",
-            scratch.path().display()
-        );
-    }
+    let scratch = crate::util::scratch_outside("lockstep-outside-family-")?;
     let dir = scratch.path().join("my-family");
     std::fs::create_dir_all(dir.join("src"))?;
     for file in ["lib.rs", "main.rs"] {

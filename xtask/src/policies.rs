@@ -275,16 +275,7 @@ fn copy_out(built: &std::path::Path, dir: &std::path::Path, name: &str) -> anyho
 pub fn check_standalone(lockstep: &std::path::Path) -> anyhow::Result<()> {
     use crate::new_policy::TEMPLATES;
     step("a standalone policy, scaffolded and built outside the checkout, passes `lockstep policy check`");
-    let scratch = tempfile::Builder::new()
-        .prefix("lockstep-standalone-policy-")
-        .tempdir()
-        .context("a temporary directory")?;
-    if scratch.path().starts_with(root()) {
-        bail!(
-            "the temporary directory {} is inside the checkout: set TMPDIR elsewhere",
-            scratch.path().display()
-        );
-    }
+    let scratch = crate::util::scratch_outside("lockstep-standalone-policy-")?;
     // The checked-in template, copied as a user would, with its SDK line
     // (a git URL and commit to fill in) pointed at this checkout.
     let (_, folder) = TEMPLATES[0];

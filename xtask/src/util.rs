@@ -123,3 +123,20 @@ fn show(cmd: &Command) -> String {
     }
     s
 }
+
+/// A temporary directory outside the checkout (named `PREFIX...`), for what
+/// an adopter builds in a repository of their own; an error if TMPDIR puts
+/// it inside the checkout.
+pub fn scratch_outside(prefix: &str) -> anyhow::Result<tempfile::TempDir> {
+    let scratch = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir()
+        .context("a temporary directory")?;
+    if scratch.path().starts_with(root()) {
+        bail!(
+            "the temporary directory {} is inside the checkout: set TMPDIR elsewhere",
+            scratch.path().display()
+        );
+    }
+    Ok(scratch)
+}
