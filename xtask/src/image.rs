@@ -778,7 +778,7 @@ fn random_token() -> anyhow::Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// `lockstep serve` in the image as deploy/kubernetes/environment.yaml runs it,
+/// `lockstep serve` in the image as deploy/kubernetes/base/environment.yaml runs it,
 /// but on the process backend, checked from the host.
 fn serve_in_image(engine: &Engine) -> anyhow::Result<()> {
     let name = container_name("serve");

@@ -126,12 +126,16 @@ pub(crate) struct ServeArgs {
     /// process on this host's loopback.
     #[arg(long, default_value_t = 0)]
     hosts: usize,
-    /// The Kubernetes namespace of the replicas' objects.
-    #[arg(long, default_value = "lockstep")]
+    /// The Kubernetes namespace of the replicas' objects (in a pod: its
+    /// own, from the downward API).
+    #[arg(long, env = "LOCKSTEP_NAMESPACE", default_value = "lockstep")]
     namespace: String,
-    /// The container image of replica pods (it holds --service-binary).
-    #[arg(long, default_value = "lockstep:latest")]
-    kubernetes_image: String,
+    /// The container image of replica pods (it holds --service-binary): a
+    /// version tag or a digest (`latest` or no tag is refused). Default: the
+    /// image of --kubernetes-owner's container `environment` (the
+    /// environment's own build), else `lockstep:VERSION`.
+    #[arg(long, env = "LOCKSTEP_KUBERNETES_IMAGE")]
+    kubernetes_image: Option<String>,
     /// On SIGTERM or SIGINT: how long calls in flight may take to finish
     /// after health turned NOT_SERVING and new calls are refused; then the
     /// process exits 0, leaving the replicas running for the next
@@ -351,7 +355,6 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .await
                 .context("connecting to the Kubernetes API server")?;
             let namespace = args.namespace;
-            let image = args.kubernetes_image;
             let environment = args.kubernetes_environment;
             let mut resources =
                 lockstep_orchestrator_kubernetes::objects::PodResources::replica_default();
@@ -363,12 +366,32 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             }
             let owner = match &args.kubernetes_owner {
                 Some(object) => Some(
-                    lockstep_orchestrator_kubernetes::owner_of(client.clone(), &namespace, object)
-                        .await
-                        .map_err(|e| anyhow::anyhow!("--kubernetes-owner: {e}"))?,
+                    lockstep_orchestrator_kubernetes::owner_object(
+                        client.clone(),
+                        &namespace,
+                        object,
+                    )
+                    .await
+                    .map_err(|e| anyhow::anyhow!("--kubernetes-owner: {e}"))?,
                 ),
                 None => None,
             };
+            use lockstep_orchestrator_kubernetes::image as replica_image;
+            let image = match (args.kubernetes_image, &owner) {
+                (Some(image), _) => {
+                    replica_image::check_pinned(&image)
+                        .map_err(|e| anyhow::anyhow!("--kubernetes-image: {e}"))?;
+                    image
+                }
+                (None, Some((_, deployment))) => {
+                    replica_image::owner_image(deployment).map_err(|e| {
+                        anyhow::anyhow!("the replica image (from --kubernetes-owner): {e}")
+                    })?
+                }
+                (None, None) => replica_image::default_image(),
+            };
+            tracing::info!(%image, "replica pods run this image");
+            let owner = owner.map(|(reference, _)| reference);
             // The master secret of the replicas' session keys lives in the
             // cluster (Secret ENVIRONMENT-master), not in the state
             // directory: a pod's emptyDir would lose it on every restart,

@@ -219,6 +219,10 @@ impl Metrics {
 /// API's are ([`crate::admission`]):
 ///
 /// - `GET /metrics`: these metrics;
+/// - `GET /metrics/targets` (with `replicas`): every replica process as a
+///   Prometheus HTTP service discovery target (`http_sd_configs`): this
+///   endpoint's address, the relay path as `__metrics_path__`, and the
+///   labels `replica` and `process` ([`scrape_targets`]);
 /// - `GET /metrics/replicas/NAME/INDEX` (with `replicas`): process INDEX of
 ///   replica NAME's own metrics, fetched from it with its metrics token
 ///   ([`crate::Environment::replica_metrics`]), so that a scraper needs one
@@ -234,12 +238,16 @@ pub async fn serve(
     replicas: Option<Arc<crate::Environment>>,
     token: Option<String>,
 ) {
+    let at: Arc<str> = listener
+        .local_addr()
+        .map_or_else(|_| "localhost".into(), |a| a.to_string().into());
     let mut incoming = crate::admission::accept(listener, crate::admission::metrics_pool(&metrics));
     let token: Option<Arc<str>> = token.map(Arc::from);
     let handler: lockstep_metrics_http::Handler = Arc::new(move |path: String| {
         let metrics = metrics.clone();
         let replicas = replicas.clone();
-        Box::pin(async move { answer(&path, &metrics, replicas.as_deref()).await })
+        let at = at.clone();
+        Box::pin(async move { answer(&path, &at, &metrics, replicas.as_deref()).await })
     });
     while let Some(conn) = incoming.recv().await {
         let Ok(sock) = conn else { continue };
@@ -254,6 +262,7 @@ pub async fn serve(
 /// What the endpoint answers for `path`.
 async fn answer(
     path: &str,
+    at: &str,
     metrics: &Metrics,
     replicas: Option<&crate::Environment>,
 ) -> lockstep_metrics_http::Answer {
@@ -261,14 +270,49 @@ async fn answer(
     if path == "/metrics" {
         return Answer::Metrics(metrics.encode());
     }
+    if let (TARGETS_PATH, Some(env)) = (path, replicas) {
+        return Answer::Json(scrape_targets(at, &env.view().replicas));
+    }
     let relayed = path
         .strip_prefix("/metrics/replicas/")
         .and_then(|rest| rest.split_once('/'))
         .and_then(|(name, index)| Some((name, index.parse::<usize>().ok()?)));
     match (relayed, replicas) {
         (Some((name, index)), Some(env)) => env.replica_metrics(name, index).await,
-        _ => Answer::NotFound("only GET /metrics and GET /metrics/replicas/NAME/INDEX".into()),
+        _ => Answer::NotFound(
+            "only GET /metrics, /metrics/targets and /metrics/replicas/NAME/INDEX".into(),
+        ),
     }
+}
+
+/// The path of the Prometheus HTTP service discovery document.
+pub const TARGETS_PATH: &str = "/metrics/targets";
+
+/// Every process of `replicas` as a Prometheus HTTP service discovery
+/// target group: scraped at `at` (this endpoint; a scrape config behind a
+/// Service rewrites `__address__`), on its relay path, labelled with its
+/// replica's name and its process index. One scrape credential (the
+/// metrics token) serves them all.
+pub fn scrape_targets(
+    at: &str,
+    replicas: &std::collections::BTreeMap<u64, lockstep_catalog::Replica>,
+) -> String {
+    let groups: Vec<serde_json::Value> = replicas
+        .values()
+        .flat_map(|r| {
+            (0..r.config.processes).map(move |i| {
+                serde_json::json!({
+                    "targets": [at],
+                    "labels": {
+                        "__metrics_path__": format!("/metrics/replicas/{}/{i}", r.name),
+                        "replica": r.name,
+                        "process": i.to_string(),
+                    }
+                })
+            })
+        })
+        .collect();
+    serde_json::Value::Array(groups).to_string()
 }
 
 /// A gRPC status code as the gRPC specification spells it (`OK`,
@@ -320,5 +364,44 @@ mod tests {
         let out = String::from_utf8_lossy(&out);
         assert!(out.starts_with("HTTP/1.1 200"), "{out}");
         assert!(out.contains("lockstep_epoch 7"), "{out}");
+    }
+
+    #[test]
+    fn every_process_is_a_target_labelled_with_its_replica_and_index() {
+        let replica = |id: u64, name: &str, processes: u32| lockstep_catalog::Replica {
+            id,
+            name: name.to_string(),
+            config: lockstep_catalog::ReplicaConfig {
+                processes,
+                workers_per_process: 1,
+                config: String::new(),
+            },
+        };
+        let replicas =
+            std::collections::BTreeMap::from([(1, replica(1, "a", 2)), (2, replica(2, "b", 1))]);
+        let doc: serde_json::Value =
+            serde_json::from_str(&scrape_targets("10.0.0.1:9090", &replicas)).unwrap();
+        let groups = doc.as_array().unwrap();
+        let seen: Vec<(String, String, String)> = groups
+            .iter()
+            .map(|g| {
+                assert_eq!(g["targets"], serde_json::json!(["10.0.0.1:9090"]));
+                let l = &g["labels"];
+                (
+                    l["replica"].as_str().unwrap().to_string(),
+                    l["process"].as_str().unwrap().to_string(),
+                    l["__metrics_path__"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        let want = |r: &str, p: &str| {
+            (
+                r.to_string(),
+                p.to_string(),
+                format!("/metrics/replicas/{r}/{p}"),
+            )
+        };
+        assert_eq!(seen, vec![want("a", "0"), want("a", "1"), want("b", "0")]);
+        assert_eq!(scrape_targets("x", &Default::default()), "[]");
     }
 }

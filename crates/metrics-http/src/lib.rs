@@ -5,7 +5,8 @@
 //! One connection is answered by hyper (HTTP/1.1, keep-alive off, the
 //! request head within [`HEAD_TIMEOUT`]): a `GET` gets what the caller's
 //! [`Handler`] answers for its path (OpenMetrics text, 404 or 502), anything
-//! else 404. [`fetch`] is the other side, for the environment's relay of a
+//! else 404; `GET /healthz` ([`HEALTH_PATH`]) is answered `ok` to anyone.
+//! [`fetch`] is the other side, for the environment's relay of a
 //! replica process's metrics. With a token, a request must carry
 //! `Authorization: Bearer TOKEN` (compared in constant time), else 401 and
 //! nothing else. The caller bounds how many connections it serves at once.
@@ -18,6 +19,10 @@ use std::time::Duration;
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
+
+/// The path answered 200 `ok` to anyone, token or not: the process is up
+/// and serving this endpoint (a liveness and startup probe's target).
+pub const HEALTH_PATH: &str = "/healthz";
 
 /// The content type of what `GET /metrics` answers.
 pub const OPENMETRICS_CONTENT_TYPE: &str =
@@ -41,6 +46,8 @@ pub enum Answer {
     NotFound(String),
     /// 502: what would answer could not be reached, saying why.
     Unavailable(String),
+    /// 200 with this JSON document (e.g. Prometheus HTTP service discovery).
+    Json(String),
 }
 
 /// What the endpoint serves: the answer to `GET PATH`.
@@ -95,7 +102,12 @@ pub async fn respond<B>(
                     && constant_time_eq(&v[7..], want.as_bytes())
             })
     });
-    let (status, body, kind) = if !authorized {
+    // `GET /healthz` says only that the process serves: no token, nothing
+    // read (the kubelet's probes carry no credential).
+    let health = req.method() == hyper::Method::GET && req.uri().path() == HEALTH_PATH;
+    let (status, body, kind) = if health {
+        (hyper::StatusCode::OK, "ok\n".to_string(), "text/plain")
+    } else if !authorized {
         (
             hyper::StatusCode::UNAUTHORIZED,
             "a bearer token is required\n".to_string(),
@@ -120,6 +132,7 @@ pub async fn respond<B>(
                 format!("{why}\n"),
                 "text/plain",
             ),
+            Answer::Json(text) => (hyper::StatusCode::OK, text, "application/json"),
         }
     };
     let mut response = hyper::Response::new(Full::new(Bytes::from(body)));
@@ -247,6 +260,17 @@ mod tests {
         .await;
         assert!(right.starts_with("HTTP/1.1 200"), "{right}");
         assert!(right.contains("lockstep_epoch 7"), "{right}");
+    }
+
+    #[tokio::test]
+    async fn healthz_is_answered_without_the_token_and_reads_nothing() {
+        let addr = endpoint(Some("s3cret")).await;
+        let health = exchange(addr, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+        assert!(health.ends_with("ok\n"), "{health}");
+        assert!(!health.contains("lockstep_epoch"), "{health}");
+        let metrics = exchange(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert!(metrics.starts_with("HTTP/1.1 401"), "{metrics}");
     }
 
     #[tokio::test]

@@ -133,10 +133,12 @@
 //!
 //! [`list_services`]: Orchestrator::list_services
 
+pub mod image;
 pub mod objects;
 
 mod dropping;
 mod generation;
+pub mod health;
 mod pods;
 mod records;
 mod secrets;
@@ -225,7 +227,8 @@ pub struct KubernetesOrchestratorConfig {
 }
 
 impl KubernetesOrchestratorConfig {
-    /// Defaults: environment `lockstep`, image `lockstep:latest`, domain
+    /// Defaults: environment `lockstep`, image [`image::default_image`]
+    /// (`lockstep:VERSION`), domain
     /// `cluster.local`, ports from 2100, the default replica resources,
     /// conditional writes on, 60 s waits, shared fate on with a 1 s delay.
     pub fn new(namespace: impl Into<String>, epoch: u64) -> Self {
@@ -233,7 +236,7 @@ impl KubernetesOrchestratorConfig {
             namespace: namespace.into(),
             environment: "lockstep".to_string(),
             epoch,
-            image: "lockstep:latest".to_string(),
+            image: image::default_image(),
             cluster_domain: "cluster.local".to_string(),
             base_port: 2100,
             owner: None,
@@ -608,6 +611,18 @@ pub async fn owner_of(
     namespace: &str,
     object: &str,
 ) -> Result<OwnerReference, String> {
+    owner_object(client, namespace, object)
+        .await
+        .map(|(r, _)| r)
+}
+
+/// [`owner_of`] and the Deployment read (whose container image replica pods
+/// run unless one is named: [`image::owner_image`]).
+pub async fn owner_object(
+    client: kube::Client,
+    namespace: &str,
+    object: &str,
+) -> Result<(OwnerReference, k8s_openapi::api::apps::v1::Deployment), String> {
     let name = match object.split_once('/') {
         Some(("Deployment", name)) if !name.is_empty() && !name.contains('/') => name,
         _ => {
@@ -625,8 +640,12 @@ pub async fn owner_of(
     let uid = deployment
         .metadata
         .uid
+        .clone()
         .ok_or_else(|| format!("Deployment {name} in namespace {namespace} has no uid"))?;
-    Ok(owner_reference("apps/v1", "Deployment", name, &uid))
+    Ok((
+        owner_reference("apps/v1", "Deployment", name, &uid),
+        deployment,
+    ))
 }
 
 /// The owner reference of the environment's own object, for

@@ -547,6 +547,8 @@ pub fn pod(
     ]);
     let name = pod_name(service, index);
     let siblings = pod_selector_labels(ctx, service);
+    let [startup_probe, liveness_probe, readiness_probe] =
+        crate::health::probes(template.ports.contains_key(crate::health::PROBED_PORT));
     Pod {
         metadata: meta(ctx, name.clone(), labels, annotations),
         spec: Some(PodSpec {
@@ -616,6 +618,7 @@ pub fn pod(
                         value: Some(generation.to_string()),
                         ..EnvVar::default()
                     },
+                    crate::health::log_format_env(),
                 ]),
                 env_from: Some(vec![EnvFromSource {
                     secret_ref: Some(SecretEnvSource {
@@ -651,6 +654,9 @@ pub fn pod(
                     mount_path: SCRATCH_DIR.to_string(),
                     ..VolumeMount::default()
                 }]),
+                startup_probe,
+                liveness_probe,
+                readiness_probe,
                 ..Container::default()
             }],
             ..PodSpec::default()

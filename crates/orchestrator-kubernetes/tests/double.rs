@@ -64,6 +64,17 @@ async fn ensure_list_restart_drop_round_trip() {
     names.sort();
     assert_eq!(names, ["replica-1-0", "replica-1-1"]);
     assert!(api.get("secrets", NS, "replica-1-env").is_some());
+    // The kubelet probes GET /healthz on the controller port; the process
+    // logs JSON.
+    let container = &api.get("pods", NS, "replica-1-0").unwrap()["spec"]["containers"][0];
+    for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
+        assert_eq!(container[probe]["httpGet"]["path"], "/healthz", "{probe}");
+        assert_eq!(container[probe]["httpGet"]["port"], "controller", "{probe}");
+    }
+    assert!(container["env"]
+        .as_array()
+        .unwrap()
+        .contains(&serde_json::json!({"name": "LOCKSTEP_LOG_FORMAT", "value": "json"})));
 
     let listed = o.list_services().await.unwrap();
     assert_eq!(listed, vec![status.clone()]);

@@ -24,7 +24,13 @@ use lockstep_orchestrator_kubernetes::{KubernetesOrchestrator, KubernetesOrchest
 use serde_json::Value;
 
 fn deploy_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes/base")
+}
+
+/// The base's kustomization: its namespace and its resources.
+fn kustomization() -> Value {
+    let text = std::fs::read_to_string(deploy_dir().join("kustomization.yaml")).unwrap();
+    serde_yaml::from_str(&text).unwrap()
 }
 
 /// Every document of every YAML file, as JSON, with its file name.
@@ -33,6 +39,7 @@ fn documents() -> Vec<(String, Value)> {
         .expect("deploy/kubernetes exists")
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .filter(|p| !p.ends_with("kustomization.yaml"))
         .collect();
     files.sort();
     let mut out = Vec::new();
@@ -59,6 +66,85 @@ fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(file: &str, doc
         "{file}: fields k8s-openapi does not know were dropped"
     );
     typed
+}
+
+#[test]
+fn the_kustomization_lists_every_file_and_sets_the_namespace_once() {
+    let k = kustomization();
+    assert_eq!(k["namespace"], "lockstep");
+    let mut listed: Vec<String> = k["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap().to_string())
+        .collect();
+    listed.sort();
+    let mut files: Vec<String> = documents().into_iter().map(|(f, _)| f).collect();
+    files.dedup();
+    assert_eq!(listed, files, "every manifest is a resource of the base");
+    // The namespace every doc and the Deployment's flags leave out is the
+    // Namespace object's.
+    let ns = documents()
+        .into_iter()
+        .find(|(_, d)| d["kind"] == "Namespace")
+        .unwrap()
+        .1;
+    assert_eq!(ns["metadata"]["name"], k["namespace"]);
+}
+
+#[test]
+fn the_images_are_pinned_to_this_build_and_the_namespace_comes_from_the_pod() {
+    let (_, doc) = documents()
+        .into_iter()
+        .find(|(_, d)| d["kind"] == "Deployment")
+        .unwrap();
+    let d: Deployment = serde_json::from_value(doc).unwrap();
+    let pod = d.spec.unwrap().template.spec.unwrap();
+    let want = lockstep_orchestrator_kubernetes::image::default_image();
+    for c in pod
+        .containers
+        .iter()
+        .chain(pod.init_containers.iter().flatten())
+    {
+        assert_eq!(c.image.as_deref(), Some(want.as_str()), "{}", c.name);
+        assert_eq!(
+            lockstep_orchestrator_kubernetes::image::check_pinned(c.image.as_deref().unwrap()),
+            Ok(())
+        );
+    }
+    let c = &pod.containers[0];
+    let args = c.args.clone().unwrap();
+    for unset in ["namespace", "kubernetes-image"] {
+        assert!(
+            flag(&args, unset).is_none(),
+            "{unset} is not spelled out: {args:?}"
+        );
+    }
+    assert_eq!(flag(&args, "log-format"), Some("json"));
+    let ns = c
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "LOCKSTEP_NAMESPACE")
+        .and_then(|e| e.value_from.as_ref()?.field_ref.as_ref())
+        .map(|f| f.field_path.clone());
+    assert_eq!(ns.as_deref(), Some("metadata.namespace"));
+}
+
+#[test]
+fn the_prometheus_scrape_config_uses_the_metrics_token_and_discovers_the_replicas() {
+    let path = deploy_dir().join("../../prometheus/scrape.yaml");
+    let doc: Value = serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let jobs = doc["scrape_configs"].as_array().unwrap();
+    assert_eq!(jobs.len(), 2);
+    for job in jobs {
+        assert!(job["authorization"]["credentials_file"]
+            .as_str()
+            .is_some_and(|f| f.ends_with("lockstep-metrics.token")));
+    }
+    let sd = &jobs[1]["http_sd_configs"][0];
+    assert!(sd["url"].as_str().unwrap().ends_with("/metrics/targets"));
+    assert!(sd["authorization"]["credentials_file"].is_string());
 }
 
 #[test]
@@ -120,12 +206,11 @@ fn every_manifest_is_a_valid_kubernetes_object() {
             }
             other => panic!("{file}: unexpected kind {other}"),
         }
-        if kind != "Namespace" {
-            assert_eq!(
-                doc["metadata"]["namespace"], "lockstep",
-                "{file}: {kind} in the lockstep namespace"
-            );
-        }
+        // The namespace is set once, by the kustomization.
+        assert!(
+            doc["metadata"].get("namespace").is_none(),
+            "{file}: {kind} names its namespace; the kustomization sets it"
+        );
         *kinds.entry(kind).or_insert(0) += 1;
     }
     for kind in [

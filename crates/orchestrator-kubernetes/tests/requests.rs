@@ -311,7 +311,13 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
             c["env"],
             json!([{"name": "LOCKSTEP_SERVICE", "value": "replica-5"},
                    {"name": "LOCKSTEP_PROCESS", "value": i.to_string()},
-                   {"name": "LOCKSTEP_GENERATION", "value": "1"}])
+                   {"name": "LOCKSTEP_GENERATION", "value": "1"},
+                   {"name": "LOCKSTEP_LOG_FORMAT", "value": "json"}])
+        );
+        // The kubelet probes GET /healthz on the controller port.
+        assert_eq!(
+            c["livenessProbe"]["httpGet"],
+            json!({"path": "/healthz", "port": "controller"})
         );
         assert_eq!(
             c["envFrom"],

@@ -1,4 +1,4 @@
-//! `lockstep serve` in the image exactly as `deploy/kubernetes/environment.yaml`
+//! `lockstep serve` in the image exactly as `deploy/kubernetes/base/environment.yaml`
 //! runs it: the Deployment's command, every argument and every environment
 //! variable, against the Kubernetes API double (`lockstep-kube-double`,
 //! holding the Deployment the environment owns its objects by) and a
@@ -31,6 +31,8 @@ struct Shipped {
     command: Vec<String>,
     /// The container's `env`: each variable and where its value comes from.
     env: Vec<(String, Value)>,
+    /// The container's image (which replica pods run).
+    image: String,
 }
 
 impl Shipped {
@@ -70,6 +72,7 @@ impl Shipped {
             name: d["metadata"]["name"].as_str().unwrap_or("").to_string(),
             command,
             env,
+            image: c["image"].as_str().unwrap_or("").to_string(),
         })
     }
 
@@ -102,8 +105,16 @@ impl Drop for Double {
 
 /// The check (see the module docs).
 pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
-    let shipped = Shipped::read(&root().join("deploy/kubernetes/environment.yaml"))?;
-    let namespace = shipped.flag("namespace")?.to_string();
+    let shipped = Shipped::read(&root().join("deploy/kubernetes/base/environment.yaml"))?;
+    // The namespace is the base kustomization's (set once there; the
+    // Deployment reads its own from the downward API).
+    let kustomization: serde_json::Value = serde_yaml::from_str(&std::fs::read_to_string(
+        root().join("deploy/kubernetes/base/kustomization.yaml"),
+    )?)?;
+    let namespace = kustomization["namespace"]
+        .as_str()
+        .context("deploy/kubernetes/base/kustomization.yaml sets no namespace")?
+        .to_string();
     let api_port = shipped.port("listen")?;
     let metrics_port = shipped.port("metrics-listen")?;
     for port in [api_port, metrics_port] {
@@ -121,6 +132,7 @@ pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
         let value = match (name.as_str(), e.get("value")) {
             (_, Some(v)) => v.as_str().unwrap_or("").to_string(),
             ("LOCKSTEP_API_TOKEN", None) => token.clone(),
+            ("LOCKSTEP_NAMESPACE", None) => namespace.clone(),
             ("LOCKSTEP_STORE", None) => pg.url(),
             (other, None) => {
                 bail!("the Deployment's variable {other} comes from somewhere this check cannot supply: {e}")
@@ -137,7 +149,7 @@ pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
     double
         .args(["--namespace", &namespace, "--kubeconfig"])
         .arg(&kubeconfig)
-        .args(["--deployment", &shipped.name])
+        .args(["--deployment", &shipped.name, "--image", &shipped.image])
         .stdout(Stdio::piped());
     let mut child = double.spawn().context("starting lockstep-kube-double")?;
     let mut first = String::new();

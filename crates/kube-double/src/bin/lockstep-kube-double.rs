@@ -15,7 +15,7 @@
 use lockstep_kube_double::{kubeconfig, ApiServerDouble};
 
 fn usage() -> ! {
-    eprintln!("usage: lockstep-kube-double --namespace NS --kubeconfig FILE [--deployment NAME]");
+    eprintln!("usage: lockstep-kube-double --namespace NS --kubeconfig FILE [--deployment NAME [--image IMAGE]]");
     std::process::exit(2)
 }
 
@@ -24,6 +24,7 @@ async fn main() {
     let mut namespace = None;
     let mut kubeconfig_file = None;
     let mut deployment = None;
+    let mut image = None;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().unwrap_or_else(|| usage());
@@ -31,6 +32,7 @@ async fn main() {
             "--namespace" => namespace = Some(value),
             "--kubeconfig" => kubeconfig_file = Some(value),
             "--deployment" => deployment = Some(value),
+            "--image" => image = Some(value),
             _ => usage(),
         }
     }
@@ -42,7 +44,13 @@ async fn main() {
         api.create(
             "deployments",
             &namespace,
-            serde_json::json!({"metadata": {"name": name}, "spec": {}}),
+            serde_json::json!({"metadata": {"name": name}, "spec": match &image {
+                // The environment's container, whose image replica pods run.
+                Some(image) => serde_json::json!({"template": {"spec": {"containers": [
+                    {"name": "environment", "image": image}
+                ]}}}),
+                None => serde_json::json!({}),
+            }}),
         )
         .unwrap_or_else(|e| panic!("creating Deployment {name}: {e}"));
     }
