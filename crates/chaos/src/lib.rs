@@ -12,11 +12,16 @@
 //!   orphan rule. The scenarios themselves live in [`environment`], which
 //!   the environment's own integration tests share.
 //!
+//! - `lockstep-chaos-kube` (`src/bin/kube.rs`, [`kube_lifecycle`]): a
+//!   replica's create, shared-fate restart, restart, upgrade and drop on a
+//!   real Kubernetes API server (`cargo xtask kube`).
+//!
 //! Every scenario ends as a pass, a violation of a named invariant or a
 //! harness error ([`outcome`]); every suite prints the reporting contract's
 //! JSON line through [`outcome::Tally`].
 
 pub mod environment;
+pub mod kube_lifecycle;
 pub mod orphans;
 pub mod outcome;
 

@@ -17,6 +17,7 @@ use crate::environment::{
     CREATE_FAILPOINTS, DROP_FAILPOINTS,
 };
 
+use crate::environment::real_kube::RealCluster;
 use crate::outcome::{violation, Failure, Tally};
 
 pub use crate::environment::VARIANTS;
@@ -99,6 +100,19 @@ pub async fn run_variant_on(
     lockstep_bin: Option<&Path>,
     databases: Option<&FreshDatabase>,
 ) -> RuleReport {
+    run_variant_with(backend, rule, lockstep_bin, databases, None).await
+}
+
+/// [`run_variant_on`], also on a real API server (`backend`
+/// `kube-apiserver`, with `real`: every scenario but the three that need
+/// the double's fault injection, which stay on the double).
+pub async fn run_variant_with(
+    backend: &str,
+    rule: &str,
+    lockstep_bin: Option<&Path>,
+    databases: Option<&FreshDatabase>,
+    real: Option<&RealCluster>,
+) -> RuleReport {
     let negative_control = VARIANTS
         .iter()
         .find(|(v, _)| *v == rule)
@@ -107,6 +121,10 @@ pub async fn run_variant_on(
     let on = || match (backend, databases) {
         ("postgres", Some(fresh)) => Backend::ProcessOnPostgres(fresh.clone()),
         ("postgres", None) => panic!("the postgres variants need a database maker"),
+        ("kube-apiserver", _) => Backend::RealKubernetes(
+            real.expect("the kube-apiserver variants need a cluster")
+                .clone(),
+        ),
         (other, _) => Backend::named(other).expect("a known backend"),
     };
     let mut results: Vec<(String, Outcome)> = Vec::new();

@@ -6,7 +6,9 @@
 //! backend over the in-memory API server double (`RULE@kubernetes`), and
 //! on the process backend with the catalog in PostgreSQL (`RULE@postgres`,
 //! on a throw-away server this binary starts: the PostgreSQL binaries must
-//! be installed, as `.ci/run` does).
+//! be installed, as `.ci/run` does). Named explicitly (`cargo xtask kube`
+//! does), `RULE@kube-apiserver` runs on a real API server
+//! (`lockstep_chaos::environment::real_kube`).
 //!
 //! Every scenario ends as a pass, a violation or a harness error
 //! (`lockstep_chaos::outcome`). Exit status: 0 when `epoch` and
@@ -17,8 +19,12 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use lockstep_chaos::environment::real_kube::RealCluster;
 use lockstep_chaos::environment::FreshDatabase;
-use lockstep_chaos::orphans::{run_variant_on, variant_name, BACKENDS, VARIANTS};
+use lockstep_chaos::orphans::{run_variant_with, variant_name, BACKENDS, VARIANTS};
+
+/// The backend of a real API server's variants (`RULE@kube-apiserver`).
+const REAL: &str = "kube-apiserver";
 use lockstep_pgtest::PgServer;
 
 fn main() -> ExitCode {
@@ -73,18 +79,33 @@ fn main() -> ExitCode {
     } else {
         None
     };
+    // The variants on a real API server run only when asked for by name
+    // (`cargo xtask kube` starts the server and names them).
+    let real = if only.iter().any(|v| v.ends_with(&format!("@{REAL}"))) {
+        match runtime.block_on(RealCluster::from_env()) {
+            Ok(cluster) => Some(cluster),
+            Err(e) => {
+                eprintln!("lockstep-chaos: the @{REAL} variants: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        None
+    };
+    let backends = BACKENDS.iter().chain(real.as_ref().map(|_| &REAL));
     let mut ok = true;
-    for backend in BACKENDS {
+    for backend in backends {
         for (rule, _) in VARIANTS {
             let name = variant_name(rule, backend);
             if !wanted(&name) {
                 continue;
             }
-            let report = runtime.block_on(run_variant_on(
+            let report = runtime.block_on(run_variant_with(
                 backend,
                 rule,
                 Some(&bin),
                 databases.as_ref(),
+                real.as_ref(),
             ));
             for line in &report.failures {
                 println!("{line}");

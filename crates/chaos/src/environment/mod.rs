@@ -58,6 +58,7 @@ use lockstep_environment::{Environment, EnvironmentConfig, ServiceTemplate, ORCH
 mod crash;
 mod k8s_scenarios;
 mod process;
+pub mod real_kube;
 mod scenarios;
 
 pub use crash::{crash_scenario, crash_scenario_on, stale_binary_halts, stale_binary_halts_on};
@@ -119,6 +120,10 @@ pub enum Backend {
     /// The process backend with the catalog and the command logs in
     /// PostgreSQL (`--store`): every sandbox gets a fresh, empty database.
     ProcessOnPostgres(FreshDatabase),
+    /// The Kubernetes backend on a real API server ([`real_kube`]): every
+    /// sandbox in a fresh namespace, every controller acting as the shipped
+    /// service account.
+    RealKubernetes(real_kube::RealCluster),
 }
 
 /// Makes a fresh, empty PostgreSQL database and returns its connection
@@ -149,6 +154,7 @@ impl Backend {
             Backend::Process => "process",
             Backend::Kubernetes(_) => "kubernetes",
             Backend::ProcessOnPostgres(_) => "postgres",
+            Backend::RealKubernetes(_) => "kube-apiserver",
         }
     }
 }
@@ -166,6 +172,23 @@ pub fn k8s_config(epoch: u64, conditional_writes: bool) -> KubernetesOrchestrato
     config
 }
 
+/// The Kubernetes backend's configuration on a real API server: as on the
+/// double, with waits long enough for a real server and kwok (pods get
+/// their IPs within about a second; a delete completes within the pods'
+/// grace period).
+pub fn real_config(
+    namespace: &str,
+    epoch: u64,
+    conditional_writes: bool,
+) -> KubernetesOrchestratorConfig {
+    let mut config = KubernetesOrchestratorConfig::new(namespace, epoch);
+    config.conditional_writes = conditional_writes;
+    config.ready_timeout = Duration::from_secs(30);
+    config.delete_timeout = Duration::from_secs(30);
+    config.poll_interval = Duration::from_millis(50);
+    config
+}
+
 /// A temporary state directory whose services are killed on drop.
 #[derive(Debug)]
 pub struct Sandbox {
@@ -178,6 +201,9 @@ pub struct Sandbox {
     /// `lockstep serve` processes, once [`serve_args`](Sandbox::serve_args)
     /// started it: the task and the kubeconfig.
     api_server: std::sync::Mutex<Option<(tokio::task::JoinHandle<()>, PathBuf)>>,
+    /// The Kubernetes namespace of its services ([`K8S_NAMESPACE`] on the
+    /// double, a fresh one on a real API server).
+    namespace: String,
 }
 
 impl Sandbox {
@@ -194,6 +220,12 @@ impl Sandbox {
             }
             _ => None,
         };
+        let namespace = match &backend {
+            Backend::RealKubernetes(cluster) => cluster
+                .fresh_namespace()
+                .context("making the sandbox's namespace")?,
+            _ => K8S_NAMESPACE.to_string(),
+        };
         Ok(Sandbox {
             dir: tempfile::Builder::new()
                 .prefix("lockstep-chaos-")
@@ -201,6 +233,7 @@ impl Sandbox {
             backend,
             store,
             api_server: std::sync::Mutex::new(None),
+            namespace,
         })
     }
 
@@ -209,6 +242,18 @@ impl Sandbox {
     /// API double over HTTP on 127.0.0.1 (once) and writes a kubeconfig
     /// pointing at it.
     pub async fn serve_args(&self) -> anyhow::Result<(Vec<String>, Vec<(String, PathBuf)>)> {
+        if let Backend::RealKubernetes(cluster) = &self.backend {
+            let args = [
+                "--orchestrator",
+                "kubernetes",
+                "--namespace",
+                &self.namespace,
+            ];
+            return Ok((
+                args.iter().map(|a| a.to_string()).collect(),
+                vec![("KUBECONFIG".to_string(), cluster.kubeconfig.clone())],
+            ));
+        }
         let Backend::Kubernetes(api) = &self.backend else {
             let args = match &self.store {
                 Some(url) => vec!["--store".to_string(), url.clone()],
@@ -275,6 +320,9 @@ impl Sandbox {
                     .map(|p| p["metadata"]["uid"].as_str().unwrap_or("").to_string())
                     .collect()
             }
+            Backend::RealKubernetes(cluster) => {
+                cluster.pod_uids(&self.namespace, &ServiceTemplate::service_name(id))
+            }
         }
     }
 
@@ -310,6 +358,13 @@ impl Sandbox {
                     KubernetesOrchestrator::new(api.client(K8S_NAMESPACE), k8s_config(0, true));
                 Ok(orchestrator.list_services().await?)
             }
+            Backend::RealKubernetes(cluster) => {
+                let orchestrator = KubernetesOrchestrator::new(
+                    cluster.client(&self.namespace)?,
+                    real_config(&self.namespace, 0, true),
+                );
+                Ok(orchestrator.list_services().await?)
+            }
         }
     }
 
@@ -328,6 +383,20 @@ impl Sandbox {
                     Ok(std::sync::Arc::new(KubernetesOrchestrator::new(
                         api.client(K8S_NAMESPACE),
                         k8s_config(p.epoch, p.conditional_writes),
+                    )))
+                });
+                Ok(Environment::load_with(
+                    env_config(self.path(), rule, conditional_writes)?,
+                    factory,
+                )?)
+            }
+            Backend::RealKubernetes(cluster) => {
+                let client = cluster.client(&self.namespace)?;
+                let namespace = self.namespace.clone();
+                let factory: lockstep_environment::OrchestratorFactory = Box::new(move |p| {
+                    Ok(std::sync::Arc::new(KubernetesOrchestrator::new(
+                        client,
+                        real_config(&namespace, p.epoch, p.conditional_writes),
                     )))
                 });
                 Ok(Environment::load_with(
