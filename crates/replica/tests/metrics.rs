@@ -1,7 +1,8 @@
 //! A replica process's `/metrics` on its controller port: served beside the
 //! compute protocol (a controller session still works after scrapes), open
 //! on loopback, and off loopback only to a request bearing the token derived
-//! from the replica's session key.
+//! from the replica's session key; `/healthz` (the kubelet's probes) is
+//! open and says only `ok`.
 
 mod common;
 
@@ -32,11 +33,16 @@ fn routed_address() -> IpAddr {
 /// Sends a `GET /metrics` (with `authorization`, if any) to `addr` and
 /// reads the whole answer.
 async fn get(addr: SocketAddr, authorization: Option<&str>) -> String {
+    get_path(addr, "/metrics", authorization).await
+}
+
+/// Sends `GET PATH` (with `authorization`, if any) and reads the answer.
+async fn get_path(addr: SocketAddr, path: &str, authorization: Option<&str>) -> String {
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
     let auth = authorization
         .map(|a| format!("Authorization: {a}\r\n"))
         .unwrap_or_default();
-    sock.write_all(format!("GET /metrics HTTP/1.1\r\nHost: x\r\n{auth}\r\n").as_bytes())
+    sock.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n{auth}\r\n").as_bytes())
         .await
         .unwrap();
     let mut out = Vec::new();
@@ -115,6 +121,13 @@ async fn metrics_are_served_on_the_controller_port_and_off_loopback_need_the_tok
     let right = get(off, Some(&format!("Bearer {}", key.metrics_token()))).await;
     assert!(right.starts_with("HTTP/1.1 200"), "{right}");
     assert!(right.contains("lockstep_replica_build_info"), "{right}");
+    // The kubelet's probe: /healthz off loopback with no token says only ok.
+    let health = get_path(off, "/healthz", None).await;
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    assert!(
+        health.ends_with("ok\n") && !health.contains("lockstep_replica"),
+        "{health}"
+    );
 
     // The scrapes took nothing from the protocol: the session still answers.
     c.statuses()
