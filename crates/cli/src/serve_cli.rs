@@ -351,6 +351,12 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             anyhow::bail!("--hosts places processes on simulated hosts of the process backend; pods already run on their own network stacks")
         }
         OrchestratorKind::Kubernetes => {
+            use lockstep_orchestrator_kubernetes::image as replica_image;
+            // A named image is checked before anything is read or written.
+            if let Some(image) = &args.kubernetes_image {
+                replica_image::check_pinned(image)
+                    .map_err(|e| anyhow::anyhow!("--kubernetes-image: {e}"))?;
+            }
             let client = kube::Client::try_default()
                 .await
                 .context("connecting to the Kubernetes API server")?;
@@ -376,13 +382,8 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 ),
                 None => None,
             };
-            use lockstep_orchestrator_kubernetes::image as replica_image;
             let image = match (args.kubernetes_image, &owner) {
-                (Some(image), _) => {
-                    replica_image::check_pinned(&image)
-                        .map_err(|e| anyhow::anyhow!("--kubernetes-image: {e}"))?;
-                    image
-                }
+                (Some(image), _) => image,
                 (None, Some((_, deployment))) => {
                     replica_image::owner_image(deployment).map_err(|e| {
                         anyhow::anyhow!("the replica image (from --kubernetes-owner): {e}")

@@ -351,3 +351,42 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
 
     server.kill().await.unwrap();
 }
+
+/// `lockstep serve --orchestrator kubernetes` refuses a moving image tag
+/// before it connects to any cluster: a replica must never mix builds.
+#[tokio::test]
+async fn serve_refuses_an_unpinned_replica_image() {
+    let state = tempfile::tempdir().unwrap();
+    for image in ["lockstep:latest", "lockstep", "registry:5000/lockstep"] {
+        let out = tokio::time::timeout(
+            WAIT,
+            tokio::process::Command::new(bin())
+                .args([
+                    "serve",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--orchestrator",
+                    "kubernetes",
+                ])
+                .args(["--kubernetes-image", image])
+                .arg("--state-dir")
+                .arg(state.path().join("state"))
+                .env("KUBECONFIG", state.path().join("no-such-kubeconfig"))
+                .stdin(Stdio::null())
+                .output(),
+        )
+        .await
+        .expect("lockstep serve exited in time")
+        .unwrap();
+        assert!(!out.status.success(), "{image} was accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("--kubernetes-image") && stderr.contains("version tag or a digest"),
+            "{image}: {stderr}"
+        );
+        assert!(
+            !stderr.contains("connecting to the Kubernetes API server"),
+            "{stderr}"
+        );
+    }
+}
