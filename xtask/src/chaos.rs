@@ -98,7 +98,7 @@ pub fn run_suite(suite: &str) -> anyhow::Result<()> {
 }
 
 /// Runs a suite binary, echoes its stdout, and checks the summary lines.
-fn run_suite_binary(
+pub(crate) fn run_suite_binary(
     bin: PathBuf,
     args: &[&str],
     suite: &str,
@@ -141,7 +141,7 @@ fn orphans() -> anyhow::Result<()> {
 /// named in the step) with the test features: the suites that drive a real
 /// `lockstep serve` (the controller's failpoints reach `lockstep` through
 /// lockstep-chaos, features being unified).
-fn build_with_environment(suite: &str) -> anyhow::Result<()> {
+pub(crate) fn build_with_environment(suite: &str) -> anyhow::Result<()> {
     step(&format!(
         "building lockstep, lockstep-replica, lockstep-replica-reachability and {suite}"
     ));

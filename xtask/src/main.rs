@@ -9,6 +9,8 @@ mod chart;
 #[cfg(test)]
 mod doclinks;
 mod image;
+mod kube;
+mod kube_control_plane;
 mod model;
 mod network;
 mod new_policy;
@@ -132,6 +134,17 @@ enum Task {
         /// Variants to check (default: all).
         variants: Vec<String>,
     },
+    /// Build (tools/kube/ into target/kube/bin) and start a real Kubernetes
+    /// control plane on loopback (etcd, kube-apiserver, controller manager,
+    /// scheduler, kwok's fake node); print the admin kubeconfig's path and
+    /// wait until Ctrl-C. Files and logs in target/kube/up/.
+    KubeUp,
+    /// The Kubernetes backend and deploy/kubernetes against a real API
+    /// server on loopback (xtask/src/kube.rs): the manifests applied with
+    /// strict server-side validation, the Role through the real authorizer,
+    /// the orphan suite as the shipped service account, a replica's
+    /// restart, upgrade and drop timed; ends with `kube: ok`.
+    Kube,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -157,6 +170,8 @@ fn main() -> anyhow::Result<()> {
         } => chaos::run_suite_with(&suite, &strategies, &campaign),
         Task::Image { from_source, keep } => image::image(&image::Options { from_source, keep }),
         Task::Model { variants } => model::run(&variants),
+        Task::KubeUp => kube_control_plane::kube_up(),
+        Task::Kube => kube::kube(),
         Task::OutsideFamily => outside::check_family(),
         Task::PolicyTemplates => {
             new_policy::write_templates(&util::root())?;

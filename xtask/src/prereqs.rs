@@ -13,7 +13,7 @@ use anyhow::{bail, Context};
 use crate::util::target_dir;
 
 /// The steps `--skip` may name, and what each needs.
-pub const SKIPPABLE: [(&str, &str); 3] = [
+pub const SKIPPABLE: [(&str, &str); 4] = [
     (
         "python",
         "the API from a generated Python client (python3, grpcio and friends in a venv)",
@@ -25,6 +25,10 @@ pub const SKIPPABLE: [(&str, &str); 3] = [
     (
         "image",
         "the container image check (podman, debootstrap, runc)",
+    ),
+    (
+        "kube",
+        "cargo xtask kube: the Kubernetes backend on a real API server (Go, the module proxy)",
     ),
 ];
 

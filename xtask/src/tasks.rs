@@ -68,6 +68,9 @@ pub fn test(lint: bool, skips: &[String]) -> anyhow::Result<()> {
     for suite in crate::chaos::SUITES {
         crate::chaos::run_suite(suite)?;
     }
+    if !crate::prereqs::skipped("kube") {
+        crate::kube::kube()?;
+    }
     crate::model::run(&[])?;
     crate::util::step_times();
     crate::prereqs::summary();

@@ -24,7 +24,7 @@ fn main() -> ExitCode {
         let line = tally.record(&step.result);
         println!(
             "{}",
-            serde_json::json!({"suite": "kube", "step": step.name, "seconds": (step.seconds * 1000.0).round() / 1000.0, "result": line})
+            serde_json::json!({"kube_step": step.name, "seconds": (step.seconds * 1000.0).round() / 1000.0, "result": line})
         );
     }
     println!("{}", tally.summary_line("kube", "lifecycle", false));

@@ -13,8 +13,8 @@
 //! Every sandbox gets a namespace of its own (`lockstep-chaos-PID-N`,
 //! labelled for the `restricted` pod security standard, which the real
 //! admission enforces on every pod the backend makes) holding the shipped
-//! `rbac.yaml` applied unchanged: its RoleBinding binds the one service
-//! account above to the shipped Role there.
+//! `rbac.yaml`, its RoleBinding's subject in `lockstep` (as kustomize fills
+//! it in): the one service account above bound to the shipped Role there.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -26,6 +26,9 @@ use anyhow::Context;
 pub const KUBECONFIG_ENV: &str = "LOCKSTEP_KUBE_KUBECONFIG";
 /// The administrator's kubeconfig (the harness's own reads and set-up).
 pub const ADMIN_KUBECONFIG_ENV: &str = "LOCKSTEP_KUBE_ADMIN_KUBECONFIG";
+/// The namespace of the shipped service account the harness holds a token
+/// of (the base kustomization's).
+pub const SERVICE_ACCOUNT_NAMESPACE: &str = "lockstep";
 /// The kubectl the harness runs.
 pub const KUBECTL_ENV: &str = "LOCKSTEP_KUBECTL";
 
@@ -110,18 +113,54 @@ impl RealCluster {
             &ns,
             "pod-security.kubernetes.io/enforce=restricted",
         ])?;
-        let rbac = self.rbac.display().to_string();
-        self.kubectl_out(&[
-            "apply",
-            "--server-side",
-            "--field-manager=lockstep-chaos",
-            "--validate=strict",
-            "-n",
-            &ns,
-            "-f",
-            &rbac,
-        ])?;
+        let rbac = self.shipped_rbac()?;
+        let mut apply = self.kubectl();
+        apply
+            .args([
+                "apply",
+                "--server-side",
+                "--field-manager=lockstep-chaos",
+                "--validate=strict",
+                "-n",
+                &ns,
+                "-f",
+                "-",
+            ])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = apply.spawn().context("running kubectl apply")?;
+        {
+            use std::io::Write;
+            let mut stdin = child.stdin.take().expect("piped");
+            stdin.write_all(rbac.as_bytes())?;
+        }
+        let out = child.wait_with_output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "kubectl apply (rbac.yaml in {ns}): {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
         Ok(ns)
+    }
+
+    /// The shipped `rbac.yaml` as a JSON list, its RoleBinding's subject in
+    /// [`SERVICE_ACCOUNT_NAMESPACE`] (where kustomize puts it: the service
+    /// account whose token this harness holds). Nothing else is changed.
+    fn shipped_rbac(&self) -> anyhow::Result<String> {
+        let text = std::fs::read_to_string(&self.rbac)
+            .with_context(|| format!("reading {}", self.rbac.display()))?;
+        let mut items = Vec::new();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let mut v: serde_json::Value = serde::Deserialize::deserialize(doc)?;
+            if v["kind"] == "RoleBinding" {
+                for s in v["subjects"].as_array_mut().into_iter().flatten() {
+                    s["namespace"] = SERVICE_ACCOUNT_NAMESPACE.into();
+                }
+            }
+            items.push(v);
+        }
+        Ok(serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string())
     }
 
     /// A client acting as the service account, in `namespace`.

@@ -1,0 +1,284 @@
+//! `cargo xtask kube`: the Kubernetes backend and the shipped manifests
+//! against a real API server on loopback
+//! ([`crate::kube_control_plane`]: etcd, kube-apiserver with RBAC,
+//! controller manager, scheduler and kwok's fake node, built from
+//! `tools/kube`).
+//!
+//! 1. `deploy/kubernetes/base` applied with `kubectl apply -k --server-side
+//!    --validate=strict` (every field known to the real server, the
+//!    namespace admitted as `restricted`); the example overlay rendered and
+//!    checked to move every object, and the RoleBinding's subject, to its
+//!    namespace.
+//! 2. A token of the shipped service account, and the shipped Role checked
+//!    by the real authorizer: every verb the backend uses allowed, a list of
+//!    others refused.
+//! 3. The orphan suite's scenarios on the real server, every controller
+//!    acting as that service account (`RULE@kube-apiserver`; the rules must
+//!    pass, `catalog-only` must be caught).
+//! 4. A replica's life (`lockstep-chaos-kube`): create, shared-fate
+//!    restart, whole restart, upgrade, drop, each timed.
+//!
+//! Ends with `kube: ok`.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{bail, Context};
+
+use crate::kube_control_plane::ControlPlane;
+use crate::util::{root, step, target_dir};
+
+/// The shipped service account, as the authorizer names it.
+const SERVICE_ACCOUNT: &str = "system:serviceaccount:lockstep:lockstep-environment";
+
+/// What the shipped Role must allow (verb, resource), in namespace
+/// `lockstep`.
+const ALLOWED: [(&str, &str); 18] = [
+    ("create", "pods"),
+    ("delete", "pods"),
+    ("get", "pods"),
+    ("list", "pods"),
+    ("update", "pods"),
+    ("watch", "pods"),
+    ("create", "services"),
+    ("get", "services"),
+    ("list", "services"),
+    ("update", "services"),
+    ("create", "secrets"),
+    ("delete", "secrets"),
+    ("get", "secrets"),
+    ("update", "secrets"),
+    ("create", "poddisruptionbudgets.policy"),
+    ("delete", "poddisruptionbudgets.policy"),
+    ("update", "poddisruptionbudgets.policy"),
+    ("get", "deployments.apps"),
+];
+
+/// What it must not allow: (verb, resource, namespace).
+const REFUSED: [(&str, &str, &str); 10] = [
+    ("list", "secrets", "lockstep"),
+    ("watch", "secrets", "lockstep"),
+    ("delete", "services", "lockstep"),
+    ("patch", "pods", "lockstep"),
+    ("create", "pods/exec", "lockstep"),
+    ("update", "deployments.apps", "lockstep"),
+    ("create", "roles.rbac.authorization.k8s.io", "lockstep"),
+    ("get", "pods", "kube-system"),
+    ("get", "secrets", "default"),
+    ("list", "nodes", ""),
+];
+
+/// The task.
+pub fn kube() -> anyhow::Result<()> {
+    step("the control plane's programs (tools/kube, built once into target/kube/bin)");
+    let binaries = crate::kube_control_plane::ensure_built()?;
+    crate::chaos::build_with_environment("lockstep-chaos and lockstep-chaos-kube")?;
+    step("starting a real control plane on loopback");
+    let dir = target_dir().join("kube/run");
+    let cp = ControlPlane::start_with(&binaries, &dir)?;
+    let result = against(&cp, &dir);
+    if result.is_err() {
+        eprintln!(
+            "xtask: kube-apiserver's log, last lines:\n{}",
+            cp.log_tail("kube-apiserver", 20)
+        );
+    }
+    result?;
+    println!("kube: ok");
+    Ok(())
+}
+
+fn against(cp: &ControlPlane, dir: &Path) -> anyhow::Result<()> {
+    step("kubectl apply -k deploy/kubernetes/base (server-side, strict validation)");
+    let base = root().join("deploy/kubernetes/base");
+    kubectl(
+        cp,
+        &[
+            "apply",
+            "-k",
+            &base.display().to_string(),
+            "--server-side",
+            "--field-manager=lockstep-xtask",
+            "--validate=strict",
+        ],
+    )?;
+    overlay(cp)?;
+
+    step("a token of the shipped service account; the Role through the real authorizer");
+    let token = kubectl(
+        cp,
+        &[
+            "create",
+            "token",
+            "lockstep-environment",
+            "-n",
+            "lockstep",
+            "--duration=4h",
+        ],
+    )?;
+    let kubeconfig = dir.join("environment.kubeconfig");
+    write_kubeconfig(cp, token.trim(), &kubeconfig)?;
+    authorizer(cp)?;
+
+    let debug = target_dir().join("debug");
+    let env = [
+        ("LOCKSTEP_KUBE_KUBECONFIG", kubeconfig.clone()),
+        ("LOCKSTEP_KUBE_ADMIN_KUBECONFIG", cp.admin_kubeconfig()),
+        (
+            "LOCKSTEP_KUBECTL",
+            crate::kube_control_plane::bin_dir().join("kubectl"),
+        ),
+    ];
+    for (k, v) in &env {
+        std::env::set_var(k, v);
+    }
+    crate::chaos::run_suite_binary(
+        debug.join("lockstep-chaos"),
+        &[
+            "orphans",
+            "epoch@kube-apiserver",
+            "id-watermark@kube-apiserver",
+            "catalog-only@kube-apiserver",
+        ],
+        "orphans",
+        3,
+    )?;
+    crate::chaos::run_suite_binary(debug.join("lockstep-chaos-kube"), &[], "kube", 1)?;
+    Ok(())
+}
+
+/// Runs kubectl as the administrator; its stdout.
+fn kubectl(cp: &ControlPlane, args: &[&str]) -> anyhow::Result<String> {
+    let mut cmd: Command = cp.kubectl();
+    cmd.args(args);
+    eprintln!("xtask: $ kubectl {}", args.join(" "));
+    let out = cmd.output().context("running kubectl")?;
+    if !out.status.success() {
+        bail!(
+            "kubectl {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    Ok(stdout)
+}
+
+/// The example overlay moves every namespaced object, and the
+/// RoleBinding's subject, to its own namespace, and names its image.
+fn overlay(cp: &ControlPlane) -> anyhow::Result<()> {
+    step("the example overlay, rendered by kustomize");
+    let path = root().join("deploy/kubernetes/overlays/example");
+    let rendered = kubectl(cp, &["kustomize", &path.display().to_string()])?;
+    let want = "lockstep-example";
+    let mut seen = 0;
+    for doc in serde_yaml::Deserializer::from_str(&rendered) {
+        let v = <serde_json::Value as serde::Deserialize>::deserialize(doc)?;
+        let kind = v["kind"].as_str().unwrap_or("?").to_string();
+        let name = v["metadata"]["name"].as_str().unwrap_or("?").to_string();
+        seen += 1;
+        if kind == "Namespace" {
+            anyhow::ensure!(
+                name == want,
+                "the overlay's Namespace is {name}, not {want}"
+            );
+            continue;
+        }
+        anyhow::ensure!(
+            v["metadata"]["namespace"] == want,
+            "the overlay leaves {kind} {name} in {:?}",
+            v["metadata"]["namespace"]
+        );
+        if kind == "RoleBinding" {
+            for s in v["subjects"].as_array().into_iter().flatten() {
+                anyhow::ensure!(
+                    s["namespace"] == want,
+                    "the overlay's RoleBinding binds {s} (not in {want})"
+                );
+            }
+        }
+        if kind == "Deployment" {
+            let text = v.to_string();
+            anyhow::ensure!(
+                text.contains("registry.example.com/lockstep:0.3.0-dev")
+                    && !text.contains("\"lockstep:"),
+                "the overlay's Deployment does not run its image only: {text}"
+            );
+        }
+    }
+    anyhow::ensure!(seen >= 10, "the overlay rendered {seen} objects");
+    eprintln!("xtask: the example overlay: {seen} objects, all in {want}");
+    Ok(())
+}
+
+/// A kubeconfig acting as the service account with `token`.
+fn write_kubeconfig(cp: &ControlPlane, token: &str, path: &Path) -> anyhow::Result<()> {
+    anyhow::ensure!(!token.is_empty(), "kubectl create token printed nothing");
+    let ca = cp.ca_cert().display().to_string();
+    let text = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: real\n  cluster:\n    server: {}\n    certificate-authority: {ca}\nusers:\n- name: lockstep-environment\n  user:\n    token: {token}\ncontexts:\n- name: real\n  context:\n    cluster: real\n    user: lockstep-environment\n    namespace: lockstep\ncurrent-context: real\n",
+        cp.server()
+    );
+    std::fs::write(path, text)?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(())
+}
+
+/// `kubectl auth can-i` as the service account: every verb the backend
+/// uses allowed, every one of [`REFUSED`] refused.
+fn authorizer(cp: &ControlPlane) -> anyhow::Result<()> {
+    let can = |verb: &str, resource: &str, ns: &str| -> anyhow::Result<bool> {
+        let mut cmd = cp.kubectl();
+        // `pods/exec` is a subresource (kubectl would read TYPE/NAME).
+        let (resource_only, subresource) = match resource.split_once('/') {
+            Some((r, sub)) => (r, Some(sub)),
+            None => (resource, None),
+        };
+        cmd.args([
+            "auth",
+            "can-i",
+            verb,
+            resource_only,
+            "--as",
+            SERVICE_ACCOUNT,
+        ]);
+        if let Some(sub) = subresource {
+            cmd.arg(format!("--subresource={sub}"));
+        }
+        if ns.is_empty() {
+            cmd.arg("--all-namespaces");
+        } else {
+            cmd.args(["-n", ns]);
+        }
+        let out = cmd.output()?;
+        let said = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        match said.as_str() {
+            "yes" => Ok(true),
+            "no" => Ok(false),
+            _ => bail!(
+                "kubectl auth can-i {verb} {resource}: {said:?} {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        }
+    };
+    for (verb, resource) in ALLOWED {
+        anyhow::ensure!(
+            can(verb, resource, "lockstep")?,
+            "the shipped Role does not allow {verb} {resource}, which the backend uses"
+        );
+    }
+    for (verb, resource, ns) in REFUSED {
+        anyhow::ensure!(
+            !can(verb, resource, ns)?,
+            "the shipped Role allows {verb} {resource} in {ns:?}, which the backend never uses"
+        );
+    }
+    eprintln!(
+        "xtask: the real authorizer allows the service account the backend's {} verbs and refuses {} others",
+        ALLOWED.len(),
+        REFUSED.len()
+    );
+    Ok(())
+}
