@@ -286,32 +286,89 @@ pub async fn subscribe(
     as_of: u64,
     until: Option<u64>,
     hex: bool,
+    resume: Option<std::time::Duration>,
 ) -> anyhow::Result<()> {
     let family = family_to_show(client, hex).await?;
-    let mut stream = client
-        .subscribe(proto::SubscribeRequest {
-            replica,
+    // The last time every update of which was printed (the last upper - 1).
+    let mut received: Option<u64> = None;
+    // When the connection was lost, if it is being resumed.
+    let mut lost: Option<(std::time::Instant, String)> = None;
+    loop {
+        let request = proto::SubscribeRequest {
+            replica: replica.clone(),
             collection_id,
-            as_of,
-        })
-        .await
-        .map_err(status_err)?
-        .into_inner();
-    while let Some(batch) = stream.next().await {
-        let batch = batch.map_err(status_err)?;
-        for u in &batch.updates {
-            crate::output::line(format_args!(
-                "{}\t{}\t{}",
-                u.time,
-                show_row(&u.row, family, hex),
-                u.diff
+            as_of: received.unwrap_or(as_of),
+            resume: received.is_some(),
+        };
+        let ended = match client.subscribe(request).await {
+            Ok(response) => {
+                let mut stream = response.into_inner();
+                loop {
+                    let batch = match stream.next().await {
+                        None => break Ok(()),
+                        Some(Err(status)) => break Err(status),
+                        Some(Ok(batch)) => batch,
+                    };
+                    if let Some((_, why)) = lost.take() {
+                        eprintln!("subscribe: resumed after the connection was lost ({why})");
+                    }
+                    for u in &batch.updates {
+                        crate::output::line(format_args!(
+                            "{}\t{}\t{}",
+                            u.time,
+                            show_row(&u.row, family, hex),
+                            u.diff
+                        ));
+                    }
+                    match batch.upper.first() {
+                        None => return Ok(()),
+                        Some(&upper) if until.is_some_and(|t| upper > t) => return Ok(()),
+                        Some(&upper) => {
+                            if let Some(last) = upper.checked_sub(1) {
+                                received = Some(received.map_or(last, |r| r.max(last)));
+                            }
+                        }
+                    }
+                }
+            }
+            Err(status) => Err(status),
+        };
+        let status = match ended {
+            // The stream ended without its last batch: the server went away.
+            Ok(()) => tonic::Status::unavailable("the stream ended early"),
+            Err(status) => status,
+        };
+        let Some(bound) = resume.filter(|_| resumable(&status)) else {
+            return Err(status_err(status));
+        };
+        let since = match &lost {
+            Some((since, _)) => *since,
+            None => {
+                let at =
+                    received.map_or("from the start".to_string(), |r| format!("after time {r}"));
+                eprintln!(
+                    "subscribe: connection lost ({}); resuming {at}",
+                    status.message()
+                );
+                std::time::Instant::now()
+            }
+        };
+        if since.elapsed() > bound {
+            return Err(anyhow::anyhow!(
+                "subscribe: could not resume within {bound:?}: {}",
+                status_err(status)
             ));
         }
-        match batch.upper.first() {
-            None => break,
-            Some(&upper) if until.is_some_and(|t| upper > t) => break,
-            _ => {}
-        }
+        lost = Some((since, status.message().to_string()));
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
     }
-    Ok(())
+}
+
+/// Whether a failed subscription may be resumed: the server or the
+/// connection went away, not a refusal.
+fn resumable(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+    )
 }

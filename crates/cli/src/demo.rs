@@ -478,6 +478,7 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
             replica: "demo".into(),
             collection_id: 102,
             as_of: 0,
+            resume: false,
         })
         .await
         .context("subscribe")?

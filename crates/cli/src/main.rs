@@ -171,6 +171,15 @@ enum Command {
         /// family.
         #[arg(long)]
         hex: bool,
+        /// When the connection is lost (the environment restarted, the
+        /// network cut), reconnect and resume after the last time fully
+        /// received: every change printed exactly once. Gives up after
+        /// --resume-timeout of trying.
+        #[arg(long)]
+        resume: bool,
+        /// How long --resume keeps trying to reconnect.
+        #[arg(long, default_value_t = 120, value_name = "SECONDS")]
+        resume_timeout: u64,
     },
     /// Policies: the conformance check, and the policies of a running
     /// environment (set, show).
@@ -422,6 +431,8 @@ fn main() -> ExitCode {
             as_of,
             until,
             hex,
+            resume,
+            resume_timeout,
         } => finish(runtime.block_on(async move {
             compute_cli::subscribe(
                 &mut connect(&server).await?,
@@ -430,6 +441,7 @@ fn main() -> ExitCode {
                 as_of,
                 until,
                 hex,
+                resume.then(|| std::time::Duration::from_secs(resume_timeout)),
             )
             .await
         })),

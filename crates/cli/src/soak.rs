@@ -283,6 +283,7 @@ impl Driver {
                 replica: REPLICA.into(),
                 collection_id: COUNTS,
                 as_of: t,
+                resume: false,
             })
             .await
             .context("subscribing")?

@@ -177,6 +177,7 @@ async fn a_family_of_your_own_walks_through_lockstep_serve_and_a_restart() {
             replica: REPLICA.into(),
             collection_id: 102,
             as_of: 0,
+            resume: false,
         })
         .await
         .unwrap()

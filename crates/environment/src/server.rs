@@ -467,8 +467,15 @@ impl EnvironmentApi for EnvironmentService {
                 .map_err(compute_status)?;
             // Bounded: a client that stops reading is cut off by the
             // controller (`SUBSCRIBE_CHANNEL_BATCHES`), not buffered.
-            let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(|b| {
-                let b = b.map_err(|e| compute_status(e.into()))?;
+            // A resumed stream leaves out what the client holds: every
+            // update at or before the resume point (the snapshot advances
+            // older updates to as_of; later ones keep their times).
+            let resume_after = r.resume.then_some(r.as_of);
+            let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(move |b| {
+                let mut b = b.map_err(|e| compute_status(e.into()))?;
+                if let Some(after) = resume_after {
+                    b.updates.retain(|u| u.time > after);
+                }
                 let kind: lockstep_protocol::proto::response::Kind =
                     lockstep_protocol::ResponseKind::SubscribeResponse(b).into();
                 match kind {

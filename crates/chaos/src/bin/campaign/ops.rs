@@ -472,6 +472,7 @@ impl Run {
                 replica: REPLICA.into(),
                 collection_id: d.collection,
                 as_of: t,
+                resume: false,
             })
             .await;
         let mut stream = match res {
