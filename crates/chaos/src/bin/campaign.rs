@@ -5,7 +5,8 @@
 //! sequence of operations and faults, and drives a real `lockstep serve`
 //! (its gRPC API) and the replica's real processes with them: dataflows
 //! created from random plans over inputs 1-3 and dropped; writes of
-//! inserts and retractions advancing the uppers; peeks; subscribes; the
+//! inserts and retractions advancing the uppers; peeks; subscribes (one
+//! kind resumed across a SIGKILL of the environment); the
 //! environment killed with SIGKILL while idle, with a request in flight, or
 //! with its controller crashed part-way through a broadcast (failpoint
 //! `controller_partial_broadcast`) and started again on the same state
@@ -92,6 +93,8 @@ mod env;
 mod model;
 #[path = "campaign/ops.rs"]
 mod ops;
+#[path = "campaign/resume.rs"]
+mod resume;
 #[path = "campaign/run.rs"]
 mod run;
 #[path = "campaign/variant.rs"]

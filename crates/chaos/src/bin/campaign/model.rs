@@ -69,6 +69,11 @@ pub enum Op {
     Peek,
     /// Subscribe to a random live dataflow and read its snapshot.
     Subscribe,
+    /// Subscribe to a random live dataflow, read its snapshot, kill -9 the
+    /// environment, write, and resume the subscription after the snapshot's
+    /// time: the snapshot plus the resumed changes must be the collection
+    /// at the newer time (exactly once: no gap, no duplicate).
+    ResumeSubscribe,
     /// kill -9 the environment while idle, and start it again.
     KillEnv,
     /// kill -9 the environment with a request (write, create, drop) in flight.
@@ -97,6 +102,7 @@ impl Op {
         matches!(
             self,
             Op::KillEnv
+                | Op::ResumeSubscribe
                 | Op::KillEnvInFlight
                 | Op::PartialBroadcast
                 | Op::KillProcess
@@ -122,9 +128,10 @@ pub fn generate(seed: u64, steps: usize) -> Plan0 {
     let processes = r.range(1, 4) as u32;
     let workers = r.range(1, 2) as u32;
     // Weights out of 100.
-    let table: [(Op, u64); 12] = [
+    let table: [(Op, u64); 13] = [
         (Op::Write, 26),
-        (Op::Peek, 16),
+        (Op::Peek, 13),
+        (Op::ResumeSubscribe, 3),
         (Op::Create, 12),
         (Op::Drop, 7),
         (Op::Subscribe, 4),

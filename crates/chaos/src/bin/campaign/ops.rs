@@ -60,6 +60,14 @@ impl Run {
                 let k = live[r.below(live.len() as u64) as usize];
                 self.subscribe(i, k).await?;
             }
+            Op::ResumeSubscribe => {
+                let live = self.world.live_dataflows(true);
+                if live.is_empty() {
+                    return Ok(());
+                }
+                let k = live[r.below(live.len() as u64) as usize];
+                self.resume_subscribe(i, k, &mut r).await?;
+            }
             Op::KillEnv => {
                 self.world.log(format!("{i} kill -9 environment (idle)"));
                 self.restart_env(None).await?;
@@ -486,28 +494,9 @@ impl Run {
                 return Ok(());
             }
         };
-        let mut got = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let complete = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(left, stream.next()).await {
-                Ok(Some(Ok(batch))) => {
-                    got.extend(
-                        batch
-                            .updates
-                            .into_iter()
-                            .filter(|u| u.time <= t)
-                            .map(|u| (u.row, u.diff)),
-                    );
-                    if batch.upper.iter().all(|u| *u > t) {
-                        break true;
-                    }
-                }
-                _ => break false,
-            }
-        };
+        let got = read_through(&mut stream, t).await;
         drop(stream);
-        if complete {
+        if let Some(got) = got {
             let rows = multiset(got);
             self.world.log(format!(
                 "{i} subscribe {} at {t}: snapshot of {} rows",
@@ -529,5 +518,33 @@ impl Run {
             ));
         }
         Ok(())
+    }
+}
+
+/// Reads `stream` until its upper passes `t` (within 10 s): every update at
+/// or before `t`, or `None` if the stream ended or stalled first.
+pub(super) async fn read_through(
+    stream: &mut tonic::Streaming<wire::SubscribeResponse>,
+    t: u64,
+) -> Option<Vec<(lockstep_protocol::Row, i64)>> {
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, stream.next()).await {
+            Ok(Some(Ok(batch))) => {
+                got.extend(
+                    batch
+                        .updates
+                        .into_iter()
+                        .filter(|u| u.time <= t)
+                        .map(|u| (u.row, u.diff)),
+                );
+                if batch.upper.iter().all(|u| *u > t) {
+                    return Some(got);
+                }
+            }
+            _ => return None,
+        }
     }
 }
