@@ -72,7 +72,7 @@ impl Inner {
             for p in &pods {
                 match self
                     .pods
-                    .delete(&p.name_any(), &self.delete_params(p))
+                    .delete(&p.name_any(), &self.pod_delete_params(p))
                     .await
                 {
                     Ok(_) => deleted.push((p.name_any(), p.uid())),

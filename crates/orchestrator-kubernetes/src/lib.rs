@@ -507,6 +507,17 @@ impl Inner {
         }
     }
 
+    /// A pod's delete: [`delete_params`](Self::delete_params) with the
+    /// stated grace period ([`objects::POD_TERMINATION_GRACE_SECS`]), so a
+    /// restart, upgrade or drop waits at most that for a pod, whatever an
+    /// older pod's spec said.
+    fn pod_delete_params(&self, pod: &Pod) -> DeleteParams {
+        DeleteParams {
+            grace_period_seconds: Some(objects::POD_TERMINATION_GRACE_SECS as u32),
+            ..self.delete_params(pod)
+        }
+    }
+
     fn context(&self) -> ObjectContext {
         ObjectContext {
             namespace: self.config.namespace.clone(),

@@ -8,7 +8,7 @@ impl Inner {
     /// the pod changed since it was read.
     pub(super) async fn delete_pod_as_read(&self, pod: &Pod) -> Result<bool, StateError> {
         let name = pod.name_any();
-        match self.pods.delete(&name, &self.delete_params(pod)).await {
+        match self.pods.delete(&name, &self.pod_delete_params(pod)).await {
             Ok(_) => {}
             Err(e) if is_conflict(&e) => return Ok(false),
             Err(e) if is_not_found(&e) => return Ok(true),

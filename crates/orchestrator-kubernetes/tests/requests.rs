@@ -488,7 +488,7 @@ async fn drop_writes_a_tombstone_by_cas_and_deletes_each_object_with_preconditio
         .await;
         assert_eq!(
             body,
-            json!({"preconditions": {"uid": uid, "resourceVersion": rv}})
+            json!({"gracePeriodSeconds": 5, "preconditions": {"uid": uid, "resourceVersion": rv}})
         );
         respond(send, 200, &pod(i, 6, uid, 50));
         // Waits until it is gone.
@@ -589,7 +589,7 @@ async fn a_pod_delete_refused_by_its_precondition_is_decided_again_on_a_fresh_re
     .await;
     assert_eq!(
         body,
-        json!({"preconditions": {"uid": "uid-old", "resourceVersion": "30"}})
+        json!({"gracePeriodSeconds": 5, "preconditions": {"uid": "uid-old", "resourceVersion": "30"}})
     );
     respond(
         send,
@@ -651,7 +651,7 @@ async fn restart_bumps_the_generation_deletes_every_pod_with_preconditions_then_
     .await;
     assert_eq!(
         body,
-        json!({"preconditions": {"uid": "uid-p0", "resourceVersion": "30"}})
+        json!({"gracePeriodSeconds": 5, "preconditions": {"uid": "uid-p0", "resourceVersion": "30"}})
     );
     respond(send, 200, &pod(0, 7, "uid-p0", 51));
     let (_, send) = expect(
