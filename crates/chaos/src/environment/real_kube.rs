@@ -38,7 +38,7 @@ pub struct RealCluster {
     /// The service account's kubeconfig (given to `lockstep serve`).
     pub kubeconfig: PathBuf,
     /// The same, read (every library environment's client is made from it).
-    config: kube::Config,
+    config: std::sync::Arc<kube::Config>,
     admin: PathBuf,
     kubectl: PathBuf,
     rbac: PathBuf,
@@ -69,7 +69,7 @@ impl RealCluster {
             .with_context(|| format!("loading {}", kubeconfig.display()))?;
         Ok(RealCluster {
             kubeconfig,
-            config,
+            config: std::sync::Arc::new(config),
             admin: var(ADMIN_KUBECONFIG_ENV)?,
             kubectl: var(KUBECTL_ENV)?,
             rbac: Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -165,7 +165,7 @@ impl RealCluster {
 
     /// A client acting as the service account, in `namespace`.
     pub fn client(&self, namespace: &str) -> anyhow::Result<kube::Client> {
-        let mut config = self.config.clone();
+        let mut config = (*self.config).clone();
         config.default_namespace = namespace.to_string();
         Ok(kube::Client::try_from(config)?)
     }
