@@ -1,0 +1,218 @@
+//! Building the control plane's programs from `tools/kube/` into
+//! `target/kube/bin/` (Go's module and build caches under `target/go/`), once
+//! per change of a module (a stamp file per module).
+
+use std::collections::hash_map::DefaultHasher;
+use std::fs;
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+
+use crate::util::{root, run, target_dir};
+
+/// The built programs.
+#[derive(Debug, Clone)]
+pub struct Binaries {
+    /// etcd (go.etcd.io/etcd/server/v3).
+    pub etcd: PathBuf,
+    /// kube-apiserver.
+    pub kube_apiserver: PathBuf,
+    /// kube-controller-manager (service accounts, namespace deletion,
+    /// garbage collection, the workload controllers).
+    pub kube_controller_manager: PathBuf,
+    /// kube-scheduler (binds pods to the node: kwok does not).
+    pub kube_scheduler: PathBuf,
+    /// kubectl, of the same release as the API server.
+    pub kubectl: PathBuf,
+    /// kwok (sigs.k8s.io/kwok), the fake kubelet.
+    pub kwok: PathBuf,
+}
+
+/// One Go module of tools/kube/ and the programs built from it.
+struct GoModule {
+    /// Its directory under tools/kube/.
+    dir: &'static str,
+    /// The packages to build (each gives a program of its last element's name).
+    packages: &'static [&'static str],
+    /// Extra linker flags.
+    ldflags: &'static str,
+}
+
+/// The version stamps kube's own Makefile sets (`/version` answers
+/// `v1.37.2`, not `v0.0.0-master`).
+const K8S_LDFLAGS: &str = "-X k8s.io/component-base/version.gitVersion=v1.37.2 \
+     -X k8s.io/component-base/version.gitMajor=1 \
+     -X k8s.io/component-base/version.gitMinor=37 \
+     -X k8s.io/component-base/version.gitTreeState=clean \
+     -X k8s.io/client-go/pkg/version.gitVersion=v1.37.2 \
+     -X k8s.io/client-go/pkg/version.gitMajor=1 \
+     -X k8s.io/client-go/pkg/version.gitMinor=37 \
+     -X k8s.io/client-go/pkg/version.gitTreeState=clean";
+
+const MODULES: &[GoModule] = &[
+    GoModule {
+        dir: "etcd",
+        packages: &["."],
+        ldflags: "",
+    },
+    GoModule {
+        dir: "kwok",
+        packages: &["."],
+        ldflags: "",
+    },
+    GoModule {
+        dir: "k8s",
+        packages: &[
+            "k8s.io/kubernetes/cmd/kube-apiserver",
+            "k8s.io/kubernetes/cmd/kube-controller-manager",
+            "k8s.io/kubernetes/cmd/kube-scheduler",
+            "k8s.io/kubernetes/cmd/kubectl",
+        ],
+        ldflags: K8S_LDFLAGS,
+    },
+];
+
+/// `target/kube/bin/`: the built programs.
+pub fn bin_dir() -> PathBuf {
+    target_dir().join("kube/bin")
+}
+
+/// `target/go/`: GOPATH, the module cache and the build cache.
+fn go_dir() -> PathBuf {
+    target_dir().join("go")
+}
+
+/// `go` with its caches under `target/go/`, run in tools/kube/`module`.
+fn go(module: &str) -> Command {
+    let go_dir = go_dir();
+    let mut cmd = Command::new("nice");
+    cmd.arg("go")
+        .current_dir(root().join("tools/kube").join(module))
+        .env("GOPATH", &go_dir)
+        .env("GOMODCACHE", go_dir.join("mod"))
+        .env("GOCACHE", go_dir.join("cache"))
+        // A module cache that `rm -rf` can remove; no VCS stamping (the
+        // checkout is the main module's repository, not the programs').
+        .env("GOFLAGS", "-modcacherw -buildvcs=false")
+        .env("CGO_ENABLED", "0");
+    cmd
+}
+
+/// The name of the program built from `package` in `module`.
+fn program_name(module: &GoModule, package: &str) -> String {
+    if package == "." {
+        module.dir.to_string()
+    } else {
+        package.rsplit('/').next().unwrap_or(package).to_string()
+    }
+}
+
+/// A hash of what a module's programs are built from: its go.mod, go.sum,
+/// Go files, the packages and linker flags, and the Go version.
+fn module_stamp(module: &GoModule, go_version: &str) -> anyhow::Result<String> {
+    let dir = root().join("tools/kube").join(module.dir);
+    let mut files: Vec<PathBuf> = fs::read_dir(&dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            name == "go.mod" || name == "go.sum" || name.ends_with(".go")
+        })
+        .collect();
+    files.sort();
+    let mut h = DefaultHasher::new();
+    go_version.hash(&mut h);
+    module.packages.hash(&mut h);
+    module.ldflags.hash(&mut h);
+    for f in files {
+        f.file_name().hash(&mut h);
+        fs::read(&f)
+            .with_context(|| format!("reading {}", f.display()))?
+            .hash(&mut h);
+    }
+    Ok(format!("{:016x}", h.finish()))
+}
+
+/// Builds (or finds up to date) etcd, kube-apiserver, kube-controller-manager,
+/// kube-scheduler, kubectl and kwok in `target/kube/bin/`. A module is
+/// rebuilt only when its stamp (go.mod, go.sum, Go files, Go version)
+/// changed; a cold build of all takes many minutes on two cores.
+pub fn ensure_built() -> anyhow::Result<Binaries> {
+    let bin = bin_dir();
+    fs::create_dir_all(&bin).with_context(|| format!("creating {}", bin.display()))?;
+    let out = Command::new("go")
+        .arg("env")
+        .arg("GOVERSION")
+        .output()
+        .context("running `go env GOVERSION`: is Go (1.26 or newer) installed?")?;
+    if !out.status.success() {
+        bail!(
+            "`go env GOVERSION` failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let go_version = String::from_utf8_lossy(&out.stdout).trim().to_string();
+
+    for module in MODULES {
+        let stamp = module_stamp(module, &go_version)?;
+        let stamp_file = bin.join(format!(".{}.stamp", module.dir));
+        let programs: Vec<PathBuf> = module
+            .packages
+            .iter()
+            .map(|p| bin.join(program_name(module, p)))
+            .collect();
+        let fresh = fs::read_to_string(&stamp_file).ok().as_deref() == Some(stamp.as_str())
+            && programs.iter().all(|p| p.is_file());
+        let names: Vec<String> = module
+            .packages
+            .iter()
+            .map(|p| program_name(module, p))
+            .collect();
+        if fresh {
+            eprintln!("xtask: kube: {} up to date", names.join(", "));
+            continue;
+        }
+        eprintln!(
+            "xtask: kube: building {} from tools/kube/{} (Go {go_version}; the first build takes minutes)",
+            names.join(", "),
+            module.dir
+        );
+        let started = Instant::now();
+        let _ = fs::remove_file(&stamp_file);
+        let mut cmd = go(module.dir);
+        cmd.args(["build", "-trimpath", "-ldflags"])
+            .arg(format!("-s -w {}", module.ldflags).trim_end())
+            .arg("-o");
+        if module.packages.len() == 1 {
+            cmd.arg(&programs[0]);
+        } else {
+            // `-o DIR/` with several packages: one program each.
+            cmd.arg(format!("{}/", bin.display()));
+        }
+        cmd.args(module.packages);
+        run(cmd).with_context(|| {
+            format!(
+                "building {} (tools/kube/{}) failed",
+                names.join(", "),
+                module.dir
+            )
+        })?;
+        fs::write(&stamp_file, &stamp)?;
+        eprintln!(
+            "xtask: kube: built {} in {:.0} s",
+            names.join(", "),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(Binaries {
+        etcd: bin.join("etcd"),
+        kube_apiserver: bin.join("kube-apiserver"),
+        kube_controller_manager: bin.join("kube-controller-manager"),
+        kube_scheduler: bin.join("kube-scheduler"),
+        kubectl: bin.join("kubectl"),
+        kwok: bin.join("kwok"),
+    })
+}

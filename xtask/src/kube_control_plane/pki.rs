@@ -1,0 +1,135 @@
+//! The control plane's certificates and the admin kubeconfig (the openssl
+//! CLI).
+
+use std::fs;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use anyhow::{bail, Context};
+
+/// The admin kubeconfig, naming the certificate files in `pki`.
+pub(super) fn kubeconfig_yaml(server: &str, pki: &Path) -> String {
+    let p = |s: &str| pki.join(s).display().to_string();
+    format!(
+        "apiVersion: v1
+kind: Config
+clusters:
+- name: lockstep
+  cluster:
+    server: {server}
+    certificate-authority: {ca}
+users:
+- name: admin
+  user:
+    client-certificate: {cert}
+    client-key: {key}
+contexts:
+- name: lockstep
+  context:
+    cluster: lockstep
+    user: admin
+current-context: lockstep
+",
+        ca = p("ca.crt"),
+        cert = p("admin.crt"),
+        key = p("admin.key"),
+    )
+}
+
+/// Makes (with the openssl CLI) a CA, the API server's serving certificate,
+/// the admin's client certificate (group system:masters) and the service
+/// accounts' signing key pair, all P-256.
+pub(super) fn make_pki(pki: &Path) -> anyhow::Result<()> {
+    let openssl = |args: &[&str]| -> anyhow::Result<()> {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(pki)
+            .stdin(Stdio::null())
+            .output()
+            .context("running openssl (is it installed?)")?;
+        if !out.status.success() {
+            bail!(
+                "openssl {} failed: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    };
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-noenc",
+    ];
+    let mut ca = vec![
+        "req", "-x509", "-days", "3650", "-keyout", "ca.key", "-out", "ca.crt",
+    ];
+    ca.extend(ec);
+    ca.extend([
+        "-subj",
+        "/CN=lockstep-kube-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+    ]);
+    openssl(&ca)?;
+    let leaves = [
+        (
+            "apiserver",
+            "/CN=kube-apiserver",
+            "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,\
+             DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n\
+             extendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature\n",
+        ),
+        (
+            "admin",
+            "/O=system:masters/CN=lockstep-admin",
+            "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n",
+        ),
+    ];
+    for (name, subject, ext) in leaves {
+        let (key, csr, crt, extfile) = (
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.crt"),
+            format!("{name}.ext"),
+        );
+        fs::write(pki.join(&extfile), ext)?;
+        let mut req = vec![
+            "req", "-new", "-keyout", &key, "-out", &csr, "-subj", subject,
+        ];
+        req.extend(ec);
+        openssl(&req)?;
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "3650",
+            "-out",
+            &crt,
+            "-extfile",
+            &extfile,
+        ])?;
+    }
+    openssl(&[
+        "genpkey",
+        "-algorithm",
+        "EC",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-out",
+        "sa.key",
+    ])?;
+    openssl(&["pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub"])?;
+    Ok(())
+}
