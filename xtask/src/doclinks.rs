@@ -4,6 +4,11 @@
 //! silently rot when code moves. Checked by this module's test
 //! (`cargo test -p xtask`, part of `cargo xtask test`).
 //!
+//! A path is any word that starts with a top-level directory of the
+//! repository (every one that holds a tracked file: `crates/`, `docs/`,
+//! `tools/`, `templates/`, ...) or with `src/`, followed by `/`; not one the
+//! code builds with `join("...")`.
+//!
 //! A path resolves against the repository root; one that starts with
 //! `src/`, `tests/`, `benches/` or `examples/` also against the crate of
 //! the file naming it (the nearest directory with a `Cargo.toml`), or, from
@@ -22,11 +27,19 @@ const EXAMPLES: [(&str, &str, &str); 1] = [(
 /// Files not searched: this module, whose tests name missing paths on purpose.
 const NOT_SEARCHED: [&str; 1] = ["xtask/src/doclinks.rs"];
 
-/// The top-level directories whose paths are checked.
-const ROOTS: [&str; 11] = [
-    "crates", "docs", "proto", "deploy", "xtask", "policies", "wit", "tests", "benches", ".ci",
-    "examples",
-];
+/// The first components a path named in a file starts with: every
+/// top-level directory holding one of `files`, and `src` (a crate's own
+/// sources, resolved against the crate).
+fn roots(files: &[String]) -> Vec<String> {
+    let mut roots: Vec<String> = files
+        .iter()
+        .filter_map(|f| f.split_once('/').map(|(dir, _)| dir.to_string()))
+        .collect();
+    roots.push("src".to_string());
+    roots.sort();
+    roots.dedup();
+    roots
+}
 
 /// The files whose text is searched.
 fn searched(file: &str) -> bool {
@@ -40,15 +53,19 @@ fn searched(file: &str) -> bool {
 }
 
 /// Every path named in `text` that looks like one of the repository's.
-fn named_paths(text: &str) -> Vec<String> {
+fn named_paths(text: &str, roots: &[String]) -> Vec<String> {
     let mut out = Vec::new();
     let bytes = text.as_bytes();
     let is_path_char = |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'/' | b'-');
     let mut i = 0;
     while i < bytes.len() {
-        let start_ok = text.is_char_boundary(i) && (i == 0 || !is_path_char(bytes[i - 1]));
+        // A path the code builds (`dir.join("src/lib.rs")`) names a file
+        // of the directory it joins, not of the repository.
+        let start_ok = text.is_char_boundary(i)
+            && (i == 0 || !is_path_char(bytes[i - 1]))
+            && !text[..i].ends_with("join(\"");
         if start_ok {
-            if let Some(root) = ROOTS
+            if let Some(root) = roots
                 .iter()
                 .find(|r| text[i..].starts_with(&format!("{r}/")))
             {
@@ -116,6 +133,7 @@ pub fn dangling(root: &Path, files: &[String]) -> Vec<(String, String)> {
     );
     crates.push(root.join("xtask"));
     crates.push(root.join("benches"));
+    let roots = roots(files);
     let mut out = Vec::new();
     for file in files
         .iter()
@@ -124,7 +142,7 @@ pub fn dangling(root: &Path, files: &[String]) -> Vec<(String, String)> {
         let Ok(text) = std::fs::read_to_string(root.join(file)) else {
             continue;
         };
-        for path in named_paths(&text) {
+        for path in named_paths(&text, &roots) {
             let pattern = path.contains(['*', '{', '<']) || path.contains("NAME");
             let example = EXAMPLES
                 .iter()
@@ -178,7 +196,7 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_path_is_found_and_patterns_and_crate_paths_are_not() {
+    fn a_missing_path_under_any_top_level_directory_is_found_and_patterns_are_not() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
         std::fs::create_dir_all(root.join("crates/a/src")).unwrap();
@@ -188,17 +206,29 @@ mod tests {
         std::fs::create_dir_all(root.join("docs")).unwrap();
         std::fs::write(
             root.join("crates/a/src/lib.rs"),
-            "//! see `crates/a/src/gone.rs`, tests/t.rs, crates/*/src and docs/NAME.md.\n",
+            "//! see `crates/a/src/gone.rs`, tests/t.rs, crates/*/src and docs/NAME.md,\n\
+             //! src/nope.rs, tools/gone.sh; dir.join(\"src/built.rs\") is built.\n",
         )
         .unwrap();
         std::fs::write(root.join("docs/x.md"), "tests/t.rs and docs/missing.md.\n").unwrap();
-        let files = vec!["crates/a/src/lib.rs".to_string(), "docs/x.md".to_string()];
+        std::fs::create_dir_all(root.join("tools")).unwrap();
+        std::fs::write(root.join("tools/x.sh"), "").unwrap();
+        let files = vec![
+            "crates/a/src/lib.rs".to_string(),
+            "docs/x.md".to_string(),
+            "tools/x.sh".to_string(),
+        ];
         assert_eq!(
             dangling(root, &files),
             vec![
                 (
                     "crates/a/src/lib.rs".to_string(),
                     "crates/a/src/gone.rs".to_string()
+                ),
+                ("crates/a/src/lib.rs".to_string(), "src/nope.rs".to_string()),
+                (
+                    "crates/a/src/lib.rs".to_string(),
+                    "tools/gone.sh".to_string()
                 ),
                 ("docs/x.md".to_string(), "docs/missing.md".to_string()),
             ]

@@ -208,7 +208,7 @@ A lockstep {what} policy, written with `lockstep-policy-sdk`.
     Ok(())
 }
 
-/// Writes `policies/NAME` (Cargo.toml and src/lib.rs). Refuses to overwrite.
+/// Writes `policies/NAME` (its Cargo.toml and its lib.rs). Refuses to overwrite.
 pub fn scaffold(name: &str, kind: Kind) -> anyhow::Result<()> {
     check_name(name)?;
     let dir = root().join("policies").join(name);
