@@ -70,22 +70,14 @@ fn rows(n: i64, t: u64) -> Vec<Update> {
 
 async fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let env = Environment::start(EnvironmentConfig {
-        state_dir: dir.path().to_path_buf(),
-        orphan_policy: lockstep_policy::native_orphan_rule("id-watermark").unwrap(),
-        service: ServiceTemplate {
+    let env = Environment::start(EnvironmentConfig::new(
+        dir.path(),
+        lockstep_policy::native_orphan_rule("id-watermark").unwrap(),
+        ServiceTemplate {
             program: replica::binary(),
             args: DEFAULT_REPLICA_ARGS.iter().map(|s| s.to_string()).collect(),
         },
-        conditional_writes: true,
-        distribution_policy: None,
-        max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
-        compaction_lag: None,
-        api_token: None,
-        allow_naive: false,
-        store: None,
-        format: None,
-    })
+    ))
     .await
     .unwrap();
     env.create_replica(

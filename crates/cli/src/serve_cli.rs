@@ -326,9 +326,6 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
     let config = EnvironmentConfig {
-        state_dir: args.state_dir,
-        orphan_policy,
-        service,
         conditional_writes: !args.unconditional_writes,
         distribution_policy: args.distribution_policy,
         max_frame_len: args.max_frame_len,
@@ -337,6 +334,7 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         allow_naive: args.experiments_allow_naive,
         store: args.store,
         format: args.format,
+        ..EnvironmentConfig::new(args.state_dir, orphan_policy, service)
     };
     let env = match args.orchestrator {
         OrchestratorKind::Process if args.hosts > 0 => {

@@ -388,19 +388,11 @@ async fn a_failing_or_nonsensical_policy_deletes_nothing() {
         }),
     ];
     for (i, answer) in answers.into_iter().enumerate() {
-        let env = Environment::load(EnvironmentConfig {
-            distribution_policy: None,
-            max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
-            compaction_lag: None,
-            api_token: None,
-            allow_naive: false,
-            store: None,
-            format: None,
-            state_dir: sandbox.path().to_path_buf(),
-            orphan_policy: Box::new(Scripted(answer)),
-            service: sleep_template(),
-            conditional_writes: true,
-        })
+        let env = Environment::load(EnvironmentConfig::new(
+            sandbox.path(),
+            Box::new(Scripted(answer)),
+            sleep_template(),
+        ))
         .unwrap();
         env.ensure_replicas().await.unwrap();
         if i == 0 {

@@ -239,6 +239,33 @@ pub struct EnvironmentConfig {
     pub format: Option<String>,
 }
 
+impl EnvironmentConfig {
+    /// An environment on `state_dir` with `orphan_policy` and replica
+    /// `service`, and the defaults of everything else: conditional writes,
+    /// the native distribution rule (barrier), the default frame limit,
+    /// every time kept, no API token, no `naive`, SQLite in the state
+    /// directory, the built-in plan language.
+    pub fn new(
+        state_dir: impl Into<PathBuf>,
+        orphan_policy: Box<dyn OrphanPolicy + Send>,
+        service: ServiceTemplate,
+    ) -> Self {
+        EnvironmentConfig {
+            state_dir: state_dir.into(),
+            orphan_policy,
+            service,
+            conditional_writes: true,
+            distribution_policy: None,
+            max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
+            compaction_lag: None,
+            api_token: None,
+            allow_naive: false,
+            store: None,
+            format: None,
+        }
+    }
+}
+
 impl std::fmt::Debug for EnvironmentConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EnvironmentConfig")

@@ -451,17 +451,8 @@ fn env_config(
     let orphan_policy =
         lockstep_policy::native_orphan_rule(rule).ok_or_else(|| anyhow!("no rule {rule}"))?;
     Ok(EnvironmentConfig {
-        distribution_policy: None,
-        max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
-        compaction_lag: None,
-        api_token: None,
-        allow_naive: false,
-        store: None,
-        format: None,
-        state_dir: dir.to_path_buf(),
-        orphan_policy,
-        service: sleep_template(),
         conditional_writes,
+        ..EnvironmentConfig::new(dir, orphan_policy, sleep_template())
     })
 }
 

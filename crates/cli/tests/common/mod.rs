@@ -133,20 +133,15 @@ pub fn load_with(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Envi
 /// The configuration the tests start environments with.
 pub fn config(state_dir: &Path, distribution_policy: Option<PathBuf>) -> EnvironmentConfig {
     EnvironmentConfig {
-        state_dir: state_dir.to_path_buf(),
-        orphan_policy: lockstep_policy::native_orphan_rule("id-watermark").unwrap(),
-        service: ServiceTemplate {
-            program: replica_binary(),
-            args: DEFAULT_REPLICA_ARGS.iter().map(|s| s.to_string()).collect(),
-        },
-        conditional_writes: true,
         distribution_policy,
-        max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
-        compaction_lag: None,
-        api_token: None,
-        allow_naive: false,
-        store: None,
-        format: None,
+        ..EnvironmentConfig::new(
+            state_dir,
+            lockstep_policy::native_orphan_rule("id-watermark").unwrap(),
+            ServiceTemplate {
+                program: replica_binary(),
+                args: DEFAULT_REPLICA_ARGS.iter().map(|s| s.to_string()).collect(),
+            },
+        )
     }
 }
 
