@@ -245,10 +245,10 @@ pub(super) async fn connection(
         .codec_mut()
         .inner_mut()
         .set_max_frame_len(config.max_frame_len);
-    let (mut sink, mut stream) = framed.split();
+    let (sink, mut stream) = framed.split();
 
     // This connection becomes the current one.
-    let (wtx, mut wrx) = mpsc::unbounded_channel::<Response>();
+    let (wtx, wrx) = mpsc::unbounded_channel::<Response>();
     let generation = {
         let mut s = shared.lock().expect("not poisoned");
         if hello.epoch < s.newest_epoch {
@@ -282,99 +282,9 @@ pub(super) async fn connection(
         "controller session started"
     );
 
-    let max_frame_len = config.max_frame_len;
-    let writer = tokio::spawn(async move {
-        while let Some(r) = wrx.recv().await {
-            // A peek answer too large for one frame goes in parts.
-            let r = match r.kind {
-                ResponseKind::PeekResponse(p) => {
-                    let process_index = r.process_index;
-                    let mut parts = p.split(max_frame_len / 2).into_iter();
-                    let last = parts.next_back().expect("at least one part");
-                    let mut failed = false;
-                    for part in parts {
-                        let part = Response {
-                            process_index,
-                            kind: ResponseKind::PeekResponse(part),
-                        };
-                        if sink.send(part).await.is_err() {
-                            failed = true;
-                            break;
-                        }
-                    }
-                    if failed {
-                        break;
-                    }
-                    Response {
-                        process_index,
-                        kind: ResponseKind::PeekResponse(last),
-                    }
-                }
-                kind => Response { kind, ..r },
-            };
-            let process_index = r.process_index;
-            let peek_id = match &r.kind {
-                ResponseKind::PeekResponse(p) => Some(p.peek_id),
-                _ => None,
-            };
-            match sink.send(r).await {
-                Ok(()) => {}
-                // A response too large for one frame is answered with an
-                // error instead (the codec checks the length before writing
-                // anything): the process must not go silent, be restarted
-                // and be asked the same peek again, forever.
-                Err(CodecError::FrameTooLarge { len, max }) => {
-                    let replacement = too_large(process_index, peek_id, len, max);
-                    if sink.send(replacement).await.is_err() {
-                        break;
-                    }
-                }
-                Err(_) => break,
-            }
-        }
-        let _ = sink.close().await;
-    });
+    let writer = tokio::spawn(write_responses(sink, wrx, config.max_frame_len));
 
-    let mut expected = 1u64;
-    let result = loop {
-        let next = stream.next().await;
-        let current = shared.lock().expect("not poisoned").generation == generation;
-        if !current {
-            break Ok(()); // a newer controller session took over
-        }
-        let cmd: Command = match next {
-            None => break Ok(()),
-            Some(Err(CodecError::Io(e))) => break Err(anyhow::anyhow!("connection lost: {e}")),
-            Some(Err(e)) => {
-                send_current(
-                    &shared,
-                    generation,
-                    error_response(me, ErrorKind::Malformed, e.to_string(), expected),
-                );
-                break Err(anyhow::anyhow!("malformed frame: {e}"));
-            }
-            Some(Ok(cmd)) => cmd,
-        };
-        if matches!(cmd.kind, CommandKind::Hello(_)) || cmd.seqno != expected {
-            let msg = if matches!(cmd.kind, CommandKind::Hello(_)) {
-                "Hello in the middle of a connection".to_string()
-            } else {
-                format!("expected sequence number {expected}, got {}", cmd.seqno)
-            };
-            send_current(
-                &shared,
-                generation,
-                error_response(me, ErrorKind::Sequence, msg.clone(), cmd.seqno),
-            );
-            break Err(anyhow::anyhow!(msg));
-        }
-        expected += 1;
-        let s = shared.lock().expect("not poisoned");
-        if s.generation != generation {
-            break Ok(());
-        }
-        workers.send(&cmd);
-    };
+    let result = read_commands(&mut stream, &shared, generation, &workers, me).await;
     {
         let mut s = shared.lock().expect("not poisoned");
         if s.generation == generation {
@@ -390,5 +300,123 @@ pub(super) fn send_current(shared: &Arc<Mutex<Shared>>, generation: u64, r: Resp
     let s = shared.lock().expect("not poisoned");
     if s.generation == generation {
         s.outbox.send_on_connection(r);
+    }
+}
+
+/// Sends every response of the session to the controller, a peek answer too
+/// large for one frame in parts and a response over the frame limit
+/// replaced by an error; ends when the session's queue closes or the
+/// connection fails, then closes the connection.
+async fn write_responses<S>(
+    mut sink: S,
+    mut wrx: mpsc::UnboundedReceiver<Response>,
+    max_frame_len: usize,
+) where
+    S: futures::Sink<Response, Error = CodecError> + Unpin,
+{
+    while let Some(r) = wrx.recv().await {
+        // A peek answer too large for one frame goes in parts.
+        let r = match r.kind {
+            ResponseKind::PeekResponse(p) => {
+                let process_index = r.process_index;
+                let mut parts = p.split(max_frame_len / 2).into_iter();
+                let last = parts.next_back().expect("at least one part");
+                let mut failed = false;
+                for part in parts {
+                    let part = Response {
+                        process_index,
+                        kind: ResponseKind::PeekResponse(part),
+                    };
+                    if sink.send(part).await.is_err() {
+                        failed = true;
+                        break;
+                    }
+                }
+                if failed {
+                    break;
+                }
+                Response {
+                    process_index,
+                    kind: ResponseKind::PeekResponse(last),
+                }
+            }
+            kind => Response { kind, ..r },
+        };
+        let process_index = r.process_index;
+        let peek_id = match &r.kind {
+            ResponseKind::PeekResponse(p) => Some(p.peek_id),
+            _ => None,
+        };
+        match sink.send(r).await {
+            Ok(()) => {}
+            // A response too large for one frame is answered with an
+            // error instead (the codec checks the length before writing
+            // anything): the process must not go silent, be restarted
+            // and be asked the same peek again, forever.
+            Err(CodecError::FrameTooLarge { len, max }) => {
+                let replacement = too_large(process_index, peek_id, len, max);
+                if sink.send(replacement).await.is_err() {
+                    break;
+                }
+            }
+            Err(_) => break,
+        }
+    }
+    let _ = sink.close().await;
+}
+
+/// Hands the session's commands, in sequence, to every local worker until
+/// the connection ends (`Ok`), a newer session takes over (`Ok`), or a
+/// malformed frame, a Hello or a sequence gap ends it (`Err`, after the
+/// error was sent to the controller).
+async fn read_commands<St>(
+    stream: &mut St,
+    shared: &Arc<Mutex<Shared>>,
+    generation: u64,
+    workers: &Workers,
+    me: u32,
+) -> anyhow::Result<()>
+where
+    St: futures::Stream<Item = Result<Command, CodecError>> + Unpin,
+{
+    let mut expected = 1u64;
+    loop {
+        let next = stream.next().await;
+        let current = shared.lock().expect("not poisoned").generation == generation;
+        if !current {
+            break Ok(()); // a newer controller session took over
+        }
+        let cmd: Command = match next {
+            None => break Ok(()),
+            Some(Err(CodecError::Io(e))) => break Err(anyhow::anyhow!("connection lost: {e}")),
+            Some(Err(e)) => {
+                send_current(
+                    shared,
+                    generation,
+                    error_response(me, ErrorKind::Malformed, e.to_string(), expected),
+                );
+                break Err(anyhow::anyhow!("malformed frame: {e}"));
+            }
+            Some(Ok(cmd)) => cmd,
+        };
+        if matches!(cmd.kind, CommandKind::Hello(_)) || cmd.seqno != expected {
+            let msg = if matches!(cmd.kind, CommandKind::Hello(_)) {
+                "Hello in the middle of a connection".to_string()
+            } else {
+                format!("expected sequence number {expected}, got {}", cmd.seqno)
+            };
+            send_current(
+                shared,
+                generation,
+                error_response(me, ErrorKind::Sequence, msg.clone(), cmd.seqno),
+            );
+            break Err(anyhow::anyhow!(msg));
+        }
+        expected += 1;
+        let s = shared.lock().expect("not poisoned");
+        if s.generation != generation {
+            break Ok(());
+        }
+        workers.send(&cmd);
     }
 }
