@@ -29,4 +29,6 @@ pub use budget::{
     raise_descriptor_limit, Budget, BudgetError, BudgetMetrics, Caps, ListenerLabels, Share,
     MIN_RESERVE,
 };
-pub use pool::{Pool, PoolUsage, Proof, Slot, NO_BOUNDS_ENV, SUMMARY_INTERVAL};
+pub use pool::{
+    closing_margin, Pool, PoolUsage, Proof, Ready, Slot, NO_BOUNDS_ENV, SUMMARY_INTERVAL,
+};

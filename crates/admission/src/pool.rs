@@ -51,6 +51,13 @@ struct Shared {
     caps: Caps,
     deadline: Duration,
     book: Mutex<Book>,
+    /// One permit per connection the port may hold open at once: both
+    /// caps and [`closing_margin`] more, for evicted connections whose
+    /// sockets are not closed yet (their tasks close them when next run).
+    /// [`Pool::ready`] waits for one before an accept, so a busy machine
+    /// that runs the evicted tasks late still cannot run the process out
+    /// of descriptors.
+    held: Arc<tokio::sync::Semaphore>,
     gauges: Option<Family<ListenerLabels, Gauge>>,
 }
 
@@ -120,11 +127,14 @@ impl Pool {
         } else {
             (caps, deadline)
         };
+        let permits = (caps.proven + caps.unproven + closing_margin(caps))
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
         Pool {
             shared: Arc::new(Shared {
                 name,
                 caps,
                 deadline,
+                held: Arc::new(tokio::sync::Semaphore::new(permits)),
                 book: Mutex::new(Book {
                     unproven: VecDeque::new(),
                     proven: 0,
@@ -175,6 +185,26 @@ impl Pool {
         }
     }
 
+    /// Waits until the port may hold one more connection open (see
+    /// [`Ready`]); call it before the accept whose connection
+    /// [`admit_ready`](Self::admit_ready) admits.
+    pub async fn ready(&self) -> Ready {
+        Ready(
+            Arc::clone(&self.shared.held)
+                .acquire_owned()
+                .await
+                .expect("the pool's semaphore is never closed"),
+        )
+    }
+
+    /// [`admit`](Self::admit), the connection holding `ready` until its
+    /// slot is dropped.
+    pub fn admit_ready(&self, ready: Ready) -> Slot {
+        let mut slot = self.admit();
+        slot.held = Some(ready);
+        slot
+    }
+
     /// Admits a new connection as unproven. Past the unproven cap, the
     /// oldest unproven connection is closed (its [`Slot::closed`]
     /// resolves): the new one may be the real peer, and a flood delays it by
@@ -223,6 +253,7 @@ impl Pool {
         Slot {
             proof,
             admitted: Instant::now(),
+            held: None,
         }
     }
 }
@@ -274,6 +305,18 @@ impl Proof {
 pub struct Slot {
     proof: Proof,
     admitted: Instant,
+    /// The port's permit to hold this connection open, if it took one
+    /// ([`Pool::admit_ready`]); released when the slot is dropped.
+    held: Option<Ready>,
+}
+
+/// A permit to hold one more connection open on a port ([`Pool::ready`]).
+pub struct Ready(tokio::sync::OwnedSemaphorePermit);
+
+/// Connections past both caps a port may still hold while evicted ones
+/// wait to be closed: a quarter of the unproven cap, at least 2.
+pub fn closing_margin(caps: Caps) -> usize {
+    (caps.unproven / 4).max(2)
 }
 
 impl Slot {
@@ -382,6 +425,33 @@ mod tests {
         );
         drop(kept);
         assert_eq!(p.usage().proven, 0);
+    }
+
+    #[tokio::test]
+    async fn no_more_connections_are_held_than_both_caps_and_the_closing_margin() {
+        let p = pool(1, 2, Duration::from_secs(60));
+        let held = 1 + 2 + closing_margin(p.caps());
+        let mut slots = Vec::new();
+        for _ in 0..held {
+            let ready = tokio::time::timeout(Duration::from_secs(10), p.ready())
+                .await
+                .expect("a permit while under the bound");
+            slots.push(p.admit_ready(ready));
+        }
+        // Evicted ones whose sockets are still open count: no permit now.
+        assert!(slots.iter().filter(|s| s.is_closed()).count() >= held - 2);
+        assert!(
+            tokio::time::timeout(Duration::ZERO, p.ready())
+                .await
+                .is_err(),
+            "a permit past the bound"
+        );
+        // An evicted connection closed: its permit is free again.
+        let closed = slots.iter().position(|s| s.is_closed()).unwrap();
+        drop(slots.remove(closed));
+        tokio::time::timeout(Duration::from_secs(10), p.ready())
+            .await
+            .expect("a permit once a held connection closed");
     }
 
     #[tokio::test]

@@ -202,12 +202,19 @@ pub fn accept(listener: TcpListener, pool: Pool) -> mpsc::Receiver<std::io::Resu
             // Once the consumer is gone (a server shutting down), close the
             // listener at once, so new connections are refused rather than
             // accepted and left unanswered.
+            // A permit first: evicted connections not closed yet still
+            // count, so a starved machine cannot run the process out of
+            // descriptors.
+            let ready = tokio::select! {
+                r = pool.ready() => r,
+                () = tx.closed() => return,
+            };
             let (stream, _) = tokio::select! {
                 r = lockstep_admission::accept(&listener, &mut errors) => r,
                 () = tx.closed() => return,
             };
             let _ = stream.set_nodelay(true);
-            let slot = pool.admit();
+            let slot = pool.admit_ready(ready);
             let close = Box::pin(slot.close_token().cancelled_owned());
             let admitted = Admitted {
                 stream,

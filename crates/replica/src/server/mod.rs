@@ -360,8 +360,11 @@ async fn serve(
     // (R1: no server stops on a resource error).
     let mut accept_errors = lockstep_admission::AcceptErrors::new("controller");
     loop {
+        // A permit first: evicted connections not closed yet still count,
+        // so a starved machine cannot run the process out of descriptors.
+        let ready = pool.ready().await;
         let (sock, peer) = lockstep_admission::accept(&listener, &mut accept_errors).await;
-        let slot = pool.admit();
+        let slot = pool.admit_ready(ready);
         let _ = sock.set_nodelay(true);
         tracing::debug!(%peer, "controller connected");
         let shared = Arc::clone(&shared);
