@@ -189,12 +189,12 @@ impl Pool {
     /// [`Ready`]); call it before the accept whose connection
     /// [`admit_ready`](Self::admit_ready) admits.
     pub async fn ready(&self) -> Ready {
-        Ready(
-            Arc::clone(&self.shared.held)
+        Ready {
+            _permit: Arc::clone(&self.shared.held)
                 .acquire_owned()
                 .await
                 .expect("the pool's semaphore is never closed"),
-        )
+        }
     }
 
     /// [`admit`](Self::admit), the connection holding `ready` until its
@@ -311,7 +311,10 @@ pub struct Slot {
 }
 
 /// A permit to hold one more connection open on a port ([`Pool::ready`]).
-pub struct Ready(tokio::sync::OwnedSemaphorePermit);
+pub struct Ready {
+    /// Held, not read: dropping it frees the place.
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
 
 /// Connections past both caps a port may still hold while evicted ones
 /// wait to be closed: a quarter of the unproven cap, at least 2.
