@@ -4,12 +4,24 @@
 
 use std::time::{Duration, Instant};
 
+/// A free port, never one this test binary handed out before: the tests
+/// run at once, and the kernel may give a port just freed by one test to
+/// another, whose `listening` would then see the wrong process listen and
+/// signal its own before that one installed its handler.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap();
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// Starts a replica process of `processes` (only process 0 runs: with 2,
