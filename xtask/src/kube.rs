@@ -23,7 +23,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 
 use crate::kube_control_plane::ControlPlane;
 use crate::util::{root, step, target_dir};
@@ -152,17 +152,7 @@ fn kubectl(cp: &ControlPlane, args: &[&str]) -> anyhow::Result<String> {
     let mut cmd: Command = cp.kubectl();
     cmd.args(args);
     eprintln!("xtask: $ kubectl {}", args.join(" "));
-    let out = cmd.output().context("running kubectl")?;
-    if !out.status.success() {
-        bail!(
-            "kubectl {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    eprint!("{}", String::from_utf8_lossy(&out.stderr));
-    Ok(stdout)
+    crate::util::stdout(cmd)
 }
 
 /// The example overlay moves every namespaced object, and the

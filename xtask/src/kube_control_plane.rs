@@ -170,17 +170,9 @@ impl ControlPlane {
         cp.spawn("kube-scheduler", scheduler)?;
 
         let stages = dir.join("kwok-stages.yaml");
-        let out = Command::new(&binaries.kwok)
-            .arg("stages")
-            .output()
-            .context("running `kwok stages`")?;
-        if !out.status.success() {
-            bail!(
-                "`kwok stages` failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        fs::write(&stages, &out.stdout)?;
+        let mut kwok_stages = Command::new(&binaries.kwok);
+        kwok_stages.arg("stages");
+        fs::write(&stages, crate::util::stdout(kwok_stages)?)?;
         let mut kwok = Command::new(&binaries.kwok);
         kwok.args([
             &format!("--kubeconfig={}", cp.kubeconfig.display()),

@@ -115,6 +115,23 @@ pub fn step_times() {
     eprintln!("  total: {:.1} s", secs(now, first));
 }
 
+/// Runs a command quietly: its stdout, or an error naming the command and
+/// quoting its stderr.
+pub fn stdout(mut cmd: Command) -> anyhow::Result<String> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("could not start {}", show(&cmd)))?;
+    if !out.status.success() {
+        bail!(
+            "{} failed ({}): {}",
+            show(&cmd),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 fn show(cmd: &Command) -> String {
     let mut s = cmd.get_program().to_string_lossy().into_owned();
     for a in cmd.get_args() {

@@ -62,19 +62,13 @@ fn harness(what: impl std::fmt::Display) -> Failure {
 /// Runs every step in a fresh namespace of `cluster`.
 pub async fn run(cluster: &RealCluster) -> Vec<Step> {
     let mut steps = Vec::new();
-    let namespace = match cluster.fresh_namespace() {
-        Ok(ns) => ns,
-        Err(e) => {
-            steps.push(Step {
-                name: "create",
-                result: Err(harness(format!("{e:#}"))),
-                seconds: 0.0,
-            });
-            return steps;
-        }
-    };
-    let orchestrator = match cluster.client(&namespace) {
-        Ok(client) => KubernetesOrchestrator::new(client, real_config(&namespace, 1, true)),
+    let set_up = cluster.fresh_namespace().and_then(|namespace| {
+        let client = cluster.client(&namespace)?;
+        let config = real_config(&namespace, 1, true);
+        Ok((namespace, KubernetesOrchestrator::new(client, config)))
+    });
+    let (namespace, orchestrator) = match set_up {
+        Ok(set_up) => set_up,
         Err(e) => {
             steps.push(Step {
                 name: "create",
@@ -103,11 +97,7 @@ pub async fn run(cluster: &RealCluster) -> Vec<Step> {
     timed("shared-fate-restart", start, fate);
 
     let start = Instant::now();
-    let before = uids(cluster, &namespace);
-    let restarted = match orchestrator.restart_service(SERVICE).await {
-        Ok(status) => whole_new_generation(&before, cluster, &namespace, &status, "restart"),
-        Err(e) => Err(harness(format!("restart_service: {e}"))),
-    };
+    let restarted = restart(cluster, &namespace, &orchestrator).await;
     timed("whole-replica-restart", start, restarted);
 
     let start = Instant::now();
@@ -120,9 +110,26 @@ pub async fn run(cluster: &RealCluster) -> Vec<Step> {
     steps
 }
 
-/// The uids of the service's pods, by pod name.
-fn uids(cluster: &RealCluster, namespace: &str) -> Vec<String> {
-    cluster.pod_uids(namespace, SERVICE)
+/// The uids of the service's pods, by pod name (a harness error if they
+/// cannot be read).
+fn uids(cluster: &RealCluster, namespace: &str) -> Result<Vec<String>, Failure> {
+    cluster
+        .pod_uids(namespace, SERVICE)
+        .map_err(|e| harness(format!("reading the pods: {e:#}")))
+}
+
+/// `restart_service`: every pod replaced as one new generation.
+async fn restart(
+    cluster: &RealCluster,
+    namespace: &str,
+    o: &KubernetesOrchestrator,
+) -> Result<(), Failure> {
+    let before = uids(cluster, namespace)?;
+    let status = o
+        .restart_service(SERVICE)
+        .await
+        .map_err(|e| harness(format!("restart_service: {e}")))?;
+    whole_new_generation(&before, cluster, namespace, &status, "restart")
 }
 
 fn running(status: &ServiceStatus) -> bool {
@@ -155,7 +162,7 @@ fn whole_new_generation(
     status: &ServiceStatus,
     what: &str,
 ) -> Result<(), Failure> {
-    let after = uids(cluster, namespace);
+    let after = uids(cluster, namespace)?;
     let old: BTreeSet<&String> = before.iter().collect();
     let kept: Vec<&String> = after.iter().filter(|u| old.contains(u)).collect();
     if !kept.is_empty() {
@@ -175,11 +182,13 @@ fn whole_new_generation(
     Ok(())
 }
 
-/// Waits until `check` holds for the listed service, within [`SETTLE`].
+/// Waits until `check` holds for the listed service: the status, or
+/// `None` if it did not within [`SETTLE`]. A failure to read is a harness
+/// error, not a service that did not settle.
 async fn settle(
     o: &KubernetesOrchestrator,
-    mut check: impl FnMut(&ServiceStatus) -> bool,
-) -> Result<ServiceStatus, Failure> {
+    mut check: impl FnMut(&ServiceStatus) -> Result<bool, Failure>,
+) -> Result<Option<ServiceStatus>, Failure> {
     let deadline = Instant::now() + SETTLE;
     loop {
         let listed = o
@@ -187,12 +196,12 @@ async fn settle(
             .await
             .map_err(|e| harness(format!("list_services: {e}")))?;
         if let Some(s) = listed.into_iter().find(|s| s.name == SERVICE) {
-            if check(&s) {
-                return Ok(s);
+            if check(&s)? {
+                return Ok(Some(s));
             }
         }
         if Instant::now() > deadline {
-            return Err(harness(format!("not settled within {SETTLE:?}")));
+            return Ok(None);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -205,7 +214,7 @@ async fn shared_fate(
     namespace: &str,
     o: &KubernetesOrchestrator,
 ) -> Result<(), Failure> {
-    let before = uids(cluster, namespace);
+    let before = uids(cluster, namespace)?;
     cluster
         .kubectl_out(&[
             "delete",
@@ -219,20 +228,22 @@ async fn shared_fate(
         ])
         .map_err(|e| harness(format!("{e:#}")))?;
     let old: BTreeSet<String> = before.iter().cloned().collect();
-    let status = settle(o, |s| {
-        running(s) && {
-            let now = uids(cluster, namespace);
-            now.len() == 2 && now.iter().all(|u| !old.contains(u))
+    let settled = settle(o, |s| {
+        if !running(s) {
+            return Ok(false);
         }
+        let now = uids(cluster, namespace)?;
+        Ok(now.len() == 2 && now.iter().all(|u| !old.contains(u)))
     })
-    .await
-    .map_err(|e| match e {
-        Failure::Harness(h) => violation(
+    .await?;
+    let Some(status) = settled else {
+        return Err(violation(
             "I2",
-            format!("a pod died and the service was not restarted as one generation: {h}"),
-        ),
-        other => other,
-    })?;
+            format!(
+                "a pod died and the service was not restarted as one generation within {SETTLE:?}"
+            ),
+        ));
+    };
     whole_new_generation(&before, cluster, namespace, &status, "shared-fate restart")
 }
 
@@ -242,7 +253,7 @@ async fn upgrade(
     namespace: &str,
     o: &KubernetesOrchestrator,
 ) -> Result<(), Failure> {
-    let before = uids(cluster, namespace);
+    let before = uids(cluster, namespace)?;
     let status = o
         .ensure_service(config(2))
         .await

@@ -531,6 +531,12 @@ impl Environment {
         self.view.lock().expect("poisoned").clone()
     }
 
+    /// Our view's replicas alone (no copy of the rest of the catalog, its
+    /// input writes among it).
+    pub fn replicas(&self) -> BTreeMap<u64, Replica> {
+        self.view.lock().expect("poisoned").replicas.clone()
+    }
+
     /// Why we halted, if we did.
     pub fn halted(&self) -> Option<String> {
         self.halt.borrow().clone()

@@ -271,7 +271,7 @@ async fn answer(
         return Answer::Metrics(metrics.encode());
     }
     if let (TARGETS_PATH, Some(env)) = (path, replicas) {
-        return Answer::Json(scrape_targets(at, &env.view().replicas));
+        return Answer::Json(scrape_targets(at, &env.replicas()));
     }
     let relayed = path
         .strip_prefix("/metrics/replicas/")

@@ -332,8 +332,7 @@ impl Environment {
             .map(|s| (s.id, s))
             .collect();
         Ok(self
-            .view()
-            .replicas
+            .replicas()
             .into_values()
             .map(|replica| ReplicaInfo {
                 service: services.remove(&replica.id),

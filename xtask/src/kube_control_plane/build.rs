@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 
 use crate::util::{root, run, target_dir};
 
@@ -143,18 +143,12 @@ fn module_stamp(module: &GoModule, go_version: &str) -> anyhow::Result<String> {
 pub fn ensure_built() -> anyhow::Result<Binaries> {
     let bin = bin_dir();
     fs::create_dir_all(&bin).with_context(|| format!("creating {}", bin.display()))?;
-    let out = Command::new("go")
-        .arg("env")
-        .arg("GOVERSION")
-        .output()
-        .context("running `go env GOVERSION`: is Go (1.26 or newer) installed?")?;
-    if !out.status.success() {
-        bail!(
-            "`go env GOVERSION` failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let go_version = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let mut go_env = Command::new("go");
+    go_env.args(["env", "GOVERSION"]);
+    let go_version = crate::util::stdout(go_env)
+        .context("is Go (1.26 or newer) installed, with the module proxy reachable?")?
+        .trim()
+        .to_string();
 
     for module in MODULES {
         let stamp = module_stamp(module, &go_version)?;

@@ -5,7 +5,7 @@ use std::fs;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 
 /// The admin kubeconfig, naming the certificate files in `pki`.
 pub(super) fn kubeconfig_yaml(server: &str, pki: &Path) -> String {
@@ -41,20 +41,11 @@ current-context: lockstep
 /// accounts' signing key pair, all P-256.
 pub(super) fn make_pki(pki: &Path) -> anyhow::Result<()> {
     let openssl = |args: &[&str]| -> anyhow::Result<()> {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(pki)
-            .stdin(Stdio::null())
-            .output()
-            .context("running openssl (is it installed?)")?;
-        if !out.status.success() {
-            bail!(
-                "openssl {} failed: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(())
+        let mut cmd = Command::new("openssl");
+        cmd.args(args).current_dir(pki).stdin(Stdio::null());
+        crate::util::stdout(cmd)
+            .context("the openssl CLI (is it installed?)")
+            .map(drop)
     };
     let ec = [
         "-newkey",

@@ -61,7 +61,7 @@ async fn crash_inner(
         .map(|r| r.id)
         .ok_or_else(|| anyhow!("keep is not listed"))?;
     a.kill().await?;
-    let keep_pids = sandbox.identities(&sandbox.services().await?, keep_id);
+    let keep_pids = sandbox.identities(&sandbox.services().await?, keep_id)?;
 
     // B: crashes at the failpoint.
     let mut b = sandbox
@@ -95,7 +95,7 @@ async fn crash_inner(
             "O1: replica 'keep' vanished from the catalog after a crash at {failpoint}"
         )));
     }
-    let now = sandbox.identities(&services, keep_id);
+    let now = sandbox.identities(&services, keep_id)?;
     if now != keep_pids {
         return Ok(Err(format!(
             "adoption: replica 'keep' was restarted instead of adopted across two controller restarts (pids {keep_pids:?} -> {now:?})"

@@ -181,8 +181,8 @@ pub fn real_config(
     epoch: u64,
     conditional_writes: bool,
 ) -> KubernetesOrchestratorConfig {
-    let mut config = KubernetesOrchestratorConfig::new(namespace, epoch);
-    config.conditional_writes = conditional_writes;
+    let mut config = k8s_config(epoch, conditional_writes);
+    config.namespace = namespace.to_string();
     config.ready_timeout = Duration::from_secs(30);
     config.delete_timeout = Duration::from_secs(30);
     config.poll_interval = Duration::from_millis(50);
@@ -300,9 +300,10 @@ impl Sandbox {
 
     /// Each process's identity of the service of `id`: its PID on the
     /// process backend, its pod's uid on Kubernetes (a replaced process has
-    /// a new one).
-    pub fn identities(&self, services: &[ServiceStatus], id: u64) -> Vec<String> {
-        match &self.backend {
+    /// a new one). An error when none can be read: an empty list before and
+    /// after would pass an adoption check it never made.
+    pub fn identities(&self, services: &[ServiceStatus], id: u64) -> anyhow::Result<Vec<String>> {
+        let ids: Vec<String> = match &self.backend {
             Backend::Process | Backend::ProcessOnPostgres(_) => pids(services, id)
                 .into_iter()
                 .map(|p| format!("{p:?}"))
@@ -321,9 +322,11 @@ impl Sandbox {
                     .collect()
             }
             Backend::RealKubernetes(cluster) => {
-                cluster.pod_uids(&self.namespace, &ServiceTemplate::service_name(id))
+                cluster.pod_uids(&self.namespace, &ServiceTemplate::service_name(id))?
             }
-        }
+        };
+        anyhow::ensure!(!ids.is_empty(), "no process of service {id} could be read");
+        Ok(ids)
     }
 
     /// The state directory.

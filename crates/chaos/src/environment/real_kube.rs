@@ -170,21 +170,21 @@ impl RealCluster {
         Ok(kube::Client::try_from(config)?)
     }
 
-    /// The uids of `service`'s pods in `namespace`, by pod name.
-    pub fn pod_uids(&self, namespace: &str, service: &str) -> Vec<String> {
-        let out = self
-            .kubectl_out(&[
-                "get",
-                "pods",
-                "-n",
-                namespace,
-                "-l",
-                &format!("lockstep/service={service}"),
-                "-o",
-                "json",
-            ])
-            .unwrap_or_default();
-        let list: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+    /// The uids of `service`'s pods in `namespace`, by pod name; an error
+    /// if they cannot be read (never an empty list standing in for one).
+    pub fn pod_uids(&self, namespace: &str, service: &str) -> anyhow::Result<Vec<String>> {
+        let out = self.kubectl_out(&[
+            "get",
+            "pods",
+            "-n",
+            namespace,
+            "-l",
+            &format!("lockstep/service={service}"),
+            "-o",
+            "json",
+        ])?;
+        let list: serde_json::Value =
+            serde_json::from_str(&out).context("kubectl get pods printed no JSON")?;
         let mut pods: Vec<(String, String)> = list["items"]
             .as_array()
             .into_iter()
@@ -197,6 +197,6 @@ impl RealCluster {
             })
             .collect();
         pods.sort();
-        pods.into_iter().map(|(_, uid)| uid).collect()
+        Ok(pods.into_iter().map(|(_, uid)| uid).collect())
     }
 }

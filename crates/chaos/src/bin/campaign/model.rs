@@ -353,6 +353,31 @@ impl World {
         self.writes.push(w);
     }
 
+    /// Records answer `rows` of operation `op` (`how`) to `d` at `time`,
+    /// for the reference to check, and logs it.
+    pub fn answer(
+        &mut self,
+        op: usize,
+        how: &'static str,
+        d: &DataflowRec,
+        time: u64,
+        rows: Multiset,
+    ) {
+        self.log(format!(
+            "{op} {how} {} at {time}: {} rows",
+            d.collection,
+            rows.len()
+        ));
+        self.answers.push(Answer {
+            op,
+            how,
+            collection: d.collection,
+            plan: d.plan.clone(),
+            time,
+            rows,
+        });
+    }
+
     /// The time to read `inputs` at: below every acknowledged upper.
     pub fn read_time(&self, inputs: &[u64]) -> Option<u64> {
         inputs

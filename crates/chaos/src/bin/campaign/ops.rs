@@ -435,19 +435,7 @@ impl Run {
                         .into_iter()
                         .map(|r| (r.values, r.diff)),
                 );
-                self.world.log(format!(
-                    "{i} {how} {} at {t}: {} rows",
-                    d.collection,
-                    rows.len()
-                ));
-                self.world.answers.push(model::Answer {
-                    op: i,
-                    how,
-                    collection: d.collection,
-                    plan: d.plan,
-                    time: t,
-                    rows,
-                });
+                self.world.answer(i, how, &d, t, rows);
                 Ok(true)
             }
             Err(s) => {
@@ -474,56 +462,61 @@ impl Run {
         let Some(t) = self.world.read_time(&d.inputs) else {
             return Ok(());
         };
-        let res = self
+        if let Some(got) = self
+            .read_subscription(i, "subscribe", &d, t, false, t)
+            .await
+        {
+            self.world.answer(i, "subscribe", &d, t, multiset(got));
+        }
+        Ok(())
+    }
+
+    /// Subscribes to `d` as of `as_of` (resuming after it if `resume`) and
+    /// reads the stream through `through`: every update at or before it, or
+    /// `None` (logged as `how`) if the subscription was refused or did not
+    /// get there within 10 s.
+    pub(super) async fn read_subscription(
+        &mut self,
+        i: usize,
+        how: &str,
+        d: &model::DataflowRec,
+        as_of: u64,
+        resume: bool,
+        through: u64,
+    ) -> Option<Vec<(lockstep_protocol::Row, i64)>> {
+        let opened = self
             .client
             .subscribe(proto::SubscribeRequest {
                 replica: REPLICA.into(),
                 collection_id: d.collection,
-                as_of: t,
-                resume: false,
+                as_of,
+                resume,
             })
             .await;
-        let mut stream = match res {
-            Ok(s) => s.into_inner(),
+        let got = match opened {
+            Ok(s) => read_through(&mut s.into_inner(), through).await,
             Err(s) => {
                 self.world.log(format!(
-                    "{i} subscribe {} at {t}: {}",
+                    "{i} {how} {} as of {as_of}: {}",
                     d.collection,
                     code(&s)
                 ));
-                return Ok(());
+                return None;
             }
         };
-        let got = read_through(&mut stream, t).await;
-        drop(stream);
-        if let Some(got) = got {
-            let rows = multiset(got);
+        if got.is_none() {
             self.world.log(format!(
-                "{i} subscribe {} at {t}: snapshot of {} rows",
-                d.collection,
-                rows.len()
-            ));
-            self.world.answers.push(model::Answer {
-                op: i,
-                how: "subscribe",
-                collection: d.collection,
-                plan: d.plan,
-                time: t,
-                rows,
-            });
-        } else {
-            self.world.log(format!(
-                "{i} subscribe {} at {t}: no complete snapshot within 10 s",
+                "{i} {how} {} as of {as_of}: not through {through} within 10 s",
                 d.collection
             ));
         }
-        Ok(())
+        got
     }
 }
 
 /// Reads `stream` until its upper passes `t` (within 10 s): every update at
 /// or before `t`, or `None` if the stream ended or stalled first.
-pub(super) async fn read_through(
+async fn read_through(
     stream: &mut tonic::Streaming<wire::SubscribeResponse>,
     t: u64,
 ) -> Option<Vec<(lockstep_protocol::Row, i64)>> {

@@ -7,7 +7,6 @@
 use super::*;
 use env::write_request;
 use model::{multiset, Rng};
-use ops::read_through;
 
 impl Run {
     /// Operation `i` on dataflow `k`.
@@ -21,21 +20,8 @@ impl Run {
         let Some(t1) = self.world.read_time(&d.inputs) else {
             return Ok(());
         };
-        let snapshot = match self.open_subscription(d.collection, t1, false).await {
-            Ok(mut stream) => read_through(&mut stream, t1).await,
-            Err(code) => {
-                self.world.log(format!(
-                    "{i} resumed subscribe {} at {t1}: {code}",
-                    d.collection
-                ));
-                return Ok(());
-            }
-        };
-        let Some(snapshot) = snapshot else {
-            self.world.log(format!(
-                "{i} resumed subscribe {} at {t1}: no complete snapshot within 10 s",
-                d.collection
-            ));
+        let how = "resumed subscribe";
+        let Some(snapshot) = self.read_subscription(i, how, &d, t1, false, t1).await else {
             return Ok(());
         };
         self.world.log(format!(
@@ -51,57 +37,11 @@ impl Run {
         let Some(t2) = self.world.read_time(&d.inputs) else {
             return Ok(());
         };
-        let resumed = match self.open_subscription(d.collection, t1, true).await {
-            Ok(mut stream) => read_through(&mut stream, t2).await,
-            Err(code) => {
-                self.world.log(format!(
-                    "{i} resumed subscribe {} after {t1}: {code}",
-                    d.collection
-                ));
-                return Ok(());
-            }
-        };
-        let Some(resumed) = resumed else {
-            self.world.log(format!(
-                "{i} resumed subscribe {} after {t1}: not through {t2} within 10 s",
-                d.collection
-            ));
+        let Some(resumed) = self.read_subscription(i, how, &d, t1, true, t2).await else {
             return Ok(());
         };
         let rows = multiset(snapshot.into_iter().chain(resumed));
-        self.world.log(format!(
-            "{i} resumed subscribe {} after {t1} through {t2}: {} rows",
-            d.collection,
-            rows.len()
-        ));
-        self.world.answers.push(model::Answer {
-            op: i,
-            how: "resumed subscribe",
-            collection: d.collection,
-            plan: d.plan,
-            time: t2,
-            rows,
-        });
+        self.world.answer(i, how, &d, t2, rows);
         Ok(())
-    }
-
-    /// Opens a subscription to `collection` as of `as_of` (resuming after
-    /// it if `resume`); the status code's name if refused.
-    async fn open_subscription(
-        &mut self,
-        collection: u64,
-        as_of: u64,
-        resume: bool,
-    ) -> Result<tonic::Streaming<wire::SubscribeResponse>, String> {
-        self.client
-            .subscribe(proto::SubscribeRequest {
-                replica: REPLICA.into(),
-                collection_id: collection,
-                as_of,
-                resume,
-            })
-            .await
-            .map(|s| s.into_inner())
-            .map_err(|s| format!("{:?}", s.code()))
     }
 }
