@@ -28,7 +28,6 @@ use lockstep_benches::replica;
 use lockstep_catalog::ReplicaConfig;
 use lockstep_environment::proto::environment_client::EnvironmentClient;
 use lockstep_environment::proto::{PeekRequest, WriteInputRequest};
-use lockstep_environment::template::DEFAULT_REPLICA_ARGS;
 use lockstep_environment::{Environment, EnvironmentConfig, ServiceTemplate};
 use lockstep_plan::text::parse_plan;
 use lockstep_protocol::{proto as wire, Update};
@@ -73,10 +72,7 @@ async fn fixture() -> Fixture {
     let env = Environment::start(EnvironmentConfig::new(
         dir.path(),
         lockstep_policy::native_orphan_rule("id-watermark").unwrap(),
-        ServiceTemplate {
-            program: replica::binary(),
-            args: DEFAULT_REPLICA_ARGS.iter().map(|s| s.to_string()).collect(),
-        },
+        ServiceTemplate::new(&replica::binary()),
     ))
     .await
     .unwrap();

@@ -6,6 +6,7 @@ use bytes::BytesMut;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use lockstep_benches::small_dataflow;
 use lockstep_protocol::*;
+use lockstep_transport::{ControllerCodec, ReplicaCodec};
 use tokio_util::codec::{Decoder, Encoder};
 
 fn codec(c: &mut Criterion) {

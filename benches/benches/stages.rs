@@ -51,14 +51,14 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use lockstep_benches::harness;
 use lockstep_catalog::{Catalog, ReplicaConfig};
 use lockstep_environment::proto::WriteInputRequest;
-use lockstep_protocol::codec::{ControllerCodec, ReplicaCodec};
-use lockstep_protocol::secure::{self, SecureCodec, Session, NOISE_PARAMS};
 use lockstep_protocol::{
     proto as wire, Command, CommandKind, ProcessIdentity, SessionKey, Strategy, Update,
     WireMessage, WriteInput,
 };
 use lockstep_replica::family::PlanFamily;
 use lockstep_replica::worker::{run_worker, FromWorker};
+use lockstep_transport::secure::{self, SecureCodec, Session, NOISE_PARAMS};
+use lockstep_transport::{ControllerCodec, ReplicaCodec};
 use prost::Message;
 use tokio_util::codec::{Decoder, Encoder};
 

@@ -116,7 +116,7 @@ pub mod replica {
     use crate::relay::{Link, Relay};
     use lockstep_protocol::Endpoint;
 
-    use lockstep_controller::{launch, Controller, ReplicaAddrs, Timeouts};
+    use lockstep_controller::{Controller, ReplicaAddrs, Timeouts};
     use lockstep_orchestrator::process::{
         kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
     };
@@ -209,7 +209,7 @@ pub mod replica {
             },
             None => lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite")),
         };
-        let service = launch::replica_service(program, replica_id, processes, workers);
+        let service = lockstep_launch::replica_service(program, replica_id, processes, workers);
         let addrs = ensure(&orchestrator, service, log, workers).await;
         BenchReplica {
             dir,
@@ -228,12 +228,12 @@ pub mod replica {
         log: lockstep_controller::LogLocation,
         workers: u32,
     ) -> ReplicaAddrs {
-        let config = launch::with_command_log(service, &log).env("RUST_LOG", "error");
+        let config = lockstep_launch::with_command_log(service, &log).env("RUST_LOG", "error");
         let status = orchestrator
             .ensure_service(config)
             .await
             .expect("ensure replica");
-        let mut addrs = launch::replica_addrs(&status, workers).expect("controller ports");
+        let mut addrs = lockstep_launch::replica_addrs(&status, workers).expect("controller ports");
         addrs.command_log = Some(log);
         addrs
     }
@@ -257,8 +257,12 @@ pub mod replica {
             .map(|_| Arc::new(Relay::start(link.clone()).expect("relay")))
             .collect();
         let m = mesh.clone();
-        let service =
-            launch::replica_service_with_peers(&binary(), replica_id, processes, workers, {
+        let service = lockstep_launch::replica_service_with_peers(
+            &binary(),
+            replica_id,
+            processes,
+            workers,
+            {
                 move |process, peers| {
                     peers
                         .into_iter()
@@ -278,7 +282,8 @@ pub mod replica {
                         })
                         .collect()
                 }
-            });
+            },
+        );
         let mut addrs = ensure(&orchestrator, service, log, workers).await;
         let mut relays = mesh;
         for endpoint in &mut addrs.processes {

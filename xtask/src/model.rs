@@ -19,7 +19,7 @@ use anyhow::{bail, Context};
 use crate::util::{cargo, step};
 
 /// Every variant the model binary checks, in report order.
-pub const VARIANTS: [&str; 13] = [
+pub const VARIANTS: [&str; 14] = [
     "naive",
     "broadcast",
     "barrier",
@@ -33,6 +33,7 @@ pub const VARIANTS: [&str; 13] = [
     "mutant-skip-barrier",
     "mutant-complete-before-history-check",
     "mutant-no-log-hold",
+    "mutant-no-session-marker",
 ];
 
 /// The variants that must be caught (and every `mutant-*` variant).

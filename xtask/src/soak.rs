@@ -33,6 +33,8 @@ pub fn soak(quick: bool) -> anyhow::Result<()> {
         "lockstep-cli",
         "-p",
         "lockstep-replica",
+        "--features",
+        "lockstep-cli/soak",
     ]);
     run(cmd)?;
     let out_dir = root().join("target/lockstep");

@@ -15,11 +15,13 @@ pub fn build() -> anyhow::Result<()> {
 }
 
 /// Features the workspace's tests and lints build with: the test hooks
-/// (failpoints) of the replica and of the environment. The demos and every
-/// chaos suite of `cargo xtask test` build with the same, so one build of
-/// each binary serves them all (a crate built with other features is built
-/// again).
-pub const TEST_FEATURES: &str = "lockstep-replica/failpoints,lockstep-cli/failpoints";
+/// (failpoints) of the replica and of the environment, and the soak harness
+/// (so that clippy and the build see it; a release build has none of them).
+/// The demos and every chaos suite of `cargo xtask test` build with the
+/// same, so one build of each binary serves them all (a crate built with
+/// other features is built again).
+pub const TEST_FEATURES: &str =
+    "lockstep-replica/failpoints,lockstep-cli/failpoints,lockstep-cli/soak";
 
 /// Runs every check CI runs. What a step needs beyond Rust is installed
 /// where it can be, else the run fails naming it (`crate::prereqs`);
@@ -82,32 +84,28 @@ pub fn test(lint: bool, skips: &[String]) -> anyhow::Result<()> {
 /// brings (the policy runtime, the Kubernetes client).
 const NOT_IN_THE_CLIENT: [&str; 4] = ["lockstep-environment", "wasmtime", "kube", "kube-client"];
 
+/// What needs only the protocol's types must not link: the sockets, the
+/// tokio framing and the Noise session (`lockstep-transport`'s).
+const NOT_IN_THE_PROTOCOL: [&str; 5] = [
+    "lockstep-transport",
+    "tokio",
+    "tokio-util",
+    "snow",
+    "futures",
+];
+
 /// The `lockstep` command without its `server` feature is the API client
 /// alone: its dependency tree holds none of [`NOT_IN_THE_CLIENT`], and it
-/// builds without warnings.
+/// builds without warnings. The protocol crate links none of
+/// [`NOT_IN_THE_PROTOCOL`] (ARCHITECTURE.md's invariant).
 fn client_alone() -> anyhow::Result<()> {
-    step("the API client alone (lockstep-cli --no-default-features): no environment, wasmtime or kube");
-    let tree = cargo_tree(&[
-        "-p",
-        "lockstep-cli",
-        "--no-default-features",
-        "-e",
-        "normal",
-        "--format",
-        "{p}",
-    ])?;
-    let linked: Vec<&str> = tree
-        .lines()
-        .filter(|l| {
-            let name = l.split_whitespace().next().unwrap_or("");
-            NOT_IN_THE_CLIENT.contains(&name)
-        })
-        .collect();
-    anyhow::ensure!(
-        tree.lines().any(|l| l.starts_with("lockstep-api ")),
-        "cargo tree of the client does not list lockstep-api: {tree}"
-    );
-    anyhow::ensure!(linked.is_empty(), "the API client links {linked:?}");
+    step("the API client alone (no environment, wasmtime or kube) and the protocol without I/O (no tokio or snow)");
+    links_none_of(
+        &["-p", "lockstep-cli", "--no-default-features"],
+        "lockstep-api",
+        &NOT_IN_THE_CLIENT,
+    )?;
+    links_none_of(&["-p", "lockstep-protocol"], "prost", &NOT_IN_THE_PROTOCOL)?;
     let mut cmd = cargo();
     cmd.args([
         "clippy",
@@ -119,6 +117,29 @@ fn client_alone() -> anyhow::Result<()> {
         "warnings",
     ]);
     run(cmd)
+}
+
+/// The normal dependency tree of `package_args` lists `must` (so the tree
+/// was read) and none of `forbidden`.
+fn links_none_of(package_args: &[&str], must: &str, forbidden: &[&str]) -> anyhow::Result<()> {
+    let mut args = package_args.to_vec();
+    args.extend(["-e", "normal", "--format", "{p}"]);
+    let tree = cargo_tree(&args)?;
+    let linked: Vec<&str> = tree
+        .lines()
+        .filter(|l| forbidden.contains(&l.split_whitespace().next().unwrap_or("")))
+        .collect();
+    anyhow::ensure!(
+        tree.lines().any(|l| l.starts_with(&format!("{must} "))),
+        "cargo tree {} does not list {must}: {tree}",
+        package_args.join(" ")
+    );
+    anyhow::ensure!(
+        linked.is_empty(),
+        "{} links {linked:?}",
+        package_args.join(" ")
+    );
+    Ok(())
 }
 
 /// Every package whose tests or benchmarks link k8s-openapi picks its

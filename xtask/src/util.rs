@@ -75,9 +75,35 @@ pub fn run(mut cmd: Command) -> anyhow::Result<()> {
         .status()
         .with_context(|| format!("could not start {}", show(&cmd)))?;
     if !status.success() {
-        bail!("{} failed with {status}", show(&cmd));
+        bail!("{} failed with {status} ({})", show(&cmd), room());
     }
     Ok(())
+}
+
+/// Free disk under the target directory and available memory: printed with
+/// each step and with a failed command, since a full disk or memory shows
+/// as a compiler or linker failure that names neither.
+pub fn room() -> String {
+    let dir = Some(target_dir())
+        .filter(|d| d.exists())
+        .unwrap_or_else(root);
+    let disk = nix::sys::statvfs::statvfs(&dir)
+        .map(|s| {
+            format!(
+                "{:.1} GB",
+                s.blocks_available() as f64 * s.fragment_size() as f64 / 1e9
+            )
+        })
+        .unwrap_or_else(|e| format!("unknown ({e})"));
+    let memory = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(format!("{:.1} GB", kb / 1e6))
+        })
+        .unwrap_or_else(|| "unknown".to_string());
+    format!("disk free {disk}, memory available {memory}")
 }
 
 /// Prints a step banner so long work shows progress.
@@ -88,7 +114,7 @@ pub fn step(what: &str) {
         eprintln!("xtask: <== {last}: {:.1} s", secs(now, *since));
     }
     steps.push((what.to_string(), now));
-    eprintln!("\nxtask: ==> {what}");
+    eprintln!("\nxtask: ==> {what} ({})", room());
 }
 
 /// Every step so far and when it started (it ends when the next starts).

@@ -30,15 +30,16 @@ use api_client::*;
 use output::{print_json, Align, OutputArg, Table};
 use replica_cli::*;
 // What needs the environment library (feature `server`, on by default):
-// `lockstep serve`, `policy check` (wasmtime), and the demo and the soak,
-// harnesses the binary runs. Without it the binary is the client alone.
+// `lockstep serve`, `policy check` (wasmtime), and the demo, a harness the
+// binary runs. Without it the binary is the client alone. The soak is test
+// machinery: only with feature `soak` (`cargo xtask soak` builds it).
 #[cfg(feature = "server")]
 mod demo;
 #[cfg(feature = "server")]
 mod serve_child;
 #[cfg(feature = "server")]
 mod serve_cli;
-#[cfg(feature = "server")]
+#[cfg(feature = "soak")]
 mod soak;
 use compute_cli::status_err;
 #[cfg(feature = "server")]
@@ -225,8 +226,9 @@ enum Command {
     },
     /// The soak (run it with `cargo xtask soak`): many rounds of writes,
     /// peeks, dataflows and subscriptions through the API, the environment
-    /// killed and restarted between rounds; writes a JSON report.
-    #[cfg(feature = "server")]
+    /// killed and restarted between rounds; writes a JSON report (built
+    /// with feature `soak` only).
+    #[cfg(feature = "soak")]
     Soak {
         /// 25 rounds and 1,000,000 rows instead of 100 rounds and 6,000,000.
         #[arg(long)]
@@ -543,7 +545,7 @@ fn main() -> ExitCode {
         Command::Demo { keep, store, hosts } => {
             finish(runtime.block_on(demo::run(keep, store, hosts)))
         }
-        #[cfg(feature = "server")]
+        #[cfg(feature = "soak")]
         Command::Soak { quick, out } => {
             use soak::{run, SoakOptions};
             let opts = if quick {

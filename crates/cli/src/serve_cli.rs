@@ -113,7 +113,9 @@ pub(crate) struct ServeArgs {
     /// (tests lower it).
     #[arg(long, hide = true, default_value_t = lockstep_environment::server::MAX_ANSWER_BYTES)]
     max_answer_bytes: usize,
-    /// Let a stale ensure overwrite a newer controller's service (negative tests only).
+    /// Let a stale ensure overwrite a newer controller's service (negative
+    /// tests only: built with feature `failpoints` only).
+    #[cfg(feature = "failpoints")]
     #[arg(long, hide = true)]
     unconditional_writes: bool,
     /// Where replicas run: supervised processes on this machine, or pods
@@ -325,8 +327,13 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             );
         }
     }
+    // Only a build with the test hooks can turn the conditional writes off.
+    #[cfg(feature = "failpoints")]
+    let conditional_writes = !args.unconditional_writes;
+    #[cfg(not(feature = "failpoints"))]
+    let conditional_writes = true;
     let config = EnvironmentConfig {
-        conditional_writes: !args.unconditional_writes,
+        conditional_writes,
         distribution_policy: args.distribution_policy,
         max_frame_len: args.max_frame_len,
         compaction_lag: args.compaction_lag,

@@ -6,8 +6,9 @@
 use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
-use lockstep_protocol::secure::{SecureCodec, Session};
-use lockstep_protocol::{Command, ControllerCodec, Endpoint, Response, SessionKey};
+use lockstep_protocol::{Command, Endpoint, Response, SessionKey};
+use lockstep_transport::secure::{SecureCodec, Session};
+use lockstep_transport::ControllerCodec;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::codec::Framed;
@@ -77,7 +78,7 @@ impl Connected {
 const SESSION_HANDSHAKE_BOUND: Duration = Duration::from_secs(5);
 
 /// Connects to process `process_index` at `addr` (see [`connect`]) and,
-/// with a session key, sets up the session (`lockstep_protocol::secure`):
+/// with a session key, sets up the session (`lockstep_transport::secure`):
 /// a process that does not prove the key is an error, and it is sent
 /// nothing more. `one_way` (the negative control `no-mutual` only) skips
 /// that and speaks plain frames, as before mutual proof existed.
@@ -96,7 +97,7 @@ pub(crate) async fn connect_session(
                 .saturating_duration_since(tokio::time::Instant::now())
                 .max(SESSION_HANDSHAKE_BOUND);
             let setup =
-                lockstep_protocol::secure::initiate(&mut sock, key, replica_id, process_index);
+                lockstep_transport::secure::initiate(&mut sock, key, replica_id, process_index);
             match tokio::time::timeout(bound, setup).await {
                 Ok(Ok(session)) => Some(session),
                 Ok(Err(e)) => return Err(format!("process {process_index} at {addr}: {e}")),

@@ -19,17 +19,16 @@
 //! The controller is an actor: [`Controller`] is a cheap handle that sends
 //! requests to one task owning all state, so responses and commands are
 //! processed in one order. That task is `actor` (its session lifecycle, one
-//! phase enum, in `actor::session`); which strategy a command is sent with,
-//! and what each strategy does when it is sent, is `deliver`, one file per
-//! strategy; `connection` reads and writes one process's socket.
+//! phase enum, in `actor::session`). Which strategy a command is sent with,
+//! and how it reaches the processes, is decided by the session machine
+//! ([`lockstep_reconcile::ControllerSession`], from each strategy's module
+//! in `lockstep_reconcile::strategy`); `actor::deliver` and `actor::log`
+//! only perform it. `connection` reads and writes one process's socket.
 
 mod actor;
 mod connection;
-mod deliver;
 /// Where a replica's command log lives (re-exported for launchers).
 pub use lockstep_command_log::LogLocation;
-
-pub mod launch;
 
 use std::time::Duration;
 
@@ -58,7 +57,7 @@ pub struct ReplicaAddrs {
     pub command_log: Option<lockstep_command_log::LogLocation>,
     /// The replica's session key, which every Hello proves; the replica's
     /// processes must have been started with the same key
-    /// ([`launch::with_session_key`]).
+    /// (`lockstep_launch::with_session_key`).
     pub session_key: Option<lockstep_protocol::SessionKey>,
     /// With a key, connect as before sessions were mutual: only the Hello
     /// proves the key, the process never proves it back, frames are plain.
@@ -66,7 +65,7 @@ pub struct ReplicaAddrs {
     pub one_way_proof: bool,
     /// The largest frame either side sends or accepts; the replica's
     /// processes must have been started with the same limit
-    /// ([`launch::with_max_frame_len`]). Writes and peek answers larger than
+    /// (`lockstep_launch::with_max_frame_len`). Writes and peek answers larger than
     /// half of it travel in parts.
     pub max_frame_len: usize,
 }

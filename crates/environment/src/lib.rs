@@ -84,7 +84,6 @@ pub mod rpc_metrics;
 mod serve;
 pub mod server;
 mod startup;
-pub mod template;
 
 /// The generated gRPC types and services of `lockstep.environment.v1`
 /// (crate `lockstep-api`, which clients link alone).
@@ -102,7 +101,7 @@ use lockstep_policy::{CatalogView, OrphanDecision, OrphanPolicy, PolicyError, Se
 use tokio::sync::watch;
 
 pub use compute::REPLICA_RESTART_INTERVAL;
-pub use template::ServiceTemplate;
+pub use lockstep_launch::ServiceTemplate;
 
 /// Concurrent streams (and calls) one API connection may have open.
 pub const API_MAX_STREAMS: u32 = 256;

@@ -262,17 +262,23 @@ impl Environment {
     /// The orchestrator service of a replica: the template's command line,
     /// plus the replica's command log.
     pub(crate) fn service_config(&self, replica: &Replica) -> lockstep_orchestrator::ServiceConfig {
-        let config = self.template.service_config(replica);
+        let config = self
+            .template
+            .service_config(&lockstep_launch::ReplicaShape {
+                id: replica.id,
+                name: replica.name.clone(),
+                processes: replica.config.processes as usize,
+                workers_per_process: replica.config.workers_per_process,
+                config: replica.config.config.clone(),
+            });
         let config = match self.command_log(replica.id) {
-            Some(location) => lockstep_controller::launch::with_command_log(config, &location),
+            Some(location) => lockstep_launch::with_command_log(config, &location),
             None => config,
         };
-        let config =
-            lockstep_controller::launch::with_max_frame_len(config, self.compute.max_frame_len());
-        let config =
-            lockstep_controller::launch::with_replica_config(config, &replica.config.config);
+        let config = lockstep_launch::with_max_frame_len(config, self.compute.max_frame_len());
+        let config = lockstep_launch::with_replica_config(config, &replica.config.config);
         match self.session_key(replica.id) {
-            Some(key) => lockstep_controller::launch::with_session_key(config, &key),
+            Some(key) => lockstep_launch::with_session_key(config, &key),
             None => config,
         }
     }

@@ -298,6 +298,8 @@ pub enum Mutant {
     Gate(lockstep_reconcile::GateMutant),
     /// In every worker's log-marker hold, under `log-then-barrier`.
     LogHold(lockstep_reconcile::LogHoldMutant),
+    /// In the controller's delivery decisions, under `log-then-barrier`.
+    Delivery(lockstep_reconcile::DeliveryMutant),
 }
 
 /// The bounds the mutants are checked within: small, and enough for each
@@ -310,12 +312,13 @@ const MUTANT_BOUNDS: ComputeBounds = ComputeBounds {
 };
 
 /// The mutant variants: each must be caught.
-pub const MUTANT_VARIANTS: [&str; 5] = [
+pub const MUTANT_VARIANTS: [&str; 6] = [
     "mutant-overwrite-reports",
     "mutant-local-reconcile-under-barrier",
     "mutant-skip-barrier",
     "mutant-complete-before-history-check",
     "mutant-no-log-hold",
+    "mutant-no-session-marker",
 ];
 
 /// The planted flaw of a mutant variant.
@@ -327,6 +330,11 @@ pub fn mutant(name: &str) -> Option<Mutant> {
     }
     if name == lockstep_reconcile::LogHoldMutant::NAME {
         return Some(Mutant::LogHold(lockstep_reconcile::LogHoldMutant::NoHold));
+    }
+    if name == lockstep_reconcile::DeliveryMutant::NAME {
+        return Some(Mutant::Delivery(
+            lockstep_reconcile::DeliveryMutant::NoMarker,
+        ));
     }
     lockstep_reconcile::RoundMutant::ALL
         .iter()
@@ -393,7 +401,7 @@ const LOG_THEN_BARRIER: [ComputeBounds; 3] = [
 ];
 
 /// Every variant `cargo xtask model` checks, in report order.
-pub const VARIANTS: [&str; 13] = [
+pub const VARIANTS: [&str; 14] = [
     "naive",
     "broadcast",
     "barrier",
@@ -407,6 +415,7 @@ pub const VARIANTS: [&str; 13] = [
     MUTANT_VARIANTS[2],
     MUTANT_VARIANTS[3],
     MUTANT_VARIANTS[4],
+    MUTANT_VARIANTS[5],
 ];
 
 /// Variants checked only when named (not part of the CI report): the history
@@ -501,6 +510,12 @@ pub fn run(name: &'static str, variant: Variant) -> Report {
         ),
         Variant::Mutant(Mutant::LogHold(m), bounds) => check(
             ComputeModel::log_then(Strategy::Barrier, bounds).with_log_hold_mutant(m),
+            name,
+            bounds.to_string(),
+            negative,
+        ),
+        Variant::Mutant(Mutant::Delivery(m), bounds) => check(
+            ComputeModel::log_then(Strategy::Barrier, bounds).with_delivery_mutant(m),
             name,
             bounds.to_string(),
             negative,

@@ -1,15 +1,13 @@
 //! Length-delimited framing of protocol messages.
 //!
 //! Every frame is a 4-byte big-endian length followed by that many bytes of one
-//! prost-encoded message. [`FrameCodec`] plugs into `tokio_util::codec::Framed`;
-//! a frame longer than the configured maximum, a frame that does not decode and
-//! a message that breaks a protocol rule are each a distinct [`CodecError`].
-
-use std::marker::PhantomData;
+//! prost-encoded message ([`encode_frame`], [`decode_frame`]); no I/O here (the
+//! `lockstep-transport` crate puts these frames on a socket). A frame longer
+//! than the maximum, a frame that does not decode and a message that breaks a
+//! protocol rule are each a distinct [`CodecError`].
 
 use bytes::{Buf, BufMut, BytesMut};
 use prost::Message;
-use tokio_util::codec::{Decoder, Encoder};
 
 use crate::convert::ConvertError;
 use crate::proto;
@@ -98,96 +96,64 @@ impl WireMessage for Response {
     }
 }
 
-/// Encodes `Out` frames and decodes `In` frames.
-#[derive(Debug)]
-pub struct FrameCodec<Out, In> {
+/// Appends `item` to `dst` as one frame: a 4-byte big-endian length, then
+/// its protobuf encoding. A frame longer than `max` bytes is refused before
+/// anything is written.
+pub fn encode_frame<M: WireMessage>(
+    item: M,
     max: usize,
-    _marker: PhantomData<fn(Out) -> In>,
+    dst: &mut BytesMut,
+) -> Result<(), CodecError> {
+    let wire = item.to_wire();
+    let len = wire.encoded_len();
+    if len > max {
+        return Err(CodecError::FrameTooLarge { len, max });
+    }
+    dst.reserve(4 + len);
+    dst.put_u32(len as u32);
+    wire.encode(dst)
+        .map_err(|e| CodecError::Io(std::io::Error::other(e)))?;
+    Ok(())
 }
 
-/// The codec a replica process uses: reads commands, writes responses.
-pub type ReplicaCodec = FrameCodec<Response, Command>;
-/// The codec a controller uses: writes commands, reads responses.
-pub type ControllerCodec = FrameCodec<Command, Response>;
-
-impl<Out, In> FrameCodec<Out, In> {
-    /// A codec that refuses frames longer than `max_frame_len` bytes.
-    pub fn new(max_frame_len: usize) -> Self {
-        FrameCodec {
-            max: max_frame_len,
-            _marker: PhantomData,
-        }
+/// Takes one whole frame off the front of `src` and decodes it; `None`
+/// while the frame is incomplete (room for the rest is reserved). A length
+/// over `max` is refused before its bytes are awaited.
+pub fn decode_frame<M: WireMessage>(
+    src: &mut BytesMut,
+    max: usize,
+) -> Result<Option<M>, CodecError> {
+    if src.len() < 4 {
+        return Ok(None);
     }
+    let len = (&src[..4]).get_u32() as usize;
+    if len > max {
+        return Err(CodecError::FrameTooLarge { len, max });
+    }
+    if src.len() < 4 + len {
+        src.reserve(4 + len - src.len());
+        return Ok(None);
+    }
+    src.advance(4);
+    let frame = src.split_to(len);
+    Ok(Some(M::decode_frame(frame.freeze())?))
 }
 
-impl<Out, In> FrameCodec<Out, In> {
-    /// The longest frame it accepts.
-    pub fn max_frame_len(&self) -> usize {
-        self.max
-    }
-
-    /// Changes the longest frame it accepts (a process raises it from
-    /// [`HELLO_MAX_FRAME_LEN`] once a Hello was accepted).
-    pub fn set_max_frame_len(&mut self, max_frame_len: usize) {
-        self.max = max_frame_len;
-    }
-}
-
-impl<Out, In> Default for FrameCodec<Out, In> {
-    fn default() -> Self {
-        Self::new(DEFAULT_MAX_FRAME_LEN)
-    }
-}
-
-impl<Out, In: WireMessage> Decoder for FrameCodec<Out, In> {
-    type Item = In;
-    type Error = CodecError;
-
-    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<In>, CodecError> {
-        if src.len() < 4 {
-            return Ok(None);
-        }
-        let len = (&src[..4]).get_u32() as usize;
-        if len > self.max {
-            return Err(CodecError::FrameTooLarge { len, max: self.max });
-        }
-        if src.len() < 4 + len {
-            src.reserve(4 + len - src.len());
-            return Ok(None);
-        }
-        src.advance(4);
-        let frame = src.split_to(len);
-        Ok(Some(In::decode_frame(frame.freeze())?))
-    }
-
-    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<In>, CodecError> {
-        match self.decode(src)? {
-            Some(frame) => Ok(Some(frame)),
-            None if src.is_empty() => Ok(None),
-            None => Err(CodecError::Io(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                format!(
-                    "connection closed inside a frame ({} bytes left)",
-                    src.len()
-                ),
-            ))),
-        }
-    }
-}
-
-impl<Out: WireMessage, In> Encoder<Out> for FrameCodec<Out, In> {
-    type Error = CodecError;
-
-    fn encode(&mut self, item: Out, dst: &mut BytesMut) -> Result<(), CodecError> {
-        let wire = item.to_wire();
-        let len = wire.encoded_len();
-        if len > self.max {
-            return Err(CodecError::FrameTooLarge { len, max: self.max });
-        }
-        dst.reserve(4 + len);
-        dst.put_u32(len as u32);
-        wire.encode(dst)
-            .map_err(|e| CodecError::Io(std::io::Error::other(e)))?;
-        Ok(())
+/// [`decode_frame`] at the end of the stream: bytes left that do not form
+/// a whole frame are an error (the connection closed inside a frame).
+pub fn decode_frame_eof<M: WireMessage>(
+    src: &mut BytesMut,
+    max: usize,
+) -> Result<Option<M>, CodecError> {
+    match decode_frame(src, max)? {
+        Some(frame) => Ok(Some(frame)),
+        None if src.is_empty() => Ok(None),
+        None => Err(CodecError::Io(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!(
+                "connection closed inside a frame ({} bytes left)",
+                src.len()
+            ),
+        ))),
     }
 }

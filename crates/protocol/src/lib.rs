@@ -10,7 +10,10 @@
 //! - [`types`]: the plain Rust types used everywhere else, with fallible
 //!   conversions from the wire types in [`convert`] (a malformed message is an
 //!   error, never a panic);
-//! - [`codec`]: length-delimited framing with a maximum frame size;
+//! - [`codec`]: length-delimited framing with a maximum frame size (plain
+//!   functions: the sockets, tokio framing and the Noise session are the
+//!   `lockstep-transport` crate's, so what only needs the types links no
+//!   tokio and no snow);
 //! - [`handshake`]: the checks a process makes on `Hello`;
 //! - [`history`]: the compacted command history and its stable hash, which
 //!   rehydration and the history check are built on;
@@ -29,12 +32,11 @@ pub mod endpoint;
 pub mod handshake;
 pub mod history;
 pub mod merge;
-pub mod secure;
 pub mod types;
 pub mod validate;
 
 pub use codec::{
-    CodecError, ControllerCodec, FrameCodec, ReplicaCodec, WireMessage, DEFAULT_MAX_FRAME_LEN,
+    decode_frame, decode_frame_eof, encode_frame, CodecError, WireMessage, DEFAULT_MAX_FRAME_LEN,
     HELLO_MAX_FRAME_LEN,
 };
 pub use convert::ConvertError;

@@ -3,7 +3,28 @@
 use bytes::{BufMut, BytesMut};
 use lockstep_protocol::*;
 use prost::Message;
-use tokio_util::codec::{Decoder, Encoder};
+
+/// Command frames at a maximum length: what a controller writes and a
+/// process reads (`encode_frame`, `decode_frame`).
+struct Frames(usize);
+
+impl Frames {
+    fn default() -> Self {
+        Frames(DEFAULT_MAX_FRAME_LEN)
+    }
+    fn new(max: usize) -> Self {
+        Frames(max)
+    }
+    fn encode(&mut self, cmd: Command, dst: &mut BytesMut) -> Result<(), CodecError> {
+        encode_frame(cmd, self.0, dst)
+    }
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Command>, CodecError> {
+        decode_frame(src, self.0)
+    }
+    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<Command>, CodecError> {
+        decode_frame_eof(src, self.0)
+    }
+}
 
 fn frame(body: &[u8]) -> BytesMut {
     let mut buf = BytesMut::new();
@@ -23,11 +44,11 @@ fn init_complete() -> Command {
 #[test]
 fn truncated_frame_waits_then_fails_at_eof() {
     let mut full = BytesMut::new();
-    ControllerCodec::default()
+    Frames::default()
         .encode(init_complete(), &mut full)
         .unwrap();
     let mut cut = BytesMut::from(&full[..full.len() - 1]);
-    let mut dec = ReplicaCodec::default();
+    let mut dec = Frames::default();
     assert!(
         dec.decode(&mut cut).unwrap().is_none(),
         "a partial frame waits"
@@ -38,7 +59,7 @@ fn truncated_frame_waits_then_fails_at_eof() {
 
 #[test]
 fn oversized_frame_is_refused_before_reading_it() {
-    let mut dec = ReplicaCodec::new(100);
+    let mut dec = Frames::new(100);
     let mut buf = BytesMut::new();
     buf.put_u32(1_000_000);
     let err = dec.decode(&mut buf).unwrap_err();
@@ -57,7 +78,7 @@ fn oversized_frame_is_refused_before_reading_it() {
 
 #[test]
 fn oversized_message_is_not_sent() {
-    let mut enc = ControllerCodec::new(16);
+    let mut enc = Frames::new(16);
     let big = Command {
         seqno: 1,
         strategy: lockstep_protocol::Strategy::Log,
@@ -83,14 +104,14 @@ fn oversized_message_is_not_sent() {
 
 #[test]
 fn garbage_body_is_a_decode_error() {
-    let mut dec = ReplicaCodec::default();
+    let mut dec = Frames::default();
     let mut buf = frame(&[0xff, 0xff, 0xff, 0xff, 0xff]);
     assert!(matches!(dec.decode(&mut buf), Err(CodecError::Decode(_))));
 }
 
 #[test]
 fn empty_command_is_missing_its_kind() {
-    let mut dec = ReplicaCodec::default();
+    let mut dec = Frames::default();
     let mut buf = frame(&[]);
     let err = dec.decode(&mut buf).unwrap_err();
     assert!(err.to_string().contains("missing field `kind`"), "{err}");
@@ -104,9 +125,7 @@ fn unknown_command_variant_is_an_error() {
     prost::encoding::uint64::encode(1, &5, &mut body);
     prost::encoding::int32::encode(2, &2, &mut body);
     prost::encoding::string::encode(99, &"from the future".to_string(), &mut body);
-    let err = ReplicaCodec::default()
-        .decode(&mut frame(&body))
-        .unwrap_err();
+    let err = Frames::default().decode(&mut frame(&body)).unwrap_err();
     assert!(matches!(
         err,
         CodecError::Invalid(ConvertError::Missing { field: "kind", .. })
@@ -117,13 +136,13 @@ fn unknown_command_variant_is_an_error() {
 fn unknown_strategy_is_an_error() {
     let mut wire = proto::Command::from(init_complete());
     wire.strategy = 42;
-    let err = ReplicaCodec::default()
+    let err = Frames::default()
         .decode(&mut frame(&wire.encode_to_vec()))
         .unwrap_err();
     assert!(err.to_string().contains("unknown value 42"), "{err}");
     wire.strategy = 0;
     assert!(
-        ReplicaCodec::default()
+        Frames::default()
             .decode(&mut frame(&wire.encode_to_vec()))
             .is_err(),
         "UNSPECIFIED is refused"

@@ -15,6 +15,10 @@
 //! any phase ─▶ Crashed (a failed log append, the partial-broadcast failpoint)
 //! ```
 //!
+//! It also decides how each command is delivered (the session's strategy,
+//! the fallback, the log appends, the per-process split, the naive→barrier
+//! upgrade: [`crate::delivery`]).
+//!
 //! No sockets, clocks, stores or policies inside: the controller's actor
 //! (`crates/controller/src/actor`) connects, sends, asks the distribution
 //! policy and passes the time in; the model checker (`crates/model`) drives
@@ -22,6 +26,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::delivery::{DeliveryMutant, ReplicaDelivery, SessionStart};
 use crate::{Digest, InitializationDecision, InitializationGate};
 
 /// A session that served this long ends a run of failed sessions (ms).
@@ -155,11 +160,18 @@ pub struct ControllerSession {
     served_at_ms: Option<u64>,
     /// The workers' reports on this session's Hello, by worker.
     reports: BTreeMap<u32, Digest>,
+    /// What delivery decisions depend on ([`crate::delivery`]).
+    pub(crate) replica: ReplicaDelivery,
+    /// How the current session started delivering, once it did.
+    pub(crate) start: Option<SessionStart>,
+    /// A flaw planted in the delivery decisions (model checking only).
+    pub(crate) delivery_mutant: DeliveryMutant,
 }
 
 impl ControllerSession {
-    /// The session of a replica of `workers` workers, not connected yet.
-    pub fn new(workers: usize) -> Self {
+    /// The session of a replica of `workers` workers delivered to as
+    /// `replica` says, not connected yet.
+    pub fn new(workers: usize, replica: ReplicaDelivery) -> Self {
         ControllerSession {
             phase: Phase::Disconnected,
             nonce: 0,
@@ -167,6 +179,9 @@ impl ControllerSession {
             failed_sessions: 0,
             served_at_ms: None,
             reports: BTreeMap::new(),
+            replica,
+            start: None,
+            delivery_mutant: DeliveryMutant::None,
         }
     }
 
@@ -175,6 +190,14 @@ impl ControllerSession {
     #[cfg(feature = "mutants")]
     pub fn with_gate_mutant(mut self, mutant: crate::GateMutant) -> Self {
         self.gate = self.gate.with_mutant(mutant);
+        self
+    }
+
+    /// The same session with a flaw planted in its delivery decisions
+    /// (model checking only).
+    #[cfg(feature = "mutants")]
+    pub fn with_delivery_mutant(mut self, mutant: DeliveryMutant) -> Self {
+        self.delivery_mutant = mutant;
         self
     }
 
@@ -226,6 +249,7 @@ impl ControllerSession {
         }
         self.nonce += 1;
         self.reports.clear();
+        self.start = None;
         self.enter(Phase::Rehydrating);
         Some(self.nonce)
     }
@@ -328,9 +352,17 @@ mod tests {
         Digest([b; 32])
     }
 
+    fn replica(processes: usize) -> ReplicaDelivery {
+        ReplicaDelivery {
+            processes,
+            command_log: false,
+            fallback: lockstep_protocol::Strategy::Barrier,
+        }
+    }
+
     #[test]
     fn a_session_checks_every_report_then_serves() {
-        let mut s = ControllerSession::new(2);
+        let mut s = ControllerSession::new(2, replica(2));
         assert_eq!(s.connect(), 0);
         assert_eq!(s.connected(2), Some(1));
         s.rehydrated(100);
@@ -352,7 +384,7 @@ mod tests {
 
     #[test]
     fn a_mismatch_goes_to_the_policy_and_a_timeout_completes_unchecked() {
-        let mut s = ControllerSession::new(2);
+        let mut s = ControllerSession::new(2, replica(2));
         s.connect();
         s.connected(2);
         s.rehydrated(0);
@@ -383,7 +415,7 @@ mod tests {
 
     #[test]
     fn quickly_failed_sessions_back_off_and_a_stable_one_resets() {
-        let mut s = ControllerSession::new(1);
+        let mut s = ControllerSession::new(1, replica(1));
         s.connect();
         let mut waits = Vec::new();
         for t in 0..5 {
@@ -402,7 +434,7 @@ mod tests {
 
     #[test]
     fn crashed_is_final() {
-        let mut s = ControllerSession::new(1);
+        let mut s = ControllerSession::new(1, replica(1));
         s.connect();
         s.crash();
         assert_eq!(s.connected(1), None);

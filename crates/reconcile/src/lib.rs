@@ -71,16 +71,20 @@ pub fn session_of(epoch: u64, nonce: u64) -> Session {
 }
 
 pub mod controller;
+pub mod delivery;
 pub mod initialization;
 pub mod rounds;
+pub mod strategy;
 pub mod worker;
 pub use controller::{ControllerSession, HistoryStep, MismatchResolution, Phase};
+pub use delivery::{Choice, Delivery, DeliveryMutant, Fallback, ReplicaDelivery, SessionStart};
 pub use initialization::{GateMutant, InitializationDecision, InitializationGate};
 pub use rounds::{PlanError, Report, RoundBook, RoundMutant};
-pub use worker::log::{LogHoldMutant, LogRead};
+pub use strategy::log::{LogHoldMutant, LogRead};
+pub use strategy::{rules, socket_ordered, Source, StrategyRules};
 pub use worker::{
-    rules, socket_ordered, Action, CommandClass, MeshAnnouncement, PendingRound, Reconciliation,
-    SessionCommand, Source, WorkerSession, WorkerStrategy, WorkerView,
+    Action, CommandClass, MeshAnnouncement, PendingRound, Reconciliation, SessionCommand,
+    WorkerSession, WorkerView,
 };
 
 /// One dataflow as reconciliation sees it: its catalog ID and the hash of its

@@ -22,7 +22,7 @@ use crate::server::{run, ReplicaConfig};
 /// One process of a lockstep replica.
 ///
 /// The argument names match the orchestrator's default replica template
-/// (`lockstep-environment`'s `DEFAULT_REPLICA_ARGS`).
+/// (`lockstep-launch`'s `DEFAULT_REPLICA_ARGS`).
 #[derive(Parser, Debug)]
 #[command(name = "lockstep-replica", version = env!("CARGO_PKG_VERSION"))]
 struct Args {

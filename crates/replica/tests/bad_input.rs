@@ -6,11 +6,12 @@ use bytes::BytesMut;
 use common::*;
 use futures::{SinkExt, StreamExt};
 use lockstep_controller::Event;
-use lockstep_protocol::secure::{self, SecureCodec};
 use lockstep_protocol::{
-    CodecError, Command, CommandHistory, CommandKind, ControllerCodec, ErrorKind, Response,
-    ResponseKind, Strategy, PROTOCOL_VERSION,
+    CodecError, Command, CommandHistory, CommandKind, ErrorKind, Response, ResponseKind, Strategy,
+    PROTOCOL_VERSION,
 };
+use lockstep_transport::secure::{self, SecureCodec};
+use lockstep_transport::ControllerCodec;
 use tokio::io::AsyncWriteExt;
 use tokio_util::codec::{Decoder, Encoder, Framed};
 

@@ -9,7 +9,7 @@ mod common;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use lockstep_controller::{launch, ReplicaAddrs};
+use lockstep_controller::ReplicaAddrs;
 use lockstep_orchestrator::process::{ProcessOrchestrator, ProcessOrchestratorConfig};
 use lockstep_orchestrator::{Orchestrator, ServiceConfig};
 use lockstep_protocol::CommandHistory;
@@ -77,7 +77,7 @@ async fn metrics_are_served_on_the_controller_port_and_off_loopback_need_the_tok
             ]
         });
     let status = orchestrator
-        .ensure_service(launch::with_session_key(service, &key))
+        .ensure_service(lockstep_launch::with_session_key(service, &key))
         .await
         .unwrap();
     let port = status.processes[0].addresses["controller"].port();

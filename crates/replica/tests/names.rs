@@ -5,7 +5,7 @@
 
 mod common;
 
-use lockstep_controller::{launch, ReplicaAddrs};
+use lockstep_controller::ReplicaAddrs;
 use lockstep_orchestrator::process::{ProcessOrchestrator, ProcessOrchestratorConfig};
 use lockstep_orchestrator::{Orchestrator, ServiceConfig};
 use lockstep_protocol::{CommandHistory, Endpoint};
@@ -40,7 +40,7 @@ async fn a_replica_forms_and_is_driven_by_host_names() {
             ]
         });
     let status = orchestrator
-        .ensure_service(launch::with_session_key(service, &key))
+        .ensure_service(lockstep_launch::with_session_key(service, &key))
         .await
         .unwrap();
     let processes: Vec<Endpoint> = status

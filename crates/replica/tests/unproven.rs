@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use futures::SinkExt;
-use lockstep_protocol::{Command, CommandHistory, CommandKind, ControllerCodec, Strategy};
+use lockstep_protocol::{Command, CommandHistory, CommandKind, Strategy};
 use lockstep_replica::server::{HELLO_DEADLINE, MAX_UNPROVEN_CONNECTIONS};
+use lockstep_transport::ControllerCodec;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::codec::Framed;
 

@@ -9,11 +9,11 @@ mod common;
 use common::*;
 use futures::{SinkExt, StreamExt};
 use lockstep_controller::ProcessVersion;
-use lockstep_protocol::secure::{self, SecureCodec};
 use lockstep_protocol::{
-    Command, CommandHistory, CommandKind, ControllerCodec, Hello, Response, ResponseKind, Strategy,
-    PROTOCOL_VERSION,
+    Command, CommandHistory, CommandKind, Hello, Response, ResponseKind, Strategy, PROTOCOL_VERSION,
 };
+use lockstep_transport::secure::{self, SecureCodec};
+use lockstep_transport::ControllerCodec;
 use tokio_util::codec::Framed;
 
 /// Sends `hello` to process 0 of `r` on a new session, as a controller

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use lockstep_controller::{launch, Controller, Event, Timeouts};
+use lockstep_controller::{Controller, Event, Timeouts};
 use lockstep_example_reachability::{self as reachability, describe, distance, reference, FORMAT};
 use lockstep_orchestrator::process::{
     kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
@@ -42,7 +42,7 @@ async fn start(replica_id: u64, strategy: Strategy) -> Walk {
         .expect("orchestrator");
     let log = lockstep_controller::LogLocation::Sqlite(dir.path().join("command-log.sqlite"));
     let key = SessionKey::derive(&[0x7a; 32], replica_id);
-    let service = launch::replica_service(
+    let service = lockstep_launch::replica_service(
         std::path::Path::new(env!("CARGO_BIN_EXE_lockstep-replica-reachability")),
         replica_id,
         PROCESSES,
@@ -50,13 +50,13 @@ async fn start(replica_id: u64, strategy: Strategy) -> Walk {
     )
     .env("RUST_LOG", "warn");
     let status = orchestrator
-        .ensure_service(launch::with_command_log(
-            launch::with_session_key(service, &key),
+        .ensure_service(lockstep_launch::with_command_log(
+            lockstep_launch::with_session_key(service, &key),
             &log,
         ))
         .await
         .expect("the family's replica starts");
-    let mut addrs = launch::replica_addrs(&status, WORKERS).expect("controller ports");
+    let mut addrs = lockstep_launch::replica_addrs(&status, WORKERS).expect("controller ports");
     addrs.command_log = Some(log);
     addrs.session_key = Some(key);
     let controller = Controller::start(

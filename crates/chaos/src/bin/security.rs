@@ -34,7 +34,7 @@ use std::time::Duration;
 use futures::{SinkExt, StreamExt};
 use lockstep_chaos::environment::EnvProcess;
 use lockstep_chaos::outcome::{violation, Failure, Tally};
-use lockstep_controller::{launch, Controller, ReplicaAddrs, Timeouts};
+use lockstep_controller::{Controller, ReplicaAddrs, Timeouts};
 use lockstep_environment::proto;
 use lockstep_environment::proto::environment_client::EnvironmentClient;
 use lockstep_orchestrator::process::rss_mib;
@@ -45,9 +45,10 @@ use lockstep_orchestrator::Orchestrator;
 use lockstep_plan::Plan;
 use lockstep_policy::FixedStrategy;
 use lockstep_protocol::{
-    Command, CommandHistory, CommandKind, ControllerCodec, DataflowDescription, ResponseKind,
-    SessionKey, Strategy, Update,
+    Command, CommandHistory, CommandKind, DataflowDescription, ResponseKind, SessionKey, Strategy,
+    Update,
 };
+use lockstep_transport::ControllerCodec;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_util::codec::Framed;
@@ -131,10 +132,10 @@ async fn start_replica_logging(
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let orchestrator = ProcessOrchestrator::new(ProcessOrchestratorConfig::new(dir.path(), 1))
         .map_err(|e| e.to_string())?;
-    let mut config =
-        launch::replica_service(&replica_binary(), id, processes, 1).env("RUST_LOG", rust_log);
+    let mut config = lockstep_launch::replica_service(&replica_binary(), id, processes, 1)
+        .env("RUST_LOG", rust_log);
     if let Some(key) = v.key(id) {
-        config = launch::with_session_key(config, &key);
+        config = lockstep_launch::with_session_key(config, &key);
     }
     if v == Variant::NoMutual {
         config = config.env("LOCKSTEP_INSECURE_ONE_WAY_PROOF", "true");
@@ -143,7 +144,7 @@ async fn start_replica_logging(
         .ensure_service(config)
         .await
         .map_err(|e| e.to_string())?;
-    let mut addrs = launch::replica_addrs(&status, 1).map_err(|e| e.to_string())?;
+    let mut addrs = lockstep_launch::replica_addrs(&status, 1).map_err(|e| e.to_string())?;
     addrs.session_key = v.key(id);
     addrs.one_way_proof = v == Variant::NoMutual;
     Ok(Replica {

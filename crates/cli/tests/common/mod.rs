@@ -4,7 +4,6 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use lockstep_environment::template::DEFAULT_REPLICA_ARGS;
 use lockstep_environment::{Environment, EnvironmentConfig, ServiceTemplate};
 use lockstep_orchestrator::ServiceStatus;
 use lockstep_plan::reference::Multiset;
@@ -137,10 +136,7 @@ pub fn config(state_dir: &Path, distribution_policy: Option<PathBuf>) -> Environ
         ..EnvironmentConfig::new(
             state_dir,
             lockstep_policy::native_orphan_rule("id-watermark").unwrap(),
-            ServiceTemplate {
-                program: replica_binary(),
-                args: DEFAULT_REPLICA_ARGS.iter().map(|s| s.to_string()).collect(),
-            },
+            ServiceTemplate::new(&replica_binary()),
         )
     }
 }

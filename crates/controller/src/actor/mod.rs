@@ -13,10 +13,13 @@
 //!   ([`lockstep_reconcile::ControllerSession`]: connect, Hello and replay,
 //!   the history check, InitializationComplete, disconnect);
 //! - `failpoint`: the partial-broadcast failpoint;
-//! - [`crate::deliver`]: which strategy a command is sent with, and what each
-//!   strategy does when it is sent.
+//! - `deliver`: asks the policy and performs the machine's delivery
+//!   decisions (which strategy a command is sent with, and how it reaches
+//!   the processes); `log`: the command log's appends, batch, truncation.
 
+mod deliver;
 mod failpoint;
+mod log;
 mod requests;
 mod responses;
 mod session;
@@ -34,12 +37,11 @@ use lockstep_protocol::{
     CommandHistory, CommandKind, ErrorResponse, Frontier, Peek, PeekResult, ResponseKind, Row,
     Status, Strategy, Subscribe, SubscribeBatch,
 };
-use lockstep_reconcile::ControllerSession;
+use lockstep_reconcile::{ControllerSession, ReplicaDelivery};
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::connection::{self, Conn, ConnEvent, FromConn};
-use crate::deliver::LogBatch;
 use crate::{ControllerError, ReplicaAddrs, Request, Timeouts};
 
 pub(crate) use failpoint::{CrashHook, Reach};
@@ -177,20 +179,13 @@ struct PendingPeek {
     reply: oneshot::Sender<Result<Vec<(Row, i64)>, ControllerError>>,
 }
 
-/// The state of one controller, owned by its task. The fields
-/// [`crate::deliver`] uses are `pub(crate)`; the rest belongs to this module
-/// and its submodules. Where the session is, is only in `session`.
+/// The state of one controller, owned by its task. Where the session is,
+/// and how it delivers, is only in `session`.
 pub(crate) struct Actor {
     pub(crate) replica: ReplicaAddrs,
     pub(crate) epoch: u64,
     timeouts: Timeouts,
     pub(crate) policy: Box<dyn DistributionPolicy + Send>,
-    pub(crate) fallback: Strategy,
-    /// The strategy chosen for this session's Hello. Broadcast and log order
-    /// commands themselves, so a session that starts with one of them sends
-    /// every command with it; a socket-ordered session (barrier, naive) asks
-    /// the policy per command.
-    pub(crate) session_strategy: Strategy,
     /// The replica's command log, opened at the first log session.
     pub(crate) log: Option<AnyLog>,
     /// The command log being opened on a blocking thread since the actor
@@ -199,7 +194,7 @@ pub(crate) struct Actor {
         Option<std::sync::mpsc::Receiver<Result<AnyLog, lockstep_command_log::LogError>>>,
     /// While a log session starts: the commands to append in one go, each
     /// with the failpoint's crash point, and the per-process Hellos.
-    pub(crate) log_batch: Option<LogBatch>,
+    pub(crate) log_batch: Option<log::LogBatch>,
     /// The partial-broadcast failpoint's hold on the command being
     /// delivered (disarmed in production builds).
     pub(crate) crash_hook: CrashHook,
@@ -331,20 +326,23 @@ impl Actor {
         for c in history.commands() {
             note_collections(&mut known_collections, &c);
         }
+        let delivery = ReplicaDelivery {
+            processes: n,
+            command_log: replica.command_log.is_some(),
+            fallback: Strategy::Barrier,
+        };
         let actor = Actor {
             replica,
             epoch,
             timeouts,
             policy,
-            fallback: Strategy::Barrier,
-            session_strategy: Strategy::Barrier,
             log: None,
             log_opening: None,
             log_batch: None,
             crash_hook: CrashHook::default(),
             log_marker: None,
             log_status_requests: Default::default(),
-            session: ControllerSession::new(replica_workers),
+            session: ControllerSession::new(replica_workers, delivery),
             started: Instant::now(),
             history,
             sent_creates: BTreeMap::new(),

@@ -14,13 +14,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_policy::{MismatchAction, MismatchInfo};
-use lockstep_protocol::{Command, CommandKind, Status, Strategy};
-use lockstep_reconcile::{rules, HistoryStep, MismatchResolution, Phase};
+use lockstep_protocol::{Command, CommandKind, Status};
+use lockstep_reconcile::{HistoryStep, MismatchResolution, Phase};
 use tokio::time::Instant;
 
+use super::log::LogBatch;
 use super::{Actor, Event};
 use crate::connection;
-use crate::deliver::{delivery, LogBatch};
 
 impl Actor {
     /// The session's phase.
@@ -107,7 +107,7 @@ impl Actor {
         // The Hello's strategy is chosen while still connecting, so the
         // policy sees whether the previous session was cut off reconciling.
         let first = CommandKind::Hello(self.replica.hello(0, self.epoch, self.session.nonce() + 1));
-        let strategy = self.choose(&first);
+        let strategy = self.session_strategy(&first);
         // The nonce increases per connection attempt within our epoch:
         // replicas order sessions by (epoch, nonce), and a barrier round of
         // an older session is abandoned once a worker joined a newer one.
@@ -148,18 +148,17 @@ impl Actor {
         }
         // Hello to every process, then the compacted history, then
         // InitializationComplete: the replica reconciles to this target.
-        self.session_strategy = strategy;
-        if delivery(strategy).appends_to_log() {
-            self.log_batch = Some(LogBatch::default());
-        }
-        // A replica with a command log gets every session's marker, whatever
-        // the strategy: its workers cut a log session that this one ends at
-        // the same entry (they hold this session's commands until they read
-        // the marker).
-        if self.log_batch.is_none() && self.replica.command_log.is_some() {
+        // The machine decides how the session starts: a log session appends
+        // its start in one batch; any other session of a replica with a
+        // command log appends its marker first (its workers cut a log
+        // session that this one ends at the same entry: they hold this
+        // session's commands until they read the marker).
+        let start = self.session.start_delivery(strategy);
+        self.log_batch = start.batch.then(LogBatch::default);
+        if start.marker {
             let marker = Command {
                 seqno: 0,
-                strategy: self.session_strategy,
+                strategy,
                 kind: CommandKind::Hello(self.replica.hello(0, self.epoch, nonce)),
             };
             match self.append_marker(marker) {
@@ -171,7 +170,7 @@ impl Actor {
         for i in 0..self.conns.len() {
             let hello = Command {
                 seqno: 0,
-                strategy: self.session_strategy,
+                strategy,
                 kind: CommandKind::Hello(self.replica.hello(i, self.epoch, nonce)),
             };
             match &mut self.log_batch {
@@ -321,12 +320,8 @@ impl Actor {
     /// the replica must reconcile collectively); the session then serves,
     /// and status requests from before it are asked again.
     fn complete_initialization(&mut self, collective: bool) {
-        let strategy = self.strategy_for(&CommandKind::InitializationComplete);
-        let strategy = if collective && !rules(strategy).reconciles_collectively() {
-            Strategy::Barrier
-        } else {
-            strategy
-        };
+        let chosen = self.strategy_for(&CommandKind::InitializationComplete);
+        let strategy = self.session.completion_strategy(chosen, collective);
         self.broadcast_with(CommandKind::InitializationComplete, strategy);
         let now = self.now_ms();
         if !self.session.serving(now) {

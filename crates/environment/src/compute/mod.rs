@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lockstep_catalog::Replica;
-use lockstep_controller::{launch, Controller, ControllerError, Event, Timeouts};
+use lockstep_controller::{Controller, ControllerError, Event, Timeouts};
 use lockstep_orchestrator::{Orchestrator, RestartError, ServiceStatus};
 use lockstep_policy::{FixedStrategy, Strategy};
 use lockstep_protocol::proto as wire;
@@ -347,13 +347,14 @@ impl Compute {
         ),
         restarter: Restarter,
     ) {
-        let mut addrs = match launch::replica_addrs(status, replica.config.workers_per_process) {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::error!(replica = %replica.name, "cannot drive replica: {e}");
-                return;
-            }
-        };
+        let mut addrs =
+            match lockstep_launch::replica_addrs(status, replica.config.workers_per_process) {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::error!(replica = %replica.name, "cannot drive replica: {e}");
+                    return;
+                }
+            };
         addrs.command_log = command_log;
         addrs.session_key = session_key;
         addrs.max_frame_len = self

@@ -90,7 +90,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use lockstep_protocol::Strategy;
-use lockstep_reconcile::{DataflowKey, GateMutant, LogHoldMutant, RoundMutant};
+use lockstep_reconcile::{DataflowKey, DeliveryMutant, GateMutant, LogHoldMutant, RoundMutant};
 
 mod model;
 mod properties;
@@ -163,6 +163,9 @@ pub struct ComputeModel {
     /// A flaw planted in every worker's log-marker hold
     /// (`mutant-no-log-hold`); [`LogHoldMutant::None`] otherwise.
     pub hold_mutant: LogHoldMutant,
+    /// A flaw planted in the controller's delivery decisions
+    /// (`mutant-no-session-marker`); [`DeliveryMutant::None`] otherwise.
+    pub delivery_mutant: DeliveryMutant,
     /// A flaw planted in every worker's round book (`mutant-*` variants,
     /// the model's own tests); [`RoundMutant::None`] otherwise.
     pub mutant: RoundMutant,

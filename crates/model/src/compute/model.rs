@@ -35,6 +35,7 @@ impl Model for ComputeModel {
                     let mut m = self.controller_machine(n);
                     m.connect();
                     m.connected(n);
+                    self.start_delivery(&mut m, 1);
                     m.rehydrated(0);
                     m.check_histories(1, 0);
                     m.serving(0);

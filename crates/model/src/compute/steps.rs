@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use lockstep_protocol::{Digest, Strategy};
 use lockstep_reconcile::{
-    rules, socket_ordered, Action, BarrierDecision, ControllerSession, DataflowKey, GateMutant,
-    HistoryStep, LogHoldMutant, LogRead, MeshAnnouncement, RoundMutant, Source, WorkerSession,
+    rules, socket_ordered, Action, BarrierDecision, ControllerSession, DataflowKey, Delivery,
+    DeliveryMutant, GateMutant, HistoryStep, LogHoldMutant, LogRead, MeshAnnouncement,
+    ReplicaDelivery, RoundMutant, Source, WorkerSession,
 };
 
 use super::state::{
@@ -59,6 +60,7 @@ impl ComputeModel {
             strategy,
             then: None,
             hold_mutant: LogHoldMutant::None,
+            delivery_mutant: DeliveryMutant::None,
             mutant: RoundMutant::None,
             gate_mutant: GateMutant::None,
             history: HistoryCheck::Off,
@@ -88,7 +90,15 @@ impl ComputeModel {
         self
     }
 
-    /// The strategy the controller sends `session` with.
+    /// The same model with a flaw planted in the controller's delivery
+    /// decisions.
+    pub fn with_delivery_mutant(mut self, mutant: DeliveryMutant) -> Self {
+        self.delivery_mutant = mutant;
+        self
+    }
+
+    /// The strategy the policy chooses for `session` (the controller's
+    /// machine takes it: [`ControllerSession::session_choice`]).
     pub fn session_strategy(&self, session: u64) -> Strategy {
         match self.then {
             Some(then) if session.is_multiple_of(2) => then,
@@ -139,9 +149,28 @@ impl ComputeModel {
         s.ctl.machine.clone().check_histories(0, u64::MAX)
     }
 
-    /// A fresh controller session machine.
+    /// A fresh controller session machine, for a replica of one worker per
+    /// process, with a command log if the workers tail one.
     pub(super) fn controller_machine(&self, workers: usize) -> ControllerSession {
-        ControllerSession::new(workers).with_gate_mutant(self.gate_mutant)
+        let replica = ReplicaDelivery {
+            processes: workers,
+            command_log: self.tails_log(),
+            fallback: Strategy::Barrier,
+        };
+        ControllerSession::new(workers, replica)
+            .with_gate_mutant(self.gate_mutant)
+            .with_delivery_mutant(self.delivery_mutant)
+    }
+
+    /// The controller's machine starts delivering `session` (connected to
+    /// every process): with the strategy it takes from the policy's choice.
+    pub(super) fn start_delivery(&self, machine: &mut ControllerSession, session: u64) -> bool {
+        let choice = machine.session_choice(Some(self.session_strategy(session)));
+        debug_assert_eq!(
+            choice.fallback, None,
+            "the model's choices need no fallback"
+        );
+        machine.start_delivery(choice.strategy).marker
     }
 
     /// The same model with a flaw planted in every worker's round book.
@@ -160,19 +189,28 @@ impl ComputeModel {
         self.strategy != Strategy::Log || self.then.is_some()
     }
 
-    /// Sends one command of the controller's session where its strategy's
-    /// worker side takes it from (the machine's [`rules`]): to every
-    /// channel (socket order: naive, barrier), to the sequencer's channel
-    /// (broadcast), or appended to the log (log).
+    /// Sends one command of the controller's session as the controller's
+    /// machine decides ([`ControllerSession::command_choice`],
+    /// [`ControllerSession::delivery`]): appended to the log (whose socket
+    /// copies only wake the workers, and are not modelled), or a copy to
+    /// every channel, of which a sequenced strategy's workers take only
+    /// the sequencer's (the others are not modelled either).
     pub(super) fn send(&self, s: &mut ComputeState, msg: Msg) {
-        match rules(self.session_strategy(s.ctl.session)).source() {
-            Source::Socket => {
-                for c in &mut s.channels {
-                    c.push_back(msg.clone());
+        let machine = &s.ctl.machine;
+        let strategy = machine
+            .command_choice(Some(self.session_strategy(s.ctl.session)))
+            .strategy;
+        debug_assert_eq!(strategy, self.strategy_of(&msg));
+        match machine.delivery(strategy, false) {
+            Delivery::AppendThenCopies { .. } => s.stream.push(msg),
+            Delivery::Copies | Delivery::PartsPerProcess => match rules(strategy).source() {
+                Source::Sequencer => s.channels[0].push_back(msg),
+                Source::Socket | Source::Log => {
+                    for c in &mut s.channels {
+                        c.push_back(msg.clone());
+                    }
                 }
-            }
-            Source::Sequencer => s.channels[0].push_back(msg),
-            Source::Log => s.stream.push(msg),
+            },
         }
     }
 
@@ -188,10 +226,10 @@ impl ComputeModel {
         s.ctl.machine.connected(s.workers.len());
         s.ctl.session += 1;
         let session = s.ctl.session;
-        if self.tails_log() && self.session_strategy(session) != Strategy::Log {
-            // The controller appends every session's marker to the log,
-            // whatever its strategy, before it sends the Hellos (a log
-            // session's Hello is its marker).
+        if self.start_delivery(&mut s.ctl.machine, session) {
+            // The machine has every session's marker appended to the log,
+            // whatever its strategy, before the Hellos (a log session's
+            // Hello is its marker).
             s.stream.push(Msg::Hello { session });
         }
         self.send(s, Msg::Hello { session });

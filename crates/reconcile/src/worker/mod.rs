@@ -5,7 +5,7 @@
 //! session, the session start is buffered until InitializationComplete and
 //! then reconciled (alone or collectively), a CreateDataflow of a new dataflow
 //! waits at a barrier round, commands of an older session are skipped (see
-//! [`log`]), and a worker that cannot prove it is in lockstep halts. It owns
+//! [`crate::strategy::log`]), and a worker that cannot prove it is in lockstep halts. It owns
 //! the queue of commands the worker has not applied yet, the pending barrier
 //! round and the worker's [`RoundBook`].
 //!
@@ -20,90 +20,23 @@
 //! type under every interleaving of channel and mesh deliveries, crashes and
 //! reconnects.
 //!
-//! Each strategy's part of the machine is one type in the file named after
-//! it, implementing [`WorkerStrategy`] (where its commands come from, what
-//! gates them, how it reconciles), chosen by [`rules`]: [`naive`]
-//! (per-worker reconciliation), [`barrier`] (create rounds, and the
-//! collective reconciliation every other strategy uses), [`broadcast`] (the
-//! sequencer), [`log`] (what a read of the command log does, the hold of a
-//! newer session until its log marker was read, and the skip of entries of
-//! older log sessions). Taking the commands from their [`Source`] (the
-//! socket, the sequencer on the mesh, the command log) is the shell's part.
-
-pub mod barrier;
-pub mod broadcast;
-pub mod log;
-pub mod naive;
+//! Each strategy's part of the machine is in its module of
+//! [`crate::strategy`] (where its commands come from, what gates them, how
+//! it reconciles; the log's state is one [`LogTail`] field). Taking the
+//! commands from their [`crate::Source`] (the socket, the sequencer on the
+//! mesh, the command log) is the shell's part.
 
 use std::collections::VecDeque;
 
 use lockstep_protocol::{Command, CommandKind, Strategy};
 
+use crate::strategy::log::LogTail;
+use crate::strategy::rules;
 use crate::{
     session_of, Announcement, BarrierDecision, DataflowKey, Digest, Report, RoundBook, Session,
 };
 
-pub use barrier::BARRIER_TIMEOUT_MS;
-
-/// Where a worker takes a strategy's commands from.
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
-pub enum Source {
-    /// The worker's own process's controller connection, in socket order
-    /// (the *socket-ordered* strategies).
-    Socket,
-    /// Worker 0's socket copy, forwarded on the control mesh, in the order
-    /// the mesh delivers it; other socket copies are not applied.
-    Sequencer,
-    /// The command log, read from the offset worker 0 announced; the socket
-    /// copy only makes the worker read the log now.
-    Log,
-}
-
-/// One strategy's part of the worker session: where its commands come from
-/// and what gates them. One type per strategy, in the file named after it
-/// ([`naive::Naive`], [`barrier::Barrier`], [`broadcast::Broadcast`],
-/// [`log::Log`]); [`rules`] is the one place a strategy is registered. The
-/// replica's shell takes commands from each [`Source`]
-/// (`crates/replica/src/order/`), the controller's side of each strategy
-/// is in `crates/controller/src/deliver/`, and the model routes its
-/// messages by the same rules.
-pub trait WorkerStrategy: Sync {
-    /// Where a worker takes the commands sent with it from.
-    fn source(&self) -> Source;
-    /// Whether a CreateDataflow of a new, valid dataflow waits at a barrier
-    /// round before it builds.
-    fn creates_in_rounds(&self) -> bool {
-        false
-    }
-    /// Whether an InitializationComplete sent with it starts a collective
-    /// reconciliation (on a worker with a control mesh); otherwise the
-    /// worker reconciles alone.
-    fn reconciles_collectively(&self) -> bool {
-        true
-    }
-}
-
-/// The worker-side rules of `strategy`: the one place each strategy's type
-/// is chosen.
-pub fn rules(strategy: Strategy) -> &'static dyn WorkerStrategy {
-    match strategy {
-        Strategy::Naive => &naive::Naive,
-        Strategy::Barrier => &barrier::Barrier,
-        Strategy::Broadcast => &broadcast::Broadcast,
-        Strategy::Log => &log::Log,
-    }
-}
-
-/// Where a worker takes `cmd` from: the source of its strategy.
-fn source_of<C: SessionCommand>(cmd: &C) -> Source {
-    rules(cmd.strategy()).source()
-}
-
-/// Whether commands sent with `strategy` are applied in socket order
-/// (each worker applies its own process's copy).
-pub fn socket_ordered(strategy: Strategy) -> bool {
-    rules(strategy).source() == Source::Socket
-}
+pub use crate::strategy::barrier::BARRIER_TIMEOUT_MS;
 
 /// What the session machine needs to know of a command.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -279,7 +212,7 @@ pub(crate) enum Pending<C> {
 }
 
 impl<C> Pending<C> {
-    fn mine(&self) -> (Announcement, u64) {
+    pub(crate) fn mine(&self) -> (Announcement, u64) {
         match self {
             Pending::Create { mine, since_ms, .. } | Pending::Reconcile { mine, since_ms, .. } => {
                 (*mine, *since_ms)
@@ -302,33 +235,20 @@ pub struct PendingRound {
 /// One worker's session state machine (see the module docs).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct WorkerSession<C> {
-    index: usize,
-    has_mesh: bool,
-    session: Session,
-    /// The session of the last command-log marker taken from the queue.
-    log_marker: Session,
+    pub(crate) index: usize,
+    pub(crate) has_mesh: bool,
+    pub(crate) session: Session,
     /// The session of the last socket-ordered Hello taken from the queue.
-    socket_marker: Session,
+    pub(crate) socket_marker: Session,
     /// Commands of a session start, until InitializationComplete.
-    reconciling: Option<Vec<C>>,
-    queue: VecDeque<C>,
-    pending: Option<Pending<C>>,
-    rounds: RoundBook,
-    out: VecDeque<Action<C>>,
-    halted: bool,
-    /// Whether the worker tails a command log (see [`log`]).
-    tails_log: bool,
-    /// The newest session whose marker the worker read from the log.
-    log_fence: Session,
-    /// The offset of the next log entry to read, once worker 0 announced
-    /// where to start.
-    log_next: Option<u64>,
-    /// Commands of a newer socket-ordered session, held until the log was
-    /// read up to that session's marker, and since when (ms).
-    held: VecDeque<C>,
-    held_since_ms: Option<u64>,
-    /// A flaw planted in the hold (model checking only).
-    hold_mutant: log::LogHoldMutant,
+    pub(crate) reconciling: Option<Vec<C>>,
+    pub(crate) queue: VecDeque<C>,
+    pub(crate) pending: Option<Pending<C>>,
+    pub(crate) rounds: RoundBook,
+    pub(crate) out: VecDeque<Action<C>>,
+    pub(crate) halted: bool,
+    /// The command log as this worker tails it (`log`'s state).
+    pub(crate) log: LogTail<C>,
 }
 
 impl<C: SessionCommand> WorkerSession<C> {
@@ -340,7 +260,6 @@ impl<C: SessionCommand> WorkerSession<C> {
             index,
             has_mesh,
             session: 0,
-            log_marker: 0,
             socket_marker: 0,
             reconciling: None,
             queue: VecDeque::new(),
@@ -348,12 +267,7 @@ impl<C: SessionCommand> WorkerSession<C> {
             rounds: RoundBook::new(peers),
             out: VecDeque::new(),
             halted: false,
-            tails_log: false,
-            log_fence: 0,
-            log_next: None,
-            held: VecDeque::new(),
-            held_since_ms: None,
-            hold_mutant: log::LogHoldMutant::None,
+            log: LogTail::default(),
         }
     }
 
@@ -370,7 +284,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// state: the model checker's initial state).
     pub fn resumed(mut self, session: Session) -> Self {
         self.session = session;
-        self.log_marker = session;
+        self.log.marker = session;
         self.socket_marker = session;
         self.reconciling = None;
         self.rounds.start_session(session);
@@ -416,7 +330,7 @@ impl<C: SessionCommand> WorkerSession<C> {
 
     /// Commands queued and not yet handed out.
     pub fn queued(&self) -> usize {
-        self.queue.len() + self.held.len()
+        self.queue.len() + self.log.held.len()
     }
 
     /// A command in this worker's order (its socket copy for `naive` and
@@ -424,7 +338,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// `log`): queued until [`WorkerSession::next`] hands it out.
     pub fn push(&mut self, cmd: C) {
         if self.holds(&cmd) {
-            self.held.push_back(cmd);
+            self.log.held.push_back(cmd);
         } else {
             self.queue.push_back(cmd);
         }
@@ -530,7 +444,12 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// Ends a reconciliation, alone or collective (`how`): drops `drops`,
     /// starts the applied history afresh, then applies the buffered session
     /// start, whose creates build what is missing in target order.
-    fn finish_reconcile(&mut self, drops: Vec<u64>, buffer: Vec<C>, how: Reconciliation) {
+    pub(crate) fn finish_reconcile(
+        &mut self,
+        drops: Vec<u64>,
+        buffer: Vec<C>,
+        how: Reconciliation,
+    ) {
         for id in drops {
             self.out.push_back(Action::Drop { id, how });
         }
@@ -539,7 +458,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     }
 
     /// Stops: nothing is handed out after the halt.
-    fn halt(&mut self, reason: String) {
+    pub(crate) fn halt(&mut self, reason: String) {
         self.halted = true;
         self.out.push_back(Action::Halt(reason));
     }

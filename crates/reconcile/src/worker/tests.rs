@@ -1,4 +1,5 @@
 use super::*;
+use crate::strategy::{barrier, log};
 use crate::Digest;
 
 /// A command as the tests write it.

@@ -58,7 +58,7 @@ fn handshake(
     deadline: Instant,
 ) -> std::io::Result<snow::StatelessTransportState> {
     let prologue = prologue(id, me, peer);
-    let builder = lockstep_protocol::secure::builder(key.bytes(), &prologue)
+    let builder = lockstep_transport::secure::builder(key.bytes(), &prologue)
         .map_err(|e| std::io::Error::other(format!("mesh session: {e}")))?;
     let initiator = me > peer;
     let mut hs = if initiator {

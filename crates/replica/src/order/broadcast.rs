@@ -9,7 +9,7 @@
 //! own connections only wake them. A Hello sent with `broadcast` is
 //! sequenced too, so a session starts at the same point of the stream on
 //! every worker. Broadcast sessions reconcile collectively (see
-//! `lockstep_reconcile::worker::barrier`).
+//! `lockstep_reconcile::strategy::barrier`).
 
 use lockstep_protocol::{Command, ErrorKind, WireMessage};
 use serde_bytes::ByteBuf;

@@ -13,10 +13,10 @@
 //! implements over its in-memory log too) and queues only the entries that carry `log` and takes every session's
 //! marker (a Hello of any strategy): it holds a newer socket-ordered session
 //! until its marker was read, so that every worker cuts a log session at the
-//! same entry (`lockstep_reconcile::worker::log`).
+//! same entry (`lockstep_reconcile::strategy::log`).
 //! A corrupt entry halts the worker; other read errors are retried. A worker
 //! of a replica started without a command log refuses `log` commands. Log
-//! sessions reconcile collectively (`lockstep_reconcile::worker::barrier`).
+//! sessions reconcile collectively (`lockstep_reconcile::strategy::barrier`).
 
 use std::time::Duration;
 
@@ -134,7 +134,7 @@ impl WorkerState {
         // the same, over its in-memory log): `log` entries are queued, and
         // every session's marker, whatever its strategy, releases the socket
         // commands of that session that wait for it (see
-        // `lockstep_reconcile::worker::log`).
+        // `lockstep_reconcile::strategy::log`).
         let read = self.machine.read_log(&mut Reader(&mut tail.log), LOG_BATCH);
         ReplicaMetrics::observe(&METRICS.log_read, tail.last_read.elapsed());
         match read {

@@ -1,7 +1,7 @@
 //! The socket-ordered strategies (`naive`, `barrier`): a worker applies the
 //! copy from its own process's controller connection, in socket order. What
 //! gates them (barrier rounds) and how they reconcile is the session
-//! machine's part (`lockstep_reconcile::worker::{naive, barrier}`).
+//! machine's part (`lockstep_reconcile::strategy::{naive, barrier}`).
 
 use lockstep_protocol::Command;
 

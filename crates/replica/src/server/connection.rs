@@ -167,7 +167,7 @@ pub(super) async fn connection(
     //
     // Handshake: with a session key, first the session (the controller
     // proves the key, this process proves it back, and every frame after
-    // is encrypted and authenticated: `lockstep_protocol::secure`), then the
+    // is encrypted and authenticated: `lockstep_transport::secure`), then the
     // whole first frame, its checks and any refusal sent, all within one
     // deadline; closed at once if a newer connection evicts it.
     //
@@ -184,7 +184,7 @@ pub(super) async fn connection(
         let mut sock = Counted(sock);
         let session = match (&config.session_key, config.one_way_proof) {
             (Some(key), false) => Some(
-                lockstep_protocol::secure::respond(&mut sock, key, config.identity.replica_id, me)
+                lockstep_transport::secure::respond(&mut sock, key, config.identity.replica_id, me)
                     .await
                     .map_err(|e| (Refusal::NotProven, format!("no session: {e}")))?,
             ),

@@ -32,11 +32,12 @@ use std::time::Duration;
 use anyhow::Context;
 use futures::{SinkExt, StreamExt};
 use lockstep_protocol::handshake::check_hello;
-use lockstep_protocol::secure::SecureCodec;
 use lockstep_protocol::{
     CodecError, Command, CommandKind, Endpoint, ErrorKind, ErrorResponse, ProcessIdentity,
-    ReplicaCodec, Response, ResponseKind, HELLO_MAX_FRAME_LEN,
+    Response, ResponseKind, HELLO_MAX_FRAME_LEN,
 };
+use lockstep_transport::secure::SecureCodec;
+use lockstep_transport::ReplicaCodec;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_util::codec::Framed;

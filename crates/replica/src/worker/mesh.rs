@@ -3,7 +3,7 @@
 //! delivers.
 //!
 //! It carries four kinds of [`MeshMessage`]: a worker `Joined` a session; a
-//! barrier `Round` (see [`lockstep_reconcile::worker::barrier`]); a broadcast `Command` from
+//! barrier `Round` (see [`lockstep_reconcile::strategy::barrier`]); a broadcast `Command` from
 //! the sequencer, worker 0 (see [`crate::order::broadcast`]); and the command
 //! log's `LogStart` offset from worker 0 (see [`crate::order::log`]). Being
 //! the first dataflow on every worker, it cannot break lockstep itself; it is

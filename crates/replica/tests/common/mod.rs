@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use lockstep_controller::{launch, Controller, ReplicaAddrs, Timeouts};
+use lockstep_controller::{Controller, ReplicaAddrs, Timeouts};
 use lockstep_orchestrator::process::{
     kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
 };
@@ -30,7 +30,7 @@ impl Drop for TestReplica {
 
 /// The service config of a replica of the real `lockstep-replica` binary.
 pub fn replica_service(replica_id: u64, processes: usize, workers: u32) -> ServiceConfig {
-    launch::replica_service(
+    lockstep_launch::replica_service(
         std::path::Path::new(env!("CARGO_BIN_EXE_lockstep-replica")),
         replica_id,
         processes,
@@ -77,11 +77,11 @@ pub async fn start_replica_with_env(
     // Every test replica has a session key, as under `lockstep serve`.
     let key = test_session_key(replica_id);
     let service = env.iter().fold(
-        launch::with_session_key(replica_service(replica_id, processes, workers), &key),
+        lockstep_launch::with_session_key(replica_service(replica_id, processes, workers), &key),
         |s, (k, v)| s.env(*k, *v),
     );
     let status = orchestrator
-        .ensure_service(launch::with_command_log(service, &log))
+        .ensure_service(lockstep_launch::with_command_log(service, &log))
         .await
         .expect("ensure replica");
     let addrs = ReplicaAddrs {

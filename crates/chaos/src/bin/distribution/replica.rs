@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockstep_controller::{launch, Controller, ReplicaAddrs, Timeouts};
+use lockstep_controller::{Controller, ReplicaAddrs, Timeouts};
 use lockstep_orchestrator::process::{
     kill_all_services, ProcessOrchestrator, ProcessOrchestratorConfig,
 };
@@ -62,9 +62,9 @@ pub(crate) async fn start_replica(
     };
     // A session key, as under `lockstep serve`.
     let key = lockstep_protocol::SessionKey::derive(&[0xc4; 32], id);
-    let config = launch::with_session_key(
-        launch::with_command_log(
-            launch::replica_service(&replica_binary(family), id, processes, workers),
+    let config = lockstep_launch::with_session_key(
+        lockstep_launch::with_command_log(
+            lockstep_launch::replica_service(&replica_binary(family), id, processes, workers),
             &log,
         ),
         &key,
@@ -77,7 +77,7 @@ pub(crate) async fn start_replica(
         .ensure_service(config)
         .await
         .map_err(|e| e.to_string())?;
-    let mut addrs = launch::replica_addrs(&status, workers).map_err(|e| e.to_string())?;
+    let mut addrs = lockstep_launch::replica_addrs(&status, workers).map_err(|e| e.to_string())?;
     addrs.command_log = Some(log);
     addrs.session_key = Some(key);
     Ok(Replica {

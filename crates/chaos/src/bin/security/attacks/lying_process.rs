@@ -3,8 +3,9 @@
 
 use std::sync::Arc;
 
-use lockstep_protocol::secure::{self, SecureCodec};
-use lockstep_protocol::{ReplicaCodec, Response};
+use lockstep_protocol::Response;
+use lockstep_transport::secure::{self, SecureCodec};
+use lockstep_transport::ReplicaCodec;
 
 use crate::*;
 

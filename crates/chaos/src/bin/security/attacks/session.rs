@@ -6,7 +6,8 @@
 use std::sync::{Arc, Mutex};
 
 use bytes::BytesMut;
-use lockstep_protocol::{ReplicaCodec, Response};
+use lockstep_protocol::Response;
+use lockstep_transport::ReplicaCodec;
 use tokio_util::codec::{Decoder, Encoder};
 
 use crate::*;
@@ -110,7 +111,7 @@ pub(crate) async fn impostor_on_freed_port(id: u64, v: Variant) -> Result<(), Fa
 /// The forged answer an on-path attacker puts before the real one.
 fn forged_answer(peek_id: u64) -> Vec<u8> {
     let mut out = BytesMut::new();
-    lockstep_protocol::ReplicaCodec::new(lockstep_protocol::DEFAULT_MAX_FRAME_LEN)
+    lockstep_transport::ReplicaCodec::new(lockstep_protocol::DEFAULT_MAX_FRAME_LEN)
         .encode(
             Response {
                 process_index: 0,

@@ -1,21 +1,26 @@
 //! Launching replicas through an orchestrator.
 //!
-//! The command line of the `lockstep-replica` binary, as an orchestrator
-//! [`ServiceConfig`], and the [`ReplicaAddrs`] a controller needs from the
-//! service the orchestrator reports. Tests, benchmarks and the demo launch
+//! The one place that writes the command line of the `lockstep-replica`
+//! binary ([`ServiceTemplate`], [`DEFAULT_REPLICA_ARGS`]), the environment
+//! its processes read (`with_*`), and the [`ReplicaAddrs`] a controller
+//! needs from the service the orchestrator reports ([`replica_addrs`]). The
+//! environment, the tests, the benchmarks and the fault suites launch
 //! replicas only this way: there is no ad hoc launcher.
+
+pub mod template;
 
 use std::path::Path;
 
 use lockstep_command_log::LogLocation;
+use lockstep_controller::ReplicaAddrs;
+use lockstep_orchestrator::{ServiceConfig, ServiceStatus};
 use lockstep_protocol::Endpoint;
 
-use lockstep_orchestrator::{ServiceConfig, ServiceStatus};
-
-use crate::ReplicaAddrs;
+pub use template::{ReplicaShape, ServiceTemplate, DEFAULT_REPLICA_ARGS, REPLICA_PORTS};
 
 /// The orchestrator service of a replica of `processes` processes with
-/// `workers` timely workers each, running the `lockstep-replica` binary.
+/// `workers` timely workers each, running the `lockstep-replica` binary at
+/// `binary` with [`DEFAULT_REPLICA_ARGS`].
 pub fn replica_service(
     binary: &Path,
     replica_id: u64,
@@ -36,25 +41,14 @@ pub fn replica_service_with_peers(
     workers: u32,
     peers: impl Fn(usize, Vec<String>) -> Vec<String> + Send + Sync + 'static,
 ) -> ServiceConfig {
-    ServiceConfig::new(format!("replica-{replica_id}"), replica_id, binary)
-        .scale(processes)
-        .port("timely")
-        .port("controller")
-        .args(move |a| {
-            vec![
-                format!("--replica-id={replica_id}"),
-                format!("--process={}", a.process),
-                format!("--processes={}", a.scale),
-                format!("--workers={workers}"),
-                format!("--timely-port={}", a.port("timely")),
-                format!("--controller-port={}", a.port("controller")),
-                format!(
-                    "--peers={}",
-                    peers(a.process, a.peer_addrs("timely")).join(",")
-                ),
-                format!("--listen-host={}", a.listen_host),
-            ]
-        })
+    let shape = ReplicaShape {
+        id: replica_id,
+        name: ServiceTemplate::service_name(replica_id),
+        processes,
+        workers_per_process: workers,
+        config: String::new(),
+    };
+    ServiceTemplate::new(binary).service_config_with_peers(&shape, peers)
 }
 
 /// The environment variable through which a replica process learns its

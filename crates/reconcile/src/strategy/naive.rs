@@ -1,5 +1,7 @@
-//! The `naive` strategy's part of the worker session: reconciliation per
-//! worker. It is the negative control.
+//! The `naive` strategy: each worker applies the copy from its own
+//! process's connection on arrival, with no coordination, and reconciles
+//! per worker. It is the negative control. The controller's part is one
+//! copy per process (a write split so each process gets its workers' rows).
 //!
 //! At InitializationComplete each worker keeps the installed dataflows the
 //! controller asked for again (same ID and description hash), drops the
@@ -8,16 +10,16 @@
 //! commands builds the rest. It is wrong as soon as workers disagree on
 //! what is installed, which is what the fault suite and the model show.
 
-use super::{
-    target_of, Reconciliation, SessionCommand, Source, WorkerSession, WorkerStrategy, WorkerView,
-};
+use super::{Source, StrategyRules};
+use crate::worker::{target_of, Reconciliation, SessionCommand, WorkerSession, WorkerView};
 
-/// The `naive` strategy on the worker side: the socket copy, ungated,
-/// reconciled per worker.
+/// The `naive` strategy: a copy to every process (the controller's side is
+/// only that); on the worker, the socket copy, ungated, reconciled per
+/// worker.
 #[derive(Clone, Copy, Debug)]
 pub struct Naive;
 
-impl WorkerStrategy for Naive {
+impl StrategyRules for Naive {
     fn source(&self) -> Source {
         Source::Socket
     }
@@ -30,7 +32,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// Per-worker reconciliation at InitializationComplete: drops every
     /// installed dataflow whose (ID, description hash) is not in the target
     /// the buffer creates, then applies the buffer.
-    pub(super) fn reconcile_locally(&mut self, buffer: Vec<C>, view: &impl WorkerView<C>) {
+    pub(crate) fn reconcile_locally(&mut self, buffer: Vec<C>, view: &impl WorkerView<C>) {
         let plan = crate::local(&view.installed(), &target_of(&buffer));
         self.finish_reconcile(plan.drop, buffer, Reconciliation::PerWorker);
     }

@@ -23,7 +23,7 @@
 //!
 //! On the wire a handshake message and a record are each a 2-byte
 //! big-endian length and that many bytes (a Noise message is at most 65,535
-//! bytes). A frame of the protocol ([`crate::codec`]) is encrypted in as
+//! bytes). A frame of the protocol ([`crate::FrameCodec`]) is encrypted in as
 //! many records as it needs.
 //!
 //! A replica started without a key (by hand, for a test) speaks plain frames;
@@ -35,8 +35,7 @@ use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::codec::{Decoder, Encoder};
 
-use crate::codec::CodecError;
-use crate::handshake::SessionKey;
+use lockstep_protocol::{CodecError, SessionKey};
 
 /// The Noise protocol every secured session uses.
 pub const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
@@ -297,8 +296,8 @@ impl<T, C: Encoder<T, Error = CodecError>> Encoder<T> for SecureCodec<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::codec::{ControllerCodec, ReplicaCodec};
-    use crate::types::{Command, CommandKind, Response};
+    use crate::{ControllerCodec, ReplicaCodec};
+    use lockstep_protocol::{Command, CommandKind, Response};
 
     fn key(b: u8) -> SessionKey {
         SessionKey::from_bytes([b; 32])
@@ -318,7 +317,7 @@ mod tests {
     fn command(n: u64) -> Command {
         Command {
             seqno: n,
-            strategy: crate::types::Strategy::Barrier,
+            strategy: lockstep_protocol::Strategy::Barrier,
             kind: CommandKind::StatusRequest {
                 full: n.is_multiple_of(2),
             },
@@ -394,8 +393,8 @@ mod tests {
         let mut replica = SecureCodec::new(ReplicaCodec::new(1 << 24), Some(r.unwrap()));
         let response = Response {
             process_index: 1,
-            kind: crate::types::ResponseKind::Error(crate::types::ErrorResponse {
-                kind: crate::types::ErrorKind::Malformed,
+            kind: lockstep_protocol::ResponseKind::Error(lockstep_protocol::ErrorResponse {
+                kind: lockstep_protocol::ErrorKind::Malformed,
                 message: "m".into(),
                 seqno: 9,
             }),

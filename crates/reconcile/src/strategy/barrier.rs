@@ -1,5 +1,8 @@
-//! The `barrier` strategy's part of the worker session, and the barrier
-//! rounds that also run every collective reconciliation.
+//! The `barrier` strategy, and the barrier rounds that also run every
+//! collective reconciliation. The controller's part is one copy per process
+//! (a write split per process); a `naive` session's InitializationComplete
+//! is sent with `barrier` when the replica must reconcile collectively
+//! ([`crate::ControllerSession::completion_strategy`]).
 //!
 //! A CreateDataflow of a new, valid dataflow sent with `barrier` is a
 //! *round*: the worker announces (session, seqno, description hash) on the
@@ -21,19 +24,21 @@
 
 use lockstep_protocol::Digest;
 
-use super::{
-    target_of, Action, MeshAnnouncement, Pending, Reconciliation, SessionCommand, Source,
-    WorkerSession, WorkerStrategy, WorkerView,
+use super::{Source, StrategyRules};
+use crate::worker::{
+    target_of, Action, MeshAnnouncement, Pending, Reconciliation, SessionCommand, WorkerSession,
+    WorkerView,
 };
 use crate::{Announcement, BarrierDecision, DataflowKey, Report};
 
-/// The `barrier` strategy on the worker side: the socket copy; a
+/// The `barrier` strategy: a copy to every process (a write split so each
+/// process gets its workers' rows); on the worker, the socket copy; a
 /// CreateDataflow of a new, valid dataflow waits at a barrier round; a
 /// session reconciles collectively.
 #[derive(Clone, Copy, Debug)]
 pub struct Barrier;
 
-impl WorkerStrategy for Barrier {
+impl StrategyRules for Barrier {
     fn source(&self) -> Source {
         Source::Socket
     }
@@ -59,7 +64,7 @@ pub fn target_hash(target: &[DataflowKey]) -> Digest {
 impl<C: SessionCommand> WorkerSession<C> {
     /// Starts the barrier round of a CreateDataflow of `key`: announces it
     /// and waits for it.
-    pub(super) fn start_create_round(&mut self, cmd: C, key: DataflowKey, now_ms: u64) {
+    pub(crate) fn start_create_round(&mut self, cmd: C, key: DataflowKey, now_ms: u64) {
         let mine = Announcement {
             worker: self.index,
             seqno: cmd.seqno(),
@@ -76,7 +81,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// Starts the collective reconciliation round of InitializationComplete
     /// `seqno`: announces the target's hash and this worker's installed
     /// dataflows, and waits, keeping `buffer` to apply once the round passes.
-    pub(super) fn start_collective(
+    pub(crate) fn start_collective(
         &mut self,
         buffer: Vec<C>,
         seqno: u64,
@@ -120,7 +125,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// Decides the pending round `p` from what the mesh delivered: queues
     /// its actions if it passed, halts if it diverged or timed out. Returns
     /// it if it still waits.
-    pub(super) fn resolve(&mut self, p: Pending<C>, now_ms: u64) -> Option<Pending<C>> {
+    pub(crate) fn resolve(&mut self, p: Pending<C>, now_ms: u64) -> Option<Pending<C>> {
         let (mine, since_ms) = p.mine();
         let session = self.session;
         match self.rounds.decide(session, &mine) {

@@ -1,10 +1,29 @@
-//! How a catalog replica becomes an orchestrator service: the program and an
+//! How a replica becomes an orchestrator service: the program and an
 //! argument template expanded per process.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use lockstep_catalog::Replica;
 use lockstep_orchestrator::{ServiceAssignment, ServiceConfig};
+
+/// What a replica's command line is written from (the catalog's replica,
+/// or a test's).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaShape {
+    /// The replica's ID.
+    pub id: u64,
+    /// The replica's name.
+    pub name: String,
+    /// Its process count.
+    pub processes: usize,
+    /// Timely workers per process.
+    pub workers_per_process: u32,
+    /// Its free-form configuration (`{config}`).
+    pub config: String,
+}
+
+/// Rewrites a process's timely peer list (`process`, the addresses).
+type PeersHook = Arc<dyn Fn(usize, Vec<String>) -> Vec<String> + Send + Sync>;
 
 /// The named ports every replica process gets.
 pub const REPLICA_PORTS: [&str; 2] = ["timely", "controller"];
@@ -45,6 +64,14 @@ pub struct ServiceTemplate {
 }
 
 impl ServiceTemplate {
+    /// `program` with [`DEFAULT_REPLICA_ARGS`].
+    pub fn new(program: &Path) -> Self {
+        ServiceTemplate {
+            program: program.to_path_buf(),
+            args: DEFAULT_REPLICA_ARGS.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
     /// `lockstep-replica` (next to the running executable if it is there,
     /// else from `PATH`) with [`DEFAULT_REPLICA_ARGS`].
     pub fn lockstep_replica() -> Self {
@@ -52,10 +79,7 @@ impl ServiceTemplate {
             .ok()
             .and_then(|exe| exe.parent().map(|d| d.join("lockstep-replica")))
             .filter(|p| p.is_file());
-        ServiceTemplate {
-            program: beside.unwrap_or_else(|| PathBuf::from("lockstep-replica")),
-            args: DEFAULT_REPLICA_ARGS.iter().map(|s| s.to_string()).collect(),
-        }
+        Self::new(&beside.unwrap_or_else(|| PathBuf::from("lockstep-replica")))
     }
 
     /// The service name of a replica.
@@ -63,18 +87,29 @@ impl ServiceTemplate {
         format!("replica-{replica_id}")
     }
 
-    /// The orchestrator service for a catalog replica.
-    pub fn service_config(&self, replica: &Replica) -> ServiceConfig {
+    /// The orchestrator service for a replica.
+    pub fn service_config(&self, replica: &ReplicaShape) -> ServiceConfig {
+        self.service_config_with_peers(replica, |_, peers| peers)
+    }
+
+    /// [`Self::service_config`], with `{peers:timely}` passed through
+    /// `peers(process, addresses)` first.
+    pub fn service_config_with_peers(
+        &self,
+        replica: &ReplicaShape,
+        peers: impl Fn(usize, Vec<String>) -> Vec<String> + Send + Sync + 'static,
+    ) -> ServiceConfig {
         let template = self.args.clone();
         let r = replica.clone();
+        let peers: PeersHook = Arc::new(peers);
         let mut config = ServiceConfig::new(
             Self::service_name(replica.id),
             replica.id,
             self.program.clone(),
         )
-        .scale(replica.config.processes as usize)
+        .scale(replica.processes)
         .label("replica-name", replica.name.clone())
-        .args(move |a| template.iter().map(|t| expand(t, &r, a)).collect());
+        .args(move |a| template.iter().map(|t| expand(t, &r, a, &peers)).collect());
         for p in REPLICA_PORTS {
             config = config.port(p);
         }
@@ -83,7 +118,12 @@ impl ServiceTemplate {
 }
 
 /// Expands the placeholders of one argument.
-fn expand(template: &str, replica: &Replica, a: &ServiceAssignment<'_>) -> String {
+fn expand(
+    template: &str,
+    replica: &ReplicaShape,
+    a: &ServiceAssignment<'_>,
+    peers: &PeersHook,
+) -> String {
     let mut out = String::new();
     let mut rest = template;
     while let Some(open) = rest.find('{') {
@@ -99,14 +139,17 @@ fn expand(template: &str, replica: &Replica, a: &ServiceAssignment<'_>) -> Strin
             "replica-name" => Some(replica.name.clone()),
             "process" => Some(a.process.to_string()),
             "processes" => Some(a.scale.to_string()),
-            "workers" => Some(replica.config.workers_per_process.to_string()),
-            "config" => Some(replica.config.config.clone()),
+            "workers" => Some(replica.workers_per_process.to_string()),
+            "config" => Some(replica.config.clone()),
             "listen-host" => Some(a.listen_host.to_string()),
             _ => match key.split_once(':') {
                 Some(("port", n)) if a.ports[a.process].contains_key(n) => {
                     Some(a.port(n).to_string())
                 }
                 Some(("addr", n)) if a.ports[a.process].contains_key(n) => Some(a.addr(n)),
+                Some(("peers", "timely")) if a.ports[a.process].contains_key("timely") => {
+                    Some(peers(a.process, a.peer_addrs("timely")).join(","))
+                }
                 Some(("peers", n)) if a.ports[a.process].contains_key(n) => {
                     Some(a.peer_addrs(n).join(","))
                 }
@@ -128,21 +171,18 @@ fn expand(template: &str, replica: &Replica, a: &ServiceAssignment<'_>) -> Strin
 mod tests {
     use std::collections::BTreeMap;
 
-    use lockstep_catalog::ReplicaConfig;
-
     use super::*;
 
     #[test]
     fn placeholders_expand_per_process() {
-        let replica = Replica {
+        let replica = ReplicaShape {
             id: 7,
             name: "r1".into(),
-            config: ReplicaConfig {
-                processes: 2,
-                workers_per_process: 3,
-                config: "x=1".into(),
-            },
+            processes: 2,
+            workers_per_process: 3,
+            config: "x=1".into(),
         };
+        let same: PeersHook = Arc::new(|_, p| p);
         let ports: Vec<BTreeMap<String, u16>> = vec![
             [
                 ("timely".to_string(), 1000),
@@ -165,7 +205,7 @@ mod tests {
         };
         let args: Vec<String> = DEFAULT_REPLICA_ARGS
             .iter()
-            .map(|t| expand(t, &replica, &a))
+            .map(|t| expand(t, &replica, &a, &same))
             .collect();
         assert_eq!(
             args,
@@ -181,12 +221,27 @@ mod tests {
             ]
         );
         assert_eq!(
-            expand("{replica-name}/{config}/{addr:controller}", &replica, &a),
+            expand(
+                "{replica-name}/{config}/{addr:controller}",
+                &replica,
+                &a,
+                &same
+            ),
             "r1/x=1/127.0.0.1:2001"
         );
         assert_eq!(
-            expand("{nope} {port:nope} {", &replica, &a),
+            expand("{nope} {port:nope} {", &replica, &a, &same),
             "{nope} {port:nope} {"
+        );
+        // The peers hook rewrites the timely peer list only (a relay in
+        // front of the other process, as the benchmarks' network model).
+        let relay: PeersHook = Arc::new(|process, mut addrs: Vec<String>| {
+            addrs[1 - process] = "127.0.0.9:9".into();
+            addrs
+        });
+        assert_eq!(
+            expand("{peers:timely} {peers:controller}", &replica, &a, &relay),
+            "127.0.0.9:9,127.0.0.1:1001 127.0.0.1:2000,127.0.0.1:2001"
         );
     }
 }

@@ -1,5 +1,7 @@
-//! The `broadcast` strategy's part of the worker session (the Materialize
-//! baseline): global worker 0 is the sequencer.
+//! The `broadcast` strategy (the Materialize baseline): global worker 0 is
+//! the sequencer. The controller sends every process a copy (the others
+//! are not applied; a session whose Hello was sent with `broadcast` sends
+//! every command with it, [`StrategyRules::pins_session`]).
 //!
 //! Every worker, worker 0 included, applies broadcast commands in the order
 //! the control mesh delivers them from worker 0, which forwards the copy of
@@ -10,14 +12,15 @@
 //! gates a command: the sequence is the same everywhere. Broadcast sessions
 //! reconcile collectively ([`super::barrier`]).
 
-use super::{Source, WorkerStrategy};
+use super::{Source, StrategyRules};
 
-/// The `broadcast` strategy on the worker side: the sequencer's order,
-/// ungated; a session reconciles collectively.
+/// The `broadcast` strategy: a copy to every process, a pinned session; on
+/// the worker, the sequencer's order, ungated; a session reconciles
+/// collectively.
 #[derive(Clone, Copy, Debug)]
 pub struct Broadcast;
 
-impl WorkerStrategy for Broadcast {
+impl StrategyRules for Broadcast {
     fn source(&self) -> Source {
         Source::Sequencer
     }

@@ -1,5 +1,6 @@
-//! The `log` strategy's part of the worker session, and the command log's
-//! cut between sessions.
+//! The `log` strategy: the controller's appends (the rule; the store is the
+//! controller's shell), the worker's reading of the command log, and the
+//! log's cut between sessions.
 //!
 //! Command-log entries belong to the session of the epoch marker (a Hello)
 //! before them. A worker applies a cut-off log session's entries only up to
@@ -51,9 +52,12 @@
 //! run the same reading code. Where the worker reads from, when, and how
 //! many entries at a time are the shell's.
 //!
-//! [`BARRIER_TIMEOUT_MS`]: super::BARRIER_TIMEOUT_MS
+//! [`BARRIER_TIMEOUT_MS`]: crate::worker::BARRIER_TIMEOUT_MS
 
-use super::{source_of, SessionCommand, Source, WorkerSession, WorkerStrategy, BARRIER_TIMEOUT_MS};
+use std::collections::VecDeque;
+
+use super::{source_of, Source, StrategyRules};
+use crate::worker::{SessionCommand, WorkerSession, BARRIER_TIMEOUT_MS};
 use crate::Session;
 
 /// A deliberate flaw planted in the log-marker hold, so that the model
@@ -69,14 +73,54 @@ pub enum LogHoldMutant {
     NoHold,
 }
 
-/// The `log` strategy on the worker side: commands come from the command
-/// log; a session reconciles collectively.
+/// The `log` strategy: the controller appends each command to the
+/// replica's command log before its socket copies, and a session started
+/// with it sends every command with it; on the worker, commands come from
+/// the command log; a session reconciles collectively.
 #[derive(Clone, Copy, Debug)]
 pub struct Log;
 
-impl WorkerStrategy for Log {
+impl StrategyRules for Log {
     fn source(&self) -> Source {
         Source::Log
+    }
+    fn appends_to_log(&self) -> bool {
+        true
+    }
+}
+
+/// The command log as one worker tails it: `log`'s part of a
+/// [`WorkerSession`]'s state.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct LogTail<C> {
+    /// Whether the worker tails a command log.
+    pub(crate) tails: bool,
+    /// The session of the last command-log marker taken from the queue.
+    pub(crate) marker: Session,
+    /// The newest session whose marker the worker read from the log.
+    pub(crate) fence: Session,
+    /// The offset of the next log entry to read, once worker 0 announced
+    /// where to start.
+    pub(crate) next: Option<u64>,
+    /// Commands of a newer socket-ordered session, held until the log was
+    /// read up to that session's marker, and since when (ms).
+    pub(crate) held: VecDeque<C>,
+    pub(crate) held_since_ms: Option<u64>,
+    /// A flaw planted in the hold (model checking only).
+    pub(crate) hold_mutant: LogHoldMutant,
+}
+
+impl<C> Default for LogTail<C> {
+    fn default() -> Self {
+        LogTail {
+            tails: false,
+            marker: 0,
+            fence: 0,
+            next: None,
+            held: VecDeque::new(),
+            held_since_ms: None,
+            hold_mutant: LogHoldMutant::None,
+        }
     }
 }
 
@@ -101,14 +145,14 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// Makes this worker hold newer socket-ordered sessions until their log
     /// marker was read: the worker tails a command log.
     pub fn set_tails_log(&mut self) {
-        self.tails_log = true;
+        self.log.tails = true;
     }
 
     /// The same machine with a flaw planted in its log-marker hold (model
     /// checking only).
     #[cfg(feature = "mutants")]
     pub fn with_log_hold_mutant(mut self, mutant: LogHoldMutant) -> Self {
-        self.hold_mutant = mutant;
+        self.log.hold_mutant = mutant;
         self
     }
 
@@ -116,13 +160,13 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// newest epoch marker when the process started); until then
     /// [`WorkerSession::read_log`] reads nothing.
     pub fn log_starts_at(&mut self, offset: u64) {
-        self.log_next = Some(offset);
+        self.log.next = Some(offset);
     }
 
     /// The offset of the next log entry this worker reads, once it knows
     /// where to start.
     pub fn log_position(&self) -> Option<u64> {
-        self.log_next
+        self.log.next
     }
 
     /// Reads up to `max` entries from `log` at this worker's position and
@@ -130,11 +174,11 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// commands it read (none before [`WorkerSession::log_starts_at`]).
     /// A failed read changes nothing.
     pub fn read_log<L: LogRead<C>>(&mut self, log: &mut L, max: usize) -> Result<usize, L::Error> {
-        let Some(next) = self.log_next else {
+        let Some(next) = self.log.next else {
             return Ok(0);
         };
         let (entries, after) = log.read_from(next, max)?;
-        self.log_next = Some(after);
+        self.log.next = Some(after);
         Ok(self.on_log_entries(entries))
     }
 
@@ -163,16 +207,16 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// Whether `cmd`, just taken from the queue, is a command-log entry of a
     /// session older than the one this worker joined (and notes the session
     /// of a log marker).
-    pub(super) fn stale_log_entry(&mut self, cmd: &C) -> bool {
+    pub(crate) fn stale_log_entry(&mut self, cmd: &C) -> bool {
         if source_of(cmd) != Source::Log {
             return false;
         }
         match cmd.hello_session() {
             Some(session) => {
-                self.log_marker = session;
+                self.log.marker = session;
                 false
             }
-            None => self.log_marker < self.session,
+            None => self.log.marker < self.session,
         }
     }
 
@@ -181,8 +225,8 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// worker joined, on a worker that tails a log (and notes the session of
     /// a socket Hello). Without a log every session starts from the socket,
     /// in order, and nothing is stale.
-    pub(super) fn stale_socket_command(&mut self, cmd: &C) -> bool {
-        if !self.tails_log || source_of(cmd) != Source::Socket {
+    pub(crate) fn stale_socket_command(&mut self, cmd: &C) -> bool {
+        if !self.log.tails || source_of(cmd) != Source::Socket {
             return false;
         }
         match cmd.hello_session() {
@@ -198,52 +242,53 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// Hello entry, of any strategy): held commands up to the next newer
     /// session join the queue.
     pub fn on_log_marker(&mut self, session: Session) {
-        self.log_fence = self.log_fence.max(session);
+        self.log.fence = self.log.fence.max(session);
         let mut released = false;
-        while let Some(front) = self.held.front() {
-            if front.hello_session().is_some_and(|s| s > self.log_fence) {
+        while let Some(front) = self.log.held.front() {
+            if front.hello_session().is_some_and(|s| s > self.log.fence) {
                 break;
             }
-            let cmd = self.held.pop_front().expect("a front");
+            let cmd = self.log.held.pop_front().expect("a front");
             self.queue.push_back(cmd);
             released = true;
         }
         if released {
             // What is still held (a newer session) waits afresh.
-            self.held_since_ms = None;
+            self.log.held_since_ms = None;
         }
     }
 
     /// Whether commands wait for a log marker (the shell should read the
     /// log now).
     pub fn holding(&self) -> bool {
-        !self.held.is_empty()
+        !self.log.held.is_empty()
     }
 
     /// Whether a command that arrives now waits for a log marker: on a
     /// worker that tails a log, a socket-ordered Hello of a session newer
     /// than every marker read, and what follows it.
-    pub(super) fn holds(&self, cmd: &C) -> bool {
-        if !self.tails_log
+    pub(crate) fn holds(&self, cmd: &C) -> bool {
+        if !self.log.tails
             || source_of(cmd) == Source::Log
-            || self.hold_mutant == LogHoldMutant::NoHold
+            || self.log.hold_mutant == LogHoldMutant::NoHold
         {
             return false;
         }
-        !self.held.is_empty()
+        !self.log.held.is_empty()
             || cmd
                 .hello_session()
-                .is_some_and(|s| s > self.log_fence && s > self.session)
+                .is_some_and(|s| s > self.log.fence && s > self.session)
     }
 
     /// Halts a worker that held a session's commands too long.
-    pub(super) fn check_held(&mut self, now_ms: u64) {
-        if self.held.is_empty() {
+    pub(crate) fn check_held(&mut self, now_ms: u64) {
+        if self.log.held.is_empty() {
             return;
         }
-        let since = *self.held_since_ms.get_or_insert(now_ms);
+        let since = *self.log.held_since_ms.get_or_insert(now_ms);
         if now_ms.saturating_sub(since) > BARRIER_TIMEOUT_MS {
             let session = self
+                .log
                 .held
                 .front()
                 .and_then(SessionCommand::hello_session)

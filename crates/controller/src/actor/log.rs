@@ -1,4 +1,5 @@
-//! `log` on the controller side: the command log is the truth. Each command
+//! The command log's I/O on the controller side (the `log` strategy's rules
+//! are `lockstep_reconcile::strategy::log`): the command log is the truth. Each command
 //! is appended to the replica's command log before its socket copies are
 //! written; the copies only make the workers read the log at once. A log
 //! session starts with one append (`LogBatch`: process 0's Hello, which is
@@ -14,23 +15,10 @@
 use lockstep_command_log::{AnyLog, CommandLog};
 use lockstep_protocol::{Command, CommandKind};
 
+use super::{Actor, Event, Reach};
+
 /// How many applied StatusRequests are deleted from the log at once.
 pub(crate) const FORGET_BATCH: usize = 16;
-
-use super::Delivery;
-use crate::actor::{Actor, Event, Reach};
-
-/// `log` on the controller side: append, then a copy to every process.
-pub(crate) struct Log;
-
-impl Delivery for Log {
-    fn deliver(&self, actor: &mut Actor, cmd: Command) {
-        actor.deliver_log(cmd);
-    }
-    fn appends_to_log(&self) -> bool {
-        true
-    }
-}
 
 /// The start of a log session, appended to the log in one transaction.
 #[derive(Default)]
@@ -45,11 +33,12 @@ pub(crate) struct LogBatch {
 }
 
 impl Actor {
-    /// Sends a `log` command: appended first (or batched while the session
-    /// starts), then a copy to every process. A crash before any process
-    /// got its copy is a crash before the append.
-    fn deliver_log(&mut self, cmd: Command) {
-        if let Some(batch) = &mut self.log_batch {
+    /// Sends a command appended to the log first
+    /// ([`lockstep_reconcile::Delivery::AppendThenCopies`]; `batched`:
+    /// into the session start's batch), then a copy to every process. A
+    /// crash before any process got its copy is a crash before the append.
+    pub(super) fn deliver_log(&mut self, cmd: Command, batched: bool) {
+        if let (true, Some(batch)) = (batched, &mut self.log_batch) {
             if let Some(reach) = self.crash_hook.take() {
                 batch.crash.get_or_insert((batch.commands.len(), reach));
             }

@@ -2,15 +2,14 @@
 //! command and a 1 MiB write through the plain codec and through
 //! `secure::SecureCodec` (Noise transport, ChaCha20-Poly1305), in one run,
 //! and prints the times and their ratio. Run it in release:
-//! `cargo run --release -p lockstep-protocol --example session_cost`.
+//! `cargo run --release -p lockstep-transport --example session_cost`.
 
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use lockstep_protocol::secure::{self, SecureCodec};
-use lockstep_protocol::{
-    Command, CommandKind, ControllerCodec, ReplicaCodec, SessionKey, Strategy, Update, WriteInput,
-};
+use lockstep_protocol::{Command, CommandKind, SessionKey, Strategy, Update, WriteInput};
+use lockstep_transport::secure::{self, SecureCodec};
+use lockstep_transport::{ControllerCodec, ReplicaCodec};
 use tokio_util::codec::{Decoder, Encoder};
 
 fn small() -> Command {
