@@ -327,27 +327,7 @@ enum InputCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // The level from LOCKSTEP_LOG (default info); with `--log-format json`
-    // (or LOCKSTEP_LOG_FORMAT=json) one JSON object per line, with the spans
-    // (a controller's `replica`). The variable is set for the replica
-    // processes to inherit (the orchestrator passes it on); nothing else
-    // runs yet, so setting it is safe.
-    if cli.log_format == "json" {
-        std::env::set_var(LOG_FORMAT_ENV, "json");
-    }
-    // No ANSI colour where stderr is not a terminal (a file, a pipe, CI).
-    let logs = tracing_subscriber::fmt()
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("LOCKSTEP_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        );
-    if cli.log_format == "json" {
-        logs.json().init();
-    } else {
-        logs.init();
-    }
+    init_logs(&cli.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -357,33 +337,7 @@ fn main() -> ExitCode {
     };
     match cli.command {
         #[cfg(feature = "server")]
-        Command::Serve(args) => {
-            // A panic anywhere (a failpoint included) crashes the controller,
-            // as a real crash would, instead of killing one request's task.
-            let default_hook = std::panic::take_hook();
-            std::panic::set_hook(Box::new(move |info| {
-                default_hook(info);
-                std::process::abort();
-            }));
-            let _failpoints = fail::FailScenario::setup();
-            let result = runtime.block_on(serve(*args));
-            // Do not wait for tasks still blocked (a connection cut at the
-            // end of the grace period, a blocking read): replicas run on.
-            runtime.shutdown_timeout(std::time::Duration::from_secs(1));
-            match result {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => match e.downcast_ref::<EnvError>() {
-                    Some(EnvError::Halted(reason)) => {
-                        eprintln!("lockstep: halting: another controller took over: {reason}");
-                        ExitCode::from(EXIT_HALTED)
-                    }
-                    _ => {
-                        eprintln!("lockstep: error: {e:#}");
-                        ExitCode::FAILURE
-                    }
-                },
-            }
-        }
+        Command::Serve(args) => serve_command(runtime, *args),
         Command::Status { server, output } => {
             finish(runtime.block_on(status_summary(server, output)))
         }
@@ -455,92 +409,11 @@ fn main() -> ExitCode {
         Command::Policy {
             server,
             command: PolicyCommand::Set { file, replica },
-        } => finish(runtime.block_on(async move {
-            let wasm =
-                std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
-            let p = connect(&server)
-                .await?
-                .set_policy(proto::SetPolicyRequest {
-                    // Its file name without the extension, as
-                    // `lockstep_policy_host::policy_name` says.
-                    name: file.file_stem().map_or_else(
-                        || file.display().to_string(),
-                        |s| s.to_string_lossy().into_owned(),
-                    ),
-                    wasm,
-                    replica: replica.unwrap_or_default(),
-                })
-                .await
-                .map_err(status_err)?
-                .into_inner()
-                .policy
-                .context("no policy in the answer")?;
-            if p.replica.is_empty() {
-                println!("{} policy {} ({}) in force", p.kind, p.name, p.hash);
-            } else {
-                println!(
-                    "{} policy {} ({}) in force on replica {}",
-                    p.kind, p.name, p.hash, p.replica
-                );
-            }
-            Ok(())
-        })),
+        } => finish(runtime.block_on(policy_set(server, file, replica))),
         Command::Policy {
             server,
             command: PolicyCommand::Show { output },
-        } => finish(runtime.block_on(async move {
-            let list = connect(&server)
-                .await?
-                .list_policies(proto::ListPoliciesRequest {})
-                .await
-                .map_err(status_err)?
-                .into_inner()
-                .policies;
-            if output.json() {
-                let policies: Vec<serde_json::Value> = list
-                    .iter()
-                    .map(|p| {
-                        serde_json::json!({
-                            "kind": p.kind,
-                            "name": p.name,
-                            "hash": (!p.hash.is_empty()).then_some(&p.hash),
-                            "replica": (!p.replica.is_empty()).then_some(&p.replica),
-                            "since": (p.since != 0).then_some(p.since),
-                        })
-                    })
-                    .collect();
-                return print_json(&serde_json::json!({ "policies": policies }));
-            }
-            let mut table = Table::new(&[
-                ("KIND", Align::Left),
-                ("REPLICA", Align::Left),
-                ("NAME", Align::Left),
-                ("HASH", Align::Left),
-                ("SINCE", Align::Left),
-            ]);
-            for p in list {
-                let since = if p.since == 0 {
-                    "start".to_string()
-                } else {
-                    format!("{} (unix)", p.since)
-                };
-                let hash = if p.hash.is_empty() { "-" } else { &p.hash };
-                let replica = if p.replica.is_empty() {
-                    "(all)"
-                } else {
-                    &p.replica
-                };
-                table.row(vec![
-                    p.kind.clone(),
-                    replica.to_string(),
-                    p.name.clone(),
-                    hash.to_string(),
-                    since,
-                ]);
-            }
-            table.print();
-            Ok(())
-        })),
+        } => finish(runtime.block_on(policy_show(server, output))),
         #[cfg(feature = "server")]
         Command::Demo { keep, store, hosts } => {
             finish(runtime.block_on(demo::run(keep, store, hosts)))
@@ -556,6 +429,150 @@ fn main() -> ExitCode {
             finish(runtime.block_on(run(opts, quick, &out)).map(|_| ()))
         }
     }
+}
+
+/// Logs to stderr: the level from LOCKSTEP_LOG (default info); with
+/// `--log-format json` (or LOCKSTEP_LOG_FORMAT=json) one JSON object per
+/// line, with the spans (a controller's `replica`). The variable is set for
+/// the replica processes to inherit (the orchestrator passes it on); nothing
+/// else runs yet, so setting it is safe.
+fn init_logs(format: &str) {
+    if format == "json" {
+        std::env::set_var(LOG_FORMAT_ENV, "json");
+    }
+    // No ANSI colour where stderr is not a terminal (a file, a pipe, CI).
+    let logs = tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("LOCKSTEP_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        );
+    if format == "json" {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
+}
+
+/// `lockstep serve`: exit 3 on a halt (O3), 1 on another error.
+#[cfg(feature = "server")]
+fn serve_command(runtime: tokio::runtime::Runtime, args: ServeArgs) -> ExitCode {
+    // A panic anywhere (a failpoint included) crashes the controller,
+    // as a real crash would, instead of killing one request's task.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default_hook(info);
+        std::process::abort();
+    }));
+    let _failpoints = fail::FailScenario::setup();
+    let result = runtime.block_on(serve(args));
+    // Do not wait for tasks still blocked (a connection cut at the
+    // end of the grace period, a blocking read): replicas run on.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => match e.downcast_ref::<EnvError>() {
+            Some(EnvError::Halted(reason)) => {
+                eprintln!("lockstep: halting: another controller took over: {reason}");
+                ExitCode::from(EXIT_HALTED)
+            }
+            _ => {
+                eprintln!("lockstep: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+/// `lockstep policy set FILE [--replica R]`.
+async fn policy_set(
+    server: ServerArg,
+    file: PathBuf,
+    replica: Option<String>,
+) -> anyhow::Result<()> {
+    let wasm = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+    let p = connect(&server)
+        .await?
+        .set_policy(proto::SetPolicyRequest {
+            // Its file name without the extension, as
+            // `lockstep_policy_host::policy_name` says.
+            name: file.file_stem().map_or_else(
+                || file.display().to_string(),
+                |s| s.to_string_lossy().into_owned(),
+            ),
+            wasm,
+            replica: replica.unwrap_or_default(),
+        })
+        .await
+        .map_err(status_err)?
+        .into_inner()
+        .policy
+        .context("no policy in the answer")?;
+    if p.replica.is_empty() {
+        println!("{} policy {} ({}) in force", p.kind, p.name, p.hash);
+    } else {
+        println!(
+            "{} policy {} ({}) in force on replica {}",
+            p.kind, p.name, p.hash, p.replica
+        );
+    }
+    Ok(())
+}
+
+/// `lockstep policy show`: the policies in force, as a table or JSON.
+async fn policy_show(server: ServerArg, output: OutputArg) -> anyhow::Result<()> {
+    let list = connect(&server)
+        .await?
+        .list_policies(proto::ListPoliciesRequest {})
+        .await
+        .map_err(status_err)?
+        .into_inner()
+        .policies;
+    if output.json() {
+        let policies: Vec<serde_json::Value> = list
+            .iter()
+            .map(|p| {
+                serde_json::json!({
+                    "kind": p.kind,
+                    "name": p.name,
+                    "hash": (!p.hash.is_empty()).then_some(&p.hash),
+                    "replica": (!p.replica.is_empty()).then_some(&p.replica),
+                    "since": (p.since != 0).then_some(p.since),
+                })
+            })
+            .collect();
+        return print_json(&serde_json::json!({ "policies": policies }));
+    }
+    let mut table = Table::new(&[
+        ("KIND", Align::Left),
+        ("REPLICA", Align::Left),
+        ("NAME", Align::Left),
+        ("HASH", Align::Left),
+        ("SINCE", Align::Left),
+    ]);
+    for p in list {
+        let since = if p.since == 0 {
+            "start".to_string()
+        } else {
+            format!("{} (unix)", p.since)
+        };
+        let hash = if p.hash.is_empty() { "-" } else { &p.hash };
+        let replica = if p.replica.is_empty() {
+            "(all)"
+        } else {
+            &p.replica
+        };
+        table.row(vec![
+            p.kind.clone(),
+            replica.to_string(),
+            p.name.clone(),
+            hash.to_string(),
+            since,
+        ]);
+    }
+    table.print();
+    Ok(())
 }
 
 #[cfg(feature = "server")]

@@ -221,6 +221,40 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Private by default (R1): the state directory 0700 (made if missing,
     // refused if open to others), the umask 077, the tokens in it.
     lockstep_environment::private::prepare_state_dir(&args.state_dir)?;
+    let (token, metrics_token) = tokens(&args)?;
+    let tls = tls_config(&args)?;
+    refuse_open_listeners(&args, token.is_some(), metrics_token.is_some())?;
+    // Bind first: failing to listen must not fence the running controller.
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let metrics_listener = match args.metrics_listen {
+        Some(a) => Some(
+            tokio::net::TcpListener::bind(a)
+                .await
+                .with_context(|| format!("cannot listen on {a} for metrics"))?,
+        ),
+        None => None,
+    };
+    let serving = Serving {
+        listener,
+        addr,
+        metrics_listener,
+        metrics_token,
+        tls,
+        max_answer_bytes: args.max_answer_bytes,
+        no_restarts: args.experiments_no_replica_restarts,
+        orphan_interval: args.orphan_interval_secs,
+        grace: args.shutdown_grace_secs,
+    };
+    let env = start_environment(args, token).await?;
+    run_environment(env, serving, shutdown).await
+}
+
+/// The API token and the metrics token: from their files, else none under
+/// `--insecure-loopback`, else the state directory's (made on first use).
+fn tokens(args: &ServeArgs) -> anyhow::Result<(Option<String>, Option<String>)> {
     let explicit = api_token(args.api_token_file.as_deref())?;
     let token = match explicit {
         Some(t) => Some(t),
@@ -249,6 +283,11 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .context("reading or making the metrics token in the state directory")?,
         ),
     };
+    Ok((token, metrics_token))
+}
+
+/// The API's TLS identity, when both `--tls-cert` and `--tls-key` are given.
+fn tls_config(args: &ServeArgs) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => {
             let read = |p: &PathBuf, what: &str| {
@@ -260,38 +299,39 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    if token.is_none() && !args.listen.ip().is_loopback() {
+    Ok(tls)
+}
+
+/// Refuses to serve the API or the metrics off loopback without a token.
+fn refuse_open_listeners(args: &ServeArgs, token: bool, metrics_token: bool) -> anyhow::Result<()> {
+    if !token && !args.listen.ip().is_loopback() {
         anyhow::bail!(
             "refusing to serve the API on {} without a token: anyone who reaches it could drive every replica; --insecure-loopback is for a loopback address only",
             args.listen
         );
     }
-    if metrics_token.is_none() {
+    if !metrics_token {
         if let Some(at) = args.metrics_listen.filter(|a| !a.ip().is_loopback()) {
             anyhow::bail!(
                 "refusing to serve metrics on {at} without a token; --insecure-loopback is for a loopback address only"
             );
         }
     }
-    // Bind first: failing to listen must not fence the running controller.
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let addr = listener.local_addr()?;
-    let metrics_listener = match args.metrics_listen {
-        Some(a) => Some(
-            tokio::net::TcpListener::bind(a)
-                .await
-                .with_context(|| format!("cannot listen on {a} for metrics"))?,
-        ),
-        None => None,
-    };
+    Ok(())
+}
+
+/// The environment's configuration from the arguments, then the environment
+/// started on the orchestrator they name.
+async fn start_environment(
+    args: ServeArgs,
+    token: Option<String>,
+) -> anyhow::Result<std::sync::Arc<Environment>> {
     let mut service = ServiceTemplate::lockstep_replica();
-    if let Some(program) = args.service_binary {
+    if let Some(program) = args.service_binary.clone() {
         service.program = program;
     }
     if !args.service_args.is_empty() {
-        service.args = args.service_args;
+        service.args = args.service_args.clone();
     }
     let orphan_policy: Box<dyn lockstep_policy::OrphanPolicy + Send> = match &args.orphan_policy {
         Some(path) => {
@@ -334,16 +374,16 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let conditional_writes = true;
     let config = EnvironmentConfig {
         conditional_writes,
-        distribution_policy: args.distribution_policy,
+        distribution_policy: args.distribution_policy.clone(),
         max_frame_len: args.max_frame_len,
         compaction_lag: args.compaction_lag,
         api_token: token,
         allow_naive: args.experiments_allow_naive,
-        store: args.store,
-        format: args.format,
-        ..EnvironmentConfig::new(args.state_dir, orphan_policy, service)
+        store: args.store.clone(),
+        format: args.format.clone(),
+        ..EnvironmentConfig::new(args.state_dir.clone(), orphan_policy, service)
     };
-    let env = match args.orchestrator {
+    Ok(match args.orchestrator {
         OrchestratorKind::Process if args.hosts > 0 => {
             Environment::start_with(
                 config,
@@ -355,82 +395,115 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         OrchestratorKind::Kubernetes if args.hosts > 0 => {
             anyhow::bail!("--hosts places processes on simulated hosts of the process backend; pods already run on their own network stacks")
         }
-        OrchestratorKind::Kubernetes => {
-            use lockstep_orchestrator_kubernetes::image as replica_image;
-            // A named image is checked before anything is read or written.
-            if let Some(image) = &args.kubernetes_image {
-                replica_image::check_pinned(image)
-                    .map_err(|e| anyhow::anyhow!("--kubernetes-image: {e}"))?;
-            }
-            let client = kube::Client::try_default()
+        OrchestratorKind::Kubernetes => start_on_kubernetes(args, config).await?,
+    })
+}
+
+/// The environment on Kubernetes: the replica image (named and pinned, or
+/// the owner Deployment's), the master secret in the cluster, and the
+/// orchestrator each controller generation gets.
+async fn start_on_kubernetes(
+    args: ServeArgs,
+    config: EnvironmentConfig,
+) -> anyhow::Result<std::sync::Arc<Environment>> {
+    use lockstep_orchestrator_kubernetes::image as replica_image;
+    // A named image is checked before anything is read or written.
+    if let Some(image) = &args.kubernetes_image {
+        replica_image::check_pinned(image)
+            .map_err(|e| anyhow::anyhow!("--kubernetes-image: {e}"))?;
+    }
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API server")?;
+    let namespace = args.namespace;
+    let environment = args.kubernetes_environment;
+    let mut resources = lockstep_orchestrator_kubernetes::objects::PodResources::replica_default();
+    if let Some(requests) = args.kubernetes_replica_requests {
+        resources.requests = requests;
+    }
+    if let Some(limits) = args.kubernetes_replica_limits {
+        resources.limits = limits;
+    }
+    let owner = match &args.kubernetes_owner {
+        Some(object) => Some(
+            lockstep_orchestrator_kubernetes::owner_object(client.clone(), &namespace, object)
                 .await
-                .context("connecting to the Kubernetes API server")?;
-            let namespace = args.namespace;
-            let environment = args.kubernetes_environment;
-            let mut resources =
-                lockstep_orchestrator_kubernetes::objects::PodResources::replica_default();
-            if let Some(requests) = args.kubernetes_replica_requests {
-                resources.requests = requests;
-            }
-            if let Some(limits) = args.kubernetes_replica_limits {
-                resources.limits = limits;
-            }
-            let owner = match &args.kubernetes_owner {
-                Some(object) => Some(
-                    lockstep_orchestrator_kubernetes::owner_object(
-                        client.clone(),
-                        &namespace,
-                        object,
-                    )
-                    .await
-                    .map_err(|e| anyhow::anyhow!("--kubernetes-owner: {e}"))?,
-                ),
-                None => None,
-            };
-            let image = match (args.kubernetes_image, &owner) {
-                (Some(image), _) => image,
-                (None, Some((_, deployment))) => {
-                    replica_image::owner_image(deployment).map_err(|e| {
-                        anyhow::anyhow!("the replica image (from --kubernetes-owner): {e}")
-                    })?
-                }
-                (None, None) => replica_image::default_image(),
-            };
-            tracing::info!(%image, "replica pods run this image");
-            let owner = owner.map(|(reference, _)| reference);
-            // The master secret of the replicas' session keys lives in the
-            // cluster (Secret ENVIRONMENT-master), not in the state
-            // directory: a pod's emptyDir would lose it on every restart,
-            // and with it every replica's key, Secret and pod.
-            let master = {
-                let mut c = lockstep_orchestrator_kubernetes::KubernetesOrchestratorConfig::new(
-                    namespace.clone(),
-                    0,
-                );
-                c.environment = environment.clone();
-                lockstep_orchestrator_kubernetes::KubernetesOrchestrator::new(client.clone(), c)
-                    .master_secret()
-                    .await
-                    .context("reading (or creating) the master secret in the cluster")?
-            };
-            let factory: lockstep_environment::OrchestratorFactory = Box::new(move |p| {
-                let mut c = lockstep_orchestrator_kubernetes::KubernetesOrchestratorConfig::new(
-                    namespace, p.epoch,
-                );
-                c.image = image;
-                c.environment = environment;
-                c.resources = resources;
-                c.owner = owner;
-                c.conditional_writes = p.conditional_writes;
-                Ok(std::sync::Arc::new(
-                    lockstep_orchestrator_kubernetes::KubernetesOrchestrator::new(client, c),
-                ))
-            });
-            Environment::start_with_secret(config, factory, Some(master)).await?
-        }
+                .map_err(|e| anyhow::anyhow!("--kubernetes-owner: {e}"))?,
+        ),
+        None => None,
     };
-    env.set_max_answer_bytes(args.max_answer_bytes);
-    if args.experiments_no_replica_restarts {
+    let image = match (args.kubernetes_image, &owner) {
+        (Some(image), _) => image,
+        (None, Some((_, deployment))) => replica_image::owner_image(deployment)
+            .map_err(|e| anyhow::anyhow!("the replica image (from --kubernetes-owner): {e}"))?,
+        (None, None) => replica_image::default_image(),
+    };
+    tracing::info!(%image, "replica pods run this image");
+    let owner = owner.map(|(reference, _)| reference);
+    // The master secret of the replicas' session keys lives in the
+    // cluster (Secret ENVIRONMENT-master), not in the state
+    // directory: a pod's emptyDir would lose it on every restart,
+    // and with it every replica's key, Secret and pod.
+    let master = {
+        let mut c = lockstep_orchestrator_kubernetes::KubernetesOrchestratorConfig::new(
+            namespace.clone(),
+            0,
+        );
+        c.environment = environment.clone();
+        lockstep_orchestrator_kubernetes::KubernetesOrchestrator::new(client.clone(), c)
+            .master_secret()
+            .await
+            .context("reading (or creating) the master secret in the cluster")?
+    };
+    let factory: lockstep_environment::OrchestratorFactory = Box::new(move |p| {
+        let mut c =
+            lockstep_orchestrator_kubernetes::KubernetesOrchestratorConfig::new(namespace, p.epoch);
+        c.image = image;
+        c.environment = environment;
+        c.resources = resources;
+        c.owner = owner;
+        c.conditional_writes = p.conditional_writes;
+        Ok(std::sync::Arc::new(
+            lockstep_orchestrator_kubernetes::KubernetesOrchestrator::new(client, c),
+        ))
+    });
+    Ok(Environment::start_with_secret(config, factory, Some(master)).await?)
+}
+
+/// What serving needs beside the environment: the bound listeners, the
+/// tokens and limits, the background intervals.
+struct Serving {
+    listener: tokio::net::TcpListener,
+    addr: std::net::SocketAddr,
+    metrics_listener: Option<tokio::net::TcpListener>,
+    metrics_token: Option<String>,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    max_answer_bytes: usize,
+    no_restarts: bool,
+    orphan_interval: u64,
+    grace: u64,
+}
+
+/// Serves the API (and the metrics) until the shutdown signal, with the
+/// background orphan removal and replica retry.
+async fn run_environment(
+    env: std::sync::Arc<Environment>,
+    serving: Serving,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let Serving {
+        listener,
+        addr,
+        metrics_listener,
+        metrics_token,
+        tls,
+        max_answer_bytes,
+        no_restarts,
+        orphan_interval,
+        grace,
+    } = serving;
+    env.set_max_answer_bytes(max_answer_bytes);
+    if no_restarts {
         tracing::warn!("replica restarts on controller events are off (experiment)");
         env.set_replica_restarts(false);
     }
@@ -443,7 +516,7 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 l,
                 env.metrics(),
                 Some(env.clone()),
-                metrics_token.clone(),
+                metrics_token,
             ));
             format!(", metrics on http://{at}/metrics")
         }
@@ -456,12 +529,11 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     use std::io::Write;
     std::io::stdout().flush()?;
     tracing::info!(%addr, epoch = env.epoch(), "serving");
-    let background = (args.orphan_interval_secs > 0).then(|| {
-        env.spawn_orphan_removal(std::time::Duration::from_secs(args.orphan_interval_secs))
-    });
+    let background = (orphan_interval > 0)
+        .then(|| env.spawn_orphan_removal(std::time::Duration::from_secs(orphan_interval)));
     // A replica whose ensure failed (after its catalog write) is retried.
     let retry = env.spawn_replica_retry(std::time::Duration::from_secs(5));
-    let grace = std::time::Duration::from_secs(args.shutdown_grace_secs);
+    let grace = std::time::Duration::from_secs(grace);
     let result = env.serve_until(listener, tls, shutdown, grace).await;
     retry.abort();
     if let Some(task) = background {
