@@ -24,26 +24,7 @@ impl Inner {
         let _lock = self.lock()?;
         let existing = self.read(&config.name)?;
         let ours = self.config.epoch;
-        if let Some(existing) = &existing {
-            if self.config.conditional_writes && existing.epoch > ours {
-                return Err(EnsureError::StaleEpoch {
-                    service: config.name.clone(),
-                    stored: existing.epoch,
-                    ours,
-                });
-            }
-        }
-        // A drop is a write too: a stale controller must not resurrect a
-        // service that a newer one dropped.
-        if let Some(dropped_at) = self.read_tombstone(&config.name)? {
-            if self.config.conditional_writes && dropped_at > ours {
-                return Err(EnsureError::DroppedByNewer {
-                    service: config.name.clone(),
-                    dropped_at,
-                    ours,
-                });
-            }
-        }
+        self.check_fence(&config.name, existing.as_ref(), ours)?;
         // Reuse the ports of an existing service of the same shape, so an
         // unchanged spec yields the same command lines and is adopted.
         let alloc = || {
@@ -84,22 +65,8 @@ impl Inner {
                     .map(|p| &p.namespace)
                     .eq(placements.iter().map(|p| &p.namespace))
         });
-        if let (true, Some(mut record)) = (same_spec, existing.clone()) {
-            // Adopt: keep the processes, rewrite the labels. Dead processes
-            // are restarted by the supervisors.
-            record.epoch = ours;
-            record.id = config.id;
-            record.labels = labels;
-            self.write(&record)?;
-            self.remember_args(&config);
-            for (i, p) in record.processes.iter().enumerate() {
-                if let Some((pid, start)) = p.handle() {
-                    if self.alive(pid, start) {
-                        self.emit(&record.name, Some(i), ServiceEventKind::Adopted { pid });
-                    }
-                }
-            }
-            return Ok((record, Vec::new()));
+        if let (true, Some(record)) = (same_spec, existing.clone()) {
+            return self.adopt(record, &config, labels);
         }
 
         // A new or changed spec: start the new processes first, so that a
@@ -134,41 +101,18 @@ impl Inner {
                 })
                 .collect(),
         };
-        let mut spawned = Vec::new();
-        for i in 0..record.processes.len() {
-            match self.spawn(&record, i) {
-                Ok((pid, start)) => {
-                    record.processes[i].pid = Some(pid);
-                    record.processes[i].start_time = Some(start);
-                    spawned.push(pid);
-                }
-                Err(source) => {
-                    for (j, p) in record.processes.iter().enumerate().take(i) {
-                        if let Some((pid, start)) = p.handle() {
-                            self.kill(&record.name, j, pid, start);
-                        }
-                    }
-                    return Err(EnsureError::Spawn {
-                        service: config.name,
-                        program,
-                        source,
-                    });
-                }
-            }
-        }
+        let spawned = self
+            .spawn_all(&mut record)
+            .map_err(|source| EnsureError::Spawn {
+                service: config.name.clone(),
+                program,
+                source,
+            })?;
         if let Some(old) = &existing {
-            for (i, p) in old.processes.iter().enumerate() {
-                if let Some((pid, start)) = p.handle() {
-                    self.kill(&old.name, i, pid, start);
-                }
-            }
+            self.kill_processes(old);
         }
         if let Err(e) = self.write(&record) {
-            for (i, p) in record.processes.iter().enumerate() {
-                if let Some((pid, start)) = p.handle() {
-                    self.kill(&record.name, i, pid, start);
-                }
-            }
+            self.kill_processes(&record);
             return Err(e.into());
         }
         self.remember_args(&config);
@@ -180,6 +124,92 @@ impl Inner {
             );
         }
         Ok((record, spawned))
+    }
+
+    /// Refuses the write of a stale controller: a service ensured at a newer
+    /// epoch, or dropped at one (a drop is a write too: a stale controller
+    /// must not resurrect a service that a newer one dropped).
+    fn check_fence(
+        &self,
+        name: &str,
+        existing: Option<&ServiceRecord>,
+        ours: u64,
+    ) -> Result<(), EnsureError> {
+        if !self.config.conditional_writes {
+            return Ok(());
+        }
+        if let Some(existing) = existing.filter(|e| e.epoch > ours) {
+            return Err(EnsureError::StaleEpoch {
+                service: name.to_string(),
+                stored: existing.epoch,
+                ours,
+            });
+        }
+        if let Some(dropped_at) = self.read_tombstone(name)?.filter(|d| *d > ours) {
+            return Err(EnsureError::DroppedByNewer {
+                service: name.to_string(),
+                dropped_at,
+                ours,
+            });
+        }
+        Ok(())
+    }
+
+    /// Adopts an unchanged service: keeps its processes, rewrites the epoch,
+    /// ID and labels. Dead processes are restarted by the supervisors.
+    fn adopt(
+        &self,
+        mut record: ServiceRecord,
+        config: &ServiceConfig,
+        labels: BTreeMap<String, String>,
+    ) -> Result<(ServiceRecord, Vec<u32>), EnsureError> {
+        record.epoch = self.config.epoch;
+        record.id = config.id;
+        record.labels = labels;
+        self.write(&record)?;
+        self.remember_args(config);
+        for (i, p) in record.processes.iter().enumerate() {
+            if let Some((pid, start)) = p.handle() {
+                if self.alive(pid, start) {
+                    self.emit(&record.name, Some(i), ServiceEventKind::Adopted { pid });
+                }
+            }
+        }
+        Ok((record, Vec::new()))
+    }
+
+    /// Spawns every process of `record`, noting each pid and start time;
+    /// returns the pids. A failed spawn kills those already started.
+    fn spawn_all(&self, record: &mut ServiceRecord) -> std::io::Result<Vec<u32>> {
+        let mut spawned = Vec::new();
+        for i in 0..record.processes.len() {
+            match self.spawn(record, i) {
+                Ok((pid, start)) => {
+                    record.processes[i].pid = Some(pid);
+                    record.processes[i].start_time = Some(start);
+                    spawned.push(pid);
+                }
+                Err(source) => {
+                    for (j, p) in record.processes.iter().enumerate().take(i) {
+                        if let Some((pid, start)) = p.handle() {
+                            self.kill(&record.name, j, pid, start);
+                        }
+                    }
+                    return Err(source);
+                }
+            }
+        }
+        Ok(spawned)
+    }
+
+    /// Kills every process of `record` that has a handle, without waiting
+    /// to confirm (unlike [`Inner::kill_all`]).
+    fn kill_processes(&self, record: &ServiceRecord) {
+        for (i, p) in record.processes.iter().enumerate() {
+            if let Some((pid, start)) = p.handle() {
+                self.kill(&record.name, i, pid, start);
+            }
+        }
     }
 
     pub(super) fn remember_args(&self, config: &ServiceConfig) {
