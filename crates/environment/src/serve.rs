@@ -62,22 +62,7 @@ impl Environment {
             listener,
             admission::api_pool(&self.metrics()),
         ));
-        // Log every service event (crashes, restarts) while we serve.
-        let mut events = self.orchestrator.watch_services();
-        let logger = tokio::spawn(async move {
-            use tokio::sync::broadcast::error::RecvError;
-            loop {
-                match events.recv().await {
-                    Ok(e) => {
-                        tracing::info!(service = %e.service, process = ?e.process, event = ?e.kind, "service event")
-                    }
-                    Err(RecvError::Lagged(n)) => {
-                        tracing::warn!("{n} service events were not logged")
-                    }
-                    Err(RecvError::Closed) => return,
-                }
-            }
-        });
+        let logger = self.log_service_events();
         // grpc.health.v1: the API, and each replica as `replica/NAME`,
         // serving while it answers a ping.
         let (health, health_service) = tonic_health::server::health_reporter();
@@ -85,26 +70,7 @@ impl Environment {
             .set_serving::<proto::environment_server::EnvironmentServer<server::EnvironmentService>>()
             .await;
         let checker = tokio::spawn(self.clone().report_replica_health(health.clone()));
-        // What stops the server: a halt, or `shutdown` (health turns
-        // NOT_SERVING first). `stopping` says which, once one happened.
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(None::<Stop>);
-        let me = self.clone();
-        let stopper = tokio::spawn(async move {
-            let why = tokio::select! {
-                _ = me.wait_halted() => Stop::Halted,
-                () = shutdown => {
-                    health
-                        .set_not_serving::<proto::environment_server::EnvironmentServer<server::EnvironmentService>>()
-                        .await;
-                    health
-                        .set_service_status("", tonic_health::ServingStatus::NotServing)
-                        .await;
-                    tracing::info!(grace = ?grace, "shutting down: health NOT_SERVING, no new calls, in-flight calls get the grace period");
-                    Stop::Shutdown
-                }
-            };
-            let _ = stop_tx.send(Some(why));
-        });
+        let (stopper, stop_rx) = self.spawn_stopper(health, shutdown, grace);
         let stopped = |mut rx: tokio::sync::watch::Receiver<Option<Stop>>| async move {
             let why = rx.wait_for(Option::is_some).await.map(|why| *why);
             match why {
@@ -121,11 +87,6 @@ impl Environment {
         };
         // Server reflection, v1 and v1alpha, over the API, the compute
         // protocol and the health service.
-        let reflection = || {
-            tonic_reflection::server::Builder::configure()
-                .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
-                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        };
         let reflection_v1 = reflection()
             .build_v1()
             .expect("the built-in descriptor sets decode");
@@ -202,6 +163,68 @@ impl Environment {
             None => Ok(()),
         }
     }
+}
+
+impl Environment {
+    /// Logs every service event (crashes, restarts) while the API serves;
+    /// the task ends when the orchestrator's event stream does.
+    fn log_service_events(&self) -> tokio::task::JoinHandle<()> {
+        let mut events = self.orchestrator.watch_services();
+        tokio::spawn(async move {
+            use tokio::sync::broadcast::error::RecvError;
+            loop {
+                match events.recv().await {
+                    Ok(e) => {
+                        tracing::info!(service = %e.service, process = ?e.process, event = ?e.kind, "service event")
+                    }
+                    Err(RecvError::Lagged(n)) => {
+                        tracing::warn!("{n} service events were not logged")
+                    }
+                    Err(RecvError::Closed) => return,
+                }
+            }
+        })
+    }
+
+    /// What stops the server: a halt, or `shutdown` (health turns
+    /// NOT_SERVING first). The receiver says which, once one happened.
+    fn spawn_stopper(
+        self: &Arc<Self>,
+        health: tonic_health::server::HealthReporter,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+        grace: std::time::Duration,
+    ) -> (
+        tokio::task::JoinHandle<()>,
+        tokio::sync::watch::Receiver<Option<Stop>>,
+    ) {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(None::<Stop>);
+        let me = self.clone();
+        let stopper = tokio::spawn(async move {
+            let why = tokio::select! {
+                _ = me.wait_halted() => Stop::Halted,
+                () = shutdown => {
+                    health
+                        .set_not_serving::<proto::environment_server::EnvironmentServer<server::EnvironmentService>>()
+                        .await;
+                    health
+                        .set_service_status("", tonic_health::ServingStatus::NotServing)
+                        .await;
+                    tracing::info!(grace = ?grace, "shutting down: health NOT_SERVING, no new calls, in-flight calls get the grace period");
+                    Stop::Shutdown
+                }
+            };
+            let _ = stop_tx.send(Some(why));
+        });
+        (stopper, stop_rx)
+    }
+}
+
+/// Server reflection over the API, the compute protocol and the health
+/// service (built once for v1, once for v1alpha).
+fn reflection() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
 }
 
 impl Environment {
