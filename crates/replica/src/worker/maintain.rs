@@ -44,6 +44,13 @@ fn read_trace(trace: &mut Trace) -> Vec<Update> {
 impl WorkerState {
     /// Reports frontiers, answers peeks that are ready, emits subscribe batches.
     pub fn maintain(&mut self) {
+        self.report_frontiers();
+        self.answer_peeks();
+        self.emit_subscribe_batches();
+    }
+
+    /// Reports the frontiers of the dataflows in motion only.
+    fn report_frontiers(&mut self) {
         // Frontiers, of the dataflows in motion only. A dataflow settles
         // once every export's frontier reached its inputs' uppers and was
         // reported: nothing moves it again until a write to one of its
@@ -102,8 +109,10 @@ impl WorkerState {
                 upper,
             });
         }
+    }
 
-        // Peeks.
+    /// Answers the peeks that are ready; the others wait.
+    fn answer_peeks(&mut self) {
         let mut answered = Vec::new();
         let peeks = std::mem::take(&mut self.peeks);
         for p in peeks {
@@ -120,8 +129,11 @@ impl WorkerState {
                 result,
             });
         }
+    }
 
-        // Subscribes.
+    /// Emits what each subscription can send now: its snapshot once the
+    /// frontier passed its as_of, then the changes between frontiers.
+    fn emit_subscribe_batches(&mut self) {
         let mut batches = Vec::new();
         let mut finished = Vec::new();
         for (sid, s) in self.subs.iter_mut() {
