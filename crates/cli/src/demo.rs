@@ -423,25 +423,7 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
         2,
         "creating replica `demo`: 2 processes x 2 workers, through the process orchestrator",
     );
-    let r = c
-        .create_replica(proto::CreateReplicaRequest {
-            name: "demo".into(),
-            processes: 2,
-            workers_per_process: 2,
-            config: String::new(),
-        })
-        .await
-        .context("create replica")?
-        .into_inner();
-    let pids: Vec<u32> = r
-        .replica
-        .iter()
-        .flat_map(|r| r.process_status.iter().map(|p| p.pid))
-        .collect();
-    println!("demo:       replica processes {pids:?}");
-    if hosts > 0 {
-        check_hosts(&pids)?;
-    }
+    let pids = create_demo_replica(&mut c, hosts).await?;
 
     step(
         3,
@@ -494,28 +476,7 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
     println!("demo:       {n} peeks equal the reference");
 
     step(6, "checking the subscription against the reference");
-    let mut changes: Vec<Update> = Vec::new();
-    loop {
-        let batch = tokio::time::timeout(Duration::from_secs(30), sub.next())
-            .await
-            .context("no subscribe batch within 30 s")?
-            .context("the subscription ended early")??;
-        changes.extend(batch.updates.into_iter().map(Update::from));
-        if batch.upper.first().is_none_or(|&t| t >= 4) {
-            break;
-        }
-    }
-    let (_, _, _, reduce) = dataflows()?.remove(1);
-    for t in 0..4 {
-        let want = reference(&reduce, &writes, t);
-        if at_time(&changes, t) != want {
-            bail!("the subscription's changes accumulated at time {t} differ from the reference {want:?}");
-        }
-    }
-    println!(
-        "demo:       {} changes, accumulating to the reference at times 0..3",
-        changes.len()
-    );
+    check_subscription(&mut sub, &writes).await?;
     drop(sub);
 
     step(
@@ -555,9 +516,82 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
         "sending bad requests: each must be refused with a clear error, changing nothing",
     );
     bad_requests(&mut c).await?;
-    // Private by default: a call on loopback without the token that
-    // `serve` made in the state directory is refused, with and without a
-    // wrong one.
+    refuse_without_token(&env2.url).await?;
+    let n = check_peeks(&mut c, &all, 4..5).await?;
+    println!("demo:       {n} peeks still equal the reference");
+
+    step(
+        11,
+        "reading the Prometheus metrics of the restarted environment",
+    );
+    check_metrics_and_status(bin, state, &env2).await?;
+    drop(env2);
+    Ok(())
+}
+
+/// Step 2: replica `demo`, 2 processes x 2 workers; its processes' PIDs
+/// (on their simulated hosts, if any).
+async fn create_demo_replica(
+    c: &mut crate::api_client::Client,
+    hosts: usize,
+) -> anyhow::Result<Vec<u32>> {
+    let r = c
+        .create_replica(proto::CreateReplicaRequest {
+            name: "demo".into(),
+            processes: 2,
+            workers_per_process: 2,
+            config: String::new(),
+        })
+        .await
+        .context("create replica")?
+        .into_inner();
+    let pids: Vec<u32> = r
+        .replica
+        .iter()
+        .flat_map(|r| r.process_status.iter().map(|p| p.pid))
+        .collect();
+    println!("demo:       replica processes {pids:?}");
+    if hosts > 0 {
+        check_hosts(&pids)?;
+    }
+    Ok(pids)
+}
+
+/// Step 6: the subscription's changes accumulate to the reference at every
+/// time.
+async fn check_subscription(
+    sub: &mut tonic::Streaming<wire::SubscribeResponse>,
+    writes: &[(u64, Vec<Update>, u64)],
+) -> anyhow::Result<()> {
+    let mut changes: Vec<Update> = Vec::new();
+    loop {
+        let batch = tokio::time::timeout(Duration::from_secs(30), sub.next())
+            .await
+            .context("no subscribe batch within 30 s")?
+            .context("the subscription ended early")??;
+        changes.extend(batch.updates.into_iter().map(Update::from));
+        if batch.upper.first().is_none_or(|&t| t >= 4) {
+            break;
+        }
+    }
+    let (_, _, _, reduce) = dataflows()?.remove(1);
+    for t in 0..4 {
+        let want = reference(&reduce, writes, t);
+        if at_time(&changes, t) != want {
+            bail!("the subscription's changes accumulated at time {t} differ from the reference {want:?}");
+        }
+    }
+    println!(
+        "demo:       {} changes, accumulating to the reference at times 0..3",
+        changes.len()
+    );
+    Ok(())
+}
+
+/// Step 10: private by default: a call on loopback without the token that
+/// `serve` made in the state directory is refused, with and without a
+/// wrong one.
+async fn refuse_without_token(url: &str) -> anyhow::Result<()> {
     for (what, token) in [
         ("a call without the API token", None),
         (
@@ -565,7 +599,7 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
             Some("not-this-environments-token"),
         ),
     ] {
-        match client(&env2.url, token)
+        match client(url, token)
             .await?
             .list_replicas(proto::ListReplicasRequest::default())
             .await
@@ -581,13 +615,12 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
             Ok(_) => bail!("{what} was accepted"),
         }
     }
-    let n = check_peeks(&mut c, &all, 4..5).await?;
-    println!("demo:       {n} peeks still equal the reference");
+    Ok(())
+}
 
-    step(
-        11,
-        "reading the Prometheus metrics of the restarted environment",
-    );
+/// Step 11: the restarted environment's Prometheus metrics, and
+/// `lockstep status`.
+async fn check_metrics_and_status(bin: &Path, state: &Path, env2: &Env) -> anyhow::Result<()> {
     let addr = env2
         .metrics
         .clone()
@@ -659,6 +692,5 @@ async fn run_in(bin: &Path, state: &Path, on: On<'_>) -> anyhow::Result<()> {
     for l in summary.lines() {
         println!("demo:         {l}");
     }
-    drop(env2);
     Ok(())
 }
