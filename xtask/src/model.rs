@@ -19,12 +19,13 @@ use anyhow::{bail, Context};
 use crate::util::{cargo, step};
 
 /// Every variant the model binary checks, in report order.
-pub const VARIANTS: [&str; 14] = [
+pub const VARIANTS: [&str; 15] = [
     "naive",
     "broadcast",
     "barrier",
     "log",
     "log-then-barrier",
+    "history-full-collective",
     "epoch",
     "id-watermark",
     "catalog-only",
@@ -37,7 +38,7 @@ pub const VARIANTS: [&str; 14] = [
 ];
 
 /// The variants that must be caught (and every `mutant-*` variant).
-const NEGATIVE_CONTROLS: [&str; 2] = ["naive", "catalog-only"];
+const NEGATIVE_CONTROLS: [&str; 3] = ["naive", "catalog-only", "history-full-collective"];
 
 /// Runs the model checker on `variants` (every variant when empty).
 pub fn run(variants: &[String]) -> anyhow::Result<()> {

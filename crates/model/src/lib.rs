@@ -401,12 +401,13 @@ const LOG_THEN_BARRIER: [ComputeBounds; 3] = [
 ];
 
 /// Every variant `cargo xtask model` checks, in report order.
-pub const VARIANTS: [&str; 14] = [
+pub const VARIANTS: [&str; 15] = [
     "naive",
     "broadcast",
     "barrier",
     "log",
     "log-then-barrier",
+    "history-full-collective",
     "epoch",
     "id-watermark",
     "catalog-only",
@@ -427,7 +428,10 @@ pub const EXTRA_VARIANTS: [&str; 2] = ["history-compacted", "history-full"];
 
 /// Whether a variant is a negative control (must be caught).
 pub fn is_negative_control(name: &str) -> bool {
-    matches!(name, "naive" | "catalog-only" | "history-compacted") || name.starts_with("mutant-")
+    matches!(
+        name,
+        "naive" | "catalog-only" | "history-compacted" | "history-full-collective"
+    ) || name.starts_with("mutant-")
 }
 
 /// The CI scenarios of a variant of [`VARIANTS`], if the name is one.
@@ -451,11 +455,19 @@ pub fn scenarios(name: &str) -> Option<Vec<Variant>> {
         "epoch" => return Some(vec![Variant::Orphan("epoch", ORPHANS)]),
         "id-watermark" => return Some(vec![Variant::Orphan("id-watermark", ORPHANS)]),
         "catalog-only" => return Some(vec![Variant::Orphan("catalog-only", ORPHANS)]),
+        // The naive→barrier upgrade, a negative control: why a naive
+        // session's mismatch restarts the replica. Caught within the first
+        // scenario's bounds (two faults), the only one it runs.
+        "history-full-collective" => {
+            return Some(vec![Variant::History(
+                compute::HistoryCheck::FullCollective,
+                COMPUTE[0],
+            )])
+        }
         "history-compacted" | "history-full" => {
-            let check = if name == "history-full" {
-                compute::HistoryCheck::Full
-            } else {
-                compute::HistoryCheck::Compacted
+            let check = match name {
+                "history-full" => compute::HistoryCheck::Full,
+                _ => compute::HistoryCheck::Compacted,
             };
             return Some(
                 COMPUTE

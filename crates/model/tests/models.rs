@@ -256,6 +256,36 @@ fn history_check_on_full_histories_protects_naive() {
     );
 }
 
+/// The naive→barrier upgrade: when a naive session's history mismatch is
+/// reconciled collectively, the controller's machine sends its
+/// InitializationComplete with `barrier` (`completion_strategy`). That
+/// cannot keep naive in lockstep: once the round is abandoned for a newer
+/// session, the old session's creates apply on some workers only. Caught by
+/// I1, with the upgraded InitializationComplete in the counterexample; it is
+/// why a naive session's mismatch restarts the replica.
+#[test]
+fn reconciling_a_naive_mismatch_collectively_is_caught() {
+    let bounds = ComputeBounds {
+        processes: 2,
+        dataflows: 2,
+        commands: 2,
+        faults: 2,
+    };
+    let m = compute(Strategy::Naive, bounds).with_history_check(HistoryCheck::FullCollective);
+    let r = check(m, "history-full-collective", String::new(), true);
+    assert!(violated(&r).contains(&"I1 lockstep"), "{:?}", violated(&r));
+    let trace = &r
+        .violations
+        .iter()
+        .find(|v| v.property == "I1 lockstep")
+        .expect("an I1 counterexample")
+        .trace;
+    assert!(
+        trace.contains("InitializationComplete with barrier"),
+        "{trace}"
+    );
+}
+
 #[test]
 fn without_tombstones_a_stale_ensure_resurrects_a_dropped_replica() {
     let mut m = OrphanModel::new("epoch", ORPHANS);

@@ -184,6 +184,22 @@ impl ControllerSession {
         }
     }
 
+    /// What a history mismatch gets when the policy cannot answer: a
+    /// session whose strategy reconciles per worker (`naive`) restarts the
+    /// replica, since reconciling collectively cannot repair it (a
+    /// dataflow built on some workers only has already shifted their timely
+    /// indices, and the session's later commands are not coordinated
+    /// either: the model's `history-full-collective` shows it); any other
+    /// reconciles collectively.
+    pub fn mismatch_fallback(&self) -> crate::MismatchResolution {
+        match self.start {
+            Some(s) if !rules(s.strategy).reconciles_collectively() => {
+                crate::MismatchResolution::RestartReplica
+            }
+            _ => crate::MismatchResolution::ReconcileCollectively,
+        }
+    }
+
     /// How a command sent with `strategy` reaches the processes; `write`
     /// whether it is a write (which a socket-ordered strategy splits per
     /// process on a replica of more than one).
@@ -308,6 +324,24 @@ mod tests {
             session(1, false).delivery(Strategy::Barrier, true),
             Delivery::Copies
         );
+    }
+
+    #[test]
+    fn a_mismatch_without_a_policy_answer_restarts_a_naive_replica() {
+        let mut s = session(2, false);
+        s.start_delivery(Strategy::Naive);
+        assert_eq!(
+            s.mismatch_fallback(),
+            crate::MismatchResolution::RestartReplica
+        );
+        for collective in [Strategy::Barrier, Strategy::Broadcast] {
+            let mut s = session(2, false);
+            s.start_delivery(collective);
+            assert_eq!(
+                s.mismatch_fallback(),
+                crate::MismatchResolution::ReconcileCollectively
+            );
+        }
     }
 
     #[test]

@@ -278,8 +278,16 @@ impl Actor {
         let action = match self.policy.on_mismatch(&info) {
             Ok(a) => a,
             Err(e) => {
-                tracing::warn!(error = %e, "distribution policy failed on a history mismatch; reconciling collectively");
-                MismatchAction::ReconcileCollectively
+                // The machine's fallback: a naive session restarts the
+                // replica, any other reconciles collectively.
+                let action = match self.session.mismatch_fallback() {
+                    MismatchResolution::RestartReplica => MismatchAction::RestartReplica,
+                    MismatchResolution::ReconcileCollectively => {
+                        MismatchAction::ReconcileCollectively
+                    }
+                };
+                tracing::warn!(error = %e, ?action, "distribution policy failed on a history mismatch; taking the fallback");
+                action
             }
         };
         // I1 is about creation logs: say whether they differ, or only the

@@ -146,6 +146,12 @@ pub enum HistoryCheck {
     /// A digest of everything the process did (its creation log and what it
     /// runs).
     Full,
+    /// The same digest, and on a mismatch the policy answers
+    /// `ReconcileCollectively` instead of restarting the replica: the
+    /// controller's machine sends the naive session's InitializationComplete
+    /// with `barrier` (`ControllerSession::completion_strategy`), and the
+    /// workers reconcile in one round.
+    FullCollective,
 }
 
 /// The compute-protocol model for one strategy.

@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 
-use lockstep_reconcile::{BarrierDecision, HistoryStep, LogHoldMutant, MismatchResolution};
+use lockstep_reconcile::{BarrierDecision, HistoryStep, LogHoldMutant};
 use stateright::{Model, Property};
 
 use super::state::{ComputeAction, ComputeState, Controller, Msg};
@@ -166,16 +166,16 @@ impl Model for ComputeModel {
                 // The processes must agree with each other: after a crash the
                 // controller cannot know what they applied (it lost what was
                 // in flight), and fresh processes have no history at all.
-                // The model's policy restarts the replica on a mismatch.
+                // The model's policy restarts the replica on a mismatch, or
+                // has it reconcile collectively (`history-full-collective`).
                 let step = match s.ctl.machine.check_histories(0, u64::MAX) {
-                    HistoryStep::AskPolicy { .. } => s
-                        .ctl
-                        .machine
-                        .mismatch_resolved(MismatchResolution::RestartReplica, 0),
+                    HistoryStep::AskPolicy { .. } => {
+                        s.ctl.machine.mismatch_resolved(self.mismatch(), 0)
+                    }
                     step => step,
                 };
                 match step {
-                    HistoryStep::Complete { .. } => self.complete(&mut s),
+                    HistoryStep::Complete { collective, .. } => self.complete(&mut s, collective),
                     HistoryStep::RestartReplica => self.restart_replica(&mut s),
                     HistoryStep::Wait | HistoryStep::AskPolicy { .. } => return None,
                 }

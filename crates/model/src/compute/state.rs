@@ -26,6 +26,10 @@ pub enum Msg {
         seqno: u64,
         /// Every dataflow the controller wants, in catalog order.
         keys: Vec<DataflowKey>,
+        /// What InitializationComplete is sent with (the controller's
+        /// machine decides: `barrier` for a naive session that must
+        /// reconcile collectively).
+        complete: Strategy,
     },
     /// Create one dataflow.
     Create {
@@ -140,10 +144,19 @@ impl Msg {
         };
         match self {
             Msg::Hello { session } => vec![cmd(0, CmdKind::Hello(*session))],
-            Msg::Target { seqno, keys, .. } => keys
+            Msg::Target {
+                seqno,
+                keys,
+                complete,
+                ..
+            } => keys
                 .iter()
                 .map(|k| cmd(*seqno, CmdKind::Create(*k)))
-                .chain([cmd(*seqno, CmdKind::Complete)])
+                .chain([Cmd {
+                    strategy: *complete,
+                    seqno: *seqno,
+                    kind: CmdKind::Complete,
+                }])
                 .collect(),
             Msg::Create { seqno, key, .. } => vec![cmd(*seqno, CmdKind::Create(*key))],
             Msg::Drop { id, .. } => vec![cmd(0, CmdKind::Drop(*id))],

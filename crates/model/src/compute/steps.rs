@@ -7,7 +7,7 @@ use lockstep_protocol::{Digest, Strategy};
 use lockstep_reconcile::{
     rules, socket_ordered, Action, BarrierDecision, ControllerSession, DataflowKey, Delivery,
     DeliveryMutant, GateMutant, HistoryStep, LogHoldMutant, LogRead, MeshAnnouncement,
-    ReplicaDelivery, RoundMutant, Source, WorkerSession,
+    MismatchResolution, ReplicaDelivery, RoundMutant, Source, WorkerSession,
 };
 
 use super::state::{
@@ -21,7 +21,7 @@ impl ComputeModel {
         match self.history {
             // The compacted history: the creates of what still runs, in order.
             HistoryCheck::Compacted | HistoryCheck::Off => digest_of(&w.keys()),
-            HistoryCheck::Full => digest_of(&(&w.log, &w.installed)),
+            HistoryCheck::Full | HistoryCheck::FullCollective => digest_of(&(&w.log, &w.installed)),
         }
     }
 
@@ -142,6 +142,14 @@ impl ComputeModel {
         self
     }
 
+    /// What the model's policy answers on a history mismatch.
+    pub fn mismatch(&self) -> MismatchResolution {
+        match self.history {
+            HistoryCheck::FullCollective => MismatchResolution::ReconcileCollectively,
+            _ => MismatchResolution::RestartReplica,
+        }
+    }
+
     /// The controller's next step in the history check, from the reports of
     /// its session so far (what the controller's actor runs; the model's
     /// bound never passes).
@@ -238,28 +246,34 @@ impl ComputeModel {
             // No history check: the controller's bound for the reports
             // passes at once, and it completes unchecked.
             match s.ctl.machine.check_histories(1, 0) {
-                HistoryStep::Complete { .. } => self.complete(s),
+                HistoryStep::Complete { collective, .. } => self.complete(s, collective),
                 step => unreachable!("an unchecked session completes, not {step:?}"),
             }
         }
     }
 
     /// InitializationComplete: the target, then the machine serves.
-    pub(super) fn complete(&self, s: &mut ComputeState) {
-        self.send_target(s);
+    pub(super) fn complete(&self, s: &mut ComputeState, collective: bool) {
+        self.send_target(s, collective);
         s.ctl.machine.serving(0);
     }
 
     /// The target and InitializationComplete, after Hello.
-    fn send_target(&self, s: &mut ComputeState) {
+    fn send_target(&self, s: &mut ComputeState, collective: bool) {
         let session = s.ctl.session;
         let keys = s.ctl.catalog.clone();
+        let machine = &s.ctl.machine;
+        let chosen = machine
+            .command_choice(Some(self.session_strategy(session)))
+            .strategy;
+        let complete = machine.completion_strategy(chosen, collective);
         self.send(
             s,
             Msg::Target {
                 session,
                 seqno: 1,
                 keys,
+                complete,
             },
         );
         s.ctl.seqno = 2;
@@ -354,7 +368,9 @@ impl ComputeModel {
     /// round is ever announced, so nothing reads the joins it sends and the
     /// model does not queue them.
     fn mesh_send(&self, s: &mut ComputeState, me: usize, record: MeshAnnouncement) {
-        if self.strategy == Strategy::Naive {
+        if self.strategy == Strategy::Naive
+            && self.mismatch() != MismatchResolution::ReconcileCollectively
+        {
             return;
         }
         for (w, inbox) in s.inboxes.iter_mut().enumerate() {

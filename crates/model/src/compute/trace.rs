@@ -64,12 +64,23 @@ impl ComputeModel {
                 self.session_strategy(*session).name()
             ),
             Msg::Hello { session } => format!("Hello(session {session})"),
-            Msg::Target { keys, .. } => format!(
-                "Target[{}]+InitializationComplete",
+            Msg::Target {
+                keys,
+                session,
+                complete,
+                ..
+            } => format!(
+                "Target[{}]+InitializationComplete{}",
                 keys.iter()
                     .map(|k| self.label(k))
                     .collect::<Vec<_>>()
-                    .join(",")
+                    .join(","),
+                // The naive→barrier upgrade: say so.
+                if *complete != self.session_strategy(*session) {
+                    format!(" with {}", complete.name())
+                } else {
+                    String::new()
+                }
             ),
             Msg::Create { key, .. } => format!("CreateDataflow {}", self.label(key)),
             Msg::Drop { id, .. } => format!("Drop {}", self.id_label(*id)),
