@@ -9,7 +9,8 @@
 //! and one JSON line per variant (suite `model`, with the number of states
 //! explored). This task passes that output on and then checks the summary
 //! lines itself: every variant asked for is reported, the negative controls
-//! (`naive`, `catalog-only`) say `"caught":true`, every other variant has
+//! (`naive`, `catalog-only`, `history-full-collective`, every `mutant-*`) say
+//! `"caught":true`, every other variant has
 //! `"failed":0`, and the binary exited successfully.
 
 use std::process::Stdio;
