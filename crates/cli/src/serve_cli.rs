@@ -467,7 +467,7 @@ async fn start_on_kubernetes(
             lockstep_orchestrator_kubernetes::KubernetesOrchestrator::new(client, c),
         ))
     });
-    Ok(Environment::start_with_secret(config, factory, Some(master)).await?)
+    Environment::start_with_secret(config, factory, Some(master)).await
 }
 
 /// What serving needs beside the environment: the bound listeners, the
