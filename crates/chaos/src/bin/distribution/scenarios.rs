@@ -7,7 +7,7 @@ use std::time::Duration;
 use lockstep_chaos::outcome::{violation, Failure};
 use lockstep_controller::Controller;
 use lockstep_orchestrator::Orchestrator;
-use lockstep_protocol::Strategy;
+use lockstep_protocol::{DataflowDescription, Strategy};
 
 use super::partitions;
 use super::replica::{controller, pid_of, signal, start_replica, Replica};
@@ -110,224 +110,37 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
     let a = controller(r, 1, s, history(s, &base));
     ready(&a, &base).await?;
     match name {
-        "partial-create-unwanted" => {
-            crash_on("create-dataflow");
-            // The controller crashes inside this call: what it returns does not matter.
-            let _ = a.create_dataflow(x(s));
-            crashed(&a).await;
-            check(s, &controller(r, 2, s, history(s, &base)), &base).await
-        }
-        "partial-create-wanted" => {
-            crash_on("create-dataflow");
-            // The controller crashes inside this call: what it returns does not matter.
-            let _ = a.create_dataflow(x(s));
-            crashed(&a).await;
-            let t = vec![d1(s), d2(s), x(s)];
-            check(s, &controller(r, 2, s, history(s, &t)), &t).await
-        }
+        "partial-create-unwanted" => partial_create_unwanted(r, s, a, base).await,
+        "partial-create-wanted" => partial_create_wanted(r, s, a).await,
         "strategy-switched-after-partial-create" => {
-            // The next controller runs another strategy (log, or barrier
-            // after log), as after a policy swapped at run time.
-            crash_on("create-dataflow");
-            // The controller crashes inside this call: what it returns does not matter.
-            let _ = a.create_dataflow(x(s));
-            crashed(&a).await;
-            let t = vec![d1(s), d2(s), x(s)];
-            let switched = Variant {
-                strategy: if s.strategy == Strategy::Log {
-                    Strategy::Barrier
-                } else {
-                    Strategy::Log
-                },
-                // The history check's answer stays what the variant's is.
-                check_reconciles: s.check_reconciles,
-                postgres: s.postgres,
-                hosts: s.hosts,
-                family: s.family,
-            };
-            check(s, &controller(r, 2, switched, history(s, &t)), &t).await
+            strategy_switched_after_partial_create(r, s, a).await
         }
-        "partial-create-then-create" => {
-            crash_on("create-dataflow");
-            // The controller crashes inside this call: what it returns does not matter.
-            let _ = a.create_dataflow(x(s));
-            crashed(&a).await;
-            let b = controller(r, 2, s, history(s, &base));
-            b.create_dataflow(y(s)).map_err(|e| e.to_string())?;
-            check(s, &b, &[d1(s), d2(s), y(s)]).await
-        }
-        "partial-drop-wanted-again" => {
-            // Process 0 sees build and drop of X, process 1 only the build;
-            // the restarted controller wants X again.
-            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
-            ready(&a, &[x(s)]).await?;
-            crash_on("allow-compaction");
-            let _ = a.drop_dataflow(&x(s));
-            crashed(&a).await;
-            let t = vec![d1(s), d2(s), x(s)];
-            check(s, &controller(r, 2, s, history(s, &t)), &t).await
-        }
-        "partial-drop-unwanted" => {
-            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
-            ready(&a, &[x(s)]).await?;
-            crash_on("allow-compaction");
-            let _ = a.drop_dataflow(&x(s));
-            crashed(&a).await;
-            check(s, &controller(r, 2, s, history(s, &base)), &base).await
-        }
-        "partial-peek" => {
-            crash_on("peek");
-            let _ = tokio::time::timeout(Duration::from_millis(300), a.peek(1001, LAST_TIME)).await;
-            crashed(&a).await;
-            check(s, &controller(r, 2, s, history(s, &base)), &base).await
-        }
-        "partial-write" => {
-            crash_on("write-input");
-            let _ = a.write_input(1, vec![], LAST_TIME + 1);
-            crashed(&a).await;
-            check(s, &controller(r, 2, s, history(s, &base)), &base).await
-        }
-        "partial-reconcile" => {
-            // The restarted controller crashes during reconciliation itself.
-            a.shutdown();
-            let t = vec![d1(s), d2(s), x(s)];
-            crash_on("initialization-complete");
-            let b = controller(r, 2, s, history(s, &t));
-            crashed(&b).await;
-            check(s, &controller(r, 3, s, history(s, &t)), &t).await
-        }
-        "partial-reconcile-changed" => {
-            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
-            ready(&a, &[x(s)]).await?;
-            a.shutdown();
-            crash_on("initialization-complete");
-            let b = controller(r, 2, s, history(s, &base));
-            crashed(&b).await;
-            let t = vec![d1(s), d2(s), x(s), y(s)];
-            check(s, &controller(r, 3, s, history(s, &t)), &t).await
-        }
-        "dropped-connections" => {
-            a.reconnect().map_err(|e| e.to_string())?;
-            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
-            check(s, &a, &[d1(s), d2(s), x(s)]).await
-        }
-        "changed-target" => {
-            a.shutdown();
-            let t = vec![d2(s), x(s)];
-            check(s, &controller(r, 2, s, history(s, &t)), &t).await
-        }
-        "partial-create-last" => {
-            crash_reaching("create-dataflow", "last1");
-            // The controller crashes inside this call: what it returns does not matter.
-            let _ = a.create_dataflow(x(s));
-            crashed(&a).await;
-            check(s, &controller(r, 2, s, history(s, &base)), &base).await
-        }
-        "partial-create-last-wanted" => {
-            crash_reaching("create-dataflow", "last1");
-            // The controller crashes inside this call: what it returns does not matter.
-            let _ = a.create_dataflow(x(s));
-            crashed(&a).await;
-            let t = vec![d1(s), d2(s), x(s)];
-            check(s, &controller(r, 2, s, history(s, &t)), &t).await
-        }
-        "partial-drop-wanted-again-mirrored" => {
-            // Process 1 sees build and drop of X, process 0 only the build.
-            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
-            ready(&a, &[x(s)]).await?;
-            crash_reaching("allow-compaction", "last1");
-            let _ = a.drop_dataflow(&x(s));
-            crashed(&a).await;
-            let t = vec![d1(s), d2(s), x(s)];
-            check(s, &controller(r, 2, s, history(s, &t)), &t).await
-        }
-        "partial-write-last" => {
-            crash_reaching("write-input", "last1");
-            let _ = a.write_input(1, vec![], LAST_TIME + 1);
-            crashed(&a).await;
-            check(s, &controller(r, 2, s, history(s, &base)), &base).await
-        }
-        "double-crash" => {
-            // A crash in a create, then the successor crashes reconciling.
-            crash_on("create-dataflow");
-            let _ = a.create_dataflow(x(s));
-            crashed(&a).await;
-            let t = vec![d1(s), d2(s), y(s)];
-            crash_on("initialization-complete");
-            let b = controller(r, 2, s, history(s, &t));
-            crashed(&b).await;
-            check(s, &controller(r, 3, s, history(s, &t)), &t).await
-        }
-        "three-processes-partial-create" => {
-            crash_reaching("create-dataflow", "2");
-            let _ = a.create_dataflow(x(s));
-            crashed(&a).await;
-            check(s, &controller(r, 2, s, history(s, &base)), &base).await
-        }
+        "partial-create-then-create" => partial_create_then_create(r, s, a, base).await,
+        "partial-drop-wanted-again" => partial_drop_wanted_again(r, s, a).await,
+        "partial-drop-unwanted" => partial_drop_unwanted(r, s, a, base).await,
+        "partial-peek" => partial_peek(r, s, a, base).await,
+        "partial-write" => partial_write(r, s, a, base).await,
+        "partial-reconcile" => partial_reconcile(r, s, a).await,
+        "partial-reconcile-changed" => partial_reconcile_changed(r, s, a, base).await,
+        "dropped-connections" => dropped_connections(s, a).await,
+        "changed-target" => changed_target(r, s, a).await,
+        "partial-create-last" => partial_create_last(r, s, a, base).await,
+        "partial-create-last-wanted" => partial_create_last_wanted(r, s, a).await,
+        "partial-drop-wanted-again-mirrored" => partial_drop_wanted_again_mirrored(r, s, a).await,
+        "partial-write-last" => partial_write_last(r, s, a, base).await,
+        "double-crash" => double_crash(r, s, a).await,
+        "three-processes-partial-create" => three_processes_partial_create(r, s, a, base).await,
         "three-processes-partial-drop-wanted-again" => {
-            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
-            ready(&a, &[x(s)]).await?;
-            crash_reaching("allow-compaction", "last2");
-            let _ = a.drop_dataflow(&x(s));
-            crashed(&a).await;
-            let t = vec![d1(s), d2(s), x(s)];
-            check(s, &controller(r, 2, s, history(s, &t)), &t).await
+            three_processes_partial_drop_wanted_again(r, s, a).await
         }
-        "reconnect-between-creates" => {
-            a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
-            a.reconnect().map_err(|e| e.to_string())?;
-            a.create_dataflow(y(s)).map_err(|e| e.to_string())?;
-            check(s, &a, &[d1(s), d2(s), x(s), y(s)]).await
-        }
-        "stale-controller" => {
-            // The successor connects while the old controller still runs;
-            // what the old one sends afterwards must change nothing.
-            let t = vec![d1(s), d2(s), x(s)];
-            let b = controller(r, 2, s, history(s, &t));
-            ready(&b, &[x(s)]).await?;
-            let _ = a.create_dataflow(y(s));
-            let _ = a.drop_dataflow(&d1(s));
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            check(s, &b, &t).await
-        }
-        "killed-process" => {
-            let pid = pid_of(r, 1).await?;
-            signal(pid, libc::SIGKILL)?;
-            check(s, &a, &base).await
-        }
-        "killed-process-0" => {
-            let pid = pid_of(r, 0).await?;
-            signal(pid, libc::SIGKILL)?;
-            check(s, &a, &base).await
-        }
-        "killed-during-reconcile" => {
-            a.shutdown();
-            let t = vec![d1(s), d2(s), x(s)];
-            let b = controller(r, 2, s, history(s, &t));
-            let pid = pid_of(r, 1).await?;
-            signal(pid, libc::SIGKILL)?;
-            check(s, &b, &t).await
-        }
-        "stopped-process" => {
-            stop_until_silent(r, &a, 1).await?;
-            signal(pid_of(r, 1).await?, libc::SIGCONT)?;
-            check(s, &a, &base).await
-        }
-        "stopped-process-0" => {
-            stop_until_silent(r, &a, 0).await?;
-            signal(pid_of(r, 0).await?, libc::SIGCONT)?;
-            check(s, &a, &base).await
-        }
-        "stopped-process-restarted" => {
-            // What the environment does with a silent process: restart the
-            // replica through the orchestrator.
-            stop_until_silent(r, &a, 1).await?;
-            r.orchestrator
-                .restart_service(&r.service)
-                .await
-                .map_err(|e| format!("restart: {e}"))?;
-            check(s, &a, &base).await
-        }
+        "reconnect-between-creates" => reconnect_between_creates(s, a).await,
+        "stale-controller" => stale_controller(r, s, a).await,
+        "killed-process" => killed_process(r, s, a, base).await,
+        "killed-process-0" => killed_process_0(r, s, a, base).await,
+        "killed-during-reconcile" => killed_during_reconcile(r, s, a).await,
+        "stopped-process" => stopped_process(r, s, a, base).await,
+        "stopped-process-0" => stopped_process_0(r, s, a, base).await,
+        "stopped-process-restarted" => stopped_process_restarted(r, s, a, base).await,
         other => Err(Failure::Harness(format!("unknown scenario {other}"))),
     }
 }
@@ -357,4 +170,358 @@ async fn stop_until_silent(r: &Replica, a: &Controller, process: usize) -> Resul
         ));
     }
     Ok(())
+}
+
+/// Scenario `partial-create-unwanted`.
+async fn partial_create_unwanted(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    crash_on("create-dataflow");
+    // The controller crashes inside this call: what it returns does not matter.
+    let _ = a.create_dataflow(x(s));
+    crashed(&a).await;
+    check(s, &controller(r, 2, s, history(s, &base)), &base).await
+}
+
+/// Scenario `partial-create-wanted`.
+async fn partial_create_wanted(r: &Replica, s: Variant, a: Controller) -> Result<(), Failure> {
+    crash_on("create-dataflow");
+    // The controller crashes inside this call: what it returns does not matter.
+    let _ = a.create_dataflow(x(s));
+    crashed(&a).await;
+    let t = vec![d1(s), d2(s), x(s)];
+    check(s, &controller(r, 2, s, history(s, &t)), &t).await
+}
+
+/// Scenario `strategy-switched-after-partial-create`.
+async fn strategy_switched_after_partial_create(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+) -> Result<(), Failure> {
+    // The next controller runs another strategy (log, or barrier
+    // after log), as after a policy swapped at run time.
+    crash_on("create-dataflow");
+    // The controller crashes inside this call: what it returns does not matter.
+    let _ = a.create_dataflow(x(s));
+    crashed(&a).await;
+    let t = vec![d1(s), d2(s), x(s)];
+    let switched = Variant {
+        strategy: if s.strategy == Strategy::Log {
+            Strategy::Barrier
+        } else {
+            Strategy::Log
+        },
+        // The history check's answer stays what the variant's is.
+        check_reconciles: s.check_reconciles,
+        postgres: s.postgres,
+        hosts: s.hosts,
+        family: s.family,
+    };
+    check(s, &controller(r, 2, switched, history(s, &t)), &t).await
+}
+
+/// Scenario `partial-create-then-create`.
+async fn partial_create_then_create(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    crash_on("create-dataflow");
+    // The controller crashes inside this call: what it returns does not matter.
+    let _ = a.create_dataflow(x(s));
+    crashed(&a).await;
+    let b = controller(r, 2, s, history(s, &base));
+    b.create_dataflow(y(s)).map_err(|e| e.to_string())?;
+    check(s, &b, &[d1(s), d2(s), y(s)]).await
+}
+
+/// Scenario `partial-drop-wanted-again`.
+async fn partial_drop_wanted_again(r: &Replica, s: Variant, a: Controller) -> Result<(), Failure> {
+    // Process 0 sees build and drop of X, process 1 only the build;
+    // the restarted controller wants X again.
+    a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+    ready(&a, &[x(s)]).await?;
+    crash_on("allow-compaction");
+    let _ = a.drop_dataflow(&x(s));
+    crashed(&a).await;
+    let t = vec![d1(s), d2(s), x(s)];
+    check(s, &controller(r, 2, s, history(s, &t)), &t).await
+}
+
+/// Scenario `partial-drop-unwanted`.
+async fn partial_drop_unwanted(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+    ready(&a, &[x(s)]).await?;
+    crash_on("allow-compaction");
+    let _ = a.drop_dataflow(&x(s));
+    crashed(&a).await;
+    check(s, &controller(r, 2, s, history(s, &base)), &base).await
+}
+
+/// Scenario `partial-peek`.
+async fn partial_peek(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    crash_on("peek");
+    let _ = tokio::time::timeout(Duration::from_millis(300), a.peek(1001, LAST_TIME)).await;
+    crashed(&a).await;
+    check(s, &controller(r, 2, s, history(s, &base)), &base).await
+}
+
+/// Scenario `partial-write`.
+async fn partial_write(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    crash_on("write-input");
+    let _ = a.write_input(1, vec![], LAST_TIME + 1);
+    crashed(&a).await;
+    check(s, &controller(r, 2, s, history(s, &base)), &base).await
+}
+
+/// Scenario `partial-reconcile`.
+async fn partial_reconcile(r: &Replica, s: Variant, a: Controller) -> Result<(), Failure> {
+    // The restarted controller crashes during reconciliation itself.
+    a.shutdown();
+    let t = vec![d1(s), d2(s), x(s)];
+    crash_on("initialization-complete");
+    let b = controller(r, 2, s, history(s, &t));
+    crashed(&b).await;
+    check(s, &controller(r, 3, s, history(s, &t)), &t).await
+}
+
+/// Scenario `partial-reconcile-changed`.
+async fn partial_reconcile_changed(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+    ready(&a, &[x(s)]).await?;
+    a.shutdown();
+    crash_on("initialization-complete");
+    let b = controller(r, 2, s, history(s, &base));
+    crashed(&b).await;
+    let t = vec![d1(s), d2(s), x(s), y(s)];
+    check(s, &controller(r, 3, s, history(s, &t)), &t).await
+}
+
+/// Scenario `dropped-connections`.
+async fn dropped_connections(s: Variant, a: Controller) -> Result<(), Failure> {
+    a.reconnect().map_err(|e| e.to_string())?;
+    a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+    check(s, &a, &[d1(s), d2(s), x(s)]).await
+}
+
+/// Scenario `changed-target`.
+async fn changed_target(r: &Replica, s: Variant, a: Controller) -> Result<(), Failure> {
+    a.shutdown();
+    let t = vec![d2(s), x(s)];
+    check(s, &controller(r, 2, s, history(s, &t)), &t).await
+}
+
+/// Scenario `partial-create-last`.
+async fn partial_create_last(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    crash_reaching("create-dataflow", "last1");
+    // The controller crashes inside this call: what it returns does not matter.
+    let _ = a.create_dataflow(x(s));
+    crashed(&a).await;
+    check(s, &controller(r, 2, s, history(s, &base)), &base).await
+}
+
+/// Scenario `partial-create-last-wanted`.
+async fn partial_create_last_wanted(r: &Replica, s: Variant, a: Controller) -> Result<(), Failure> {
+    crash_reaching("create-dataflow", "last1");
+    // The controller crashes inside this call: what it returns does not matter.
+    let _ = a.create_dataflow(x(s));
+    crashed(&a).await;
+    let t = vec![d1(s), d2(s), x(s)];
+    check(s, &controller(r, 2, s, history(s, &t)), &t).await
+}
+
+/// Scenario `partial-drop-wanted-again-mirrored`.
+async fn partial_drop_wanted_again_mirrored(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+) -> Result<(), Failure> {
+    // Process 1 sees build and drop of X, process 0 only the build.
+    a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+    ready(&a, &[x(s)]).await?;
+    crash_reaching("allow-compaction", "last1");
+    let _ = a.drop_dataflow(&x(s));
+    crashed(&a).await;
+    let t = vec![d1(s), d2(s), x(s)];
+    check(s, &controller(r, 2, s, history(s, &t)), &t).await
+}
+
+/// Scenario `partial-write-last`.
+async fn partial_write_last(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    crash_reaching("write-input", "last1");
+    let _ = a.write_input(1, vec![], LAST_TIME + 1);
+    crashed(&a).await;
+    check(s, &controller(r, 2, s, history(s, &base)), &base).await
+}
+
+/// Scenario `double-crash`.
+async fn double_crash(r: &Replica, s: Variant, a: Controller) -> Result<(), Failure> {
+    // A crash in a create, then the successor crashes reconciling.
+    crash_on("create-dataflow");
+    let _ = a.create_dataflow(x(s));
+    crashed(&a).await;
+    let t = vec![d1(s), d2(s), y(s)];
+    crash_on("initialization-complete");
+    let b = controller(r, 2, s, history(s, &t));
+    crashed(&b).await;
+    check(s, &controller(r, 3, s, history(s, &t)), &t).await
+}
+
+/// Scenario `three-processes-partial-create`.
+async fn three_processes_partial_create(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    crash_reaching("create-dataflow", "2");
+    let _ = a.create_dataflow(x(s));
+    crashed(&a).await;
+    check(s, &controller(r, 2, s, history(s, &base)), &base).await
+}
+
+/// Scenario `three-processes-partial-drop-wanted-again`.
+async fn three_processes_partial_drop_wanted_again(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+) -> Result<(), Failure> {
+    a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+    ready(&a, &[x(s)]).await?;
+    crash_reaching("allow-compaction", "last2");
+    let _ = a.drop_dataflow(&x(s));
+    crashed(&a).await;
+    let t = vec![d1(s), d2(s), x(s)];
+    check(s, &controller(r, 2, s, history(s, &t)), &t).await
+}
+
+/// Scenario `reconnect-between-creates`.
+async fn reconnect_between_creates(s: Variant, a: Controller) -> Result<(), Failure> {
+    a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
+    a.reconnect().map_err(|e| e.to_string())?;
+    a.create_dataflow(y(s)).map_err(|e| e.to_string())?;
+    check(s, &a, &[d1(s), d2(s), x(s), y(s)]).await
+}
+
+/// Scenario `stale-controller`.
+async fn stale_controller(r: &Replica, s: Variant, a: Controller) -> Result<(), Failure> {
+    // The successor connects while the old controller still runs;
+    // what the old one sends afterwards must change nothing.
+    let t = vec![d1(s), d2(s), x(s)];
+    let b = controller(r, 2, s, history(s, &t));
+    ready(&b, &[x(s)]).await?;
+    let _ = a.create_dataflow(y(s));
+    let _ = a.drop_dataflow(&d1(s));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    check(s, &b, &t).await
+}
+
+/// Scenario `killed-process`.
+async fn killed_process(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    let pid = pid_of(r, 1).await?;
+    signal(pid, libc::SIGKILL)?;
+    check(s, &a, &base).await
+}
+
+/// Scenario `killed-process-0`.
+async fn killed_process_0(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    let pid = pid_of(r, 0).await?;
+    signal(pid, libc::SIGKILL)?;
+    check(s, &a, &base).await
+}
+
+/// Scenario `killed-during-reconcile`.
+async fn killed_during_reconcile(r: &Replica, s: Variant, a: Controller) -> Result<(), Failure> {
+    a.shutdown();
+    let t = vec![d1(s), d2(s), x(s)];
+    let b = controller(r, 2, s, history(s, &t));
+    let pid = pid_of(r, 1).await?;
+    signal(pid, libc::SIGKILL)?;
+    check(s, &b, &t).await
+}
+
+/// Scenario `stopped-process`.
+async fn stopped_process(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    stop_until_silent(r, &a, 1).await?;
+    signal(pid_of(r, 1).await?, libc::SIGCONT)?;
+    check(s, &a, &base).await
+}
+
+/// Scenario `stopped-process-0`.
+async fn stopped_process_0(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    stop_until_silent(r, &a, 0).await?;
+    signal(pid_of(r, 0).await?, libc::SIGCONT)?;
+    check(s, &a, &base).await
+}
+
+/// Scenario `stopped-process-restarted`.
+async fn stopped_process_restarted(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    base: Vec<DataflowDescription>,
+) -> Result<(), Failure> {
+    // What the environment does with a silent process: restart the
+    // replica through the orchestrator.
+    stop_until_silent(r, &a, 1).await?;
+    r.orchestrator
+        .restart_service(&r.service)
+        .await
+        .map_err(|e| format!("restart: {e}"))?;
+    check(s, &a, &base).await
 }
