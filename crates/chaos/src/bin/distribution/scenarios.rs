@@ -13,7 +13,8 @@ use super::partitions;
 use super::replica::{controller, pid_of, signal, start_replica, Replica};
 use super::variant::Variant;
 use super::workload::{
-    check, crash_on, crash_reaching, crashed, d1, d2, history, ready, x, y, LAST_TIME,
+    check, crash_on, crash_reaching, crashed, crashed_if_reached, d1, d2, history, ready, x, y,
+    LAST_TIME,
 };
 
 /// The scenarios of a variant with another dataflow family (`+reachability`):
@@ -110,8 +111,8 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
     let a = controller(r, 1, s, history(s, &base));
     ready(&a, &base).await?;
     match name {
-        "partial-create-unwanted" => partial_create_unwanted(r, s, a, base).await,
-        "partial-create-wanted" => partial_create_wanted(r, s, a).await,
+        "partial-create-unwanted" => partial_create(r, s, a, base, "1", false).await,
+        "partial-create-wanted" => partial_create(r, s, a, base, "1", true).await,
         "strategy-switched-after-partial-create" => {
             strategy_switched_after_partial_create(r, s, a).await
         }
@@ -119,15 +120,15 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
         "partial-drop-wanted-again" => partial_drop_wanted_again(r, s, a).await,
         "partial-drop-unwanted" => partial_drop_unwanted(r, s, a, base).await,
         "partial-peek" => partial_peek(r, s, a, base).await,
-        "partial-write" => partial_write(r, s, a, base).await,
+        "partial-write" => partial_write(r, s, a, base, "1").await,
         "partial-reconcile" => partial_reconcile(r, s, a).await,
         "partial-reconcile-changed" => partial_reconcile_changed(r, s, a, base).await,
         "dropped-connections" => dropped_connections(s, a).await,
         "changed-target" => changed_target(r, s, a).await,
-        "partial-create-last" => partial_create_last(r, s, a, base).await,
-        "partial-create-last-wanted" => partial_create_last_wanted(r, s, a).await,
+        "partial-create-last" => partial_create(r, s, a, base, "last1", false).await,
+        "partial-create-last-wanted" => partial_create(r, s, a, base, "last1", true).await,
         "partial-drop-wanted-again-mirrored" => partial_drop_wanted_again_mirrored(r, s, a).await,
-        "partial-write-last" => partial_write_last(r, s, a, base).await,
+        "partial-write-last" => partial_write(r, s, a, base, "last1").await,
         "double-crash" => double_crash(r, s, a).await,
         "three-processes-partial-create" => three_processes_partial_create(r, s, a, base).await,
         "three-processes-partial-drop-wanted-again" => {
@@ -135,11 +136,11 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
         }
         "reconnect-between-creates" => reconnect_between_creates(s, a).await,
         "stale-controller" => stale_controller(r, s, a).await,
-        "killed-process" => killed_process(r, s, a, base).await,
-        "killed-process-0" => killed_process_0(r, s, a, base).await,
+        "killed-process" => killed_process(r, s, a, base, 1).await,
+        "killed-process-0" => killed_process(r, s, a, base, 0).await,
         "killed-during-reconcile" => killed_during_reconcile(r, s, a).await,
-        "stopped-process" => stopped_process(r, s, a, base).await,
-        "stopped-process-0" => stopped_process_0(r, s, a, base).await,
+        "stopped-process" => stopped_process(r, s, a, base, 1).await,
+        "stopped-process-0" => stopped_process(r, s, a, base, 0).await,
         "stopped-process-restarted" => stopped_process_restarted(r, s, a, base).await,
         other => Err(Failure::Harness(format!("unknown scenario {other}"))),
     }
@@ -172,28 +173,27 @@ async fn stop_until_silent(r: &Replica, a: &Controller, process: usize) -> Resul
     Ok(())
 }
 
-/// Scenario `partial-create-unwanted`.
-async fn partial_create_unwanted(
+/// Scenarios `partial-create-unwanted` and `-wanted` (`reach` "1": only
+/// process 0 got the create) and `partial-create-last` and `-last-wanted`
+/// (`reach` "last1": only the last process got it); `wanted`: the next
+/// controller wants the dataflow too.
+async fn partial_create(
     r: &Replica,
     s: Variant,
     a: Controller,
     base: Vec<DataflowDescription>,
+    reach: &str,
+    wanted: bool,
 ) -> Result<(), Failure> {
-    crash_on("create-dataflow");
+    crash_reaching("create-dataflow", reach);
     // The controller crashes inside this call: what it returns does not matter.
     let _ = a.create_dataflow(x(s));
-    crashed(&a).await;
-    check(s, &controller(r, 2, s, history(s, &base)), &base).await
-}
-
-/// Scenario `partial-create-wanted`.
-async fn partial_create_wanted(r: &Replica, s: Variant, a: Controller) -> Result<(), Failure> {
-    crash_on("create-dataflow");
-    // The controller crashes inside this call: what it returns does not matter.
-    let _ = a.create_dataflow(x(s));
-    crashed(&a).await;
-    let t = vec![d1(s), d2(s), x(s)];
-    check(s, &controller(r, 2, s, history(s, &t)), &t).await
+    crashed(&a).await?;
+    let mut target = base;
+    if wanted {
+        target.push(x(s));
+    }
+    check(s, &controller(r, 2, s, history(s, &target)), &target).await
 }
 
 /// Scenario `strategy-switched-after-partial-create`.
@@ -207,7 +207,7 @@ async fn strategy_switched_after_partial_create(
     crash_on("create-dataflow");
     // The controller crashes inside this call: what it returns does not matter.
     let _ = a.create_dataflow(x(s));
-    crashed(&a).await;
+    crashed(&a).await?;
     let t = vec![d1(s), d2(s), x(s)];
     let switched = Variant {
         strategy: if s.strategy == Strategy::Log {
@@ -234,7 +234,7 @@ async fn partial_create_then_create(
     crash_on("create-dataflow");
     // The controller crashes inside this call: what it returns does not matter.
     let _ = a.create_dataflow(x(s));
-    crashed(&a).await;
+    crashed(&a).await?;
     let b = controller(r, 2, s, history(s, &base));
     b.create_dataflow(y(s)).map_err(|e| e.to_string())?;
     check(s, &b, &[d1(s), d2(s), y(s)]).await
@@ -248,7 +248,7 @@ async fn partial_drop_wanted_again(r: &Replica, s: Variant, a: Controller) -> Re
     ready(&a, &[x(s)]).await?;
     crash_on("allow-compaction");
     let _ = a.drop_dataflow(&x(s));
-    crashed(&a).await;
+    crashed(&a).await?;
     let t = vec![d1(s), d2(s), x(s)];
     check(s, &controller(r, 2, s, history(s, &t)), &t).await
 }
@@ -264,7 +264,7 @@ async fn partial_drop_unwanted(
     ready(&a, &[x(s)]).await?;
     crash_on("allow-compaction");
     let _ = a.drop_dataflow(&x(s));
-    crashed(&a).await;
+    crashed(&a).await?;
     check(s, &controller(r, 2, s, history(s, &base)), &base).await
 }
 
@@ -277,20 +277,22 @@ async fn partial_peek(
 ) -> Result<(), Failure> {
     crash_on("peek");
     let _ = tokio::time::timeout(Duration::from_millis(300), a.peek(1001, LAST_TIME)).await;
-    crashed(&a).await;
+    crashed(&a).await?;
     check(s, &controller(r, 2, s, history(s, &base)), &base).await
 }
 
-/// Scenario `partial-write`.
+/// Scenarios `partial-write` (`reach` "1") and `partial-write-last`
+/// (`reach` "last1").
 async fn partial_write(
     r: &Replica,
     s: Variant,
     a: Controller,
     base: Vec<DataflowDescription>,
+    reach: &str,
 ) -> Result<(), Failure> {
-    crash_on("write-input");
+    crash_reaching("write-input", reach);
     let _ = a.write_input(1, vec![], LAST_TIME + 1);
-    crashed(&a).await;
+    crashed(&a).await?;
     check(s, &controller(r, 2, s, history(s, &base)), &base).await
 }
 
@@ -301,7 +303,7 @@ async fn partial_reconcile(r: &Replica, s: Variant, a: Controller) -> Result<(),
     let t = vec![d1(s), d2(s), x(s)];
     crash_on("initialization-complete");
     let b = controller(r, 2, s, history(s, &t));
-    crashed(&b).await;
+    crashed(&b).await?;
     check(s, &controller(r, 3, s, history(s, &t)), &t).await
 }
 
@@ -317,7 +319,7 @@ async fn partial_reconcile_changed(
     a.shutdown();
     crash_on("initialization-complete");
     let b = controller(r, 2, s, history(s, &base));
-    crashed(&b).await;
+    crashed(&b).await?;
     let t = vec![d1(s), d2(s), x(s), y(s)];
     check(s, &controller(r, 3, s, history(s, &t)), &t).await
 }
@@ -336,30 +338,6 @@ async fn changed_target(r: &Replica, s: Variant, a: Controller) -> Result<(), Fa
     check(s, &controller(r, 2, s, history(s, &t)), &t).await
 }
 
-/// Scenario `partial-create-last`.
-async fn partial_create_last(
-    r: &Replica,
-    s: Variant,
-    a: Controller,
-    base: Vec<DataflowDescription>,
-) -> Result<(), Failure> {
-    crash_reaching("create-dataflow", "last1");
-    // The controller crashes inside this call: what it returns does not matter.
-    let _ = a.create_dataflow(x(s));
-    crashed(&a).await;
-    check(s, &controller(r, 2, s, history(s, &base)), &base).await
-}
-
-/// Scenario `partial-create-last-wanted`.
-async fn partial_create_last_wanted(r: &Replica, s: Variant, a: Controller) -> Result<(), Failure> {
-    crash_reaching("create-dataflow", "last1");
-    // The controller crashes inside this call: what it returns does not matter.
-    let _ = a.create_dataflow(x(s));
-    crashed(&a).await;
-    let t = vec![d1(s), d2(s), x(s)];
-    check(s, &controller(r, 2, s, history(s, &t)), &t).await
-}
-
 /// Scenario `partial-drop-wanted-again-mirrored`.
 async fn partial_drop_wanted_again_mirrored(
     r: &Replica,
@@ -371,22 +349,9 @@ async fn partial_drop_wanted_again_mirrored(
     ready(&a, &[x(s)]).await?;
     crash_reaching("allow-compaction", "last1");
     let _ = a.drop_dataflow(&x(s));
-    crashed(&a).await;
+    crashed(&a).await?;
     let t = vec![d1(s), d2(s), x(s)];
     check(s, &controller(r, 2, s, history(s, &t)), &t).await
-}
-
-/// Scenario `partial-write-last`.
-async fn partial_write_last(
-    r: &Replica,
-    s: Variant,
-    a: Controller,
-    base: Vec<DataflowDescription>,
-) -> Result<(), Failure> {
-    crash_reaching("write-input", "last1");
-    let _ = a.write_input(1, vec![], LAST_TIME + 1);
-    crashed(&a).await;
-    check(s, &controller(r, 2, s, history(s, &base)), &base).await
 }
 
 /// Scenario `double-crash`.
@@ -394,11 +359,11 @@ async fn double_crash(r: &Replica, s: Variant, a: Controller) -> Result<(), Fail
     // A crash in a create, then the successor crashes reconciling.
     crash_on("create-dataflow");
     let _ = a.create_dataflow(x(s));
-    crashed(&a).await;
+    crashed(&a).await?;
     let t = vec![d1(s), d2(s), y(s)];
     crash_on("initialization-complete");
     let b = controller(r, 2, s, history(s, &t));
-    crashed(&b).await;
+    crashed_if_reached(&b).await;
     check(s, &controller(r, 3, s, history(s, &t)), &t).await
 }
 
@@ -411,7 +376,7 @@ async fn three_processes_partial_create(
 ) -> Result<(), Failure> {
     crash_reaching("create-dataflow", "2");
     let _ = a.create_dataflow(x(s));
-    crashed(&a).await;
+    crashed(&a).await?;
     check(s, &controller(r, 2, s, history(s, &base)), &base).await
 }
 
@@ -425,7 +390,7 @@ async fn three_processes_partial_drop_wanted_again(
     ready(&a, &[x(s)]).await?;
     crash_reaching("allow-compaction", "last2");
     let _ = a.drop_dataflow(&x(s));
-    crashed(&a).await;
+    crashed(&a).await?;
     let t = vec![d1(s), d2(s), x(s)];
     check(s, &controller(r, 2, s, history(s, &t)), &t).await
 }
@@ -451,26 +416,15 @@ async fn stale_controller(r: &Replica, s: Variant, a: Controller) -> Result<(), 
     check(s, &b, &t).await
 }
 
-/// Scenario `killed-process`.
+/// Scenarios `killed-process` (`process` 1) and `killed-process-0`.
 async fn killed_process(
     r: &Replica,
     s: Variant,
     a: Controller,
     base: Vec<DataflowDescription>,
+    process: usize,
 ) -> Result<(), Failure> {
-    let pid = pid_of(r, 1).await?;
-    signal(pid, libc::SIGKILL)?;
-    check(s, &a, &base).await
-}
-
-/// Scenario `killed-process-0`.
-async fn killed_process_0(
-    r: &Replica,
-    s: Variant,
-    a: Controller,
-    base: Vec<DataflowDescription>,
-) -> Result<(), Failure> {
-    let pid = pid_of(r, 0).await?;
+    let pid = pid_of(r, process).await?;
     signal(pid, libc::SIGKILL)?;
     check(s, &a, &base).await
 }
@@ -485,27 +439,16 @@ async fn killed_during_reconcile(r: &Replica, s: Variant, a: Controller) -> Resu
     check(s, &b, &t).await
 }
 
-/// Scenario `stopped-process`.
+/// Scenarios `stopped-process` (`process` 1) and `stopped-process-0`.
 async fn stopped_process(
     r: &Replica,
     s: Variant,
     a: Controller,
     base: Vec<DataflowDescription>,
+    process: usize,
 ) -> Result<(), Failure> {
-    stop_until_silent(r, &a, 1).await?;
-    signal(pid_of(r, 1).await?, libc::SIGCONT)?;
-    check(s, &a, &base).await
-}
-
-/// Scenario `stopped-process-0`.
-async fn stopped_process_0(
-    r: &Replica,
-    s: Variant,
-    a: Controller,
-    base: Vec<DataflowDescription>,
-) -> Result<(), Failure> {
-    stop_until_silent(r, &a, 0).await?;
-    signal(pid_of(r, 0).await?, libc::SIGCONT)?;
+    stop_until_silent(r, &a, process).await?;
+    signal(pid_of(r, process).await?, libc::SIGCONT)?;
     check(s, &a, &base).await
 }
 

@@ -237,15 +237,44 @@ pub(crate) fn crash_reaching(kind: &str, reach: &str) {
     fail::cfg(FAILPOINT, &format!("return({kind}:{reach})")).expect("failpoint");
 }
 
-pub(crate) async fn crashed(c: &Controller) {
-    // The actor stops at the failpoint; give it a moment, then clear it.
-    for _ in 0..100 {
+/// Waits (at most 10 s) until the controller stopped at the failpoint, then
+/// clears it. A controller still answering then never crashed: the
+/// scenario's fault did not happen, which is the harness's failure (it must
+/// not count as a pass, nor as a violation).
+pub(crate) async fn crashed(c: &Controller) -> Result<(), Failure> {
+    if stopped_at_failpoint(c).await {
+        Ok(())
+    } else {
+        Err(Failure::Harness(
+            "the controller did not stop at the partial-broadcast failpoint within 10 s".into(),
+        ))
+    }
+}
+
+/// [`crashed`] for a fault a scenario injects after an earlier one: there,
+/// a controller that never reaches the failpoint is the earlier fault's
+/// outcome (a replica it broke never lets the successor reach the
+/// command), which the scenario's final check judges, so it is not an
+/// error here.
+pub(crate) async fn crashed_if_reached(c: &Controller) {
+    let _ = stopped_at_failpoint(c).await;
+}
+
+/// Whether the controller stopped at the failpoint within 10 s; the
+/// failpoint is cleared either way.
+async fn stopped_at_failpoint(c: &Controller) -> bool {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let stopped = loop {
         if c.history().await.is_err() {
-            break;
+            break true;
+        }
+        if tokio::time::Instant::now() > deadline {
+            break false;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    };
     fail::remove(FAILPOINT);
+    stopped
 }
 
 /// Waits for the dataflows of the setup, before any fault: a failure here is
