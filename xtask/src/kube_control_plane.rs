@@ -5,7 +5,8 @@
 //! with a podIP from 127.0.100.0/24 and finishes their graceful deletion).
 //!
 //! [`ensure_built`] builds the programs into `target/kube/bin/` (the Go
-//! module and build caches under `target/go/`); [`ControlPlane::start`]
+//! module and build caches under `target/go/` while it builds, removed
+//! after); [`ControlPlane::start`]
 //! starts them on free loopback ports and [`ControlPlane`]'s `Drop` stops
 //! them all. `cargo xtask kube-up` runs one until Ctrl-C.
 

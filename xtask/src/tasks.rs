@@ -29,6 +29,15 @@ pub const TEST_FEATURES: &str =
 pub fn test(lint: bool, skips: &[String]) -> anyhow::Result<()> {
     crate::prereqs::set_skips(skips)?;
     crate::prereqs::set_strict();
+    if !crate::prereqs::skipped("kube") {
+        // First, while the disk is emptiest: a cold Go build of the control
+        // plane needs about 9 GB of caches, removed once the programs are
+        // built (CI's disk has run out here when this came last).
+        step(
+            "the Kubernetes control plane's programs (tools/kube, built once into target/kube/bin)",
+        );
+        crate::kube_control_plane::ensure_built()?;
+    }
     if lint {
         step("cargo fmt --check");
         let mut cmd = cargo();

@@ -1,6 +1,7 @@
 //! Building the control plane's programs from `tools/kube/` into
-//! `target/kube/bin/` (Go's module and build caches under `target/go/`), once
-//! per change of a module (a stamp file per module).
+//! `target/kube/bin/` (Go's module and build caches under `target/go/`,
+//! removed once the programs are built), once per change of a module (a
+//! stamp file per module).
 
 use std::collections::hash_map::DefaultHasher;
 use std::fs;
@@ -136,6 +137,26 @@ fn module_stamp(module: &GoModule, go_version: &str) -> anyhow::Result<String> {
     Ok(format!("{:016x}", h.finish()))
 }
 
+/// Removes Go's build and module caches (`target/go/`): a cold build of
+/// the control plane fills about 9 GB there, more than anything else
+/// `cargo xtask test` writes, and once the programs are in
+/// `target/kube/bin/` (stamped) nothing reads them again. A change of a
+/// module under tools/kube/ then rebuilds cold.
+fn drop_go_caches() -> anyhow::Result<()> {
+    let dir = go_dir();
+    if !dir.exists() {
+        return Ok(());
+    }
+    let before = crate::util::room();
+    fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    eprintln!(
+        "xtask: kube: removed Go's caches ({}); before: {before}, now: {}",
+        dir.display(),
+        crate::util::room()
+    );
+    Ok(())
+}
+
 /// Builds (or finds up to date) etcd, kube-apiserver, kube-controller-manager,
 /// kube-scheduler, kubectl and kwok in `target/kube/bin/`. A module is
 /// rebuilt only when its stamp (go.mod, go.sum, Go files, Go version)
@@ -201,6 +222,7 @@ pub fn ensure_built() -> anyhow::Result<Binaries> {
             started.elapsed().as_secs_f64()
         );
     }
+    drop_go_caches()?;
     Ok(Binaries {
         etcd: bin.join("etcd"),
         kube_apiserver: bin.join("kube-apiserver"),
