@@ -1,17 +1,17 @@
 //! `cargo xtask model`: exhaustive model checking of the protocols.
 //!
 //! Builds and runs the `lockstep-model` binary (crate `crates/model`) in
-//! release mode: the stateright models of the compute protocol (variants
-//! `naive`, `broadcast`, `barrier`, `log`, and `log-then-barrier`, whose
-//! sessions alternate between two strategies) and of orphan removal (`epoch`,
-//! `id-watermark`, `catalog-only`), each within CI-sized bounds. The binary
-//! prints each negative control's shortest counterexample as a readable trace
-//! and one JSON line per variant (suite `model`, with the number of states
-//! explored). This task passes that output on and then checks the summary
-//! lines itself: every variant asked for is reported, the negative controls
-//! (`naive`, `catalog-only`, `history-full-collective`, every `mutant-*`) say
-//! `"caught":true`, every other variant has
-//! `"failed":0`, and the binary exited successfully.
+//! release mode: the stateright models of the compute protocol (one
+//! strategy each, and every pair of them in alternating sessions) and of
+//! orphan removal (`epoch`, `id-watermark`, `catalog-only`), each within
+//! CI-sized bounds. The binary names its variants and which of them are
+//! negative controls (`lockstep-model --list`), prints each negative
+//! control's shortest counterexample as a readable trace and one JSON line
+//! per variant (suite `model`, with the number of states explored). This
+//! task passes that output on and then checks the summary lines itself:
+//! every variant asked for is reported, the negative controls say
+//! `"caught":true`, every other variant has `"failed":0`, and the binary
+//! exited successfully.
 
 use std::process::Stdio;
 
@@ -19,54 +19,32 @@ use anyhow::{bail, Context};
 
 use crate::util::{cargo, step};
 
-/// Every variant the model binary checks, in report order.
-pub const VARIANTS: [&str; 15] = [
-    "naive",
-    "broadcast",
-    "barrier",
-    "log",
-    "log-then-barrier",
-    "history-full-collective",
-    "epoch",
-    "id-watermark",
-    "catalog-only",
-    "mutant-overwrite-reports",
-    "mutant-local-reconcile-under-barrier",
-    "mutant-skip-barrier",
-    "mutant-complete-before-history-check",
-    "mutant-no-log-hold",
-    "mutant-no-session-marker",
-];
-
-/// The variants that must be caught (and every `mutant-*` variant).
-const NEGATIVE_CONTROLS: [&str; 3] = ["naive", "catalog-only", "history-full-collective"];
-
 /// Runs the model checker on `variants` (every variant when empty).
 pub fn run(variants: &[String]) -> anyhow::Result<()> {
-    if let Some(v) = variants.iter().find(|v| !VARIANTS.contains(&v.as_str())) {
-        bail!(
-            "unknown model variant {v:?}; known: {}",
-            VARIANTS.join(", ")
-        );
-    }
-    let wanted: Vec<&str> = if variants.is_empty() {
-        VARIANTS.to_vec()
-    } else {
-        variants.iter().map(String::as_str).collect()
-    };
     step("model checking (cargo run --release -p lockstep-model)");
-    let mut cmd = cargo();
-    cmd.args([
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "lockstep-model",
-        "--bin",
-        "lockstep-model",
-        "--",
-    ]);
-    cmd.args(&wanted);
+    // The variants and which must be caught, from the model itself.
+    let mut list = model_command();
+    list.arg("--list");
+    let listed = crate::util::stdout(list)?;
+    let known: Vec<(&str, bool)> = listed
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(name, kind)| (name, kind == "negative-control"))
+        .collect();
+    if known.is_empty() {
+        bail!("lockstep-model --list named no variant");
+    }
+    if let Some(v) = variants.iter().find(|v| !known.iter().any(|(k, _)| k == v)) {
+        let names: Vec<&str> = known.iter().map(|(k, _)| *k).collect();
+        bail!("unknown model variant {v:?}; known: {}", names.join(", "));
+    }
+    let wanted: Vec<(&str, bool)> = known
+        .iter()
+        .copied()
+        .filter(|(k, _)| variants.is_empty() || variants.iter().any(|v| v == k))
+        .collect();
+    let mut cmd = model_command();
+    cmd.args(wanted.iter().map(|(k, _)| k));
     let out = cmd
         .stdin(Stdio::null())
         .stderr(Stdio::inherit())
@@ -75,13 +53,13 @@ pub fn run(variants: &[String]) -> anyhow::Result<()> {
     let stdout = String::from_utf8_lossy(&out.stdout);
     print!("{stdout}");
     let mut problems = Vec::new();
-    for variant in &wanted {
+    for (variant, negative) in &wanted {
         let prefix = format!(r#"{{"suite":"model","variant":"{variant}","#);
         let Some(line) = stdout.lines().find(|l| l.starts_with(&prefix)) else {
             problems.push(format!("{variant}: no summary line"));
             continue;
         };
-        if NEGATIVE_CONTROLS.contains(variant) || variant.starts_with("mutant-") {
+        if *negative {
             if !line.contains(r#""caught":true"#) {
                 problems.push(format!("{variant}: negative control not caught"));
             }
@@ -97,4 +75,20 @@ pub fn run(variants: &[String]) -> anyhow::Result<()> {
     }
     eprintln!("\nxtask: model: ok ({} variants)", wanted.len());
     Ok(())
+}
+
+/// `cargo run --release -p lockstep-model --` (the arguments follow).
+fn model_command() -> std::process::Command {
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "lockstep-model",
+        "--bin",
+        "lockstep-model",
+        "--",
+    ]);
+    cmd
 }

@@ -7,9 +7,9 @@
 //!
 //! - [`compute`]: the compute protocol under each distribution strategy
 //!   (naive, broadcast, barrier, log), and with sessions that alternate
-//!   between log and barrier (`log-then-barrier`, where the workers' log
-//!   reads and log-marker hold are the replica's own code), with invariants
-//!   I1, I4 and liveness.
+//!   between two of them, every pair ([`PAIRS`]; where one is `log`, the
+//!   workers' log reads and log-marker hold are the replica's own code),
+//!   with invariants I1, I4 and liveness.
 //!   Every worker of the model runs the replica's own session machine
 //!   (`lockstep_reconcile::WorkerSession`: sessions, buffering,
 //!   reconciliation, barrier rounds, halts), and the controller decides
@@ -284,9 +284,9 @@ pub enum Variant {
     History(compute::HistoryCheck, ComputeBounds),
     /// A flaw planted in a production machine the model runs.
     Mutant(Mutant, ComputeBounds),
-    /// The compute model with sessions alternating between `log` and this
-    /// socket-ordered strategy (`log-then-barrier`).
-    LogThen(Strategy, ComputeBounds),
+    /// The compute model with sessions alternating between two strategies,
+    /// the first session's first (`log-then-barrier`, ...).
+    Pair(Strategy, Strategy, ComputeBounds),
 }
 
 /// A flaw planted in one of the production types the compute model runs.
@@ -373,13 +373,28 @@ const ORPHANS: OrphanBounds = OrphanBounds {
     crashes: 2,
 };
 
-/// The `log-then-barrier` scenarios: sessions alternate between `log` and
-/// `barrier`, so a session switch (a controller crash and restart, a dropped
-/// connection, a replica restart) cuts a log session that some worker has
-/// not read to its end, or a barrier session whose last socket copies some
-/// worker has not received. Two faults (log, barrier, log again) with two
-/// commands; one fault with three; three processes with one command.
-const LOG_THEN_BARRIER: [ComputeBounds; 3] = [
+/// Every pair of the strategies that protect lockstep, as a variant whose
+/// sessions alternate between the two (the first session's first). Two
+/// faults give both orders (first, then, first again), so each unordered
+/// pair is one variant. Naive follows another strategy only as
+/// `history-full-collective` (naive upgraded to barrier), a control.
+pub const PAIRS: [(&str, Strategy, Strategy); 3] = [
+    ("log-then-barrier", Strategy::Log, Strategy::Barrier),
+    ("log-then-broadcast", Strategy::Log, Strategy::Broadcast),
+    (
+        "barrier-then-broadcast",
+        Strategy::Barrier,
+        Strategy::Broadcast,
+    ),
+];
+
+/// The scenarios of a pair ([`PAIRS`]): a session switch (a controller
+/// crash and restart, a dropped connection, a replica restart) cuts a
+/// session that some worker has not read to its end (the log's, the
+/// sequencer's stream) or whose last socket copies some worker has not
+/// received. Two faults (first, then, first again) with two commands; one
+/// fault with three; three processes with one command.
+const PAIR_BOUNDS: [ComputeBounds; 3] = [
     ComputeBounds {
         processes: 2,
         dataflows: 2,
@@ -401,12 +416,14 @@ const LOG_THEN_BARRIER: [ComputeBounds; 3] = [
 ];
 
 /// Every variant `cargo xtask model` checks, in report order.
-pub const VARIANTS: [&str; 15] = [
+pub const VARIANTS: [&str; 17] = [
     "naive",
     "broadcast",
     "barrier",
     "log",
-    "log-then-barrier",
+    PAIRS[0].0,
+    PAIRS[1].0,
+    PAIRS[2].0,
     "history-full-collective",
     "epoch",
     "id-watermark",
@@ -444,13 +461,14 @@ pub fn scenarios(name: &str) -> Option<Vec<Variant>> {
         "broadcast" => Strategy::Broadcast,
         "barrier" => Strategy::Barrier,
         "log" => Strategy::Log,
-        "log-then-barrier" => {
+        pair if PAIRS.iter().any(|(name, ..)| *name == pair) => {
+            let (_, first, then) = PAIRS.iter().find(|(name, ..)| *name == pair)?;
             return Some(
-                LOG_THEN_BARRIER
+                PAIR_BOUNDS
                     .iter()
-                    .map(|b| Variant::LogThen(Strategy::Barrier, *b))
+                    .map(|b| Variant::Pair(*first, *then, *b))
                     .collect(),
-            )
+            );
         }
         "epoch" => return Some(vec![Variant::Orphan("epoch", ORPHANS)]),
         "id-watermark" => return Some(vec![Variant::Orphan("id-watermark", ORPHANS)]),
@@ -514,8 +532,8 @@ pub fn run(name: &'static str, variant: Variant) -> Report {
             bounds.to_string(),
             negative,
         ),
-        Variant::LogThen(then, bounds) => check(
-            ComputeModel::log_then(then, bounds),
+        Variant::Pair(first, then, bounds) => check(
+            ComputeModel::alternating(first, then, bounds),
             name,
             bounds.to_string(),
             negative,

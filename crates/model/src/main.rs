@@ -10,6 +10,9 @@
 //! Usage: `lockstep-model [VARIANT...] [--processes N] [--dataflows N]
 //! [--commands N] [--faults N] [--serve-ops N] [--crashes N]`; the flags
 //! override the CI bounds (for exploring larger sizes by hand).
+//! `lockstep-model --list` prints the CI variants, one per line, each with
+//! `must-pass` or `negative-control` (what `cargo xtask model` checks
+//! against).
 
 use std::process::ExitCode;
 
@@ -20,6 +23,17 @@ fn main() -> ExitCode {
     let mut overrides: Vec<(String, usize)> = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
+        if arg == "--list" {
+            for name in VARIANTS {
+                let kind = if lockstep_model::is_negative_control(name) {
+                    "negative-control"
+                } else {
+                    "must-pass"
+                };
+                println!("{name} {kind}");
+            }
+            return ExitCode::SUCCESS;
+        }
         if let Some(flag) = arg.strip_prefix("--") {
             match args.next().and_then(|v| v.parse().ok()) {
                 Some(n) => overrides.push((flag.to_string(), n)),
@@ -127,28 +141,28 @@ fn apply(mut variant: Variant, overrides: &[(String, usize)]) -> Result<Variant,
                 Variant::Compute(_, b)
                 | Variant::History(_, b)
                 | Variant::Mutant(_, b)
-                | Variant::LogThen(_, b),
+                | Variant::Pair(_, _, b),
                 "processes",
             ) => b.processes = n,
             (
                 Variant::Compute(_, b)
                 | Variant::History(_, b)
                 | Variant::Mutant(_, b)
-                | Variant::LogThen(_, b),
+                | Variant::Pair(_, _, b),
                 "dataflows",
             ) => b.dataflows = n.min(lockstep_model::compute::MAX_DATAFLOWS),
             (
                 Variant::Compute(_, b)
                 | Variant::History(_, b)
                 | Variant::Mutant(_, b)
-                | Variant::LogThen(_, b),
+                | Variant::Pair(_, _, b),
                 "commands",
             ) => b.commands = n,
             (
                 Variant::Compute(_, b)
                 | Variant::History(_, b)
                 | Variant::Mutant(_, b)
-                | Variant::LogThen(_, b),
+                | Variant::Pair(_, _, b),
                 "faults",
             ) => b.faults = n,
             (Variant::Orphan(_, b), "serve-ops") => b.serve_ops = n,

@@ -1,5 +1,5 @@
-//! Model 1: the compute protocol, one strategy at a time (or `log` and
-//! `barrier` in turn, `log-then-barrier`).
+//! Model 1: the compute protocol, one strategy at a time, or two in turn
+//! (`log-then-barrier`, `log-then-broadcast`, `barrier-then-broadcast`).
 //!
 //! # What is modelled
 //!
@@ -28,7 +28,8 @@
 //!   - `naive`, `barrier`: the worker's own channel;
 //!   - `broadcast`: process 0 sequences what it receives into a stream every
 //!     worker applies in order (the other processes' copies are
-//!     acknowledgements only and are not modelled);
+//!     acknowledgements only and are not modelled); the stream lives in the
+//!     mesh, so a replica restart empties it;
 //!   - `log`: the controller appends commands, epoch markers and targets to a
 //!     durable log (it survives crashes) that every worker tails;
 //!   - `log-then-barrier`: sessions alternate between `log` and `barrier`
@@ -40,6 +41,11 @@
 //!     (`WorkerSession::read_log` over the model's in-memory `LogRead`), so a newer `barrier` session waits
 //!     on a worker until it read that session's marker (the log-marker
 //!     hold).
+//!   - `log-then-broadcast`, `barrier-then-broadcast`: the same alternation
+//!     with `broadcast`; a worker takes a `broadcast` session's commands
+//!     from the sequencer's stream and the other session's from its channel
+//!     (or the log), in any interleaving of the two, as the replica's
+//!     worker does (`order/`: each command by its strategy's source).
 //!
 //!   The machine reconciles `naive` per worker ([`lockstep_reconcile::local`])
 //!   and every other strategy collectively, in a mesh round; `barrier`
@@ -79,7 +85,7 @@
 //! and nothing queued, has applied the whole stream (broadcast, log) and is
 //! not halted.
 //!
-//! Under `log-then-barrier` one more: **no worker loses lockstep** (no
+//! Under a pair one more: **no worker loses lockstep** (no
 //! `LOCKSTEP_LOST` halt of a session machine). A cut-off log session is cut
 //! at the same entry on every worker, so no reconciliation finds creation
 //! logs that differ; without the hold one does, and the replica is
@@ -160,7 +166,7 @@ pub struct ComputeModel {
     /// The strategy under check (of every session, or of the odd ones when
     /// sessions alternate, see [`ComputeModel::then`]).
     pub strategy: Strategy,
-    /// The strategy of every even session (`log-then-barrier`): sessions
+    /// The strategy of every even session (a pair): sessions
     /// alternate between [`ComputeModel::strategy`] (the first session's)
     /// and this one, as when a restarted controller or a changed policy
     /// starts the next session with another strategy. `None`: every

@@ -19,7 +19,8 @@ impl ComputeModel {
             && s.channels.iter().all(|c| c.is_empty())
             && s.workers.iter().all(|w| {
                 w.settled_in(s.ctl.session)
-                    && (!(self.sequenced() || self.tails_log()) || w.position() == s.stream.len())
+                    && w.cursor == s.sequenced.len()
+                    && (!self.tails_log() || w.log_position() == s.stream.len())
             })
     }
 

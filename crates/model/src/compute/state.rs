@@ -177,8 +177,9 @@ pub struct Worker {
     pub log: Vec<CreationEntry>,
     /// Its next timely dataflow index.
     pub next_index: u64,
-    /// Position in the broadcast stream (a worker that tails the log keeps
-    /// its position there in its machine: [`Worker::position`]).
+    /// Position in the sequencer's stream (broadcast sessions); a worker
+    /// that tails the log keeps its position there in its machine
+    /// ([`Worker::log_position`]).
     pub cursor: usize,
     /// It halted (a barrier diverged, or its process died).
     pub halted: bool,
@@ -207,26 +208,23 @@ impl WorkerView<Cmd> for Runs<'_> {
 }
 
 impl Worker {
-    /// A fresh worker running `machine` (in session 0), reading the stream
-    /// or log from `cursor`.
-    pub(super) fn fresh(machine: WorkerSession<Cmd>, cursor: usize) -> Self {
+    /// A fresh worker running `machine` (in session 0), at the start of the
+    /// sequencer's stream (a fresh mesh's; where it reads the log from, its
+    /// machine says).
+    pub(super) fn fresh(machine: WorkerSession<Cmd>) -> Self {
         Worker {
             machine,
             installed: Vec::new(),
             log: Vec::new(),
             next_index: 0,
-            cursor,
+            cursor: 0,
             halted: false,
         }
     }
 
-    /// Its position in what it reads in the stream's order: the durable
-    /// log (the machine's position) if it tails one, else the broadcast
-    /// stream.
-    pub fn position(&self) -> usize {
-        self.machine
-            .log_position()
-            .map_or(self.cursor, |p| p as usize)
+    /// Its position in the durable log (its machine's), 0 if it tails none.
+    pub fn log_position(&self) -> usize {
+        self.machine.log_position().map_or(0, |p| p as usize)
     }
 
     pub(super) fn keys(&self) -> Vec<DataflowKey> {
@@ -274,9 +272,13 @@ pub struct ComputeState {
     /// Per worker: the mesh records it has not read yet, in order, with
     /// their sender.
     pub inboxes: Vec<VecDeque<(usize, MeshAnnouncement)>>,
-    /// Broadcast: the sequenced stream. Log: the durable log (under
-    /// `log-then-barrier`, with a marker of every `barrier` session too).
+    /// The durable log (with a marker of every session when some session
+    /// uses `log` and others do not).
     pub stream: Vec<Msg>,
+    /// The sequencer's stream (broadcast sessions): what process 0 received
+    /// of them, in the order every worker applies it. It lives in the mesh:
+    /// a replica restart empties it.
+    pub sequenced: Vec<Msg>,
     /// Replica restarts after a halt.
     pub replica_restarts: usize,
     /// History check: each process's report, (session, digest).
@@ -311,9 +313,11 @@ pub enum ComputeAction {
     /// leads to the same decision; exploring every count of records read
     /// covers every state the worker's book can be in when it decides.)
     Decide(usize, usize),
-    /// A worker applies the next entry of the stream (broadcast), or reads
-    /// the next entry of the log (log).
+    /// A worker applies the next entry of the sequencer's stream
+    /// (broadcast).
     Apply(usize),
+    /// A worker reads the next entry of the durable log (log).
+    ReadLog(usize),
 }
 
 impl ComputeAction {

@@ -5,9 +5,9 @@ use std::sync::Arc;
 
 use lockstep_protocol::{Digest, Strategy};
 use lockstep_reconcile::{
-    rules, socket_ordered, Action, BarrierDecision, ControllerSession, DataflowKey, Delivery,
-    DeliveryMutant, GateMutant, HistoryStep, LogHoldMutant, LogRead, MeshAnnouncement,
-    MismatchResolution, ReplicaDelivery, RoundMutant, Source, WorkerSession,
+    rules, Action, BarrierDecision, ControllerSession, DataflowKey, Delivery, DeliveryMutant,
+    GateMutant, HistoryStep, LogHoldMutant, LogRead, MeshAnnouncement, MismatchResolution,
+    ReplicaDelivery, RoundMutant, Source, WorkerSession,
 };
 
 use super::state::{
@@ -71,14 +71,24 @@ impl ComputeModel {
     }
 
     /// The model whose sessions alternate between `log` (the first session)
-    /// and the socket-ordered `then` (`barrier` or `naive`): the
-    /// `log-then-barrier` variant. Every worker tails the log.
+    /// and `then`: the `log-then-barrier` and `log-then-broadcast`
+    /// variants. Every worker tails the log.
     pub fn log_then(then: Strategy, bounds: ComputeBounds) -> Self {
+        Self::alternating(Strategy::Log, then, bounds)
+    }
+
+    /// The model whose sessions alternate between `first` (the first
+    /// session's, and every odd one's) and `then` (every even session's),
+    /// as when restarted controllers or a changed policy choose another
+    /// strategy: a pair of strategies (`barrier-then-broadcast`, ...).
+    pub fn alternating(first: Strategy, then: Strategy, bounds: ComputeBounds) -> Self {
+        assert_ne!(first, then, "a pair is of two strategies");
         assert!(
-            socket_ordered(then),
-            "a log session alternates with a socket-ordered one"
+            first != Strategy::Naive && then != Strategy::Naive,
+            "naive reconciles alone; it follows barrier only as the \
+             history-full-collective control"
         );
-        let mut m = Self::new(Strategy::Log, bounds);
+        let mut m = Self::new(first, bounds);
         m.then = Some(then);
         m
     }
@@ -111,18 +121,18 @@ impl ComputeModel {
         self.strategy == Strategy::Log || self.then == Some(Strategy::Log)
     }
 
-    /// A fresh worker `index` of `peers`, in session 0, reading the stream
-    /// or log from `cursor`: the replica's machine with the model's planted
-    /// flaws, tailing the log if there is one.
-    pub(super) fn fresh_worker(&self, index: usize, peers: usize, cursor: usize) -> Worker {
+    /// A fresh worker `index` of `peers`, in session 0, reading the log
+    /// (if it tails one) from `log_cursor`: the replica's machine with the
+    /// model's planted flaws.
+    pub(super) fn fresh_worker(&self, index: usize, peers: usize, log_cursor: usize) -> Worker {
         let mut machine = WorkerSession::new(index, peers, true)
             .with_mutant(self.mutant)
             .with_log_hold_mutant(self.hold_mutant);
         if self.tails_log() {
             machine.set_tails_log();
-            machine.log_starts_at(cursor as u64);
+            machine.log_starts_at(log_cursor as u64);
         }
-        Worker::fresh(machine, cursor)
+        Worker::fresh(machine)
     }
 
     /// The naive model with a history check on reconnect.
@@ -187,14 +197,36 @@ impl ComputeModel {
         self
     }
 
-    /// Whether worker 0 sequences the commands (the strategy's source is
-    /// the sequencer: broadcast): the stream is the mesh's broadcast.
-    pub(super) fn sequenced(&self) -> bool {
-        rules(self.strategy).source() == Source::Sequencer
+    /// Whether every session's commands are sequenced by process 0 (their
+    /// source is the sequencer: broadcast), so only its channel carries
+    /// them.
+    pub(super) fn only_sequenced(&self) -> bool {
+        [Some(self.strategy), self.then]
+            .into_iter()
+            .flatten()
+            .all(|s| rules(s).source() == Source::Sequencer)
     }
 
+    /// Whether some session's commands are sequenced by process 0.
+    pub(super) fn sequences(&self) -> bool {
+        [Some(self.strategy), self.then]
+            .into_iter()
+            .flatten()
+            .any(|s| rules(s).source() == Source::Sequencer)
+    }
+
+    /// Whether `msg` goes to the sequencer (a broadcast session's).
+    pub(super) fn is_sequenced(&self, msg: &Msg) -> bool {
+        rules(self.strategy_of(msg)).source() == Source::Sequencer
+    }
+
+    /// Whether some session's commands travel on the channels (every
+    /// strategy but `log`).
     pub(super) fn uses_channels(&self) -> bool {
-        self.strategy != Strategy::Log || self.then.is_some()
+        [Some(self.strategy), self.then]
+            .into_iter()
+            .flatten()
+            .any(|s| s != Strategy::Log)
     }
 
     /// Sends one command of the controller's session as the controller's
@@ -288,9 +320,7 @@ impl ComputeModel {
         for inbox in &mut s.inboxes {
             inbox.clear();
         }
-        if self.sequenced() {
-            s.stream.clear();
-        }
+        s.sequenced.clear();
         // Fresh workers read the log from the next session's marker.
         let cursor = if self.tails_log() { s.stream.len() } else { 0 };
         let peers = s.workers.len();

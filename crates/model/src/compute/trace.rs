@@ -151,10 +151,13 @@ impl ComputeModel {
                     self.decision(s, *p, *read)
                 )
             }
-            ComputeAction::Apply(p) => match s.stream.get(s.workers[*p].position()) {
-                Some(m) if self.tails_log() => format!("p{p} reads {} from the log", show(m)),
-                Some(m) => format!("p{p} applies {} from the stream", show(m)),
+            ComputeAction::Apply(p) => match s.sequenced.get(s.workers[*p].cursor) {
+                Some(m) => format!("p{p} applies {} from the sequencer's stream", show(m)),
                 None => format!("p{p} applies nothing"),
+            },
+            ComputeAction::ReadLog(p) => match s.stream.get(s.workers[*p].log_position()) {
+                Some(m) => format!("p{p} reads {} from the log", show(m)),
+                None => format!("p{p} reads nothing"),
             },
         }
     }

@@ -20,27 +20,18 @@
 //!   parted, and the replica hung.) No marker within [`BARRIER_TIMEOUT_MS`]
 //!   halts the worker.
 //! - Entries of a session older than the one the worker joined, should they
-//!   still come (a worker without a log hold), are skipped: applying them
-//!   inside the newer session would apply commands the controller never
-//!   sent in it (I2).
-//! - The other way round, socket-ordered (`barrier`, `naive`) commands of a
-//!   session older than the one the worker joined are skipped too, on a
-//!   worker that tails a log. A newer `log` session starts when its Hello
-//!   is read from the log, and that may come before the last socket copies
-//!   of the session it cuts off reach the worker (the controller appends
-//!   the Hello before it connects anew, and the old connection's last
-//!   frames are still forwarded until the new one is accepted). Taken into
-//!   the log session's start they would change its target on some workers
-//!   only: the model checker found a worker that built a dataflow twice
-//!   that way (`log-then-barrier`, I1). Skipping them is what a worker
-//!   that joined the log session later does anyway: its `barrier` rounds
-//!   of the old session are abandoned once a peer joined the new one, and
-//!   the new session's reconciliation repairs a drop that only some
-//!   workers applied. A socket command belongs to the session of the
-//!   socket Hello before it (a connection starts with its Hello, and the
-//!   replica takes no frame of an older connection once a newer one is
-//!   accepted).
-//!
+//!   still come (a worker without a log hold), are skipped, and so are
+//!   socket-ordered (`barrier`, `naive`) commands of an older session: a
+//!   newer `log` session starts when its Hello is read from the log, and
+//!   that may come before the last socket copies of the session it cuts
+//!   off reach the worker (the controller appends the Hello before it
+//!   connects anew, and the old connection's last frames are still
+//!   forwarded until the new one is accepted). The rule is every source's
+//!   (`SourceMarkers` in [`crate::strategy`]); skipping them is what a
+//!   worker that joined the log session later does anyway: its `barrier`
+//!   rounds of the old session are abandoned once a peer joined the new
+//!   one, and the new session's reconciliation repairs a drop that only
+//!   some workers applied.
 //!
 //! What a read of the log does to the machine is here too,
 //! [`WorkerSession::on_log_entries`]: the entries sent with `log` join the
@@ -95,8 +86,6 @@ impl StrategyRules for Log {
 pub struct LogTail<C> {
     /// Whether the worker tails a command log.
     pub(crate) tails: bool,
-    /// The session of the last command-log marker taken from the queue.
-    pub(crate) marker: Session,
     /// The newest session whose marker the worker read from the log.
     pub(crate) fence: Session,
     /// The offset of the next log entry to read, once worker 0 announced
@@ -114,7 +103,6 @@ impl<C> Default for LogTail<C> {
     fn default() -> Self {
         LogTail {
             tails: false,
-            marker: 0,
             fence: 0,
             next: None,
             held: VecDeque::new(),
@@ -202,40 +190,6 @@ impl<C: SessionCommand> WorkerSession<C> {
             }
         }
         read
-    }
-
-    /// Whether `cmd`, just taken from the queue, is a command-log entry of a
-    /// session older than the one this worker joined (and notes the session
-    /// of a log marker).
-    pub(crate) fn stale_log_entry(&mut self, cmd: &C) -> bool {
-        if source_of(cmd) != Source::Log {
-            return false;
-        }
-        match cmd.hello_session() {
-            Some(session) => {
-                self.log.marker = session;
-                false
-            }
-            None => self.log.marker < self.session,
-        }
-    }
-
-    /// Whether `cmd`, just taken from the queue, is a socket-ordered
-    /// (`barrier`, `naive`) command of a session older than the one this
-    /// worker joined, on a worker that tails a log (and notes the session of
-    /// a socket Hello). Without a log every session starts from the socket,
-    /// in order, and nothing is stale.
-    pub(crate) fn stale_socket_command(&mut self, cmd: &C) -> bool {
-        if !self.log.tails || source_of(cmd) != Source::Socket {
-            return false;
-        }
-        match cmd.hello_session() {
-            Some(session) => {
-                self.socket_marker = session;
-                false
-            }
-            None => self.socket_marker < self.session,
-        }
     }
 
     /// The worker read the marker of `session` from its command log (a

@@ -32,6 +32,7 @@ pub mod naive;
 use lockstep_protocol::Strategy;
 
 use crate::worker::SessionCommand;
+use crate::Session;
 
 /// Where a worker takes a strategy's commands from.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
@@ -45,6 +46,57 @@ pub enum Source {
     /// The command log, read from the offset worker 0 announced; the socket
     /// copy only makes the worker read the log now.
     Log,
+}
+
+/// The session of the last Hello a worker took from each [`Source`]: a
+/// command belongs to the session of the Hello before it in its source's
+/// order (each session's commands come from its strategy's one source).
+///
+/// A command whose source's session is older than the one the worker
+/// joined is skipped, whatever the source: once sessions of different
+/// strategies follow each other, a worker can join the newer session from
+/// one source before the older session's last commands reach it from
+/// another, and taken into the newer session they would apply commands
+/// the controller never sent in it, on some workers only. The model
+/// checker found it for every pair: a `log` session's entries read after a
+/// newer `barrier` Hello, a `barrier` session's last socket copies after a
+/// newer `log` Hello (`log-then-barrier`, I1), and a `broadcast` session's
+/// target still on the sequencer's stream after a newer `barrier` session
+/// began on the socket, which a worker then built on its own
+/// (`barrier-then-broadcast`, I1).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub(crate) struct SourceMarkers {
+    socket: Session,
+    sequencer: Session,
+    log: Session,
+}
+
+impl SourceMarkers {
+    /// Every source in `session` (a worker resumed in it).
+    pub(crate) fn all(session: Session) -> Self {
+        SourceMarkers {
+            socket: session,
+            sequencer: session,
+            log: session,
+        }
+    }
+
+    /// Whether `cmd`, just taken from the queue, belongs to a session
+    /// older than `joined` (and notes the session of a Hello).
+    pub(crate) fn stale<C: SessionCommand>(&mut self, cmd: &C, joined: Session) -> bool {
+        let marker = match source_of(cmd) {
+            Source::Socket => &mut self.socket,
+            Source::Sequencer => &mut self.sequencer,
+            Source::Log => &mut self.log,
+        };
+        match cmd.hello_session() {
+            Some(session) => {
+                *marker = session;
+                false
+            }
+            None => *marker < joined,
+        }
+    }
 }
 
 /// One strategy's rules, on both sides of the wire (see the module docs).

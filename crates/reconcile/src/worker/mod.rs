@@ -31,7 +31,7 @@ use std::collections::VecDeque;
 use lockstep_protocol::{Command, CommandKind, Strategy};
 
 use crate::strategy::log::LogTail;
-use crate::strategy::rules;
+use crate::strategy::{rules, SourceMarkers};
 use crate::{
     session_of, Announcement, BarrierDecision, DataflowKey, Digest, Report, RoundBook, Session,
 };
@@ -238,8 +238,8 @@ pub struct WorkerSession<C> {
     pub(crate) index: usize,
     pub(crate) has_mesh: bool,
     pub(crate) session: Session,
-    /// The session of the last socket-ordered Hello taken from the queue.
-    pub(crate) socket_marker: Session,
+    /// The session of the last Hello taken from the queue, per source.
+    pub(crate) markers: SourceMarkers,
     /// Commands of a session start, until InitializationComplete.
     pub(crate) reconciling: Option<Vec<C>>,
     pub(crate) queue: VecDeque<C>,
@@ -260,7 +260,7 @@ impl<C: SessionCommand> WorkerSession<C> {
             index,
             has_mesh,
             session: 0,
-            socket_marker: 0,
+            markers: SourceMarkers::default(),
             reconciling: None,
             queue: VecDeque::new(),
             pending: None,
@@ -284,8 +284,7 @@ impl<C: SessionCommand> WorkerSession<C> {
     /// state: the model checker's initial state).
     pub fn resumed(mut self, session: Session) -> Self {
         self.session = session;
-        self.log.marker = session;
-        self.socket_marker = session;
+        self.markers = SourceMarkers::all(session);
         self.reconciling = None;
         self.rounds.start_session(session);
         for w in 0..self.rounds.peers() {
@@ -390,7 +389,7 @@ impl<C: SessionCommand> WorkerSession<C> {
                 continue;
             }
             let cmd = self.queue.pop_front()?;
-            if self.stale_log_entry(&cmd) || self.stale_socket_command(&cmd) {
+            if self.markers.stale(&cmd, self.session) {
                 return Some(Action::Skipped { seqno: cmd.seqno() });
             }
             self.handle(cmd, view, now_ms);

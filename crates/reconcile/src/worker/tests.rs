@@ -391,10 +391,39 @@ fn socket_commands_of_an_older_session_are_skipped_on_a_log_tailing_worker() {
     assert_eq!(runs.0, vec![key(1, 1)]);
 }
 
-/// Without a log, socket commands are never stale: every session starts
-/// from the socket, in order.
+/// A barrier session joined from the socket before the sequencer's stream
+/// delivered the last commands of the broadcast session it cuts off: those
+/// are skipped, not built in the barrier session on this worker only
+/// (found by the model, `barrier-then-broadcast`, I1).
 #[test]
-fn socket_commands_are_not_skipped_without_a_log() {
+fn sequencer_commands_of_an_older_session_are_skipped() {
+    let mut m = WorkerSession::new(0, 1, false);
+    let mut runs = Runs::default();
+    // Broadcast session 2 from the sequencer, with an empty target.
+    session_start(&mut m, Strategy::Broadcast, 2, &[]);
+    run(&mut m, &mut runs, 0);
+    assert_eq!(m.session(), 2);
+    // Barrier session 3 from the socket ...
+    session_start(&mut m, Strategy::Barrier, 3, &[]);
+    run(&mut m, &mut runs, 0);
+    assert_eq!(m.session(), 3);
+    // ... and session 2's create reaches the worker only now.
+    m.push(cmd(Strategy::Broadcast, 7, TestClass::Create(1, 1)));
+    let actions = run(&mut m, &mut runs, 0);
+    assert_eq!(actions, vec![Action::Skipped { seqno: 7 }]);
+    assert!(runs.0.is_empty(), "session 2's create is not built");
+    // A newer broadcast session's commands apply again.
+    session_start(&mut m, Strategy::Broadcast, 4, &[(1, 1)]);
+    run(&mut m, &mut runs, 0);
+    assert_eq!(m.session(), 4);
+    assert_eq!(runs.0, vec![key(1, 1)]);
+}
+
+/// A worker resumed in a session takes that session's socket commands:
+/// every source starts in the resumed session, and nothing is stale until
+/// a newer session begins.
+#[test]
+fn socket_commands_of_the_resumed_session_are_not_skipped() {
     let mut m = WorkerSession::new(0, 1, false).resumed(3);
     let mut runs = Runs::default();
     m.push(cmd(Strategy::Barrier, 5, TestClass::Create(1, 1)));
