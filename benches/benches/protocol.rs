@@ -1,4 +1,8 @@
-//! Protocol costs: framing a command and compacting a history.
+//! Protocol costs: framing a command, compacting a history, and measuring
+//! a 10,000-row write's encoded size for the distribution policy
+//! (`protocol/write_10k_size/copied`: the write copied into a command and
+//! measured, as the controller did; `.../measured`: measured where it is,
+//! `command_encoded_len`).
 
 #![allow(missing_docs)] // criterion_group! generates undocumented functions
 
@@ -51,5 +55,36 @@ fn history(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, codec, history);
+fn write_size(c: &mut Criterion) {
+    let kind = CommandKind::WriteInput(WriteInput {
+        collection_id: 1,
+        updates: (0..10_000i64)
+            .map(|i| Update {
+                row: lockstep_plan::row(&[i, 7]),
+                time: 7,
+                diff: 1,
+            })
+            .collect(),
+        upper: 8,
+        more: false,
+        batch_digest: None,
+    });
+    let mut g = c.benchmark_group("protocol/write_10k_size");
+    g.bench_function("copied", |b| {
+        b.iter(|| {
+            Command {
+                seqno: 0,
+                strategy: Strategy::Naive,
+                kind: kind.clone(),
+            }
+            .encoded_len()
+        })
+    });
+    g.bench_function("measured", |b| {
+        b.iter(|| command_encoded_len(0, Strategy::Naive, &kind))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, codec, history, write_size);
 criterion_main!(benches);

@@ -13,7 +13,7 @@
 //! copies takes it.
 
 use lockstep_policy::{CommandClass, CommandInfo};
-use lockstep_protocol::{Command, CommandKind, Strategy, WireMessage};
+use lockstep_protocol::{Command, CommandKind, Strategy};
 use lockstep_reconcile::{Choice, Delivery, Fallback};
 
 use super::Actor;
@@ -193,12 +193,7 @@ impl Actor {
 }
 
 /// The encoded size of a command, for policies: its wire form's length,
-/// computed without encoding it (every write passes here).
+/// computed without encoding or copying it (every write passes here).
 fn encoded_size(kind: &CommandKind) -> u64 {
-    Command {
-        seqno: 0,
-        strategy: Strategy::Naive,
-        kind: kind.clone(),
-    }
-    .encoded_len() as u64
+    lockstep_protocol::command_encoded_len(0, Strategy::Naive, kind) as u64
 }
