@@ -1,8 +1,10 @@
-//! Protocol costs: framing a command, compacting a history, and measuring
-//! a 10,000-row write's encoded size for the distribution policy
+//! Protocol costs: framing a command, compacting a history, and a
+//! 10,000-row write's encoded size for the distribution policy
 //! (`protocol/write_10k_size/copied`: the write copied into a command and
 //! measured, as the controller did; `.../measured`: measured where it is,
-//! `command_encoded_len`).
+//! `command_encoded_len`) and its encoding for the catalog
+//! (`protocol/write_10k_catalog_bytes/copied`: copied into its wire form and
+//! encoded, as the environment did; `.../written`: `encode_whole_write`).
 
 #![allow(missing_docs)] // criterion_group! generates undocumented functions
 
@@ -11,6 +13,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use lockstep_benches::small_dataflow;
 use lockstep_protocol::*;
 use lockstep_transport::{ControllerCodec, ReplicaCodec};
+use prost::Message;
 use tokio_util::codec::{Decoder, Encoder};
 
 fn codec(c: &mut Criterion) {
@@ -82,6 +85,17 @@ fn write_size(c: &mut Criterion) {
     });
     g.bench_function("measured", |b| {
         b.iter(|| command_encoded_len(0, Strategy::Naive, &kind))
+    });
+    g.finish();
+    let CommandKind::WriteInput(w) = &kind else {
+        unreachable!("a write")
+    };
+    let mut g = c.benchmark_group("protocol/write_10k_catalog_bytes");
+    g.bench_function("copied", |b| {
+        b.iter(|| proto::WriteInput::from(w.clone()).encode_to_vec())
+    });
+    g.bench_function("written", |b| {
+        b.iter(|| encode_whole_write(w.collection_id, &w.updates, w.upper))
     });
     g.finish();
 }

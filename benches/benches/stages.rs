@@ -52,8 +52,8 @@ use lockstep_benches::harness;
 use lockstep_catalog::{Catalog, ReplicaConfig};
 use lockstep_environment::proto::WriteInputRequest;
 use lockstep_protocol::{
-    proto as wire, Command, CommandKind, ProcessIdentity, SessionKey, Strategy, Update,
-    WireMessage, WriteInput,
+    encode_whole_write, proto as wire, Command, CommandKind, ProcessIdentity, SessionKey, Strategy,
+    Update, WireMessage, WriteInput,
 };
 use lockstep_replica::family::PlanFamily;
 use lockstep_replica::worker::{run_worker, FromWorker};
@@ -282,8 +282,8 @@ fn stages(c: &mut Criterion) {
         .expect("replica");
     g.bench_function("durable_append", |b| {
         b.iter(|| {
-            // As the environment's `encode_write`: the write alone.
-            let bytes = wire::WriteInput::from(batch.clone()).encode_to_vec();
+            // The environment's `encode_write`: the write alone.
+            let bytes = encode_whole_write(INPUT, &batch.updates, batch.upper);
             catalog
                 .append_input(replica.id, INPUT, &bytes)
                 .expect("append")

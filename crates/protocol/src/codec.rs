@@ -131,35 +131,71 @@ pub fn command_encoded_len(
         kind: crate::CommandKind::WriteInput(bare),
     }
     .encoded_len();
-    // ... then each update as prost encodes `repeated Update updates = 2`
-    // (a one-byte key, the message's length, the message; a proto3 scalar
-    // at its default is not written) ...
-    let updates: usize = w
-        .updates
-        .iter()
-        .map(|u| {
-            let row = if u.row.is_empty() {
-                0
-            } else {
-                1 + encoded_len_varint(u.row.len() as u64) + u.row.len()
-            };
-            let time = if u.time == 0 {
-                0
-            } else {
-                1 + encoded_len_varint(u.time)
-            };
-            let diff = if u.diff == 0 {
-                0
-            } else {
-                1 + encoded_len_varint(u.diff as u64)
-            };
-            let len = row + time + diff;
-            1 + encoded_len_varint(len as u64) + len
-        })
-        .sum();
+    // ... then each update as prost encodes it ...
+    let updates: usize = w.updates.iter().map(update_encoded_len).sum();
     // ... and the write's own length prefix grown with them.
     let inner = bare_inner + updates;
     bare_total - encoded_len_varint(bare_inner as u64) + encoded_len_varint(inner as u64) + updates
+}
+
+/// The length of one update's protobuf encoding as an element of
+/// `repeated Update updates = 2` (its one-byte key and length included; a
+/// proto3 scalar at its default is not written).
+fn update_encoded_len(u: &crate::Update) -> usize {
+    use prost::encoding::encoded_len_varint;
+    let len = update_body_len(u);
+    1 + encoded_len_varint(len as u64) + len
+}
+
+/// The length of one update's own fields, encoded.
+fn update_body_len(u: &crate::Update) -> usize {
+    use prost::encoding::encoded_len_varint;
+    let row = if u.row.is_empty() {
+        0
+    } else {
+        1 + encoded_len_varint(u.row.len() as u64) + u.row.len()
+    };
+    let time = if u.time == 0 {
+        0
+    } else {
+        1 + encoded_len_varint(u.time)
+    };
+    let diff = if u.diff == 0 {
+        0
+    } else {
+        1 + encoded_len_varint(u.diff as u64)
+    };
+    row + time + diff
+}
+
+/// The protobuf encoding of the write `collection_id`, `updates`, `upper`
+/// (not continued, no batch digest: a whole write, as the environment
+/// stores it), written from references: the same bytes as the write's wire
+/// form's `encode_to_vec`, without copying its rows into it first.
+pub fn encode_whole_write(collection_id: u64, updates: &[crate::Update], upper: u64) -> Vec<u8> {
+    use prost::encoding::{encode_key, encode_varint, WireType};
+    let body: usize = updates.iter().map(update_encoded_len).sum();
+    let mut buf = Vec::with_capacity(body + 24);
+    if collection_id != 0 {
+        prost::encoding::uint64::encode(1, &collection_id, &mut buf);
+    }
+    for u in updates {
+        encode_key(2, WireType::LengthDelimited, &mut buf);
+        encode_varint(update_body_len(u) as u64, &mut buf);
+        if !u.row.is_empty() {
+            prost::encoding::bytes::encode(1, &u.row, &mut buf);
+        }
+        if u.time != 0 {
+            prost::encoding::uint64::encode(2, &u.time, &mut buf);
+        }
+        if u.diff != 0 {
+            prost::encoding::int64::encode(3, &u.diff, &mut buf);
+        }
+    }
+    if upper != 0 {
+        prost::encoding::uint64::encode(3, &upper, &mut buf);
+    }
+    buf
 }
 
 /// Appends `item` to `dst` as one frame: a 4-byte big-endian length, then
@@ -243,6 +279,36 @@ mod tests {
             more: rows % 2 == 1,
             batch_digest: digest.then_some([1, u64::MAX, 3, 4]),
         })
+    }
+
+    /// Written from references, a whole write's encoding is the bytes of
+    /// its wire form's.
+    #[test]
+    fn encode_whole_write_is_the_wire_forms_encoding() {
+        for kind in [
+            write(0, 0, 0, 0, false),
+            write(1, 0, 0, 1, false),
+            write(5, 2, 1 << 40, -3, false),
+            write(130, 1, 9, 1, false),
+            write(300, 200, u64::MAX - 3, i64::MIN + 1, false),
+        ] {
+            let CommandKind::WriteInput(w) = kind else {
+                unreachable!()
+            };
+            for (collection_id, upper) in [(0, 0), (w.collection_id, w.upper)] {
+                let whole = WriteInput {
+                    collection_id,
+                    upper,
+                    more: false,
+                    batch_digest: None,
+                    ..w.clone()
+                };
+                assert_eq!(
+                    encode_whole_write(collection_id, &whole.updates, upper),
+                    proto::WriteInput::from(whole.clone()).encode_to_vec()
+                );
+            }
+        }
     }
 
     /// Measured from a reference, a command's length is its encoding's,

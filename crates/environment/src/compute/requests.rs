@@ -19,14 +19,10 @@ pub(crate) fn decode_write(bytes: &[u8]) -> Result<WriteInput, ComputeError> {
 }
 
 /// Encodes a write for the catalog: the consolidated write alone (not
-/// continued, no batch digest).
+/// continued, no batch digest), from its rows where they are (copying them
+/// into the wire form first cost as much as the encoding).
 pub(super) fn encode_write(w: &WriteInput) -> Vec<u8> {
-    wire::WriteInput::from(WriteInput {
-        more: false,
-        batch_digest: None,
-        ..w.clone()
-    })
-    .encode_to_vec()
+    lockstep_protocol::encode_whole_write(w.collection_id, &w.updates, w.upper)
 }
 
 /// The largest since among a dataflow's inputs.
