@@ -977,18 +977,8 @@ fn instructions(quick: bool) -> Result<Vec<Instructions>, String> {
         "instruction counts under callgrind (1x1, 2x2)"
     });
     let out = root().join("target/lockstep/instructions.json");
-    let mut cmd = cargo();
-    cmd.args([
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "lockstep-benches",
-        "--bin",
-        "instructions",
-        "--",
-    ])
-    .arg(&out);
+    let mut cmd = crate::util::cargo_run_release("lockstep-benches", "instructions");
+    cmd.arg(&out);
     if quick {
         cmd.env("LOCKSTEP_BENCH_QUICK", "1");
     } else {

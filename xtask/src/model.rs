@@ -17,13 +17,13 @@ use std::process::Stdio;
 
 use anyhow::{bail, Context};
 
-use crate::util::{cargo, step};
+use crate::util::step;
 
 /// Runs the model checker on `variants` (every variant when empty).
 pub fn run(variants: &[String]) -> anyhow::Result<()> {
     step("model checking (cargo run --release -p lockstep-model)");
     // The variants and which must be caught, from the model itself.
-    let mut list = model_command();
+    let mut list = crate::util::cargo_run_release("lockstep-model", "lockstep-model");
     list.arg("--list");
     let listed = crate::util::stdout(list)?;
     let known: Vec<(&str, bool)> = listed
@@ -43,7 +43,7 @@ pub fn run(variants: &[String]) -> anyhow::Result<()> {
         .copied()
         .filter(|(k, _)| variants.is_empty() || variants.iter().any(|v| v == k))
         .collect();
-    let mut cmd = model_command();
+    let mut cmd = crate::util::cargo_run_release("lockstep-model", "lockstep-model");
     cmd.args(wanted.iter().map(|(k, _)| k));
     let out = cmd
         .stdin(Stdio::null())
@@ -75,20 +75,4 @@ pub fn run(variants: &[String]) -> anyhow::Result<()> {
     }
     eprintln!("\nxtask: model: ok ({} variants)", wanted.len());
     Ok(())
-}
-
-/// `cargo run --release -p lockstep-model --` (the arguments follow).
-fn model_command() -> std::process::Command {
-    let mut cmd = cargo();
-    cmd.args([
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "lockstep-model",
-        "--bin",
-        "lockstep-model",
-        "--",
-    ]);
-    cmd
 }

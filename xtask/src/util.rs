@@ -23,6 +23,23 @@ pub fn cargo() -> Command {
     cmd
 }
 
+/// `cargo run --release --quiet -p PACKAGE --bin BIN --` (the program's
+/// arguments follow).
+pub fn cargo_run_release(package: &str, bin: &str) -> Command {
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        package,
+        "--bin",
+        bin,
+        "--",
+    ]);
+    cmd
+}
+
 /// Set once `cargo test --workspace` with the test features has run: see
 /// [`build_bins`].
 static WORKSPACE_TESTS_BUILT: AtomicBool = AtomicBool::new(false);

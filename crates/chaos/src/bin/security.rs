@@ -218,6 +218,11 @@ async fn drives(c: &Controller, t: u64) -> Result<(), String> {
 async fn first_answer(addr: SocketAddr, bytes: &[u8]) -> Option<lockstep_protocol::Response> {
     let mut sock = TcpStream::connect(addr).await.ok()?;
     let _ = sock.write_all(bytes).await;
+    answer_on(sock).await
+}
+
+/// The first response frame on `sock`, if one comes within 5 s.
+async fn answer_on(sock: TcpStream) -> Option<lockstep_protocol::Response> {
     let mut framed = Framed::new(sock, ControllerCodec::default());
     tokio::time::timeout(Duration::from_secs(5), framed.next())
         .await

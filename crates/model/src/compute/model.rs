@@ -254,14 +254,12 @@ impl Model for ComputeModel {
                 |m: &Self, s| m.check_no_halt(s).is_ok(),
             ));
         }
-        if self.then.is_some() && self.tails_log() {
-            // The hold must be exercised (a mutant without it has none).
-            if self.hold_mutant == LogHoldMutant::None {
-                properties.push(Property::sometimes(
-                    "a newer session waits for its log marker",
-                    |_: &Self, s: &ComputeState| s.workers.iter().any(|w| w.machine.holding()),
-                ));
-            }
+        // The hold must be exercised (a mutant without it has none).
+        if self.then.is_some() && self.tails_log() && self.hold_mutant == LogHoldMutant::None {
+            properties.push(Property::sometimes(
+                "a newer session waits for its log marker",
+                |_: &Self, s: &ComputeState| s.workers.iter().any(|w| w.machine.holding()),
+            ));
         }
         properties
     }

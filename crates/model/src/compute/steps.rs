@@ -118,7 +118,7 @@ impl ComputeModel {
 
     /// Whether workers tail the durable log (some session uses `log`).
     pub(super) fn tails_log(&self) -> bool {
-        self.strategy == Strategy::Log || self.then == Some(Strategy::Log)
+        self.sources().any(|s| s == Source::Log)
     }
 
     /// A fresh worker `index` of `peers`, in session 0, reading the log
@@ -201,18 +201,20 @@ impl ComputeModel {
     /// source is the sequencer: broadcast), so only its channel carries
     /// them.
     pub(super) fn only_sequenced(&self) -> bool {
-        [Some(self.strategy), self.then]
-            .into_iter()
-            .flatten()
-            .all(|s| rules(s).source() == Source::Sequencer)
+        self.sources().all(|s| s == Source::Sequencer)
     }
 
     /// Whether some session's commands are sequenced by process 0.
     pub(super) fn sequences(&self) -> bool {
+        self.sources().any(|s| s == Source::Sequencer)
+    }
+
+    /// The source of each strategy some session uses.
+    fn sources(&self) -> impl Iterator<Item = Source> {
         [Some(self.strategy), self.then]
             .into_iter()
             .flatten()
-            .any(|s| rules(s).source() == Source::Sequencer)
+            .map(|s| rules(s).source())
     }
 
     /// Whether `msg` goes to the sequencer (a broadcast session's).
@@ -223,10 +225,7 @@ impl ComputeModel {
     /// Whether some session's commands travel on the channels (every
     /// strategy but `log`).
     pub(super) fn uses_channels(&self) -> bool {
-        [Some(self.strategy), self.then]
-            .into_iter()
-            .flatten()
-            .any(|s| s != Strategy::Log)
+        self.sources().any(|s| s != Source::Log)
     }
 
     /// Sends one command of the controller's session as the controller's

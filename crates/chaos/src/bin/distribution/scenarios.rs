@@ -117,7 +117,7 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
             strategy_switched_after_partial_create(r, s, a).await
         }
         "partial-create-then-create" => partial_create_then_create(r, s, a, base).await,
-        "partial-drop-wanted-again" => partial_drop_wanted_again(r, s, a).await,
+        "partial-drop-wanted-again" => partial_drop_wanted_again(r, s, a, "1").await,
         "partial-drop-unwanted" => partial_drop_unwanted(r, s, a, base).await,
         "partial-peek" => partial_peek(r, s, a, base).await,
         "partial-write" => partial_write(r, s, a, base, "1").await,
@@ -127,12 +127,12 @@ async fn scenario_on(r: &Replica, name: &str, s: Variant) -> Result<(), Failure>
         "changed-target" => changed_target(r, s, a).await,
         "partial-create-last" => partial_create(r, s, a, base, "last1", false).await,
         "partial-create-last-wanted" => partial_create(r, s, a, base, "last1", true).await,
-        "partial-drop-wanted-again-mirrored" => partial_drop_wanted_again_mirrored(r, s, a).await,
+        "partial-drop-wanted-again-mirrored" => partial_drop_wanted_again(r, s, a, "last1").await,
         "partial-write-last" => partial_write(r, s, a, base, "last1").await,
         "double-crash" => double_crash(r, s, a).await,
-        "three-processes-partial-create" => three_processes_partial_create(r, s, a, base).await,
+        "three-processes-partial-create" => partial_create(r, s, a, base, "2", false).await,
         "three-processes-partial-drop-wanted-again" => {
-            three_processes_partial_drop_wanted_again(r, s, a).await
+            partial_drop_wanted_again(r, s, a, "last2").await
         }
         "reconnect-between-creates" => reconnect_between_creates(s, a).await,
         "stale-controller" => stale_controller(r, s, a).await,
@@ -175,8 +175,9 @@ async fn stop_until_silent(r: &Replica, a: &Controller, process: usize) -> Resul
 
 /// Scenarios `partial-create-unwanted` and `-wanted` (`reach` "1": only
 /// process 0 got the create) and `partial-create-last` and `-last-wanted`
-/// (`reach` "last1": only the last process got it); `wanted`: the next
-/// controller wants the dataflow too.
+/// (`reach` "last1": only the last process got it), and
+/// `three-processes-partial-create` ("2": the first two of three got it);
+/// `wanted`: the next controller wants the dataflow too.
 async fn partial_create(
     r: &Replica,
     s: Variant,
@@ -209,17 +210,15 @@ async fn strategy_switched_after_partial_create(
     let _ = a.create_dataflow(x(s));
     crashed(&a).await?;
     let t = vec![d1(s), d2(s), x(s)];
+    // Everything else (the history check's answer, the store, the hosts,
+    // the family) stays the variant's.
     let switched = Variant {
         strategy: if s.strategy == Strategy::Log {
             Strategy::Barrier
         } else {
             Strategy::Log
         },
-        // The history check's answer stays what the variant's is.
-        check_reconciles: s.check_reconciles,
-        postgres: s.postgres,
-        hosts: s.hosts,
-        family: s.family,
+        ..s
     };
     check(s, &controller(r, 2, switched, history(s, &t)), &t).await
 }
@@ -240,13 +239,20 @@ async fn partial_create_then_create(
     check(s, &b, &[d1(s), d2(s), y(s)]).await
 }
 
-/// Scenario `partial-drop-wanted-again`.
-async fn partial_drop_wanted_again(r: &Replica, s: Variant, a: Controller) -> Result<(), Failure> {
-    // Process 0 sees build and drop of X, process 1 only the build;
-    // the restarted controller wants X again.
+/// Scenarios `partial-drop-wanted-again` (`reach` "1": process 0 sees the
+/// build and the drop of X, process 1 only the build), `-mirrored` ("last1":
+/// process 1 sees both, process 0 only the build) and
+/// `three-processes-partial-drop-wanted-again` ("last2"); the restarted
+/// controller wants X again.
+async fn partial_drop_wanted_again(
+    r: &Replica,
+    s: Variant,
+    a: Controller,
+    reach: &str,
+) -> Result<(), Failure> {
     a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
     ready(&a, &[x(s)]).await?;
-    crash_on("allow-compaction");
+    crash_reaching("allow-compaction", reach);
     let _ = a.drop_dataflow(&x(s));
     crashed(&a).await?;
     let t = vec![d1(s), d2(s), x(s)];
@@ -338,22 +344,6 @@ async fn changed_target(r: &Replica, s: Variant, a: Controller) -> Result<(), Fa
     check(s, &controller(r, 2, s, history(s, &t)), &t).await
 }
 
-/// Scenario `partial-drop-wanted-again-mirrored`.
-async fn partial_drop_wanted_again_mirrored(
-    r: &Replica,
-    s: Variant,
-    a: Controller,
-) -> Result<(), Failure> {
-    // Process 1 sees build and drop of X, process 0 only the build.
-    a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
-    ready(&a, &[x(s)]).await?;
-    crash_reaching("allow-compaction", "last1");
-    let _ = a.drop_dataflow(&x(s));
-    crashed(&a).await?;
-    let t = vec![d1(s), d2(s), x(s)];
-    check(s, &controller(r, 2, s, history(s, &t)), &t).await
-}
-
 /// Scenario `double-crash`.
 async fn double_crash(r: &Replica, s: Variant, a: Controller) -> Result<(), Failure> {
     // A crash in a create, then the successor crashes reconciling.
@@ -365,34 +355,6 @@ async fn double_crash(r: &Replica, s: Variant, a: Controller) -> Result<(), Fail
     let b = controller(r, 2, s, history(s, &t));
     crashed_if_reached(&b).await;
     check(s, &controller(r, 3, s, history(s, &t)), &t).await
-}
-
-/// Scenario `three-processes-partial-create`.
-async fn three_processes_partial_create(
-    r: &Replica,
-    s: Variant,
-    a: Controller,
-    base: Vec<DataflowDescription>,
-) -> Result<(), Failure> {
-    crash_reaching("create-dataflow", "2");
-    let _ = a.create_dataflow(x(s));
-    crashed(&a).await?;
-    check(s, &controller(r, 2, s, history(s, &base)), &base).await
-}
-
-/// Scenario `three-processes-partial-drop-wanted-again`.
-async fn three_processes_partial_drop_wanted_again(
-    r: &Replica,
-    s: Variant,
-    a: Controller,
-) -> Result<(), Failure> {
-    a.create_dataflow(x(s)).map_err(|e| e.to_string())?;
-    ready(&a, &[x(s)]).await?;
-    crash_reaching("allow-compaction", "last2");
-    let _ = a.drop_dataflow(&x(s));
-    crashed(&a).await?;
-    let t = vec![d1(s), d2(s), x(s)];
-    check(s, &controller(r, 2, s, history(s, &t)), &t).await
 }
 
 /// Scenario `reconnect-between-creates`.

@@ -224,12 +224,7 @@ async fn pre_hello_frame(name: &str, id: u64, v: Variant) -> Result<(), Failure>
                 break;
             }
         }
-        let mut framed = Framed::new(sock, ControllerCodec::default());
-        tokio::time::timeout(Duration::from_secs(5), framed.next())
-            .await
-            .ok()
-            .flatten()
-            .and_then(Result::ok)
+        answer_on(sock).await
     };
     let rss = rss_mib(lockstep_chaos::pid_of(&r.orchestrator, 0).await?);
     if rss > 200.0 {
