@@ -53,6 +53,13 @@ pub(crate) enum ReplicaCommand {
     /// after and how long the replica was down (restart to serving). Exit 1
     /// if a process reports another build (the binary was not replaced) or
     /// the replica does not serve within --timeout.
+    ///
+    /// With --keep-answering the replica's reads are answered throughout:
+    /// the environment first starts a standby generation on the new build,
+    /// lets it catch up and answer the replica's peeks while the replica's
+    /// processes restart and catch up, then drops it (subscriptions stay
+    /// with the replica and resume after the restart). Prints how long the
+    /// standby answered reads instead of a downtime.
     Upgrade {
         /// Its name.
         name: String,
@@ -63,6 +70,10 @@ pub(crate) enum ReplicaCommand {
         /// How long to wait for the replica to serve and report, in seconds.
         #[arg(long, default_value_t = 120, value_name = "SECONDS")]
         timeout: u64,
+        /// Keep reads answered: a standby generation serves them during the
+        /// restart.
+        #[arg(long)]
+        keep_answering: bool,
     },
     /// Drop a replica.
     Drop {
@@ -253,7 +264,8 @@ pub(crate) async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow
             wait,
             timeout,
         } => {
-            let r = restart(&mut client, &name).await?;
+            let answer = restart(&mut client, &name, false).await?;
+            let r = replica_of(&answer)?;
             println!("restarted replica {} (id {})", r.name, r.id);
             print_processes(&r);
             if wait {
@@ -262,12 +274,18 @@ pub(crate) async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow
                 println!("replica {name} serving after {:.1} s", took.as_secs_f64());
             }
         }
-        ReplicaCommand::Upgrade { name, to, timeout } => {
+        ReplicaCommand::Upgrade {
+            name,
+            to,
+            timeout,
+            keep_answering,
+        } => {
             let to = to.unwrap_or_else(|| env!("CARGO_PKG_VERSION").to_string());
             let before = builds(&find_replica(&mut client, &name).await?);
             let started = std::time::Instant::now();
             let timeout = std::time::Duration::from_secs(timeout);
-            let restarted = restart(&mut client, &name).await?;
+            let answered = restart(&mut client, &name, keep_answering).await?;
+            let restarted = replica_of(&answered)?;
             let pids: Vec<u32> = restarted.process_status.iter().map(|p| p.pid).collect();
             let after = loop {
                 let r = find_replica(&mut client, &name).await?;
@@ -300,11 +318,19 @@ pub(crate) async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow
                 }
                 tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             };
-            let down = started.elapsed();
-            println!(
-                "replica {name} upgraded: {before} -> {after}; down {:.2} s (restart to serving)",
-                down.as_secs_f64()
-            );
+            if keep_answering {
+                println!(
+                    "replica {name} upgraded: {before} -> {after}; reads answered throughout (standby caught up after {:.2} s, answered the replica's reads for {:.2} s)",
+                    answered.standby_ready_ms as f64 / 1000.0,
+                    answered.standby_served_ms as f64 / 1000.0
+                );
+            } else {
+                let down = started.elapsed();
+                println!(
+                    "replica {name} upgraded: {before} -> {after}; down {:.2} s (restart to serving)",
+                    down.as_secs_f64()
+                );
+            }
         }
         ReplicaCommand::Drop { name } => {
             let r = client
@@ -355,16 +381,28 @@ pub(crate) async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow
     Ok(())
 }
 
-/// Restarts replica `name` (RestartReplica); the replica as restarted.
-async fn restart(client: &mut Client, name: &str) -> anyhow::Result<proto::Replica> {
-    client
+/// Restarts replica `name` (RestartReplica, keeping its reads answered if
+/// `keep_answering`).
+async fn restart(
+    client: &mut Client,
+    name: &str,
+    keep_answering: bool,
+) -> anyhow::Result<proto::RestartReplicaResponse> {
+    Ok(client
         .restart_replica(proto::RestartReplicaRequest {
             name: name.to_string(),
+            keep_answering,
         })
         .await
         .map_err(status_err)?
-        .into_inner()
+        .into_inner())
+}
+
+/// The replica as RestartReplica restarted it.
+fn replica_of(answer: &proto::RestartReplicaResponse) -> anyhow::Result<&proto::Replica> {
+    answer
         .replica
+        .as_ref()
         .ok_or_else(|| anyhow::anyhow!("RestartReplica answered without the replica"))
 }
 

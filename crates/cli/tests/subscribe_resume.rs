@@ -21,72 +21,11 @@ const WAIT: Duration = Duration::from_secs(90);
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_lockstep"))
 }
-
-/// `lockstep serve` on `state` listening on `port` (the same across a
-/// restart, so the subscriber finds it again), with `policy`.
-async fn serve(state: &Path, port: u16, policy: &Path) -> tokio::process::Child {
-    let stderr = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(state.join("serve.stderr"))
-        .unwrap();
-    let mut child = tokio::process::Command::new(bin())
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-        .arg("--distribution-policy")
-        .arg(policy)
-        .arg("--state-dir")
-        .arg(state)
-        .arg("--service-binary")
-        .arg(common::replica_binary())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = tokio::time::timeout(WAIT, lines.next_line())
-        .await
-        .expect("lockstep serve served in time")
-        .unwrap()
-        .unwrap_or_else(|| {
-            panic!(
-                "no serving line: {}",
-                std::fs::read_to_string(state.join("serve.stderr")).unwrap_or_default()
-            )
-        });
-    assert!(line.starts_with("lockstep: serving on "), "{line}");
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    child
-}
-
-/// `lockstep ARGS --server URL`, which must succeed; its stdout.
-async fn ok(state: &Path, url: &str, args: &[&str]) -> String {
-    let out = tokio::time::timeout(
-        WAIT,
-        tokio::process::Command::new(bin())
-            .args(args)
-            .args(["--server", url])
-            .env("LOCKSTEP_STATE_DIR", state)
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await
-    .expect("the CLI finished in time")
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "lockstep {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
 /// Writes row `(t, 10)` at time `t` to input 1 (upper `t + 1`).
 async fn write_at(state: &Path, url: &str, t: u64) {
     let upper = (t + 1).to_string();
     let update = format!("{t},10@{t}");
-    ok(
+    common::cli_ok(
         state,
         url,
         &[
@@ -108,7 +47,8 @@ async fn write_at(state: &Path, url: &str, t: u64) {
 /// The PIDs of replica r's processes.
 async fn pids(state: &Path, url: &str) -> Vec<u64> {
     let v: serde_json::Value =
-        serde_json::from_str(&ok(state, url, &["replica", "list", "-o", "json"]).await).unwrap();
+        serde_json::from_str(&common::cli_ok(state, url, &["replica", "list", "-o", "json"]).await)
+            .unwrap();
     v["replicas"][0]["process_status"]
         .as_array()
         .unwrap()
@@ -149,14 +89,14 @@ async fn resume_under(strategy: &str) {
         .unwrap()
         .port();
     let url = format!("http://127.0.0.1:{port}");
-    let mut first = serve(state, port, &policy).await;
-    ok(
+    let mut first = common::serve_on(state, port, &policy).await;
+    common::cli_ok(
         state,
         &url,
         &["replica", "create", "r", "--processes", "2", "--wait"],
     )
     .await;
-    ok(
+    common::cli_ok(
         state,
         &url,
         &[
@@ -200,7 +140,7 @@ async fn resume_under(strategy: &str) {
     // SIGKILL the environment mid-stream; a new one on the same state and
     // port adopts the replica.
     first.kill().await.unwrap();
-    let _second = serve(state, port, &policy).await;
+    let _second = common::serve_on(state, port, &policy).await;
     for t in 5..10 {
         write_at(state, &url, t).await;
     }

@@ -84,6 +84,7 @@ pub mod rpc_metrics;
 mod serve;
 pub mod server;
 mod startup;
+mod upgrade;
 
 /// The generated gRPC types and services of `lockstep.environment.v1`
 /// (crate `lockstep-api`, which clients link alone).
@@ -102,6 +103,7 @@ use tokio::sync::watch;
 
 pub use compute::REPLICA_RESTART_INTERVAL;
 pub use lockstep_launch::ServiceTemplate;
+pub use upgrade::{AnsweredUpgrade, CATCH_UP_BOUND};
 
 /// Concurrent streams (and calls) one API connection may have open.
 pub const API_MAX_STREAMS: u32 = 256;

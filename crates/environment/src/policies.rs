@@ -190,7 +190,7 @@ impl Environment {
                 if self.compute.has_replica_policy(id) {
                     continue;
                 }
-                if let Some(c) = self.compute.controller(id) {
+                for c in self.compute.mutated(id) {
                     // From the next session on, which starts now.
                     let _ = c.set_policy(self.compute.policy_for(id));
                     let _ = c.reconnect();
@@ -234,7 +234,7 @@ impl Environment {
         std::fs::rename(&tmp, &path).map_err(io)?;
         self.compute
             .set_replica_distribution_policy(replica_id, Some(path.clone()));
-        if let Some(c) = self.compute.controller(replica_id) {
+        for c in self.compute.mutated(replica_id) {
             let _ = c.set_policy(self.compute.policy_for(replica_id));
             let _ = c.reconnect();
         }

@@ -329,6 +329,8 @@ impl Environment {
             .await
             .map_err(|e| EnvError::Orchestrator(e.to_string()))?
             .into_iter()
+            // A replica's own service, not its standby (an upgrade).
+            .filter(|s| s.name == ServiceTemplate::service_name(s.id))
             .map(|s| (s.id, s))
             .collect();
         Ok(self

@@ -245,9 +245,22 @@ impl EnvironmentApi for EnvironmentService {
     ) -> Result<Response<proto::RestartReplicaResponse>, Status> {
         async {
             let r = request.into_inner();
+            if r.keep_answering {
+                let done = self
+                    .env
+                    .upgrade_replica_answering(&r.name)
+                    .await
+                    .map_err(compute_status)?;
+                return Ok(Response::new(proto::RestartReplicaResponse {
+                    replica: Some(to_proto(&done.info)),
+                    standby_ready_ms: done.standby_ready.as_millis() as u64,
+                    standby_served_ms: done.standby_served.as_millis() as u64,
+                }));
+            }
             let info = self.env.restart_replica(&r.name).await.map_err(status)?;
             Ok(Response::new(proto::RestartReplicaResponse {
                 replica: Some(to_proto(&info)),
+                ..Default::default()
             }))
         }
         .await

@@ -248,13 +248,24 @@ impl Environment {
 
     /// The command log of replica `replica_id`, if replicas have command logs.
     pub fn command_log(&self, replica_id: u64) -> Option<LogLocation> {
+        self.log_of_service(&ServiceTemplate::service_name(replica_id))
+    }
+
+    /// The command log of replica `replica_id`'s standby generation, if
+    /// replicas have command logs: a log of its own, as a log orders one
+    /// controller's sessions.
+    pub(crate) fn standby_command_log(&self, replica_id: u64) -> Option<LogLocation> {
+        self.log_of_service(&ServiceTemplate::standby_service_name(replica_id))
+    }
+
+    /// The command log of the service named `service` (`DIR/NAME.sqlite`,
+    /// or the log `NAME`).
+    fn log_of_service(&self, service: &str) -> Option<LogLocation> {
         self.command_logs.as_ref().map(|logs| match logs {
-            CommandLogs::Dir(dir) => {
-                LogLocation::Sqlite(dir.join(format!("replica-{replica_id}.sqlite")))
-            }
+            CommandLogs::Dir(dir) => LogLocation::Sqlite(dir.join(format!("{service}.sqlite"))),
             CommandLogs::Postgres(url) => LogLocation::Postgres {
                 url: url.clone(),
-                name: format!("replica-{replica_id}"),
+                name: service.to_string(),
             },
         })
     }
@@ -262,6 +273,26 @@ impl Environment {
     /// The orchestrator service of a replica: the template's command line,
     /// plus the replica's command log.
     pub(crate) fn service_config(&self, replica: &Replica) -> lockstep_orchestrator::ServiceConfig {
+        self.service_config_with_log(replica, self.command_log(replica.id))
+    }
+
+    /// The orchestrator service of replica `replica`'s standby generation:
+    /// its own name and command log, the rest as the replica's.
+    pub(crate) fn standby_service_config(
+        &self,
+        replica: &Replica,
+    ) -> lockstep_orchestrator::ServiceConfig {
+        let mut config =
+            self.service_config_with_log(replica, self.standby_command_log(replica.id));
+        config.name = ServiceTemplate::standby_service_name(replica.id);
+        config
+    }
+
+    fn service_config_with_log(
+        &self,
+        replica: &Replica,
+        log: Option<LogLocation>,
+    ) -> lockstep_orchestrator::ServiceConfig {
         let config = self
             .template
             .service_config(&lockstep_launch::ReplicaShape {
@@ -271,7 +302,7 @@ impl Environment {
                 workers_per_process: replica.config.workers_per_process,
                 config: replica.config.config.clone(),
             });
-        let config = match self.command_log(replica.id) {
+        let config = match log {
             Some(location) => lockstep_launch::with_command_log(config, &location),
             None => config,
         };
@@ -309,6 +340,7 @@ impl Environment {
         let env = Environment::load_with_secret(config, orchestrator, master_secret)?;
         env.ensure_replicas().await?;
         env.remove_orphans().await?;
+        env.drop_leftover_standbys().await?;
         env.start_compute().await?;
         Ok(Arc::new(env))
     }

@@ -87,6 +87,13 @@ impl ServiceTemplate {
         format!("replica-{replica_id}")
     }
 
+    /// The service name of a replica's standby generation: the second
+    /// service an upgrade that keeps answering starts beside the replica's
+    /// own, and drops when it is done (`docs/compatibility.md`).
+    pub fn standby_service_name(replica_id: u64) -> String {
+        format!("replica-{replica_id}-standby")
+    }
+
     /// The orchestrator service for a replica.
     pub fn service_config(&self, replica: &ReplicaShape) -> ServiceConfig {
         self.service_config_with_peers(replica, |_, peers| peers)

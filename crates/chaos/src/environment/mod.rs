@@ -64,7 +64,7 @@ mod scenarios;
 pub use crash::{crash_scenario, crash_scenario_on, stale_binary_halts, stale_binary_halts_on};
 pub use k8s_scenarios::{k8s_conflict_on_ensure, k8s_delete_races_recreate, k8s_watch_drops};
 use process::pids;
-pub use process::{cli, EnvProcess};
+pub use process::{cli, Bearer, Client, EnvProcess};
 pub use scenarios::{
     o4_control, o4_control_on, stale_cannot_resurrect, stale_cannot_resurrect_on,
     stale_halts_on_write, stale_halts_on_write_on, stale_loads_before_newer_creates,

@@ -2,7 +2,10 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
+
+use tokio::io::AsyncBufReadExt;
 
 use lockstep_environment::{Environment, EnvironmentConfig, ServiceTemplate};
 use lockstep_orchestrator::ServiceStatus;
@@ -297,4 +300,69 @@ pub fn require_built(paths: &[&Path]) {
 pub fn first_plan(desc: &lockstep_protocol::DataflowDescription) -> lockstep_plan::Plan {
     let export = &desc.exports[0];
     lockstep_plan::decode(export.collection_id, &export.description).expect("a built-in plan")
+}
+
+/// Every bounded wait of [`serve_on`] and [`cli_ok`].
+pub const SERVE_WAIT: Duration = Duration::from_secs(90);
+
+/// `lockstep serve` on `state` listening on `port` (give the same one to a
+/// restarted environment for clients to find it again), with `policy`,
+/// running [`replica_binary`]; waits (bounded) until it serves.
+pub async fn serve_on(state: &Path, port: u16, policy: &Path) -> tokio::process::Child {
+    let stderr = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(state.join("serve.stderr"))
+        .unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .arg("--distribution-policy")
+        .arg(policy)
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--service-binary")
+        .arg(replica_binary())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(SERVE_WAIT, lines.next_line())
+        .await
+        .expect("lockstep serve served in time")
+        .unwrap()
+        .unwrap_or_else(|| {
+            panic!(
+                "no serving line: {}",
+                std::fs::read_to_string(state.join("serve.stderr")).unwrap_or_default()
+            )
+        });
+    assert!(line.starts_with("lockstep: serving on "), "{line}");
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    child
+}
+
+/// `lockstep ARGS --server URL` with `state` as `LOCKSTEP_STATE_DIR` (the
+/// token), which must succeed (bounded); its stdout.
+pub async fn cli_ok(state: &Path, url: &str, args: &[&str]) -> String {
+    let out = tokio::time::timeout(
+        SERVE_WAIT,
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+            .args(args)
+            .args(["--server", url])
+            .env("LOCKSTEP_STATE_DIR", state)
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("the CLI finished in time")
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "lockstep {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
 }

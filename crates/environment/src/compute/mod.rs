@@ -36,10 +36,12 @@ use crate::inputs::WriteRefused;
 use crate::{EnvError, Environment, ServiceTemplate};
 
 mod requests;
+mod standby;
 mod watcher;
 
 pub use requests::decode_dataflow;
 pub(crate) use requests::decode_write;
+pub(crate) use standby::Generation;
 use watcher::*;
 
 /// A replica is restarted through the orchestrator at most once per this
@@ -125,6 +127,11 @@ pub struct Compute {
     /// history mismatch) restart replicas: off only in the negative control
     /// of the seeded campaign.
     restarts: Arc<std::sync::atomic::AtomicBool>,
+    /// Each replica's standby generation during an upgrade that keeps
+    /// answering, by replica ID.
+    standbys: Mutex<BTreeMap<u64, standby::Standby>>,
+    /// The reads in flight, per replica and the generation they went to.
+    reads: Mutex<BTreeMap<(u64, Generation), Arc<()>>>,
 }
 
 impl Drop for Compute {
@@ -206,6 +213,8 @@ impl Default for Compute {
             metrics: Default::default(),
             allow_naive: false.into(),
             restarts: Arc::new(true.into()),
+            standbys: Mutex::new(BTreeMap::new()),
+            reads: Mutex::new(BTreeMap::new()),
         }
     }
 }
@@ -336,6 +345,36 @@ impl Compute {
         Box::new(FixedStrategy(Strategy::Barrier))
     }
 
+    /// A controller of `replica` driving the processes `status` lists
+    /// towards `history`, with the replica's policy; an error if `status`
+    /// does not name the replica's addresses.
+    pub(crate) fn controller_for(
+        &self,
+        replica: &Replica,
+        status: &ServiceStatus,
+        history: CommandHistory,
+        (command_log, session_key): (
+            Option<lockstep_command_log::LogLocation>,
+            Option<lockstep_protocol::SessionKey>,
+        ),
+        epoch: u64,
+    ) -> Result<Controller, String> {
+        let mut addrs = lockstep_launch::replica_addrs(status, replica.config.workers_per_process)
+            .map_err(|e| e.to_string())?;
+        addrs.command_log = command_log;
+        addrs.session_key = session_key;
+        addrs.max_frame_len = self
+            .max_frame_len
+            .load(std::sync::atomic::Ordering::Relaxed);
+        Ok(Controller::start(
+            addrs,
+            epoch,
+            history,
+            self.policy_for(replica.id),
+            self.timeouts.clone(),
+        ))
+    }
+
     fn start(
         &self,
         replica: &Replica,
@@ -347,27 +386,19 @@ impl Compute {
         ),
         restarter: Restarter,
     ) {
-        let mut addrs =
-            match lockstep_launch::replica_addrs(status, replica.config.workers_per_process) {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::error!(replica = %replica.name, "cannot drive replica: {e}");
-                    return;
-                }
-            };
-        addrs.command_log = command_log;
-        addrs.session_key = session_key;
-        addrs.max_frame_len = self
-            .max_frame_len
-            .load(std::sync::atomic::Ordering::Relaxed);
-        let policy = self.policy_for(replica.id);
-        let controller = Controller::start(
-            addrs,
-            restarter.epoch,
+        let controller = match self.controller_for(
+            replica,
+            status,
             history,
-            policy,
-            self.timeouts.clone(),
-        );
+            (command_log, session_key),
+            restarter.epoch,
+        ) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(replica = %replica.name, "cannot drive replica: {e}");
+                return;
+            }
+        };
         let watcher = Watcher {
             metrics: self.metrics.clone(),
             replica: replica.name.clone(),
@@ -400,6 +431,11 @@ impl Compute {
     }
 
     fn stop(&self, replica_id: u64) {
+        self.remove_standby(replica_id);
+        self.reads
+            .lock()
+            .expect("poisoned")
+            .retain(|(id, _), _| *id != replica_id);
         if let Some(w) = self.watchers.lock().expect("poisoned").remove(&replica_id) {
             w.abort();
         }

@@ -121,7 +121,10 @@ impl Environment {
     /// description is decoded once (IDs are never reused and descriptions
     /// never change), not on every write, peek or create that checks the
     /// replica's namespace.
-    fn dataflows_of(&self, replica_id: u64) -> Result<Vec<Arc<DataflowDescription>>, ComputeError> {
+    pub(crate) fn dataflows_of(
+        &self,
+        replica_id: u64,
+    ) -> Result<Vec<Arc<DataflowDescription>>, ComputeError> {
         let view = self.view.lock().expect("poisoned");
         let mut decoded = self.decoded.lock().expect("poisoned");
         decoded.retain(|id, _| view.dataflows.contains_key(id));
@@ -149,7 +152,8 @@ impl Environment {
             .await
             .map_err(|e| EnvError::Orchestrator(e.to_string()))?;
         for replica in view.replicas.values() {
-            let Some(status) = services.iter().find(|s| s.id == replica.id) else {
+            let own = ServiceTemplate::service_name(replica.id);
+            let Some(status) = services.iter().find(|s| s.name == own) else {
                 tracing::warn!(replica = %replica.name, "no service listed; not driving it");
                 continue;
             };
@@ -288,12 +292,17 @@ impl Environment {
         };
         desc.id = record.id;
         let mut events = controller.events();
-        controller.create_dataflow(desc.clone())?;
-        if since > 0 {
-            for e in &desc.exports {
-                controller.allow_compaction(e.collection_id, Some(since))?;
+        let send = |c: &Controller| -> Result<(), ControllerError> {
+            c.create_dataflow(desc.clone())?;
+            if since > 0 {
+                for e in &desc.exports {
+                    c.allow_compaction(e.collection_id, Some(since))?;
+                }
             }
-        }
+            Ok(())
+        };
+        send(&controller)?;
+        self.compute.to_standby(replica.id, send);
         // The dataflow is recorded and sent: other operations need not wait
         // for its outcome.
         drop(ops);
@@ -360,6 +369,8 @@ impl Environment {
         if let Some(c) = self.compute.controller(record.replica_id) {
             c.drop_dataflow(&desc)?;
         }
+        self.compute
+            .to_standby(record.replica_id, |c| c.drop_dataflow(&desc));
         Ok(())
     }
 
@@ -448,13 +459,23 @@ impl Environment {
             }
             recorded.since
         };
-        controller.write_input(collection_id, write.updates, write.upper)?;
-        if since.is_some() {
-            for (collection, since) in self.compactions(&replica, Some(collection_id))? {
-                controller.allow_compaction(collection, Some(since))?;
+        let compactions = match since {
+            Some(_) => self.compactions(&replica, Some(collection_id))?,
+            None => Vec::new(),
+        };
+        let compact = |c: &Controller| -> Result<(), ControllerError> {
+            for (collection, since) in &compactions {
+                c.allow_compaction(*collection, Some(*since))?;
             }
-        }
-        Ok(())
+            Ok(())
+        };
+        // A standby (an upgrade that keeps answering) takes a copy first.
+        self.compute.to_standby(replica.id, |c| {
+            c.write_input(collection_id, write.updates.clone(), write.upper)?;
+            compact(c)
+        });
+        controller.write_input(collection_id, write.updates, write.upper)?;
+        Ok(compact(&controller)?)
     }
 
     /// The compaction frontiers of a replica's collections: of each input
@@ -521,10 +542,13 @@ impl Environment {
                 "collection {collection_id} is compacted to {since}; a peek at {timestamp} is below it"
             )));
         }
-        Ok(self
-            .controller_of(&replica)?
-            .peek(collection_id, timestamp)
-            .await?)
+        let (reader, _reading) = self.compute.reader(replica.id).ok_or_else(|| {
+            ComputeError::Unavailable(format!(
+                "replica {:?} has no running controller yet",
+                replica.name
+            ))
+        })?;
+        Ok(reader.peek(collection_id, timestamp).await?)
     }
 
     /// Streams a collection's changes from `as_of`.

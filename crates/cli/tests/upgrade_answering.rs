@@ -1,0 +1,292 @@
+//! `lockstep replica upgrade --keep-answering` under a steady read load,
+//! under each shipped distribution policy: every process of the replica
+//! restarts, a standby generation answers its peeks meanwhile, and no read
+//! is refused or answered wrongly, while writes go on. The assertion that
+//! the standby really answered: no peek waited half as long as the
+//! replica's own processes were away (restart to caught up, as the
+//! environment reports it), which a peek sent to them at their restart
+//! would have (checked by routing every read to them: the longest peek is
+//! then about that window). The collection counts [`ROWS`] rows in
+//! [`GROUPS`] groups, so that catching up takes a while and a peek's answer
+//! is small.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+mod common;
+
+use common::cli_ok;
+use lockstep_chaos::environment::Sandbox;
+use lockstep_chaos::environment::{Bearer, Client};
+use lockstep_environment::proto;
+use lockstep_environment::proto::environment_client::EnvironmentClient;
+
+/// Every bounded wait of this test.
+const WAIT: Duration = Duration::from_secs(90);
+
+/// Rows of input 1 at time 0.
+const ROWS: i64 = 20_000;
+
+/// Row `i` of input 1 is `(i, i % GROUPS)`; collection 101 counts them by
+/// their second column.
+const GROUPS: i64 = 100;
+
+/// Writes row `ROWS + t` at time `t` to input 1 of replica r (upper `t + 1`).
+async fn write_at(state: &Path, url: &str, t: u64) {
+    let upper = (t + 1).to_string();
+    let i = ROWS + t as i64;
+    let update = format!("{i},{}@{t}", i % GROUPS);
+    let args = [
+        "input",
+        "write",
+        "--replica",
+        "r",
+        "--collection",
+        "1",
+        "--upper",
+        &upper,
+        "--update",
+        &update,
+    ];
+    cli_ok(state, url, &args).await;
+}
+
+/// The PIDs of replica r's processes.
+async fn pids(state: &Path, url: &str) -> Vec<u64> {
+    let v: serde_json::Value =
+        serde_json::from_str(&cli_ok(state, url, &["replica", "list", "-o", "json"]).await)
+            .unwrap();
+    v["replicas"][0]["process_status"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_u64().unwrap())
+        .collect()
+}
+
+/// The child processes of `pid` (every thread's).
+fn children(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let path = task.unwrap().path().join("children");
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        out.extend(text.split_whitespace().map(|p| p.parse::<u32>().unwrap()));
+    }
+    out
+}
+
+/// What the reader saw.
+#[derive(Debug, Default)]
+struct Reads {
+    answered: u64,
+    refused: BTreeMap<String, u64>,
+    wrong: Vec<String>,
+    /// The longest peek.
+    longest: Duration,
+}
+
+/// Peeks collection 101 until `stop`, at time 0 and at the newest written
+/// time in turn, checking each answer: per group, the count of input 1's
+/// rows `0 ..= ROWS + t` (but row `ROWS`, never written) in it.
+async fn read_steadily(mut api: Client, written: Arc<AtomicU64>, stop: Arc<AtomicBool>) -> Reads {
+    let mut reads = Reads::default();
+    let mut newest = false;
+    while !stop.load(SeqCst) {
+        newest = !newest;
+        let t = if newest { written.load(SeqCst) } else { 0 };
+        let started = Instant::now();
+        let answer = api
+            .peek(proto::PeekRequest {
+                replica: "r".into(),
+                collection_id: 101,
+                timestamp: t,
+            })
+            .await;
+        reads.longest = reads.longest.max(started.elapsed());
+        match answer {
+            Ok(a) => {
+                reads.answered += 1;
+                let mut got: Vec<(Vec<i64>, i64)> = a
+                    .into_inner()
+                    .rows
+                    .into_iter()
+                    .map(|r| (lockstep_plan::rows::decode(&r.values).unwrap(), r.diff))
+                    .collect();
+                got.sort();
+                let mut counts = BTreeMap::new();
+                for i in (0..ROWS).chain(ROWS + 1..=ROWS + t as i64) {
+                    *counts.entry(i % GROUPS).or_insert(0) += 1;
+                }
+                let want: Vec<(Vec<i64>, i64)> =
+                    counts.into_iter().map(|(g, n)| (vec![g, n], 1)).collect();
+                if got != want {
+                    reads.wrong.push(format!("at {t}: {got:?}"));
+                }
+            }
+            Err(s) => *reads.refused.entry(s.code().to_string()).or_default() += 1,
+        }
+    }
+    reads
+}
+
+async fn upgrade_under(strategy: &str) {
+    let policy = common::built_policy(strategy);
+    let sandbox = Sandbox::new().unwrap();
+    let state = sandbox.path();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let serve = common::serve_on(state, port, &policy).await;
+    let serve_pid = serve.id().unwrap();
+    cli_ok(
+        state,
+        &url,
+        &["replica", "create", "r", "--processes", "2", "--wait"],
+    )
+    .await;
+    let dataflow = [
+        "dataflow",
+        "create",
+        "--replica",
+        "r",
+        "--input",
+        "1",
+        "--export",
+        "101=reduce(get(1), [#1], count)",
+    ];
+    cli_ok(state, &url, &dataflow).await;
+    let token = std::fs::read_to_string(state.join("api.token")).unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut api =
+        EnvironmentClient::with_interceptor(channel, Bearer::new(Some(token.trim())).unwrap());
+    let updates = (0..ROWS).map(|i| {
+        lockstep_protocol::proto::Update::from(lockstep_protocol::Update {
+            row: lockstep_plan::rows::encode(&[i, i % GROUPS]),
+            time: 0,
+            diff: 1,
+        })
+    });
+    api.write_input(proto::WriteInputRequest {
+        replica: "r".into(),
+        collection_id: 1,
+        updates: updates.collect(),
+        upper: 1,
+    })
+    .await
+    .unwrap();
+    // Every row counted before the load starts (a peek waits for it).
+    api.peek(proto::PeekRequest {
+        replica: "r".into(),
+        collection_id: 101,
+        timestamp: 0,
+    })
+    .await
+    .unwrap();
+    let before = pids(state, &url).await;
+    assert_eq!(
+        children(serve_pid).len(),
+        2,
+        "{strategy}: the replica's two processes"
+    );
+    let written = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = tokio::spawn(read_steadily(api, written.clone(), stop.clone()));
+    // Writes go on during the upgrade: the standby must take them too.
+    let writer = {
+        let (state, url, written, stop) = (
+            state.to_path_buf(),
+            url.clone(),
+            written.clone(),
+            stop.clone(),
+        );
+        tokio::spawn(async move {
+            let mut t = 1;
+            while !stop.load(SeqCst) {
+                write_at(&state, &url, t).await;
+                written.store(t, SeqCst);
+                t += 1;
+            }
+        })
+    };
+
+    let out = tokio::time::timeout(
+        WAIT,
+        cli_ok(
+            state,
+            &url,
+            &["replica", "upgrade", "r", "--keep-answering"],
+        ),
+    )
+    .await
+    .expect("the upgrade finished in time");
+    stop.store(true, SeqCst);
+    let reads = reader.await.unwrap();
+    writer.await.unwrap();
+    eprintln!("{strategy}: {out}{strategy}: {reads:?}");
+
+    // "... (standby caught up after A s, answered the replica's reads for B s)"
+    let served: f64 = out
+        .split("answered the replica's reads for ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{strategy}: no time the standby served in {out:?}"));
+    assert!(
+        out.contains("reads answered throughout"),
+        "{strategy}: {out}"
+    );
+    assert!(
+        reads.refused.is_empty(),
+        "{strategy}: refused reads: {reads:?}"
+    );
+    assert!(
+        reads.wrong.is_empty(),
+        "{strategy}: wrong answers: {reads:?}"
+    );
+    assert!(reads.answered >= 10, "{strategy}: a steady load: {reads:?}");
+    assert!(
+        reads.longest.as_secs_f64() < served / 2.0,
+        "{strategy}: a peek waited {:?}, as long as the replica's own processes were away ({served} s): the standby did not answer it",
+        reads.longest
+    );
+    let after = pids(state, &url).await;
+    assert!(
+        before.iter().all(|p| !after.contains(p)),
+        "{strategy}: every process restarted: {before:?} then {after:?}"
+    );
+    // The standby's processes are gone: only the replica's own are left.
+    let deadline = Instant::now() + WAIT;
+    while children(serve_pid).len() != 2 {
+        assert!(
+            Instant::now() < deadline,
+            "{strategy}: the standby's processes are still there: {:?}",
+            children(serve_pid)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrade_keeps_answering_under_barrier() {
+    upgrade_under("barrier").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrade_keeps_answering_under_broadcast() {
+    upgrade_under("broadcast").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrade_keeps_answering_under_log() {
+    upgrade_under("log").await;
+}

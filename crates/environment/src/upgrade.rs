@@ -1,0 +1,261 @@
+//! An upgrade that keeps answering (`lockstep replica upgrade
+//! --keep-answering`): the replica's reads are answered while every one of
+//! its processes restarts on the program its service names.
+//!
+//! 1. A standby generation is started: a second service of the replica
+//!    (`replica-N-standby`, its own command log), on that program, driven by
+//!    a second controller towards the replica's target history from the
+//!    catalog. From now on every mutation of the replica goes to both.
+//! 2. Once the standby's frontier of every export is at or past the
+//!    replica's own, reads (peeks) go to the standby; the reads the
+//!    replica's own processes still owe are answered first.
+//! 3. The replica's own processes restart as one new generation (as
+//!    [`Environment::restart_replica`]) and catch up to the standby the
+//!    same way; reads go back to them, the standby's owed reads are
+//!    answered, and the standby is dropped.
+//!
+//! Subscriptions stay with the replica's own controller, which resumes them
+//! after the restart (no gap, no duplicate; they stall meanwhile). Moving
+//! them to the standby is not built. A failure at any step routes reads back
+//! to the replica's own processes and drops the standby; a standby left by
+//! an environment that crashed mid-upgrade is dropped at the next start
+//! ([`Environment::drop_leftover_standbys`]).
+
+use std::time::{Duration, Instant};
+
+use lockstep_controller::Controller;
+
+use super::*;
+use crate::compute::{ComputeError, Generation};
+
+/// How long each generation may take to catch up before the upgrade fails
+/// (twice this stays within the CLI's 60 s bound on a request).
+pub const CATCH_UP_BOUND: Duration = Duration::from_secs(25);
+
+/// How long an upgrade waits for the reads a generation owes before it
+/// takes that generation away (the controller's request bound).
+const DRAIN_BOUND: Duration = Duration::from_secs(20);
+
+/// What an upgrade that keeps answering did.
+#[derive(Clone, Debug)]
+pub struct AnsweredUpgrade {
+    /// The replica with its processes as they were started again.
+    pub info: ReplicaInfo,
+    /// From the call to the standby caught up.
+    pub standby_ready: Duration,
+    /// How long the standby answered the replica's reads.
+    pub standby_served: Duration,
+}
+
+impl Environment {
+    /// Restarts every process of replica `name` as one new generation while
+    /// a standby generation answers its reads (see the module docs).
+    pub async fn upgrade_replica_answering(
+        &self,
+        name: &str,
+    ) -> Result<AnsweredUpgrade, ComputeError> {
+        let started = Instant::now();
+        let replica = self.start_standby(name).await?;
+        let result = self.serve_from_standby(&replica, started).await;
+        self.compute.route_reads(replica.id, Generation::Own);
+        if result.is_ok()
+            && !self
+                .compute
+                .drain_reads(replica.id, Generation::Standby, DRAIN_BOUND)
+                .await
+        {
+            tracing::warn!(replica = %replica.name, "reads the standby owed were cut off");
+        }
+        self.drop_standby(replica.id).await;
+        result
+    }
+
+    /// Step 1: the standby's service and controller, under the lock every
+    /// mutation takes, so the standby misses none.
+    async fn start_standby(&self, name: &str) -> Result<Replica, ComputeError> {
+        let _ops = self.ops.lock().await;
+        self.check_not_halted()?;
+        let replica = self.replica_named(name)?;
+        if self.compute.controller(replica.id).is_none() {
+            return Err(ComputeError::Unavailable(format!(
+                "replica {name:?} has no running controller: nothing answers its reads to keep answering"
+            )));
+        }
+        if self.compute.standby(replica.id).is_some() {
+            return Err(ComputeError::Unavailable(format!(
+                "an upgrade of replica {name:?} is already under way"
+            )));
+        }
+        let status = self
+            .orchestrator
+            .ensure_service(self.standby_service_config(&replica))
+            .await
+            .map_err(|e| self.ensure_error(e))?;
+        let history = self.history_of(replica.id)?;
+        let controller = self
+            .compute
+            .controller_for(
+                &replica,
+                &status,
+                history,
+                (
+                    self.standby_command_log(replica.id),
+                    self.session_key(replica.id),
+                ),
+                self.epoch,
+            )
+            .map_err(ComputeError::Unavailable)?;
+        self.compute.add_standby(replica.id, controller);
+        tracing::info!(replica = %replica.name, service = %status.name, "standby generation started");
+        Ok(replica)
+    }
+
+    /// Steps 2 and 3.
+    async fn serve_from_standby(
+        &self,
+        replica: &Replica,
+        started: Instant,
+    ) -> Result<AnsweredUpgrade, ComputeError> {
+        let missing = || {
+            ComputeError::Unavailable(format!(
+                "replica {:?}'s standby or controller went away during the upgrade",
+                replica.name
+            ))
+        };
+        let standby = self.compute.standby(replica.id).ok_or_else(missing)?;
+        let own = self.compute.controller(replica.id).ok_or_else(missing)?;
+        self.catch_up(replica, &own, &standby, "the standby")
+            .await?;
+        // A mutation the standby could not take removed it.
+        self.compute.standby(replica.id).ok_or_else(missing)?;
+        self.compute.route_reads(replica.id, Generation::Standby);
+        let standby_ready = started.elapsed();
+        tracing::info!(replica = %replica.name, "standby caught up; it answers reads");
+        if !self
+            .compute
+            .drain_reads(replica.id, Generation::Own, DRAIN_BOUND)
+            .await
+        {
+            tracing::warn!(replica = %replica.name, "reads the replica owed wait for its restart");
+        }
+        let serving = Instant::now();
+        let info = self.restart_replica(&replica.name).await?;
+        let own = self.compute.controller(replica.id).ok_or_else(missing)?;
+        self.catch_up(replica, &standby, &own, "the restarted replica")
+            .await?;
+        self.compute.standby(replica.id).ok_or_else(missing)?;
+        let standby_served = serving.elapsed();
+        tracing::info!(
+            replica = %replica.name,
+            served_ms = standby_served.as_millis() as u64,
+            "restarted replica caught up; it answers reads again"
+        );
+        Ok(AnsweredUpgrade {
+            info,
+            standby_ready,
+            standby_served,
+        })
+    }
+
+    /// Waits, at most [`CATCH_UP_BOUND`], until `behind` answers every
+    /// worker's ping and its frontier of every export of the replica's live
+    /// dataflows is at or past `ahead`'s (as `ahead` reports it now).
+    async fn catch_up(
+        &self,
+        replica: &Replica,
+        ahead: &Controller,
+        behind: &Controller,
+        what: &str,
+    ) -> Result<(), ComputeError> {
+        let deadline = tokio::time::Instant::now() + CATCH_UP_BOUND;
+        let late = || {
+            ComputeError::Unavailable(format!(
+                "{what} of replica {:?} did not catch up within {CATCH_UP_BOUND:?}",
+                replica.name
+            ))
+        };
+        // A controller's own bound (its request timeout) may run out first
+        // while processes start: asked again until the deadline.
+        while !matches!(
+            tokio::time::timeout_at(deadline, behind.ping()).await,
+            Ok(Ok(()))
+        ) {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(late());
+            }
+        }
+        let exports: Vec<u64> = self
+            .dataflows_of(replica.id)?
+            .iter()
+            .flat_map(|d| d.exports.iter().map(|e| e.collection_id))
+            .collect();
+        for collection in exports {
+            // A frontier `f` means complete below `f`: `behind` is there once
+            // its frontier passes `f - 1`; an empty one (complete) only by
+            // an empty one.
+            let beyond = match ahead.frontier(collection).await {
+                Ok(Some(Some(0))) | Ok(None) => continue,
+                Ok(Some(Some(f))) => f - 1,
+                Ok(Some(None)) => lockstep_protocol::Timestamp::MAX - 1,
+                Err(e) => return Err(e.into()),
+            };
+            loop {
+                match tokio::time::timeout_at(
+                    deadline,
+                    behind.wait_for_frontier(collection, beyond),
+                )
+                .await
+                {
+                    Ok(Ok(())) => break,
+                    Ok(Err(lockstep_controller::ControllerError::Timeout { .. })) => continue,
+                    Ok(Err(e)) => return Err(e.into()),
+                    Err(_) => return Err(late()),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes replica `replica_id`'s standby: its controller, its service
+    /// and its command log (failures logged: a leftover is dropped at the
+    /// next start).
+    async fn drop_standby(&self, replica_id: u64) {
+        let _ops = self.ops.lock().await;
+        self.compute.remove_standby(replica_id);
+        self.drop_standby_service(replica_id).await;
+    }
+
+    async fn drop_standby_service(&self, replica_id: u64) {
+        let service = ServiceTemplate::standby_service_name(replica_id);
+        if let Err(e) = self.orchestrator.drop_service(&service).await {
+            tracing::warn!(%service, "the standby generation was left: {e}");
+        }
+        if let Some(log) = self.standby_command_log(replica_id) {
+            if let Err(e) = log.remove(self.epoch()) {
+                tracing::warn!(%log, error = %e, "the standby's command log was left");
+            }
+        }
+    }
+
+    /// Drops every standby generation an earlier environment left (it
+    /// crashed mid-upgrade): called at start, after orphan removal. Returns
+    /// how many it dropped.
+    pub async fn drop_leftover_standbys(&self) -> Result<usize, EnvError> {
+        let _ops = self.ops.lock().await;
+        self.check_not_halted()?;
+        let services = self
+            .orchestrator
+            .list_services()
+            .await
+            .map_err(|e| EnvError::Orchestrator(e.to_string()))?;
+        let mut dropped = 0;
+        for s in services {
+            if s.name == ServiceTemplate::standby_service_name(s.id) {
+                tracing::info!(service = %s.name, "dropping a standby generation left by an interrupted upgrade");
+                self.drop_standby_service(s.id).await;
+                dropped += 1;
+            }
+        }
+        Ok(dropped)
+    }
+}
