@@ -39,3 +39,64 @@ async fn crash_and_restart_with_the_catalog_only_rule() {
         .any(|(v, must)| *v == "catalog-only" && !must));
     all_failpoints("catalog-only").await;
 }
+
+/// An environment that crashes in the middle of an upgrade that keeps
+/// answering, its standby generation started, leaves that standby behind:
+/// the next environment drops it at start and adopts the replica's own
+/// processes (the same ones).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_left_by_a_crash_mid_upgrade_is_dropped_at_the_next_start() {
+    use lockstep_chaos::environment::{cli, Sandbox};
+    use lockstep_environment::ServiceTemplate;
+
+    let sandbox = Sandbox::new().unwrap();
+    let mut a = sandbox.start_env(bin(), "epoch", None).await.unwrap();
+    let o = cli(bin(), &a.url, &["create", "keep", "--processes", "2"])
+        .await
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    a.kill().await.unwrap();
+    let services = sandbox.services().await.unwrap();
+    let id = services[0].id;
+    let own = sandbox.identities(&services, id).unwrap();
+
+    let failpoint = "upgrade_after_standby_started";
+    let mut b = sandbox
+        .start_env(bin(), "epoch", Some(&format!("{failpoint}=panic")))
+        .await
+        .unwrap();
+    let o = cli(bin(), &b.url, &["upgrade", "keep", "--keep-answering"])
+        .await
+        .unwrap();
+    let (status, stderr) = b.wait_exit().await.unwrap();
+    assert!(
+        !status.success() && !o.status.success() && stderr.contains(failpoint),
+        "the environment did not crash at {failpoint}: exit {status}; stderr:\n{stderr}"
+    );
+    let names: Vec<String> = sandbox
+        .services()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    let standby = ServiceTemplate::standby_service_name(id);
+    assert!(
+        names.contains(&standby),
+        "the standby was started: {names:?}"
+    );
+
+    let _c = sandbox.start_env(bin(), "epoch", None).await.unwrap();
+    let services = sandbox.services().await.unwrap();
+    let names: Vec<&str> = services.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [ServiceTemplate::service_name(id)],
+        "the standby was dropped"
+    );
+    assert_eq!(
+        sandbox.identities(&services, id).unwrap(),
+        own,
+        "the replica's own processes were adopted, not restarted"
+    );
+}

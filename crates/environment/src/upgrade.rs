@@ -106,6 +106,7 @@ impl Environment {
             )
             .map_err(ComputeError::Unavailable)?;
         self.compute.add_standby(replica.id, controller);
+        fail::fail_point!("upgrade_after_standby_started");
         tracing::info!(replica = %replica.name, service = %status.name, "standby generation started");
         Ok(replica)
     }
