@@ -4,7 +4,10 @@
 //! measured, as the controller did; `.../measured`: measured where it is,
 //! `command_encoded_len`) and its encoding for the catalog
 //! (`protocol/write_10k_catalog_bytes/copied`: copied into its wire form and
-//! encoded, as the environment did; `.../written`: `encode_whole_write`).
+//! encoded, as the environment did; `.../written`: `encode_whole_write`),
+//! and the controller's frame of it (`protocol/write_10k_frame/wire_form`:
+//! through its wire form, as the codec did; `.../written`: `encode_frame`
+//! from the command where it is).
 
 #![allow(missing_docs)] // criterion_group! generates undocumented functions
 
@@ -96,6 +99,38 @@ fn write_size(c: &mut Criterion) {
     });
     g.bench_function("written", |b| {
         b.iter(|| encode_whole_write(w.collection_id, &w.updates, w.upper))
+    });
+    g.finish();
+    // The controller's frame of the write (before encryption): through its
+    // wire form (rows moved into it), as the codec did, or written from
+    // the command where it is (`encode_frame`). The command to consume is
+    // copied outside the measurement in both.
+    let command = Command {
+        seqno: 9,
+        strategy: Strategy::Barrier,
+        kind,
+    };
+    let mut g = c.benchmark_group("protocol/write_10k_frame");
+    let mut buf = BytesMut::new();
+    g.bench_function("wire_form", |b| {
+        b.iter_batched(
+            || command.clone(),
+            |cmd| {
+                buf.clear();
+                encode_wire_frame(&cmd.to_wire(), usize::MAX, &mut buf).unwrap()
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    g.bench_function("written", |b| {
+        b.iter_batched(
+            || command.clone(),
+            |cmd| {
+                buf.clear();
+                encode_frame(cmd, usize::MAX, &mut buf).unwrap()
+            },
+            BatchSize::LargeInput,
+        )
     });
     g.finish();
 }

@@ -11,9 +11,13 @@
 //!   updates converted (`Update::from`, as the environment's server does);
 //!   floor `row_copies`: every row's bytes copied into a row of its own
 //!   (what any decoder into owned rows does: an allocation and a copy per
-//!   row; `memcpy`, the request's bytes copied once, is beside it);
+//!   row; `memcpy`, the request's bytes copied once, is beside it); bound
+//!   `prost_decode`: prost decoding the request by itself (10,000 nested
+//!   messages), which the API's framework does before lockstep sees it;
 //! - `validate`: every row checked (`lockstep_plan::rows::check`, what the
-//!   environment does before it records a write); floor `memcpy`;
+//!   environment does before it records a write); floor `memcpy`; bound
+//!   `row_reads`: every row's bytes read once (each row is an allocation of
+//!   its own), which any check of every row costs;
 //! - `durable_append`: the write encoded for the catalog and appended in a
 //!   fenced SQLite transaction, durable when it returns
 //!   (`Catalog::append_input`); floor `sqlite_insert`: the same bytes
@@ -21,9 +25,11 @@
 //!   durability (`synchronous = FULL`), no fence, no lockstep code;
 //! - `encode_seal`: the command framed and encrypted by the controller's
 //!   codec (`SecureCodec<ControllerCodec>`, under a session set up by
-//!   `secure::initiate` and `secure::respond`); floor `memcpy` +
-//!   `cipher_seal`: the bytes written once, and snow alone encrypting the
-//!   frame's bytes in records of the same size;
+//!   `secure::initiate` and `secure::respond`; the command it consumes is
+//!   copied outside the measurement); floor `memcpy` + `cipher_seal`: the
+//!   bytes written once, and snow alone encrypting the frame's bytes in
+//!   records of the same size; bound `prost_encode` + `cipher_seal`: prost
+//!   encoding the command's wire form (10,000 nested messages) by itself;
 //! - the wire, floor `tcp`: the sealed bytes over a loopback TCP connection
 //!   to a reader that acknowledges them with one byte (lockstep adds nothing
 //!   to this stage: its framing is already in the bytes, so it has no
@@ -33,7 +39,8 @@
 //!   snow alone decrypting the records, and the rows copied out;
 //! - `replica_ingest`: a replica worker (`lockstep_replica::worker::run_worker`
 //!   with the built-in family, in this process, one worker: 1x1) applying
-//!   the decoded write until its export's frontier passes it; floor
+//!   the decoded write (as the controller sends it: with its digest) until
+//!   its export's frontier passes it; floor
 //!   `differential`: the same rows into a differential `InputSession`
 //!   feeding an arrangement, stepped until a probe passes each batch. Each
 //!   sample of either starts from an empty arrangement.
@@ -249,6 +256,11 @@ fn stages(c: &mut Criterion) {
             u
         })
     });
+    // What bounds the API decode: prost's own decoding of the request,
+    // before the environment converts anything.
+    g.bench_function("bound_prost_decode", |b| {
+        b.iter(|| WriteInputRequest::decode(black_box(&request[..])).expect("decode"))
+    });
     let batch = write(INPUT, 1);
     g.bench_function("floor_row_copies", |b| {
         b.iter(|| {
@@ -264,6 +276,15 @@ fn stages(c: &mut Criterion) {
             for u in black_box(&batch.updates) {
                 lockstep_plan::rows::check(&u.row).expect("a plan row");
             }
+        })
+    });
+    // What bounds a check of every row: reading every row's bytes once
+    // (each row its own allocation), checking nothing.
+    g.bench_function("bound_row_reads", |b| {
+        b.iter(|| {
+            black_box(&batch.updates)
+                .iter()
+                .fold(0u8, |x, u| u.row.iter().fold(x, |x, b| x ^ b))
         })
     });
 
@@ -321,10 +342,26 @@ fn stages(c: &mut Criterion) {
     let mut seal_for_open = SecureCodec::new(ControllerCodec::new(max), Some(ours));
     let mut open = SecureCodec::new(ReplicaCodec::new(max), Some(theirs));
     let mut sealed = BytesMut::new();
+    // The codec takes a command the controller owns: copied outside the
+    // measurement (the copy is delivery's, not the codec's).
     g.bench_function("encode_seal", |b| {
+        b.iter_batched(
+            || command.clone(),
+            |command| {
+                sealed.clear();
+                seal.encode(command, &mut sealed).expect("encode");
+            },
+            criterion::BatchSize::LargeInput,
+        )
+    });
+    // What bounds encoding the frame: prost's own encoding of the write's
+    // wire form (built outside the measurement) into a buffer.
+    let wire_command = wire::Command::from(command.clone());
+    let mut encoded = Vec::with_capacity(wire_command.encoded_len());
+    g.bench_function("bound_prost_encode", |b| {
         b.iter(|| {
-            sealed.clear();
-            seal.encode(command.clone(), &mut sealed).expect("encode");
+            encoded.clear();
+            wire_command.encode(&mut encoded).expect("room");
         })
     });
     g.bench_function("open_decode", |b| {
@@ -428,7 +465,9 @@ fn stages(c: &mut Criterion) {
             }));
             worker.send(CommandKind::CreateDataflow(desc));
             worker.passed(&rt, export, 0);
-            let writes: Vec<WriteInput> = (1..=iters).map(|t| write(input, t)).collect();
+            // As the controller sends them: with their digest, computed once
+            // for its history (`WriteInput::digested`).
+            let writes: Vec<WriteInput> = (1..=iters).map(|t| write(input, t).digested()).collect();
             let start = Instant::now();
             for w in writes {
                 let t = w.upper - 1;

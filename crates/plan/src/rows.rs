@@ -37,9 +37,11 @@ pub fn encode_into(values: &[i64], out: &mut Vec<u8>) {
 /// Whether `row` is a row of this family (what [`decode`] accepts), without
 /// decoding it.
 pub fn check(row: &[u8]) -> Result<(), RowError> {
-    lockstep_protocol::varint_count(row)
-        .map(|_| ())
-        .ok_or(RowError { len: row.len() })
+    if lockstep_protocol::is_canonical_varints(row) {
+        Ok(())
+    } else {
+        Err(RowError { len: row.len() })
+    }
 }
 
 /// The values `row` encodes, or why it is not a row of this family.

@@ -60,6 +60,12 @@ impl CommandHistory {
         }
     }
 
+    /// Whether it keeps only the digest of input updates
+    /// ([`summarizing`](Self::summarizing)).
+    pub fn is_summarizing(&self) -> bool {
+        self.summarizing
+    }
+
     /// Appends a command. Hello and StatusRequest are not history and are
     /// ignored. Compacts now and then so that the history stays proportional
     /// to the live state rather than to the number of commands sent.

@@ -37,7 +37,7 @@ pub mod validate;
 
 pub use codec::{
     command_encoded_len, decode_frame, decode_frame_eof, encode_frame, encode_whole_write,
-    CodecError, WireMessage, DEFAULT_MAX_FRAME_LEN, HELLO_MAX_FRAME_LEN,
+    encode_wire_frame, CodecError, WireMessage, DEFAULT_MAX_FRAME_LEN, HELLO_MAX_FRAME_LEN,
 };
 pub use convert::ConvertError;
 pub use endpoint::{Endpoint, EndpointError};

@@ -382,6 +382,12 @@ impl Actor {
 
     /// Records a command in the history and sends it.
     fn send(&mut self, kind: CommandKind) {
+        // A write's digest is computed once, here, for the history and for
+        // every worker.
+        let kind = match kind {
+            CommandKind::WriteInput(w) => CommandKind::WriteInput(w.digested()),
+            kind => kind,
+        };
         if !matches!(
             kind,
             CommandKind::InitializationComplete | CommandKind::StatusRequest { .. }

@@ -8,7 +8,7 @@ use std::fmt;
 
 mod rows;
 pub(crate) use rows::{for_each_canonical_varint, next_varint};
-pub use rows::{row_owner, varint_count, varint_values};
+pub use rows::{is_canonical_varints, row_owner, varint_count, varint_values};
 
 /// A logical timestamp.
 pub type Timestamp = u64;
@@ -294,10 +294,12 @@ pub struct WriteInput {
     /// More parts of this write follow (see [`WriteInput::split`]); a worker
     /// holds a part until the last one arrives.
     pub more: bool,
-    /// For a write split per process ([`WriteInput::split_per_process`]):
-    /// the digest of the whole write's updates
+    /// The digest of the whole write's updates
     /// ([`crate::history::updates_digest`]), which a worker adds to its
-    /// history instead of its own part's. `None` for a whole write.
+    /// history instead of computing its own (of its own part, for a write
+    /// split per process: [`WriteInput::split_per_process`]). The
+    /// controller attaches it to every write it sends
+    /// ([`WriteInput::digested`]); `None`: the worker computes it.
     pub batch_digest: Option<[u64; 4]>,
 }
 
@@ -334,6 +336,18 @@ pub fn split_by_size<T>(
 }
 
 impl WriteInput {
+    /// The write with its digest (`batch_digest`: the
+    /// [`crate::history::updates_digest`] of its updates) attached, if it is
+    /// a whole write without one: the controller computes it once for its
+    /// own history, and every worker adds it to its history instead of
+    /// hashing every row again.
+    pub fn digested(mut self) -> WriteInput {
+        if self.batch_digest.is_none() && !self.more {
+            self.batch_digest = Some(crate::history::updates_digest(&self.updates));
+        }
+        self
+    }
+
     /// Splits the write into parts whose updates take at most `max_bytes`
     /// encoded: every part but the last has `more` set, and all carry the
     /// same upper. A write that fits is returned as it is.
@@ -374,7 +388,9 @@ impl WriteInput {
         workers_per_process: usize,
         max_bytes: usize,
     ) -> Vec<Vec<WriteInput>> {
-        let digest = crate::history::updates_digest(&self.updates);
+        let digest = self
+            .batch_digest
+            .unwrap_or_else(|| crate::history::updates_digest(&self.updates));
         let workers = processes * workers_per_process;
         let mut shares: Vec<Vec<Update>> = vec![Vec::new(); processes];
         for u in self.updates {

@@ -57,6 +57,60 @@ pub fn varint_count(row: &[u8]) -> Option<usize> {
     for_each_canonical_varint(row, |_| n += 1).then_some(n)
 }
 
+/// Whether `row` is canonical varints back to back (exactly the rows
+/// [`varint_count`] counts), by one scan of its bytes without decoding a
+/// value: a varint ends at a byte below `0x80`, has at most ten bytes (the
+/// tenth `0x01`), and is the shortest encoding of its value unless it ends
+/// in a zero byte after a continuation byte. The built-in family's check of
+/// every written row.
+#[inline]
+pub fn is_canonical_varints(row: &[u8]) -> bool {
+    if row.len() <= 8 {
+        return short_canonical_varints(row);
+    }
+    // Continuation bytes of the varint under way.
+    let mut run = 0u32;
+    for &b in row {
+        if b >= 0x80 {
+            run += 1;
+            if run == 10 {
+                return false;
+            }
+        } else {
+            if run > 0 && (b == 0 || (run == 9 && b > 1)) {
+                return false;
+            }
+            run = 0;
+        }
+    }
+    run == 0
+}
+
+/// [`is_canonical_varints`] of a row of at most 8 bytes (no varint in it
+/// can reach ten bytes), on the row as one word: it must end in a byte
+/// below `0x80`, and no zero byte may follow a continuation byte.
+#[inline]
+fn short_canonical_varints(row: &[u8]) -> bool {
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    const LOW: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+    let n = row.len();
+    if n == 0 {
+        return true;
+    }
+    let w = row
+        .iter()
+        .enumerate()
+        .fold(0u64, |w, (i, b)| w | (*b as u64) << (8 * i));
+    // The row's bytes (the rest of the word is padding).
+    let mask = u64::MAX >> (8 * (8 - n));
+    let continues = w & HIGH;
+    // The high bit of every zero byte, exactly (no carry between bytes).
+    let zero = !(((w & LOW) + LOW) | w) & HIGH;
+    let last_continues = continues >> (8 * (n - 1)) != 0;
+    let overlong = zero & (continues << 8) & mask;
+    !last_continues && overlong == 0
+}
+
 /// Calls `f` with each value of `row` if it is canonical varints
 /// ([`varint_count`]), in one pass; `false` (having called `f` with the
 /// values before the first that is not canonical) if it is not.
@@ -107,6 +161,69 @@ pub(crate) fn next_varint(buf: &[u8], pos: &mut usize) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    /// The byte scan accepts exactly the rows the decoding check counts:
+    /// every row of up to three bytes from a set rich in edge bytes, every
+    /// value's encoding, overlong and eleven-byte varints, and random rows.
+    #[test]
+    fn the_byte_scan_agrees_with_the_decoding_check() {
+        let agree = |row: &[u8]| {
+            assert_eq!(
+                is_canonical_varints(row),
+                varint_count(row).is_some(),
+                "{row:02x?}"
+            )
+        };
+        let edges = [0x00, 0x01, 0x02, 0x7f, 0x80, 0x81, 0xfe, 0xff];
+        agree(&[]);
+        for a in edges {
+            agree(&[a]);
+            for b in edges {
+                agree(&[a, b]);
+                for c in edges {
+                    agree(&[a, b, c]);
+                }
+            }
+        }
+        for v in [0u64, 1, 127, 128, 300, 1 << 35, u64::MAX >> 1, u64::MAX] {
+            let mut row = Vec::new();
+            prost::encoding::encode_varint(v, &mut row);
+            agree(&row);
+            assert!(is_canonical_varints(&row));
+            // Overlong: one more continuation byte and a zero.
+            let last = row.len() - 1;
+            row[last] |= 0x80;
+            row.push(0);
+            agree(&row);
+        }
+        // Ten bytes ending in 2 (past 64 bits), and eleven bytes.
+        let mut ten = vec![0xffu8; 9];
+        ten.push(0x02);
+        agree(&ten);
+        agree(&[0xff; 10]);
+        let mut eleven = vec![0x80u8; 10];
+        eleven.push(0x01);
+        agree(&eleven);
+        let mut seed = 0x1234_5678_9abc_def0u64;
+        for _ in 0..200_000 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let len = (seed % 24) as usize;
+            let row: Vec<u8> = (0..len)
+                .map(|k| {
+                    let byte = (seed >> (k % 8 * 8)) as u8;
+                    // Mostly continuation bytes, so that long varints occur.
+                    if k % 3 == 2 {
+                        byte & 0x7f
+                    } else {
+                        byte | 0x80
+                    }
+                })
+                .collect();
+            agree(&row);
+        }
+    }
+
     use super::*;
 
     /// What prost's own decoder reads from `bytes`, one varint after

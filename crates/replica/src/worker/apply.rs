@@ -11,8 +11,10 @@ use differential_dataflow::input::InputSession;
 use differential_dataflow::trace::TraceReader;
 use lockstep_protocol::{
     Command, CommandKind, CreationLogEntry, DataflowDescription, ErrorKind, Frontier, PeekResult,
-    Row, Update, WriteInput,
+    Row, Timestamp, Update, WriteInput,
 };
+use timely::dataflow::operators::vec::Map;
+use timely::dataflow::operators::Probe;
 use timely::dataflow::ProbeHandle;
 use timely::progress::Antichain;
 use timely::worker::Worker;
@@ -184,22 +186,27 @@ impl WorkerState {
             parts.append(&mut whole.updates);
             whole.updates = parts;
         }
-        self.write_input(&whole);
+        // The worker's history keeps a write's digest, not its rows
+        // (`CommandHistory::summarizing`): the digest goes in first (the
+        // controller's, or computed here), then the rows go on, not copied.
+        debug_assert!(self.history.is_summarizing());
+        let mut whole = whole.digested();
+        let updates = std::mem::take(&mut whole.updates);
+        let (collection_id, upper) = (whole.collection_id, whole.upper);
         self.history.push(CommandKind::WriteInput(whole));
+        self.write_input(collection_id, updates, upper);
     }
 
-    fn write_input(&mut self, w: &WriteInput) {
-        let store = self.inputs.entry(w.collection_id).or_default();
-        let fresh: Vec<Update> = w
-            .updates
-            .iter()
+    fn write_input(&mut self, collection_id: u64, updates: Vec<Update>, upper: Timestamp) {
+        let store = self.inputs.entry(collection_id).or_default();
+        let fresh: Vec<Update> = updates
+            .into_iter()
             .filter(|u| u.time >= store.upper && owner(&u.row, self.peers) == self.index)
-            .cloned()
             .collect();
-        let new_upper = store.upper.max(w.upper);
+        let new_upper = store.upper.max(upper);
         tracing::trace!(
             worker = self.index,
-            collection = w.collection_id,
+            collection = collection_id,
             fresh = fresh.len(),
             new_upper,
             "write input"
@@ -207,7 +214,7 @@ impl WorkerState {
         store.upper = new_upper;
         for (dataflow_id, inst) in self.dataflows.iter_mut() {
             for (id, session) in &mut inst.sessions {
-                if *id == w.collection_id {
+                if *id == collection_id {
                     self.unsettled.insert(*dataflow_id);
                     for u in &fresh {
                         session.update_at(u.row.clone(), u.time, u.diff);
@@ -240,14 +247,13 @@ impl WorkerState {
                 let probe = ProbeHandle::new();
                 let arranged = collection.map(ArrangedRow).arrange_by_self();
                 let trace = arranged.trace.clone();
+                // The tap takes each change as it is (one copy of its row,
+                // out of the arrangement), a copy more per subscription.
                 arranged
                     .as_collection(|k: &ArrangedRow, _v: &()| k.0.clone())
-                    .inspect(move |(row, time, diff): &(Row, u64, i64)| {
-                        let u = Update {
-                            row: row.clone(),
-                            time: *time,
-                            diff: *diff,
-                        };
+                    .inner
+                    .map(move |(row, time, diff): (Row, u64, i64)| {
+                        let u = Update { row, time, diff };
                         let mut tap = tap2.borrow_mut();
                         for buf in tap.subs.values_mut() {
                             buf.push(u.clone());
