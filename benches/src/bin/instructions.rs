@@ -31,7 +31,7 @@ use anyhow::{bail, Context};
 use lockstep_benches::harness::{self, rt};
 use lockstep_benches::replica::{self, BenchReplica};
 use lockstep_benches::{alternating_write, dataflow_over, payload, small_dataflow};
-use lockstep_protocol::Strategy;
+use lockstep_protocol::{Strategy, Update};
 
 /// How long one operation may take under callgrind (tens of times slower).
 const OP_BOUND: Duration = Duration::from_secs(300);
@@ -247,6 +247,23 @@ fn measure(
         time += 1;
         ctl.write_input(2, alternating_write(&rows, t), t + 1)
             .expect("write");
+        op!("write", ctl.wait_for_frontier(WRITE_EXPORT, t));
+    })?;
+
+    // A write of 10,000 small rows (the batch of the stages bench), fewer
+    // of them: each is about 3 ms natively.
+    let mut time = 1_000u64;
+    batch("write_10k", 5, &mut || {
+        let t = time;
+        time += 1;
+        let updates = (0..10_000i64)
+            .map(|i| Update {
+                row: lockstep_plan::row(&[i, t as i64]),
+                time: t,
+                diff: 1,
+            })
+            .collect();
+        ctl.write_input(2, updates, t + 1).expect("write");
         op!("write", ctl.wait_for_frontier(WRITE_EXPORT, t));
     })?;
 
