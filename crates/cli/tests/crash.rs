@@ -100,3 +100,48 @@ async fn a_standby_left_by_a_crash_mid_upgrade_is_dropped_at_the_next_start() {
         "the replica's own processes were adopted, not restarted"
     );
 }
+
+/// A standby that never catches up (its processes do not answer) fails the
+/// upgrade within its bound, naming why; the standby is dropped and the
+/// replica's own processes are left as they were (not restarted), still
+/// answering for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_whose_standby_never_catches_up_fails_and_leaves_the_replica_alone() {
+    use lockstep_chaos::environment::{cli, Sandbox};
+    use lockstep_environment::ServiceTemplate;
+
+    let sandbox = Sandbox::new().unwrap();
+    let env = sandbox.start_env(bin(), "epoch", None).await.unwrap();
+    let o = cli(bin(), &env.url, &["create", "keep", "--processes", "2"])
+        .await
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let services = sandbox.services().await.unwrap();
+    let id = services[0].id;
+    let own = sandbox.identities(&services, id).unwrap();
+
+    // The services are `sleep`: nothing answers a controller.
+    let started = std::time::Instant::now();
+    let o = cli(bin(), &env.url, &["upgrade", "keep", "--keep-answering"])
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "the upgrade failed");
+    assert!(
+        err.contains("the standby of replica \"keep\" did not catch up within"),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < lockstep_environment::CATCH_UP_BOUND * 2,
+        "bounded: {:?}",
+        started.elapsed()
+    );
+    let services = sandbox.services().await.unwrap();
+    let names: Vec<&str> = services.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, [ServiceTemplate::service_name(id)], "the standby was dropped");
+    assert_eq!(
+        sandbox.identities(&services, id).unwrap(),
+        own,
+        "the replica's own processes were not restarted"
+    );
+}
