@@ -267,7 +267,7 @@ pub(crate) async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow
             let answer = restart(&mut client, &name, false).await?;
             let r = replica_of(&answer)?;
             println!("restarted replica {} (id {})", r.name, r.id);
-            print_processes(&r);
+            print_processes(r);
             if wait {
                 let took =
                     wait_serving(&server, &name, std::time::Duration::from_secs(timeout)).await?;

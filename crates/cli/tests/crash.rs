@@ -138,7 +138,11 @@ async fn an_upgrade_whose_standby_never_catches_up_fails_and_leaves_the_replica_
     );
     let services = sandbox.services().await.unwrap();
     let names: Vec<&str> = services.iter().map(|s| s.name.as_str()).collect();
-    assert_eq!(names, [ServiceTemplate::service_name(id)], "the standby was dropped");
+    assert_eq!(
+        names,
+        [ServiceTemplate::service_name(id)],
+        "the standby was dropped"
+    );
     assert_eq!(
         sandbox.identities(&services, id).unwrap(),
         own,
