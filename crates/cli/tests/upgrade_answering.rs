@@ -8,7 +8,8 @@
 //! would have (checked by routing every read to them: the longest peek is
 //! then about that window). The collection counts [`ROWS`] rows in
 //! [`GROUPS`] groups, so that catching up takes a while and a peek's answer
-//! is small.
+//! is small. A subscription open throughout stays with the replica's own
+//! processes and must carry every change exactly once across their restart.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -116,13 +117,7 @@ async fn read_steadily(mut api: Client, written: Arc<AtomicU64>, stop: Arc<Atomi
                     .map(|r| (lockstep_plan::rows::decode(&r.values).unwrap(), r.diff))
                     .collect();
                 got.sort();
-                let mut counts = BTreeMap::new();
-                for i in (0..ROWS).chain(ROWS + 1..=ROWS + t as i64) {
-                    *counts.entry(i % GROUPS).or_insert(0) += 1;
-                }
-                let want: Vec<(Vec<i64>, i64)> =
-                    counts.into_iter().map(|(g, n)| (vec![g, n], 1)).collect();
-                if got != want {
+                if got != counts_at(t) {
                     reads.wrong.push(format!("at {t}: {got:?}"));
                 }
             }
@@ -130,6 +125,61 @@ async fn read_steadily(mut api: Client, written: Arc<AtomicU64>, stop: Arc<Atomi
         }
     }
     reads
+}
+
+/// Collection 101 at time `t`: per group, the count of input 1's rows
+/// `0 ..= ROWS + t` (but row `ROWS`, never written) in it, sorted.
+fn counts_at(t: u64) -> Vec<(Vec<i64>, i64)> {
+    let mut counts = BTreeMap::new();
+    for i in (0..ROWS).chain(ROWS + 1..=ROWS + t as i64) {
+        *counts.entry(i % GROUPS).or_insert(0) += 1;
+    }
+    counts.into_iter().map(|(g, n)| (vec![g, n], 1)).collect()
+}
+
+/// What the subscriber saw: every update, and the longest wait between two
+/// batches.
+#[derive(Debug, Default)]
+struct Stream {
+    updates: Vec<(Vec<i64>, u64, i64)>,
+    upper: u64,
+    longest_gap: Duration,
+}
+
+/// Subscribes to collection 101 as of 0 and takes every batch until the
+/// writer is `done` and its upper passed the newest written time (bounded).
+async fn subscribe_steadily(
+    mut api: Client,
+    written: Arc<AtomicU64>,
+    done: Arc<AtomicBool>,
+) -> Stream {
+    let mut batches = api
+        .subscribe(proto::SubscribeRequest {
+            replica: "r".into(),
+            collection_id: 101,
+            as_of: 0,
+            resume: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut stream = Stream::default();
+    let mut last = Instant::now();
+    while !(done.load(SeqCst) && stream.upper > written.load(SeqCst)) {
+        let batch = tokio::time::timeout(WAIT, batches.message())
+            .await
+            .expect("a batch in time")
+            .expect("the stream goes on")
+            .expect("the stream does not end");
+        stream.longest_gap = stream.longest_gap.max(last.elapsed());
+        last = Instant::now();
+        stream.upper = batch.upper.first().copied().unwrap_or(u64::MAX);
+        for u in batch.updates {
+            let values = lockstep_plan::rows::decode(&u.row).unwrap();
+            stream.updates.push((values, u.time, u.diff));
+        }
+    }
+    stream
 }
 
 async fn upgrade_under(strategy: &str) {
@@ -200,6 +250,12 @@ async fn upgrade_under(strategy: &str) {
     );
     let written = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
+    let written_all = Arc::new(AtomicBool::new(false));
+    let subscriber = tokio::spawn(subscribe_steadily(
+        api.clone(),
+        written.clone(),
+        written_all.clone(),
+    ));
     let reader = tokio::spawn(read_steadily(api, written.clone(), stop.clone()));
     // Writes go on during the upgrade: the standby must take them too.
     let writer = {
@@ -232,7 +288,29 @@ async fn upgrade_under(strategy: &str) {
     stop.store(true, SeqCst);
     let reads = reader.await.unwrap();
     writer.await.unwrap();
-    eprintln!("{strategy}: {out}{strategy}: {reads:?}");
+    written_all.store(true, SeqCst);
+    let stream = subscriber.await.unwrap();
+    eprintln!(
+        "{strategy}: {out}{strategy}: {reads:?}; subscription: {} updates, longest gap {:?}",
+        stream.updates.len(),
+        stream.longest_gap
+    );
+    // The subscription stayed with the replica's own processes across their
+    // restart: every change exactly once (a gap or a duplicate changes a
+    // count).
+    let last = written.load(SeqCst);
+    let mut sum: BTreeMap<Vec<i64>, i64> = BTreeMap::new();
+    for (values, time, diff) in &stream.updates {
+        if *time <= last {
+            *sum.entry(values.clone()).or_default() += diff;
+        }
+    }
+    let seen: Vec<(Vec<i64>, i64)> = sum.into_iter().filter(|(_, d)| *d != 0).collect();
+    assert_eq!(
+        seen,
+        counts_at(last),
+        "{strategy}: the subscription's changes up to {last}, consolidated"
+    );
 
     // "... (standby caught up after A s, answered the replica's reads for B s)"
     let served: f64 = out
