@@ -127,7 +127,21 @@ pub(crate) fn spawn(
     let to_actor2 = to_actor.clone();
     tokio::spawn(async move {
         while let Some(cmd) = commands.recv().await {
-            if let Err(e) = sink.send(cmd).await {
+            // Every command already queued goes out in the same flush: a
+            // session's start is thousands of commands, and a flush each
+            // was a write to the socket each. The codec's buffer flushes by
+            // itself past its boundary, so a burst is not held whole.
+            let mut sent = sink.feed(cmd).await;
+            while sent.is_ok() {
+                match commands.try_recv() {
+                    Ok(next) => sent = sink.feed(next).await,
+                    Err(_) => break,
+                }
+            }
+            if let Err(e) = match sent {
+                Ok(()) => sink.flush().await,
+                Err(e) => Err(e),
+            } {
                 let _ = to_actor2.send(FromConn {
                     process,
                     generation,

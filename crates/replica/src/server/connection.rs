@@ -315,54 +315,62 @@ async fn write_responses<S>(
     S: futures::Sink<Response, Error = CodecError> + Unpin,
 {
     while let Some(r) = wrx.recv().await {
-        // A peek answer too large for one frame goes in parts.
-        let r = match r.kind {
-            ResponseKind::PeekResponse(p) => {
-                let process_index = r.process_index;
-                let mut parts = p.split(max_frame_len / 2).into_iter();
-                let last = parts.next_back().expect("at least one part");
-                let mut failed = false;
-                for part in parts {
-                    let part = Response {
-                        process_index,
-                        kind: ResponseKind::PeekResponse(part),
-                    };
-                    if sink.send(part).await.is_err() {
-                        failed = true;
-                        break;
-                    }
-                }
-                if failed {
-                    break;
-                }
-                Response {
-                    process_index,
-                    kind: ResponseKind::PeekResponse(last),
-                }
+        // Every response already queued goes out in the same flush.
+        let mut fed = feed_response(&mut sink, r, max_frame_len).await;
+        while fed.is_ok() {
+            match wrx.try_recv() {
+                Ok(next) => fed = feed_response(&mut sink, next, max_frame_len).await,
+                Err(_) => break,
             }
-            kind => Response { kind, ..r },
-        };
-        let process_index = r.process_index;
-        let peek_id = match &r.kind {
-            ResponseKind::PeekResponse(p) => Some(p.peek_id),
-            _ => None,
-        };
-        match sink.send(r).await {
-            Ok(()) => {}
-            // A response too large for one frame is answered with an
-            // error instead (the codec checks the length before writing
-            // anything): the process must not go silent, be restarted
-            // and be asked the same peek again, forever.
-            Err(CodecError::FrameTooLarge { len, max }) => {
-                let replacement = too_large(process_index, peek_id, len, max);
-                if sink.send(replacement).await.is_err() {
-                    break;
-                }
-            }
-            Err(_) => break,
+        }
+        if fed.is_err() || sink.flush().await.is_err() {
+            break;
         }
     }
     let _ = sink.close().await;
+}
+
+/// Feeds one response to `sink` (flushed by the caller): a peek answer too
+/// large for one frame in parts, and a response too large for one frame
+/// replaced by an error (the codec checks the length before writing
+/// anything): the process must not go silent, be restarted and be asked the
+/// same peek again, forever. `Err` if the connection failed.
+async fn feed_response<S>(sink: &mut S, r: Response, max_frame_len: usize) -> Result<(), ()>
+where
+    S: futures::Sink<Response, Error = CodecError> + Unpin,
+{
+    let r = match r.kind {
+        ResponseKind::PeekResponse(p) => {
+            let process_index = r.process_index;
+            let mut parts = p.split(max_frame_len / 2).into_iter();
+            let last = parts.next_back().expect("at least one part");
+            for part in parts {
+                let part = Response {
+                    process_index,
+                    kind: ResponseKind::PeekResponse(part),
+                };
+                sink.feed(part).await.map_err(|_| ())?;
+            }
+            Response {
+                process_index,
+                kind: ResponseKind::PeekResponse(last),
+            }
+        }
+        kind => Response { kind, ..r },
+    };
+    let process_index = r.process_index;
+    let peek_id = match &r.kind {
+        ResponseKind::PeekResponse(p) => Some(p.peek_id),
+        _ => None,
+    };
+    match sink.feed(r).await {
+        Ok(()) => Ok(()),
+        Err(CodecError::FrameTooLarge { len, max }) => sink
+            .feed(too_large(process_index, peek_id, len, max))
+            .await
+            .map_err(|_| ()),
+        Err(_) => Err(()),
+    }
 }
 
 /// Hands the session's commands, in sequence, to every local worker until
