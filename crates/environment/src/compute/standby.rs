@@ -102,12 +102,12 @@ impl Compute {
     /// The controller that answers replica `replica_id`'s reads now, with
     /// the token the read holds until it is answered.
     pub(crate) fn reader(&self, replica_id: u64) -> Option<(Controller, ReadToken)> {
-        let (controller, generation) = {
-            let standbys = self.standbys.lock().expect("poisoned");
-            match standbys.get(&replica_id).filter(|s| s.serves_reads) {
-                Some(s) => (s.controller.clone(), Generation::Standby),
-                None => (self.controller(replica_id)?, Generation::Own),
-            }
+        // The token is taken under the routing lock: an upgrade that routes
+        // reads away and then drains the old route sees this read.
+        let standbys = self.standbys.lock().expect("poisoned");
+        let (controller, generation) = match standbys.get(&replica_id).filter(|s| s.serves_reads) {
+            Some(s) => (s.controller.clone(), Generation::Standby),
+            None => (self.controller(replica_id)?, Generation::Own),
         };
         let token = self
             .reads

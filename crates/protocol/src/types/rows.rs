@@ -162,7 +162,8 @@ pub(crate) fn next_varint(buf: &[u8], pos: &mut usize) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     /// The byte scan accepts exactly the rows the decoding check counts:
-    /// every row of up to three bytes from a set rich in edge bytes, every
+    /// every row of up to four bytes from a set rich in edge bytes (and
+    /// six- and eight-byte rows around them), every
     /// value's encoding, overlong and eleven-byte varints, and random rows.
     #[test]
     fn the_byte_scan_agrees_with_the_decoding_check() {
@@ -181,6 +182,12 @@ mod tests {
                 agree(&[a, b]);
                 for c in edges {
                     agree(&[a, b, c]);
+                    for d in edges {
+                        agree(&[a, b, c, d]);
+                        // Every place a row of up to 8 bytes can end.
+                        agree(&[0x81, a, 0x80, b, c, d]);
+                        agree(&[0x01, 0x80, a, b, 0x05, c, 0x81, d]);
+                    }
                 }
             }
         }
