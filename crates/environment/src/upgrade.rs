@@ -176,13 +176,14 @@ impl Environment {
             ))
         };
         // A controller's own bound (its request timeout) may run out first
-        // while processes start: asked again until the deadline.
-        while !matches!(
-            tokio::time::timeout_at(deadline, behind.ping()).await,
-            Ok(Ok(()))
-        ) {
-            if tokio::time::Instant::now() >= deadline {
-                return Err(late());
+        // while processes start: asked again until the deadline. A
+        // controller that is gone fails the upgrade at once.
+        loop {
+            match tokio::time::timeout_at(deadline, behind.ping()).await {
+                Ok(Ok(())) => break,
+                Ok(Err(lockstep_controller::ControllerError::Timeout { .. })) => {}
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => return Err(late()),
             }
         }
         let exports: Vec<u64> = self
