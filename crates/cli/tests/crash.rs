@@ -6,8 +6,9 @@
 use std::path::Path;
 
 use lockstep_chaos::environment::{
-    crash_scenario, Outcome, CREATE_FAILPOINTS, DROP_FAILPOINTS, VARIANTS,
+    cli, crash_scenario, Outcome, Sandbox, CREATE_FAILPOINTS, DROP_FAILPOINTS, VARIANTS,
 };
+use lockstep_environment::ServiceTemplate;
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_lockstep"))
@@ -46,19 +47,10 @@ async fn crash_and_restart_with_the_catalog_only_rule() {
 /// processes (the same ones).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_left_by_a_crash_mid_upgrade_is_dropped_at_the_next_start() {
-    use lockstep_chaos::environment::{cli, Sandbox};
-    use lockstep_environment::ServiceTemplate;
-
     let sandbox = Sandbox::new().unwrap();
     let mut a = sandbox.start_env(bin(), "epoch", None).await.unwrap();
-    let o = cli(bin(), &a.url, &["create", "keep", "--processes", "2"])
-        .await
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (id, own) = keep_created(&sandbox, &a.url).await;
     a.kill().await.unwrap();
-    let services = sandbox.services().await.unwrap();
-    let id = services[0].id;
-    let own = sandbox.identities(&services, id).unwrap();
 
     let failpoint = "upgrade_after_standby_started";
     let mut b = sandbox
@@ -87,18 +79,7 @@ async fn a_standby_left_by_a_crash_mid_upgrade_is_dropped_at_the_next_start() {
     );
 
     let _c = sandbox.start_env(bin(), "epoch", None).await.unwrap();
-    let services = sandbox.services().await.unwrap();
-    let names: Vec<&str> = services.iter().map(|s| s.name.as_str()).collect();
-    assert_eq!(
-        names,
-        [ServiceTemplate::service_name(id)],
-        "the standby was dropped"
-    );
-    assert_eq!(
-        sandbox.identities(&services, id).unwrap(),
-        own,
-        "the replica's own processes were adopted, not restarted"
-    );
+    only_own_left(&sandbox, id, &own, "adopted").await;
 }
 
 /// A standby that never catches up (its processes do not answer) fails the
@@ -107,18 +88,9 @@ async fn a_standby_left_by_a_crash_mid_upgrade_is_dropped_at_the_next_start() {
 /// answering for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_whose_standby_never_catches_up_fails_and_leaves_the_replica_alone() {
-    use lockstep_chaos::environment::{cli, Sandbox};
-    use lockstep_environment::ServiceTemplate;
-
     let sandbox = Sandbox::new().unwrap();
     let env = sandbox.start_env(bin(), "epoch", None).await.unwrap();
-    let o = cli(bin(), &env.url, &["create", "keep", "--processes", "2"])
-        .await
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let services = sandbox.services().await.unwrap();
-    let id = services[0].id;
-    let own = sandbox.identities(&services, id).unwrap();
+    let (id, own) = keep_created(&sandbox, &env.url).await;
 
     // The services are `sleep`: nothing answers a controller.
     let started = std::time::Instant::now();
@@ -136,6 +108,24 @@ async fn an_upgrade_whose_standby_never_catches_up_fails_and_leaves_the_replica_
         "bounded: {:?}",
         started.elapsed()
     );
+    only_own_left(&sandbox, id, &own, "left as they were").await;
+}
+
+/// Creates replica "keep" (2 processes) through the environment at `url`;
+/// its ID and its processes' identities.
+async fn keep_created(sandbox: &Sandbox, url: &str) -> (u64, Vec<String>) {
+    let o = cli(bin(), url, &["create", "keep", "--processes", "2"])
+        .await
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let services = sandbox.services().await.unwrap();
+    let id = services[0].id;
+    (id, sandbox.identities(&services, id).unwrap())
+}
+
+/// Asserts that replica `id`'s own service is the only one (its standby was
+/// dropped) and that its processes are still `own` (`how`: why they are).
+async fn only_own_left(sandbox: &Sandbox, id: u64, own: &[String], how: &str) {
     let services = sandbox.services().await.unwrap();
     let names: Vec<&str> = services.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(
@@ -146,6 +136,6 @@ async fn an_upgrade_whose_standby_never_catches_up_fails_and_leaves_the_replica_
     assert_eq!(
         sandbox.identities(&services, id).unwrap(),
         own,
-        "the replica's own processes were not restarted"
+        "the replica's own processes were {how}, not restarted"
     );
 }

@@ -23,38 +23,7 @@ fn bin() -> &'static Path {
 }
 /// Writes row `(t, 10)` at time `t` to input 1 (upper `t + 1`).
 async fn write_at(state: &Path, url: &str, t: u64) {
-    let upper = (t + 1).to_string();
-    let update = format!("{t},10@{t}");
-    common::cli_ok(
-        state,
-        url,
-        &[
-            "input",
-            "write",
-            "--replica",
-            "r",
-            "--collection",
-            "1",
-            "--upper",
-            &upper,
-            "--update",
-            &update,
-        ],
-    )
-    .await;
-}
-
-/// The PIDs of replica r's processes.
-async fn pids(state: &Path, url: &str) -> Vec<u64> {
-    let v: serde_json::Value =
-        serde_json::from_str(&common::cli_ok(state, url, &["replica", "list", "-o", "json"]).await)
-            .unwrap();
-    v["replicas"][0]["process_status"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["pid"].as_u64().unwrap())
-        .collect()
+    common::write_to_r(state, url, &format!("{t},10@{t}"), t + 1).await;
 }
 
 /// Reads the subscriber's lines until one at time `t` arrived (bounded),
@@ -114,7 +83,7 @@ async fn resume_under(strategy: &str) {
     for t in 0..5 {
         write_at(state, &url, t).await;
     }
-    let before = pids(state, &url).await;
+    let before = common::pids_of_r(state, &url).await;
 
     let mut subscriber = tokio::process::Command::new(bin())
         .args([
@@ -146,7 +115,7 @@ async fn resume_under(strategy: &str) {
     }
     read_until(&mut lines, &mut seen, 9).await;
     assert_eq!(
-        pids(state, &url).await,
+        common::pids_of_r(state, &url).await,
         before,
         "the replica was adopted, not rebuilt"
     );

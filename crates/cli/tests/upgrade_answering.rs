@@ -37,35 +37,8 @@ const GROUPS: i64 = 100;
 
 /// Writes row `ROWS + t` at time `t` to input 1 of replica r (upper `t + 1`).
 async fn write_at(state: &Path, url: &str, t: u64) {
-    let upper = (t + 1).to_string();
     let i = ROWS + t as i64;
-    let update = format!("{i},{}@{t}", i % GROUPS);
-    let args = [
-        "input",
-        "write",
-        "--replica",
-        "r",
-        "--collection",
-        "1",
-        "--upper",
-        &upper,
-        "--update",
-        &update,
-    ];
-    cli_ok(state, url, &args).await;
-}
-
-/// The PIDs of replica r's processes.
-async fn pids(state: &Path, url: &str) -> Vec<u64> {
-    let v: serde_json::Value =
-        serde_json::from_str(&cli_ok(state, url, &["replica", "list", "-o", "json"]).await)
-            .unwrap();
-    v["replicas"][0]["process_status"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["pid"].as_u64().unwrap())
-        .collect()
+    common::write_to_r(state, url, &format!("{i},{}@{t}", i % GROUPS), t + 1).await;
 }
 
 /// The child processes of `pid` (every thread's).
@@ -242,7 +215,7 @@ async fn upgrade_under(strategy: &str) {
     })
     .await
     .unwrap();
-    let before = pids(state, &url).await;
+    let before = common::pids_of_r(state, &url).await;
     assert_eq!(
         children(serve_pid).len(),
         2,
@@ -337,7 +310,7 @@ async fn upgrade_under(strategy: &str) {
         "{strategy}: a peek waited {:?}, as long as the replica's own processes were away ({served} s): the standby did not answer it",
         reads.longest
     );
-    let after = pids(state, &url).await;
+    let after = common::pids_of_r(state, &url).await;
     assert!(
         before.iter().all(|p| !after.contains(p)),
         "{strategy}: every process restarted: {before:?} then {after:?}"

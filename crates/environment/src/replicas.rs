@@ -110,11 +110,7 @@ impl Environment {
         // Check after taking the lock: the operation before us may have halted us.
         let _ops = self.ops.lock().await;
         self.check_not_halted()?;
-        let services = self
-            .orchestrator
-            .list_services()
-            .await
-            .map_err(|e| EnvError::Orchestrator(e.to_string()))?;
+        let services = self.services().await?;
         let view = {
             let v = self.view.lock().expect("poisoned");
             CatalogView {
@@ -320,14 +316,20 @@ impl Environment {
         }
     }
 
+    /// Every service the orchestrator lists.
+    pub(crate) async fn services(&self) -> Result<Vec<ServiceStatus>, EnvError> {
+        self.orchestrator
+            .list_services()
+            .await
+            .map_err(|e| EnvError::Orchestrator(e.to_string()))
+    }
+
     /// Lists our catalog's replicas with their services' status.
     pub async fn list_replicas(&self) -> Result<Vec<ReplicaInfo>, EnvError> {
         self.check_not_halted()?;
         let mut services: BTreeMap<u64, ServiceStatus> = self
-            .orchestrator
-            .list_services()
-            .await
-            .map_err(|e| EnvError::Orchestrator(e.to_string()))?
+            .services()
+            .await?
             .into_iter()
             // A replica's own service, not its standby (an upgrade).
             .filter(|s| s.name == ServiceTemplate::service_name(s.id))

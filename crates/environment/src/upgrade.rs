@@ -245,11 +245,7 @@ impl Environment {
     pub async fn drop_leftover_standbys(&self) -> Result<usize, EnvError> {
         let _ops = self.ops.lock().await;
         self.check_not_halted()?;
-        let services = self
-            .orchestrator
-            .list_services()
-            .await
-            .map_err(|e| EnvError::Orchestrator(e.to_string()))?;
+        let services = self.services().await?;
         let mut dropped = 0;
         for s in services {
             if s.name == ServiceTemplate::standby_service_name(s.id) {

@@ -103,6 +103,49 @@ impl WireMessage for Command {
     }
 }
 
+/// A write command's wire form without its updates, measured with them:
+/// the command's own fields (`head`, its kind taken out), the write's
+/// (`tail`), the length of the write's encoding with its updates (`inner`)
+/// and of the whole command's (`len`). The one place both
+/// [`command_encoded_len`] and a write's frame measure a write.
+struct WriteFrame {
+    head: proto::Command,
+    tail: proto::WriteInput,
+    inner: usize,
+    len: usize,
+}
+
+impl WriteFrame {
+    fn of(seqno: u64, strategy: crate::Strategy, w: &crate::WriteInput) -> WriteFrame {
+        let bare = crate::WriteInput {
+            collection_id: w.collection_id,
+            updates: Vec::new(),
+            upper: w.upper,
+            more: w.more,
+            batch_digest: w.batch_digest,
+        };
+        let mut head = proto::Command::from(Command {
+            seqno,
+            strategy,
+            kind: crate::CommandKind::WriteInput(bare),
+        });
+        let Some(proto::command::Kind::WriteInput(tail)) = head.kind.take() else {
+            unreachable!("a write's wire form is a write");
+        };
+        let updates: usize = w.updates.iter().map(update_encoded_len).sum();
+        let inner = tail.encoded_len() + updates;
+        // The write is field 20 of the command: a two-byte key.
+        let len =
+            head.encoded_len() + 2 + prost::encoding::encoded_len_varint(inner as u64) + inner;
+        WriteFrame {
+            head,
+            tail,
+            inner,
+            len,
+        }
+    }
+}
+
 /// Appends the write command `seqno`, `strategy`, `w` to `dst` as one frame,
 /// written from references: the bytes of its wire form's frame.
 fn encode_write_frame(
@@ -113,24 +156,12 @@ fn encode_write_frame(
     dst: &mut BytesMut,
 ) -> Result<(), CodecError> {
     use prost::encoding::{encode_key, encode_varint, WireType};
-    let bare = crate::WriteInput {
-        collection_id: w.collection_id,
-        updates: Vec::new(),
-        upper: w.upper,
-        more: w.more,
-        batch_digest: w.batch_digest,
-    };
-    let mut head = proto::Command::from(Command {
-        seqno,
-        strategy,
-        kind: crate::CommandKind::WriteInput(bare),
-    });
-    let Some(proto::command::Kind::WriteInput(mut tail)) = head.kind.take() else {
-        unreachable!("a write's wire form is a write");
-    };
-    let updates: usize = w.updates.iter().map(update_encoded_len).sum();
-    let inner = tail.encoded_len() + updates;
-    let len = head.encoded_len() + 2 + prost::encoding::encoded_len_varint(inner as u64) + inner;
+    let WriteFrame {
+        head,
+        mut tail,
+        inner,
+        len,
+    } = WriteFrame::of(seqno, strategy, w);
     if len > max {
         return Err(CodecError::FrameTooLarge { len, max });
     }
@@ -171,7 +202,6 @@ pub fn command_encoded_len(
     strategy: crate::Strategy,
     kind: &crate::CommandKind,
 ) -> usize {
-    use prost::encoding::encoded_len_varint;
     let crate::CommandKind::WriteInput(w) = kind else {
         let cmd = Command {
             seqno,
@@ -180,26 +210,7 @@ pub fn command_encoded_len(
         };
         return cmd.encoded_len();
     };
-    // The write without its updates, encoded as it would be ...
-    let bare = crate::WriteInput {
-        collection_id: w.collection_id,
-        updates: Vec::new(),
-        upper: w.upper,
-        more: w.more,
-        batch_digest: w.batch_digest,
-    };
-    let bare_inner = proto::WriteInput::from(bare.clone()).encoded_len();
-    let bare_total = Command {
-        seqno,
-        strategy,
-        kind: crate::CommandKind::WriteInput(bare),
-    }
-    .encoded_len();
-    // ... then each update as prost encodes it ...
-    let updates: usize = w.updates.iter().map(update_encoded_len).sum();
-    // ... and the write's own length prefix grown with them.
-    let inner = bare_inner + updates;
-    bare_total - encoded_len_varint(bare_inner as u64) + encoded_len_varint(inner as u64) + updates
+    WriteFrame::of(seqno, strategy, w).len
 }
 
 /// The length of one update's protobuf encoding as an element of

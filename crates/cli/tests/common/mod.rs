@@ -366,3 +366,36 @@ pub async fn cli_ok(state: &Path, url: &str, args: &[&str]) -> String {
     );
     String::from_utf8(out.stdout).unwrap()
 }
+
+/// Writes `update` (`ROW@TIME`, as `lockstep input write --update` takes it)
+/// to input 1 of replica r with the new upper `upper`, through the CLI.
+pub async fn write_to_r(state: &Path, url: &str, update: &str, upper: u64) {
+    let upper = upper.to_string();
+    let args = [
+        "input",
+        "write",
+        "--replica",
+        "r",
+        "--collection",
+        "1",
+        "--upper",
+        &upper,
+        "--update",
+        update,
+    ];
+    cli_ok(state, url, &args).await;
+}
+
+/// The PIDs of the processes of the first replica `lockstep replica list`
+/// shows (replica r of the tests that have one).
+pub async fn pids_of_r(state: &Path, url: &str) -> Vec<u64> {
+    let v: serde_json::Value =
+        serde_json::from_str(&cli_ok(state, url, &["replica", "list", "-o", "json"]).await)
+            .unwrap();
+    v["replicas"][0]["process_status"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_u64().unwrap())
+        .collect()
+}

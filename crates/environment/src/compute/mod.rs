@@ -375,30 +375,9 @@ impl Compute {
         ))
     }
 
-    fn start(
-        &self,
-        replica: &Replica,
-        status: &ServiceStatus,
-        history: CommandHistory,
-        (command_log, session_key): (
-            Option<lockstep_command_log::LogLocation>,
-            Option<lockstep_protocol::SessionKey>,
-        ),
-        restarter: Restarter,
-    ) {
-        let controller = match self.controller_for(
-            replica,
-            status,
-            history,
-            (command_log, session_key),
-            restarter.epoch,
-        ) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::error!(replica = %replica.name, "cannot drive replica: {e}");
-                return;
-            }
-        };
+    /// Makes `controller` replica `replica`'s and starts its watcher (the
+    /// one before, if any, is shut down).
+    fn start(&self, replica: &Replica, controller: Controller, restarter: Restarter) {
         let watcher = Watcher {
             metrics: self.metrics.clone(),
             replica: replica.name.clone(),

@@ -146,11 +146,7 @@ impl Environment {
     /// rehydrated from the catalog. Called once on start, after orphan removal.
     pub async fn start_compute(&self) -> Result<(), ComputeError> {
         let view = self.view();
-        let services = self
-            .orchestrator
-            .list_services()
-            .await
-            .map_err(|e| EnvError::Orchestrator(e.to_string()))?;
+        let services = self.services().await?;
         for replica in view.replicas.values() {
             let own = ServiceTemplate::service_name(replica.id);
             let Some(status) = services.iter().find(|s| s.name == own) else {
@@ -159,25 +155,30 @@ impl Environment {
             };
             let history = self.history_of(replica.id)?;
             tracing::info!(replica = %replica.name, commands = history.len(), "driving replica");
-            self.compute.start(
-                replica,
-                status,
-                history,
-                (self.command_log(replica.id), self.session_key(replica.id)),
-                self.restarter(),
-            );
+            self.drive(replica, status, history);
         }
         Ok(())
     }
 
     pub(crate) fn compute_started(&self, replica: &Replica, status: &ServiceStatus) {
-        self.compute.start(
+        self.drive(
             replica,
             status,
             self.history_of(replica.id).unwrap_or_default(),
-            (self.command_log(replica.id), self.session_key(replica.id)),
-            self.restarter(),
         );
+    }
+
+    /// Starts the controller of `replica` (its own processes, which `status`
+    /// lists) towards `history`, and its watcher.
+    fn drive(&self, replica: &Replica, status: &ServiceStatus, history: CommandHistory) {
+        let connection = (self.command_log(replica.id), self.session_key(replica.id));
+        match self
+            .compute
+            .controller_for(replica, status, history, connection, self.epoch)
+        {
+            Ok(controller) => self.compute.start(replica, controller, self.restarter()),
+            Err(e) => tracing::error!(replica = %replica.name, "cannot drive replica: {e}"),
+        }
     }
 
     fn restarter(&self) -> Restarter {

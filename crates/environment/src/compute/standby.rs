@@ -109,14 +109,18 @@ impl Compute {
             Some(s) => (s.controller.clone(), Generation::Standby),
             None => (self.controller(replica_id)?, Generation::Own),
         };
-        let token = self
-            .reads
+        Some((controller, ReadToken(self.reads_of(replica_id, generation))))
+    }
+
+    /// The count of replica `replica_id`'s reads in flight that went to
+    /// `generation`: one more for every clone of it.
+    fn reads_of(&self, replica_id: u64, generation: Generation) -> Arc<()> {
+        self.reads
             .lock()
             .expect("poisoned")
             .entry((replica_id, generation))
             .or_default()
-            .clone();
-        Some((controller, ReadToken(token)))
+            .clone()
     }
 
     /// Waits until no read of replica `replica_id` that went to
@@ -128,13 +132,7 @@ impl Compute {
         generation: Generation,
         bound: Duration,
     ) -> bool {
-        let token = self
-            .reads
-            .lock()
-            .expect("poisoned")
-            .entry((replica_id, generation))
-            .or_default()
-            .clone();
+        let token = self.reads_of(replica_id, generation);
         let deadline = Instant::now() + bound;
         // Two counts are ours: the map's and `token`.
         while Arc::strong_count(&token) > 2 {
