@@ -121,10 +121,13 @@ struct Stream {
 
 /// Subscribes to collection 101 as of 0 and takes every batch until the
 /// writer is `done` and its upper passed the newest written time (bounded).
+/// The upper moves only with writes: once the writer is done, the batch
+/// past its last write may already be here, so the wait for the next batch
+/// also ends when `done` turns true.
 async fn subscribe_steadily(
     mut api: Client,
     written: Arc<AtomicU64>,
-    done: Arc<AtomicBool>,
+    mut done: tokio::sync::watch::Receiver<bool>,
 ) -> Stream {
     let mut batches = api
         .subscribe(proto::SubscribeRequest {
@@ -138,10 +141,20 @@ async fn subscribe_steadily(
         .into_inner();
     let mut stream = Stream::default();
     let mut last = Instant::now();
-    while !(done.load(SeqCst) && stream.upper > written.load(SeqCst)) {
-        let batch = tokio::time::timeout(WAIT, batches.message())
-            .await
-            .expect("a batch in time")
+    while !(*done.borrow() && stream.upper > written.load(SeqCst)) {
+        let next = tokio::select! {
+            next = tokio::time::timeout(WAIT, batches.message()) => next,
+            // The writer finished: check the upper against its last write.
+            _ = done.changed(), if !*done.borrow() => continue,
+        };
+        let batch = next
+            .unwrap_or_else(|_| {
+                panic!(
+                    "a batch in time: upper {}, written {}",
+                    stream.upper,
+                    written.load(SeqCst)
+                )
+            })
             .expect("the stream goes on")
             .expect("the stream does not end");
         stream.longest_gap = stream.longest_gap.max(last.elapsed());
@@ -223,11 +236,11 @@ async fn upgrade_under(strategy: &str) {
     );
     let written = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let written_all = Arc::new(AtomicBool::new(false));
+    let (written_all, written_all_rx) = tokio::sync::watch::channel(false);
     let subscriber = tokio::spawn(subscribe_steadily(
         api.clone(),
         written.clone(),
-        written_all.clone(),
+        written_all_rx,
     ));
     let reader = tokio::spawn(read_steadily(api, written.clone(), stop.clone()));
     // Writes go on during the upgrade: the standby must take them too.
@@ -261,7 +274,7 @@ async fn upgrade_under(strategy: &str) {
     stop.store(true, SeqCst);
     let reads = reader.await.unwrap();
     writer.await.unwrap();
-    written_all.store(true, SeqCst);
+    written_all.send(true).unwrap();
     let stream = subscriber.await.unwrap();
     eprintln!(
         "{strategy}: {out}{strategy}: {reads:?}; subscription: {} updates, longest gap {:?}",
