@@ -559,11 +559,10 @@ pub fn run_worker(
         } else {
             // Commands unpark this thread (see `server::Workers::send`), as
             // do timely's channels; the timeout bounds everything else.
-            let park = if state.log.is_some() {
-                LOG_POLL
-            } else {
-                Duration::from_millis(5)
-            };
+            let park = state
+                .log
+                .as_ref()
+                .map_or(Duration::from_millis(5), LogTail::park);
             worker.step_or_park(Some(park));
         }
         state.maintain();
