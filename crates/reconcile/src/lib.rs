@@ -177,29 +177,38 @@ fn unambiguous(installed: &[DataflowKey]) -> BTreeSet<DataflowKey> {
 ///   and every worker appended the same entries, in the same order, to its
 ///   creation log: I1 is preserved if it held before.
 /// - A target that names an ID twice is read with its first entry only.
-pub fn collective(
-    installed_per_worker: &[Vec<DataflowKey>],
+pub fn collective<L: AsRef<[DataflowKey]>>(
+    installed_per_worker: &[L],
     target: &[DataflowKey],
 ) -> CollectivePlan {
     let target = dedup_target(target);
-    let per_worker: Vec<BTreeSet<DataflowKey>> = installed_per_worker
+    // Workers in lockstep announce equal lists: each distinct list is read
+    // once (a 4x2 replica holding 10,000 dataflows is eight equal lists,
+    // and every worker computes this plan).
+    let lists: Vec<&[DataflowKey]> = installed_per_worker.iter().map(|l| l.as_ref()).collect();
+    let mut distinct: Vec<&[DataflowKey]> = Vec::new();
+    let list_of: Vec<usize> = lists
         .iter()
-        .map(|i| unambiguous(i))
+        .map(|l| {
+            distinct.iter().position(|m| m == l).unwrap_or_else(|| {
+                distinct.push(l);
+                distinct.len() - 1
+            })
+        })
         .collect();
-    let kept: Vec<DataflowKey> = if per_worker.is_empty() {
+    let per_list: Vec<BTreeSet<DataflowKey>> = distinct.iter().map(|l| unambiguous(l)).collect();
+    let kept: Vec<DataflowKey> = if per_list.is_empty() {
         Vec::new()
     } else {
         target
             .iter()
-            .filter(|k| per_worker.iter().all(|s| s.contains(k)))
+            .filter(|k| per_list.iter().all(|s| s.contains(k)))
             .copied()
             .collect()
     };
     let kept_ids: BTreeSet<u64> = kept.iter().map(|k| k.id).collect();
-    let drop_per_worker = installed_per_worker
-        .iter()
-        .map(|installed| drops(installed, &kept_ids))
-        .collect();
+    let drops_per_list: Vec<Vec<u64>> = distinct.iter().map(|l| drops(l, &kept_ids)).collect();
+    let drop_per_worker = list_of.iter().map(|&i| drops_per_list[i].clone()).collect();
     let build = target
         .iter()
         .filter(|k| !kept_ids.contains(&k.id))

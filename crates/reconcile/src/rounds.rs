@@ -237,7 +237,7 @@ impl RoundBook {
         if let Some(w) = reports.iter().position(|r| r.created != reports[0].created) {
             return Err(PlanError::CreationLogsDiffer { worker: w });
         }
-        let lists: Vec<Vec<DataflowKey>> = reports.iter().map(|r| r.installed.clone()).collect();
+        let lists: Vec<&[DataflowKey]> = reports.iter().map(|r| r.installed.as_slice()).collect();
         let mut plan = collective(&lists, target);
         Ok((plan.drop_per_worker.swap_remove(me), plan.build))
     }

@@ -117,7 +117,7 @@ fn collective_keeps_only_what_every_worker_has_with_the_same_hash() {
 #[test]
 fn collective_edge_cases() {
     // No workers: nothing kept, everything built.
-    let plan = collective(&[], &[k(1, 1)]);
+    let plan = collective::<Vec<DataflowKey>>(&[], &[k(1, 1)]);
     assert_eq!(plan.keep, Vec::<u64>::new());
     assert!(plan.drop_per_worker.is_empty());
     assert_eq!(plan.build, vec![k(1, 1)]);
@@ -278,4 +278,73 @@ fn sessions_order_by_epoch_then_nonce_without_aliasing() {
     assert!(session_of(7, u64::MAX) < session_of(8, 0));
     assert!(session_of(7, 2) > session_of(7, 1));
     assert!(session_of(u64::MAX, u64::MAX) > session_of(u64::MAX - 1, u64::MAX));
+}
+
+/// The plan read once per distinct installed list equals the plan read from
+/// every worker's list on its own (the definition), on random replicas
+/// whose workers mostly agree, sometimes hold an ID twice or with another
+/// hash, or miss one.
+#[test]
+fn a_plan_over_equal_lists_is_the_plan_over_each_list() {
+    fn per_worker(installed: &[Vec<DataflowKey>], target: &[DataflowKey]) -> CollectivePlan {
+        let target = dedup_target(target);
+        let sets: Vec<_> = installed.iter().map(|i| unambiguous(i)).collect();
+        let kept: Vec<DataflowKey> = if sets.is_empty() {
+            Vec::new()
+        } else {
+            target
+                .iter()
+                .filter(|k| sets.iter().all(|s| s.contains(k)))
+                .copied()
+                .collect()
+        };
+        let kept_ids: BTreeSet<u64> = kept.iter().map(|k| k.id).collect();
+        CollectivePlan {
+            keep: kept.iter().map(|k| k.id).collect(),
+            drop_per_worker: installed.iter().map(|i| drops(i, &kept_ids)).collect(),
+            build: target
+                .iter()
+                .filter(|k| !kept_ids.contains(&k.id))
+                .copied()
+                .collect(),
+        }
+    }
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move |n: u64| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) % n
+    };
+    let mut distinct_seen = 0;
+    for _ in 0..500 {
+        let common: Vec<DataflowKey> = (0..next(8)).map(|_| k(next(10), next(3) as u8)).collect();
+        let workers = next(5) as usize;
+        let installed: Vec<Vec<DataflowKey>> = (0..workers)
+            .map(|_| {
+                let mut l = common.clone();
+                match next(4) {
+                    0 => l.push(k(next(10), next(3) as u8)),
+                    1 if !l.is_empty() => {
+                        l.remove(next(l.len() as u64) as usize);
+                    }
+                    _ => {}
+                }
+                l
+            })
+            .collect();
+        let target: Vec<DataflowKey> = (0..next(8)).map(|_| k(next(10), next(3) as u8)).collect();
+        if installed.windows(2).any(|w| w[0] != w[1]) {
+            distinct_seen += 1;
+        }
+        assert_eq!(
+            collective(&installed, &target),
+            per_worker(&installed, &target),
+            "installed {installed:?}, target {target:?}"
+        );
+    }
+    assert!(
+        distinct_seen > 100,
+        "only {distinct_seen} inputs with lists that differ"
+    );
 }

@@ -1,5 +1,5 @@
 use super::*;
-use crate::strategy::{barrier, log};
+use crate::strategy::barrier;
 use crate::Digest;
 
 /// A command as the tests write it.
@@ -342,7 +342,8 @@ fn a_log_read_queues_log_entries_and_takes_every_marker() {
 #[cfg(feature = "mutants")]
 #[test]
 fn the_no_hold_mutant_holds_nothing() {
-    let mut m = WorkerSession::new(0, 1, false).with_log_hold_mutant(log::LogHoldMutant::NoHold);
+    let mut m = WorkerSession::new(0, 1, false)
+        .with_log_hold_mutant(crate::strategy::log::LogHoldMutant::NoHold);
     m.set_tails_log();
     let mut runs = Runs::default();
     m.on_log_entries([cmd(Strategy::Log, 0, TestClass::Hello(3))]);
