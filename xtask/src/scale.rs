@@ -209,9 +209,23 @@ impl<'a> Scale<'a> {
             "limits/ingest_1M/differential/1x1",
             "limits/ingest_1M/lockstep/1x1",
         );
+        // A miss names what bounds it: the write's stages on this path (the
+        // controller's, without the API and the durable append).
+        let bound = ingest
+            .filter(|r| *r < 0.5)
+            .and_then(|_| {
+                crate::stages::Stages::new(self.medians).ingest_bound(&[
+                    "encode_seal",
+                    "floor_tcp",
+                    "open_decode",
+                    "replica_ingest",
+                ])
+            })
+            .map(|b| format!("; {b}"))
+            .unwrap_or_default();
         goals.push((
             "ingest of 1M rows at 0.5x or more of differential's throughput".into(),
-            ingest.map_or("not measured".into(), |r| format!("{r:.2}x (1x1)")),
+            ingest.map_or("not measured".into(), |r| format!("{r:.2}x (1x1){bound}")),
             ingest.map(|r| r >= 0.5),
         ));
         goals
@@ -247,5 +261,24 @@ mod tests {
         assert!(s
             .section()
             .contains("| install | 1.00 ms | 500.0 µs | 2.00x the time |"));
+        // A missed ingest names the stages on its path as its bound.
+        m.insert("limits/ingest_1M/lockstep/1x1".to_string(), 700e6);
+        m.insert("limits/ingest_1M/differential/1x1".to_string(), 200e6);
+        for (stage, ns) in [
+            ("encode_seal", 0.3e6),
+            ("floor_tcp", 0.1e6),
+            ("open_decode", 0.6e6),
+            ("replica_ingest", 3e6),
+            ("floor_differential", 1.5e6),
+        ] {
+            m.insert(format!("stages/ingest_10k/{stage}"), ns);
+        }
+        let g = Scale::new(&m).goals();
+        assert_eq!(g[3].2, Some(false));
+        assert!(
+            g[3].1.starts_with("0.29x (1x1); bounded by: the stages on its path (encode_seal, floor_tcp, open_decode, replica_ingest) take 4.00 ms a batch one after the other, at most 0.38x"),
+            "{}",
+            g[3].1
+        );
     }
 }
