@@ -7,6 +7,10 @@
 //! - `api/peek_100/{grpc,core}`: a peek of 100 rows;
 //! - `api/write_100/{grpc,core}`: a WriteInput of 100 rows, until it is
 //!   acknowledged (durable in the catalog, sent to the replica);
+//! - `api/write_100_x8/{grpc,core}`: eight WriteInputs of 100 rows at once,
+//!   each to a collection of its own, until all eight are acknowledged
+//!   (the environment stores concurrent writes in one catalog transaction:
+//!   group commit), in writes per second;
 //! - `api/ingest_10k/{grpc,core,differential}`: WriteInputs of 10,000 rows
 //!   back to back, until the replica applied them all (a peek of a small
 //!   second export at the last batch's time answers), in rows per second;
@@ -43,13 +47,18 @@ const WRITE_CORE: u64 = 3;
 const INGEST_GRPC: u64 = 4;
 const INGEST_CORE: u64 = 5;
 const INGEST_ROWS: i64 = 10_000;
+/// Written by the concurrent writes: eight collections from here for gRPC,
+/// eight from `CONCURRENT_CORE` in process.
+const CONCURRENT_GRPC: u64 = 10;
+const CONCURRENT_CORE: u64 = 20;
+const CONCURRENT: u64 = 8;
 
 struct Fixture {
     _dir: tempfile::TempDir,
     env: Arc<Environment>,
     client: EnvironmentClient<Channel>,
     /// The next time to write at, per collection.
-    next: [AtomicU64; 6],
+    next: [AtomicU64; 32],
 }
 
 /// The columns of the `n` rows written at `t`.
@@ -181,6 +190,46 @@ impl Fixture {
         rows.len()
     }
 
+    /// Eight writes of `n` rows at once through gRPC, one to each of the
+    /// collections from `first`, until all are acknowledged.
+    async fn write_grpc_concurrent(&self, first: u64, n: i64) {
+        let writes = (first..first + CONCURRENT).map(|collection| {
+            let (t, upper) = self.tick(collection);
+            let mut client = self.client.clone();
+            tokio::spawn(async move {
+                client
+                    .write_input(WriteInputRequest {
+                        replica: REPLICA.into(),
+                        collection_id: collection,
+                        updates: rows(n, t).into_iter().map(wire::Update::from).collect(),
+                        upper,
+                    })
+                    .await
+                    .unwrap();
+            })
+        });
+        for w in writes.collect::<Vec<_>>() {
+            w.await.unwrap();
+        }
+    }
+
+    /// [`Fixture::write_grpc_concurrent`] in process.
+    async fn write_core_concurrent(&self, first: u64, n: i64) {
+        let writes = (first..first + CONCURRENT).map(|collection| {
+            let (t, upper) = self.tick(collection);
+            let env = self.env.clone();
+            // Each on a task of its own, as the API's requests are.
+            tokio::spawn(async move {
+                env.write_input(REPLICA, collection, rows(n, t), upper)
+                    .await
+                    .unwrap()
+            })
+        });
+        for w in writes.collect::<Vec<_>>() {
+            w.await.unwrap();
+        }
+    }
+
     async fn write_core(&self, collection: u64, n: i64) {
         let (t, upper) = self.tick(collection);
         self.env
@@ -254,6 +303,29 @@ fn api(c: &mut Criterion) {
                 let start = Instant::now();
                 for _ in 0..iters {
                     f.write_core(WRITE_CORE, 100).await;
+                }
+                start.elapsed()
+            })
+        })
+    });
+    group.throughput(Throughput::Elements(CONCURRENT));
+    group.bench_function("write_100_x8/grpc", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    f.write_grpc_concurrent(CONCURRENT_GRPC, 100).await;
+                }
+                start.elapsed()
+            })
+        })
+    });
+    group.bench_function("write_100_x8/core", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    f.write_core_concurrent(CONCURRENT_CORE, 100).await;
                 }
                 start.elapsed()
             })

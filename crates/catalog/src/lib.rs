@@ -523,7 +523,22 @@ impl Catalog {
         collection_id: u64,
         write: &[u8],
     ) -> Result<InputWrite, WriteError> {
-        dispatch!(self, c => c.append_input(replica_id, collection_id, write))
+        let seq = self.append_inputs(&[(replica_id, collection_id, write)])?[0];
+        Ok(InputWrite {
+            seq,
+            replica_id,
+            collection_id,
+            write: write.to_vec(),
+        })
+    }
+
+    /// Appends several writes (each `(replica, collection, write)`) in one
+    /// fenced transaction, one commit and one flush for them all (group
+    /// commit): every one is stored, in order, or none is (a replica
+    /// missing fails the whole group with `NoSuchReplica`). Returns their
+    /// positions, in order.
+    pub fn append_inputs(&mut self, writes: &[(u64, u64, &[u8])]) -> Result<Vec<u64>, WriteError> {
+        dispatch!(self, c => c.append_inputs(writes))
     }
 
     /// Replaces every stored write to an input collection of a replica with

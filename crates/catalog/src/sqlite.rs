@@ -355,18 +355,19 @@ impl SqliteCatalog {
         })
     }
 
-    /// Records a write to an input collection of a replica. Durable before
-    /// the write is sent, so that a restarted controller (or a restarted
-    /// replica) gets every input back.
-    pub fn append_input(
-        &mut self,
-        replica_id: u64,
-        collection_id: u64,
-        write: &[u8],
-    ) -> Result<InputWrite, WriteError> {
+    /// Appends `writes` (replica, collection, write) in one fenced
+    /// transaction; their positions, in order.
+    pub fn append_inputs(&mut self, writes: &[(u64, u64, &[u8])]) -> Result<Vec<u64>, WriteError> {
         self.write(|tx| {
-            replica_exists(tx, replica_id)?;
-            insert_input(tx, replica_id, collection_id, write)
+            let mut known = std::collections::BTreeSet::new();
+            let mut seqs = Vec::with_capacity(writes.len());
+            for &(replica_id, collection_id, write) in writes {
+                if known.insert(replica_id) {
+                    replica_exists(tx, replica_id)?;
+                }
+                seqs.push(insert_input(tx, replica_id, collection_id, write)?);
+            }
+            Ok(seqs)
         })
     }
 
@@ -386,7 +387,12 @@ impl SqliteCatalog {
                 "DELETE FROM input_writes WHERE replica_id = ?1 AND collection_id = ?2",
                 params![replica_id as i64, collection_id as i64],
             )?;
-            insert_input(tx, replica_id, collection_id, write)
+            Ok(InputWrite {
+                seq: insert_input(tx, replica_id, collection_id, write)?,
+                replica_id,
+                collection_id,
+                write: write.to_vec(),
+            })
         })
     }
 
@@ -527,23 +533,18 @@ impl SqliteCatalog {
     }
 }
 
-/// Appends one input write row; returns it with its position.
+/// Appends one input write row; returns its position.
 fn insert_input(
     tx: &rusqlite::Transaction<'_>,
     replica_id: u64,
     collection_id: u64,
     write: &[u8],
-) -> Result<InputWrite, WriteError> {
+) -> Result<u64, WriteError> {
     tx.execute(
         "INSERT INTO input_writes (replica_id, collection_id, write) VALUES (?1, ?2, ?3)",
         params![replica_id as i64, collection_id as i64, write],
     )?;
-    Ok(InputWrite {
-        seq: tx.last_insert_rowid() as u64,
-        replica_id,
-        collection_id,
-        write: write.to_vec(),
-    })
+    Ok(tx.last_insert_rowid() as u64)
 }
 
 /// Fails with `NoSuchReplica` unless the replica is in the catalog.

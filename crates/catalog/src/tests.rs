@@ -27,6 +27,48 @@ fn inputs_and_dataflows_survive_reopen_and_go_with_their_replica(s: &TestStore) 
     assert!(state.input_writes.is_empty() && state.dataflows.is_empty());
 }
 
+/// A group commit stores every write of the group, in order, with
+/// increasing positions; a group naming a missing replica stores none of
+/// its writes; a fenced-out catalog stores none.
+fn a_group_of_writes_is_stored_whole_or_not_at_all(s: &TestStore) {
+    let mut c = s.open();
+    let r1 = c.create_replica("r1", cfg(1)).unwrap();
+    let r2 = c.create_replica("r2", cfg(1)).unwrap();
+    let seqs = c
+        .append_inputs(&[(r1.id, 1, b"a"), (r2.id, 1, b"b"), (r1.id, 2, b"c")])
+        .unwrap();
+    assert_eq!(seqs.len(), 3);
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    let err = c
+        .append_inputs(&[(r1.id, 1, b"lost"), (r2.id + 100, 1, b"x")])
+        .unwrap_err();
+    assert!(matches!(err, WriteError::NoSuchReplica(_)), "{err}");
+    let stored = |c: &mut Catalog| -> Vec<(u64, u64, Vec<u8>)> {
+        let state = c.state().unwrap();
+        state
+            .input_writes
+            .iter()
+            .map(|w| (w.replica_id, w.collection_id, w.write.clone()))
+            .collect()
+    };
+    let expected = vec![
+        (r1.id, 1, b"a".to_vec()),
+        (r2.id, 1, b"b".to_vec()),
+        (r1.id, 2, b"c".to_vec()),
+    ];
+    assert_eq!(stored(&mut c), expected, "the failed group left nothing");
+    let mut newer = s.open();
+    let err = c
+        .append_inputs(&[(r1.id, 1, b"stale"), (r2.id, 1, b"stale")])
+        .unwrap_err();
+    assert!(err.fenced().is_some(), "{err}");
+    assert_eq!(
+        stored(&mut newer),
+        expected,
+        "the fenced group left nothing"
+    );
+}
+
 fn cfg(processes: u32) -> ReplicaConfig {
     ReplicaConfig {
         processes,
@@ -501,6 +543,7 @@ impl TestStore {
 lockstep_pgtest::on_both_backends!(
     TestStore;
     inputs_and_dataflows_survive_reopen_and_go_with_their_replica,
+    a_group_of_writes_is_stored_whole_or_not_at_all,
     a_version_1_catalog_is_migrated_and_policies_are_kept_and_fenced,
     a_version_3_catalog_is_migrated_and_has_no_format,
     the_format_is_recorded_kept_and_fenced,

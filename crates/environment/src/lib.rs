@@ -436,6 +436,8 @@ pub struct Environment {
     /// Serializes mutations and orphan removal, so that a background orphan
     /// removal never classifies against a half-applied create or drop.
     ops: tokio::sync::Mutex<()>,
+    /// Writes waiting for their group commit (`compute::writes`).
+    pending_writes: compute::PendingWrites,
     /// One controller per replica.
     compute: compute::Compute,
     /// Where the replicas' command logs live (`None`: no command logs).

@@ -91,6 +91,11 @@ pub struct Metrics {
     pub frontier_lag: Family<ProcessLabels, Gauge>,
     /// The epoch this environment owns.
     pub epoch: Gauge,
+    /// Catalog transactions that stored input writes (one per group
+    /// commit).
+    pub input_commits: Counter,
+    /// Input writes stored; over `input_commits`, writes per commit.
+    pub input_writes_stored: Counter,
     /// The descriptor budget (R1): limit, reserve, and each listener's caps
     /// and open connections (`api`, `metrics`).
     pub budget: lockstep_admission::BudgetMetrics,
@@ -117,6 +122,8 @@ impl Metrics {
         let dataflows = Family::<ReplicaLabel, Gauge>::default();
         let frontier_lag = Family::<ProcessLabels, Gauge>::default();
         let epoch = Gauge::default();
+        let input_commits = Counter::default();
+        let input_writes_stored = Counter::default();
         let mut registry = Registry::with_prefix("lockstep");
         registry.register(
             "api_requests",
@@ -165,6 +172,16 @@ impl Metrics {
             frontier_lag.clone(),
         );
         registry.register("epoch", "The epoch this environment owns", epoch.clone());
+        registry.register(
+            "input_commits",
+            "Catalog transactions that stored input writes (one per group commit)",
+            input_commits.clone(),
+        );
+        registry.register(
+            "input_writes_stored",
+            "Input writes stored in the catalog",
+            input_writes_stored.clone(),
+        );
         let budget = lockstep_admission::BudgetMetrics::default();
         budget.register(&mut registry);
         budget.set(crate::admission::process_budget());
@@ -182,6 +199,8 @@ impl Metrics {
             dataflows,
             frontier_lag,
             epoch,
+            input_commits,
+            input_writes_stored,
         }
     }
 

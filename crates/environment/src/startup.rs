@@ -153,6 +153,7 @@ impl Environment {
             halt: watch::channel(None).0,
             orphans_removed: Mutex::new(Vec::new()),
             ops: tokio::sync::Mutex::new(()),
+            pending_writes: Default::default(),
             compute,
             command_logs: None,
             session_secret: None,

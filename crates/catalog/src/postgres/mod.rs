@@ -332,12 +332,47 @@ impl PgCatalog {
     /// committed before (and a newer opener's epoch); when it inserts
     /// nothing, the fence row's epoch says whether this catalog was fenced
     /// out or the replica is missing.
-    pub(crate) fn append_input(
+    ///
+    /// Several writes (a group commit) go in one fenced transaction of a
+    /// round trip per statement: every replica checked, every write
+    /// inserted, one COMMIT.
+    pub(crate) fn append_inputs(
+        &mut self,
+        writes: &[(u64, u64, &[u8])],
+    ) -> Result<Vec<u64>, WriteError> {
+        if let [(replica_id, collection_id, write)] = writes {
+            return Ok(vec![self.append_input(
+                *replica_id,
+                *collection_id,
+                write,
+            )?]);
+        }
+        let writes: Vec<(u64, u64, Vec<u8>)> = writes
+            .iter()
+            .map(|(r, c, w)| (*r, *c, w.to_vec()))
+            .collect();
+        self.write(move |c| {
+            Box::pin(async move {
+                let mut seqs = Vec::with_capacity(writes.len());
+                let mut known = std::collections::BTreeSet::new();
+                for (replica_id, collection_id, write) in writes {
+                    if known.insert(replica_id) {
+                        replica_exists(c, replica_id).await?;
+                    }
+                    seqs.push(insert_input(c, replica_id, collection_id, write).await?.seq);
+                }
+                Ok(seqs)
+            })
+        })
+    }
+
+    /// One write, pipelined: its position.
+    fn append_input(
         &mut self,
         replica_id: u64,
         collection_id: u64,
         write: &[u8],
-    ) -> Result<InputWrite, WriteError> {
+    ) -> Result<u64, WriteError> {
         let epoch = self.epoch;
         let write = write.to_vec();
         self.conn.run(move |s: &mut Session| {
@@ -364,12 +399,7 @@ impl PgCatalog {
                 .await?;
                 check_fence(current.get(0), epoch)?;
                 match inserted {
-                    Some(row) => Ok(InputWrite {
-                        seq: row.get::<_, i64>(0) as u64,
-                        replica_id,
-                        collection_id,
-                        write,
-                    }),
+                    Some(row) => Ok(row.get::<_, i64>(0) as u64),
                     None => Err(WriteError::NoSuchReplica(format!("with ID {replica_id}"))),
                 }
             })

@@ -38,11 +38,13 @@ use crate::{EnvError, Environment, ServiceTemplate};
 mod requests;
 mod standby;
 mod watcher;
+mod writes;
 
 pub use requests::decode_dataflow;
 pub(crate) use requests::decode_write;
 pub(crate) use standby::Generation;
 use watcher::*;
+pub(crate) use writes::PendingWrites;
 
 /// A replica is restarted through the orchestrator at most once per this
 /// interval. A restart reason that comes sooner is checked again when the

@@ -85,7 +85,7 @@ impl Environment {
             .ok_or_else(|| ComputeError::NoSuchReplica(name.to_string()))
     }
 
-    fn controller_of(&self, replica: &Replica) -> Result<Controller, ComputeError> {
+    pub(super) fn controller_of(&self, replica: &Replica) -> Result<Controller, ComputeError> {
         self.compute.controller(replica.id).ok_or_else(|| {
             ComputeError::Unavailable(format!(
                 "replica {:?} has no running controller yet; nothing was written",
@@ -97,7 +97,7 @@ impl Environment {
     /// The collection namespace of a replica: each export with the dataflow
     /// that exports it, and every input collection (written, or read by a
     /// live dataflow). An ID is an input or an export, never both.
-    fn namespace(
+    pub(super) fn namespace(
         &self,
         replica: &Replica,
     ) -> Result<(BTreeMap<u64, u64>, BTreeSet<u64>), ComputeError> {
@@ -391,99 +391,11 @@ impl Environment {
             .collect()
     }
 
-    /// Appends updates to an input collection: recorded in the catalog, then sent.
-    pub async fn write_input(
-        &self,
-        replica_name: &str,
-        collection_id: u64,
-        updates: Vec<Update>,
-        upper: Timestamp,
-    ) -> Result<(), ComputeError> {
-        let _ops = self.ops.lock().await;
-        self.check_not_halted()?;
-        let replica = self.replica_named(replica_name)?;
-        let (exported, _) = self.namespace(&replica)?;
-        if let Some(d) = exported.get(&collection_id) {
-            return Err(ComputeError::Invalid(format!(
-                "collection {collection_id} is an export of dataflow {d}, not an input collection"
-            )));
-        }
-        // A row no dataflow of the built-in family could read is refused
-        // before it is recorded; another family's rows are its own.
-        if self.compute.builds_plans() {
-            if let Some((i, e)) = updates
-                .iter()
-                .enumerate()
-                .find_map(|(i, u)| lockstep_plan::rows::check(&u.row).err().map(|e| (i, e)))
-            {
-                return Err(ComputeError::Invalid(format!("update {i}: {e}")));
-            }
-        }
-        self.inputs
-            .lock()
-            .expect("poisoned")
-            .check(replica.id, collection_id, &updates, upper)
-            .map_err(|e| match e {
-                WriteRefused::Overflow { .. } => ComputeError::Invalid(e.to_string()),
-                _ => ComputeError::OutOfRange(e.to_string()),
-            })?;
-        // Refused before anything is written if nothing could serve it.
-        let controller = self.controller_of(&replica)?;
-        let write = WriteInput {
-            collection_id,
-            updates,
-            upper,
-            more: false,
-            batch_digest: None,
-        };
-        let since = {
-            let mut catalog = self.catalog.lock().expect("poisoned");
-            catalog
-                .append_input(replica.id, collection_id, &encode_write(&write))
-                .map_err(|e| self.catalog_error(e))?;
-            let mut inputs = self.inputs.lock().expect("poisoned");
-            let recorded = inputs.record(
-                replica.id,
-                collection_id,
-                write.updates.clone(),
-                write.upper,
-            );
-            if let Some(snapshot) = recorded.snapshot {
-                // Best effort: the rows already stored stay valid if this fails.
-                match catalog.replace_inputs(replica.id, collection_id, &encode_write(&snapshot)) {
-                    Ok(_) => inputs.replaced(replica.id, collection_id),
-                    Err(e) => tracing::warn!(
-                        collection = collection_id,
-                        "could not consolidate the stored writes: {e}"
-                    ),
-                }
-            }
-            recorded.since
-        };
-        let compactions = match since {
-            Some(_) => self.compactions(&replica, Some(collection_id))?,
-            None => Vec::new(),
-        };
-        let compact = |c: &Controller| -> Result<(), ControllerError> {
-            for (collection, since) in &compactions {
-                c.allow_compaction(*collection, Some(*since))?;
-            }
-            Ok(())
-        };
-        // A standby (an upgrade that keeps answering) takes a copy first.
-        self.compute.to_standby(replica.id, |c| {
-            c.write_input(collection_id, write.updates.clone(), write.upper)?;
-            compact(c)
-        });
-        controller.write_input(collection_id, write.updates, write.upper)?;
-        Ok(compact(&controller)?)
-    }
-
     /// The compaction frontiers of a replica's collections: of each input
     /// collection (only `input` if given) with a since above 0, and of each
     /// export of a live dataflow reading it (the largest since among the
     /// dataflow's inputs).
-    fn compactions(
+    pub(super) fn compactions(
         &self,
         replica: &Replica,
         input: Option<u64>,
