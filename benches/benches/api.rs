@@ -10,7 +10,7 @@
 //! - `api/write_100_x8/{grpc,core}`: eight WriteInputs of 100 rows at once,
 //!   each to a collection of its own, until all eight are acknowledged
 //!   (the environment stores concurrent writes in one catalog transaction:
-//!   group commit), in writes per second;
+//!   group commit), in rows per second;
 //! - `api/ingest_10k/{grpc,core,differential}`: WriteInputs of 10,000 rows
 //!   back to back, until the replica applied them all (a peek of a small
 //!   second export at the last batch's time answers), in rows per second;
@@ -308,7 +308,8 @@ fn api(c: &mut Criterion) {
             })
         })
     });
-    group.throughput(Throughput::Elements(CONCURRENT));
+    // In rows, as the report reads every throughput.
+    group.throughput(Throughput::Elements(CONCURRENT * 100));
     group.bench_function("write_100_x8/grpc", |b| {
         b.iter_custom(|iters| {
             rt.block_on(async {
