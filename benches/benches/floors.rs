@@ -93,12 +93,18 @@ async fn write_frame(s: &mut TcpStream, payload: &[u8]) {
     s.write_all(&frame).await.expect("write a frame");
 }
 
-/// An echo server on its own thread: answers every frame with a frame of
-/// `answer` bytes. Returns its address.
-fn echo_server(answer: usize) -> std::net::SocketAddr {
+/// A non-blocking listener on a free loopback port, and its address.
+fn loopback_listener() -> (std::net::TcpListener, std::net::SocketAddr) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
     listener.set_nonblocking(true).expect("nonblocking");
+    (listener, addr)
+}
+
+/// An echo server on its own thread: answers every frame with a frame of
+/// `answer` bytes. Returns its address.
+fn echo_server(answer: usize) -> std::net::SocketAddr {
+    let (listener, addr) = loopback_listener();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -130,9 +136,7 @@ fn echo_server(answer: usize) -> std::net::SocketAddr {
 /// its address.
 fn handoff_server(workers: usize, answer: usize) -> std::net::SocketAddr {
     use std::sync::mpsc as std_mpsc;
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    listener.set_nonblocking(true).expect("nonblocking");
+    let (listener, addr) = loopback_listener();
     let (answers_tx, mut answers) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
     let mut senders = Vec::new();
     let mut threads = Vec::new();

@@ -6,7 +6,6 @@
 //! nothing that was never sent (the acknowledgment contract: a write is
 //! answered only after the transaction that stored it committed).
 
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,10 +14,8 @@ mod common;
 
 use common::{cli_ok, shape, start, u};
 use lockstep_chaos::environment::Sandbox;
-use lockstep_chaos::environment::{Bearer, Client};
 use lockstep_environment::compute::ComputeError;
 use lockstep_environment::proto;
-use lockstep_environment::proto::environment_client::EnvironmentClient;
 
 /// Every bounded wait of this test.
 const WAIT: Duration = Duration::from_secs(90);
@@ -110,23 +107,12 @@ async fn concurrent_writes_share_commits_and_each_gets_its_own_answer() {
 }
 
 /// One writer: writes row `(t, c)` at time `t` (upper `t + 1`) to input
-/// `c` of replica r, counting its acknowledged writes in `acked`, until
-/// a write fails (the environment was killed) or `stop` is set.
-async fn writer(mut api: Client, c: u64, acked: Arc<AtomicU64>, sent: Arc<AtomicU64>) {
+/// `c` of replica r, counting its sent and acknowledged writes, until a
+/// write fails (the environment was killed).
+async fn writer(mut api: common::Client, c: u64, acked: Arc<AtomicU64>, sent: Arc<AtomicU64>) {
     for t in 0.. {
         sent.store(t + 1, SeqCst);
-        let answer = api
-            .write_input(proto::WriteInputRequest {
-                replica: "r".into(),
-                collection_id: c,
-                updates: vec![lockstep_protocol::proto::Update::from(u(
-                    &[t as i64, c as i64],
-                    t,
-                    1,
-                ))],
-                upper: t + 1,
-            })
-            .await;
+        let answer = api.write_input(write_request(c, t, t + 1)).await;
         if answer.is_err() {
             return;
         }
@@ -134,16 +120,18 @@ async fn writer(mut api: Client, c: u64, acked: Arc<AtomicU64>, sent: Arc<Atomic
     }
 }
 
-async fn api(url: &str, state: &Path) -> Client {
-    let token = std::fs::read_to_string(state.join("api.token")).unwrap();
-    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
-        .unwrap()
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(WAIT)
-        .connect()
-        .await
-        .unwrap();
-    EnvironmentClient::with_interceptor(channel, Bearer::new(Some(token.trim())).unwrap())
+/// Row `(t, c)` at time `t` to input `c` of replica r, with upper `upper`.
+fn write_request(c: u64, t: u64, upper: u64) -> proto::WriteInputRequest {
+    proto::WriteInputRequest {
+        replica: "r".into(),
+        collection_id: c,
+        updates: vec![lockstep_protocol::proto::Update::from(u(
+            &[t as i64, c as i64],
+            t,
+            1,
+        ))],
+        upper,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -151,12 +139,7 @@ async fn acknowledged_concurrent_writes_survive_a_sigkill_of_the_environment() {
     let policy = common::built_policy("barrier");
     let sandbox = Sandbox::new().unwrap();
     let state = sandbox.path();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("http://127.0.0.1:{port}");
+    let (port, url) = common::free_port_url();
     let mut first = common::serve_on(state, port, &policy).await;
     cli_ok(
         state,
@@ -183,7 +166,7 @@ async fn acknowledged_concurrent_writes_survive_a_sigkill_of_the_environment() {
     let mut writers = Vec::new();
     for c in 1..=WRITERS {
         let i = (c - 1) as usize;
-        let api = api(&url, state).await;
+        let api = common::client(&url, state, WAIT).await;
         writers.push(tokio::spawn(writer(
             api,
             c,
@@ -209,7 +192,7 @@ async fn acknowledged_concurrent_writes_survive_a_sigkill_of_the_environment() {
             .unwrap();
     }
     let _second = common::serve_on(state, port, &policy).await;
-    let mut api = api(&url, state).await;
+    let mut api = common::client(&url, state, WAIT).await;
     for c in 1..=WRITERS {
         let i = (c - 1) as usize;
         let (acked, sent) = (acked[i].load(SeqCst), sent[i].load(SeqCst));
@@ -248,18 +231,7 @@ async fn acknowledged_concurrent_writes_survive_a_sigkill_of_the_environment() {
         // write's if it was stored before the kill: a write at `acked`
         // (the first never acknowledged) goes through or is refused as
         // below the upper, never lost halfway.
-        let next = api
-            .write_input(proto::WriteInputRequest {
-                replica: "r".into(),
-                collection_id: c,
-                updates: vec![lockstep_protocol::proto::Update::from(u(
-                    &[acked as i64, c as i64],
-                    sent,
-                    1,
-                ))],
-                upper: sent + 1,
-            })
-            .await;
+        let next = api.write_input(write_request(c, sent, sent + 1)).await;
         assert!(
             next.is_ok(),
             "collection {c}: a write after the restart: {next:?}"

@@ -52,12 +52,7 @@ async fn resume_under(strategy: &str) {
     let policy = common::built_policy(strategy);
     let sandbox = Sandbox::new().unwrap();
     let state = sandbox.path();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("http://127.0.0.1:{port}");
+    let (port, url) = common::free_port_url();
     let mut first = common::serve_on(state, port, &policy).await;
     common::cli_ok(
         state,

@@ -305,6 +305,18 @@ pub fn first_plan(desc: &lockstep_protocol::DataflowDescription) -> lockstep_pla
 /// Every bounded wait of [`serve_on`] and [`cli_ok`].
 pub const SERVE_WAIT: Duration = Duration::from_secs(90);
 
+/// A loopback port free now and the API URL on it, for [`serve_on`] (a
+/// restarted `lockstep serve` takes the same port, so clients keep their
+/// URL).
+pub fn free_port_url() -> (u16, String) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    (port, format!("http://127.0.0.1:{port}"))
+}
+
 /// `lockstep serve` on `state` listening on `port` (give the same one to a
 /// restarted environment for clients to find it again), with `policy`,
 /// running [`replica_binary`]; waits (bounded) until it serves.
