@@ -212,7 +212,8 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
 /// failpoints, the shipped distribution policies if missing, and a `naive`
 /// policy for the negative control; runs the variants (default:
 /// broadcast barrier log log@postgres, log@hosts where simulated hosts can
-/// be made, and naive).
+/// be made, naive, and barrier+no-holds: compaction that ignores read
+/// holds, I5's negative control).
 fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
     build_with_environment("lockstep-chaos-campaign")?;
     let shipped = crate::policies::out_dir();
@@ -230,6 +231,7 @@ fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
         defaults.push("log@hosts".into());
     }
     defaults.push("naive".into());
+    defaults.push("barrier+no-holds".into());
     let strategies = if strategies.is_empty() {
         &defaults[..]
     } else {

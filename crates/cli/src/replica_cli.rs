@@ -84,7 +84,9 @@ pub(crate) enum ReplicaCommand {
     ///
     /// `-o json`: `{"replicas": [{"id", "name", "processes",
     /// "workers_per_process", "config", "service" (null: none yet),
-    /// "service_epoch", "process_status": [{"index", "pid" (null: none, a
+    /// "service_epoch", "read_holds", "read_hold_span" (open read holds on
+    /// its inputs, and the timestamps by which they keep a since back),
+    /// "process_status": [{"index", "pid" (null: none, a
     /// pod), "running", "restarts", "addresses": {NAME: "HOST:PORT"},
     /// "metrics_url",
     /// "frontier_lag", "protocol_version", "build_version" (null: not
@@ -163,6 +165,8 @@ pub(crate) async fn status_summary(server: ServerArg, output: OutputArg) -> anyh
                     "running": running(r),
                     "restarts": restarts(r),
                     "frontier_lag": r.process_status.iter().map(|p| p.frontier_lag).collect::<Vec<_>>(),
+                    "read_holds": r.read_holds,
+                    "read_hold_span": r.read_hold_span,
                     "serving": serving,
                 })
             })
@@ -197,6 +201,7 @@ pub(crate) async fn status_summary(server: ServerArg, output: OutputArg) -> anyh
         ("RUNNING", Align::Right),
         ("RESTARTS", Align::Right),
         ("LAG", Align::Right),
+        ("HOLDS", Align::Right),
         ("SERVING", Align::Left),
     ]);
     for (r, serving) in &rows {
@@ -221,6 +226,11 @@ pub(crate) async fn status_summary(server: ServerArg, output: OutputArg) -> anyh
             format!("{}/{}", running(r), r.processes),
             restarts(r).to_string(),
             lag,
+            // Open read holds, and the span they keep a since back.
+            match r.read_holds {
+                0 => "0".to_string(),
+                n => format!("{n} ({} behind)", r.read_hold_span),
+            },
             serving,
         ]);
     }
@@ -494,6 +504,8 @@ pub(crate) fn replica_json(r: &proto::Replica) -> serde_json::Value {
         "config": r.config,
         "service": (!r.service.is_empty()).then_some(&r.service),
         "service_epoch": r.service_epoch,
+        "read_holds": r.read_holds,
+        "read_hold_span": r.read_hold_span,
         "process_status": processes,
     })
 }

@@ -61,6 +61,13 @@ pub(crate) struct ServeArgs {
     /// every distinct (row, time) written.
     #[arg(long)]
     compaction_lag: Option<u64>,
+    /// How far, in timestamps, a read (an open subscription, a peek in
+    /// flight) may hold an input collection's since behind its upper. The
+    /// since follows --compaction-lag only as far as the oldest read needs;
+    /// a read held back further than this ends with OUT_OF_RANGE, so that
+    /// a stuck reader cannot make storage grow without bound.
+    #[arg(long, default_value_t = lockstep_environment::DEFAULT_READ_HOLD_LIMIT)]
+    read_hold_limit: u64,
     /// A file holding the token every API call must carry
     /// (`authorization: Bearer TOKEN`; at least 16 characters; the file's
     /// first line). Also read from LOCKSTEP_API_TOKEN. Without either, the
@@ -377,6 +384,7 @@ async fn start_environment(
         distribution_policy: args.distribution_policy.clone(),
         max_frame_len: args.max_frame_len,
         compaction_lag: args.compaction_lag,
+        read_hold_limit: args.read_hold_limit,
         api_token: token,
         allow_naive: args.experiments_allow_naive,
         store: args.store.clone(),

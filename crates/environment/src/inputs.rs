@@ -19,8 +19,22 @@
 //! below the since are refused. Without a lag every time is kept (the since
 //! stays 0), and a collection whose rows are inserted and later retracted
 //! keeps both updates.
+//!
+//! **Read holds (I5).** A read that needs times of a collection (an open
+//! subscription at its last emitted upper, a peek in flight at its time)
+//! holds the collection's since at or below that time: the since follows
+//! the lag only as far as the lowest hold. A restarted replica, rebuilt
+//! from the stored (compacted) writes, can then continue the read exactly.
+//! A hold the lag would pass by more than the hold limit (`lockstep serve
+//! --read-hold-limit`, in times behind the upper) is broken: the since moves
+//! on and the holder learns why (its read ends with OUT_OF_RANGE), so that
+//! a stuck reader cannot make the stored writes grow without bound (G1).
+//! A hold that advances or is released lets the since catch up at the
+//! collection's next write.
 
 use std::collections::BTreeMap;
+
+use tokio::sync::watch;
 
 use lockstep_protocol::history::InputLog;
 use lockstep_protocol::{Timestamp, Update, WriteInput};
@@ -97,12 +111,50 @@ pub enum WriteRefused {
     },
 }
 
+/// The default of how far (in times) a read hold may keep a collection's
+/// since behind its upper before it is broken.
+pub const DEFAULT_READ_HOLD_LIMIT: u64 = 100_000;
+
+/// One read hold: the collections of a replica whose since stays at or
+/// below `at`, and where the holder learns that it was broken.
+#[derive(Debug)]
+struct Hold {
+    replica_id: u64,
+    collections: Vec<u64>,
+    at: Timestamp,
+    broken: watch::Sender<Option<String>>,
+}
+
 /// Per replica, per input collection: what the catalog stores.
 #[derive(Debug, Default)]
 pub(crate) struct Inputs {
     by_replica: BTreeMap<u64, BTreeMap<u64, StoredInput>>,
     /// How far a collection's since stays behind its upper (`None`: at 0).
     lag: Option<u64>,
+    /// The read holds, by ID.
+    holds: BTreeMap<u64, Hold>,
+    next_hold: u64,
+    /// How far a hold may keep a since behind its upper (`None`:
+    /// [`DEFAULT_READ_HOLD_LIMIT`]).
+    hold_limit: Option<u64>,
+}
+
+/// A read hold taken: its ID, and where the holder learns (`Some(why)`)
+/// that the hold was broken.
+#[derive(Debug)]
+pub(crate) struct Held {
+    pub(crate) id: u64,
+    pub(crate) broken: watch::Receiver<Option<String>>,
+}
+
+/// What the read holds of a replica keep back, for `status` and the metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct HoldsReport {
+    /// Open read holds.
+    pub holds: usize,
+    /// The largest span (in times) by which a hold keeps a collection's
+    /// since behind where the lag alone would put it.
+    pub held_span: u64,
 }
 
 /// What recording a write changed.
@@ -150,6 +202,97 @@ impl Inputs {
             s.consolidate();
             s.snapshot_updates = s.log.updates().len();
         }
+    }
+
+    /// Sets how far (in times) a read hold may keep a since behind its
+    /// upper before it is broken.
+    pub(crate) fn set_hold_limit(&mut self, limit: u64) {
+        self.hold_limit = Some(limit);
+    }
+
+    /// Holds the since of `collections` of a replica at or below `at`, or
+    /// says (the collection and its since) why it cannot: a since already
+    /// past `at`.
+    pub(crate) fn hold(
+        &mut self,
+        replica_id: u64,
+        collections: &[u64],
+        at: Timestamp,
+    ) -> Result<Held, (u64, Timestamp)> {
+        if let Some((c, since)) = collections
+            .iter()
+            .map(|c| (*c, self.since(replica_id, *c)))
+            .find(|(_, since)| at < *since)
+        {
+            return Err((c, since));
+        }
+        let id = self.next_hold;
+        self.next_hold += 1;
+        let (broken, rx) = watch::channel(None);
+        self.holds.insert(
+            id,
+            Hold {
+                replica_id,
+                collections: collections.to_vec(),
+                at,
+                broken,
+            },
+        );
+        Ok(Held { id, broken: rx })
+    }
+
+    /// Moves a hold forward to `at` (never back); the since catches up at
+    /// the next write.
+    pub(crate) fn advance_hold(&mut self, id: u64, at: Timestamp) {
+        if let Some(h) = self.holds.get_mut(&id) {
+            h.at = h.at.max(at);
+        }
+    }
+
+    /// Releases a hold (nothing if it was broken or released before).
+    pub(crate) fn release(&mut self, id: u64) {
+        self.holds.remove(&id);
+    }
+
+    /// What the read holds of `replica_id` keep back.
+    pub(crate) fn holds_of(&self, replica_id: u64) -> HoldsReport {
+        let mut report = HoldsReport::default();
+        for h in self.holds.values().filter(|h| h.replica_id == replica_id) {
+            report.holds += 1;
+            for c in &h.collections {
+                let target = since_for(self.upper(replica_id, *c), self.lag);
+                report.held_span = report.held_span.max(target.saturating_sub(h.at));
+            }
+        }
+        report
+    }
+
+    /// The since of a collection at upper `upper` under the lag and the
+    /// read holds on it: holds the lag passes by more than the limit are
+    /// broken (and removed) first.
+    fn held_since(&mut self, replica_id: u64, collection_id: u64, upper: Timestamp) -> Timestamp {
+        let target = since_for(upper, self.lag);
+        // The seeded campaign's negative control: compaction ignores holds.
+        fail::fail_point!("read_holds_off", |_| target);
+        let limit = self.hold_limit.unwrap_or(DEFAULT_READ_HOLD_LIMIT);
+        let mut since = target;
+        self.holds.retain(|_, h| {
+            if h.replica_id != replica_id || !h.collections.contains(&collection_id) || h.at >= target
+            {
+                return true;
+            }
+            if upper.saturating_sub(h.at) > limit {
+                let why = format!(
+                    "the read hold at time {} on input collection {collection_id} fell more than {limit} times behind its upper {upper} (the read hold limit, lockstep serve --read-hold-limit); the collection is compacted past it",
+                    h.at
+                );
+                h.broken.send_replace(Some(why));
+                return false;
+            }
+            since = since.min(h.at);
+            true
+        });
+        since
     }
 
     /// The since of a collection (0 if never written).
@@ -236,13 +379,14 @@ impl Inputs {
         updates: Vec<Update>,
         upper: Timestamp,
     ) -> Recorded {
-        let lag = self.lag;
         let s = self.entry(replica_id, collection_id);
         s.catalog_updates += updates.len();
         s.magnitude += magnitude(&updates);
         s.log.append(updates, upper, true);
+        let upper = s.log.upper();
+        let since = self.held_since(replica_id, collection_id, upper);
+        let s = self.entry(replica_id, collection_id);
         let mut recorded = Recorded::default();
-        let since = since_for(s.log.upper(), lag);
         if since > s.since {
             s.since = since;
             recorded.since = Some(since);
@@ -289,6 +433,14 @@ impl Inputs {
     /// Forgets a dropped replica's inputs.
     pub(crate) fn drop_replica(&mut self, replica_id: u64) {
         self.by_replica.remove(&replica_id);
+        self.holds.retain(|_, h| {
+            if h.replica_id != replica_id {
+                return true;
+            }
+            h.broken
+                .send_replace(Some("the replica was dropped".to_string()));
+            false
+        });
     }
 }
 
@@ -429,5 +581,82 @@ mod tests {
         let snapshot = inputs.writes_of(1).remove(0);
         let live: i64 = snapshot.updates.iter().map(|u| u.diff).sum();
         assert_eq!(live, 400, "the last four batches are live");
+    }
+
+    #[test]
+    fn a_read_hold_keeps_the_since_at_or_below_it_until_released() {
+        let mut inputs = Inputs {
+            lag: Some(4),
+            ..Inputs::default()
+        };
+        for t in 0..10u64 {
+            inputs.record(1, 7, vec![up(t as i64, t, 1)], t + 1);
+        }
+        assert_eq!(inputs.since(1, 7), 6);
+        // Below the since: refused, naming the collection and its since.
+        assert_eq!(inputs.hold(1, &[7], 5).unwrap_err(), (7, 6));
+        let held = inputs.hold(1, &[7, 8], 6).unwrap();
+        for t in 10..50u64 {
+            inputs.record(1, 7, vec![up(t as i64, t, 1)], t + 1);
+        }
+        assert_eq!(inputs.since(1, 7), 6, "held");
+        assert_eq!(
+            inputs.holds_of(1),
+            HoldsReport {
+                holds: 1,
+                held_span: 46 - 6
+            }
+        );
+        assert_eq!(inputs.holds_of(2), HoldsReport::default());
+        inputs.advance_hold(held.id, 30);
+        inputs.advance_hold(held.id, 20); // never back
+        inputs.record(1, 7, vec![], 51);
+        assert_eq!(inputs.since(1, 7), 30);
+        inputs.release(held.id);
+        inputs.record(1, 7, vec![], 52);
+        assert_eq!(inputs.since(1, 7), since_for(52, Some(4)));
+        assert_eq!(inputs.holds_of(1), HoldsReport::default());
+        assert!(held.broken.borrow().is_none(), "released, not broken");
+    }
+
+    #[test]
+    fn a_hold_the_lag_passes_by_more_than_the_limit_is_broken_saying_why() {
+        let mut inputs = Inputs {
+            lag: Some(4),
+            ..Inputs::default()
+        };
+        inputs.set_hold_limit(100);
+        let held = inputs.hold(1, &[7], 0).unwrap();
+        let other = inputs.hold(1, &[8], 0).unwrap();
+        for t in 0..100u64 {
+            inputs.record(1, 7, vec![up(t as i64, t, 1)], t + 1);
+        }
+        assert_eq!(inputs.since(1, 7), 0, "at the limit: still held");
+        assert!(held.broken.borrow().is_none());
+        inputs.record(1, 7, vec![], 101);
+        let why = held.broken.borrow().clone().expect("broken");
+        assert!(why.contains("more than 100 times behind"), "{why}");
+        assert_eq!(inputs.since(1, 7), since_for(101, Some(4)));
+        // The hold on another collection is untouched; dropping the
+        // replica breaks it.
+        assert!(other.broken.borrow().is_none());
+        inputs.drop_replica(1);
+        assert_eq!(
+            other.broken.borrow().as_deref(),
+            Some("the replica was dropped")
+        );
+        assert_eq!(inputs.holds_of(1), HoldsReport::default());
+    }
+
+    #[test]
+    fn without_a_lag_holds_hold_nothing_back_and_never_break() {
+        let mut inputs = Inputs::default();
+        inputs.set_hold_limit(1);
+        let held = inputs.hold(1, &[7], 0).unwrap();
+        for t in 0..10u64 {
+            inputs.record(1, 7, vec![up(t as i64, t, 1)], t + 1);
+        }
+        assert!(held.broken.borrow().is_none());
+        assert_eq!(inputs.holds_of(1).held_span, 0);
     }
 }

@@ -104,6 +104,7 @@ use tokio::sync::watch;
 pub use compute::REPLICA_RESTART_INTERVAL;
 pub use lockstep_launch::ServiceTemplate;
 pub use upgrade::{AnsweredUpgrade, CATCH_UP_BOUND};
+pub use inputs::{HoldsReport, DEFAULT_READ_HOLD_LIMIT};
 
 /// Concurrent streams (and calls) one API connection may have open.
 pub const API_MAX_STREAMS: u32 = 256;
@@ -221,6 +222,10 @@ pub struct EnvironmentConfig {
     /// upper; below it, updates are compacted and reads are refused. `None`
     /// keeps every time (see `inputs.rs`).
     pub compaction_lag: Option<u64>,
+    /// How far (in times) a read hold (an open subscription, a peek in
+    /// flight) may keep an input collection's since behind its upper
+    /// before it is broken and its read ends with OUT_OF_RANGE.
+    pub read_hold_limit: u64,
     /// The token every API call must carry (`None`: none is asked, which
     /// `lockstep serve` allows only on a loopback address).
     pub api_token: Option<String>,
@@ -259,6 +264,7 @@ impl EnvironmentConfig {
             distribution_policy: None,
             max_frame_len: lockstep_protocol::DEFAULT_MAX_FRAME_LEN,
             compaction_lag: None,
+            read_hold_limit: inputs::DEFAULT_READ_HOLD_LIMIT,
             api_token: None,
             allow_naive: false,
             store: None,
@@ -277,6 +283,7 @@ impl std::fmt::Debug for EnvironmentConfig {
             .field("distribution_policy", &self.distribution_policy)
             .field("max_frame_len", &self.max_frame_len)
             .field("compaction_lag", &self.compaction_lag)
+            .field("read_hold_limit", &self.read_hold_limit)
             .field("api_token", &self.api_token.as_ref().map(|_| "(set)"))
             .field("allow_naive", &self.allow_naive)
             .field(
@@ -423,7 +430,7 @@ pub struct Environment {
     /// input writes are moved to `inputs` on load).
     view: Arc<Mutex<CatalogState>>,
     /// What the catalog stores of every input collection, consolidated.
-    inputs: Mutex<inputs::Inputs>,
+    inputs: Arc<Mutex<inputs::Inputs>>,
     /// The view's dataflow descriptions, decoded (kept in step with the
     /// view by `dataflows_of`).
     decoded: Mutex<BTreeMap<u64, Arc<lockstep_protocol::DataflowDescription>>>,

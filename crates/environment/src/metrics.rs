@@ -85,6 +85,12 @@ pub struct Metrics {
     pub stored_updates: Family<ReplicaLabel, Gauge>,
     /// Live dataflows of the replica.
     pub dataflows: Family<ReplicaLabel, Gauge>,
+    /// Open read holds (subscriptions, peeks in flight) on the replica's
+    /// inputs.
+    pub read_holds: Family<ReplicaLabel, Gauge>,
+    /// The largest span (timestamps) by which a read hold keeps one of the
+    /// replica's input collections' since behind the compaction lag's.
+    pub read_hold_span: Family<ReplicaLabel, Gauge>,
     /// Per process, how many timestamps its slowest export is behind the
     /// writes to its inputs ([`lockstep_controller::Controller::process_lags`]);
     /// absent while the process has not reported every export.
@@ -120,6 +126,8 @@ impl Metrics {
         let serving = Family::<ReplicaLabel, Gauge>::default();
         let stored_updates = Family::<ReplicaLabel, Gauge>::default();
         let dataflows = Family::<ReplicaLabel, Gauge>::default();
+        let read_holds = Family::<ReplicaLabel, Gauge>::default();
+        let read_hold_span = Family::<ReplicaLabel, Gauge>::default();
         let frontier_lag = Family::<ProcessLabels, Gauge>::default();
         let epoch = Gauge::default();
         let input_commits = Counter::default();
@@ -167,6 +175,16 @@ impl Metrics {
         );
         registry.register("dataflows", "Live dataflows", dataflows.clone());
         registry.register(
+            "read_holds",
+            "Open read holds (subscriptions, peeks in flight) on the replica's inputs",
+            read_holds.clone(),
+        );
+        registry.register(
+            "read_hold_span",
+            "Timestamps by which a read hold keeps an input's since behind the compaction lag's",
+            read_hold_span.clone(),
+        );
+        registry.register(
             "process_frontier_lag",
             "Timestamps the process's slowest export is behind the writes to its inputs",
             frontier_lag.clone(),
@@ -197,6 +215,8 @@ impl Metrics {
             serving,
             stored_updates,
             dataflows,
+            read_holds,
+            read_hold_span,
             frontier_lag,
             epoch,
             input_commits,

@@ -228,6 +228,11 @@ fn reflection() -> tonic_reflection::server::Builder<'static> {
 }
 
 impl Environment {
+    /// What the read holds on replica `replica_id`'s inputs keep back.
+    pub fn read_holds(&self, replica_id: u64) -> crate::HoldsReport {
+        self.inputs.lock().expect("poisoned").holds_of(replica_id)
+    }
+
     /// The controller of the replica named `name`, if one runs.
     pub fn replica_controller(&self, name: &str) -> Option<lockstep_controller::Controller> {
         let id = self
@@ -316,6 +321,15 @@ impl Environment {
                     .stored_updates
                     .get_or_create(&label)
                     .set(self.inputs.lock().expect("poisoned").stored_updates(r.id) as i64);
+                let holds = self.read_holds(r.id);
+                metrics
+                    .read_holds
+                    .get_or_create(&label)
+                    .set(holds.holds as i64);
+                metrics
+                    .read_hold_span
+                    .get_or_create(&label)
+                    .set(i64::try_from(holds.held_span).unwrap_or(i64::MAX));
                 let dataflows = self
                     .view
                     .lock()

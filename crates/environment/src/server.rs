@@ -173,6 +173,9 @@ pub fn to_proto(info: &ReplicaInfo) -> proto::Replica {
             .map(|s| s.name.clone())
             .unwrap_or_default(),
         service_epoch: info.service.as_ref().map(|s| s.epoch).unwrap_or_default(),
+        // Filled in by `list_replicas`, which asks the environment.
+        read_holds: 0,
+        read_hold_span: 0,
         process_status: info
             .service
             .iter()
@@ -277,6 +280,9 @@ impl EnvironmentApi for EnvironmentService {
                 paginate(list, r.page_size, &r.page_token, |i| i.replica.id)?;
             let mut replicas: Vec<proto::Replica> = page.iter().map(to_proto).collect();
             for r in &mut replicas {
+                let holds = self.env.read_holds(r.id);
+                r.read_holds = holds.holds as u32;
+                r.read_hold_span = holds.held_span;
                 let Some(c) = self.env.replica_controller(&r.name) else {
                     continue;
                 };

@@ -93,6 +93,10 @@ impl Environment {
             .lock()
             .expect("poisoned")
             .set_lag(config.compaction_lag);
+        env.inputs
+            .lock()
+            .expect("poisoned")
+            .set_hold_limit(config.read_hold_limit);
         let mut env = env;
         env.policies_dir = Some(config.state_dir.join("policies"));
         env.restore_policies()
@@ -144,7 +148,7 @@ impl Environment {
         Ok(Environment {
             catalog: Arc::new(Mutex::new(catalog)),
             view: Arc::new(Mutex::new(view)),
-            inputs: Mutex::new(inputs),
+            inputs: Arc::new(Mutex::new(inputs)),
             decoded: Mutex::new(BTreeMap::new()),
             orchestrator,
             policy: Mutex::new(orphan_policy),

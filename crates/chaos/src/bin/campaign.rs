@@ -60,12 +60,21 @@
 //! the next connection's history check reports (I1), or a dataflow built on
 //! some workers only, which never answers (I2).
 //!
+//! Every seed runs under a compaction lag drawn from none, 1, 2, 4 and 16
+//! (`model::compaction_lag`), with a subscription following each input
+//! through every fault (`follow.rs`), checked at every upper it reported.
+//! The negative control `STRATEGY+no-holds` compacts ignoring the read
+//! holds (failpoint `read_holds_off`): a replica rebuilt after a fault
+//! continues a following subscription from inputs compacted past it, which
+//! the check finds as a change missed or delivered twice (I3, I5).
+//!
 //! Usage: `lockstep-chaos-campaign [--seeds A..B | --seed S] [--steps N]
-//! [--strategy X[@postgres|@hosts] ...] [--keep I,J,...] [--shrink]`
+//! [--strategy X[@postgres|@hosts][+no-holds] ...] [--keep I,J,...] [--shrink]`
 //! (default, the quick set `cargo xtask test` runs: seeds [`QUICK_SEEDS`] ×
 //! [`QUICK_STEPS`] operations and the shrunk [`REGRESSIONS`] for broadcast
 //! barrier log, seeds [`QUICK_PLACE_SEEDS`] for the `@postgres` and `@hosts`
-//! variants, and seeds [`QUICK_NAIVE_SEEDS`] for naive). Prints one line per seed,
+//! variants, seeds [`QUICK_NAIVE_SEEDS`] for naive and
+//! [`QUICK_NO_HOLDS_SEEDS`] for `+no-holds`). Prints one line per seed,
 //! the replay command of a failing one, then the reporting contract's JSON
 //! line per strategy (suite `campaign`). Exits non-zero if a strategy that
 //! must pass had a violation, any seed had a harness error, or `naive` (the
@@ -89,6 +98,8 @@ use tonic::transport::Channel;
 mod check;
 #[path = "campaign/env.rs"]
 mod env;
+#[path = "campaign/follow.rs"]
+mod follow;
 #[path = "campaign/model.rs"]
 mod model;
 #[path = "campaign/ops.rs"]
@@ -144,6 +155,11 @@ struct Run {
     /// History mismatches in installed sets alone (see
     /// [`Run::workers_agreed`]), for the seed's line.
     partial_drops: usize,
+    /// The failpoints of every environment the seed starts (a negative
+    /// control's).
+    failpoints: Option<&'static str>,
+    /// The subscriptions that follow each input through the whole seed.
+    follows: Vec<follow::Follow>,
 }
 
 /// Runs one seed with `keep` (indices of the operations to run; all if
@@ -349,6 +365,11 @@ const QUICK_PLACE_SEEDS: [u64; 3] = [1, 2, 103];
 /// 9 and 10 of 1–20 in two full runs, 9 of 1–14 in one).
 const QUICK_NAIVE_SEEDS: std::ops::RangeInclusive<u64> = 1..=10;
 
+/// The quick set's seeds for the negative control of read holds
+/// (`+no-holds`): a seed catches it when a following subscription stalls
+/// behind a fault while writes pass the lag, and the replica is rebuilt.
+const QUICK_NO_HOLDS_SEEDS: std::ops::RangeInclusive<u64> = 1..=4;
+
 /// The quick set's operations per seed.
 const QUICK_STEPS: usize = 60;
 
@@ -439,7 +460,7 @@ fn main() {
     let mut missing: Vec<PathBuf> =
         vec![lockstep_binary(), target_debug().join("lockstep-replica")];
     missing.extend(STRATEGIES.iter().map(|s| policy_file(s)));
-    if args.strategies.iter().any(Variant::negative) {
+    if args.strategies.iter().any(|v| v.strategy == "naive") {
         missing.push(policy_file("naive"));
     }
     missing.retain(|p| !p.exists());
@@ -479,7 +500,9 @@ fn main() {
     for strategy in &args.strategies {
         let negative = strategy.negative();
         let mut tally = Tally::default();
-        let seeds: Vec<u64> = if args.regressions && negative {
+        let seeds: Vec<u64> = if args.regressions && strategy.holds_off {
+            QUICK_NO_HOLDS_SEEDS.collect()
+        } else if args.regressions && negative {
             QUICK_NAIVE_SEEDS.collect()
         } else if args.regressions && strategy.place != Place::Embedded {
             QUICK_PLACE_SEEDS.to_vec()

@@ -321,6 +321,16 @@ pub fn free_port_url() -> (u16, String) {
 /// restarted environment for clients to find it again), with `policy`,
 /// running [`replica_binary`]; waits (bounded) until it serves.
 pub async fn serve_on(state: &Path, port: u16, policy: &Path) -> tokio::process::Child {
+    serve_on_with(state, port, policy, &[]).await
+}
+
+/// [`serve_on`] with `extra` arguments to `lockstep serve`.
+pub async fn serve_on_with(
+    state: &Path,
+    port: u16,
+    policy: &Path,
+    extra: &[&str],
+) -> tokio::process::Child {
     let stderr = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -334,6 +344,7 @@ pub async fn serve_on(state: &Path, port: u16, policy: &Path) -> tokio::process:
         .arg(state)
         .arg("--service-binary")
         .arg(replica_binary())
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(stderr)

@@ -444,24 +444,60 @@ impl Environment {
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
         let desc = self.check_exported(&replica, collection_id)?;
-        let since = self.export_since(&replica, &desc);
         if timestamp == Timestamp::MAX {
             return Err(ComputeError::OutOfRange(format!(
                 "no frontier passes time {timestamp}: a peek there could never be answered"
             )));
         }
-        if timestamp < since {
-            return Err(ComputeError::OutOfRange(format!(
-                "collection {collection_id} is compacted to {since}; a peek at {timestamp} is below it"
-            )));
-        }
+        // The peek holds its inputs at its time until it is answered (I5):
+        // a replica restarted meanwhile rebuilds what it reads.
+        let held = self.hold(&replica, &desc, collection_id, timestamp, "a peek at")?;
+        let _release = Release {
+            inputs: self.inputs.clone(),
+            id: held.id,
+        };
         let (reader, _reading) = self.compute.reader(replica.id).ok_or_else(|| {
             ComputeError::Unavailable(format!(
                 "replica {:?} has no running controller yet",
                 replica.name
             ))
         })?;
-        Ok(reader.peek(collection_id, timestamp).await?)
+        let mut broken = held.broken;
+        tokio::select! {
+            answer = reader.peek(collection_id, timestamp) => {
+                // An answer computed after the hold broke may be wrong.
+                let why = broken.borrow().clone();
+                match why {
+                    Some(why) => Err(ComputeError::OutOfRange(format!("peek at {timestamp} on collection {collection_id}: {why}"))),
+                    None => Ok(answer?),
+                }
+            }
+            Ok(()) = broken.changed() => {
+                let why = broken.borrow().clone().unwrap_or_default();
+                Err(ComputeError::OutOfRange(format!("peek at {timestamp} on collection {collection_id}: {why}")))
+            }
+        }
+    }
+
+    /// Holds the inputs of `desc` (exporting `collection_id`) at `at`, or
+    /// says why not: a since already past it.
+    fn hold(
+        &self,
+        replica: &Replica,
+        desc: &DataflowDescription,
+        collection_id: u64,
+        at: Timestamp,
+        what: &str,
+    ) -> Result<crate::inputs::Held, ComputeError> {
+        self.inputs
+            .lock()
+            .expect("poisoned")
+            .hold(replica.id, &desc.inputs, at)
+            .map_err(|(_, since)| {
+                ComputeError::OutOfRange(format!(
+                    "collection {collection_id} is compacted to {since}; {what} {at} is below it"
+                ))
+            })
     }
 
     /// Streams a collection's changes from `as_of`.
@@ -470,19 +506,21 @@ impl Environment {
         replica_name: &str,
         collection_id: u64,
         as_of: Timestamp,
-    ) -> Result<mpsc::Receiver<Result<SubscribeBatch, ControllerError>>, ComputeError> {
+    ) -> Result<mpsc::Receiver<Result<SubscribeBatch, ComputeError>>, ComputeError> {
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
         let desc = self.check_exported(&replica, collection_id)?;
-        let since = self.export_since(&replica, &desc);
-        if as_of < since {
-            return Err(ComputeError::OutOfRange(format!(
-                "collection {collection_id} is compacted to {since}; a subscription as of {as_of} is below it"
-            )));
-        }
-        Ok(self
+        let held = self.hold(&replica, &desc, collection_id, as_of, "a subscription as of")?;
+        let release = Release {
+            inputs: self.inputs.clone(),
+            id: held.id,
+        };
+        let rx = self
             .controller_of(&replica)?
-            .subscribe(collection_id, as_of)?)
+            .subscribe(collection_id, as_of)?;
+        let (tx, out) = mpsc::channel(SUBSCRIBE_RELAY_BATCHES);
+        tokio::spawn(relay_held(rx, tx, held.broken, release, as_of));
+        Ok(out)
     }
 
     /// Fails with [`ComputeError::NoSuchCollection`] unless a live dataflow
@@ -506,5 +544,83 @@ impl Environment {
             replica: replica.name.clone(),
             collection: collection_id,
         })
+    }
+}
+
+/// Batches a subscription's relay holds between its controller and its
+/// client (the controller's own channel bounds what a slow client costs).
+const SUBSCRIBE_RELAY_BATCHES: usize = 4;
+
+/// Releases a read hold when dropped (the read ended, or its client went
+/// away).
+struct Release {
+    inputs: Arc<Mutex<crate::inputs::Inputs>>,
+    id: u64,
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        self.inputs.lock().expect("poisoned").release(self.id);
+    }
+}
+
+/// Passes a subscription's batches to its client, moving its read hold to
+/// the last time every update of which was passed (the upper - 1: a replica
+/// rebuilt from inputs compacted to there continues the stream exactly);
+/// ends it with OUT_OF_RANGE, passing nothing more, once the hold is broken.
+/// The hold is released when the stream ends or the client goes away.
+async fn relay_held(
+    mut rx: mpsc::Receiver<Result<SubscribeBatch, ControllerError>>,
+    tx: mpsc::Sender<Result<SubscribeBatch, ComputeError>>,
+    mut broken: watch::Receiver<Option<String>>,
+    release: Release,
+    as_of: Timestamp,
+) {
+    let out_of_range = |why: String| {
+        ComputeError::OutOfRange(format!(
+            "the subscription ended: {why}; everything before it was exact"
+        ))
+    };
+    loop {
+        tokio::select! {
+            biased;
+            Ok(()) = broken.changed() => {
+                let why = broken.borrow().clone();
+                if let Some(why) = why {
+                    let _ = tx.send(Err(out_of_range(why))).await;
+                    return;
+                }
+            }
+            batch = rx.recv() => {
+                let batch = match batch {
+                    None => return,
+                    Some(Err(e)) => {
+                        let _ = tx.send(Err(e.into())).await;
+                        return;
+                    }
+                    Some(Ok(batch)) => batch,
+                };
+                // A batch that arrives after the hold broke may come from a
+                // replica rebuilt past it.
+                let why = broken.borrow().clone();
+                if let Some(why) = why {
+                    let _ = tx.send(Err(out_of_range(why))).await;
+                    return;
+                }
+                let upper = batch.upper;
+                if tx.send(Ok(batch)).await.is_err() {
+                    return;
+                }
+                match upper {
+                    Some(upper) => release
+                        .inputs
+                        .lock()
+                        .expect("poisoned")
+                        .advance_hold(release.id, upper.saturating_sub(1).max(as_of)),
+                    None => return,
+                }
+            }
+            () = tx.closed() => return,
+        }
     }
 }

@@ -126,24 +126,16 @@ impl WorkerState {
             CommandKind::Subscribe(s) => {
                 if let Some(df) = self.collections.get(&s.collection_id) {
                     let export = &self.dataflows[df].exports[&s.collection_id];
-                    if s.as_of < export.since {
-                        self.error(
-                            seqno,
-                            ErrorKind::InvalidCommand,
-                            format!(
-                                "subscribe {} at {} is below collection {}'s compaction frontier {}",
-                                s.subscribe_id, s.as_of, s.collection_id, export.since
-                            ),
-                        );
-                        return;
-                    }
-                    self.subs.insert(
-                        s.subscribe_id,
-                        SubState {
-                            sub: s.clone(),
-                            lower: None,
-                        },
-                    );
+                    // Below the compaction frontier the stream starts at the
+                    // frontier: a subscription the controller continues in a
+                    // new session (it replays it with its first as_of) was
+                    // rebuilt from inputs compacted to at most the last time
+                    // it passed on, which it drops as already sent (the
+                    // environment's read holds, I5). The history keeps the
+                    // command as sent.
+                    let mut sub = s.clone();
+                    sub.as_of = sub.as_of.max(export.since);
+                    self.subs.insert(s.subscribe_id, SubState { sub, lower: None });
                 } else {
                     self.error(
                         seqno,

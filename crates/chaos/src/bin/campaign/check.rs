@@ -90,6 +90,8 @@ impl Run {
                 ));
             }
         }
+        // Every following subscription's stream against the reference.
+        self.check_follows().await?;
         // Exactly the catalog's replica has processes, all alive.
         let listed = self
             .client

@@ -163,6 +163,17 @@ pub fn generate(seed: u64, steps: usize) -> Plan0 {
     }
 }
 
+/// The seed's compaction lag (`lockstep serve --compaction-lag`), drawn
+/// from a stream of its own (so the seed's operations do not change):
+/// none, or a small lag that the writes of a fault's recovery pass. A
+/// negative control of read holds always has one.
+pub fn compaction_lag(seed: u64, holds_off: bool) -> Option<u64> {
+    let mut r = Rng::new(seed ^ 0x5851_f42d_4c95_7f2d);
+    let lags = [None, Some(1), Some(2), Some(4), Some(16)];
+    let from = if holds_off { 1 } else { 0 };
+    lags[r.range(from, lags.len() as u64 - 1) as usize]
+}
+
 /// A variant's own fault (`place_fault`: a store restart, a link cut) in
 /// place of about one operation in 16 of `plan`, drawn from a stream of its
 /// own, so the variants without one run exactly the seed's operations.

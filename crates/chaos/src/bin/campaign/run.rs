@@ -16,7 +16,7 @@ impl Run {
     ) -> Result<Run, Failure> {
         let strategy = variant.strategy.as_str();
         let sandbox = Sandbox::new().map_err(|e| format!("sandbox: {e:#}"))?;
-        let (store, serve_args) = match variant.place {
+        let (store, mut serve_args) = match variant.place {
             Place::Embedded => (None, Vec::new()),
             Place::Postgres => {
                 let store = store
@@ -27,7 +27,17 @@ impl Run {
             }
             Place::Hosts => (None, vec!["--hosts".into(), variant::HOSTS.to_string()]),
         };
-        let env = Env::start(sandbox.path(), variant.negative(), &serve_args, None).await?;
+        let lag = model::compaction_lag(seed, variant.holds_off);
+        if let Some(lag) = lag {
+            serve_args.extend(["--compaction-lag".to_string(), lag.to_string()]);
+        }
+        let env = Env::start(
+            sandbox.path(),
+            strategy == "naive",
+            &serve_args,
+            variant.failpoints(),
+        )
+        .await?;
         let client = env.client().await?;
         let mut run = Run {
             seed,
@@ -45,6 +55,8 @@ impl Run {
             crashed_for: None,
             log_read: 0,
             partial_drops: 0,
+            failpoints: variant.failpoints(),
+            follows: Vec::new(),
         };
         run.set_policy(strategy)
             .await
@@ -59,7 +71,8 @@ impl Run {
             .await
             .map_err(|e| format!("creating the replica: {}", code(&e)))?;
         run.world.log(format!(
-            "setup: replica {processes}x{workers}, policy {strategy}, {variant}"
+            "setup: replica {processes}x{workers}, policy {strategy}, {variant}, compaction lag {}",
+            lag.map_or("none".to_string(), |l| l.to_string())
         ));
         // The identity dataflows, and a first write to every input.
         for k in INPUTS {
@@ -90,6 +103,7 @@ impl Run {
                 .map_err(|e| format!("the first write to {k}: {}", code(&e)))?;
             run.world.record_write(w, Fate::Acked);
         }
+        run.open_follows().await?;
         Ok(run)
     }
 
@@ -196,15 +210,20 @@ impl Run {
     pub(super) async fn restart_env(&mut self, failpoints: Option<&str>) -> Result<(), Failure> {
         self.crashed_for = None;
         self.env.kill().await;
+        let failpoints = match (self.failpoints, failpoints) {
+            (Some(a), Some(b)) => Some(format!("{a};{b}")),
+            (a, b) => a.or(b).map(str::to_string),
+        };
         self.env = Env::start(
             self.sandbox.path(),
             self.strategy == "naive",
             &self.serve_args,
-            failpoints,
+            failpoints.as_deref(),
         )
         .await?;
         self.client = self.env.client().await?;
-        if failpoints.is_none() {
+        self.resume_follows().await?;
+        if failpoints.is_none_or(|f| Some(f.as_str()) == self.failpoints) {
             self.resolve_dataflows().await?;
         }
         Ok(())

@@ -4,7 +4,9 @@
 //! --store`), which [`Op::RestartStore`] restarts under it;
 //! `STRATEGY@hosts` runs the replica's processes on two simulated hosts
 //! (`lockstep serve --hosts 2`: network namespaces, root), whose links
-//! [`Op::CutLink`] cuts.
+//! [`Op::CutLink`] cuts. `STRATEGY+no-holds` is a negative control:
+//! the environment compacts its inputs ignoring read holds (failpoint
+//! `read_holds_off`), under a compaction lag drawn from the small ones.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,6 +25,8 @@ pub(super) struct Variant {
     pub(super) strategy: String,
     /// Where the environment runs.
     pub(super) place: Place,
+    /// The negative control of read holds (I5): compaction ignores them.
+    pub(super) holds_off: bool,
 }
 
 /// Where a variant's environment runs.
@@ -43,13 +47,21 @@ impl std::fmt::Display for Variant {
             Place::Embedded => Ok(()),
             Place::Postgres => f.write_str("@postgres"),
             Place::Hosts => f.write_str("@hosts"),
+        }?;
+        if self.holds_off {
+            f.write_str("+no-holds")?;
         }
+        Ok(())
     }
 }
 
 impl Variant {
-    /// Parses `STRATEGY[@postgres|@hosts]`.
+    /// Parses `STRATEGY[@postgres|@hosts][+no-holds]`.
     pub(super) fn parse(s: &str) -> Result<Variant, String> {
+        let (s, holds_off) = match s.strip_suffix("+no-holds") {
+            Some(s) => (s, true),
+            None => (s, false),
+        };
         let (strategy, place) = match s.split_once('@') {
             None => (s, Place::Embedded),
             Some((st, "postgres")) => (st, Place::Postgres),
@@ -68,12 +80,19 @@ impl Variant {
         Ok(Variant {
             strategy: strategy.to_string(),
             place,
+            holds_off,
         })
     }
 
-    /// Whether this is the negative control.
+    /// Whether this is a negative control (naive delivery, or compaction
+    /// that ignores read holds).
     pub(super) fn negative(&self) -> bool {
-        self.strategy == "naive"
+        self.strategy == "naive" || self.holds_off
+    }
+
+    /// The failpoints of every environment this variant starts.
+    pub(super) fn failpoints(&self) -> Option<&'static str> {
+        self.holds_off.then_some("read_holds_off=return")
     }
 
     /// The fault only this variant's place has, if any.

@@ -1,0 +1,229 @@
+//! A plain subscription open across replica restarts under compaction
+//! (`lockstep serve --compaction-lag 4`), under each shipped distribution
+//! policy: one process of a 2x2 replica is stopped while writes go on (the
+//! inputs' upper passes the subscription's last emitted upper by more than
+//! the lag), then killed; the environment restarts the generation and the
+//! controller rehydrates it. The subscription holds its inputs' since at its
+//! last emitted upper (I5), so the rebuilt dataflow continues it exactly:
+//! every change printed once, against the reference, across two restarts.
+//! Without the hold the rebuilt dataflow's first batch is the whole
+//! collection at the since: the times the processes were away are missing
+//! and the collection arrives twice (issue 54's scenario).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+
+mod common;
+
+use lockstep_chaos::environment::Sandbox;
+
+/// Every bounded wait of this test.
+const WAIT: Duration = Duration::from_secs(90);
+/// The groups of the reduce: the row written at time `t` is `(t % GROUPS, t)`.
+const GROUPS: u64 = 4;
+/// Writes before each stop, during each stop, and after the last restart.
+const BEFORE: u64 = 8;
+const DURING: u64 = 12;
+const AFTER: u64 = 4;
+/// The writes at times `0..TIMES`: two restarts.
+const TIMES: u64 = 2 * (BEFORE + DURING) + AFTER;
+
+fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_lockstep"))
+}
+
+/// Writes row `(t % GROUPS, t)` at time `t` to input 1 (upper `t + 1`).
+async fn write_at(state: &Path, url: &str, t: u64) {
+    common::write_to_r(state, url, &format!("{},{t}@{t}", t % GROUPS), t + 1).await;
+}
+
+/// The reference: `reduce(get(1), [#0], count, sum(#1))`'s changes, as the
+/// subscriber prints them (`time<TAB>row<TAB>diff`), for writes at
+/// `0..times`.
+fn reference(times: u64) -> BTreeMap<String, usize> {
+    let mut groups: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
+    let mut out = BTreeMap::new();
+    for t in 0..times {
+        let g = t % GROUPS;
+        let (count, sum) = groups.get(&g).copied().unwrap_or((0, 0));
+        if count > 0 {
+            out.insert(format!("{t}\t{g},{count},{sum}\t-1"), 1);
+        }
+        out.insert(format!("{t}\t{g},{},{}\t1", count + 1, sum + t), 1);
+        groups.insert(g, (count + 1, sum + t));
+    }
+    out
+}
+
+/// Reads the subscriber's lines until one at time `t` arrived (bounded),
+/// counting every line.
+async fn read_until(
+    lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    seen: &mut BTreeMap<String, usize>,
+    t: u64,
+) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let line = tokio::time::timeout_at(deadline.into(), lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("no change at time {t} within {WAIT:?}; seen {seen:?}"))
+            .unwrap()
+            .unwrap_or_else(|| panic!("the subscriber ended; seen {seen:?}"));
+        let at: u64 = line.split('\t').next().unwrap().parse().unwrap();
+        *seen.entry(line).or_insert(0) += 1;
+        if at >= t {
+            return;
+        }
+    }
+}
+
+fn signal(pid: u64, sig: &str) {
+    let status = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {sig} {pid}");
+}
+
+/// Waits (bounded) until replica r runs processes none of which is in `old`.
+async fn restarted(state: &Path, url: &str, old: &[u64]) -> Vec<u64> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let pids = common::pids_of_r(state, url).await;
+        if pids.iter().all(|p| *p != 0 && !old.contains(p)) {
+            return pids;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replica r was not restarted within {WAIT:?}: {pids:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn holds_under(strategy: &str) {
+    let policy = common::built_policy(strategy);
+    let sandbox = Sandbox::new().unwrap();
+    let state = sandbox.path();
+    let (port, url) = common::free_port_url();
+    let _env = common::serve_on_with(state, port, &policy, &["--compaction-lag", "4"]).await;
+    common::cli_ok(
+        state,
+        &url,
+        &[
+            "replica",
+            "create",
+            "r",
+            "--processes",
+            "2",
+            "--workers",
+            "2",
+            "--wait",
+        ],
+    )
+    .await;
+    common::cli_ok(
+        state,
+        &url,
+        &[
+            "dataflow",
+            "create",
+            "--replica",
+            "r",
+            "--input",
+            "1",
+            "--export",
+            "101=reduce(get(1), [#0], count, sum(#1))",
+        ],
+    )
+    .await;
+    let mut subscriber = tokio::process::Command::new(bin())
+        .args([
+            "subscribe",
+            "--replica",
+            "r",
+            "--collection",
+            "101",
+            "--as-of",
+            "0",
+            "--until",
+            &(TIMES - 1).to_string(),
+        ])
+        .args(["--server", &url])
+        .env("LOCKSTEP_STATE_DIR", state)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(subscriber.stdout.take().unwrap()).lines();
+    let mut seen = BTreeMap::new();
+    let mut t = 0;
+    for _restart in 0..2 {
+        for _ in 0..BEFORE {
+            write_at(state, &url, t).await;
+            t += 1;
+        }
+        read_until(&mut lines, &mut seen, t - 1).await;
+        // Stop one process: the subscription's merge cannot advance while
+        // the writes go on, far past the lag.
+        let pids = common::pids_of_r(state, &url).await;
+        signal(pids[1], "-STOP");
+        for _ in 0..DURING {
+            write_at(state, &url, t).await;
+            t += 1;
+        }
+        // Then kill it: the generation restarts and rehydrates from the
+        // stored inputs.
+        signal(pids[1], "-KILL");
+        restarted(state, &url, &pids).await;
+    }
+    for _ in 0..AFTER {
+        write_at(state, &url, t).await;
+        t += 1;
+    }
+    assert_eq!(t, TIMES);
+    // `--until`: the subscriber exits once it printed every change at or
+    // before the last write's time.
+    let status = tokio::time::timeout(WAIT, subscriber.wait())
+        .await
+        .unwrap_or_else(|_| panic!("{strategy}: the subscriber did not end within {WAIT:?}; seen {seen:?}"))
+        .unwrap();
+    while let Some(line) = lines.next_line().await.unwrap() {
+        *seen.entry(line).or_insert(0) += 1;
+    }
+    let mut err = String::new();
+    subscriber
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .await
+        .unwrap();
+    assert!(status.success(), "{strategy}: the subscriber failed: {err}");
+    assert_eq!(
+        seen,
+        reference(TIMES),
+        "{strategy}: every change exactly once across two restarts (stderr: {err})"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_is_exact_across_restarts_under_compaction_under_barrier() {
+    holds_under("barrier").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_is_exact_across_restarts_under_compaction_under_broadcast() {
+    holds_under("broadcast").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_is_exact_across_restarts_under_compaction_under_log() {
+    holds_under("log").await;
+}
