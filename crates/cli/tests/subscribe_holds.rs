@@ -192,7 +192,9 @@ async fn holds_under(strategy: &str) {
     // before the last write's time.
     let status = tokio::time::timeout(WAIT, subscriber.wait())
         .await
-        .unwrap_or_else(|_| panic!("{strategy}: the subscriber did not end within {WAIT:?}; seen {seen:?}"))
+        .unwrap_or_else(|_| {
+            panic!("{strategy}: the subscriber did not end within {WAIT:?}; seen {seen:?}")
+        })
         .unwrap();
     while let Some(line) = lines.next_line().await.unwrap() {
         *seen.entry(line).or_insert(0) += 1;

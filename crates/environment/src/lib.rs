@@ -102,9 +102,9 @@ use lockstep_policy::{CatalogView, OrphanDecision, OrphanPolicy, PolicyError, Se
 use tokio::sync::watch;
 
 pub use compute::REPLICA_RESTART_INTERVAL;
+pub use inputs::{HoldsReport, DEFAULT_READ_HOLD_LIMIT};
 pub use lockstep_launch::ServiceTemplate;
 pub use upgrade::{AnsweredUpgrade, CATCH_UP_BOUND};
-pub use inputs::{HoldsReport, DEFAULT_READ_HOLD_LIMIT};
 
 /// Concurrent streams (and calls) one API connection may have open.
 pub const API_MAX_STREAMS: u32 = 256;

@@ -489,6 +489,13 @@ impl Environment {
         at: Timestamp,
         what: &str,
     ) -> Result<crate::inputs::Held, ComputeError> {
+        // A dataflow computes nothing before its as_of.
+        if at < desc.as_of {
+            return Err(ComputeError::OutOfRange(format!(
+                "collection {collection_id} is computed from time {} on (its dataflow's as_of); {what} {at} is below it",
+                desc.as_of
+            )));
+        }
         self.inputs
             .lock()
             .expect("poisoned")
@@ -510,7 +517,13 @@ impl Environment {
         self.check_not_halted()?;
         let replica = self.replica_named(replica_name)?;
         let desc = self.check_exported(&replica, collection_id)?;
-        let held = self.hold(&replica, &desc, collection_id, as_of, "a subscription as of")?;
+        let held = self.hold(
+            &replica,
+            &desc,
+            collection_id,
+            as_of,
+            "a subscription as of",
+        )?;
         let release = Release {
             inputs: self.inputs.clone(),
             id: held.id,

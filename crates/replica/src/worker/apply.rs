@@ -31,6 +31,46 @@ pub fn owner(row: &Row, peers: usize) -> usize {
     lockstep_protocol::row_owner(row, peers)
 }
 
+/// What a worker introduces for a session start's write of a whole
+/// collection (`updates`, consolidated and compacted to the controller's
+/// since, with the new upper `upper`), given what it introduced so far
+/// (`store`, its rows below `store.upper`): the difference between the
+/// collection at `store.upper` and what the store holds, at `store.upper`,
+/// then the updates after it. The dataflows then accumulate the collection
+/// at every time from the since on (below it the collection's times were
+/// advanced, and reads are refused). A worker in step with the writes gets
+/// exactly the updates at or after its upper (the rest cancels); one that
+/// missed writes which the controller compacted past its upper (their
+/// updates, and every older one, now sit at the since) gets what it holds
+/// retracted at its upper and the collection at the since: never the
+/// collection a second time.
+fn whole_write(
+    store: &super::InputStore,
+    updates: Vec<Update>,
+    upper: Timestamp,
+    peers: usize,
+    index: usize,
+) -> Vec<Update> {
+    let at = store.upper;
+    if upper <= at {
+        return Vec::new();
+    }
+    let mut fresh: Vec<Update> = updates
+        .into_iter()
+        .filter(|u| owner(&u.row, peers) == index)
+        .map(|mut u| {
+            u.time = u.time.max(at);
+            u
+        })
+        .collect();
+    fresh.extend(store.updates.iter().map(|u| Update {
+        row: u.row.clone(),
+        time: at,
+        diff: -u.diff,
+    }));
+    lockstep_protocol::history::consolidate(fresh)
+}
+
 impl WorkerState {
     /// Applies one command now. It enters the history unless it was refused
     /// or is a StatusRequest.
@@ -48,8 +88,8 @@ impl WorkerState {
                 self.send(FromWorker::Status(self.status(*full)));
                 return;
             }
+            CommandKind::InitializationComplete => self.replaying_start = None,
             CommandKind::CreateInstance(_)
-            | CommandKind::InitializationComplete
             | CommandKind::UpdateConfiguration(_)
             | CommandKind::Schedule { .. } => {}
             CommandKind::CreateDataflow(desc) => {
@@ -135,7 +175,8 @@ impl WorkerState {
                     // command as sent.
                     let mut sub = s.clone();
                     sub.as_of = sub.as_of.max(export.since);
-                    self.subs.insert(s.subscribe_id, SubState { sub, lower: None });
+                    self.subs
+                        .insert(s.subscribe_id, SubState { sub, lower: None });
                 } else {
                     self.error(
                         seqno,
@@ -191,10 +232,18 @@ impl WorkerState {
 
     fn write_input(&mut self, collection_id: u64, updates: Vec<Update>, upper: Timestamp) {
         let store = self.inputs.entry(collection_id).or_default();
-        let fresh: Vec<Update> = updates
-            .into_iter()
-            .filter(|u| u.time >= store.upper && owner(&u.row, self.peers) == self.index)
-            .collect();
+        let whole = self
+            .replaying_start
+            .as_mut()
+            .is_some_and(|replayed| replayed.insert(collection_id));
+        let fresh: Vec<Update> = if whole {
+            whole_write(store, updates, upper, self.peers, self.index)
+        } else {
+            updates
+                .into_iter()
+                .filter(|u| u.time >= store.upper && owner(&u.row, self.peers) == self.index)
+                .collect()
+        };
         let new_upper = store.upper.max(upper);
         tracing::trace!(
             worker = self.index,
@@ -378,5 +427,89 @@ impl WorkerState {
             drop(inst);
             worker.drop_dataflow(timely_index);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn up(v: i64, time: u64, diff: i64) -> Update {
+        Update {
+            row: lockstep_plan::row(&[v]),
+            time,
+            diff,
+        }
+    }
+
+    fn store(updates: Vec<Update>, upper: u64) -> super::super::InputStore {
+        super::super::InputStore {
+            updates,
+            consolidated: 0,
+            upper,
+        }
+    }
+
+    /// Sums each row's diffs at or before `t`.
+    fn at(updates: &[Update], t: u64) -> BTreeMap<Row, i64> {
+        let mut m = BTreeMap::new();
+        for u in updates.iter().filter(|u| u.time <= t) {
+            *m.entry(u.row.clone()).or_insert(0) += u.diff;
+        }
+        m.retain(|_, d| *d != 0);
+        m
+    }
+
+    #[test]
+    fn a_worker_in_step_gets_only_what_came_after_its_upper() {
+        let s = store(vec![up(1, 0, 1), up(2, 3, 1), up(1, 4, -1)], 5);
+        // The controller's history: consolidated, compacted to 2.
+        let whole = vec![
+            up(1, 2, 1),
+            up(2, 3, 1),
+            up(1, 4, -1),
+            up(3, 5, 1),
+            up(4, 6, 1),
+        ];
+        let mut fresh = whole_write(&s, whole, 7, 1, 0);
+        fresh.sort_by_key(|u| u.time);
+        assert_eq!(fresh, vec![up(3, 5, 1), up(4, 6, 1)]);
+        // Nothing new: nothing.
+        assert!(whole_write(&s, vec![up(2, 3, 1)], 5, 1, 0).is_empty());
+    }
+
+    #[test]
+    fn a_worker_that_missed_writes_compacted_past_it_gets_them_once() {
+        // The worker holds rows 1 and 2 (upper 2); it missed the write of
+        // row 3 at time 2 and the retraction of row 1 at 3; the controller
+        // compacted the collection to 4.
+        let s = store(vec![up(1, 0, 1), up(2, 1, 1)], 2);
+        let whole = vec![up(2, 4, 1), up(3, 4, 1), up(5, 5, 1)];
+        let fresh = whole_write(&s, whole.clone(), 6, 1, 0);
+        let mut all = s.updates.clone();
+        all.extend(fresh.clone());
+        for t in 4..6 {
+            assert_eq!(at(&all, t), at(&whole, t), "at {t}");
+        }
+        assert!(fresh.iter().all(|u| u.time >= 2), "{fresh:?}");
+        // The old filter (updates at or after the worker's upper) would
+        // have introduced rows 2 and 3 again: row 2 twice.
+        let old: Vec<Update> = whole.into_iter().filter(|u| u.time >= 2).collect();
+        let mut twice = s.updates.clone();
+        twice.extend(old);
+        assert_eq!(at(&twice, 5)[&lockstep_plan::row(&[2])], 2);
+    }
+
+    #[test]
+    fn a_worker_writes_only_the_rows_it_owns() {
+        let s = store(Vec::new(), 0);
+        let whole: Vec<Update> = (0..64).map(|v| up(v, 0, 1)).collect();
+        let mut seen = 0;
+        for index in 0..4 {
+            let fresh = whole_write(&s, whole.clone(), 1, 4, index);
+            assert!(fresh.iter().all(|u| owner(&u.row, 4) == index));
+            seen += fresh.len();
+        }
+        assert_eq!(seen, 64);
     }
 }

@@ -228,6 +228,14 @@ pub struct WorkerState {
     /// Parts of a write split by the controller, held until its last part
     /// arrives (forgotten when a new session starts: it resends them).
     write_parts: BTreeMap<u64, Vec<Update>>,
+    /// Between a reconciliation's end and the session start's
+    /// InitializationComplete: the collections whose write in the replayed
+    /// history was applied. A collection's first write there is the whole
+    /// collection (the controller's consolidated history), not only what
+    /// came after the last write (see `apply::whole_write`); writes the
+    /// controller sent after its replay (before InitializationComplete) are
+    /// ordinary ones.
+    replaying_start: Option<std::collections::BTreeSet<u64>>,
     pub(crate) dataflows: BTreeMap<u64, Installed>,
     /// The installed dataflows whose export frontiers may still move: built
     /// or written to since their frontiers last reached their inputs'
@@ -315,6 +323,7 @@ impl WorkerState {
             history: CommandHistory::summarizing(),
             inputs: BTreeMap::new(),
             write_parts: BTreeMap::new(),
+            replaying_start: None,
             dataflows: BTreeMap::new(),
             unsettled: BTreeSet::new(),
             collections: BTreeMap::new(),
@@ -413,7 +422,10 @@ impl WorkerState {
                 self.drop_dataflow(worker, id);
                 self.count_installed();
             }
-            Action::ResetHistory => self.history = CommandHistory::summarizing(),
+            Action::ResetHistory => {
+                self.history = CommandHistory::summarizing();
+                self.replaying_start = Some(Default::default());
+            }
             Action::Apply(cmd) => {
                 METRICS.applied(cmd.kind.name(), cmd.strategy.name());
                 let installed = self.dataflows.len();

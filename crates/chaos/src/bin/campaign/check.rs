@@ -21,27 +21,51 @@ impl Run {
         let deadline = started + RECOVERY;
         let i = steps;
         // A fresh write to every input, acknowledged (each failed attempt
-        // is a write of unknown fate; the next one uses the next time).
-        for (n, k) in INPUTS.into_iter().enumerate() {
-            let mut r = Rng::for_op(self.seed, steps + n);
-            loop {
-                let w = self.world.new_write(i, k, &mut r);
-                let res = self.client.write_input(write_request(&w)).await;
-                let ok = res.is_ok();
-                self.finish_write(i, w, res);
-                if ok {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    return Err(violation(
-                        "I2",
-                        format!(
-                            "no write to input {k} was acknowledged within {RECOVERY:?} after the last fault"
-                        ),
-                    ));
-                }
-                tokio::time::sleep(Duration::from_millis(250)).await;
+        // is a write of unknown fate; the next one uses the next time), all
+        // at one time: under a compaction lag a dataflow reading several
+        // inputs is readable only where every input's since is below every
+        // input's upper, so the inputs' uppers are brought together (a
+        // write's upper may jump).
+        let mut round = 0;
+        loop {
+            let top = INPUTS
+                .iter()
+                .map(|k| self.world.next_time.get(k).copied().unwrap_or(0))
+                .max()
+                .unwrap_or(0);
+            let uppers: BTreeSet<u64> = INPUTS
+                .iter()
+                .map(|k| self.world.acked_upper.get(k).copied().unwrap_or(0))
+                .collect();
+            if round > 0 && uppers.len() == 1 {
+                break;
             }
+            for (n, k) in INPUTS.into_iter().enumerate() {
+                if round > 0 && self.world.acked_upper.get(&k) == Some(&top) {
+                    continue;
+                }
+                self.world.next_time.insert(k, top);
+                let mut r = Rng::for_op(self.seed, steps + n + 3 * round);
+                loop {
+                    let w = self.world.new_write(i, k, &mut r);
+                    let res = self.client.write_input(write_request(&w)).await;
+                    let ok = res.is_ok();
+                    self.finish_write(i, w, res);
+                    if ok {
+                        break;
+                    }
+                    if Instant::now() > deadline {
+                        return Err(violation(
+                            "I2",
+                            format!(
+                                "no write to input {k} was acknowledged within {RECOVERY:?} after the last fault"
+                            ),
+                        ));
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            }
+            round += 1;
         }
         // Every live dataflow answers at the newest time.
         for k in self.world.live_dataflows(true) {
