@@ -5,7 +5,9 @@
 //! the lag), then killed; the environment restarts the generation and the
 //! controller rehydrates it. The subscription holds its inputs' since at its
 //! last emitted upper (I5), so the rebuilt dataflow continues it exactly:
-//! every change printed once, against the reference, across two restarts.
+//! every change printed once, against the reference, across two restarts
+//! and an upgrade that keeps answering (`replica upgrade --keep-answering`
+//! restarts the replica's processes while the writes go on).
 //! Without the hold the rebuilt dataflow's first batch is the whole
 //! collection at the since: the times the processes were away are missing
 //! and the collection arrives twice (issue 54's scenario).
@@ -29,8 +31,8 @@ const GROUPS: u64 = 4;
 const BEFORE: u64 = 8;
 const DURING: u64 = 12;
 const AFTER: u64 = 4;
-/// The writes at times `0..TIMES`: two restarts.
-const TIMES: u64 = 2 * (BEFORE + DURING) + AFTER;
+/// The subscriber's `--until`: the last write's upper jumps past it.
+const UNTIL: u64 = 10_000;
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_lockstep"))
@@ -39,6 +41,11 @@ fn bin() -> &'static Path {
 /// Writes row `(t % GROUPS, t)` at time `t` to input 1 (upper `t + 1`).
 async fn write_at(state: &Path, url: &str, t: u64) {
     common::write_to_r(state, url, &format!("{},{t}@{t}", t % GROUPS), t + 1).await;
+}
+
+/// [`write_at`], but the upper jumps past [`UNTIL`]: the subscriber ends.
+async fn write_last(state: &Path, url: &str, t: u64) {
+    common::write_to_r(state, url, &format!("{},{t}@{t}", t % GROUPS), UNTIL + 1).await;
 }
 
 /// The reference: `reduce(get(1), [#0], count, sum(#1))`'s changes, as the
@@ -87,6 +94,18 @@ fn signal(pid: u64, sig: &str) {
         .status()
         .unwrap();
     assert!(status.success(), "kill {sig} {pid}");
+}
+
+/// Replica r's open read holds and the span they keep its since back.
+async fn holds_of_r(state: &Path, url: &str) -> (u64, u64) {
+    let v: serde_json::Value =
+        serde_json::from_str(&common::cli_ok(state, url, &["replica", "list", "-o", "json"]).await)
+            .unwrap();
+    let r = &v["replicas"][0];
+    (
+        r["read_holds"].as_u64().unwrap(),
+        r["read_hold_span"].as_u64().unwrap(),
+    )
 }
 
 /// Waits (bounded) until replica r runs processes none of which is in `old`.
@@ -151,7 +170,7 @@ async fn holds_under(strategy: &str) {
             "--as-of",
             "0",
             "--until",
-            &(TIMES - 1).to_string(),
+            &UNTIL.to_string(),
         ])
         .args(["--server", &url])
         .env("LOCKSTEP_STATE_DIR", state)
@@ -178,16 +197,46 @@ async fn holds_under(strategy: &str) {
             write_at(state, &url, t).await;
             t += 1;
         }
+        // The subscription's hold is visible, keeping the since back.
+        let (holds, span) = holds_of_r(state, &url).await;
+        assert_eq!(holds, 1, "{strategy}: one read hold");
+        assert!(span >= DURING - 4, "{strategy}: the hold keeps {span} back");
         // Then kill it: the generation restarts and rehydrates from the
         // stored inputs.
         signal(pids[1], "-KILL");
         restarted(state, &url, &pids).await;
     }
-    for _ in 0..AFTER {
+    // An upgrade that keeps answering restarts the replica's processes
+    // (after its standby caught up) while the writes go on.
+    for _ in 0..BEFORE {
         write_at(state, &url, t).await;
         t += 1;
     }
-    assert_eq!(t, TIMES);
+    read_until(&mut lines, &mut seen, t - 1).await;
+    let pids = common::pids_of_r(state, &url).await;
+    let upgrade = {
+        let (state, url) = (state.to_path_buf(), url.clone());
+        tokio::spawn(async move {
+            common::cli_ok(
+                &state,
+                &url,
+                &["replica", "upgrade", "r", "--keep-answering"],
+            )
+            .await
+        })
+    };
+    while !upgrade.is_finished() {
+        write_at(state, &url, t).await;
+        t += 1;
+    }
+    upgrade.await.unwrap();
+    restarted(state, &url, &pids).await;
+    for _ in 0..AFTER - 1 {
+        write_at(state, &url, t).await;
+        t += 1;
+    }
+    write_last(state, &url, t).await;
+    t += 1;
     // `--until`: the subscriber exits once it printed every change at or
     // before the last write's time.
     let status = tokio::time::timeout(WAIT, subscriber.wait())
@@ -208,9 +257,18 @@ async fn holds_under(strategy: &str) {
         .await
         .unwrap();
     assert!(status.success(), "{strategy}: the subscriber failed: {err}");
+    // Its hold goes with it.
+    let deadline = Instant::now() + WAIT;
+    while holds_of_r(state, &url).await.0 != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "{strategy}: the hold outlived its subscription"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(
         seen,
-        reference(TIMES),
+        reference(t),
         "{strategy}: every change exactly once across two restarts (stderr: {err})"
     );
 }
@@ -228,4 +286,98 @@ async fn a_subscription_is_exact_across_restarts_under_compaction_under_broadcas
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscription_is_exact_across_restarts_under_compaction_under_log() {
     holds_under("log").await;
+}
+
+/// A read hold is bounded: with `--read-hold-limit 8`, a subscription
+/// stalled behind a stopped process while 20 writes pass ends with
+/// OUT_OF_RANGE naming the limit, and what it printed before is exact
+/// (every line one of the reference's, each once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_past_its_limit_ends_the_subscription_after_exact_output() {
+    let policy = common::built_policy("barrier");
+    let sandbox = Sandbox::new().unwrap();
+    let state = sandbox.path();
+    let (port, url) = common::free_port_url();
+    let _env = common::serve_on_with(
+        state,
+        port,
+        &policy,
+        &["--compaction-lag", "4", "--read-hold-limit", "8"],
+    )
+    .await;
+    common::cli_ok(
+        state,
+        &url,
+        &["replica", "create", "r", "--processes", "2", "--wait"],
+    )
+    .await;
+    common::cli_ok(
+        state,
+        &url,
+        &[
+            "dataflow",
+            "create",
+            "--replica",
+            "r",
+            "--input",
+            "1",
+            "--export",
+            "101=reduce(get(1), [#0], count, sum(#1))",
+        ],
+    )
+    .await;
+    let mut subscriber = tokio::process::Command::new(bin())
+        .args(["subscribe", "--replica", "r", "--collection", "101"])
+        .args(["--as-of", "0", "--server", &url])
+        .env("LOCKSTEP_STATE_DIR", state)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(subscriber.stdout.take().unwrap()).lines();
+    let mut seen = BTreeMap::new();
+    let mut t = 0;
+    for _ in 0..BEFORE {
+        write_at(state, &url, t).await;
+        t += 1;
+    }
+    read_until(&mut lines, &mut seen, t - 1).await;
+    let pids = common::pids_of_r(state, &url).await;
+    signal(pids[1], "-STOP");
+    for _ in 0..20 {
+        write_at(state, &url, t).await;
+        t += 1;
+    }
+    let status = tokio::time::timeout(WAIT, subscriber.wait())
+        .await
+        .expect("the subscription ended within its bound")
+        .unwrap();
+    signal(pids[1], "-CONT");
+    while let Some(line) = lines.next_line().await.unwrap() {
+        *seen.entry(line).or_insert(0) += 1;
+    }
+    let mut err = String::new();
+    subscriber
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .await
+        .unwrap();
+    assert!(!status.success(), "the subscription ended in error");
+    assert!(
+        err.contains("past the valid range") && err.contains("--read-hold-limit"),
+        "OUT_OF_RANGE naming the limit: {err}"
+    );
+    let want = reference(t);
+    for (line, n) in &seen {
+        assert_eq!(
+            (want.get(line), *n),
+            (Some(&1), 1),
+            "{line}: not the reference's, or twice"
+        );
+    }
+    assert!(seen.len() >= 2 * GROUPS as usize, "{seen:?}");
 }
