@@ -57,6 +57,7 @@ pub fn test(lint: bool, skips: &[String]) -> anyhow::Result<()> {
         ]);
         run(cmd)?;
         client_alone()?;
+        release_features()?;
         kubernetes_version_alone()?;
         crate::buf::check()?;
     }
@@ -126,6 +127,48 @@ fn client_alone() -> anyhow::Result<()> {
         "warnings",
     ]);
     run(cmd)
+}
+
+/// The features that turn test machinery on: failpoints, the model's
+/// mutants, the negative controls' switches, the soak.
+const TEST_MACHINERY: [&str; 4] = ["failpoints", "mutants", "experiments", "soak"];
+
+/// What a plain `cargo build --release` at the workspace root builds (the
+/// default members, normal and build dependencies) turns none of
+/// [`TEST_MACHINERY`] on: the shipped binaries link no failpoint, mutant or
+/// negative control (a `FAILPOINTS=...` or experiment variable does
+/// nothing in them). Checked on the whole workspace too, which does, so
+/// that the check is seen to read the features.
+fn release_features() -> anyhow::Result<()> {
+    step("a release build at the root turns no test machinery on (failpoints, mutants, experiments, soak)");
+    let machinery = |args: &[&str]| -> anyhow::Result<Vec<String>> {
+        let mut all = args.to_vec();
+        all.extend(["-e", "features,normal,build"]);
+        let tree = cargo_tree(&all)?;
+        let mut found: Vec<String> = tree
+            .lines()
+            .filter(|l| {
+                TEST_MACHINERY
+                    .iter()
+                    .any(|f| l.contains(&format!("feature \"{f}\"")))
+            })
+            .map(|l| l.trim_end_matches(" (*)").to_string())
+            .collect();
+        found.sort();
+        found.dedup();
+        Ok(found)
+    };
+    let shipped = machinery(&[])?;
+    anyhow::ensure!(
+        shipped.is_empty(),
+        "a plain cargo build --release at the root would turn test machinery on: {shipped:?} (a default member's normal dependency enables it)"
+    );
+    let workspace = machinery(&["--workspace"])?;
+    anyhow::ensure!(
+        !workspace.is_empty(),
+        "cargo tree --workspace lists no test machinery feature: the check reads nothing"
+    );
+    Ok(())
 }
 
 /// The normal dependency tree of `package_args` lists `must` (so the tree

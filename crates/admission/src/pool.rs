@@ -19,7 +19,8 @@ pub const SUMMARY_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Set in a process's environment, its pools have no caps and no
 /// deadline: the negative control of the hostile-neighbour campaign, which
-/// must catch it. Never set in production.
+/// must catch it. Read only in a build with the `experiments` feature
+/// (which only the test command turns on); a release build ignores it.
 pub const NO_BOUNDS_ENV: &str = "LOCKSTEP_EXPERIMENT_NO_ADMISSION_BOUNDS";
 
 /// What a port has open, for tests and logs.
@@ -114,7 +115,9 @@ impl Pool {
     /// With [`NO_BOUNDS_ENV`] set (the hostile campaign's negative control
     /// only), the caps and the deadline are as good as none.
     pub fn new(name: &'static str, caps: Caps, deadline: Duration) -> Pool {
-        let (caps, deadline) = if std::env::var_os(NO_BOUNDS_ENV).is_some() {
+        let (caps, deadline) = if cfg!(feature = "experiments")
+            && std::env::var_os(NO_BOUNDS_ENV).is_some()
+        {
             tracing::warn!(
                 listener = name,
                 "{NO_BOUNDS_ENV} is set: no caps and no deadline on connections (a negative control)"

@@ -100,12 +100,16 @@ pub(crate) struct ServeArgs {
     metrics_listen: Option<SocketAddr>,
     /// Let a WASM distribution policy choose `naive`, the negative control
     /// (each worker reconciles alone; it breaks I1 under faults). Refused
-    /// otherwise, with the fallback `barrier` used instead.
+    /// otherwise, with the fallback `barrier` used instead. Only in a build
+    /// with the test hooks (feature `failpoints`).
+    #[cfg(feature = "failpoints")]
     #[arg(long)]
     experiments_allow_naive: bool,
     /// Never restart a replica on a controller event (a silent process,
     /// lost lockstep, a history mismatch): the negative control of the
-    /// seeded campaign, which shows what those restarts repair.
+    /// seeded campaign, which shows what those restarts repair. Only in a
+    /// build with the test hooks (feature `failpoints`).
+    #[cfg(feature = "failpoints")]
     #[arg(long, hide = true)]
     experiments_no_replica_restarts: bool,
     /// Where the catalog and the replicas' command logs live: omitted, SQLite
@@ -251,7 +255,10 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         metrics_token,
         tls,
         max_answer_bytes: args.max_answer_bytes,
+        #[cfg(feature = "failpoints")]
         no_restarts: args.experiments_no_replica_restarts,
+        #[cfg(not(feature = "failpoints"))]
+        no_restarts: false,
         orphan_interval: args.orphan_interval_secs,
         grace: args.shutdown_grace_secs,
     };
@@ -386,7 +393,10 @@ async fn start_environment(
         compaction_lag: args.compaction_lag,
         read_hold_limit: args.read_hold_limit,
         api_token: token,
+        #[cfg(feature = "failpoints")]
         allow_naive: args.experiments_allow_naive,
+        #[cfg(not(feature = "failpoints"))]
+        allow_naive: false,
         store: args.store.clone(),
         format: args.format.clone(),
         ..EnvironmentConfig::new(args.state_dir.clone(), orphan_policy, service)

@@ -52,7 +52,7 @@ impl<P: DistributionPolicy> SafeDistribution<P> {
                 self.failures += 1;
                 tracing::warn!(
                     policy = %self.policy.name(), fallback = %self.fallback,
-                    "the distribution policy chose naive, the negative control; refused (allow it with --experiments-allow-naive), using the fallback strategy"
+                    "the distribution policy chose naive, the negative control; refused (a build with the test hooks allows it with --experiments-allow-naive), using the fallback strategy"
                 );
                 self.fallback
             }

@@ -77,6 +77,8 @@ struct Args {
     /// Accept a Hello that proves the key on plain frames and never prove
     /// the key back, as before sessions were mutual: the negative control
     /// `no-mutual` of the security suite only.
+    /// Only in a build with the `failpoints` feature (the test command's).
+    #[cfg(feature = "failpoints")]
     #[arg(long, hide = true, env = "LOCKSTEP_INSECURE_ONE_WAY_PROOF")]
     insecure_one_way_proof: bool,
     /// The replica's free-form configuration (`CreateReplica`'s `config`),
@@ -230,7 +232,10 @@ impl Builder {
             max_frame_len: args.max_frame_len,
             command_log: args.command_log,
             generation: args.generation,
+            #[cfg(feature = "failpoints")]
             one_way_proof: args.insecure_one_way_proof,
+            #[cfg(not(feature = "failpoints"))]
+            one_way_proof: false,
             family,
             build_version: self.version.to_string(),
             session_key: match std::env::var(lockstep_protocol::SESSION_KEY_ENV) {
