@@ -14,10 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
-
-use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 
 mod common;
 
@@ -31,12 +28,10 @@ const GROUPS: u64 = 4;
 const BEFORE: u64 = 8;
 const DURING: u64 = 12;
 const AFTER: u64 = 4;
+/// The dataflow: per group, the count and the sum of the second column.
+const REDUCE: &str = "reduce(get(1), [#0], count, sum(#1))";
 /// The subscriber's `--until`: the last write's upper jumps past it.
 const UNTIL: u64 = 10_000;
-
-fn bin() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_lockstep"))
-}
 
 /// Writes row `(t % GROUPS, t)` at time `t` to input 1 (upper `t + 1`).
 async fn write_at(state: &Path, url: &str, t: u64) {
@@ -64,28 +59,6 @@ fn reference(times: u64) -> BTreeMap<String, usize> {
         groups.insert(g, (count + 1, sum + t));
     }
     out
-}
-
-/// Reads the subscriber's lines until one at time `t` arrived (bounded),
-/// counting every line.
-async fn read_until(
-    lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
-    seen: &mut BTreeMap<String, usize>,
-    t: u64,
-) {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let line = tokio::time::timeout_at(deadline.into(), lines.next_line())
-            .await
-            .unwrap_or_else(|_| panic!("no change at time {t} within {WAIT:?}; seen {seen:?}"))
-            .unwrap()
-            .unwrap_or_else(|| panic!("the subscriber ended; seen {seen:?}"));
-        let at: u64 = line.split('\t').next().unwrap().parse().unwrap();
-        *seen.entry(line).or_insert(0) += 1;
-        if at >= t {
-            return;
-        }
-    }
 }
 
 fn signal(pid: u64, sig: &str) {
@@ -130,57 +103,10 @@ async fn holds_under(strategy: &str) {
     let state = sandbox.path();
     let (port, url) = common::free_port_url();
     let _env = common::serve_on_with(state, port, &policy, &["--compaction-lag", "4"]).await;
-    common::cli_ok(
-        state,
-        &url,
-        &[
-            "replica",
-            "create",
-            "r",
-            "--processes",
-            "2",
-            "--workers",
-            "2",
-            "--wait",
-        ],
-    )
-    .await;
-    common::cli_ok(
-        state,
-        &url,
-        &[
-            "dataflow",
-            "create",
-            "--replica",
-            "r",
-            "--input",
-            "1",
-            "--export",
-            "101=reduce(get(1), [#0], count, sum(#1))",
-        ],
-    )
-    .await;
-    let mut subscriber = tokio::process::Command::new(bin())
-        .args([
-            "subscribe",
-            "--replica",
-            "r",
-            "--collection",
-            "101",
-            "--as-of",
-            "0",
-            "--until",
-            &UNTIL.to_string(),
-        ])
-        .args(["--server", &url])
-        .env("LOCKSTEP_STATE_DIR", state)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = tokio::io::BufReader::new(subscriber.stdout.take().unwrap()).lines();
+    common::replica_r_with(state, &url, 2, 2, REDUCE).await;
+    let until = UNTIL.to_string();
+    let (mut subscriber, mut lines) =
+        common::subscribe_r(state, &url, &["--as-of", "0", "--until", &until]);
     let mut seen = BTreeMap::new();
     let mut t = 0;
     for _restart in 0..2 {
@@ -188,7 +114,7 @@ async fn holds_under(strategy: &str) {
             write_at(state, &url, t).await;
             t += 1;
         }
-        read_until(&mut lines, &mut seen, t - 1).await;
+        common::read_until(&mut lines, &mut seen, t - 1).await;
         // Stop one process: the subscription's merge cannot advance while
         // the writes go on, far past the lag.
         let pids = common::pids_of_r(state, &url).await;
@@ -212,7 +138,7 @@ async fn holds_under(strategy: &str) {
         write_at(state, &url, t).await;
         t += 1;
     }
-    read_until(&mut lines, &mut seen, t - 1).await;
+    common::read_until(&mut lines, &mut seen, t - 1).await;
     let pids = common::pids_of_r(state, &url).await;
     let upgrade = {
         let (state, url) = (state.to_path_buf(), url.clone());
@@ -245,17 +171,7 @@ async fn holds_under(strategy: &str) {
             panic!("{strategy}: the subscriber did not end within {WAIT:?}; seen {seen:?}")
         })
         .unwrap();
-    while let Some(line) = lines.next_line().await.unwrap() {
-        *seen.entry(line).or_insert(0) += 1;
-    }
-    let mut err = String::new();
-    subscriber
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .await
-        .unwrap();
+    let err = common::rest_of(&mut subscriber, &mut lines, &mut seen).await;
     assert!(status.success(), "{strategy}: the subscriber failed: {err}");
     // Its hold goes with it.
     let deadline = Instant::now() + WAIT;
@@ -305,45 +221,15 @@ async fn a_hold_past_its_limit_ends_the_subscription_after_exact_output() {
         &["--compaction-lag", "4", "--read-hold-limit", "8"],
     )
     .await;
-    common::cli_ok(
-        state,
-        &url,
-        &["replica", "create", "r", "--processes", "2", "--wait"],
-    )
-    .await;
-    common::cli_ok(
-        state,
-        &url,
-        &[
-            "dataflow",
-            "create",
-            "--replica",
-            "r",
-            "--input",
-            "1",
-            "--export",
-            "101=reduce(get(1), [#0], count, sum(#1))",
-        ],
-    )
-    .await;
-    let mut subscriber = tokio::process::Command::new(bin())
-        .args(["subscribe", "--replica", "r", "--collection", "101"])
-        .args(["--as-of", "0", "--server", &url])
-        .env("LOCKSTEP_STATE_DIR", state)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = tokio::io::BufReader::new(subscriber.stdout.take().unwrap()).lines();
+    common::replica_r_with(state, &url, 2, 1, REDUCE).await;
+    let (mut subscriber, mut lines) = common::subscribe_r(state, &url, &["--as-of", "0"]);
     let mut seen = BTreeMap::new();
     let mut t = 0;
     for _ in 0..BEFORE {
         write_at(state, &url, t).await;
         t += 1;
     }
-    read_until(&mut lines, &mut seen, t - 1).await;
+    common::read_until(&mut lines, &mut seen, t - 1).await;
     let pids = common::pids_of_r(state, &url).await;
     signal(pids[1], "-STOP");
     for _ in 0..20 {
@@ -355,17 +241,7 @@ async fn a_hold_past_its_limit_ends_the_subscription_after_exact_output() {
         .expect("the subscription ended within its bound")
         .unwrap();
     signal(pids[1], "-CONT");
-    while let Some(line) = lines.next_line().await.unwrap() {
-        *seen.entry(line).or_insert(0) += 1;
-    }
-    let mut err = String::new();
-    subscriber
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .await
-        .unwrap();
+    let err = common::rest_of(&mut subscriber, &mut lines, &mut seen).await;
     assert!(!status.success(), "the subscription ended in error");
     assert!(
         err.contains("past the valid range") && err.contains("--read-hold-limit"),

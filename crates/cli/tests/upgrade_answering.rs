@@ -175,23 +175,7 @@ async fn upgrade_under(strategy: &str) {
     let (port, url) = common::free_port_url();
     let serve = common::serve_on(state, port, &policy).await;
     let serve_pid = serve.id().unwrap();
-    cli_ok(
-        state,
-        &url,
-        &["replica", "create", "r", "--processes", "2", "--wait"],
-    )
-    .await;
-    let dataflow = [
-        "dataflow",
-        "create",
-        "--replica",
-        "r",
-        "--input",
-        "1",
-        "--export",
-        "101=reduce(get(1), [#1], count)",
-    ];
-    cli_ok(state, &url, &dataflow).await;
+    common::replica_r_with(state, &url, 2, 1, "reduce(get(1), [#1], count)").await;
     let token = std::fs::read_to_string(state.join("api.token")).unwrap();
     let channel = tonic::transport::Endpoint::from_shared(url.clone())
         .unwrap()

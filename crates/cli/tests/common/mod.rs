@@ -422,3 +422,104 @@ pub async fn pids_of_r(state: &Path, url: &str) -> Vec<u64> {
         .map(|p| p["pid"].as_u64().unwrap())
         .collect()
 }
+
+/// Creates replica r (`--processes P --workers W`, waiting until it
+/// serves) and on it a dataflow reading input 1 and exporting
+/// `101=EXPORT`, through the CLI.
+pub async fn replica_r_with(state: &Path, url: &str, processes: u32, workers: u32, export: &str) {
+    let (processes, workers) = (processes.to_string(), workers.to_string());
+    let create = [
+        "replica",
+        "create",
+        "r",
+        "--processes",
+        &processes,
+        "--workers",
+        &workers,
+        "--wait",
+    ];
+    cli_ok(state, url, &create).await;
+    let export = format!("101={export}");
+    let dataflow = [
+        "dataflow",
+        "create",
+        "--replica",
+        "r",
+        "--input",
+        "1",
+        "--export",
+        &export,
+    ];
+    cli_ok(state, url, &dataflow).await;
+}
+
+/// `lockstep subscribe --replica r --collection 101 ARGS` against `url`,
+/// and its stdout as lines.
+pub fn subscribe_r(
+    state: &Path,
+    url: &str,
+    args: &[&str],
+) -> (tokio::process::Child, SubscriberLines) {
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["subscribe", "--replica", "r", "--collection", "101"])
+        .args(args)
+        .args(["--server", url])
+        .env("LOCKSTEP_STATE_DIR", state)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    (child, lines)
+}
+
+/// A subscriber's stdout, as lines.
+pub type SubscriberLines = tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>;
+
+/// Reads a subscriber's `time<TAB>row<TAB>diff` lines until one at time `t`
+/// or later arrived (within [`SERVE_WAIT`]), counting every line in `seen`.
+pub async fn read_until(
+    lines: &mut SubscriberLines,
+    seen: &mut std::collections::BTreeMap<String, usize>,
+    t: u64,
+) {
+    let deadline = Instant::now() + SERVE_WAIT;
+    loop {
+        let line = tokio::time::timeout_at(deadline.into(), lines.next_line())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("no change at time {t} within {SERVE_WAIT:?}; seen {seen:?}")
+            })
+            .unwrap()
+            .unwrap_or_else(|| panic!("the subscriber ended; seen {seen:?}"));
+        let at: u64 = line.split('\t').next().unwrap().parse().unwrap();
+        *seen.entry(line).or_insert(0) += 1;
+        if at >= t {
+            return;
+        }
+    }
+}
+
+/// After a subscriber ended: counts the rest of its lines in `seen`, and
+/// returns its stderr.
+pub async fn rest_of(
+    subscriber: &mut tokio::process::Child,
+    lines: &mut SubscriberLines,
+    seen: &mut std::collections::BTreeMap<String, usize>,
+) -> String {
+    use tokio::io::AsyncReadExt;
+    while let Some(line) = lines.next_line().await.unwrap() {
+        *seen.entry(line).or_insert(0) += 1;
+    }
+    let mut err = String::new();
+    subscriber
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .await
+        .unwrap();
+    err
+}
