@@ -1,7 +1,11 @@
 //! Building the control plane's programs from `tools/kube/` into
 //! `target/kube/bin/` (Go's module and build caches under `target/go/`,
 //! removed once the programs are built), once per change of a module (a
-//! stamp file per module).
+//! stamp file per module). Built programs are also kept outside the
+//! checkout, in a cache keyed by each module's stamp (its Go files, go.mod,
+//! go.sum, the Go version, packages and flags): a fresh clone on the same
+//! machine (CI's) restores them instead of building them again
+//! ([`cache_dir`]).
 
 use std::collections::hash_map::DefaultHasher;
 use std::fs;
@@ -82,6 +86,59 @@ pub fn bin_dir() -> PathBuf {
 }
 
 /// `target/go/`: GOPATH, the module cache and the build cache.
+/// Where built programs are kept between checkouts:
+/// `LOCKSTEP_CACHE_DIR`, else `XDG_CACHE_HOME/lockstep`, else
+/// `HOME/.cache/lockstep`; `kube/DIR-STAMP/` per module. `None` without any
+/// of them (nothing is cached).
+pub fn cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("LOCKSTEP_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("lockstep")))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/lockstep")))?;
+    Some(base.join("kube"))
+}
+
+/// Copies `names` from `from` to `to` (each through a temporary name, then
+/// renamed: a reader never sees half a program).
+fn copy_programs(
+    from: &std::path::Path,
+    to: &std::path::Path,
+    names: &[String],
+) -> anyhow::Result<()> {
+    fs::create_dir_all(to).with_context(|| format!("creating {}", to.display()))?;
+    for n in names {
+        let tmp = to.join(format!(".{n}.part"));
+        fs::copy(from.join(n), &tmp)
+            .with_context(|| format!("copying {} to {}", from.join(n).display(), tmp.display()))?;
+        fs::rename(&tmp, to.join(n))?;
+    }
+    Ok(())
+}
+
+/// Keeps module `dir`'s programs built at `stamp` in the cache, and removes
+/// its entries of other stamps (the cache holds one build per module).
+fn keep_in_cache(
+    cache: &std::path::Path,
+    dir: &str,
+    stamp: &str,
+    bin: &std::path::Path,
+    names: &[String],
+) -> anyhow::Result<()> {
+    let entry = cache.join(format!("{dir}-{stamp}"));
+    let part = cache.join(format!(".{dir}-{stamp}.part"));
+    let _ = fs::remove_dir_all(&part);
+    copy_programs(bin, &part, names)?;
+    let _ = fs::remove_dir_all(&entry);
+    fs::rename(&part, &entry)?;
+    for e in fs::read_dir(cache)?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&format!("{dir}-")) && e.path() != entry {
+            let _ = fs::remove_dir_all(e.path());
+        }
+    }
+    Ok(())
+}
+
 fn go_dir() -> PathBuf {
     target_dir().join("go")
 }
@@ -190,6 +247,19 @@ pub fn ensure_built() -> anyhow::Result<Binaries> {
             eprintln!("xtask: kube: {} up to date", names.join(", "));
             continue;
         }
+        let cached = cache_dir().map(|c| c.join(format!("{}-{stamp}", module.dir)));
+        if let Some(cached) = cached.filter(|c| names.iter().all(|n| c.join(n).is_file())) {
+            let started = Instant::now();
+            copy_programs(&cached, &bin, &names)?;
+            fs::write(&stamp_file, &stamp)?;
+            eprintln!(
+                "xtask: kube: {} restored from {} in {:.1} s (built before from the same module)",
+                names.join(", "),
+                cached.display(),
+                started.elapsed().as_secs_f64()
+            );
+            continue;
+        }
         eprintln!(
             "xtask: kube: building {} from tools/kube/{} (Go {go_version}; the first build takes minutes)",
             names.join(", "),
@@ -221,6 +291,17 @@ pub fn ensure_built() -> anyhow::Result<Binaries> {
             names.join(", "),
             started.elapsed().as_secs_f64()
         );
+        // Best effort: a cache that cannot be written costs the next clone
+        // a build, nothing else.
+        if let Some(cache) = cache_dir() {
+            match keep_in_cache(&cache, module.dir, &stamp, &bin, &names) {
+                Ok(()) => eprintln!("xtask: kube: kept in {}", cache.display()),
+                Err(e) => eprintln!(
+                    "xtask: kube: could not keep the programs in {}: {e:#}",
+                    cache.display()
+                ),
+            }
+        }
     }
     drop_go_caches()?;
     Ok(Binaries {
