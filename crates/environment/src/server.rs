@@ -491,7 +491,7 @@ impl EnvironmentApi for EnvironmentService {
             // older updates to as_of; later ones keep their times).
             let resume_after = r.resume.then_some(r.as_of);
             let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(move |b| {
-                let mut b = b.map_err(|e| compute_status(e.into()))?;
+                let mut b = b.map_err(compute_status)?;
                 if let Some(after) = resume_after {
                     b.updates.retain(|u| u.time > after);
                 }
