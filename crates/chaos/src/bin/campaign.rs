@@ -367,9 +367,10 @@ const QUICK_NAIVE_SEEDS: std::ops::RangeInclusive<u64> = 1..=10;
 
 /// The quick set's seeds for the negative control of read holds
 /// (`+no-holds`): a seed catches it when a following subscription stalls
-/// behind a fault while writes pass the lag and the replica is rebuilt
-/// (seeds 2 and 6 of 1–12 under barrier, seed 6 under log, in one run).
-const QUICK_NO_HOLDS_SEEDS: std::ops::RangeInclusive<u64> = 1..=8;
+/// behind a fault while writes pass the lag and the replica is rebuilt, which
+/// depends on timing: seeds 1–40 caught it 11 times in one run (6, 7, 10,
+/// 23, 24, 25, 31, 33, 34, 36, 37), seed 6 in every run so far.
+const QUICK_NO_HOLDS_SEEDS: [u64; 8] = [6, 7, 10, 23, 24, 25, 31, 33];
 
 /// The quick set's operations per seed.
 const QUICK_STEPS: usize = 60;
@@ -502,7 +503,7 @@ fn main() {
         let negative = strategy.negative();
         let mut tally = Tally::default();
         let seeds: Vec<u64> = if args.regressions && strategy.holds_off {
-            QUICK_NO_HOLDS_SEEDS.collect()
+            QUICK_NO_HOLDS_SEEDS.to_vec()
         } else if args.regressions && negative {
             QUICK_NAIVE_SEEDS.collect()
         } else if args.regressions && strategy.place != Place::Embedded {
