@@ -11,7 +11,7 @@
 //! - `docs/bench/results.md`: the tables, the machine, the date and the
 //!   command;
 //! - with `--readme`, the text between `<!-- bench:start -->` and
-//!   `<!-- bench:end -->` in README.md: the generated Results section.
+//!   `<!-- bench:end -->` in docs/status.md: the generated Results section.
 //!
 //! It prints the reporting contract's Markdown table.
 //!
@@ -850,6 +850,7 @@ impl Machine {
                 "--",
                 ".",
                 ":!README.md",
+                ":!docs/status.md",
                 ":!docs",
             ],
         );
@@ -1013,10 +1014,10 @@ fn readme_section(report: &Report, m: &Machine, run: &RunInfo) -> String {
 
 fn replace_between_markers(text: &str, section: &str) -> anyhow::Result<String> {
     let Some(start) = text.find(README_START) else {
-        bail!("README.md has no {README_START} marker");
+        bail!("docs/status.md has no {README_START} marker");
     };
     let Some(end) = text[start..].find(README_END).map(|e| start + e) else {
-        bail!("README.md has no {README_END} marker after {README_START}");
+        bail!("docs/status.md has no {README_END} marker after {README_START}");
     };
     Ok(format!(
         "{}{README_START}\n{}{}",
@@ -1197,11 +1198,11 @@ pub fn bench(quick: bool, readme: bool) -> anyhow::Result<()> {
         eprintln!("xtask: bench: not measured: {}", line.replace('\t', " "));
     }
     if readme {
-        let path = root().join("README.md");
+        let path = root().join("docs/status.md");
         let text = std::fs::read_to_string(&path)?;
         let new = replace_between_markers(&text, &readme_section(&report, &machine, &run_info))?;
         std::fs::write(&path, new)?;
-        eprintln!("xtask: bench: replaced the Results section of README.md");
+        eprintln!("xtask: bench: replaced the Results section of docs/status.md");
     }
     eprintln!(
         "xtask: wrote {} ({} benchmarks), {}, docs/bench/latency.svg and docs/bench/results.md in {:.0} s",

@@ -19,9 +19,9 @@ use std::path::{Path, PathBuf};
 
 /// Named paths that are not files of the repository, each with why.
 const EXAMPLES: [(&str, &str, &str); 1] = [(
-    "README.md",
+    "docs/usage.md",
     "policies/my-rule",
-    "what the README's `cargo xtask new-policy my-rule` example writes",
+    "what docs/usage.md's `cargo xtask new-policy my-rule` example writes",
 )];
 
 /// Files not searched: this module, whose tests name missing paths on purpose.

@@ -59,7 +59,7 @@ enum Task {
         /// A short run for CI-sized machines.
         #[arg(long)]
         quick: bool,
-        /// Also replace README.md's Results section (between the bench markers).
+        /// Also replace docs/status.md's Results section (between the bench markers).
         #[arg(long)]
         readme: bool,
         /// Only the instruction counts per operation (callgrind): write
