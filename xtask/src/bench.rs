@@ -280,7 +280,7 @@ impl Report {
     /// under `docs/bench/`.
     fn network_and_scale(&self, readme: bool) -> String {
         let mut s = String::new();
-        let dir = if readme { "docs/bench/" } else { "" };
+        let dir = if readme { "bench/" } else { "" };
         let network = self.network();
         if !network.is_empty() {
             s.push_str(if readme {
@@ -991,10 +991,10 @@ fn readme_section(report: &Report, m: &Machine, run: &RunInfo) -> String {
     s.push_str(&machine_paragraph(m, run));
     s.push_str(&format!(
         "\nTo reproduce: `{}`. Every figure, for every shape, is in \
-         [docs/bench/results.md](docs/bench/results.md).\n\n",
+         [bench/results.md](bench/results.md).\n\n",
         run.command
     ));
-    s.push_str("![Latency against process count, per strategy](docs/bench/latency.svg)\n\n");
+    s.push_str("![Latency against process count, per strategy](bench/latency.svg)\n\n");
     s.push_str(HOW_TO_READ);
     s.push_str(" The table shows the 2x2 replica; the chart and results.md show every shape.\n\n");
     s.push_str(&skipped_paragraph(run));
