@@ -38,6 +38,14 @@ async fn write_at(state: &Path, url: &str, t: u64) {
     common::write_to_r(state, url, &format!("{},{t}@{t}", t % GROUPS), t + 1).await;
 }
 
+/// [`write_at`] at the next `n` times from `*t` on.
+async fn write_times(state: &Path, url: &str, t: &mut u64, n: u64) {
+    for _ in 0..n {
+        write_at(state, url, *t).await;
+        *t += 1;
+    }
+}
+
 /// [`write_at`], but the upper jumps past [`UNTIL`]: the subscriber ends.
 async fn write_last(state: &Path, url: &str, t: u64) {
     common::write_to_r(state, url, &format!("{},{t}@{t}", t % GROUPS), UNTIL + 1).await;
@@ -110,19 +118,13 @@ async fn holds_under(strategy: &str) {
     let mut seen = BTreeMap::new();
     let mut t = 0;
     for _restart in 0..2 {
-        for _ in 0..BEFORE {
-            write_at(state, &url, t).await;
-            t += 1;
-        }
+        write_times(state, &url, &mut t, BEFORE).await;
         common::read_until(&mut lines, &mut seen, t - 1).await;
         // Stop one process: the subscription's merge cannot advance while
         // the writes go on, far past the lag.
         let pids = common::pids_of_r(state, &url).await;
         signal(pids[1], "-STOP");
-        for _ in 0..DURING {
-            write_at(state, &url, t).await;
-            t += 1;
-        }
+        write_times(state, &url, &mut t, DURING).await;
         // The subscription's hold is visible, keeping the since back.
         let (holds, span) = holds_of_r(state, &url).await;
         assert_eq!(holds, 1, "{strategy}: one read hold");
@@ -134,10 +136,7 @@ async fn holds_under(strategy: &str) {
     }
     // An upgrade that keeps answering restarts the replica's processes
     // (after its standby caught up) while the writes go on.
-    for _ in 0..BEFORE {
-        write_at(state, &url, t).await;
-        t += 1;
-    }
+    write_times(state, &url, &mut t, BEFORE).await;
     common::read_until(&mut lines, &mut seen, t - 1).await;
     let pids = common::pids_of_r(state, &url).await;
     let upgrade = {
@@ -157,10 +156,7 @@ async fn holds_under(strategy: &str) {
     }
     upgrade.await.unwrap();
     restarted(state, &url, &pids).await;
-    for _ in 0..AFTER - 1 {
-        write_at(state, &url, t).await;
-        t += 1;
-    }
+    write_times(state, &url, &mut t, AFTER - 1).await;
     write_last(state, &url, t).await;
     t += 1;
     // `--until`: the subscriber exits once it printed every change at or
@@ -225,17 +221,11 @@ async fn a_hold_past_its_limit_ends_the_subscription_after_exact_output() {
     let (mut subscriber, mut lines) = common::subscribe_r(state, &url, &["--as-of", "0"]);
     let mut seen = BTreeMap::new();
     let mut t = 0;
-    for _ in 0..BEFORE {
-        write_at(state, &url, t).await;
-        t += 1;
-    }
+    write_times(state, &url, &mut t, BEFORE).await;
     common::read_until(&mut lines, &mut seen, t - 1).await;
     let pids = common::pids_of_r(state, &url).await;
     signal(pids[1], "-STOP");
-    for _ in 0..20 {
-        write_at(state, &url, t).await;
-        t += 1;
-    }
+    write_times(state, &url, &mut t, 20).await;
     let status = tokio::time::timeout(WAIT, subscriber.wait())
         .await
         .expect("the subscription ended within its bound")
