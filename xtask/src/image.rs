@@ -43,6 +43,7 @@ use anyhow::{bail, Context};
 use crate::util::{root, run, step, target_dir};
 
 mod deployment;
+pub mod node_images;
 
 /// The image this task builds (and removes unless `--keep`).
 pub const IMAGE: &str = "lockstep:dev";
@@ -169,6 +170,9 @@ fn run_all(opts: &Options, times: &mut Times) -> anyhow::Result<()> {
     serve_in_image(&engine)?;
     times.start("lockstep serve inside the image as the shipped Deployment runs it");
     deployment::run_check(&engine)?;
+
+    times.start("saving the image for the real Kubernetes node (target/lockstep/node-images)");
+    node_images::save(&engine)?;
 
     times.start(if opts.keep {
         "keeping the image and the build context (--keep)"

@@ -17,6 +17,14 @@
 //!    pass, `catalog-only` must be caught).
 //! 4. A replica's life (`lockstep-chaos-kube`): create, shared-fate
 //!    restart, whole restart, upgrade, drop, each timed.
+//! 5. A second control plane with a real node ([`crate::kube_node`]:
+//!    kubelet, containerd, CoreDNS, the image of `cargo xtask image`
+//!    imported): the base applied again, and `lockstep-chaos-node` runs
+//!    replicas of real pods under each shipped policy, faulted (a process
+//!    killed and stopped, a pod deleted, the environment killed) and
+//!    checked. The host is restored afterwards, also after a failure.
+//!    Needs root; where it is not, the step fails naming it (`--skip
+//!    kube-node` leaves it out on purpose).
 //!
 //! Ends with `kube: ok`.
 
@@ -68,11 +76,18 @@ const REFUSED: [(&str, &str, &str); 10] = [
     ("list", "nodes", ""),
 ];
 
-/// The task.
-pub fn kube() -> anyhow::Result<()> {
+/// The task; `node_only`: step 5 alone.
+pub fn kube(node_only: bool) -> anyhow::Result<()> {
     step("the control plane's programs (tools/kube, built once into target/kube/bin)");
     let binaries = crate::kube_control_plane::ensure_built()?;
-    crate::chaos::build_with_environment("lockstep-chaos and lockstep-chaos-kube")?;
+    crate::chaos::build_with_environment(
+        "lockstep-chaos, lockstep-chaos-kube and lockstep-chaos-node",
+    )?;
+    if node_only {
+        real_node(&binaries)?;
+        println!("kube: ok");
+        return Ok(());
+    }
     step("starting a real control plane on loopback");
     let dir = target_dir().join("kube/run");
     let cp = ControlPlane::start_with(&binaries, &dir)?;
@@ -84,11 +99,62 @@ pub fn kube() -> anyhow::Result<()> {
         );
     }
     result?;
+    drop(cp);
+    if !crate::prereqs::skipped("kube-node") {
+        real_node(&binaries)?;
+    }
     println!("kube: ok");
     Ok(())
 }
 
-fn against(cp: &ControlPlane, dir: &Path) -> anyhow::Result<()> {
+/// Step 5: the real node and the suite on it.
+fn real_node(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<()> {
+    step("the real node: containerd, runc and the CNI plugins; the image saved for it");
+    crate::kube_node::prerequisites()?;
+    let images = crate::image::node_images::ensure()?;
+    step("a control plane for the real node (no kwok), and the node: kubelet, containerd, CoreDNS");
+    let dir = target_dir().join("kube/run-node");
+    let cp = ControlPlane::start_without_node(binaries, &dir)?;
+    let node = crate::kube_node::RealNode::start(&cp, &target_dir().join("kube/node"), &images)?;
+    let result = (|| {
+        apply_base(&cp)?;
+        let kubeconfig = service_account_kubeconfig(&cp, &dir)?;
+        let debug = target_dir().join("debug");
+        let env = [
+            ("LOCKSTEP_KUBE_KUBECONFIG", kubeconfig),
+            ("LOCKSTEP_KUBE_ADMIN_KUBECONFIG", cp.admin_kubeconfig()),
+            (
+                "LOCKSTEP_KUBECTL",
+                crate::kube_control_plane::bin_dir().join("kubectl"),
+            ),
+            ("LOCKSTEP_NODE_IMAGE", node.image.clone().into()),
+            (
+                "LOCKSTEP_POLICY_DIR",
+                target_dir().join("lockstep/policies"),
+            ),
+            ("LOCKSTEP_BIN", debug.join("lockstep")),
+        ];
+        for (k, v) in &env {
+            std::env::set_var(k, v);
+        }
+        crate::chaos::run_suite_binary(debug.join("lockstep-chaos-node"), &[], "kube-node", 4)
+    })();
+    if result.is_err() {
+        for name in ["kubelet", "containerd"] {
+            eprintln!(
+                "xtask: {name}'s log, last lines:\n{}",
+                crate::kube_control_plane::tail(&node.log(name), 20)
+            );
+        }
+    }
+    drop(node);
+    drop(cp);
+    result
+}
+
+/// `kubectl apply -k deploy/kubernetes/base`, server-side with strict
+/// validation.
+fn apply_base(cp: &ControlPlane) -> anyhow::Result<()> {
     step("kubectl apply -k deploy/kubernetes/base (server-side, strict validation)");
     let base = root().join("deploy/kubernetes/base");
     kubectl(
@@ -101,10 +167,12 @@ fn against(cp: &ControlPlane, dir: &Path) -> anyhow::Result<()> {
             "--field-manager=lockstep-xtask",
             "--validate=strict",
         ],
-    )?;
-    overlay(cp)?;
+    )
+    .map(drop)
+}
 
-    step("a token of the shipped service account; the Role through the real authorizer");
+/// A kubeconfig in `dir` holding a token of the shipped service account.
+fn service_account_kubeconfig(cp: &ControlPlane, dir: &Path) -> anyhow::Result<std::path::PathBuf> {
     let token = kubectl(
         cp,
         &[
@@ -118,6 +186,15 @@ fn against(cp: &ControlPlane, dir: &Path) -> anyhow::Result<()> {
     )?;
     let kubeconfig = dir.join("environment.kubeconfig");
     write_kubeconfig(cp, token.trim(), &kubeconfig)?;
+    Ok(kubeconfig)
+}
+
+fn against(cp: &ControlPlane, dir: &Path) -> anyhow::Result<()> {
+    apply_base(cp)?;
+    overlay(cp)?;
+
+    step("a token of the shipped service account; the Role through the real authorizer");
+    let kubeconfig = service_account_kubeconfig(cp, dir)?;
     authorizer(cp)?;
 
     let debug = target_dir().join("debug");

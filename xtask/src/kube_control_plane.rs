@@ -26,6 +26,7 @@ mod build;
 mod pki;
 
 pub use build::{bin_dir, ensure_built, Binaries};
+pub(crate) use pki::client_kubeconfig_yaml;
 use pki::{kubeconfig_yaml, make_pki};
 
 /// The Kubernetes release of kube-apiserver and the other programs (and of
@@ -78,6 +79,16 @@ impl ControlPlane {
 
     /// [`ControlPlane::start`] with programs already built.
     pub fn start_with(binaries: &Binaries, dir: &Path) -> anyhow::Result<ControlPlane> {
+        Self::start_inner(binaries, dir, true)
+    }
+
+    /// A control plane without kwok and its fake node: the real node
+    /// ([`crate::kube_node::RealNode`]) registers itself.
+    pub fn start_without_node(binaries: &Binaries, dir: &Path) -> anyhow::Result<ControlPlane> {
+        Self::start_inner(binaries, dir, false)
+    }
+
+    fn start_inner(binaries: &Binaries, dir: &Path, fake_node: bool) -> anyhow::Result<ControlPlane> {
         let started = Instant::now();
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let dir = fs::canonicalize(dir)?;
@@ -144,6 +155,11 @@ impl ControlPlane {
             // endpoints would name 127.0.0.1, which endpoints may not.
             "--endpoint-reconciler-type=none",
             "--profiling=false",
+            // The real node's kubelet (logs, exec): by its InternalIP (its
+            // hostname resolves nowhere), with the admin's certificate.
+            &format!("--kubelet-client-certificate={}", p("admin.crt")),
+            &format!("--kubelet-client-key={}", p("admin.key")),
+            "--kubelet-preferred-address-types=InternalIP",
         ]);
         cp.spawn("kube-apiserver", apiserver)?;
         cp.wait_for("the API server's /readyz", |cp| {
@@ -170,37 +186,39 @@ impl ControlPlane {
         ]);
         cp.spawn("kube-scheduler", scheduler)?;
 
-        let stages = dir.join("kwok-stages.yaml");
-        let mut kwok_stages = Command::new(&binaries.kwok);
-        kwok_stages.arg("stages");
-        fs::write(&stages, crate::util::stdout(kwok_stages)?)?;
-        let mut kwok = Command::new(&binaries.kwok);
-        kwok.args([
-            &format!("--kubeconfig={}", cp.kubeconfig.display()),
-            &format!("--config={}", stages.display()),
-            "--manage-all-nodes=true",
-            &format!("--cidr={POD_CIDR}"),
-            "--node-ip=127.0.0.1",
-            "--node-lease-duration-seconds=40",
-        ]);
-        cp.spawn("kwok", kwok)?;
+        if fake_node {
+            let stages = dir.join("kwok-stages.yaml");
+            let mut kwok_stages = Command::new(&binaries.kwok);
+            kwok_stages.arg("stages");
+            fs::write(&stages, crate::util::stdout(kwok_stages)?)?;
+            let mut kwok = Command::new(&binaries.kwok);
+            kwok.args([
+                &format!("--kubeconfig={}", cp.kubeconfig.display()),
+                &format!("--config={}", stages.display()),
+                "--manage-all-nodes=true",
+                &format!("--cidr={POD_CIDR}"),
+                "--node-ip=127.0.0.1",
+                "--node-lease-duration-seconds=40",
+            ]);
+            cp.spawn("kwok", kwok)?;
 
-        let node = dir.join("node.yaml");
-        fs::write(&node, NODE_YAML)?;
-        let mut apply = cp.kubectl();
-        apply.args(["apply", "-f"]).arg(&node).stdout(Stdio::null());
-        run(apply).context("creating the fake node")?;
-        cp.wait_for("the node to be Ready", |cp| {
-            Ok(cp
-                .kubectl_quiet(&[
-                    "get",
-                    "node",
-                    NODE_NAME,
-                    "-o",
-                    "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
-                ])?
-                .is_some_and(|s| s.trim() == "True"))
-        })?;
+            let node = dir.join("node.yaml");
+            fs::write(&node, NODE_YAML)?;
+            let mut apply = cp.kubectl();
+            apply.args(["apply", "-f"]).arg(&node).stdout(Stdio::null());
+            run(apply).context("creating the fake node")?;
+            cp.wait_for("the node to be Ready", |cp| {
+                Ok(cp
+                    .kubectl_quiet(&[
+                        "get",
+                        "node",
+                        NODE_NAME,
+                        "-o",
+                        "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
+                    ])?
+                    .is_some_and(|s| s.trim() == "True"))
+            })?;
+        }
         cp.wait_for("the default service account", |cp| {
             Ok(cp
                 .kubectl_quiet(&[
@@ -252,6 +270,11 @@ impl ControlPlane {
     /// The directory of the control plane's files and logs (`NAME.log`).
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The built programs it runs (kubelet and CoreDNS among them).
+    pub fn binaries(&self) -> &Binaries {
+        &self.binaries
     }
 
     #[allow(dead_code)] // for `cargo xtask kube`'s failure reports
@@ -337,27 +360,32 @@ impl Drop for ControlPlane {
         // last): an API server whose etcd is gone does not shut down, nor
         // does an etcd with an API server still watching it.
         for (name, child, _) in self.processes.iter_mut().rev() {
-            if let Ok(pid) = i32::try_from(child.id()) {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid),
-                    nix::sys::signal::Signal::SIGTERM,
+            terminate(name, child);
+        }
+    }
+}
+
+/// SIGTERM to `child`, then SIGKILL after [`STOP_TIMEOUT`]; waits for it.
+pub(crate) fn terminate(name: &str, child: &mut Child) {
+    if let Ok(pid) = i32::try_from(child.id()) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+    }
+    let deadline = Instant::now() + STOP_TIMEOUT;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if Instant::now() < deadline => sleep(Duration::from_millis(20)),
+            _ => {
+                eprintln!(
+                    "xtask: kube: {name} did not stop {} s after SIGTERM: killing it",
+                    STOP_TIMEOUT.as_secs()
                 );
-            }
-            let deadline = Instant::now() + STOP_TIMEOUT;
-            loop {
-                match child.try_wait() {
-                    Ok(Some(_)) => break,
-                    Ok(None) if Instant::now() < deadline => sleep(Duration::from_millis(20)),
-                    _ => {
-                        eprintln!(
-                            "xtask: kube: {name} did not stop {} s after SIGTERM: killing it",
-                            STOP_TIMEOUT.as_secs()
-                        );
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        break;
-                    }
-                }
+                let _ = child.kill();
+                let _ = child.wait();
+                break;
             }
         }
     }
@@ -382,12 +410,12 @@ spec: {}
 
 /// A free TCP port on 127.0.0.1 (free when asked: another process may
 /// take it before ours binds it).
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// The last `lines` lines of the file at `path` (its last 64 KiB at most).
-fn tail(path: &Path, lines: usize) -> String {
+pub(crate) fn tail(path: &Path, lines: usize) -> String {
     let Ok(mut f) = fs::File::open(path) else {
         return format!("(no {})", path.display());
     };

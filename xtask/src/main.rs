@@ -11,6 +11,7 @@ mod doclinks;
 mod image;
 mod kube;
 mod kube_control_plane;
+mod kube_node;
 mod model;
 mod network;
 mod new_policy;
@@ -143,8 +144,14 @@ enum Task {
     /// server on loopback (xtask/src/kube.rs): the manifests applied with
     /// strict server-side validation, the Role through the real authorizer,
     /// the orphan suite as the shipped service account, a replica's
-    /// restart, upgrade and drop timed; ends with `kube: ok`.
-    Kube,
+    /// restart, upgrade and drop timed; then replicas on a real node
+    /// (kubelet, containerd, CoreDNS; root) faulted and checked; ends with
+    /// `kube: ok`.
+    Kube {
+        /// Only the real node's part (step 5).
+        #[arg(long)]
+        node_only: bool,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -171,7 +178,7 @@ fn main() -> anyhow::Result<()> {
         Task::Image { from_source, keep } => image::image(&image::Options { from_source, keep }),
         Task::Model { variants } => model::run(&variants),
         Task::KubeUp => kube_control_plane::kube_up(),
-        Task::Kube => kube::kube(),
+        Task::Kube { node_only } => kube::kube(node_only),
         Task::OutsideFamily => outside::check_family(),
         Task::PolicyTemplates => {
             new_policy::write_templates(&util::root())?;

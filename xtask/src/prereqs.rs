@@ -13,7 +13,7 @@ use anyhow::{bail, Context};
 use crate::util::target_dir;
 
 /// The steps `--skip` may name, and what each needs.
-pub const SKIPPABLE: [(&str, &str); 4] = [
+pub const SKIPPABLE: [(&str, &str); 5] = [
     (
         "python",
         "the API from a generated Python client (python3, grpcio and friends in a venv)",
@@ -29,6 +29,10 @@ pub const SKIPPABLE: [(&str, &str); 4] = [
     (
         "kube",
         "cargo xtask kube: the Kubernetes backend on a real API server (Go, the module proxy)",
+    ),
+    (
+        "kube-node",
+        "cargo xtask kube's real node: replica pods on kubelet, containerd and CoreDNS (root)",
     ),
 ];
 
@@ -100,7 +104,8 @@ pub fn summary() {
 }
 
 /// Whether this process runs as root.
-fn is_root() -> bool {
+/// Whether this process runs as root.
+pub fn is_root() -> bool {
     nix_uid() == Some(0)
 }
 
@@ -277,6 +282,26 @@ pub fn hosts() -> anyhow::Result<()> {
     }
     if !on_path("ip") {
         apt_install(&["iproute2"], "simulated hosts")?;
+    }
+    Ok(())
+}
+
+/// The real Kubernetes node's runtime: containerd, runc and the CNI
+/// plugins (Debian's packages), and podman (its catatonit is the pause
+/// image), installed where they can be.
+pub fn node() -> anyhow::Result<()> {
+    podman()?;
+    let mut missing: Vec<&str> = ["containerd", "ctr"]
+        .into_iter()
+        .filter(|p| !on_path(p))
+        .map(|_| "containerd")
+        .collect();
+    if !Path::new("/usr/lib/cni/bridge").is_file() {
+        missing.push("containernetworking-plugins");
+    }
+    missing.dedup();
+    if !missing.is_empty() {
+        apt_install(&missing, "the real Kubernetes node")?;
     }
     Ok(())
 }

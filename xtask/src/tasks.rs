@@ -81,7 +81,7 @@ pub fn test(lint: bool, skips: &[String]) -> anyhow::Result<()> {
         crate::chaos::run_suite(suite)?;
     }
     if !crate::prereqs::skipped("kube") {
-        crate::kube::kube()?;
+        crate::kube::kube(false)?;
     }
     crate::model::run(&[])?;
     crate::util::step_times();

@@ -24,6 +24,7 @@ pub mod environment;
 pub mod kube_lifecycle;
 pub mod orphans;
 pub mod outcome;
+pub mod signal;
 
 /// The PID of process `process` of the first service `orchestrator` lists
 /// (the suites run one replica per orchestrator).

@@ -147,6 +147,10 @@ impl Inner {
     /// when the service is not ours to act on (dropped, a newer epoch, or
     /// restarted by someone else meanwhile).
     pub(super) async fn check_shared_fate(&self, name: &str) -> Result<(), StateError> {
+        // The real-node suite's negative control (feature `failpoints`
+        // only): no shared-fate restart, the kubelet's in-place restarts
+        // alone.
+        fail::fail_point!("kube_shared_fate_off", |_| Ok(()));
         let _lock = self.lock(name).await;
         let record = match self.live_record(name).await {
             Ok(r) => r,

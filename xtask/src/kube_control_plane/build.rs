@@ -34,6 +34,10 @@ pub struct Binaries {
     pub kubectl: PathBuf,
     /// kwok (sigs.k8s.io/kwok), the fake kubelet.
     pub kwok: PathBuf,
+    /// kubelet, of the same release: the real node's agent.
+    pub kubelet: PathBuf,
+    /// CoreDNS (only the plugins the real node's Corefile uses): pod DNS.
+    pub coredns: PathBuf,
 }
 
 /// One Go module of tools/kube/ and the programs built from it.
@@ -75,8 +79,14 @@ const MODULES: &[GoModule] = &[
             "k8s.io/kubernetes/cmd/kube-controller-manager",
             "k8s.io/kubernetes/cmd/kube-scheduler",
             "k8s.io/kubernetes/cmd/kubectl",
+            "k8s.io/kubernetes/cmd/kubelet",
         ],
         ldflags: K8S_LDFLAGS,
+    },
+    GoModule {
+        dir: "coredns",
+        packages: &["."],
+        ldflags: "",
     },
 ];
 
@@ -215,7 +225,7 @@ fn drop_go_caches() -> anyhow::Result<()> {
 }
 
 /// Builds (or finds up to date) etcd, kube-apiserver, kube-controller-manager,
-/// kube-scheduler, kubectl and kwok in `target/kube/bin/`. A module is
+/// kube-scheduler, kubectl, kubelet, kwok and CoreDNS in `target/kube/bin/`. A module is
 /// rebuilt only when its stamp (go.mod, go.sum, Go files, Go version)
 /// changed; a cold build of all takes many minutes on two cores.
 pub fn ensure_built() -> anyhow::Result<Binaries> {
@@ -311,5 +321,7 @@ pub fn ensure_built() -> anyhow::Result<Binaries> {
         kube_scheduler: bin.join("kube-scheduler"),
         kubectl: bin.join("kubectl"),
         kwok: bin.join("kwok"),
+        kubelet: bin.join("kubelet"),
+        coredns: bin.join("coredns"),
     })
 }

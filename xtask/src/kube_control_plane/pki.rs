@@ -9,6 +9,12 @@ use anyhow::Context;
 
 /// The admin kubeconfig, naming the certificate files in `pki`.
 pub(super) fn kubeconfig_yaml(server: &str, pki: &Path) -> String {
+    client_kubeconfig_yaml(server, pki, "admin")
+}
+
+/// A kubeconfig with the client certificate `pki/USER.crt` (`admin`, or
+/// `kubelet` for the real node).
+pub(crate) fn client_kubeconfig_yaml(server: &str, pki: &Path, user: &str) -> String {
     let p = |s: &str| pki.join(s).display().to_string();
     format!(
         "apiVersion: v1
@@ -31,13 +37,14 @@ contexts:
 current-context: lockstep
 ",
         ca = p("ca.crt"),
-        cert = p("admin.crt"),
-        key = p("admin.key"),
+        cert = p(&format!("{user}.crt")),
+        key = p(&format!("{user}.key")),
     )
 }
 
 /// Makes (with the openssl CLI) a CA, the API server's serving certificate,
-/// the admin's client certificate (group system:masters) and the service
+/// the admin's client certificate (group system:masters), the real node's
+/// kubelet's (group system:nodes) and the service
 /// accounts' signing key pair, all P-256.
 pub(super) fn make_pki(pki: &Path) -> anyhow::Result<()> {
     let openssl = |args: &[&str]| -> anyhow::Result<()> {
@@ -78,6 +85,13 @@ pub(super) fn make_pki(pki: &Path) -> anyhow::Result<()> {
         (
             "admin",
             "/O=system:masters/CN=lockstep-admin",
+            "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n",
+        ),
+        // The real node's kubelet: the Node authorizer and NodeRestriction
+        // let it register its node, hold its lease and write its pods' status.
+        (
+            "kubelet",
+            "/O=system:nodes/CN=system:node:lockstep-node-0",
             "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n",
         ),
     ];

@@ -125,24 +125,42 @@ impl EnvProcess {
         extra_args: &[&str],
         env: &[(String, PathBuf)],
     ) -> anyhow::Result<EnvProcess> {
+        let mut args = vec!["--listen", "127.0.0.1:0", "--orphan-rule", rule];
+        args.extend(["--service-binary", "sleep", "--service-arg", "300"]);
+        args.extend(extra_args);
+        let mut env: Vec<(String, std::ffi::OsString)> = env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone().into_os_string()))
+            .collect();
+        if let Some(fp) = failpoints {
+            env.push(("FAILPOINTS".into(), fp.into()));
+        }
+        Self::serve(bin, state_dir, &args, &env).await
+    }
+
+    /// `lockstep serve --state-dir STATE_DIR ARGS` with `env` (and no
+    /// `FAILPOINTS` but the one `env` names), waited for (bounded) until it
+    /// serves. `ARGS` must name `--listen` (its serving line gives the
+    /// address).
+    pub async fn serve(
+        bin: &Path,
+        state_dir: &Path,
+        extra_args: &[&str],
+        env: &[(String, std::ffi::OsString)],
+    ) -> anyhow::Result<EnvProcess> {
         let n = std::fs::read_dir(state_dir)?.count();
         let stderr_path = state_dir.join(format!("lockstep-{n}.stderr"));
         let stderr = std::fs::File::create(&stderr_path)?;
         let mut cmd = tokio::process::Command::new(bin);
         cmd.args(["serve", "--state-dir"])
             .arg(state_dir)
-            .args(["--listen", "127.0.0.1:0", "--orphan-rule", rule])
-            .args(["--service-binary", "sleep", "--service-arg", "300"])
             .args(extra_args)
+            .env_remove("FAILPOINTS")
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)
             .kill_on_drop(true);
-        match failpoints {
-            Some(fp) => cmd.env("FAILPOINTS", fp),
-            None => cmd.env_remove("FAILPOINTS"),
-        };
         let mut child = cmd
             .spawn()
             .with_context(|| format!("cannot start {}", bin.display()))?;

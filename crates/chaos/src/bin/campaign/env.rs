@@ -213,25 +213,7 @@ pub(super) fn create_request(d: &model::DataflowRec) -> proto::CreateDataflowReq
 }
 
 pub(super) fn signal(pid: u32, sig: libc::c_int) -> Result<(), String> {
-    if pid == 0 {
-        return Err("no PID".into());
-    }
-    // kill(2) through the `kill` command keeps this crate free of unsafe code.
-    let name = match sig {
-        libc::SIGKILL => "KILL",
-        libc::SIGSTOP => "STOP",
-        _ => "CONT",
-    };
-    let ok = std::process::Command::new("kill")
-        .args([format!("-{name}"), pid.to_string()])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok {
-        Ok(())
-    } else {
-        Err(format!("kill -{name} {pid} failed"))
-    }
+    lockstep_chaos::signal::send(pid, sig)
 }
 
 pub(super) fn alive(pid: u32) -> bool {

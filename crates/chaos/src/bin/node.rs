@@ -1,0 +1,437 @@
+//! `lockstep-chaos-node`: replicas on a real Kubernetes node (kubelet,
+//! containerd, CoreDNS; `cargo xtask kube` starts it and sets the
+//! variables below), driven from outside the cluster as a user would.
+//!
+//! Per variant (a shipped distribution policy: `barrier`, `broadcast`,
+//! `log`), in a fresh `restricted` namespace: `lockstep serve
+//! --orchestrator kubernetes` on this host, acting as the shipped service
+//! account, runs a replica of [`PROCESSES`] pods x [`WORKERS`] workers of
+//! the image the node holds; its processes find each other through CoreDNS
+//! (the headless Service) and the controller reaches them at their pod
+//! IPs. Then, each a scenario with its own checked outcome:
+//!
+//! - `create`: the replica and a dataflow (identity and reduce exports)
+//!   created, writes answered, both exports equal to the reference (I3);
+//! - `process-killed`: process 1's `lockstep-replica` SIGKILLed inside its
+//!   container (from the host, by its PID there; kubelet restarts the
+//!   container): a new generation must replace every pod (I2: one
+//!   shared-fate generation) and the next write and peeks be answered and
+//!   right within [`RECOVERY`];
+//! - `process-stopped`: process 0 SIGSTOPped for [`STOP_FOR`], then
+//!   resumed: answered and right within [`RECOVERY`] of the resume;
+//! - `pod-deleted`: process 0's pod deleted through the API: a new
+//!   generation, answered and right within [`RECOVERY`];
+//! - `environment-killed`: `lockstep serve` SIGKILLed and started again on
+//!   its state directory: the replica adopted (the same pod uids, no
+//!   container restarted: O1, nothing rebuilt) and answering right within
+//!   [`RECOVERY`].
+//!
+//! The negative control, `barrier+no-shared-fate`, turns the backend's
+//! shared-fate restart off (failpoint `kube_shared_fate_off`): the
+//! kubelet's in-place restart alone must be caught (I2).
+//!
+//! The suite prints each scenario's time (`{"node_scenario":...}`), what
+//! broke, and one reporting-contract line per variant (`"suite":"kube-node"`);
+//! it exits non-zero unless every variant passed and the control was
+//! caught.
+//!
+//! Variables: `LOCKSTEP_KUBE_KUBECONFIG`, `LOCKSTEP_KUBE_ADMIN_KUBECONFIG`,
+//! `LOCKSTEP_KUBECTL` (as for the other real-server suites),
+//! `LOCKSTEP_NODE_IMAGE` (the image, as containerd names it),
+//! `LOCKSTEP_POLICY_DIR` (the built `*.wasm` policies) and `LOCKSTEP_BIN`
+//! (`lockstep`, built with the test features).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use lockstep_chaos::environment::real_kube::RealCluster;
+use lockstep_chaos::environment::EnvProcess;
+use lockstep_chaos::outcome::{violation, Failure, Tally};
+
+#[path = "node/pods.rs"]
+mod pods;
+#[path = "node/workload.rs"]
+mod workload;
+
+use workload::{Api, Workload};
+
+/// Processes of the replica (pods).
+const PROCESSES: u32 = 2;
+/// Timely workers per process.
+const WORKERS: u32 = 2;
+/// The bound on the set-up (first pods, the mesh, the first answers).
+const SET_UP: Duration = Duration::from_secs(180);
+/// The bound on a recovery after a fault: the next write answered and both
+/// exports right. docs/kubernetes.md states it.
+const RECOVERY: Duration = Duration::from_secs(90);
+/// How long process 0 stays stopped.
+const STOP_FOR: Duration = Duration::from_secs(8);
+/// The variants run by default: every shipped policy, and the negative
+/// control.
+const VARIANTS: [&str; 4] = ["barrier", "broadcast", "log", NEGATIVE];
+/// The negative control: barrier with the Kubernetes backend's shared-fate
+/// restart off (failpoint `kube_shared_fate_off`), so a dead process is
+/// restarted in place by the kubelet alone; `process-killed` must catch it.
+const NEGATIVE: &str = "barrier+no-shared-fate";
+
+/// What every scenario of one variant shares.
+struct Setting {
+    cluster: RealCluster,
+    ns: String,
+    service: String,
+    bin: PathBuf,
+    state: tempfile::TempDir,
+    args: Vec<String>,
+    env: Vec<(String, std::ffi::OsString)>,
+}
+
+impl Setting {
+    async fn serve(&self) -> anyhow::Result<EnvProcess> {
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        EnvProcess::serve(&self.bin, self.state.path(), &args, &self.env).await
+    }
+
+    fn api(env: &EnvProcess) -> Api {
+        Api {
+            url: env.url.clone(),
+            token: env.token.clone(),
+        }
+    }
+
+    /// The generation now, as a harness error if it cannot be read.
+    fn generation(&self) -> Result<u64, Failure> {
+        pods::generation(&self.cluster, &self.ns, &self.service)
+            .map_err(|e| Failure::Harness(format!("{e:#}")))
+    }
+
+    /// The pods run as one generation (I2), checked after an answer.
+    fn one_generation(&self) -> Result<u64, Failure> {
+        match pods::one_generation(&self.cluster, &self.ns, &self.service, PROCESSES as usize) {
+            Ok(Ok(g)) => Ok(g),
+            Ok(Err(what)) => Err(violation(
+                "I2",
+                format!("the replica answered but its pods are not one generation: {what}"),
+            )),
+            Err(e) => Err(Failure::Harness(format!("{e:#}"))),
+        }
+    }
+
+    /// Waits until a new generation replaced `before` (I2: a process's death
+    /// is the whole generation's), within [`RECOVERY`].
+    async fn replaced(&self, before: u64, what: &str) -> Result<(), Failure> {
+        match pods::generation_above(&self.cluster, &self.ns, &self.service, before, RECOVERY).await
+        {
+            Ok(Some(_)) => Ok(()),
+            Ok(None) => Err(violation(
+                "I2",
+                format!(
+                    "{what}: generation {before} was not replaced within {} s",
+                    RECOVERY.as_secs()
+                ),
+            )),
+            Err(e) => Err(Failure::Harness(format!("{e:#}"))),
+        }
+    }
+
+    /// The host PID of process `i`'s `lockstep-replica`.
+    fn pid_of(&self, i: u32) -> Result<u32, Failure> {
+        let harness = |e: anyhow::Error| Failure::Harness(format!("{e:#}"));
+        let pods = pods::pods(&self.cluster, &self.ns, &self.service).map_err(harness)?;
+        let name = format!("{}-{i}", self.service);
+        let pod = pods
+            .iter()
+            .find(|p| p.name == name)
+            .ok_or_else(|| Failure::Harness(format!("no pod {name}")))?;
+        pods::replica_pid(&pod.uid).map_err(harness)
+    }
+}
+
+fn harness(e: impl std::fmt::Display) -> Failure {
+    Failure::Harness(e.to_string())
+}
+
+/// Records a scenario (and prints its time); whether it failed (the
+/// variant's later scenarios then do not run).
+fn timed(
+    out: &mut Vec<Scenario>,
+    policy: &str,
+    name: &'static str,
+    started: Instant,
+    result: Result<(), Failure>,
+) -> bool {
+    let seconds = started.elapsed().as_secs_f64();
+    println!(
+        "{}",
+        serde_json::json!({"node_scenario": name, "variant": policy, "seconds": (seconds * 10.0).round() / 10.0, "ok": result.is_ok()})
+    );
+    let failed = result.is_err();
+    out.push(Scenario {
+        name,
+        result,
+        seconds,
+    });
+    failed
+}
+
+/// One scenario's result and time.
+struct Scenario {
+    name: &'static str,
+    result: Result<(), Failure>,
+    seconds: f64,
+}
+
+async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
+    let mut out = Vec::new();
+    let setting = match setting(cluster, policy) {
+        Ok(s) => s,
+        Err(e) => {
+            out.push(Scenario {
+                name: "create",
+                result: Err(harness(format!("{e:#}"))),
+                seconds: 0.0,
+            });
+            return out;
+        }
+    };
+    let mut env = match setting.serve().await {
+        Ok(env) => env,
+        Err(e) => {
+            out.push(Scenario {
+                name: "create",
+                result: Err(harness(format!("lockstep serve: {e:#}"))),
+                seconds: 0.0,
+            });
+            return out;
+        }
+    };
+    let mut w = Workload::new(Setting::api(&env));
+    // create
+    let started = Instant::now();
+    let result = async {
+        w.set_up(PROCESSES, WORKERS, SET_UP).await?;
+        for _ in 0..3 {
+            w.write(SET_UP, "I2").await?;
+        }
+        w.check(SET_UP, "I2").await?;
+        setting.one_generation().map(drop)
+    }
+    .await;
+    if timed(&mut out, policy, "create", started, result) {
+        return finish(out, env, &setting);
+    }
+
+    // process-killed
+    let started = Instant::now();
+    let result = async {
+        let before = setting.generation()?;
+        let pid = setting.pid_of(1)?;
+        pods::signal(pid, libc::SIGKILL).map_err(harness)?;
+        setting.replaced(before, "process 1 SIGKILLed").await?;
+        w.write_and_check(RECOVERY, "I2").await?;
+        setting.one_generation().map(drop)
+    }
+    .await;
+    if timed(&mut out, policy, "process-killed", started, result) {
+        return finish(out, env, &setting);
+    }
+
+    // process-stopped
+    let result = async {
+        let pid = setting.pid_of(0)?;
+        pods::signal(pid, libc::SIGSTOP).map_err(harness)?;
+        tokio::time::sleep(STOP_FOR).await;
+        pods::signal(pid, libc::SIGCONT).map_err(harness)?;
+        Ok::<_, Failure>(())
+    }
+    .await;
+    let started = Instant::now();
+    let result = match result {
+        Ok(()) => async {
+            w.write_and_check(RECOVERY, "I2").await?;
+            setting.one_generation().map(drop)
+        }
+        .await,
+        Err(e) => Err(e),
+    };
+    if timed(&mut out, policy, "process-stopped", started, result) {
+        return finish(out, env, &setting);
+    }
+
+    // pod-deleted
+    let started = Instant::now();
+    let result = async {
+        let before = setting.generation()?;
+        setting
+            .cluster
+            .kubectl_out(&[
+                "delete",
+                "pod",
+                &format!("{}-0", setting.service),
+                "-n",
+                &setting.ns,
+                "--wait=false",
+            ])
+            .map_err(|e| harness(format!("{e:#}")))?;
+        setting.replaced(before, "pod 0 deleted").await?;
+        w.write_and_check(RECOVERY, "I2").await?;
+        setting.one_generation().map(drop)
+    }
+    .await;
+    if timed(&mut out, policy, "pod-deleted", started, result) {
+        return finish(out, env, &setting);
+    }
+
+    // environment-killed
+    let started = Instant::now();
+    let result = async {
+        let before = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+            .map_err(|e| harness(format!("{e:#}")))?;
+        env.kill().await.map_err(|e| harness(format!("{e:#}")))?;
+        env = setting
+            .serve()
+            .await
+            .map_err(|e| harness(format!("lockstep serve again: {e:#}")))?;
+        w.set_api(Setting::api(&env));
+        w.write_and_check(RECOVERY, "I2").await?;
+        setting.one_generation()?;
+        let after = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+            .map_err(|e| harness(format!("{e:#}")))?;
+        let ids = |p: &[pods::PodView]| {
+            p.iter()
+                .map(|p| (p.uid.clone(), p.restarts))
+                .collect::<Vec<_>>()
+        };
+        if ids(&before) != ids(&after) {
+            return Err(violation(
+                "O1",
+                format!(
+                    "the replica was not adopted across an environment restart: pods (uid, restarts) {:?} became {:?}",
+                    ids(&before),
+                    ids(&after)
+                ),
+            ));
+        }
+        Ok(())
+    }
+    .await;
+    timed(&mut out, policy, "environment-killed", started, result);
+    finish(out, env, &setting)
+}
+
+/// Stops the environment and deletes the variant's namespace (its pods go
+/// with it), then returns the scenarios.
+fn finish(out: Vec<Scenario>, env: EnvProcess, setting: &Setting) -> Vec<Scenario> {
+    drop(env);
+    if let Err(e) = setting.cluster.kubectl_out(&[
+        "delete",
+        "namespace",
+        &setting.ns,
+        "--wait=true",
+        "--timeout=90s",
+    ]) {
+        eprintln!("node: deleting {}: {e:#}", setting.ns);
+    }
+    out
+}
+
+fn setting(cluster: &RealCluster, policy: &str) -> anyhow::Result<Setting> {
+    use anyhow::Context;
+    let var = |name: &str| {
+        std::env::var_os(name)
+            .map(PathBuf::from)
+            .with_context(|| format!("{name} is not set (cargo xtask kube sets it)"))
+    };
+    let image = var("LOCKSTEP_NODE_IMAGE")?;
+    let (policy, control) = match policy.split_once('+') {
+        Some((p, "no-shared-fate")) => (p, true),
+        Some((_, other)) => anyhow::bail!("unknown variant suffix +{other}"),
+        None => (policy, false),
+    };
+    let policy_file = var("LOCKSTEP_POLICY_DIR")?.join(format!("{policy}.wasm"));
+    anyhow::ensure!(
+        policy_file.is_file(),
+        "{} is missing (cargo xtask build-policies)",
+        policy_file.display()
+    );
+    let bin = var("LOCKSTEP_BIN")?;
+    let ns = cluster.fresh_namespace()?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let args = vec![
+        "--listen".to_string(),
+        format!("127.0.0.1:{port}"),
+        "--orchestrator".into(),
+        "kubernetes".into(),
+        "--namespace".into(),
+        ns.clone(),
+        "--kubernetes-environment".into(),
+        "node".into(),
+        "--kubernetes-image".into(),
+        image.to_string_lossy().into_owned(),
+        "--service-binary".into(),
+        "/usr/local/bin/lockstep-replica".into(),
+        // Two cores hold every pod of the suite.
+        "--kubernetes-replica-requests".into(),
+        "cpu=10m,memory=32Mi".into(),
+        "--distribution-policy".into(),
+        policy_file.to_string_lossy().into_owned(),
+    ];
+    let mut env = vec![(
+        "KUBECONFIG".to_string(),
+        cluster.kubeconfig.clone().into_os_string(),
+    )];
+    if control {
+        env.push(("FAILPOINTS".into(), "kube_shared_fate_off=return".into()));
+    }
+    Ok(Setting {
+        cluster: cluster.clone(),
+        ns,
+        // The first replica of a fresh environment.
+        service: "replica-1".into(),
+        bin,
+        state: tempfile::Builder::new().prefix("lockstep-node-").tempdir()?,
+        args,
+        env,
+    })
+}
+
+fn main() -> ExitCode {
+    let variants: Vec<String> = {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        if args.is_empty() {
+            VARIANTS.map(String::from).to_vec()
+        } else {
+            args
+        }
+    };
+    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    let cluster = match runtime.block_on(RealCluster::from_env()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("lockstep-chaos-node: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut all_ok = true;
+    let mut lines = Vec::new();
+    for v in &variants {
+        eprintln!("node: variant {v}");
+        let scenarios = runtime.block_on(variant(&cluster, v));
+        let mut tally = Tally::default();
+        for s in &scenarios {
+            let said = tally.record(&s.result);
+            eprintln!("node: {v} {}: {said} ({:.1} s)", s.name, s.seconds);
+        }
+        let control = v == NEGATIVE;
+        all_ok &= tally.ok(control) && (control || scenarios.len() == 5);
+        lines.push(tally.summary_line("kube-node", v, control));
+    }
+    for l in lines {
+        println!("{l}");
+    }
+    if all_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

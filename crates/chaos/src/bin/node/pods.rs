@@ -1,0 +1,158 @@
+//! What the suite reads of a replica's pods on the real node (through the
+//! administrator's kubectl) and of their processes on this host (`/proc`).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use lockstep_chaos::environment::real_kube::RealCluster;
+use serde_json::Value;
+
+/// One pod of the service, as the API server holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodView {
+    /// `NAME-I`.
+    pub name: String,
+    /// Its uid.
+    pub uid: String,
+    /// Its `lockstep/generation` label.
+    pub generation: String,
+    /// Running, with every container ready.
+    pub ready: bool,
+    /// The sum of its containers' restart counts.
+    pub restarts: i64,
+    /// Being deleted.
+    pub deleting: bool,
+}
+
+/// The service's pods, by name.
+pub fn pods(cluster: &RealCluster, ns: &str, service: &str) -> anyhow::Result<Vec<PodView>> {
+    let out = cluster.kubectl_out(&[
+        "get",
+        "pods",
+        "-n",
+        ns,
+        "-l",
+        &format!("lockstep/service={service}"),
+        "-o",
+        "json",
+    ])?;
+    let list: Value = serde_json::from_str(&out).context("kubectl get pods printed no JSON")?;
+    let mut pods: Vec<PodView> = list["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            let statuses = p["status"]["containerStatuses"].as_array();
+            PodView {
+                name: p["metadata"]["name"].as_str().unwrap_or("").to_string(),
+                uid: p["metadata"]["uid"].as_str().unwrap_or("").to_string(),
+                generation: p["metadata"]["labels"]["lockstep/generation"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string(),
+                ready: p["status"]["phase"] == "Running"
+                    && statuses.is_some_and(|s| !s.is_empty() && s.iter().all(|c| c["ready"] == true)),
+                restarts: statuses
+                    .into_iter()
+                    .flatten()
+                    .map(|c| c["restartCount"].as_i64().unwrap_or(0))
+                    .sum(),
+                deleting: !p["metadata"]["deletionTimestamp"].is_null(),
+            }
+        })
+        .collect();
+    pods.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(pods)
+}
+
+/// The service record's generation (its `lockstep/generation` annotation).
+pub fn generation(cluster: &RealCluster, ns: &str, service: &str) -> anyhow::Result<u64> {
+    let out = cluster.kubectl_out(&[
+        "get",
+        "service",
+        service,
+        "-n",
+        ns,
+        "-o",
+        "jsonpath={.metadata.annotations.lockstep/generation}",
+    ])?;
+    out.trim()
+        .parse()
+        .with_context(|| format!("the record of {service} has no generation ({out:?})"))
+}
+
+/// Whether the service runs as one generation: `processes` pods, none
+/// being deleted, every one ready and labelled with the record's
+/// generation.
+pub fn one_generation(
+    cluster: &RealCluster,
+    ns: &str,
+    service: &str,
+    processes: usize,
+) -> anyhow::Result<Result<u64, String>> {
+    let g = generation(cluster, ns, service)?;
+    let pods = pods(cluster, ns, service)?;
+    let bad: Vec<String> = pods
+        .iter()
+        .filter(|p| !p.ready || p.deleting || p.generation != g.to_string())
+        .map(|p| format!("{} (generation {}, ready {}, deleting {})", p.name, p.generation, p.ready, p.deleting))
+        .collect();
+    if pods.len() != processes || !bad.is_empty() {
+        return Ok(Err(format!(
+            "record generation {g}, {} pods of {processes}; not of it or not ready: {bad:?}",
+            pods.len()
+        )));
+    }
+    Ok(Ok(g))
+}
+
+/// Waits (at most `bound`) until the record's generation is above `above`.
+pub async fn generation_above(
+    cluster: &RealCluster,
+    ns: &str,
+    service: &str,
+    above: u64,
+    bound: Duration,
+) -> anyhow::Result<Option<u64>> {
+    let deadline = Instant::now() + bound;
+    loop {
+        let g = generation(cluster, ns, service)?;
+        if g > above {
+            return Ok(Some(g));
+        }
+        if Instant::now() >= deadline {
+            return Ok(None);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// The host PID of `lockstep-replica` in the pod with `uid` (its cgroup
+/// path names the pod: `.../pod<uid>/<container>`).
+pub fn replica_pid(uid: &str) -> anyhow::Result<u32> {
+    let underscored = uid.replace('-', "_");
+    for entry in std::fs::read_dir("/proc")?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let argv0 = cmdline.split(|b| *b == 0).next().unwrap_or(&[]);
+        if !argv0.ends_with(b"lockstep-replica") {
+            continue;
+        }
+        let Ok(cgroup) = std::fs::read_to_string(entry.path().join("cgroup")) else {
+            continue;
+        };
+        if cgroup.contains(&format!("pod{uid}")) || cgroup.contains(&format!("pod{underscored}")) {
+            return Ok(pid);
+        }
+    }
+    bail!("no lockstep-replica process on this host is in pod {uid}'s cgroup")
+}
+
+/// Sends `signal` to `pid`.
+pub fn signal(pid: u32, signal: libc::c_int) -> anyhow::Result<()> {
+    lockstep_chaos::signal::send(pid, signal).map_err(anyhow::Error::msg)
+}

@@ -1,0 +1,349 @@
+//! The client of the real-node suite: writes to one input and peeks of two
+//! exports, every answer checked against the plain-Rust reference (I3),
+//! every call retried within a bound (a call not answered within it is a
+//! violation of R2's promise that the replica is back within the bound).
+//!
+//! Write `t` inserts the row `[t, t % 4]` at time `t` and moves the upper
+//! to `t + 1`. A write is retried (the same request) until answered;
+//! `OUT_OF_RANGE` after an attempt that was sent means that attempt was
+//! applied (this client is the input's only writer).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use lockstep_chaos::environment::Client;
+use lockstep_chaos::outcome::{violation, Failure};
+use lockstep_environment::proto;
+use lockstep_plan::{Aggregate, Plan};
+use lockstep_protocol::proto as wire;
+
+/// The replica's name.
+pub const REPLICA: &str = "r";
+/// The input collection.
+const INPUT: u64 = 1;
+/// The identity export.
+const IDENTITY: u64 = 101;
+/// The reduce export: per `t % 4`, the count and the sum of `t`.
+const REDUCE: u64 = 102;
+/// One attempt's bound.
+const ATTEMPT: Duration = Duration::from_secs(10);
+/// The pause between attempts.
+const RETRY: Duration = Duration::from_millis(250);
+
+fn reduce_plan() -> Plan {
+    Plan::Reduce {
+        input: Box::new(Plan::Get {
+            collection_id: INPUT,
+        }),
+        key: vec![1],
+        aggregates: vec![Aggregate::Count, Aggregate::Sum(0)],
+    }
+}
+
+/// How to reach the API: its URL and token (a new connection per attempt,
+/// so an environment restarted on the same port is found again).
+#[derive(Clone, Debug)]
+pub struct Api {
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    /// The API token.
+    pub token: Option<String>,
+}
+
+impl Api {
+    async fn client(&self) -> Result<Client, String> {
+        let endpoint = tonic::transport::Endpoint::from_shared(self.url.clone())
+            .map_err(|e| e.to_string())?
+            .connect_timeout(ATTEMPT);
+        let channel = tokio::time::timeout(ATTEMPT, endpoint.connect())
+            .await
+            .map_err(|_| "connect timed out".to_string())?
+            .map_err(|e| format!("connect: {e}"))?;
+        let bearer = lockstep_chaos::environment::Bearer::new(self.token.as_deref())
+            .map_err(|e| e.to_string())?;
+        Ok(proto::environment_client::EnvironmentClient::with_interceptor(channel, bearer))
+    }
+}
+
+fn code(s: &tonic::Status) -> String {
+    format!("{:?}: {}", s.code(), s.message())
+}
+
+/// The writes made so far, and the API.
+pub struct Workload {
+    api: Api,
+    applied: BTreeMap<u64, Vec<i64>>,
+    next: u64,
+}
+
+impl Workload {
+    /// A client of `api` with no writes yet.
+    pub fn new(api: Api) -> Workload {
+        Workload {
+            api,
+            applied: BTreeMap::new(),
+            next: 0,
+        }
+    }
+
+    /// Points the client at a restarted environment.
+    pub fn set_api(&mut self, api: Api) {
+        self.api = api;
+    }
+
+    /// The time of the newest applied write.
+    pub fn newest(&self) -> Option<u64> {
+        self.applied.keys().next_back().copied()
+    }
+
+    /// Creates the replica (`processes` x `workers`) and its dataflow,
+    /// each retried until answered within `bound`. A harness error if not:
+    /// nothing was faulted yet.
+    pub async fn set_up(
+        &mut self,
+        processes: u32,
+        workers: u32,
+        bound: Duration,
+    ) -> Result<u64, Failure> {
+        let deadline = Instant::now() + bound;
+        let id = loop {
+            let req = proto::CreateReplicaRequest {
+                name: REPLICA.into(),
+                processes,
+                workers_per_process: workers,
+                config: String::new(),
+            };
+            let answer = match self.api.client().await {
+                Ok(mut c) => c.create_replica(req).await.map_err(|s| code(&s)),
+                Err(e) => Err(e),
+            };
+            match answer {
+                Ok(r) => break r.into_inner().replica.map(|r| r.id).unwrap_or(0),
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("node: create replica: {e}; again");
+                    tokio::time::sleep(RETRY).await;
+                }
+                Err(e) => return Err(Failure::Harness(format!("creating the replica: {e}"))),
+            }
+        };
+        let identity = Plan::Get {
+            collection_id: INPUT,
+        };
+        let create = proto::CreateDataflowRequest {
+            replica: REPLICA.into(),
+            name: "node".into(),
+            inputs: vec![INPUT],
+            exports: vec![
+                wire::Export {
+                    collection_id: IDENTITY,
+                    description: lockstep_plan::encode(&identity),
+                },
+                wire::Export {
+                    collection_id: REDUCE,
+                    description: lockstep_plan::encode(&reduce_plan()),
+                },
+            ],
+            as_of: 0,
+            format: String::new(),
+        };
+        loop {
+            let answer = match self.api.client().await {
+                Ok(mut c) => c
+                    .create_dataflow(create.clone())
+                    .await
+                    .map_err(|s| code(&s)),
+                Err(e) => Err(e),
+            };
+            match answer {
+                Ok(_) => return Ok(id),
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("node: create dataflow: {e}; again");
+                    tokio::time::sleep(RETRY).await;
+                }
+                Err(e) => return Err(Failure::Harness(format!("creating the dataflow: {e}"))),
+            }
+        }
+    }
+
+    /// One write, retried until answered within `bound` (else a violation
+    /// of `invariant`).
+    pub async fn write(&mut self, bound: Duration, invariant: &str) -> Result<(), Failure> {
+        let started = Instant::now();
+        let t = self.next;
+        let row = vec![t as i64, (t % 4) as i64];
+        let req = proto::WriteInputRequest {
+            replica: REPLICA.into(),
+            collection_id: INPUT,
+            updates: vec![wire::Update {
+                row: lockstep_plan::row(&row),
+                time: t,
+                diff: 1,
+            }],
+            upper: t + 1,
+        };
+        let mut attempts = 0u32;
+        let mut last = String::from("no attempt");
+        loop {
+            if started.elapsed() >= bound {
+                return Err(violation(
+                    invariant,
+                    format!(
+                        "the write at {t} was not answered within {:.0} s: {last}",
+                        bound.as_secs_f64()
+                    ),
+                ));
+            }
+            let answer = match self.api.client().await {
+                Ok(mut c) => {
+                    attempts += 1;
+                    tokio::time::timeout(ATTEMPT, c.write_input(req.clone()))
+                        .await
+                        .map_err(|_| tonic::Status::deadline_exceeded("no answer"))
+                        .and_then(|r| r)
+                }
+                Err(e) => {
+                    last = e;
+                    tokio::time::sleep(RETRY).await;
+                    continue;
+                }
+            };
+            match answer {
+                Ok(_) => break,
+                // An earlier attempt was applied (the first attempt's
+                // OUT_OF_RANGE is a refusal: a harness error below).
+                Err(s) if s.code() == tonic::Code::OutOfRange && attempts > 1 => break,
+                Err(s)
+                    if matches!(
+                        s.code(),
+                        tonic::Code::InvalidArgument | tonic::Code::OutOfRange
+                    ) =>
+                {
+                    return Err(Failure::Harness(format!(
+                        "the write at {t} was refused: {}",
+                        code(&s)
+                    )))
+                }
+                Err(s) => last = code(&s),
+            }
+            tokio::time::sleep(RETRY).await;
+        }
+        self.applied.insert(t, row);
+        self.next += 1;
+        Ok(())
+    }
+
+    /// The rows of `collection` at `t`, retried until answered within the
+    /// time left before `deadline`.
+    async fn peek_rows(
+        &self,
+        collection: u64,
+        t: u64,
+        deadline: Instant,
+        invariant: &str,
+    ) -> Result<BTreeMap<Vec<u8>, i64>, Failure> {
+        let mut last = String::from("no attempt");
+        loop {
+            if Instant::now() >= deadline {
+                return Err(violation(
+                    invariant,
+                    format!("a peek of {collection} at {t} was not answered in time: {last}"),
+                ));
+            }
+            let req = proto::PeekRequest {
+                replica: REPLICA.into(),
+                collection_id: collection,
+                timestamp: t,
+            };
+            let answer = match self.api.client().await {
+                Ok(mut c) => tokio::time::timeout(ATTEMPT, c.peek(req))
+                    .await
+                    .map_err(|_| tonic::Status::deadline_exceeded("no answer"))
+                    .and_then(|r| r),
+                Err(e) => {
+                    last = e;
+                    tokio::time::sleep(RETRY).await;
+                    continue;
+                }
+            };
+            match answer {
+                Ok(rows) => {
+                    let mut m = BTreeMap::new();
+                    for r in rows.into_inner().rows {
+                        *m.entry(r.values).or_insert(0) += r.diff;
+                    }
+                    m.retain(|_, d| *d != 0);
+                    return Ok(m);
+                }
+                Err(s) if s.code() == tonic::Code::NotFound => {
+                    return Err(violation(
+                        "I3",
+                        format!("a peek of the live collection {collection} answered NOT_FOUND: {}", s.message()),
+                    ))
+                }
+                Err(s) => last = code(&s),
+            }
+            tokio::time::sleep(RETRY).await;
+        }
+    }
+
+    /// Peeks both exports at the newest write, answered within `bound`
+    /// (else a violation of `invariant`), and checks them against the
+    /// reference over every applied write (I3).
+    pub async fn check(&self, bound: Duration, invariant: &str) -> Result<(), Failure> {
+        let Some(t) = self.newest() else {
+            return Ok(());
+        };
+        let deadline = Instant::now() + bound;
+        let updates: Vec<lockstep_protocol::Update> = self
+            .applied
+            .range(..=t)
+            .map(|(w, v)| lockstep_protocol::Update {
+                row: lockstep_plan::row(v),
+                time: *w,
+                diff: 1,
+            })
+            .collect();
+        let inputs = BTreeMap::from([(INPUT, updates)]);
+        for (collection, plan) in [
+            (
+                IDENTITY,
+                Plan::Get {
+                    collection_id: INPUT,
+                },
+            ),
+            (REDUCE, reduce_plan()),
+        ] {
+            let got = self.peek_rows(collection, t, deadline, invariant).await?;
+            let want: BTreeMap<Vec<u8>, i64> = lockstep_plan::reference::evaluate(&plan, &inputs, t)
+                .into_iter()
+                .collect();
+            if got != want {
+                let show = |m: &BTreeMap<Vec<u8>, i64>| {
+                    m.iter()
+                        .map(|(r, d)| {
+                            format!("{:?}x{d}", lockstep_plan::rows::decode(r).unwrap_or_default())
+                        })
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                };
+                return Err(violation(
+                    "I3",
+                    format!(
+                        "a peek of {collection} at {t} answered [{}]; the reference over the writes is [{}]",
+                        show(&got),
+                        show(&want)
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A write, then both exports checked, within `bound` in all.
+    pub async fn write_and_check(&mut self, bound: Duration, invariant: &str) -> Result<(), Failure> {
+        let started = Instant::now();
+        self.write(bound, invariant).await?;
+        self.check(bound.saturating_sub(started.elapsed()), invariant)
+            .await
+    }
+}
