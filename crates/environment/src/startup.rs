@@ -34,9 +34,6 @@ impl Environment {
         master_secret: Option<[u8; 32]>,
     ) -> Result<Environment, StartError> {
         check_state_dir(&config.state_dir)?;
-        if !program_exists(&config.service.program) {
-            return Err(StartError::ServiceBinaryMissing(config.service.program));
-        }
         let store = Store::from_arg(config.store.as_deref(), config.state_dir.join(CATALOG_FILE))
             .map_err(StartError::Store)?;
         let mut catalog = Catalog::open_store(&store)?;
@@ -46,16 +43,30 @@ impl Environment {
             epoch: catalog.epoch(),
             conditional_writes: config.conditional_writes,
         })?;
+        // A pod's program is a path in its image, not here.
+        if orchestrator.runs_programs_here() && !program_exists(&config.service.program) {
+            return Err(StartError::ServiceBinaryMissing(config.service.program));
+        }
         let command_logs = match &store {
-            Store::Postgres(url) => CommandLogs::Postgres(url.clone()),
-            Store::Sqlite(_) => CommandLogs::Dir(
+            Store::Postgres(url) => Some(CommandLogs::Postgres(url.clone())),
+            // A SQLite file is shared by the replica's processes and its
+            // controller: only where they run on this machine. Pods get no
+            // command log (the `log` strategy falls back) unless the store
+            // is PostgreSQL.
+            Store::Sqlite(_) if !orchestrator.runs_programs_here() => {
+                tracing::warn!(
+                    "replicas run elsewhere and the store is SQLite: replicas have no command log, so a `log` choice falls back (give --store postgres://... for the log strategy)"
+                );
+                None
+            }
+            Store::Sqlite(_) => Some(CommandLogs::Dir(
                 std::path::absolute(config.state_dir.join(COMMAND_LOG_DIR))
                     .and_then(|dir| std::fs::create_dir_all(&dir).map(|()| dir))
                     .map_err(|source| StartError::StateDirUnwritable {
                         path: config.state_dir.join(COMMAND_LOG_DIR),
                         source,
                     })?,
-            ),
+            )),
         };
         let secret = match master_secret {
             Some(secret) => secret,
@@ -66,11 +77,13 @@ impl Environment {
                 }
             })?,
         };
-        let env =
+        let mut env =
             Self::with_orchestrator(catalog, orchestrator, config.orphan_policy, config.service)?
-                .with_command_logs(command_logs)
                 .with_session_secret(secret)
                 .with_api_token(config.api_token);
+        if let Some(logs) = command_logs {
+            env = env.with_command_logs(logs);
+        }
         if let Some(path) = &config.distribution_policy {
             let wasm = std::fs::read(path).unwrap_or_default();
             env.policies_in_force.lock().expect("poisoned").insert(

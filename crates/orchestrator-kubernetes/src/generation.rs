@@ -137,7 +137,7 @@ impl Inner {
             .await
             .map_err(|e| e.into_restart(name, ours))?;
         self.announce(name, &created);
-        Ok(self.status_when_ready(&record).await?)
+        Ok(self.announce_addresses(&record).await?)
     }
 
     /// Shared fate: restarts service `name` as a whole (a new generation)
@@ -174,9 +174,9 @@ impl Inner {
             .new_generation(name, record, Some(generation), true)
             .await
         {
-            Ok((_, created)) => {
+            Ok((record, created)) => {
                 self.announce(name, &created);
-                Ok(())
+                self.announce_addresses(&record).await.map(drop)
             }
             Err(GenerationError::State(e)) => Err(e),
             Err(GenerationError::Spawn {

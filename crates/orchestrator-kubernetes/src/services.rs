@@ -87,6 +87,7 @@ impl Inner {
         self.write_budget(&config).await?;
         let mut created = Vec::new();
         let mut decided = false;
+        let mut replaced = false;
         for _ in 0..CONFLICT_ATTEMPTS {
             let generation = generation_of(&record);
             let pods = self.service_pods(&name).await?;
@@ -141,6 +142,7 @@ impl Inner {
                 .map_err(|e| e.into_ensure(&name, ours))?;
             record = r;
             created = c;
+            replaced = true;
             decided = true;
             break;
         }
@@ -169,10 +171,33 @@ impl Inner {
             _ => {}
         }
         self.announce(&name, &created);
+        if replaced {
+            // A running service's pods were replaced: new IPs.
+            return Ok(self.announce_addresses(&record).await?);
+        }
         Ok(self.status_when_ready(&record).await?)
     }
 
     /// `Started` for each pod created.
+    /// Once every pod of `record`'s service has an IP (bounded by the ready
+    /// timeout): tells watchers the processes' new addresses (a new
+    /// generation's pods have new IPs), so a controller reconnects there.
+    pub(super) async fn announce_addresses(&self, record: &Service) -> Result<ServiceStatus, StateError> {
+        let status = self.status_when_ready(record).await?;
+        let mut processes = status.processes.clone();
+        processes.sort_by_key(|p| p.index);
+        if !processes.is_empty() && processes.iter().all(|p| !p.addresses.is_empty()) {
+            let _ = self.events.send(ServiceEvent {
+                service: status.name.clone(),
+                process: None,
+                kind: ServiceEventKind::AddressesChanged {
+                    addresses: processes.into_iter().map(|p| p.addresses).collect(),
+                },
+            });
+        }
+        Ok(status)
+    }
+
     pub(super) fn announce(&self, service: &str, created: &[(String, String)]) {
         for (pod, _) in created {
             let index = pod.rsplit('-').next().and_then(|i| i.parse().ok());

@@ -315,11 +315,13 @@ pub enum ServiceEventKind {
     },
     /// The service was dropped (every process killed).
     Dropped,
-    /// A process kept exiting at once while a port recorded for it was held
-    /// by another socket: every process of the service got new ports and was
-    /// restarted (its peers must agree on everyone's ports). A whole-service
-    /// event; clients of the service must use the new addresses.
-    PortsReassigned {
+    /// Every process of the service listens on new addresses; clients of
+    /// the service must use them. A whole-service event. The process
+    /// backend: a process kept exiting at once while a port recorded for it
+    /// was held by another socket, so every process got new ports and was
+    /// restarted (its peers must agree on everyone's ports). The Kubernetes
+    /// backend: a new generation's pods got their IPs.
+    AddressesChanged {
         /// Every process's new addresses, in process order.
         addresses: Vec<BTreeMap<String, std::net::SocketAddr>>,
     },
@@ -544,4 +546,11 @@ pub trait Orchestrator: Send + Sync {
 
     /// Status events of every service from now on.
     fn watch_services(&self) -> broadcast::Receiver<ServiceEvent>;
+
+    /// Whether a service's program is a path on this machine (the process
+    /// backend: checked before anything starts), rather than one inside a
+    /// container image (the Kubernetes backend, which checks the image).
+    fn runs_programs_here(&self) -> bool {
+        true
+    }
 }

@@ -105,15 +105,25 @@ impl Setting {
             .map_err(|e| Failure::Harness(format!("{e:#}")))
     }
 
-    /// The pods run as one generation (I2), checked after an answer.
-    fn one_generation(&self) -> Result<u64, Failure> {
-        match pods::one_generation(&self.cluster, &self.ns, &self.service, PROCESSES as usize) {
-            Ok(Ok(g)) => Ok(g),
-            Ok(Err(what)) => Err(violation(
-                "I2",
-                format!("the replica answered but its pods are not one generation: {what}"),
-            )),
-            Err(e) => Err(Failure::Harness(format!("{e:#}"))),
+    /// The pods run as one generation, every one ready (I2), within
+    /// [`RECOVERY`] (a readiness probe trails the first answer).
+    async fn one_generation(&self) -> Result<u64, Failure> {
+        let deadline = Instant::now() + RECOVERY;
+        loop {
+            match pods::one_generation(&self.cluster, &self.ns, &self.service, PROCESSES as usize) {
+                Ok(Ok(g)) => return Ok(g),
+                Ok(Err(what)) if Instant::now() >= deadline => {
+                    return Err(violation(
+                        "I2",
+                        format!(
+                            "the replica answered but its pods are not one ready generation within {} s: {what}",
+                            RECOVERY.as_secs()
+                        ),
+                    ))
+                }
+                Ok(Err(_)) => tokio::time::sleep(Duration::from_millis(250)).await,
+                Err(e) => return Err(Failure::Harness(format!("{e:#}"))),
+            }
         }
     }
 
@@ -214,7 +224,7 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
             w.write(SET_UP, "I2").await?;
         }
         w.check(SET_UP, "I2").await?;
-        setting.one_generation().map(drop)
+        setting.one_generation().await.map(drop)
     }
     .await;
     if timed(&mut out, policy, "create", started, result) {
@@ -228,8 +238,9 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
         let pid = setting.pid_of(1)?;
         pods::signal(pid, libc::SIGKILL).map_err(harness)?;
         setting.replaced(before, "process 1 SIGKILLed").await?;
-        w.write_and_check(RECOVERY, "I2").await?;
-        setting.one_generation().map(drop)
+        // The answers must come from the new generation.
+        setting.one_generation().await?;
+        w.write_and_check(RECOVERY, "I2").await
     }
     .await;
     if timed(&mut out, policy, "process-killed", started, result) {
@@ -249,7 +260,7 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
     let result = match result {
         Ok(()) => async {
             w.write_and_check(RECOVERY, "I2").await?;
-            setting.one_generation().map(drop)
+            setting.one_generation().await.map(drop)
         }
         .await,
         Err(e) => Err(e),
@@ -274,8 +285,8 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
             ])
             .map_err(|e| harness(format!("{e:#}")))?;
         setting.replaced(before, "pod 0 deleted").await?;
-        w.write_and_check(RECOVERY, "I2").await?;
-        setting.one_generation().map(drop)
+        setting.one_generation().await?;
+        w.write_and_check(RECOVERY, "I2").await
     }
     .await;
     if timed(&mut out, policy, "pod-deleted", started, result) {
@@ -294,7 +305,7 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
             .map_err(|e| harness(format!("lockstep serve again: {e:#}")))?;
         w.set_api(Setting::api(&env));
         w.write_and_check(RECOVERY, "I2").await?;
-        setting.one_generation()?;
+        setting.one_generation().await?;
         let after = pods::pods(&setting.cluster, &setting.ns, &setting.service)
             .map_err(|e| harness(format!("{e:#}")))?;
         let ids = |p: &[pods::PodView]| {

@@ -173,11 +173,12 @@ impl Watcher {
         }
     }
 
-    /// Acts on an event of the replica's service: new ports (the
-    /// orchestrator re-chose them after a port was taken) go to the
-    /// controller, which reconnects there.
+    /// Acts on an event of the replica's service: new addresses (the
+    /// process backend re-chose ports after one was taken; a new
+    /// generation of pods got new IPs) go to the controller, which
+    /// reconnects there.
     pub(super) fn on_service_event(&self, kind: lockstep_orchestrator::ServiceEventKind) {
-        let lockstep_orchestrator::ServiceEventKind::PortsReassigned { addresses } = kind else {
+        let lockstep_orchestrator::ServiceEventKind::AddressesChanged { addresses } = kind else {
             return;
         };
         let controller: Option<Vec<std::net::SocketAddr>> = addresses
@@ -186,7 +187,7 @@ impl Watcher {
             .collect();
         match controller {
             Some(addrs) => {
-                tracing::warn!(replica = %self.replica, ?addrs, "the replica's processes got new ports; reconnecting there");
+                tracing::warn!(replica = %self.replica, ?addrs, "the replica's processes got new addresses; reconnecting there");
                 let addrs = addrs
                     .into_iter()
                     .map(lockstep_protocol::Endpoint::from)

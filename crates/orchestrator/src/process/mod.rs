@@ -71,7 +71,7 @@
 //! name each other's ports on their command lines), kills them all, starts
 //! them with command lines built by the service's args function for the new
 //! ports, records them in `NAME.json`, and emits
-//! [`ServiceEventKind::PortsReassigned`] with the new addresses.
+//! [`ServiceEventKind::AddressesChanged`] with the new addresses.
 //!
 //! [`restart_service`] kills every process of a service (SIGKILL to each
 //! process group, which kills a stopped process too) and starts them again
@@ -170,7 +170,7 @@ pub struct ProcessOrchestratorConfig {
     /// After this many restarts of a process in a row (each exiting before
     /// [`Backoff::reset_after`]), if a port recorded for it is held by another
     /// socket, every process of the service gets new ports and is restarted
-    /// ([`ServiceEventKind::PortsReassigned`]). `0` never re-chooses ports.
+    /// ([`ServiceEventKind::AddressesChanged`]). `0` never re-chooses ports.
     pub reassign_ports_after: u32,
     /// Simulated hosts (network namespaces, see [`crate::hosts`]) to place
     /// processes on; 0: every process on this host's loopback (`127.0.0.1`).

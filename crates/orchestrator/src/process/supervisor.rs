@@ -345,7 +345,7 @@ impl Inner {
         self.emit(
             name,
             None,
-            ServiceEventKind::PortsReassigned {
+            ServiceEventKind::AddressesChanged {
                 addresses: record
                     .processes
                     .iter()
