@@ -20,7 +20,7 @@
 //!   ([`KubernetesOrchestratorConfig::resources`]), a restricted security
 //!   context and a preferred anti-affinity against the service's other pods
 //!   (see [`objects::pod`]);
-//! - a PodDisruptionBudget `NAME` over its pods (`maxUnavailable: 1`,
+//! - a PodDisruptionBudget `NAME` over its pods (`minAvailable: scale - 1`,
 //!   [`objects::disruption_budget`]), written and fenced like the Secret,
 //!   deleted with the service;
 //! - a Secret `NAME-env` with the config's environment (the replica's session

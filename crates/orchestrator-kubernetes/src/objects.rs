@@ -367,9 +367,13 @@ pub fn pod_selector_labels(ctx: &ObjectContext, service: &str) -> BTreeMap<Strin
 }
 
 /// The PodDisruptionBudget of a service, named like it: at most one of its
-/// pods evicted at a time (`maxUnavailable: 1`), so a node drain takes one
-/// process of a replica, and the backend's shared-fate restart brings the
-/// whole replica back before the next eviction may proceed. A pod that is
+/// pods evicted at a time (`minAvailable: scale - 1`), so a node drain takes
+/// one process of a replica, and the backend's shared-fate restart brings
+/// the whole replica back before the next eviction may proceed. An integer
+/// `minAvailable`, not `maxUnavailable`: the disruption controller counts
+/// the pods the selector matches for it, while `maxUnavailable` needs the
+/// pods' controller to have a scale (a Deployment's), which the service
+/// record is not, and then refuses every eviction. A pod that is
 /// not ready may always be evicted (`unhealthyPodEvictionPolicy:
 /// AlwaysAllow`), so a broken replica never blocks a drain. Labelled with
 /// the epoch like the Secret.
@@ -382,7 +386,9 @@ pub fn disruption_budget(ctx: &ObjectContext, config: &ServiceConfig) -> PodDisr
             BTreeMap::new(),
         ),
         spec: Some(PodDisruptionBudgetSpec {
-            max_unavailable: Some(IntOrString::Int(1)),
+            min_available: Some(IntOrString::Int(
+                i32::try_from(config.scale.saturating_sub(1)).unwrap_or(i32::MAX),
+            )),
             selector: Some(LabelSelector {
                 match_labels: Some(pod_selector_labels(ctx, &config.name)),
                 ..LabelSelector::default()
@@ -391,6 +397,22 @@ pub fn disruption_budget(ctx: &ObjectContext, config: &ServiceConfig) -> PodDisr
             ..PodDisruptionBudgetSpec::default()
         }),
         status: None,
+    }
+}
+
+/// The owner reference that makes a service's record the controller of
+/// its pods: `kubectl drain` and the cluster autoscaler evict a pod with a
+/// controller (a bare pod they refuse to touch), and the garbage collector
+/// deletes the pods if the record goes. No `blockOwnerDeletion` (it would
+/// need `update` on `services/finalizers`).
+pub fn record_controls(service: &str, record_uid: &str) -> OwnerReference {
+    OwnerReference {
+        api_version: "v1".to_string(),
+        kind: "Service".to_string(),
+        name: service.to_string(),
+        uid: record_uid.to_string(),
+        controller: Some(true),
+        block_owner_deletion: None,
     }
 }
 

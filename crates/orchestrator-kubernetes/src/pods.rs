@@ -61,7 +61,13 @@ impl Inner {
         let id = label_u64(record.labels(), ID_LABEL).unwrap_or(0);
         let mut created = Vec::new();
         for i in 0..template.argv.len() {
-            let pod = objects::pod(&ctx, &name, id, template, i, generation, restarts(i));
+            let mut pod = objects::pod(&ctx, &name, id, template, i, generation, restarts(i));
+            if let Some(uid) = record.uid() {
+                pod.metadata
+                    .owner_references
+                    .get_or_insert_with(Vec::new)
+                    .push(objects::record_controls(&name, &uid));
+            }
             match self.pods.create(&PostParams::default(), &pod).await {
                 Ok(p) => created.push((p.name_any(), p.uid().unwrap_or_default())),
                 Err(e) if is_conflict(&e) => {

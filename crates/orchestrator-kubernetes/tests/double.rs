@@ -490,19 +490,25 @@ async fn every_object_is_owned_by_the_environment_object_when_one_is_given() {
     ));
     let o = KubernetesOrchestrator::new(api.client(NS), c);
     o.ensure_service(replica("replica-1", 1, 1)).await.unwrap();
-    for (resource, name) in [
-        ("services", "replica-1"),
-        ("pods", "replica-1-0"),
-        ("secrets", "replica-1-env"),
-    ] {
+    let environment = json!({"apiVersion": "apps/v1", "kind": "Deployment", "name": "lockstep-environment",
+                             "uid": "uid-env", "controller": false, "blockOwnerDeletion": false});
+    for (resource, name) in [("services", "replica-1"), ("secrets", "replica-1-env")] {
         let object = api.get(resource, NS, name).unwrap();
         assert_eq!(
             object["metadata"]["ownerReferences"],
-            json!([{"apiVersion": "apps/v1", "kind": "Deployment", "name": "lockstep-environment",
-                    "uid": "uid-env", "controller": false, "blockOwnerDeletion": false}]),
+            json!([environment]),
             "{resource}/{name}"
         );
     }
+    // A pod is also controlled by its service's record (so `kubectl drain`
+    // evicts it).
+    let record_uid = api.get("services", NS, "replica-1").unwrap()["metadata"]["uid"].clone();
+    let pod = api.get("pods", NS, "replica-1-0").unwrap();
+    assert_eq!(
+        pod["metadata"]["ownerReferences"],
+        json!([environment, {"apiVersion": "v1", "kind": "Service", "name": "replica-1",
+                             "uid": record_uid, "controller": true}])
+    );
 }
 
 #[tokio::test]
@@ -996,7 +1002,7 @@ async fn every_replica_has_a_disruption_budget_over_its_own_pods_dropped_with_it
     )
     .expect("a valid PodDisruptionBudget");
     let spec = budget.spec.unwrap();
-    assert_eq!(spec.max_unavailable, Some(IntOrString::Int(1)));
+    assert_eq!(spec.min_available, Some(IntOrString::Int(2)), "3 processes, one evicted at a time");
     assert_eq!(
         spec.unhealthy_pod_eviction_policy.as_deref(),
         Some("AlwaysAllow")

@@ -258,7 +258,7 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
     let (body, send) = expect(&mut mock, Method::POST, &budgets, &[]).await;
     assert_eq!(body["metadata"]["name"], "replica-5");
     assert_eq!(body["metadata"]["labels"]["lockstep/epoch"], "7");
-    assert_eq!(body["spec"]["maxUnavailable"], 1);
+    assert_eq!(body["spec"]["minAvailable"], 1);
     assert_eq!(body["spec"]["unhealthyPodEvictionPolicy"], "AlwaysAllow");
     assert_eq!(
         body["spec"]["selector"],

@@ -21,6 +21,10 @@
 //!   resumed: answered and right within [`RECOVERY`] of the resume;
 //! - `pod-deleted`: process 0's pod deleted through the API: a new
 //!   generation, answered and right within [`RECOVERY`];
+//! - `drained`: `kubectl drain` of the node (the pods' controller is their
+//!   service's record, their budget `minAvailable: scale - 1`), then
+//!   `uncordon`: the drain finishes, a new generation runs, answered and
+//!   right within [`RECOVERY`];
 //! - `environment-killed`: `lockstep serve` SIGKILLed and started again on
 //!   its state directory: the replica adopted (the same pod uids, no
 //!   container restarted: O1, nothing rebuilt) and answering right within
@@ -39,7 +43,7 @@
 //! `LOCKSTEP_KUBECTL` (as for the other real-server suites),
 //! `LOCKSTEP_NODE_IMAGE` (the image, as containerd names it),
 //! `LOCKSTEP_POLICY_DIR` (the built `*.wasm` policies) and `LOCKSTEP_BIN`
-//! (`lockstep`, built with the test features).
+//! (`lockstep`, built with the test features) and `LOCKSTEP_NODE_NAME`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -302,6 +306,36 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
         return finish(out, env, &setting);
     }
 
+    // drained
+    let started = Instant::now();
+    let result = async {
+        let before = setting.generation()?;
+        let node = std::env::var("LOCKSTEP_NODE_NAME")
+            .map_err(|_| harness("LOCKSTEP_NODE_NAME is not set (cargo xtask kube sets it)"))?;
+        let drained = setting.cluster.kubectl_out(&[
+            "drain",
+            &node,
+            "--ignore-daemonsets",
+            "--delete-emptydir-data",
+            "--timeout=120s",
+        ]);
+        let uncordoned = setting.cluster.kubectl_out(&["uncordon", &node]);
+        if let Err(e) = drained {
+            return Err(violation(
+                "I2",
+                format!("kubectl drain did not finish with the replica on the node: {e:#}"),
+            ));
+        }
+        uncordoned.map_err(|e| harness(format!("{e:#}")))?;
+        setting.replaced(before, "the node drained").await?;
+        setting.one_generation().await?;
+        w.write_and_check(RECOVERY, "I2").await
+    }
+    .await;
+    if timed(&mut out, policy, "drained", started, result) {
+        return finish(out, env, &setting);
+    }
+
     // environment-killed
     let started = Instant::now();
     let result = async {
@@ -443,7 +477,7 @@ fn main() -> ExitCode {
             eprintln!("node: {v} {}: {said} ({:.1} s)", s.name, s.seconds);
         }
         let control = v == NEGATIVE;
-        all_ok &= tally.ok(control) && (control || scenarios.len() == 5);
+        all_ok &= tally.ok(control) && (control || scenarios.len() == 6);
         lines.push(tally.summary_line("kube-node", v, control));
     }
     for l in lines {
