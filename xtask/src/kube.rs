@@ -133,10 +133,7 @@ fn real_node(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<(
                 target_dir().join("lockstep/policies"),
             ),
             ("LOCKSTEP_BIN", debug.join("lockstep")),
-            (
-                "LOCKSTEP_NODE_NAME",
-                crate::kube_node::NODE_NAME.into(),
-            ),
+            ("LOCKSTEP_NODE_NAME", crate::kube_node::NODE_NAME.into()),
         ];
         for (k, v) in &env {
             std::env::set_var(k, v);

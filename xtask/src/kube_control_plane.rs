@@ -88,7 +88,11 @@ impl ControlPlane {
         Self::start_inner(binaries, dir, false)
     }
 
-    fn start_inner(binaries: &Binaries, dir: &Path, fake_node: bool) -> anyhow::Result<ControlPlane> {
+    fn start_inner(
+        binaries: &Binaries,
+        dir: &Path,
+        fake_node: bool,
+    ) -> anyhow::Result<ControlPlane> {
         let started = Instant::now();
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let dir = fs::canonicalize(dir)?;

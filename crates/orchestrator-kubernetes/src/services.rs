@@ -182,7 +182,10 @@ impl Inner {
     /// Once every pod of `record`'s service has an IP (bounded by the ready
     /// timeout): tells watchers the processes' new addresses (a new
     /// generation's pods have new IPs), so a controller reconnects there.
-    pub(super) async fn announce_addresses(&self, record: &Service) -> Result<ServiceStatus, StateError> {
+    pub(super) async fn announce_addresses(
+        &self,
+        record: &Service,
+    ) -> Result<ServiceStatus, StateError> {
         let status = self.status_when_ready(record).await?;
         let mut processes = status.processes.clone();
         processes.sort_by_key(|p| p.index);

@@ -1002,7 +1002,11 @@ async fn every_replica_has_a_disruption_budget_over_its_own_pods_dropped_with_it
     )
     .expect("a valid PodDisruptionBudget");
     let spec = budget.spec.unwrap();
-    assert_eq!(spec.min_available, Some(IntOrString::Int(2)), "3 processes, one evicted at a time");
+    assert_eq!(
+        spec.min_available,
+        Some(IntOrString::Int(2)),
+        "3 processes, one evicted at a time"
+    );
     assert_eq!(
         spec.unhealthy_pod_eviction_policy.as_deref(),
         Some("AlwaysAllow")

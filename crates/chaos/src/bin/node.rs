@@ -61,14 +61,14 @@ mod workload;
 use workload::{Api, Workload};
 
 /// Processes of the replica (pods).
-const PROCESSES: u32 = 2;
+const PROCESSES: u32 = 4;
 /// Timely workers per process.
 const WORKERS: u32 = 2;
 /// The bound on the set-up (first pods, the mesh, the first answers).
 const SET_UP: Duration = Duration::from_secs(180);
 /// The bound on a recovery after a fault: the next write answered and both
 /// exports right. docs/kubernetes.md states it.
-const RECOVERY: Duration = Duration::from_secs(90);
+const RECOVERY: Duration = Duration::from_secs(60);
 /// How long process 0 stays stopped.
 const STOP_FOR: Duration = Duration::from_secs(8);
 /// The variants run by default: every shipped policy, and the negative
@@ -271,11 +271,13 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
     .await;
     let started = Instant::now();
     let result = match result {
-        Ok(()) => async {
-            w.write_and_check(RECOVERY, "I2").await?;
-            setting.one_generation().await.map(drop)
+        Ok(()) => {
+            async {
+                w.write_and_check(RECOVERY, "I2").await?;
+                setting.one_generation().await.map(drop)
+            }
+            .await
         }
-        .await,
         Err(e) => Err(e),
     };
     if timed(&mut out, policy, "process-stopped", started, result) {
@@ -410,7 +412,9 @@ fn setting(cluster: &RealCluster, policy: &str) -> anyhow::Result<Setting> {
     );
     let bin = var("LOCKSTEP_BIN")?;
     let ns = cluster.fresh_namespace()?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
     let args = vec![
         "--listen".to_string(),
         format!("127.0.0.1:{port}"),
@@ -443,7 +447,9 @@ fn setting(cluster: &RealCluster, policy: &str) -> anyhow::Result<Setting> {
         // The first replica of a fresh environment.
         service: "replica-1".into(),
         bin,
-        state: tempfile::Builder::new().prefix("lockstep-node-").tempdir()?,
+        state: tempfile::Builder::new()
+            .prefix("lockstep-node-")
+            .tempdir()?,
         args,
         env,
     })

@@ -51,7 +51,8 @@ pub fn pods(cluster: &RealCluster, ns: &str, service: &str) -> anyhow::Result<Ve
                     .unwrap_or("")
                     .to_string(),
                 ready: p["status"]["phase"] == "Running"
-                    && statuses.is_some_and(|s| !s.is_empty() && s.iter().all(|c| c["ready"] == true)),
+                    && statuses
+                        .is_some_and(|s| !s.is_empty() && s.iter().all(|c| c["ready"] == true)),
                 restarts: statuses
                     .into_iter()
                     .flatten()
@@ -95,7 +96,12 @@ pub fn one_generation(
     let bad: Vec<String> = pods
         .iter()
         .filter(|p| !p.ready || p.deleting || p.generation != g.to_string())
-        .map(|p| format!("{} (generation {}, ready {}, deleting {})", p.name, p.generation, p.ready, p.deleting))
+        .map(|p| {
+            format!(
+                "{} (generation {}, ready {}, deleting {})",
+                p.name, p.generation, p.ready, p.deleting
+            )
+        })
         .collect();
     if pods.len() != processes || !bad.is_empty() {
         return Ok(Err(format!(

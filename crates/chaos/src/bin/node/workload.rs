@@ -277,7 +277,10 @@ impl Workload {
                 Err(s) if s.code() == tonic::Code::NotFound => {
                     return Err(violation(
                         "I3",
-                        format!("a peek of the live collection {collection} answered NOT_FOUND: {}", s.message()),
+                        format!(
+                            "a peek of the live collection {collection} answered NOT_FOUND: {}",
+                            s.message()
+                        ),
                     ))
                 }
                 Err(s) => last = code(&s),
@@ -314,14 +317,18 @@ impl Workload {
             (REDUCE, reduce_plan()),
         ] {
             let got = self.peek_rows(collection, t, deadline, invariant).await?;
-            let want: BTreeMap<Vec<u8>, i64> = lockstep_plan::reference::evaluate(&plan, &inputs, t)
-                .into_iter()
-                .collect();
+            let want: BTreeMap<Vec<u8>, i64> =
+                lockstep_plan::reference::evaluate(&plan, &inputs, t)
+                    .into_iter()
+                    .collect();
             if got != want {
                 let show = |m: &BTreeMap<Vec<u8>, i64>| {
                     m.iter()
                         .map(|(r, d)| {
-                            format!("{:?}x{d}", lockstep_plan::rows::decode(r).unwrap_or_default())
+                            format!(
+                                "{:?}x{d}",
+                                lockstep_plan::rows::decode(r).unwrap_or_default()
+                            )
                         })
                         .collect::<Vec<_>>()
                         .join(" ")
@@ -340,7 +347,11 @@ impl Workload {
     }
 
     /// A write, then both exports checked, within `bound` in all.
-    pub async fn write_and_check(&mut self, bound: Duration, invariant: &str) -> Result<(), Failure> {
+    pub async fn write_and_check(
+        &mut self,
+        bound: Duration,
+        invariant: &str,
+    ) -> Result<(), Failure> {
         let started = Instant::now();
         self.write(bound, invariant).await?;
         self.check(bound.saturating_sub(started.elapsed()), invariant)
