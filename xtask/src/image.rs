@@ -776,7 +776,7 @@ fn free_port() -> anyhow::Result<u16> {
 }
 
 /// A random API token (hex of 24 bytes of /dev/urandom).
-fn random_token() -> anyhow::Result<String> {
+pub(crate) fn random_token() -> anyhow::Result<String> {
     let mut bytes = [0u8; 24];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())

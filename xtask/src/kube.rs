@@ -22,7 +22,9 @@
 //!    imported): the base applied again, and `lockstep-chaos-node` runs
 //!    replicas of real pods under each shipped policy, faulted (a process
 //!    killed and stopped, a pod deleted, the environment killed) and
-//!    checked. The host is restored afterwards, also after a failure.
+//!    checked; then the example overlay applied as shipped ([`shipped`]:
+//!    the environment in the cluster, on PostgreSQL, driven from outside).
+//!    The host is restored afterwards, also after a failure.
 //!    Needs root; where it is not, the step fails naming it (`--skip
 //!    kube-node` leaves it out on purpose).
 //!
@@ -34,6 +36,8 @@ use std::process::Command;
 use anyhow::bail;
 
 use crate::kube_control_plane::ControlPlane;
+
+mod shipped;
 use crate::util::{root, step, target_dir};
 
 /// The shipped service account, as the authorizer names it.
@@ -138,7 +142,8 @@ fn real_node(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<(
         for (k, v) in &env {
             std::env::set_var(k, v);
         }
-        crate::chaos::run_suite_binary(debug.join("lockstep-chaos-node"), &[], "kube-node", 4)
+        crate::chaos::run_suite_binary(debug.join("lockstep-chaos-node"), &[], "kube-node", 4)?;
+        shipped::run(&cp, &node, &dir)
     })();
     if result.is_err() {
         for name in ["kubelet", "containerd"] {

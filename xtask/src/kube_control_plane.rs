@@ -109,7 +109,15 @@ impl ControlPlane {
 
         let etcd_client = free_port()?;
         let etcd_peer = free_port()?;
-        let api_port = free_port()?;
+        // The real node's pods reach the API server at the `kubernetes`
+        // Service's ClusterIP and port (10.96.0.1:443, an address the node
+        // puts on `lo`: there is no kube-proxy), so that control plane
+        // listens on 443 on every address; the other on a free loopback port.
+        let (api_port, bind) = if fake_node {
+            (free_port()?, "127.0.0.1")
+        } else {
+            (443, "0.0.0.0")
+        };
         let server = format!("https://127.0.0.1:{api_port}");
         let kubeconfig = dir.join("admin.kubeconfig");
         fs::write(&kubeconfig, kubeconfig_yaml(&server, &pki))?;
@@ -144,7 +152,7 @@ impl ControlPlane {
         let mut apiserver = Command::new(&binaries.kube_apiserver);
         apiserver.args([
             &format!("--etcd-servers={}", cp.etcd_endpoint),
-            "--bind-address=127.0.0.1",
+            &format!("--bind-address={bind}"),
             "--advertise-address=127.0.0.1",
             &format!("--secure-port={api_port}"),
             &format!("--tls-cert-file={}", p("apiserver.crt")),

@@ -5,8 +5,9 @@
 //! `../shared/notes/kubernetes-node.md`-style notes in docs/kubernetes.md.
 //!
 //! [`RealNode::start`] records the host state it will touch (four sysctls,
-//! which of kubelet's and containerd's fixed paths exist), then adds two /32
-//! addresses on `lo` (the node's IP and the cluster DNS), starts containerd
+//! which of kubelet's and containerd's fixed paths exist), then adds three
+//! /32 addresses on `lo` (the node's IP, the cluster DNS, and the API
+//! server's ClusterIP), starts containerd
 //! in its own directories, imports the images, starts kubelet (cgroupfs,
 //! cgroup v1 allowed, no iptables chains) and CoreDNS, and waits until the
 //! node is Ready and DNS answers. [`RealNode`]'s `Drop` (also after a failed
@@ -33,6 +34,10 @@ pub const NODE_NAME: &str = "lockstep-node-0";
 pub const NODE_IP: &str = "10.98.0.1";
 /// The cluster DNS address (CoreDNS binds it), a /32 on `lo`.
 pub const DNS_IP: &str = "10.98.0.10";
+/// The `kubernetes` Service's ClusterIP, a /32 on `lo`: in-cluster clients
+/// (the environment's pod) reach the API server there, on port 443, with no
+/// kube-proxy.
+pub const API_SERVICE_IP: &str = "10.96.0.1";
 /// The pods' subnet (host-local IPAM on the bridge).
 pub const POD_SUBNET: &str = "10.244.0.0/24";
 /// The CNI bridge.
@@ -179,7 +184,7 @@ impl RealNode {
             image: images.lockstep.clone(),
         };
         // From here on, `Drop` restores whatever was done.
-        for addr in [NODE_IP, DNS_IP] {
+        for addr in [NODE_IP, DNS_IP, API_SERVICE_IP] {
             ip(&["addr", "add", &format!("{addr}/32"), "dev", "lo"])?;
             node.added_addresses.push(addr);
         }
@@ -446,6 +451,14 @@ makeIPTablesUtilChains: false
                 })
                 .unwrap_or(false)
         })
+    }
+
+    /// Names the imported image `from` also `to` in containerd (a pod asks
+    /// for an image by the name its manifest gives).
+    pub fn tag_image(&self, from: &str, to: &str) -> anyhow::Result<()> {
+        let mut tag = self.ctr();
+        tag.args(["images", "tag", "--force", from, to]);
+        quiet(tag).map(drop)
     }
 
     fn stop(&mut self, name: &str) {

@@ -399,6 +399,7 @@ async fn start_environment(
         allow_naive: false,
         store: args.store.clone(),
         format: args.format.clone(),
+        replicas_here: args.orchestrator == OrchestratorKind::Process,
         ..EnvironmentConfig::new(args.state_dir.clone(), orphan_policy, service)
     };
     Ok(match args.orchestrator {

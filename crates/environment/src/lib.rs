@@ -243,6 +243,12 @@ pub struct EnvironmentConfig {
     /// envelope and the frame limit, and a description the replicas refuse
     /// is not created (docs/embedding.md).
     pub format: Option<String>,
+    /// Whether replica processes run on this machine (the process backend:
+    /// the service program is a path here, checked before anything is
+    /// opened, and a SQLite store gives them command logs in the state
+    /// directory), or elsewhere (pods: the program is a path in their
+    /// image, and only a PostgreSQL store gives them command logs).
+    pub replicas_here: bool,
 }
 
 impl EnvironmentConfig {
@@ -250,7 +256,7 @@ impl EnvironmentConfig {
     /// `service`, and the defaults of everything else: conditional writes,
     /// the native distribution rule (barrier), the default frame limit,
     /// every time kept, no API token, no `naive`, SQLite in the state
-    /// directory, the built-in plan language.
+    /// directory, the built-in plan language, replicas on this machine.
     pub fn new(
         state_dir: impl Into<PathBuf>,
         orphan_policy: Box<dyn OrphanPolicy + Send>,
@@ -269,6 +275,7 @@ impl EnvironmentConfig {
             allow_naive: false,
             store: None,
             format: None,
+            replicas_here: true,
         }
     }
 }
@@ -296,6 +303,8 @@ impl std::fmt::Debug for EnvironmentConfig {
                     }
                 }),
             )
+            .field("format", &self.format)
+            .field("replicas_here", &self.replicas_here)
             .finish()
     }
 }

@@ -34,6 +34,10 @@ impl Environment {
         master_secret: Option<[u8; 32]>,
     ) -> Result<Environment, StartError> {
         check_state_dir(&config.state_dir)?;
+        // A pod's program is a path in its image, not here.
+        if config.replicas_here && !program_exists(&config.service.program) {
+            return Err(StartError::ServiceBinaryMissing(config.service.program));
+        }
         let store = Store::from_arg(config.store.as_deref(), config.state_dir.join(CATALOG_FILE))
             .map_err(StartError::Store)?;
         let mut catalog = Catalog::open_store(&store)?;
@@ -43,17 +47,13 @@ impl Environment {
             epoch: catalog.epoch(),
             conditional_writes: config.conditional_writes,
         })?;
-        // A pod's program is a path in its image, not here.
-        if orchestrator.runs_programs_here() && !program_exists(&config.service.program) {
-            return Err(StartError::ServiceBinaryMissing(config.service.program));
-        }
         let command_logs = match &store {
             Store::Postgres(url) => Some(CommandLogs::Postgres(url.clone())),
             // A SQLite file is shared by the replica's processes and its
             // controller: only where they run on this machine. Pods get no
             // command log (the `log` strategy falls back) unless the store
             // is PostgreSQL.
-            Store::Sqlite(_) if !orchestrator.runs_programs_here() => {
+            Store::Sqlite(_) if !config.replicas_here => {
                 tracing::warn!(
                     "replicas run elsewhere and the store is SQLite: replicas have no command log, so a `log` choice falls back (give --store postgres://... for the log strategy)"
                 );

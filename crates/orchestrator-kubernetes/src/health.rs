@@ -18,6 +18,19 @@ pub const PROBED_PORT: &str = "controller";
 /// How long a replica process may take to answer its first probe.
 pub const STARTUP_SECS: i32 = 120;
 
+/// How long a replica process in a pod waits for its peers to form the
+/// timely mesh (`LOCKSTEP_CLUSTER_TIMEOUT_SECS`, read by
+/// `lockstep-replica --cluster-timeout-secs`): as long as the startup probe
+/// allows, so a peer whose image is still being pulled on another node does
+/// not make the others give up and the replica flap.
+pub fn cluster_timeout_env() -> EnvVar {
+    EnvVar {
+        name: "LOCKSTEP_CLUSTER_TIMEOUT_SECS".to_string(),
+        value: Some(STARTUP_SECS.to_string()),
+        ..EnvVar::default()
+    }
+}
+
 /// The log format of every replica process in a pod: one JSON object per
 /// line (`LOCKSTEP_LOG_FORMAT=json`), what a cluster's log collector parses.
 pub fn log_format_env() -> EnvVar {

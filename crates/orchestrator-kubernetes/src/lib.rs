@@ -610,11 +610,6 @@ impl Orchestrator for KubernetesOrchestrator {
         }
         receiver
     }
-
-    /// A pod's program is a path inside the image.
-    fn runs_programs_here(&self) -> bool {
-        false
-    }
 }
 
 /// The owner reference to the environment's own object (for

@@ -641,6 +641,7 @@ pub fn pod(
                         ..EnvVar::default()
                     },
                     crate::health::log_format_env(),
+                    crate::health::cluster_timeout_env(),
                 ]),
                 env_from: Some(vec![EnvFromSource {
                     secret_ref: Some(SecretEnvSource {

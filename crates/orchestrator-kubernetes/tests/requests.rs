@@ -312,7 +312,8 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
             json!([{"name": "LOCKSTEP_SERVICE", "value": "replica-5"},
                    {"name": "LOCKSTEP_PROCESS", "value": i.to_string()},
                    {"name": "LOCKSTEP_GENERATION", "value": "1"},
-                   {"name": "LOCKSTEP_LOG_FORMAT", "value": "json"}])
+                   {"name": "LOCKSTEP_LOG_FORMAT", "value": "json"},
+                   {"name": "LOCKSTEP_CLUSTER_TIMEOUT_SECS", "value": "120"}])
         );
         // The kubelet probes GET /healthz on the controller port.
         assert_eq!(

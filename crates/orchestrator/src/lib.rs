@@ -546,11 +546,4 @@ pub trait Orchestrator: Send + Sync {
 
     /// Status events of every service from now on.
     fn watch_services(&self) -> broadcast::Receiver<ServiceEvent>;
-
-    /// Whether a service's program is a path on this machine (the process
-    /// backend: checked before anything starts), rather than one inside a
-    /// container image (the Kubernetes backend, which checks the image).
-    fn runs_programs_here(&self) -> bool {
-        true
-    }
 }

@@ -51,6 +51,8 @@ pub struct PgServer {
     port: u16,
     as_postgres: bool,
     running: bool,
+    /// Another address it listens on, beside 127.0.0.1 ([`PgServer::start_reachable`]).
+    also_on: Option<String>,
 }
 
 impl PgServer {
@@ -67,6 +69,17 @@ impl PgServer {
     /// Creates a cluster in a fresh temporary directory, starts it on a free
     /// port and creates the database [`DATABASE`].
     pub fn start() -> Result<PgServer> {
+        Self::start_on(None)
+    }
+
+    /// [`PgServer::start`], also listening on `address` and trusting clients
+    /// from `clients` (a CIDR): for pods of a test cluster that reach this
+    /// host at `address`. Test clusters only: no password is asked.
+    pub fn start_reachable(address: &str, clients: &str) -> Result<PgServer> {
+        Self::start_on(Some((address.to_string(), clients.to_string())))
+    }
+
+    fn start_on(reachable: Option<(String, String)>) -> Result<PgServer> {
         let bin = bin_dir().ok_or_else(|| {
             Error(
                 "no PostgreSQL binaries (initdb, pg_ctl) on PATH or in /usr/lib/postgresql/*/bin"
@@ -97,6 +110,7 @@ impl PgServer {
             port: 0,
             as_postgres,
             running: false,
+            also_on: reachable.as_ref().map(|(a, _)| a.clone()),
         };
         let data = server.data_dir();
         server.run(
@@ -112,6 +126,15 @@ impl PgServer {
                 path_str(&data)?,
             ],
         )?;
+        if let Some((_, clients)) = &reachable {
+            use std::io::Write;
+            let hba = data.join("pg_hba.conf");
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(&hba)
+                .and_then(|mut f| writeln!(f, "host all all {clients} trust"))
+                .map_err(|e| Error(format!("{}: {e}", hba.display())))?;
+        }
         // A free port can be taken between probing and binding: retry.
         let mut last = None;
         for _ in 0..5 {
@@ -227,8 +250,12 @@ impl PgServer {
     fn pg_ctl_start(&mut self) -> Result<()> {
         let data = self.data_dir();
         let log = self.root().join("server.log");
+        let listen = match &self.also_on {
+            Some(a) => format!("127.0.0.1,{a}"),
+            None => "127.0.0.1".to_string(),
+        };
         let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c shared_buffers=16MB -c max_connections=60",
+            "-p {} -k {} -c listen_addresses={listen} -c shared_buffers=16MB -c max_connections=60",
             self.port,
             path_str(self.root())?
         );

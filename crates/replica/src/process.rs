@@ -56,8 +56,9 @@ struct Args {
     #[arg(long, alias = "host")]
     listen_host: Option<std::net::IpAddr>,
     /// Seconds to resolve every peer and wait for it to connect before
-    /// giving up.
-    #[arg(long, default_value_t = 30)]
+    /// giving up (the Kubernetes backend gives pods its startup probe's
+    /// allowance).
+    #[arg(long, env = "LOCKSTEP_CLUSTER_TIMEOUT_SECS", default_value_t = 30)]
     cluster_timeout_secs: u64,
     /// The largest frame accepted from a controller or sent to one, in bytes
     /// (at least 64 KiB); peek answers larger than half of it go in parts.

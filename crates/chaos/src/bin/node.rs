@@ -39,6 +39,9 @@
 //! it exits non-zero unless every variant passed and the control was
 //! caught.
 //!
+//! `lockstep-chaos-node shipped` checks the environment the example
+//! overlay deploys instead ([`shipped`]; one line, `"suite":"kube-shipped"`).
+//!
 //! Variables: `LOCKSTEP_KUBE_KUBECONFIG`, `LOCKSTEP_KUBE_ADMIN_KUBECONFIG`,
 //! `LOCKSTEP_KUBECTL` (as for the other real-server suites),
 //! `LOCKSTEP_NODE_IMAGE` (the image, as containerd names it),
@@ -55,6 +58,8 @@ use lockstep_chaos::outcome::{violation, Failure, Tally};
 
 #[path = "node/pods.rs"]
 mod pods;
+#[path = "node/shipped.rs"]
+mod shipped;
 #[path = "node/workload.rs"]
 mod workload;
 
@@ -472,6 +477,20 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if variants.first().map(String::as_str) == Some("shipped") {
+        let scenarios = runtime.block_on(shipped::run(&cluster));
+        let mut tally = Tally::default();
+        for s in &scenarios {
+            let said = tally.record(&s.result);
+            eprintln!("node: shipped {}: {said} ({:.1} s)", s.name, s.seconds);
+        }
+        println!("{}", tally.summary_line("kube-shipped", "postgres", false));
+        return if tally.ok(false) && scenarios.len() == 2 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
+    }
     let mut all_ok = true;
     let mut lines = Vec::new();
     for v in &variants {

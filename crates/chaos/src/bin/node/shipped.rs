@@ -1,0 +1,170 @@
+//! `lockstep-chaos-node shipped`: the environment as the example overlay
+//! deploys it (in the cluster, its catalog on PostgreSQL; `cargo xtask
+//! kube` applied it), driven from this host at its pod's IP with the token
+//! of its Secret (`LOCKSTEP_SHIPPED_TOKEN`, in `LOCKSTEP_SHIPPED_NAMESPACE`):
+//!
+//! - `create`: a 2 x 2 replica (the Deployment's replica requests, 500m a
+//!   pod, fit two on two cores) and a dataflow; writes answered, both
+//!   exports right (I3), its pods one ready generation (I2);
+//! - `environment-pod-deleted`: the environment's pod deleted; the
+//!   Deployment makes another, which adopts the replica (the same pod uids
+//!   and restart counts: O1, nothing rebuilt) and answers right within
+//!   [`super::RECOVERY`] of being ready.
+
+use std::time::{Duration, Instant};
+
+use lockstep_chaos::environment::real_kube::RealCluster;
+use lockstep_chaos::outcome::{violation, Failure};
+
+use super::pods;
+use super::workload::{Api, Workload};
+use super::{harness, timed, Scenario, RECOVERY, SET_UP};
+
+/// The environment pods' label.
+const SELECTOR: &str = "app.kubernetes.io/name=lockstep-environment";
+/// The replica's service.
+const SERVICE: &str = "replica-1";
+/// The replica's processes.
+const PROCESSES: u32 = 2;
+
+/// The name and IP of the environment's ready pod (not `not`), waited for
+/// within `bound`.
+async fn environment_pod(
+    cluster: &RealCluster,
+    ns: &str,
+    not: Option<&str>,
+    bound: Duration,
+) -> Result<(String, String), Failure> {
+    let deadline = Instant::now() + bound;
+    let mut last = String::new();
+    loop {
+        let out = cluster
+            .kubectl_out(&["get", "pods", "-n", ns, "-l", SELECTOR, "-o", "json"])
+            .map_err(|e| harness(format!("{e:#}")))?;
+        let list: serde_json::Value =
+            serde_json::from_str(&out).map_err(|e| harness(format!("kubectl printed no JSON: {e}")))?;
+        for p in list["items"].as_array().into_iter().flatten() {
+            let name = p["metadata"]["name"].as_str().unwrap_or("");
+            let ready = p["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True");
+            let deleting = !p["metadata"]["deletionTimestamp"].is_null();
+            if ready && !deleting && Some(name) != not {
+                if let Some(ip) = p["status"]["podIP"].as_str() {
+                    return Ok((name.to_string(), ip.to_string()));
+                }
+            }
+            last = format!("{name}: ready {ready}, deleting {deleting}");
+        }
+        if Instant::now() >= deadline {
+            return Err(violation(
+                "I2",
+                format!(
+                    "no ready environment pod within {} s ({last})",
+                    bound.as_secs()
+                ),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The pods of the replica as one ready generation, within [`RECOVERY`].
+async fn one_generation(cluster: &RealCluster, ns: &str) -> Result<(), Failure> {
+    let deadline = Instant::now() + RECOVERY;
+    loop {
+        match pods::one_generation(cluster, ns, SERVICE, PROCESSES as usize) {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(what)) if Instant::now() >= deadline => {
+                return Err(violation(
+                    "I2",
+                    format!("the replica's pods are not one ready generation: {what}"),
+                ))
+            }
+            Ok(Err(_)) => tokio::time::sleep(Duration::from_millis(250)).await,
+            Err(e) => return Err(harness(format!("{e:#}"))),
+        }
+    }
+}
+
+/// The scenarios; see the module docs.
+pub async fn run(cluster: &RealCluster) -> Vec<Scenario> {
+    let mut out = Vec::new();
+    let variant = "postgres";
+    let (ns, token) = match (
+        std::env::var("LOCKSTEP_SHIPPED_NAMESPACE"),
+        std::env::var("LOCKSTEP_SHIPPED_TOKEN"),
+    ) {
+        (Ok(ns), Ok(token)) => (ns, token),
+        _ => {
+            out.push(Scenario {
+                name: "create",
+                result: Err(harness(
+                    "LOCKSTEP_SHIPPED_NAMESPACE and LOCKSTEP_SHIPPED_TOKEN must be set (cargo xtask kube sets them)",
+                )),
+                seconds: 0.0,
+            });
+            return out;
+        }
+    };
+    let api = |ip: &str| Api {
+        url: format!("http://{ip}:6875"),
+        token: Some(token.clone()),
+    };
+
+    let started = Instant::now();
+    let mut first = None;
+    let mut w = None;
+    let result = async {
+        let (pod, ip) = environment_pod(cluster, &ns, None, SET_UP).await?;
+        first = Some(pod);
+        let workload = w.insert(Workload::new(api(&ip)));
+        workload.set_up(PROCESSES, 2, SET_UP).await?;
+        for _ in 0..3 {
+            workload.write(SET_UP, "I2").await?;
+        }
+        workload.check(SET_UP, "I2").await?;
+        one_generation(cluster, &ns).await
+    }
+    .await;
+    if timed(&mut out, variant, "create", started, result) {
+        return out;
+    }
+    let (Some(first), Some(mut w)) = (first, w) else {
+        return out;
+    };
+
+    let started = Instant::now();
+    let result = async {
+        let before = pods::pods(cluster, &ns, SERVICE).map_err(|e| harness(format!("{e:#}")))?;
+        cluster
+            .kubectl_out(&["delete", "pod", &first, "-n", &ns, "--wait=false"])
+            .map_err(|e| harness(format!("{e:#}")))?;
+        let (_, ip) = environment_pod(cluster, &ns, Some(&first), SET_UP).await?;
+        w.set_api(api(&ip));
+        w.write_and_check(RECOVERY, "I2").await?;
+        one_generation(cluster, &ns).await?;
+        let after = pods::pods(cluster, &ns, SERVICE).map_err(|e| harness(format!("{e:#}")))?;
+        let ids = |p: &[pods::PodView]| {
+            p.iter()
+                .map(|p| (p.uid.clone(), p.restarts))
+                .collect::<Vec<_>>()
+        };
+        if ids(&before) != ids(&after) {
+            return Err(violation(
+                "O1",
+                format!(
+                    "the replica was not adopted by the new environment pod: pods (uid, restarts) {:?} became {:?}",
+                    ids(&before),
+                    ids(&after)
+                ),
+            ));
+        }
+        Ok(())
+    }
+    .await;
+    timed(&mut out, variant, "environment-pod-deleted", started, result);
+    out
+}

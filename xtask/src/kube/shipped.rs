@@ -1,0 +1,153 @@
+//! The example overlay as a platform team applies it, on the real node
+//! (`cargo xtask kube`, step 5): `deploy/kubernetes/overlays/example`
+//! unchanged, under a user's own overlay that only makes its two Secrets
+//! from files (`secretGenerator`, `behavior: replace`), as the example says
+//! to. What the cluster must provide is provided as a cluster would:
+//!
+//! - the image the overlay names (`registry.example.com/lockstep:0.3.0-dev`)
+//!   in containerd (no registry: the tested image tagged with that name);
+//! - a PersistentVolume for the state PVC (a hostPath one, owned by the
+//!   image's user, reserved for the overlay's claim: the node has no
+//!   storage class);
+//! - a PostgreSQL server the pods reach (on the node's IP, trusting the pod
+//!   subnet), named by the `lockstep-postgres` Secret;
+//! - the API server at the `kubernetes` Service's ClusterIP (the node puts
+//!   it on `lo`), for the environment's in-cluster config.
+//!
+//! Then `lockstep-chaos-node shipped` drives the environment from this host
+//! (outside the cluster) at its pod's IP, with the token of the Secret:
+//! a replica created and its answers checked, the environment's pod
+//! deleted (the Deployment makes another) and the replica adopted.
+
+use std::path::Path;
+
+use anyhow::Context;
+
+use crate::kube_control_plane::ControlPlane;
+use crate::kube_node::{RealNode, NODE_IP, POD_SUBNET};
+use crate::util::{root, step};
+
+/// The overlay's namespace.
+pub const NAMESPACE: &str = "lockstep-example";
+/// The image the overlay names.
+const IMAGE: &str = "registry.example.com/lockstep:0.3.0-dev";
+
+/// Applies the overlay and runs the checks; removes the namespace and the
+/// volume after.
+pub fn run(cp: &ControlPlane, node: &RealNode, dir: &Path) -> anyhow::Result<()> {
+    step("the example overlay, applied as shipped, on the real node (in-cluster environment, PostgreSQL, a bound PVC)");
+    node.tag_image(&node.image, IMAGE)?;
+    let pv_dir = dir.join("pv-state");
+    std::fs::create_dir_all(&pv_dir)?;
+    // The image's user owns the volume (hostPath ignores fsGroup).
+    nix::unistd::chown(
+        &pv_dir,
+        Some(nix::unistd::Uid::from_raw(10001)),
+        Some(nix::unistd::Gid::from_raw(10001)),
+    )
+    .context("chown of the volume's directory")?;
+    apply_stdin(
+        cp,
+        &format!(
+            "apiVersion: v1\nkind: PersistentVolume\nmetadata:\n  name: lockstep-example-state\nspec:\n  capacity: {{storage: 1Gi}}\n  accessModes: [ReadWriteOnce]\n  persistentVolumeReclaimPolicy: Retain\n  storageClassName: \"\"\n  claimRef: {{namespace: {NAMESPACE}, name: lockstep-state}}\n  hostPath: {{path: {}, type: Directory}}\n",
+            pv_dir.display()
+        ),
+    )?;
+    let pg = lockstep_pgtest::PgServer::start_reachable(NODE_IP, POD_SUBNET)
+        .map_err(|e| anyhow::anyhow!("a PostgreSQL server for the pods: {e}"))?;
+    let url = format!(
+        "postgres://postgres@{NODE_IP}:{}/{}",
+        pg.port(),
+        lockstep_pgtest::DATABASE
+    );
+    let token = crate::image::random_token()?;
+    let overlay = dir.join("user-overlay");
+    std::fs::create_dir_all(&overlay)?;
+    std::fs::write(overlay.join("token"), &token)?;
+    std::fs::write(overlay.join("url"), &url)?;
+    std::fs::write(
+        overlay.join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: {NAMESPACE}\nresources:\n  - {}\nsecretGenerator:\n  - name: lockstep-api-token\n    behavior: replace\n    files: [token]\n  - name: lockstep-postgres\n    behavior: replace\n    files: [url]\ngeneratorOptions:\n  disableNameSuffixHash: true\n",
+            root().join("deploy/kubernetes/overlays/example").display()
+        ),
+    )?;
+    let result = (|| {
+        super::kubectl(
+            cp,
+            &[
+                "apply",
+                "-k",
+                &overlay.display().to_string(),
+                "--server-side",
+                "--field-manager=lockstep-xtask",
+                "--validate=strict",
+            ],
+        )?;
+        super::kubectl(
+            cp,
+            &[
+                "wait",
+                "--for=condition=Available",
+                "deployment/lockstep-environment",
+                "-n",
+                NAMESPACE,
+                "--timeout=180s",
+            ],
+        )?;
+        std::env::set_var("LOCKSTEP_SHIPPED_NAMESPACE", NAMESPACE);
+        std::env::set_var("LOCKSTEP_SHIPPED_TOKEN", &token);
+        crate::chaos::run_suite_binary(
+            crate::util::target_dir().join("debug/lockstep-chaos-node"),
+            &["shipped"],
+            "kube-shipped",
+            1,
+        )
+    })();
+    if result.is_err() {
+        let mut logs = cp.kubectl();
+        logs.args([
+            "logs",
+            "-n",
+            NAMESPACE,
+            "deployment/lockstep-environment",
+            "--tail=30",
+        ]);
+        if let Ok(text) = crate::util::stdout(logs) {
+            eprintln!("xtask: the environment pod's log, last lines:\n{text}");
+        }
+    }
+    // Its pods go before the node does; the volume after its claim.
+    let _ = super::kubectl(
+        cp,
+        &[
+            "delete",
+            "namespace",
+            NAMESPACE,
+            "--wait=true",
+            "--timeout=120s",
+        ],
+    );
+    let _ = super::kubectl(cp, &["delete", "pv", "lockstep-example-state"]);
+    drop(pg);
+    let _ = std::fs::remove_dir_all(&pv_dir);
+    result
+}
+
+/// `kubectl apply -f -` of `yaml`.
+fn apply_stdin(cp: &ControlPlane, yaml: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut cmd = cp.kubectl();
+    cmd.args(["apply", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null());
+    let mut child = cmd.spawn().context("running kubectl apply")?;
+    child
+        .stdin
+        .take()
+        .expect("piped")
+        .write_all(yaml.as_bytes())?;
+    let status = child.wait()?;
+    anyhow::ensure!(status.success(), "kubectl apply -f - failed ({status})");
+    Ok(())
+}
