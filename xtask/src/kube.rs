@@ -142,7 +142,17 @@ fn real_node(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<(
         for (k, v) in &env {
             std::env::set_var(k, v);
         }
-        crate::chaos::run_suite_binary(debug.join("lockstep-chaos-node"), &[], "kube-node", 4)?;
+        // LOCKSTEP_NODE_VARIANTS="barrier log" runs only those (default:
+        // every policy and the negative control).
+        let chosen = std::env::var("LOCKSTEP_NODE_VARIANTS").unwrap_or_default();
+        let variants: Vec<&str> = chosen.split_whitespace().collect();
+        let expected = if variants.is_empty() { 4 } else { variants.len() };
+        crate::chaos::run_suite_binary(
+            debug.join("lockstep-chaos-node"),
+            &variants,
+            "kube-node",
+            expected,
+        )?;
         shipped::run(&cp, &node, &dir)
     })();
     if result.is_err() {

@@ -69,7 +69,7 @@ pub fn run(cp: &ControlPlane, node: &RealNode, dir: &Path) -> anyhow::Result<()>
         overlay.join("kustomization.yaml"),
         format!(
             "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: {NAMESPACE}\nresources:\n  - {}\nsecretGenerator:\n  - name: lockstep-api-token\n    behavior: replace\n    files: [token]\n  - name: lockstep-postgres\n    behavior: replace\n    files: [url]\ngeneratorOptions:\n  disableNameSuffixHash: true\n",
-            root().join("deploy/kubernetes/overlays/example").display()
+            relative(&overlay, &root().join("deploy/kubernetes/overlays/example"))?.display()
         ),
     )?;
     let result = (|| {
@@ -132,6 +132,24 @@ pub fn run(cp: &ControlPlane, node: &RealNode, dir: &Path) -> anyhow::Result<()>
     drop(pg);
     let _ = std::fs::remove_dir_all(&pv_dir);
     result
+}
+
+/// `to` as a path relative to directory `from` (kustomize refuses an
+/// absolute resource path).
+fn relative(from: &Path, to: &Path) -> anyhow::Result<std::path::PathBuf> {
+    let from = std::fs::canonicalize(from)?;
+    let to = std::fs::canonicalize(to)?;
+    let a: Vec<_> = from.components().collect();
+    let b: Vec<_> = to.components().collect();
+    let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let mut path = std::path::PathBuf::new();
+    for _ in common..a.len() {
+        path.push("..");
+    }
+    for c in &b[common..] {
+        path.push(c);
+    }
+    Ok(path)
 }
 
 /// `kubectl apply -f -` of `yaml`.
