@@ -146,7 +146,11 @@ fn real_node(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<(
         // every policy and the negative control).
         let chosen = std::env::var("LOCKSTEP_NODE_VARIANTS").unwrap_or_default();
         let variants: Vec<&str> = chosen.split_whitespace().collect();
-        let expected = if variants.is_empty() { 4 } else { variants.len() };
+        let expected = if variants.is_empty() {
+            4
+        } else {
+            variants.len()
+        };
         crate::chaos::run_suite_binary(
             debug.join("lockstep-chaos-node"),
             &variants,

@@ -41,8 +41,8 @@ async fn environment_pod(
         let out = cluster
             .kubectl_out(&["get", "pods", "-n", ns, "-l", SELECTOR, "-o", "json"])
             .map_err(|e| harness(format!("{e:#}")))?;
-        let list: serde_json::Value =
-            serde_json::from_str(&out).map_err(|e| harness(format!("kubectl printed no JSON: {e}")))?;
+        let list: serde_json::Value = serde_json::from_str(&out)
+            .map_err(|e| harness(format!("kubectl printed no JSON: {e}")))?;
         for p in list["items"].as_array().into_iter().flatten() {
             let name = p["metadata"]["name"].as_str().unwrap_or("");
             let ready = p["status"]["conditions"]
@@ -165,6 +165,12 @@ pub async fn run(cluster: &RealCluster) -> Vec<Scenario> {
         Ok(())
     }
     .await;
-    timed(&mut out, variant, "environment-pod-deleted", started, result);
+    timed(
+        &mut out,
+        variant,
+        "environment-pod-deleted",
+        started,
+        result,
+    );
     out
 }
