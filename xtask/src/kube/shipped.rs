@@ -10,7 +10,8 @@
 //!   image's user, reserved for the overlay's claim: the node has no
 //!   storage class);
 //! - a PostgreSQL server the pods reach (on the node's IP, trusting the pod
-//!   subnet), named by the `lockstep-postgres` Secret;
+//!   subnet), named by the `lockstep-postgres` Secret; in a second run the
+//!   Secret names `sqlite:` on the PVC instead;
 //! - the API server at the `kubernetes` Service's ClusterIP (the node puts
 //!   it on `lo`), for the environment's in-cluster config.
 //!
@@ -32,12 +33,35 @@ pub const NAMESPACE: &str = "lockstep-example";
 /// The image the overlay names.
 const IMAGE: &str = "registry.example.com/lockstep:0.3.0-dev";
 
-/// Applies the overlay and runs the checks; removes the namespace and the
-/// volume after.
+/// Applies the overlay twice, its catalog on PostgreSQL and then on SQLite
+/// on its PVC (`sqlite:` in the same Secret), and runs the checks on each.
 pub fn run(cp: &ControlPlane, node: &RealNode, dir: &Path) -> anyhow::Result<()> {
-    step("the example overlay, applied as shipped, on the real node (in-cluster environment, PostgreSQL, a bound PVC)");
     node.tag_image(&node.image, IMAGE)?;
+    let pg = lockstep_pgtest::PgServer::start_reachable(NODE_IP, POD_SUBNET)
+        .map_err(|e| anyhow::anyhow!("a PostgreSQL server for the pods: {e}"))?;
+    let postgres = format!(
+        "postgres://postgres@{NODE_IP}:{}/{}",
+        pg.port(),
+        lockstep_pgtest::DATABASE
+    );
+    run_one(cp, dir, "postgres", &postgres)?;
+    drop(pg);
+    run_one(
+        cp,
+        dir,
+        "sqlite",
+        "sqlite:/var/lib/lockstep/state/catalog.db",
+    )
+}
+
+/// One application of the overlay with `store` in the `lockstep-postgres`
+/// Secret; removes the namespace and the volume after.
+fn run_one(cp: &ControlPlane, dir: &Path, variant: &str, store: &str) -> anyhow::Result<()> {
+    step(&format!(
+        "the example overlay, applied as shipped, on the real node (in-cluster environment, catalog on {variant}, a bound PVC)"
+    ));
     let pv_dir = dir.join("pv-state");
+    let _ = std::fs::remove_dir_all(&pv_dir);
     std::fs::create_dir_all(&pv_dir)?;
     // The image's user owns the volume (hostPath ignores fsGroup).
     nix::unistd::chown(
@@ -53,18 +77,11 @@ pub fn run(cp: &ControlPlane, node: &RealNode, dir: &Path) -> anyhow::Result<()>
             pv_dir.display()
         ),
     )?;
-    let pg = lockstep_pgtest::PgServer::start_reachable(NODE_IP, POD_SUBNET)
-        .map_err(|e| anyhow::anyhow!("a PostgreSQL server for the pods: {e}"))?;
-    let url = format!(
-        "postgres://postgres@{NODE_IP}:{}/{}",
-        pg.port(),
-        lockstep_pgtest::DATABASE
-    );
     let token = crate::image::random_token()?;
     let overlay = dir.join("user-overlay");
     std::fs::create_dir_all(&overlay)?;
     std::fs::write(overlay.join("token"), &token)?;
-    std::fs::write(overlay.join("url"), &url)?;
+    std::fs::write(overlay.join("url"), store)?;
     std::fs::write(
         overlay.join("kustomization.yaml"),
         format!(
@@ -97,6 +114,7 @@ pub fn run(cp: &ControlPlane, node: &RealNode, dir: &Path) -> anyhow::Result<()>
         )?;
         std::env::set_var("LOCKSTEP_SHIPPED_NAMESPACE", NAMESPACE);
         std::env::set_var("LOCKSTEP_SHIPPED_TOKEN", &token);
+        std::env::set_var("LOCKSTEP_SHIPPED_VARIANT", variant);
         crate::chaos::run_suite_binary(
             crate::util::target_dir().join("debug/lockstep-chaos-node"),
             &["shipped"],
@@ -129,7 +147,6 @@ pub fn run(cp: &ControlPlane, node: &RealNode, dir: &Path) -> anyhow::Result<()>
         ],
     );
     let _ = super::kubectl(cp, &["delete", "pv", "lockstep-example-state"]);
-    drop(pg);
     let _ = std::fs::remove_dir_all(&pv_dir);
     result
 }

@@ -1,7 +1,8 @@
 //! `lockstep-chaos-node shipped`: the environment as the example overlay
-//! deploys it (in the cluster, its catalog on PostgreSQL; `cargo xtask
-//! kube` applied it), driven from this host at its pod's IP with the token
-//! of its Secret (`LOCKSTEP_SHIPPED_TOKEN`, in `LOCKSTEP_SHIPPED_NAMESPACE`):
+//! deploys it (in the cluster, its catalog on PostgreSQL or on SQLite on its
+//! PVC, `LOCKSTEP_SHIPPED_VARIANT`; `cargo xtask kube` applied it), driven
+//! from this host at its pod's IP with the token of its Secret
+//! (`LOCKSTEP_SHIPPED_TOKEN`, in `LOCKSTEP_SHIPPED_NAMESPACE`):
 //!
 //! - `create`: a 2 x 2 replica (the Deployment's replica requests, 500m a
 //!   pod, fit two on two cores) and a dataflow; writes answered, both
@@ -92,7 +93,8 @@ async fn one_generation(cluster: &RealCluster, ns: &str) -> Result<(), Failure> 
 /// The scenarios; see the module docs.
 pub async fn run(cluster: &RealCluster) -> Vec<Scenario> {
     let mut out = Vec::new();
-    let variant = "postgres";
+    let variant = std::env::var("LOCKSTEP_SHIPPED_VARIANT").unwrap_or_else(|_| "postgres".into());
+    let variant = variant.as_str();
     let (ns, token) = match (
         std::env::var("LOCKSTEP_SHIPPED_NAMESPACE"),
         std::env::var("LOCKSTEP_SHIPPED_TOKEN"),
