@@ -113,8 +113,7 @@ pub fn kube(node_only: bool) -> anyhow::Result<()> {
 
 /// Step 5: the real node and the suite on it.
 fn real_node(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<()> {
-    step("the real node: containerd, runc and the CNI plugins; the image saved for it");
-    crate::kube_node::prerequisites()?;
+    step("the real node: the image saved for it");
     let images = crate::image::node_images::ensure()?;
     step("a control plane for the real node (no kwok), and the node: kubelet, containerd, CoreDNS");
     let dir = target_dir().join("kube/run-node");

@@ -117,23 +117,14 @@ impl Setting {
     /// The pods run as one generation, every one ready (I2), within
     /// [`RECOVERY`] (a readiness probe trails the first answer).
     async fn one_generation(&self) -> Result<u64, Failure> {
-        let deadline = Instant::now() + RECOVERY;
-        loop {
-            match pods::one_generation(&self.cluster, &self.ns, &self.service, PROCESSES as usize) {
-                Ok(Ok(g)) => return Ok(g),
-                Ok(Err(what)) if Instant::now() >= deadline => {
-                    return Err(violation(
-                        "I2",
-                        format!(
-                            "the replica answered but its pods are not one ready generation within {} s: {what}",
-                            RECOVERY.as_secs()
-                        ),
-                    ))
-                }
-                Ok(Err(_)) => tokio::time::sleep(Duration::from_millis(250)).await,
-                Err(e) => return Err(Failure::Harness(format!("{e:#}"))),
-            }
-        }
+        pods::await_one_generation(
+            &self.cluster,
+            &self.ns,
+            &self.service,
+            PROCESSES as usize,
+            RECOVERY,
+        )
+        .await
     }
 
     /// Waits until a new generation replaced `before` (I2: a process's death
@@ -358,22 +349,7 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
         setting.one_generation().await?;
         let after = pods::pods(&setting.cluster, &setting.ns, &setting.service)
             .map_err(|e| harness(format!("{e:#}")))?;
-        let ids = |p: &[pods::PodView]| {
-            p.iter()
-                .map(|p| (p.uid.clone(), p.restarts))
-                .collect::<Vec<_>>()
-        };
-        if ids(&before) != ids(&after) {
-            return Err(violation(
-                "O1",
-                format!(
-                    "the replica was not adopted across an environment restart: pods (uid, restarts) {:?} became {:?}",
-                    ids(&before),
-                    ids(&after)
-                ),
-            ));
-        }
-        Ok(())
+        pods::adopted(&before, &after, "across an environment restart")
     }
     .await;
     timed(&mut out, policy, "environment-killed", started, result);

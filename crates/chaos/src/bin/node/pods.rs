@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use lockstep_chaos::environment::real_kube::RealCluster;
+use lockstep_chaos::outcome::{violation, Failure};
 use serde_json::Value;
 
 /// One pod of the service, as the API server holds it.
@@ -110,6 +111,57 @@ pub fn one_generation(
         )));
     }
     Ok(Ok(g))
+}
+
+/// Waits (at most `bound`) until the service runs as one ready generation
+/// ([`one_generation`]); a violation of I2 if it does not (a readiness
+/// probe trails the first answer, hence the wait).
+pub async fn await_one_generation(
+    cluster: &RealCluster,
+    ns: &str,
+    service: &str,
+    processes: usize,
+    bound: Duration,
+) -> Result<u64, Failure> {
+    let deadline = Instant::now() + bound;
+    loop {
+        match one_generation(cluster, ns, service, processes) {
+            Ok(Ok(g)) => return Ok(g),
+            Ok(Err(what)) if Instant::now() >= deadline => {
+                return Err(violation(
+                    "I2",
+                    format!(
+                        "the replica's pods are not one ready generation within {} s: {what}",
+                        bound.as_secs()
+                    ),
+                ))
+            }
+            Ok(Err(_)) => tokio::time::sleep(Duration::from_millis(250)).await,
+            Err(e) => return Err(Failure::Harness(format!("{e:#}"))),
+        }
+    }
+}
+
+/// The replica was adopted, not rebuilt: its pods after (`after`) are the
+/// pods before (`before`), same uids and restart counts; else a violation
+/// of O1 saying `across` what.
+pub fn adopted(before: &[PodView], after: &[PodView], across: &str) -> Result<(), Failure> {
+    let ids = |p: &[PodView]| {
+        p.iter()
+            .map(|p| (p.uid.clone(), p.restarts))
+            .collect::<Vec<_>>()
+    };
+    if ids(before) == ids(after) {
+        return Ok(());
+    }
+    Err(violation(
+        "O1",
+        format!(
+            "the replica was not adopted {across}: pods (uid, restarts) {:?} became {:?}",
+            ids(before),
+            ids(after)
+        ),
+    ))
 }
 
 /// Waits (at most `bound`) until the record's generation is above `above`.

@@ -74,20 +74,9 @@ async fn environment_pod(
 
 /// The pods of the replica as one ready generation, within [`RECOVERY`].
 async fn one_generation(cluster: &RealCluster, ns: &str) -> Result<(), Failure> {
-    let deadline = Instant::now() + RECOVERY;
-    loop {
-        match pods::one_generation(cluster, ns, SERVICE, PROCESSES as usize) {
-            Ok(Ok(_)) => return Ok(()),
-            Ok(Err(what)) if Instant::now() >= deadline => {
-                return Err(violation(
-                    "I2",
-                    format!("the replica's pods are not one ready generation: {what}"),
-                ))
-            }
-            Ok(Err(_)) => tokio::time::sleep(Duration::from_millis(250)).await,
-            Err(e) => return Err(harness(format!("{e:#}"))),
-        }
-    }
+    pods::await_one_generation(cluster, ns, SERVICE, PROCESSES as usize, RECOVERY)
+        .await
+        .map(drop)
 }
 
 /// The scenarios; see the module docs.
@@ -149,22 +138,7 @@ pub async fn run(cluster: &RealCluster) -> Vec<Scenario> {
         w.write_and_check(RECOVERY, "I2").await?;
         one_generation(cluster, &ns).await?;
         let after = pods::pods(cluster, &ns, SERVICE).map_err(|e| harness(format!("{e:#}")))?;
-        let ids = |p: &[pods::PodView]| {
-            p.iter()
-                .map(|p| (p.uid.clone(), p.restarts))
-                .collect::<Vec<_>>()
-        };
-        if ids(&before) != ids(&after) {
-            return Err(violation(
-                "O1",
-                format!(
-                    "the replica was not adopted by the new environment pod: pods (uid, restarts) {:?} became {:?}",
-                    ids(&before),
-                    ids(&after)
-                ),
-            ));
-        }
-        Ok(())
+        pods::adopted(&before, &after, "by the new environment pod")
     }
     .await;
     timed(
