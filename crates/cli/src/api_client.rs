@@ -71,19 +71,38 @@ pub(crate) async fn connect_channel(arg: &ServerArg) -> anyhow::Result<tonic::tr
 /// The API token from `file`, or from LOCKSTEP_API_TOKEN.
 pub(crate) fn api_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
     let token = match file {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("reading the API token file {}", path.display()))?
-                .lines()
-                .next()
-                .unwrap_or("")
-                .trim()
-                .to_string(),
-        ),
+        Some(path) => Some(first_line(&std::fs::read_to_string(path).with_context(
+            || format!("reading the API token file {}", path.display()),
+        )?)),
         None => std::env::var(API_TOKEN_ENV)
             .ok()
             .map(|t| t.trim().to_string()),
     };
+    checked_token(token)
+}
+
+/// A token file `lockstep serve` is given: read only if it is a regular
+/// file this user or root owns that others cannot write (someone else's
+/// file could hold a token they know), else from [`API_TOKEN_ENV`] as
+/// [`api_token`] does.
+pub(crate) fn served_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    match file {
+        Some(path) => {
+            let bytes = lockstep_environment::private::read_secret_file(path)
+                .with_context(|| format!("reading the token file {}", path.display()))?;
+            checked_token(Some(first_line(&String::from_utf8_lossy(&bytes))))
+        }
+        None => api_token(None),
+    }
+}
+
+/// The first line of a token file, trimmed.
+fn first_line(text: &str) -> String {
+    text.lines().next().unwrap_or("").trim().to_string()
+}
+
+/// Refuses a token too short or not printable ASCII.
+fn checked_token(token: Option<String>) -> anyhow::Result<Option<String>> {
     match token {
         Some(t) if t.len() < lockstep_api::MIN_TOKEN_LEN => anyhow::bail!(
             "an API token has at least {} characters",

@@ -269,7 +269,7 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 /// The API token and the metrics token: from their files, else none under
 /// `--insecure-loopback`, else the state directory's (made on first use).
 fn tokens(args: &ServeArgs) -> anyhow::Result<(Option<String>, Option<String>)> {
-    let explicit = api_token(args.api_token_file.as_deref())?;
+    let explicit = served_token(args.api_token_file.as_deref())?;
     let token = match explicit {
         Some(t) => Some(t),
         None if args.insecure_loopback => {
@@ -287,7 +287,7 @@ fn tokens(args: &ServeArgs) -> anyhow::Result<(Option<String>, Option<String>)> 
         ),
     };
     let metrics_token = match (&args.metrics_token_file, args.insecure_loopback) {
-        (Some(file), _) => api_token(Some(file))?,
+        (Some(file), _) => served_token(Some(file))?,
         (None, true) => None,
         (None, false) => Some(
             lockstep_environment::private::state_token(

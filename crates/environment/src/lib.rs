@@ -125,7 +125,7 @@ pub const SESSION_SECRET_FILE: &str = "session.secret";
 /// random source, mode 0600) if it does not exist.
 pub fn session_secret(dir: &Path) -> std::io::Result<[u8; 32]> {
     let path = dir.join(SESSION_SECRET_FILE);
-    match std::fs::read(&path) {
+    match private::read_owned(&path) {
         Ok(bytes) => <[u8; 32]>::try_from(bytes.as_slice()).map_err(|_| {
             std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
@@ -339,6 +339,15 @@ pub enum StartError {
         /// Its permission bits.
         mode: u32,
     },
+    /// The state directory, or a directory or link on its path, belongs to
+    /// another user, or others can write a directory on its path.
+    #[error("state directory {path} cannot be trusted: {reason}; it holds every input row, plan, token and the replicas' secrets, so it and every directory above it must be yours or root's and not writable by others")]
+    StateDirUntrusted {
+        /// The directory.
+        path: PathBuf,
+        /// Which component, and why.
+        reason: String,
+    },
     /// The replica service program does not exist.
     #[error(
         "service binary {0} does not exist or is not executable (set it with --service-binary)"
@@ -484,37 +493,18 @@ impl std::fmt::Debug for Environment {
     }
 }
 
-/// Checks that `dir` exists, is a directory and is writable (by creating and
-/// removing a probe file).
+/// Checks that `dir` is a state directory this process may trust and use:
+/// every directory on its path owned by this user or root and not writable
+/// by others (unless sticky), every symbolic link on it owned by this user
+/// or root, the directory itself owned by this user, not writable by
+/// others (one only others can read or enter is made 0700 through its
+/// descriptor), and writable (a probe file is created and removed).
 pub fn check_state_dir(dir: &Path) -> Result<(), StartError> {
-    match std::fs::metadata(dir) {
-        Ok(m) if m.is_dir() => {}
-        Ok(_) => return Err(StartError::StateDirNotADirectory(dir.to_path_buf())),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(StartError::StateDirMissing(dir.to_path_buf()))
-        }
-        Err(source) => {
-            return Err(StartError::StateDirUnwritable {
-                path: dir.to_path_buf(),
-                source,
-            })
-        }
-    }
     // The directory holds the master secret, every replica's key, the
-    // tokens and every row: a directory other users can enter lets them
-    // read those (R1: private by default). Ours and only readable: made
-    // 0700; writable by others: refused.
-    private::force_private(dir)?;
-    if let Ok(m) = std::fs::metadata(dir) {
-        use std::os::unix::fs::PermissionsExt;
-        let mode = m.permissions().mode() & 0o777;
-        if mode & 0o077 != 0 {
-            return Err(StartError::StateDirUnsafe {
-                path: dir.to_path_buf(),
-                mode,
-            });
-        }
-    }
+    // tokens and every row (R1: private by default): one another user made
+    // or can swap is refused, not used.
+    private::check_path(dir)?;
+    private::open_state_dir(dir)?;
     let probe = dir.join(format!(".lockstep-probe-{}", std::process::id()));
     std::fs::write(&probe, b"probe")
         .and_then(|_| std::fs::remove_file(&probe))

@@ -921,7 +921,12 @@ async fn processes_that_escaped_the_record_are_killed_when_an_orchestrator_start
         .parse()
         .unwrap();
     // A process as the window leaves it: spawned with the orchestrator's
-    // marker, in its own process group, recorded nowhere.
+    // marker, in its own process group, running a program an orchestrator
+    // of the directory spawned (`sleep`, here for another service),
+    // recorded nowhere.
+    o.ensure_service(ServiceConfig::new("replica-2", 1, "sleep").fixed_args(["300".to_string()]))
+        .await
+        .unwrap();
     let (mut stray, stray_pid) = spawn_stray(&sandbox).await;
     drop(o);
     let _next = sandbox.orchestrator(2);
@@ -948,6 +953,83 @@ async fn processes_that_escaped_the_record_are_killed_when_an_orchestrator_start
         alive(grandchild),
         "a recorded process's child is not a stray"
     );
+}
+
+/// Anyone can put an orchestrator's marker in their own environment: a
+/// process is a stray only if it runs as this user, leads its own process
+/// group and runs a program an orchestrator of the directory spawned. With
+/// the marker, another user's process group (led by it), a process of ours
+/// in someone else's group, and one running another program all survive
+/// the next orchestrator's start, which kills the real stray.
+#[tokio::test]
+async fn only_processes_of_this_user_that_lead_their_group_and_run_a_spawned_program_are_strays() {
+    use std::os::unix::process::CommandExt;
+    let sandbox = Sandbox::new();
+    let o = sandbox.orchestrator(1);
+    o.ensure_service(ServiceConfig::new("replica-1", 1, "sleep").fixed_args(["300".to_string()]))
+        .await
+        .unwrap();
+    let marker = std::path::absolute(sandbox.path()).unwrap();
+    let with_marker = |program: &str, args: &[&str]| {
+        let mut c = std::process::Command::new(program);
+        c.args(args)
+            .env(lockstep_orchestrator::process::ORCHESTRATOR_ENV, &marker);
+        c
+    };
+    let mut spared = Vec::new();
+    // Another user's group leader (when this test may start one).
+    if nix::unistd::geteuid().is_root() {
+        let mut c = with_marker("sleep", &["300"]);
+        c.uid(65534).gid(65534).process_group(0);
+        spared.push(("another user's group leader", c.spawn().unwrap()));
+    }
+    // A process of ours that leads no group of its own (it is in this
+    // test's group, which a group kill would take down).
+    spared.push((
+        "a process in someone else's group",
+        with_marker("sleep", &["300"]).spawn().unwrap(),
+    ));
+    // A group leader of ours running a program no orchestrator spawned.
+    let mut c = with_marker("tail", &["-f", "/dev/null"]);
+    c.process_group(0);
+    spared.push(("a leader running another program", c.spawn().unwrap()));
+    let (mut stray, stray_pid) = spawn_stray(&sandbox).await;
+    for (what, child) in &spared {
+        let pid = child.id();
+        eventually("the marker in its environment", || {
+            std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|e| {
+                e.split(|b| *b == 0)
+                    .any(|v| v.starts_with(b"LOCKSTEP_ORCHESTRATOR="))
+            })
+        })
+        .await;
+        assert!(
+            !lockstep_orchestrator::process::strays(sandbox.path()).contains(&pid),
+            "{what} ({pid}) is taken for a stray"
+        );
+    }
+    assert_eq!(
+        lockstep_orchestrator::process::strays(sandbox.path()),
+        vec![stray_pid]
+    );
+    drop(o);
+    let _next = sandbox.orchestrator(2);
+    // The real stray is killed when the next orchestrator starts (under
+    // its lock, before it returns): an observable event, then the others'
+    // state.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stray.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the stray {stray_pid} survived");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for (what, mut child) in spared {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "{what} was killed as a stray"
+        );
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 }
 
 /// A process as an orchestrator killed between spawn and record leaves it:

@@ -8,6 +8,9 @@ use super::*;
 impl Inner {
     /// Starts process `i` of `record`; returns its PID and start time.
     pub(super) fn spawn(&self, record: &ServiceRecord, i: usize) -> std::io::Result<(u32, u64)> {
+        // Named before it runs: a process spawned and never recorded is
+        // still told ours by its program (see `strays`).
+        note_program(&self.config.state_dir.join("services"), &record.program)?;
         let log_path = self.log_path(&record.name, i);
         if std::fs::metadata(&log_path).is_ok_and(|m| m.len() > self.config.log_rotate_bytes) {
             std::fs::rename(&log_path, log_path.with_extension("log.1"))?;

@@ -54,18 +54,28 @@ pub(super) fn proc_liveness(pid: u32, start_time: u64) -> std::io::Result<bool> 
     Ok(proc_start_time_now(pid)? == Some(start_time))
 }
 
-/// The process groups of processes that carry `state_dir` in
-/// [`ORCHESTRATOR_ENV`] but that no record in `state_dir/services` names.
-/// Call it under the lock to act on it: a spawn and its record happen under
-/// it too. None at all while a record (or the directory of records) cannot
-/// be read: a process its unreadable record names is not a stray (R1).
+/// The process groups of processes that escaped the orchestrators of
+/// `state_dir`: processes that carry `state_dir` in [`ORCHESTRATOR_ENV`],
+/// run as this process's user (real and effective uid), lead their own
+/// process group (every spawned process does; what they spawn shares it and
+/// goes with it), run a program [`PROGRAMS_FILE`] names (one an
+/// orchestrator of `state_dir` spawned), and whose group no record in
+/// `state_dir/services` names. Another user's process, or one that does not
+/// lead its group, is never one: anyone can put the marker in their own
+/// environment. Call it under the lock to act on it: a spawn and its record
+/// happen under it too. None at all while a record, the directory of
+/// records or the programs file cannot be read: a process its unreadable
+/// record names is not a stray (R1).
 pub fn strays(state_dir: &Path) -> Vec<u32> {
     let Ok(marker) = std::path::absolute(state_dir) else {
         return Vec::new();
     };
     let needle = format!("{ORCHESTRATOR_ENV}={}", marker.display());
-    let recorded = match recorded_pids(&state_dir.join("services")) {
-        Ok(recorded) => recorded,
+    let services = state_dir.join("services");
+    let (recorded, programs) = match recorded_pids(&services)
+        .and_then(|recorded| Ok((recorded, spawned_programs(&services)?)))
+    {
+        Ok(known) => known,
         Err(e) => {
             tracing::warn!(
                 "cannot read the service records now, so cannot tell strays: none killed: {e}"
@@ -73,6 +83,7 @@ pub fn strays(state_dir: &Path) -> Vec<u32> {
             return Vec::new();
         }
     };
+    let uid = nix::unistd::geteuid().as_raw();
     let mut groups = std::collections::BTreeSet::new();
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -85,28 +96,94 @@ pub fn strays(state_dir: &Path) -> Vec<u32> {
         else {
             continue;
         };
+        if recorded.contains(&pid) || process_uids(pid) != Some((uid, uid)) {
+            continue;
+        }
         let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
             continue;
         };
         if !environ.split(|b| *b == 0).any(|v| v == needle.as_bytes()) {
             continue;
         }
-        // Field 5 of /proc/PID/stat: the process group (our processes lead
-        // their own; what they spawn shares it).
-        let Some(pgid) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        // Field 5 of /proc/PID/stat: the process group. Only a leader's
+        // group is signalled.
+        let pgid = std::fs::read_to_string(format!("/proc/{pid}/stat"))
             .ok()
             .and_then(|stat| {
                 let rest = stat[stat.rfind(')')? + 1..].to_string();
                 rest.split_whitespace().nth(2)?.parse::<u32>().ok()
-            })
-        else {
+            });
+        if pgid != Some(pid) {
+            continue;
+        }
+        let Some(exe) = executable_of(pid) else {
             continue;
         };
-        if proc_start_time(pid).is_some() && !recorded.contains(&pgid) {
-            groups.insert(pgid);
+        if programs.contains(&exe) && proc_start_time(pid).is_some() {
+            groups.insert(pid);
         }
     }
     groups.into_iter().collect()
+}
+
+/// The real and effective uid of `pid` (`/proc/PID/status`).
+fn process_uids(pid: u32) -> Option<(u32, u32)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
+    let mut ids = line.split_whitespace().skip(1).map(|f| f.parse::<u32>());
+    Some((ids.next()?.ok()?, ids.next()?.ok()?))
+}
+
+/// The program `pid` runs (`/proc/PID/exe`), also when its file was
+/// replaced since (a rebuild): the kernel then appends " (deleted)".
+fn executable_of(pid: u32) -> Option<PathBuf> {
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?;
+    let text = exe.to_str()?;
+    Some(PathBuf::from(
+        text.strip_suffix(" (deleted)").unwrap_or(text),
+    ))
+}
+
+/// The file in the records' directory that names, one absolute path per
+/// line, every program an orchestrator of the state directory spawned:
+/// written before the first spawn of each, so a process spawned and never
+/// recorded still runs a program it names.
+pub const PROGRAMS_FILE: &str = "programs";
+
+/// The most programs [`PROGRAMS_FILE`] is read for (a bound on a file
+/// someone filled).
+const MAX_PROGRAMS: usize = 1024;
+
+/// The programs [`PROGRAMS_FILE`] in `dir` names (none if it does not
+/// exist). Error: it cannot be read now.
+fn spawned_programs(dir: &Path) -> Result<std::collections::BTreeSet<PathBuf>, String> {
+    match std::fs::read_to_string(dir.join(PROGRAMS_FILE)) {
+        Ok(text) => Ok(text.lines().take(MAX_PROGRAMS).map(PathBuf::from).collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Default::default()),
+        Err(e) => Err(format!("{}: {e}", dir.join(PROGRAMS_FILE).display())),
+    }
+}
+
+/// Adds `program` (resolved as a spawn resolves it, with its links
+/// followed, as `/proc/PID/exe` shows it) to [`PROGRAMS_FILE`] in `dir`
+/// unless it is there: call it before spawning it. A program that cannot be
+/// resolved is not added (its spawn fails).
+pub(super) fn note_program(dir: &Path, program: &Path) -> std::io::Result<()> {
+    let Some(resolved) = resolve_program(program).and_then(|p| std::fs::canonicalize(p).ok())
+    else {
+        return Ok(());
+    };
+    let known = spawned_programs(dir).map_err(std::io::Error::other)?;
+    if known.contains(&resolved) {
+        return Ok(());
+    }
+    let mut file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(dir.join(PROGRAMS_FILE))?;
+    file.write_all(format!("{}\n", resolved.display()).as_bytes())?;
+    file.sync_data()
 }
 
 /// The PIDs the records in `dir` name (none if there is no `dir`). Error:
@@ -136,7 +213,8 @@ fn recorded_pids(dir: &Path) -> Result<std::collections::BTreeSet<u32>, String> 
     Ok(recorded)
 }
 
-/// Kills the process groups [`strays`] finds; returns how many.
+/// Kills the process groups [`strays`] finds (each led by the stray
+/// process found); returns how many.
 pub(super) fn kill_strays(state_dir: &Path) -> usize {
     let groups = strays(state_dir);
     for &pgid in &groups {
