@@ -309,3 +309,90 @@ async fn the_state_dir_is_private_and_another_uid_gets_nothing() {
     assert_eq!(e.code(), tonic::Code::Unauthenticated);
     drop(s);
 }
+
+/// The attack as another user makes it: in a sticky world-writable
+/// directory (like /tmp) uid 65534 makes `BASE/state` 0700, its own, and
+/// plants the tokens and the master secret; or plants `BASE/state` as a
+/// link to such a directory. `lockstep serve --state-dir BASE/state` refuses
+/// to start, naming the owner, and reads none of it (it never listens).
+#[test]
+fn a_state_dir_another_user_made_and_filled_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let root_user = std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+    if !root_user {
+        eprintln!("skipped: acting as another user needs root");
+        return;
+    }
+    let base = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(base.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let planted = base.path().join("planted");
+    let as_nobody = |script: String| {
+        let out = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    as_nobody(format!(
+        "umask 077 && mkdir {dir} && for f in api.token metrics.token; do printf '%064d\\n' 0 > {dir}/$f; done && head -c 32 /dev/zero > {dir}/session.secret",
+        dir = planted.display()
+    ));
+    let link = base.path().join("state");
+    as_nobody(format!("ln -s {} {}", planted.display(), link.display()));
+    for (dir, owner) in [
+        (&planted, "owned by uid 65534"),
+        (&link, "symbolic link owned by uid 65534"),
+    ] {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+            .arg(dir)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // A refusal exits at once; a serve that took the directory runs on.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let out = child.wait_with_output().unwrap();
+                panic!(
+                    "serve took {} and ran: {}",
+                    dir.display(),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "serve started on {}: {stderr}",
+            dir.display()
+        );
+        assert!(
+            stderr.contains("cannot be trusted") && stderr.contains(owner),
+            "{}: {stderr}",
+            dir.display()
+        );
+        assert!(!stderr.contains("listening"), "{stderr}");
+    }
+    // Nothing was made or changed in it.
+    let mut names: Vec<String> = std::fs::read_dir(&planted)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["api.token", "metrics.token", "session.secret"]);
+}
