@@ -6,6 +6,10 @@
 //! - 512 API plus 512 metrics connections against an environment limited
 //!   to 1024 descriptors: it keeps serving, and a replica process killed
 //!   meanwhile is restarted.
+//! - Memory before proof: 32 token-less connections sending unfinished
+//!   health checks are each closed past the unproven byte budget, the
+//!   environment's peak memory stays bounded, and a client with the token
+//!   is answered.
 //! - The state directory and everything in it are private (a directory
 //!   made 0755 with a 0644 file in it is made 0700/0600), and another uid
 //!   (where root can switch to one) reads nothing of it and drives nothing.
@@ -395,4 +399,98 @@ fn a_state_dir_another_user_made_and_filled_is_refused() {
         .collect();
     names.sort();
     assert_eq!(names, ["api.token", "metrics.token", "session.secret"]);
+}
+
+/// One token-less HTTP/2 connection sending unfinished `Health/Check`
+/// messages (each declares 4 MiB, sends 16 KiB) on up to 200 streams, 3.2
+/// MiB in all; returns whether the environment closed it within 5 s of the
+/// last byte it took. Without a byte budget before proof it stays open
+/// until the handshake deadline (10 s), the health service buffering.
+async fn unfinished_health_checks(addr: &str) -> bool {
+    let Ok(tcp) = tokio::net::TcpStream::connect(addr).await else {
+        return true;
+    };
+    let Ok((mut h2c, connection)) = h2::client::handshake(tcp).await else {
+        return true;
+    };
+    let mut connection = tokio::spawn(connection);
+    let mut message = vec![0u8; 16 << 10];
+    message[1..5].copy_from_slice(&(4u32 << 20).to_be_bytes());
+    let message = bytes::Bytes::from(message);
+    let mut streams = Vec::new();
+    for _ in 0..200 {
+        let ready = tokio::select! {
+            r = h2c.clone().ready() => r,
+            _ = &mut connection => return true,
+        };
+        let Ok(mut ready) = ready else { break };
+        let request = http::Request::post(format!("http://{addr}/grpc.health.v1.Health/Check"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .unwrap();
+        let Ok((response, mut body)) = ready.send_request(request, false) else {
+            break;
+        };
+        if body.send_data(message.clone(), false).is_err() {
+            break;
+        }
+        streams.push((response, body));
+        h2c = ready;
+    }
+    tokio::time::timeout(Duration::from_secs(5), connection)
+        .await
+        .is_ok()
+}
+
+/// The peak resident memory of `pid` in MiB (`VmHWM`).
+fn peak_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Memory before proof: 32 token-less connections at once, each sending
+/// unfinished health checks, are each closed past the byte budget (an
+/// observable event, well before the handshake deadline); the
+/// environment's peak memory grows by less than the budget's ceiling
+/// (64 unproven connections x 2 MiB); a client with the token is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unfinished_messages_without_a_token_are_cut_at_the_byte_budget() {
+    let state = tempfile::tempdir().unwrap();
+    let s = serve(state.path()).await;
+    let pid = s.child.id().unwrap();
+    let before = peak_mib(pid);
+    let addr = s.url.trim_start_matches("http://").to_string();
+    let mut attacks = Vec::new();
+    for _ in 0..32 {
+        let addr = addr.clone();
+        attacks.push(tokio::spawn(async move {
+            unfinished_health_checks(&addr).await
+        }));
+    }
+    let mut open = 0;
+    for a in attacks {
+        if !a.await.unwrap() {
+            open += 1;
+        }
+    }
+    let after = peak_mib(pid);
+    eprintln!("environment peak RSS {before:.1} MiB before, {after:.1} MiB after 32 connections of unfinished health checks");
+    assert_eq!(
+        open, 0,
+        "{open} of 32 connections past the byte budget were left open"
+    );
+    assert!(
+        after - before < 128.0,
+        "the environment's peak memory grew by {:.1} MiB",
+        after - before
+    );
+    list(&s).await.expect("a client with the token is answered");
 }

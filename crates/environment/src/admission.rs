@@ -13,6 +13,9 @@
 //!   the API's small unproven pool, with one deadline for its whole
 //!   handshake (TCP, TLS, the HTTP/2 preface, the first authenticated call),
 //!   and past the pool's cap the oldest is closed.
+//! - Until it is proven a connection may send at most
+//!   [`API_UNPROVEN_READ_BYTES`] (a byte budget beside the descriptor
+//!   one): past it, it is closed.
 //! - The metrics endpoint answers one request per connection: its
 //!   connections are unproven for their short life, in their own pool with
 //!   the request head's deadline.
@@ -46,6 +49,26 @@ pub const API_UNPROVEN: usize = 64;
 /// handshake: TLS, the HTTP/2 preface and a first call whose credential
 /// was checked. Closed after it unless proven.
 pub const API_HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The HTTP/2 flow-control window the API grants a connection, and each of
+/// its streams, before anything is read by a service (hyper's default,
+/// stated): what a client may send before the server reads.
+pub const API_CONNECTION_WINDOW: u32 = 1 << 20;
+
+/// The most bytes an API connection may send before it is proven (TLS,
+/// the HTTP/2 preface, health checks, reflection, the headers of a first
+/// call): twice [`API_CONNECTION_WINDOW`], so that a client whose first
+/// call carries a large body (which the server does not read before it
+/// checked the token) is proven before it could reach it. Past it, the
+/// connection is closed. Health and reflection answer requests of a few
+/// bytes ([`crate::API_OPEN_MAX_REQUEST_BYTES`]), so a token-less caller
+/// can make the environment hold little more than this per connection, and
+/// [`API_UNPROVEN`] connections at once.
+pub const API_UNPROVEN_READ_BYTES: usize = 2 * API_CONNECTION_WINDOW as usize;
+
+/// The most bytes a metrics connection (never proven) may send: a request
+/// head, many times over.
+pub const METRICS_UNPROVEN_READ_BYTES: usize = 64 << 10;
 
 /// The metrics endpoint's pool (every connection of it), at most.
 pub const METRICS_UNPROVEN: usize = 64;
@@ -129,6 +152,10 @@ pub struct Admitted {
     stream: TcpStream,
     slot: Slot,
     close: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    /// Bytes read while unproven.
+    unproven_read: usize,
+    /// The most bytes it may send while unproven.
+    unproven_budget: usize,
 }
 
 impl Admitted {
@@ -154,7 +181,23 @@ impl AsyncRead for Admitted {
         if self.closed(cx) {
             return Poll::Ready(Err(closed_error()));
         }
-        Pin::new(&mut self.stream).poll_read(cx, buf)
+        let unproven = !self.slot.is_proven();
+        if unproven && self.unproven_read > self.unproven_budget {
+            tracing::debug!(
+                read = self.unproven_read,
+                "closing a connection that sent more than its budget before it was proven"
+            );
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "sent more than an unproven connection may",
+            )));
+        }
+        let before = buf.filled().len();
+        let read = Pin::new(&mut self.stream).poll_read(cx, buf);
+        if unproven && matches!(read, Poll::Ready(Ok(()))) {
+            self.unproven_read += buf.filled().len() - before;
+        }
+        read
     }
 }
 
@@ -190,11 +233,16 @@ impl tonic::transport::server::Connected for Admitted {
     }
 }
 
-/// Accepts on `listener` into `pool`; the admitted connections arrive on
+/// Accepts on `listener` into `pool`, each connection allowed
+/// `unproven_budget` bytes before it is proven; the admitted connections arrive on
 /// the returned channel (its capacity is small: a consumer that stops
 /// taking them stops the accepting). The loop never ends on an error (out
 /// of descriptors it backs off), only when the consumer is gone.
-pub fn accept(listener: TcpListener, pool: Pool) -> mpsc::Receiver<std::io::Result<Admitted>> {
+pub fn accept(
+    listener: TcpListener,
+    pool: Pool,
+    unproven_budget: usize,
+) -> mpsc::Receiver<std::io::Result<Admitted>> {
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
         let mut errors = lockstep_admission::AcceptErrors::new(pool.name());
@@ -220,6 +268,8 @@ pub fn accept(listener: TcpListener, pool: Pool) -> mpsc::Receiver<std::io::Resu
                 stream,
                 slot,
                 close,
+                unproven_read: 0,
+                unproven_budget,
             };
             if tx.send(Ok(admitted)).await.is_err() {
                 return;
@@ -236,12 +286,15 @@ mod tests {
     use std::time::Instant;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+    /// What the echo server's connections may send unproven.
+    const ECHO_BUDGET: usize = 4096;
+
     /// An echo server whose connections are proven by their first byte
     /// `p` (standing in for a checked credential).
     async fn echo_server(caps: Caps, deadline: Duration) -> std::net::SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut rx = accept(listener, Pool::new("test", caps, deadline));
+        let mut rx = accept(listener, Pool::new("test", caps, deadline), ECHO_BUDGET);
         tokio::spawn(async move {
             while let Some(Ok(mut c)) = rx.recv().await {
                 tokio::spawn(async move {
@@ -318,7 +371,11 @@ mod tests {
             proven: 4,
             unproven: 4,
         };
-        let rx = accept(listener, Pool::new("test", caps, Duration::from_secs(5)));
+        let rx = accept(
+            listener,
+            Pool::new("test", caps, Duration::from_secs(5)),
+            usize::MAX,
+        );
         drop(rx);
         // Bounded: the accept loop notices at once, without a connection.
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -350,5 +407,62 @@ mod tests {
         let r = tokio::time::timeout(Duration::from_secs(5), talker.read(&mut b)).await;
         assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "{r:?}");
         assert!(started.elapsed() >= Duration::from_millis(250));
+    }
+
+    /// The byte budget: an unproven connection that keeps sending is closed
+    /// once it sent more than its budget (well before the handshake
+    /// deadline); a proven one sends as much as it likes.
+    #[tokio::test]
+    async fn an_unproven_connection_is_closed_past_its_byte_budget_a_proven_one_is_not() {
+        let addr = echo_server(
+            Caps {
+                unproven: 4,
+                proven: 4,
+            },
+            Duration::from_secs(30),
+        )
+        .await;
+        let started = Instant::now();
+        let mut unproven = TcpStream::connect(addr).await.unwrap();
+        let mut sent = 0;
+        let mut echoed = vec![0u8; 1 << 16];
+        let closed = loop {
+            if unproven.write_all(&[b'x'; 512]).await.is_err() {
+                break true;
+            }
+            sent += 512;
+            match tokio::time::timeout(Duration::from_secs(5), unproven.read(&mut echoed)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => break true,
+                Ok(Ok(_)) => {}
+                Err(_) => break false,
+            }
+            assert!(
+                sent < 1 << 20,
+                "an unproven connection sent {sent} bytes and is open"
+            );
+        };
+        assert!(
+            closed,
+            "an unproven connection was neither answered nor closed"
+        );
+        assert!(
+            sent <= ECHO_BUDGET + 1024,
+            "closed only after {sent} bytes (budget {ECHO_BUDGET})"
+        );
+        assert!(started.elapsed() < Duration::from_secs(10));
+
+        let mut proven = TcpStream::connect(addr).await.unwrap();
+        proven.write_all(b"p").await.unwrap();
+        let mut b = [0u8; 1];
+        proven.read_exact(&mut b).await.unwrap();
+        for _ in 0..(4 * ECHO_BUDGET / 512) {
+            proven.write_all(&[b'y'; 512]).await.unwrap();
+            let mut got = 0;
+            while got < 512 {
+                let n = proven.read(&mut echoed).await.unwrap();
+                assert!(n > 0, "a proven connection was closed");
+                got += n;
+            }
+        }
     }
 }

@@ -109,6 +109,12 @@ pub use upgrade::{AnsweredUpgrade, CATCH_UP_BOUND};
 /// Concurrent streams (and calls) one API connection may have open.
 pub const API_MAX_STREAMS: u32 = 256;
 
+/// The largest request the API's open services (health and reflection,
+/// which need no token) decode: their requests are a service or symbol
+/// name. A larger one is refused before it is read, so a token-less caller
+/// cannot make the environment buffer messages (R1).
+pub const API_OPEN_MAX_REQUEST_BYTES: usize = 4 << 10;
+
 /// The catalog file inside the state directory.
 pub const CATALOG_FILE: &str = "catalog.db";
 /// The orchestrator's directory inside the state directory.

@@ -280,7 +280,11 @@ pub async fn serve(
     let at: Arc<str> = listener
         .local_addr()
         .map_or_else(|_| "localhost".into(), |a| a.to_string().into());
-    let mut incoming = crate::admission::accept(listener, crate::admission::metrics_pool(&metrics));
+    let mut incoming = crate::admission::accept(
+        listener,
+        crate::admission::metrics_pool(&metrics),
+        crate::admission::METRICS_UNPROVEN_READ_BYTES,
+    );
     let token: Option<Arc<str>> = token.map(Arc::from);
     let handler: lockstep_metrics_http::Handler = Arc::new(move |path: String| {
         let metrics = metrics.clone();

@@ -61,11 +61,14 @@ impl Environment {
         let incoming = tokio_stream::wrappers::ReceiverStream::new(admission::accept(
             listener,
             admission::api_pool(&self.metrics()),
+            admission::API_UNPROVEN_READ_BYTES,
         ));
         let logger = self.log_service_events();
         // grpc.health.v1: the API, and each replica as `replica/NAME`,
         // serving while it answers a ping.
+        // Open to token-less callers: requests of a few bytes only.
         let (health, health_service) = tonic_health::server::health_reporter();
+        let health_service = health_service.max_decoding_message_size(API_OPEN_MAX_REQUEST_BYTES);
         health
             .set_serving::<proto::environment_server::EnvironmentServer<server::EnvironmentService>>()
             .await;
@@ -89,10 +92,12 @@ impl Environment {
         // protocol and the health service.
         let reflection_v1 = reflection()
             .build_v1()
-            .expect("the built-in descriptor sets decode");
+            .expect("the built-in descriptor sets decode")
+            .max_decoding_message_size(API_OPEN_MAX_REQUEST_BYTES);
         let reflection_v1alpha = reflection()
             .build_v1alpha()
-            .expect("the built-in descriptor sets decode");
+            .expect("the built-in descriptor sets decode")
+            .max_decoding_message_size(API_OPEN_MAX_REQUEST_BYTES);
         // With a token, every API call must carry it; health and reflection
         // stay open (they say nothing about the replicas' data).
         let service = server::EnvironmentService::new(self.clone());
@@ -109,6 +114,8 @@ impl Environment {
         // Per connection: a bounded number of concurrent streams and calls,
         // and HTTP/2 keepalive so that dead peers are found.
         let mut builder = tonic::transport::Server::builder()
+            .initial_connection_window_size(admission::API_CONNECTION_WINDOW)
+            .initial_stream_window_size(admission::API_CONNECTION_WINDOW)
             .max_concurrent_streams(Some(API_MAX_STREAMS))
             .concurrency_limit_per_connection(API_MAX_STREAMS as usize)
             .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
