@@ -36,5 +36,17 @@ pub const MAX_REQUEST_BYTES: usize = MAX_POLICY_BYTES + (64 << 10);
 /// API uses for reads below a since).
 pub const MAX_ANSWER_BYTES: usize = 256 << 20;
 
+/// The file name of the API's Unix socket inside the state directory, for
+/// the environment whose API listens on TCP `port`: `lockstep serve`
+/// listens on it beside its TCP address, and a client given that address
+/// and the state directory talks to it, so that it knows whom it sends the
+/// token to (only the directory's owner can have made it; the client
+/// checks the peer's uid too). Named by the port, so that two
+/// environments of one state directory (an older one about to be fenced)
+/// each keep theirs.
+pub fn local_socket_file(port: u16) -> String {
+    format!("api-{port}.sock")
+}
+
 /// The minimum length of an API token.
 pub const MIN_TOKEN_LEN: usize = 16;

@@ -38,14 +38,139 @@ pub(crate) type Client = EnvironmentClient<
 >;
 
 pub(crate) async fn connect(server: &ServerArg) -> anyhow::Result<Client> {
-    let token = AddToken::bearer(client_token(server)?.as_deref())?;
-    let channel = connect_channel(server).await?;
+    let token = client_token(server)?;
+    let channel = match route(server) {
+        Route::Local { socket, owner } => connect_local(&socket, owner).await?,
+        Route::Plain if token.is_some() && !server.insecure_plaintext => {
+            anyhow::bail!(
+                "refusing to send the API token over plain HTTP to {}: nothing proves who listens there (on a restart another local user can bind the port and read it). Give the environment's state directory (--state-dir or LOCKSTEP_STATE_DIR: its socket api-PORT.sock proves the server), an https:// address with --tls-ca, or --insecure-plaintext to send it anyway",
+                server.url
+            )
+        }
+        Route::Plain | Route::Tls => connect_tcp(server).await?,
+    };
+    let token = AddToken::bearer(token.as_deref())?;
     Ok(EnvironmentClient::with_interceptor(channel, token)
         .max_decoding_message_size(lockstep_api::MAX_ANSWER_BYTES)
         .max_encoding_message_size(lockstep_api::MAX_REQUEST_BYTES))
 }
 
+/// How a client reaches the environment, and what proves the far end
+/// before the token is sent.
+enum Route {
+    /// The state directory's Unix socket: only the directory's owner could
+    /// have made it, and the peer's uid is checked against `owner`.
+    Local {
+        socket: std::path::PathBuf,
+        owner: u32,
+    },
+    /// `https://`: the server's certificate.
+    Tls,
+    /// Plain HTTP/2 over TCP: nothing.
+    Plain,
+}
+
+/// The route to `server`: its state directory's socket for the address's
+/// port when the address is on loopback and the directory (`--state-dir`,
+/// or the directory of the token file) has one, else TLS for `https://`,
+/// else plain.
+fn route(server: &ServerArg) -> Route {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let https = server.url.starts_with("https://");
+    if let Some(port) = (!https).then(|| loopback_port(&server.url)).flatten() {
+        let token_file = server
+            .token_file
+            .clone()
+            .or_else(|| std::env::var_os(TOKEN_FILE_ENV).map(std::path::PathBuf::from));
+        let dir = server
+            .state_dir
+            .clone()
+            .or_else(|| token_file.and_then(|f| f.parent().map(std::path::Path::to_path_buf)));
+        if let Some(dir) = dir {
+            let socket = dir.join(lockstep_api::local_socket_file(port));
+            if let (Ok(dir_meta), Ok(meta)) =
+                (std::fs::metadata(&dir), std::fs::symlink_metadata(&socket))
+            {
+                if meta.file_type().is_socket() {
+                    return Route::Local {
+                        socket,
+                        owner: dir_meta.uid(),
+                    };
+                }
+            }
+        }
+    }
+    if https {
+        Route::Tls
+    } else {
+        Route::Plain
+    }
+}
+
+/// The port of an `http://HOST[:PORT]` address that names this machine's
+/// loopback (80 without one); `None` for any other address.
+fn loopback_port(url: &str) -> Option<u16> {
+    let uri = url.parse::<tonic::codegen::http::Uri>().ok()?;
+    let loopback = match uri.host()? {
+        "localhost" => true,
+        host => host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback()),
+    };
+    loopback.then(|| uri.port_u16().unwrap_or(80))
+}
+
+/// A channel over the Unix socket at `socket`, refused unless the process
+/// that accepted runs as `owner` (the state directory's) or root.
+async fn connect_local(
+    socket: &std::path::Path,
+    owner: u32,
+) -> anyhow::Result<tonic::transport::Channel> {
+    let path = socket.to_path_buf();
+    let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
+        let path = path.clone();
+        async move {
+            let stream = tokio::net::UnixStream::connect(&path).await?;
+            let peer = stream.peer_cred()?.uid();
+            if peer != owner && peer != 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!(
+                        "the process at {} runs as uid {peer}, not as the state directory's owner (uid {owner}): not sending it the token",
+                        path.display()
+                    ),
+                ));
+            }
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+        }
+    });
+    tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .timeout(std::time::Duration::from_secs(60))
+        .connect_with_connector(connector)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot connect to the environment at its socket {}",
+                socket.display()
+            )
+        })
+}
+
+/// A channel to `arg`'s address: its state directory's socket when
+/// [`route`] finds one, else TCP (TLS with `--tls-ca`). For calls that
+/// send no token (health).
 pub(crate) async fn connect_channel(arg: &ServerArg) -> anyhow::Result<tonic::transport::Channel> {
+    if let Route::Local { socket, owner } = route(arg) {
+        return connect_local(&socket, owner).await;
+    }
+    connect_tcp(arg).await
+}
+
+/// A TCP channel to `arg`'s address, TLS with `--tls-ca`.
+async fn connect_tcp(arg: &ServerArg) -> anyhow::Result<tonic::transport::Channel> {
     let server = &arg.url;
     let mut endpoint = tonic::transport::Endpoint::from_shared(server.to_string())
         .with_context(|| format!("bad server address {server:?}"))?
@@ -81,28 +206,13 @@ pub(crate) fn api_token(file: Option<&std::path::Path>) -> anyhow::Result<Option
     checked_token(token)
 }
 
-/// A token file `lockstep serve` is given: read only if it is a regular
-/// file this user or root owns that others cannot write (someone else's
-/// file could hold a token they know), else from [`API_TOKEN_ENV`] as
-/// [`api_token`] does.
-pub(crate) fn served_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
-    match file {
-        Some(path) => {
-            let bytes = lockstep_environment::private::read_secret_file(path)
-                .with_context(|| format!("reading the token file {}", path.display()))?;
-            checked_token(Some(first_line(&String::from_utf8_lossy(&bytes))))
-        }
-        None => api_token(None),
-    }
-}
-
 /// The first line of a token file, trimmed.
-fn first_line(text: &str) -> String {
+pub(crate) fn first_line(text: &str) -> String {
     text.lines().next().unwrap_or("").trim().to_string()
 }
 
 /// Refuses a token too short or not printable ASCII.
-fn checked_token(token: Option<String>) -> anyhow::Result<Option<String>> {
+pub(crate) fn checked_token(token: Option<String>) -> anyhow::Result<Option<String>> {
     match token {
         Some(t) if t.len() < lockstep_api::MIN_TOKEN_LEN => anyhow::bail!(
             "an API token has at least {} characters",

@@ -262,6 +262,12 @@ struct ServerArg {
     /// The CA certificate (PEM) to check an https:// server against.
     #[arg(long, global = true)]
     tls_ca: Option<PathBuf>,
+    /// Send the API token over plain HTTP to a TCP address that nothing
+    /// proves (e.g. a container's published port). Without it the client
+    /// refuses to: it talks to the state directory's socket
+    /// (`--state-dir`) or to an https:// address.
+    #[arg(long, global = true, env = "LOCKSTEP_INSECURE_PLAINTEXT")]
+    insecure_plaintext: bool,
 }
 
 #[derive(Subcommand)]

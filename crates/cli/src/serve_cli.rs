@@ -248,8 +248,10 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    let local = local_socket(&args.state_dir, addr.port());
     let serving = Serving {
         listener,
+        local,
         addr,
         metrics_listener,
         metrics_token,
@@ -264,6 +266,63 @@ pub(crate) async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let env = start_environment(args, token).await?;
     run_environment(env, serving, shutdown).await
+}
+
+/// The API's Unix socket in the state directory
+/// ([`lockstep_api::local_socket_file`] of the API's `port`; 0600 by the
+/// umask, in the private directory). Sockets of earlier environments that
+/// nothing listens on any more are removed first. None (logged) if it
+/// cannot be made, e.g. a path past the 107 bytes a socket's address
+/// holds: clients then need TLS, or say they accept plain HTTP.
+fn local_socket(
+    state_dir: &std::path::Path,
+    port: u16,
+) -> Option<(tokio::net::UnixListener, PathBuf, (u64, u64))> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    for entry in std::fs::read_dir(state_dir).into_iter().flatten().flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let stale = name.starts_with("api-")
+            && name.ends_with(".sock")
+            && entry.file_type().is_ok_and(|t| t.is_socket())
+            && std::os::unix::net::UnixStream::connect(entry.path())
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused);
+        if stale {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+    let path = state_dir.join(lockstep_api::local_socket_file(port));
+    if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_socket()) {
+        let _ = std::fs::remove_file(&path);
+    }
+    match tokio::net::UnixListener::bind(&path) {
+        Ok(listener) => {
+            let id = std::fs::symlink_metadata(&path)
+                .map(|m| (m.dev(), m.ino()))
+                .unwrap_or_default();
+            tracing::info!(socket = %path.display(), "the API also on the state directory's socket");
+            Some((listener, path, id))
+        }
+        Err(e) => {
+            tracing::warn!(socket = %path.display(), "cannot serve the API on the state directory's socket ({e}); clients must use TLS or --insecure-plaintext");
+            None
+        }
+    }
+}
+
+/// A token file `lockstep serve` is given: read only if it is a regular
+/// file this user or root owns that others cannot write (someone else's
+/// file could hold a token they know), else from [`API_TOKEN_ENV`] as
+/// [`api_token`] does.
+fn served_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    match file {
+        Some(path) => {
+            let bytes = lockstep_environment::private::read_secret_file(path)
+                .with_context(|| format!("reading the token file {}", path.display()))?;
+            checked_token(Some(first_line(&String::from_utf8_lossy(&bytes))))
+        }
+        None => api_token(None),
+    }
 }
 
 /// The API token and the metrics token: from their files, else none under
@@ -493,6 +552,9 @@ async fn start_on_kubernetes(
 /// tokens and limits, the background intervals.
 struct Serving {
     listener: tokio::net::TcpListener,
+    /// The API on the state directory's Unix socket, and the socket file's
+    /// identity (device, inode) to remove it at the end if still ours.
+    local: Option<(tokio::net::UnixListener, PathBuf, (u64, u64))>,
     addr: std::net::SocketAddr,
     metrics_listener: Option<tokio::net::TcpListener>,
     metrics_token: Option<String>,
@@ -512,6 +574,7 @@ async fn run_environment(
 ) -> anyhow::Result<()> {
     let Serving {
         listener,
+        local,
         addr,
         metrics_listener,
         metrics_token,
@@ -553,7 +616,18 @@ async fn run_environment(
     // A replica whose ensure failed (after its catalog write) is retried.
     let retry = env.spawn_replica_retry(std::time::Duration::from_secs(5));
     let grace = std::time::Duration::from_secs(grace);
-    let result = env.serve_until(listener, tls, shutdown, grace).await;
+    let (local, socket) = match local {
+        Some((listener, path, id)) => (Some(listener), Some((path, id))),
+        None => (None, None),
+    };
+    let result = env.serve_until(listener, local, tls, shutdown, grace).await;
+    // The socket file, unless a newer environment replaced it meanwhile.
+    if let Some((path, id)) = socket {
+        use std::os::unix::fs::MetadataExt;
+        if std::fs::symlink_metadata(&path).is_ok_and(|m| (m.dev(), m.ino()) == id) {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
     retry.abort();
     if let Some(task) = background {
         task.abort();

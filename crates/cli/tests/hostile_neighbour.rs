@@ -10,6 +10,10 @@
 //!   health checks are each closed past the unproven byte budget, the
 //!   environment's peak memory stays bounded, and a client with the token
 //!   is answered.
+//! - The CLI sends its token only to a server something proves: over plain
+//!   HTTP to a port another process holds it refuses (the squatter gets
+//!   no connection at all); with the state directory it talks to the
+//!   environment's socket for the address it was given.
 //! - The state directory and everything in it are private (a directory
 //!   made 0755 with a 0644 file in it is made 0700/0600), and another uid
 //!   (where root can switch to one) reads nothing of it and drives nothing.
@@ -493,4 +497,127 @@ async fn unfinished_messages_without_a_token_are_cut_at_the_byte_budget() {
         after - before
     );
     list(&s).await.expect("a client with the token is answered");
+}
+
+/// Every connection `squatter` has had by now (nonblocking: the client has
+/// exited, so each it made is in the backlog), and the bytes each sent
+/// before it closed.
+fn squatted(squatter: &std::net::TcpListener) -> Vec<Vec<u8>> {
+    use std::io::Read;
+    squatter.set_nonblocking(true).unwrap();
+    let mut got = Vec::new();
+    while let Ok((mut c, _)) = squatter.accept() {
+        c.set_nonblocking(false).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut bytes = Vec::new();
+        let _ = c.read_to_end(&mut bytes);
+        got.push(bytes);
+    }
+    got
+}
+
+/// The token-theft attack: another process holds the API's loopback port
+/// (as after a restart). A client with a token in its environment and a
+/// plain `http://` address refuses, saying why, and never connects; a
+/// client given the state directory talks to the environment's socket
+/// for the address it was given (answered), and has none for the
+/// squatter's port, so sends nothing there either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_sends_its_token_only_to_a_server_something_proves() {
+    let state = tempfile::tempdir().unwrap();
+    let s = serve(state.path()).await;
+    let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", squatter.local_addr().unwrap());
+    let run = |args: &[&str], envs: &[(&str, &str)]| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_lockstep"));
+        c.args(["replica", "list", "--server", &url]).args(args);
+        c.env_remove("LOCKSTEP_STATE_DIR")
+            .env_remove("LOCKSTEP_API_TOKEN")
+            .env_remove("LOCKSTEP_TOKEN_FILE");
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        c.output().unwrap()
+    };
+    let out = run(&[], &[("LOCKSTEP_API_TOKEN", &s.token)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a plain-HTTP list succeeded");
+    assert!(
+        stderr.contains("refusing to send the API token over plain HTTP"),
+        "{stderr}"
+    );
+    assert!(
+        squatted(&squatter).is_empty(),
+        "the client connected to the squatter"
+    );
+    // Given the state directory, or its token file: the directory has no
+    // socket for the squatter's port, so nothing is sent either.
+    let token_file = state.path().join("api.token");
+    for args in [
+        ["--token-file", token_file.to_str().unwrap()],
+        ["--state-dir", state.path().to_str().unwrap()],
+    ] {
+        let out = run(&args, &[]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{args:?}: listed through the squatter"
+        );
+        assert!(stderr.contains("refusing to send"), "{args:?}: {stderr}");
+    }
+    assert!(
+        squatted(&squatter).is_empty(),
+        "the client connected to the squatter"
+    );
+    // The environment's own address and its state directory: its socket
+    // (plain TCP with a token is refused, so an answer came through it).
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["replica", "list", "--server", &s.url, "--state-dir"])
+        .arg(state.path())
+        .env_remove("LOCKSTEP_API_TOKEN")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("NAME"));
+    // Told to, it sends the token in clear, and a squatter that speaks
+    // HTTP/2 reads it.
+    squatter.set_nonblocking(true).unwrap();
+    let listener = tokio::net::TcpListener::from_std(squatter).unwrap();
+    let reader = tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.ok()?;
+        let mut h2s = h2::server::handshake(tcp).await.ok()?;
+        let (request, _respond) = h2s.accept().await?.ok()?;
+        request
+            .headers()
+            .get("authorization")
+            .map(|v| v.to_str().unwrap_or_default().to_string())
+    });
+    let bearer = format!("Bearer {}", s.token);
+    let client = tokio::task::spawn_blocking({
+        let url = url.clone();
+        let token = s.token.clone();
+        move || {
+            std::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+                .args(["replica", "list", "--server", &url, "--insecure-plaintext"])
+                .env_remove("LOCKSTEP_STATE_DIR")
+                .env("LOCKSTEP_API_TOKEN", token)
+                .output()
+                .unwrap()
+        }
+    });
+    let read = tokio::time::timeout(Duration::from_secs(30), reader)
+        .await
+        .expect("the squatter was reached within 30 s")
+        .unwrap();
+    assert_eq!(
+        read.as_deref(),
+        Some(bearer.as_str()),
+        "with --insecure-plaintext the squatter reads the token"
+    );
+    let out = client.await.unwrap();
+    assert!(!out.status.success());
 }

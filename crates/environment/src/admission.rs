@@ -279,6 +279,53 @@ pub fn accept(
     rx
 }
 
+/// Accepts on the state directory's Unix socket: a connection whose peer
+/// runs as another user than this process's (or root) is closed at once
+/// (the socket is 0600 in a 0700 directory, so none should reach it). No
+/// pool: only this user reaches it, and every call still shows the token.
+/// The loop never ends on an error (it backs off), only when the consumer
+/// is gone.
+pub fn accept_local(
+    listener: tokio::net::UnixListener,
+) -> mpsc::Receiver<std::io::Result<tokio::net::UnixStream>> {
+    let (tx, rx) = mpsc::channel(16);
+    let me = nix::unistd::geteuid().as_raw();
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                r = listener.accept() => r,
+                () = tx.closed() => return,
+            };
+            let stream = match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!("accepting on the local API socket: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            match stream.peer_cred() {
+                Ok(cred) if cred.uid() == me || cred.uid() == 0 => {}
+                Ok(cred) => {
+                    tracing::warn!(
+                        uid = cred.uid(),
+                        "refused a local API connection of another user"
+                    );
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!("refused a local API connection whose peer is unknown: {e}");
+                    continue;
+                }
+            }
+            if tx.send(Ok(stream)).await.is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

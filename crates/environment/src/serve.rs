@@ -27,7 +27,7 @@ impl Environment {
         listener: tokio::net::TcpListener,
         tls: Option<tonic::transport::ServerTlsConfig>,
     ) -> Result<(), EnvError> {
-        self.serve_until(listener, tls, std::future::pending(), HALT_GRACE)
+        self.serve_until(listener, None, tls, std::future::pending(), HALT_GRACE)
             .await
     }
 
@@ -45,9 +45,15 @@ impl Environment {
     ///    for the next environment to adopt.
     ///
     /// A halt still returns [`EnvError::Halted`], after [`HALT_GRACE`].
+    ///
+    /// With `local`, the same API (the same token check) is also served on
+    /// that Unix socket, to peers of this user or root only: a client that
+    /// finds it in the state directory knows whom it talks to before it
+    /// sends the token.
     pub async fn serve_until(
         self: Arc<Self>,
         listener: tokio::net::TcpListener,
+        local: Option<tokio::net::UnixListener>,
         tls: Option<tonic::transport::ServerTlsConfig>,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
         grace: std::time::Duration,
@@ -84,9 +90,9 @@ impl Environment {
         };
         let shutdown = {
             let rx = stop_rx.clone();
-            async move {
+            futures::FutureExt::shared(Box::pin(async move {
                 stopped(rx).await;
-            }
+            }))
         };
         // Server reflection, v1 and v1alpha, over the API, the compute
         // protocol and the health service.
@@ -113,38 +119,56 @@ impl Environment {
         };
         // Per connection: a bounded number of concurrent streams and calls,
         // and HTTP/2 keepalive so that dead peers are found.
-        let mut builder = tonic::transport::Server::builder()
-            .initial_connection_window_size(admission::API_CONNECTION_WINDOW)
-            .initial_stream_window_size(admission::API_CONNECTION_WINDOW)
-            .max_concurrent_streams(Some(API_MAX_STREAMS))
-            .concurrency_limit_per_connection(API_MAX_STREAMS as usize)
-            .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
-            .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)));
-        if let Some(tls) = tls {
-            builder = builder
-                .tls_config(tls)
-                .map_err(|e| EnvError::Orchestrator(format!("TLS configuration: {e}")))?;
-        }
+        let builder = || {
+            tonic::transport::Server::builder()
+                .initial_connection_window_size(admission::API_CONNECTION_WINDOW)
+                .initial_stream_window_size(admission::API_CONNECTION_WINDOW)
+                .max_concurrent_streams(Some(API_MAX_STREAMS))
+                .concurrency_limit_per_connection(API_MAX_STREAMS as usize)
+                .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+                .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
+        };
         // Without a token every call proves its connection (there is no
         // credential to check); with one, only the token check does.
         let open_api = self.api_token.is_none();
-        let server = builder
-            .layer(tower::util::MapRequestLayer::new(log_call))
-            .layer(tower::util::MapRequestLayer::new(
-                move |request: http::Request<tonic::body::Body>| {
-                    if open_api {
-                        admission::prove_request(request.extensions());
-                    }
-                    request
-                },
-            ))
-            .layer(rpc_metrics::RpcMetricsLayer::new(self.metrics()))
-            .add_optional_service(open)
-            .add_optional_service(guarded)
-            .add_service(health_service)
-            .add_service(reflection_v1)
-            .add_service(reflection_v1alpha)
-            .serve_with_incoming_shutdown(incoming, shutdown);
+        let metrics = self.metrics();
+        let routes = |builder: tonic::transport::Server| {
+            builder
+                .layer(tower::util::MapRequestLayer::new(log_call))
+                .layer(tower::util::MapRequestLayer::new(
+                    move |request: http::Request<tonic::body::Body>| {
+                        if open_api {
+                            admission::prove_request(request.extensions());
+                        }
+                        request
+                    },
+                ))
+                .layer(rpc_metrics::RpcMetricsLayer::new(metrics.clone()))
+                .add_optional_service(open.clone())
+                .add_optional_service(guarded.clone())
+                .add_service(health_service.clone())
+                .add_service(reflection_v1.clone())
+                .add_service(reflection_v1alpha.clone())
+        };
+        let local_server = local.map(|local| {
+            routes(builder()).serve_with_incoming_shutdown(
+                tokio_stream::wrappers::ReceiverStream::new(admission::accept_local(local)),
+                shutdown.clone(),
+            )
+        });
+        let mut tcp = builder();
+        if let Some(tls) = tls {
+            tcp = tcp
+                .tls_config(tls)
+                .map_err(|e| EnvError::Orchestrator(format!("TLS configuration: {e}")))?;
+        }
+        let tcp_server = routes(tcp).serve_with_incoming_shutdown(incoming, shutdown);
+        let server = async move {
+            match local_server {
+                Some(local_server) => tokio::try_join!(tcp_server, local_server).map(|_| ()),
+                None => tcp_server.await,
+            }
+        };
         // Once halted or shut down, in-flight requests get a bounded grace
         // period.
         let grace = async move {

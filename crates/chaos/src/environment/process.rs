@@ -44,11 +44,11 @@ pub struct EnvProcess {
 /// The file of the API token `lockstep serve` makes in its state directory.
 const API_TOKEN_FILE: &str = "api.token";
 
-/// The state directory of every environment this process started that
-/// keeps its token there (the default posture), by its API port: where
-/// [`cli`] points the CLI for its token. An environment started otherwise
-/// removes its port's entry.
-static STATE_DIRS: Mutex<BTreeMap<u16, PathBuf>> = Mutex::new(BTreeMap::new());
+/// The state directory of every environment this process started, and
+/// whether it keeps its token there (the default posture), by its API
+/// port: where [`cli`] points the CLI for its token and for the socket
+/// that proves the server.
+static STATE_DIRS: Mutex<BTreeMap<u16, (PathBuf, bool)>> = Mutex::new(BTreeMap::new());
 
 /// The port of `url` (`scheme://host:port[/]`).
 fn port_of(url: &str) -> Option<u16> {
@@ -205,12 +205,10 @@ impl EnvProcess {
             (Some(read_token(&state_dir.join(API_TOKEN_FILE))?), true)
         };
         if let Some(port) = port_of(&url) {
-            let mut dirs = STATE_DIRS.lock().expect("poisoned");
-            if keeps_it {
-                dirs.insert(port, state_dir.to_path_buf());
-            } else {
-                dirs.remove(&port);
-            }
+            STATE_DIRS
+                .lock()
+                .expect("poisoned")
+                .insert(port, (state_dir.to_path_buf(), keeps_it));
         }
         Ok(EnvProcess {
             child,
@@ -259,7 +257,9 @@ impl EnvProcess {
 /// directory (the default posture), the CLI is given that directory
 /// (`LOCKSTEP_STATE_DIR`) and so sends the token, unless `args` name a
 /// token file or a state directory themselves; otherwise it sends what
-/// `args` say (nothing, by default).
+/// `args` say (nothing, by default). Given a token file, the CLI is given
+/// the environment's state directory too, for its socket: the CLI sends a
+/// token over plain HTTP to nothing.
 pub async fn cli(bin: &Path, url: &str, args: &[&str]) -> anyhow::Result<std::process::Output> {
     let mut cmd = tokio::process::Command::new(bin);
     cmd.arg("replica")
@@ -267,15 +267,22 @@ pub async fn cli(bin: &Path, url: &str, args: &[&str]) -> anyhow::Result<std::pr
         .args(["--server", url])
         .stdin(Stdio::null())
         .kill_on_drop(true);
-    let own = args.iter().any(|a| {
-        ["--token-file", "--state-dir"]
-            .iter()
-            .any(|f| a == f || a.starts_with(&format!("{f}=")))
-    });
+    let names = |flag: &str| {
+        args.iter()
+            .any(|a| *a == flag || a.starts_with(&format!("{flag}=")))
+    };
     let state_dir =
         port_of(url).and_then(|p| STATE_DIRS.lock().expect("poisoned").get(&p).cloned());
     match state_dir {
-        Some(dir) if !own => cmd.env("LOCKSTEP_STATE_DIR", dir),
+        // Its token, and its socket (which proves the server).
+        Some((dir, true)) if !names("--token-file") && !names("--state-dir") => {
+            cmd.env("LOCKSTEP_STATE_DIR", dir)
+        }
+        // The token `args` name, sent over the state directory's socket
+        // (a token file outranks the directory's token).
+        Some((dir, _)) if names("--token-file") && !names("--state-dir") => {
+            cmd.env("LOCKSTEP_STATE_DIR", dir)
+        }
         _ => cmd.env_remove("LOCKSTEP_STATE_DIR"),
     };
     Ok(tokio::time::timeout(WAIT, cmd.output())
