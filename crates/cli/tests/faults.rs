@@ -2,9 +2,11 @@
 //! binary next to the `lockstep` binary under test, or
 //! `$LOCKSTEP_REPLICA_BIN`):
 //!
-//! - a port recorded for a replica process taken by a foreign listener: the
-//!   orchestrator re-chooses every process's ports after repeated quick
-//!   exits, the controller follows, and the replica answers again;
+//! - a replica process's ports cannot be taken while the orchestrator runs
+//!   (it holds every port it chose); one taken while the environment was
+//!   down: the next orchestrator re-chooses every process's ports after
+//!   repeated quick exits, the controller follows, and the replica answers
+//!   again;
 //! - a dataflow a replica refuses as malformed (here: its processes run with
 //!   a smaller frame limit than the environment's): the request fails, the
 //!   dataflow leaves the history and the catalog, and the replica's other
@@ -39,7 +41,7 @@ async fn wait_gone(pid: u32) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_taken_port_is_rechosen_for_every_process_and_the_replica_answers_again() {
+async fn ports_are_held_while_the_environment_runs_and_a_taken_one_is_rechosen() {
     let sandbox = Sandbox::new().unwrap();
     let env = start(sandbox.path()).await;
     env.create_replica("r1", shape(2, 1)).await.unwrap();
@@ -52,17 +54,42 @@ async fn a_taken_port_is_rechosen_for_every_process_and_the_replica_answers_agai
         .expect("the replica answers before the fault");
     let before = service(&env).await;
     let taken = controller_addr(&before, 1);
+    let timely = before.processes[1].addresses["timely"];
 
-    // Kill process 1 and take its controller port before its supervisor
-    // restarts it (the restart waits a poll and a backoff); if the
-    // supervisor wins the race, kill the new process and try again.
+    // While the orchestrator runs it holds every port it chose: process 1
+    // killed, neither of its ports can be taken before (or after) its
+    // restart, and the replica answers again on the same addresses.
+    if let Some(pid) = before.processes[1].pid {
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+        wait_gone(pid).await;
+    }
+    for addr in [taken, timely] {
+        let e = std::net::TcpListener::bind(addr)
+            .expect_err("a killed process's port was free for another socket");
+        assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse, "{addr}: {e}");
+    }
+    peek_until(&env, 101, 1, &expected, RECOVERY_BOUND)
+        .await
+        .expect("the replica answers again after the kill");
+    let restarted = service(&env).await;
+    for (old, new) in before.processes.iter().zip(&restarted.processes) {
+        assert_eq!(old.addresses, new.addresses, "process {}", old.index);
+    }
+    let before = restarted;
+
+    // With the environment down, a process that dies frees its ports: one
+    // is taken then. The next environment cannot hold it, so it re-chooses
+    // every process's ports after a few quick exits.
+    drop(env);
     let started = Instant::now();
     let foreign = loop {
         assert!(
             started.elapsed() < Duration::from_secs(30),
-            "could not take port {taken}"
+            "could not take port {taken} with the environment down"
         );
-        if let Some(pid) = service(&env).await.processes[1].pid {
+        if let Some(pid) = before.processes[1].pid {
             let _ = std::process::Command::new("kill")
                 .args(["-KILL", &pid.to_string()])
                 .status();
@@ -73,6 +100,7 @@ async fn a_taken_port_is_rechosen_for_every_process_and_the_replica_answers_agai
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
+    let env = start(sandbox.path()).await;
 
     // Process 1 cannot listen any more; after a few quick exits every
     // process gets new ports, the controller reconnects there, and the

@@ -332,10 +332,24 @@ pub fn connect_mesh(
     key: Option<&SessionKey>,
     timeout: Duration,
 ) -> Result<Vec<Option<TcpStream>>, ClusterError> {
-    let deadline = Instant::now() + timeout;
-    let n = addrs.len();
     let listener =
         TcpListener::bind(bind).map_err(|source| ClusterError::Bind { addr: bind, source })?;
+    connect_mesh_on(&listener, addrs, me, id, key, timeout)
+}
+
+/// [`connect_mesh`] on a listener already bound (one the orchestrator
+/// bound and this process inherited), which the caller keeps: while it
+/// is open no other socket can take its port.
+pub fn connect_mesh_on(
+    listener: &TcpListener,
+    addrs: &[SocketAddr],
+    me: usize,
+    id: MeshId,
+    key: Option<&SessionKey>,
+    timeout: Duration,
+) -> Result<Vec<Option<TcpStream>>, ClusterError> {
+    let deadline = Instant::now() + timeout;
+    let n = addrs.len();
     listener.set_nonblocking(true)?;
     let mut sockets: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     let (accepted_tx, accepted) = mpsc::channel::<Result<(usize, TcpStream), String>>();

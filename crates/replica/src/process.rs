@@ -50,6 +50,12 @@ struct Args {
     /// The port this process listens on for controllers.
     #[arg(long)]
     controller_port: u16,
+    /// Listening sockets this process inherits instead of binding its
+    /// ports, as `NAME=FD,...` (`controller`, `timely`): the process
+    /// orchestrator binds every port when it chooses it and hands each
+    /// process its own, so no port is named before it is bound.
+    #[arg(long, hide = true, env = "LOCKSTEP_LISTEN_FDS", default_value = "")]
+    listen_fds: String,
     /// The address both ports are bound on (`0.0.0.0` for every interface, a
     /// pod IP). Default: the address this process's own --peers entry
     /// resolves to.
@@ -229,6 +235,13 @@ impl Builder {
             timely_peers: args.peers,
             listen_host: args.listen_host,
             controller_port: args.controller_port,
+            inherited: match crate::server::Inherited::parse(&args.listen_fds) {
+                Ok(inherited) => inherited,
+                Err(e) => {
+                    eprintln!("lockstep-replica: error: LOCKSTEP_LISTEN_FDS: {e}");
+                    std::process::exit(2);
+                }
+            },
             cluster_timeout: Duration::from_secs(args.cluster_timeout_secs),
             max_frame_len: args.max_frame_len,
             command_log: args.command_log,

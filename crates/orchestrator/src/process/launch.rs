@@ -54,6 +54,32 @@ impl Inner {
             .stdout(log.try_clone()?)
             .stderr(log)
             .process_group(0);
+        // After the explicit environment: the listeners it inherits (not in a simulated host's namespace,
+        // where it binds its own address).
+        let inherited = match record.processes[i].namespace {
+            None => self.listener_fds(&record.name, i, &record.processes[i].ports),
+            Some(_) => None,
+        };
+        if let Some(fds) = inherited {
+            let spec: Vec<String> = fds.iter().map(|(n, fd)| format!("{n}={fd}")).collect();
+            cmd.env(LISTEN_FDS_ENV, spec.join(","));
+            let raw: Vec<std::os::fd::RawFd> = fds.iter().map(|(_, fd)| *fd).collect();
+            // SAFETY: between fork and exec only `fcntl` runs, which is
+            // async-signal-safe; it clears close-on-exec in the child's
+            // descriptor table alone, so the child inherits these listeners
+            // at the same numbers and no other child does.
+            #[allow(unsafe_code)]
+            unsafe {
+                cmd.pre_exec(move || {
+                    for fd in &raw {
+                        if nix::libc::fcntl(*fd, nix::libc::F_SETFD, 0) == -1 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
+                    Ok(())
+                });
+            }
+        }
         let mut child = cmd.spawn()?;
         let pid = child.id();
         // If it died at once (a zombie we can read no more of), 0 is a start
@@ -252,20 +278,120 @@ pub(super) fn port_held(port: u16) -> bool {
 pub(super) fn allocate_ports(
     scale: usize,
     names: &[String],
-) -> std::io::Result<Vec<BTreeMap<String, u16>>> {
-    // Hold every listener until all are allocated, so no two coincide.
+) -> std::io::Result<(
+    Vec<BTreeMap<String, u16>>,
+    Vec<BTreeMap<String, TcpListener>>,
+)> {
+    // Every listener is kept (so no two coincide, and each port stays bound
+    // until the process that is given it inherits it).
     let mut held = Vec::new();
     let mut out = Vec::new();
     for _ in 0..scale {
         let mut ports = BTreeMap::new();
+        let mut listeners = BTreeMap::new();
         for n in names {
             let l = TcpListener::bind((HOST, 0))?;
             ports.insert(n.clone(), l.local_addr()?.port());
-            held.push(l);
+            listeners.insert(n.clone(), l);
         }
         out.push(ports);
+        held.push(listeners);
     }
-    Ok(out)
+    Ok((out, held))
+}
+
+/// The environment variable that tells a process which inherited
+/// descriptors are its listeners: `NAME=FD,...` (port name, descriptor).
+pub const LISTEN_FDS_ENV: &str = "LOCKSTEP_LISTEN_FDS";
+
+impl Inner {
+    /// Chooses ports for `scale` processes of service `name`
+    /// ([`allocate_ports`]) and holds their listeners for it.
+    pub(super) fn allocate_held(
+        &self,
+        name: &str,
+        scale: usize,
+        names: &[String],
+    ) -> std::io::Result<Vec<BTreeMap<String, u16>>> {
+        let (ports, listeners) = allocate_ports(scale, names)?;
+        self.held
+            .lock()
+            .expect("poisoned")
+            .insert(name.to_string(), listeners);
+        Ok(ports)
+    }
+
+    /// Whether this orchestrator holds `port` for process `i` of `name`.
+    pub(super) fn holds(&self, name: &str, i: usize, port: u16) -> bool {
+        self.held
+            .lock()
+            .expect("poisoned")
+            .get(name)
+            .and_then(|all| all.get(i))
+            .is_some_and(|mine| {
+                mine.values()
+                    .any(|l| l.local_addr().is_ok_and(|a| a.port() == port))
+            })
+    }
+
+    /// Forgets the listeners of service `name` (dropped).
+    pub(super) fn release_ports(&self, name: &str) {
+        self.held.lock().expect("poisoned").remove(name);
+    }
+
+    /// The descriptors of process `i`'s listeners for `ports`, by port
+    /// name: the ones held, or (a service adopted from an earlier
+    /// orchestrator, whose processes held them) bound now. `None` if one
+    /// cannot be bound (another socket has it): the process then binds
+    /// its ports itself, and fails, and is re-ported.
+    pub(super) fn listener_fds(
+        &self,
+        name: &str,
+        i: usize,
+        ports: &BTreeMap<String, u16>,
+    ) -> Option<Vec<(String, std::os::fd::RawFd)>> {
+        use std::os::fd::AsRawFd;
+        let mut held = self.held.lock().expect("poisoned");
+        let all = held.entry(name.to_string()).or_default();
+        if all.len() <= i {
+            all.resize_with(i + 1, BTreeMap::new);
+        }
+        let same = |mine: &BTreeMap<String, TcpListener>| {
+            mine.len() == ports.len()
+                && ports.iter().all(|(n, p)| {
+                    mine.get(n)
+                        .and_then(|l| l.local_addr().ok())
+                        .is_some_and(|a| a.port() == *p)
+                })
+        };
+        if !same(&all[i]) {
+            let mut bound = BTreeMap::new();
+            for (n, p) in ports {
+                match TcpListener::bind((HOST, *p)) {
+                    Ok(l) => {
+                        bound.insert(n.clone(), l);
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            service = name,
+                            process = i,
+                            port = p,
+                            "cannot hold the port for the process ({e}); it binds it itself"
+                        );
+                        all[i] = BTreeMap::new();
+                        return None;
+                    }
+                }
+            }
+            all[i] = bound;
+        }
+        Some(
+            all[i]
+                .iter()
+                .map(|(n, l)| (n.clone(), l.as_raw_fd()))
+                .collect(),
+        )
+    }
 }
 
 /// Finds an executable: a path with a slash is checked as is, a bare name is

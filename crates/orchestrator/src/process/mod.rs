@@ -233,6 +233,13 @@ struct Inner {
     args: Mutex<HashMap<String, ArgsFn>>,
     /// The simulated hosts processes are placed on, if any.
     hosts: Option<SimulatedHosts>,
+    /// The listening sockets of every service's processes, by service
+    /// name and process index (port name to listener), held from the
+    /// moment their ports are chosen until the service is dropped or
+    /// re-ported: each process inherits its own, so no port is ever
+    /// named before it is bound, and none is free between a process's
+    /// death and its restart ([`launch`]).
+    held: Mutex<HashMap<String, Vec<BTreeMap<String, TcpListener>>>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -325,6 +332,7 @@ impl ProcessOrchestrator {
             children: Mutex::new(HashMap::new()),
             args: Mutex::new(HashMap::new()),
             hosts,
+            held: Mutex::new(HashMap::new()),
         };
         // Processes spawned by an orchestrator killed before it recorded them
         // would hold their ports and escape orphan removal: kill them now.

@@ -28,11 +28,12 @@ impl Inner {
         // Reuse the ports of an existing service of the same shape, so an
         // unchanged spec yields the same command lines and is adopted.
         let alloc = || {
-            allocate_ports(config.scale, &config.ports).map_err(|e| EnsureError::Spawn {
-                service: config.name.clone(),
-                program: program.clone(),
-                source: e,
-            })
+            self.allocate_held(&config.name, config.scale, &config.ports)
+                .map_err(|e| EnsureError::Spawn {
+                    service: config.name.clone(),
+                    program: program.clone(),
+                    source: e,
+                })
         };
         let placements: Vec<Placement> = (0..config.scale).map(|i| self.placement(i)).collect();
         let args_for = |ports: &[BTreeMap<String, u16>]| argv_for(&config.args, &placements, ports);
@@ -244,6 +245,7 @@ impl Inner {
         }
         let path = self.record_path(name);
         remove_record(&path).map_err(|e| Self::state_err(&path, e))?;
+        self.release_ports(name);
         // Its logs go with it (best effort: a leftover is only disk).
         for i in 0..record.processes.len() {
             let log = self.log_path(name, i);

@@ -302,7 +302,7 @@ impl Inner {
             .ports
             .values()
             .copied()
-            .filter(|p| port_held(*p))
+            .filter(|p| !self.holds(name, i, *p) && port_held(*p))
             .collect();
         if held.is_empty() || record.epoch != self.config.epoch {
             return Ok(Reassigned::NotNeeded);
@@ -322,7 +322,8 @@ impl Inner {
             ?held,
             "the process keeps exiting and a port recorded for it is held by another socket: choosing new ports for every process"
         );
-        let ports = allocate_ports(record.processes.len(), &record.port_names)
+        let ports = self
+            .allocate_held(name, record.processes.len(), &record.port_names)
             .map_err(|e| format!("could not choose new ports: {e}"))?;
         let placements: Vec<Placement> = (0..record.processes.len())
             .map(|j| self.placement(j))

@@ -73,6 +73,9 @@ pub struct ReplicaConfig {
     pub listen_host: Option<IpAddr>,
     /// The port controllers connect to.
     pub controller_port: u16,
+    /// Listening sockets inherited from the orchestrator, used instead of
+    /// binding the ports.
+    pub inherited: Inherited,
     /// The bound on resolving the peers and forming the timely cluster.
     pub cluster_timeout: Duration,
     /// The largest frame accepted.
@@ -96,6 +99,62 @@ pub struct ReplicaConfig {
     /// (`HelloResponse`): lockstep's, or a family binary's own
     /// ([`crate::Builder::version`]).
     pub build_version: String,
+}
+
+/// Listening sockets a process inherits (descriptor numbers), by port.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Inherited {
+    /// The controller port's listener.
+    pub controller: Option<std::os::fd::RawFd>,
+    /// The timely port's listener.
+    pub timely: Option<std::os::fd::RawFd>,
+}
+
+impl Inherited {
+    /// Parses `NAME=FD,...` (`controller`, `timely`; empty: none).
+    pub fn parse(spec: &str) -> Result<Inherited, String> {
+        let mut out = Inherited::default();
+        for item in spec.split(',').filter(|i| !i.is_empty()) {
+            let (name, fd) = item
+                .split_once('=')
+                .ok_or_else(|| format!("{item:?} is not NAME=FD"))?;
+            let fd: std::os::fd::RawFd = fd
+                .parse()
+                .ok()
+                .filter(|fd| *fd > 2)
+                .ok_or_else(|| format!("{item:?}: not a descriptor above 2"))?;
+            match name {
+                "controller" => out.controller = Some(fd),
+                "timely" => out.timely = Some(fd),
+                other => return Err(format!("unknown port name {other:?}")),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The inherited listener at descriptor `fd`, checked: a TCP socket bound
+/// to `addr`'s port (else an error naming both).
+fn inherited_listener(
+    fd: std::os::fd::RawFd,
+    addr: SocketAddr,
+) -> anyhow::Result<std::net::TcpListener> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: the descriptor was named by the orchestrator that started
+    // this process and is owned by nothing else in it; it is taken once,
+    // here. What it is, is checked next.
+    #[allow(unsafe_code)]
+    let listener = unsafe { std::net::TcpListener::from_raw_fd(fd) };
+    let bound = listener
+        .local_addr()
+        .with_context(|| format!("inherited descriptor {fd} is not a listening socket"))?;
+    if bound.port() != addr.port() {
+        anyhow::bail!(
+            "inherited descriptor {fd} is bound to {bound}, not to port {}",
+            addr.port()
+        );
+    }
+    Ok(listener)
 }
 
 /// The descriptors a replica process keeps for its own work beside the
@@ -201,8 +260,11 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
     let timely_addrs = cluster::resolve_peers(&config.timely_peers, config.cluster_timeout)?;
     let listen_ip = config.listen_host.unwrap_or(timely_addrs[me].ip());
     let controller_addr = SocketAddr::new(listen_ip, config.controller_port);
-    let listener = std::net::TcpListener::bind(controller_addr)
-        .with_context(|| format!("cannot listen for controllers on {controller_addr}"))?;
+    let listener = match config.inherited.controller {
+        Some(fd) => inherited_listener(fd, controller_addr)?,
+        None => std::net::TcpListener::bind(controller_addr)
+            .with_context(|| format!("cannot listen for controllers on {controller_addr}"))?,
+    };
     listener.set_nonblocking(true)?;
     if let Some(location) = &config.command_log {
         // Fail fast, before forming the cluster, on a log that cannot be
@@ -218,9 +280,22 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
         generation: config.generation,
     };
     let formed_by = std::time::Instant::now() + config.cluster_timeout;
-    let sockets = cluster::connect_mesh(
+    let timely_addr = SocketAddr::new(listen_ip, timely_addrs[me].port());
+    let timely_listener = match config.inherited.timely {
+        Some(fd) => inherited_listener(fd, timely_addr)?,
+        None => std::net::TcpListener::bind(timely_addr).map_err(|source| {
+            cluster::ClusterError::Bind {
+                addr: timely_addr,
+                source,
+            }
+        })?,
+    };
+    // Kept open for the process's life (never accepted on again): its port
+    // stays bound, so no other socket takes it while the environment that
+    // holds it too is down.
+    let sockets = cluster::connect_mesh_on(
+        &timely_listener,
         &timely_addrs,
-        SocketAddr::new(listen_ip, timely_addrs[me].port()),
         me,
         mesh_id,
         config.session_key.as_ref(),
