@@ -275,13 +275,13 @@ pub(super) fn port_held(port: u16) -> bool {
     )
 }
 
-pub(super) fn allocate_ports(
-    scale: usize,
-    names: &[String],
-) -> std::io::Result<(
-    Vec<BTreeMap<String, u16>>,
-    Vec<BTreeMap<String, TcpListener>>,
-)> {
+/// One process's listeners, by port name.
+pub(super) type Listeners = BTreeMap<String, TcpListener>;
+
+/// Every process's ports by name, and the listeners that hold them.
+pub(super) type Allocated = (Vec<BTreeMap<String, u16>>, Vec<Listeners>);
+
+pub(super) fn allocate_ports(scale: usize, names: &[String]) -> std::io::Result<Allocated> {
     // Every listener is kept (so no two coincide, and each port stays bound
     // until the process that is given it inherits it).
     let mut held = Vec::new();

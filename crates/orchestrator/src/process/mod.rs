@@ -239,7 +239,7 @@ struct Inner {
     /// re-ported: each process inherits its own, so no port is ever
     /// named before it is bound, and none is free between a process's
     /// death and its restart ([`launch`]).
-    held: Mutex<HashMap<String, Vec<BTreeMap<String, TcpListener>>>>,
+    held: Mutex<HashMap<String, Vec<launch::Listeners>>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
