@@ -57,8 +57,10 @@ impl Inner {
         // After the explicit environment: the listeners it inherits (not in a simulated host's namespace,
         // where it binds its own address).
         let inherited = match record.processes[i].namespace {
-            None => self.listener_fds(&record.name, i, &record.processes[i].ports),
-            Some(_) => None,
+            None if listens_on_loopback(&record.processes[i].argv) => {
+                self.listener_fds(&record.name, i, &record.processes[i].ports)
+            }
+            _ => None,
         };
         if let Some(fds) = inherited {
             let spec: Vec<String> = fds.iter().map(|(n, fd)| format!("{n}={fd}")).collect();
@@ -298,6 +300,24 @@ pub(super) fn allocate_ports(scale: usize, names: &[String]) -> std::io::Result<
         held.push(listeners);
     }
     Ok((out, held))
+}
+
+/// Whether a process with `argv` listens where this orchestrator binds its
+/// ports ([`HOST`]): unless its `--listen-host` names another address (a
+/// template that serves off loopback). Only then does it inherit them.
+fn listens_on_loopback(argv: &[String]) -> bool {
+    let mut args = argv.iter();
+    while let Some(a) = args.next() {
+        let value = match a.strip_prefix("--listen-host=") {
+            Some(v) => Some(v.to_string()),
+            None if a == "--listen-host" => args.next().cloned(),
+            None => None,
+        };
+        if let Some(v) = value {
+            return v == HOST;
+        }
+    }
+    true
 }
 
 /// The environment variable that tells a process which inherited

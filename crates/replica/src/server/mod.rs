@@ -134,7 +134,7 @@ impl Inherited {
 }
 
 /// The inherited listener at descriptor `fd`, checked: a TCP socket bound
-/// to `addr`'s port (else an error naming both).
+/// to `addr` (else an error naming both).
 fn inherited_listener(
     fd: std::os::fd::RawFd,
     addr: SocketAddr,
@@ -148,11 +148,8 @@ fn inherited_listener(
     let bound = listener
         .local_addr()
         .with_context(|| format!("inherited descriptor {fd} is not a listening socket"))?;
-    if bound.port() != addr.port() {
-        anyhow::bail!(
-            "inherited descriptor {fd} is bound to {bound}, not to port {}",
-            addr.port()
-        );
+    if bound != addr {
+        anyhow::bail!("inherited descriptor {fd} is bound to {bound}, not to {addr}");
     }
     Ok(listener)
 }
