@@ -84,8 +84,9 @@ pub(crate) struct ServeArgs {
     /// A file holding the read-only token of the metrics endpoint (its
     /// first line; what Prometheus holds: it reads metrics and can do
     /// nothing else). Default: STATE_DIR/metrics.token, made on first
-    /// start. The API token is not accepted there.
-    #[arg(long)]
+    /// start. The API token is not accepted there. (A Kubernetes Secret
+    /// mounted as a file: LOCKSTEP_METRICS_TOKEN_FILE.)
+    #[arg(long, env = "LOCKSTEP_METRICS_TOKEN_FILE")]
     metrics_token_file: Option<PathBuf>,
     /// Serve the API over TLS with this certificate chain (PEM); needs
     /// --tls-key.
