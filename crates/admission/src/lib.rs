@@ -30,5 +30,6 @@ pub use budget::{
     MIN_RESERVE,
 };
 pub use pool::{
-    closing_margin, Pool, PoolUsage, Proof, Ready, Slot, NO_BOUNDS_ENV, SUMMARY_INTERVAL,
+    bounds_lifted, closing_margin, Pool, PoolUsage, Proof, Ready, Slot, NO_BOUNDS_ENV,
+    SUMMARY_INTERVAL,
 };

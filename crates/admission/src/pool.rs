@@ -23,6 +23,13 @@ pub const SUMMARY_INTERVAL: Duration = Duration::from_secs(10);
 /// (which only the test command turns on); a release build ignores it.
 pub const NO_BOUNDS_ENV: &str = "LOCKSTEP_EXPERIMENT_NO_ADMISSION_BOUNDS";
 
+/// Whether [`NO_BOUNDS_ENV`] lifts every admission bound of this process
+/// (caps, deadlines, byte budgets): only in a build with the
+/// `experiments` feature (the test command's), else never.
+pub fn bounds_lifted() -> bool {
+    cfg!(feature = "experiments") && std::env::var_os(NO_BOUNDS_ENV).is_some()
+}
+
 /// What a port has open, for tests and logs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolUsage {
@@ -115,9 +122,7 @@ impl Pool {
     /// With [`NO_BOUNDS_ENV`] set (the hostile campaign's negative control
     /// only), the caps and the deadline are as good as none.
     pub fn new(name: &'static str, caps: Caps, deadline: Duration) -> Pool {
-        let (caps, deadline) = if cfg!(feature = "experiments")
-            && std::env::var_os(NO_BOUNDS_ENV).is_some()
-        {
+        let (caps, deadline) = if bounds_lifted() {
             tracing::warn!(
                 listener = name,
                 "{NO_BOUNDS_ENV} is set: no caps and no deadline on connections (a negative control)"

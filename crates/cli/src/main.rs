@@ -243,11 +243,13 @@ enum Command {
 #[derive(clap::Args)]
 struct ServerArg {
     /// The environment's address.
+    /// `http://HOST:PORT`, `https://HOST:PORT`, or `HOST:PORT` (plain HTTP).
     #[arg(
         long = "server",
         global = true,
         env = "LOCKSTEP_ADDR",
-        default_value = "http://127.0.0.1:6875"
+        default_value = "http://127.0.0.1:6875",
+        value_parser = server_url
     )]
     url: String,
     /// A file holding the environment's API token (its first line). Without
@@ -627,8 +629,62 @@ fn finish(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("lockstep: error: {e:#}");
+            eprintln!("lockstep: error: {}", describe_error(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// A `--server` value: `HOST:PORT` without a scheme is `http://HOST:PORT`.
+fn server_url(value: &str) -> Result<String, String> {
+    let url = if value.contains("://") {
+        value.to_string()
+    } else {
+        format!("http://{value}")
+    };
+    match url.parse::<tonic::codegen::http::Uri>() {
+        Ok(uri) if uri.host().is_some() && matches!(uri.scheme_str(), Some("http" | "https")) => {
+            Ok(url)
+        }
+        _ => Err(format!(
+            "{value:?} is not an address: give HOST:PORT, http://HOST:PORT or https://HOST:PORT"
+        )),
+    }
+}
+
+/// An error's chain in lockstep's words: an answer of the API as its gRPC
+/// code's name and the environment's message (`NOT_FOUND: no replica r9`),
+/// not tonic's English description of the code.
+fn describe_error(e: &anyhow::Error) -> String {
+    e.chain()
+        .map(|cause| match cause.downcast_ref::<tonic::Status>() {
+            Some(status) => format!("{}: {}", code_name(status.code()), status.message()),
+            None => cause.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
+/// The name gRPC gives `code` (`NOT_FOUND`, `UNAUTHENTICATED`, ...).
+fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code;
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
     }
 }

@@ -84,8 +84,9 @@ pub(crate) struct ServeArgs {
     /// A file holding the read-only token of the metrics endpoint (its
     /// first line; what Prometheus holds: it reads metrics and can do
     /// nothing else). Default: STATE_DIR/metrics.token, made on first
-    /// start. The API token is not accepted there.
-    #[arg(long)]
+    /// start. The API token is not accepted there. (A Kubernetes Secret
+    /// mounted as a file: LOCKSTEP_METRICS_TOKEN_FILE.)
+    #[arg(long, env = "LOCKSTEP_METRICS_TOKEN_FILE")]
     metrics_token_file: Option<PathBuf>,
     /// Serve the API over TLS with this certificate chain (PEM); needs
     /// --tls-key.
@@ -315,14 +316,34 @@ fn local_socket(
 /// file could hold a token they know), else from [`API_TOKEN_ENV`] as
 /// [`api_token`] does.
 fn served_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
-    match file {
+    let token = match file {
         Some(path) => {
             let bytes = lockstep_environment::private::read_secret_file(path)
                 .with_context(|| format!("reading the token file {}", path.display()))?;
-            checked_token(Some(first_line(&String::from_utf8_lossy(&bytes))))
+            checked_token(Some(first_line(&String::from_utf8_lossy(&bytes))))?
         }
-        None => api_token(None),
+        None => api_token(None)?,
+    };
+    if let Some(t) = &token {
+        refuse_placeholder(t)?;
     }
+    Ok(token)
+}
+
+/// Refuses a token that is a placeholder someone forgot to replace (the
+/// shipped manifests' `CHANGE-ME...`): everyone who read them knows it.
+fn refuse_placeholder(token: &str) -> anyhow::Result<()> {
+    let folded: String = token
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric())
+        .map(|c| c.to_ascii_lowercase())
+        .collect();
+    if folded.contains("changeme") {
+        anyhow::bail!(
+            "the token is a placeholder (it says CHANGE-ME): anyone who read the manifests knows it; make one, e.g. `head -c 32 /dev/urandom | base64`"
+        );
+    }
+    Ok(())
 }
 
 /// The API token and the metrics token: from their files, else none under

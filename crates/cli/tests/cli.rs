@@ -1,7 +1,9 @@
 //! The `lockstep` CLI for scripts and people, on a real `lockstep serve`
 //! with a real replica: `-o json` on every list and status command (parsed
 //! here with serde_json), tables as wide as their content, `replica create
-//! --wait`, shell completions, and `-o` refusing an unknown format.
+//! --wait`, shell completions, and `-o` refusing an unknown format; errors
+//! in lockstep's words with the gRPC code's name, `--server HOST:PORT`
+//! without a scheme, and no ANSI colour in a replica process's log file.
 
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
@@ -390,3 +392,53 @@ async fn serve_refuses_an_unpinned_replica_image() {
         );
     }
 }
+
+/// As a psql or kubectl user expects: an API error names its gRPC code
+/// (`NOT_FOUND`) and the environment's message, not tonic's English for
+/// the code; `--server HOST:PORT` needs no scheme (a bad one is refused
+/// naming the forms); a replica process's log file (stderr not a terminal)
+/// holds no ANSI escape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_name_their_code_addresses_need_no_scheme_and_logs_have_no_colour() {
+    let sandbox = Sandbox::new().unwrap();
+    let (mut server, api) = serve(&sandbox, &[]).await;
+    ok(
+        &api,
+        &["replica", "create", "r1", "--processes", "1", "--wait", "--timeout", "60"],
+    )
+    .await;
+    let o = run_on(&api, &["replica", "drop", "nosuch"]).await;
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "dropped a replica that does not exist");
+    assert!(stderr.contains("NOT_FOUND: "), "{stderr}");
+    assert!(!stderr.contains("Some requested entity"), "{stderr}");
+
+    let bare = Api {
+        url: api.url.trim_start_matches("http://").to_string(),
+        state: api.state.clone(),
+    };
+    assert!(ok(&bare, &["replica", "list"]).await.contains("r1"));
+    let o = run_on(
+        &Api {
+            url: "not an address".into(),
+            state: api.state.clone(),
+        },
+        &["replica", "list"],
+    )
+    .await;
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is not an address"), "{stderr}");
+
+    let log = sandbox.path().join("orchestrator/logs/replica-1-0.log");
+    let bytes = std::fs::read(&log).unwrap();
+    assert!(!bytes.is_empty(), "{} is empty", log.display());
+    assert!(
+        !bytes.contains(&0x1b),
+        "ANSI escapes in {}: {}",
+        log.display(),
+        String::from_utf8_lossy(&bytes[..bytes.len().min(300)])
+    );
+    server.kill().await.unwrap();
+}
+

@@ -446,6 +446,18 @@ async fn the_api_token_is_required_by_default_and_checked_on_every_call() {
     )
     .await;
     assert!(err.contains("at least 16 characters"), "{err}");
+    let placeholder = sandbox.path().join("placeholder.token");
+    std::fs::write(
+        &placeholder,
+        "CHANGE-ME-to-a-random-token-of-32-or-more-characters\n",
+    )
+    .unwrap();
+    let err = serve_fails(
+        sandbox.path(),
+        &["--api-token-file", placeholder.to_str().unwrap()],
+    )
+    .await;
+    assert!(err.contains("the token is a placeholder"), "{err}");
 
     let token = sandbox.path().join("api.token");
     std::fs::write(&token, "a-long-enough-api-token\n").unwrap();

@@ -66,6 +66,27 @@ pub const API_CONNECTION_WINDOW: u32 = 1 << 20;
 /// [`API_UNPROVEN`] connections at once.
 pub const API_UNPROVEN_READ_BYTES: usize = 2 * API_CONNECTION_WINDOW as usize;
 
+/// [`API_UNPROVEN_READ_BYTES`], or none with every admission bound lifted
+/// (`lockstep_admission::bounds_lifted`: the hostile campaign's negative
+/// control, in a test build only).
+pub fn unproven_read_bytes() -> usize {
+    if lockstep_admission::bounds_lifted() {
+        usize::MAX
+    } else {
+        API_UNPROVEN_READ_BYTES
+    }
+}
+
+/// [`crate::API_OPEN_MAX_REQUEST_BYTES`], or tonic's default (4 MiB) with
+/// every admission bound lifted (as [`unproven_read_bytes`]).
+pub fn open_max_request_bytes() -> usize {
+    if lockstep_admission::bounds_lifted() {
+        4 << 20
+    } else {
+        crate::API_OPEN_MAX_REQUEST_BYTES
+    }
+}
+
 /// The most bytes a metrics connection (never proven) may send: a request
 /// head, many times over.
 pub const METRICS_UNPROVEN_READ_BYTES: usize = 64 << 10;

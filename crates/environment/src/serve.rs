@@ -67,14 +67,15 @@ impl Environment {
         let incoming = tokio_stream::wrappers::ReceiverStream::new(admission::accept(
             listener,
             admission::api_pool(&self.metrics()),
-            admission::API_UNPROVEN_READ_BYTES,
+            admission::unproven_read_bytes(),
         ));
         let logger = self.log_service_events();
         // grpc.health.v1: the API, and each replica as `replica/NAME`,
         // serving while it answers a ping.
         // Open to token-less callers: requests of a few bytes only.
         let (health, health_service) = tonic_health::server::health_reporter();
-        let health_service = health_service.max_decoding_message_size(API_OPEN_MAX_REQUEST_BYTES);
+        let open_limit = admission::open_max_request_bytes();
+        let health_service = health_service.max_decoding_message_size(open_limit);
         health
             .set_serving::<proto::environment_server::EnvironmentServer<server::EnvironmentService>>()
             .await;
@@ -99,11 +100,11 @@ impl Environment {
         let reflection_v1 = reflection()
             .build_v1()
             .expect("the built-in descriptor sets decode")
-            .max_decoding_message_size(API_OPEN_MAX_REQUEST_BYTES);
+            .max_decoding_message_size(open_limit);
         let reflection_v1alpha = reflection()
             .build_v1alpha()
             .expect("the built-in descriptor sets decode")
-            .max_decoding_message_size(API_OPEN_MAX_REQUEST_BYTES);
+            .max_decoding_message_size(open_limit);
         // With a token, every API call must carry it; health and reflection
         // stay open (they say nothing about the replicas' data).
         let service = server::EnvironmentService::new(self.clone());

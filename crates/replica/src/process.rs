@@ -195,7 +195,9 @@ impl Builder {
         // The level from RUST_LOG (default info); with `--log-format json` (or
         // LOCKSTEP_LOG_FORMAT=json, inherited from `lockstep serve`) one JSON
         // object per line.
+        // No ANSI colour where stderr is not a terminal (its log file).
         let logs = tracing_subscriber::fmt()
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_env_filter(
                 tracing_subscriber::EnvFilter::try_from_default_env()
                     .unwrap_or_else(|_| "info".into()),

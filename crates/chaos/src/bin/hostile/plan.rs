@@ -113,6 +113,11 @@ pub(crate) enum Kind {
     WrongToken,
     /// `GET /metrics` without the metrics token, or with the API token.
     UnauthorizedScrape,
+    /// HTTP/2 connections without a token sending unfinished
+    /// `grpc.health.v1.Health/Check` messages (each declares 4 MiB, sends
+    /// 16 KiB) on stream after stream, up to [`UNFINISHED_BYTES`] a
+    /// connection; one the port closes is opened again.
+    UnfinishedMessages,
 }
 
 impl std::fmt::Display for Kind {
@@ -124,6 +129,7 @@ impl std::fmt::Display for Kind {
             Kind::NoToken => write!(f, "calls without a token"),
             Kind::WrongToken => write!(f, "calls with a wrong token"),
             Kind::UnauthorizedScrape => write!(f, "scrapes without the metrics token"),
+            Kind::UnfinishedMessages => write!(f, "unfinished health checks"),
         }
     }
 }
@@ -183,6 +189,7 @@ fn kinds(port: Port) -> &'static [Kind] {
             Kind::Trickle("h2-preface", H2_PREFACE),
             Kind::NoToken,
             Kind::WrongToken,
+            Kind::UnfinishedMessages,
         ],
         Port::Metrics => &[
             Kind::Flood,
@@ -210,6 +217,7 @@ fn count(rng: &mut Rng, port: Port, kind: Kind) -> usize {
         (Kind::HalfOpen(..), _) => (20, 120),
         (Kind::Trickle(..), _) => (10, 40),
         (Kind::NoToken | Kind::WrongToken | Kind::UnauthorizedScrape, _) => (2, 6),
+        (Kind::UnfinishedMessages, _) => (8, 24),
     };
     rng.range(lo, hi + 1) as usize
 }
@@ -233,6 +241,18 @@ pub(crate) fn generate(seed: u64) -> SeedPlan {
         start,
         hold: ATTACK - start - Duration::from_millis(500),
     }];
+    // Always: memory before proof, token-less connections sending
+    // unfinished messages. With the byte budget each is closed past it;
+    // without, the environment buffers them (the negative control's
+    // memory is caught).
+    let start = rng.millis(300, 2_000);
+    attacks.push(Attack {
+        port: Port::Api,
+        kind: Kind::UnfinishedMessages,
+        count: rng.range(16, 25) as usize,
+        start,
+        hold: ATTACK - start - Duration::from_millis(500),
+    });
     // Then a random mix on every port.
     let mut ports = vec![Port::Api, Port::Metrics];
     ports.extend((0..PROCESSES as usize).map(Port::Controller));
@@ -280,6 +300,10 @@ mod tests {
             assert_eq!((flood.port, flood.kind), (Port::Api, Kind::Flood));
             assert!(flood.count as u64 > ENV_NOFILE + 64);
             assert!(flood.hold > OP_BOUND + Duration::from_secs(1), "{flood}");
+            assert_eq!(
+                (p.attacks[1].port, p.attacks[1].kind),
+                (Port::Api, Kind::UnfinishedMessages)
+            );
             for a in &p.attacks {
                 assert!(a.start + a.hold <= ATTACK, "seed {seed}: {a}");
             }

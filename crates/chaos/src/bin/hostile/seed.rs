@@ -89,6 +89,17 @@ async fn run_plan(
         metrics_token: env.metrics_token.clone(),
     };
     let result = attack_phase(state.path(), plan, &view, shared).await;
+    // Memory under the whole mix: the environment's peak, bounded.
+    let peak = peak_mib(env.pid);
+    shared.note(format!("environment peak RSS {peak:.0} MiB"));
+    if peak > ENV_PEAK_MIB {
+        shared.fail(violation(
+            "R1",
+            format!(
+                "the environment's peak memory reached {peak:.0} MiB under the attack mix (bound {ENV_PEAK_MIB:.0} MiB)"
+            ),
+        ));
+    }
     env.kill().await;
     result
 }
@@ -167,10 +178,13 @@ async fn attack_phase(
     for w in &watches {
         tasks.spawn(attack::watch_cap(w.clone(), end, shared.clone()));
     }
+    let killed_port = procs[plan.kill]
+        .controller
+        .ok_or_else(|| harness("process addresses", format!("{procs:?}")))?;
     tasks.spawn(kill_and_watch(
         api.clone(),
         pids,
-        plan.kill,
+        (plan.kill, killed_port),
         t0 + plan.kill_at,
         shared.clone(),
     ));
@@ -245,11 +259,32 @@ async fn attack_phase(
     Ok(())
 }
 
+/// The peak resident memory of `pid` in MiB (`VmHWM`; 0 if unreadable).
+fn peak_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
 /// At `at`, kills process `index` (its PID `pids[index]` from the setup)
-/// with SIGKILL; then the replica must be back (every process running,
-/// that one with a new PID) within [`RESTART_BOUND`], seen through
-/// ListReplicas. Its new processes get their descriptors limited too.
-async fn kill_and_watch(api: Api, pids: Vec<u32>, index: usize, at: Instant, shared: Arc<Shared>) {
+/// with SIGKILL; its controller port (`port`) must not be free for
+/// another socket meanwhile (the orchestrator holds it); then the replica
+/// must be back (every process running, that one with a new PID) within
+/// [`RESTART_BOUND`], seen through ListReplicas. Its new processes get
+/// their descriptors limited too.
+async fn kill_and_watch(
+    api: Api,
+    pids: Vec<u32>,
+    (index, port): (usize, SocketAddr),
+    at: Instant,
+    shared: Arc<Shared>,
+) {
     shared.pause_until(at).await;
     if shared.stopped() {
         return;
@@ -261,6 +296,25 @@ async fn kill_and_watch(api: Api, pids: Vec<u32>, index: usize, at: Instant, sha
     }
     let killed = Instant::now();
     shared.recovering(killed + RESTART_BOUND);
+    // A squatter's try, once the process is gone (its PID no longer
+    // alive), before its restart could have bound the port again.
+    let gone = Instant::now() + Duration::from_secs(2);
+    while std::path::Path::new(&format!("/proc/{old}/status")).exists()
+        && std::fs::read_to_string(format!("/proc/{old}/status"))
+            .is_ok_and(|s| !s.contains("State:\tZ"))
+        && Instant::now() < gone
+    {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    if std::net::TcpListener::bind(port).is_ok() {
+        shared.fail(violation(
+            "R1",
+            format!(
+                "process {index}'s controller port {port} was free for another socket after its SIGKILL"
+            ),
+        ));
+        return;
+    }
     let mut last = String::from("not listed yet");
     while killed.elapsed() < RESTART_BOUND && !shared.stopped() {
         let left = RESTART_BOUND.saturating_sub(killed.elapsed());
