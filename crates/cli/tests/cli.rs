@@ -404,7 +404,16 @@ async fn errors_name_their_code_addresses_need_no_scheme_and_logs_have_no_colour
     let (mut server, api) = serve(&sandbox, &[]).await;
     ok(
         &api,
-        &["replica", "create", "r1", "--processes", "1", "--wait", "--timeout", "60"],
+        &[
+            "replica",
+            "create",
+            "r1",
+            "--processes",
+            "1",
+            "--wait",
+            "--timeout",
+            "60",
+        ],
     )
     .await;
     let o = run_on(&api, &["replica", "drop", "nosuch"]).await;
@@ -441,4 +450,3 @@ async fn errors_name_their_code_addresses_need_no_scheme_and_logs_have_no_colour
     );
     server.kill().await.unwrap();
 }
-
