@@ -79,12 +79,12 @@ pub(crate) fn status_err(s: tonic::Status) -> anyhow::Error {
     if s.code() == tonic::Code::OutOfRange && s.message().contains("message length too large") {
         return anyhow::anyhow!(
             "{}: the answer is larger than this client's limit of {} bytes: {}",
-            tonic::Code::ResourceExhausted,
+            crate::code_name(tonic::Code::ResourceExhausted),
             lockstep_api::MAX_ANSWER_BYTES,
             s.message()
         );
     }
-    anyhow::anyhow!("{}: {}", s.code(), s.message())
+    anyhow::anyhow!("{}: {}", crate::code_name(s.code()), s.message())
 }
 
 fn show_rows(rows: &[wire::Row], family: Family, hex: bool) {
