@@ -234,7 +234,7 @@ async fn a_hold_past_its_limit_ends_the_subscription_after_exact_output() {
     let err = common::rest_of(&mut subscriber, &mut lines, &mut seen).await;
     assert!(!status.success(), "the subscription ended in error");
     assert!(
-        err.contains("past the valid range") && err.contains("--read-hold-limit"),
+        err.contains("OUT_OF_RANGE: ") && err.contains("--read-hold-limit"),
         "OUT_OF_RANGE naming the limit: {err}"
     );
     let want = reference(t);
