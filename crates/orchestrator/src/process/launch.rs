@@ -54,8 +54,8 @@ impl Inner {
             .stdout(log.try_clone()?)
             .stderr(log)
             .process_group(0);
-        // After the explicit environment: the listeners it inherits (not in a simulated host's namespace,
-        // where it binds its own address).
+        // After the explicit environment: the listeners it inherits (not in
+        // a simulated host's namespace, where it binds its own address).
         let inherited = match record.processes[i].namespace {
             None if listens_on_loopback(&record.processes[i].argv) => {
                 self.listener_fds(&record.name, i, &record.processes[i].ports)
