@@ -22,7 +22,8 @@
 //! `hostile` is a seeded hostile-neighbour campaign: attackers on every
 //! port of a real `lockstep serve` and its replica processes, their
 //! descriptors limited, while a token holder works and a process is killed;
-//! `bounded` must pass, the negative control `no-bounds` must be caught
+//! `bounded` must pass, the negative controls `no-bounds` and
+//! `released-ports` must be caught
 //! (`crates/chaos/src/bin/hostile.rs`; `--seeds`, `--seed`, `--long`).
 //!
 //! `campaign` is a seeded random fault campaign on a real `lockstep serve`
@@ -61,7 +62,7 @@ pub struct CampaignArgs {
     /// For `campaign`: shrink a failing seed's history (drop operations while it still fails).
     #[arg(long)]
     pub shrink: bool,
-    /// For `hostile`: the long run (seeds 1..=200 of `bounded`, 1..=20 of `no-bounds`) instead of the quick set.
+    /// For `hostile`: the long run (seeds 1..=200 of `bounded`, 1..=20 of each control) instead of the quick set.
     #[arg(long)]
     pub long: bool,
 }
@@ -268,9 +269,11 @@ fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
 /// attackers on every port of a real `lockstep serve` and its replica
 /// processes (descriptors limited with `prlimit`) while a token holder
 /// writes and peeks and a process is killed; `bounded` must pass every
-/// seed, `no-bounds` (the admission bounds off) must be caught. Without
+/// seed, `no-bounds` (the admission bounds off) and `released-ports` (the
+/// orchestrator's ports released once chosen) must be caught. Without
 /// options the quick set; `--seeds`/`--seed` and `--long` are passed on,
-/// `--strategy` names the variants (`bounded`, `no-bounds`).
+/// `--strategy` names the variants (`bounded`, `no-bounds`,
+/// `released-ports`).
 fn hostile(variants: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
     build_with_environment("lockstep-chaos-hostile")?;
     let bin = target_dir().join("debug").join("lockstep-chaos-hostile");
@@ -288,7 +291,7 @@ fn hostile(variants: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
         argv.extend(["--variant".into(), v.clone()]);
     }
     let expected = if variants.is_empty() {
-        2
+        3
     } else {
         variants.len()
     };

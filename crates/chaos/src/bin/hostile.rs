@@ -40,18 +40,21 @@
 //! not start, the replica never served before the attacks...), which
 //! fails the run. The first finding stops the seed.
 //!
-//! Variants: `bounded` (what runs) must pass every seed; `no-bounds`, the
-//! negative control, runs the environment with [`NO_BOUNDS_ENV`] (its
-//! pools without caps or deadline), which the API flood must catch
-//! (violations only; a harness error fails the run).
+//! Variants: `bounded` (what runs) must pass every seed; the negative
+//! controls must be caught (violations only; a harness error fails the
+//! run): `no-bounds` runs the environment with [`NO_BOUNDS_ENV`] (its
+//! pools without caps, deadline or byte budget), which the API flood must
+//! catch; `released-ports` with the orchestrator releasing every port once
+//! chosen, which the squatter's bind after the kill must catch.
 //!
 //! Usage: `lockstep-chaos-hostile [--seeds A..B | A..=B | --seed N]
-//! [--long] [--variant bounded|no-bounds ...]`. Default, the quick set of
-//! `cargo xtask test`: seeds [`QUICK_BOUNDED`] and [`QUICK_NO_BOUNDS`];
-//! `--long`: [`LONG_BOUNDED`] and [`LONG_NO_BOUNDS`]. Prints one line per
-//! seed, then the reporting contract's JSON line per variant (suite
-//! `hostile`); exits non-zero if `bounded` had a violation, any seed a
-//! harness error, or `no-bounds` was not caught.
+//! [--long] [--variant bounded|no-bounds|released-ports ...]`. Default, the
+//! quick set of `cargo xtask test`: seeds [`QUICK_BOUNDED`],
+//! [`QUICK_NO_BOUNDS`] and [`QUICK_RELEASED_PORTS`]; `--long`:
+//! [`LONG_BOUNDED`] and [`LONG_NO_BOUNDS`] (for both controls). Prints one
+//! line per seed, then the reporting contract's JSON line per variant
+//! (suite `hostile`); exits non-zero if `bounded` had a violation, any seed
+//! a harness error, or a control was not caught.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -134,7 +137,9 @@ const QUICK_BOUNDED: std::ops::RangeInclusive<u64> = 1..=3;
 const QUICK_NO_BOUNDS: std::ops::RangeInclusive<u64> = 1..=2;
 /// `--long`: seeds for `bounded`.
 const LONG_BOUNDED: std::ops::RangeInclusive<u64> = 1..=200;
-/// `--long`: seeds for `no-bounds`.
+/// The quick set's seeds for `released-ports`.
+const QUICK_RELEASED_PORTS: std::ops::RangeInclusive<u64> = 1..=1;
+/// `--long`: seeds for `no-bounds` and `released-ports`.
 const LONG_NO_BOUNDS: std::ops::RangeInclusive<u64> = 1..=20;
 
 /// A variant of the campaign.
@@ -144,6 +149,10 @@ enum Variant {
     Bounded,
     /// The negative control: the environment with [`NO_BOUNDS_ENV`].
     NoBounds,
+    /// The negative control of held ports: the environment's orchestrator
+    /// releases every port once chosen
+    /// (`lockstep_orchestrator::process::RELEASE_PORTS_ENV`).
+    ReleasedPorts,
 }
 
 impl Variant {
@@ -152,6 +161,7 @@ impl Variant {
         match self {
             Variant::Bounded => "bounded",
             Variant::NoBounds => "no-bounds",
+            Variant::ReleasedPorts => "released-ports",
         }
     }
 
@@ -160,13 +170,16 @@ impl Variant {
         match s {
             "bounded" => Ok(Variant::Bounded),
             "no-bounds" => Ok(Variant::NoBounds),
-            other => Err(format!("unknown variant {other:?} (bounded or no-bounds)")),
+            "released-ports" => Ok(Variant::ReleasedPorts),
+            other => Err(format!(
+                "unknown variant {other:?} (bounded, no-bounds or released-ports)"
+            )),
         }
     }
 
     /// Whether it is the negative control (caught by violations).
     fn negative(self) -> bool {
-        self == Variant::NoBounds
+        self != Variant::Bounded
     }
 }
 
@@ -325,7 +338,7 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
         }
     }
     if args.variants.is_empty() {
-        args.variants = vec![Variant::Bounded, Variant::NoBounds];
+        args.variants = vec![Variant::Bounded, Variant::NoBounds, Variant::ReleasedPorts];
     }
     Ok(args)
 }
@@ -392,12 +405,13 @@ fn main() {
     let mut ok = true;
     for variant in &args.variants {
         let negative = variant.negative();
-        let seeds: Vec<u64> = match (&args.seeds, args.long, negative) {
+        let seeds: Vec<u64> = match (&args.seeds, args.long, *variant) {
             (Some(s), _, _) => s.clone(),
-            (None, false, false) => QUICK_BOUNDED.collect(),
-            (None, false, true) => QUICK_NO_BOUNDS.collect(),
-            (None, true, false) => LONG_BOUNDED.collect(),
-            (None, true, true) => LONG_NO_BOUNDS.collect(),
+            (None, false, Variant::Bounded) => QUICK_BOUNDED.collect(),
+            (None, false, Variant::NoBounds) => QUICK_NO_BOUNDS.collect(),
+            (None, false, Variant::ReleasedPorts) => QUICK_RELEASED_PORTS.collect(),
+            (None, true, Variant::Bounded) => LONG_BOUNDED.collect(),
+            (None, true, _) => LONG_NO_BOUNDS.collect(),
         };
         let mut tally = Tally::default();
         for seed in seeds {

@@ -54,8 +54,8 @@ impl Inner {
             .stdout(log.try_clone()?)
             .stderr(log)
             .process_group(0);
-        // After the explicit environment: the listeners it inherits (not in a simulated host's namespace,
-        // where it binds its own address).
+        // After the explicit environment: the listeners it inherits (not in
+        // a simulated host's namespace, where it binds its own address).
         let inherited = match record.processes[i].namespace {
             None if listens_on_loopback(&record.processes[i].argv) => {
                 self.listener_fds(&record.name, i, &record.processes[i].ports)
@@ -324,6 +324,16 @@ fn listens_on_loopback(argv: &[String]) -> bool {
 /// descriptors are its listeners: `NAME=FD,...` (port name, descriptor).
 pub const LISTEN_FDS_ENV: &str = "LOCKSTEP_LISTEN_FDS";
 
+/// The hostile campaign's negative control `released-ports`: with it set
+/// (in a build with the `experiments` feature only), ports are released
+/// once chosen and each process binds its own, as before they were held.
+pub const RELEASE_PORTS_ENV: &str = "LOCKSTEP_EXPERIMENT_RELEASE_PORTS";
+
+/// Whether [`RELEASE_PORTS_ENV`] is in force.
+fn ports_released() -> bool {
+    cfg!(feature = "experiments") && std::env::var_os(RELEASE_PORTS_ENV).is_some()
+}
+
 impl Inner {
     /// Chooses ports for `scale` processes of service `name`
     /// ([`allocate_ports`]) and holds their listeners for it.
@@ -334,6 +344,9 @@ impl Inner {
         names: &[String],
     ) -> std::io::Result<Vec<BTreeMap<String, u16>>> {
         let (ports, listeners) = allocate_ports(scale, names)?;
+        if ports_released() {
+            return Ok(ports);
+        }
         self.held
             .lock()
             .expect("poisoned")
@@ -371,6 +384,9 @@ impl Inner {
         ports: &BTreeMap<String, u16>,
     ) -> Option<Vec<(String, std::os::fd::RawFd)>> {
         use std::os::fd::AsRawFd;
+        if ports_released() {
+            return None;
+        }
         let mut held = self.held.lock().expect("poisoned");
         let all = held.entry(name.to_string()).or_default();
         if all.len() <= i {

@@ -107,6 +107,7 @@ mod supervisor;
 
 use launch::*;
 use procfs::*;
+pub use launch::{LISTEN_FDS_ENV, RELEASE_PORTS_ENV};
 pub use procfs::{rss_mib, strays, ORCHESTRATOR_ENV};
 pub use state::kill_all_services;
 use state::*;

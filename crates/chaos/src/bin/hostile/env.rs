@@ -160,8 +160,9 @@ fn read_token(state: &Path, name: &str) -> Result<String, String> {
 impl Env {
     /// Starts `lockstep serve` on the (0700) state directory `state`, in its
     /// default posture, with a metrics endpoint; its log goes to `log`.
-    /// `no_bounds`: with [`NO_BOUNDS_ENV`] set (the negative control).
-    pub(crate) async fn start(state: &Path, log: &Path, no_bounds: bool) -> Result<Env, String> {
+    /// Under a negative control `variant`, with its switch set
+    /// ([`NO_BOUNDS_ENV`], or the orchestrator's released ports).
+    pub(crate) async fn start(state: &Path, log: &Path, variant: Variant) -> Result<Env, String> {
         let stderr = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
         let mut cmd = tokio::process::Command::new(lockstep_binary());
         cmd.args(["serve", "--listen", "127.0.0.1:0"])
@@ -181,8 +182,15 @@ impl Env {
             .stdout(std::process::Stdio::piped())
             .stderr(stderr)
             .kill_on_drop(true);
-        if no_bounds {
-            cmd.env(NO_BOUNDS_ENV, "1");
+        cmd.env_remove(lockstep_orchestrator::process::RELEASE_PORTS_ENV);
+        match variant {
+            Variant::Bounded => {}
+            Variant::NoBounds => {
+                cmd.env(NO_BOUNDS_ENV, "1");
+            }
+            Variant::ReleasedPorts => {
+                cmd.env(lockstep_orchestrator::process::RELEASE_PORTS_ENV, "1");
+            }
         }
         let mut child = cmd
             .spawn()

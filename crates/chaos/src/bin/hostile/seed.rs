@@ -80,7 +80,7 @@ async fn run_plan(
     let out = env::out_dir();
     let _ = std::fs::create_dir_all(&out);
     let log = out.join(format!("{}-seed-{seed}.env.log", variant.name()));
-    let mut env = Env::start(state.path(), &log, variant == Variant::NoBounds).await?;
+    let mut env = Env::start(state.path(), &log, variant).await?;
     // Exhaustion within reach: the environment's descriptors limited now.
     limit_descriptors(env.pid, ENV_NOFILE).await?;
     let view = EnvView {
