@@ -106,8 +106,8 @@ mod state;
 mod supervisor;
 
 use launch::*;
-use procfs::*;
 pub use launch::{LISTEN_FDS_ENV, RELEASE_PORTS_ENV};
+use procfs::*;
 pub use procfs::{rss_mib, strays, ORCHESTRATOR_ENV};
 pub use state::kill_all_services;
 use state::*;
