@@ -60,7 +60,12 @@ impl Inner {
             None if listens_on_loopback(&record.processes[i].argv) => {
                 self.listener_fds(&record.name, i, &record.processes[i].ports)
             }
-            _ => None,
+            _ => {
+                // It binds its own ports (elsewhere than loopback, or in its
+                // namespace): held here, they would keep it from it.
+                self.release_process_ports(&record.name, i);
+                None
+            }
         };
         if let Some(fds) = inherited {
             let spec: Vec<String> = fds.iter().map(|(n, fd)| format!("{n}={fd}")).collect();
@@ -365,6 +370,20 @@ impl Inner {
                 mine.values()
                     .any(|l| l.local_addr().is_ok_and(|a| a.port() == port))
             })
+    }
+
+    /// Forgets the listeners of process `i` of service `name` (it binds
+    /// its own).
+    pub(super) fn release_process_ports(&self, name: &str, i: usize) {
+        if let Some(mine) = self
+            .held
+            .lock()
+            .expect("poisoned")
+            .get_mut(name)
+            .and_then(|all| all.get_mut(i))
+        {
+            mine.clear();
+        }
     }
 
     /// Forgets the listeners of service `name` (dropped).
