@@ -25,6 +25,7 @@ pub mod kube_lifecycle;
 pub mod orphans;
 pub mod outcome;
 pub mod signal;
+pub mod unproven;
 
 /// The PID of process `process` of the first service `orchestrator` lists
 /// (the suites run one replica per orchestrator).

@@ -407,57 +407,19 @@ fn a_state_dir_another_user_made_and_filled_is_refused() {
 
 /// One token-less HTTP/2 connection sending unfinished `Health/Check`
 /// messages (each declares 4 MiB, sends 16 KiB) on up to 200 streams, 3.2
-/// MiB in all; returns whether the environment closed it within 5 s of the
-/// last byte it took. Without a byte budget before proof it stays open
-/// until the handshake deadline (10 s), the health service buffering.
+/// MiB in all; returns whether the environment closed it within 5 s of
+/// the start. Without a byte budget before proof it stays open until the
+/// handshake deadline (10 s), the health service buffering.
 async fn unfinished_health_checks(addr: &str) -> bool {
     let Ok(tcp) = tokio::net::TcpStream::connect(addr).await else {
         return true;
     };
-    let Ok((mut h2c, connection)) = h2::client::handshake(tcp).await else {
-        return true;
-    };
-    let mut connection = tokio::spawn(connection);
-    let mut message = vec![0u8; 16 << 10];
-    message[1..5].copy_from_slice(&(4u32 << 20).to_be_bytes());
-    let message = bytes::Bytes::from(message);
-    let mut streams = Vec::new();
-    for _ in 0..200 {
-        let ready = tokio::select! {
-            r = h2c.clone().ready() => r,
-            _ = &mut connection => return true,
-        };
-        let Ok(mut ready) = ready else { break };
-        let request = http::Request::post(format!("http://{addr}/grpc.health.v1.Health/Check"))
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(())
-            .unwrap();
-        let Ok((response, mut body)) = ready.send_request(request, false) else {
-            break;
-        };
-        if body.send_data(message.clone(), false).is_err() {
-            break;
-        }
-        streams.push((response, body));
-        h2c = ready;
-    }
-    tokio::time::timeout(Duration::from_secs(5), connection)
-        .await
-        .is_ok()
-}
-
-/// The peak resident memory of `pid` in MiB (`VmHWM`).
-fn peak_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
+    lockstep_chaos::unproven::unfinished_health_checks(
+        tcp,
+        200 * (16 << 10),
+        Instant::now() + Duration::from_secs(5),
+    )
+    .await
 }
 
 /// Memory before proof: 32 token-less connections at once, each sending
@@ -470,7 +432,7 @@ async fn unfinished_messages_without_a_token_are_cut_at_the_byte_budget() {
     let state = tempfile::tempdir().unwrap();
     let s = serve(state.path()).await;
     let pid = s.child.id().unwrap();
-    let before = peak_mib(pid);
+    let before = lockstep_orchestrator::process::peak_rss_mib(pid);
     let addr = s.url.trim_start_matches("http://").to_string();
     let mut attacks = Vec::new();
     for _ in 0..32 {
@@ -485,7 +447,7 @@ async fn unfinished_messages_without_a_token_are_cut_at_the_byte_budget() {
             open += 1;
         }
     }
-    let after = peak_mib(pid);
+    let after = lockstep_orchestrator::process::peak_rss_mib(pid);
     eprintln!("environment peak RSS {before:.1} MiB before, {after:.1} MiB after 32 connections of unfinished health checks");
     assert_eq!(
         open, 0,

@@ -238,11 +238,23 @@ pub const ORCHESTRATOR_ENV: &str = "LOCKSTEP_ORCHESTRATOR";
 
 /// The resident memory of process `pid` in MiB (0 if it is gone).
 pub fn rss_mib(pid: u32) -> f64 {
+    status_mib(pid, "VmRSS:")
+}
+
+/// The peak resident memory of process `pid` in MiB (`VmHWM`; 0 if it is
+/// gone).
+pub fn peak_rss_mib(pid: u32) -> f64 {
+    status_mib(pid, "VmHWM:")
+}
+
+/// A `kB` figure of `/proc/PID/status` (its line starting with `field`) in
+/// MiB; 0 if it cannot be read.
+fn status_mib(pid: u32, field: &str) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<f64>().ok())
         })

@@ -234,50 +234,15 @@ pub(crate) async fn run(
 }
 
 /// One token-less HTTP/2 connection on `sock`: unfinished health checks
-/// (each declares 4 MiB and sends 16 KiB) on stream after stream, up to
+/// ([`lockstep_chaos::unproven::unfinished_health_checks`]), up to
 /// [`UNFINISHED_BYTES`], then held until `until` or until the port closes
 /// it. Counted among the port's open connections meanwhile.
 async fn unfinished_messages(watch: &PortWatch, sock: TcpStream, until: Instant, shared: &Shared) {
     watch.opened();
-    let closed = async {
-        let Ok((mut client, connection)) = h2::client::handshake(sock).await else {
-            return true;
-        };
-        let mut connection = tokio::spawn(connection);
-        let mut message = vec![0u8; 16 << 10];
-        message[1..5].copy_from_slice(&(4u32 << 20).to_be_bytes());
-        let message = bytes::Bytes::from(message);
-        let mut streams = Vec::new();
-        let mut sent = 0;
-        while sent < UNFINISHED_BYTES && Instant::now() < until && !shared.stopped() {
-            let ready = tokio::select! {
-                r = client.clone().ready() => r,
-                _ = &mut connection => return true,
-                () = tokio::time::sleep_until(until.into()) => return false,
-            };
-            let Ok(mut ready) = ready else { return true };
-            let request = http::Request::post("http://lockstep/grpc.health.v1.Health/Check")
-                .header("content-type", "application/grpc")
-                .header("te", "trailers")
-                .body(())
-                .expect("a request");
-            let Ok((response, mut body)) = ready.send_request(request, false) else {
-                return true;
-            };
-            if body.send_data(message.clone(), false).is_err() {
-                return true;
-            }
-            sent += message.len();
-            streams.push((response, body));
-            client = ready;
-        }
-        tokio::select! {
-            _ = connection => true,
-            () = tokio::time::sleep_until(until.into()) => false,
-            () = shared.stop.cancelled() => false,
-        }
-    }
-    .await;
+    let closed = tokio::select! {
+        closed = lockstep_chaos::unproven::unfinished_health_checks(sock, UNFINISHED_BYTES, until) => closed,
+        () = shared.stop.cancelled() => false,
+    };
     watch.open.fetch_sub(1, Relaxed);
     if closed {
         watch.closed.fetch_add(1, Relaxed);

@@ -90,7 +90,7 @@ async fn run_plan(
     };
     let result = attack_phase(state.path(), plan, &view, shared).await;
     // Memory under the whole mix: the environment's peak, bounded.
-    let peak = peak_mib(env.pid);
+    let peak = lockstep_orchestrator::process::peak_rss_mib(env.pid);
     shared.note(format!("environment peak RSS {peak:.0} MiB"));
     if peak > ENV_PEAK_MIB {
         shared.fail(violation(
@@ -257,19 +257,6 @@ async fn attack_phase(
         .collect();
     shared.note(format!("most open at once: {}", most.join(", ")));
     Ok(())
-}
-
-/// The peak resident memory of `pid` in MiB (`VmHWM`; 0 if unreadable).
-fn peak_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 /// At `at`, kills process `index` (its PID `pids[index]` from the setup)
