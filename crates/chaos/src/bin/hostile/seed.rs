@@ -283,24 +283,21 @@ async fn kill_and_watch(
     }
     let killed = Instant::now();
     shared.recovering(killed + RESTART_BOUND);
-    // A squatter's try, once the process is gone (its PID no longer
-    // alive), before its restart could have bound the port again.
-    let gone = Instant::now() + Duration::from_secs(2);
-    while std::path::Path::new(&format!("/proc/{old}/status")).exists()
-        && std::fs::read_to_string(format!("/proc/{old}/status"))
-            .is_ok_and(|s| !s.contains("State:\tZ"))
-        && Instant::now() < gone
-    {
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    if std::net::TcpListener::bind(port).is_ok() {
-        shared.fail(violation(
-            "R1",
-            format!(
-                "process {index}'s controller port {port} was free for another socket after its SIGKILL"
-            ),
-        ));
-        return;
+    // A squatter binding the process's controller port as fast as it can
+    // for 2 s from the kill: the moment the dying process lets go of it,
+    // it would be taken, before any restart binds it again.
+    let squatting = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < squatting && !shared.stopped() {
+        if std::net::TcpListener::bind(port).is_ok() {
+            shared.fail(violation(
+                "R1",
+                format!(
+                    "process {index}'s controller port {port} was free for another socket after its SIGKILL"
+                ),
+            ));
+            return;
+        }
+        tokio::time::sleep(Duration::from_micros(500)).await;
     }
     let mut last = String::from("not listed yet");
     while killed.elapsed() < RESTART_BOUND && !shared.stopped() {
