@@ -506,18 +506,7 @@ impl std::fmt::Debug for Environment {
 /// others (one only others can read or enter is made 0700 through its
 /// descriptor), and writable (a probe file is created and removed).
 pub fn check_state_dir(dir: &Path) -> Result<(), StartError> {
-    // The directory holds the master secret, every replica's key, the
-    // tokens and every row (R1: private by default): one another user made
-    // or can swap is refused, not used.
-    private::check_path(dir)?;
-    private::open_state_dir(dir)?;
-    let probe = dir.join(format!(".lockstep-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"probe")
-        .and_then(|_| std::fs::remove_file(&probe))
-        .map_err(|source| StartError::StateDirUnwritable {
-            path: dir.to_path_buf(),
-            source,
-        })
+    private::checked_state_dir(dir).map(drop)
 }
 
 impl Environment {

@@ -61,10 +61,27 @@ pub fn prepare_state_dir(dir: &Path) -> Result<(), StartError> {
                 source,
             })?;
     }
-    crate::check_state_dir(dir)?;
-    let fd = open_state_dir(dir)?;
-    narrow(fd, &mut 0);
+    narrow(checked_state_dir(dir)?, &mut 0);
     Ok(())
+}
+
+/// [`crate::check_state_dir`]: the path checked, the directory opened once
+/// and checked (and narrowed to 0700) through its descriptor, a probe file
+/// written and removed; the open directory, for work through it.
+pub(crate) fn checked_state_dir(dir: &Path) -> Result<OwnedFd, StartError> {
+    // The directory holds the master secret, every replica's key, the
+    // tokens and every row (R1: private by default): one another user made
+    // or can swap is refused, not used.
+    check_path(dir)?;
+    let fd = open_state_dir(dir)?;
+    let probe = dir.join(format!(".lockstep-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"probe")
+        .and_then(|_| std::fs::remove_file(&probe))
+        .map_err(|source| StartError::StateDirUnwritable {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    Ok(fd)
 }
 
 /// This process's effective uid.
