@@ -14,8 +14,14 @@
 //! - `api/ingest_10k/{grpc,core,differential}`: WriteInputs of 10,000 rows
 //!   back to back, until the replica applied them all (a peek of a small
 //!   second export at the last batch's time answers), in rows per second;
-//!   `differential` inserts the same batches into an `InputSession` feeding
-//!   an arrangement in one worker and steps until a probe passes each.
+//!   `floor_2x2` is its like-for-like floor: differential alone on the
+//!   same 2x2 shape (two timely processes of two workers over loopback),
+//!   the same rows built the same way in the timed loop, the same two
+//!   exports, state growing across samples as the replica's does
+//!   ([`lockstep_benches::ingest_floor`]); `differential` inserts
+//!   pre-built batches into an `InputSession` feeding one arrangement in
+//!   one worker, a fresh dataflow per sample (a reported figure, not a
+//!   divisor).
 //!
 //! One environment with a 2x2 replica of the release `lockstep-replica`
 //! serves every measurement; `cargo xtask bench` compares `grpc` with `core`
@@ -251,6 +257,8 @@ fn differential_ingest(iters: u64) -> Duration {
 fn api(c: &mut Criterion) {
     let rt = Runtime::new().unwrap();
     let mut f = rt.block_on(fixture());
+    let mut floor = lockstep_benches::ingest_floor::IngestCluster::start(2, 2);
+    let mut floor_next = 0u64;
     let mut group = c.benchmark_group("api");
     group.sample_size(20);
 
@@ -357,10 +365,30 @@ fn api(c: &mut Criterion) {
             })
         })
     });
+    group.bench_function("ingest_10k/floor_2x2", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                let t = floor_next;
+                floor_next += 1;
+                floor.ingest(
+                    values(INGEST_ROWS, t)
+                        .map(|v| lockstep_plan::row(&v))
+                        .collect(),
+                    t,
+                );
+            }
+            if let Some(last) = floor_next.checked_sub(1) {
+                floor.wait_past(last);
+            }
+            start.elapsed()
+        })
+    });
     group.bench_function("ingest_10k/differential", |b| {
         b.iter_custom(differential_ingest)
     });
     group.finish();
+    drop(floor);
     drop(f);
 }
 

@@ -7,6 +7,7 @@ use lockstep_plan::Plan;
 use lockstep_protocol::{DataflowDescription, Row, Update};
 
 pub mod harness;
+pub mod ingest_floor;
 pub mod relay;
 
 /// `n` rows `[i, 10 i]` at time 0, the input the peek benchmarks read.

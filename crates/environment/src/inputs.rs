@@ -3,12 +3,16 @@
 //! The catalog stores every acknowledged write to an input collection; this
 //! index holds, per replica and collection, the consolidated updates and the
 //! upper of what it stores, built once when the environment loads. A write is
-//! checked against the index and recorded in it in O(batch) (amortized: the
-//! updates are consolidated whenever they doubled), a replica's rehydration
-//! sends one consolidated write per collection, and the catalog's rows of a
-//! collection are replaced by their consolidation whenever its stored updates
-//! doubled since the last time, so that they stay within about twice the
-//! collection's live updates rather than growing with every write.
+//! checked against the index and recorded in it in O(batch). The updates are
+//! consolidated (sorted, equal rows summed) only when that could shrink them,
+//! once they doubled: a retraction was written or the since moved. A
+//! collection that only grows (inserts, no lag) is never re-sorted nor
+//! rewritten on a write's path, so no write's latency depends on the rows
+//! already stored. A replica's rehydration sends one consolidated write per
+//! collection, and the catalog's rows of a collection that could shrink are
+//! replaced by their consolidation whenever its stored updates doubled since
+//! the last time, so that they stay within about twice the collection's live
+//! updates rather than growing with every write.
 //!
 //! Consolidation sums the diffs of equal (row, time). With a compaction lag
 //! `L` (`lockstep serve --compaction-lag`), a collection's since follows its
@@ -52,6 +56,13 @@ struct StoredInput {
     magnitude: u128,
     /// Reads at this time or later are correct.
     since: Timestamp,
+    /// Whether consolidating could shrink the catalog's rows beyond what
+    /// the log's own [`InputLog::shrinkable`] says: the since moved, or the
+    /// index was loaded from more rows than it consolidated to. Inserts at
+    /// the times they were written consolidate to themselves (no two writes
+    /// share a time), so a collection that only grows is never re-sorted
+    /// nor rewritten whole on a write's path.
+    shrinkable: bool,
 }
 
 impl StoredInput {
@@ -59,6 +70,20 @@ impl StoredInput {
         self.log.compact(self.since);
         self.log.consolidate();
         self.magnitude = magnitude(self.log.updates());
+        self.shrinkable = false;
+    }
+
+    /// Appends a stored write's updates: no digest (the environment never
+    /// reads one) and no consolidation (see `shrinkable`).
+    fn append(&mut self, updates: Vec<Update>, upper: Timestamp) {
+        self.magnitude += magnitude(&updates);
+        self.log.append_undigested(updates, upper);
+    }
+
+    /// Whether replacing the catalog's rows by the consolidation could
+    /// shrink them.
+    fn shrinkable(&self) -> bool {
+        self.shrinkable || self.log.shrinkable()
     }
 }
 
@@ -180,13 +205,14 @@ impl Inputs {
         for (replica_id, w) in writes {
             let s = inputs.entry(replica_id, w.collection_id);
             s.catalog_updates += w.updates.len();
-            s.magnitude += magnitude(&w.updates);
-            s.log.append(w.updates, w.upper, true);
+            s.append(w.updates, w.upper);
         }
         for s in inputs.by_replica.values_mut().flat_map(|m| m.values_mut()) {
             s.since = since_for(s.log.upper(), lag);
             s.consolidate();
             s.snapshot_updates = s.log.updates().len();
+            // The catalog's rows shrink when replaced by fewer.
+            s.shrinkable = s.catalog_updates > s.snapshot_updates;
         }
         inputs
     }
@@ -201,6 +227,8 @@ impl Inputs {
             s.since = since_for(s.log.upper(), lag);
             s.consolidate();
             s.snapshot_updates = s.log.updates().len();
+            // The catalog's rows shrink when replaced by fewer.
+            s.shrinkable = s.catalog_updates > s.snapshot_updates;
         }
     }
 
@@ -381,17 +409,17 @@ impl Inputs {
     ) -> Recorded {
         let s = self.entry(replica_id, collection_id);
         s.catalog_updates += updates.len();
-        s.magnitude += magnitude(&updates);
-        s.log.append(updates, upper, true);
+        s.append(updates, upper);
         let upper = s.log.upper();
         let since = self.held_since(replica_id, collection_id, upper);
         let s = self.entry(replica_id, collection_id);
         let mut recorded = Recorded::default();
         if since > s.since {
             s.since = since;
+            s.shrinkable = true;
             recorded.since = Some(since);
         }
-        if s.catalog_updates > 2 * s.snapshot_updates + 1024 {
+        if s.shrinkable() && s.catalog_updates > 2 * s.snapshot_updates + 1024 {
             s.consolidate();
             recorded.snapshot = Some(WriteInput {
                 collection_id,
@@ -507,6 +535,20 @@ mod tests {
         assert_eq!(writes[0].upper, 10_000);
         assert_eq!(writes[0].updates.len(), 10_000);
         assert!(writes[0].updates.iter().all(|u| u.diff == 1));
+    }
+
+    #[test]
+    fn a_collection_that_only_grows_is_never_consolidated_on_a_write() {
+        let mut inputs = Inputs::default();
+        for t in 0..2_000u64 {
+            let batch = (0..10).map(|i| up(i, t, 1)).collect();
+            let r = inputs.record(1, 7, batch, t + 1);
+            assert!(r.snapshot.is_none(), "rewritten at {t}");
+        }
+        // One retraction: the next doubling replaces the rows.
+        let r = inputs.record(1, 7, vec![up(0, 2_000, -1)], 2_001);
+        assert!(r.snapshot.is_some());
+        assert_eq!(r.snapshot.unwrap().updates.len(), 20_001);
     }
 
     #[test]

@@ -250,13 +250,17 @@ fn placeholder(collection_id: u64) -> CommandKind {
 }
 
 /// The writes to one input collection: its upper, its updates (consolidated
-/// whenever they doubled since the last time, so that appending costs
-/// amortized O(batch) and the log stays within twice its consolidated size),
-/// and an additive digest of every update ever appended.
+/// whenever they doubled since the last time and a retraction among them
+/// could cancel something, so that appending costs amortized O(batch), the
+/// log stays within twice its consolidated size, and a log of inserts alone,
+/// which consolidates to itself, is never re-sorted), and an additive digest
+/// of every update ever appended.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct InputLog {
     updates: Vec<Update>,
     consolidated: usize,
+    /// A retraction was appended since the last consolidation.
+    shrinkable: bool,
     upper: Timestamp,
     sum: [u64; 4],
 }
@@ -283,11 +287,23 @@ impl InputLog {
         }
         self.upper = self.upper.max(upper);
         if keep {
+            self.shrinkable |= updates.iter().any(|u| u.diff < 0);
             self.updates.extend(updates);
-            if self.updates.len() > 2 * self.consolidated + 1024 {
+            if self.shrinkable && self.updates.len() > 2 * self.consolidated + 1024 {
                 self.consolidate();
             }
         }
+    }
+
+    /// Appends updates and advances the upper, neither adding them to the
+    /// digest nor consolidating: for a holder that never reads the digest
+    /// and decides itself when consolidating is worth it (the environment's
+    /// index of stored writes). [`digest`](Self::digest) then does not
+    /// cover these updates.
+    pub fn append_undigested(&mut self, updates: Vec<Update>, upper: Timestamp) {
+        self.upper = self.upper.max(upper);
+        self.shrinkable |= updates.iter().any(|u| u.diff < 0);
+        self.updates.extend(updates);
     }
 
     /// Advances the time of every update held below `since` to `since`, and
@@ -314,6 +330,13 @@ impl InputLog {
             self.updates = consolidate(std::mem::take(&mut self.updates));
             self.consolidated = self.updates.len();
         }
+        self.shrinkable = false;
+    }
+
+    /// Whether a retraction was appended since the last consolidation (until
+    /// then, consolidating could merge only equal rows of one write).
+    pub fn shrinkable(&self) -> bool {
+        self.shrinkable
     }
 
     /// The upper.

@@ -68,6 +68,19 @@ struct Checked {
     encoded: Vec<u8>,
 }
 
+/// Runs `f`, which blocks (a catalog commit waits for its fsync), with the
+/// runtime's other tasks handed to its other workers (`block_in_place`) on
+/// a multi-threaded runtime, as `lockstep serve` runs; inline on a
+/// current-thread one. Unlike a spawned blocking task it cannot be dropped
+/// half way: a group, once taken, is stored and sent whole.
+fn off_runtime<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 impl Environment {
     /// Appends updates to an input collection: recorded in the catalog, then
     /// sent. Concurrent writes are stored in one transaction (see the
@@ -103,7 +116,7 @@ impl Environment {
                 Ok(result) => return result,
                 // Not stored yet: this writer stores the next group. Each
                 // group takes the oldest waiting write, so this ends.
-                Err(oneshot::error::TryRecvError::Empty) => self.store_group(),
+                Err(oneshot::error::TryRecvError::Empty) => off_runtime(|| self.store_group()),
                 Err(oneshot::error::TryRecvError::Closed) => {
                     return Err(ComputeError::Unavailable(
                         "the write was dropped before it was stored; nothing was written".into(),
