@@ -56,13 +56,8 @@ struct StoredInput {
     magnitude: u128,
     /// Reads at this time or later are correct.
     since: Timestamp,
-    /// Whether consolidating could shrink the catalog's rows beyond what
-    /// the log's own [`InputLog::shrinkable`] says: the since moved, or the
-    /// index was loaded from more rows than it consolidated to. Inserts at
-    /// the times they were written consolidate to themselves (no two writes
-    /// share a time), so a collection that only grows is never re-sorted
-    /// nor rewritten whole on a write's path.
-    shrinkable: bool,
+    /// The since moved since the last consolidation (see `shrinkable()`).
+    since_moved: bool,
 }
 
 impl StoredInput {
@@ -70,7 +65,7 @@ impl StoredInput {
         self.log.compact(self.since);
         self.log.consolidate();
         self.magnitude = magnitude(self.log.updates());
-        self.shrinkable = false;
+        self.since_moved = false;
     }
 
     /// Appends a stored write's updates: no digest (the environment never
@@ -81,9 +76,14 @@ impl StoredInput {
     }
 
     /// Whether replacing the catalog's rows by the consolidation could
-    /// shrink them.
+    /// shrink them: the since moved, a retraction was written since the
+    /// log's last consolidation, or the log holds fewer updates than the
+    /// catalog's rows (it consolidated them). Inserts at the times they
+    /// were written consolidate to themselves (no two writes share a
+    /// time), so a collection that only grows is never re-sorted nor
+    /// rewritten whole on a write's path.
     fn shrinkable(&self) -> bool {
-        self.shrinkable || self.log.shrinkable()
+        self.since_moved || self.log.shrinkable() || self.log.len() < self.catalog_updates
     }
 }
 
@@ -98,8 +98,11 @@ pub(crate) fn since_for(upper: Timestamp, lag: Option<u64>) -> Timestamp {
     }
 }
 
-fn magnitude(updates: &[Update]) -> u128 {
-    updates.iter().map(|u| u.diff.unsigned_abs() as u128).sum()
+fn magnitude<'a>(updates: impl IntoIterator<Item = &'a Update>) -> u128 {
+    updates
+        .into_iter()
+        .map(|u| u.diff.unsigned_abs() as u128)
+        .sum()
 }
 
 /// Why a write is refused (nothing was stored).
@@ -210,9 +213,7 @@ impl Inputs {
         for s in inputs.by_replica.values_mut().flat_map(|m| m.values_mut()) {
             s.since = since_for(s.log.upper(), lag);
             s.consolidate();
-            s.snapshot_updates = s.log.updates().len();
-            // The catalog's rows shrink when replaced by fewer.
-            s.shrinkable = s.catalog_updates > s.snapshot_updates;
+            s.snapshot_updates = s.log.len();
         }
         inputs
     }
@@ -226,9 +227,7 @@ impl Inputs {
         for s in self.by_replica.values_mut().flat_map(|m| m.values_mut()) {
             s.since = since_for(s.log.upper(), lag);
             s.consolidate();
-            s.snapshot_updates = s.log.updates().len();
-            // The catalog's rows shrink when replaced by fewer.
-            s.shrinkable = s.catalog_updates > s.snapshot_updates;
+            s.snapshot_updates = s.log.len();
         }
     }
 
@@ -416,14 +415,14 @@ impl Inputs {
         let mut recorded = Recorded::default();
         if since > s.since {
             s.since = since;
-            s.shrinkable = true;
+            s.since_moved = true;
             recorded.since = Some(since);
         }
         if s.shrinkable() && s.catalog_updates > 2 * s.snapshot_updates + 1024 {
             s.consolidate();
             recorded.snapshot = Some(WriteInput {
                 collection_id,
-                updates: s.log.updates().to_vec(),
+                updates: s.log.to_vec(),
                 upper: s.log.upper(),
                 more: false,
                 batch_digest: None,
@@ -435,7 +434,7 @@ impl Inputs {
     /// The catalog's rows of a collection were replaced by its consolidation.
     pub(crate) fn replaced(&mut self, replica_id: u64, collection_id: u64) {
         let s = self.entry(replica_id, collection_id);
-        s.catalog_updates = s.log.updates().len();
+        s.catalog_updates = s.log.len();
         s.snapshot_updates = s.catalog_updates;
     }
 
@@ -449,7 +448,7 @@ impl Inputs {
                 s.consolidate();
                 WriteInput {
                     collection_id,
-                    updates: s.log.updates().to_vec(),
+                    updates: s.log.to_vec(),
                     upper: s.log.upper(),
                     more: false,
                     batch_digest: None,
@@ -545,10 +544,12 @@ mod tests {
             let r = inputs.record(1, 7, batch, t + 1);
             assert!(r.snapshot.is_none(), "rewritten at {t}");
         }
-        // One retraction: the next doubling replaces the rows.
+        // A retraction that cancels nothing: still nothing to rewrite.
         let r = inputs.record(1, 7, vec![up(0, 2_000, -1)], 2_001);
-        assert!(r.snapshot.is_some());
-        assert_eq!(r.snapshot.unwrap().updates.len(), 20_001);
+        assert!(r.snapshot.is_none());
+        // One that cancels: the rows are replaced by fewer.
+        let r = inputs.record(1, 7, vec![up(1, 2_001, 1), up(1, 2_001, -1)], 2_002);
+        assert_eq!(r.snapshot.expect("replaced").updates.len(), 20_001);
     }
 
     #[test]

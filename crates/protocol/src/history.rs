@@ -114,8 +114,8 @@ impl CommandHistory {
 
     /// The commands, in order (not necessarily compacted; call
     /// [`reduce`](Self::reduce) first for the compacted form). Each input
-    /// collection's writes are one `WriteInput` holding its consolidated
-    /// updates (none in a summarizing history), where its first write was.
+    /// collection's writes are one `WriteInput` holding its updates (none in
+    /// a summarizing history, consolidated), where its first write was.
     pub fn commands(&self) -> Vec<CommandKind> {
         self.commands
             .iter()
@@ -124,7 +124,7 @@ impl CommandHistory {
                     let log = &self.inputs[&w.collection_id];
                     CommandKind::WriteInput(WriteInput {
                         collection_id: w.collection_id,
-                        updates: consolidate(log.updates.clone()),
+                        updates: consolidate(log.to_vec()),
                         upper: log.upper,
                         more: false,
                         batch_digest: None,
@@ -198,7 +198,9 @@ impl CommandHistory {
     pub fn reduce(&mut self) {
         let retired = std::mem::take(&mut self.retired_peeks);
         self.commands = reduce_commands(std::mem::take(&mut self.commands), retired);
-        for log in self.inputs.values_mut() {
+        // A log of inserts alone is not re-sorted: it consolidates to
+        // itself, and a write's latency must not depend on the rows stored.
+        for log in self.inputs.values_mut().filter(|l| l.shrinkable()) {
             log.consolidate();
         }
         self.reduced_len = self.commands.len();
@@ -255,9 +257,15 @@ fn placeholder(collection_id: u64) -> CommandKind {
 /// log stays within twice its consolidated size, and a log of inserts alone,
 /// which consolidates to itself, is never re-sorted), and an additive digest
 /// of every update ever appended.
+///
+/// The updates are held as the batches they were appended in, each moved in
+/// whole: appending never copies the updates already held (one vector of
+/// every update would be copied whole each time it doubled).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct InputLog {
-    updates: Vec<Update>,
+    batches: Vec<Vec<Update>>,
+    /// The updates in `batches`.
+    len: usize,
     consolidated: usize,
     /// A retraction was appended since the last consolidation.
     shrinkable: bool,
@@ -287,23 +295,53 @@ impl InputLog {
         }
         self.upper = self.upper.max(upper);
         if keep {
-            self.shrinkable |= updates.iter().any(|u| u.diff < 0);
-            self.updates.extend(updates);
-            if self.shrinkable && self.updates.len() > 2 * self.consolidated + 1024 {
+            self.push(updates);
+            if self.shrinkable && self.len > 2 * self.consolidated + 1024 {
                 self.consolidate();
             }
         }
     }
 
-    /// Appends updates and advances the upper, neither adding them to the
-    /// digest nor consolidating: for a holder that never reads the digest
-    /// and decides itself when consolidating is worth it (the environment's
-    /// index of stored writes). [`digest`](Self::digest) then does not
-    /// cover these updates.
+    /// Appends updates and advances the upper without adding them to the
+    /// digest: for a holder that never reads one (the environment's index
+    /// of stored writes, a replica worker's input store).
+    /// [`digest`](Self::digest) then does not cover these updates.
     pub fn append_undigested(&mut self, updates: Vec<Update>, upper: Timestamp) {
-        self.upper = self.upper.max(upper);
+        self.append_with_digest(updates, upper, true, [0; 4]);
+    }
+
+    fn push(&mut self, updates: Vec<Update>) {
+        if updates.is_empty() {
+            return;
+        }
         self.shrinkable |= updates.iter().any(|u| u.diff < 0);
-        self.updates.extend(updates);
+        self.len += updates.len();
+        self.batches.push(updates);
+    }
+
+    /// Replaces the batches by their consolidation, as one batch.
+    fn replace_by_consolidation(&mut self) {
+        let all = consolidate(self.take_all());
+        self.len = all.len();
+        self.consolidated = all.len();
+        self.batches = if all.is_empty() {
+            Vec::new()
+        } else {
+            vec![all]
+        };
+    }
+
+    /// Every update, taken out of the batches.
+    fn take_all(&mut self) -> Vec<Update> {
+        let mut batches = std::mem::take(&mut self.batches);
+        if batches.len() == 1 {
+            return batches.pop().unwrap_or_default();
+        }
+        let mut all = Vec::with_capacity(self.len);
+        for b in batches {
+            all.extend(b);
+        }
+        all
     }
 
     /// Advances the time of every update held below `since` to `since`, and
@@ -312,23 +350,21 @@ impl InputLog {
     /// updates as they were appended.)
     pub fn compact(&mut self, since: Timestamp) {
         let mut moved = false;
-        for u in &mut self.updates {
+        for u in self.batches.iter_mut().flatten() {
             if u.time < since {
                 u.time = since;
                 moved = true;
             }
         }
         if moved {
-            self.updates = consolidate(std::mem::take(&mut self.updates));
-            self.consolidated = self.updates.len();
+            self.replace_by_consolidation();
         }
     }
 
     /// Consolidates the updates held.
     pub fn consolidate(&mut self) {
-        if self.updates.len() != self.consolidated {
-            self.updates = consolidate(std::mem::take(&mut self.updates));
-            self.consolidated = self.updates.len();
+        if self.len != self.consolidated || self.batches.len() > 1 {
+            self.replace_by_consolidation();
         }
         self.shrinkable = false;
     }
@@ -344,9 +380,25 @@ impl InputLog {
         self.upper
     }
 
-    /// The updates held (not necessarily consolidated).
-    pub fn updates(&self) -> &[Update] {
-        &self.updates
+    /// The updates held (not necessarily consolidated), in the order they
+    /// were appended.
+    pub fn updates(&self) -> impl Iterator<Item = &Update> {
+        self.batches.iter().flatten()
+    }
+
+    /// How many updates are held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no update is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A copy of the updates held, in the order they were appended.
+    pub fn to_vec(&self) -> Vec<Update> {
+        self.updates().cloned().collect()
     }
 
     /// The digest of every update appended: for each update, its diff times

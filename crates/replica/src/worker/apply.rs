@@ -63,7 +63,7 @@ fn whole_write(
             u
         })
         .collect();
-    fresh.extend(store.updates.iter().map(|u| Update {
+    fresh.extend(store.log.updates().map(|u| Update {
         row: u.row.clone(),
         time: at,
         diff: -u.diff,
@@ -318,7 +318,7 @@ impl WorkerState {
         });
         for (id, session) in &mut sessions {
             let store = self.inputs.entry(*id).or_default();
-            for u in &store.updates {
+            for u in store.log.updates() {
                 session.update_at(u.row.clone(), u.time, u.diff);
             }
             session.advance_to(store.upper);
@@ -443,11 +443,12 @@ mod tests {
     }
 
     fn store(updates: Vec<Update>, upper: u64) -> super::super::InputStore {
-        super::super::InputStore {
-            updates,
-            consolidated: 0,
+        let mut store = super::super::InputStore {
             upper,
-        }
+            ..Default::default()
+        };
+        store.extend(updates);
+        store
     }
 
     /// Sums each row's diffs at or before `t`.
@@ -486,7 +487,7 @@ mod tests {
         let s = store(vec![up(1, 0, 1), up(2, 1, 1)], 2);
         let whole = vec![up(2, 4, 1), up(3, 4, 1), up(5, 5, 1)];
         let fresh = whole_write(&s, whole.clone(), 6, 1, 0);
-        let mut all = s.updates.clone();
+        let mut all = s.log.to_vec();
         all.extend(fresh.clone());
         for t in 4..6 {
             assert_eq!(at(&all, t), at(&whole, t), "at {t}");
@@ -495,7 +496,7 @@ mod tests {
         // The old filter (updates at or after the worker's upper) would
         // have introduced rows 2 and 3 again: row 2 twice.
         let old: Vec<Update> = whole.into_iter().filter(|u| u.time >= 2).collect();
-        let mut twice = s.updates.clone();
+        let mut twice = s.log.to_vec();
         twice.extend(old);
         assert_eq!(at(&twice, 5)[&lockstep_plan::row(&[2])], 2);
     }

@@ -171,35 +171,24 @@ pub(crate) struct Installed {
 }
 
 /// The updates of one input collection this worker introduces (the rows it
-/// owns), consolidated whenever they doubled since the last time; dataflows
-/// built later read them from here.
+/// owns), kept as the batches they came in and consolidated only once a
+/// retraction could cancel some and they doubled (an
+/// [`InputLog`](lockstep_protocol::history::InputLog) without its digest);
+/// dataflows built later read them from here.
 #[derive(Default)]
 struct InputStore {
-    updates: Vec<Update>,
-    consolidated: usize,
+    log: lockstep_protocol::history::InputLog,
     upper: u64,
 }
 
 impl InputStore {
     /// Advances every update below `since` to `since` and consolidates.
     fn compact(&mut self, since: u64) {
-        if self.updates.iter().any(|u| u.time < since) {
-            for u in &mut self.updates {
-                u.time = u.time.max(since);
-            }
-            self.updates =
-                lockstep_protocol::history::consolidate(std::mem::take(&mut self.updates));
-            self.consolidated = self.updates.len();
-        }
+        self.log.compact(since);
     }
 
-    fn extend(&mut self, fresh: impl IntoIterator<Item = Update>) {
-        self.updates.extend(fresh);
-        if self.updates.len() > 2 * self.consolidated + 1024 {
-            self.updates =
-                lockstep_protocol::history::consolidate(std::mem::take(&mut self.updates));
-            self.consolidated = self.updates.len();
-        }
+    fn extend(&mut self, fresh: Vec<Update>) {
+        self.log.append_undigested(fresh, self.upper);
     }
 }
 
