@@ -58,6 +58,8 @@ const INGEST_ROWS: i64 = 10_000;
 const CONCURRENT_GRPC: u64 = 10;
 const CONCURRENT_CORE: u64 = 20;
 const CONCURRENT: u64 = 8;
+/// Written by the latency figures alone, up to 10M rows.
+const LATENCY: u64 = 30;
 
 struct Fixture {
     _dir: tempfile::TempDir,
@@ -101,7 +103,14 @@ async fn fixture() -> Fixture {
     )
     .await
     .unwrap();
-    for input in [PEEKED, WRITE_GRPC, WRITE_CORE, INGEST_GRPC, INGEST_CORE] {
+    for input in [
+        PEEKED,
+        WRITE_GRPC,
+        WRITE_CORE,
+        INGEST_GRPC,
+        INGEST_CORE,
+        LATENCY,
+    ] {
         // The input arranged as it is (100 + input), and its rows with
         // column 0 at 0, one per ingested batch (200 + input), which a peek
         // reads to wait until the replica applied every batch.
@@ -254,6 +263,62 @@ fn differential_ingest(iters: u64) -> Duration {
     lockstep_benches::differential_ingest::<Vec<i64>>(batches, 0, true)
 }
 
+/// A writer's latency as the collection grows: 100 writes of 10,000 rows,
+/// each until acknowledged (durable in the catalog and sent), once the
+/// collection stored 1M rows and (outside quick mode) 10M; p50, p99 and
+/// max, printed as one line each (`api/write_10k_latency/at_1M/paced:
+/// ...`). `paced`: each write after the replica applied the one before (a
+/// writer at a rate the replica sustains); `back_to_back`: the next write
+/// as soon as this one is acknowledged (the replica falls behind and its
+/// four workers take the two cores from the writer). Not a criterion
+/// measurement: criterion reports each sample's mean, and this is the
+/// spread.
+fn write_latencies(rt: &Runtime, f: &Fixture) {
+    let quick = std::env::var_os("LOCKSTEP_BENCH_QUICK").is_some();
+    let targets: &[u64] = if quick {
+        &[1_000_000]
+    } else {
+        &[1_000_000, 10_000_000]
+    };
+    let mut stored = 0u64;
+    for &target in targets {
+        while stored < target {
+            rt.block_on(f.write_core(LATENCY, INGEST_ROWS));
+            stored += INGEST_ROWS as u64;
+            // Acknowledgements outrun the replica: a bounded backlog.
+            if stored % (50 * INGEST_ROWS as u64) == 0 {
+                rt.block_on(f.applied(LATENCY));
+            }
+        }
+        for paced in [true, false] {
+            // The replica caught up: what is measured is the writer's path.
+            rt.block_on(f.applied(LATENCY));
+            let mut took: Vec<Duration> = (0..100)
+                .map(|_| {
+                    let t = Instant::now();
+                    rt.block_on(f.write_core(LATENCY, INGEST_ROWS));
+                    let took = t.elapsed();
+                    if paced {
+                        rt.block_on(f.applied(LATENCY));
+                    }
+                    took
+                })
+                .collect();
+            stored += 100 * INGEST_ROWS as u64;
+            took.sort();
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            println!(
+                "api/write_10k_latency/at_{}M/{}: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+                target / 1_000_000,
+                if paced { "paced" } else { "back_to_back" },
+                ms(took[49]),
+                ms(took[98]),
+                ms(took[99])
+            );
+        }
+    }
+}
+
 fn api(c: &mut Criterion) {
     let rt = Runtime::new().unwrap();
     let mut f = rt.block_on(fixture());
@@ -389,6 +454,7 @@ fn api(c: &mut Criterion) {
     });
     group.finish();
     drop(floor);
+    write_latencies(&rt, &f);
     drop(f);
 }
 

@@ -162,12 +162,13 @@ fn baseline_of(name: &str) -> Option<String> {
         return Some(name.replace("wasm", "native"));
     }
     // The user path against the core path (the same operation called in
-    // process), and the core path's ingest against raw differential.
+    // process), and the core path's ingest against its like-for-like floor
+    // (differential on the same 2x2 shape).
     if let Some(rest) = name.strip_prefix("api/") {
         let (m, path) = rest.rsplit_once('/')?;
         return match path {
             "grpc" => Some(format!("api/{m}/core")),
-            "core" if m.starts_with("ingest") => Some(format!("api/{m}/differential")),
+            "core" if m.starts_with("ingest") => Some(format!("api/{m}/floor_2x2")),
             _ => None,
         };
     }
@@ -1246,7 +1247,7 @@ mod tests {
         );
         assert_eq!(
             baseline_of("api/ingest_10k/core").as_deref(),
-            Some("api/ingest_10k/differential")
+            Some("api/ingest_10k/floor_2x2")
         );
         assert_eq!(baseline_of("api/peek_100/core"), None);
         assert_eq!(baseline_of("api/ingest_10k/differential"), None);

@@ -41,6 +41,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+mod checkpoint;
 mod postgres;
 mod sqlite;
 

@@ -80,6 +80,9 @@ CREATE TABLE IF NOT EXISTS settings (
 /// An open SQLite catalog, owning the epoch it bumped when it was opened.
 #[derive(Debug)]
 pub(crate) struct SqliteCatalog {
+    /// Before `conn`: stopped first, so that `conn`, the last connection,
+    /// checkpoints what is left when it closes.
+    _checkpointer: crate::checkpoint::Checkpointer,
     pub(crate) conn: Connection,
     path: PathBuf,
     epoch: u64,
@@ -124,6 +127,7 @@ impl SqliteCatalog {
         // cut loses no acknowledged write) at one fsync per commit instead
         // of one for the journal and one for the file. NORMAL would sync
         // only at checkpoints: a power cut could lose the last commits.
+        // Checkpoints run on a thread of their own (`checkpoint.rs`).
         conn.pragma_update(None, "journal_mode", "WAL")
             .map_err(sqlite)?;
         conn.pragma_update(None, "synchronous", "FULL")
@@ -176,7 +180,13 @@ impl SqliteCatalog {
         )
         .map_err(sqlite)?;
         tx.commit().map_err(sqlite)?;
-        Ok(SqliteCatalog { conn, path, epoch })
+        let _checkpointer = crate::checkpoint::Checkpointer::start(&conn, &path);
+        Ok(SqliteCatalog {
+            _checkpointer,
+            conn,
+            path,
+            epoch,
+        })
     }
 
     /// The epoch this handle owns.

@@ -370,6 +370,36 @@ fn a_stale_handle_is_fenced_and_writes_nothing(s: &TestStore) {
     new.check_fence().unwrap();
 }
 
+/// Commits do not checkpoint the WAL themselves (their writer would wait
+/// for the copy); the catalog's own thread copies it into the database
+/// file, also while nothing is written, and the file stays in WAL mode.
+#[test]
+fn the_wal_is_checkpointed_by_the_catalogs_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("catalog.db");
+    let mut c = Catalog::open(&path).unwrap();
+    let r = c.create_replica("r", cfg(1)).unwrap();
+    let before = std::fs::metadata(&path).unwrap().len();
+    // 8 MB, twice SQLite's automatic checkpoint threshold.
+    let write = vec![7u8; 100_000];
+    for _ in 0..80 {
+        c.append_inputs(&[(r.id, 1, &write)]).unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::fs::metadata(&path).unwrap().len() < before + 8_000_000 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the WAL was not checkpointed into the database file within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let conn = Connection::open(&path).unwrap();
+    let mode: String = conn
+        .pragma_query_value(None, "journal_mode", |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "wal");
+}
+
 #[test]
 fn garbage_is_refused_and_left_unchanged() {
     let dir = tempfile::tempdir().unwrap();
