@@ -286,7 +286,7 @@ fn write_latencies(rt: &Runtime, f: &Fixture) {
             rt.block_on(f.write_core(LATENCY, INGEST_ROWS));
             stored += INGEST_ROWS as u64;
             // Acknowledgements outrun the replica: a bounded backlog.
-            if stored % (50 * INGEST_ROWS as u64) == 0 {
+            if stored.is_multiple_of(50 * INGEST_ROWS as u64) {
                 rt.block_on(f.applied(LATENCY));
             }
         }
