@@ -267,8 +267,14 @@ async fn bad_input_is_refused_clearly_and_deletes_nothing() {
     assert_eq!(std::fs::read(&catalog).unwrap(), catalog_bytes);
     assert_eq!(list(services_dir.clone()).await, before, "nothing deleted");
 
+    // The catalog is the file and its write-ahead log (the environment was
+    // killed, so the log is still there and holds the newest pages): both
+    // are lost and the file is garbage.
     let garbage = b"definitely not SQLite".repeat(300);
     std::fs::write(&catalog, &garbage).unwrap();
+    for side in ["catalog.db-wal", "catalog.db-shm"] {
+        let _ = std::fs::remove_file(state.join(side));
+    }
     let err = serve_fails(&state, &sleep).await;
     assert!(err.contains("corrupt"), "{err}");
     assert_eq!(std::fs::read(&catalog).unwrap(), garbage, "not modified");
