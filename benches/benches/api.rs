@@ -322,7 +322,7 @@ fn write_latencies(rt: &Runtime, f: &Fixture) {
 fn api(c: &mut Criterion) {
     let rt = Runtime::new().unwrap();
     let mut f = rt.block_on(fixture());
-    let mut floor = lockstep_benches::ingest_floor::IngestCluster::start(2, 2);
+    let mut floor = lockstep_benches::ingest_floor::IngestCluster::start(2, 2, true);
     let mut floor_next = 0u64;
     let mut group = c.benchmark_group("api");
     group.sample_size(20);

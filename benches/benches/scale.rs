@@ -27,10 +27,13 @@
 //!   the same built by every worker of a 2x2 timely cluster (two timely
 //!   processes of two workers, threads of this process connected over
 //!   loopback TCP), the floor of an install on a 2x2 replica;
-//! - `limits/ingest_1M/{lockstep,differential}/1x1`: 1,000,000 rows in
-//!   batches of 10,000 through the controller until the frontier passes the
-//!   last, and the same batches into a differential `InputSession` in one
-//!   worker in this process;
+//! - `limits/ingest_1M/{lockstep,floor,differential}/1x1`: 1,000,000 rows
+//!   in batches of 10,000 through the controller until the frontier passes
+//!   the last; its like-for-like floor (the same rows as bytes into a fresh
+//!   one-worker cluster arranging them as the replica's export does, each
+//!   batch stepped as it comes: `floor_ingest`); and integer rows into a
+//!   differential `InputSession` in one worker, stepped once after the last
+//!   batch (reported beside the floor, not a divisor);
 //! - the small command at 1x1 is compared with `network/tcp_rtt/direct`
 //!   (one loopback round trip) by the report.
 //!
@@ -253,6 +256,9 @@ fn limits(c: &mut Criterion) {
             total
         })
     });
+    g.bench_function("floor/1x1", |b| {
+        b.iter_custom(|iters| (0..iters).map(|_| floor_ingest()).sum());
+    });
     g.bench_function("differential/1x1", |b| {
         b.iter_custom(|iters| (0..iters).map(|_| differential_ingest()).sum());
     });
@@ -345,6 +351,29 @@ fn build_dataflows(worker: &mut timely::worker::Worker, iters: u64, park: bool) 
         worker.drop_dataflow(index);
     }
     start.elapsed()
+}
+
+/// The like-for-like floor of `limits/ingest_1M/lockstep/1x1`: the same
+/// rows (bytes, in the replica's order) made before the clock, into a fresh
+/// one-worker cluster whose one export arranges them as the replica's does,
+/// each batch handed over and stepped as it comes (the replica cannot wait
+/// for the last batch before it steps), until the probe passes the last
+/// ([`lockstep_benches::ingest_floor`]).
+fn floor_ingest() -> Duration {
+    let batches: Vec<Vec<lockstep_protocol::Row>> = (1..=BATCHES)
+        .map(|t| {
+            (0..BATCH_ROWS as i64)
+                .map(|i| lockstep_plan::row(&[i, t as i64]))
+                .collect()
+        })
+        .collect();
+    let mut cluster = lockstep_benches::ingest_floor::IngestCluster::start(1, 1, false);
+    let t = Instant::now();
+    for (time, rows) in (1..).zip(batches) {
+        cluster.ingest(rows, time);
+    }
+    cluster.wait_past(BATCHES);
+    t.elapsed()
 }
 
 /// [`BATCHES`] batches of [`BATCH_ROWS`] into an arranged `InputSession` in

@@ -6,9 +6,9 @@
 //! as a replica's processes are) keeps one dataflow for its whole life, as
 //! the bench replica keeps its collection: the input as the replica holds
 //! it (rows as bytes, `InputSession<u64, Row, i64>`), arranged in the
-//! order the replica's exports use ([`row_order`]), and a second export
-//! filtered on its first column (`#0 < 1`), also arranged. State grows
-//! across every sample on both sides. Each row goes to the worker that
+//! order the replica's exports use ([`row_order`]), and (`filtered`) a
+//! second export filtered on its first column (`#0 < 1`), also arranged.
+//! State grows for as long as the cluster runs, as the replica's does. Each row goes to the worker that
 //! owns it ([`row_owner`], the rule the controller splits writes by) once,
 //! moved, not copied; workers park until a batch or a peer wakes them, as
 //! the replica's do. Not in the floor: what lockstep adds (the catalog,
@@ -63,8 +63,9 @@ pub struct IngestCluster {
 
 impl IngestCluster {
     /// Starts `processes` timely processes of `workers` threads each and
-    /// builds the dataflow on every worker.
-    pub fn start(processes: usize, workers: usize) -> IngestCluster {
+    /// builds the dataflow on every worker: the input arranged, and with
+    /// `filtered` the filtered export too.
+    pub fn start(processes: usize, workers: usize, filtered: bool) -> IngestCluster {
         let peers = processes * workers;
         let addresses: Vec<String> = (0..processes)
             .map(|_| {
@@ -110,7 +111,7 @@ impl IngestCluster {
                             .expect("ready")
                             .send((index, std::thread::current()))
                             .expect("the driver waits");
-                        run_worker(worker, inbox, passed);
+                        run_worker(worker, inbox, passed, filtered);
                     })
                     .expect("a timely cluster")
                     .join()
@@ -189,6 +190,7 @@ fn run_worker(
     worker: &mut timely::worker::Worker,
     inbox: Receiver<ToWorker>,
     passed: Sender<(usize, u64)>,
+    filtered: bool,
 ) {
     let index = worker.index();
     let mut input: InputSession<u64, Row, i64> = InputSession::new();
@@ -200,11 +202,13 @@ fn run_worker(
             .arrange_by_self()
             .stream
             .probe_with(&probe);
-        rows.filter(|row: &Row| varint_values(row).next().is_some_and(|v| v < 1))
-            .map(Arranged)
-            .arrange_by_self()
-            .stream
-            .probe_with(&probe);
+        if filtered {
+            rows.filter(|row: &Row| varint_values(row).next().is_some_and(|v| v < 1))
+                .map(Arranged)
+                .arrange_by_self()
+                .stream
+                .probe_with(&probe);
+        }
     });
     let mut reported = 0u64;
     loop {
