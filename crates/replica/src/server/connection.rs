@@ -272,7 +272,7 @@ pub(super) async fn connection(
         }
         s.outbox
             .connected(session_of(hello.epoch, hello.nonce), wtx);
-        workers.send(&first);
+        workers.send(first);
         s.generation
     };
     tracing::info!(
@@ -425,6 +425,6 @@ where
         if s.generation != generation {
             break Ok(());
         }
-        workers.send(&cmd);
+        workers.send(cmd);
     }
 }

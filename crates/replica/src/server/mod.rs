@@ -34,7 +34,7 @@ use futures::{SinkExt, StreamExt};
 use lockstep_protocol::handshake::check_hello;
 use lockstep_protocol::{
     CodecError, Command, CommandKind, Endpoint, ErrorKind, ErrorResponse, ProcessIdentity,
-    Response, ResponseKind, HELLO_MAX_FRAME_LEN,
+    Response, ResponseKind, Update, WriteInput, HELLO_MAX_FRAME_LEN,
 };
 use lockstep_transport::secure::SecureCodec;
 use lockstep_transport::ReplicaCodec;
@@ -180,18 +180,93 @@ struct Shared {
 struct Workers {
     senders: Vec<std_mpsc::Sender<Command>>,
     threads: Mutex<Vec<Thread>>,
+    /// The global index of this process's first worker.
+    first: usize,
+    /// Workers in the replica.
+    peers: usize,
 }
 
 impl Workers {
-    fn send(&self, cmd: &Command) {
-        for s in &self.senders {
+    /// Hands `cmd` to every worker of this process: a write that each
+    /// worker takes from its own process's copy goes to each worker as the
+    /// rows it owns, moved once ([`route_write`]); anything else as a copy
+    /// each.
+    fn send(&self, cmd: Command) {
+        let local = self.senders.len();
+        match route_write(cmd, self.first, self.peers, local) {
             // A closed channel means the worker is gone; the process is exiting.
-            let _ = s.send(cmd.clone());
+            Ok(each) => {
+                for (s, cmd) in self.senders.iter().zip(each) {
+                    let _ = s.send(cmd);
+                }
+            }
+            Err(cmd) => {
+                for s in &self.senders {
+                    let _ = s.send(cmd.clone());
+                }
+            }
         }
         for t in self.threads.lock().expect("not poisoned").iter() {
             t.unpark();
         }
     }
+}
+
+/// Splits a write among this process's `local` workers (global indexes
+/// `first..first + local` of `peers`): each gets the updates of the rows
+/// it owns ([`crate::worker::owner`], the rule a worker keeps rows by),
+/// moved, where each would otherwise take a copy of all of them and drop
+/// the rest. Only a write every worker applies from its own process's copy
+/// ([`lockstep_reconcile::socket_ordered`]: never one a sequencer forwards
+/// or the log holds), in one part, carrying the whole write's digest (a
+/// worker's history counts the whole write), and whose every update lies
+/// below its upper (one that does not is refused by every worker alike, so
+/// each sees all of it). Anything else comes back as it was.
+fn route_write(
+    cmd: Command,
+    first: usize,
+    peers: usize,
+    local: usize,
+) -> Result<Vec<Command>, Command> {
+    let routable = local > 1
+        && lockstep_reconcile::socket_ordered(cmd.strategy)
+        && matches!(&cmd.kind, CommandKind::WriteInput(w)
+            if !w.more
+                && w.batch_digest.is_some()
+                && w.updates.iter().all(|u| u.time < w.upper));
+    if !routable {
+        return Err(cmd);
+    }
+    let Command {
+        seqno,
+        strategy,
+        kind: CommandKind::WriteInput(write),
+    } = cmd
+    else {
+        unreachable!("checked above")
+    };
+    let mut shares: Vec<Vec<Update>> = vec![Vec::new(); local];
+    for u in write.updates {
+        let owner = crate::worker::owner(&u.row, peers);
+        // Another process's row (a whole write): no worker here keeps it.
+        if let Some(share) = owner.checked_sub(first).and_then(|i| shares.get_mut(i)) {
+            share.push(u);
+        }
+    }
+    Ok(shares
+        .into_iter()
+        .map(|updates| Command {
+            seqno,
+            strategy,
+            kind: CommandKind::WriteInput(WriteInput {
+                collection_id: write.collection_id,
+                updates,
+                upper: write.upper,
+                more: false,
+                batch_digest: write.batch_digest,
+            }),
+        })
+        .collect())
 }
 
 /// Makes every panic, on any thread, end the process: a timely peer that died
@@ -321,6 +396,8 @@ pub fn run(config: ReplicaConfig) -> anyhow::Result<()> {
     let handles = Arc::new(Workers {
         senders,
         threads: Mutex::new(Vec::new()),
+        first: me * workers,
+        peers: id.process_count as usize * workers,
     });
     let handles2 = Arc::clone(&handles);
     let command_log = config.command_log.clone();
@@ -455,5 +532,84 @@ async fn serve(
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockstep_protocol::Strategy;
+
+    fn write(rows: i64, upper: u64, digest: bool) -> Command {
+        let w = WriteInput {
+            collection_id: 7,
+            updates: (0..rows)
+                .map(|i| Update {
+                    row: lockstep_plan::row(&[i]),
+                    time: 1,
+                    diff: 1,
+                })
+                .collect(),
+            upper,
+            more: false,
+            batch_digest: None,
+        };
+        let w = if digest { w.digested() } else { w };
+        Command {
+            seqno: 3,
+            strategy: Strategy::Barrier,
+            kind: CommandKind::WriteInput(w),
+        }
+    }
+
+    fn rows_of(cmd: &Command) -> Vec<Update> {
+        match &cmd.kind {
+            CommandKind::WriteInput(w) => w.updates.clone(),
+            _ => panic!("not a write"),
+        }
+    }
+
+    /// Each local worker gets exactly the rows it would have kept of a
+    /// copy of the whole write, with the write's digest, sequence number
+    /// and upper; nothing is routed that a worker must see whole.
+    #[test]
+    fn a_write_is_routed_to_the_workers_that_keep_its_rows() {
+        // Process 1 of a 2x2 replica: global workers 2 and 3.
+        let cmd = write(1000, 2, true);
+        let whole = rows_of(&cmd);
+        let routed = route_write(cmd.clone(), 2, 4, 2).expect("routed");
+        assert_eq!(routed.len(), 2);
+        for (i, r) in routed.iter().enumerate() {
+            let kept: Vec<Update> = whole
+                .iter()
+                .filter(|u| crate::worker::owner(&u.row, 4) == 2 + i)
+                .cloned()
+                .collect();
+            assert!(!kept.is_empty());
+            assert_eq!(rows_of(r), kept);
+            let (CommandKind::WriteInput(a), CommandKind::WriteInput(b)) = (&r.kind, &cmd.kind)
+            else {
+                unreachable!()
+            };
+            assert_eq!((r.seqno, a.upper, a.batch_digest), (3, 2, b.batch_digest));
+        }
+        // Not routed: a sequencer's or the log's command, a write without
+        // the whole write's digest, one part of several, one with an
+        // update at or past its upper, a process of one worker.
+        for strategy in [Strategy::Broadcast, Strategy::Log] {
+            let mut c = cmd.clone();
+            c.strategy = strategy;
+            assert_eq!(route_write(c.clone(), 2, 4, 2), Err(c));
+        }
+        let c = write(10, 2, false);
+        assert_eq!(route_write(c.clone(), 2, 4, 2), Err(c));
+        let c = write(10, 1, true);
+        assert_eq!(route_write(c.clone(), 2, 4, 2), Err(c));
+        let mut c = write(10, 2, true);
+        if let CommandKind::WriteInput(w) = &mut c.kind {
+            w.more = true;
+        }
+        assert_eq!(route_write(c.clone(), 2, 4, 2), Err(c));
+        assert_eq!(route_write(cmd.clone(), 0, 1, 1), Err(cmd));
     }
 }
