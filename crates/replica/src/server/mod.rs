@@ -195,12 +195,12 @@ impl Workers {
         let local = self.senders.len();
         match route_write(cmd, self.first, self.peers, local) {
             // A closed channel means the worker is gone; the process is exiting.
-            Ok(each) => {
+            Routed::Each(each) => {
                 for (s, cmd) in self.senders.iter().zip(each) {
                     let _ = s.send(cmd);
                 }
             }
-            Err(cmd) => {
+            Routed::Whole(cmd) => {
                 for s in &self.senders {
                     let _ = s.send(cmd.clone());
                 }
@@ -210,6 +210,15 @@ impl Workers {
             t.unpark();
         }
     }
+}
+
+/// A command for this process's workers: one each, or the same for all.
+#[derive(Debug, PartialEq)]
+enum Routed {
+    /// Local worker `i` takes the `i`th.
+    Each(Vec<Command>),
+    /// Every worker takes a copy.
+    Whole(Command),
 }
 
 /// Splits a write among this process's `local` workers (global indexes
@@ -222,12 +231,7 @@ impl Workers {
 /// worker's history counts the whole write), and whose every update lies
 /// below its upper (one that does not is refused by every worker alike, so
 /// each sees all of it). Anything else comes back as it was.
-fn route_write(
-    cmd: Command,
-    first: usize,
-    peers: usize,
-    local: usize,
-) -> Result<Vec<Command>, Command> {
+fn route_write(cmd: Command, first: usize, peers: usize, local: usize) -> Routed {
     let routable = local > 1
         && lockstep_reconcile::socket_ordered(cmd.strategy)
         && matches!(&cmd.kind, CommandKind::WriteInput(w)
@@ -235,7 +239,7 @@ fn route_write(
                 && w.batch_digest.is_some()
                 && w.updates.iter().all(|u| u.time < w.upper));
     if !routable {
-        return Err(cmd);
+        return Routed::Whole(cmd);
     }
     let Command {
         seqno,
@@ -253,20 +257,22 @@ fn route_write(
             share.push(u);
         }
     }
-    Ok(shares
-        .into_iter()
-        .map(|updates| Command {
-            seqno,
-            strategy,
-            kind: CommandKind::WriteInput(WriteInput {
-                collection_id: write.collection_id,
-                updates,
-                upper: write.upper,
-                more: false,
-                batch_digest: write.batch_digest,
-            }),
-        })
-        .collect())
+    Routed::Each(
+        shares
+            .into_iter()
+            .map(|updates| Command {
+                seqno,
+                strategy,
+                kind: CommandKind::WriteInput(WriteInput {
+                    collection_id: write.collection_id,
+                    updates,
+                    upper: write.upper,
+                    more: false,
+                    batch_digest: write.batch_digest,
+                }),
+            })
+            .collect(),
+    )
 }
 
 /// Makes every panic, on any thread, end the process: a timely peer that died
@@ -577,7 +583,9 @@ mod tests {
         // Process 1 of a 2x2 replica: global workers 2 and 3.
         let cmd = write(1000, 2, true);
         let whole = rows_of(&cmd);
-        let routed = route_write(cmd.clone(), 2, 4, 2).expect("routed");
+        let Routed::Each(routed) = route_write(cmd.clone(), 2, 4, 2) else {
+            panic!("not routed")
+        };
         assert_eq!(routed.len(), 2);
         for (i, r) in routed.iter().enumerate() {
             let kept: Vec<Update> = whole
@@ -599,17 +607,17 @@ mod tests {
         for strategy in [Strategy::Broadcast, Strategy::Log] {
             let mut c = cmd.clone();
             c.strategy = strategy;
-            assert_eq!(route_write(c.clone(), 2, 4, 2), Err(c));
+            assert_eq!(route_write(c.clone(), 2, 4, 2), Routed::Whole(c));
         }
         let c = write(10, 2, false);
-        assert_eq!(route_write(c.clone(), 2, 4, 2), Err(c));
+        assert_eq!(route_write(c.clone(), 2, 4, 2), Routed::Whole(c));
         let c = write(10, 1, true);
-        assert_eq!(route_write(c.clone(), 2, 4, 2), Err(c));
+        assert_eq!(route_write(c.clone(), 2, 4, 2), Routed::Whole(c));
         let mut c = write(10, 2, true);
         if let CommandKind::WriteInput(w) = &mut c.kind {
             w.more = true;
         }
-        assert_eq!(route_write(c.clone(), 2, 4, 2), Err(c));
-        assert_eq!(route_write(cmd.clone(), 0, 1, 1), Err(cmd));
+        assert_eq!(route_write(c.clone(), 2, 4, 2), Routed::Whole(c));
+        assert_eq!(route_write(cmd.clone(), 0, 1, 1), Routed::Whole(cmd));
     }
 }
