@@ -39,6 +39,11 @@ fn process_0(
     std::thread::spawn(move || connect_mesh(&addrs, addrs[0], 0, ID, key.as_ref(), timeout))
 }
 
+/// Process 1 of a 2-process replica under key 1, on this thread: its mesh.
+fn process_1(addrs: &[SocketAddr], timeout: Duration) -> Vec<Option<TcpStream>> {
+    connect_mesh(addrs, addrs[1], 1, ID, Some(&key(1)), timeout).unwrap()
+}
+
 #[test]
 fn a_spoofed_peer_and_idle_connections_are_refused_and_the_real_peer_is_wired_in() {
     let addrs = vec![free_addr(), free_addr()];
@@ -53,15 +58,7 @@ fn a_spoofed_peer_and_idle_connections_are_refused_and_the_real_peer_is_wired_in
     spoof.write_all(&[0u8; 32]).unwrap();
     // The real process 1.
     let started = Instant::now();
-    let mut p1 = connect_mesh(
-        &addrs,
-        addrs[1],
-        1,
-        ID,
-        Some(&key(1)),
-        Duration::from_secs(20),
-    )
-    .unwrap();
+    let mut p1 = process_1(&addrs, Duration::from_secs(20));
     let mut p0 = p0.join().unwrap().unwrap();
     assert!(
         started.elapsed() < HANDSHAKE_BOUND,
@@ -192,15 +189,7 @@ fn a_trickling_peer_is_cut_at_the_handshake_deadline() {
         closed < HANDSHAKE_BOUND + Duration::from_secs(2),
         "a trickling peer held its handshake for {closed:?}"
     );
-    connect_mesh(
-        &addrs,
-        addrs[1],
-        1,
-        ID,
-        Some(&key(1)),
-        Duration::from_secs(10),
-    )
-    .unwrap();
+    process_1(&addrs, Duration::from_secs(10));
     p0.join().unwrap().unwrap();
 }
 
@@ -213,15 +202,7 @@ fn a_flood_of_idle_connections_cannot_keep_the_real_peer_out() {
         .map(|_| dial(addrs[0]))
         .collect();
     let started = Instant::now();
-    connect_mesh(
-        &addrs,
-        addrs[1],
-        1,
-        ID,
-        Some(&key(1)),
-        Duration::from_secs(20),
-    )
-    .unwrap();
+    process_1(&addrs, Duration::from_secs(20));
     p0.join().unwrap().unwrap();
     assert!(
         started.elapsed() < HANDSHAKE_BOUND,
