@@ -51,7 +51,7 @@ fn whole_write(
     peers: usize,
     index: usize,
 ) -> Vec<Update> {
-    let at = store.upper;
+    let at = store.upper();
     if upper <= at {
         return Vec::new();
     }
@@ -63,7 +63,7 @@ fn whole_write(
             u
         })
         .collect();
-    fresh.extend(store.log.updates().map(|u| Update {
+    fresh.extend(store.updates().map(|u| Update {
         row: u.row.clone(),
         time: at,
         diff: -u.diff,
@@ -241,10 +241,10 @@ impl WorkerState {
         } else {
             updates
                 .into_iter()
-                .filter(|u| u.time >= store.upper && owner(&u.row, self.peers) == self.index)
+                .filter(|u| u.time >= store.upper() && owner(&u.row, self.peers) == self.index)
                 .collect()
         };
-        let new_upper = store.upper.max(upper);
+        let new_upper = store.upper().max(upper);
         tracing::trace!(
             worker = self.index,
             collection = collection_id,
@@ -252,7 +252,6 @@ impl WorkerState {
             new_upper,
             "write input"
         );
-        store.upper = new_upper;
         for (dataflow_id, inst) in self.dataflows.iter_mut() {
             for (id, session) in &mut inst.sessions {
                 if *id == collection_id {
@@ -266,7 +265,7 @@ impl WorkerState {
             }
         }
         // The store keeps the fresh updates themselves, not another copy.
-        store.extend(fresh);
+        store.append_undigested(fresh, new_upper);
     }
 
     fn build(&mut self, worker: &mut Worker, desc: DataflowDescription, prepared: &dyn Prepared) {
@@ -318,10 +317,10 @@ impl WorkerState {
         });
         for (id, session) in &mut sessions {
             let store = self.inputs.entry(*id).or_default();
-            for u in store.log.updates() {
+            for u in store.updates() {
                 session.update_at(u.row.clone(), u.time, u.diff);
             }
-            session.advance_to(store.upper);
+            session.advance_to(store.upper());
             session.flush();
         }
         for id in exports.keys() {
@@ -443,11 +442,8 @@ mod tests {
     }
 
     fn store(updates: Vec<Update>, upper: u64) -> super::super::InputStore {
-        let mut store = super::super::InputStore {
-            upper,
-            ..Default::default()
-        };
-        store.extend(updates);
+        let mut store = super::super::InputStore::default();
+        store.append_undigested(updates, upper);
         store
     }
 
@@ -487,7 +483,7 @@ mod tests {
         let s = store(vec![up(1, 0, 1), up(2, 1, 1)], 2);
         let whole = vec![up(2, 4, 1), up(3, 4, 1), up(5, 5, 1)];
         let fresh = whole_write(&s, whole.clone(), 6, 1, 0);
-        let mut all = s.log.to_vec();
+        let mut all = s.to_vec();
         all.extend(fresh.clone());
         for t in 4..6 {
             assert_eq!(at(&all, t), at(&whole, t), "at {t}");
@@ -496,7 +492,7 @@ mod tests {
         // The old filter (updates at or after the worker's upper) would
         // have introduced rows 2 and 3 again: row 2 twice.
         let old: Vec<Update> = whole.into_iter().filter(|u| u.time >= 2).collect();
-        let mut twice = s.log.to_vec();
+        let mut twice = s.to_vec();
         twice.extend(old);
         assert_eq!(at(&twice, 5)[&lockstep_plan::row(&[2])], 2);
     }

@@ -174,23 +174,9 @@ pub(crate) struct Installed {
 /// owns), kept as the batches they came in and consolidated only once a
 /// retraction could cancel some and they doubled (an
 /// [`InputLog`](lockstep_protocol::history::InputLog) without its digest);
-/// dataflows built later read them from here.
-#[derive(Default)]
-struct InputStore {
-    log: lockstep_protocol::history::InputLog,
-    upper: u64,
-}
-
-impl InputStore {
-    /// Advances every update below `since` to `since` and consolidates.
-    fn compact(&mut self, since: u64) {
-        self.log.compact(since);
-    }
-
-    fn extend(&mut self, fresh: Vec<Update>) {
-        self.log.append_undigested(fresh, self.upper);
-    }
-}
+/// dataflows built later read them from here, and its upper is the
+/// collection's as this worker introduced it.
+type InputStore = lockstep_protocol::history::InputLog;
 
 struct SubState {
     sub: Subscribe,
