@@ -375,8 +375,15 @@ def main():
         r.check("environment metrics are OpenMetrics", content_type.startswith("application/openmetrics-text"), content_type)
         r.check(
             "environment metrics count NOT_FOUND answers of DropReplica",
-            (sample(env, "lockstep_api_requests", "lockstep_api_requests_total", method="DropReplica", code="NOT_FOUND") or 0) >= 1,
-            str(env.get("lockstep_api_requests")),
+            (sample(env, "lockstep_environment_api_requests", "lockstep_environment_api_requests_total", method="DropReplica", code="NOT_FOUND") or 0) >= 1,
+            str(env.get("lockstep_environment_api_requests")),
+        )
+        r.check("environment metrics name the build", sample(env, "lockstep_environment_build_info", "lockstep_environment_build_info") == 1, str(env.get("lockstep_environment_build_info")))
+        r.check(
+            "environment metrics carry the standard process series",
+            (sample(env, "process_cpu_seconds", "process_cpu_seconds_total") or 0) > 0
+            and (sample(env, "process_resident_memory_bytes", "process_resident_memory_bytes") or 0) > 0,
+            str(env.get("process_cpu_seconds")),
         )
         processes = [p for rep in api.ListReplicas(ep.ListReplicasRequest()).replicas if rep.name == "py" for p in rep.process_status]
         r.check("ListReplicas reports each process's metrics URL", len(processes) == 2 and all(p.metrics_url.startswith("http://") for p in processes), str(processes))
@@ -405,6 +412,7 @@ def main():
                 and (sample(rep, "lockstep_replica_controller_bytes", "lockstep_replica_controller_bytes_total", direction="out") or 0) > 0,
             )
             r.check(f"{name} name the build", sample(rep, "lockstep_replica_build_info", "lockstep_replica_build_info") == 1)
+            r.check(f"{name} carry the standard process series", (sample(rep, "process_resident_memory_bytes", "process_resident_memory_bytes") or 0) > 0)
             # The same, relayed by the environment's endpoint (one address
             # and one token for every process).
             content_type, relayed = metric_families(f"{metrics_url}/replicas/py/{p.index}", metrics_token)

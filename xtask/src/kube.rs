@@ -254,9 +254,19 @@ fn kubectl(cp: &ControlPlane, args: &[&str]) -> anyhow::Result<String> {
 /// The example overlay moves every namespaced object, and the
 /// RoleBinding's subject, to its own namespace, and names its image.
 fn overlay(cp: &ControlPlane) -> anyhow::Result<()> {
-    step("the example overlay, rendered by kustomize");
-    let path = root().join("deploy/kubernetes/overlays/example");
-    let rendered = kubectl(cp, &["kustomize", &path.display().to_string()])?;
+    step(
+        "the example overlay, rendered by kustomize (its Secrets' files made as its comments say)",
+    );
+    let copy = target_dir().join("kube/example-overlay");
+    let path = shipped::example_with_secrets(
+        &copy,
+        &crate::image::random_token()?,
+        "postgres://lockstep@postgres.example.invalid:5432/lockstep",
+    )?;
+    let rendered = kubectl(cp, &["kustomize", &path.display().to_string()]);
+    let _ = std::fs::remove_dir_all(&copy);
+    let rendered = rendered?;
+    let mut secrets = Vec::new();
     let want = "lockstep-example";
     let mut seen = 0;
     for doc in serde_yaml::Deserializer::from_str(&rendered) {
@@ -284,6 +294,9 @@ fn overlay(cp: &ControlPlane) -> anyhow::Result<()> {
                 );
             }
         }
+        if kind == "Secret" {
+            secrets.push(name.clone());
+        }
         if kind == "Deployment" {
             let text = v.to_string();
             anyhow::ensure!(
@@ -294,6 +307,28 @@ fn overlay(cp: &ControlPlane) -> anyhow::Result<()> {
         }
     }
     anyhow::ensure!(seen >= 10, "the overlay rendered {seen} objects");
+    secrets.sort();
+    anyhow::ensure!(
+        secrets
+            == [
+                "lockstep-api-token",
+                "lockstep-metrics-token",
+                "lockstep-postgres"
+            ],
+        "the overlay makes the Secrets {secrets:?}"
+    );
+    // The base alone makes none (nothing anyone who read it knows).
+    let base = kubectl(
+        cp,
+        &[
+            "kustomize",
+            &root().join("deploy/kubernetes/base").display().to_string(),
+        ],
+    )?;
+    anyhow::ensure!(
+        !base.lines().any(|l| l.trim() == "kind: Secret"),
+        "the base renders a Secret"
+    );
     eprintln!("xtask: the example overlay: {seen} objects, all in {want}");
     Ok(())
 }

@@ -630,10 +630,13 @@ async fn check_metrics_and_status(bin: &Path, state: &Path, env2: &Env) -> anyho
     let deadline = Instant::now() + Duration::from_secs(10);
     let text = loop {
         let text = fetch_metrics(&addr, env2.metrics_token.as_deref()).await?;
-        if sample(&text, "lockstep_replica_serving{replica=\"demo\"}") == Some(1.0)
+        if sample(
+            &text,
+            "lockstep_environment_replica_serving{replica=\"demo\"}",
+        ) == Some(1.0)
             && sample(
                 &text,
-                "lockstep_process_frontier_lag{replica=\"demo\",process=\"0\"}",
+                "lockstep_environment_process_frontier_lag{replica=\"demo\",process=\"0\"}",
             )
             .is_some()
         {
@@ -646,25 +649,25 @@ async fn check_metrics_and_status(bin: &Path, state: &Path, env2: &Env) -> anyho
     };
     for (name, at_least) in [
         (
-            "lockstep_api_requests_total{method=\"WriteInput\",code=\"OK\"}",
+            "lockstep_environment_api_requests_total{method=\"WriteInput\",code=\"OK\"}",
             2.0,
         ),
         (
-            "lockstep_api_requests_total{method=\"Peek\",code=\"OK\"}",
+            "lockstep_environment_api_requests_total{method=\"Peek\",code=\"OK\"}",
             18.0,
         ),
         (
-            "lockstep_api_requests_total{method=\"CreateDataflow\",code=\"INVALID_ARGUMENT\"}",
+            "lockstep_environment_api_requests_total{method=\"CreateDataflow\",code=\"INVALID_ARGUMENT\"}",
             2.0,
         ),
-        ("lockstep_controller_sessions_total{replica=\"demo\"}", 1.0),
-        ("lockstep_dataflows{replica=\"demo\"}", 3.0),
+        ("lockstep_environment_controller_sessions_total{replica=\"demo\"}", 1.0),
+        ("lockstep_environment_dataflows{replica=\"demo\"}", 3.0),
         // Present once the process reported every export; any lag passes.
         (
-            "lockstep_process_frontier_lag{replica=\"demo\",process=\"0\"}",
+            "lockstep_environment_process_frontier_lag{replica=\"demo\",process=\"0\"}",
             0.0,
         ),
-        ("lockstep_epoch", 2.0),
+        ("lockstep_environment_epoch", 2.0),
     ] {
         match sample(&text, name) {
             Some(v) if v >= at_least => println!("demo:       {name} {v}"),

@@ -455,7 +455,10 @@ async fn start_environment(
         "policies in force"
     );
     if let Some(store) = &args.store {
-        if store_has_password(store) {
+        // Only a URL on the command line is in the process list (clap took
+        // it from LOCKSTEP_STORE when that holds the same string).
+        let from_env = std::env::var("LOCKSTEP_STORE").ok().as_deref() == Some(store.as_str());
+        if store_has_password(store) && !from_env {
             tracing::warn!(
                 "the --store URL carries a password, which other users can read in the process list if it was given on the command line: set PGPASSWORD (or the whole URL in LOCKSTEP_STORE) instead"
             );
@@ -477,7 +480,8 @@ async fn start_environment(
         allow_naive: args.experiments_allow_naive,
         #[cfg(not(feature = "failpoints"))]
         allow_naive: false,
-        store: args.store.clone(),
+        // A Secret made from a file may end in a newline.
+        store: args.store.as_deref().map(|s| s.trim().to_string()),
         format: args.format.clone(),
         replicas_here: args.orchestrator == OrchestratorKind::Process,
         ..EnvironmentConfig::new(args.state_dir.clone(), orphan_policy, service)

@@ -433,7 +433,7 @@ async fn frontier_lag_per_process_is_in_the_metrics_and_the_replica_list() {
         let text = env.metrics().encode();
         let found = (0..2).all(|p| {
             text.contains(&format!(
-                "lockstep_process_frontier_lag{{replica=\"r1\",process=\"{p}\"}} 0"
+                "lockstep_environment_process_frontier_lag{{replica=\"r1\",process=\"{p}\"}} 0"
             ))
         });
         if found {

@@ -50,12 +50,23 @@ pub struct ProcessLabels {
     pub process: String,
 }
 
+/// The label of this build.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    /// The crate version.
+    pub version: &'static str,
+}
+
+/// Every reason a replica is restarted for (the `reason` label of
+/// [`Metrics::restarts`]).
+pub const RESTART_REASONS: [&str; 3] = ["silent", "lockstep_lost", "history_mismatch"];
+
 /// Labels of a replica restart.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RestartLabels {
     /// The replica's name.
     pub replica: String,
-    /// `silent`, `lockstep_lost` or `history_mismatch`.
+    /// One of [`RESTART_REASONS`].
     pub reason: String,
 }
 
@@ -132,7 +143,23 @@ impl Metrics {
         let epoch = Gauge::default();
         let input_commits = Counter::default();
         let input_writes_stored = Counter::default();
-        let mut registry = Registry::with_prefix("lockstep");
+        // The root holds the standard, unprefixed `process_*` series; every
+        // series of the environment's own is `lockstep_environment_*` (a
+        // replica process's are `lockstep_replica_*`).
+        let mut root = Registry::default();
+        lockstep_metrics_http::process::register(&mut root);
+        let registry = root.sub_registry_with_prefix("lockstep_environment");
+        let build_info = Family::<BuildLabels, Gauge>::default();
+        build_info
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        registry.register(
+            "build_info",
+            "1, labelled with this build's version",
+            build_info,
+        );
         registry.register(
             "api_requests",
             "API requests by method and status code",
@@ -201,11 +228,11 @@ impl Metrics {
             input_writes_stored.clone(),
         );
         let budget = lockstep_admission::BudgetMetrics::default();
-        budget.register(&mut registry);
+        budget.register(registry);
         budget.set(crate::admission::process_budget());
         Metrics {
             budget,
-            registry,
+            registry: root,
             api_requests,
             api_seconds,
             sessions,
@@ -221,6 +248,38 @@ impl Metrics {
             epoch,
             input_commits,
             input_writes_stored,
+        }
+    }
+
+    /// Removes every series labelled with replica `name` (of `processes`
+    /// processes): a dropped replica's series end with it.
+    pub fn forget_replica(&self, name: &str, processes: u32) {
+        let label = ReplicaLabel {
+            replica: name.to_string(),
+        };
+        for family in [&self.sessions, &self.disconnects, &self.history_mismatches] {
+            family.remove(&label);
+        }
+        for family in [
+            &self.serving,
+            &self.stored_updates,
+            &self.dataflows,
+            &self.read_holds,
+            &self.read_hold_span,
+        ] {
+            family.remove(&label);
+        }
+        for reason in RESTART_REASONS {
+            self.restarts.remove(&RestartLabels {
+                replica: name.to_string(),
+                reason: reason.to_string(),
+            });
+        }
+        for process in 0..processes {
+            self.frontier_lag.remove(&ProcessLabels {
+                replica: name.to_string(),
+                process: process.to_string(),
+            });
         }
     }
 
@@ -334,8 +393,9 @@ pub const TARGETS_PATH: &str = "/metrics/targets";
 /// Every process of `replicas` as a Prometheus HTTP service discovery
 /// target group: scraped at `at` (this endpoint; a scrape config behind a
 /// Service rewrites `__address__`), on its relay path, labelled with its
-/// replica's name and its process index. One scrape credential (the
-/// metrics token) serves them all.
+/// replica's name and its process index, its `instance` `NAME/INDEX` (every
+/// process is its own instance though all share one address). One scrape
+/// credential (the metrics token) serves them all.
 pub fn scrape_targets(
     at: &str,
     replicas: &std::collections::BTreeMap<u64, lockstep_catalog::Replica>,
@@ -348,6 +408,7 @@ pub fn scrape_targets(
                     "targets": [at],
                     "labels": {
                         "__metrics_path__": format!("/metrics/replicas/{}/{i}", r.name),
+                        "instance": format!("{}/{i}", r.name),
                         "replica": r.name,
                         "process": i.to_string(),
                     }
@@ -406,7 +467,59 @@ mod tests {
             .unwrap();
         let out = String::from_utf8_lossy(&out);
         assert!(out.starts_with("HTTP/1.1 200"), "{out}");
-        assert!(out.contains("lockstep_epoch 7"), "{out}");
+        assert!(out.contains("lockstep_environment_epoch 7"), "{out}");
+        assert!(
+            out.contains(&format!(
+                "lockstep_environment_build_info{{version=\"{}\"}} 1",
+                env!("CARGO_PKG_VERSION")
+            )),
+            "{out}"
+        );
+        assert!(out.contains("\nprocess_resident_memory_bytes "), "{out}");
+        assert!(out.contains("\nprocess_cpu_seconds_total "), "{out}");
+    }
+
+    #[test]
+    fn a_dropped_replicas_series_end_with_it() {
+        let m = Metrics::new();
+        let label = |r: &str| ReplicaLabel {
+            replica: r.to_string(),
+        };
+        for r in ["gone", "kept"] {
+            m.sessions.get_or_create(&label(r)).inc();
+            m.disconnects.get_or_create(&label(r)).inc();
+            m.history_mismatches.get_or_create(&label(r)).inc();
+            m.serving.get_or_create(&label(r)).set(1);
+            m.stored_updates.get_or_create(&label(r)).set(5);
+            m.dataflows.get_or_create(&label(r)).set(2);
+            m.read_holds.get_or_create(&label(r)).set(1);
+            m.read_hold_span.get_or_create(&label(r)).set(3);
+            for reason in RESTART_REASONS {
+                m.restarts
+                    .get_or_create(&RestartLabels {
+                        replica: r.to_string(),
+                        reason: reason.to_string(),
+                    })
+                    .inc();
+            }
+            for p in 0..2 {
+                m.frontier_lag
+                    .get_or_create(&ProcessLabels {
+                        replica: r.to_string(),
+                        process: p.to_string(),
+                    })
+                    .set(0);
+            }
+        }
+        let before = m.encode();
+        assert!(before.contains("replica=\"gone\""), "{before}");
+        m.forget_replica("gone", 2);
+        let after = m.encode();
+        assert!(!after.contains("replica=\"gone\""), "{after}");
+        // Every series of the other replica is still there.
+        let kept = |text: &str| text.matches("replica=\"kept\"").count();
+        assert_eq!(kept(&after), kept(&before));
+        assert!(kept(&after) >= 8 + 3 + 2, "{after}");
     }
 
     #[test]
@@ -430,6 +543,15 @@ mod tests {
             .map(|g| {
                 assert_eq!(g["targets"], serde_json::json!(["10.0.0.1:9090"]));
                 let l = &g["labels"];
+                // One instance per process, although all share an address.
+                assert_eq!(
+                    l["instance"].as_str().unwrap(),
+                    format!(
+                        "{}/{}",
+                        l["replica"].as_str().unwrap(),
+                        l["process"].as_str().unwrap()
+                    )
+                );
                 (
                     l["replica"].as_str().unwrap().to_string(),
                     l["process"].as_str().unwrap().to_string(),

@@ -217,6 +217,8 @@ impl Environment {
         };
         fail::fail_point!("after_catalog_drop_replica");
         self.compute_stopped(replica.id);
+        self.metrics()
+            .forget_replica(&replica.name, replica.config.processes);
         // Its own policy went with it in the catalog.
         self.compute
             .set_replica_distribution_policy(replica.id, None);

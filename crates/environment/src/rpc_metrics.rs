@@ -1,8 +1,8 @@
 //! Per-RPC metrics of the API as one tower layer around the whole gRPC
 //! server, instead of a call in every handler: for each call to a method
 //! of `lockstep.environment.v1.Environment`, its latency to the response
-//! headers (`lockstep_api_request_seconds`) and, once the call ends, its
-//! gRPC status code (`lockstep_api_requests`). Being outside the token
+//! headers (`lockstep_environment_api_request_seconds`) and, once the call ends, its
+//! gRPC status code (`lockstep_environment_api_requests`). Being outside the token
 //! check and the decoder, it also counts calls refused for a missing token
 //! (`UNAUTHENTICATED`) or a request that does not decode.
 //!
@@ -357,14 +357,16 @@ mod tests {
         for code in ["UNAUTHENTICATED", "OK", "CANCELLED"] {
             assert!(
                 text.contains(&format!(
-                    r#"lockstep_api_requests_total{{method="ListReplicas",code="{code}"}} 1"#
+                    r#"lockstep_environment_api_requests_total{{method="ListReplicas",code="{code}"}} 1"#
                 )),
                 "{code} missing from:\n{text}"
             );
         }
         assert!(!text.contains("Health"), "{text}");
         assert!(
-            text.contains(r#"lockstep_api_request_seconds_count{method="ListReplicas"} 3"#),
+            text.contains(
+                r#"lockstep_environment_api_request_seconds_count{method="ListReplicas"} 3"#
+            ),
             "{text}"
         );
     }

@@ -291,7 +291,8 @@ impl Environment {
         mut health: tonic_health::server::HealthReporter,
     ) {
         use tonic_health::ServingStatus;
-        let mut known: std::collections::BTreeSet<String> = Default::default();
+        // Health service name -> (replica name, processes).
+        let mut known: std::collections::BTreeMap<String, (String, u32)> = Default::default();
         loop {
             let replicas: Vec<Replica> = self
                 .view
@@ -301,7 +302,7 @@ impl Environment {
                 .values()
                 .cloned()
                 .collect();
-            let mut now = std::collections::BTreeSet::new();
+            let mut now = std::collections::BTreeMap::new();
             for r in replicas {
                 let controller = self.compute.controller(r.id);
                 let answered = match &controller {
@@ -326,7 +327,7 @@ impl Environment {
                     ServingStatus::NotServing
                 };
                 health.set_service_status(&name, status).await;
-                now.insert(name);
+                now.insert(name, (r.name.clone(), r.config.processes));
                 let metrics = self.metrics();
                 let label = metrics::ReplicaLabel {
                     replica: r.name.clone(),
@@ -375,8 +376,13 @@ impl Environment {
                     .get_or_create(&label)
                     .set(dataflows as i64);
             }
-            for gone in known.difference(&now) {
-                health.clear_service_status(gone).await;
+            for (gone, (replica, processes)) in &known {
+                if !now.contains_key(gone) {
+                    health.clear_service_status(gone).await;
+                    // Again after the drop's own: this loop may have set
+                    // its gauges while the drop ran.
+                    self.metrics().forget_replica(replica, *processes);
+                }
             }
             known = now;
             tokio::time::sleep(HEALTH_INTERVAL).await;

@@ -10,6 +10,10 @@
 //! replica process's metrics. With a token, a request must carry
 //! `Authorization: Bearer TOKEN` (compared in constant time), else 401 and
 //! nothing else. The caller bounds how many connections it serves at once.
+//!
+//! [`process`] gives both binaries the standard `process_*` series.
+
+pub mod process;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -155,6 +159,17 @@ pub async fn fetch(
     token: Option<&str>,
     within: Duration,
 ) -> Result<String, String> {
+    fetch_path(addr, "/metrics", token, within).await
+}
+
+/// As [`fetch`], of any `path` (a scraper's other requests: service
+/// discovery, a relayed process).
+pub async fn fetch_path(
+    addr: SocketAddr,
+    path: &str,
+    token: Option<&str>,
+    within: Duration,
+) -> Result<String, String> {
     let work = async {
         let sock = tokio::net::TcpStream::connect(addr)
             .await
@@ -164,7 +179,7 @@ pub async fn fetch(
                 .await
                 .map_err(|e| format!("{addr}: {e}"))?;
         tokio::spawn(conn);
-        let mut req = hyper::Request::get("/metrics").header(hyper::header::HOST, addr.to_string());
+        let mut req = hyper::Request::get(path).header(hyper::header::HOST, addr.to_string());
         if let Some(token) = token {
             req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
         }

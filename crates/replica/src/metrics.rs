@@ -7,7 +7,8 @@
 //! command kind and strategy), how long they waited at barrier rounds and
 //! for log entries, what they have installed, how far each export's
 //! frontier is behind its inputs, its timely mesh, its controller
-//! connections (bytes, sessions, refusals before proof) and its build.
+//! connections (bytes, sessions, refusals before proof) and its build;
+//! and the standard `process_*` series (CPU, memory, descriptors).
 //! Nothing in it is data: counts, durations, IDs and the build version.
 //!
 //! Off loopback, a process with a session key answers only a request that
@@ -133,8 +134,12 @@ impl ReplicaMetrics {
                 version: env!("CARGO_PKG_VERSION"),
             })
             .set(1);
-        let mut registry = Registry::with_prefix("lockstep_replica");
-        m.budget.register(&mut registry);
+        // The standard, unprefixed `process_*` series at the root; the
+        // process's own under `lockstep_replica_`.
+        let mut root = Registry::default();
+        lockstep_metrics_http::process::register(&mut root);
+        let registry = root.sub_registry_with_prefix("lockstep_replica");
+        m.budget.register(registry);
         registry.register(
             "commands_applied",
             "Commands a worker applied, by kind and strategy",
@@ -190,7 +195,10 @@ impl ReplicaMetrics {
             "1, labelled with this build's version",
             m.build_info.clone(),
         );
-        ReplicaMetrics { registry, ..m }
+        ReplicaMetrics {
+            registry: root,
+            ..m
+        }
     }
 
     /// Counts one applied command.
@@ -298,6 +306,7 @@ mod tests {
             text.contains("lockstep_replica_build_info{version="),
             "{text}"
         );
+        assert!(text.contains("\nprocess_open_fds "), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }

@@ -5,7 +5,8 @@
 //! throw-away PostgreSQL server (the Deployment's `LOCKSTEP_STORE`), the
 //! state volume as its init container leaves it. It must start, answer
 //! grpc.health.v1 SERVING and the API with the token (refusing a call
-//! without), serve /metrics to the read-only metrics token only (not the API token),
+//! without), serve /metrics to the read-only metrics token of its mounted
+//! Secret only (not the API token),
 //! and exit 0 on SIGTERM.
 
 use std::io::{Read, Write};
@@ -33,6 +34,9 @@ struct Shipped {
     env: Vec<(String, Value)>,
     /// The container's image (which replica pods run).
     image: String,
+    /// The container's Secret volumes: where each is mounted, and the
+    /// Secret's name.
+    secret_mounts: Vec<(String, String)>,
 }
 
 impl Shipped {
@@ -68,10 +72,27 @@ impl Shipped {
             .flatten()
             .map(|e| (e["name"].as_str().unwrap_or("").to_string(), e.clone()))
             .collect();
+        let volumes = &d["spec"]["template"]["spec"]["volumes"];
+        let secret_mounts = c["volumeMounts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|m| {
+                let volume = volumes
+                    .as_array()?
+                    .iter()
+                    .find(|v| v["name"] == m["name"])?;
+                Some((
+                    m["mountPath"].as_str()?.to_string(),
+                    volume["secret"]["secretName"].as_str()?.to_string(),
+                ))
+            })
+            .collect();
         Ok(Shipped {
             name: d["metadata"]["name"].as_str().unwrap_or("").to_string(),
             command,
             env,
+            secret_mounts,
             image: c["image"].as_str().unwrap_or("").to_string(),
         })
     }
@@ -184,6 +205,29 @@ pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
         engine,
         what: Removal::Container(name.clone()),
     };
+    // The Deployment's Secret volumes, as the kubelet mounts them: owned
+    // by root, group the image's (fsGroup), mode 0440.
+    let metrics_token = random_token()?;
+    let mut secret_volumes = Vec::new();
+    for (at, secret) in &shipped.secret_mounts {
+        let content = match secret.as_str() {
+            "lockstep-metrics-token" => [("token", &metrics_token)],
+            other => {
+                bail!("the Deployment mounts the Secret {other}, which this check cannot supply")
+            }
+        };
+        let host = dir.path().join(format!("secret-{secret}"));
+        std::fs::create_dir_all(&host)?;
+        for (key, value) in content {
+            let file = host.join(key);
+            std::fs::write(&file, format!("{value}\n"))?;
+            std::os::unix::fs::chown(&file, Some(0), Some(IMAGE_UID))?;
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o440))?;
+        }
+        std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o755))?;
+        secret_volumes.push(format!("{}:{at}:ro", host.display()));
+    }
+
     let mut cmd = engine.run_cmd();
     cmd.args(["--detach", "--name", &name])
         .arg("--volume")
@@ -194,6 +238,9 @@ pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
             kubeconfig.display()
         ))
         .args(["--env", "KUBECONFIG=/etc/lockstep-kube/config"]);
+    for v in &secret_volumes {
+        cmd.arg("--volume").arg(v);
+    }
     // Values by name only: the token is on no command line.
     for (k, v) in &env {
         cmd.args(["--env", k]).env(k, v);
@@ -204,7 +251,14 @@ pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
     // The Deployment's own shutdown grace is 20 s, under a 30 s termination
     // grace period.
     check_then_stop(engine, &name, 25, || {
-        check(engine, &name, api_port, metrics_port, &token)
+        check(
+            engine,
+            &name,
+            api_port,
+            metrics_port,
+            &token,
+            &metrics_token,
+        )
     })
 }
 
@@ -214,6 +268,7 @@ fn check(
     api_port: u16,
     metrics_port: u16,
     token: &str,
+    metrics_token: &str,
 ) -> anyhow::Result<()> {
     let url = format!("http://127.0.0.1:{api_port}");
     let status = poll(engine, name, 60, "the API answering with the token", || {
@@ -230,26 +285,23 @@ fn check(
         "/metrics off loopback answered without the token: {}",
         bare.lines().next().unwrap_or("")
     );
-    // /metrics asks the read-only metrics token the environment made in
-    // its state directory (the Deployment's --state-dir), not the API's.
+    // /metrics asks the read-only metrics token of its Secret (mounted as
+    // the Deployment mounts it), not the API's.
     let with_api_token = http_get(metrics_port, Some(token))?;
     anyhow::ensure!(
         with_api_token.starts_with("HTTP/1.1 401") || with_api_token.starts_with("HTTP/1.0 401"),
         "/metrics answered the API token: {}",
         with_api_token.lines().next().unwrap_or("")
     );
-    let mut read = engine.cmd();
-    read.args(["exec", name, "cat", "/var/lib/lockstep/state/metrics.token"]);
-    let metrics_token =
-        output(read).map_err(|e| anyhow::anyhow!("reading the metrics token in {name}: {e}"))?;
-    let metrics = http_get(
-        metrics_port,
-        Some(metrics_token.lines().next().unwrap_or("").trim()),
-    )?;
+    let metrics = http_get(metrics_port, Some(metrics_token))?;
     anyhow::ensure!(
         metrics.starts_with("HTTP/1.1 200") || metrics.starts_with("HTTP/1.0 200"),
         "/metrics with the metrics token: {}",
         metrics.lines().next().unwrap_or("")
+    );
+    anyhow::ensure!(
+        metrics.contains("\nlockstep_environment_build_info{"),
+        "/metrics names no build: {metrics}"
     );
     anyhow::ensure!(running(engine, name), "{name} stopped");
     Ok(())

@@ -1,8 +1,8 @@
 //! The example overlay as a platform team applies it, on the real node
-//! (`cargo xtask kube`, step 5): `deploy/kubernetes/overlays/example`
-//! unchanged, under a user's own overlay that only makes its two Secrets
-//! from files (`secretGenerator`, `behavior: replace`), as the example says
-//! to. What the cluster must provide is provided as a cluster would:
+//! (`cargo xtask kube`, step 5): `deploy/kubernetes` copied unchanged, the
+//! three files the example overlay makes its Secrets from written into its
+//! `secrets/` as its comments say, and `kubectl apply -k` of the copy. What
+//! the cluster must provide is provided as a cluster would:
 //!
 //! - the image the overlay names (`registry.example.com/lockstep:0.3.0-dev`)
 //!   in containerd (no registry: the tested image tagged with that name);
@@ -17,8 +17,10 @@
 //!
 //! Then `lockstep-chaos-node shipped` drives the environment from this host
 //! (outside the cluster) at its pod's IP, with the token of the Secret:
-//! a replica created and its answers checked, the environment's pod
-//! deleted (the Deployment makes another) and the replica adopted.
+//! a replica created and its answers checked, scraped as
+//! `deploy/prometheus/scrape.yaml` says with the metrics token read back
+//! from its Secret, the environment's pod deleted (the Deployment makes
+//! another) and the replica adopted.
 
 use std::path::Path;
 
@@ -78,17 +80,8 @@ fn run_one(cp: &ControlPlane, dir: &Path, variant: &str, store: &str) -> anyhow:
         ),
     )?;
     let token = crate::image::random_token()?;
-    let overlay = dir.join("user-overlay");
-    std::fs::create_dir_all(&overlay)?;
-    std::fs::write(overlay.join("token"), &token)?;
-    std::fs::write(overlay.join("url"), store)?;
-    std::fs::write(
-        overlay.join("kustomization.yaml"),
-        format!(
-            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: {NAMESPACE}\nresources:\n  - {}\nsecretGenerator:\n  - name: lockstep-api-token\n    behavior: replace\n    files: [token]\n  - name: lockstep-postgres\n    behavior: replace\n    files: [url]\ngeneratorOptions:\n  disableNameSuffixHash: true\n",
-            relative(&overlay, &root().join("deploy/kubernetes/overlays/example"))?.display()
-        ),
-    )?;
+    let copy = dir.join("shipped");
+    let overlay = example_with_secrets(&copy, &token, store)?;
     let result = (|| {
         super::kubectl(
             cp,
@@ -115,6 +108,7 @@ fn run_one(cp: &ControlPlane, dir: &Path, variant: &str, store: &str) -> anyhow:
         std::env::set_var("LOCKSTEP_SHIPPED_NAMESPACE", NAMESPACE);
         std::env::set_var("LOCKSTEP_SHIPPED_TOKEN", &token);
         std::env::set_var("LOCKSTEP_SHIPPED_VARIANT", variant);
+        std::env::set_var("LOCKSTEP_SHIPPED_DEPLOY", copy.join("deploy"));
         crate::chaos::run_suite_binary(
             crate::util::target_dir().join("debug/lockstep-chaos-node"),
             &["shipped"],
@@ -148,25 +142,47 @@ fn run_one(cp: &ControlPlane, dir: &Path, variant: &str, store: &str) -> anyhow:
     );
     let _ = super::kubectl(cp, &["delete", "pv", "lockstep-example-state"]);
     let _ = std::fs::remove_dir_all(&pv_dir);
+    let _ = std::fs::remove_dir_all(&copy);
     result
 }
 
-/// `to` as a path relative to directory `from` (kustomize refuses an
-/// absolute resource path).
-fn relative(from: &Path, to: &Path) -> anyhow::Result<std::path::PathBuf> {
-    let from = std::fs::canonicalize(from)?;
-    let to = std::fs::canonicalize(to)?;
-    let a: Vec<_> = from.components().collect();
-    let b: Vec<_> = to.components().collect();
-    let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
-    let mut path = std::path::PathBuf::new();
-    for _ in common..a.len() {
-        path.push("..");
+/// `deploy/` copied unchanged into `copy`, with the three files the example
+/// overlay makes its Secrets from written into its `secrets/` as its
+/// comments say (a newline at the end included): the API token `token`, a
+/// fresh metrics token and the store `store`. The overlay's directory.
+pub fn example_with_secrets(
+    copy: &Path,
+    token: &str,
+    store: &str,
+) -> anyhow::Result<std::path::PathBuf> {
+    let _ = std::fs::remove_dir_all(copy);
+    copy_tree(&root().join("deploy"), &copy.join("deploy"))?;
+    let overlay = copy.join("deploy/kubernetes/overlays/example");
+    let secrets = overlay.join("secrets");
+    std::fs::create_dir_all(&secrets)?;
+    std::fs::write(secrets.join("api.token"), format!("{token}\n"))?;
+    std::fs::write(
+        secrets.join("metrics.token"),
+        format!("{}\n", crate::image::random_token()?),
+    )?;
+    std::fs::write(secrets.join("postgres.url"), store)?;
+    Ok(overlay)
+}
+
+/// Copies the directory tree `from` to `to` (files and directories only).
+fn copy_tree(from: &Path, to: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)
+                .with_context(|| format!("copying {}", entry.path().display()))?;
+        }
     }
-    for c in &b[common..] {
-        path.push(c);
-    }
-    Ok(path)
+    Ok(())
 }
 
 /// `kubectl apply -f -` of `yaml`.

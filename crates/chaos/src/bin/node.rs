@@ -58,6 +58,8 @@ use lockstep_chaos::outcome::{violation, Failure, Tally};
 
 #[path = "node/pods.rs"]
 mod pods;
+#[path = "node/scrape.rs"]
+mod scrape;
 #[path = "node/shipped.rs"]
 mod shipped;
 #[path = "node/workload.rs"]

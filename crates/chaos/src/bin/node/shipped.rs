@@ -7,6 +7,10 @@
 //! - `create`: a 2 x 2 replica (the Deployment's replica requests, 500m a
 //!   pod, fit two on two cores) and a dataflow; writes answered, both
 //!   exports right (I3), its pods one ready generation (I2);
+//! - `scraped`: `deploy/prometheus/scrape.yaml` carried out with the
+//!   metrics token read back from its Secret (`super::scrape`): the
+//!   environment and each replica process, one `instance` each, and
+//!   nothing without the token (R1);
 //! - `environment-pod-deleted`: the environment's pod deleted; the
 //!   Deployment makes another, which adopts the replica (the same pod uids
 //!   and restart counts: O1, nothing rebuilt) and answers right within
@@ -22,7 +26,7 @@ use super::workload::{Api, Workload};
 use super::{harness, timed, Scenario, RECOVERY, SET_UP};
 
 /// The environment pods' label.
-const SELECTOR: &str = "app.kubernetes.io/name=lockstep-environment";
+const SELECTOR: &str = "app.kubernetes.io/name=lockstep,app.kubernetes.io/component=environment";
 /// The replica's service.
 const SERVICE: &str = "replica-1";
 /// The replica's processes.
@@ -110,7 +114,7 @@ pub async fn run(cluster: &RealCluster) -> Vec<Scenario> {
     let mut w = None;
     let result = async {
         let (pod, ip) = environment_pod(cluster, &ns, None, SET_UP).await?;
-        first = Some(pod);
+        first = Some((pod, ip.clone()));
         let workload = w.insert(Workload::new(api(&ip)));
         workload.set_up(PROCESSES, 2, SET_UP).await?;
         for _ in 0..3 {
@@ -123,9 +127,26 @@ pub async fn run(cluster: &RealCluster) -> Vec<Scenario> {
     if timed(&mut out, variant, "create", started, result) {
         return out;
     }
-    let (Some(first), Some(mut w)) = (first, w) else {
+    let (Some((first, first_ip)), Some(mut w)) = (first, w) else {
         return out;
     };
+
+    let started = Instant::now();
+    let result = async {
+        let deploy = std::env::var("LOCKSTEP_SHIPPED_DEPLOY").map_err(|_| {
+            harness("LOCKSTEP_SHIPPED_DEPLOY must name the deploy/ directory applied (cargo xtask kube sets it)")
+        })?;
+        let token = super::scrape::metrics_token(cluster, &ns)?;
+        super::scrape::scrape_as_shipped(
+            std::path::Path::new(&deploy),
+            &first_ip,
+            &token,
+            PROCESSES as usize,
+        )
+        .await
+    }
+    .await;
+    timed(&mut out, variant, "scraped", started, result);
 
     let started = Instant::now();
     let result = async {
