@@ -462,5 +462,20 @@ async fn frontier_lag_per_process_is_in_the_metrics_and_the_replica_list() {
     assert!(signal("-CONT").success());
     eprintln!("lags with process 1 stopped: {behind:?}");
     wait_for("caught up again", |l| l.iter().all(|l| *l == Some(0))).await;
+    // Dropped, the replica's series end with it.
+    assert!(env.metrics().encode().contains("replica=\"r1\""));
+    env.drop_replica("r1").await.unwrap();
+    let started = Instant::now();
+    loop {
+        let text = env.metrics().encode();
+        if !text.contains("replica=\"r1\"") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "a dropped replica's series are still exported:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     server.abort();
 }
