@@ -129,15 +129,8 @@ fn run_all(opts: &Options, times: &mut Times) -> anyhow::Result<()> {
             )
         })?;
         let mut cmd = engine.build_cmd();
-        cmd.args([
-            "-f",
-            "Containerfile",
-            "--target",
-            "runtime",
-            "-t",
-            IMAGE,
-            ".",
-        ]);
+        cmd.args(["-f", "Containerfile", "--target", "runtime", "-t", IMAGE]);
+        cmd.args(oci_build_args()?).arg(".");
         cmd.current_dir(root());
         run(cmd)?;
     } else {
@@ -147,6 +140,7 @@ fn run_all(opts: &Options, times: &mut Times) -> anyhow::Result<()> {
         cmd.arg("-f")
             .arg(context.join("Containerfile"))
             .args(["--target", "runtime-prebuilt", "-t", IMAGE])
+            .args(oci_build_args()?)
             .arg(&context);
         run(cmd)?;
     }
@@ -162,6 +156,8 @@ fn run_all(opts: &Options, times: &mut Times) -> anyhow::Result<()> {
         size
     );
     times.note(format!("image size {:.1} MB", size as f64 / 1e6));
+    times.start("the image's OCI labels and its LICENSE");
+    oci_labels(&engine)?;
 
     times.start("lockstep demo inside the image");
     demo_in_image(&engine)?;
@@ -711,6 +707,84 @@ fn prepare_context(context: &Path) -> anyhow::Result<()> {
     }
     eprintln!("xtask: policies/: {n} policies");
     std::fs::copy(root().join("Containerfile"), context.join("Containerfile"))?;
+    std::fs::copy(root().join("LICENSE"), context.join("LICENSE"))?;
+    Ok(())
+}
+
+/// The workspace's version, the commit and the repository's remote (where
+/// it has one), as the Containerfile's build arguments.
+fn oci_build_args() -> anyhow::Result<Vec<String>> {
+    let revision = crate::util::stdout({
+        let mut c = Command::new("git");
+        c.args(["rev-parse", "HEAD"]).current_dir(root());
+        c
+    })?;
+    let mut args = vec![
+        "--build-arg".to_string(),
+        format!("VERSION={}", env!("CARGO_PKG_VERSION")),
+        "--build-arg".to_string(),
+        format!("REVISION={}", revision.trim()),
+    ];
+    let mut remote = Command::new("git");
+    remote
+        .args(["remote", "get-url", "origin"])
+        .current_dir(root());
+    if let Ok(out) = remote.output() {
+        let url = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if out.status.success() && !url.is_empty() {
+            args.extend(["--build-arg".to_string(), format!("SOURCE={url}")]);
+        }
+    }
+    Ok(args)
+}
+
+/// The image says what it is: its OCI labels name this version, this
+/// commit and the workspace's license, whose text it holds.
+fn oci_labels(engine: &Engine) -> anyhow::Result<()> {
+    let mut cmd = engine.cmd();
+    cmd.args(["image", "inspect", "--format", "{{json .Labels}}", IMAGE]);
+    let labels: serde_json::Value = serde_json::from_str(&crate::util::stdout(cmd)?)
+        .context("image inspect printed no JSON labels")?;
+    let workspace = std::fs::read_to_string(root().join("Cargo.toml"))?;
+    let license = workspace
+        .lines()
+        .find_map(|l| l.strip_prefix("license = "))
+        .map(|l| l.trim_matches('"').to_string())
+        .context("the workspace's Cargo.toml names no license")?;
+    let revision = oci_build_args()?[3]
+        .trim_start_matches("REVISION=")
+        .to_string();
+    for (key, want) in [
+        (
+            "org.opencontainers.image.version",
+            env!("CARGO_PKG_VERSION"),
+        ),
+        ("org.opencontainers.image.revision", revision.as_str()),
+        ("org.opencontainers.image.licenses", license.as_str()),
+        ("org.opencontainers.image.title", "lockstep"),
+    ] {
+        anyhow::ensure!(
+            labels[key] == want,
+            "the image's label {key} is {}, not {want}",
+            labels[key]
+        );
+    }
+    let mut cmd = engine.run_cmd();
+    cmd.args([
+        "--rm",
+        "--entrypoint",
+        "head",
+        IMAGE,
+        "-n",
+        "3",
+        "/usr/share/doc/lockstep/LICENSE",
+    ]);
+    let text = crate::util::stdout(cmd)?;
+    anyhow::ensure!(
+        text.contains("Apache License"),
+        "the image's /usr/share/doc/lockstep/LICENSE begins {text:?}"
+    );
+    eprintln!("xtask: labels {labels}; LICENSE in /usr/share/doc/lockstep");
     Ok(())
 }
 
