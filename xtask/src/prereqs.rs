@@ -103,7 +103,131 @@ pub fn summary() {
     }
 }
 
-/// Whether this process runs as root.
+/// Disk a run needs under the target directory before the Go build of the
+/// control plane, in GB: that build fills about 9 GB of caches (removed
+/// once the programs are built).
+const COLD_DISK_GB: f64 = 12.0;
+/// Disk below which no run gets far (the Rust builds alone fill more).
+const WARM_DISK_GB: f64 = 3.0;
+
+/// Everything `cargo xtask test` needs and cannot install itself, checked
+/// before its first step: every missing piece named at once (a missing
+/// package is fine where it can be installed: root and apt-get).
+pub fn check_before_test() -> anyhow::Result<()> {
+    let root = is_root();
+    let apt = root && on_path("apt-get");
+    let uid = nix_uid().map_or_else(|| "unknown".into(), |u| u.to_string());
+    let mut missing: Vec<String> = Vec::new();
+    let mut packages = |what: &str, wanted: &[(&str, bool)]| {
+        let absent: Vec<&str> = wanted
+            .iter()
+            .filter(|(_, have)| !have)
+            .map(|(p, _)| *p)
+            .collect();
+        if !absent.is_empty() && !apt {
+            missing.push(format!(
+                "{what}: the Debian packages {} (as root: apt-get install {})",
+                absent.join(", "),
+                absent.join(" ")
+            ));
+        }
+    };
+    let have_pg = (on_path("initdb") && on_path("pg_ctl"))
+        || std::fs::read_dir("/usr/lib/postgresql")
+            .map(|d| d.flatten().any(|v| v.path().join("bin/pg_ctl").exists()))
+            .unwrap_or(false);
+    packages("the store tests", &[("postgresql", have_pg)]);
+    if !skipped_quietly("python") {
+        packages("the Python API test", &[("python3", on_path("python3"))]);
+    }
+    if !skipped_quietly("image") {
+        packages(
+            "the image check",
+            &[
+                ("podman", on_path("podman")),
+                ("debootstrap", on_path("debootstrap")),
+                ("runc", on_path("runc")),
+            ],
+        );
+    }
+    if !skipped_quietly("kube-node") && !skipped_quietly("kube") {
+        packages(
+            "the real Kubernetes node",
+            &[
+                ("containerd", on_path("containerd")),
+                (
+                    "containernetworking-plugins",
+                    Path::new("/usr/lib/cni/bridge").is_file(),
+                ),
+            ],
+        );
+    }
+    let mut need = |what: &str| missing.push(what.to_string());
+    if !root {
+        for (step, why) in [
+            ("hosts", "simulated hosts (network namespaces)"),
+            (
+                "image",
+                "the image check (a volume owned by the image's user)",
+            ),
+            (
+                "kube-node",
+                "the real Kubernetes node (kubelet, containerd)",
+            ),
+        ] {
+            let kube_node_without_kube = step == "kube-node" && skipped_quietly("kube");
+            if !(skipped_quietly(step) || kube_node_without_kube) {
+                need(&format!(
+                    "{why} needs root (uid {uid}): run as root or pass --skip {step}"
+                ));
+            }
+        }
+    }
+    // Built here, or kept between checkouts (the cache outside the target).
+    let programs_built = crate::kube_control_plane::bin_dir()
+        .join("kubectl")
+        .is_file()
+        || crate::kube_control_plane::cache_dir()
+            .and_then(|d| std::fs::read_dir(d.join("kube")).ok())
+            .is_some_and(|mut d| d.next().is_some());
+    if !skipped_quietly("kube") && !programs_built && !on_path("go") {
+        need("cargo xtask kube builds the control plane with Go (1.26 or newer, the module proxy reachable): install it or pass --skip kube");
+    }
+    let wanted = if programs_built || skipped_quietly("kube") {
+        WARM_DISK_GB
+    } else {
+        COLD_DISK_GB
+    };
+    let dir = Some(target_dir())
+        .filter(|d| d.exists())
+        .unwrap_or_else(crate::util::root);
+    if let Ok(s) = nix::sys::statvfs::statvfs(&dir) {
+        let free = s.blocks_available() as f64 * s.fragment_size() as f64 / 1e9;
+        if free < wanted {
+            need(&format!(
+                "{free:.1} GB free under {}, and a run needs about {wanted:.0} GB",
+                dir.display()
+            ));
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    bail!(
+        "cargo xtask test cannot run here; every missing piece:\n  - {}",
+        missing.join("\n  - ")
+    )
+}
+
+/// Whether `name` is skipped on purpose, without saying so.
+fn skipped_quietly(name: &str) -> bool {
+    SKIPS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .any(|n| n == name)
+}
+
 /// Whether this process runs as root.
 pub fn is_root() -> bool {
     nix_uid() == Some(0)

@@ -29,6 +29,8 @@ pub const TEST_FEATURES: &str =
 pub fn test(lint: bool, skips: &[String]) -> anyhow::Result<()> {
     crate::prereqs::set_skips(skips)?;
     crate::prereqs::set_strict();
+    step("what the run needs and cannot install (root, Go, disk, apt), checked first");
+    crate::prereqs::check_before_test()?;
     if !crate::prereqs::skipped("kube") {
         // First, while the disk is emptiest: a cold Go build of the control
         // plane needs about 9 GB of caches, removed once the programs are

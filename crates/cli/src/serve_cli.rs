@@ -116,8 +116,9 @@ pub(crate) struct ServeArgs {
     /// Where the catalog and the replicas' command logs live: omitted, SQLite
     /// files in the state directory (the embedded default); or a PostgreSQL
     /// database, `postgres://USER@HOST:PORT/DB`, shared by environments on
-    /// several machines. Keep the password out of the command line: set
-    /// PGPASSWORD (or the whole string in LOCKSTEP_STORE).
+    /// several machines; TLS with `?sslmode=verify-full&sslrootcert=CA.pem`
+    /// (or `sslmode=require`, unverified). Keep the password out of the
+    /// command line: set PGPASSWORD (or the whole string in LOCKSTEP_STORE).
     #[arg(long, env = "LOCKSTEP_STORE")]
     store: Option<String>,
     /// The largest answer the API sends (default 256 MiB, what this CLI

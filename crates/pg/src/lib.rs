@@ -28,7 +28,10 @@
 //!   command line. [`redact`] gives the connection string without it, for
 //!   messages.
 //!
-//! TLS is not built: connections are plain TCP or Unix sockets.
+//! - **TLS.** `sslmode=require` or `sslmode=verify-full` (with
+//!   `sslrootcert=CA.pem`, else the system's roots) in the connection
+//!   string encrypt the connection with rustls ([`tls`]); without them it is
+//!   plain TCP or a Unix socket.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -39,9 +42,12 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio_postgres::types::Type;
-use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Statement};
+use tokio_postgres::{AsyncMessage, Client, Config, Statement};
 
 pub use tokio_postgres;
+
+pub mod tls;
+pub use tls::TlsMode;
 
 /// A boxed future borrowing the session for `'c`.
 pub type BoxFuture<'c, T> = Pin<Box<dyn Future<Output = T> + Send + 'c>>;
@@ -53,7 +59,7 @@ pub enum PgError {
     #[error("invalid PostgreSQL connection string: {0}")]
     Url(String),
     /// The server could not be reached or refused the connection.
-    #[error("cannot connect to {location}: {source}")]
+    #[error("cannot connect to {location}: {}", describe(source))]
     Connect {
         /// The server, without the password.
         location: String,
@@ -85,6 +91,23 @@ pub enum PgError {
     /// The connection thread is gone (it panicked).
     #[error("the PostgreSQL connection thread of {0} is gone")]
     Gone(String),
+}
+
+/// What tokio-postgres said, whole: a server's error with its message (its
+/// `Display` says only "db error"), any other with its causes (a TLS
+/// handshake's says why the certificate was refused).
+fn describe(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        return format!("{}: {}", db.severity(), db.message());
+    }
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
 }
 
 impl PgError {
@@ -211,7 +234,15 @@ impl Conn {
     /// Connects to `url` (a `postgres://` or `postgresql://` connection
     /// string, or key=value pairs). Fails if the first connection fails.
     pub fn connect(url: &str, options: Options) -> Result<Conn, PgError> {
-        let mut config = Config::from_str(url).map_err(|e| PgError::Url(e.to_string()))?;
+        let (url, tls_mode) = tls::split_tls(url)?;
+        let mut config = Config::from_str(&url).map_err(|e| PgError::Url(e.to_string()))?;
+        config.ssl_mode(match tls_mode {
+            TlsMode::Plain => tokio_postgres::config::SslMode::Disable,
+            TlsMode::Unverified | TlsMode::Verified { .. } => {
+                tokio_postgres::config::SslMode::Require
+            }
+        });
+        let tls = tls::connector(&tls_mode)?;
         if config.get_password().is_none() {
             if let Some(p) = std::env::var_os("PGPASSWORD") {
                 config.password(p.into_encoded_bytes());
@@ -242,6 +273,7 @@ impl Conn {
                 runtime.block_on(async move {
                     let mut worker = Worker {
                         config,
+                        tls,
                         options,
                         location: loc,
                         wake: wake_tx,
@@ -354,6 +386,7 @@ impl Drop for Conn {
 /// The connection thread's state.
 struct Worker {
     config: Config,
+    tls: tokio_postgres_rustls::MakeRustlsConnect,
     options: Options,
     location: String,
     wake: std_mpsc::Sender<Wake>,
@@ -368,7 +401,7 @@ impl Worker {
             return Ok(());
         }
         self.session = None;
-        let connect = self.config.connect(NoTls);
+        let connect = self.config.connect(self.tls.clone());
         let (client, mut connection) =
             match tokio::time::timeout(self.options.op_timeout, connect).await {
                 Ok(Ok(c)) => c,
@@ -442,17 +475,23 @@ pub fn quote_ident(ident: &str) -> String {
 /// The password in a connection string, if it has one (to hand a child
 /// process in `PGPASSWORD` rather than on its command line).
 pub fn password(url: &str) -> Option<String> {
-    let config = Config::from_str(url).ok()?;
+    let (url, _) = tls::split_tls(url).ok()?;
+    let config = Config::from_str(&url).ok()?;
     let pw = config.get_password()?;
     Some(String::from_utf8_lossy(pw).into_owned())
 }
 
-/// The connection string without its password (for messages and logs), or
-/// a placeholder if it does not parse.
+/// The connection string without its password (for messages, logs and a
+/// replica's command line), with its TLS mode ([`TlsMode::query`]), or a
+/// placeholder if it does not parse.
 pub fn redact(url: &str) -> String {
-    match Config::from_str(url) {
-        Ok(c) => location_of(&c),
-        Err(_) => "<unparsable PostgreSQL connection string>".into(),
+    let unparsable = || "<unparsable PostgreSQL connection string>".to_string();
+    let Ok((rest, tls)) = tls::split_tls(url) else {
+        return unparsable();
+    };
+    match Config::from_str(&rest) {
+        Ok(c) => location_of(&c) + &tls.query(),
+        Err(_) => unparsable(),
     }
 }
 

@@ -69,17 +69,28 @@ impl PgServer {
     /// Creates a cluster in a fresh temporary directory, starts it on a free
     /// port and creates the database [`DATABASE`].
     pub fn start() -> Result<PgServer> {
-        Self::start_on(None)
+        Self::start_on(None, None)
+    }
+
+    /// [`PgServer::start`] with TLS: `cert_pem` and `key_pem` are the
+    /// server's certificate and key, and a TCP connection without TLS is
+    /// refused (`hostnossl ... reject`), so a client that forgets to ask for
+    /// TLS fails rather than passes in the clear.
+    pub fn start_tls(cert_pem: &str, key_pem: &str) -> Result<PgServer> {
+        Self::start_on(None, Some((cert_pem.to_string(), key_pem.to_string())))
     }
 
     /// [`PgServer::start`], also listening on `address` and trusting clients
     /// from `clients` (a CIDR): for pods of a test cluster that reach this
     /// host at `address`. Test clusters only: no password is asked.
     pub fn start_reachable(address: &str, clients: &str) -> Result<PgServer> {
-        Self::start_on(Some((address.to_string(), clients.to_string())))
+        Self::start_on(Some((address.to_string(), clients.to_string())), None)
     }
 
-    fn start_on(reachable: Option<(String, String)>) -> Result<PgServer> {
+    fn start_on(
+        reachable: Option<(String, String)>,
+        tls: Option<(String, String)>,
+    ) -> Result<PgServer> {
         let bin = bin_dir().ok_or_else(|| {
             Error(
                 "no PostgreSQL binaries (initdb, pg_ctl) on PATH or in /usr/lib/postgresql/*/bin"
@@ -134,6 +145,9 @@ impl PgServer {
                 .open(&hba)
                 .and_then(|mut f| writeln!(f, "host all all {clients} trust"))
                 .map_err(|e| Error(format!("{}: {e}", hba.display())))?;
+        }
+        if let Some((cert, key)) = &tls {
+            server.enable_tls(cert, key)?;
         }
         // A free port can be taken between probing and binding: retry.
         let mut last = None;
@@ -237,6 +251,50 @@ impl PgServer {
     /// The server's log so far (for test failure messages).
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.root().join("server.log")).unwrap_or_default()
+    }
+
+    /// Writes the server's certificate and key into the data directory,
+    /// turns `ssl` on and refuses TCP connections without it.
+    fn enable_tls(&self, cert: &str, key: &str) -> Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::PermissionsExt;
+        let data = self.data_dir();
+        let io = |what: &Path, e: std::io::Error| Error(format!("{}: {e}", what.display()));
+        for (name, text) in [("server.crt", cert), ("server.key", key)] {
+            let path = data.join(name);
+            std::fs::write(&path, text).map_err(|e| io(&path, e))?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| io(&path, e))?;
+            if self.as_postgres {
+                let status = Command::new("chown")
+                    .arg("postgres:")
+                    .arg(&path)
+                    .status()
+                    .map_err(|e| Error(format!("chown: {e}")))?;
+                if !status.success() {
+                    return Err(Error(format!("cannot hand {} to postgres", path.display())));
+                }
+            }
+        }
+        let conf = data.join("postgresql.conf");
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&conf)
+            .and_then(|mut f| {
+                writeln!(
+                    f,
+                    "ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'"
+                )
+            })
+            .map_err(|e| io(&conf, e))?;
+        // First match wins: these come before initdb's `host` lines.
+        let hba = data.join("pg_hba.conf");
+        let old = std::fs::read_to_string(&hba).map_err(|e| io(&hba, e))?;
+        std::fs::write(
+            &hba,
+            format!("hostnossl all all 0.0.0.0/0 reject\nhostnossl all all ::/0 reject\n{old}"),
+        )
+        .map_err(|e| io(&hba, e))
     }
 
     fn root(&self) -> &Path {

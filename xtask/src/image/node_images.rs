@@ -151,6 +151,7 @@ pub fn ensure() -> anyhow::Result<NodeImages> {
         .arg("-f")
         .arg(context.join("Containerfile"))
         .args(["--target", "runtime-prebuilt", "-t", IMAGE])
+        .args(super::oci_build_args()?)
         .arg(&context);
     run(build)?;
     let saved = save(&engine);

@@ -25,6 +25,9 @@ use super::pods;
 use super::workload::{Api, Workload};
 use super::{harness, timed, Scenario, RECOVERY, SET_UP};
 
+/// The scenarios a run has (one cut short reports fewer, which fails).
+pub const SCENARIOS: usize = 3;
+
 /// The environment pods' label.
 const SELECTOR: &str = "app.kubernetes.io/name=lockstep,app.kubernetes.io/component=environment";
 /// The replica's service.
