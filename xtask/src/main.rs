@@ -12,6 +12,7 @@ mod image;
 mod kube;
 mod kube_control_plane;
 mod kube_node;
+mod leftovers;
 mod model;
 mod network;
 mod new_policy;

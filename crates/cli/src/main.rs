@@ -441,7 +441,7 @@ fn main() -> ExitCode {
 
 /// Logs to stderr: the level from LOCKSTEP_LOG (default info); with
 /// `--log-format json` (or LOCKSTEP_LOG_FORMAT=json) one JSON object per
-/// line, with the spans (a controller's `replica`). The variable is set for
+/// line with its message and fields at the top level, and the spans (a controller's `replica`). The variable is set for
 /// the replica processes to inherit (the orchestrator passes it on); nothing
 /// else runs yet, so setting it is safe.
 fn init_logs(format: &str) {
@@ -457,7 +457,7 @@ fn init_logs(format: &str) {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         );
     if format == "json" {
-        logs.json().init();
+        logs.json().flatten_event(true).init();
     } else {
         logs.init();
     }

@@ -704,7 +704,7 @@ async fn json_logs(args: &[&str], vars: &[(String, std::path::PathBuf)]) {
     // (method and request ID).
     let created = lines
         .iter()
-        .find(|v| v["fields"]["message"] == "created")
+        .find(|v| v["message"] == "created")
         .unwrap_or_else(|| panic!("no `created` line: {lines:?}"));
     let request = created["spans"]
         .as_array()
@@ -715,7 +715,7 @@ async fn json_logs(args: &[&str], vars: &[(String, std::path::PathBuf)]) {
         request["id"].as_str().is_some_and(|id| !id.is_empty()),
         "{created}"
     );
-    assert!(controller["fields"]["message"].is_string(), "{controller}");
+    assert!(controller["message"].is_string(), "{controller}");
     let services = sandbox.services().await.unwrap();
     let pid = services[0].processes[0].pid.expect("the process runs");
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();

@@ -372,6 +372,12 @@ fn every_object_carries_the_standard_labels_and_the_selectors_name_one_installat
     });
     // The selector is immutable: no version in it.
     assert_eq!(selector, &want);
+    // A scrape by annotation carries no token: it would get 401 for ever.
+    let annotations = &d["spec"]["template"]["metadata"]["annotations"];
+    assert!(
+        annotations.get("prometheus.io/scrape").is_none(),
+        "{annotations}"
+    );
     assert_eq!(&find("Service")["spec"]["selector"], &want);
     // The replicas' controller port admits the environment's pods.
     let policy = find("NetworkPolicy");

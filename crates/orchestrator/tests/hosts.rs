@@ -75,9 +75,21 @@ fn reachable(addr: SocketAddr, bound: Duration) -> bool {
     false
 }
 
+/// Whether `cargo xtask test` checked that `what` is here before it ran
+/// the tests (`LOCKSTEP_TEST_HAS`, a comma-separated list: `root`,
+/// `hosts`): then a test that finds it missing fails instead of passing
+/// with a note.
+fn promised(what: &str) -> bool {
+    std::env::var("LOCKSTEP_TEST_HAS").is_ok_and(|v| v.split(',').any(|h| h == what))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn processes_run_on_their_hosts_reach_each_other_by_name_and_links_can_be_cut() {
     if let Some(why) = skip_reason() {
+        assert!(
+            !promised("hosts"),
+            "simulated hosts are not available: {why}"
+        );
         println!("skipped: simulated hosts are not available here: {why}");
         return;
     }
@@ -173,6 +185,10 @@ impl Drop for HostsGuard {
 #[test]
 fn leftovers_of_a_crash_are_swept_and_hosts_in_use_are_kept() {
     if let Err(why) = hosts::available() {
+        assert!(
+            !promised("hosts"),
+            "simulated hosts are not available: {why}"
+        );
         println!("skipped: simulated hosts are not available here: {why}");
         return;
     }

@@ -204,7 +204,7 @@ impl Builder {
             )
             .with_writer(std::io::stderr);
         if args.log_format == "json" {
-            logs.json().init();
+            logs.json().flatten_event(true).init();
         } else {
             logs.init();
         }

@@ -142,10 +142,10 @@ impl Run {
                     "a log line of the environment is not JSON ({e}): {line}"
                 ))
             })?;
-            if parsed["fields"]["message"] != DISAGREEMENT_MESSAGE {
+            if parsed["message"] != DISAGREEMENT_MESSAGE {
                 continue;
             }
-            let creation_logs = parsed["fields"]["creation_logs"].as_str().unwrap_or("");
+            let creation_logs = parsed["creation_logs"].as_str().unwrap_or("");
             if !matches!(creation_logs, "same" | "differ") {
                 return Err(Failure::Harness(format!(
                     "the history check's line says neither creation_logs=same nor differ: {line}"
