@@ -223,10 +223,11 @@ fn every_manifest_is_a_valid_kubernetes_object() {
         "Deployment",
         "Service",
         "PersistentVolumeClaim",
-        "NetworkPolicy",
     ] {
         assert_eq!(kinds.get(kind), Some(&1), "one {kind}: {kinds:?}");
     }
+    // The replicas' and the environment's.
+    assert_eq!(kinds.get("NetworkPolicy"), Some(&2), "{kinds:?}");
     // The API token's Secret is one the example overlay makes.
     let generated = generated_secrets();
     for s in &token_secrets {
@@ -389,6 +390,109 @@ fn every_object_carries_the_standard_labels_and_the_selectors_name_one_installat
         .map(|f| &f["podSelector"]["matchLabels"])
         .collect();
     assert!(from.contains(&&want), "{from:?}");
+}
+
+/// The TCP (or UDP) ports of a NetworkPolicy rule list (`ingress` or
+/// `egress`) whose peers are `to_pods` (a podSelector's labels; `None`: the
+/// rules without peers, open to anyone).
+fn policy_ports(rules: &Value, peers: &str, to_pods: Option<&Value>) -> BTreeSet<(String, i64)> {
+    rules
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| match to_pods {
+            None => r.get(peers).is_none(),
+            Some(labels) => r[peers]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|p| &p["podSelector"]["matchLabels"] == labels),
+        })
+        .flat_map(|r| r["ports"].as_array().cloned().unwrap_or_default())
+        .map(|p| {
+            (
+                p["protocol"].as_str().unwrap_or("TCP").to_string(),
+                p["port"].as_i64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn the_network_policies_follow_the_deployments_ports_and_the_replicas_ports() {
+    let docs = documents();
+    let policy = |name: &str| {
+        docs.iter()
+            .find(|(_, d)| d["kind"] == "NetworkPolicy" && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no NetworkPolicy {name}"))
+            .1
+            .clone()
+    };
+    let (_, d) = docs
+        .iter()
+        .find(|(_, d)| d["kind"] == "Deployment")
+        .unwrap();
+    let pod_labels = &d["spec"]["selector"]["matchLabels"];
+    let args: Vec<String> = d["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect();
+    let port = |name: &str| -> i64 {
+        flag(&args, name)
+            .and_then(|a| a.rsplit_once(':'))
+            .and_then(|(_, p)| p.parse().ok())
+            .unwrap()
+    };
+    let base = i64::from(KubernetesOrchestratorConfig::new("lockstep", 1).base_port);
+    let (mesh, controller) = (base, base + 1);
+    let tcp = |p: i64| ("TCP".to_string(), p);
+    let dns: BTreeSet<_> = [("UDP".to_string(), 53), tcp(53)].into();
+
+    // The environment's pod: its API and metrics ports in, from anyone.
+    let env = policy("lockstep-environment");
+    assert_eq!(&env["spec"]["podSelector"]["matchLabels"], pod_labels);
+    assert_eq!(
+        policy_ports(&env["spec"]["ingress"], "from", None),
+        [tcp(port("listen")), tcp(port("metrics-listen"))].into()
+    );
+    // Out: DNS, the API server and the store, and the replicas' controller port.
+    let replicas = &policy("lockstep-replicas")["spec"]["podSelector"]["matchLabels"];
+    let open = policy_ports(&env["spec"]["egress"], "to", None);
+    assert!(open.is_superset(&dns), "{open:?}");
+    assert!(
+        open.contains(&tcp(443)) && open.contains(&tcp(5432)),
+        "{open:?}"
+    );
+    assert_eq!(
+        policy_ports(&env["spec"]["egress"], "to", Some(replicas)),
+        [tcp(controller)].into()
+    );
+
+    // A replica pod: the mesh from its peers, the controller port from the
+    // environment's pod; out, DNS and its peers' mesh port.
+    let rep = policy("lockstep-replicas");
+    assert_eq!(
+        policy_ports(&rep["spec"]["ingress"], "from", Some(replicas)),
+        [tcp(mesh)].into()
+    );
+    assert_eq!(
+        policy_ports(&rep["spec"]["ingress"], "from", Some(pod_labels)),
+        [tcp(controller)].into()
+    );
+    assert!(policy_ports(&rep["spec"]["ingress"], "from", None).is_empty());
+    assert!(policy_ports(&rep["spec"]["egress"], "to", None).is_superset(&dns));
+    assert_eq!(
+        policy_ports(&rep["spec"]["egress"], "to", Some(replicas)),
+        [tcp(mesh)].into()
+    );
+    for p in [&env, &rep] {
+        assert_eq!(
+            p["spec"]["policyTypes"],
+            serde_json::json!(["Ingress", "Egress"])
+        );
+    }
 }
 
 #[test]
