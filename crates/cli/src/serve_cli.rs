@@ -170,15 +170,17 @@ pub(crate) struct ServeArgs {
     /// limit: a throttled worker holds up its whole replica).
     #[arg(long, value_parser = lockstep_orchestrator_kubernetes::objects::PodResources::parse_list)]
     kubernetes_replica_limits: Option<std::collections::BTreeMap<String, String>>,
-    /// The environment's own object, `Deployment/NAME` in --namespace: every
-    /// object made for a replica (pods, Services, Secrets,
+    /// The environment's own object in --namespace, `Deployment/NAME`, or
+    /// `Pod/NAME` for the Deployment that controls that pod (the shipped
+    /// Deployment passes its own pod's name, so no object name is written
+    /// in it): every object made for a replica (pods, Services, Secrets,
     /// PodDisruptionBudgets) gets an owner reference to it, so deleting the
     /// Deployment garbage-collects the replicas. Read once at start (its
     /// uid); a missing one is an error. Unset: the objects have no owner.
     #[arg(
         long,
         env = "LOCKSTEP_KUBERNETES_OWNER",
-        value_name = "Deployment/NAME"
+        value_name = "Deployment/NAME|Pod/NAME"
     )]
     kubernetes_owner: Option<String>,
 }

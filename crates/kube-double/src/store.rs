@@ -32,6 +32,7 @@ pub(crate) fn kind_of(resource: &str) -> Option<&'static str> {
         "configmaps" => Some("ConfigMap"),
         "poddisruptionbudgets" => Some("PodDisruptionBudget"),
         "deployments" => Some("Deployment"),
+        "replicasets" => Some("ReplicaSet"),
         _ => None,
     }
 }
@@ -40,7 +41,7 @@ pub(crate) fn kind_of(resource: &str) -> Option<&'static str> {
 pub(crate) fn api_version_of(resource: &str) -> &'static str {
     match resource {
         "poddisruptionbudgets" => "policy/v1",
-        "deployments" => "apps/v1",
+        "deployments" | "replicasets" => "apps/v1",
         _ => "v1",
     }
 }

@@ -139,11 +139,14 @@ pub mod objects;
 mod dropping;
 mod generation;
 pub mod health;
+mod owner;
 mod pods;
 mod records;
 mod secrets;
 mod services;
 mod watch;
+
+pub use owner::{owner_object, owner_of, owner_reference};
 
 use pods::*;
 use watch::*;
@@ -609,66 +612,5 @@ impl Orchestrator for KubernetesOrchestrator {
             }
         }
         receiver
-    }
-}
-
-/// The owner reference to the environment's own object (for
-/// [`KubernetesOrchestratorConfig::owner`]), `object` as
-/// `Deployment/NAME` (the only kind supported: the environment runs as one),
-/// read from the API server in `namespace` for its UID. An error names the
-/// object and says what is wrong.
-pub async fn owner_of(
-    client: kube::Client,
-    namespace: &str,
-    object: &str,
-) -> Result<OwnerReference, String> {
-    owner_object(client, namespace, object)
-        .await
-        .map(|(r, _)| r)
-}
-
-/// [`owner_of`] and the Deployment read (whose container image replica pods
-/// run unless one is named: [`image::owner_image`]).
-pub async fn owner_object(
-    client: kube::Client,
-    namespace: &str,
-    object: &str,
-) -> Result<(OwnerReference, k8s_openapi::api::apps::v1::Deployment), String> {
-    let name = match object.split_once('/') {
-        Some(("Deployment", name)) if !name.is_empty() && !name.contains('/') => name,
-        _ => {
-            return Err(format!(
-                "the environment's owner object {object:?} is not Deployment/NAME"
-            ))
-        }
-    };
-    let api: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
-        kube::Api::namespaced(client, namespace);
-    let deployment = api
-        .get(name)
-        .await
-        .map_err(|e| format!("reading Deployment {name} in namespace {namespace}: {e}"))?;
-    let uid = deployment
-        .metadata
-        .uid
-        .clone()
-        .ok_or_else(|| format!("Deployment {name} in namespace {namespace} has no uid"))?;
-    Ok((
-        owner_reference("apps/v1", "Deployment", name, &uid),
-        deployment,
-    ))
-}
-
-/// The owner reference of the environment's own object, for
-/// [`KubernetesOrchestratorConfig::owner`]: `kind/name` (of `api_version`)
-/// with `uid`, neither the controller nor blocking its owner's deletion.
-pub fn owner_reference(api_version: &str, kind: &str, name: &str, uid: &str) -> OwnerReference {
-    OwnerReference {
-        api_version: api_version.to_string(),
-        kind: kind.to_string(),
-        name: name.to_string(),
-        uid: uid.to_string(),
-        controller: Some(false),
-        block_owner_deletion: Some(false),
     }
 }

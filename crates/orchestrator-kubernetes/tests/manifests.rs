@@ -333,6 +333,38 @@ fn every_secret_the_deployment_reads_is_one_the_example_overlay_makes() {
 }
 
 #[test]
+fn the_deployment_names_no_object_so_a_name_prefix_changes_nothing() {
+    let docs = documents();
+    let names: Vec<String> = docs
+        .iter()
+        .filter(|(_, d)| d["kind"] != "Namespace")
+        .filter_map(|(_, d)| d["metadata"]["name"].as_str().map(String::from))
+        .collect();
+    let (_, d) = docs
+        .iter()
+        .find(|(_, d)| d["kind"] == "Deployment")
+        .unwrap();
+    let c = &d["spec"]["template"]["spec"]["containers"][0];
+    // kustomize rewrites references in fields it knows (a Secret's name, the
+    // service account, a claim); arguments and plain values it does not.
+    let texts: Vec<String> = c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(c["env"].as_array().unwrap().iter().map(|e| &e["value"]))
+        .filter_map(|v| v.as_str().map(String::from))
+        .collect();
+    for text in &texts {
+        for name in &names {
+            assert!(
+                !text.contains(name.as_str()),
+                "{text:?} names the object {name}"
+            );
+        }
+    }
+}
+
+#[test]
 fn every_object_carries_the_standard_labels_and_the_selectors_name_one_installation() {
     let version = lockstep_orchestrator_kubernetes::image::default_image()
         .rsplit_once(':')
@@ -633,12 +665,22 @@ fn operable(d: &Deployment, service: &Service, claim: &PersistentVolumeClaim) {
             .and_then(|(_, p)| p.parse().ok())
             .unwrap_or_else(|| panic!("no --{flag_name}=HOST:PORT in {args:?}"))
     };
-    // The replicas' objects are owned by this very Deployment.
+    // The replicas' objects are owned by the Deployment that controls this
+    // very pod, found from the pod's own name (the downward API): no
+    // object's name in the arguments, so a namePrefix changes nothing.
     assert_eq!(
         flag(&args, "kubernetes-owner"),
-        Some(format!("Deployment/{}", d.metadata.name.as_deref().unwrap()).as_str()),
+        Some("Pod/$(LOCKSTEP_POD_NAME)"),
         "{args:?}"
     );
+    let pod_name = c
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "LOCKSTEP_POD_NAME")
+        .and_then(|e| e.value_from.as_ref()?.field_ref.as_ref())
+        .map(|f| f.field_path.clone());
+    assert_eq!(pod_name.as_deref(), Some("metadata.name"));
     let api_port = port_of("listen");
     let metrics_port = port_of("metrics-listen");
     let named = |n: i32| {
@@ -782,20 +824,65 @@ async fn the_role_grants_exactly_what_the_backend_uses() {
     c.poll_interval = Duration::from_millis(5);
     let o = KubernetesOrchestrator::new(api.client("lockstep"), c.clone());
     let mut events = o.watch_services();
-    // `lockstep serve --kubernetes-owner Deployment/NAME` reads its owner.
+    // `lockstep serve --kubernetes-owner Pod/NAME` reads its pod, the pod's
+    // ReplicaSet and their Deployment.
+    let deployment = api
+        .create(
+            "deployments",
+            "lockstep",
+            serde_json::json!({"metadata": {"name": "lockstep-environment"}, "spec": {}}),
+        )
+        .unwrap();
+    let controlled_by = |kind: &str, object: &serde_json::Value| {
+        serde_json::json!([{"apiVersion": "apps/v1", "kind": kind,
+            "name": object["metadata"]["name"], "uid": object["metadata"]["uid"], "controller": true}])
+    };
+    let replica_set = api
+        .create(
+            "replicasets",
+            "lockstep",
+            serde_json::json!({"metadata": {"name": "lockstep-environment-7c9",
+                "ownerReferences": controlled_by("Deployment", &deployment)}, "spec": {}}),
+        )
+        .unwrap();
     api.create(
-        "deployments",
+        "pods",
         "lockstep",
-        serde_json::json!({"metadata": {"name": "lockstep-environment"}, "spec": {}}),
+        serde_json::json!({"metadata": {"name": "lockstep-environment-7c9-x2",
+            "ownerReferences": controlled_by("ReplicaSet", &replica_set)}, "spec": {"containers": []}}),
     )
     .unwrap();
-    lockstep_orchestrator_kubernetes::owner_of(
+    let owner = lockstep_orchestrator_kubernetes::owner_of(
         api.client("lockstep"),
         "lockstep",
-        "Deployment/lockstep-environment",
+        "Pod/lockstep-environment-7c9-x2",
     )
     .await
     .unwrap();
+    assert_eq!(
+        (
+            owner.kind.as_str(),
+            owner.name.as_str(),
+            Some(owner.uid.as_str())
+        ),
+        (
+            "Deployment",
+            "lockstep-environment",
+            deployment["metadata"]["uid"].as_str()
+        )
+    );
+    // A pod no ReplicaSet controls names no Deployment: an error saying so.
+    api.create(
+        "pods",
+        "lockstep",
+        serde_json::json!({"metadata": {"name": "bare"}, "spec": {"containers": []}}),
+    )
+    .unwrap();
+    let e =
+        lockstep_orchestrator_kubernetes::owner_of(api.client("lockstep"), "lockstep", "Pod/bare")
+            .await
+            .unwrap_err();
+    assert!(e.contains("not controlled by a ReplicaSet"), "{e}");
     o.master_secret().await.unwrap();
     let config = || {
         ServiceConfig::new("replica-1", 1, "lockstep-replica")

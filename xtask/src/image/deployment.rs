@@ -24,6 +24,10 @@ use super::{
 };
 use crate::util::{build_bins, root, run, target_dir};
 
+/// The environment pod's name here (the double holds it, controlled by a
+/// ReplicaSet of the Deployment, as in a cluster).
+const POD: &str = "lockstep-environment-5d8f7c9b4-x7k2q";
+
 /// What the check needs of the Deployment.
 struct Shipped {
     /// `metadata.name`.
@@ -154,6 +158,7 @@ pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
             (_, Some(v)) => v.as_str().unwrap_or("").to_string(),
             ("LOCKSTEP_API_TOKEN", None) => token.clone(),
             ("LOCKSTEP_NAMESPACE", None) => namespace.clone(),
+            ("LOCKSTEP_POD_NAME", None) => POD.to_string(),
             ("LOCKSTEP_STORE", None) => pg.url(),
             (other, None) => {
                 bail!("the Deployment's variable {other} comes from somewhere this check cannot supply: {e}")
@@ -171,6 +176,7 @@ pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
         .args(["--namespace", &namespace, "--kubeconfig"])
         .arg(&kubeconfig)
         .args(["--deployment", &shipped.name, "--image", &shipped.image])
+        .args(["--pod", POD])
         .stdout(Stdio::piped());
     let mut child = double.spawn().context("starting lockstep-kube-double")?;
     let mut first = String::new();
@@ -245,8 +251,21 @@ pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
     for (k, v) in &env {
         cmd.args(["--env", k]).env(k, v);
     }
+    // `$(VAR)` in the arguments, as the kubelet expands it from the
+    // container's variables.
+    let expanded: Vec<String> = shipped.command[1..]
+        .iter()
+        .map(|a| {
+            env.iter()
+                .fold(a.clone(), |a, (k, v)| a.replace(&format!("$({k})"), v))
+        })
+        .collect();
+    anyhow::ensure!(
+        !expanded.iter().any(|a| a.contains("$(")),
+        "an argument names a variable the Deployment does not set: {expanded:?}"
+    );
     cmd.args(["--entrypoint", &shipped.command[0], IMAGE])
-        .args(&shipped.command[1..]);
+        .args(&expanded);
     run(cmd)?;
     // The Deployment's own shutdown grace is 20 s, under a 30 s termination
     // grace period.
