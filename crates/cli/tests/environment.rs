@@ -565,64 +565,12 @@ async fn the_api_token_is_required_by_default_and_checked_on_every_call() {
 async fn the_api_serves_tls_with_a_given_certificate() {
     let dir = Sandbox::new().unwrap();
     let p = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
-    let (ca, ca_key, cert, key, csr, ext) = (
-        p("ca.pem"),
-        p("ca.key"),
-        p("cert.pem"),
-        p("key.pem"),
-        p("cert.csr"),
-        p("cert.ext"),
-    );
-    std::fs::write(
-        &ext,
-        "basicConstraints=CA:FALSE\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n",
-    )
-    .unwrap();
-    let openssl = |args: &[&str]| {
-        let o = std::process::Command::new("openssl")
-            .args(args)
-            .output()
-            .expect("openssl is on the machine (Debian's openssl package)");
-        assert!(
-            o.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    };
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-    ];
-    // A CA, and a certificate for localhost that it signs.
-    let mut args = vec!["req", "-x509"];
-    args.extend(ec);
-    args.extend(["-days", "2", "-subj", "/CN=lockstep test CA"]);
-    args.extend(["-keyout", &ca_key, "-out", &ca]);
-    openssl(&args);
-    let mut args = vec!["req"];
-    args.extend(ec);
-    args.extend(["-subj", "/CN=localhost", "-keyout", &key, "-out", &csr]);
-    openssl(&args);
-    openssl(&[
-        "x509",
-        "-req",
-        "-in",
-        &csr,
-        "-CA",
-        &ca,
-        "-CAkey",
-        &ca_key,
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        &ext,
-        "-out",
-        &cert,
-    ]);
+    let (ca, cert, key) = (p("ca.pem"), p("cert.pem"), p("key.pem"));
+    // A CA, and a certificate for localhost that it signs (rcgen).
+    let made = lockstep_pgtest::Certificates::for_localhost();
+    std::fs::write(&ca, &made.ca_pem).unwrap();
+    std::fs::write(&cert, &made.cert_pem).unwrap();
+    std::fs::write(&key, &made.key_pem).unwrap();
     let state = Sandbox::new().unwrap();
     let mut env = EnvProcess::start(
         bin(),

@@ -5,23 +5,12 @@
 
 use lockstep_pg::{Conn, Options, PgError, Session};
 use lockstep_pgtest::PgServer;
-use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, SanType};
 
 /// A CA's certificate (PEM), and a server certificate and key it signed for
 /// `localhost` and 127.0.0.1.
 fn certificates() -> (String, String, String) {
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let mut server = CertificateParams::new(Vec::<String>::new()).unwrap();
-    server.subject_alt_names = vec![
-        SanType::DnsName("localhost".try_into().unwrap()),
-        SanType::IpAddress(std::net::Ipv4Addr::LOCALHOST.into()),
-    ];
-    let cert = server.signed_by(&key, &ca_cert, &ca_key).unwrap();
-    (ca_cert.pem(), cert.pem(), key.serialize_pem())
+    let c = lockstep_pgtest::Certificates::for_localhost();
+    (c.ca_pem, c.cert_pem, c.key_pem)
 }
 
 /// Whether this connection's session is encrypted, as the server sees it.

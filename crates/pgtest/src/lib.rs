@@ -522,3 +522,46 @@ mod tests {
         assert!(!root.exists(), "the directory is removed");
     }
 }
+
+/// A throw-away certificate authority and a server certificate it signed,
+/// for `localhost` and 127.0.0.1 (rcgen, PEM): what [`PgServer::start_tls`]
+/// and any other test server speaking TLS are given.
+#[derive(Debug, Clone)]
+pub struct Certificates {
+    /// The CA's certificate (what a client trusts).
+    pub ca_pem: String,
+    /// The server's certificate.
+    pub cert_pem: String,
+    /// The server's private key.
+    pub key_pem: String,
+}
+
+impl Certificates {
+    /// A fresh CA and a server certificate for `localhost` and 127.0.0.1.
+    pub fn for_localhost() -> Certificates {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, SanType};
+        let ca_key = KeyPair::generate().expect("a CA key");
+        let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(DnType::CommonName, "lockstep test CA");
+        let ca_cert = ca.self_signed(&ca_key).expect("a self-signed CA");
+        let key = KeyPair::generate().expect("a server key");
+        let mut server = CertificateParams::new(Vec::<String>::new()).expect("server parameters");
+        server
+            .distinguished_name
+            .push(DnType::CommonName, "localhost");
+        server.subject_alt_names = vec![
+            SanType::DnsName("localhost".try_into().expect("a DNS name")),
+            SanType::IpAddress(std::net::Ipv4Addr::LOCALHOST.into()),
+        ];
+        let cert = server
+            .signed_by(&key, &ca_cert, &ca_key)
+            .expect("a certificate the CA signed");
+        Certificates {
+            ca_pem: ca_cert.pem(),
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        }
+    }
+}
