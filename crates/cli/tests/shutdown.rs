@@ -69,7 +69,12 @@ async fn sigterm_drains_in_flight_calls_exits_0_and_leaves_replicas_to_be_adopte
         sandbox.path(),
         "id-watermark",
         None,
-        &["--shutdown-grace-secs", "20"],
+        &[
+            "--shutdown-grace-secs",
+            "20",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
         // The debug log says when a call has arrived.
         &[(
             "LOCKSTEP_LOG".to_string(),
@@ -110,6 +115,17 @@ async fn sigterm_drains_in_flight_calls_exits_0_and_leaves_replicas_to_be_adopte
         .unwrap()
         .unwrap();
     assert_eq!(first.status(), ServingStatus::Serving);
+    // The metrics endpoint's /healthz (the Deployment's probes: plain HTTP,
+    // whatever the API speaks) says the same, to anyone.
+    let metrics: std::net::SocketAddr = env
+        .serving_line
+        .split("metrics on http://")
+        .nth(1)
+        .and_then(|r| r.split('/').next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no metrics address in {:?}", env.serving_line));
+    let healthz = || lockstep_metrics_http::fetch_path(metrics, "/healthz", None, WAIT);
+    assert_eq!(healthz().await.as_deref(), Ok("ok\n"));
 
     // A slow call (SetPolicy runs the policy's conformance check), in
     // flight: the server logged its arrival before the signal.
@@ -149,6 +165,12 @@ async fn sigterm_drains_in_flight_calls_exits_0_and_leaves_replicas_to_be_adopte
         .expect("the watch still streams")
         .expect("a status, not the end of the stream");
     assert_eq!(next.status(), ServingStatus::NotServing);
+    // And so does /healthz, while the call in flight keeps the process up.
+    let said = healthz().await;
+    assert!(
+        said.as_ref().is_err_and(|e| e.contains("503")),
+        "/healthz after SIGTERM: {said:?}"
+    );
     drop(watch);
     drop(health);
 

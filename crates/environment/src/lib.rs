@@ -488,6 +488,11 @@ pub struct Environment {
     /// The largest answer the API sends ([`server::MAX_ANSWER_BYTES`]
     /// unless set): a larger one is RESOURCE_EXHAUSTED.
     max_answer_bytes: std::sync::atomic::AtomicUsize,
+    /// Whether the API serves (grpc.health.v1 SERVING): from
+    /// [`Environment::serve`] until its shutdown began or a halt. What the
+    /// metrics endpoint's `GET /healthz` says (probes that do not speak
+    /// the API's TLS).
+    api_serving: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Environment {
@@ -563,6 +568,12 @@ impl Environment {
     /// Marks this environment halted and returns the error to propagate.
     fn halt(&self, reason: String) -> EnvError {
         halt_with(&self.halt, self.epoch, reason)
+    }
+
+    /// Whether the API serves (see the field `api_serving`), and is not
+    /// halted.
+    pub fn api_serving(&self) -> bool {
+        self.api_serving.load(std::sync::atomic::Ordering::Relaxed) && self.halt.borrow().is_none()
     }
 
     fn check_not_halted(&self) -> Result<(), EnvError> {

@@ -317,6 +317,9 @@ impl Metrics {
 /// API's are ([`crate::admission`]):
 ///
 /// - `GET /metrics`: these metrics;
+/// - `GET /healthz` (to anyone, no token): 200 while the API serves, 503
+///   while it does not (shutting down, halted): the Deployment's probes,
+///   which work whether or not the API speaks TLS;
 /// - `GET /metrics/targets` (with `replicas`): every replica process as a
 ///   Prometheus HTTP service discovery target (`http_sd_configs`): this
 ///   endpoint's address, the relay path as `__metrics_path__`, and the
@@ -371,6 +374,16 @@ async fn answer(
     use lockstep_metrics_http::Answer;
     if path == "/metrics" {
         return Answer::Metrics(metrics.encode());
+    }
+    if path == lockstep_metrics_http::HEALTH_PATH {
+        // 503 unless the API serves: the Deployment's probes (plain HTTP,
+        // whether or not the API speaks TLS).
+        return match replicas {
+            Some(env) if !env.api_serving() => Answer::Unavailable(
+                "the API is not serving (starting, shutting down or halted)".into(),
+            ),
+            _ => Answer::Metrics("ok\n".into()),
+        };
     }
     if let (TARGETS_PATH, Some(env)) = (path, replicas) {
         return Answer::Json(scrape_targets(at, &env.replicas()));

@@ -79,6 +79,8 @@ impl Environment {
         health
             .set_serving::<proto::environment_server::EnvironmentServer<server::EnvironmentService>>()
             .await;
+        self.api_serving
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let checker = tokio::spawn(self.clone().report_replica_health(health.clone()));
         let (stopper, stop_rx) = self.spawn_stopper(health, shutdown, grace);
         let stopped = |mut rx: tokio::sync::watch::Receiver<Option<Stop>>| async move {
@@ -235,6 +237,7 @@ impl Environment {
             let why = tokio::select! {
                 _ = me.wait_halted() => Stop::Halted,
                 () = shutdown => {
+                    me.api_serving.store(false, std::sync::atomic::Ordering::Relaxed);
                     health
                         .set_not_serving::<proto::environment_server::EnvironmentServer<server::EnvironmentService>>()
                         .await;

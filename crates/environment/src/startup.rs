@@ -176,6 +176,7 @@ impl Environment {
             session_secret: None,
             api_token: None,
             max_answer_bytes: std::sync::atomic::AtomicUsize::new(server::MAX_ANSWER_BYTES),
+            api_serving: std::sync::atomic::AtomicBool::new(false),
             policies_dir: None,
             replica_policies_in_force: Mutex::new(BTreeMap::new()),
             policies_in_force: Mutex::new(BTreeMap::from([

@@ -5,7 +5,8 @@
 //! One connection is answered by hyper (HTTP/1.1, keep-alive off, the
 //! request head within [`HEAD_TIMEOUT`]): a `GET` gets what the caller's
 //! [`Handler`] answers for its path (OpenMetrics text, 404 or 502), anything
-//! else 404; `GET /healthz` ([`HEALTH_PATH`]) is answered `ok` to anyone.
+//! else 404; `GET /healthz` ([`HEALTH_PATH`]) is answered to anyone: `ok`, or
+//! 503 where the handler says the process does not serve.
 //! [`fetch`] is the other side, for the environment's relay of a
 //! replica process's metrics. With a token, a request must carry
 //! `Authorization: Bearer TOKEN` (compared in constant time), else 401 and
@@ -24,8 +25,9 @@ use std::time::Duration;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 
-/// The path answered 200 `ok` to anyone, token or not: the process is up
-/// and serving this endpoint (a liveness and startup probe's target).
+/// The path answered to anyone, token or not: 200 `ok` while the process
+/// serves (a liveness and startup probe's target), 503 where the handler
+/// answers it [`Answer::Unavailable`].
 pub const HEALTH_PATH: &str = "/healthz";
 
 /// The content type of what `GET /metrics` answers.
@@ -106,11 +108,19 @@ pub async fn respond<B>(
                     && constant_time_eq(&v[7..], want.as_bytes())
             })
     });
-    // `GET /healthz` says only that the process serves: no token, nothing
-    // read (the kubelet's probes carry no credential).
+    // `GET /healthz` says only whether the process serves: no token,
+    // nothing read (the kubelet's probes carry no credential). 200 unless
+    // the handler answers the path Unavailable (then 503, saying why).
     let health = req.method() == hyper::Method::GET && req.uri().path() == HEALTH_PATH;
     let (status, body, kind) = if health {
-        (hyper::StatusCode::OK, "ok\n".to_string(), "text/plain")
+        match handler(HEALTH_PATH.to_string()).await {
+            Answer::Unavailable(why) => (
+                hyper::StatusCode::SERVICE_UNAVAILABLE,
+                format!("{why}\n"),
+                "text/plain",
+            ),
+            _ => (hyper::StatusCode::OK, "ok\n".to_string(), "text/plain"),
+        }
     } else if !authorized {
         (
             hyper::StatusCode::UNAUTHORIZED,

@@ -3,7 +3,7 @@
 //! JSON (so a misspelled or misplaced field fails), and the Role grants
 //! exactly the verbs the backend's requests need (least privilege, checked
 //! against the requests recorded by the API double). The Deployment is
-//! operable: probes on grpc.health.v1, requests and limits, a restricted
+//! operable: probes on /healthz of the metrics port, requests and limits, a restricted
 //! securityContext, its state on a shipped PersistentVolumeClaim, and a
 //! Service reaching its API and metrics ports.
 
@@ -579,14 +579,11 @@ fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
         .find_map(|a| a.strip_prefix(&format!("--{name}=")))
 }
 
-/// The port a probe checks, if it is a gRPC probe (grpc.health.v1) or an
-/// HTTP GET of /metrics.
+/// The port a probe checks, if it is an HTTP GET of /healthz (-1 for a
+/// named port).
 fn probe_port(p: &Probe) -> Option<i32> {
-    if let Some(g) = &p.grpc {
-        return Some(g.port);
-    }
     let h = p.http_get.as_ref()?;
-    (h.path.as_deref() == Some("/metrics")).then_some(match &h.port {
+    (h.path.as_deref() == Some(lockstep_metrics_http::HEALTH_PATH)).then_some(match &h.port {
         IntOrString::Int(n) => *n,
         IntOrString::String(_) => -1,
     })
@@ -693,20 +690,26 @@ fn operable(d: &Deployment, service: &Service, claim: &PersistentVolumeClaim) {
     };
     let (api_name, metrics_name) = (named(api_port), named(metrics_port));
 
-    // Probes on grpc.health.v1 (open without a token) or /metrics.
+    // Probes on GET /healthz of the metrics port (open without a token,
+    // plain HTTP): not grpc probes, which cannot speak the API's TLS once
+    // an overlay turns it on.
     for (what, probe) in [
+        ("startup", &c.startup_probe),
         ("readiness", &c.readiness_probe),
         ("liveness", &c.liveness_probe),
     ] {
         let probe = probe.as_ref().unwrap_or_else(|| panic!("no {what} probe"));
-        let port = probe_port(probe).unwrap_or_else(|| panic!("{what}: not gRPC or /metrics"));
         assert!(
-            port == api_port || port == metrics_port,
-            "{what} probe on port {port}, which nothing serves"
+            probe.grpc.is_none(),
+            "{what}: a grpc probe breaks under TLS"
         );
-        if probe.grpc.is_some() {
-            assert_eq!(port, api_port, "{what}: grpc.health.v1 is on the API port");
-        }
+        let port = probe_port(probe).unwrap_or_else(|| panic!("{what}: not GET /healthz"));
+        assert!(
+            port == metrics_port
+                || IntOrString::String(metrics_name.clone())
+                    == probe.http_get.as_ref().unwrap().port,
+            "{what} probe on port {port}, not the metrics port"
+        );
     }
 
     // The kubelet's SIGKILL comes after the environment's own grace period.

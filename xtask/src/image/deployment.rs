@@ -298,6 +298,13 @@ fn check(
         bail!("the API answered a call without the token");
     }
     health_serving(api_port)?;
+    // The Deployment's probes: GET /healthz on the metrics port, no token.
+    let probe = http_get_path(metrics_port, "/healthz", None)?;
+    anyhow::ensure!(
+        probe.starts_with("HTTP/1.1 200") || probe.starts_with("HTTP/1.0 200"),
+        "the probes' GET /healthz: {}",
+        probe.lines().next().unwrap_or("")
+    );
     let bare = http_get(metrics_port, None)?;
     anyhow::ensure!(
         bare.starts_with("HTTP/1.1 401") || bare.starts_with("HTTP/1.0 401"),
@@ -353,13 +360,18 @@ fn health_serving(port: u16) -> anyhow::Result<()> {
 /// A plain HTTP/1.0 GET of /metrics on 127.0.0.1, with `token` as its
 /// bearer; the whole answer.
 fn http_get(port: u16, token: Option<&str>) -> anyhow::Result<String> {
+    http_get_path(port, "/metrics", token)
+}
+
+/// `GET path` on the metrics port, HTTP/1.0: the whole answer.
+fn http_get_path(port: u16, path: &str, token: Option<&str>) -> anyhow::Result<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port))
         .with_context(|| format!("connecting to the metrics port {port}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     let auth = token
         .map(|t| format!("Authorization: Bearer {t}\r\n"))
         .unwrap_or_default();
-    write!(s, "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n{auth}\r\n")?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n{auth}\r\n")?;
     let mut answer = String::new();
     s.read_to_string(&mut answer)?;
     Ok(answer)
