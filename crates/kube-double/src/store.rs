@@ -33,6 +33,7 @@ pub(crate) fn kind_of(resource: &str) -> Option<&'static str> {
         "poddisruptionbudgets" => Some("PodDisruptionBudget"),
         "deployments" => Some("Deployment"),
         "replicasets" => Some("ReplicaSet"),
+        "events" => Some("Event"),
         _ => None,
     }
 }

@@ -136,6 +136,16 @@ impl Inner {
             .new_generation(name, record, None, true)
             .await
             .map_err(|e| e.into_restart(name, ours))?;
+        self.event(
+            name,
+            super::events::reasons::RESTARTED,
+            format!(
+                "every pod replaced by generation {} (the environment restarted the replica)",
+                generation_of(&record)
+            ),
+            false,
+        )
+        .await;
         self.announce(name, &created);
         Ok(self.announce_addresses(&record).await?)
     }
@@ -175,6 +185,16 @@ impl Inner {
             .await
         {
             Ok((record, created)) => {
+                self.event(
+                    name,
+                    super::events::reasons::SHARED_FATE,
+                    format!(
+                        "{reason}: every pod replaced by generation {} (shared fate)",
+                        generation_of(&record)
+                    ),
+                    true,
+                )
+                .await;
                 self.announce(name, &created);
                 self.announce_addresses(&record).await.map(drop)
             }

@@ -137,6 +137,7 @@ pub mod image;
 pub mod objects;
 
 mod dropping;
+pub mod events;
 mod generation;
 pub mod health;
 mod owner;
@@ -271,6 +272,8 @@ struct Inner {
     pods: Api<Pod>,
     secrets: Api<Secret>,
     budgets: Api<PodDisruptionBudget>,
+    /// Kubernetes Events on the services' records ([`events`]).
+    events_api: Api<k8s_openapi::api::core::v1::Event>,
     events: broadcast::Sender<ServiceEvent>,
     /// One lock per service: this orchestrator's ensure, drop, restart and
     /// shared-fate restarts of a service never interleave, so the
@@ -474,7 +477,8 @@ impl KubernetesOrchestrator {
                 services: Api::namespaced(client.clone(), ns),
                 pods: Api::namespaced(client.clone(), ns),
                 secrets: Api::namespaced(client.clone(), ns),
-                budgets: Api::namespaced(client, ns),
+                budgets: Api::namespaced(client.clone(), ns),
+                events_api: Api::namespaced(client, ns),
                 config,
                 events,
                 locks: std::sync::Mutex::new(BTreeMap::new()),
@@ -578,7 +582,16 @@ impl Orchestrator for KubernetesOrchestrator {
     }
 
     async fn ensure_service(&self, config: ServiceConfig) -> Result<ServiceStatus, EnsureError> {
-        self.inner.ensure(config).await
+        let name = config.name.clone();
+        let result = self.inner.ensure(config).await;
+        if let Err(e @ (EnsureError::StaleEpoch { .. } | EnsureError::DroppedByNewer { .. })) =
+            &result
+        {
+            self.inner
+                .event(&name, events::reasons::REFUSED, e.to_string(), true)
+                .await;
+        }
+        result
     }
 
     async fn drop_service(&self, name: &str) -> Result<bool, DropError> {

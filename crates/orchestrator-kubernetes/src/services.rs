@@ -140,6 +140,16 @@ impl Inner {
                 .new_generation(&name, record, None, false)
                 .await
                 .map_err(|e| e.into_ensure(&name, ours))?;
+            self.event(
+                &name,
+                super::events::reasons::NEW_GENERATION,
+                format!(
+                    "every pod replaced by generation {}: a changed spec (an upgrade) or a pod missing at an ensure",
+                    generation_of(&r)
+                ),
+                false,
+            )
+            .await;
             record = r;
             created = c;
             replaced = true;

@@ -542,10 +542,14 @@ async fn the_owner_is_read_from_the_named_deployment_and_a_bad_one_is_named() {
         .await
         .unwrap_err();
     assert!(missing.contains("Deployment nope"), "{missing}");
-    let bad = lockstep_orchestrator_kubernetes::owner_of(api.client(NS), NS, "Pod/x")
+    let bad = lockstep_orchestrator_kubernetes::owner_of(api.client(NS), NS, "Service/x")
         .await
         .unwrap_err();
-    assert!(bad.contains("not Deployment/NAME"), "{bad}");
+    assert!(bad.contains("not Deployment/NAME or Pod/NAME"), "{bad}");
+    let no_pod = lockstep_orchestrator_kubernetes::owner_of(api.client(NS), NS, "Pod/x")
+        .await
+        .unwrap_err();
+    assert!(no_pod.contains("Pod x"), "{no_pod}");
 }
 
 /// Each pod's (uid, `LOCKSTEP_GENERATION` of its container), by index.
@@ -1039,4 +1043,66 @@ async fn every_replica_has_a_disruption_budget_over_its_own_pods_dropped_with_it
     assert!(newer.drop_service("replica-1").await.unwrap());
     assert!(api.get("poddisruptionbudgets", NS, "replica-1").is_none());
     assert!(api.get("poddisruptionbudgets", NS, "replica-2").is_some());
+}
+
+/// The Events on a service's record: (reason, type, message), in order.
+fn events_of(api: &ApiServerDouble, service: &str) -> Vec<(String, String, String)> {
+    let mut names = api.names("events", NS);
+    names.sort();
+    names
+        .iter()
+        .filter_map(|n| api.get("events", NS, n))
+        .filter(|e| {
+            e["involvedObject"]["kind"] == "Service" && e["involvedObject"]["name"] == service
+        })
+        .map(|e| {
+            assert_eq!(
+                e["metadata"]["labels"]["app.kubernetes.io/managed-by"],
+                "lockstep"
+            );
+            let s = |k: &str| e[k].as_str().unwrap_or("").to_string();
+            (s("reason"), s("type"), s("message"))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn restarts_new_generations_and_refusals_are_events_on_the_service() {
+    let api = ApiServerDouble::new();
+    let o = orchestrator(&api, 3);
+    o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
+    // Creating and adopting say nothing.
+    o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
+    assert_eq!(events_of(&api, "replica-1"), vec![]);
+
+    o.restart_service("replica-1").await.unwrap();
+    // A changed spec (an upgrade: other arguments) is a new generation.
+    o.ensure_service(replica("replica-1", 1, 2).env("LOCKSTEP_UPGRADED", "1"))
+        .await
+        .unwrap();
+    // An older environment's write is refused, and said so.
+    let refused = orchestrator(&api, 2)
+        .ensure_service(replica("replica-1", 1, 2))
+        .await;
+    assert!(
+        matches!(refused, Err(EnsureError::StaleEpoch { .. })),
+        "{refused:?}"
+    );
+
+    let seen = events_of(&api, "replica-1");
+    let kinds: Vec<(&str, &str)> = seen
+        .iter()
+        .map(|(r, t, _)| (r.as_str(), t.as_str()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("Restarted", "Normal"),
+            ("NewGeneration", "Normal"),
+            ("Refused", "Warning")
+        ],
+        "{seen:?}"
+    );
+    assert!(seen[0].2.contains("generation 2"), "{seen:?}");
+    assert!(seen[2].2.contains("epoch 3"), "{seen:?}");
 }

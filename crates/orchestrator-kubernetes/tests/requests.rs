@@ -108,6 +108,22 @@ async fn expect(
     (body, send)
 }
 
+/// The next request is the Event about `replica-5` with `reason`: answered
+/// 201.
+async fn expect_event(mock: &mut Mock, reason: &str) {
+    let (body, send) = expect(
+        mock,
+        Method::POST,
+        &format!("/api/v1/namespaces/{NS}/events"),
+        &[],
+    )
+    .await;
+    assert_eq!(body["reason"], reason, "{body}");
+    assert_eq!(body["involvedObject"]["kind"], "Service");
+    assert_eq!(body["involvedObject"]["name"], "replica-5");
+    respond(send, 201, &body);
+}
+
 fn respond(send: SendResponse<Response<kube::client::Body>>, code: u16, body: &Value) {
     send.send_response(
         Response::builder()
@@ -393,6 +409,8 @@ async fn ensure_refuses_a_record_of_a_newer_epoch_without_writing() {
     )
     .await;
     respond(send, 200, &record(8, "uid-r", 40));
+    // The refusal is said on the service (an Event), nothing is written.
+    expect_event(&mut mock, "Refused").await;
     match call.await.unwrap() {
         Err(EnsureError::StaleEpoch {
             stored: 8, ours: 7, ..
@@ -427,6 +445,7 @@ async fn a_409_on_the_record_write_is_read_again_and_decided_again() {
     // Not retried blindly: read again, and now a newer controller (8) owns it.
     let (_, send) = expect(&mut mock, Method::GET, &path, &[]).await;
     respond(send, 200, &record(8, "uid-r", 41));
+    expect_event(&mut mock, "Refused").await;
     match call.await.unwrap() {
         Err(EnsureError::StaleEpoch {
             stored: 8, ours: 7, ..
@@ -685,6 +704,7 @@ async fn restart_bumps_the_generation_deletes_every_pod_with_preconditions_then_
         json!({"name": "LOCKSTEP_GENERATION", "value": "2"})
     );
     respond(send, 201, &stored(body, "uid-p0b", 52));
+    expect_event(&mut mock, "Restarted").await;
     let (_, send) = expect(
         &mut mock,
         Method::GET,
