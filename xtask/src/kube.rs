@@ -269,7 +269,7 @@ fn overlay(cp: &ControlPlane) -> anyhow::Result<()> {
     let mut secrets = Vec::new();
     let want = "lockstep-example";
     let mut seen = 0;
-    for doc in serde_yaml::Deserializer::from_str(&rendered) {
+    for doc in serde_yaml_ng::Deserializer::from_str(&rendered) {
         let v = <serde_json::Value as serde::Deserialize>::deserialize(doc)?;
         let kind = v["kind"].as_str().unwrap_or("?").to_string();
         let name = v["metadata"]["name"].as_str().unwrap_or("?").to_string();

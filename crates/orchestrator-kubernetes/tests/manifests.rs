@@ -30,7 +30,7 @@ fn deploy_dir() -> PathBuf {
 /// The base's kustomization: its namespace and its resources.
 fn kustomization() -> Value {
     let text = std::fs::read_to_string(deploy_dir().join("kustomization.yaml")).unwrap();
-    serde_yaml::from_str(&text).unwrap()
+    serde_yaml_ng::from_str(&text).unwrap()
 }
 
 /// Every document of every YAML file, as JSON, with its file name.
@@ -45,7 +45,7 @@ fn documents() -> Vec<(String, Value)> {
     let mut out = Vec::new();
     for file in files {
         let text = std::fs::read_to_string(&file).unwrap();
-        for doc in serde_yaml::Deserializer::from_str(&text) {
+        for doc in serde_yaml_ng::Deserializer::from_str(&text) {
             let value: Value = serde::Deserialize::deserialize(doc)
                 .unwrap_or_else(|e| panic!("{}: not YAML: {e}", file.display()));
             out.push((
@@ -134,7 +134,7 @@ fn the_images_are_pinned_to_this_build_and_the_namespace_comes_from_the_pod() {
 #[test]
 fn the_prometheus_scrape_config_uses_the_metrics_token_and_discovers_the_replicas() {
     let path = deploy_dir().join("../../prometheus/scrape.yaml");
-    let doc: Value = serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let doc: Value = serde_yaml_ng::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let jobs = doc["scrape_configs"].as_array().unwrap();
     assert_eq!(jobs.len(), 2);
     for job in jobs {
@@ -243,7 +243,7 @@ fn every_manifest_is_a_valid_kubernetes_object() {
 /// keys of each.
 fn generated_secrets() -> BTreeMap<String, BTreeSet<String>> {
     let path = deploy_dir().join("../overlays/example/kustomization.yaml");
-    let k: Value = serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let k: Value = serde_yaml_ng::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     k["secretGenerator"]
         .as_array()
         .expect("the example overlay makes its Secrets")
@@ -531,7 +531,7 @@ fn the_network_policies_follow_the_deployments_ports_and_the_replicas_ports() {
 fn the_operator_manifests_scrape_with_the_mounted_metrics_token() {
     let path = deploy_dir().join("../../prometheus/operator.yaml");
     let text = std::fs::read_to_string(path).unwrap();
-    let docs: Vec<Value> = serde_yaml::Deserializer::from_str(&text)
+    let docs: Vec<Value> = serde_yaml_ng::Deserializer::from_str(&text)
         .map(|d| serde::Deserialize::deserialize(d).unwrap())
         .collect();
     let credentials = serde_json::json!({

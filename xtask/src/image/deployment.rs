@@ -48,7 +48,7 @@ impl Shipped {
         let text =
             std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
         let mut deployment = None;
-        for doc in serde_yaml::Deserializer::from_str(&text) {
+        for doc in serde_yaml_ng::Deserializer::from_str(&text) {
             let v = <Value as serde::Deserialize>::deserialize(doc)
                 .with_context(|| format!("parsing {}", file.display()))?;
             if v["kind"] == "Deployment" {
@@ -133,7 +133,7 @@ pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
     let shipped = Shipped::read(&root().join("deploy/kubernetes/base/environment.yaml"))?;
     // The namespace is the base kustomization's (set once there; the
     // Deployment reads its own from the downward API).
-    let kustomization: serde_json::Value = serde_yaml::from_str(&std::fs::read_to_string(
+    let kustomization: serde_json::Value = serde_yaml_ng::from_str(&std::fs::read_to_string(
         root().join("deploy/kubernetes/base/kustomization.yaml"),
     )?)?;
     let namespace = kustomization["namespace"]

@@ -151,7 +151,7 @@ impl RealCluster {
         let text = std::fs::read_to_string(&self.rbac)
             .with_context(|| format!("reading {}", self.rbac.display()))?;
         let mut items = Vec::new();
-        for doc in serde_yaml::Deserializer::from_str(&text) {
+        for doc in serde_yaml_ng::Deserializer::from_str(&text) {
             let mut v: serde_json::Value = serde::Deserialize::deserialize(doc)?;
             if v["kind"] == "RoleBinding" {
                 for s in v["subjects"].as_array_mut().into_iter().flatten() {

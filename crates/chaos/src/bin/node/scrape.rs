@@ -55,7 +55,7 @@ pub async fn scrape_as_shipped(
     let path = deploy.join("prometheus/scrape.yaml");
     let text = std::fs::read_to_string(&path)
         .map_err(|e| harness(format!("reading {}: {e}", path.display())))?;
-    let config: Value = serde_yaml::from_str(&text)
+    let config: Value = serde_yaml_ng::from_str(&text)
         .map_err(|e| harness(format!("{}: not YAML: {e}", path.display())))?;
     let jobs = config["scrape_configs"]
         .as_array()
