@@ -1,9 +1,7 @@
-//! The control plane's certificates and the admin kubeconfig (the openssl
-//! CLI).
+//! The control plane's certificates and the admin kubeconfig (rcgen).
 
 use std::fs;
 use std::path::Path;
-use std::process::{Command, Stdio};
 
 use anyhow::Context;
 
@@ -42,99 +40,89 @@ current-context: lockstep
     )
 }
 
-/// Makes (with the openssl CLI) a CA, the API server's serving certificate,
-/// the admin's client certificate (group system:masters), the real node's
-/// kubelet's (group system:nodes) and the service
-/// accounts' signing key pair, all P-256.
+/// Makes (with rcgen) a CA, the API server's serving certificate, the
+/// admin's client certificate (group system:masters), the real node's
+/// kubelet's (group system:nodes) and the service accounts' signing key
+/// pair, all P-256, as PEM files in `pki` (keys mode 0600).
 pub(super) fn make_pki(pki: &Path) -> anyhow::Result<()> {
-    let openssl = |args: &[&str]| -> anyhow::Result<()> {
-        let mut cmd = Command::new("openssl");
-        cmd.args(args).current_dir(pki).stdin(Stdio::null());
-        crate::util::stdout(cmd)
-            .context("the openssl CLI (is it installed?)")
-            .map(drop)
+    use rcgen::{
+        BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose,
+        IsCa, KeyPair, KeyUsagePurpose, SanType,
     };
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-noenc",
+    let write = |name: &str, text: &str, secret: bool| -> anyhow::Result<()> {
+        let path = pki.join(name);
+        fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        if secret {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o600))?;
+        }
+        Ok(())
+    };
+    let name = |o: Option<&str>, cn: &str| {
+        let mut dn = DistinguishedName::new();
+        if let Some(o) = o {
+            dn.push(DnType::OrganizationName, o);
+        }
+        dn.push(DnType::CommonName, cn);
+        dn
+    };
+    let ca_key = KeyPair::generate().context("a CA key")?;
+    let mut ca = CertificateParams::new(Vec::<String>::new())?;
+    ca.distinguished_name = name(None, "lockstep-kube-ca");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
     ];
-    let mut ca = vec![
-        "req", "-x509", "-days", "3650", "-keyout", "ca.key", "-out", "ca.crt",
+    let ca_cert = ca.self_signed(&ca_key)?;
+    write("ca.crt", &ca_cert.pem(), false)?;
+    write("ca.key", &ca_key.serialize_pem(), true)?;
+    let dns = |d: &str| -> anyhow::Result<SanType> { Ok(SanType::DnsName(d.try_into()?)) };
+    let apiserver_names = vec![
+        SanType::IpAddress(std::net::Ipv4Addr::LOCALHOST.into()),
+        SanType::IpAddress(std::net::Ipv4Addr::new(10, 96, 0, 1).into()),
+        dns("localhost")?,
+        dns("kubernetes")?,
+        dns("kubernetes.default")?,
+        dns("kubernetes.default.svc")?,
+        dns("kubernetes.default.svc.cluster.local")?,
     ];
-    ca.extend(ec);
-    ca.extend([
-        "-subj",
-        "/CN=lockstep-kube-ca",
-        "-addext",
-        "basicConstraints=critical,CA:TRUE",
-        "-addext",
-        "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
-    ]);
-    openssl(&ca)?;
     let leaves = [
         (
             "apiserver",
-            "/CN=kube-apiserver",
-            "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,\
-             DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n\
-             extendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature\n",
+            name(None, "kube-apiserver"),
+            apiserver_names,
+            ExtendedKeyUsagePurpose::ServerAuth,
         ),
         (
             "admin",
-            "/O=system:masters/CN=lockstep-admin",
-            "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n",
+            name(Some("system:masters"), "lockstep-admin"),
+            Vec::new(),
+            ExtendedKeyUsagePurpose::ClientAuth,
         ),
         // The real node's kubelet: the Node authorizer and NodeRestriction
         // let it register its node, hold its lease and write its pods' status.
         (
             "kubelet",
-            "/O=system:nodes/CN=system:node:lockstep-node-0",
-            "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n",
+            name(Some("system:nodes"), "system:node:lockstep-node-0"),
+            Vec::new(),
+            ExtendedKeyUsagePurpose::ClientAuth,
         ),
     ];
-    for (name, subject, ext) in leaves {
-        let (key, csr, crt, extfile) = (
-            format!("{name}.key"),
-            format!("{name}.csr"),
-            format!("{name}.crt"),
-            format!("{name}.ext"),
-        );
-        fs::write(pki.join(&extfile), ext)?;
-        let mut req = vec![
-            "req", "-new", "-keyout", &key, "-out", &csr, "-subj", subject,
-        ];
-        req.extend(ec);
-        openssl(&req)?;
-        openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "3650",
-            "-out",
-            &crt,
-            "-extfile",
-            &extfile,
-        ])?;
+    for (file, subject, sans, usage) in leaves {
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.distinguished_name = subject;
+        params.subject_alt_names = sans;
+        params.extended_key_usages = vec![usage];
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        let cert = params.signed_by(&key, &ca_cert, &ca_key)?;
+        write(&format!("{file}.crt"), &cert.pem(), false)?;
+        write(&format!("{file}.key"), &key.serialize_pem(), true)?;
     }
-    openssl(&[
-        "genpkey",
-        "-algorithm",
-        "EC",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-out",
-        "sa.key",
-    ])?;
-    openssl(&["pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub"])?;
+    let sa = KeyPair::generate()?;
+    write("sa.key", &sa.serialize_pem(), true)?;
+    write("sa.pub", &sa.public_key_pem(), false)?;
     Ok(())
 }
