@@ -301,7 +301,7 @@ fn overlay(cp: &ControlPlane) -> anyhow::Result<()> {
             let text = v.to_string();
             anyhow::ensure!(
                 text.contains("registry.example.com/lockstep:0.3.0-dev")
-                    && !text.contains("\"lockstep:"),
+                    && !text.contains("localhost/lockstep:"),
                 "the overlay's Deployment does not run its image only: {text}"
             );
         }

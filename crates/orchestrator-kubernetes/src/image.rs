@@ -5,7 +5,7 @@
 //! `lockstep serve` takes, in order: `--kubernetes-image` (checked by
 //! [`check_pinned`]), else the image of the environment's own Deployment
 //! (`--kubernetes-owner`, [`owner_image`]: the replicas run the
-//! environment's build), else [`default_image`] (`lockstep:VERSION`).
+//! environment's build), else [`default_image`] (`localhost/lockstep:VERSION`).
 
 use k8s_openapi::api::apps::v1::Deployment;
 
@@ -13,9 +13,22 @@ use k8s_openapi::api::apps::v1::Deployment;
 /// run when no image is named (else its first container's).
 pub const ENVIRONMENT_CONTAINER: &str = "environment";
 
-/// `lockstep:VERSION`, this build's own tag (what `cargo xtask image` tags).
+/// `localhost/lockstep:VERSION`, this build's own tag: a full name (a short
+/// name such as `lockstep:VERSION` resolves to Docker Hub's
+/// `docker.io/library/lockstep`, which is not this project's), naming a
+/// locally built image (podman tags `cargo xtask image`'s as
+/// `localhost/lockstep:dev`); an overlay names its registry's.
 pub fn default_image() -> String {
-    format!("lockstep:{}", env!("CARGO_PKG_VERSION"))
+    format!("localhost/lockstep:{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// Whether `image` names its registry (the part before the first `/` holds
+/// a `.` or a `:`, or is `localhost`): a short name is resolved by each
+/// runtime's own rules, Docker Hub for most.
+pub fn fully_qualified(image: &str) -> bool {
+    image
+        .split_once('/')
+        .is_some_and(|(host, _)| host == "localhost" || host.contains('.') || host.contains(':'))
 }
 
 /// Accepts an image reference that names one build: a digest
@@ -102,6 +115,21 @@ mod tests {
             assert!(check_pinned(bad).is_err(), "{bad} was accepted");
         }
         assert_eq!(check_pinned(&default_image()), Ok(()));
+    }
+
+    #[test]
+    fn a_full_name_names_its_registry() {
+        assert!(fully_qualified(&default_image()));
+        for full in [
+            "registry.example.com/lockstep:1",
+            "r:5000/lockstep:1",
+            "localhost/lockstep:1",
+        ] {
+            assert!(fully_qualified(full), "{full}");
+        }
+        for short in ["lockstep:1", "team/lockstep:1"] {
+            assert!(!fully_qualified(short), "{short}");
+        }
     }
 
     #[test]

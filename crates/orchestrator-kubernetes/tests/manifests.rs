@@ -107,6 +107,12 @@ fn the_images_are_pinned_to_this_build_and_the_namespace_comes_from_the_pod() {
         .chain(pod.init_containers.iter().flatten())
     {
         assert_eq!(c.image.as_deref(), Some(want.as_str()), "{}", c.name);
+        // A full name: a short one resolves to Docker Hub.
+        assert!(
+            lockstep_orchestrator_kubernetes::image::fully_qualified(c.image.as_deref().unwrap()),
+            "{}",
+            c.name
+        );
         assert_eq!(
             lockstep_orchestrator_kubernetes::image::check_pinned(c.image.as_deref().unwrap()),
             Ok(())
