@@ -752,7 +752,7 @@ fn self_test(buf: &Path, root: &Path, against: &Path, release: &Release) -> anyh
     if copy.exists() {
         std::fs::remove_dir_all(&copy)?;
     }
-    copy_dir(&root.join("proto"), &copy.join("proto"))?;
+    crate::util::copy_tree(&root.join("proto"), &copy.join("proto"))?;
     std::fs::copy(root.join("buf.yaml"), copy.join("buf.yaml"))?;
     for p in PLANTS {
         let file = copy.join(p.path);
@@ -782,18 +782,4 @@ fn self_test(buf: &Path, root: &Path, against: &Path, release: &Release) -> anyh
         problems.join("\n  ")
     );
     Ok(PLANTS.len())
-}
-
-fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from).with_context(|| format!("{}", from.display()))? {
-        let entry = entry?;
-        let dest = to.join(entry.file_name());
-        if entry.file_type()?.is_dir() {
-            copy_dir(&entry.path(), &dest)?;
-        } else {
-            std::fs::copy(entry.path(), &dest)?;
-        }
-    }
-    Ok(())
 }

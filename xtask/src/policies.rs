@@ -286,7 +286,7 @@ pub fn check_standalone(lockstep: &std::path::Path) -> anyhow::Result<()> {
         .into_owned();
     let name = name.as_str();
     let dir = scratch.path().join(name);
-    copy_dir(&root().join(folder), &dir)?;
+    crate::util::copy_tree(&root().join(folder), &dir)?;
     let manifest = dir.join("Cargo.toml");
     let text = std::fs::read_to_string(&manifest)?;
     let sdk_line = text
@@ -347,20 +347,5 @@ pub fn check_standalone(lockstep: &std::path::Path) -> anyhow::Result<()> {
         bail!("the standalone policy did not pass every scenario: {line}");
     }
     eprintln!("xtask: standalone policy: ok");
-    Ok(())
-}
-
-/// Copies the directory `from` to `to` (files and folders).
-fn copy_dir(from: &std::path::Path, to: &std::path::Path) -> anyhow::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for e in std::fs::read_dir(from)? {
-        let e = e?;
-        let target = to.join(e.file_name());
-        if e.file_type()?.is_dir() {
-            copy_dir(&e.path(), &target)?;
-        } else {
-            std::fs::copy(e.path(), target)?;
-        }
-    }
     Ok(())
 }

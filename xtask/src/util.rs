@@ -200,3 +200,19 @@ pub fn scratch_outside(prefix: &str) -> anyhow::Result<tempfile::TempDir> {
     }
     Ok(scratch)
 }
+
+/// Copies the directory tree `from` to `to` (files and directories only).
+pub fn copy_tree(from: &std::path::Path, to: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)
+                .with_context(|| format!("copying {}", entry.path().display()))?;
+        }
+    }
+    Ok(())
+}

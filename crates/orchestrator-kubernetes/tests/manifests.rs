@@ -57,6 +57,16 @@ fn documents() -> Vec<(String, Value)> {
     out
 }
 
+/// The shipped Deployment's pod spec.
+fn deployment_pod() -> PodSpec {
+    let (_, doc) = documents()
+        .into_iter()
+        .find(|(_, d)| d["kind"] == "Deployment")
+        .unwrap();
+    let d: Deployment = serde_json::from_value(doc).unwrap();
+    d.spec.unwrap().template.spec.unwrap()
+}
+
 /// Deserializes into `T` and checks nothing was lost or renamed.
 fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(file: &str, doc: &Value) -> T {
     let typed: T = serde_json::from_value(doc.clone()).unwrap_or_else(|e| panic!("{file}: {e}"));
@@ -94,12 +104,7 @@ fn the_kustomization_lists_every_file_and_sets_the_namespace_once() {
 
 #[test]
 fn the_images_are_pinned_to_this_build_and_the_namespace_comes_from_the_pod() {
-    let (_, doc) = documents()
-        .into_iter()
-        .find(|(_, d)| d["kind"] == "Deployment")
-        .unwrap();
-    let d: Deployment = serde_json::from_value(doc).unwrap();
-    let pod = d.spec.unwrap().template.spec.unwrap();
+    let pod = deployment_pod();
     let want = lockstep_orchestrator_kubernetes::image::default_image();
     for c in pod
         .containers
@@ -278,12 +283,7 @@ fn generated_secrets() -> BTreeMap<String, BTreeSet<String>> {
 
 #[test]
 fn every_secret_the_deployment_reads_is_one_the_example_overlay_makes() {
-    let (_, doc) = documents()
-        .into_iter()
-        .find(|(_, d)| d["kind"] == "Deployment")
-        .unwrap();
-    let d: Deployment = serde_json::from_value(doc).unwrap();
-    let pod = d.spec.unwrap().template.spec.unwrap();
+    let pod = deployment_pod();
     let generated = generated_secrets();
     let mut read = BTreeSet::new();
     let c = &pod.containers[0];

@@ -156,7 +156,7 @@ pub fn example_with_secrets(
     store: &str,
 ) -> anyhow::Result<std::path::PathBuf> {
     let _ = std::fs::remove_dir_all(copy);
-    copy_tree(&root().join("deploy"), &copy.join("deploy"))?;
+    crate::util::copy_tree(&root().join("deploy"), &copy.join("deploy"))?;
     let overlay = copy.join("deploy/kubernetes/overlays/example");
     let secrets = overlay.join("secrets");
     std::fs::create_dir_all(&secrets)?;
@@ -167,22 +167,6 @@ pub fn example_with_secrets(
     )?;
     std::fs::write(secrets.join("postgres.url"), store)?;
     Ok(overlay)
-}
-
-/// Copies the directory tree `from` to `to` (files and directories only).
-fn copy_tree(from: &Path, to: &Path) -> anyhow::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
-        let entry = entry?;
-        let target = to.join(entry.file_name());
-        if entry.file_type()?.is_dir() {
-            copy_tree(&entry.path(), &target)?;
-        } else {
-            std::fs::copy(entry.path(), &target)
-                .with_context(|| format!("copying {}", entry.path().display()))?;
-        }
-    }
-    Ok(())
 }
 
 /// `kubectl apply -f -` of `yaml`.
