@@ -43,7 +43,8 @@ pub fn metrics_token(cluster: &RealCluster, ns: &str) -> Result<String, Failure>
     Ok(token.trim().to_string())
 }
 
-/// Carries out every job of `deploy/scrape.yaml` against the environment
+/// Carries out every job of `prometheus/scrape.yaml` under `deploy` (the
+/// copied `deploy/`) against the environment
 /// pod at `pod_ip` with `token`; `processes` replica processes must be
 /// discovered, each its own `instance`.
 pub async fn scrape_as_shipped(
