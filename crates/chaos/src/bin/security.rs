@@ -328,6 +328,40 @@ impl ManualReplica {
         Ok(())
     }
 
+    /// A replica whose process 0 runs and listens on its timely port, and
+    /// a first connection to that port. The ports are picked free and
+    /// released before the process binds them, so another program may take
+    /// one meanwhile: process 0 then exits (it cannot bind), and the
+    /// replica is set up again on fresh ports (at most 5 times) instead of
+    /// the scenario failing for a port it never had.
+    async fn first_listening(id: u64, v: Variant) -> Result<(Self, TcpStream), String> {
+        let mut last = String::new();
+        for _ in 0..5 {
+            let mut m = Self::new(id, v)?;
+            m.spawn(0)?;
+            let addr: SocketAddr = format!("127.0.0.1:{}", m.timely[0])
+                .parse()
+                .map_err(|e| format!("{e}"))?;
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                if let Ok(Some(status)) = m.children[0].try_wait() {
+                    last = format!(
+                        "process 0 exited ({status}) before it listened on {addr}: its port was taken meanwhile"
+                    );
+                    break;
+                }
+                match TcpStream::connect(addr).await {
+                    Ok(s) => return Ok((m, s)),
+                    Err(e) if tokio::time::Instant::now() > deadline => {
+                        return Err(format!("{addr}: {e} (process 0 runs but does not listen)"))
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                }
+            }
+        }
+        Err(last)
+    }
+
     /// Kills process `i` (spawned `i`-th) and waits for it.
     fn kill(&mut self, i: usize) {
         if let Some(c) = self.children.get_mut(i) {

@@ -141,15 +141,14 @@ async fn hello_for_another_replica(id: u64, v: Variant) -> Result<(), Failure> {
 
 /// Scenarios `spoofed-mesh-peer`, `idle-mesh-connections`, `mesh-connection-flood`, `mesh-trickle`.
 async fn mesh_attack(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
-    let mut m = ManualReplica::new(id, v)?;
-    m.spawn(0)?;
+    let (mut m, first) = ManualReplica::first_listening(id, v).await?;
     let timely0: SocketAddr = format!("127.0.0.1:{}", m.timely[0])
         .parse()
         .map_err(|e| format!("{e}"))?;
     let mut held = Vec::new();
     if name == "spoofed-mesh-peer" {
         // Process 1's header, first; without the key.
-        let mut s = dial(timely0).await?;
+        let mut s = first;
         s.write_all(&mesh_header(id, 1))
             .await
             .map_err(|e| e.to_string())?;
@@ -162,7 +161,8 @@ async fn mesh_attack(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
     } else if name == "mesh-trickle" {
         // Peers that send the header a byte at a time, slower than
         // any per-read bound but never done.
-        for _ in 0..8 {
+        held.push(first);
+        for _ in 1..8 {
             let s = dial(timely0).await?;
             held.push(s);
         }
@@ -182,7 +182,8 @@ async fn mesh_attack(name: &str, id: u64, v: Variant) -> Result<(), Failure> {
         } else {
             20
         };
-        for _ in 0..n {
+        held.push(first);
+        for _ in 1..n {
             held.push(dial(timely0).await?);
         }
     }
