@@ -6,6 +6,7 @@ mod bench;
 mod buf;
 mod chaos;
 mod chart;
+mod deny;
 #[cfg(test)]
 mod doclinks;
 mod image;
@@ -131,6 +132,9 @@ enum Task {
     /// `buf lint` and `buf breaking` of proto/ against the newest release in
     /// RELEASES (buf installed into target/buf); part of `test`.
     Buf,
+    /// `cargo deny check licenses bans sources` with deny.toml (cargo-deny
+    /// built once into the cache); part of `test`.
+    Deny,
     /// Model-check the protocols (stateright, CI-sized bounds); prints the JSON summary lines.
     Model {
         /// Variants to check (default: all).
@@ -171,6 +175,7 @@ fn main() -> anyhow::Result<()> {
         Task::Soak { quick } => soak::soak(quick),
         Task::Upgrade => upgrade::upgrade(),
         Task::Buf => buf::check(),
+        Task::Deny => deny::check(),
         Task::Chaos {
             suite,
             strategies,

@@ -62,6 +62,7 @@ pub fn test(lint: bool, skips: &[String]) -> anyhow::Result<()> {
         release_features()?;
         kubernetes_version_alone()?;
         crate::buf::check()?;
+        crate::deny::check()?;
     }
     step("building the policies");
     policies::build_all()?;

@@ -50,6 +50,17 @@ pub fn after_workspace_tests() {
     WORKSPACE_TESTS_BUILT.store(true, Relaxed);
 }
 
+/// Where programs the test command builds from pinned inputs (the Go
+/// programs, cargo-deny) are kept between checkouts: `LOCKSTEP_CACHE_DIR`,
+/// else `XDG_CACHE_HOME/lockstep`, else `HOME/.cache/lockstep`. `None`
+/// without any of them (nothing is cached).
+pub fn cache_root() -> Option<PathBuf> {
+    std::env::var_os("LOCKSTEP_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("lockstep")))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/lockstep")))
+}
+
 /// The cargo target directory (CARGO_TARGET_DIR, or `target/`).
 pub fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")

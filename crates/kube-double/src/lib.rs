@@ -11,7 +11,8 @@
 //! - **create** (`POST`): 409 `AlreadyExists` if the name is taken; assigns a
 //!   `uid` and a `resourceVersion` from one counter for the whole store.
 //! - **get** and **list** (`GET`), lists filtered by `labelSelector`
-//!   (`k=v`, `k==v`, `k!=v`, `k`, `!k`), carrying the store's
+//!   (`k=v`, `k==v`, `k!=v`, `k`, `!k`) and by the one field selector
+//!   `metadata.name=NAME` (any other is refused, 400), carrying the store's
 //!   resourceVersion.
 //! - **replace** (`PUT`): 409 `Conflict` if the body's resourceVersion (or
 //!   uid) is not the stored one — the compare-and-swap. A pod's spec may not
@@ -20,7 +21,7 @@
 //!   if the uid or resourceVersion does not match. Deletion is immediate
 //!   (a kubelet that stops containers at once).
 //! - **watch** (`GET ?watch=true`): streams `ADDED` / `MODIFIED` / `DELETED`
-//!   after the given resourceVersion, filtered by `labelSelector`; a version
+//!   after the given resourceVersion, filtered as a list is; a version
 //!   older than the last [`compact`](ApiServerDouble::compact) gets an
 //!   `ERROR` event with 410 Gone, as etcd compaction does.
 //! - A simulated kubelet: a created pod is at once `Running` with a pod IP
@@ -41,7 +42,7 @@
 //! process (`lockstep serve --orchestrator kubernetes`) at it.
 //!
 //! Not implemented: other API groups and resources, patch, generateName,
-//! field selectors, pagination, graceful deletion, finalizers and garbage
+//! other field selectors, pagination (`limit` is ignored: one page), graceful deletion, finalizers and garbage
 //! collection of owner references.
 
 use std::collections::BTreeMap;

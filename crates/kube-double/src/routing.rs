@@ -28,6 +28,28 @@ pub(crate) fn status(code: u16, reason: &str, message: String) -> Value {
     })
 }
 
+/// The object a `fieldSelector` names: only `metadata.name=NAME` is known
+/// (kube's `await_condition` asks for it); any other is refused (answer
+/// 400 with the message).
+pub(crate) fn field_selector(
+    query: &std::collections::BTreeMap<String, String>,
+) -> Result<Option<String>, String> {
+    match query.get("fieldSelector").map(String::as_str) {
+        None | Some("") => Ok(None),
+        Some(f) => match f.strip_prefix("metadata.name=") {
+            Some(name) if !name.contains(',') => Ok(Some(name.to_string())),
+            _ => Err(format!(
+                "fieldSelector {f:?}: the double knows only metadata.name=NAME"
+            )),
+        },
+    }
+}
+
+/// Whether `object` is the one a field selector names (`None`: any).
+pub(crate) fn name_matches(name: Option<&str>, object: &Value) -> bool {
+    name.is_none_or(|n| object["metadata"]["name"].as_str() == Some(n))
+}
+
 fn reason_of(code: u16) -> &'static str {
     match code {
         404 => "NotFound",
@@ -88,6 +110,11 @@ fn full(code: StatusCode, body: &Value) -> Response<DoubleBody> {
                 .boxed_unsync(),
         )
         .expect("a valid response")
+}
+
+/// A 400 answer saying `message`.
+pub(crate) fn bad_request(message: String) -> Response<DoubleBody> {
+    error(400, message)
 }
 
 fn error(code: u16, message: String) -> Response<DoubleBody> {
@@ -160,6 +187,10 @@ impl ApiServerDouble {
             }
             (&Method::GET, None) => {
                 let selector = query.get("labelSelector").cloned().unwrap_or_default();
+                let name = match field_selector(&query) {
+                    Ok(name) => name,
+                    Err(refused) => return error(400, refused),
+                };
                 let items: Vec<Value> = s
                     .objects
                     .iter()
@@ -167,6 +198,7 @@ impl ApiServerDouble {
                         r == resource
                             && n == namespace
                             && selector_matches(&selector, &labels_of(o))
+                            && name_matches(name.as_deref(), o)
                     })
                     .map(|(_, o)| o.clone())
                     .collect();

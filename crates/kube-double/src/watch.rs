@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::routing::status;
+use crate::routing::{field_selector, name_matches};
 use crate::store::{labels_of, selector_matches, Store};
 use crate::{ApiServerDouble, DoubleBody};
 
@@ -21,6 +22,8 @@ pub(crate) struct Watcher {
     pub(crate) resource: String,
     pub(crate) namespace: String,
     pub(crate) selector: String,
+    /// `fieldSelector=metadata.name=NAME`: only that object.
+    pub(crate) name: Option<String>,
     pub(crate) tx: mpsc::UnboundedSender<Bytes>,
 }
 
@@ -47,7 +50,8 @@ impl Store {
             if w.resource != resource || w.namespace != namespace {
                 return !w.tx.is_closed();
             }
-            if !selector_matches(&w.selector, &labels) {
+            if !selector_matches(&w.selector, &labels) || !name_matches(w.name.as_deref(), &object)
+            {
                 return !w.tx.is_closed();
             }
             w.tx.send(line.clone()).is_ok()
@@ -71,6 +75,10 @@ impl ApiServerDouble {
         query: &BTreeMap<String, String>,
     ) -> Response<DoubleBody> {
         let selector = query.get("labelSelector").cloned().unwrap_or_default();
+        let name = match field_selector(query) {
+            Ok(name) => name,
+            Err(e) => return crate::routing::bad_request(e),
+        };
         let from: u64 = query
             .get("resourceVersion")
             .and_then(|v| v.parse().ok())
@@ -93,6 +101,7 @@ impl ApiServerDouble {
                     && e.resource == resource
                     && e.namespace == namespace
                     && selector_matches(&selector, &labels_of(&e.object))
+                    && name_matches(name.as_deref(), &e.object)
                 {
                     let _ = tx.send(Bytes::from(format!(
                         "{}\n",
@@ -104,6 +113,7 @@ impl ApiServerDouble {
                 resource: resource.to_string(),
                 namespace: namespace.to_string(),
                 selector,
+                name,
                 tx,
             });
         }

@@ -32,7 +32,43 @@ pub mod reasons {
     pub const REFUSED: &str = "Refused";
 }
 
+/// Why every pod of a service was replaced by a new generation.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Replaced<'a> {
+    /// The environment restarted the replica.
+    Restarted,
+    /// A pod of the current generation died, went or runs another spec
+    /// (the reason said).
+    SharedFate(&'a str),
+    /// An ensure found a changed spec (an upgrade) or a pod missing.
+    NewGeneration,
+}
+
 impl Inner {
+    /// Writes the Event saying service `service`'s pods were replaced by
+    /// `generation`, and why. Called after the service's lock is released:
+    /// a slow Event never holds up the service's next write.
+    pub(crate) async fn replaced_event(&self, service: &str, why: Replaced<'_>, generation: u64) {
+        let (reason, message, warning) = match why {
+            Replaced::Restarted => (
+                reasons::RESTARTED,
+                format!("every pod replaced by generation {generation} (the environment restarted the replica)"),
+                false,
+            ),
+            Replaced::SharedFate(cause) => (
+                reasons::SHARED_FATE,
+                format!("{cause}: every pod replaced by generation {generation} (shared fate)"),
+                true,
+            ),
+            Replaced::NewGeneration => (
+                reasons::NEW_GENERATION,
+                format!("every pod replaced by generation {generation}: a changed spec (an upgrade) or a pod missing at an ensure"),
+                false,
+            ),
+        };
+        self.event(service, reason, message, warning).await;
+    }
+
     /// Writes an Event about service `service` (`warning`: type Warning,
     /// else Normal); see the module docs.
     pub(crate) async fn event(&self, service: &str, reason: &str, message: String, warning: bool) {

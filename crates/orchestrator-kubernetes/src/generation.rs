@@ -1,6 +1,7 @@
 //! Generations: a whole restart (kill all, start all) as the next generation, and the shared-fate check that asks for one.
 
 use super::*;
+use crate::events::Replaced;
 
 impl Inner {
     /// Compare-and-swap of the record's generation to one more than it is.
@@ -126,7 +127,7 @@ impl Inner {
 
     pub(super) async fn restart_inner(&self, name: &str) -> Result<ServiceStatus, RestartError> {
         objects::validate_name(name).map_err(RestartError::Invalid)?;
-        let _lock = self.lock(name).await;
+        let lock = self.lock(name).await;
         let ours = self.config.epoch;
         let record = self
             .live_record(name)
@@ -136,18 +137,12 @@ impl Inner {
             .new_generation(name, record, None, true)
             .await
             .map_err(|e| e.into_restart(name, ours))?;
-        self.event(
-            name,
-            super::events::reasons::RESTARTED,
-            format!(
-                "every pod replaced by generation {} (the environment restarted the replica)",
-                generation_of(&record)
-            ),
-            false,
-        )
-        .await;
         self.announce(name, &created);
-        Ok(self.announce_addresses(&record).await?)
+        let status = self.announce_addresses(&record).await;
+        drop(lock);
+        self.replaced_event(name, Replaced::Restarted, generation_of(&record))
+            .await;
+        Ok(status?)
     }
 
     /// Shared fate: restarts service `name` as a whole (a new generation)
@@ -161,7 +156,7 @@ impl Inner {
         // only): no shared-fate restart, the kubelet's in-place restarts
         // alone.
         fail::fail_point!("kube_shared_fate_off", |_| Ok(()));
-        let _lock = self.lock(name).await;
+        let lock = self.lock(name).await;
         let record = match self.live_record(name).await {
             Ok(r) => r,
             Err(GenerationError::State(e)) => return Err(e),
@@ -185,18 +180,12 @@ impl Inner {
             .await
         {
             Ok((record, created)) => {
-                self.event(
-                    name,
-                    super::events::reasons::SHARED_FATE,
-                    format!(
-                        "{reason}: every pod replaced by generation {} (shared fate)",
-                        generation_of(&record)
-                    ),
-                    true,
-                )
-                .await;
                 self.announce(name, &created);
-                self.announce_addresses(&record).await.map(drop)
+                let status = self.announce_addresses(&record).await;
+                drop(lock);
+                self.replaced_event(name, Replaced::SharedFate(&reason), generation_of(&record))
+                    .await;
+                status.map(drop)
             }
             Err(GenerationError::State(e)) => Err(e),
             Err(GenerationError::Spawn {

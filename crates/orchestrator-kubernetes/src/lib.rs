@@ -157,13 +157,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{
-    Api, DeleteParams, ListParams, PostParams, Preconditions, WatchEvent, WatchParams,
-};
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::{Client, ResourceExt};
 use lockstep_orchestrator::{
     DropError, EnsureError, ListError, Orchestrator, ProcessStatus, RestartError, ServiceConfig,

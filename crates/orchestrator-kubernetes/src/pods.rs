@@ -18,32 +18,32 @@ impl Inner {
         Ok(true)
     }
 
-    /// Waits (bounded) until no pod `name` with `uid` exists.
+    /// Waits (bounded by the delete timeout) until no pod `name` with
+    /// `uid` exists: kube's `await_condition`, a watch of that one pod
+    /// (a pod of the same name and another uid is a new one: gone).
     pub(super) async fn wait_gone(
         &self,
         name: &str,
         uid: Option<String>,
     ) -> Result<(), StateError> {
-        let deadline = tokio::time::Instant::now() + self.config.delete_timeout;
-        loop {
-            match self.pods.get_opt(name).await {
-                Ok(None) => return Ok(()),
-                Ok(Some(p)) if p.uid() != uid => return Ok(()),
-                Ok(Some(_)) if tokio::time::Instant::now() >= deadline => {
-                    return Err(StateError::Io {
-                        path: format!("kubernetes API: pod {name}").into(),
-                        source: std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            format!(
-                                "still there {:?} after its delete",
-                                self.config.delete_timeout
-                            ),
-                        ),
-                    })
-                }
-                Ok(Some(_)) => tokio::time::sleep(self.config.poll_interval).await,
-                Err(e) => return Err(api_error("read pod", e)),
-            }
+        let gone = move |p: Option<&Pod>| p.is_none_or(|p| p.uid() != uid);
+        let wait = kube::runtime::wait::await_condition(self.pods.clone(), name, gone);
+        let error = |source| StateError::Io {
+            path: format!("kubernetes API: pod {name}").into(),
+            source,
+        };
+        match tokio::time::timeout(self.config.delete_timeout, wait).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(error(std::io::Error::other(format!(
+                "waiting for it to go after its delete: {e}"
+            )))),
+            Err(_) => Err(error(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "still there {:?} after its delete",
+                    self.config.delete_timeout
+                ),
+            ))),
         }
     }
 

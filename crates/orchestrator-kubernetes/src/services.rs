@@ -1,6 +1,7 @@
 //! ensure and list: a service's record, Secret and pods made to match its config, and its status.
 
 use super::*;
+use crate::events::Replaced;
 
 impl Inner {
     /// Waits (bounded by `ready_timeout`) until every pod has an IP, then
@@ -72,13 +73,31 @@ impl Inner {
 
     pub(super) async fn ensure(&self, config: ServiceConfig) -> Result<ServiceStatus, EnsureError> {
         objects::validate_name(&config.name).map_err(EnsureError::Invalid)?;
+        let lock = self.lock(&config.name).await;
+        let name = config.name.clone();
+        let mut replaced = None;
+        let result = self.ensure_locked(config, &mut replaced).await;
+        drop(lock);
+        if let Some(generation) = replaced {
+            self.replaced_event(&name, Replaced::NewGeneration, generation)
+                .await;
+        }
+        result
+    }
+
+    /// [`Inner::ensure`] under the service's lock; `replaced_generation`
+    /// is set when running pods were replaced by a new generation.
+    async fn ensure_locked(
+        &self,
+        config: ServiceConfig,
+        replaced_generation: &mut Option<u64>,
+    ) -> Result<ServiceStatus, EnsureError> {
         if config.scale == 0 {
             return Err(EnsureError::Invalid(format!(
                 "service {} needs at least one process",
                 config.name
             )));
         }
-        let _lock = self.lock(&config.name).await;
         let ours = self.config.epoch;
         let name = config.name.clone();
         let template = objects::template(&self.context(), &config);
@@ -140,16 +159,7 @@ impl Inner {
                 .new_generation(&name, record, None, false)
                 .await
                 .map_err(|e| e.into_ensure(&name, ours))?;
-            self.event(
-                &name,
-                super::events::reasons::NEW_GENERATION,
-                format!(
-                    "every pod replaced by generation {}: a changed spec (an upgrade) or a pod missing at an ensure",
-                    generation_of(&r)
-                ),
-                false,
-            )
-            .await;
+            *replaced_generation = Some(generation_of(&r));
             record = r;
             created = c;
             replaced = true;

@@ -2,19 +2,22 @@
 
 use super::*;
 
-/// Watches the environment's pods and turns what happens to them into
-/// [`ServiceEvent`]s, and (with `fate`) into checks for the shared-fate
-/// task: every list asks it to check every service, every death of a pod
-/// (its container restarted, it failed, it was deleted) its service. A
-/// watch that ends or fails (the API server drops it, or answers 410 Gone)
-/// is followed by a fresh list and a new watch from the list's
-/// resourceVersion, so no change is missed for long.
+/// Watches the environment's pods (kube's `watcher`: a list, then a watch
+/// from its resourceVersion; a watch that ends, fails or answers 410 Gone
+/// is followed by a fresh list, retried with [`watch_backoff`]) and turns
+/// what happens to them into [`ServiceEvent`]s, and (with `fate`) into
+/// checks for the shared-fate task: every list asks it to check every
+/// service, every death of a pod (its container restarted, it failed, it
+/// was deleted) its service.
 pub(super) async fn watch_pods(
     pods: Api<Pod>,
     selector: String,
     events: broadcast::Sender<ServiceEvent>,
     fate: Option<mpsc::UnboundedSender<Check>>,
 ) {
+    use kube::runtime::watcher::{watcher, Config, Event};
+    use kube::runtime::WatchStreamExt;
+
     let check = |c: Check| {
         if let Some(f) = &fate {
             let _ = f.send(c);
@@ -22,83 +25,72 @@ pub(super) async fn watch_pods(
     };
     let service_of = |p: &Pod| p.labels().get(SERVICE_LABEL).cloned();
     let mut known: BTreeMap<String, Seen> = BTreeMap::new();
-    loop {
-        let list = match pods.list(&ListParams::default().labels(&selector)).await {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::warn!("listing pods for the watch failed: {e}; retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
+    // The pods of a list in progress.
+    let mut listed: Option<BTreeMap<String, Seen>> = None;
+    let config = Config::default().labels(&selector).timeout(290);
+    let stream = watcher(pods, config).backoff(watch_backoff());
+    let mut stream = std::pin::pin!(stream);
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(Event::Init) => listed = Some(BTreeMap::new()),
+            Ok(Event::InitApply(p)) => {
+                listed
+                    .get_or_insert_with(BTreeMap::new)
+                    .insert(p.name_any(), seen(&p));
             }
-        };
-        let version = list.metadata.resource_version.clone().unwrap_or_default();
-        let mut now = BTreeMap::new();
-        for p in &list.items {
-            now.insert(p.name_any(), seen(p));
-        }
-        // What changed while we were not watching.
-        for (name, (uid, _, _)) in &known {
-            if now.get(name).map(|(u, _, _)| u) != Some(uid) {
-                emit_exit(&events, name, "deleted while the watch was down");
-            }
-        }
-        known = now;
-        check(Check::All);
-        let wp = WatchParams::default().labels(&selector).timeout(290);
-        let stream = match pods.watch(&wp, &version).await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!("watching pods failed: {e}; listing again");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
-        };
-        let mut stream = std::pin::pin!(stream.into_stream());
-        while let Some(event) = stream.next().await {
-            match event {
-                Ok(WatchEvent::Added(p)) => {
-                    known.insert(p.name_any(), seen(&p));
-                }
-                Ok(WatchEvent::Modified(p)) => {
-                    let (uid, restarts, failed) = seen(&p);
-                    let before = known.insert(p.name_any(), (uid, restarts, failed));
-                    let restarted = before.as_ref().is_some_and(|(_, r, _)| restarts > *r);
-                    let newly_failed = failed && !before.is_some_and(|(_, _, f)| f);
-                    if restarted {
-                        emit_exit(
-                            &events,
-                            &p.name_any(),
-                            "the container exited; the kubelet restarted it",
-                        );
-                    } else if newly_failed {
-                        emit_exit(&events, &p.name_any(), "the pod failed");
-                    }
-                    if restarted || newly_failed {
-                        if let Some(s) = service_of(&p) {
-                            check(Check::Service(s));
-                        }
+            Ok(Event::InitDone) => {
+                let now = listed.take().unwrap_or_default();
+                // What changed while we were not watching.
+                for (name, (uid, _, _)) in &known {
+                    if now.get(name).map(|(u, _, _)| u) != Some(uid) {
+                        emit_exit(&events, name, "deleted while the watch was down");
                     }
                 }
-                Ok(WatchEvent::Deleted(p)) => {
-                    known.remove(&p.name_any());
-                    emit_exit(&events, &p.name_any(), "pod deleted");
+                known = now;
+                check(Check::All);
+            }
+            Ok(Event::Apply(p)) => {
+                let (uid, restarts, failed) = seen(&p);
+                let before = known.insert(p.name_any(), (uid, restarts, failed));
+                let restarted = before.as_ref().is_some_and(|(_, r, _)| restarts > *r);
+                let newly_failed = failed && !before.is_some_and(|(_, _, f)| f);
+                if restarted {
+                    emit_exit(
+                        &events,
+                        &p.name_any(),
+                        "the container exited; the kubelet restarted it",
+                    );
+                } else if newly_failed {
+                    emit_exit(&events, &p.name_any(), "the pod failed");
+                }
+                if restarted || newly_failed {
                     if let Some(s) = service_of(&p) {
                         check(Check::Service(s));
                     }
                 }
-                Ok(WatchEvent::Bookmark(_)) => {}
-                Ok(WatchEvent::Error(status)) => {
-                    tracing::info!("watch error {}: listing again", status.code);
-                    break;
-                }
-                Err(e) => {
-                    tracing::info!("watch failed: {e}; listing again");
-                    break;
+            }
+            Ok(Event::Delete(p)) => {
+                known.remove(&p.name_any());
+                emit_exit(&events, &p.name_any(), "pod deleted");
+                if let Some(s) = service_of(&p) {
+                    check(Check::Service(s));
                 }
             }
+            Err(e) => tracing::info!("pod watch: {e}; listing and watching again"),
         }
-        tracing::debug!("pod watch ended; listing and watching again");
     }
+}
+
+/// How the pod watch retries after an error: from 200 ms, doubling, at most
+/// 2 s apart (a restarted API server is seen again within seconds; the
+/// watcher's default waits up to 30 s).
+fn watch_backoff() -> kube::runtime::watcher::ExponentialBackoff {
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(200))
+        .with_max_delay(Duration::from_secs(2))
+        .without_max_times()
+        .with_jitter()
+        .into()
 }
 
 /// The shared-fate task: gathers the watch's checks for

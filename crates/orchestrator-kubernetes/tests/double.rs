@@ -422,10 +422,9 @@ async fn watch_reports_exits_and_survives_a_dropped_watch_and_a_compaction() {
     assert_eq!(process, Some(0));
     wait_watching(&api).await;
 
-    // A change and a compaction between the re-list and the watch: the
-    // watch from the listed version gets 410 Gone, and the backend lists
-    // again, which shows the change.
-    api.before_next(Matcher::new(Method::GET, "pods", None), |_| {});
+    // A change and a compaction before the watch is opened again from the
+    // version it had seen: it gets 410 Gone, and the backend lists again,
+    // which shows the change.
     api.before_next(Matcher::new(Method::GET, "pods", None), |api| {
         api.delete("pods", NS, "replica-1-1").unwrap();
         api.compact();

@@ -139,6 +139,21 @@ fn status(code: u16, reason: &str, message: &str) -> Value {
            "message": message, "reason": reason, "code": code})
 }
 
+/// The next request is the delete wait's (kube's `await_condition`): a
+/// list of pods with the one name, read from etcd (no resourceVersion: a
+/// cache may still hold the pod); answered empty, the pod is gone.
+async fn expect_gone(mock: &mut Mock, pod: &str) {
+    let selector = format!("metadata.name={pod}");
+    let (_, send) = expect(
+        mock,
+        Method::GET,
+        &format!("/api/v1/namespaces/{NS}/pods"),
+        &[("fieldSelector", &selector), ("limit", "500")],
+    )
+    .await;
+    respond(send, 200, &list("Pod", Vec::new()));
+}
+
 fn not_found(send: SendResponse<Response<kube::client::Body>>, what: &str) {
     respond(
         send,
@@ -512,14 +527,7 @@ async fn drop_writes_a_tombstone_by_cas_and_deletes_each_object_with_preconditio
         );
         respond(send, 200, &pod(i, 6, uid, 50));
         // Waits until it is gone.
-        let (_, send) = expect(
-            &mut mock,
-            Method::GET,
-            &format!("{base}/pods/replica-5-{i}"),
-            &[],
-        )
-        .await;
-        not_found(send, "pods");
+        expect_gone(&mut mock, &format!("replica-5-{i}")).await;
     }
     let (_, send) = expect(&mut mock, Method::GET, &path, &[]).await;
     respond(send, 200, &tomb);
@@ -674,14 +682,7 @@ async fn restart_bumps_the_generation_deletes_every_pod_with_preconditions_then_
         json!({"gracePeriodSeconds": 5, "preconditions": {"uid": "uid-p0", "resourceVersion": "30"}})
     );
     respond(send, 200, &pod(0, 7, "uid-p0", 51));
-    let (_, send) = expect(
-        &mut mock,
-        Method::GET,
-        &format!("{base}/pods/replica-5-0"),
-        &[],
-    )
-    .await;
-    not_found(send, "pods");
+    expect_gone(&mut mock, "replica-5-0").await;
     // Still ours and still our generation: every pod starts.
     let (_, send) = expect(&mut mock, Method::GET, &path, &[]).await;
     respond(send, 200, &bumped);
@@ -704,7 +705,6 @@ async fn restart_bumps_the_generation_deletes_every_pod_with_preconditions_then_
         json!({"name": "LOCKSTEP_GENERATION", "value": "2"})
     );
     respond(send, 201, &stored(body, "uid-p0b", 52));
-    expect_event(&mut mock, "Restarted").await;
     let (_, send) = expect(
         &mut mock,
         Method::GET,
@@ -715,6 +715,8 @@ async fn restart_bumps_the_generation_deletes_every_pod_with_preconditions_then_
     let mut again = pod(0, 7, "uid-p0b", 52);
     again["metadata"]["annotations"]["lockstep/restarts"] = json!("1");
     respond(send, 200, &list("Pod", vec![again]));
+    // The Event comes last, once the service's lock is released.
+    expect_event(&mut mock, "Restarted").await;
     let status = call.await.unwrap().unwrap();
     assert_eq!(status.processes[0].restarts, 1);
 }

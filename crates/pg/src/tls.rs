@@ -14,6 +14,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use percent_encoding::{percent_decode_str, utf8_percent_encode, AsciiSet, CONTROLS};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
@@ -56,20 +57,20 @@ impl TlsMode {
     }
 }
 
-/// `%`, `&`, `#`, `?`, `+`, `=` and whitespace escaped, for a query value.
+/// What a query value escapes: controls, whitespace and the characters
+/// that end or split a value (`%`, `&`, `#`, `?`, `+`, `=`).
+const QUERY_VALUE: &AsciiSet = &CONTROLS
+    .add(b' ')
+    .add(b'%')
+    .add(b'&')
+    .add(b'#')
+    .add(b'?')
+    .add(b'+')
+    .add(b'=');
+
+/// `value` escaped for a URL's query.
 fn percent_encoded(value: &str) -> String {
-    let mut out = String::with_capacity(value.len());
-    for c in value.chars() {
-        if "%&#?+= \t".contains(c) {
-            let mut buf = [0u8; 4];
-            for b in c.encode_utf8(&mut buf).bytes() {
-                out.push_str(&format!("%{b:02X}"));
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    utf8_percent_encode(value, QUERY_VALUE).to_string()
 }
 
 /// The connection string without `sslmode` and `sslrootcert`, and the TLS
@@ -137,24 +138,7 @@ pub fn split_tls(url: &str) -> Result<(String, TlsMode), PgError> {
 
 /// `%XX` escapes decoded (a path in a URL's query may carry them).
 fn percent_decoded(value: &str) -> String {
-    let bytes = value.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            if let Some(b) = value
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-            {
-                out.push(b);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    percent_decode_str(value).decode_utf8_lossy().into_owned()
 }
 
 /// The connector for `mode` (for [`TlsMode::Plain`] one that is never

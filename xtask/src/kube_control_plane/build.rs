@@ -96,16 +96,11 @@ pub fn bin_dir() -> PathBuf {
 }
 
 /// `target/go/`: GOPATH, the module cache and the build cache.
-/// Where built programs are kept between checkouts:
-/// `LOCKSTEP_CACHE_DIR`, else `XDG_CACHE_HOME/lockstep`, else
-/// `HOME/.cache/lockstep`; `kube/DIR-STAMP/` per module. `None` without any
-/// of them (nothing is cached).
+/// Where the control plane's programs are kept between checkouts:
+/// `kube/DIR-STAMP/` per module under [`crate::util::cache_root`]. `None`
+/// without one (nothing is cached).
 pub fn cache_dir() -> Option<PathBuf> {
-    let base = std::env::var_os("LOCKSTEP_CACHE_DIR")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("lockstep")))
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/lockstep")))?;
-    Some(base.join("kube"))
+    crate::util::cache_root().map(|base| base.join("kube"))
 }
 
 /// Copies `names` from `from` to `to` (each through a temporary name, then
