@@ -1,4 +1,4 @@
-//! `cargo xtask image [--from-source] [--keep]`: builds the container image
+//! `cargo xtask image [--from-source | --release] [--keep]`: builds the container image
 //! `lockstep:dev` from the repository's `Containerfile` and checks it.
 //!
 //! 1. Finds podman (or docker with a running daemon).
@@ -9,7 +9,8 @@
 //! 3. Builds the image: by default the `runtime-prebuilt` target from a context
 //!    directory (target/lockstep/image/context) holding stripped copies of the
 //!    host's target/debug/lockstep and lockstep-replica and
-//!    target/lockstep/policies/*.wasm; with `--from-source` the whole multi-stage
+//!    target/lockstep/policies/*.wasm (with `--release`, of target/release's
+//!    binaries, built first); with `--from-source` the whole multi-stage
 //!    build (a release build inside the Rust image, which must come from a
 //!    registry).
 //! 4. Runs `lockstep demo` in it (read-only root, as the image's non-root
@@ -60,6 +61,8 @@ const IMAGE_UID: u32 = 10001;
 pub struct Options {
     /// Build everything inside the container instead of copying host binaries.
     pub from_source: bool,
+    /// The host's release binaries (built first) instead of its debug ones.
+    pub release: bool,
     /// Keep the image and the build context.
     pub keep: bool,
 }
@@ -87,6 +90,7 @@ pub fn in_test() -> anyhow::Result<()> {
     }
     image(&Options {
         from_source: false,
+        release: false,
         keep: false,
     })
 }
@@ -134,7 +138,26 @@ fn run_all(opts: &Options, times: &mut Times) -> anyhow::Result<()> {
         cmd.current_dir(root());
         run(cmd)?;
     } else {
-        prepare_context(&context)?;
+        let profile = if opts.release {
+            times.start("building the release binaries on the host (cargo build --release)");
+            let mut cmd = crate::util::cargo();
+            cmd.args([
+                "build",
+                "--release",
+                "--locked",
+                "-p",
+                "lockstep-cli",
+                "-p",
+                "lockstep-replica",
+                "--bins",
+            ]);
+            run(cmd)?;
+            times.start("preparing the build context (stripped release binaries, policies)");
+            "release"
+        } else {
+            "debug"
+        };
+        prepare_context(&context, profile)?;
         times.start("building the image (--target runtime-prebuilt)");
         let mut cmd = engine.build_cmd();
         cmd.arg("-f")
@@ -644,15 +667,15 @@ fn slim(rootfs: &Path) -> anyhow::Result<()> {
 
 /// Fills the `runtime-prebuilt` context: bin/ (stripped copies of the host's
 /// debug binaries), policies/, the Containerfile.
-fn prepare_context(context: &Path) -> anyhow::Result<()> {
+fn prepare_context(context: &Path, profile: &str) -> anyhow::Result<()> {
     if context.exists() {
         std::fs::remove_dir_all(context)?;
     }
     std::fs::create_dir_all(context.join("bin"))?;
     std::fs::create_dir_all(context.join("policies"))?;
-    let debug = target_dir().join("debug");
+    let built = target_dir().join(profile);
     for bin in ["lockstep", "lockstep-replica"] {
-        let src = debug.join(bin);
+        let src = built.join(bin);
         if !src.is_file() {
             bail!(
                 "{} is missing: build it first (cargo build -p lockstep-cli -p lockstep-replica --bins), or use --from-source",
@@ -769,21 +792,38 @@ fn oci_labels(engine: &Engine) -> anyhow::Result<()> {
             labels[key]
         );
     }
-    let mut cmd = engine.run_cmd();
-    cmd.args([
-        "--rm",
-        "--entrypoint",
-        "head",
-        IMAGE,
-        "-n",
-        "3",
-        "/usr/share/doc/lockstep/LICENSE",
-    ]);
-    let text = crate::util::stdout(cmd)?;
+    // The image has no shell or coreutils to read a file with: the file is
+    // copied out of a container made (not started) from it.
+    let name = container_name("files");
+    let mut create = engine.cmd();
+    create.args(["create", "--name", &name, IMAGE]);
+    crate::util::stdout(create)?;
+    let _rm = Cleanup {
+        engine,
+        what: Removal::Container(name.clone()),
+    };
+    let out = tempfile::tempdir()?;
+    let copy_out = |from: &str| {
+        let mut cp = engine.cmd();
+        cp.arg("cp")
+            .arg(format!("{name}:{from}"))
+            .arg(out.path().join("copied"));
+        let _ = std::fs::remove_file(out.path().join("copied"));
+        crate::util::stdout(cp).map(|_| out.path().join("copied"))
+    };
+    let text = std::fs::read_to_string(copy_out("/usr/share/doc/lockstep/LICENSE")?)?;
     anyhow::ensure!(
         text.contains("Apache License"),
-        "the image's /usr/share/doc/lockstep/LICENSE begins {text:?}"
+        "the image's /usr/share/doc/lockstep/LICENSE begins {:?}",
+        text.lines().take(3).collect::<Vec<_>>()
     );
+    // The runtime is the programs and what they link, no more.
+    for absent in ["/bin/sh", "/usr/bin/apt-get", "/usr/bin/mkdir"] {
+        anyhow::ensure!(
+            copy_out(absent).is_err(),
+            "the image holds {absent}: the runtime base should hold the programs' libraries only"
+        );
+    }
     eprintln!("xtask: labels {labels}; LICENSE in /usr/share/doc/lockstep");
     Ok(())
 }
@@ -868,18 +908,22 @@ fn serve_in_image(engine: &Engine) -> anyhow::Result<()> {
     let metrics_port = free_port()?;
     let token = random_token()?;
     let url = format!("http://127.0.0.1:{port}");
+    // The state directory as the image makes it: owned by the image's user,
+    // mode 0700; a host directory (the root is read-only), so that the
+    // metrics token serve makes in it is read from here.
+    let volume = tempfile::tempdir()?;
+    let state = volume.path().join("state");
+    std::fs::create_dir(&state)?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::os::unix::fs::chown(&state, Some(IMAGE_UID), Some(IMAGE_UID))
+            .with_context(|| format!("chown {} (needs root)", state.display()))?;
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700))?;
+    }
     let mut cmd = engine.run_cmd();
     cmd.args(["--detach", "--name", &name])
-        // The state directory as the image makes it: owned by the image's
-        // user, mode 0700; a tmpfs since the root is read-only.
-        .arg("--tmpfs")
-        .arg(match engine {
-            // podman: `U` chowns the tmpfs to the container's user.
-            Engine::Podman { .. } => "/var/lib/lockstep:rw,mode=0700,U".to_string(),
-            Engine::Docker => {
-                format!("/var/lib/lockstep:rw,mode=0700,uid={IMAGE_UID},gid={IMAGE_UID}")
-            }
-        })
+        .arg("--volume")
+        .arg(format!("{}:/var/lib/lockstep", state.display()))
         // The token reaches the container by name, not on a command line.
         .args(["--env", "LOCKSTEP_API_TOKEN"])
         .env("LOCKSTEP_API_TOKEN", &token)
@@ -895,7 +939,7 @@ fn serve_in_image(engine: &Engine) -> anyhow::Result<()> {
         .arg("--distribution-policy=/usr/local/share/lockstep/policies/barrier.wasm");
     run(cmd)?;
     check_then_stop(engine, &name, 20, || {
-        check_serving(engine, &name, &url, metrics_port, &token)
+        check_serving(engine, &name, &url, metrics_port, &token, &state)
     })
 }
 
@@ -1015,6 +1059,7 @@ fn check_serving(
     url: &str,
     metrics_port: u16,
     token: &str,
+    state: &Path,
 ) -> anyhow::Result<()> {
     let status = poll(engine, name, 60, "the API answering", || {
         output(client(engine, name, url, Some(token), &["status"]))
@@ -1064,12 +1109,9 @@ fn check_serving(
     )?;
     eprintln!("xtask: `lockstep status`:\n{status}");
     // /metrics asks its own read-only token, on loopback too: the one
-    // `lockstep serve` made in its state directory, read in the container
-    // (as the image's user, who owns it).
-    let mut read = engine.cmd();
-    read.args(["exec", name, "cat", "/var/lib/lockstep/metrics.token"]);
-    let metrics_token =
-        output(read).map_err(|e| anyhow::anyhow!("reading the metrics token in {name}: {e}"))?;
+    // `lockstep serve` made in its state directory (mounted from `state`).
+    let metrics_token = std::fs::read_to_string(state.join("metrics.token"))
+        .with_context(|| format!("reading the metrics token {name}'s serve made"))?;
     let metrics_token = metrics_token.lines().next().unwrap_or("").trim();
     let ok =
         |answer: &str| answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200");

@@ -115,12 +115,18 @@ enum Task {
     },
     /// Build the container image lockstep:dev (podman, or docker) from the
     /// host's binaries and check it: `lockstep demo` and `lockstep serve`
-    /// inside it; then remove it. Not part of `test`. See docs/image.md.
+    /// inside it; then remove it. `test` runs it on the debug binaries.
+    /// See docs/image.md.
     Image {
         /// Build everything inside the container (a release build in the Rust
         /// image, which must come from a registry).
         #[arg(long)]
         from_source: bool,
+        /// Build the host's release binaries first and put those in the
+        /// image (what ships; a cold release build takes about 13 minutes
+        /// on 2 cores, which is why `test` uses the debug binaries).
+        #[arg(long, conflicts_with = "from_source")]
+        release: bool,
         /// Keep the image and the build context (target/lockstep/image).
         #[arg(long)]
         keep: bool,
@@ -181,7 +187,15 @@ fn main() -> anyhow::Result<()> {
             strategies,
             campaign,
         } => chaos::run_suite_with(&suite, &strategies, &campaign),
-        Task::Image { from_source, keep } => image::image(&image::Options { from_source, keep }),
+        Task::Image {
+            from_source,
+            release,
+            keep,
+        } => image::image(&image::Options {
+            from_source,
+            release,
+            keep,
+        }),
         Task::Model { variants } => model::run(&variants),
         Task::KubeUp => kube_control_plane::kube_up(),
         Task::Kube { node_only } => kube::kube(node_only),

@@ -3,7 +3,7 @@
 //! variable, against the Kubernetes API double (`lockstep-kube-double`,
 //! holding the Deployment the environment owns its objects by) and a
 //! throw-away PostgreSQL server (the Deployment's `LOCKSTEP_STORE`), the
-//! state volume as its init container leaves it. It must start, answer
+//! state volume as the kubelet leaves it (fsGroup). It must start, answer
 //! grpc.health.v1 SERVING and the API with the token (refusing a call
 //! without), serve /metrics to the read-only metrics token of its mounted
 //! Secret only (not the API token),
@@ -194,16 +194,15 @@ pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
     );
     eprintln!("xtask: {first}");
 
-    // The state volume as the init container leaves it: the volume's root,
-    // and `state` of mode 0700, owned by the image's user.
+    // The state volume as the kubelet leaves it with fsGroup: the volume's
+    // root owned by root, group the image's, group-writable with setgid;
+    // `lockstep serve` makes `state` in it (mode 0700) itself.
     let volume = dir.path().join("volume");
-    std::fs::create_dir_all(volume.join("state"))?;
+    std::fs::create_dir_all(&volume)?;
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(volume.join("state"), std::fs::Permissions::from_mode(0o700))?;
-    for p in [volume.clone(), volume.join("state")] {
-        std::os::unix::fs::chown(&p, Some(IMAGE_UID), Some(IMAGE_UID))
-            .with_context(|| format!("chown {} (needs root)", p.display()))?;
-    }
+    std::os::unix::fs::chown(&volume, Some(0), Some(IMAGE_UID))
+        .with_context(|| format!("chown {} (needs root)", volume.display()))?;
+    std::fs::set_permissions(&volume, std::fs::Permissions::from_mode(0o2775))?;
     std::fs::set_permissions(&kubeconfig, std::fs::Permissions::from_mode(0o644))?;
 
     let name = container_name("deployment");

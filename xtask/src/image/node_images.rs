@@ -145,7 +145,7 @@ pub fn ensure() -> anyhow::Result<NodeImages> {
     let mut times = Times::default();
     ensure_base(&engine, &mut times)?;
     let context = target_dir().join("lockstep/image/context");
-    prepare_context(&context)?;
+    prepare_context(&context, "debug")?;
     let mut build = engine.build_cmd();
     build
         .arg("-f")
