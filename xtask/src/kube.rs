@@ -17,7 +17,10 @@
 //!    pass, `catalog-only` must be caught).
 //! 4. A replica's life (`lockstep-chaos-kube`): create, shared-fate
 //!    restart, whole restart, upgrade, drop, each timed.
-//! 5. A second control plane with a real node ([`crate::kube_node`]:
+//! 5. The oldest Kubernetes stated (v1.33.13, from tools/kube/k8s-oldest):
+//!    its control plane, the base applied with strict validation, the Role
+//!    through its authorizer, a replica's life.
+//! 6. A second control plane with a real node ([`crate::kube_node`]:
 //!    kubelet, containerd, CoreDNS, the image of `cargo xtask image`
 //!    imported): the base applied again, and `lockstep-chaos-node` runs
 //!    replicas of real pods under each shipped policy, faulted (a process
@@ -80,7 +83,7 @@ const REFUSED: [(&str, &str, &str); 10] = [
     ("list", "nodes", ""),
 ];
 
-/// The task; `node_only`: step 5 alone.
+/// The task; `node_only`: step 6 alone.
 pub fn kube(node_only: bool) -> anyhow::Result<()> {
     step("the control plane's programs (tools/kube, built once into target/kube/bin)");
     let binaries = crate::kube_control_plane::ensure_built()?;
@@ -104,6 +107,7 @@ pub fn kube(node_only: bool) -> anyhow::Result<()> {
     }
     result?;
     drop(cp);
+    oldest(&binaries)?;
     if !crate::prereqs::skipped("kube-node") {
         real_node(&binaries)?;
     }
@@ -111,7 +115,56 @@ pub fn kube(node_only: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Step 5: the real node and the suite on it.
+/// Step 5: the oldest Kubernetes stated ([`crate::kube_control_plane::OLDEST`]):
+/// a control plane of that release (kwok's node), the base applied with
+/// strict validation against its schemas, the Role through its authorizer,
+/// and a replica's life (`lockstep-chaos-kube`) on it.
+fn oldest(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<()> {
+    let version = crate::kube_control_plane::OLDEST;
+    step(&format!(
+        "the oldest Kubernetes stated ({version}): a control plane of that release on loopback"
+    ));
+    let dir = target_dir().join("kube/run-oldest");
+    let cp = ControlPlane::start_with(&binaries.with_oldest_control_plane(), &dir)?;
+    let served = kubectl(&cp, &["version", "-o", "json"])?;
+    let served: serde_json::Value = serde_json::from_str(&served)?;
+    anyhow::ensure!(
+        served["serverVersion"]["gitVersion"] == version,
+        "the oldest control plane serves {}, not {version}",
+        served["serverVersion"]["gitVersion"]
+    );
+    let result = (|| {
+        apply_base(&cp)?;
+        step(&format!(
+            "the Role through {version}'s authorizer; a replica's life on {version}"
+        ));
+        let kubeconfig = service_account_kubeconfig(&cp, &dir)?;
+        authorizer(&cp)?;
+        let env = [
+            ("LOCKSTEP_KUBE_KUBECONFIG", kubeconfig),
+            ("LOCKSTEP_KUBE_ADMIN_KUBECONFIG", cp.admin_kubeconfig()),
+            ("LOCKSTEP_KUBECTL", cp.binaries().kubectl.clone()),
+        ];
+        for (k, v) in &env {
+            std::env::set_var(k, v);
+        }
+        crate::chaos::run_suite_binary(
+            target_dir().join("debug/lockstep-chaos-kube"),
+            &[],
+            "kube",
+            1,
+        )
+    })();
+    if result.is_err() {
+        eprintln!(
+            "xtask: kube-apiserver {version}'s log, last lines:\n{}",
+            cp.log_tail("kube-apiserver", 20)
+        );
+    }
+    result
+}
+
+/// Step 6: the real node and the suite on it.
 fn real_node(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<()> {
     step("the real node: the image saved for it");
     let images = crate::image::node_images::ensure()?;

@@ -25,7 +25,7 @@ use crate::util::{run, target_dir};
 mod build;
 mod pki;
 
-pub use build::{bin_dir, cache_dir, ensure_built, Binaries};
+pub use build::{bin_dir, cache_dir, ensure_built, Binaries, OLDEST};
 pub(crate) use pki::client_kubeconfig_yaml;
 use pki::{kubeconfig_yaml, make_pki};
 

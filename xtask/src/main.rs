@@ -159,7 +159,7 @@ enum Task {
     /// (kubelet, containerd, CoreDNS; root) faulted and checked; ends with
     /// `kube: ok`.
     Kube {
-        /// Only the real node's part (step 5).
+        /// Only the real node's part (step 6).
         #[arg(long)]
         node_only: bool,
     },

@@ -38,6 +38,27 @@ pub struct Binaries {
     pub kubelet: PathBuf,
     /// CoreDNS (only the plugins the real node's Corefile uses): pod DNS.
     pub coredns: PathBuf,
+    /// The directory of the oldest stated release's kube-apiserver,
+    /// kube-controller-manager, kube-scheduler and kubectl ([`OLDEST`]).
+    pub oldest: PathBuf,
+}
+
+/// The oldest Kubernetes release lockstep states it supports, built from
+/// tools/kube/k8s-oldest (docs/kubernetes.md, "Kubernetes versions").
+pub const OLDEST: &str = "v1.33.13";
+
+impl Binaries {
+    /// The same programs with the control plane (API server, controller
+    /// manager, scheduler, kubectl) of [`OLDEST`].
+    pub fn with_oldest_control_plane(&self) -> Binaries {
+        Binaries {
+            kube_apiserver: self.oldest.join("kube-apiserver"),
+            kube_controller_manager: self.oldest.join("kube-controller-manager"),
+            kube_scheduler: self.oldest.join("kube-scheduler"),
+            kubectl: self.oldest.join("kubectl"),
+            ..self.clone()
+        }
+    }
 }
 
 /// One Go module of tools/kube/ and the programs built from it.
@@ -48,6 +69,9 @@ struct GoModule {
     packages: &'static [&'static str],
     /// Extra linker flags.
     ldflags: &'static str,
+    /// The subdirectory of `target/kube/bin/` its programs go to ("": the
+    /// directory itself).
+    out: &'static str,
 }
 
 /// The version stamps kube's own Makefile sets (`/version` answers
@@ -61,16 +85,28 @@ const K8S_LDFLAGS: &str = "-X k8s.io/component-base/version.gitVersion=v1.37.2 \
      -X k8s.io/client-go/pkg/version.gitMinor=37 \
      -X k8s.io/client-go/pkg/version.gitTreeState=clean";
 
+/// [`K8S_LDFLAGS`] for [`OLDEST`].
+const K8S_OLDEST_LDFLAGS: &str = "-X k8s.io/component-base/version.gitVersion=v1.33.13 \
+     -X k8s.io/component-base/version.gitMajor=1 \
+     -X k8s.io/component-base/version.gitMinor=33 \
+     -X k8s.io/component-base/version.gitTreeState=clean \
+     -X k8s.io/client-go/pkg/version.gitVersion=v1.33.13 \
+     -X k8s.io/client-go/pkg/version.gitMajor=1 \
+     -X k8s.io/client-go/pkg/version.gitMinor=33 \
+     -X k8s.io/client-go/pkg/version.gitTreeState=clean";
+
 const MODULES: &[GoModule] = &[
     GoModule {
         dir: "etcd",
         packages: &["."],
         ldflags: "",
+        out: "",
     },
     GoModule {
         dir: "kwok",
         packages: &["."],
         ldflags: "",
+        out: "",
     },
     GoModule {
         dir: "k8s",
@@ -82,11 +118,24 @@ const MODULES: &[GoModule] = &[
             "k8s.io/kubernetes/cmd/kubelet",
         ],
         ldflags: K8S_LDFLAGS,
+        out: "",
+    },
+    GoModule {
+        dir: "k8s-oldest",
+        packages: &[
+            "k8s.io/kubernetes/cmd/kube-apiserver",
+            "k8s.io/kubernetes/cmd/kube-controller-manager",
+            "k8s.io/kubernetes/cmd/kube-scheduler",
+            "k8s.io/kubernetes/cmd/kubectl",
+        ],
+        ldflags: K8S_OLDEST_LDFLAGS,
+        out: "k8s-oldest",
     },
     GoModule {
         dir: "coredns",
         packages: &["."],
         ldflags: "",
+        out: "",
     },
 ];
 
@@ -137,7 +186,12 @@ fn keep_in_cache(
     fs::rename(&part, &entry)?;
     for e in fs::read_dir(cache)?.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with(&format!("{dir}-")) && e.path() != entry {
+        // `DIR-` and a stamp (16 hex digits): `k8s-` must not match
+        // `k8s-oldest-...`.
+        let of_dir = name
+            .strip_prefix(&format!("{dir}-"))
+            .is_some_and(|rest| rest.len() == 16 && rest.chars().all(|c| c.is_ascii_hexdigit()));
+        if of_dir && e.path() != entry {
             let _ = fs::remove_dir_all(e.path());
         }
     }
@@ -236,10 +290,12 @@ pub fn ensure_built() -> anyhow::Result<Binaries> {
     for module in MODULES {
         let stamp = module_stamp(module, &go_version)?;
         let stamp_file = bin.join(format!(".{}.stamp", module.dir));
+        let out = bin.join(module.out);
+        fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
         let programs: Vec<PathBuf> = module
             .packages
             .iter()
-            .map(|p| bin.join(program_name(module, p)))
+            .map(|p| out.join(program_name(module, p)))
             .collect();
         let fresh = fs::read_to_string(&stamp_file).ok().as_deref() == Some(stamp.as_str())
             && programs.iter().all(|p| p.is_file());
@@ -255,7 +311,7 @@ pub fn ensure_built() -> anyhow::Result<Binaries> {
         let cached = cache_dir().map(|c| c.join(format!("{}-{stamp}", module.dir)));
         if let Some(cached) = cached.filter(|c| names.iter().all(|n| c.join(n).is_file())) {
             let started = Instant::now();
-            copy_programs(&cached, &bin, &names)?;
+            copy_programs(&cached, &out, &names)?;
             fs::write(&stamp_file, &stamp)?;
             eprintln!(
                 "xtask: kube: {} restored from {} in {:.1} s (built before from the same module)",
@@ -280,7 +336,7 @@ pub fn ensure_built() -> anyhow::Result<Binaries> {
             cmd.arg(&programs[0]);
         } else {
             // `-o DIR/` with several packages: one program each.
-            cmd.arg(format!("{}/", bin.display()));
+            cmd.arg(format!("{}/", out.display()));
         }
         cmd.args(module.packages);
         run(cmd).with_context(|| {
@@ -299,7 +355,7 @@ pub fn ensure_built() -> anyhow::Result<Binaries> {
         // Best effort: a cache that cannot be written costs the next clone
         // a build, nothing else.
         if let Some(cache) = cache_dir() {
-            match keep_in_cache(&cache, module.dir, &stamp, &bin, &names) {
+            match keep_in_cache(&cache, module.dir, &stamp, &out, &names) {
                 Ok(()) => eprintln!("xtask: kube: kept in {}", cache.display()),
                 Err(e) => eprintln!(
                     "xtask: kube: could not keep the programs in {}: {e:#}",
@@ -318,5 +374,6 @@ pub fn ensure_built() -> anyhow::Result<Binaries> {
         kwok: bin.join("kwok"),
         kubelet: bin.join("kubelet"),
         coredns: bin.join("coredns"),
+        oldest: bin.join("k8s-oldest"),
     })
 }
