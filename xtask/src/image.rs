@@ -190,8 +190,12 @@ fn run_all(opts: &Options, times: &mut Times) -> anyhow::Result<()> {
     times.start("lockstep serve inside the image as the shipped Deployment runs it");
     deployment::run_check(&engine)?;
 
-    times.start("saving the image for the real Kubernetes node (target/lockstep/node-images)");
-    node_images::save(&engine)?;
+    if !opts.release {
+        // The node suite's pods run the binaries the test built (with the
+        // test features), never a release image of another build.
+        times.start("saving the image for the real Kubernetes node (target/lockstep/node-images)");
+        node_images::save(&engine)?;
+    }
 
     times.start(if opts.keep {
         "keeping the image and the build context (--keep)"

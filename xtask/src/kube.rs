@@ -357,6 +357,11 @@ fn overlay(cp: &ControlPlane) -> anyhow::Result<()> {
                     && !text.contains("localhost/lockstep:"),
                 "the overlay's Deployment does not run its image only: {text}"
             );
+            anyhow::ensure!(
+                text.contains("--tls-cert=/etc/lockstep/api-tls/tls.crt")
+                    && text.contains("\"secretName\":\"lockstep-api-tls\""),
+                "the overlay's Deployment does not serve the API over TLS: {text}"
+            );
         }
     }
     anyhow::ensure!(seen >= 10, "the overlay rendered {seen} objects");
@@ -364,6 +369,7 @@ fn overlay(cp: &ControlPlane) -> anyhow::Result<()> {
     anyhow::ensure!(
         secrets
             == [
+                "lockstep-api-tls",
                 "lockstep-api-token",
                 "lockstep-metrics-token",
                 "lockstep-postgres"

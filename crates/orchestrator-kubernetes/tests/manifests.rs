@@ -333,6 +333,31 @@ fn every_secret_the_deployment_reads_is_one_the_example_overlay_makes() {
         "the metrics token's Secret {secret} (key {key}) is made by no overlay: {generated:?}"
     );
     read.insert(secret);
+    // The overlay's own patch (the API over TLS) mounts its certificate's
+    // Secret and hands serve the files of both its keys.
+    let patch = deploy_dir().join("../overlays/example/api-tls.yaml");
+    let ops: Value = serde_yaml_ng::from_str(&std::fs::read_to_string(patch).unwrap()).unwrap();
+    let ops = ops.as_array().expect("a JSON patch");
+    let tls_secret = ops
+        .iter()
+        .find_map(|op| op["value"]["secret"]["secretName"].as_str())
+        .expect("the patch mounts a Secret");
+    let mount = ops
+        .iter()
+        .find_map(|op| op["value"]["mountPath"].as_str())
+        .expect("the patch mounts it");
+    for (flag, key) in [("--tls-cert", "tls.crt"), ("--tls-key", "tls.key")] {
+        assert!(
+            generated.get(tls_secret).is_some_and(|k| k.contains(key)),
+            "{tls_secret} (key {key}) is made by no overlay: {generated:?}"
+        );
+        let arg = format!("{flag}={mount}/{key}");
+        assert!(
+            ops.iter().any(|op| op["value"] == arg.as_str()),
+            "the patch does not pass {arg}"
+        );
+    }
+    read.insert(tls_secret.to_string());
     // Nothing generated goes unread.
     let made: BTreeSet<String> = generated.keys().cloned().collect();
     assert_eq!(read, made);

@@ -1,6 +1,6 @@
 //! The example overlay as a platform team applies it, on the real node
-//! (`cargo xtask kube`, step 5): `deploy/kubernetes` copied unchanged, the
-//! three files the example overlay makes its Secrets from written into its
+//! (`cargo xtask kube`, step 6): `deploy/kubernetes` copied unchanged, the
+//! files the example overlay makes its Secrets from written into its
 //! `secrets/` as its comments say, and `kubectl apply -k` of the copy. What
 //! the cluster must provide is provided as a cluster would:
 //!
@@ -16,7 +16,9 @@
 //!   it on `lo`), for the environment's in-cluster config.
 //!
 //! Then `lockstep-chaos-node shipped` drives the environment from this host
-//! (outside the cluster) at its pod's IP, with the token of the Secret:
+//! (outside the cluster) at its pod's IP over the API's TLS (which the
+//! overlay turns on; the probes stay on the plain metrics port), with the
+//! token of the Secret:
 //! a replica created and its answers checked, scraped as
 //! `deploy/prometheus/scrape.yaml` says with the metrics token read back
 //! from its Secret, the environment's pod deleted (the Deployment makes
@@ -109,6 +111,7 @@ fn run_one(cp: &ControlPlane, dir: &Path, variant: &str, store: &str) -> anyhow:
         std::env::set_var("LOCKSTEP_SHIPPED_TOKEN", &token);
         std::env::set_var("LOCKSTEP_SHIPPED_VARIANT", variant);
         std::env::set_var("LOCKSTEP_SHIPPED_DEPLOY", copy.join("deploy"));
+        std::env::set_var("LOCKSTEP_SHIPPED_API_CA", api_ca(&overlay));
         crate::chaos::run_suite_binary(
             crate::util::target_dir().join("debug/lockstep-chaos-node"),
             &["shipped"],
@@ -146,10 +149,11 @@ fn run_one(cp: &ControlPlane, dir: &Path, variant: &str, store: &str) -> anyhow:
     result
 }
 
-/// `deploy/` copied unchanged into `copy`, with the three files the example
+/// `deploy/` copied unchanged into `copy`, with the files the example
 /// overlay makes its Secrets from written into its `secrets/` as its
 /// comments say (a newline at the end included): the API token `token`, a
-/// fresh metrics token and the store `store`. The overlay's directory.
+/// fresh metrics token, the store `store`, and the API's certificate and
+/// key ([`api_ca`]). The overlay's directory.
 pub fn example_with_secrets(
     copy: &Path,
     token: &str,
@@ -166,7 +170,20 @@ pub fn example_with_secrets(
         format!("{}\n", crate::image::random_token()?),
     )?;
     std::fs::write(secrets.join("postgres.url"), store)?;
+    // The API's certificate for the Service's name, self-signed (its own
+    // CA), as the comments' openssl command makes it.
+    let name = format!("lockstep-environment.{NAMESPACE}.svc");
+    let key = rcgen::KeyPair::generate()?;
+    let cert = rcgen::CertificateParams::new(vec![name])?.self_signed(&key)?;
+    std::fs::write(secrets.join("tls.crt"), cert.pem())?;
+    std::fs::write(secrets.join("tls.key"), key.serialize_pem())?;
     Ok(overlay)
+}
+
+/// The API's certificate [`example_with_secrets`] wrote for the overlay in
+/// `overlay` (the CA to check the API against).
+pub fn api_ca(overlay: &Path) -> std::path::PathBuf {
+    overlay.join("secrets/tls.crt")
 }
 
 /// `kubectl apply -f -` of `yaml`.

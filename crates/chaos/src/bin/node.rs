@@ -107,6 +107,7 @@ impl Setting {
         Api {
             url: env.url.clone(),
             token: env.token.clone(),
+            tls: None,
         }
     }
 

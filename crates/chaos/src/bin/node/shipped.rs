@@ -2,7 +2,9 @@
 //! deploys it (in the cluster, its catalog on PostgreSQL or on SQLite on its
 //! PVC, `LOCKSTEP_SHIPPED_VARIANT`; `cargo xtask kube` applied it), driven
 //! from this host at its pod's IP with the token of its Secret
-//! (`LOCKSTEP_SHIPPED_TOKEN`, in `LOCKSTEP_SHIPPED_NAMESPACE`):
+//! (`LOCKSTEP_SHIPPED_TOKEN`, in `LOCKSTEP_SHIPPED_NAMESPACE`), over the
+//! TLS the overlay turns on (its certificate checked against
+//! `LOCKSTEP_SHIPPED_API_CA` for the Service's DNS name):
 //!
 //! - `create`: a 2 x 2 replica (the Deployment's replica requests, 500m a
 //!   pod, fit two on two cores) and a dataflow; writes answered, both
@@ -107,9 +109,25 @@ pub async fn run(cluster: &RealCluster) -> Vec<Scenario> {
             return out;
         }
     };
+    // The overlay turns the API's TLS on: its certificate names the
+    // Service, and is its own CA (LOCKSTEP_SHIPPED_API_CA).
+    let tls = match std::env::var("LOCKSTEP_SHIPPED_API_CA").map(std::fs::read_to_string) {
+        Ok(Ok(ca)) => (ca, format!("lockstep-environment.{ns}.svc")),
+        _ => {
+            out.push(Scenario {
+                name: "create",
+                result: Err(harness(
+                    "LOCKSTEP_SHIPPED_API_CA must name the API certificate's CA file (cargo xtask kube sets it)",
+                )),
+                seconds: 0.0,
+            });
+            return out;
+        }
+    };
     let api = |ip: &str| Api {
-        url: format!("http://{ip}:6875"),
+        url: format!("https://{ip}:6875"),
         token: Some(token.clone()),
+        tls: Some(tls.clone()),
     };
 
     let started = Instant::now();

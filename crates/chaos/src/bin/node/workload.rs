@@ -48,13 +48,26 @@ pub struct Api {
     pub url: String,
     /// The API token.
     pub token: Option<String>,
+    /// For an `https://` URL: the CA certificate (PEM) to check the
+    /// server's against, and the name to check it for (the Service's DNS
+    /// name, where the URL has the pod's IP).
+    pub tls: Option<(String, String)>,
 }
 
 impl Api {
     async fn client(&self) -> Result<Client, String> {
-        let endpoint = tonic::transport::Endpoint::from_shared(self.url.clone())
+        let mut endpoint = tonic::transport::Endpoint::from_shared(self.url.clone())
             .map_err(|e| e.to_string())?
             .connect_timeout(ATTEMPT);
+        if let Some((ca, domain)) = &self.tls {
+            endpoint = endpoint
+                .tls_config(
+                    tonic::transport::ClientTlsConfig::new()
+                        .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+                        .domain_name(domain),
+                )
+                .map_err(|e| format!("TLS: {e}"))?;
+        }
         let channel = tokio::time::timeout(ATTEMPT, endpoint.connect())
             .await
             .map_err(|_| "connect timed out".to_string())?
