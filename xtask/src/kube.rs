@@ -26,7 +26,8 @@
 //!    replicas of real pods under each shipped policy, faulted (a process
 //!    killed and stopped, a pod deleted, the environment killed) and
 //!    checked; then the example overlay applied as shipped ([`shipped`]:
-//!    the environment in the cluster, on PostgreSQL, driven from outside).
+//!    the environment in the cluster, on PostgreSQL, driven from outside
+//!    over TLS, scraped by Prometheus in a pod).
 //!    The host is restored afterwards, also after a failure.
 //!    Needs root; where it is not, the step fails naming it (`--skip
 //!    kube-node` leaves it out on purpose).
@@ -173,6 +174,11 @@ fn real_node(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<(
     let cp = ControlPlane::start_without_node(binaries, &dir)?;
     let node = crate::kube_node::RealNode::start(&cp, &target_dir().join("kube/node"), &images)?;
     let result = (|| {
+        step("Prometheus' image for the shipped scrape configuration (tools/kube/prometheus)");
+        let prometheus = crate::image::node_images::prometheus(&binaries.prometheus)?;
+        let prometheus_image = crate::image::node_images::PROMETHEUS_IMAGE;
+        node.import_image(&prometheus, prometheus_image)?;
+        std::env::set_var("LOCKSTEP_PROMETHEUS_IMAGE", prometheus_image);
         apply_base(&cp)?;
         let kubeconfig = service_account_kubeconfig(&cp, &dir)?;
         let debug = target_dir().join("debug");

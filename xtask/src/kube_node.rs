@@ -334,26 +334,33 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         })
     }
 
-    fn import(&mut self, images: &NodeImages) -> anyhow::Result<()> {
-        for archive in [&images.pause_archive, &images.lockstep_archive] {
-            let started = Instant::now();
-            let mut cmd = self.ctr();
-            cmd.args(["images", "import"]).arg(archive);
-            quiet(cmd).with_context(|| format!("importing {}", archive.display()))?;
-            eprintln!(
-                "xtask: kube: imported {} into containerd in {:.1} s",
-                archive.display(),
-                started.elapsed().as_secs_f64()
-            );
-        }
+    /// Imports the image archive `archive`, which holds `name`, into
+    /// containerd (for a pod of the suite that is not lockstep's).
+    pub fn import_image(&self, archive: &Path, name: &str) -> anyhow::Result<()> {
+        let started = Instant::now();
+        let mut cmd = self.ctr();
+        cmd.args(["images", "import"]).arg(archive);
+        quiet(cmd).with_context(|| format!("importing {}", archive.display()))?;
         let mut ls = self.ctr();
         ls.args(["images", "ls", "-q"]);
         let listed = quiet(ls)?;
-        for want in [&images.pause, &images.lockstep] {
-            anyhow::ensure!(
-                listed.lines().any(|l| l.trim() == want.as_str()),
-                "containerd does not list {want} after the import; it lists: {listed}"
-            );
+        anyhow::ensure!(
+            listed.lines().any(|l| l.trim() == name),
+            "containerd does not list {name} after the import; it lists: {listed}"
+        );
+        eprintln!(
+            "xtask: kube: imported {name} into containerd in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+
+    fn import(&mut self, images: &NodeImages) -> anyhow::Result<()> {
+        for (archive, name) in [
+            (&images.pause_archive, &images.pause),
+            (&images.lockstep_archive, &images.lockstep),
+        ] {
+            self.import_image(archive, name)?;
         }
         Ok(())
     }

@@ -45,7 +45,10 @@ fn dir() -> PathBuf {
 /// here) as archives.
 pub(super) fn save(engine: &Engine) -> anyhow::Result<NodeImages> {
     let dir = dir();
-    let _ = std::fs::remove_dir_all(&dir);
+    // Prometheus' archive stays (it holds no lockstep binary).
+    for stale in ["lockstep.tar", "pause.tar", "images.json"] {
+        let _ = std::fs::remove_file(dir.join(stale));
+    }
     std::fs::create_dir_all(&dir)?;
     let mut inspect = engine.cmd();
     inspect.args(["image", "inspect", "--format", "{{.Id}}", IMAGE]);
@@ -56,28 +59,20 @@ pub(super) fn save(engine: &Engine) -> anyhow::Result<NodeImages> {
     let lockstep_archive = dir.join("lockstep.tar");
     save_as(engine, IMAGE, &lockstep, &lockstep_archive)?;
 
-    let context = dir.join("pause-context");
-    std::fs::create_dir_all(&context)?;
     let catatonit = ["/usr/bin/catatonit", "/usr/libexec/podman/catatonit"]
         .into_iter()
         .map(Path::new)
         .find(|p| p.is_file())
         .context("catatonit (podman's package brings it) is needed for the pause image")?;
-    std::fs::copy(catatonit, context.join("catatonit"))?;
-    std::fs::write(
-        context.join("Containerfile"),
-        "FROM scratch\nCOPY catatonit /pause\nENTRYPOINT [\"/pause\", \"-P\"]\n",
-    )?;
-    let mut build = engine.build_cmd();
-    build.args(["-t", PAUSE_IMAGE]).arg(&context);
-    run(build)?;
     let pause_archive = dir.join("pause.tar");
-    save_as(engine, PAUSE_IMAGE, PAUSE_IMAGE, &pause_archive)?;
-    let mut rmi = engine.cmd();
-    rmi.args(["rmi", "-f", PAUSE_IMAGE]);
-    let _ = run(rmi);
-    let _ = std::fs::remove_dir_all(&context);
-
+    save_scratch_image(
+        engine,
+        PAUSE_IMAGE,
+        catatonit,
+        "/pause",
+        "[\"/pause\", \"-P\"]",
+        &pause_archive,
+    )?;
     let images = NodeImages {
         lockstep,
         lockstep_archive,
@@ -92,6 +87,63 @@ pub(super) fn save(engine: &Engine) -> anyhow::Result<NodeImages> {
         dir.display()
     );
     Ok(images)
+}
+
+/// Builds image `name` from scratch holding `program` at `at` with
+/// `entrypoint` (a JSON array), saves it into `archive` and removes it.
+fn save_scratch_image(
+    engine: &Engine,
+    name: &str,
+    program: &Path,
+    at: &str,
+    entrypoint: &str,
+    archive: &Path,
+) -> anyhow::Result<()> {
+    let context = archive.with_extension("context");
+    let _ = std::fs::remove_dir_all(&context);
+    std::fs::create_dir_all(&context)?;
+    std::fs::copy(program, context.join("program"))
+        .with_context(|| format!("copying {}", program.display()))?;
+    std::fs::write(
+        context.join("Containerfile"),
+        format!("FROM scratch\nCOPY program {at}\nENTRYPOINT {entrypoint}\n"),
+    )?;
+    let mut build = engine.build_cmd();
+    build.args(["-t", name]).arg(&context);
+    let built = run(build).and_then(|()| save_as(engine, name, name, archive));
+    let mut rmi = engine.cmd();
+    rmi.args(["rmi", "-f", name]);
+    let _ = run(rmi);
+    let _ = std::fs::remove_dir_all(&context);
+    built
+}
+
+/// Prometheus' image for the real node's suite (the shipped scrape
+/// configuration run by Prometheus itself).
+pub const PROMETHEUS_IMAGE: &str = "localhost/lockstep-prometheus:1";
+
+/// [`PROMETHEUS_IMAGE`] holding `binary` (tools/kube/prometheus), saved as
+/// an archive, made again only when the binary is newer; the archive.
+pub fn prometheus(binary: &Path) -> anyhow::Result<PathBuf> {
+    let archive = dir().join("prometheus.tar");
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    if let (Some(saved), Some(built)) = (modified(&archive), modified(binary)) {
+        if saved >= built {
+            return Ok(archive);
+        }
+    }
+    crate::prereqs::podman()?;
+    let engine = Engine::find()?;
+    std::fs::create_dir_all(dir())?;
+    save_scratch_image(
+        &engine,
+        PROMETHEUS_IMAGE,
+        binary,
+        "/bin/prometheus",
+        "[\"/bin/prometheus\"]",
+        &archive,
+    )?;
+    Ok(archive)
 }
 
 /// `engine save` of `image` named `name` into `archive`.

@@ -38,6 +38,9 @@ pub struct Binaries {
     pub kubelet: PathBuf,
     /// CoreDNS (only the plugins the real node's Corefile uses): pod DNS.
     pub coredns: PathBuf,
+    /// Prometheus (static and HTTP service discovery only): the shipped
+    /// scrape configuration run by Prometheus itself on the real node.
+    pub prometheus: PathBuf,
     /// The directory of the oldest stated release's kube-apiserver,
     /// kube-controller-manager, kube-scheduler and kubectl ([`OLDEST`]).
     pub oldest: PathBuf,
@@ -72,28 +75,35 @@ struct GoModule {
     /// The subdirectory of `target/kube/bin/` its programs go to ("": the
     /// directory itself).
     out: &'static str,
+    /// Go build tags ("": none).
+    tags: &'static str,
 }
 
-/// The version stamps kube's own Makefile sets (`/version` answers
-/// `v1.37.2`, not `v0.0.0-master`).
-const K8S_LDFLAGS: &str = "-X k8s.io/component-base/version.gitVersion=v1.37.2 \
-     -X k8s.io/component-base/version.gitMajor=1 \
-     -X k8s.io/component-base/version.gitMinor=37 \
-     -X k8s.io/component-base/version.gitTreeState=clean \
-     -X k8s.io/client-go/pkg/version.gitVersion=v1.37.2 \
-     -X k8s.io/client-go/pkg/version.gitMajor=1 \
-     -X k8s.io/client-go/pkg/version.gitMinor=37 \
-     -X k8s.io/client-go/pkg/version.gitTreeState=clean";
+/// The version stamps kube's own Makefile sets for release `$version`
+/// (minor `$minor`), so that `/version` answers it, not `v0.0.0-master`.
+macro_rules! k8s_ldflags {
+    ($version:literal, $minor:literal) => {
+        concat!(
+            "-X k8s.io/component-base/version.gitVersion=",
+            $version,
+            " -X k8s.io/component-base/version.gitMajor=1",
+            " -X k8s.io/component-base/version.gitMinor=",
+            $minor,
+            " -X k8s.io/component-base/version.gitTreeState=clean",
+            " -X k8s.io/client-go/pkg/version.gitVersion=",
+            $version,
+            " -X k8s.io/client-go/pkg/version.gitMajor=1",
+            " -X k8s.io/client-go/pkg/version.gitMinor=",
+            $minor,
+            " -X k8s.io/client-go/pkg/version.gitTreeState=clean"
+        )
+    };
+}
 
-/// [`K8S_LDFLAGS`] for [`OLDEST`].
-const K8S_OLDEST_LDFLAGS: &str = "-X k8s.io/component-base/version.gitVersion=v1.33.13 \
-     -X k8s.io/component-base/version.gitMajor=1 \
-     -X k8s.io/component-base/version.gitMinor=33 \
-     -X k8s.io/component-base/version.gitTreeState=clean \
-     -X k8s.io/client-go/pkg/version.gitVersion=v1.33.13 \
-     -X k8s.io/client-go/pkg/version.gitMajor=1 \
-     -X k8s.io/client-go/pkg/version.gitMinor=33 \
-     -X k8s.io/client-go/pkg/version.gitTreeState=clean";
+/// The k8s module's version stamps.
+const K8S_LDFLAGS: &str = k8s_ldflags!("v1.37.2", "37");
+/// The k8s-oldest module's ([`OLDEST`]).
+const K8S_OLDEST_LDFLAGS: &str = k8s_ldflags!("v1.33.13", "33");
 
 const MODULES: &[GoModule] = &[
     GoModule {
@@ -101,12 +111,14 @@ const MODULES: &[GoModule] = &[
         packages: &["."],
         ldflags: "",
         out: "",
+        tags: "",
     },
     GoModule {
         dir: "kwok",
         packages: &["."],
         ldflags: "",
         out: "",
+        tags: "",
     },
     GoModule {
         dir: "k8s",
@@ -119,6 +131,7 @@ const MODULES: &[GoModule] = &[
         ],
         ldflags: K8S_LDFLAGS,
         out: "",
+        tags: "",
     },
     GoModule {
         dir: "k8s-oldest",
@@ -130,12 +143,21 @@ const MODULES: &[GoModule] = &[
         ],
         ldflags: K8S_OLDEST_LDFLAGS,
         out: "k8s-oldest",
+        tags: "",
     },
     GoModule {
         dir: "coredns",
         packages: &["."],
         ldflags: "",
         out: "",
+        tags: "",
+    },
+    GoModule {
+        dir: "prometheus",
+        packages: &["github.com/prometheus/prometheus/cmd/prometheus"],
+        ldflags: "",
+        out: "",
+        tags: "remove_all_sd",
     },
 ];
 
@@ -244,6 +266,11 @@ fn module_stamp(module: &GoModule, go_version: &str) -> anyhow::Result<String> {
     go_version.hash(&mut h);
     module.packages.hash(&mut h);
     module.ldflags.hash(&mut h);
+    // Hashed only when set: the stamps of the modules without tags stay
+    // what they were (their cached programs stay valid).
+    if !module.tags.is_empty() {
+        module.tags.hash(&mut h);
+    }
     for f in files {
         f.file_name().hash(&mut h);
         fs::read(&f)
@@ -330,8 +357,11 @@ pub fn ensure_built() -> anyhow::Result<Binaries> {
         let _ = fs::remove_file(&stamp_file);
         let mut cmd = go(module.dir);
         cmd.args(["build", "-trimpath", "-ldflags"])
-            .arg(format!("-s -w {}", module.ldflags).trim_end())
-            .arg("-o");
+            .arg(format!("-s -w {}", module.ldflags).trim_end());
+        if !module.tags.is_empty() {
+            cmd.args(["-tags", module.tags]);
+        }
+        cmd.arg("-o");
         if module.packages.len() == 1 {
             cmd.arg(&programs[0]);
         } else {
@@ -375,5 +405,6 @@ pub fn ensure_built() -> anyhow::Result<Binaries> {
         kubelet: bin.join("kubelet"),
         coredns: bin.join("coredns"),
         oldest: bin.join("k8s-oldest"),
+        prometheus: bin.join("prometheus"),
     })
 }

@@ -58,6 +58,8 @@ use lockstep_chaos::outcome::{violation, Failure, Tally};
 
 #[path = "node/pods.rs"]
 mod pods;
+#[path = "node/prometheus.rs"]
+mod prometheus;
 #[path = "node/scrape.rs"]
 mod scrape;
 #[path = "node/shipped.rs"]

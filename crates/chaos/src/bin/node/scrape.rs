@@ -5,10 +5,12 @@
 //! as Prometheus would: each job's targets (static, or from its HTTP service
 //! discovery), its relabelling, its bearer credential.
 //!
-//! Prometheus itself does not run here (no image of it on the node); this
-//! reads the configuration's own fields and refuses any it does not
+//! This reads the configuration's own fields and refuses any it does not
 //! understand (a harness error), so a change to the file that this cannot
-//! carry out fails rather than passes unread. The Service's DNS name is the
+//! carry out fails rather than passes unread; it checks what each scrape
+//! returns (OpenMetrics, `build_info`, `process_*`), and that nothing is
+//! served without the token. Prometheus itself then runs the same file
+//! (`super::prometheus`). The Service's DNS name is the
 //! one thing replaced: this host is outside the cluster's DNS, so
 //! `lockstep-environment.NAMESPACE.svc:PORT` is the environment pod's IP at
 //! that port (the Service's only endpoint).

@@ -12,7 +12,10 @@
 //! - `scraped`: `deploy/prometheus/scrape.yaml` carried out with the
 //!   metrics token read back from its Secret (`super::scrape`): the
 //!   environment and each replica process, one `instance` each, and
-//!   nothing without the token (R1);
+//!   nothing without the token (R1); then Prometheus itself, in a pod,
+//!   with the same configuration and the Secret mounted
+//!   (`super::prometheus`): every target up, each process its own
+//!   `instance`;
 //! - `environment-pod-deleted`: the environment's pod deleted; the
 //!   Deployment makes another, which adopts the replica (the same pod uids
 //!   and restart counts: O1, nothing rebuilt) and answers right within
@@ -162,6 +165,13 @@ pub async fn run(cluster: &RealCluster) -> Vec<Scenario> {
             std::path::Path::new(&deploy),
             &first_ip,
             &token,
+            PROCESSES as usize,
+        )
+        .await?;
+        super::prometheus::scrapes_as_shipped(
+            cluster,
+            &ns,
+            std::path::Path::new(&deploy),
             PROCESSES as usize,
         )
         .await
