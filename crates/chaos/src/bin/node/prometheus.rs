@@ -1,14 +1,16 @@
 //! Prometheus itself scraping the environment the example overlay deployed,
 //! with the shipped configuration: `deploy/prometheus/scrape.yaml` (as
-//! copied by `cargo xtask kube`, `LOCKSTEP_SHIPPED_DEPLOY`) with its
-//! addresses moved to the overlay's namespace, as its comments say, and a
-//! scrape interval of 2 s; the metrics token's Secret mounted at the path
-//! the configuration names. Prometheus runs as a pod of the real node
-//! (its image: `LOCKSTEP_PROMETHEUS_IMAGE`, built by `cargo xtask kube`
-//! from tools/kube/prometheus), so the Service's DNS name resolves as in
-//! any cluster. Passes when Prometheus reports the environment and every
-//! replica process as healthy targets, each process its own `instance`, and
-//! its query of `lockstep_replica_build_info` counts every process.
+//! copied by `cargo xtask kube`, `LOCKSTEP_SHIPPED_DEPLOY`) with a scrape
+//! interval of 2 s, and the metrics token's Secret mounted at the path the
+//! configuration names. Prometheus runs as a pod of the real node (its
+//! image: `LOCKSTEP_PROMETHEUS_IMAGE`, built by `cargo xtask kube` from
+//! tools/kube/prometheus). One thing is replaced: the Service's address
+//! (`lockstep-environment.lockstep.svc`), by the environment pod's IP. The
+//! test node runs no kube-proxy, so a Service's ClusterIP routes nowhere
+//! (found by the first run: every scrape of the Service's name timed out).
+//! Passes when Prometheus reports the environment and every replica
+//! process as healthy targets, each process its own `instance`, and its
+//! query of `lockstep_replica_build_info` counts every process.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -27,11 +29,13 @@ const POD: &str = "prometheus";
 /// The address the shipped configuration names, in the base's namespace.
 const SHIPPED_ADDRESS: &str = "lockstep-environment.lockstep.svc";
 
-/// See the module docs; `processes` replica processes must be targets.
+/// See the module docs: the environment's pod is at `pod_ip`; `processes`
+/// replica processes must be targets.
 pub async fn scrapes_as_shipped(
     cluster: &RealCluster,
     ns: &str,
     deploy: &Path,
+    pod_ip: &str,
     processes: usize,
 ) -> Result<(), Failure> {
     let image = std::env::var("LOCKSTEP_PROMETHEUS_IMAGE").map_err(|_| {
@@ -48,7 +52,7 @@ pub async fn scrapes_as_shipped(
     }
     let config = format!(
         "global:\n  scrape_interval: 2s\n  scrape_timeout: 2s\n{}",
-        shipped.replace(SHIPPED_ADDRESS, &format!("lockstep-environment.{ns}.svc"))
+        shipped.replace(SHIPPED_ADDRESS, pod_ip)
     );
     let dir = tempfile::tempdir().map_err(|e| harness(format!("a temporary directory: {e}")))?;
     let config_file = dir.path().join("prometheus.yml");

@@ -172,6 +172,7 @@ pub async fn run(cluster: &RealCluster) -> Vec<Scenario> {
             cluster,
             &ns,
             std::path::Path::new(&deploy),
+            &first_ip,
             PROCESSES as usize,
         )
         .await
