@@ -45,7 +45,7 @@ fn skip_reason() -> Option<String> {
 /// process 1 by its host name and, once connected, writes `reached` to a
 /// file.
 const PROGRAM: &str = r#"
-import socket, sys, time
+import os, socket, sys, time
 port, peer, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", port)); s.listen(16)
@@ -58,7 +58,11 @@ if out != "-":
         except OSError:
             if time.time() > deadline: raise
             time.sleep(0.05)
-    open(out, "w").write("reached " + host)
+    # Written whole, then renamed: the test polls for the file and must
+    # never read it created but still empty.
+    with open(out + ".part", "w") as f:
+        f.write("reached " + host)
+    os.replace(out + ".part", out)
 while True:
     c, _ = s.accept(); c.close()
 "#;
