@@ -112,12 +112,8 @@ fn full(code: StatusCode, body: &Value) -> Response<DoubleBody> {
         .expect("a valid response")
 }
 
-/// A 400 answer saying `message`.
-pub(crate) fn bad_request(message: String) -> Response<DoubleBody> {
-    error(400, message)
-}
-
-fn error(code: u16, message: String) -> Response<DoubleBody> {
+/// An answer of status `code` (a Kubernetes `Status` saying `message`).
+pub(crate) fn error(code: u16, message: String) -> Response<DoubleBody> {
     full(
         StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
         &status(code, reason_of(code), message),

@@ -13,8 +13,7 @@ use http_body_util::{BodyExt, StreamBody};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::routing::status;
-use crate::routing::{field_selector, name_matches};
+use crate::routing::{error, field_selector, name_matches, status};
 use crate::store::{labels_of, selector_matches, Store};
 use crate::{ApiServerDouble, DoubleBody};
 
@@ -77,7 +76,7 @@ impl ApiServerDouble {
         let selector = query.get("labelSelector").cloned().unwrap_or_default();
         let name = match field_selector(query) {
             Ok(name) => name,
-            Err(e) => return crate::routing::bad_request(e),
+            Err(e) => return error(400, e),
         };
         let from: u64 = query
             .get("resourceVersion")

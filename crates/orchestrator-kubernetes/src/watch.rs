@@ -3,8 +3,9 @@
 use super::*;
 
 /// Watches the environment's pods (kube's `watcher`: a list, then a watch
-/// from its resourceVersion; a watch that ends, fails or answers 410 Gone
-/// is followed by a fresh list, retried with [`watch_backoff`]) and turns
+/// from its resourceVersion; a watch that ends is opened again from the
+/// last version seen, one that fails or answers 410 Gone is followed by a
+/// fresh list, retried with [`watch_backoff`]) and turns
 /// what happens to them into [`ServiceEvent`]s, and (with `fate`) into
 /// checks for the shared-fate task: every list asks it to check every
 /// service, every death of a pod (its container restarted, it failed, it
@@ -76,7 +77,7 @@ pub(super) async fn watch_pods(
                     check(Check::Service(s));
                 }
             }
-            Err(e) => tracing::info!("pod watch: {e}; listing and watching again"),
+            Err(e) => tracing::info!("pod watch: {e}; the watcher starts again after a backoff"),
         }
     }
 }

@@ -342,20 +342,16 @@ impl ManualReplica {
             let addr: SocketAddr = format!("127.0.0.1:{}", m.timely[0])
                 .parse()
                 .map_err(|e| format!("{e}"))?;
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-            loop {
-                if let Ok(Some(status)) = m.children[0].try_wait() {
+            let child = &mut m.children[0];
+            match dial_while(addr, || child.try_wait().ok().flatten()).await {
+                Ok(s) => return Ok((m, s)),
+                Err(Dialed::Gone(status)) => {
                     last = format!(
                         "process 0 exited ({status}) before it listened on {addr}: its port was taken meanwhile"
                     );
-                    break;
                 }
-                match TcpStream::connect(addr).await {
-                    Ok(s) => return Ok((m, s)),
-                    Err(e) if tokio::time::Instant::now() > deadline => {
-                        return Err(format!("{addr}: {e} (process 0 runs but does not listen)"))
-                    }
-                    Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                Err(Dialed::TimedOut(e)) => {
+                    return Err(format!("{e} (process 0 runs but does not listen)"))
                 }
             }
         }
@@ -405,11 +401,39 @@ fn ip_addr(endpoint: &lockstep_protocol::Endpoint) -> SocketAddr {
 }
 
 async fn dial(addr: SocketAddr) -> Result<TcpStream, String> {
+    dial_while(addr, || None::<std::convert::Infallible>)
+        .await
+        .map_err(|e| match e {
+            Dialed::TimedOut(e) => e,
+            Dialed::Gone(never) => match never {},
+        })
+}
+
+/// Why [`dial_while`] gave up.
+enum Dialed<G> {
+    /// What `gone` said: nothing will ever listen.
+    Gone(G),
+    /// Nothing answered within 10 s.
+    TimedOut(String),
+}
+
+/// Connects to `addr` until it answers, within 10 s, unless `gone` says
+/// first that nothing will ever listen there (the listener's process
+/// exited).
+async fn dial_while<G>(
+    addr: SocketAddr,
+    mut gone: impl FnMut() -> Option<G>,
+) -> Result<TcpStream, Dialed<G>> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
+        if let Some(why) = gone() {
+            return Err(Dialed::Gone(why));
+        }
         match TcpStream::connect(addr).await {
             Ok(s) => return Ok(s),
-            Err(e) if tokio::time::Instant::now() > deadline => return Err(format!("{addr}: {e}")),
+            Err(e) if tokio::time::Instant::now() > deadline => {
+                return Err(Dialed::TimedOut(format!("{addr}: {e}")))
+            }
             Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
         }
     }
