@@ -22,8 +22,8 @@
 //! `hostile` is a seeded hostile-neighbour campaign: attackers on every
 //! port of a real `lockstep serve` and its replica processes, their
 //! descriptors limited, while a token holder works and a process is killed;
-//! `bounded` must pass, the negative controls `no-bounds` and
-//! `released-ports` must be caught
+//! `bounded` must pass, the negative controls `no-bounds`,
+//! `released-ports`, `unowned-state` and `unproven-server` must be caught
 //! (`crates/chaos/src/bin/hostile.rs`; `--seeds`, `--seed`, `--long`).
 //!
 //! `campaign` is a seeded random fault campaign on a real `lockstep serve`
@@ -291,7 +291,7 @@ fn hostile(variants: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
         argv.extend(["--variant".into(), v.clone()]);
     }
     let expected = if variants.is_empty() {
-        3
+        5
     } else {
         variants.len()
     };

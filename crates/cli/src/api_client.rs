@@ -41,7 +41,7 @@ pub(crate) async fn connect(server: &ServerArg) -> anyhow::Result<Client> {
     let token = client_token(server)?;
     let channel = match route(server) {
         Route::Local { socket, owner } => connect_local(&socket, owner).await?,
-        Route::Plain if token.is_some() && !server.insecure_plaintext => {
+        Route::Plain if token.is_some() && !server.insecure_plaintext && !unproven_allowed() => {
             anyhow::bail!(
                 "refusing to send the API token over plain HTTP to {}: nothing proves who listens there (on a restart another local user can bind the port and read it). Give the environment's state directory (--state-dir or LOCKSTEP_STATE_DIR: its socket api-PORT.sock proves the server), an https:// address with --tls-ca, or --insecure-plaintext to send it anyway",
                 server.url
@@ -53,6 +53,17 @@ pub(crate) async fn connect(server: &ServerArg) -> anyhow::Result<Client> {
     Ok(EnvironmentClient::with_interceptor(channel, token)
         .max_decoding_message_size(lockstep_api::MAX_ANSWER_BYTES)
         .max_encoding_message_size(lockstep_api::MAX_REQUEST_BYTES))
+}
+
+/// Set, in a build with the `failpoints` feature only (the test command's),
+/// the client sends its token over plain HTTP as if `--insecure-plaintext`
+/// were given: the hostile campaign's negative control `unproven-server`.
+/// A release build ignores it.
+const UNPROVEN_SERVER_ENV: &str = "LOCKSTEP_EXPERIMENT_UNPROVEN_SERVER";
+
+/// Whether [`UNPROVEN_SERVER_ENV`] is in force.
+fn unproven_allowed() -> bool {
+    cfg!(feature = "failpoints") && std::env::var_os(UNPROVEN_SERVER_ENV).is_some()
 }
 
 /// How a client reaches the environment, and what proves the far end

@@ -387,12 +387,16 @@ fn tokens(args: &ServeArgs) -> anyhow::Result<(Option<String>, Option<String>)> 
 fn tls_config(args: &ServeArgs) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => {
-            let read = |p: &PathBuf, what: &str| {
-                std::fs::read(p).with_context(|| format!("reading the TLS {what} {}", p.display()))
-            };
-            Some(tonic::transport::ServerTlsConfig::new().identity(
-                tonic::transport::Identity::from_pem(read(cert, "certificate")?, read(key, "key")?),
-            ))
+            let cert = std::fs::read(cert)
+                .with_context(|| format!("reading the TLS certificate {}", cert.display()))?;
+            // The key is a secret: refused if another user owns it or
+            // others can write it (it may have been planted).
+            let key = lockstep_environment::private::read_secret_file(key)
+                .with_context(|| format!("reading the TLS key {}", key.display()))?;
+            Some(
+                tonic::transport::ServerTlsConfig::new()
+                    .identity(tonic::transport::Identity::from_pem(cert, key)),
+            )
         }
         _ => None,
     };

@@ -558,8 +558,9 @@ async fn the_api_token_is_required_by_default_and_checked_on_every_call() {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
-/// With --tls-cert and --tls-key the API speaks TLS: a client that trusts
-/// the certificate's CA (`--tls-ca`) is served, one that does not cannot
+/// With --tls-cert and --tls-key the API speaks TLS (a key others could
+/// write is refused): a client that trusts the certificate's CA
+/// (`--tls-ca`) is served, one that does not cannot
 /// connect, and plain HTTP/2 is not answered.
 #[tokio::test]
 async fn the_api_serves_tls_with_a_given_certificate() {
@@ -572,6 +573,25 @@ async fn the_api_serves_tls_with_a_given_certificate() {
     std::fs::write(&cert, &made.cert_pem).unwrap();
     std::fs::write(&key, &made.key_pem).unwrap();
     let state = Sandbox::new().unwrap();
+    // A key other users could have written may have been planted: refused,
+    // naming it.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let refused = EnvProcess::start(
+        bin(),
+        state.path(),
+        "id-watermark",
+        None,
+        &["--tls-cert", &cert, "--tls-key", &key],
+    )
+    .await
+    .err()
+    .expect("a key other users can write was used");
+    assert!(
+        format!("{refused:#}").contains("is writable by other users"),
+        "{refused:#}"
+    );
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
     let mut env = EnvProcess::start(
         bin(),
         state.path(),

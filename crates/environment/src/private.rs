@@ -32,6 +32,17 @@ pub const API_TOKEN_FILE: &str = "api.token";
 /// endpoint only, never the API.
 pub const METRICS_TOKEN_FILE: &str = "metrics.token";
 
+/// Set, in a build with the `failpoints` feature only (the test command's),
+/// no owner is checked: a state directory, token or secret file of any
+/// user is trusted as before owners were checked. The hostile campaign's
+/// negative control `unowned-state`; a release build ignores it.
+pub const ANY_OWNER_ENV: &str = "LOCKSTEP_EXPERIMENT_ANY_OWNER";
+
+/// Whether [`ANY_OWNER_ENV`] is in force.
+fn owners_unchecked() -> bool {
+    cfg!(feature = "failpoints") && std::env::var_os(ANY_OWNER_ENV).is_some()
+}
+
 /// The most entries [`prepare_state_dir`] narrows (a bound on the walk of a
 /// state directory someone filled).
 const MAX_NARROWED: usize = 100_000;
@@ -92,7 +103,7 @@ fn euid() -> u32 {
 /// Whether a file `uid` owns may decide what this process trusts: this
 /// user's, or root's (who can do anything anyway).
 fn trusted_owner(uid: u32) -> bool {
-    uid == euid() || uid == 0
+    uid == euid() || uid == 0 || owners_unchecked()
 }
 
 /// Whether `gid` is this process's group or one of its supplementary
@@ -185,7 +196,9 @@ pub(crate) fn open_state_dir(dir: &Path) -> Result<OwnedFd, StartError> {
         other => unreadable(std::io::Error::from(other)),
     })?;
     let stat = nix::sys::stat::fstat(&fd).map_err(|e| unreadable(e.into()))?;
-    if stat.st_uid != euid() {
+    if owners_unchecked() {
+        tracing::warn!("{ANY_OWNER_ENV} is set: no owner is checked (a negative control)");
+    } else if stat.st_uid != euid() {
         return Err(StartError::StateDirUntrusted {
             path: dir.to_path_buf(),
             reason: format!(

@@ -68,6 +68,8 @@ use tokio_util::sync::CancellationToken;
 
 #[path = "hostile/attack.rs"]
 mod attack;
+#[path = "hostile/doors.rs"]
+mod doors;
 #[path = "hostile/env.rs"]
 mod env;
 #[path = "hostile/other_user.rs"]
@@ -137,9 +139,10 @@ const QUICK_BOUNDED: std::ops::RangeInclusive<u64> = 1..=3;
 const QUICK_NO_BOUNDS: std::ops::RangeInclusive<u64> = 1..=2;
 /// `--long`: seeds for `bounded`.
 const LONG_BOUNDED: std::ops::RangeInclusive<u64> = 1..=200;
-/// The quick set's seeds for `released-ports`.
+/// The quick set's seeds for `released-ports`, `unowned-state` and
+/// `unproven-server`.
 const QUICK_RELEASED_PORTS: std::ops::RangeInclusive<u64> = 1..=1;
-/// `--long`: seeds for `no-bounds` and `released-ports`.
+/// `--long`: seeds for each negative control.
 const LONG_NO_BOUNDS: std::ops::RangeInclusive<u64> = 1..=20;
 
 /// A variant of the campaign.
@@ -153,6 +156,14 @@ enum Variant {
     /// releases every port once chosen
     /// (`lockstep_orchestrator::process::RELEASE_PORTS_ENV`).
     ReleasedPorts,
+    /// The negative control of owned state: `lockstep serve` checks no
+    /// owner (`lockstep_environment::private::ANY_OWNER_ENV`), which the
+    /// planted state directory must catch.
+    UnownedState,
+    /// The negative control of the client's proof of the server: the CLI
+    /// sends its token to any listener ([`doors::UNPROVEN_SERVER_ENV`]),
+    /// which the squatter must catch.
+    UnprovenServer,
 }
 
 impl Variant {
@@ -162,6 +173,8 @@ impl Variant {
             Variant::Bounded => "bounded",
             Variant::NoBounds => "no-bounds",
             Variant::ReleasedPorts => "released-ports",
+            Variant::UnownedState => "unowned-state",
+            Variant::UnprovenServer => "unproven-server",
         }
     }
 
@@ -171,8 +184,10 @@ impl Variant {
             "bounded" => Ok(Variant::Bounded),
             "no-bounds" => Ok(Variant::NoBounds),
             "released-ports" => Ok(Variant::ReleasedPorts),
+            "unowned-state" => Ok(Variant::UnownedState),
+            "unproven-server" => Ok(Variant::UnprovenServer),
             other => Err(format!(
-                "unknown variant {other:?} (bounded, no-bounds or released-ports)"
+                "unknown variant {other:?} (bounded, no-bounds, released-ports, unowned-state or unproven-server)"
             )),
         }
     }
@@ -181,7 +196,26 @@ impl Variant {
     fn negative(self) -> bool {
         self != Variant::Bounded
     }
+
+    /// Whether its seeds run the attack phase (the controls of a door
+    /// only try that door).
+    fn attacks(self) -> bool {
+        !matches!(self, Variant::UnownedState | Variant::UnprovenServer)
+    }
+
+    /// Every variant, in the order the default run takes them.
+    const ALL: [Variant; 5] = [
+        Variant::Bounded,
+        Variant::NoBounds,
+        Variant::ReleasedPorts,
+        Variant::UnownedState,
+        Variant::UnprovenServer,
+    ];
 }
+
+/// The highest peak resident memory (`VmHWM`) of the environment and of a
+/// replica process over the seeds of the variant under way, in MiB.
+static PEAKS: Mutex<(f64, f64)> = Mutex::new((0.0, 0.0));
 
 /// Counts for a seed's line.
 #[derive(Default)]
@@ -338,7 +372,7 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
         }
     }
     if args.variants.is_empty() {
-        args.variants = vec![Variant::Bounded, Variant::NoBounds, Variant::ReleasedPorts];
+        args.variants = Variant::ALL.to_vec();
     }
     Ok(args)
 }
@@ -358,8 +392,11 @@ async fn bounded_seed(seed: u64, variant: Variant) -> (Result<(), Failure>, Stri
 
 fn main() {
     let argv: Vec<String> = std::env::args().skip(1).collect();
-    if argv.first().map(String::as_str) == Some(other_user::PROBE_ARG) {
-        other_user::probe_main(&argv[1..]);
+    match argv.first().map(String::as_str) {
+        Some(other_user::PROBE_ARG) => other_user::probe_main(&argv[1..]),
+        Some(doors::PLANT_ARG) => doors::plant_main(&argv[1..]),
+        Some(doors::SQUAT_ARG) => doors::squat_main(),
+        _ => {}
     }
     let args = match parse_args(&argv) {
         Ok(a) => a,
@@ -409,11 +446,12 @@ fn main() {
             (Some(s), _, _) => s.clone(),
             (None, false, Variant::Bounded) => QUICK_BOUNDED.collect(),
             (None, false, Variant::NoBounds) => QUICK_NO_BOUNDS.collect(),
-            (None, false, Variant::ReleasedPorts) => QUICK_RELEASED_PORTS.collect(),
+            (None, false, _) => QUICK_RELEASED_PORTS.collect(),
             (None, true, Variant::Bounded) => LONG_BOUNDED.collect(),
             (None, true, _) => LONG_NO_BOUNDS.collect(),
         };
         let mut tally = Tally::default();
+        *PEAKS.lock().expect("not poisoned") = (0.0, 0.0);
         for seed in seeds {
             let (outcome, line) = runtime.block_on(bounded_seed(seed, *variant));
             let what = tally.record(&outcome);
@@ -427,6 +465,13 @@ fn main() {
                     variant.name()
                 );
             }
+        }
+        if variant.attacks() {
+            let (env, replica) = *PEAKS.lock().expect("not poisoned");
+            eprintln!(
+                "hostile: {}: highest peak RSS under attack: environment {env:.0} MiB, a replica process {replica:.0} MiB",
+                variant.name()
+            );
         }
         println!("{}", tally.summary_line(SUITE, variant.name(), negative));
         ok &= tally.ok(negative);

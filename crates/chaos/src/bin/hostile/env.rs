@@ -161,7 +161,8 @@ impl Env {
     /// Starts `lockstep serve` on the (0700) state directory `state`, in its
     /// default posture, with a metrics endpoint; its log goes to `log`.
     /// Under a negative control `variant`, with its switch set
-    /// ([`NO_BOUNDS_ENV`], or the orchestrator's released ports).
+    /// ([`NO_BOUNDS_ENV`], the orchestrator's released ports, or no owner
+    /// checked).
     pub(crate) async fn start(state: &Path, log: &Path, variant: Variant) -> Result<Env, String> {
         let stderr = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
         let mut cmd = tokio::process::Command::new(lockstep_binary());
@@ -178,6 +179,7 @@ impl Env {
             .env_remove("LOCKSTEP_STORE")
             .env_remove("FAILPOINTS")
             .env_remove(NO_BOUNDS_ENV)
+            .env_remove(lockstep_environment::private::ANY_OWNER_ENV)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(stderr)
@@ -191,6 +193,11 @@ impl Env {
             Variant::ReleasedPorts => {
                 cmd.env(lockstep_orchestrator::process::RELEASE_PORTS_ENV, "1");
             }
+            Variant::UnownedState => {
+                cmd.env(lockstep_environment::private::ANY_OWNER_ENV, "1");
+            }
+            // The CLI's switch, not the environment's.
+            Variant::UnprovenServer => {}
         }
         let mut child = cmd
             .spawn()

@@ -17,7 +17,7 @@ use std::os::unix::fs::PermissionsExt;
 pub(crate) const PROBE_ARG: &str = "--probe-as-other-user";
 
 /// The other user: `nobody`.
-const OTHER_UID: u32 = 65534;
+pub(crate) const OTHER_UID: u32 = 65534;
 
 /// The connections the other user holds to the API while it probes.
 const OTHER_USER_CONNECTIONS: usize = 40;
@@ -122,6 +122,23 @@ pub(crate) fn probe_main(args: &[String]) -> ! {
     std::process::exit(0);
 }
 
+/// This binary run as the other user in mode `mode` (its first argument),
+/// from `/`, with an empty environment, its output piped and its input
+/// closed; killed if dropped.
+pub(crate) fn as_other_user(mode: &str) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(probe_binary());
+    cmd.arg(mode)
+        .uid(OTHER_UID)
+        .gid(OTHER_UID)
+        .current_dir("/")
+        .env_clear()
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    cmd
+}
+
 /// Every path under `dir` (itself included), as root sees them.
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
     out.push(dir.to_path_buf());
@@ -167,20 +184,11 @@ pub(crate) async fn probe(state: &Path, env: &EnvView, shared: &Shared) -> Resul
             ),
         ));
     }
-    let mut cmd = tokio::process::Command::new(probe_binary());
-    cmd.arg(PROBE_ARG)
-        .arg(state)
+    let mut cmd = as_other_user(PROBE_ARG);
+    cmd.arg(state)
         .arg(&env.api.url)
         .arg(env.metrics.to_string())
-        .args(&paths)
-        .uid(OTHER_UID)
-        .gid(OTHER_UID)
-        .current_dir("/")
-        .env_clear()
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true);
+        .args(&paths);
     let child = cmd
         .spawn()
         .map_err(|e| Failure::Harness(format!("running the probe as uid {OTHER_UID}: {e}")))?;

@@ -22,7 +22,7 @@ pub(crate) struct EnvView {
 }
 
 /// Kills the replica's processes when the seed ends, however it ends.
-struct Teardown(PathBuf);
+pub(crate) struct Teardown(pub(crate) PathBuf);
 
 impl Drop for Teardown {
     fn drop(&mut self) {
@@ -42,7 +42,10 @@ pub(crate) async fn run(seed: u64, variant: Variant) -> (Result<(), Failure>, St
         Err(e) => shared.outcome().and(Err(e)),
     };
     let s = &shared.stats;
-    let mut line = format!(
+    let mut line = if !variant.attacks() {
+        "this control's door only, no attack phase".to_string()
+    } else {
+        format!(
         "{shape}, {} attacks, {} attacker connections, {} writes, {} peeks, {} status calls, {} scrapes, {} unauthenticated calls and {} scrapes refused",
         plan.attacks.len(),
         s.connections.load(Relaxed),
@@ -52,7 +55,8 @@ pub(crate) async fn run(seed: u64, variant: Variant) -> (Result<(), Failure>, St
         s.scrapes.load(Relaxed),
         s.refused_calls.load(Relaxed),
         s.refused_scrapes.load(Relaxed),
-    );
+        )
+    };
     for f in shared.more_findings() {
         line.push_str("; also ");
         line.push_str(&f);
@@ -88,20 +92,58 @@ async fn run_plan(
         metrics: env.metrics,
         metrics_token: env.metrics_token.clone(),
     };
-    let result = attack_phase(state.path(), plan, &view, shared).await;
-    // Memory under the whole mix: the environment's peak, bounded.
-    let peak = lockstep_orchestrator::process::peak_rss_mib(env.pid);
-    shared.note(format!("environment peak RSS {peak:.0} MiB"));
-    if peak > ENV_PEAK_MIB {
-        shared.fail(violation(
-            "R1",
-            format!(
-                "the environment's peak memory reached {peak:.0} MiB under the attack mix (bound {ENV_PEAK_MIB:.0} MiB)"
-            ),
+    let result = if variant.attacks() {
+        let result = attack_phase(state.path(), plan, &view, shared).await;
+        // Memory under the whole mix: the environment's peak, bounded; each
+        // replica process's, recorded.
+        let peak = lockstep_orchestrator::process::peak_rss_mib(env.pid);
+        let replica: Vec<f64> = match view.api.processes(SETUP_BOUND).await {
+            Ok(procs) => procs
+                .iter()
+                .map(|p| lockstep_orchestrator::process::peak_rss_mib(p.pid))
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        let shown: Vec<String> = replica.iter().map(|m| format!("{m:.0}")).collect();
+        shared.note(format!(
+            "peak RSS: environment {peak:.0} MiB, replica processes {} MiB",
+            shown.join(", ")
         ));
+        record_peaks(peak, &replica);
+        if peak > ENV_PEAK_MIB {
+            shared.fail(violation(
+                "R1",
+                format!(
+                    "the environment's peak memory reached {peak:.0} MiB under the attack mix (bound {ENV_PEAK_MIB:.0} MiB)"
+                ),
+            ));
+        }
+        result
+    } else {
+        Ok(())
+    };
+    if other_user::can_switch_user() {
+        doors::run(state.path(), &view.api, variant, seed, shared).await;
+    } else if variant.attacks() {
+        shared.note(
+            "not root: the doors of another user's state directory and listener skipped".into(),
+        );
+    } else {
+        shared.fail(Failure::Harness(format!(
+            "{} needs root: its door is tried as uid {}",
+            variant.name(),
+            other_user::OTHER_UID
+        )));
     }
     env.kill().await;
     result
+}
+
+/// Keeps the highest peaks seen ([`PEAKS`]).
+fn record_peaks(env: f64, replica: &[f64]) {
+    let mut p = PEAKS.lock().expect("not poisoned");
+    p.0 = p.0.max(env);
+    p.1 = replica.iter().fold(p.1, |a, b| a.max(*b));
 }
 
 /// Creates the replica and its dataflow, then runs everything at once.
