@@ -129,6 +129,11 @@ const UNFINISHED_BYTES: usize = 8 << 20;
 /// under the whole mix (measured: 65–87 MiB over seeds 1–10 of `bounded`;
 /// the unproven pool's byte budgets alone could add 64 x 2 MiB).
 const ENV_PEAK_MIB: f64 = 160.0;
+/// A replica process's peak resident memory (`VmHWM`) a seed may reach
+/// under the attacks on its controller port (measured: 18 MiB on seed 1
+/// of `bounded`; before proof a connection is bounded by the Noise
+/// handshake's frame, and their number by the unproven pool's cap).
+const REPLICA_PEAK_MIB: f64 = 64.0;
 /// `lockstep_admission::NO_BOUNDS_ENV`: set, a process's pools have no caps
 /// and no deadline (the negative control).
 const NO_BOUNDS_ENV: &str = "LOCKSTEP_EXPERIMENT_NO_ADMISSION_BOUNDS";

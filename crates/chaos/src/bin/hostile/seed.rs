@@ -94,8 +94,8 @@ async fn run_plan(
     };
     let result = if variant.attacks() {
         let result = attack_phase(state.path(), plan, &view, shared).await;
-        // Memory under the whole mix: the environment's peak, bounded; each
-        // replica process's, recorded.
+        // Memory under the whole mix: the environment's peak and each
+        // replica process's, bounded.
         let peak = lockstep_orchestrator::process::peak_rss_mib(env.pid);
         let replica: Vec<f64> = match view.api.processes(SETUP_BOUND).await {
             Ok(procs) => procs
@@ -110,6 +110,14 @@ async fn run_plan(
             shown.join(", ")
         ));
         record_peaks(peak, &replica);
+        if let Some(high) = replica.iter().copied().find(|m| *m > REPLICA_PEAK_MIB) {
+            shared.fail(violation(
+                "R1",
+                format!(
+                    "a replica process's peak memory reached {high:.0} MiB under the attack mix (bound {REPLICA_PEAK_MIB:.0} MiB)"
+                ),
+            ));
+        }
         if peak > ENV_PEAK_MIB {
             shared.fail(violation(
                 "R1",
