@@ -8,7 +8,8 @@ checking the documented status code of each.
 
 `lockstep serve` runs as it does by default: every API call carries the
 token it made in its state directory (STATE/api.token) as
-`authorization: Bearer TOKEN` (health and reflection need none), and the
+`authorization: Bearer TOKEN` (health and reflection need none, but a
+replica's health, `replica/NAME`, does), and the
 metrics endpoint asks the read-only token it made there (STATE/metrics.token).
 
 Run by `cargo xtask test` (which skips it, saying why, if Python or the grpc
@@ -170,9 +171,10 @@ def main():
         metrics_token = read_token(state, "metrics.token")
         channel = grpc.insecure_channel(addr)
         grpc.channel_ready_future(channel).result(timeout=30)
-        # Health and reflection on the bare channel (they need no token),
-        # the API with its token on every call.
-        api = eg.EnvironmentStub(grpc.intercept_channel(channel, Bearer(token)))
+        # Health and reflection on the bare channel (they need no token, but
+        # a replica's health does), the API with its token on every call.
+        authorized = grpc.intercept_channel(channel, Bearer(token))
+        api = eg.EnvironmentStub(authorized)
 
         # The token: a call without it, or with the metrics token, is refused.
         r.code(
@@ -223,15 +225,21 @@ def main():
         api.CreateReplica(ep.CreateReplicaRequest(name="py", processes=2, workers_per_process=1))
         deadline = time.time() + 30
         status = None
+        token_health = health_pb2_grpc.HealthStub(authorized)
         while time.time() < deadline:
             try:
-                status = health.Check(health_pb2.HealthCheckRequest(service="replica/py")).status
+                status = token_health.Check(health_pb2.HealthCheckRequest(service="replica/py")).status
                 if status == S:
                     break
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-        r.check("health of a running replica: SERVING", status == S, str(status))
+        r.check("health of a running replica, with the token: SERVING", status == S, str(status))
+        r.code(
+            "health of a running replica without the token: NOT_FOUND (as an unknown one)",
+            lambda: health.Check(health_pb2.HealthCheckRequest(service="replica/py")),
+            grpc.StatusCode.NOT_FOUND,
+        )
 
         # An export's description is the family's bytes: for the built-in
         # family, an encoded lockstep.plan.v1.Plan.

@@ -38,6 +38,29 @@ pub(crate) type Client = EnvironmentClient<
 >;
 
 pub(crate) async fn connect(server: &ServerArg) -> anyhow::Result<Client> {
+    let (channel, token) = channel_with_token(server).await?;
+    Ok(EnvironmentClient::with_interceptor(channel, token)
+        .max_decoding_message_size(lockstep_api::MAX_ANSWER_BYTES)
+        .max_encoding_message_size(lockstep_api::MAX_REQUEST_BYTES))
+}
+
+/// A grpc.health.v1 client that sends the token too: a replica's status
+/// (`replica/NAME`) is a token holder's.
+pub(crate) type Health = tonic_health::pb::health_client::HealthClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AddToken>,
+>;
+
+/// A health client of `server`, by the route [`connect`] takes.
+pub(crate) async fn connect_health(server: &ServerArg) -> anyhow::Result<Health> {
+    let (channel, token) = channel_with_token(server).await?;
+    Ok(tonic_health::pb::health_client::HealthClient::with_interceptor(channel, token))
+}
+
+/// A channel to `server` by its [`route`], and the token to send on it;
+/// refuses a token over plain HTTP unless `--insecure-plaintext`.
+async fn channel_with_token(
+    server: &ServerArg,
+) -> anyhow::Result<(tonic::transport::Channel, AddToken)> {
     let token = client_token(server)?;
     let channel = match route(server) {
         Route::Local { socket, owner } => connect_local(&socket, owner).await?,
@@ -49,10 +72,7 @@ pub(crate) async fn connect(server: &ServerArg) -> anyhow::Result<Client> {
         }
         Route::Plain | Route::Tls => connect_tcp(server).await?,
     };
-    let token = AddToken::bearer(token.as_deref())?;
-    Ok(EnvironmentClient::with_interceptor(channel, token)
-        .max_decoding_message_size(lockstep_api::MAX_ANSWER_BYTES)
-        .max_encoding_message_size(lockstep_api::MAX_REQUEST_BYTES))
+    Ok((channel, AddToken::bearer(token.as_deref())?))
 }
 
 /// Set, in a build with the `failpoints` feature only (the test command's),
@@ -168,16 +188,6 @@ async fn connect_local(
                 socket.display()
             )
         })
-}
-
-/// A channel to `arg`'s address: its state directory's socket when
-/// [`route`] finds one, else TCP (TLS with `--tls-ca`). For calls that
-/// send no token (health).
-pub(crate) async fn connect_channel(arg: &ServerArg) -> anyhow::Result<tonic::transport::Channel> {
-    if let Route::Local { socket, owner } = route(arg) {
-        return connect_local(&socket, owner).await;
-    }
-    connect_tcp(arg).await
 }
 
 /// A TCP channel to `arg`'s address, TLS with `--tls-ca`.

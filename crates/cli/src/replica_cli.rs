@@ -121,7 +121,6 @@ pub(crate) async fn all_replicas(client: &mut Client) -> anyhow::Result<Vec<prot
 /// `lockstep status`.
 pub(crate) async fn status_summary(server: ServerArg, output: OutputArg) -> anyhow::Result<()> {
     use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
     let mut client = connect(&server).await?;
     let status = client
@@ -130,7 +129,7 @@ pub(crate) async fn status_summary(server: ServerArg, output: OutputArg) -> anyh
         .map_err(status_err)?
         .into_inner();
     let replicas = all_replicas(&mut client).await?;
-    let mut health = HealthClient::new(connect_channel(&server).await?);
+    let mut health = connect_health(&server).await?;
     let mut rows = Vec::new();
     for r in &replicas {
         // The health status's name, or None: not checked yet; Err: unknown.
@@ -450,10 +449,9 @@ pub(crate) async fn wait_serving(
     timeout: std::time::Duration,
 ) -> anyhow::Result<std::time::Duration> {
     use tonic_health::pb::health_check_response::ServingStatus;
-    use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
     let started = std::time::Instant::now();
-    let mut health = HealthClient::new(connect_channel(server).await?);
+    let mut health = connect_health(server).await?;
     let mut last = "not checked yet".to_string();
     loop {
         match health

@@ -577,7 +577,7 @@ async fn the_api_serves_tls_with_a_given_certificate() {
     // naming it.
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let refused = EnvProcess::start(
+    let Err(refused) = EnvProcess::start(
         bin(),
         state.path(),
         "id-watermark",
@@ -585,8 +585,9 @@ async fn the_api_serves_tls_with_a_given_certificate() {
         &["--tls-cert", &cert, "--tls-key", &key],
     )
     .await
-    .err()
-    .expect("a key other users can write was used");
+    else {
+        panic!("a key other users can write was used");
+    };
     assert!(
         format!("{refused:#}").contains("is writable by other users"),
         "{refused:#}"

@@ -75,6 +75,7 @@
 
 pub mod admission;
 pub mod compute;
+mod health;
 mod inputs;
 pub mod metrics;
 pub mod policies;

@@ -71,11 +71,17 @@ impl Environment {
         ));
         let logger = self.log_service_events();
         // grpc.health.v1: the API, and each replica as `replica/NAME`,
-        // serving while it answers a ping.
-        // Open to token-less callers: requests of a few bytes only.
-        let (health, health_service) = tonic_health::server::health_reporter();
+        // serving while it answers a ping (a replica's status to a token
+        // holder only: `health`). Open to token-less callers: requests of a
+        // few bytes only.
+        let (health, _) = tonic_health::server::health_reporter();
         let open_limit = admission::open_max_request_bytes();
-        let health_service = health_service.max_decoding_message_size(open_limit);
+        let health_service =
+            tonic_health::pb::health_server::HealthServer::new(crate::health::HealthGate::new(
+                tonic_health::server::HealthService::from_health_reporter(health.clone()),
+                self.api_token.as_deref().map(server::TokenCheck::new),
+            ))
+            .max_decoding_message_size(open_limit);
         health
             .set_serving::<proto::environment_server::EnvironmentServer<server::EnvironmentService>>()
             .await;
@@ -107,8 +113,9 @@ impl Environment {
             .build_v1alpha()
             .expect("the built-in descriptor sets decode")
             .max_decoding_message_size(open_limit);
-        // With a token, every API call must carry it; health and reflection
-        // stay open (they say nothing about the replicas' data).
+        // With a token, every API call must carry it; health (but a
+        // replica's) and reflection stay open (they say nothing about the
+        // replicas).
         let service = server::EnvironmentService::new(self.clone());
         let (open, guarded) = match &self.api_token {
             None => (Some(service.into_server()), None),
@@ -323,7 +330,7 @@ impl Environment {
                     None => None,
                 }
                 .unwrap_or_else(|| vec![None; r.config.processes as usize]);
-                let name = format!("replica/{}", r.name);
+                let name = crate::health::replica_service(&r.name);
                 let status = if answered {
                     ServingStatus::Serving
                 } else {

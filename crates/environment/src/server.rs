@@ -68,15 +68,25 @@ impl TokenCheck {
             expected: format!("Bearer {token}").into_bytes(),
         }
     }
+
+    /// Whether `metadata` carries the token (compared in constant time).
+    /// Proves nothing about the connection (the interceptor does that).
+    pub(crate) fn holds(&self, metadata: &tonic::metadata::MetadataMap) -> bool {
+        constant_time_eq(authorization(metadata), &self.expected)
+    }
+}
+
+/// The `authorization` header's bytes (empty without one).
+fn authorization(metadata: &tonic::metadata::MetadataMap) -> &[u8] {
+    metadata
+        .get("authorization")
+        .map(|v| v.as_bytes())
+        .unwrap_or_default()
 }
 
 impl tonic::service::Interceptor for TokenCheck {
     fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
-        let given = request
-            .metadata()
-            .get("authorization")
-            .map(|v| v.as_bytes())
-            .unwrap_or_default();
+        let given = authorization(request.metadata());
         if constant_time_eq(given, &self.expected) {
             // A checked credential is what proves a connection (R1).
             if crate::admission::prove_request(request.extensions()) {

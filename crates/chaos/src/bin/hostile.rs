@@ -125,10 +125,20 @@ const METRICS_HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 /// The most bytes one connection of unfinished messages sends (then it
 /// holds): what the environment may buffer of it without a byte budget.
 const UNFINISHED_BYTES: usize = 8 << 20;
-/// The environment's peak resident memory (`VmHWM`) a seed may reach
-/// under the whole mix (measured: 65–87 MiB over seeds 1–10 of `bounded`;
-/// the unproven pool's byte budgets alone could add 64 x 2 MiB).
-const ENV_PEAK_MIB: f64 = 160.0;
+/// What the environment's peak resident memory (`VmHWM`) may grow by under
+/// the whole mix beyond its peak when the attacks start, besides the byte
+/// budget's ceiling ([`env_budget_mib`]): the proven work, the metrics
+/// endpoint's requests and the allocator's slack. Measured over seeds
+/// 1–110 of `bounded`: peaks of 70–165 MiB, the budget's ceiling 128 MiB.
+const ENV_SLACK_MIB: f64 = 32.0;
+
+/// The byte budget's ceiling before proof: every unproven API connection
+/// the pool admits holding its whole budget, in MiB
+/// (`API_UNPROVEN` x `API_UNPROVEN_READ_BYTES`, 64 x 2 MiB).
+fn env_budget_mib() -> f64 {
+    use lockstep_environment::admission::{API_UNPROVEN, API_UNPROVEN_READ_BYTES};
+    (API_UNPROVEN * API_UNPROVEN_READ_BYTES) as f64 / f64::from(1u32 << 20)
+}
 /// A replica process's peak resident memory (`VmHWM`) a seed may reach
 /// under the attacks on its controller port (measured: 18 MiB on seed 1
 /// of `bounded`; before proof a connection is bounded by the Noise
@@ -253,6 +263,9 @@ struct Shared {
     /// While the killed process is being restarted: the time its return is
     /// bounded by, then the time it was seen back.
     recovery: Mutex<Option<Instant>>,
+    /// The environment's peak resident memory when the attacks started, in
+    /// MiB (0 until then).
+    baseline_mib: Mutex<f64>,
     /// What the seed's line says beside the counts.
     notes: Mutex<Vec<String>>,
     /// The counts.

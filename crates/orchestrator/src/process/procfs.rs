@@ -4,6 +4,8 @@
 
 use super::*;
 
+use std::os::fd::OwnedFd;
+
 /// The start time of a live (non-zombie) process, from `/proc/PID/stat`;
 /// `None` also when `/proc` cannot be read now (see [`proc_start_time_now`]
 /// where that matters).
@@ -67,6 +69,25 @@ pub(super) fn proc_liveness(pid: u32, start_time: u64) -> std::io::Result<bool> 
 /// records or the programs file cannot be read: a process its unreadable
 /// record names is not a stray (R1).
 pub fn strays(state_dir: &Path) -> Vec<u32> {
+    stray_leaders(state_dir)
+        .into_iter()
+        .map(|s| s.pid)
+        .collect()
+}
+
+/// A process [`strays`] found: it leads its group, and `pidfd` (where the
+/// kernel has pidfds) was opened before it was checked.
+struct Stray {
+    /// Its PID, which is its group's ID.
+    pid: u32,
+    /// A pidfd for it, opened before its `/proc` entries were read: while
+    /// it shows the process running, those reads were of this process, not
+    /// of one that reused its PID.
+    pidfd: Option<OwnedFd>,
+}
+
+/// [`strays`], each with its pidfd.
+fn stray_leaders(state_dir: &Path) -> Vec<Stray> {
     let Ok(marker) = std::path::absolute(state_dir) else {
         return Vec::new();
     };
@@ -84,7 +105,7 @@ pub fn strays(state_dir: &Path) -> Vec<u32> {
         }
     };
     let uid = nix::unistd::geteuid().as_raw();
-    let mut groups = std::collections::BTreeSet::new();
+    let mut groups = std::collections::BTreeMap::new();
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -97,6 +118,14 @@ pub fn strays(state_dir: &Path) -> Vec<u32> {
             continue;
         };
         if recorded.contains(&pid) || process_uids(pid) != Some((uid, uid)) {
+            continue;
+        }
+        // Opened before the checks below, which then hold for this process
+        // if it still runs once they are done.
+        let Ok(pidfd) = pidfd(pid) else {
+            continue;
+        };
+        if process_uids(pid) != Some((uid, uid)) {
             continue;
         }
         let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
@@ -119,11 +148,43 @@ pub fn strays(state_dir: &Path) -> Vec<u32> {
         let Some(exe) = executable_of(pid) else {
             continue;
         };
-        if programs.contains(&exe) && proc_start_time(pid).is_some() {
-            groups.insert(pid);
+        let running = pidfd.as_ref().is_none_or(still_running);
+        if programs.contains(&exe) && proc_start_time(pid).is_some() && running {
+            groups.insert(pid, pidfd);
         }
     }
-    groups.into_iter().collect()
+    groups
+        .into_iter()
+        .map(|(pid, pidfd)| Stray { pid, pidfd })
+        .collect()
+}
+
+/// A pidfd for `pid`: `Err` if there is no such process; `Ok(None)` where
+/// none can be had (a kernel before Linux 5.3, a seccomp filter that
+/// refuses the call), and then the process is checked and signalled by PID
+/// as before pidfds.
+fn pidfd(pid: u32) -> Result<Option<OwnedFd>, rustix::io::Errno> {
+    let p = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+        .ok_or(rustix::io::Errno::SRCH)?;
+    match rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(rustix::io::Errno::SRCH) => Err(rustix::io::Errno::SRCH),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Whether the process `pidfd` refers to has not exited (a pidfd turns
+/// readable when its process exits).
+fn still_running(pidfd: &OwnedFd) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(poll(&mut fds, Some(&now)), Ok(0))
 }
 
 /// The real and effective uid of `pid` (`/proc/PID/status`).
@@ -215,19 +276,29 @@ fn recorded_pids(dir: &Path) -> Result<std::collections::BTreeSet<u32>, String> 
 
 /// Kills the process groups [`strays`] finds (each led by the stray
 /// process found); returns how many.
+/// A group is signalled only while its leader's pidfd (opened before it
+/// was checked) shows it running, so its PID is still the checked
+/// process's: what is left is the moment between that look and the
+/// signal, in which the leader would have to die, be reaped, and its PID
+/// be taken by a new group's leader.
 pub(super) fn kill_strays(state_dir: &Path) -> usize {
-    let groups = strays(state_dir);
-    for &pgid in &groups {
+    let groups = stray_leaders(state_dir);
+    let mut killed = 0;
+    for stray in &groups {
+        if !stray.pidfd.as_ref().is_none_or(still_running) {
+            continue;
+        }
         tracing::warn!(
-            pgid,
+            pgid = stray.pid,
             "killing processes that escaped the orchestrator (spawned, never recorded)"
         );
         let _ = nix::sys::signal::killpg(
-            nix::unistd::Pid::from_raw(pgid as i32),
+            nix::unistd::Pid::from_raw(stray.pid as i32),
             nix::sys::signal::Signal::SIGKILL,
         );
+        killed += 1;
     }
-    groups.len()
+    killed
 }
 
 /// The environment variable every spawned process carries: the state
@@ -259,4 +330,28 @@ fn status_mib(pid: u32, field: &str) -> f64 {
                 .and_then(|kb| kb.parse::<f64>().ok())
         })
         .map_or(0.0, |kb| kb / 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pidfd shows its own process running, and gone once it exits.
+    #[test]
+    fn a_pidfd_shows_its_process_running_then_gone() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let fd = pidfd(child.id())
+            .unwrap()
+            .expect("this kernel gives pidfds (Linux 5.3 or later)");
+        assert!(still_running(&fd));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(
+            !still_running(&fd),
+            "a pidfd of an exited process showed it running"
+        );
+    }
 }

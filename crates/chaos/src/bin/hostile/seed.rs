@@ -13,6 +13,8 @@ use workload::Workload;
 /// What the attackers and checkers know of the environment.
 #[derive(Clone)]
 pub(crate) struct EnvView {
+    /// Its PID.
+    pub(crate) pid: u32,
     /// Its API (and the token, for the legitimate client).
     pub(crate) api: Api,
     /// Its metrics endpoint.
@@ -88,6 +90,7 @@ async fn run_plan(
     // Exhaustion within reach: the environment's descriptors limited now.
     limit_descriptors(env.pid, ENV_NOFILE).await?;
     let view = EnvView {
+        pid: env.pid,
         api: env.api.clone(),
         metrics: env.metrics,
         metrics_token: env.metrics_token.clone(),
@@ -106,7 +109,8 @@ async fn run_plan(
         };
         let shown: Vec<String> = replica.iter().map(|m| format!("{m:.0}")).collect();
         shared.note(format!(
-            "peak RSS: environment {peak:.0} MiB, replica processes {} MiB",
+            "peak RSS: environment {peak:.0} MiB ({:.0} at the attacks' start), replica processes {} MiB",
+            *shared.baseline_mib.lock().expect("not poisoned"),
             shown.join(", ")
         ));
         record_peaks(peak, &replica);
@@ -118,11 +122,14 @@ async fn run_plan(
                 ),
             ));
         }
-        if peak > ENV_PEAK_MIB {
+        let baseline = *shared.baseline_mib.lock().expect("not poisoned");
+        let bound = baseline + env_budget_mib() + ENV_SLACK_MIB;
+        if peak > bound {
             shared.fail(violation(
                 "R1",
                 format!(
-                    "the environment's peak memory reached {peak:.0} MiB under the attack mix (bound {ENV_PEAK_MIB:.0} MiB)"
+                    "the environment's peak memory reached {peak:.0} MiB under the attack mix (bound {bound:.0} MiB: {baseline:.0} at the attacks' start, the byte budget's {:.0} and {ENV_SLACK_MIB:.0})",
+                    env_budget_mib()
                 ),
             ));
         }
@@ -214,6 +221,8 @@ async fn attack_phase(
             .ok_or_else(|| harness("process addresses", format!("{p:?}")))?;
         watches.push(Arc::new(PortWatch::new(Port::Controller(i), addr)));
     }
+    *shared.baseline_mib.lock().expect("not poisoned") =
+        lockstep_orchestrator::process::peak_rss_mib(view.pid);
     let t0 = Instant::now();
     let end = t0 + ATTACK;
     let mut tasks = tokio::task::JoinSet::new();
