@@ -1,6 +1,8 @@
 //! What a token-less peer sends before it is proven, shared by the hostile
 //! campaign and the environment's hostile-neighbour tests: unfinished
-//! gRPC messages on an HTTP/2 connection (memory before proof).
+//! gRPC messages on an HTTP/2 connection (memory before proof); and what a
+//! listener squatting a port reads of a client's first request (the
+//! client's proof of the server).
 
 use std::time::Instant;
 
@@ -8,6 +10,17 @@ use tokio::net::TcpStream;
 
 /// The health service's Check method, which answers without a token.
 pub const HEALTH_CHECK: &str = "/grpc.health.v1.Health/Check";
+
+/// Serves HTTP/2 on `sock` as a squatter would and returns the
+/// `authorization` header of the first request, if one comes with one.
+pub async fn first_authorization(sock: TcpStream) -> Option<String> {
+    let mut h2s = h2::server::handshake(sock).await.ok()?;
+    let (request, _respond) = h2s.accept().await?.ok()?;
+    request
+        .headers()
+        .get("authorization")
+        .map(|v| v.to_str().unwrap_or_default().to_string())
+}
 
 /// Sends unfinished `Health/Check` messages on the HTTP/2 connection over
 /// `sock`, each on a stream of its own: every message declares 4 MiB and

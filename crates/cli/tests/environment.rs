@@ -577,15 +577,9 @@ async fn the_api_serves_tls_with_a_given_certificate() {
     // naming it.
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let Err(refused) = EnvProcess::start(
-        bin(),
-        state.path(),
-        "id-watermark",
-        None,
-        &["--tls-cert", &cert, "--tls-key", &key],
-    )
-    .await
-    else {
+    let tls = ["--tls-cert", cert.as_str(), "--tls-key", key.as_str()];
+    let start = || EnvProcess::start(bin(), state.path(), "id-watermark", None, &tls);
+    let Err(refused) = start().await else {
         panic!("a key other users can write was used");
     };
     assert!(
@@ -593,15 +587,7 @@ async fn the_api_serves_tls_with_a_given_certificate() {
         "{refused:#}"
     );
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let mut env = EnvProcess::start(
-        bin(),
-        state.path(),
-        "id-watermark",
-        None,
-        &["--tls-cert", &cert, "--tls-key", &key],
-    )
-    .await
-    .unwrap();
+    let mut env = start().await.unwrap();
     let https = env.url.replace("http://127.0.0.1", "https://localhost");
     let trusted = cli(bin(), &https, &["list", "--tls-ca", &ca])
         .await

@@ -557,12 +557,7 @@ async fn the_cli_sends_its_token_only_to_a_server_something_proves() {
     let listener = tokio::net::TcpListener::from_std(squatter).unwrap();
     let reader = tokio::spawn(async move {
         let (tcp, _) = listener.accept().await.ok()?;
-        let mut h2s = h2::server::handshake(tcp).await.ok()?;
-        let (request, _respond) = h2s.accept().await?.ok()?;
-        request
-            .headers()
-            .get("authorization")
-            .map(|v| v.to_str().unwrap_or_default().to_string())
+        lockstep_chaos::unproven::first_authorization(tcp).await
     });
     let bearer = format!("Bearer {}", s.token);
     let client = tokio::task::spawn_blocking({

@@ -33,7 +33,14 @@
 //!   [`OP_BOUND`], with no allowance for the restart (R1);
 //! - as root, another user (`nobody`) tries to read everything in the
 //!   state directory, to call the API and to scrape without the tokens,
-//!   and every mode there is checked (R1: private by default).
+//!   and every mode there is checked (R1: private by default);
+//! - the environment's and each replica process's peak memory, bounded
+//!   (the environment's by the byte budget's ceiling over its peak when
+//!   the attacks start).
+//!
+//! Then, as root, the same other user plants a state directory that
+//! `lockstep serve` must refuse, and listens on a port the CLI is pointed
+//! at, which must get no token (`doors`).
 //!
 //! A seed ends as a pass, a violation (R1, or I3 for a wrong answer), or a
 //! harness error (the harness could not do its job: `lockstep serve` did
@@ -45,13 +52,15 @@
 //! run): `no-bounds` runs the environment with [`NO_BOUNDS_ENV`] (its
 //! pools without caps, deadline or byte budget), which the API flood must
 //! catch; `released-ports` with the orchestrator releasing every port once
-//! chosen, which the squatter's bind after the kill must catch.
+//! chosen, which the squatter's bind after the kill must catch;
+//! `unowned-state` with no owner checked and `unproven-server` with the
+//! CLI sending its token to any listener, each trying only its door.
 //!
 //! Usage: `lockstep-chaos-hostile [--seeds A..B | A..=B | --seed N]
-//! [--long] [--variant bounded|no-bounds|released-ports ...]`. Default, the
-//! quick set of `cargo xtask test`: seeds [`QUICK_BOUNDED`],
-//! [`QUICK_NO_BOUNDS`] and [`QUICK_RELEASED_PORTS`]; `--long`:
-//! [`LONG_BOUNDED`] and [`LONG_NO_BOUNDS`] (for both controls). Prints one
+//! [--long] [--variant NAME ...]`. Default, the quick set of `cargo xtask
+//! test`: seeds [`QUICK_BOUNDED`], [`QUICK_NO_BOUNDS`] and
+//! [`QUICK_RELEASED_PORTS`] (for the three other controls); `--long`:
+//! [`LONG_BOUNDED`] and [`LONG_NO_BOUNDS`] (for every control). Prints one
 //! line per seed, then the reporting contract's JSON line per variant
 //! (suite `hostile`); exits non-zero if `bounded` had a violation, any seed
 //! a harness error, or a control was not caught.

@@ -119,14 +119,7 @@ pub(crate) fn squat_main() -> ! {
             accepted = listener.accept() => {
                 let Ok((tcp, _)) = accepted else { return s };
                 s.connected = true;
-                let read = async {
-                    let mut h2s = h2::server::handshake(tcp).await.ok()?;
-                    let (request, _respond) = h2s.accept().await?.ok()?;
-                    request
-                        .headers()
-                        .get("authorization")
-                        .map(|v| v.to_str().unwrap_or_default().to_string())
-                };
+                let read = lockstep_chaos::unproven::first_authorization(tcp);
                 s.authorization = tokio::time::timeout(Duration::from_secs(10), read)
                     .await
                     .ok()
