@@ -275,7 +275,7 @@ async fn token_to_a_squatter(
     // Its input closed: the squatter says what it read and ends.
     drop(squatter.stdin.take());
     let said = tokio::time::timeout(DOOR_STEP, lines.next_line()).await;
-    let _ = squatter.wait().await;
+    let _ = tokio::time::timeout(DOOR_STEP, squatter.wait()).await;
     let squatted: Squatted = match said {
         Ok(Ok(Some(l))) => serde_json::from_str(&l)
             .map_err(|e| Failure::Harness(format!("the squatter said {l:?}: {e}")))?,

@@ -105,12 +105,21 @@ async fn run_plan(
                 .iter()
                 .map(|p| lockstep_orchestrator::process::peak_rss_mib(p.pid))
                 .collect(),
-            Err(_) => Vec::new(),
+            // Unmeasured is not within the bound: a harness error, unless
+            // something was found already (the listing may fail for it).
+            Err(e) => {
+                if shared.outcome().is_ok() {
+                    shared.fail(Failure::Harness(format!(
+                        "listing the replica to measure its processes' memory: {e}"
+                    )));
+                }
+                Vec::new()
+            }
         };
+        let baseline = *shared.baseline_mib.lock().expect("not poisoned");
         let shown: Vec<String> = replica.iter().map(|m| format!("{m:.0}")).collect();
         shared.note(format!(
-            "peak RSS: environment {peak:.0} MiB ({:.0} at the attacks' start), replica processes {} MiB",
-            *shared.baseline_mib.lock().expect("not poisoned"),
+            "peak RSS: environment {peak:.0} MiB ({baseline:.0} at the attacks' start), replica processes {} MiB",
             shown.join(", ")
         ));
         record_peaks(peak, &replica);
@@ -122,7 +131,6 @@ async fn run_plan(
                 ),
             ));
         }
-        let baseline = *shared.baseline_mib.lock().expect("not poisoned");
         let bound = baseline + env_budget_mib() + ENV_SLACK_MIB;
         if peak > bound {
             shared.fail(violation(
