@@ -201,11 +201,11 @@ fn real_node(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<(
             std::env::set_var(k, v);
         }
         // LOCKSTEP_NODE_VARIANTS="barrier log" runs only those (default:
-        // every policy and the negative control).
+        // every policy and the two negative controls).
         let chosen = std::env::var("LOCKSTEP_NODE_VARIANTS").unwrap_or_default();
         let variants: Vec<&str> = chosen.split_whitespace().collect();
         let expected = if variants.is_empty() {
-            4
+            5
         } else {
             variants.len()
         };

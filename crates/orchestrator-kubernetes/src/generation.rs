@@ -62,7 +62,9 @@ impl Inner {
         let mut restarts: BTreeMap<usize, u32> = BTreeMap::new();
         let mut gone = false;
         for _ in 0..CONFLICT_ATTEMPTS {
-            let pods = self.service_pods(name).await?;
+            // Pods left terminating by an earlier generation are not waited
+            // for again.
+            let pods = current(self.service_pods(name).await?, generation.saturating_sub(1));
             for p in &pods {
                 let r = restarts.entry(pod_index(p)).or_default();
                 *r = (*r).max(pod_annotation_u32(p, RESTARTS_ANNOTATION));
@@ -82,8 +84,23 @@ impl Inner {
                     Err(e) => return Err(api_error("delete pod", e).into()),
                 }
             }
+            // One deadline for them all: a pod stuck terminating costs
+            // one wait, not one each.
+            let deadline = tokio::time::Instant::now() + self.config.stuck_after;
             for (pod, uid) in deleted {
-                self.wait_gone(&pod, uid).await?;
+                if self.wait_gone(&pod, uid, deadline).await? == Deleted::Stuck
+                    && !template.generation_names
+                {
+                    // Its name would be the new pod's: nothing can start.
+                    return Err(StateError::Io {
+                        path: format!("kubernetes API: pod {pod}").into(),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "stuck terminating, and the service's pods keep their names across generations (a record written before pods were named by generation)",
+                        ),
+                    }
+                    .into());
+                }
             }
             if conflicts == 0 {
                 gone = true;
@@ -166,7 +183,7 @@ impl Inner {
             return Ok(());
         };
         let generation = generation_of(&record);
-        let pods = self.service_pods(name).await?;
+        let pods = current(self.service_pods(name).await?, generation);
         let Some(reason) = shared_fate_reason(&pods, &template, generation) else {
             return Ok(());
         };
@@ -191,7 +208,7 @@ impl Inner {
             Err(GenerationError::Spawn {
                 process, source, ..
             }) => Err(StateError::Io {
-                path: format!("kubernetes API: pod {}", objects::pod_name(name, process)).into(),
+                path: format!("kubernetes API: the pod of process {process} of {name}").into(),
                 source,
             }),
             Err(other) => {

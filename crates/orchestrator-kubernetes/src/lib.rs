@@ -114,7 +114,9 @@
 //!
 //! The bound: a death is acted on within the watch's latency plus the
 //! delay, and the new generation runs after the old pods' graceful shutdown
-//! (at most [`KubernetesOrchestratorConfig::delete_timeout`]). Between the
+//! (at most [`KubernetesOrchestratorConfig::stuck_after`]: a pod still
+//! there after that, on a lost node, is left terminating beside the new
+//! generation, whose pods are named by their generation). Between the
 //! death and the restart the kubelet may restart the container in place
 //! (`restartPolicy: Always`); that incarnation is replaced with the rest.
 //!
@@ -217,6 +219,11 @@ pub struct KubernetesOrchestratorConfig {
     pub ready_timeout: Duration,
     /// How long a delete may take to complete (a pod's graceful shutdown).
     pub delete_timeout: Duration,
+    /// How long a new generation waits for the pods it deleted to go. A pod
+    /// still there after that is stuck terminating (its node lost, a
+    /// finalizer held): the new generation starts beside it under names of
+    /// its own ([`objects::pod_name`]) and a drop goes on without it.
+    pub stuck_after: Duration,
     /// How often a wait polls.
     pub poll_interval: Duration,
     /// Whether the backend restarts a whole service (a new generation) when
@@ -247,6 +254,7 @@ impl KubernetesOrchestratorConfig {
             delete_preconditions: true,
             ready_timeout: Duration::from_secs(60),
             delete_timeout: Duration::from_secs(60),
+            stuck_after: Duration::from_secs(20),
             poll_interval: Duration::from_millis(250),
             shared_fate: true,
             shared_fate_delay: Duration::from_secs(1),
@@ -570,8 +578,20 @@ impl Inner {
     }
 }
 
-/// What the watch remembers of a pod: uid, container restarts, failed.
-type Seen = (Option<String>, i32, bool);
+/// What the watch remembers of a pod.
+#[derive(Clone, Debug)]
+struct Seen {
+    uid: Option<String>,
+    /// Its containers' restarts.
+    restarts: i32,
+    failed: bool,
+    /// Being deleted (terminating).
+    deleting: bool,
+    /// Its service and process index (from its labels; a pod's name holds
+    /// its generation too).
+    service: String,
+    process: Option<usize>,
+}
 
 #[async_trait::async_trait]
 impl Orchestrator for KubernetesOrchestrator {

@@ -165,8 +165,42 @@ pub fn master_secret_name(environment: &str) -> String {
 /// The key of the master secret's bytes in its Secret.
 pub const MASTER_SECRET_KEY: &str = "master";
 
-/// The pod of process `index`.
-pub fn pod_name(service: &str, index: usize) -> String {
+/// What a host name in a template's arguments holds where the pod's
+/// generation goes ([`pod_name`]): a pod's arguments are its template's
+/// with this replaced, so the template (and its hash) is the same in every
+/// generation.
+pub const GENERATION_PLACEHOLDER: &str = "{generation}";
+
+/// The pod of process `index` of a service of `scale` processes in
+/// `generation`, also its host name: `NAME-gGENERATION-INDEX`. A new
+/// generation's pods never take the name (nor the DNS name) of a pod of an
+/// older one that is still there, stuck terminating on a lost node: the
+/// new generation starts beside it. The generation is kept to the digits
+/// that fit a DNS label (at least 8 for a 50-character name and 64
+/// processes; modulo that, a name comes back only after 10^8 generations).
+pub fn pod_name(service: &str, scale: usize, generation: u64, index: usize) -> String {
+    format!(
+        "{service}-{}-{index}",
+        generation_tag(service, scale, generation)
+    )
+}
+
+/// `gGENERATION`, with the generation's digits kept to what fits
+/// ([`pod_name`]).
+fn generation_tag(service: &str, scale: usize, generation: u64) -> String {
+    let index_digits = scale.saturating_sub(1).max(1).ilog10() as usize + 1;
+    // 63 = a DNS label; 3 = "-g" and "-".
+    let room = 63usize
+        .saturating_sub(service.len() + 3 + index_digits)
+        .clamp(1, 19);
+    format!("g{}", generation % 10u64.pow(room as u32))
+}
+
+/// The pod of process `index` as records written before pods were named by
+/// their generation name it (`NAME-INDEX`): a service whose template says
+/// so ([`PodTemplate::generation_names`] false) keeps these names, as its
+/// processes' arguments name its peers so.
+pub fn legacy_pod_name(service: &str, index: usize) -> String {
     format!("{service}-{index}")
 }
 
@@ -189,8 +223,9 @@ pub fn live_selector(environment: &str) -> String {
 }
 
 /// Whether `name` is a valid service name here: a DNS label (lower-case
-/// letters, digits, `-`) short enough that `NAME-INDEX` and `NAME-env` are
-/// DNS labels too.
+/// letters, digits, `-`) short enough that its pods' names
+/// (`NAME-gGENERATION-INDEX`, [`pod_name`]) and `NAME-env` are DNS labels
+/// too.
 pub fn validate_name(name: &str) -> Result<(), String> {
     let ok = !name.is_empty()
         && name.len() <= 50
@@ -218,23 +253,58 @@ pub fn port_numbers(config: &ServiceConfig, base_port: u16) -> BTreeMap<String, 
         .collect()
 }
 
-/// Process `index`'s stable DNS name: `NAME-INDEX.NAME.NAMESPACE.svc.DOMAIN`.
-pub fn process_host(ctx: &ObjectContext, service: &str, index: usize) -> String {
+/// Process `index`'s DNS name in a template:
+/// `NAME-g{generation}-INDEX.NAME.NAMESPACE.svc.DOMAIN`, the
+/// [`GENERATION_PLACEHOLDER`] replaced in each pod ([`pod_args`])
+/// (`NAME-INDEX.NAME...` without `generation_names`).
+pub fn process_host(
+    ctx: &ObjectContext,
+    service: &str,
+    index: usize,
+    generation_names: bool,
+) -> String {
+    let host = if generation_names {
+        format!("{service}-g{GENERATION_PLACEHOLDER}-{index}")
+    } else {
+        legacy_pod_name(service, index)
+    };
     format!(
-        "{}.{service}.{}.svc.{}",
-        pod_name(service, index),
-        ctx.namespace,
-        ctx.cluster_domain
+        "{host}.{service}.{}.svc.{}",
+        ctx.namespace, ctx.cluster_domain
     )
 }
 
+/// Process `index`'s arguments in `generation`: its template's, with the
+/// [`GENERATION_PLACEHOLDER`] of every host name replaced by the digits
+/// [`pod_name`] keeps.
+pub fn pod_args(
+    template: &PodTemplate,
+    service: &str,
+    generation: u64,
+    index: usize,
+) -> Vec<String> {
+    let argv = template.argv.get(index).cloned().unwrap_or_default();
+    if !template.generation_names {
+        return argv;
+    }
+    let tag = generation_tag(service, template.argv.len(), generation);
+    let digits = tag.trim_start_matches('g');
+    argv.into_iter()
+        .map(|a| a.replace(GENERATION_PLACEHOLDER, digits))
+        .collect()
+}
+
 /// Every process's arguments, from the config's args function with each
-/// process's stable DNS name as its host.
-pub fn process_args(ctx: &ObjectContext, config: &ServiceConfig) -> Vec<Vec<String>> {
+/// process's DNS name ([`process_host`]) as its host.
+pub fn process_args(
+    ctx: &ObjectContext,
+    config: &ServiceConfig,
+    generation_names: bool,
+) -> Vec<Vec<String>> {
     let ports = port_numbers(config, ctx.base_port);
     let all_ports = vec![ports; config.scale];
     let hosts: Vec<String> = (0..config.scale)
-        .map(|i| process_host(ctx, &config.name, i))
+        .map(|i| process_host(ctx, &config.name, i, generation_names))
         .collect();
     (0..config.scale)
         .map(|i| {
@@ -459,12 +529,31 @@ pub struct PodTemplate {
     /// they were set: none).
     #[serde(default)]
     pub resources: PodResources,
+    /// Pods are named by their generation ([`pod_name`]) and `argv` names
+    /// them with a [`GENERATION_PLACEHOLDER`] (absent in records written
+    /// before: `NAME-INDEX`, [`legacy_pod_name`]).
+    #[serde(default)]
+    pub generation_names: bool,
 }
 
 /// The template of `config`'s pods: each process's command line from
 /// [`process_args`] and its [`template_hash`].
 pub fn template(ctx: &ObjectContext, config: &ServiceConfig) -> PodTemplate {
-    let argv = process_args(ctx, config);
+    // The real-node suite's negative control (feature `failpoints` only):
+    // pods keep their names across generations, as records written before
+    // had them.
+    fail::fail_point!("kube_pod_names_reused", |_| template_named(
+        ctx, config, false
+    ));
+    template_named(ctx, config, true)
+}
+
+fn template_named(
+    ctx: &ObjectContext,
+    config: &ServiceConfig,
+    generation_names: bool,
+) -> PodTemplate {
+    let argv = process_args(ctx, config, generation_names);
     PodTemplate {
         image: ctx.image.clone(),
         program: config.program.display().to_string(),
@@ -472,6 +561,7 @@ pub fn template(ctx: &ObjectContext, config: &ServiceConfig) -> PodTemplate {
         hash: argv.iter().map(|a| template_hash(ctx, config, a)).collect(),
         argv,
         resources: ctx.resources.clone(),
+        generation_names,
     }
 }
 
@@ -526,9 +616,25 @@ pub fn spec_hash(template_hash: &str, generation: u64) -> String {
     h.finalize().to_hex()[..16].to_string()
 }
 
+/// The name (and host name) of process `index`'s pod of `template` in
+/// `generation`: [`pod_name`], or [`legacy_pod_name`] for a template
+/// written before.
+pub fn template_pod_name(
+    template: &PodTemplate,
+    service: &str,
+    generation: u64,
+    index: usize,
+) -> String {
+    if template.generation_names {
+        pod_name(service, template.argv.len(), generation, index)
+    } else {
+        legacy_pod_name(service, index)
+    }
+}
+
 /// The pod of process `index` of service `service` (ID `id`) in generation
-/// `generation`, from its template: hostname `NAME-INDEX` in the subdomain
-/// `NAME` (the headless Service), restarted in place by the kubelet when it
+/// `generation`, from its template: named, and with the host name,
+/// [`template_pod_name`] in the subdomain `NAME` (the headless Service), restarted in place by the kubelet when it
 /// exits (`restartPolicy: Always`; the backend then restarts the whole
 /// service as a new generation), its environment from the Secret, its
 /// generation in [`GENERATION_ENV`] and the [`GENERATION_KEY`] label.
@@ -567,7 +673,7 @@ pub fn pod(
         ),
         (RESTARTS_ANNOTATION.to_string(), restarts.to_string()),
     ]);
-    let name = pod_name(service, index);
+    let name = template_pod_name(template, service, generation, index);
     let siblings = pod_selector_labels(ctx, service);
     let [startup_probe, liveness_probe, readiness_probe] =
         crate::health::probes(template.ports.contains_key(crate::health::PROBED_PORT));
@@ -623,7 +729,7 @@ pub fn pod(
                 // never again behind its back (a restart never mixes builds).
                 image_pull_policy: Some("IfNotPresent".to_string()),
                 command: Some(vec![template.program.clone()]),
-                args: Some(template.argv.get(index).cloned().unwrap_or_default()),
+                args: Some(pod_args(template, service, generation, index)),
                 env: Some(vec![
                     EnvVar {
                         name: "LOCKSTEP_SERVICE".to_string(),

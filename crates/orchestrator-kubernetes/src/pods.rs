@@ -4,8 +4,9 @@ use super::*;
 
 impl Inner {
     /// Deletes `pod` exactly as read (uid and resourceVersion preconditions)
-    /// and waits until it is gone. `Ok(false)`: the precondition failed (409),
-    /// the pod changed since it was read.
+    /// and waits until it is gone, or stuck terminating ([`Deleted`]).
+    /// `Ok(false)`: the precondition failed (409), the pod changed since it
+    /// was read.
     pub(super) async fn delete_pod_as_read(&self, pod: &Pod) -> Result<bool, StateError> {
         let name = pod.name_any();
         match self.pods.delete(&name, &self.pod_delete_params(pod)).await {
@@ -14,36 +15,65 @@ impl Inner {
             Err(e) if is_not_found(&e) => return Ok(true),
             Err(e) => return Err(api_error("delete pod", e)),
         }
-        self.wait_gone(&name, pod.uid()).await?;
+        let deadline = tokio::time::Instant::now() + self.config.stuck_after;
+        self.wait_gone(&name, pod.uid(), deadline).await?;
         Ok(true)
     }
 
-    /// Waits (bounded by the delete timeout) until no pod `name` with
-    /// `uid` exists: kube's `await_condition`, a watch of that one pod
-    /// (a pod of the same name and another uid is a new one: gone).
+    /// Waits until no pod `name` with `uid` exists (kube's
+    /// `await_condition`, a watch of that one pod; a pod of the same name
+    /// and another uid is a new one: gone), at most until `deadline`. A
+    /// pod still there then, but terminating, is [`Deleted::Stuck`] (its node
+    /// lost or a finalizer holding it: nothing here can make it go); one
+    /// not even terminating after the delete timeout is an error.
     pub(super) async fn wait_gone(
         &self,
         name: &str,
         uid: Option<String>,
-    ) -> Result<(), StateError> {
-        let gone = move |p: Option<&Pod>| p.is_none_or(|p| p.uid() != uid);
-        let wait = kube::runtime::wait::await_condition(self.pods.clone(), name, gone);
+        deadline: tokio::time::Instant,
+    ) -> Result<Deleted, StateError> {
         let error = |source| StateError::Io {
             path: format!("kubernetes API: pod {name}").into(),
             source,
         };
-        match tokio::time::timeout(self.config.delete_timeout, wait).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(error(std::io::Error::other(format!(
-                "waiting for it to go after its delete: {e}"
-            )))),
-            Err(_) => Err(error(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!(
-                    "still there {:?} after its delete",
-                    self.config.delete_timeout
-                ),
-            ))),
+        let started = tokio::time::Instant::now();
+        let mut until = deadline;
+        loop {
+            let same = uid.clone();
+            let gone = move |p: Option<&Pod>| p.is_none_or(|p| p.uid() != same);
+            let wait = kube::runtime::wait::await_condition(self.pods.clone(), name, gone);
+            match tokio::time::timeout_at(until, wait).await {
+                Ok(Ok(_)) => return Ok(Deleted::Gone),
+                Ok(Err(e)) => {
+                    return Err(error(std::io::Error::other(format!(
+                        "waiting for it to go after its delete: {e}"
+                    ))))
+                }
+                Err(_) => {}
+            }
+            let terminating = match self.pods.get_opt(name).await {
+                Ok(Some(p)) if p.uid() == uid => p.metadata.deletion_timestamp.is_some(),
+                Ok(_) => return Ok(Deleted::Gone),
+                Err(e) => return Err(api_error("read pod", e)),
+            };
+            if terminating {
+                tracing::warn!(
+                    pod = name,
+                    "still terminating {:?} after its delete (its node lost, or a finalizer holds it): going on without it",
+                    started.elapsed()
+                );
+                return Ok(Deleted::Stuck);
+            }
+            if started.elapsed() >= self.config.delete_timeout {
+                return Err(error(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "not even terminating {:?} after its delete",
+                        self.config.delete_timeout
+                    ),
+                )));
+            }
+            until = started + self.config.delete_timeout;
         }
     }
 
@@ -89,6 +119,27 @@ impl Inner {
         }
         Ok(created)
     }
+}
+
+/// How a deleted pod went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Deleted {
+    /// No longer there.
+    Gone,
+    /// Still there, terminating, when the wait ended.
+    Stuck,
+}
+
+/// `pods` without those left over from an older generation than
+/// `generation` that are terminating (stuck on a lost node, say): they are
+/// going, the service's processes are the others.
+pub(super) fn current(pods: Vec<Pod>, generation: u64) -> Vec<Pod> {
+    pods.into_iter()
+        .filter(|p| {
+            p.metadata.deletion_timestamp.is_none()
+                || label_u64(p.labels(), GENERATION_KEY).unwrap_or(0) >= generation
+        })
+        .collect()
 }
 
 /// Whether `pods` (sorted by index) are exactly `desired`, alive: same
@@ -192,5 +243,17 @@ pub(super) fn container_restarts(p: &Pod) -> i32 {
 }
 
 pub(super) fn seen(p: &Pod) -> Seen {
-    (p.uid(), container_restarts(p), pod_failed(p))
+    let index = pod_index(p);
+    Seen {
+        uid: p.uid(),
+        restarts: container_restarts(p),
+        failed: pod_failed(p),
+        deleting: p.metadata.deletion_timestamp.is_some(),
+        service: p
+            .labels()
+            .get(SERVICE_LABEL)
+            .cloned()
+            .unwrap_or_else(|| p.name_any()),
+        process: (index != usize::MAX).then_some(index),
+    }
 }

@@ -12,7 +12,10 @@ impl Inner {
     ) -> Result<ServiceStatus, StateError> {
         let deadline = tokio::time::Instant::now() + self.config.ready_timeout;
         loop {
-            let pods = self.service_pods(&record.name_any()).await?;
+            let pods = current(
+                self.service_pods(&record.name_any()).await?,
+                generation_of(record),
+            );
             let status = self.status_of(record, &pods);
             let ready = pods.iter().all(|p| pod_ip(p).is_some());
             if ready || tokio::time::Instant::now() >= deadline {
@@ -109,7 +112,7 @@ impl Inner {
         let mut replaced = false;
         for _ in 0..CONFLICT_ATTEMPTS {
             let generation = generation_of(&record);
-            let pods = self.service_pods(&name).await?;
+            let pods = current(self.service_pods(&name).await?, generation);
             if pods.is_empty() {
                 // Nothing runs: every pod starts in the record's generation.
                 created = self
@@ -262,7 +265,7 @@ impl Inner {
                     .cloned()
                     .collect();
                 mine.sort_by_key(pod_index);
-                self.status_of(r, &mine)
+                self.status_of(r, &current(mine, generation_of(r)))
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));

@@ -9,7 +9,7 @@ use super::*;
 /// what happens to them into [`ServiceEvent`]s, and (with `fate`) into
 /// checks for the shared-fate task: every list asks it to check every
 /// service, every death of a pod (its container restarted, it failed, it
-/// was deleted) its service.
+/// began terminating, it was deleted) its service.
 pub(super) async fn watch_pods(
     pods: Api<Pod>,
     selector: String,
@@ -42,29 +42,31 @@ pub(super) async fn watch_pods(
             Ok(Event::InitDone) => {
                 let now = listed.take().unwrap_or_default();
                 // What changed while we were not watching.
-                for (name, (uid, _, _)) in &known {
-                    if now.get(name).map(|(u, _, _)| u) != Some(uid) {
-                        emit_exit(&events, name, "deleted while the watch was down");
+                for (name, was) in &known {
+                    if now.get(name).map(|s| &s.uid) != Some(&was.uid) {
+                        emit_exit(&events, was, "deleted while the watch was down");
                     }
                 }
                 known = now;
                 check(Check::All);
             }
             Ok(Event::Apply(p)) => {
-                let (uid, restarts, failed) = seen(&p);
-                let before = known.insert(p.name_any(), (uid, restarts, failed));
-                let restarted = before.as_ref().is_some_and(|(_, r, _)| restarts > *r);
-                let newly_failed = failed && !before.is_some_and(|(_, _, f)| f);
+                let now = seen(&p);
+                let before = known.insert(p.name_any(), now.clone());
+                let restarted = before.as_ref().is_some_and(|b| now.restarts > b.restarts);
+                let newly_failed = now.failed && !before.as_ref().is_some_and(|b| b.failed);
+                // Terminating: on a lost node no delete event follows.
+                let newly_deleting = now.deleting && !before.is_some_and(|b| b.deleting);
                 if restarted {
                     emit_exit(
                         &events,
-                        &p.name_any(),
+                        &now,
                         "the container exited; the kubelet restarted it",
                     );
                 } else if newly_failed {
-                    emit_exit(&events, &p.name_any(), "the pod failed");
+                    emit_exit(&events, &now, "the pod failed");
                 }
-                if restarted || newly_failed {
+                if restarted || newly_failed || newly_deleting {
                     if let Some(s) = service_of(&p) {
                         check(Check::Service(s));
                     }
@@ -72,7 +74,7 @@ pub(super) async fn watch_pods(
             }
             Ok(Event::Delete(p)) => {
                 known.remove(&p.name_any());
-                emit_exit(&events, &p.name_any(), "pod deleted");
+                emit_exit(&events, &seen(&p), "pod deleted");
                 if let Some(s) = service_of(&p) {
                     check(Check::Service(s));
                 }
@@ -150,14 +152,10 @@ pub(super) async fn shared_fate(
     }
 }
 
-pub(super) fn emit_exit(events: &broadcast::Sender<ServiceEvent>, pod: &str, status: &str) {
-    let (service, index) = match pod.rsplit_once('-') {
-        Some((s, i)) => (s.to_string(), i.parse().ok()),
-        None => (pod.to_string(), None),
-    };
+pub(super) fn emit_exit(events: &broadcast::Sender<ServiceEvent>, pod: &Seen, status: &str) {
     let _ = events.send(ServiceEvent {
-        service,
-        process: index,
+        service: pod.service.clone(),
+        process: pod.process,
         kind: ServiceEventKind::Exited {
             pid: 0,
             status: status.to_string(),

@@ -43,6 +43,21 @@ fn replica(name: &str, id: u64, scale: usize) -> ServiceConfig {
         })
 }
 
+/// The pod (and host name) of process `index` of `service`, a service of
+/// `scale` processes, in `generation`: `NAME-gGENERATION-INDEX`
+/// (`replica-1-g1-0`). The first generation of a new service is 1; each
+/// whole restart, shared-fate restart or new spec is the next.
+fn pod_name(service: &str, scale: usize, generation: u64, index: usize) -> String {
+    lockstep_orchestrator_kubernetes::objects::pod_name(service, scale, generation, index)
+}
+
+/// The names of every pod in the namespace, sorted.
+fn pod_names(api: &ApiServerDouble) -> Vec<String> {
+    let mut names = api.names("pods", NS);
+    names.sort();
+    names
+}
+
 fn uid(api: &ApiServerDouble, resource: &str, name: &str) -> String {
     api.get(resource, NS, name).expect("exists")["metadata"]["uid"]
         .as_str()
@@ -60,13 +75,13 @@ async fn ensure_list_restart_drop_round_trip() {
         .processes
         .iter()
         .all(|p| p.running && p.addresses.len() == 2));
-    let mut names = api.names("pods", NS);
-    names.sort();
-    assert_eq!(names, ["replica-1-0", "replica-1-1"]);
+    // Named by their generation, the first of a new service.
+    assert_eq!(pod_names(&api), ["replica-1-g1-0", "replica-1-g1-1"]);
     assert!(api.get("secrets", NS, "replica-1-env").is_some());
     // The kubelet probes GET /healthz on the controller port; the process
     // logs JSON.
-    let container = &api.get("pods", NS, "replica-1-0").unwrap()["spec"]["containers"][0];
+    let first = pod_name("replica-1", 2, 1, 0);
+    let container = &api.get("pods", NS, &first).unwrap()["spec"]["containers"][0];
     for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
         assert_eq!(container[probe]["httpGet"]["path"], "/healthz", "{probe}");
         assert_eq!(container[probe]["httpGet"]["port"], "controller", "{probe}");
@@ -79,9 +94,22 @@ async fn ensure_list_restart_drop_round_trip() {
     let listed = o.list_services().await.unwrap();
     assert_eq!(listed, vec![status.clone()]);
 
-    let before = uid(&api, "pods", "replica-1-0");
+    let before = uid(&api, "pods", &first);
     let restarted = o.restart_service("replica-1").await.unwrap();
-    assert_ne!(uid(&api, "pods", "replica-1-0"), before, "a new pod");
+    // New pods, of the next generation: the old ones are gone.
+    assert!(api.get("pods", NS, &first).is_none(), "the old pod is gone");
+    assert_ne!(
+        uid(&api, "pods", &pod_name("replica-1", 2, 2, 0)),
+        before,
+        "a new pod"
+    );
+    assert_eq!(
+        pod_names(&api),
+        [
+            pod_name("replica-1", 2, 2, 0),
+            pod_name("replica-1", 2, 2, 1)
+        ]
+    );
     assert!(restarted
         .processes
         .iter()
@@ -109,7 +137,7 @@ async fn a_newer_controller_adopts_unchanged_pods_and_relabels_them() {
         .await
         .unwrap();
     let uids: Vec<String> = (0..2)
-        .map(|i| uid(&api, "pods", &format!("replica-1-{i}")))
+        .map(|i| uid(&api, "pods", &pod_name("replica-1", 2, 1, i)))
         .collect();
     let status = orchestrator(&api, 4)
         .ensure_service(replica("replica-1", 1, 2))
@@ -117,20 +145,26 @@ async fn a_newer_controller_adopts_unchanged_pods_and_relabels_them() {
         .unwrap();
     assert_eq!(status.epoch, 4);
     for (i, u) in uids.iter().enumerate() {
-        let pod = api.get("pods", NS, &format!("replica-1-{i}")).unwrap();
+        let pod = api
+            .get("pods", NS, &pod_name("replica-1", 2, 1, i))
+            .unwrap();
         assert_eq!(pod["metadata"]["uid"], json!(u), "adopted, not replaced");
         assert_eq!(pod["metadata"]["labels"]["lockstep/epoch"], "4");
     }
     // A changed spec replaces the pods.
     let changed = replica("replica-1", 1, 2).env("EXTRA", "1");
     orchestrator(&api, 4).ensure_service(changed).await.unwrap();
-    assert_ne!(uid(&api, "pods", "replica-1-0"), uids[0]);
+    assert!(api
+        .get("pods", NS, &pod_name("replica-1", 2, 1, 0))
+        .is_none());
+    assert_ne!(uid(&api, "pods", &pod_name("replica-1", 2, 2, 0)), uids[0]);
     // A smaller scale removes the extra pod.
     orchestrator(&api, 4)
         .ensure_service(replica("replica-1", 1, 1))
         .await
         .unwrap();
-    assert_eq!(api.names("pods", NS), ["replica-1-0"]);
+    // (A new template: the next generation.)
+    assert_eq!(api.names("pods", NS), [pod_name("replica-1", 1, 3, 0)]);
 }
 
 #[tokio::test]
@@ -201,8 +235,6 @@ async fn ensure_is_conditional_on_the_epoch_and_on_tombstones() {
     assert_eq!(status.epoch, 3, "O4 broken on purpose");
 }
 
-/// The precondition must stop a delete racing a re-create with the same
-/// name: controller A (epoch 1) drops `replica-1`; between its read of pod
 /// Relabels object `name` with `epoch` behind the backend's back, as a newer
 /// controller's write would.
 fn relabel_epoch(api: &ApiServerDouble, resource: &str, name: &str, epoch: &str) {
@@ -211,12 +243,16 @@ fn relabel_epoch(api: &ApiServerDouble, resource: &str, name: &str, epoch: &str)
     api.replace(resource, NS, name, object).unwrap();
 }
 
-/// `replica-1-0` and its delete, controller B (epoch 2) re-creates the
-/// service (a new record and a new pod of the same name).
+/// The precondition must stop a delete racing a re-create with the same
+/// name: controller A (epoch 1) drops `replica-1` (one process, generation
+/// 1); between its read of pod `replica-1-g1-0` and its delete, controller
+/// B (epoch 2) re-creates the service (a new record and a new pod of the
+/// same name).
 fn race_recreate(api: &ApiServerDouble) {
     let b = api.clone();
+    let name = pod_name("replica-1", 1, 1, 0);
     api.before_next(
-        Matcher::new(Method::DELETE, "pods", Some("replica-1-0")),
+        Matcher::new(Method::DELETE, "pods", Some(name.as_str())),
         move |_| {
             let mut record = b.get("services", NS, "replica-1").unwrap();
             let labels = &mut record["metadata"]["labels"];
@@ -227,8 +263,8 @@ fn race_recreate(api: &ApiServerDouble) {
                 .unwrap()
                 .remove("lockstep/dropped-by");
             b.replace("services", NS, "replica-1", record).unwrap();
-            let mut pod = b.get("pods", NS, "replica-1-0").unwrap();
-            b.delete("pods", NS, "replica-1-0").unwrap();
+            let mut pod = b.get("pods", NS, &name).unwrap();
+            b.delete("pods", NS, &name).unwrap();
             pod["metadata"]["labels"]["lockstep/epoch"] = json!("2");
             for k in ["uid", "resourceVersion"] {
                 pod["metadata"].as_object_mut().unwrap().remove(k);
@@ -245,21 +281,20 @@ async fn a_delete_racing_a_recreate_is_stopped_by_its_precondition() {
         .ensure_service(replica("replica-1", 1, 1))
         .await
         .unwrap();
-    let old = uid(&api, "pods", "replica-1-0");
+    let name = pod_name("replica-1", 1, 1, 0);
+    let old = uid(&api, "pods", &name);
     race_recreate(&api);
     assert!(orchestrator(&api, 1)
         .drop_service("replica-1")
         .await
         .unwrap());
-    let pod = api
-        .get("pods", NS, "replica-1-0")
-        .expect("B's pod survives");
+    let pod = api.get("pods", NS, &name).expect("B's pod survives");
     assert_ne!(pod["metadata"]["uid"], json!(old));
     assert_eq!(pod["metadata"]["labels"]["lockstep/epoch"], "2");
     let conflicts = api
         .requests()
         .iter()
-        .filter(|r| r.method == Method::DELETE && r.path.ends_with("/pods/replica-1-0"))
+        .filter(|r| r.method == Method::DELETE && r.path.ends_with(&format!("/pods/{name}")))
         .count();
     assert_eq!(conflicts, 1, "one delete, refused; no blind retry");
 }
@@ -279,8 +314,12 @@ async fn without_preconditions_the_racing_delete_removes_the_new_pod() {
         .drop_service("replica-1")
         .await
         .unwrap();
+    // The race happened (B's record is there), and its pod went.
+    let record = api.get("services", NS, "replica-1").unwrap();
+    assert_eq!(record["metadata"]["labels"]["lockstep/epoch"], "2");
     assert!(
-        api.get("pods", NS, "replica-1-0").is_none(),
+        api.get("pods", NS, &pod_name("replica-1", 1, 1, 0))
+            .is_none(),
         "B's new pod was deleted"
     );
 }
@@ -356,14 +395,15 @@ async fn restart_racing_a_newer_controller_leaves_its_pod_alone() {
         .await
         .unwrap();
     let b = api.clone();
-    api.before_next(
-        Matcher::new(Method::DELETE, "pods", Some("replica-1-0")),
+    let pod = pod_name("replica-1", 1, 1, 0);
+    api.before_next(Matcher::new(Method::DELETE, "pods", Some(&pod)), {
+        let pod = pod.clone();
         move |_| {
             relabel_epoch(&b, "services", "replica-1", "2");
-            relabel_epoch(&b, "pods", "replica-1-0", "2");
-        },
-    );
-    let before = uid(&api, "pods", "replica-1-0");
+            relabel_epoch(&b, "pods", &pod, "2");
+        }
+    });
+    let before = uid(&api, "pods", &pod);
     assert!(matches!(
         orchestrator(&api, 1).restart_service("replica-1").await,
         Err(RestartError::StaleEpoch {
@@ -372,7 +412,7 @@ async fn restart_racing_a_newer_controller_leaves_its_pod_alone() {
             ..
         })
     ));
-    assert_eq!(uid(&api, "pods", "replica-1-0"), before, "not deleted");
+    assert_eq!(uid(&api, "pods", &pod), before, "not deleted");
 }
 
 async fn next_exit(
@@ -410,14 +450,16 @@ async fn watch_reports_exits_and_survives_a_dropped_watch_and_a_compaction() {
     let mut events = o.watch_services();
     wait_watching(&api).await;
 
-    api.restart_container(NS, "replica-1-1").unwrap();
+    // No whole restart here: the pods stay those of the first generation.
+    let pod = |i| pod_name("replica-1", 2, 1, i);
+    api.restart_container(NS, &pod(1)).unwrap();
     let (service, process, status) = next_exit(&mut events).await;
     assert_eq!((service.as_str(), process), ("replica-1", Some(1)));
     assert!(status.contains("restarted"), "{status}");
 
     // The watch drops; a pod goes while nobody watches: the re-list sees it.
     assert_eq!(api.drop_watches(), 1);
-    api.delete("pods", NS, "replica-1-0").unwrap();
+    api.delete("pods", NS, &pod(0)).unwrap();
     let (_, process, _) = next_exit(&mut events).await;
     assert_eq!(process, Some(0));
     wait_watching(&api).await;
@@ -425,8 +467,9 @@ async fn watch_reports_exits_and_survives_a_dropped_watch_and_a_compaction() {
     // A change and a compaction before the watch is opened again from the
     // version it had seen: it gets 410 Gone, and the backend lists again,
     // which shows the change.
-    api.before_next(Matcher::new(Method::GET, "pods", None), |api| {
-        api.delete("pods", NS, "replica-1-1").unwrap();
+    let second = pod(1);
+    api.before_next(Matcher::new(Method::GET, "pods", None), move |api| {
+        api.delete("pods", NS, &second).unwrap();
         api.compact();
     });
     api.drop_watches();
@@ -502,7 +545,9 @@ async fn every_object_is_owned_by_the_environment_object_when_one_is_given() {
     // A pod is also controlled by its service's record (so `kubectl drain`
     // evicts it).
     let record_uid = api.get("services", NS, "replica-1").unwrap()["metadata"]["uid"].clone();
-    let pod = api.get("pods", NS, "replica-1-0").unwrap();
+    let pod = api
+        .get("pods", NS, &pod_name("replica-1", 1, 1, 0))
+        .unwrap();
     assert_eq!(
         pod["metadata"]["ownerReferences"],
         json!([environment, {"apiVersion": "v1", "kind": "Service", "name": "replica-1",
@@ -551,11 +596,31 @@ async fn the_owner_is_read_from_the_named_deployment_and_a_bad_one_is_named() {
     assert!(no_pod.contains("Pod x"), "{no_pod}");
 }
 
-/// Each pod's (uid, `LOCKSTEP_GENERATION` of its container), by index.
+/// The pod of process `index` of `service`, whatever its generation, by
+/// its labels; at most one (a generation's pods replace the last one's).
+fn pod_of(api: &ApiServerDouble, service: &str, index: usize) -> Option<serde_json::Value> {
+    let mut found: Vec<serde_json::Value> = pod_names(api)
+        .iter()
+        .filter_map(|n| api.get("pods", NS, n))
+        .filter(|p| {
+            let labels = &p["metadata"]["labels"];
+            labels["lockstep/service"] == service
+                && labels["lockstep/process"] == json!(index.to_string())
+        })
+        .collect();
+    assert!(
+        found.len() <= 1,
+        "one pod per process of {service}: {found:#?}"
+    );
+    found.pop()
+}
+
+/// Each pod's (uid, `LOCKSTEP_GENERATION` of its container), by index;
+/// each pod is named (and its host) by its generation.
 fn pods_of(api: &ApiServerDouble, service: &str, scale: usize) -> Vec<Option<(String, String)>> {
     (0..scale)
         .map(|i| {
-            let pod = api.get("pods", NS, &format!("{service}-{i}"))?;
+            let pod = pod_of(api, service, i)?;
             let generation = pod["spec"]["containers"][0]["env"]
                 .as_array()?
                 .iter()
@@ -567,6 +632,13 @@ fn pods_of(api: &ApiServerDouble, service: &str, scale: usize) -> Vec<Option<(St
                 json!(generation),
                 "label and env agree"
             );
+            let name = pod_name(service, scale, generation.parse().unwrap(), i);
+            assert_eq!(
+                pod["metadata"]["name"],
+                json!(name),
+                "named by its generation"
+            );
+            assert_eq!(pod["spec"]["hostname"], json!(name));
             Some((pod["metadata"]["uid"].as_str()?.to_string(), generation))
         })
         .collect()
@@ -625,13 +697,14 @@ async fn a_container_restart_restarts_every_pod_as_a_new_generation() {
     assert_eq!(record_generation(&api, "replica-1"), "1");
 
     // One process exits; the kubelet restarts its container in place.
-    api.restart_container(NS, "replica-1-1").unwrap();
+    let pod = |generation, i| pod_name("replica-1", 3, generation, i);
+    api.restart_container(NS, &pod(1, 1)).unwrap();
     let second = wait_replaced(&api, "replica-1", &first, "2").await;
     assert_eq!(record_generation(&api, "replica-1"), "2");
 
     // Two exit together: one whole restart, not two.
-    api.restart_container(NS, "replica-1-0").unwrap();
-    api.restart_container(NS, "replica-1-2").unwrap();
+    api.restart_container(NS, &pod(2, 0)).unwrap();
+    api.restart_container(NS, &pod(2, 2)).unwrap();
     let third = wait_replaced(&api, "replica-1", &second, "3").await;
     // Our own deletes and creates are not deaths: nothing more happens.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -639,7 +712,7 @@ async fn a_container_restart_restarts_every_pod_as_a_new_generation() {
     assert_eq!(record_generation(&api, "replica-1"), "3");
 
     // A pod deleted by someone else: the same.
-    api.delete("pods", NS, "replica-1-2").unwrap();
+    api.delete("pods", NS, &pod(3, 2)).unwrap();
     wait_replaced(&api, "replica-1", &third, "4").await;
 }
 
@@ -657,8 +730,11 @@ async fn a_shared_fate_restart_leaves_a_service_of_a_newer_epoch_alone() {
         .await
         .unwrap();
     let before = pods_of(&api, "replica-1", 2);
+    assert!(before.iter().all(Option::is_some), "{before:?}");
     let n = api.requests().len();
-    api.restart_container(NS, "replica-1-0").unwrap();
+    // Adopted, not replaced: still the first generation's pods.
+    api.restart_container(NS, &pod_name("replica-1", 2, 1, 0))
+        .unwrap();
     // The old controller reads the record (epoch 2) and stops there.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while !api.requests()[n..]
@@ -725,7 +801,8 @@ async fn a_fresh_orchestrator_restarts_a_service_whose_container_restarted_while
         .unwrap();
     let before = pods_of(&api, "replica-1", 3);
     // While no orchestrator runs, a container exits and restarts in place.
-    api.restart_container(NS, "replica-1-2").unwrap();
+    api.restart_container(NS, &pod_name("replica-1", 3, 1, 2))
+        .unwrap();
     let o = orchestrator(&api, 2);
     let _events = o.watch_services();
     wait_replaced(&api, "replica-1", &before, "2").await;
@@ -740,6 +817,7 @@ async fn a_fresh_orchestrator_keeps_a_service_where_nothing_died() {
         .await
         .unwrap();
     let before = pods_of(&api, "replica-1", 3);
+    assert!(before.iter().all(Option::is_some), "{before:?}");
     let n = api.requests().len();
     let o = orchestrator(&api, 2);
     let _events = o.watch_services();
@@ -876,6 +954,7 @@ async fn a_restart_with_the_master_secret_from_the_cluster_keeps_every_pod() {
     let service = |k: String| replica("replica-1", 1, 3).env("LOCKSTEP_SESSION_KEY", k);
     first.ensure_service(service(key(master))).await.unwrap();
     let before = pods_of(&api, "replica-1", 3);
+    assert!(before.iter().all(Option::is_some), "{before:?}");
     drop(first);
     // The environment restarts (epoch 2): same master secret, same pods.
     let second = orchestrator(&api, 2);
@@ -898,9 +977,7 @@ fn typed_pods(
 ) -> Vec<k8s_openapi::api::core::v1::Pod> {
     (0..scale)
         .map(|i| {
-            let v = api
-                .get("pods", NS, &format!("{service}-{i}"))
-                .expect("the pod exists");
+            let v = pod_of(api, service, i).expect("the pod exists");
             serde_json::from_value(v).expect("a valid Pod")
         })
         .collect()
@@ -981,13 +1058,22 @@ async fn replica_pods_have_resources_a_restricted_security_context_and_spread_ov
 
     // Resources come from the configuration, and a change replaces the pods
     // (a pod's resources cannot change in place).
-    let before = uid(&api, "pods", "replica-1-0");
+    let before = uid(&api, "pods", &pod_name("replica-1", 2, 2, 0));
     let mut c = config(1);
     c.resources.requests.insert("cpu".into(), "2".into());
     c.resources.limits.insert("memory".into(), "8Gi".into());
     let o = KubernetesOrchestrator::new(api.client(NS), c);
     o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
-    assert_ne!(uid(&api, "pods", "replica-1-0"), before, "replaced");
+    assert!(
+        api.get("pods", NS, &pod_name("replica-1", 2, 2, 0))
+            .is_none(),
+        "replaced"
+    );
+    assert_ne!(
+        uid(&api, "pods", &pod_name("replica-1", 2, 3, 0)),
+        before,
+        "replaced"
+    );
     check(&typed_pods(&api, "replica-1", 2), "2", "8Gi");
 }
 
@@ -1027,7 +1113,12 @@ async fn every_replica_has_a_disruption_budget_over_its_own_pods_dropped_with_it
         })
         .collect();
     selected.sort();
-    assert_eq!(selected, ["replica-1-0", "replica-1-1", "replica-1-2"]);
+    assert_eq!(
+        selected,
+        (0..3)
+            .map(|i| pod_name("replica-1", 3, 1, i))
+            .collect::<Vec<_>>()
+    );
 
     // A newer controller takes it over (relabelled), an older one may not.
     let newer = orchestrator(&api, 2);
@@ -1104,4 +1195,169 @@ async fn restarts_new_generations_and_refusals_are_events_on_the_service() {
     );
     assert!(seen[0].2.contains("generation 2"), "{seen:?}");
     assert!(seen[2].2.contains("epoch 3"), "{seen:?}");
+}
+
+/// Pod `name` as a finalizer holds it after someone's delete (its node
+/// lost, say): terminating (a `deletionTimestamp`, the finalizer), and
+/// there. The double has no finalizers: the backend's one delete of it is
+/// answered as the API server answers a delete of an object a finalizer
+/// holds (200, the object stays). Returns its uid.
+fn hold_terminating(api: &ApiServerDouble, name: &str) -> String {
+    let mut pod = api.get("pods", NS, name).expect("the pod");
+    let meta = &mut pod["metadata"];
+    meta["deletionTimestamp"] = json!("2026-01-01T00:00:01Z");
+    meta["deletionGracePeriodSeconds"] = json!(5);
+    meta["finalizers"] = json!(["example.com/hold"]);
+    api.replace("pods", NS, name, pod).unwrap();
+    api.fail_next(
+        Matcher::new(Method::DELETE, "pods", Some(name)),
+        200,
+        "held by finalizer example.com/hold",
+    );
+    uid(api, "pods", name)
+}
+
+/// Whether pod `name` is still there as `hold_terminating` left it.
+fn still_terminating(api: &ApiServerDouble, name: &str, uid: &str) -> bool {
+    api.get("pods", NS, name).is_some_and(|p| {
+        p["metadata"]["uid"] == uid && p["metadata"]["deletionTimestamp"].is_string()
+    })
+}
+
+/// The IP of pod `name`.
+fn pod_ip(api: &ApiServerDouble, name: &str) -> std::net::IpAddr {
+    api.get("pods", NS, name).expect("the pod")["status"]["podIP"]
+        .as_str()
+        .expect("an IP")
+        .parse()
+        .unwrap()
+}
+
+/// `status` is exactly the processes of `pods` (by index): their IPs, each
+/// running, `restarts` each.
+fn processes_are(
+    api: &ApiServerDouble,
+    status: &lockstep_orchestrator::ServiceStatus,
+    pods: &[String],
+    restarts: u32,
+) {
+    let got: Vec<(usize, Option<std::net::IpAddr>, bool, u32)> = status
+        .processes
+        .iter()
+        .map(|p| {
+            (
+                p.index,
+                p.addresses.get("timely").map(|a| a.ip()),
+                p.running,
+                p.restarts,
+            )
+        })
+        .collect();
+    let want: Vec<(usize, Option<std::net::IpAddr>, bool, u32)> = pods
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i, Some(pod_ip(api, p)), true, restarts))
+        .collect();
+    assert_eq!(got, want, "{status:#?}");
+}
+
+#[tokio::test]
+async fn a_pod_stuck_terminating_does_not_stop_a_new_generation() {
+    let api = ApiServerDouble::new();
+    let mut c = config(1);
+    c.stuck_after = Duration::from_millis(300);
+    // A wait bounded by the delete timeout alone would miss the bound below.
+    c.delete_timeout = Duration::from_secs(30);
+    let bound = Duration::from_secs(5);
+    let o = KubernetesOrchestrator::new(api.client(NS), c);
+    o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
+    let _events = o.watch_services();
+    wait_watching(&api).await;
+    let pod = |generation, i| pod_name("replica-1", 2, generation, i);
+
+    // Shared fate: process 0's pod of generation 1 is stuck terminating
+    // when process 1's container exits.
+    let stuck = hold_terminating(&api, &pod(1, 0));
+    let started = tokio::time::Instant::now();
+    api.restart_container(NS, &pod(1, 1)).unwrap();
+    let new = [pod(2, 0), pod(2, 1)];
+    while !new.iter().all(|p| api.get("pods", NS, p).is_some()) {
+        assert!(
+            started.elapsed() < bound,
+            "no new generation beside the stuck pod within {bound:?}: {:?}",
+            pod_names(&api)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Beside it, under new names; the record's generation is the new one's.
+    assert!(still_terminating(&api, &pod(1, 0), &stuck));
+    assert_eq!(pod_names(&api), [pod(1, 0), pod(2, 0), pod(2, 1)]);
+    assert_eq!(record_generation(&api, "replica-1"), "2");
+    let listed = o.list_services().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    processes_are(&api, &listed[0], &new, 1);
+    // The stuck pod is no death of the new generation: nothing more happens.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(record_generation(&api, "replica-1"), "2");
+    assert_eq!(pod_names(&api), [pod(1, 0), pod(2, 0), pod(2, 1)]);
+
+    // restart_service: now process 1's pod of generation 2 is stuck.
+    let stuck_2 = hold_terminating(&api, &pod(2, 1));
+    let started = tokio::time::Instant::now();
+    let status = tokio::time::timeout(bound, o.restart_service("replica-1"))
+        .await
+        .expect("restarted within the bound")
+        .unwrap();
+    let newer = [pod(3, 0), pod(3, 1)];
+    assert!(started.elapsed() < bound);
+    assert!(still_terminating(&api, &pod(1, 0), &stuck));
+    assert!(still_terminating(&api, &pod(2, 1), &stuck_2));
+    assert_eq!(
+        pod_names(&api),
+        [pod(1, 0), pod(2, 1), pod(3, 0), pod(3, 1)]
+    );
+    assert_eq!(record_generation(&api, "replica-1"), "3");
+    processes_are(&api, &status, &newer, 2);
+    let listed = o.list_services().await.unwrap();
+    assert_eq!(listed, vec![status]);
+    // Each stuck pod was deleted once, and not waited for again by the
+    // next generation.
+    for name in [pod(1, 0), pod(2, 1)] {
+        let deletes = api
+            .requests()
+            .iter()
+            .filter(|r| r.method == Method::DELETE && r.path.ends_with(&format!("/pods/{name}")))
+            .count();
+        assert_eq!(deletes, 1, "{name}");
+    }
+}
+
+/// A pod that begins terminating and stays (its node lost: no kubelet
+/// confirms the delete, no delete event follows) is a death of its
+/// generation by itself: a new generation starts beside it.
+#[tokio::test]
+async fn a_pod_that_begins_terminating_and_stays_is_replaced_with_its_generation() {
+    let api = ApiServerDouble::new();
+    let mut c = config(1);
+    c.stuck_after = Duration::from_millis(300);
+    let bound = Duration::from_secs(5);
+    let o = KubernetesOrchestrator::new(api.client(NS), c);
+    o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
+    let _events = o.watch_services();
+    wait_watching(&api).await;
+    let pod = |generation, i| pod_name("replica-1", 2, generation, i);
+    let stuck = hold_terminating(&api, &pod(1, 0));
+    let started = tokio::time::Instant::now();
+    let new = [pod(2, 0), pod(2, 1)];
+    while !new.iter().all(|p| api.get("pods", NS, p).is_some()) {
+        assert!(
+            started.elapsed() < bound,
+            "no new generation within {bound:?} of a pod left terminating: {:?}",
+            pod_names(&api)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(still_terminating(&api, &pod(1, 0), &stuck));
+    assert_eq!(pod_names(&api), [pod(1, 0), pod(2, 0), pod(2, 1)]);
+    assert_eq!(record_generation(&api, "replica-1"), "2");
 }

@@ -177,6 +177,16 @@ fn list(kind: &str, items: Vec<Value>) -> Value {
     json!({"kind": format!("{kind}List"), "apiVersion": "v1", "metadata": {"resourceVersion": "100"}, "items": items})
 }
 
+/// The pod (and host name) of process `index` of `replica-5`, a service of
+/// `scale` processes, in `generation`: `replica-5-gGENERATION-INDEX`.
+fn pod_name(scale: usize, generation: u64, index: usize) -> String {
+    lockstep_orchestrator_kubernetes::objects::pod_name("replica-5", scale, generation, index)
+}
+
+/// A record of `replica-5` (one process, generation 1) as written before
+/// pods were named by their generation: its template has no
+/// `generation_names`, so its pods keep the names `replica-5-INDEX`
+/// (`pod`).
 fn record(epoch: u64, uid: &str, rv: u64) -> Value {
     json!({
         "apiVersion": "v1", "kind": "Service",
@@ -191,6 +201,8 @@ fn record(epoch: u64, uid: &str, rv: u64) -> Value {
     })
 }
 
+/// A pod of process `index` of `record`'s service, under the name such a
+/// record gives it (`replica-5-INDEX`).
 fn pod(index: usize, epoch: u64, uid: &str, rv: u64) -> Value {
     json!({
         "apiVersion": "v1", "kind": "Pod",
@@ -257,6 +269,14 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
     .unwrap();
     assert_eq!(template["program"], "/usr/local/bin/lockstep-replica");
     assert_eq!(template["argv"].as_array().unwrap().len(), 2);
+    // Its pods are named by their generation; the peers' host names in
+    // the template hold a placeholder for it, so the template is the same
+    // in every generation.
+    assert_eq!(template["generation_names"], true);
+    assert_eq!(
+        template["argv"][0][2],
+        "--peers=replica-5-g{generation}-0.replica-5.lockstep.svc.cluster.local:2100,replica-5-g{generation}-1.replica-5.lockstep.svc.cluster.local:2100"
+    );
     assert!(
         body["metadata"].get("resourceVersion").is_none(),
         "a create carries no version"
@@ -313,10 +333,12 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
     )
     .await;
     respond(send, 200, &list("Pod", vec![]));
-    // One pod per process, each with its own command line and stable DNS peers.
+    // One pod per process, named by its generation (the first), each with
+    // its own command line and its peers' DNS names in that generation.
     for i in 0..2 {
         let (body, send) = expect(&mut mock, Method::POST, &format!("{base}/pods"), &[]).await;
-        assert_eq!(body["metadata"]["name"], format!("replica-5-{i}"));
+        assert_eq!(body["metadata"]["name"], pod_name(2, 1, i));
+        assert_eq!(body["metadata"]["name"], format!("replica-5-g1-{i}"));
         assert_eq!(body["metadata"]["labels"]["lockstep/epoch"], "7");
         assert_eq!(body["metadata"]["labels"]["lockstep/id"], "5");
         assert_eq!(body["metadata"]["labels"]["lockstep/generation"], "1");
@@ -324,7 +346,7 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
             body["metadata"]["labels"]["lockstep/process"],
             i.to_string()
         );
-        assert_eq!(body["spec"]["hostname"], format!("replica-5-{i}"));
+        assert_eq!(body["spec"]["hostname"], pod_name(2, 1, i));
         assert_eq!(body["spec"]["subdomain"], "replica-5");
         assert_eq!(body["spec"]["restartPolicy"], "Always");
         let c = &body["spec"]["containers"][0];
@@ -335,7 +357,7 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
             json!([
                 format!("--process={i}"),
                 "--timely-port=2100",
-                "--peers=replica-5-0.replica-5.lockstep.svc.cluster.local:2100,replica-5-1.replica-5.lockstep.svc.cluster.local:2100"
+                "--peers=replica-5-g1-0.replica-5.lockstep.svc.cluster.local:2100,replica-5-g1-1.replica-5.lockstep.svc.cluster.local:2100"
             ])
         );
         assert_eq!(
@@ -376,7 +398,13 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
     )
     .await;
     respond(send, 200, &record);
-    // The status.
+    // The status: the pods created.
+    let created = |i: usize, uid: &str, rv: u64| {
+        let mut p = pod(i, 7, uid, rv);
+        p["metadata"]["name"] = json!(pod_name(2, 1, i));
+        p["metadata"]["labels"]["lockstep/generation"] = json!("1");
+        p
+    };
     let (_, send) = expect(
         &mut mock,
         Method::GET,
@@ -392,7 +420,7 @@ async fn ensure_creates_the_record_the_secret_and_one_pod_per_process() {
         200,
         &list(
             "Pod",
-            vec![pod(0, 7, "uid-pod-0", 12), pod(1, 7, "uid-pod-1", 13)],
+            vec![created(0, "uid-pod-0", 12), created(1, "uid-pod-1", 13)],
         ),
     );
 
@@ -687,6 +715,8 @@ async fn restart_bumps_the_generation_deletes_every_pod_with_preconditions_then_
     let (_, send) = expect(&mut mock, Method::GET, &path, &[]).await;
     respond(send, 200, &bumped);
     let (body, send) = expect(&mut mock, Method::POST, &format!("{base}/pods"), &[]).await;
+    // A record written before pods were named by their generation: its
+    // pods keep their names (and its arguments name its peers so).
     assert_eq!(body["metadata"]["name"], "replica-5-0");
     assert_eq!(body["metadata"]["annotations"]["lockstep/restarts"], "1");
     assert_eq!(body["metadata"]["labels"]["lockstep/generation"], "2");

@@ -28,11 +28,17 @@
 //! - `environment-killed`: `lockstep serve` SIGKILLed and started again on
 //!   its state directory: the replica adopted (the same pod uids, no
 //!   container restarted: O1, nothing rebuilt) and answering right within
-//!   [`RECOVERY`].
+//!   [`RECOVERY`];
+//! - `stuck-terminating`: process 0's pod held by a finalizer and deleted,
+//!   so it stays terminating as a lost node's pod does: a new generation
+//!   starts beside it (its pods named by their generation) and answers
+//!   right within [`RECOVERY`] while the held pod is still there.
 //!
-//! The negative control, `barrier+no-shared-fate`, turns the backend's
+//! The negative controls: `barrier+no-shared-fate` turns the backend's
 //! shared-fate restart off (failpoint `kube_shared_fate_off`): the
-//! kubelet's in-place restart alone must be caught (I2).
+//! kubelet's in-place restart alone must be caught (I2);
+//! `barrier+reused-names` gives pods the same names in every generation
+//! (failpoint `kube_pod_names_reused`): `stuck-terminating` must catch it.
 //!
 //! The suite prints each scenario's time (`{"node_scenario":...}`), what
 //! broke, and one reporting-contract line per variant (`"suite":"kube-node"`);
@@ -78,15 +84,23 @@ const SET_UP: Duration = Duration::from_secs(180);
 /// The bound on a recovery after a fault: the next write answered and both
 /// exports right. docs/kubernetes.md states it.
 const RECOVERY: Duration = Duration::from_secs(60);
+/// The scenarios of a variant that is not a control.
+const SCENARIOS: usize = 7;
 /// How long process 0 stays stopped.
 const STOP_FOR: Duration = Duration::from_secs(8);
 /// The variants run by default: every shipped policy, and the negative
-/// control.
-const VARIANTS: [&str; 4] = ["barrier", "broadcast", "log", NEGATIVE];
+/// controls.
+const VARIANTS: [&str; 5] = ["barrier", "broadcast", "log", NEGATIVE, NAMES_REUSED];
 /// The negative control: barrier with the Kubernetes backend's shared-fate
 /// restart off (failpoint `kube_shared_fate_off`), so a dead process is
 /// restarted in place by the kubelet alone; `process-killed` must catch it.
 const NEGATIVE: &str = "barrier+no-shared-fate";
+/// The names' negative control: barrier with pods that keep their names
+/// across generations (failpoint `kube_pod_names_reused`, as records
+/// written before pods were named by generation): `stuck-terminating`
+/// must catch it (the new generation's pod cannot take the held pod's
+/// name). It runs `create` and that scenario only.
+const NAMES_REUSED: &str = "barrier+reused-names";
 
 /// What every scenario of one variant shares.
 struct Setting {
@@ -97,6 +111,8 @@ struct Setting {
     state: tempfile::TempDir,
     args: Vec<String>,
     env: Vec<(String, std::ffi::OsString)>,
+    /// The names' control: pods keep their names across generations.
+    names_reused: bool,
 }
 
 impl Setting {
@@ -122,14 +138,27 @@ impl Setting {
     /// The pods run as one generation, every one ready (I2), within
     /// [`RECOVERY`] (a readiness probe trails the first answer).
     async fn one_generation(&self) -> Result<u64, Failure> {
+        self.one_generation_beside(&[]).await
+    }
+
+    /// [`Setting::one_generation`], the pods named in `beside` (held
+    /// terminating) left out.
+    async fn one_generation_beside(&self, beside: &[&str]) -> Result<u64, Failure> {
         pods::await_one_generation(
             &self.cluster,
             &self.ns,
             &self.service,
             PROCESSES as usize,
+            beside,
             RECOVERY,
         )
         .await
+    }
+
+    /// The pod of process `i` in the record's generation.
+    fn pod_of(&self, i: u32) -> Result<String, Failure> {
+        pods::pod_of(&self.cluster, &self.ns, &self.service, i)
+            .map_err(|e| Failure::Harness(format!("{e:#}")))
     }
 
     /// Waits until a new generation replaced `before` (I2: a process's death
@@ -153,7 +182,7 @@ impl Setting {
     fn pid_of(&self, i: u32) -> Result<u32, Failure> {
         let harness = |e: anyhow::Error| Failure::Harness(format!("{e:#}"));
         let pods = pods::pods(&self.cluster, &self.ns, &self.service).map_err(harness)?;
-        let name = format!("{}-{i}", self.service);
+        let name = self.pod_of(i)?;
         let pod = pods
             .iter()
             .find(|p| p.name == name)
@@ -235,6 +264,13 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
     if timed(&mut out, policy, "create", started, result) {
         return finish(out, env, &setting);
     }
+    if setting.names_reused {
+        // The names' control: only the scenario it must fail.
+        let started = Instant::now();
+        let result = stuck_terminating(&setting, &mut w).await;
+        timed(&mut out, policy, "stuck-terminating", started, result);
+        return finish(out, env, &setting);
+    }
 
     // process-killed
     let started = Instant::now();
@@ -294,7 +330,7 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
             .kubectl_out(&[
                 "delete",
                 "pod",
-                &format!("{}-0", setting.service),
+                &setting.pod_of(0)?,
                 "-n",
                 &setting.ns,
                 "--wait=false",
@@ -357,8 +393,51 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
         pods::adopted(&before, &after, "across an environment restart")
     }
     .await;
-    timed(&mut out, policy, "environment-killed", started, result);
+    if timed(&mut out, policy, "environment-killed", started, result) {
+        return finish(out, env, &setting);
+    }
+
+    let started = Instant::now();
+    let result = stuck_terminating(&setting, &mut w).await;
+    timed(&mut out, policy, "stuck-terminating", started, result);
     finish(out, env, &setting)
+}
+
+/// `stuck-terminating`: process 0's pod held by a finalizer, then deleted,
+/// so it stays terminating as a pod of a lost node does (the kubelet kills
+/// its container; nothing removes the object). A new generation must start
+/// beside it and answer right within [`RECOVERY`] while it is still there
+/// (else the scenario tested nothing: a harness error); released, it goes
+/// and the replica is one generation again.
+async fn stuck_terminating(setting: &Setting, w: &mut Workload) -> Result<(), Failure> {
+    let before = setting.generation()?;
+    let held = setting.pod_of(0)?;
+    pods::hold(&setting.cluster, &setting.ns, &held).map_err(|e| harness(format!("{e:#}")))?;
+    let result = async {
+        setting
+            .cluster
+            .kubectl_out(&["delete", "pod", &held, "-n", &setting.ns, "--wait=false"])
+            .map_err(|e| harness(format!("{e:#}")))?;
+        setting
+            .replaced(before, "pod 0 deleted and stuck terminating")
+            .await?;
+        setting.one_generation_beside(&[held.as_str()]).await?;
+        w.write_and_check(RECOVERY, "I2").await?;
+        let pods = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+            .map_err(|e| harness(format!("{e:#}")))?;
+        if !pods.iter().any(|p| p.name == held && p.deleting) {
+            return Err(harness(format!(
+                "pod {held} was not held terminating through the recovery: nothing was tested"
+            )));
+        }
+        Ok(())
+    }
+    .await;
+    // Released whatever happened: a held pod would keep its namespace.
+    let released = pods::release(&setting.cluster, &setting.ns, &setting.service, &held);
+    result?;
+    released.map_err(|e| harness(format!("{e:#}")))?;
+    setting.one_generation().await.map(drop)
 }
 
 /// Stops the environment and deletes the variant's namespace (its pods go
@@ -386,9 +465,9 @@ fn setting(cluster: &RealCluster, policy: &str) -> anyhow::Result<Setting> {
     };
     let image = var("LOCKSTEP_NODE_IMAGE")?;
     let (policy, control) = match policy.split_once('+') {
-        Some((p, "no-shared-fate")) => (p, true),
+        Some((p, c @ ("no-shared-fate" | "reused-names"))) => (p, Some(c)),
         Some((_, other)) => anyhow::bail!("unknown variant suffix +{other}"),
-        None => (policy, false),
+        None => (policy, None),
     };
     let policy_file = var("LOCKSTEP_POLICY_DIR")?.join(format!("{policy}.wasm"));
     anyhow::ensure!(
@@ -424,8 +503,12 @@ fn setting(cluster: &RealCluster, policy: &str) -> anyhow::Result<Setting> {
         "KUBECONFIG".to_string(),
         cluster.kubeconfig.clone().into_os_string(),
     )];
-    if control {
-        env.push(("FAILPOINTS".into(), "kube_shared_fate_off=return".into()));
+    match control {
+        Some("no-shared-fate") => {
+            env.push(("FAILPOINTS".into(), "kube_shared_fate_off=return".into()))
+        }
+        Some(_) => env.push(("FAILPOINTS".into(), "kube_pod_names_reused=return".into())),
+        None => {}
     }
     Ok(Setting {
         cluster: cluster.clone(),
@@ -438,6 +521,7 @@ fn setting(cluster: &RealCluster, policy: &str) -> anyhow::Result<Setting> {
             .tempdir()?,
         args,
         env,
+        names_reused: control == Some("reused-names"),
     })
 }
 
@@ -485,8 +569,8 @@ fn main() -> ExitCode {
             let said = tally.record(&s.result);
             eprintln!("node: {v} {}: {said} ({:.1} s)", s.name, s.seconds);
         }
-        let control = v == NEGATIVE;
-        all_ok &= tally.ok(control) && (control || scenarios.len() == 6);
+        let control = v == NEGATIVE || v == NAMES_REUSED;
+        all_ok &= tally.ok(control) && (control || scenarios.len() == SCENARIOS);
         lines.push(tally.summary_line("kube-node", v, control));
     }
     for l in lines {

@@ -24,6 +24,23 @@ fn k8s_service(id: u64) -> lockstep_orchestrator::ServiceConfig {
         .fixed_args(["300"])
 }
 
+/// The name of the pod of process `index` of service `name` on the double
+/// (pods are named by their generation too: `NAME-gGENERATION-INDEX`);
+/// the newest generation's if several are there.
+fn pod_of_process(api: &ApiServerDouble, name: &str, index: usize) -> String {
+    let prefix = format!("{name}-g");
+    let suffix = format!("-{index}");
+    api.names("pods", K8S_NAMESPACE)
+        .into_iter()
+        .filter(|n| n.starts_with(&prefix) && n.ends_with(&suffix))
+        .max_by_key(|n| {
+            n[prefix.len()..n.len() - suffix.len()]
+                .parse::<u64>()
+                .unwrap_or(0)
+        })
+        .unwrap_or_else(|| format!("{name}-g?{suffix}"))
+}
+
 /// The record and pod labels of the service of `id` on the double.
 fn k8s_epochs(api: &ApiServerDouble, id: u64) -> (Option<String>, Option<String>) {
     let name = ServiceTemplate::service_name(id);
@@ -36,7 +53,7 @@ fn k8s_epochs(api: &ApiServerDouble, id: u64) -> (Option<String>, Option<String>
     };
     (
         epoch(api.get("services", K8S_NAMESPACE, &name)),
-        epoch(api.get("pods", K8S_NAMESPACE, &format!("{name}-0"))),
+        epoch(api.get("pods", K8S_NAMESPACE, &pod_of_process(api, &name, 0))),
     )
 }
 
@@ -56,7 +73,7 @@ async fn k8s_delete_races_inner() -> anyhow::Result<Result<(), String>> {
     stale.ensure_service(k8s_service(1)).await?;
     let name = ServiceTemplate::service_name(1);
     let b = api.clone();
-    let (record_name, pod_name) = (name.clone(), format!("{name}-0"));
+    let (record_name, pod_name) = (name.clone(), pod_of_process(&api, &name, 0));
     api.before_next(
         Matcher::new(http::Method::DELETE, "pods", Some(&pod_name)),
         move |_| {
@@ -195,7 +212,7 @@ async fn k8s_watch_inner() -> anyhow::Result<Result<(), String>> {
     watching(&api).await?;
     let name = ServiceTemplate::service_name(1);
     api.drop_watches();
-    api.delete("pods", K8S_NAMESPACE, &format!("{name}-0"))
+    api.delete("pods", K8S_NAMESPACE, &pod_of_process(&api, &name, 0))
         .map_err(|e| anyhow!(e))?;
     if !exit_reported(&mut events, &name, 0).await {
         return Ok(Err(

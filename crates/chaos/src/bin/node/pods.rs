@@ -11,8 +11,10 @@ use serde_json::Value;
 /// One pod of the service, as the API server holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodView {
-    /// `NAME-I`.
+    /// `NAME-gGENERATION-I`.
     pub name: String,
+    /// Its `lockstep/process` label (the process index).
+    pub process: String,
     /// Its uid.
     pub uid: String,
     /// Its `lockstep/generation` label.
@@ -47,6 +49,10 @@ pub fn pods(cluster: &RealCluster, ns: &str, service: &str) -> anyhow::Result<Ve
             PodView {
                 name: p["metadata"]["name"].as_str().unwrap_or("").to_string(),
                 uid: p["metadata"]["uid"].as_str().unwrap_or("").to_string(),
+                process: p["metadata"]["labels"]["lockstep/process"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string(),
                 generation: p["metadata"]["labels"]["lockstep/generation"]
                     .as_str()
                     .unwrap_or("")
@@ -83,17 +89,74 @@ pub fn generation(cluster: &RealCluster, ns: &str, service: &str) -> anyhow::Res
         .with_context(|| format!("the record of {service} has no generation ({out:?})"))
 }
 
+/// The name of the pod of process `index` of the record's generation.
+pub fn pod_of(
+    cluster: &RealCluster,
+    ns: &str,
+    service: &str,
+    index: u32,
+) -> anyhow::Result<String> {
+    let g = generation(cluster, ns, service)?.to_string();
+    let index = index.to_string();
+    pods(cluster, ns, service)?
+        .into_iter()
+        .find(|p| p.process == index && p.generation == g && !p.deleting)
+        .map(|p| p.name)
+        .with_context(|| format!("no pod of process {index} in generation {g}"))
+}
+
+/// Holds pod `name` with a finalizer: deleted, it stays terminating (as on
+/// a lost node, whose kubelet never confirms the delete) until
+/// [`release`].
+pub fn hold(cluster: &RealCluster, ns: &str, name: &str) -> anyhow::Result<()> {
+    cluster.kubectl_out(&[
+        "patch",
+        "pod",
+        name,
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        &format!(r#"{{"metadata":{{"finalizers":["{HOLD_FINALIZER}"]}}}}"#),
+    ])?;
+    Ok(())
+}
+
+/// Takes [`hold`]'s finalizer off `service`'s pod `name` (gone already:
+/// nothing to do).
+pub fn release(cluster: &RealCluster, ns: &str, service: &str, name: &str) -> anyhow::Result<()> {
+    let there = pods(cluster, ns, service)?.iter().any(|p| p.name == name);
+    if there {
+        cluster.kubectl_out(&[
+            "patch",
+            "pod",
+            name,
+            "-n",
+            ns,
+            "--type=merge",
+            "-p",
+            r#"{"metadata":{"finalizers":null}}"#,
+        ])?;
+    }
+    Ok(())
+}
+
+/// The finalizer [`hold`] puts on a pod.
+pub const HOLD_FINALIZER: &str = "lockstep.test/held";
+
 /// Whether the service runs as one generation: `processes` pods, none
 /// being deleted, every one ready and labelled with the record's
-/// generation.
+/// generation; pods named in `beside` (held terminating) left out.
 pub fn one_generation(
     cluster: &RealCluster,
     ns: &str,
     service: &str,
     processes: usize,
+    beside: &[&str],
 ) -> anyhow::Result<Result<u64, String>> {
     let g = generation(cluster, ns, service)?;
-    let pods = pods(cluster, ns, service)?;
+    let mut pods = pods(cluster, ns, service)?;
+    pods.retain(|p| !beside.contains(&p.name.as_str()));
     let bad: Vec<String> = pods
         .iter()
         .filter(|p| !p.ready || p.deleting || p.generation != g.to_string())
@@ -121,11 +184,12 @@ pub async fn await_one_generation(
     ns: &str,
     service: &str,
     processes: usize,
+    beside: &[&str],
     bound: Duration,
 ) -> Result<u64, Failure> {
     let deadline = Instant::now() + bound;
     loop {
-        match one_generation(cluster, ns, service, processes) {
+        match one_generation(cluster, ns, service, processes, beside) {
             Ok(Ok(g)) => return Ok(g),
             Ok(Err(what)) if Instant::now() >= deadline => {
                 return Err(violation(

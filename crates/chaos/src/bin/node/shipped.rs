@@ -86,7 +86,7 @@ async fn environment_pod(
 
 /// The pods of the replica as one ready generation, within [`RECOVERY`].
 async fn one_generation(cluster: &RealCluster, ns: &str) -> Result<(), Failure> {
-    pods::await_one_generation(cluster, ns, SERVICE, PROCESSES as usize, RECOVERY)
+    pods::await_one_generation(cluster, ns, SERVICE, PROCESSES as usize, &[], RECOVERY)
         .await
         .map(drop)
 }
