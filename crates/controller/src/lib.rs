@@ -38,6 +38,7 @@ use lockstep_protocol::{
     CommandKind, DataflowDescription, Frontier, ProcessIdentity, Row, Status, SubscribeBatch,
     Timestamp, Update, WriteInput,
 };
+pub use lockstep_reconcile::DeliveryRules;
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 pub use actor::Event;
@@ -211,9 +212,20 @@ pub struct Controller {
     timeouts: Timeouts,
 }
 
+/// How a controller distributes commands: the policy it asks, unwrapped,
+/// and the rules its session machine applies to the answers (the
+/// fallback, whether `naive` is taken).
+pub struct Distribution {
+    /// The distribution policy.
+    pub policy: Box<dyn DistributionPolicy + Send>,
+    /// What the machine does with its answers.
+    pub rules: lockstep_reconcile::DeliveryRules,
+}
+
 impl Controller {
     /// Starts a controller for `replica` at `epoch`, with the distribution
-    /// `policy`, rehydrating it from `history` (empty for a new replica). It
+    /// `policy` (its choices taken as they are: [`DeliveryRules::AS_CHOSEN`](lockstep_reconcile::DeliveryRules::AS_CHOSEN)),
+    /// rehydrating it from `history` (empty for a new replica). It
     /// connects in the background; commands sent before it is connected are
     /// kept in the history and replayed.
     pub fn start(
@@ -223,13 +235,29 @@ impl Controller {
         policy: Box<dyn DistributionPolicy + Send>,
         timeouts: Timeouts,
     ) -> Controller {
+        let distribution = Distribution {
+            policy,
+            rules: lockstep_reconcile::DeliveryRules::AS_CHOSEN,
+        };
+        Self::start_distributing(replica, epoch, history, distribution, timeouts)
+    }
+
+    /// [`Controller::start`] with the rules the environment decided
+    /// ([`Distribution`]).
+    pub fn start_distributing(
+        replica: ReplicaAddrs,
+        epoch: u64,
+        history: CommandHistory,
+        distribution: Distribution,
+        timeouts: Timeouts,
+    ) -> Controller {
         let (tx, rx) = mpsc::unbounded_channel();
         let (events, first_events) = broadcast::channel(1024);
         actor::spawn(
             replica,
             epoch,
             history,
-            policy,
+            distribution,
             timeouts.clone(),
             rx,
             events.clone(),

@@ -356,7 +356,7 @@ mod tests {
         ReplicaDelivery {
             processes,
             command_log: false,
-            fallback: lockstep_protocol::Strategy::Barrier,
+            rules: crate::DeliveryRules::AS_CHOSEN,
         }
     }
 

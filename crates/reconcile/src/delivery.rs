@@ -20,9 +20,46 @@ pub struct ReplicaDelivery {
     pub processes: usize,
     /// Whether it has a command log.
     pub command_log: bool,
-    /// What a command is sent with when the policy's choice cannot be
-    /// taken.
+    /// The fallback, and what the policy may choose.
+    pub rules: DeliveryRules,
+}
+
+/// What is decided once for every replica a controller drives (the
+/// environment builds one): the strategy a command is sent with when the
+/// policy's choice cannot be taken, and whether the policy may choose
+/// `naive`, the negative control. The policy's answers reach the machine
+/// unwrapped: the machine alone applies these (and, on a history mismatch
+/// the policy cannot answer, [`ControllerSession::mismatch_fallback`], the
+/// rule the model checks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DeliveryRules {
+    /// What a command is sent with when the policy failed or its choice
+    /// cannot be taken.
     pub fallback: Strategy,
+    /// Whether a choice of `naive` is taken (else it gets the fallback).
+    pub naive_allowed: bool,
+}
+
+impl DeliveryRules {
+    /// The fallback strategy: `barrier`, which needs nothing of a replica
+    /// (no command log, no pinned session) and orders every command.
+    pub const FALLBACK: Strategy = Strategy::Barrier;
+
+    /// The fallback, and the policy's choices taken as they are (`naive`
+    /// too): a caller that hands the controller its own policy.
+    pub const AS_CHOSEN: DeliveryRules = DeliveryRules {
+        fallback: Self::FALLBACK,
+        naive_allowed: true,
+    };
+
+    /// What `lockstep serve` runs: the fallback, and `naive` refused
+    /// unless `naive_allowed` (a build with the test hooks, asked to).
+    pub const fn shipped(naive_allowed: bool) -> DeliveryRules {
+        DeliveryRules {
+            fallback: Self::FALLBACK,
+            naive_allowed,
+        }
+    }
 }
 
 /// Why a command is not sent with what the policy chose.
@@ -36,6 +73,9 @@ pub enum Fallback {
     /// It chose a strategy that pins a session, for a command of a session
     /// that does not (choose it for Hello to use it for a whole session).
     PinsSession,
+    /// It chose `naive`, the negative control, and the rules refuse it
+    /// ([`DeliveryRules::naive_allowed`]).
+    NaiveRefused,
 }
 
 /// A strategy decided for a command: what it is sent with, and the
@@ -112,11 +152,15 @@ impl ControllerSession {
     }
 
     /// What the policy's choice for a session's Hello (`None`: the policy
-    /// failed) becomes: the fallback if it failed or chose a strategy that
-    /// appends to a command log the replica lacks.
+    /// failed) becomes: the fallback if it failed, chose `naive` where the
+    /// rules refuse it, or chose a strategy that appends to a command log
+    /// the replica lacks.
     pub fn session_choice(&self, chosen: Option<Strategy>) -> Choice {
         let fallback = match chosen {
             None => Some(Fallback::PolicyFailed),
+            Some(Strategy::Naive) if !self.replica.rules.naive_allowed => {
+                Some(Fallback::NaiveRefused)
+            }
             Some(s) if rules(s).appends_to_log() && !self.replica.command_log => {
                 Some(Fallback::NoCommandLog)
             }
@@ -128,7 +172,7 @@ impl ControllerSession {
                 fallback: None,
             },
             (_, fallback) => Choice {
-                strategy: self.replica.fallback,
+                strategy: self.replica.rules.fallback,
                 fallback,
             },
         }
@@ -148,7 +192,7 @@ impl ControllerSession {
         let choice = self.session_choice(chosen);
         if rules(choice.strategy).pins_session() {
             return Choice {
-                strategy: self.replica.fallback,
+                strategy: self.replica.rules.fallback,
                 fallback: Some(Fallback::PinsSession),
             };
         }
@@ -228,12 +272,43 @@ mod tests {
             ReplicaDelivery {
                 processes,
                 command_log,
-                fallback: Strategy::Barrier,
+                rules: DeliveryRules::AS_CHOSEN,
             },
         );
         s.connect();
         s.connected(processes);
         s
+    }
+
+    #[test]
+    fn naive_gets_the_fallback_where_the_rules_refuse_it_for_a_session_and_a_command() {
+        let mut refusing = ControllerSession::new(
+            2,
+            ReplicaDelivery {
+                processes: 2,
+                command_log: false,
+                rules: DeliveryRules::shipped(false),
+            },
+        );
+        refusing.connect();
+        refusing.connected(2);
+        let refused = Choice {
+            strategy: DeliveryRules::FALLBACK,
+            fallback: Some(Fallback::NaiveRefused),
+        };
+        assert_eq!(refusing.session_choice(Some(Strategy::Naive)), refused);
+        assert_eq!(refusing.command_choice(Some(Strategy::Naive)), refused);
+        // Any other choice is taken as it is.
+        assert_eq!(
+            refusing.session_choice(Some(Strategy::Broadcast)).fallback,
+            None
+        );
+        // Allowed: taken.
+        let allowed = session(2, false).session_choice(Some(Strategy::Naive));
+        assert_eq!(
+            (allowed.strategy, allowed.fallback),
+            (Strategy::Naive, None)
+        );
     }
 
     #[test]

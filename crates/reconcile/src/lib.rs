@@ -77,7 +77,9 @@ pub mod rounds;
 pub mod strategy;
 pub mod worker;
 pub use controller::{ControllerSession, HistoryStep, MismatchResolution, Phase};
-pub use delivery::{Choice, Delivery, DeliveryMutant, Fallback, ReplicaDelivery, SessionStart};
+pub use delivery::{
+    Choice, Delivery, DeliveryMutant, DeliveryRules, Fallback, ReplicaDelivery, SessionStart,
+};
 pub use initialization::{GateMutant, InitializationDecision, InitializationGate};
 pub use rounds::{PlanError, Report, RoundBook, RoundMutant};
 pub use strategy::log::{LogHoldMutant, LogRead};

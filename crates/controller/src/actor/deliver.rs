@@ -161,6 +161,10 @@ impl Actor {
                 %fallback,
                 "the policy chose the log strategy but the replica has no command log; using the fallback"
             ),
+            Some(Fallback::NaiveRefused) => tracing::warn!(
+                %fallback,
+                "the distribution policy chose naive, the negative control; refused (a build with the test hooks allows it with --experiments-allow-naive), using the fallback"
+            ),
             Some(Fallback::PinsSession) => tracing::warn!(
                 %fallback,
                 "the policy chose an ordering strategy for a command of a socket-ordered session; using the fallback (choose it for Hello to use it for a whole session)"

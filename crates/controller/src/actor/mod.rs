@@ -35,7 +35,7 @@ use lockstep_policy::{DistributionPolicy, MismatchAction};
 use lockstep_protocol::merge::{meet, merge_peek, SubscribeMerge};
 use lockstep_protocol::{
     CommandHistory, CommandKind, ErrorResponse, Frontier, Peek, PeekResult, ResponseKind, Row,
-    Status, Strategy, Subscribe, SubscribeBatch,
+    Status, Subscribe, SubscribeBatch,
 };
 use lockstep_reconcile::{ControllerSession, ReplicaDelivery};
 use tokio::sync::{broadcast, mpsc, oneshot};
@@ -253,13 +253,13 @@ pub(crate) fn spawn(
     replica: ReplicaAddrs,
     epoch: u64,
     history: CommandHistory,
-    policy: Box<dyn DistributionPolicy + Send>,
+    distribution: crate::Distribution,
     timeouts: Timeouts,
     mut requests: mpsc::UnboundedReceiver<Request>,
     events: broadcast::Sender<Event>,
 ) {
     let (mut actor, mut from_conns, mut connected_rx) =
-        Actor::new(replica, epoch, history, policy, timeouts, events);
+        Actor::new(replica, epoch, history, distribution, timeouts, events);
     if let Some(location) = actor.replica.command_log.clone() {
         let (tx, rx) = std::sync::mpsc::channel();
         actor.log_opening = Some(rx);
@@ -303,7 +303,7 @@ impl Actor {
         replica: ReplicaAddrs,
         epoch: u64,
         mut history: CommandHistory,
-        policy: Box<dyn DistributionPolicy + Send>,
+        crate::Distribution { policy, rules }: crate::Distribution,
         timeouts: Timeouts,
         events: broadcast::Sender<Event>,
     ) -> (
@@ -329,7 +329,7 @@ impl Actor {
         let delivery = ReplicaDelivery {
             processes: n,
             command_log: replica.command_log.is_some(),
-            fallback: Strategy::Barrier,
+            rules,
         };
         let actor = Actor {
             replica,

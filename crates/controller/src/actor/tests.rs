@@ -39,7 +39,12 @@ async fn connected(processes: usize, workers: u32) -> Harness {
         replica,
         1,
         CommandHistory::new(),
-        Box::new(lockstep_policy::FixedStrategy(Strategy::Barrier)),
+        crate::Distribution {
+            policy: Box::new(lockstep_policy::FixedStrategy(
+                crate::DeliveryRules::FALLBACK,
+            )),
+            rules: crate::DeliveryRules::AS_CHOSEN,
+        },
         timeouts,
         events_tx,
     );

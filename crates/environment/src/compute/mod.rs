@@ -19,9 +19,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lockstep_catalog::Replica;
-use lockstep_controller::{Controller, ControllerError, Event, Timeouts};
+use lockstep_controller::{Controller, ControllerError, DeliveryRules, Event, Timeouts};
 use lockstep_orchestrator::{Orchestrator, RestartError, ServiceStatus};
-use lockstep_policy::{FixedStrategy, Strategy};
+use lockstep_policy::FixedStrategy;
 use lockstep_protocol::proto as wire;
 use lockstep_protocol::{
     CommandHistory, CommandKind, DataflowDescription, ErrorKind, Export, Row, SubscribeBatch,
@@ -313,10 +313,23 @@ impl Compute {
             .contains_key(&replica_id)
     }
 
-    /// The distribution policy for a controller of replica `replica_id`:
-    /// its own WASM policy, else the environment-wide one, wrapped so that a
-    /// failing call falls back to `barrier` (the safe default), or the
-    /// native rule.
+    /// How a controller of replica `replica_id` distributes: its own WASM
+    /// policy, else the environment-wide one, else the native rule (the
+    /// fallback strategy), unwrapped, under the one set of rules this
+    /// environment runs ([`DeliveryRules::shipped`]): the controller's
+    /// machine alone applies the fallback, the refusal of `naive` and, on
+    /// a history mismatch the policy cannot answer, its model-checked rule.
+    pub(crate) fn distribution_for(&self, replica_id: u64) -> lockstep_controller::Distribution {
+        lockstep_controller::Distribution {
+            policy: self.policy_for(replica_id),
+            rules: DeliveryRules::shipped(
+                self.allow_naive.load(std::sync::atomic::Ordering::Relaxed),
+            ),
+        }
+    }
+
+    /// The distribution policy of [`Self::distribution_for`] (also what a
+    /// policy swap hands a running controller).
     pub(crate) fn policy_for(
         &self,
         replica_id: u64,
@@ -330,21 +343,15 @@ impl Compute {
         let path = own.or_else(|| self.distribution.lock().expect("poisoned").clone());
         if let Some(path) = path {
             match lockstep_policy_host::WasmDistributionPolicy::load(&path, Default::default()) {
-                Ok(p) => {
-                    return Box::new(
-                        lockstep_policy_host::SafeDistribution::new(p, Strategy::Barrier)
-                            .with_naive_allowed(
-                                self.allow_naive.load(std::sync::atomic::Ordering::Relaxed),
-                            ),
-                    )
-                }
+                Ok(p) => return Box::new(p),
                 Err(e) => tracing::error!(
                     path = %path.display(),
-                    "distribution policy failed to load; using the native barrier rule: {e}"
+                    fallback = %DeliveryRules::FALLBACK,
+                    "distribution policy failed to load; using the native rule, the fallback strategy: {e}"
                 ),
             }
         }
-        Box::new(FixedStrategy(Strategy::Barrier))
+        Box::new(FixedStrategy(DeliveryRules::FALLBACK))
     }
 
     /// A controller of `replica` driving the processes `status` lists
@@ -368,11 +375,11 @@ impl Compute {
         addrs.max_frame_len = self
             .max_frame_len
             .load(std::sync::atomic::Ordering::Relaxed);
-        Ok(Controller::start(
+        Ok(Controller::start_distributing(
             addrs,
             epoch,
             history,
-            self.policy_for(replica.id),
+            self.distribution_for(replica.id),
             self.timeouts.clone(),
         ))
     }

@@ -116,7 +116,7 @@ fn watcher_with_metrics(
         },
         1,
         CommandHistory::new(),
-        Box::new(FixedStrategy(Strategy::Barrier)),
+        Box::new(FixedStrategy(lockstep_controller::DeliveryRules::FALLBACK)),
         Timeouts::default(),
     );
     let (halt, halted) = watch::channel(None);
@@ -314,4 +314,20 @@ async fn fenced_out_of_the_command_log_halts_the_environment_and_a_broken_log_do
         .await
         .expect("the watcher stops")
         .unwrap();
+}
+
+/// One set of delivery rules, decided here and applied by the controller's
+/// machine: the fallback strategy, `naive` refused unless allowed; the
+/// policy itself reaches the machine unwrapped (no policy: the native rule,
+/// the fallback strategy).
+#[test]
+fn the_environment_decides_one_set_of_delivery_rules_and_hands_the_policy_over_unwrapped() {
+    use lockstep_controller::DeliveryRules;
+    let compute = Compute::default();
+    let d = compute.distribution_for(1);
+    assert_eq!(d.rules, DeliveryRules::shipped(false));
+    assert_eq!(d.rules.fallback, DeliveryRules::FALLBACK);
+    assert_eq!(d.policy.name(), DeliveryRules::FALLBACK.name());
+    compute.set_naive_allowed(true);
+    assert!(compute.distribution_for(1).rules.naive_allowed);
 }

@@ -173,7 +173,7 @@ impl ComputeModel {
         let replica = ReplicaDelivery {
             processes: workers,
             command_log: self.tails_log(),
-            fallback: Strategy::Barrier,
+            rules: lockstep_reconcile::DeliveryRules::AS_CHOSEN,
         };
         ControllerSession::new(workers, replica)
             .with_gate_mutant(self.gate_mutant)
