@@ -233,6 +233,28 @@ impl ApiServerDouble {
         Ok(())
     }
 
+    /// Changes pod `name`'s status with `change`, as its kubelet would (a
+    /// new resourceVersion, a MODIFIED event; a client's replace keeps the
+    /// stored status).
+    pub fn update_pod_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        change: impl FnOnce(&mut Value),
+    ) -> Result<(), String> {
+        let mut s = self.store.lock().expect("poisoned");
+        let key = ("pods".to_string(), namespace.to_string(), name.to_string());
+        let Some(mut pod) = s.objects.get(&key).cloned() else {
+            return Err(format!("no pod {name}"));
+        };
+        change(&mut pod["status"]);
+        let rv = s.next_rv();
+        pod["metadata"]["resourceVersion"] = json!(rv.to_string());
+        s.objects.insert(key, pod.clone());
+        s.emit("pods", namespace, "MODIFIED", pod);
+        Ok(())
+    }
+
     /// Answers the next request matching `matcher` with `code` (a Status
     /// body) instead of handling it.
     pub fn fail_next(&self, matcher: Matcher, code: u16, message: &str) {

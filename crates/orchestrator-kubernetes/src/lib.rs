@@ -172,8 +172,9 @@ use lockstep_orchestrator::{
 use tokio::sync::{broadcast, mpsc};
 
 use crate::objects::{
-    ObjectContext, PodTemplate, DROPPED_BY_LABEL, GENERATION_KEY, LABELS_ANNOTATION, PROCESS_LABEL,
-    RESTARTS_ANNOTATION, SERVICE_LABEL, SPEC_HASH_ANNOTATION, STATE_LABEL, TEMPLATE_ANNOTATION,
+    ObjectContext, PodTemplate, CONTAINER, DROPPED_BY_LABEL, GENERATION_KEY, LABELS_ANNOTATION,
+    PROCESS_LABEL, RESTARTS_ANNOTATION, SERVICE_LABEL, SPEC_HASH_ANNOTATION, STATE_LABEL,
+    TEMPLATE_ANNOTATION,
 };
 
 /// How often a write is decided again after a 409 Conflict before the call
@@ -587,6 +588,8 @@ struct Seen {
     failed: bool,
     /// Being deleted (terminating).
     deleting: bool,
+    /// The image ID its kubelet reports, once known.
+    image: Option<String>,
     /// Its service and process index (from its labels; a pod's name holds
     /// its generation too).
     service: String,

@@ -190,7 +190,40 @@ pub(super) fn shared_fate_reason(
             return Some(format!("pod {name} failed"));
         }
     }
-    None
+    mixed_images(pods, generation)
+}
+
+/// Why the pods of `generation` are not one build, if they are not: their
+/// containers run images the kubelets resolved to different IDs (one tag
+/// naming different builds on different nodes, which `IfNotPresent` does
+/// not notice). One replica runs one build: such a generation is replaced.
+fn mixed_images(pods: &[Pod], generation: u64) -> Option<String> {
+    let mut seen: Vec<(String, &str)> = pods
+        .iter()
+        .filter(|p| label_u64(p.labels(), GENERATION_KEY) == Some(generation))
+        .filter_map(|p| Some((p.name_any(), running_image(p)?)))
+        .collect();
+    seen.sort_by(|a, b| a.1.cmp(b.1));
+    let (first, last) = (seen.first()?, seen.last()?);
+    (first.1 != last.1).then(|| {
+        format!(
+            "the pods of generation {generation} run different images ({} runs {}, {} runs {}): one replica runs one build",
+            first.0, first.1, last.0, last.1
+        )
+    })
+}
+
+/// The image ID the kubelet reports for the pod's process container (the
+/// digest it resolved the image's tag to), once it is known.
+pub(super) fn running_image(p: &Pod) -> Option<&str> {
+    p.status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .iter()
+        .find(|c| c.name == CONTAINER)
+        .map(|c| c.image_id.as_str())
+        .filter(|id| !id.is_empty())
 }
 
 pub(super) fn pod_index(p: &Pod) -> usize {
@@ -249,6 +282,7 @@ pub(super) fn seen(p: &Pod) -> Seen {
         restarts: container_restarts(p),
         failed: pod_failed(p),
         deleting: p.metadata.deletion_timestamp.is_some(),
+        image: running_image(p).map(str::to_string),
         service: p
             .labels()
             .get(SERVICE_LABEL)

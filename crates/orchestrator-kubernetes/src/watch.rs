@@ -9,7 +9,8 @@ use super::*;
 /// what happens to them into [`ServiceEvent`]s, and (with `fate`) into
 /// checks for the shared-fate task: every list asks it to check every
 /// service, every death of a pod (its container restarted, it failed, it
-/// began terminating, it was deleted) its service.
+/// began terminating, it was deleted) and every image a pod's kubelet
+/// reports anew (one build per generation) its service.
 pub(super) async fn watch_pods(
     pods: Api<Pod>,
     selector: String,
@@ -56,7 +57,10 @@ pub(super) async fn watch_pods(
                 let restarted = before.as_ref().is_some_and(|b| now.restarts > b.restarts);
                 let newly_failed = now.failed && !before.as_ref().is_some_and(|b| b.failed);
                 // Terminating: on a lost node no delete event follows.
-                let newly_deleting = now.deleting && !before.is_some_and(|b| b.deleting);
+                let newly_deleting = now.deleting && !before.as_ref().is_some_and(|b| b.deleting);
+                // Its build now known: is it its siblings'?
+                let newly_imaged =
+                    now.image.is_some() && before.is_none_or(|b| b.image != now.image);
                 if restarted {
                     emit_exit(
                         &events,
@@ -66,7 +70,7 @@ pub(super) async fn watch_pods(
                 } else if newly_failed {
                     emit_exit(&events, &now, "the pod failed");
                 }
-                if restarted || newly_failed || newly_deleting {
+                if restarted || newly_failed || newly_deleting || newly_imaged {
                     if let Some(s) = service_of(&p) {
                         check(Check::Service(s));
                     }

@@ -1361,3 +1361,42 @@ async fn a_pod_that_begins_terminating_and_stays_is_replaced_with_its_generation
     assert_eq!(pod_names(&api), [pod(1, 0), pod(2, 0), pod(2, 1)]);
     assert_eq!(record_generation(&api, "replica-1"), "2");
 }
+
+/// One replica runs one build: when the kubelets report that the pods of a
+/// generation run images resolved to different IDs (one tag naming two
+/// builds on two nodes), the generation is replaced.
+#[tokio::test]
+async fn a_generation_whose_pods_run_different_images_is_replaced() {
+    let api = ApiServerDouble::new();
+    let bound = Duration::from_secs(5);
+    let o = KubernetesOrchestrator::new(api.client(NS), config(1));
+    o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
+    let _events = o.watch_services();
+    wait_watching(&api).await;
+    let pod = |generation, i| pod_name("replica-1", 2, generation, i);
+    let report_image = |name: &str, id: &str| {
+        api.update_pod_status(NS, name, |s| {
+            s["containerStatuses"][0]["imageID"] = json!(id);
+        })
+        .unwrap();
+    };
+    // The same build on both: nothing to do.
+    report_image(&pod(1, 0), "localhost/lockstep@sha256:aaaa");
+    report_image(&pod(1, 1), "localhost/lockstep@sha256:aaaa");
+    // Another build on process 1 (its container started again on a node
+    // whose tag names another image): a new generation.
+    let started = tokio::time::Instant::now();
+    report_image(&pod(1, 1), "localhost/lockstep@sha256:bbbb");
+    while record_generation(&api, "replica-1") != "2" {
+        assert!(
+            started.elapsed() < bound,
+            "a generation of two builds was not replaced within {bound:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let new = [pod(2, 0), pod(2, 1)];
+    while !new.iter().all(|p| api.get("pods", NS, p).is_some()) {
+        assert!(started.elapsed() < bound, "{:?}", pod_names(&api));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
