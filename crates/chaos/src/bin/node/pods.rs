@@ -109,16 +109,13 @@ pub fn pod_of(
 /// a lost node, whose kubelet never confirms the delete) until
 /// [`release`].
 pub fn hold(cluster: &RealCluster, ns: &str, name: &str) -> anyhow::Result<()> {
-    cluster.kubectl_out(&[
-        "patch",
-        "pod",
-        name,
-        "-n",
-        ns,
-        "--type=merge",
-        "-p",
-        &format!(r#"{{"metadata":{{"finalizers":["{HOLD_FINALIZER}"]}}}}"#),
-    ])?;
+    let finalizers = format!(r#"{{"metadata":{{"finalizers":["{HOLD_FINALIZER}"]}}}}"#);
+    merge_patch(cluster, ns, name, &finalizers)
+}
+
+/// `kubectl patch pod NAME --type=merge -p PATCH`.
+fn merge_patch(cluster: &RealCluster, ns: &str, name: &str, patch: &str) -> anyhow::Result<()> {
+    cluster.kubectl_out(&["patch", "pod", name, "-n", ns, "--type=merge", "-p", patch])?;
     Ok(())
 }
 
@@ -127,16 +124,7 @@ pub fn hold(cluster: &RealCluster, ns: &str, name: &str) -> anyhow::Result<()> {
 pub fn release(cluster: &RealCluster, ns: &str, service: &str, name: &str) -> anyhow::Result<()> {
     let there = pods(cluster, ns, service)?.iter().any(|p| p.name == name);
     if there {
-        cluster.kubectl_out(&[
-            "patch",
-            "pod",
-            name,
-            "-n",
-            ns,
-            "--type=merge",
-            "-p",
-            r#"{"metadata":{"finalizers":null}}"#,
-        ])?;
+        merge_patch(cluster, ns, name, r#"{"metadata":{"finalizers":null}}"#)?;
     }
     Ok(())
 }
