@@ -220,7 +220,7 @@ async fn k8s_watch_inner() -> anyhow::Result<Result<(), String>> {
         ));
     }
     watching(&api).await?;
-    let pod1 = format!("{name}-1");
+    let pod1 = pod_of_process(&api, &name, 1);
     api.before_next(Matcher::new(http::Method::GET, "pods", None), |_| {});
     api.before_next(Matcher::new(http::Method::GET, "pods", None), move |api| {
         let _ = api.delete("pods", K8S_NAMESPACE, &pod1);

@@ -309,17 +309,25 @@ impl Sandbox {
                 .map(|p| format!("{p:?}"))
                 .collect(),
             Backend::Kubernetes(api) => {
+                // The service's pods by their labels (a pod's name holds
+                // its generation too), in process order.
                 let name = ServiceTemplate::service_name(id);
-                let mut pods: Vec<String> = api
+                let mut pods: Vec<(u64, String)> = api
                     .names("pods", K8S_NAMESPACE)
                     .into_iter()
-                    .filter(|p| p.rsplit_once('-').is_some_and(|(s, _)| s == name))
+                    .filter_map(|p| api.get("pods", K8S_NAMESPACE, &p))
+                    .filter(|p| p["metadata"]["labels"]["lockstep/service"] == name.as_str())
+                    .map(|p| {
+                        let labels = &p["metadata"]["labels"];
+                        let process = labels["lockstep/process"].as_str().unwrap_or("");
+                        (
+                            process.parse().unwrap_or(u64::MAX),
+                            p["metadata"]["uid"].as_str().unwrap_or("").to_string(),
+                        )
+                    })
                     .collect();
                 pods.sort();
-                pods.iter()
-                    .filter_map(|p| api.get("pods", K8S_NAMESPACE, p))
-                    .map(|p| p["metadata"]["uid"].as_str().unwrap_or("").to_string())
-                    .collect()
+                pods.into_iter().map(|(_, uid)| uid).collect()
             }
             Backend::RealKubernetes(cluster) => {
                 cluster.pod_uids(&self.namespace, &ServiceTemplate::service_name(id))?
