@@ -181,6 +181,9 @@ fn real_node(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<(
         std::env::set_var("LOCKSTEP_PROMETHEUS_IMAGE", prometheus_image);
         apply_base(&cp)?;
         let kubeconfig = service_account_kubeconfig(&cp, &dir)?;
+        // The `upgraded` scenario's image: the same build, another tag.
+        let next_image = format!("{}-next", node.image);
+        node.tag_image(&node.image, &next_image)?;
         let debug = target_dir().join("debug");
         let env = [
             ("LOCKSTEP_KUBE_KUBECONFIG", kubeconfig),
@@ -190,6 +193,7 @@ fn real_node(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<(
                 crate::kube_control_plane::bin_dir().join("kubectl"),
             ),
             ("LOCKSTEP_NODE_IMAGE", node.image.clone().into()),
+            ("LOCKSTEP_NODE_IMAGE_NEXT", next_image.into()),
             (
                 "LOCKSTEP_POLICY_DIR",
                 target_dir().join("lockstep/policies"),

@@ -4,15 +4,18 @@ use super::*;
 use crate::events::Replaced;
 
 impl Inner {
-    /// Compare-and-swap of the record's generation to one more than it is.
-    /// With `expected`, only if it still is `expected` (a shared-fate restart
-    /// decided on it: if it moved, someone else restarted the service).
+    /// Compare-and-swap of the record's generation to one more than it is,
+    /// and of its template to `template`. With `expected`, only if it
+    /// still is `expected` (a shared-fate restart decided on it: if it
+    /// moved, someone else restarted the service).
     pub(super) async fn bump_generation(
         &self,
         name: &str,
         mut record: Service,
         expected: Option<u64>,
+        template: &PodTemplate,
     ) -> Result<Service, GenerationError> {
+        let template_json = serde_json::to_string(template).expect("a template serializes");
         for _ in 0..CONFLICT_ATTEMPTS {
             let generation = generation_of(&record);
             if expected.is_some_and(|e| e != generation) {
@@ -22,6 +25,8 @@ impl Inner {
             next.metadata.managed_fields = None;
             next.annotations_mut()
                 .insert(GENERATION_KEY.to_string(), (generation + 1).to_string());
+            next.annotations_mut()
+                .insert(TEMPLATE_ANNOTATION.to_string(), template_json.clone());
             match self
                 .services
                 .replace(name, &PostParams::default(), &next)
@@ -43,8 +48,10 @@ impl Inner {
 
     /// Kill all, then start all: the record's generation goes up by one
     /// (compare-and-swap, fenced by the epoch), every pod of the service is
-    /// deleted as read (preconditions) and waited for until gone, then every
-    /// pod is created from the record's template in the new generation.
+    /// deleted as read (preconditions) and waited for until gone (or stuck),
+    /// then every pod is created in the new generation from the record's
+    /// template on this environment's image ([`PodTemplate::with_image`]:
+    /// the restart of a service made by an older build is its upgrade).
     /// `record` is the live record as last read; `expected`: see
     /// [`Inner::bump_generation`]; `keep_restarts`: the new pods count one
     /// restart more than the old ones (`false`: a new spec, from 0).
@@ -56,8 +63,12 @@ impl Inner {
         expected: Option<u64>,
         keep_restarts: bool,
     ) -> Result<(Service, Vec<(String, String)>), GenerationError> {
-        let template = template_of(&record)?;
-        let record = self.bump_generation(name, record, expected).await?;
+        // A new generation runs this environment's build (an upgrade when
+        // the record's pods were made by another).
+        let template = template_of(&record)?.with_image(&self.config.image);
+        let record = self
+            .bump_generation(name, record, expected, &template)
+            .await?;
         let generation = generation_of(&record);
         let mut restarts: BTreeMap<usize, u32> = BTreeMap::new();
         let mut gone = false;

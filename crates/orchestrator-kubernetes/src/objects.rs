@@ -523,7 +523,7 @@ pub struct PodTemplate {
     pub ports: BTreeMap<String, u16>,
     /// Each process's arguments; its length is the scale.
     pub argv: Vec<Vec<String>>,
-    /// Each process's [`template_hash`].
+    /// Each process's hash (what it runs: see [`PodTemplate::with_image`]).
     pub hash: Vec<String>,
     /// The container's compute resources (absent in records written before
     /// they were set: none).
@@ -534,10 +534,14 @@ pub struct PodTemplate {
     /// before: `NAME-INDEX`, [`legacy_pod_name`]).
     #[serde(default)]
     pub generation_names: bool,
+    /// The digest of the processes' environment (absent in records written
+    /// before: their hashes held the environment itself).
+    #[serde(default)]
+    pub env_digest: Option<String>,
 }
 
 /// The template of `config`'s pods: each process's command line from
-/// [`process_args`] and its [`template_hash`].
+/// [`process_args`] and its hashes.
 pub fn template(ctx: &ObjectContext, config: &ServiceConfig) -> PodTemplate {
     // The real-node suite's negative control (feature `failpoints` only):
     // pods keep their names across generations, as records written before
@@ -553,16 +557,64 @@ fn template_named(
     config: &ServiceConfig,
     generation_names: bool,
 ) -> PodTemplate {
-    let argv = process_args(ctx, config, generation_names);
-    PodTemplate {
+    let mut template = PodTemplate {
         image: ctx.image.clone(),
         program: config.program.display().to_string(),
         ports: port_numbers(config, ctx.base_port),
-        hash: argv.iter().map(|a| template_hash(ctx, config, a)).collect(),
-        argv,
+        argv: process_args(ctx, config, generation_names),
+        hash: Vec::new(),
         resources: ctx.resources.clone(),
         generation_names,
+        env_digest: Some(env_digest(&config.env)),
+    };
+    template.hash = template.hashes();
+    template
+}
+
+impl PodTemplate {
+    /// Each process's hash: what it runs (image, program, arguments, the
+    /// environment's digest, ports, scale and compute resources: a pod's
+    /// resources cannot change in place). Labels are not in it: a relabel
+    /// keeps the pod.
+    fn hashes(&self) -> Vec<String> {
+        self.argv
+            .iter()
+            .map(|argv| {
+                let doc = serde_json::json!({
+                    "image": self.image,
+                    "program": self.program,
+                    "argv": argv,
+                    "env": self.env_digest,
+                    "ports": self.ports,
+                    "scale": self.argv.len(),
+                    "resources": self.resources,
+                });
+                blake3::hash(doc.to_string().as_bytes()).to_hex()[..16].to_string()
+            })
+            .collect()
     }
+
+    /// This template on `image`, its hashes made again: what a new
+    /// generation runs when the environment runs another build than the
+    /// one the service's pods were made with (an upgrade). The same
+    /// template when `image` is its own.
+    pub fn with_image(&self, image: &str) -> PodTemplate {
+        if self.image == image {
+            return self.clone();
+        }
+        let mut t = self.clone();
+        t.image = image.to_string();
+        t.hash = t.hashes();
+        t
+    }
+}
+
+/// The digest of a service's environment: the record keeps it, not the
+/// values (a session key is among them), so that a changed environment is
+/// a changed template.
+fn env_digest(env: &BTreeMap<String, String>) -> String {
+    let doc = serde_json::to_string(env).expect("an environment serializes");
+    blake3::hash(doc.as_bytes()).to_hex()[..32].to_string()
 }
 
 /// The Secret with the environment's master secret (`bytes`), labelled with
@@ -589,25 +641,7 @@ pub fn master_secret(ctx: &ObjectContext, bytes: &[u8]) -> Secret {
     }
 }
 
-/// The hash of what a process runs: program, image, arguments, environment,
-/// ports and compute resources (a pod's resources cannot change in place).
-/// Labels are not in it: a relabel keeps the pod.
-pub fn template_hash(ctx: &ObjectContext, config: &ServiceConfig, argv: &[String]) -> String {
-    let mut h = blake3::Hasher::new();
-    let doc = serde_json::json!({
-        "image": ctx.image,
-        "program": config.program,
-        "argv": argv,
-        "env": config.env,
-        "ports": port_numbers(config, ctx.base_port),
-        "scale": config.scale,
-        "resources": ctx.resources,
-    });
-    h.update(doc.to_string().as_bytes());
-    h.finalize().to_hex()[..16].to_string()
-}
-
-/// A pod's [`SPEC_HASH_ANNOTATION`]: its [`template_hash`] and its
+/// A pod's [`SPEC_HASH_ANNOTATION`]: its template hash and its
 /// generation, so a pod of an older generation is never adopted as one of
 /// the current one.
 pub fn spec_hash(template_hash: &str, generation: u64) -> String {

@@ -49,13 +49,17 @@ impl Inner {
 
     /// Writes the record (CAS on the resourceVersion read), deciding again
     /// on a 409. It keeps the stored generation (a new record starts at 1,
-    /// one over a tombstone at the tombstone's generation + 1). Returns the
-    /// written record.
+    /// one over a tombstone at the tombstone's generation + 1), and the
+    /// stored template where `fresh` differs from it in the image alone:
+    /// an environment of a new build adopts every running service as it
+    /// is, and a service moves to the new build only when it is restarted
+    /// (`replica upgrade`, a death). Returns the written record and the
+    /// template it holds.
     pub(super) async fn write_record(
         &self,
         config: &ServiceConfig,
-        template: &PodTemplate,
-    ) -> Result<Service, EnsureError> {
+        fresh: &PodTemplate,
+    ) -> Result<(Service, PodTemplate), EnsureError> {
         let ours = self.config.epoch;
         let ctx = self.context();
         for _ in 0..CONFLICT_ATTEMPTS {
@@ -65,7 +69,14 @@ impl Inner {
                 Record::Dropped { service, .. } => generation_of(service) + 1,
                 Record::Live { service, .. } => generation_of(service),
             };
-            let mut desired = objects::service(&ctx, config, generation, template);
+            let template = match &read {
+                Record::Live { service, .. } => template_of(service)
+                    .ok()
+                    .filter(|stored| stored.with_image(&fresh.image) == *fresh)
+                    .unwrap_or_else(|| fresh.clone()),
+                _ => fresh.clone(),
+            };
+            let mut desired = objects::service(&ctx, config, generation, &template);
             let result = match read {
                 Record::Live { epoch, .. } if self.config.conditional_writes && epoch > ours => {
                     return Err(EnsureError::StaleEpoch {
@@ -92,7 +103,7 @@ impl Inner {
                 }
             };
             match result {
-                Ok(s) => return Ok(s),
+                Ok(s) => return Ok((s, template)),
                 Err(e) if is_conflict(&e) => {
                     tracing::info!(service = %config.name, "record changed under us (409): reading again");
                 }

@@ -103,8 +103,8 @@ impl Inner {
         }
         let ours = self.config.epoch;
         let name = config.name.clone();
-        let template = objects::template(&self.context(), &config);
-        let mut record = self.write_record(&config, &template).await?;
+        let fresh = objects::template(&self.context(), &config);
+        let (mut record, template) = self.write_record(&config, &fresh).await?;
         self.write_secret(&config).await?;
         self.write_budget(&config).await?;
         let mut created = Vec::new();
@@ -113,7 +113,9 @@ impl Inner {
         for _ in 0..CONFLICT_ATTEMPTS {
             let generation = generation_of(&record);
             let pods = current(self.service_pods(&name).await?, generation);
-            if pods.is_empty() {
+            // Nothing runs (and the record's build is this environment's:
+            // else a new generation moves it).
+            if pods.is_empty() && template.image == fresh.image {
                 // Nothing runs: every pod starts in the record's generation.
                 created = self
                     .create_pods(&record, &template, generation, |_| 0)

@@ -1409,3 +1409,66 @@ async fn await_pods(api: &ApiServerDouble, names: &[String], bound: Duration, wh
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// An environment of a new build (another image) adopts a running service
+/// as it is, and moves it to its build only when it restarts it (`replica
+/// upgrade`): no environment upgrade restarts every replica at once.
+#[tokio::test]
+async fn a_new_image_is_taken_at_a_restart_not_at_an_ensure() {
+    let api = ApiServerDouble::new();
+    let image = |o: &str| format!("localhost/lockstep:{o}");
+    let on = |epoch, tag: &str| {
+        let mut c = config(epoch);
+        c.image = image(tag);
+        KubernetesOrchestrator::new(api.client(NS), c)
+    };
+    let pod = |generation, i| pod_name("replica-1", 2, generation, i);
+    let running = |name: &str| {
+        let p = api.get("pods", NS, name).expect("the pod");
+        (
+            p["metadata"]["uid"].as_str().unwrap().to_string(),
+            p["spec"]["containers"][0]["image"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        )
+    };
+    let old = on(1, "1.0");
+    old.ensure_service(replica("replica-1", 1, 2))
+        .await
+        .unwrap();
+    let before = [running(&pod(1, 0)), running(&pod(1, 1))];
+    assert!(before.iter().all(|(_, i)| *i == image("1.0")));
+
+    // The environment of build 2.0 adopts: the same pods, the old image.
+    let new = on(2, "2.0");
+    new.ensure_service(replica("replica-1", 1, 2))
+        .await
+        .unwrap();
+    assert_eq!([running(&pod(1, 0)), running(&pod(1, 1))], before);
+    assert_eq!(record_generation(&api, "replica-1"), "1");
+
+    // Its restart is the upgrade: a new generation on 2.0.
+    new.restart_service("replica-1").await.unwrap();
+    for i in 0..2 {
+        assert_eq!(running(&pod(2, i)).1, image("2.0"));
+    }
+    assert!(api.get("pods", NS, &pod(1, 0)).is_none());
+    // And it is now the record's build: ensured again, adopted.
+    let upgraded = [running(&pod(2, 0)), running(&pod(2, 1))];
+    new.ensure_service(replica("replica-1", 1, 2))
+        .await
+        .unwrap();
+    assert_eq!([running(&pod(2, 0)), running(&pod(2, 1))], upgraded);
+    assert_eq!(record_generation(&api, "replica-1"), "2");
+
+    // A changed spec besides the image is a new generation at the ensure,
+    // on the ensuring environment's build.
+    let newest = on(3, "3.0");
+    newest
+        .ensure_service(replica("replica-1", 1, 2).env("EXTRA", "1"))
+        .await
+        .unwrap();
+    assert_eq!(record_generation(&api, "replica-1"), "3");
+    assert_eq!(running(&pod(3, 0)).1, image("3.0"));
+}

@@ -29,6 +29,12 @@
 //!   its state directory: the replica adopted (the same pod uids, no
 //!   container restarted: O1, nothing rebuilt) and answering right within
 //!   [`RECOVERY`];
+//! - `upgraded`: `lockstep serve` SIGKILLed and started on another image
+//!   (`LOCKSTEP_NODE_IMAGE_NEXT`: the same build under a tag of its own):
+//!   the replica adopted (O1: a new environment image restarts no
+//!   replica); then `replica upgrade --keep-answering` under a steady
+//!   reader: no read refused (I2) or wrong (I3), a new generation whose
+//!   every pod names the new image, answering right;
 //! - `stuck-terminating` (under `barrier` only: it tests the backend's
 //!   generations, which no policy changes): process 0's pod held by a
 //!   finalizer and deleted,
@@ -90,9 +96,9 @@ const RECOVERY: Duration = Duration::from_secs(60);
 /// under [`STUCK_UNDER`] only.
 fn scenarios(variant: &str) -> usize {
     if variant == STUCK_UNDER {
-        7
+        8
     } else {
-        6
+        7
     }
 }
 /// The policy `stuck-terminating` runs under: it tests the backend's
@@ -130,6 +136,18 @@ struct Setting {
 impl Setting {
     async fn serve(&self) -> anyhow::Result<EnvProcess> {
         let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        EnvProcess::serve(&self.bin, self.state.path(), &args, &self.env).await
+    }
+
+    /// [`Setting::serve`] with the replica image `image` (an environment
+    /// of another build).
+    async fn serve_on(&self, image: &str) -> anyhow::Result<EnvProcess> {
+        let mut args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        let at = args
+            .iter()
+            .position(|a| *a == "--kubernetes-image")
+            .ok_or_else(|| anyhow::anyhow!("the setting names no --kubernetes-image"))?;
+        args[at + 1] = image;
         EnvProcess::serve(&self.bin, self.state.path(), &args, &self.env).await
     }
 
@@ -405,7 +423,69 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
         pods::adopted(&before, &after, "across an environment restart")
     }
     .await;
-    if timed(&mut out, policy, "environment-killed", started, result) || policy != STUCK_UNDER {
+    if timed(&mut out, policy, "environment-killed", started, result) {
+        return finish(out, env, &setting);
+    }
+
+    // upgraded
+    let started = Instant::now();
+    let result = async {
+        let next = std::env::var("LOCKSTEP_NODE_IMAGE_NEXT").map_err(|_| {
+            harness("LOCKSTEP_NODE_IMAGE_NEXT is not set (cargo xtask kube sets it)")
+        })?;
+        let before = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+            .map_err(|e| harness(format!("{e:#}")))?;
+        env.kill().await.map_err(|e| harness(format!("{e:#}")))?;
+        env = setting
+            .serve_on(&next)
+            .await
+            .map_err(|e| harness(format!("lockstep serve on {next}: {e:#}")))?;
+        w.set_api(Setting::api(&env));
+        w.write_and_check(RECOVERY, "I2").await?;
+        // An environment of a new image restarts no replica.
+        let after = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+            .map_err(|e| harness(format!("{e:#}")))?;
+        pods::adopted(&before, &after, "by an environment of another image")?;
+        let generation = setting.generation()?;
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let (reads, upgraded) = tokio::join!(w.read_steadily(stopped), async {
+            let upgraded = w.upgrade_keep_answering(RECOVERY).await;
+            let _ = stop.send(true);
+            upgraded
+        });
+        upgraded?;
+        eprintln!("node: {policy}: reads across the upgrade: {reads:?}");
+        if !reads.refused.is_empty() {
+            return Err(violation(
+                "I2",
+                format!("reads refused across replica upgrade --keep-answering: {reads:?}"),
+            ));
+        }
+        if !reads.wrong.is_empty() {
+            return Err(violation("I3", format!("{:?}", reads.wrong)));
+        }
+        if reads.answered == 0 {
+            return Err(harness(
+                "no read was answered across the upgrade: nothing was tested",
+            ));
+        }
+        setting.replaced(generation, "replica upgrade").await?;
+        setting.one_generation().await?;
+        let pods = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+            .map_err(|e| harness(format!("{e:#}")))?;
+        if let Some(p) = pods.iter().find(|p| p.image != next) {
+            return Err(violation(
+                "I2",
+                format!(
+                    "after replica upgrade pod {} runs {}, not {next}",
+                    p.name, p.image
+                ),
+            ));
+        }
+        w.write_and_check(RECOVERY, "I2").await
+    }
+    .await;
+    if timed(&mut out, policy, "upgraded", started, result) || policy != STUCK_UNDER {
         return finish(out, env, &setting);
     }
 

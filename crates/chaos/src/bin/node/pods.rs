@@ -25,6 +25,8 @@ pub struct PodView {
     pub restarts: i64,
     /// Being deleted.
     pub deleting: bool,
+    /// The image its process container names.
+    pub image: String,
 }
 
 /// The service's pods, by name.
@@ -66,6 +68,10 @@ pub fn pods(cluster: &RealCluster, ns: &str, service: &str) -> anyhow::Result<Ve
                     .map(|c| c["restartCount"].as_i64().unwrap_or(0))
                     .sum(),
                 deleting: !p["metadata"]["deletionTimestamp"].is_null(),
+                image: p["spec"]["containers"][0]["image"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string(),
             }
         })
         .collect();

@@ -82,6 +82,19 @@ fn code(s: &tonic::Status) -> String {
     format!("{:?}: {}", s.code(), s.message())
 }
 
+/// What a steady reader saw ([`Workload::read_steadily`]).
+#[derive(Debug, Default)]
+pub struct Reads {
+    /// Peeks answered (right or wrong).
+    pub answered: u64,
+    /// Peeks refused, by status code.
+    pub refused: BTreeMap<String, u64>,
+    /// Answers that differ from the reference.
+    pub wrong: Vec<String>,
+    /// The longest peek.
+    pub longest: Duration,
+}
+
 /// The writes made so far, and the API.
 pub struct Workload {
     api: Api,
@@ -310,16 +323,6 @@ impl Workload {
             return Ok(());
         };
         let deadline = Instant::now() + bound;
-        let updates: Vec<lockstep_protocol::Update> = self
-            .applied
-            .range(..=t)
-            .map(|(w, v)| lockstep_protocol::Update {
-                row: lockstep_plan::row(v),
-                time: *w,
-                diff: 1,
-            })
-            .collect();
-        let inputs = BTreeMap::from([(INPUT, updates)]);
         for (collection, plan) in [
             (
                 IDENTITY,
@@ -330,10 +333,7 @@ impl Workload {
             (REDUCE, reduce_plan()),
         ] {
             let got = self.peek_rows(collection, t, deadline, invariant).await?;
-            let want: BTreeMap<Vec<u8>, i64> =
-                lockstep_plan::reference::evaluate(&plan, &inputs, t)
-                    .into_iter()
-                    .collect();
+            let want = self.reference(&plan, t);
             if got != want {
                 let show = |m: &BTreeMap<Vec<u8>, i64>| {
                     m.iter()
@@ -357,6 +357,96 @@ impl Workload {
             }
         }
         Ok(())
+    }
+
+    /// Peeks the identity export at the newest write, one attempt each (a
+    /// refusal is counted, not retried), each answer checked against the
+    /// reference (I3), until `stop` says so.
+    pub async fn read_steadily(&self, mut stop: tokio::sync::watch::Receiver<bool>) -> Reads {
+        let mut reads = Reads::default();
+        let Some(t) = self.newest() else {
+            return reads;
+        };
+        let want = self.reference(
+            &Plan::Get {
+                collection_id: INPUT,
+            },
+            t,
+        );
+        while !*stop.borrow() {
+            let req = proto::PeekRequest {
+                replica: REPLICA.into(),
+                collection_id: IDENTITY,
+                timestamp: t,
+            };
+            let started = Instant::now();
+            let answer = match self.api.client().await {
+                Ok(mut c) => tokio::time::timeout(ATTEMPT, c.peek(req))
+                    .await
+                    .map_err(|_| tonic::Status::deadline_exceeded("no answer"))
+                    .and_then(|r| r),
+                Err(e) => Err(tonic::Status::unavailable(e)),
+            };
+            reads.longest = reads.longest.max(started.elapsed());
+            match answer {
+                Ok(rows) => {
+                    reads.answered += 1;
+                    let mut got = BTreeMap::new();
+                    for r in rows.into_inner().rows {
+                        *got.entry(r.values).or_insert(0) += r.diff;
+                    }
+                    got.retain(|_, d| *d != 0);
+                    if got != want {
+                        reads.wrong.push(format!(
+                            "a peek of {IDENTITY} at {t}: {} rows, the reference {}",
+                            got.len(),
+                            want.len()
+                        ));
+                    }
+                }
+                Err(s) => *reads.refused.entry(code(&s)).or_default() += 1,
+            }
+            // A reader, not a flood: the next peek after 50 ms or the stop.
+            let _ = tokio::time::timeout(Duration::from_millis(50), stop.changed()).await;
+        }
+        reads
+    }
+
+    /// `lockstep replica upgrade --keep-answering` (`RestartReplica` with
+    /// `keep_answering`), one attempt answered within `bound`; a violation
+    /// of I2 if it fails or is not answered.
+    pub async fn upgrade_keep_answering(&self, bound: Duration) -> Result<(), Failure> {
+        let req = proto::RestartReplicaRequest {
+            name: REPLICA.into(),
+            keep_answering: true,
+        };
+        let answer = match self.api.client().await {
+            Ok(mut c) => tokio::time::timeout(bound, c.restart_replica(req))
+                .await
+                .map_err(|_| format!("not answered within {} s", bound.as_secs()))
+                .and_then(|r| r.map_err(|s| code(&s))),
+            Err(e) => Err(e),
+        };
+        answer
+            .map(drop)
+            .map_err(|e| violation("I2", format!("replica upgrade --keep-answering: {e}")))
+    }
+
+    /// The reference's rows of `plan` at `t` over every applied write.
+    fn reference(&self, plan: &Plan, t: u64) -> BTreeMap<Vec<u8>, i64> {
+        let updates: Vec<lockstep_protocol::Update> = self
+            .applied
+            .range(..=t)
+            .map(|(w, v)| lockstep_protocol::Update {
+                row: lockstep_plan::row(v),
+                time: *w,
+                diff: 1,
+            })
+            .collect();
+        let inputs = BTreeMap::from([(INPUT, updates)]);
+        lockstep_plan::reference::evaluate(plan, &inputs, t)
+            .into_iter()
+            .collect()
     }
 
     /// A write, then both exports checked, within `bound` in all.
