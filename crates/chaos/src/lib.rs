@@ -24,6 +24,7 @@ pub mod environment;
 pub mod kube_lifecycle;
 pub mod orphans;
 pub mod outcome;
+pub mod reference;
 pub mod signal;
 pub mod unproven;
 

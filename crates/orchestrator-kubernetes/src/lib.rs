@@ -147,6 +147,7 @@ mod pods;
 mod records;
 mod secrets;
 mod services;
+mod template;
 mod watch;
 
 pub use owner::{owner_object, owner_of, owner_reference};

@@ -16,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_openapi::ByteString;
-use lockstep_orchestrator::{ServiceAssignment, ServiceConfig, EPOCH_LABEL, ID_LABEL};
+use lockstep_orchestrator::{ServiceConfig, EPOCH_LABEL, ID_LABEL};
 use serde::{Deserialize, Serialize};
 
 /// A replica pod's `terminationGracePeriodSeconds`: `lockstep-replica`
@@ -58,6 +58,11 @@ pub const GENERATION_KEY: &str = "lockstep/generation";
 pub const TEMPLATE_ANNOTATION: &str = "lockstep/template";
 /// The variable that tells a process its generation (the process backend's too).
 pub use lockstep_orchestrator::process::GENERATION_ENV;
+
+pub use crate::template::{
+    legacy_pod_name, pod_args, pod_name, process_args, process_host, template, template_pod_name,
+    PodTemplate, GENERATION_PLACEHOLDER,
+};
 /// The name of the one container of a process's pod.
 pub const CONTAINER: &str = "process";
 /// The user and group a process's container runs as: the image's `lockstep`
@@ -165,45 +170,6 @@ pub fn master_secret_name(environment: &str) -> String {
 /// The key of the master secret's bytes in its Secret.
 pub const MASTER_SECRET_KEY: &str = "master";
 
-/// What a host name in a template's arguments holds where the pod's
-/// generation goes ([`pod_name`]): a pod's arguments are its template's
-/// with this replaced, so the template (and its hash) is the same in every
-/// generation.
-pub const GENERATION_PLACEHOLDER: &str = "{generation}";
-
-/// The pod of process `index` of a service of `scale` processes in
-/// `generation`, also its host name: `NAME-gGENERATION-INDEX`. A new
-/// generation's pods never take the name (nor the DNS name) of a pod of an
-/// older one that is still there, stuck terminating on a lost node: the
-/// new generation starts beside it. The generation is kept to the digits
-/// that fit a DNS label (at least 8 for a 50-character name and 64
-/// processes; modulo that, a name comes back only after 10^8 generations).
-pub fn pod_name(service: &str, scale: usize, generation: u64, index: usize) -> String {
-    format!(
-        "{service}-{}-{index}",
-        generation_tag(service, scale, generation)
-    )
-}
-
-/// `gGENERATION`, with the generation's digits kept to what fits
-/// ([`pod_name`]).
-fn generation_tag(service: &str, scale: usize, generation: u64) -> String {
-    let index_digits = scale.saturating_sub(1).max(1).ilog10() as usize + 1;
-    // 63 = a DNS label; 3 = "-g" and "-".
-    let room = 63usize
-        .saturating_sub(service.len() + 3 + index_digits)
-        .clamp(1, 19);
-    format!("g{}", generation % 10u64.pow(room as u32))
-}
-
-/// The pod of process `index` as records written before pods were named by
-/// their generation name it (`NAME-INDEX`): a service whose template says
-/// so ([`PodTemplate::generation_names`] false) keeps these names, as its
-/// processes' arguments name its peers so.
-pub fn legacy_pod_name(service: &str, index: usize) -> String {
-    format!("{service}-{index}")
-}
-
 /// The label selector of every object this environment manages.
 pub fn environment_selector(environment: &str) -> String {
     format!("{MANAGED_BY_LABEL}={MANAGED_BY},{ENVIRONMENT_LABEL}={environment}")
@@ -250,74 +216,6 @@ pub fn port_numbers(config: &ServiceConfig, base_port: u16) -> BTreeMap<String, 
         .iter()
         .enumerate()
         .map(|(k, n)| (n.clone(), base_port + k as u16))
-        .collect()
-}
-
-/// Process `index`'s DNS name in a template:
-/// `NAME-g{generation}-INDEX.NAME.NAMESPACE.svc.DOMAIN`, the
-/// [`GENERATION_PLACEHOLDER`] replaced in each pod ([`pod_args`])
-/// (`NAME-INDEX.NAME...` without `generation_names`).
-pub fn process_host(
-    ctx: &ObjectContext,
-    service: &str,
-    index: usize,
-    generation_names: bool,
-) -> String {
-    let host = if generation_names {
-        format!("{service}-g{GENERATION_PLACEHOLDER}-{index}")
-    } else {
-        legacy_pod_name(service, index)
-    };
-    format!(
-        "{host}.{service}.{}.svc.{}",
-        ctx.namespace, ctx.cluster_domain
-    )
-}
-
-/// Process `index`'s arguments in `generation`: its template's, with the
-/// [`GENERATION_PLACEHOLDER`] of every host name replaced by the digits
-/// [`pod_name`] keeps.
-pub fn pod_args(
-    template: &PodTemplate,
-    service: &str,
-    generation: u64,
-    index: usize,
-) -> Vec<String> {
-    let argv = template.argv.get(index).cloned().unwrap_or_default();
-    if !template.generation_names {
-        return argv;
-    }
-    let tag = generation_tag(service, template.argv.len(), generation);
-    let digits = tag.trim_start_matches('g');
-    argv.into_iter()
-        .map(|a| a.replace(GENERATION_PLACEHOLDER, digits))
-        .collect()
-}
-
-/// Every process's arguments, from the config's args function with each
-/// process's DNS name ([`process_host`]) as its host.
-pub fn process_args(
-    ctx: &ObjectContext,
-    config: &ServiceConfig,
-    generation_names: bool,
-) -> Vec<Vec<String>> {
-    let ports = port_numbers(config, ctx.base_port);
-    let all_ports = vec![ports; config.scale];
-    let hosts: Vec<String> = (0..config.scale)
-        .map(|i| process_host(ctx, &config.name, i, generation_names))
-        .collect();
-    (0..config.scale)
-        .map(|i| {
-            (config.args)(&ServiceAssignment {
-                process: i,
-                scale: config.scale,
-                host: &hosts[i],
-                hosts: &hosts,
-                // A pod is reached at its pod IP, from outside the pod.
-                listen_host: "0.0.0.0",
-                ports: &all_ports,
-            })
-        })
         .collect()
 }
 
@@ -509,114 +407,6 @@ pub fn secret(ctx: &ObjectContext, config: &ServiceConfig) -> Secret {
     }
 }
 
-/// What every pod of a service runs, kept in the record
-/// ([`TEMPLATE_ANNOTATION`]) so that a whole restart rebuilds exactly the
-/// pods [`ensure_service`](lockstep_orchestrator::Orchestrator::ensure_service)
-/// built, a deleted one included.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PodTemplate {
-    /// The container image.
-    pub image: String,
-    /// The program (the container's command).
-    pub program: String,
-    /// The named ports and their numbers (the same in every pod).
-    pub ports: BTreeMap<String, u16>,
-    /// Each process's arguments; its length is the scale.
-    pub argv: Vec<Vec<String>>,
-    /// Each process's hash (what it runs: see [`PodTemplate::with_image`]).
-    pub hash: Vec<String>,
-    /// The container's compute resources (absent in records written before
-    /// they were set: none).
-    #[serde(default)]
-    pub resources: PodResources,
-    /// Pods are named by their generation ([`pod_name`]) and `argv` names
-    /// them with a [`GENERATION_PLACEHOLDER`] (absent in records written
-    /// before: `NAME-INDEX`, [`legacy_pod_name`]).
-    #[serde(default)]
-    pub generation_names: bool,
-    /// The digest of the processes' environment (absent in records written
-    /// before: their hashes held the environment itself).
-    #[serde(default)]
-    pub env_digest: Option<String>,
-}
-
-/// The template of `config`'s pods: each process's command line from
-/// [`process_args`] and its hashes.
-pub fn template(ctx: &ObjectContext, config: &ServiceConfig) -> PodTemplate {
-    // The real-node suite's negative control (feature `failpoints` only):
-    // pods keep their names across generations, as records written before
-    // had them.
-    fail::fail_point!("kube_pod_names_reused", |_| template_named(
-        ctx, config, false
-    ));
-    template_named(ctx, config, true)
-}
-
-fn template_named(
-    ctx: &ObjectContext,
-    config: &ServiceConfig,
-    generation_names: bool,
-) -> PodTemplate {
-    let mut template = PodTemplate {
-        image: ctx.image.clone(),
-        program: config.program.display().to_string(),
-        ports: port_numbers(config, ctx.base_port),
-        argv: process_args(ctx, config, generation_names),
-        hash: Vec::new(),
-        resources: ctx.resources.clone(),
-        generation_names,
-        env_digest: Some(env_digest(&config.env)),
-    };
-    template.hash = template.hashes();
-    template
-}
-
-impl PodTemplate {
-    /// Each process's hash: what it runs (image, program, arguments, the
-    /// environment's digest, ports, scale and compute resources: a pod's
-    /// resources cannot change in place). Labels are not in it: a relabel
-    /// keeps the pod.
-    fn hashes(&self) -> Vec<String> {
-        self.argv
-            .iter()
-            .map(|argv| {
-                let doc = serde_json::json!({
-                    "image": self.image,
-                    "program": self.program,
-                    "argv": argv,
-                    "env": self.env_digest,
-                    "ports": self.ports,
-                    "scale": self.argv.len(),
-                    "resources": self.resources,
-                });
-                blake3::hash(doc.to_string().as_bytes()).to_hex()[..16].to_string()
-            })
-            .collect()
-    }
-
-    /// This template on `image`, its hashes made again: what a new
-    /// generation runs when the environment runs another build than the
-    /// one the service's pods were made with (an upgrade). The same
-    /// template when `image` is its own.
-    pub fn with_image(&self, image: &str) -> PodTemplate {
-        if self.image == image {
-            return self.clone();
-        }
-        let mut t = self.clone();
-        t.image = image.to_string();
-        t.hash = t.hashes();
-        t
-    }
-}
-
-/// The digest of a service's environment: the record keeps it, not the
-/// values (a session key is among them), so that a changed environment is
-/// a changed template.
-fn env_digest(env: &BTreeMap<String, String>) -> String {
-    let doc = serde_json::to_string(env).expect("an environment serializes");
-    blake3::hash(doc.as_bytes()).to_hex()[..32].to_string()
-}
-
 /// The Secret with the environment's master secret (`bytes`), labelled with
 /// the environment (no epoch: it outlives every epoch) and owned by the
 /// environment's object if one is configured.
@@ -648,22 +438,6 @@ pub fn spec_hash(template_hash: &str, generation: u64) -> String {
     let mut h = blake3::Hasher::new();
     h.update(format!("{template_hash}/{generation}").as_bytes());
     h.finalize().to_hex()[..16].to_string()
-}
-
-/// The name (and host name) of process `index`'s pod of `template` in
-/// `generation`: [`pod_name`], or [`legacy_pod_name`] for a template
-/// written before.
-pub fn template_pod_name(
-    template: &PodTemplate,
-    service: &str,
-    generation: u64,
-    index: usize,
-) -> String {
-    if template.generation_names {
-        pod_name(service, template.argv.len(), generation, index)
-    } else {
-        legacy_pod_name(service, index)
-    }
 }
 
 /// The pod of process `index` of service `service` (ID `id`) in generation

@@ -363,21 +363,8 @@ impl Workload {
         let Some(got) = self.peek_rows(REDUCE, t, bound).await? else {
             return Ok(());
         };
-        let updates: Vec<lockstep_protocol::Update> = self
-            .model
-            .applied
-            .range(..=t)
-            .map(|(w, v)| lockstep_protocol::Update {
-                row: lockstep_plan::row(v),
-                time: *w,
-                diff: 1,
-            })
-            .collect();
-        let inputs = BTreeMap::from([(INPUT, updates)]);
-        let want: BTreeMap<Vec<u8>, i64> =
-            lockstep_plan::reference::evaluate(&reduce_plan(), &inputs, t)
-                .into_iter()
-                .collect();
+        let want =
+            lockstep_chaos::reference::rows_at(&reduce_plan(), INPUT, &self.model.applied, t);
         if got != want {
             let show = |m: &BTreeMap<Vec<u8>, i64>| {
                 m.iter()

@@ -434,19 +434,7 @@ impl Workload {
 
     /// The reference's rows of `plan` at `t` over every applied write.
     fn reference(&self, plan: &Plan, t: u64) -> BTreeMap<Vec<u8>, i64> {
-        let updates: Vec<lockstep_protocol::Update> = self
-            .applied
-            .range(..=t)
-            .map(|(w, v)| lockstep_protocol::Update {
-                row: lockstep_plan::row(v),
-                time: *w,
-                diff: 1,
-            })
-            .collect();
-        let inputs = BTreeMap::from([(INPUT, updates)]);
-        lockstep_plan::reference::evaluate(plan, &inputs, t)
-            .into_iter()
-            .collect()
+        lockstep_chaos::reference::rows_at(plan, INPUT, &self.applied, t)
     }
 
     /// A write, then both exports checked, within `bound` in all.
