@@ -203,9 +203,29 @@ fn run_all(opts: &Options, times: &mut Times) -> anyhow::Result<()> {
         "removing the image and the build context"
     });
     if opts.keep {
-        eprintln!("xtask: kept {IMAGE} and {} (--keep)", context.display());
+        let own = build_tag(&engine)?;
+        eprintln!(
+            "xtask: kept {IMAGE}, also tagged {own} (this build's own tag: name that one in a cluster, where one tag for every build lets two nodes run two builds), and {} (--keep)",
+            context.display()
+        );
     }
     Ok(())
+}
+
+/// Tags [`IMAGE`] as `lockstep:VERSION-ID` (ID: the first 12 hex digits
+/// of its image ID, a digest of its content), a tag no other build has;
+/// returns it.
+fn build_tag(engine: &Engine) -> anyhow::Result<String> {
+    let mut inspect = engine.cmd();
+    inspect.args(["image", "inspect", "--format", "{{.Id}}", IMAGE]);
+    let id = crate::util::stdout(inspect)?;
+    let id = id.trim().trim_start_matches("sha256:");
+    anyhow::ensure!(id.len() >= 12, "{IMAGE} has no image ID ({id:?})");
+    let own = format!("lockstep:{}-{}", env!("CARGO_PKG_VERSION"), &id[..12]);
+    let mut tag = engine.cmd();
+    tag.args(["tag", IMAGE, &own]);
+    run(tag)?;
+    Ok(own)
 }
 
 /// Wall time per step.

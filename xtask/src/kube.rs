@@ -200,6 +200,14 @@ fn real_node(binaries: &crate::kube_control_plane::Binaries) -> anyhow::Result<(
             ),
             ("LOCKSTEP_BIN", debug.join("lockstep")),
             ("LOCKSTEP_NODE_NAME", crate::kube_node::NODE_NAME.into()),
+            // The `node-lost` scenario stops and resumes it.
+            (
+                "LOCKSTEP_NODE_KUBELET_PID",
+                node.pid("kubelet")
+                    .ok_or_else(|| anyhow::anyhow!("the node's kubelet is not running"))?
+                    .to_string()
+                    .into(),
+            ),
         ];
         for (k, v) in &env {
             std::env::set_var(k, v);

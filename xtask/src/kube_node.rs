@@ -256,6 +256,15 @@ impl RealNode {
         cmd
     }
 
+    /// The PID of the node's process `name` (`containerd`, `kubelet`,
+    /// `coredns`), while it runs.
+    pub fn pid(&self, name: &str) -> Option<u32> {
+        self.processes
+            .iter()
+            .find(|(n, _, _)| *n == name)
+            .map(|(_, child, _)| child.id())
+    }
+
     /// The log file of `name` (`containerd`, `kubelet`, `coredns`).
     pub fn log(&self, name: &str) -> PathBuf {
         self.run.join(format!("{name}.log"))
@@ -477,6 +486,14 @@ makeIPTablesUtilChains: false
 
     fn teardown(&mut self) {
         let kubelet_up = self.processes.iter().any(|(n, _, _)| *n == "kubelet");
+        // A suite that stopped the kubelet (its `node-lost` scenario) and
+        // died before resuming it: resumed, so that it deletes the pods.
+        if let Some(pid) = self.pid("kubelet") {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGCONT,
+            );
+        }
         // 1. Every pod deleted through the API while kubelet runs: it stops
         //    the containers and calls CNI DEL (veths and netns go).
         if kubelet_up {

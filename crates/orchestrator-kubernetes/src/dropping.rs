@@ -79,12 +79,17 @@ impl Inner {
             if pods.is_empty() {
                 break;
             }
-            let mut conflicts = 0;
-            for p in &pods {
-                if !self.delete_pod_as_read(p).await? {
-                    tracing::info!(pod = %p.name_any(), "pod changed under us (409): reading again");
-                    conflicts += 1;
-                }
+            let deletes = self.delete_as_read(&pods).await?;
+            let conflicts = deletes.conflicts;
+            // A pod stuck terminating (its node lost) is not waited for
+            // beyond the one deadline: the drop goes on without it.
+            self.wait_all_gone(deletes.accepted).await?;
+            if conflicts > 0 {
+                tracing::info!(
+                    service = name,
+                    conflicts,
+                    "pods changed under us (409): reading again"
+                );
             }
             if conflicts == 0 {
                 break;

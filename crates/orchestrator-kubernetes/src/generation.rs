@@ -62,7 +62,7 @@ impl Inner {
         record: Service,
         expected: Option<u64>,
         keep_restarts: bool,
-    ) -> Result<(Service, Vec<(String, String)>), GenerationError> {
+    ) -> Result<(Service, Vec<Created>), GenerationError> {
         // A new generation runs this environment's build (an upgrade when
         // the record's pods were made by another).
         let template = template_of(&record)?.with_image(&self.config.image);
@@ -80,38 +80,19 @@ impl Inner {
                 let r = restarts.entry(pod_index(p)).or_default();
                 *r = (*r).max(pod_annotation_u32(p, RESTARTS_ANNOTATION));
             }
-            // Every delete first, then every wait: the pods shut down together.
-            let mut deleted = Vec::new();
-            let mut conflicts = 0;
-            for p in &pods {
-                match self
-                    .pods
-                    .delete(&p.name_any(), &self.pod_delete_params(p))
-                    .await
-                {
-                    Ok(_) => deleted.push((p.name_any(), p.uid())),
-                    Err(e) if is_conflict(&e) => conflicts += 1,
-                    Err(e) if is_not_found(&e) => {}
-                    Err(e) => return Err(api_error("delete pod", e).into()),
+            let deletes = self.delete_as_read(&pods).await?;
+            let conflicts = deletes.conflicts;
+            let stuck = self.wait_all_gone(deletes.accepted).await?;
+            if let (Some(pod), false) = (stuck.first(), template.generation_names) {
+                // Its name would be the new pod's: nothing can start.
+                return Err(StateError::Io {
+                    path: format!("kubernetes API: pod {pod}").into(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "stuck terminating, and the service's pods keep their names across generations (a record written before pods were named by generation)",
+                    ),
                 }
-            }
-            // One deadline for them all: a pod stuck terminating costs
-            // one wait, not one each.
-            let deadline = tokio::time::Instant::now() + self.config.stuck_after;
-            for (pod, uid) in deleted {
-                if self.wait_gone(&pod, uid, deadline).await? == Deleted::Stuck
-                    && !template.generation_names
-                {
-                    // Its name would be the new pod's: nothing can start.
-                    return Err(StateError::Io {
-                        path: format!("kubernetes API: pod {pod}").into(),
-                        source: std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            "stuck terminating, and the service's pods keep their names across generations (a record written before pods were named by generation)",
-                        ),
-                    }
-                    .into());
-                }
+                .into());
             }
             if conflicts == 0 {
                 gone = true;

@@ -3,21 +3,41 @@
 use super::*;
 
 impl Inner {
-    /// Deletes `pod` exactly as read (uid and resourceVersion preconditions)
-    /// and waits until it is gone, or stuck terminating ([`Deleted`]).
-    /// `Ok(false)`: the precondition failed (409), the pod changed since it
-    /// was read.
-    pub(super) async fn delete_pod_as_read(&self, pod: &Pod) -> Result<bool, StateError> {
-        let name = pod.name_any();
-        match self.pods.delete(&name, &self.pod_delete_params(pod)).await {
-            Ok(_) => {}
-            Err(e) if is_conflict(&e) => return Ok(false),
-            Err(e) if is_not_found(&e) => return Ok(true),
-            Err(e) => return Err(api_error("delete pod", e)),
+    /// Deletes every pod of `pods` exactly as read (uid and resourceVersion
+    /// preconditions), all before any wait, so they shut down together.
+    pub(super) async fn delete_as_read(&self, pods: &[Pod]) -> Result<Deletes, StateError> {
+        let mut deletes = Deletes::default();
+        for p in pods {
+            match self
+                .pods
+                .delete(&p.name_any(), &self.pod_delete_params(p))
+                .await
+            {
+                Ok(_) => deletes.accepted.push((p.name_any(), p.uid())),
+                Err(e) if is_conflict(&e) => deletes.conflicts += 1,
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(api_error("delete pod", e)),
+            }
         }
+        Ok(deletes)
+    }
+
+    /// Waits until every pod of `accepted` is gone, with one deadline for
+    /// them all ([`KubernetesOrchestratorConfig::stuck_after`] from now: a
+    /// pod stuck terminating costs one wait, not one each). Returns the
+    /// pods still terminating then.
+    pub(super) async fn wait_all_gone(
+        &self,
+        accepted: Vec<(String, Option<String>)>,
+    ) -> Result<Vec<String>, StateError> {
         let deadline = tokio::time::Instant::now() + self.config.stuck_after;
-        self.wait_gone(&name, pod.uid(), deadline).await?;
-        Ok(true)
+        let mut stuck = Vec::new();
+        for (pod, uid) in accepted {
+            if self.wait_gone(&pod, uid, deadline).await? == Deleted::Stuck {
+                stuck.push(pod);
+            }
+        }
+        Ok(stuck)
     }
 
     /// Waits until no pod `name` with `uid` exists (kube's
@@ -85,7 +105,7 @@ impl Inner {
         template: &PodTemplate,
         generation: u64,
         restarts: impl Fn(usize) -> u32,
-    ) -> Result<Vec<(String, String)>, GenerationError> {
+    ) -> Result<Vec<Created>, GenerationError> {
         let ctx = self.context_of(record);
         let name = record.name_any();
         let id = label_u64(record.labels(), ID_LABEL).unwrap_or(0);
@@ -99,7 +119,11 @@ impl Inner {
                     .push(objects::record_controls(&name, &uid));
             }
             match self.pods.create(&PostParams::default(), &pod).await {
-                Ok(p) => created.push((p.name_any(), p.uid().unwrap_or_default())),
+                Ok(p) => created.push(Created {
+                    name: p.name_any(),
+                    uid: p.uid().unwrap_or_default(),
+                    process: i,
+                }),
                 Err(e) if is_conflict(&e) => {
                     // Someone created it between our delete and our create.
                     let now = self.live_record(&name).await?;
@@ -119,6 +143,26 @@ impl Inner {
         }
         Ok(created)
     }
+}
+
+/// What [`Inner::delete_as_read`] did.
+#[derive(Debug, Default)]
+pub(super) struct Deletes {
+    /// The pods whose delete was accepted (name, uid): to wait for.
+    pub(super) accepted: Vec<(String, Option<String>)>,
+    /// How many had changed since they were read (409): read them again.
+    pub(super) conflicts: usize,
+}
+
+/// A pod this environment created.
+#[derive(Debug)]
+pub(super) struct Created {
+    /// Its name.
+    pub(super) name: String,
+    /// Its uid.
+    pub(super) uid: String,
+    /// The index of the process it runs.
+    pub(super) process: usize,
 }
 
 /// How a deleted pod went.

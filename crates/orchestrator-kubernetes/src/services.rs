@@ -226,24 +226,29 @@ impl Inner {
         Ok(status)
     }
 
-    pub(super) fn announce(&self, service: &str, created: &[(String, String)]) {
-        for (pod, _) in created {
-            let index = pod.rsplit('-').next().and_then(|i| i.parse().ok());
+    pub(super) fn announce(&self, service: &str, created: &[Created]) {
+        for pod in created {
             let _ = self.events.send(ServiceEvent {
                 service: service.to_string(),
-                process: index,
+                process: Some(pod.process),
                 kind: ServiceEventKind::Started { pid: 0 },
             });
         }
     }
 
-    pub(super) async fn remove_created(&self, created: &[(String, String)]) {
-        for (name, uid) in created {
-            if let Ok(Some(p)) = self.pods.get_opt(name).await {
-                if p.uid().as_deref() == Some(uid.as_str()) {
-                    let _ = self.delete_pod_as_read(&p).await;
+    /// Deletes the pods this environment created (each as it is now, if it
+    /// is still the one created), waiting for them together.
+    pub(super) async fn remove_created(&self, created: &[Created]) {
+        let mut pods = Vec::new();
+        for c in created {
+            if let Ok(Some(p)) = self.pods.get_opt(&c.name).await {
+                if p.uid().as_deref() == Some(c.uid.as_str()) {
+                    pods.push(p);
                 }
             }
+        }
+        if let Ok(deletes) = self.delete_as_read(&pods).await {
+            let _ = self.wait_all_gone(deletes.accepted).await;
         }
     }
 

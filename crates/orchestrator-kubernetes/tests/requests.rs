@@ -554,7 +554,9 @@ async fn drop_writes_a_tombstone_by_cas_and_deletes_each_object_with_preconditio
             json!({"gracePeriodSeconds": 5, "preconditions": {"uid": uid, "resourceVersion": rv}})
         );
         respond(send, 200, &pod(i, 6, uid, 50));
-        // Waits until it is gone.
+    }
+    // Every delete first, then the waits, with one deadline for them all.
+    for i in 0..2 {
         expect_gone(&mut mock, &format!("replica-5-{i}")).await;
     }
     let (_, send) = expect(&mut mock, Method::GET, &path, &[]).await;

@@ -40,7 +40,13 @@
 //!   finalizer and deleted,
 //!   so it stays terminating as a lost node's pod does: a new generation
 //!   starts beside it (its pods named by their generation) and answers
-//!   right within [`RECOVERY`] while the held pod is still there.
+//!   right within [`RECOVERY`] while the held pod is still there;
+//! - `upgrade-interrupted`, `liveness-failed` and `node-lost` (under
+//!   `barrier` only): what would repair the replica is away ([`away`]):
+//!   the environment in the middle of an upgrade (its standby must go at
+//!   the next start) or while a process hangs (the kubelet's liveness
+//!   probe must restart it), the node's kubelet with every process killed
+//!   (its pods must not hold the replica down).
 //!
 //! The negative controls: `barrier+no-shared-fate` turns the backend's
 //! shared-fate restart off (failpoint `kube_shared_fate_off`): the
@@ -59,8 +65,10 @@
 //! Variables: `LOCKSTEP_KUBE_KUBECONFIG`, `LOCKSTEP_KUBE_ADMIN_KUBECONFIG`,
 //! `LOCKSTEP_KUBECTL` (as for the other real-server suites),
 //! `LOCKSTEP_NODE_IMAGE` (the image, as containerd names it),
-//! `LOCKSTEP_POLICY_DIR` (the built `*.wasm` policies) and `LOCKSTEP_BIN`
-//! (`lockstep`, built with the test features) and `LOCKSTEP_NODE_NAME`.
+//! `LOCKSTEP_POLICY_DIR` (the built `*.wasm` policies), `LOCKSTEP_BIN`
+//! (`lockstep`, built with the test features), `LOCKSTEP_NODE_NAME` and
+//! `LOCKSTEP_NODE_KUBELET_PID` (the node's kubelet, which `node-lost`
+//! stops and resumes).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -70,6 +78,8 @@ use lockstep_chaos::environment::real_kube::RealCluster;
 use lockstep_chaos::environment::EnvProcess;
 use lockstep_chaos::outcome::{violation, Failure, Tally};
 
+#[path = "node/away.rs"]
+mod away;
 #[path = "node/pods.rs"]
 mod pods;
 #[path = "node/prometheus.rs"]
@@ -92,17 +102,17 @@ const SET_UP: Duration = Duration::from_secs(180);
 /// The bound on a recovery after a fault: the next write answered and both
 /// exports right. docs/kubernetes.md states it.
 const RECOVERY: Duration = Duration::from_secs(60);
-/// The scenarios of a variant that is not a control: `stuck-terminating`
-/// under [`STUCK_UNDER`] only.
+/// The scenarios of a variant that is not a control: the backend's own
+/// (`stuck-terminating` and [`away`]'s three) under [`STUCK_UNDER`] only.
 fn scenarios(variant: &str) -> usize {
     if variant == STUCK_UNDER {
-        8
+        11
     } else {
         7
     }
 }
-/// The policy `stuck-terminating` runs under: it tests the backend's
-/// generations, which no distribution policy changes (about 23 s).
+/// The policy the backend's own scenarios run under: they test the backend's generations and the pod template, which
+/// no distribution policy changes.
 const STUCK_UNDER: &str = "barrier";
 /// How long process 0 stays stopped.
 const STOP_FOR: Duration = Duration::from_secs(8);
@@ -491,7 +501,25 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
 
     let started = Instant::now();
     let result = stuck_terminating(&setting, &mut w).await;
-    timed(&mut out, policy, "stuck-terminating", started, result);
+    if timed(&mut out, policy, "stuck-terminating", started, result) {
+        return finish(out, env, &setting);
+    }
+
+    let started = Instant::now();
+    let result = away::upgrade_interrupted(&setting, &mut env, &mut w).await;
+    if timed(&mut out, policy, "upgrade-interrupted", started, result) {
+        return finish(out, env, &setting);
+    }
+
+    let started = Instant::now();
+    let result = away::liveness_failed(&setting, &mut env, &mut w).await;
+    if timed(&mut out, policy, "liveness-failed", started, result) {
+        return finish(out, env, &setting);
+    }
+
+    let started = Instant::now();
+    let result = away::node_lost(&setting, &mut w).await;
+    timed(&mut out, policy, "node-lost", started, result);
     finish(out, env, &setting)
 }
 

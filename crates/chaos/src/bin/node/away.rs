@@ -1,0 +1,229 @@
+//! The scenarios in which what would repair the replica is away (run under
+//! `barrier` only, as `stuck-terminating` is: they test the Kubernetes
+//! backend and the pod template, which no distribution policy changes).
+//!
+//! - `upgrade-interrupted`: the environment SIGKILLed in the middle of
+//!   `replica upgrade --keep-answering`, once its standby generation's pods
+//!   exist, and started again: the standby, which no catalog names, must
+//!   go within [`RECOVERY`] (O2), and the replica answer right (I2, I3).
+//!   (A standby that carries on is issue 60's durable reconfiguration
+//!   record, not built.)
+//! - `liveness-failed`: the environment SIGKILLed, then process 2
+//!   SIGSTOPped. Nothing but the kubelet's liveness probe can see the hung
+//!   process: it must restart the container within [`LIVENESS_BOUND`]
+//!   (else I2). The environment, started again, must replace the whole
+//!   generation (a container restarted in place is not the replica's: I2)
+//!   and answer right within [`RECOVERY`].
+//! - `node-lost`: the kubelet SIGSTOPped (the node stops reporting, as a
+//!   lost node does) and every replica process SIGKILLed (the node's power
+//!   with it). The lost pods cannot go (nothing on the node confirms their
+//!   deletion), so they must not hold the replica: a new generation's pods
+//!   must be created while they are still there, within [`LOST_BOUND`]
+//!   (else I2; the lost pods gone by then is a harness error: nothing was
+//!   tested). The kubelet resumed (the node back), the replica must be one
+//!   generation and answer right within [`RECOVERY`]. With one node, no
+//!   replica can run before the node is back: on a cluster of several, the
+//!   new pods are scheduled elsewhere.
+
+use std::time::{Duration, Instant};
+
+use lockstep_chaos::environment::EnvProcess;
+use lockstep_chaos::outcome::{violation, Failure};
+
+use super::{harness, pods, Setting, Workload, PROCESSES, RECOVERY};
+
+/// The bound on the kubelet's restart of a hung container: its liveness
+/// probe fails 3 times 10 s apart (`lockstep_orchestrator_kubernetes`'s
+/// probes), then it is killed; 60 s leaves a period and more to spare.
+const LIVENESS_BOUND: Duration = Duration::from_secs(60);
+
+/// The bound on the new generation's pods after the node is lost: the
+/// controller's heartbeat timeout (2 s), one wait for the lost pods
+/// (`stuck_after`, 20 s) and the pods' creation, with room to spare.
+const LOST_BOUND: Duration = Duration::from_secs(60);
+
+/// `upgrade-interrupted` (see the module's docs). `env` is started again
+/// whatever happened, so that the variant's end finds one.
+pub async fn upgrade_interrupted(
+    setting: &Setting,
+    env: &mut EnvProcess,
+    w: &mut Workload,
+) -> Result<(), Failure> {
+    let standby = format!("{}-standby", setting.service);
+    let standby_pods = || {
+        pods::pods(&setting.cluster, &setting.ns, &standby).map_err(|e| harness(format!("{e:#}")))
+    };
+    let seen = {
+        let upgrade = w.upgrade_keep_answering(RECOVERY);
+        let started = async {
+            let since = Instant::now();
+            loop {
+                if !standby_pods()?.is_empty() {
+                    return Ok(());
+                }
+                if since.elapsed() > RECOVERY {
+                    return Err(harness(format!(
+                        "no pod of {standby} within {} s of replica upgrade --keep-answering",
+                        RECOVERY.as_secs()
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        tokio::select! {
+            r = upgrade => Err(harness(format!(
+                "the upgrade ended ({r:?}) before its standby's pods were seen: nothing was interrupted"
+            ))),
+            s = started => s,
+        }
+    };
+    env.kill().await.map_err(|e| harness(format!("{e:#}")))?;
+    *env = setting
+        .serve()
+        .await
+        .map_err(|e| harness(format!("lockstep serve again: {e:#}")))?;
+    w.set_api(Setting::api(env));
+    seen?;
+    let started = Instant::now();
+    loop {
+        let left = standby_pods()?;
+        if left.is_empty() {
+            break;
+        }
+        if started.elapsed() > RECOVERY {
+            return Err(violation(
+                "O2",
+                format!(
+                    "the standby of an interrupted upgrade was not removed within {} s of the next start: {left:?}",
+                    RECOVERY.as_secs()
+                ),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    eprintln!(
+        "node: the interrupted upgrade's standby removed {:.1} s after the start",
+        started.elapsed().as_secs_f64()
+    );
+    setting.one_generation().await?;
+    w.write_and_check(RECOVERY, "I2").await
+}
+
+/// `liveness-failed` (see the module's docs). `env` is started again
+/// whatever happened, so that the variant's end finds one.
+pub async fn liveness_failed(
+    setting: &Setting,
+    env: &mut EnvProcess,
+    w: &mut Workload,
+) -> Result<(), Failure> {
+    let generation = setting.generation()?;
+    let pod = setting.pod_of(2)?;
+    let pid = setting.pid_of(2)?;
+    env.kill().await.map_err(|e| harness(format!("{e:#}")))?;
+    pods::signal(pid, libc::SIGSTOP).map_err(harness)?;
+    let started = Instant::now();
+    let restarted = async {
+        loop {
+            let now = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+                .map_err(|e| harness(format!("{e:#}")))?;
+            if now.iter().any(|p| p.name == pod && p.restarts > 0) {
+                return Ok(true);
+            }
+            if started.elapsed() > LIVENESS_BOUND {
+                return Ok::<_, Failure>(false);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    .await;
+    let seconds = started.elapsed().as_secs_f64();
+    *env = setting
+        .serve()
+        .await
+        .map_err(|e| harness(format!("lockstep serve again: {e:#}")))?;
+    w.set_api(Setting::api(env));
+    if !restarted? {
+        // Resumed, so that nothing stays stopped past the scenario.
+        let _ = pods::signal(pid, libc::SIGCONT);
+        return Err(violation(
+            "I2",
+            format!(
+                "process 2 hung (SIGSTOP) for {} s and the kubelet's liveness probe did not restart its container",
+                LIVENESS_BOUND.as_secs()
+            ),
+        ));
+    }
+    eprintln!("node: liveness probe restarted pod {pod}'s container {seconds:.1} s after the stop");
+    setting
+        .replaced(generation, "a container restarted by its liveness probe")
+        .await?;
+    setting.one_generation().await?;
+    w.write_and_check(RECOVERY, "I2").await
+}
+
+/// `node-lost` (see the module's docs).
+pub async fn node_lost(setting: &Setting, w: &mut Workload) -> Result<(), Failure> {
+    let kubelet: u32 = std::env::var("LOCKSTEP_NODE_KUBELET_PID")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .ok_or_else(|| {
+            harness("LOCKSTEP_NODE_KUBELET_PID is not set (cargo xtask kube sets it)")
+        })?;
+    let before = setting.generation()?;
+    let lost: Vec<String> = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+        .map_err(|e| harness(format!("{e:#}")))?
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    let pids = (0..PROCESSES)
+        .map(|i| setting.pid_of(i))
+        .collect::<Result<Vec<_>, _>>()?;
+    pods::signal(kubelet, libc::SIGSTOP).map_err(harness)?;
+    let started = Instant::now();
+    let result = async {
+        for pid in pids {
+            pods::signal(pid, libc::SIGKILL).map_err(harness)?;
+        }
+        loop {
+            let now = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+                .map_err(|e| harness(format!("{e:#}")))?;
+            let newer = now
+                .iter()
+                .filter(|p| p.generation.parse::<u64>().is_ok_and(|g| g > before))
+                .count();
+            if newer >= PROCESSES as usize {
+                if !now.iter().any(|p| lost.contains(&p.name)) {
+                    return Err(harness(
+                        "the lost pods were gone before the new generation's started: nothing was tested",
+                    ));
+                }
+                return Ok(());
+            }
+            if started.elapsed() > LOST_BOUND {
+                return Err(violation(
+                    "I2",
+                    format!(
+                        "the node lost (kubelet stopped, processes killed): no new generation's pods within {} s; the pods: {now:?}",
+                        LOST_BOUND.as_secs()
+                    ),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    .await;
+    let seconds = started.elapsed().as_secs_f64();
+    // The node back, whatever happened.
+    let resumed = pods::signal(kubelet, libc::SIGCONT);
+    result?;
+    resumed.map_err(harness)?;
+    eprintln!("node: the lost node's replacement pods created {seconds:.1} s after the loss");
+    let back = Instant::now();
+    setting.one_generation().await?;
+    w.write_and_check(RECOVERY, "I2").await?;
+    eprintln!(
+        "node: the replica answered right {:.1} s after the node came back",
+        back.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
