@@ -14,6 +14,15 @@
 //! the file naming it (the nearest directory with a `Cargo.toml`), or, from
 //! a file outside every crate (a document), against any crate. Paths with a
 //! placeholder (`*`, `{`, `<`, `NAME`) are patterns, not files.
+//!
+//! The documents (`*.md` at the top and under `docs/`) are held to the
+//! code too ([`unknown_names`]): a bare file name (`secure.rs`) must be
+//! some tracked file's, and a backticked type or function name (`Pool`,
+//! `Inner::wait_gone`, `pod_name()`, `KubernetesOrchestratorConfig::stuck_after`)
+//! must be one the code defines (an item, a variant or a field), imports
+//! (a library's type the code uses), writes as a string (`IfNotPresent`,
+//! a value sent to another program) or calls (`current_exe()`), so a
+//! renamed or removed name cannot stay in the docs.
 
 use std::path::{Path, PathBuf};
 
@@ -157,6 +166,224 @@ pub fn dangling(root: &Path, files: &[String]) -> Vec<(String, String)> {
     out
 }
 
+/// What the code defines, imports, writes as strings and calls: the names
+/// a document may cite ([`unknown_names`]).
+#[derive(Default)]
+struct CodeNames {
+    defined: std::collections::HashSet<String>,
+    imported: std::collections::HashSet<String>,
+    written: std::collections::HashSet<String>,
+    called: std::collections::HashSet<String>,
+}
+
+/// The keywords that define the name after them (Rust, protobuf, WIT).
+const DEFINING: [&str; 18] = [
+    "fn",
+    "struct",
+    "enum",
+    "trait",
+    "type",
+    "const",
+    "static",
+    "mod",
+    "union",
+    "macro_rules",
+    "message",
+    "service",
+    "rpc",
+    "record",
+    "variant",
+    "resource",
+    "interface",
+    "world",
+];
+
+fn is_ident_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_'
+}
+
+/// The identifiers of `line`, each with the character after it and
+/// whether an assignment (`=`, not `==`) follows it.
+fn idents(line: &str) -> Vec<(&str, Option<char>, bool)> {
+    let mut out = Vec::new();
+    let mut start = None;
+    let assigned = |rest: &str| {
+        let rest = rest.trim_start();
+        rest.starts_with('=') && !rest.starts_with("==") && !rest.starts_with("=>")
+    };
+    for (i, c) in line.char_indices() {
+        match (start, is_ident_char(c)) {
+            (None, true) => start = Some(i),
+            (Some(s), false) => {
+                out.push((&line[s..i], Some(c), assigned(&line[i..])));
+                start = None;
+            }
+            _ => {}
+        }
+    }
+    if let Some(s) = start {
+        out.push((&line[s..], None, false));
+    }
+    out
+}
+
+impl CodeNames {
+    fn read(root: &Path, files: &[String]) -> CodeNames {
+        let mut names = CodeNames::default();
+        for file in files
+            .iter()
+            .filter(|f| f.ends_with(".rs") || f.ends_with(".proto") || f.ends_with(".wit"))
+        {
+            let Ok(text) = std::fs::read_to_string(root.join(file)) else {
+                continue;
+            };
+            let mut in_use = false;
+            for line in text.lines() {
+                // Comments are prose, not code.
+                let line = line.split("//").next().unwrap_or("");
+                let trimmed = line.trim_start();
+                if trimmed.starts_with('*') {
+                    continue;
+                }
+                let ids = idents(line);
+                if trimmed.starts_with("use ") || trimmed.starts_with("pub use ") {
+                    in_use = true;
+                }
+                if in_use {
+                    names
+                        .imported
+                        .extend(ids.iter().map(|(w, _, _)| w.to_string()));
+                    in_use = !line.contains(';');
+                }
+                for pair in ids.windows(2) {
+                    if DEFINING.contains(&pair[0].0) {
+                        names.defined.insert(pair[1].0.to_string());
+                    }
+                }
+                // A variant or a field: the line's first name, after `pub`.
+                let first = ids
+                    .iter()
+                    .find(|(w, _, _)| !matches!(*w, "pub" | "crate" | "super" | "in" | "self"));
+                if let Some((w, Some(after), _)) = first {
+                    if matches!(after, ',' | '{' | '(' | ':' | '=' | ' ') {
+                        names.defined.insert(w.to_string());
+                    }
+                }
+                for (w, after, assigned) in &ids {
+                    if *after == Some('(') {
+                        names.called.insert(w.to_string());
+                    }
+                    // A protobuf field (`uint64 seqno = 1;`), a binding.
+                    if *assigned {
+                        names.defined.insert(w.to_string());
+                    }
+                }
+                for piece in line.split('"').skip(1).step_by(2) {
+                    let word: String = piece.chars().take_while(|c| is_ident_char(*c)).collect();
+                    if !word.is_empty() {
+                        names.written.insert(word);
+                    }
+                }
+            }
+        }
+        names
+    }
+
+    /// Whether `cited` (a backticked type or function name) is the code's.
+    fn knows(&self, cited: &str) -> bool {
+        let call = cited.ends_with("()");
+        let path = cited.trim_end_matches("()");
+        let first = path.split("::").next().unwrap_or(path);
+        let last = path.rsplit("::").next().unwrap_or(path);
+        const PRIMITIVE: [&str; 18] = [
+            "i8", "i16", "i32", "i64", "i128", "isize", "u8", "u16", "u32", "u64", "u128", "usize",
+            "f32", "f64", "bool", "char", "str", "std",
+        ];
+        PRIMITIVE.contains(&first)
+            || self.defined.contains(last)
+            || self.imported.contains(last)
+            || self.written.contains(last)
+            || (call && self.called.contains(last))
+    }
+}
+
+/// A backticked span that cites a type or a function: a path (`a::B`), a
+/// call (`f()`) or a name in CamelCase (`RoundBook`).
+fn cites_code(span: &str) -> bool {
+    let path = span.trim_end_matches("()");
+    let well_formed = !path.is_empty()
+        && path.split("::").all(|seg| {
+            seg.chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && seg.chars().all(is_ident_char)
+        });
+    let last = path.rsplit("::").next().unwrap_or(path);
+    // CamelCase: a capital first, and a capital after a small letter.
+    let camel = last.starts_with(|c: char| c.is_ascii_uppercase())
+        && last
+            .as_bytes()
+            .windows(2)
+            .any(|w| w[0].is_ascii_lowercase() && w[1].is_ascii_uppercase());
+    well_formed && (path.contains("::") || span.ends_with("()") || camel)
+}
+
+/// The bare file names of `text` (`secure.rs`, not `src/secure.rs`): a
+/// word ending `.rs`, `.proto` or `.wit` with no directory before it.
+fn bare_file_names(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    for ext in [".rs", ".proto", ".wit"] {
+        for (at, _) in text.match_indices(ext) {
+            let end = at + ext.len();
+            if text[end..].starts_with(|c: char| is_ident_char(c)) {
+                continue;
+            }
+            let start = text[..at]
+                .rfind(|c: char| !(is_ident_char(c) || c == '-'))
+                .map_or(0, |i| i + 1);
+            let before = text[..start].chars().next_back();
+            if start < at && !matches!(before, Some('/' | '.' | '*' | '{' | '<' | '$')) {
+                out.push(&text[start..end]);
+            }
+        }
+    }
+    out
+}
+
+/// The documents' (file, name) pairs whose cited type or function name the
+/// code does not know, or whose bare file name no tracked file has (see
+/// the module docs).
+pub fn unknown_names(root: &Path, files: &[String]) -> Vec<(String, String)> {
+    let code = CodeNames::read(root, files);
+    let base_names: std::collections::HashSet<&str> = files
+        .iter()
+        .map(|f| f.rsplit('/').next().unwrap_or(f))
+        .collect();
+    let mut out = Vec::new();
+    for file in files
+        .iter()
+        .filter(|f| f.ends_with(".md") && (!f.contains('/') || f.starts_with("docs/")))
+    {
+        let Ok(text) = std::fs::read_to_string(root.join(file)) else {
+            continue;
+        };
+        for span in text.split('`').skip(1).step_by(2) {
+            let span = span.trim();
+            if cites_code(span) && !code.knows(span) {
+                out.push((file.clone(), span.to_string()));
+            }
+        }
+        for name in bare_file_names(&text) {
+            if !base_names.contains(name) {
+                out.push((file.clone(), name.to_string()));
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,6 +419,58 @@ mod tests {
                 .map(|(f, p)| format!("  {f}: {p}"))
                 .collect::<Vec<_>>()
                 .join("\n")
+        );
+    }
+
+    #[test]
+    fn every_name_the_docs_cite_is_the_codes() {
+        let root = crate::util::root();
+        let files = tracked_files(&root);
+        let bad = unknown_names(&root, &files);
+        assert!(
+            bad.is_empty(),
+            "names cited in the docs that the code does not have (file: name):\n{}",
+            bad.iter()
+                .map(|(f, p)| format!("  {f}: {p}"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+
+    #[test]
+    fn a_name_the_code_lost_is_found_and_a_library_or_a_value_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::create_dir_all(root.join("src")).unwrap();
+        std::fs::create_dir_all(root.join("docs")).unwrap();
+        std::fs::write(
+            root.join("src/lib.rs"),
+            "use tokio::sync::Notify;\npub struct RoundBook {\n    pub pending: u32,\n}\n\
+             pub enum Phase {\n    Hydrating,\n}\nfn wait_gone() { let _ = \"IfNotPresent\"; current_exe(); }\n",
+        )
+        .unwrap();
+        std::fs::write(
+            root.join("docs/x.md"),
+            "`RoundBook`, `RoundBook::pending`, `Phase::Hydrating`, `wait_gone()`, `Notify`,\n\
+             `IfNotPresent`, `std::env::current_exe()`, `u64::MAX`, `--flag`, `a b`, lib.rs and\n\
+             src/lib.rs; gone: `RoundLedger`, `RoundBook::held`, `wait_stuck()`, `Phase::Switching`,\n\
+             secure.rs.\n",
+        )
+        .unwrap();
+        let files = vec!["src/lib.rs".to_string(), "docs/x.md".to_string()];
+        let bad: Vec<String> = unknown_names(root, &files)
+            .into_iter()
+            .map(|(_, n)| n)
+            .collect();
+        assert_eq!(
+            bad,
+            vec![
+                "Phase::Switching",
+                "RoundBook::held",
+                "RoundLedger",
+                "secure.rs",
+                "wait_stuck()"
+            ]
         );
     }
 

@@ -59,7 +59,8 @@ pub struct BuildLabels {
 
 /// Every reason a replica is restarted for (the `reason` label of
 /// [`Metrics::restarts`]).
-pub const RESTART_REASONS: [&str; 3] = ["silent", "lockstep_lost", "history_mismatch"];
+pub const RESTART_REASONS: [&str; 4] =
+    ["silent", "lockstep_lost", "history_mismatch", "unreachable"];
 
 /// Labels of a replica restart.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

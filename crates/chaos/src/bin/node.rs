@@ -25,28 +25,26 @@
 //!   service's record, their budget `minAvailable: scale - 1`), then
 //!   `uncordon`: the drain finishes, a new generation runs, answered and
 //!   right within [`RECOVERY`];
-//! - `environment-killed`: `lockstep serve` SIGKILLed and started again on
-//!   its state directory: the replica adopted (the same pod uids, no
-//!   container restarted: O1, nothing rebuilt) and answering right within
-//!   [`RECOVERY`];
+//! - `environment-killed`: `lockstep serve` SIGKILLed [`KILL_AFTER`] a
+//!   write was sent (mid-command) and started again on its state
+//!   directory: the write, retried, applied exactly once (I3), the replica
+//!   adopted (the same pod uids, no container restarted: O1, nothing
+//!   rebuilt) and answering right within [`RECOVERY`];
 //! - `upgraded`: `lockstep serve` SIGKILLed and started on another image
 //!   (`LOCKSTEP_NODE_IMAGE_NEXT`: the same build under a tag of its own):
 //!   the replica adopted (O1: a new environment image restarts no
 //!   replica); then `replica upgrade --keep-answering` under a steady
 //!   reader: no read refused (I2) or wrong (I3), a new generation whose
 //!   every pod names the new image, answering right;
-//! - `stuck-terminating` (under `barrier` only: it tests the backend's
-//!   generations, which no policy changes): process 0's pod held by a
-//!   finalizer and deleted,
-//!   so it stays terminating as a lost node's pod does: a new generation
-//!   starts beside it (its pods named by their generation) and answers
-//!   right within [`RECOVERY`] while the held pod is still there;
-//! - `upgrade-interrupted`, `liveness-failed` and `node-lost` (under
-//!   `barrier` only): what would repair the replica is away ([`away`]):
-//!   the environment in the middle of an upgrade (its standby must go at
-//!   the next start) or while a process hangs (the kubelet's liveness
-//!   probe must restart it), the node's kubelet with every process killed
-//!   (its pods must not hold the replica down).
+//! - the backend's own scenarios, under `barrier` only (they test its
+//!   generations and the pod template, which no policy changes; see
+//!   [`backend`]): `stuck-terminating` (a pod held terminating, as a lost
+//!   node's is: a new generation starts beside it), `upgrade-interrupted`
+//!   (the environment killed mid-upgrade: its standby goes at the next
+//!   start), `liveness-failed` (a process hangs while the environment is
+//!   away: the kubelet's liveness probe restarts it) and `node-lost` (the
+//!   kubelet stopped and every process killed: the lost pods do not hold
+//!   the replica down).
 //!
 //! The negative controls: `barrier+no-shared-fate` turns the backend's
 //! shared-fate restart off (failpoint `kube_shared_fate_off`): the
@@ -78,8 +76,8 @@ use lockstep_chaos::environment::real_kube::RealCluster;
 use lockstep_chaos::environment::EnvProcess;
 use lockstep_chaos::outcome::{violation, Failure, Tally};
 
-#[path = "node/away.rs"]
-mod away;
+#[path = "node/backend.rs"]
+mod backend;
 #[path = "node/pods.rs"]
 mod pods;
 #[path = "node/prometheus.rs"]
@@ -103,7 +101,7 @@ const SET_UP: Duration = Duration::from_secs(180);
 /// exports right. docs/kubernetes.md states it.
 const RECOVERY: Duration = Duration::from_secs(60);
 /// The scenarios of a variant that is not a control: the backend's own
-/// (`stuck-terminating` and [`away`]'s three) under [`STUCK_UNDER`] only.
+/// ([`backend`]) under [`STUCK_UNDER`] only.
 fn scenarios(variant: &str) -> usize {
     if variant == STUCK_UNDER {
         11
@@ -111,9 +109,11 @@ fn scenarios(variant: &str) -> usize {
         7
     }
 }
-/// The policy the backend's own scenarios run under: they test the backend's generations and the pod template, which
-/// no distribution policy changes.
+/// The policy the backend's own scenarios run under.
 const STUCK_UNDER: &str = "barrier";
+/// How long after a write's first attempt is sent `environment-killed`
+/// kills the environment (a write takes longer: the kill cuts it).
+const KILL_AFTER: Duration = Duration::from_millis(2);
 /// How long process 0 stays stopped.
 const STOP_FOR: Duration = Duration::from_secs(8);
 /// The variants run by default: every shipped policy, and the negative
@@ -307,7 +307,7 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
     if setting.names_reused {
         // The names' control: only the scenario it must fail.
         let started = Instant::now();
-        let result = stuck_terminating(&setting, &mut w).await;
+        let result = backend::stuck_terminating(&setting, &mut w).await;
         timed(&mut out, policy, "stuck-terminating", started, result);
         return finish(out, env, &setting);
     }
@@ -420,13 +420,31 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
     let result = async {
         let before = pods::pods(&setting.cluster, &setting.ns, &setting.service)
             .map_err(|e| harness(format!("{e:#}")))?;
-        env.kill().await.map_err(|e| harness(format!("{e:#}")))?;
-        env = setting
-            .serve()
-            .await
-            .map_err(|e| harness(format!("lockstep serve again: {e:#}")))?;
-        w.set_api(Setting::api(&env));
-        w.write_and_check(RECOVERY, "I2").await?;
+        // Killed while a write is in flight: applied exactly once.
+        let answered = w
+            .write_across(
+                async {
+                    tokio::time::sleep(KILL_AFTER).await;
+                    env.kill().await.map_err(|e| harness(format!("{e:#}")))?;
+                    env = setting
+                        .serve()
+                        .await
+                        .map_err(|e| harness(format!("lockstep serve again: {e:#}")))?;
+                    Ok(Setting::api(&env))
+                },
+                RECOVERY,
+                "I2",
+            )
+            .await?;
+        eprintln!(
+            "node: {policy}: the write in flight at the kill was {}",
+            if answered {
+                "answered before it"
+            } else {
+                "cut by it, and retried"
+            }
+        );
+        w.check(RECOVERY, "I2").await?;
         setting.one_generation().await?;
         let after = pods::pods(&setting.cluster, &setting.ns, &setting.service)
             .map_err(|e| harness(format!("{e:#}")))?;
@@ -500,70 +518,52 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
     }
 
     let started = Instant::now();
-    let result = stuck_terminating(&setting, &mut w).await;
+    let result = backend::stuck_terminating(&setting, &mut w).await;
     if timed(&mut out, policy, "stuck-terminating", started, result) {
         return finish(out, env, &setting);
     }
 
     let started = Instant::now();
-    let result = away::upgrade_interrupted(&setting, &mut env, &mut w).await;
+    let result = backend::upgrade_interrupted(&setting, &mut env, &mut w).await;
     if timed(&mut out, policy, "upgrade-interrupted", started, result) {
         return finish(out, env, &setting);
     }
 
     let started = Instant::now();
-    let result = away::liveness_failed(&setting, &mut env, &mut w).await;
+    let result = backend::liveness_failed(&setting, &mut env, &mut w).await;
     if timed(&mut out, policy, "liveness-failed", started, result) {
         return finish(out, env, &setting);
     }
 
     let started = Instant::now();
-    let result = away::node_lost(&setting, &mut w).await;
+    let result = backend::node_lost(&setting, &mut w).await;
     timed(&mut out, policy, "node-lost", started, result);
     finish(out, env, &setting)
-}
-
-/// `stuck-terminating`: process 0's pod held by a finalizer, then deleted,
-/// so it stays terminating as a pod of a lost node does (the kubelet kills
-/// its container; nothing removes the object). A new generation must start
-/// beside it and answer right within [`RECOVERY`] while it is still there
-/// (else the scenario tested nothing: a harness error); released, it goes
-/// and the replica is one generation again.
-async fn stuck_terminating(setting: &Setting, w: &mut Workload) -> Result<(), Failure> {
-    let before = setting.generation()?;
-    let held = setting.pod_of(0)?;
-    pods::hold(&setting.cluster, &setting.ns, &held).map_err(|e| harness(format!("{e:#}")))?;
-    let result = async {
-        setting
-            .cluster
-            .kubectl_out(&["delete", "pod", &held, "-n", &setting.ns, "--wait=false"])
-            .map_err(|e| harness(format!("{e:#}")))?;
-        setting
-            .replaced(before, "pod 0 deleted and stuck terminating")
-            .await?;
-        setting.one_generation_beside(&[held.as_str()]).await?;
-        w.write_and_check(RECOVERY, "I2").await?;
-        let pods = pods::pods(&setting.cluster, &setting.ns, &setting.service)
-            .map_err(|e| harness(format!("{e:#}")))?;
-        if !pods.iter().any(|p| p.name == held && p.deleting) {
-            return Err(harness(format!(
-                "pod {held} was not held terminating through the recovery: nothing was tested"
-            )));
-        }
-        Ok(())
-    }
-    .await;
-    // Released whatever happened: a held pod would keep its namespace.
-    let released = pods::release(&setting.cluster, &setting.ns, &setting.service, &held);
-    result?;
-    released.map_err(|e| harness(format!("{e:#}")))?;
-    setting.one_generation().await.map(drop)
 }
 
 /// Stops the environment and deletes the variant's namespace (its pods go
 /// with it), then returns the scenarios.
 fn finish(out: Vec<Scenario>, env: EnvProcess, setting: &Setting) -> Vec<Scenario> {
     drop(env);
+    if out.iter().any(|s| s.result.is_err()) {
+        // What the environment said last, to see why.
+        let newest = std::fs::read_dir(setting.state.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "stderr"))
+            .max_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
+        if let Some(log) = newest {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            eprintln!(
+                "node: the last lines of {}:\n{}",
+                log.display(),
+                lines[lines.len().saturating_sub(40)..].join("\n")
+            );
+        }
+    }
     if let Err(e) = setting.cluster.kubectl_out(&[
         "delete",
         "namespace",

@@ -219,6 +219,36 @@ fn only_silence_lost_lockstep_and_a_restart_verdict_call_for_a_restart() {
     );
 }
 
+#[test]
+fn a_replica_that_served_and_cannot_be_reached_is_restarted_one_still_starting_is_not() {
+    let failed = || Event::ConnectFailed {
+        reason: "connection refused".into(),
+    };
+    let mut reach = Reach::default();
+    // Never served (its pods still starting): never a reason.
+    assert_eq!(reach.on_event(&failed(), Duration::ZERO), None);
+    // Served, then unreachable: a reason once `after` has passed.
+    assert_eq!(
+        reach.on_event(&Event::Connected { nonce: 1 }, Duration::ZERO),
+        None
+    );
+    assert_eq!(reach.on_event(&failed(), Duration::from_secs(3600)), None);
+    let (label, text) = reach.on_event(&failed(), Duration::ZERO).unwrap();
+    assert_eq!(label, "unreachable");
+    assert!(text.contains("connection refused"), "{text}");
+    assert!(crate::metrics::RESTART_REASONS.contains(&label));
+    // Given once: the restarted processes must serve again first.
+    assert_eq!(reach.on_event(&failed(), Duration::ZERO), None);
+    // A session in between starts the count again.
+    reach.on_event(&Event::Connected { nonce: 2 }, Duration::ZERO);
+    assert_eq!(reach.on_event(&failed(), Duration::from_secs(3600)), None);
+    reach.on_event(&Event::Connected { nonce: 3 }, Duration::ZERO);
+    assert_eq!(reach.on_event(&failed(), Duration::from_secs(3600)), None);
+    // Processes started again (by the orchestrator) must serve first.
+    reach.restarted();
+    assert_eq!(reach.on_event(&failed(), Duration::ZERO), None);
+}
+
 #[tokio::test]
 async fn restarts_are_rate_limited_and_a_reason_within_the_interval_is_checked_again() {
     let fake = Arc::new(Fake {

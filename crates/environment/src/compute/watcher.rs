@@ -1,9 +1,69 @@
 //! The watcher of one controller's events: it restarts the replica through
 //! the orchestrator when the controller reports a silent process, lost
-//! lockstep or a history mismatch (at most once per
-//! [`REPLICA_RESTART_INTERVAL`]), and keeps the replica's metrics.
+//! lockstep or a history mismatch, or cannot reach a replica that served
+//! for [`UNREACHABLE_AFTER`] ([`Reach`]), at most once per
+//! [`REPLICA_RESTART_INTERVAL`]; and keeps the replica's metrics.
 
 use super::*;
+
+/// How long a replica that served may stay unreachable (every connection
+/// attempt failing) before it is restarted: its processes are gone and
+/// nothing else noticed (their node lost: no kubelet restarts them and
+/// the API still shows them running).
+pub(crate) const UNREACHABLE_AFTER: Duration = Duration::from_secs(10);
+
+/// Whether the replica is reachable, as the controller's events and the
+/// orchestrator's say. Only a replica that served since its processes
+/// last started counts as lost when it cannot be reached: a generation
+/// still starting (an image being pulled) is the orchestrator's to wait
+/// for, and restarting it would only start it again.
+#[derive(Debug, Default)]
+pub(super) struct Reach {
+    /// A session was established since the processes last started.
+    served: bool,
+    /// Since when every connection attempt has failed, once it served.
+    unreachable_since: Option<Instant>,
+}
+
+impl Reach {
+    /// Takes in a controller event; the restart reason, once the replica
+    /// has been unreachable for `after`.
+    pub(super) fn on_event(
+        &mut self,
+        e: &Event,
+        after: Duration,
+    ) -> Option<(&'static str, String)> {
+        match e {
+            Event::Connected { .. } => {
+                self.served = true;
+                self.unreachable_since = None;
+            }
+            Event::ConnectFailed { reason } if self.served => {
+                let since = *self.unreachable_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= after {
+                    self.unreachable_since = None;
+                    self.served = false;
+                    return Some((
+                        "unreachable",
+                        format!(
+                            "no process of the replica has been reachable for {:.1?} after it served (its processes gone; their node lost?): {reason}",
+                            since.elapsed()
+                        ),
+                    ));
+                }
+            }
+            _ => {}
+        }
+        None
+    }
+
+    /// The processes started again (a restart, a new generation): they
+    /// must serve before they can be lost.
+    pub(super) fn restarted(&mut self) {
+        self.served = false;
+        self.unreachable_since = None;
+    }
+}
 
 /// Why a controller event calls for restarting the replica, if it does:
 /// the reason's metrics label (`silent`, `lockstep_lost`,
@@ -58,6 +118,7 @@ impl Watcher {
         let mut services = Some(services);
         use tokio::sync::broadcast::error::RecvError;
         let mut last_restart: Option<Instant> = None;
+        let mut reach = Reach::default();
         // A reason that came within the interval, to check at its end.
         let mut pending: Option<(&'static str, String)> = None;
         loop {
@@ -79,7 +140,12 @@ impl Watcher {
                     }
                 } => {
                     match e {
-                        Ok(e) if e.service == self.service => self.on_service_event(e.kind),
+                        Ok(e) if e.service == self.service => {
+                            if matches!(e.kind, lockstep_orchestrator::ServiceEventKind::Started { .. }) {
+                                reach.restarted();
+                            }
+                            self.on_service_event(e.kind)
+                        }
                         Ok(_) => {}
                         Err(RecvError::Lagged(n)) => {
                             tracing::warn!(replica = %self.replica, "{n} service events were not seen");
@@ -102,7 +168,8 @@ impl Watcher {
                         if let Event::DataflowRefused { dataflow, message, .. } = &e {
                             self.forget(*dataflow, message);
                         }
-                        let Some(reason) = restart_reason(&e) else { continue };
+                        let unreachable = reach.on_event(&e, UNREACHABLE_AFTER);
+                        let Some(reason) = restart_reason(&e).or(unreachable) else { continue };
                         if let Some(t) = last_restart.filter(|t| t.elapsed() < self.interval) {
                             tracing::warn!(
                                 replica = %self.replica,
@@ -135,6 +202,7 @@ impl Watcher {
                 }
             };
             pending = None;
+            reach.restarted();
             last_restart = Some(Instant::now());
             self.metrics
                 .restarts

@@ -191,10 +191,52 @@ impl Workload {
         }
     }
 
-    /// One write, retried until answered within `bound` (else a violation
-    /// of `invariant`).
+    /// Write `t = next` (see the module docs), retried until answered
+    /// within `bound` (else a violation of `invariant`).
     pub async fn write(&mut self, bound: Duration, invariant: &str) -> Result<(), Failure> {
+        let (req, row) = self.next_write();
+        self.retry_write(req, 0, Instant::now(), bound, invariant)
+            .await?;
+        self.applied.insert(self.next, row);
+        self.next += 1;
+        Ok(())
+    }
+
+    /// Write `t = next` with its first attempt in flight while `interrupt`
+    /// runs (it kills the environment and starts it again, giving its
+    /// API), then retried against that API until answered within `bound`:
+    /// applied exactly once whatever the kill cut (the reference check
+    /// then catches a write lost or applied twice). Returns whether the
+    /// first attempt was answered before the kill.
+    pub async fn write_across(
+        &mut self,
+        interrupt: impl std::future::Future<Output = Result<Api, Failure>>,
+        bound: Duration,
+        invariant: &str,
+    ) -> Result<bool, Failure> {
         let started = Instant::now();
+        let (req, row) = self.next_write();
+        // Connected before: the interruption must find the attempt sent.
+        let mut c = self.api.client().await.map_err(Failure::Harness)?;
+        let first = async {
+            tokio::time::timeout(ATTEMPT, c.write_input(req.clone()))
+                .await
+                .map_err(|_| tonic::Status::deadline_exceeded("no answer"))
+                .and_then(|r| r)
+        };
+        let (first, api) = tokio::join!(first, interrupt);
+        let answered = first.is_ok();
+        self.api = api?;
+        if !answered {
+            self.retry_write(req, 1, started, bound, invariant).await?;
+        }
+        self.applied.insert(self.next, row);
+        self.next += 1;
+        Ok(answered)
+    }
+
+    /// The request of write `t = next` and its row.
+    fn next_write(&self) -> (proto::WriteInputRequest, Vec<i64>) {
         let t = self.next;
         let row = vec![t as i64, (t % 4) as i64];
         let req = proto::WriteInputRequest {
@@ -207,7 +249,20 @@ impl Workload {
             }],
             upper: t + 1,
         };
-        let mut attempts = 0u32;
+        (req, row)
+    }
+
+    /// Sends `req` until answered, within `bound` of `started`; `attempts`
+    /// were sent before (then `OUT_OF_RANGE` means one of them applied).
+    async fn retry_write(
+        &self,
+        req: proto::WriteInputRequest,
+        mut attempts: u32,
+        started: Instant,
+        bound: Duration,
+        invariant: &str,
+    ) -> Result<(), Failure> {
+        let t = req.updates[0].time;
         let mut last = String::from("no attempt");
         loop {
             if started.elapsed() >= bound {
@@ -234,10 +289,10 @@ impl Workload {
                 }
             };
             match answer {
-                Ok(_) => break,
+                Ok(_) => return Ok(()),
                 // An earlier attempt was applied (the first attempt's
                 // OUT_OF_RANGE is a refusal: a harness error below).
-                Err(s) if s.code() == tonic::Code::OutOfRange && attempts > 1 => break,
+                Err(s) if s.code() == tonic::Code::OutOfRange && attempts > 1 => return Ok(()),
                 Err(s)
                     if matches!(
                         s.code(),
@@ -253,9 +308,6 @@ impl Workload {
             }
             tokio::time::sleep(RETRY).await;
         }
-        self.applied.insert(t, row);
-        self.next += 1;
-        Ok(())
     }
 
     /// The rows of `collection` at `t`, retried until answered within the

@@ -1,6 +1,7 @@
-//! The scenarios in which what would repair the replica is away (run under
-//! `barrier` only, as `stuck-terminating` is: they test the Kubernetes
-//! backend and the pod template, which no distribution policy changes).
+//! The scenarios of the Kubernetes backend itself (run under `barrier`
+//! only: they test its generations and the pod template, which no
+//! distribution policy changes): `stuck-terminating` ([`stuck_terminating`]),
+//! and three in which what would repair the replica is away:
 //!
 //! - `upgrade-interrupted`: the environment SIGKILLed in the middle of
 //!   `replica upgrade --keep-answering`, once its standby generation's pods
@@ -226,4 +227,41 @@ pub async fn node_lost(setting: &Setting, w: &mut Workload) -> Result<(), Failur
         back.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// `stuck-terminating`: process 0's pod held by a finalizer, then deleted,
+/// so it stays terminating as a pod of a lost node does (the kubelet kills
+/// its container; nothing removes the object). A new generation must start
+/// beside it and answer right within [`RECOVERY`] while it is still there
+/// (else the scenario tested nothing: a harness error); released, it goes
+/// and the replica is one generation again.
+pub async fn stuck_terminating(setting: &Setting, w: &mut Workload) -> Result<(), Failure> {
+    let before = setting.generation()?;
+    let held = setting.pod_of(0)?;
+    pods::hold(&setting.cluster, &setting.ns, &held).map_err(|e| harness(format!("{e:#}")))?;
+    let result = async {
+        setting
+            .cluster
+            .kubectl_out(&["delete", "pod", &held, "-n", &setting.ns, "--wait=false"])
+            .map_err(|e| harness(format!("{e:#}")))?;
+        setting
+            .replaced(before, "pod 0 deleted and stuck terminating")
+            .await?;
+        setting.one_generation_beside(&[held.as_str()]).await?;
+        w.write_and_check(RECOVERY, "I2").await?;
+        let pods = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+            .map_err(|e| harness(format!("{e:#}")))?;
+        if !pods.iter().any(|p| p.name == held && p.deleting) {
+            return Err(harness(format!(
+                "pod {held} was not held terminating through the recovery: nothing was tested"
+            )));
+        }
+        Ok(())
+    }
+    .await;
+    // Released whatever happened: a held pod would keep its namespace.
+    let released = pods::release(&setting.cluster, &setting.ns, &setting.service, &held);
+    result?;
+    released.map_err(|e| harness(format!("{e:#}")))?;
+    setting.one_generation().await.map(drop)
 }
