@@ -36,15 +36,15 @@
 //!   replica); then `replica upgrade --keep-answering` under a steady
 //!   reader: no read refused (I2) or wrong (I3), a new generation whose
 //!   every pod names the new image, answering right;
+//! - `upgrade-interrupted`: the environment killed mid-upgrade; its
+//!   standby goes at the next start ([`backend`]);
 //! - the backend's own scenarios, under `barrier` only (they test its
 //!   generations and the pod template, which no policy changes; see
 //!   [`backend`]): `stuck-terminating` (a pod held terminating, as a lost
-//!   node's is: a new generation starts beside it), `upgrade-interrupted`
-//!   (the environment killed mid-upgrade: its standby goes at the next
-//!   start), `liveness-failed` (a process hangs while the environment is
-//!   away: the kubelet's liveness probe restarts it) and `node-lost` (the
-//!   kubelet stopped and every process killed: the lost pods do not hold
-//!   the replica down).
+//!   node's is: a new generation starts beside it), `liveness-failed` (a
+//!   process hangs while the environment is away: the kubelet's liveness
+//!   probe restarts it) and `node-lost` (the kubelet stopped and every
+//!   process killed: the lost pods do not hold the replica down).
 //!
 //! The negative controls: `barrier+no-shared-fate` turns the backend's
 //! shared-fate restart off (failpoint `kube_shared_fate_off`): the
@@ -106,7 +106,7 @@ fn scenarios(variant: &str) -> usize {
     if variant == STUCK_UNDER {
         11
     } else {
-        7
+        8
     }
 }
 /// The policy the backend's own scenarios run under.
@@ -513,19 +513,19 @@ async fn variant(cluster: &RealCluster, policy: &str) -> Vec<Scenario> {
         w.write_and_check(RECOVERY, "I2").await
     }
     .await;
-    if timed(&mut out, policy, "upgraded", started, result) || policy != STUCK_UNDER {
+    if timed(&mut out, policy, "upgraded", started, result) {
+        return finish(out, env, &setting);
+    }
+
+    let started = Instant::now();
+    let result = backend::upgrade_interrupted(&setting, &mut env, &mut w).await;
+    if timed(&mut out, policy, "upgrade-interrupted", started, result) || policy != STUCK_UNDER {
         return finish(out, env, &setting);
     }
 
     let started = Instant::now();
     let result = backend::stuck_terminating(&setting, &mut w).await;
     if timed(&mut out, policy, "stuck-terminating", started, result) {
-        return finish(out, env, &setting);
-    }
-
-    let started = Instant::now();
-    let result = backend::upgrade_interrupted(&setting, &mut env, &mut w).await;
-    if timed(&mut out, policy, "upgrade-interrupted", started, result) {
         return finish(out, env, &setting);
     }
 

@@ -220,33 +220,46 @@ fn only_silence_lost_lockstep_and_a_restart_verdict_call_for_a_restart() {
 }
 
 #[test]
-fn a_replica_that_served_and_cannot_be_reached_is_restarted_one_still_starting_is_not() {
+fn a_replica_that_served_and_cannot_be_reached_is_lost_one_still_starting_is_not() {
+    let after = Duration::from_secs(30);
     let failed = || Event::ConnectFailed {
         reason: "connection refused".into(),
     };
+    let lost = || Event::Disconnected {
+        process: 0,
+        reason: "eof".into(),
+    };
     let mut reach = Reach::default();
-    // Never served (its pods still starting): never a reason.
-    assert_eq!(reach.on_event(&failed(), Duration::ZERO), None);
-    // Served, then unreachable: a reason once `after` has passed.
-    assert_eq!(
-        reach.on_event(&Event::Connected { nonce: 1 }, Duration::ZERO),
-        None
-    );
-    assert_eq!(reach.on_event(&failed(), Duration::from_secs(3600)), None);
-    let (label, text) = reach.on_event(&failed(), Duration::ZERO).unwrap();
+    // Never served (its pods still starting): never lost.
+    reach.on_event(&failed());
+    assert_eq!(reach.deadline(after), None);
+    // Served, then disconnected: lost `after` past the disconnection.
+    reach.on_event(&Event::Connected { nonce: 1 });
+    assert_eq!(reach.deadline(after), None);
+    let before = Instant::now();
+    reach.on_event(&lost());
+    let at = reach.deadline(after).unwrap();
+    assert!(at >= before + after && at <= Instant::now() + after);
+    // Failed attempts do not move it.
+    reach.on_event(&failed());
+    assert_eq!(reach.deadline(after), Some(at));
+    let (label, text) = reach.lost();
     assert_eq!(label, "unreachable");
-    assert!(text.contains("connection refused"), "{text}");
+    assert!(text.contains("after it served"), "{text}");
     assert!(crate::metrics::RESTART_REASONS.contains(&label));
     // Given once: the restarted processes must serve again first.
-    assert_eq!(reach.on_event(&failed(), Duration::ZERO), None);
-    // A session in between starts the count again.
-    reach.on_event(&Event::Connected { nonce: 2 }, Duration::ZERO);
-    assert_eq!(reach.on_event(&failed(), Duration::from_secs(3600)), None);
-    reach.on_event(&Event::Connected { nonce: 3 }, Duration::ZERO);
-    assert_eq!(reach.on_event(&failed(), Duration::from_secs(3600)), None);
+    reach.on_event(&failed());
+    assert_eq!(reach.deadline(after), None);
+    // A session in between clears it.
+    reach.on_event(&Event::Connected { nonce: 2 });
+    reach.on_event(&lost());
+    reach.on_event(&Event::Connected { nonce: 3 });
+    assert_eq!(reach.deadline(after), None);
     // Processes started again (by the orchestrator) must serve first.
+    reach.on_event(&lost());
     reach.restarted();
-    assert_eq!(reach.on_event(&failed(), Duration::ZERO), None);
+    reach.on_event(&failed());
+    assert_eq!(reach.deadline(after), None);
 }
 
 #[tokio::test]

@@ -6,11 +6,13 @@
 
 use super::*;
 
-/// How long a replica that served may stay unreachable (every connection
-/// attempt failing) before it is restarted: its processes are gone and
-/// nothing else noticed (their node lost: no kubelet restarts them and
-/// the API still shows them running).
-pub(crate) const UNREACHABLE_AFTER: Duration = Duration::from_secs(10);
+/// How long a replica that served may stay unreachable (its connections
+/// lost and not made again) before it is restarted: its processes are
+/// gone and nothing else noticed (their node lost: no kubelet restarts
+/// them and the API still shows them running). Longer than the Kubernetes
+/// backend's own replacement of a generation may take (`stuck_after`, 20
+/// s, and the new pods' creation), which starts the processes again.
+pub(crate) const UNREACHABLE_AFTER: Duration = Duration::from_secs(30);
 
 /// Whether the replica is reachable, as the controller's events and the
 /// orchestrator's say. Only a replica that served since its processes
@@ -21,40 +23,47 @@ pub(crate) const UNREACHABLE_AFTER: Duration = Duration::from_secs(10);
 pub(super) struct Reach {
     /// A session was established since the processes last started.
     served: bool,
-    /// Since when every connection attempt has failed, once it served.
+    /// Since when no session has been up, once it served.
     unreachable_since: Option<Instant>,
 }
 
 impl Reach {
-    /// Takes in a controller event; the restart reason, once the replica
-    /// has been unreachable for `after`.
-    pub(super) fn on_event(
-        &mut self,
-        e: &Event,
-        after: Duration,
-    ) -> Option<(&'static str, String)> {
+    /// Takes in a controller event.
+    pub(super) fn on_event(&mut self, e: &Event) {
         match e {
             Event::Connected { .. } => {
                 self.served = true;
                 self.unreachable_since = None;
             }
-            Event::ConnectFailed { reason } if self.served => {
-                let since = *self.unreachable_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= after {
-                    self.unreachable_since = None;
-                    self.served = false;
-                    return Some((
-                        "unreachable",
-                        format!(
-                            "no process of the replica has been reachable for {:.1?} after it served (its processes gone; their node lost?): {reason}",
-                            since.elapsed()
-                        ),
-                    ));
-                }
+            Event::Disconnected { .. } | Event::ConnectFailed { .. } if self.served => {
+                self.unreachable_since.get_or_insert_with(Instant::now);
             }
             _ => {}
         }
-        None
+    }
+
+    /// When the replica counts as lost, if it served and is unreachable:
+    /// `after` past the loss.
+    pub(super) fn deadline(&self, after: Duration) -> Option<Instant> {
+        self.unreachable_since
+            .filter(|_| self.served)
+            .map(|since| since + after)
+    }
+
+    /// The restart reason once [`Reach::deadline`] passed (the processes
+    /// must then serve again before they can be lost again).
+    pub(super) fn lost(&mut self) -> (&'static str, String) {
+        let since = self
+            .unreachable_since
+            .map(|s| s.elapsed())
+            .unwrap_or_default();
+        self.restarted();
+        (
+            "unreachable",
+            format!(
+                "no session with the replica for {since:.1?} after it served (its processes gone; their node lost?)"
+            ),
+        )
     }
 
     /// The processes started again (a restart, a new generation): they
@@ -132,6 +141,13 @@ impl Watcher {
                     None => std::future::pending().await,
                 }
             };
+            let lost_at = reach.deadline(UNREACHABLE_AFTER);
+            let lost = async {
+                match lost_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             let reason = tokio::select! {
                 e = async {
                     match services.as_mut() {
@@ -168,8 +184,8 @@ impl Watcher {
                         if let Event::DataflowRefused { dataflow, message, .. } = &e {
                             self.forget(*dataflow, message);
                         }
-                        let unreachable = reach.on_event(&e, UNREACHABLE_AFTER);
-                        let Some(reason) = restart_reason(&e).or(unreachable) else { continue };
+                        reach.on_event(&e);
+                        let Some(reason) = restart_reason(&e) else { continue };
                         if let Some(t) = last_restart.filter(|t| t.elapsed() < self.interval) {
                             tracing::warn!(
                                 replica = %self.replica,
@@ -189,6 +205,19 @@ impl Watcher {
                     }
                     Err(RecvError::Closed) => return,
                 },
+                () = lost => {
+                    if let Ok(Ok(())) = tokio::time::timeout(self.ping_bound, self.controller.ping()).await {
+                        // A session is up again (its event on the way).
+                        reach.on_event(&Event::Connected { nonce: 0 });
+                        continue;
+                    }
+                    let reason = reach.lost();
+                    if last_restart.is_some_and(|t| t.elapsed() < self.interval) {
+                        pending.get_or_insert(reason);
+                        continue;
+                    }
+                    reason
+                }
                 () = recheck => {
                     let (label, reason) = pending.take().expect("a recheck only with a pending reason");
                     match tokio::time::timeout(self.ping_bound, self.controller.ping()).await {

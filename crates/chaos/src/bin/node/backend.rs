@@ -1,7 +1,8 @@
-//! The scenarios of the Kubernetes backend itself (run under `barrier`
-//! only: they test its generations and the pod template, which no
-//! distribution policy changes): `stuck-terminating` ([`stuck_terminating`]),
-//! and three in which what would repair the replica is away:
+//! The scenarios of the Kubernetes backend itself: `stuck-terminating`
+//! ([`stuck_terminating`]), and three in which what would repair the
+//! replica is away. All but `upgrade-interrupted` (whose standby replays
+//! under the policy) run under `barrier` only: they test the backend's
+//! generations and the pod template, which no distribution policy changes.
 //!
 //! - `upgrade-interrupted`: the environment SIGKILLed in the middle of
 //!   `replica upgrade --keep-answering`, once its standby generation's pods
@@ -39,9 +40,10 @@ use super::{harness, pods, Setting, Workload, PROCESSES, RECOVERY};
 const LIVENESS_BOUND: Duration = Duration::from_secs(60);
 
 /// The bound on the new generation's pods after the node is lost: the
-/// controller's heartbeat timeout (2 s), one wait for the lost pods
-/// (`stuck_after`, 20 s) and the pods' creation, with room to spare.
-const LOST_BOUND: Duration = Duration::from_secs(60);
+/// environment's wait before it counts a replica that served and cannot
+/// be reached as lost (30 s), one wait for the lost pods (`stuck_after`,
+/// 20 s) and the pods' creation, with room to spare.
+const LOST_BOUND: Duration = Duration::from_secs(90);
 
 /// `upgrade-interrupted` (see the module's docs). `env` is started again
 /// whatever happened, so that the variant's end finds one.
