@@ -63,6 +63,14 @@
 //! that comes within the interval is checked again when the interval ends:
 //! if the replica then does not answer a ping, it is restarted again.
 //!
+//! A replica whose processes are gone with nothing to restart them (their
+//! node lost: no kubelet acts, and the API still shows the pods running)
+//! is seen only as connections that are lost and not made again: a
+//! replica that served and has had no session for 30 s (and does not
+//! answer a ping) is restarted too (reason `unreachable`). One that has
+//! not served since its processes last started (a generation still
+//! starting, an image being pulled) is left to the orchestrator.
+//!
 //! # Failpoints
 //!
 //! With the cargo feature `failpoints`, the create and drop paths carry
