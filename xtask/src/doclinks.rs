@@ -388,6 +388,14 @@ pub fn unknown_names(root: &Path, files: &[String]) -> Vec<(String, String)> {
 mod tests {
     use super::*;
 
+    /// `(file, what)` pairs, one `  file: what` line each.
+    fn listed(bad: &[(String, String)]) -> String {
+        bad.iter()
+            .map(|(f, p)| format!("  {f}: {p}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
     fn tracked_files(root: &Path) -> Vec<String> {
         let out = std::process::Command::new("git")
             .arg("-C")
@@ -415,10 +423,7 @@ mod tests {
         assert!(
             bad.is_empty(),
             "paths named but missing (file: path):\n{}",
-            bad.iter()
-                .map(|(f, p)| format!("  {f}: {p}"))
-                .collect::<Vec<_>>()
-                .join("\n")
+            listed(&bad)
         );
     }
 
@@ -430,10 +435,7 @@ mod tests {
         assert!(
             bad.is_empty(),
             "names cited in the docs that the code does not have (file: name):\n{}",
-            bad.iter()
-                .map(|(f, p)| format!("  {f}: {p}"))
-                .collect::<Vec<_>>()
-                .join("\n")
+            listed(&bad)
         );
     }
 
