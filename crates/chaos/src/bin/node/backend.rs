@@ -59,19 +59,16 @@ pub async fn upgrade_interrupted(
     let seen = {
         let upgrade = w.upgrade_keep_answering(RECOVERY);
         let started = async {
-            let since = Instant::now();
-            loop {
-                if !standby_pods()?.is_empty() {
-                    return Ok(());
-                }
-                if since.elapsed() > RECOVERY {
-                    return Err(harness(format!(
-                        "no pod of {standby} within {} s of replica upgrade --keep-answering",
-                        RECOVERY.as_secs()
-                    )));
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+            pods::until(RECOVERY, Duration::from_millis(100), || {
+                Ok((!standby_pods()?.is_empty()).then_some(()))
+            })
+            .await?
+            .ok_or_else(|| {
+                harness(format!(
+                    "no pod of {standby} within {} s of replica upgrade --keep-answering",
+                    RECOVERY.as_secs()
+                ))
+            })
         };
         tokio::select! {
             r = upgrade => Err(harness(format!(
@@ -88,21 +85,20 @@ pub async fn upgrade_interrupted(
     w.set_api(Setting::api(env));
     seen?;
     let started = Instant::now();
-    loop {
-        let left = standby_pods()?;
-        if left.is_empty() {
-            break;
-        }
-        if started.elapsed() > RECOVERY {
-            return Err(violation(
-                "O2",
-                format!(
-                    "the standby of an interrupted upgrade was not removed within {} s of the next start: {left:?}",
-                    RECOVERY.as_secs()
-                ),
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+    let mut left = Vec::new();
+    let gone = pods::until(RECOVERY, Duration::from_millis(250), || {
+        left = standby_pods()?;
+        Ok(left.is_empty().then_some(()))
+    })
+    .await?;
+    if gone.is_none() {
+        return Err(violation(
+            "O2",
+            format!(
+                "the standby of an interrupted upgrade was not removed within {} s of the next start: {left:?}",
+                RECOVERY.as_secs()
+            ),
+        ));
     }
     eprintln!(
         "node: the interrupted upgrade's standby removed {:.1} s after the start",
@@ -125,19 +121,14 @@ pub async fn liveness_failed(
     env.kill().await.map_err(|e| harness(format!("{e:#}")))?;
     pods::signal(pid, libc::SIGSTOP).map_err(harness)?;
     let started = Instant::now();
-    let restarted = async {
-        loop {
-            let now = pods::pods(&setting.cluster, &setting.ns, &setting.service)
-                .map_err(|e| harness(format!("{e:#}")))?;
-            if now.iter().any(|p| p.name == pod && p.restarts > 0) {
-                return Ok(true);
-            }
-            if started.elapsed() > LIVENESS_BOUND {
-                return Ok::<_, Failure>(false);
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
+    let restarted = pods::until(LIVENESS_BOUND, Duration::from_millis(500), || {
+        let now = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+            .map_err(|e| harness(format!("{e:#}")))?;
+        Ok(now
+            .iter()
+            .any(|p| p.name == pod && p.restarts > 0)
+            .then_some(()))
+    })
     .await;
     let seconds = started.elapsed().as_secs_f64();
     *env = setting
@@ -145,7 +136,7 @@ pub async fn liveness_failed(
         .await
         .map_err(|e| harness(format!("lockstep serve again: {e:#}")))?;
     w.set_api(Setting::api(env));
-    if !restarted? {
+    if restarted?.is_none() {
         // Resumed, so that nothing stays stopped past the scenario.
         let _ = pods::signal(pid, libc::SIGCONT);
         return Err(violation(
@@ -187,32 +178,32 @@ pub async fn node_lost(setting: &Setting, w: &mut Workload) -> Result<(), Failur
         for pid in pids {
             pods::signal(pid, libc::SIGKILL).map_err(harness)?;
         }
-        loop {
-            let now = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+        let mut now = Vec::new();
+        let created = pods::until(LOST_BOUND, Duration::from_millis(500), || {
+            now = pods::pods(&setting.cluster, &setting.ns, &setting.service)
                 .map_err(|e| harness(format!("{e:#}")))?;
             let newer = now
                 .iter()
                 .filter(|p| p.generation.parse::<u64>().is_ok_and(|g| g > before))
                 .count();
-            if newer >= PROCESSES as usize {
-                if !now.iter().any(|p| lost.contains(&p.name)) {
-                    return Err(harness(
-                        "the lost pods were gone before the new generation's started: nothing was tested",
-                    ));
-                }
-                return Ok(());
-            }
-            if started.elapsed() > LOST_BOUND {
-                return Err(violation(
-                    "I2",
-                    format!(
-                        "the node lost (kubelet stopped, processes killed): no new generation's pods within {} s; the pods: {now:?}",
-                        LOST_BOUND.as_secs()
-                    ),
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            Ok((newer >= PROCESSES as usize).then_some(()))
+        })
+        .await?;
+        if created.is_none() {
+            return Err(violation(
+                "I2",
+                format!(
+                    "the node lost (kubelet stopped, processes killed): no new generation's pods within {} s; the pods: {now:?}",
+                    LOST_BOUND.as_secs()
+                ),
+            ));
         }
+        if !now.iter().any(|p| lost.contains(&p.name)) {
+            return Err(harness(
+                "the lost pods were gone before the new generation's started: nothing was tested",
+            ));
+        }
+        Ok(())
     }
     .await;
     let seconds = started.elapsed().as_secs_f64();

@@ -243,6 +243,25 @@ pub async fn generation_above(
     }
 }
 
+/// Calls `check` every `every` until it gives `Some`, for at most
+/// `bound`: `Ok(None)` if it never did (an error of `check` ends it).
+pub async fn until<T>(
+    bound: Duration,
+    every: Duration,
+    mut check: impl FnMut() -> Result<Option<T>, Failure>,
+) -> Result<Option<T>, Failure> {
+    let started = Instant::now();
+    loop {
+        if let Some(found) = check()? {
+            return Ok(Some(found));
+        }
+        if started.elapsed() > bound {
+            return Ok(None);
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
 /// The host PID of `lockstep-replica` in the pod with `uid` (its cgroup
 /// path names the pod: `.../pod<uid>/<container>`).
 pub fn replica_pid(uid: &str) -> anyhow::Result<u32> {
