@@ -45,8 +45,8 @@ impl Instantiate for bindings::DistributionPre<HostState> {
 ///
 /// Each call runs with [`Limits`]; a failed call is a [`CallError`] (through
 /// the trait: a [`PolicyError`]) and the next call runs in a fresh instance.
-/// On error, use the configured fallback strategy, or wrap the policy in
-/// [`crate::SafeDistribution`], which does it.
+/// On error, the controller's machine uses its fallback (hand the policy to
+/// `lockstep-controller` as it is).
 pub struct WasmDistributionPolicy {
     runner: Runner<bindings::DistributionPre<HostState>>,
 }

@@ -28,23 +28,23 @@
 //!   service that was not listed or that the catalog keeps.
 //! - **Never fatal.** After any failure the instance is dropped and the next
 //!   call instantiates the component again from its pre-instantiated form, so
-//!   the host stays usable. Callers apply a stated safe default on error; the
-//!   [`SafeDistribution`] and [`SafeOrphans`] wrappers do it for them and log
-//!   it with `tracing`:
+//!   the host stays usable. Callers apply a stated safe default on error:
 //!   - **orphans: delete nothing** (never wrong for O1; orphans wait for the
-//!     next start);
-//!   - **distribution: the configured fallback strategy** (and, on a history
-//!     mismatch, the configured fallback action, restart by default).
+//!     next start): the [`SafeOrphans`] wrapper does it and logs it with
+//!     `tracing`;
+//!   - **distribution: the controller's machine decides** (its fallback
+//!     strategy, and on a history mismatch its model-checked rule): the
+//!     policy is handed to `lockstep-controller` as it is.
 //!
 //! # Use
 //!
 //! ```no_run
-//! use lockstep_policy::{DistributionPolicy, OrphanPolicy, Strategy};
-//! use lockstep_policy_host::{Limits, SafeDistribution, SafeOrphans, WasmDistributionPolicy, WasmOrphanPolicy};
+//! use lockstep_policy::{DistributionPolicy, OrphanPolicy};
+//! use lockstep_policy_host::{Limits, SafeOrphans, WasmDistributionPolicy, WasmOrphanPolicy};
 //!
 //! # fn main() -> Result<(), lockstep_policy_host::LoadError> {
 //! let dist = WasmDistributionPolicy::load("target/lockstep/policies/barrier.wasm", Limits::default())?;
-//! let mut dist = SafeDistribution::new(dist, Strategy::Broadcast);
+//! let mut dist: Box<dyn DistributionPolicy + Send> = Box::new(dist);
 //! let orphans = WasmOrphanPolicy::load("target/lockstep/policies/id-watermark.wasm", Limits::default())?;
 //! let mut orphans = SafeOrphans::new(orphans);
 //! # let _ = (&mut dist, &mut orphans);
@@ -72,7 +72,7 @@ pub use distribution::WasmDistributionPolicy;
 pub use error::{CallError, LoadError};
 pub use load::detect_kind;
 pub use orphans::{check_decision, WasmOrphanPolicy};
-pub use safe::{SafeDistribution, SafeOrphans};
+pub use safe::SafeOrphans;
 
 /// The version of the WIT package (`lockstep:policy`) this host speaks.
 pub const WIT_VERSION: &str = "0.1.0";
@@ -175,7 +175,6 @@ mod tests {
         fn send<T: Send>() {}
         send::<WasmDistributionPolicy>();
         send::<WasmOrphanPolicy>();
-        send::<SafeDistribution<WasmDistributionPolicy>>();
         send::<SafeOrphans<WasmOrphanPolicy>>();
         send::<ComponentCache>();
     }

@@ -154,8 +154,10 @@ pub trait DistributionPolicy {
     fn on_mismatch(&mut self, info: &MismatchInfo) -> Result<MismatchAction, PolicyError>;
 }
 
-/// The native distribution rule: one strategy for every command, collective
-/// reconciliation on a mismatch (restart for `naive`, which cannot reconcile).
+/// The native distribution rule: one strategy for every command; on a
+/// mismatch, the machine's own rule for that strategy
+/// (`lockstep_reconcile::rules`: collective reconciliation, a restart for
+/// `naive`, which cannot reconcile), not a copy of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FixedStrategy(pub Strategy);
 
@@ -167,10 +169,13 @@ impl DistributionPolicy for FixedStrategy {
         Ok(self.0)
     }
     fn on_mismatch(&mut self, _info: &MismatchInfo) -> Result<MismatchAction, PolicyError> {
-        Ok(match self.0 {
-            Strategy::Naive => MismatchAction::RestartReplica,
-            _ => MismatchAction::ReconcileCollectively,
-        })
+        Ok(
+            if lockstep_reconcile::rules(self.0).reconciles_collectively() {
+                MismatchAction::ReconcileCollectively
+            } else {
+                MismatchAction::RestartReplica
+            },
+        )
     }
 }
 
