@@ -212,16 +212,26 @@ fn run_all(opts: &Options, times: &mut Times) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Tags [`IMAGE`] as `lockstep:VERSION-ID` (ID: the first 12 hex digits
-/// of its image ID, a digest of its content), a tag no other build has;
-/// returns it.
-fn build_tag(engine: &Engine) -> anyhow::Result<String> {
+/// The first 12 hex digits of [`IMAGE`]'s image ID (a digest of its
+/// content): what names this build and no other.
+fn short_id(engine: &Engine) -> anyhow::Result<String> {
     let mut inspect = engine.cmd();
     inspect.args(["image", "inspect", "--format", "{{.Id}}", IMAGE]);
     let id = crate::util::stdout(inspect)?;
     let id = id.trim().trim_start_matches("sha256:");
     anyhow::ensure!(id.len() >= 12, "{IMAGE} has no image ID ({id:?})");
-    let own = format!("lockstep:{}-{}", env!("CARGO_PKG_VERSION"), &id[..12]);
+    Ok(id[..12].to_string())
+}
+
+/// Tags [`IMAGE`] as `lockstep:VERSION-ID` (ID: the first 12 hex digits
+/// of its image ID, a digest of its content), a tag no other build has;
+/// returns it.
+fn build_tag(engine: &Engine) -> anyhow::Result<String> {
+    let own = format!(
+        "lockstep:{}-{}",
+        env!("CARGO_PKG_VERSION"),
+        short_id(engine)?
+    );
     let mut tag = engine.cmd();
     tag.args(["tag", IMAGE, &own]);
     run(tag)?;

@@ -50,12 +50,10 @@ pub(super) fn save(engine: &Engine) -> anyhow::Result<NodeImages> {
         let _ = std::fs::remove_file(dir.join(stale));
     }
     std::fs::create_dir_all(&dir)?;
-    let mut inspect = engine.cmd();
-    inspect.args(["image", "inspect", "--format", "{{.Id}}", IMAGE]);
-    let id = crate::util::stdout(inspect)?;
-    let id = id.trim().trim_start_matches("sha256:");
-    anyhow::ensure!(id.len() >= 12, "{IMAGE} has no image ID ({id:?})");
-    let lockstep = format!("docker.io/library/lockstep:dev-{}", &id[..12]);
+    let lockstep = format!(
+        "docker.io/library/lockstep:dev-{}",
+        super::short_id(engine)?
+    );
     let lockstep_archive = dir.join("lockstep.tar");
     save_as(engine, IMAGE, &lockstep, &lockstep_archive)?;
 

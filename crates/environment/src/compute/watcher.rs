@@ -31,10 +31,7 @@ impl Reach {
     /// Takes in a controller event.
     pub(super) fn on_event(&mut self, e: &Event) {
         match e {
-            Event::Connected { .. } => {
-                self.served = true;
-                self.unreachable_since = None;
-            }
+            Event::Connected { .. } => self.reached(),
             Event::Disconnected { .. } | Event::ConnectFailed { .. } if self.served => {
                 self.unreachable_since.get_or_insert_with(Instant::now);
             }
@@ -64,6 +61,12 @@ impl Reach {
                 "no session with the replica for {since:.1?} after it served (its processes gone; their node lost?)"
             ),
         )
+    }
+
+    /// A session is up: the replica served and is reachable.
+    pub(super) fn reached(&mut self) {
+        self.served = true;
+        self.unreachable_since = None;
     }
 
     /// The processes started again (a restart, a new generation): they
@@ -208,7 +211,7 @@ impl Watcher {
                 () = lost => {
                     if let Ok(Ok(())) = tokio::time::timeout(self.ping_bound, self.controller.ping()).await {
                         // A session is up again (its event on the way).
-                        reach.on_event(&Event::Connected { nonce: 0 });
+                        reach.reached();
                         continue;
                     }
                     let reason = reach.lost();

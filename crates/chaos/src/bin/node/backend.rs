@@ -52,7 +52,8 @@ pub async fn upgrade_interrupted(
     env: &mut EnvProcess,
     w: &mut Workload,
 ) -> Result<(), Failure> {
-    let standby = format!("{}-standby", setting.service);
+    // The first replica's standby (the setting's service is replica 1's).
+    let standby = lockstep_launch::ServiceTemplate::standby_service_name(1);
     let standby_pods = || {
         pods::pods(&setting.cluster, &setting.ns, &standby).map_err(|e| harness(format!("{e:#}")))
     };
@@ -119,17 +120,22 @@ pub async fn liveness_failed(
     let pod = setting.pod_of(2)?;
     let pid = setting.pid_of(2)?;
     env.kill().await.map_err(|e| harness(format!("{e:#}")))?;
-    pods::signal(pid, libc::SIGSTOP).map_err(harness)?;
     let started = Instant::now();
-    let restarted = pods::until(LIVENESS_BOUND, Duration::from_millis(500), || {
-        let now = pods::pods(&setting.cluster, &setting.ns, &setting.service)
-            .map_err(|e| harness(format!("{e:#}")))?;
-        Ok(now
-            .iter()
-            .any(|p| p.name == pod && p.restarts > 0)
-            .then_some(()))
-    })
-    .await;
+    // The environment is started again below whatever this gives.
+    let restarted = match pods::signal(pid, libc::SIGSTOP) {
+        Ok(()) => {
+            pods::until(LIVENESS_BOUND, Duration::from_millis(500), || {
+                let now = pods::pods(&setting.cluster, &setting.ns, &setting.service)
+                    .map_err(|e| harness(format!("{e:#}")))?;
+                Ok(now
+                    .iter()
+                    .any(|p| p.name == pod && p.restarts > 0)
+                    .then_some(()))
+            })
+            .await
+        }
+        Err(e) => Err(harness(e)),
+    };
     let seconds = started.elapsed().as_secs_f64();
     *env = setting
         .serve()

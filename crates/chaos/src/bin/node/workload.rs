@@ -225,8 +225,22 @@ impl Workload {
                 .and_then(|r| r)
         };
         let (first, api) = tokio::join!(first, interrupt);
-        let answered = first.is_ok();
         self.api = api?;
+        // A refusal is an answer, not a cut: retried, it would read as
+        // applied.
+        if let Err(s) = &first {
+            if matches!(
+                s.code(),
+                tonic::Code::InvalidArgument | tonic::Code::OutOfRange
+            ) {
+                return Err(Failure::Harness(format!(
+                    "the write at {} was refused: {}",
+                    self.next,
+                    code(s)
+                )));
+            }
+        }
+        let answered = first.is_ok();
         if !answered {
             self.retry_write(req, 1, started, bound, invariant).await?;
         }
