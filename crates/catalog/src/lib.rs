@@ -495,6 +495,18 @@ impl Catalog {
         dispatch!(self, c => c.drop_replica(name))
     }
 
+    /// Gives the replica with this name `processes` processes of
+    /// `workers_per_process` workers each (its dataflows and inputs stay);
+    /// returns it as it is now. The shape is checked as at creation.
+    pub fn resize_replica(
+        &mut self,
+        name: &str,
+        processes: u32,
+        workers_per_process: u32,
+    ) -> Result<Replica, WriteError> {
+        dispatch!(self, c => c.resize_replica(name, processes, workers_per_process))
+    }
+
     /// Records a dataflow on a replica, allocating its ID.
     pub fn create_dataflow(
         &mut self,

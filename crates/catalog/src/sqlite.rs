@@ -311,6 +311,41 @@ impl SqliteCatalog {
         })
     }
 
+    /// See [`crate::Catalog::resize_replica`].
+    pub fn resize_replica(
+        &mut self,
+        name: &str,
+        processes: u32,
+        workers_per_process: u32,
+    ) -> Result<Replica, WriteError> {
+        self.write(|tx| {
+            let replica = tx
+                .query_row(
+                    "SELECT id, config FROM replicas WHERE name = ?1",
+                    [name],
+                    |r| {
+                        Ok(Replica {
+                            id: r.get::<_, i64>(0)? as u64,
+                            name: name.to_string(),
+                            config: ReplicaConfig {
+                                processes,
+                                workers_per_process,
+                                config: r.get(1)?,
+                            },
+                        })
+                    },
+                )
+                .optional()?
+                .ok_or_else(|| WriteError::NoSuchReplica(name.to_string()))?;
+            check_replica(name, &replica.config).map_err(WriteError::Invalid)?;
+            tx.execute(
+                "UPDATE replicas SET processes = ?1, workers_per_process = ?2 WHERE id = ?3",
+                params![processes, workers_per_process, replica.id as i64],
+            )?;
+            Ok(replica)
+        })
+    }
+
     /// Drops the replica with this name, and its dataflows.
     pub fn drop_replica(&mut self, name: &str) -> Result<Replica, WriteError> {
         if name.is_empty() {

@@ -583,7 +583,58 @@ lockstep_pgtest::on_both_backends!(
     replica_names_and_shapes_are_bounded,
     a_stale_handle_is_fenced_and_writes_nothing,
     a_panicking_describe_writes_nothing,
+    a_resize_keeps_everything_but_the_shape_and_is_checked_and_fenced,
 );
+
+/// A resize changes the shape alone (config, dataflows and inputs stay),
+/// survives a reopen, refuses a shape creation would refuse and an unknown
+/// name, and a fenced-out handle writes nothing.
+fn a_resize_keeps_everything_but_the_shape_and_is_checked_and_fenced(s: &TestStore) {
+    let mut c = s.open();
+    let r = c
+        .create_replica(
+            "r",
+            ReplicaConfig {
+                processes: 2,
+                workers_per_process: 2,
+                config: "k=v".into(),
+            },
+        )
+        .unwrap();
+    let d = c.create_dataflow(r.id, b"df").unwrap();
+    c.append_input(r.id, 7, b"one").unwrap();
+    let resized = c.resize_replica("r", 4, 1).unwrap();
+    assert_eq!((resized.id, resized.name.as_str()), (r.id, "r"));
+    assert_eq!(
+        (resized.config.processes, resized.config.workers_per_process),
+        (4, 1)
+    );
+    assert_eq!(resized.config.config, "k=v");
+    assert!(matches!(
+        c.resize_replica("r", 0, 1),
+        Err(WriteError::Invalid(_))
+    ));
+    assert!(matches!(
+        c.resize_replica("nosuch", 1, 1),
+        Err(WriteError::NoSuchReplica(_))
+    ));
+    drop(c);
+    let mut newer = s.open();
+    let state = newer.state().unwrap();
+    assert_eq!(state.replicas[&r.id].config, resized.config);
+    assert!(state.dataflows.contains_key(&d.id));
+    assert_eq!(state.input_writes.len(), 1);
+    let mut stale = s.open();
+    let _newest = s.open();
+    assert!(matches!(
+        stale.resize_replica("r", 1, 1),
+        Err(WriteError::Fenced(_))
+    ));
+    assert_eq!(
+        s.open().state().unwrap().replicas[&r.id].config.processes,
+        4
+    );
+}
 
 /// `describe` runs inside the write transaction: if it panics, nothing of
 /// the dataflow is written and the catalog goes on working.

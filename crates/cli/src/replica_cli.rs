@@ -75,6 +75,23 @@ pub(crate) enum ReplicaCommand {
         #[arg(long)]
         keep_answering: bool,
     },
+    /// Give a replica another shape without refusing a read: the
+    /// environment starts a standby generation of the old shape, lets it
+    /// catch up and answer the replica's peeks while the replica's
+    /// processes are replaced by PROCESSES processes of WORKERS workers and
+    /// catch up, then drops it. Writes go on throughout; subscriptions stay
+    /// with the replica and resume after the replacement. Prints the shapes
+    /// and how long the standby answered reads.
+    Resize {
+        /// Its name.
+        name: String,
+        /// The new number of processes (1 to 64).
+        #[arg(long)]
+        processes: u32,
+        /// The new number of workers per process (1 to 64).
+        #[arg(long)]
+        workers: u32,
+    },
     /// Drop a replica.
     Drop {
         /// Its name.
@@ -341,6 +358,32 @@ pub(crate) async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow
                 );
             }
         }
+        ReplicaCommand::Resize {
+            name,
+            processes,
+            workers,
+        } => {
+            let before = find_replica(&mut client, &name).await?;
+            let answered = client
+                .resize_replica(proto::ResizeReplicaRequest {
+                    name: name.clone(),
+                    processes,
+                    workers_per_process: workers,
+                })
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            let after = replica_of(&answered)?;
+            println!(
+                "replica {name} resized: {}x{} -> {}x{} (processes x workers); reads answered throughout (standby caught up after {:.2} s, answered the replica's reads for {:.2} s)",
+                before.processes,
+                before.workers_per_process,
+                after.processes,
+                after.workers_per_process,
+                answered.standby_ready_ms as f64 / 1000.0,
+                answered.standby_served_ms as f64 / 1000.0
+            );
+        }
         ReplicaCommand::Drop { name } => {
             let r = client
                 .drop_replica(proto::DropReplicaRequest { name: name.clone() })
@@ -407,7 +450,7 @@ async fn restart(
         .into_inner())
 }
 
-/// The replica as RestartReplica restarted it.
+/// The replica as RestartReplica or ResizeReplica left it.
 fn replica_of(answer: &proto::RestartReplicaResponse) -> anyhow::Result<&proto::Replica> {
     answer
         .replica

@@ -1,15 +1,18 @@
-//! `lockstep replica upgrade --keep-answering` under a steady read load,
-//! under each shipped distribution policy: every process of the replica
-//! restarts, a standby generation answers its peeks meanwhile, and no read
-//! is refused or answered wrongly, while writes go on. The assertion that
-//! the standby really answered: no peek waited half as long as the
-//! replica's own processes were away (restart to caught up, as the
-//! environment reports it), which a peek sent to them at their restart
-//! would have (checked by routing every read to them: the longest peek is
-//! then about that window). The collection counts [`ROWS`] rows in
-//! [`GROUPS`] groups, so that catching up takes a while and a peek's answer
-//! is small. A subscription open throughout stays with the replica's own
-//! processes and must carry every change exactly once across their restart.
+//! A replica's processes replaced three times under one steady read,
+//! write and subscribe load, under each shipped distribution policy:
+//! `lockstep replica upgrade --keep-answering` (every process restarts),
+//! then `lockstep replica resize` from 2x2 to 4x2 and to 1x1 (the processes
+//! replaced by processes of another shape). Each time a standby generation
+//! answers the replica's peeks meanwhile, and no read is refused or
+//! answered wrongly, while writes go on. The assertion that the standby
+//! really answered: no peek waited half as long as the replica's own
+//! processes were away (replacement to caught up, as the environment
+//! reports it), which a peek sent to them then would have (checked by
+//! routing every read to them: the longest peek is then about that
+//! window). The collection counts [`ROWS`] rows in [`GROUPS`] groups, so
+//! that catching up takes a while and a peek's answer is small. A
+//! subscription open throughout stays with the replica's own processes and
+//! must carry every change exactly once across all three replacements.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -168,14 +171,47 @@ async fn subscribe_steadily(
     stream
 }
 
-async fn upgrade_under(strategy: &str) {
+/// How the replica's processes are replaced, in turn.
+const REPLACEMENTS: [&[&str]; 3] = [
+    &["replica", "upgrade", "r", "--keep-answering"],
+    &["replica", "resize", "r", "--processes", "4", "--workers", "2"],
+    &["replica", "resize", "r", "--processes", "1", "--workers", "1"],
+];
+
+/// The replica's shape after each of [`REPLACEMENTS`] (processes, workers).
+const SHAPES: [(u64, u64); 3] = [(2, 2), (4, 2), (1, 1)];
+
+/// The seconds the standby answered the replica's reads, from the CLI's
+/// line "... (standby caught up after A s, answered the replica's reads
+/// for B s)".
+fn standby_served(out: &str) -> f64 {
+    out.split("answered the replica's reads for ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no time the standby served in {out:?}"))
+}
+
+/// Replica r's shape as `replica list` shows it.
+async fn shape_of_r(state: &Path, url: &str) -> (u64, u64) {
+    let v: serde_json::Value =
+        serde_json::from_str(&cli_ok(state, url, &["replica", "list", "-o", "json"]).await)
+            .unwrap();
+    let r = &v["replicas"][0];
+    (
+        r["processes"].as_u64().unwrap(),
+        r["workers_per_process"].as_u64().unwrap(),
+    )
+}
+
+async fn replace_under(strategy: &str) {
     let policy = common::built_policy(strategy);
     let sandbox = Sandbox::new().unwrap();
     let state = sandbox.path();
     let (port, url) = common::free_port_url();
     let serve = common::serve_on(state, port, &policy).await;
     let serve_pid = serve.id().unwrap();
-    common::replica_r_with(state, &url, 2, 1, "reduce(get(1), [#1], count)").await;
+    common::replica_r_with(state, &url, 2, 2, "reduce(get(1), [#1], count)").await;
     let token = std::fs::read_to_string(state.join("api.token")).unwrap();
     let channel = tonic::transport::Endpoint::from_shared(url.clone())
         .unwrap()
@@ -207,7 +243,6 @@ async fn upgrade_under(strategy: &str) {
     })
     .await
     .unwrap();
-    let before = common::pids_of_r(state, &url).await;
     assert_eq!(
         children(serve_pid).len(),
         2,
@@ -222,7 +257,7 @@ async fn upgrade_under(strategy: &str) {
         written_all_rx,
     ));
     let reader = tokio::spawn(read_steadily(api, written.clone(), stop.clone()));
-    // Writes go on during the upgrade: the standby must take them too.
+    // Writes go on throughout: the standby must take them too.
     let writer = {
         let (state, url, written, stop) = (
             state.to_path_buf(),
@@ -240,29 +275,53 @@ async fn upgrade_under(strategy: &str) {
         })
     };
 
-    let out = tokio::time::timeout(
-        WAIT,
-        cli_ok(
-            state,
-            &url,
-            &["replica", "upgrade", "r", "--keep-answering"],
-        ),
-    )
-    .await
-    .expect("the upgrade finished in time");
+    let mut shortest_served = f64::MAX;
+    for (command, shape) in REPLACEMENTS.iter().zip(SHAPES) {
+        let before = common::pids_of_r(state, &url).await;
+        let out = tokio::time::timeout(WAIT, cli_ok(state, &url, command))
+            .await
+            .unwrap_or_else(|_| panic!("{strategy}: {command:?} finished in time"));
+        eprintln!("{strategy}: {command:?}: {out}");
+        assert!(
+            out.contains("reads answered throughout"),
+            "{strategy}: {out}"
+        );
+        shortest_served = shortest_served.min(standby_served(&out));
+        assert_eq!(
+            shape_of_r(state, &url).await,
+            shape,
+            "{strategy}: the shape after {command:?}"
+        );
+        let after = common::pids_of_r(state, &url).await;
+        assert_eq!(after.len() as u64, shape.0, "{strategy}: {after:?}");
+        assert!(
+            before.iter().all(|p| !after.contains(p)),
+            "{strategy}: every process replaced by {command:?}: {before:?} then {after:?}"
+        );
+        // The standby's processes are gone: only the replica's own are left.
+        let deadline = Instant::now() + WAIT;
+        while children(serve_pid).len() as u64 != shape.0 {
+            assert!(
+                Instant::now() < deadline,
+                "{strategy}: after {command:?} the standby's or the old processes are still there: {:?}",
+                children(serve_pid)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
     stop.store(true, SeqCst);
     let reads = reader.await.unwrap();
     writer.await.unwrap();
     written_all.send(true).unwrap();
     let stream = subscriber.await.unwrap();
     eprintln!(
-        "{strategy}: {out}{strategy}: {reads:?}; subscription: {} updates, longest gap {:?}",
+        "{strategy}: {reads:?}; subscription: {} updates, longest gap {:?}",
         stream.updates.len(),
         stream.longest_gap
     );
-    // The subscription stayed with the replica's own processes across their
-    // restart: every change exactly once (a gap or a duplicate changes a
-    // count).
+    // The subscription stayed with the replica's own processes across every
+    // replacement: every change exactly once (a gap or a duplicate changes
+    // a count).
     let last = written.load(SeqCst);
     let mut sum: BTreeMap<Vec<i64>, i64> = BTreeMap::new();
     for (values, time, diff) in &stream.updates {
@@ -276,18 +335,6 @@ async fn upgrade_under(strategy: &str) {
         counts_at(last),
         "{strategy}: the subscription's changes up to {last}, consolidated"
     );
-
-    // "... (standby caught up after A s, answered the replica's reads for B s)"
-    let served: f64 = out
-        .split("answered the replica's reads for ")
-        .nth(1)
-        .and_then(|r| r.split(' ').next())
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("{strategy}: no time the standby served in {out:?}"));
-    assert!(
-        out.contains("reads answered throughout"),
-        "{strategy}: {out}"
-    );
     assert!(
         reads.refused.is_empty(),
         "{strategy}: refused reads: {reads:?}"
@@ -298,38 +345,23 @@ async fn upgrade_under(strategy: &str) {
     );
     assert!(reads.answered >= 10, "{strategy}: a steady load: {reads:?}");
     assert!(
-        reads.longest.as_secs_f64() < served / 2.0,
-        "{strategy}: a peek waited {:?}, as long as the replica's own processes were away ({served} s): the standby did not answer it",
+        reads.longest.as_secs_f64() < shortest_served / 2.0,
+        "{strategy}: a peek waited {:?}, as long as the replica's own processes were away ({shortest_served} s at the shortest): the standby did not answer it",
         reads.longest
     );
-    let after = common::pids_of_r(state, &url).await;
-    assert!(
-        before.iter().all(|p| !after.contains(p)),
-        "{strategy}: every process restarted: {before:?} then {after:?}"
-    );
-    // The standby's processes are gone: only the replica's own are left.
-    let deadline = Instant::now() + WAIT;
-    while children(serve_pid).len() != 2 {
-        assert!(
-            Instant::now() < deadline,
-            "{strategy}: the standby's processes are still there: {:?}",
-            children(serve_pid)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn upgrade_keeps_answering_under_barrier() {
-    upgrade_under("barrier").await;
+async fn upgrade_and_resizes_keep_answering_under_barrier() {
+    replace_under("barrier").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn upgrade_keeps_answering_under_broadcast() {
-    upgrade_under("broadcast").await;
+async fn upgrade_and_resizes_keep_answering_under_broadcast() {
+    replace_under("broadcast").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn upgrade_keeps_answering_under_log() {
-    upgrade_under("log").await;
+async fn upgrade_and_resizes_keep_answering_under_log() {
+    replace_under("log").await;
 }

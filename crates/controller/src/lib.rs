@@ -154,6 +154,7 @@ pub(crate) enum Request {
     Send(CommandKind),
     SetPolicy(Box<dyn DistributionPolicy + Send>),
     SetAddresses(Vec<lockstep_protocol::Endpoint>),
+    Reshape(ReplicaAddrs),
     Peek {
         collection: u64,
         timestamp: Timestamp,
@@ -370,6 +371,16 @@ impl Controller {
         processes: Vec<lockstep_protocol::Endpoint>,
     ) -> Result<(), ControllerError> {
         self.request(Request::SetAddresses(processes))
+    }
+
+    /// The replica's processes were replaced by processes of another shape
+    /// (a resize): from now on this controller drives the processes
+    /// `replica` names, of its shape. It reconnects at once, the new
+    /// processes rebuild the replica from the history, and subscriptions
+    /// resume as after any restart (no gap, no duplicate). `replica` must
+    /// be the same replica (its ID, key and command log).
+    pub fn reshape(&self, replica: ReplicaAddrs) -> Result<(), ControllerError> {
+        self.request(Request::Reshape(replica))
     }
 
     /// Sends an UpdateConfiguration.

@@ -276,7 +276,13 @@ impl Metrics {
                 reason: reason.to_string(),
             });
         }
-        for process in 0..processes {
+        self.forget_processes(name, 0..processes);
+    }
+
+    /// Forgets the per-process series of processes `indexes` of replica
+    /// `name` (dropped, or gone with a resize to fewer processes).
+    pub fn forget_processes(&self, name: &str, indexes: std::ops::Range<u32>) {
+        for process in indexes {
             self.frontier_lag.remove(&ProcessLabels {
                 replica: name.to_string(),
                 process: process.to_string(),

@@ -64,10 +64,11 @@ pub struct RpcMetrics<S> {
 /// The API's methods (checked against `environment.proto` by a test): a
 /// label takes only these values, or [`OTHER`], so no client can grow the
 /// metrics by calling made-up methods.
-const METHODS: [&str; 13] = [
+const METHODS: [&str; 14] = [
     "CreateReplica",
     "DropReplica",
     "RestartReplica",
+    "ResizeReplica",
     "ListReplicas",
     "GetStatus",
     "CreateDataflow",

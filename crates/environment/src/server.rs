@@ -279,6 +279,26 @@ impl EnvironmentApi for EnvironmentService {
         .await
     }
 
+    async fn resize_replica(
+        &self,
+        request: Request<proto::ResizeReplicaRequest>,
+    ) -> Result<Response<proto::RestartReplicaResponse>, Status> {
+        async {
+            let r = request.into_inner();
+            let done = self
+                .env
+                .resize_replica_answering(&r.name, r.processes, r.workers_per_process)
+                .await
+                .map_err(compute_status)?;
+            Ok(Response::new(proto::RestartReplicaResponse {
+                replica: Some(to_proto(&done.info)),
+                standby_ready_ms: done.standby_ready.as_millis() as u64,
+                standby_served_ms: done.standby_served.as_millis() as u64,
+            }))
+        }
+        .await
+    }
+
     async fn list_replicas(
         &self,
         request: Request<proto::ListReplicasRequest>,

@@ -1,6 +1,8 @@
 //! An upgrade that keeps answering (`lockstep replica upgrade
 //! --keep-answering`): the replica's reads are answered while every one of
-//! its processes restarts on the program its service names.
+//! its processes restarts on the program its service names; a resize
+//! (`lockstep replica resize`) is the same motion with the replica's
+//! processes replaced by processes of a new shape in step 3.
 //!
 //! 1. A standby generation is started: a second service of the replica
 //!    (`replica-N-standby`, its own command log), on that program, driven by
@@ -12,10 +14,17 @@
 //! 3. The replica's own processes restart as one new generation (as
 //!    [`Environment::restart_replica`]) and catch up to the standby the
 //!    same way; reads go back to them, the standby's owed reads are
-//!    answered, and the standby is dropped.
+//!    answered, and the standby is dropped. A resize first writes the new
+//!    shape to the catalog (the commit point: an environment killed before
+//!    it finds the old shape at its next start, one killed after it the
+//!    new), then ensures the replica's service at that shape (its
+//!    processes replaced) and points the replica's controller at the new
+//!    processes ([`lockstep_controller::Controller::reshape`]); the standby
+//!    keeps the old shape throughout.
 //!
 //! Subscriptions stay with the replica's own controller, which resumes them
-//! after the restart (no gap, no duplicate; they stall meanwhile). Moving
+//! after the restart or resize (no gap, no duplicate; they stall
+//! meanwhile). Moving
 //! them to the standby is not built. A failure at any step routes reads back
 //! to the replica's own processes and drops the standby; a standby left by
 //! an environment that crashed mid-upgrade is dropped at the next start
@@ -47,6 +56,19 @@ pub struct AnsweredUpgrade {
     pub standby_served: Duration,
 }
 
+/// What step 3 does to the replica's own processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Replacement {
+    /// Restart them as they are.
+    Restart,
+    /// Replace them with `processes` processes of `workers_per_process`
+    /// workers.
+    Resize {
+        processes: u32,
+        workers_per_process: u32,
+    },
+}
+
 impl Environment {
     /// Restarts every process of replica `name` as one new generation while
     /// a standby generation answers its reads (see the module docs).
@@ -54,9 +76,53 @@ impl Environment {
         &self,
         name: &str,
     ) -> Result<AnsweredUpgrade, ComputeError> {
+        self.replace_answering(name, Replacement::Restart).await
+    }
+
+    /// Gives replica `name` `processes` processes of `workers_per_process`
+    /// workers each while a standby generation of its old shape answers its
+    /// reads (see the module docs). INVALID_ARGUMENT, with nothing started,
+    /// for a shape `replica create` would refuse or the shape it has.
+    pub async fn resize_replica_answering(
+        &self,
+        name: &str,
+        processes: u32,
+        workers_per_process: u32,
+    ) -> Result<AnsweredUpgrade, ComputeError> {
+        let replica = self.replica_named(name)?;
+        let target = ReplicaConfig {
+            processes,
+            workers_per_process,
+            config: replica.config.config.clone(),
+        };
+        lockstep_catalog::check_replica(name, &target).map_err(ComputeError::Invalid)?;
+        if (processes, workers_per_process)
+            == (replica.config.processes, replica.config.workers_per_process)
+        {
+            return Err(ComputeError::Invalid(format!(
+                "replica {name:?} already has {processes} processes of {workers_per_process} workers"
+            )));
+        }
+        self.replace_answering(
+            name,
+            Replacement::Resize {
+                processes,
+                workers_per_process,
+            },
+        )
+        .await
+    }
+
+    async fn replace_answering(
+        &self,
+        name: &str,
+        replacement: Replacement,
+    ) -> Result<AnsweredUpgrade, ComputeError> {
         let started = Instant::now();
         let replica = self.start_standby(name).await?;
-        let result = self.serve_from_standby(&replica, started).await;
+        let result = self
+            .serve_from_standby(&replica, replacement, started)
+            .await;
         self.compute.route_reads(replica.id, Generation::Own);
         if result.is_ok()
             && !self
@@ -115,6 +181,7 @@ impl Environment {
     async fn serve_from_standby(
         &self,
         replica: &Replica,
+        replacement: Replacement,
         started: Instant,
     ) -> Result<AnsweredUpgrade, ComputeError> {
         let missing = || {
@@ -140,7 +207,16 @@ impl Environment {
             tracing::warn!(replica = %replica.name, "reads the replica owed wait for its restart");
         }
         let serving = Instant::now();
-        let info = self.restart_replica(&replica.name).await?;
+        let info = match replacement {
+            Replacement::Restart => self.restart_replica(&replica.name).await?,
+            Replacement::Resize {
+                processes,
+                workers_per_process,
+            } => {
+                self.resize_own(replica, processes, workers_per_process)
+                    .await?
+            }
+        };
         let own = self.compute.controller(replica.id).ok_or_else(missing)?;
         self.catch_up(replica, &standby, &own, "the restarted replica")
             .await?;
@@ -155,6 +231,67 @@ impl Environment {
             info,
             standby_ready,
             standby_served,
+        })
+    }
+
+    /// Step 3 of a resize: the new shape in the catalog, the replica's
+    /// service ensured at it (its processes replaced), its controller
+    /// pointed at the new processes.
+    async fn resize_own(
+        &self,
+        replica: &Replica,
+        processes: u32,
+        workers_per_process: u32,
+    ) -> Result<ReplicaInfo, ComputeError> {
+        let _ops = self.ops.lock().await;
+        self.check_not_halted()?;
+        let resized = {
+            let mut catalog = self.catalog.lock().expect("poisoned");
+            let resized = catalog
+                .resize_replica(&replica.name, processes, workers_per_process)
+                .map_err(|e| self.catalog_error(e))?;
+            self.view
+                .lock()
+                .expect("poisoned")
+                .replicas
+                .insert(resized.id, resized.clone());
+            resized
+        };
+        fail::fail_point!("resize_after_catalog");
+        tracing::info!(
+            replica = %replica.name,
+            from = %format!("{}x{}", replica.config.processes, replica.config.workers_per_process),
+            to = %format!("{processes}x{workers_per_process}"),
+            "resizing: the new shape is in the catalog"
+        );
+        self.metrics()
+            .forget_processes(&replica.name, processes..replica.config.processes);
+        let status = self
+            .orchestrator
+            .ensure_service(self.service_config(&resized))
+            .await
+            .map_err(|e| self.ensure_error(e))?;
+        let addrs = self
+            .compute
+            .addrs_for(
+                &resized,
+                &status,
+                (
+                    self.command_log(resized.id),
+                    self.session_key(resized.id),
+                ),
+            )
+            .map_err(ComputeError::Unavailable)?;
+        let own = self.compute.controller(resized.id).ok_or_else(|| {
+            ComputeError::Unavailable(format!(
+                "replica {:?}'s controller went away during the resize",
+                replica.name
+            ))
+        })?;
+        own.reshape(addrs)?;
+        Ok(ReplicaInfo {
+            replica: resized,
+            service: Some(status),
         })
     }
 

@@ -70,6 +70,13 @@ impl SubscribeMerge {
         self.updates.clear();
     }
 
+    /// The subscription now comes from `parts` parts (the replica was
+    /// resized): as [`restart`](Self::restart), over that many.
+    pub fn reshape(&mut self, parts: usize) {
+        self.parts = parts;
+        self.restart();
+    }
+
     /// Whether the merged subscription is complete (empty upper emitted).
     pub fn is_done(&self) -> bool {
         self.emitted == Some(None)

@@ -338,6 +338,18 @@ impl ControllerSession {
         self.connect()
     }
 
+    /// The replica's processes were replaced by `processes` processes of
+    /// `workers` workers in all (a resize): the next session checks that
+    /// many workers' reports and delivers to that many processes. Called
+    /// while disconnected (the old processes' session has ended); the run
+    /// of failed sessions and the session nonces go on.
+    pub fn reshape(&mut self, workers: usize, processes: usize) {
+        self.gate = self.gate.resized(workers);
+        self.reports.clear();
+        self.replica.processes = processes;
+        self.start = None;
+    }
+
     /// Stops for good.
     pub fn crash(&mut self) {
         self.enter(Phase::Crashed);

@@ -71,6 +71,12 @@ impl InitializationGate {
         }
     }
 
+    /// The gate of a replica resized to `workers` workers (its flaw, if
+    /// any, kept).
+    pub(crate) fn resized(self, workers: usize) -> Self {
+        InitializationGate { workers, ..self }
+    }
+
     /// The same gate with a planted flaw (model checking only).
     #[cfg(feature = "mutants")]
     pub fn with_mutant(mut self, mutant: GateMutant) -> Self {

@@ -203,6 +203,48 @@ impl PgCatalog {
         })
     }
 
+    /// See [`crate::Catalog::resize_replica`].
+    pub(crate) fn resize_replica(
+        &mut self,
+        name: &str,
+        processes: u32,
+        workers_per_process: u32,
+    ) -> Result<Replica, WriteError> {
+        let name = name.to_string();
+        self.write(move |c| {
+            Box::pin(async move {
+                let row = c
+                    .query_opt(
+                        "SELECT id, config FROM catalog_replicas WHERE name = $1",
+                        &[&name],
+                    )
+                    .await?
+                    .ok_or_else(|| WriteError::NoSuchReplica(name.clone()))?;
+                let replica = Replica {
+                    id: row.get::<_, i64>(0) as u64,
+                    config: ReplicaConfig {
+                        processes,
+                        workers_per_process,
+                        config: row.get(1),
+                    },
+                    name,
+                };
+                check_replica(&replica.name, &replica.config).map_err(WriteError::Invalid)?;
+                c.execute(
+                    "UPDATE catalog_replicas SET processes = $1, workers_per_process = $2 \
+                     WHERE id = $3",
+                    &[
+                        &(processes as i32),
+                        &(workers_per_process as i32),
+                        &(replica.id as i64),
+                    ],
+                )
+                .await?;
+                Ok(replica)
+            })
+        })
+    }
+
     /// Drops the replica with this name, and its dataflows and inputs.
     pub(crate) fn drop_replica(&mut self, name: &str) -> Result<Replica, WriteError> {
         if name.is_empty() {

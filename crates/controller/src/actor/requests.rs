@@ -23,6 +23,7 @@ impl Actor {
                 self.replica.processes = addrs;
                 self.disconnect("the replica's processes moved to new addresses".into());
             }
+            Request::Reshape(replica) => self.reshape(replica),
             Request::Send(kind) => {
                 // A (re)created collection starts with no reported frontier.
                 if let CommandKind::CreateDataflow(d) = &kind {
@@ -119,6 +120,35 @@ impl Actor {
             Request::Reconnect => self.disconnect("reconnect requested".into()),
             Request::Shutdown => {}
         }
+    }
+
+    /// See [`crate::Controller::reshape`]: every per-process book sized
+    /// for the new processes, then a new session with them.
+    fn reshape(&mut self, replica: ReplicaAddrs) {
+        if replica.replica_id != self.replica.replica_id {
+            tracing::error!(
+                ours = self.replica.replica_id,
+                theirs = replica.replica_id,
+                "a reshape for another replica ignored"
+            );
+            return;
+        }
+        let n = replica.processes.len();
+        tracing::info!(
+            processes = n,
+            workers_per_process = replica.workers_per_process,
+            "the replica was resized; reconnecting to its new processes"
+        );
+        self.session.reshape(replica.total_workers(), n);
+        self.conns = (0..n).map(|_| None).collect();
+        self.last_heard = vec![Instant::now(); n];
+        self.silent_reported = vec![false; n];
+        self.versions = vec![None; n];
+        for sub in self.subs.values_mut() {
+            sub.reshape(n);
+        }
+        self.replica = replica;
+        self.disconnect("the replica was resized".into());
     }
 
     /// See [`crate::Controller::process_lags`].

@@ -64,6 +64,13 @@ impl Sub {
         (out, self.buffered_bytes)
     }
 
+    /// The subscription now comes from `parts` processes (a resize): as
+    /// [`restart`](Self::restart), over that many.
+    pub(crate) fn reshape(&mut self, parts: usize) {
+        self.restart();
+        self.merge.reshape(parts);
+    }
+
     /// The parts restart the subscription (a new session): the merge
     /// forgets what they sent.
     pub(crate) fn restart(&mut self) {

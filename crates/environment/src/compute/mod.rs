@@ -368,13 +368,7 @@ impl Compute {
         ),
         epoch: u64,
     ) -> Result<Controller, String> {
-        let mut addrs = lockstep_launch::replica_addrs(status, replica.config.workers_per_process)
-            .map_err(|e| e.to_string())?;
-        addrs.command_log = command_log;
-        addrs.session_key = session_key;
-        addrs.max_frame_len = self
-            .max_frame_len
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let addrs = self.addrs_for(replica, status, (command_log, session_key))?;
         Ok(Controller::start_distributing(
             addrs,
             epoch,
@@ -382,6 +376,27 @@ impl Compute {
             self.distribution_for(replica.id),
             self.timeouts.clone(),
         ))
+    }
+
+    /// What a controller of `replica` needs to reach the processes
+    /// `status` lists; an error if `status` does not name their addresses.
+    pub(crate) fn addrs_for(
+        &self,
+        replica: &Replica,
+        status: &ServiceStatus,
+        (command_log, session_key): (
+            Option<lockstep_command_log::LogLocation>,
+            Option<lockstep_protocol::SessionKey>,
+        ),
+    ) -> Result<lockstep_controller::ReplicaAddrs, String> {
+        let mut addrs = lockstep_launch::replica_addrs(status, replica.config.workers_per_process)
+            .map_err(|e| e.to_string())?;
+        addrs.command_log = command_log;
+        addrs.session_key = session_key;
+        addrs.max_frame_len = self
+            .max_frame_len
+            .load(std::sync::atomic::Ordering::Relaxed);
+        Ok(addrs)
     }
 
     /// Makes `controller` replica `replica`'s and starts its watcher (the
