@@ -271,6 +271,7 @@ impl Environment {
             .ensure_service(self.service_config(&resized))
             .await
             .map_err(|e| self.ensure_error(e))?;
+        fail::fail_point!("resize_after_replaced");
         let addrs = self
             .compute
             .addrs_for(
