@@ -1,8 +1,10 @@
 //! The scenarios of the Kubernetes backend itself: `stuck-terminating`
-//! ([`stuck_terminating`]), and three in which what would repair the
-//! replica is away. All but `upgrade-interrupted` (whose standby replays
-//! under the policy) run under `barrier` only: they test the backend's
-//! generations and the pod template, which no distribution policy changes.
+//! ([`stuck_terminating`]), `resized`, and three in which what would
+//! repair the replica is away. All but `upgrade-interrupted` (whose
+//! standby replays under the policy) run under `barrier` only: they test
+//! the backend's generations and the pod template, which no distribution
+//! policy changes (the policies' resizes are tested on local processes,
+//! `crates/cli/tests/upgrade_answering.rs`).
 //!
 //! - `upgrade-interrupted`: the environment SIGKILLed in the middle of
 //!   `replica upgrade --keep-answering`, once its standby generation's pods
@@ -10,6 +12,11 @@
 //!   go within [`RECOVERY`] (O2), and the replica answer right (I2, I3).
 //!   (A standby that carries on is issue 60's durable reconfiguration
 //!   record, not built.)
+//! - `resized`: `replica resize` from [`PROCESSES`] x [`WORKERS`] to 2 x 1
+//!   and back, under a steady reader: no read refused (I2) or wrong (I3),
+//!   each time the replica one generation of the new pod count within
+//!   [`RECOVERY`] (its standby's pods gone), and a write then answered
+//!   right.
 //! - `liveness-failed`: the environment SIGKILLed, then process 2
 //!   SIGSTOPped. Nothing but the kubelet's liveness probe can see the hung
 //!   process: it must restart the container within [`LIVENESS_BOUND`]
@@ -32,7 +39,7 @@ use std::time::{Duration, Instant};
 use lockstep_chaos::environment::EnvProcess;
 use lockstep_chaos::outcome::{violation, Failure};
 
-use super::{harness, pods, Setting, Workload, PROCESSES, RECOVERY};
+use super::{harness, pods, Setting, Workload, PROCESSES, RECOVERY, WORKERS};
 
 /// The bound on the kubelet's restart of a hung container: its liveness
 /// probe fails 3 times 10 s apart (`lockstep_orchestrator_kubernetes`'s
@@ -44,6 +51,34 @@ const LIVENESS_BOUND: Duration = Duration::from_secs(60);
 /// be reached as lost (30 s), one wait for the lost pods (`stuck_after`,
 /// 20 s) and the pods' creation, with room to spare.
 const LOST_BOUND: Duration = Duration::from_secs(90);
+
+/// `resized` (see the module's docs).
+pub async fn resized(setting: &Setting, w: &mut Workload) -> Result<(), Failure> {
+    for (processes, workers) in [(2, 1), (PROCESSES, WORKERS)] {
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let (reads, resized) = tokio::join!(w.read_steadily(stopped), async {
+            let resized = w.resize(processes, workers, RECOVERY).await;
+            let _ = stop.send(true);
+            resized
+        });
+        resized?;
+        let what = format!("replica resize to {processes}x{workers}");
+        eprintln!("node: reads across {what}: {reads:?}");
+        reads.check(&what)?;
+        setting
+            .one_generation_of(processes as usize, &[])
+            .await?;
+        let standby = lockstep_launch::ServiceTemplate::standby_service_name(1);
+        pods::until(RECOVERY, Duration::from_millis(200), || {
+            let left = pods::pods(&setting.cluster, &setting.ns, &standby)
+                .map_err(|e| harness(format!("{e:#}")))?;
+            Ok(left.is_empty().then_some(()))
+        })
+        .await?
+        .ok_or_else(|| violation("O2", format!("after {what} the standby's pods are still there")))?;
+    }
+    w.write_and_check(RECOVERY, "I2").await
+}
 
 /// `upgrade-interrupted` (see the module's docs). `env` is started again
 /// whatever happened, so that the variant's end finds one.

@@ -135,11 +135,21 @@ impl Setting {
     /// [`Setting::one_generation`], the pods named in `beside` (held
     /// terminating) left out.
     pub(crate) async fn one_generation_beside(&self, beside: &[&str]) -> Result<u64, Failure> {
+        self.one_generation_of(PROCESSES as usize, beside).await
+    }
+
+    /// [`Setting::one_generation_beside`] for a replica of `processes`
+    /// processes (resized).
+    pub(crate) async fn one_generation_of(
+        &self,
+        processes: usize,
+        beside: &[&str],
+    ) -> Result<u64, Failure> {
         pods::await_one_generation(
             &self.cluster,
             &self.ns,
             &self.service,
-            PROCESSES as usize,
+            processes,
             beside,
             RECOVERY,
         )

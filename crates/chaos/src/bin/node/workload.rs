@@ -95,6 +95,28 @@ pub struct Reads {
     pub longest: Duration,
 }
 
+impl Reads {
+    /// Across `what`: a refused read is a violation of I2, a wrong one of
+    /// I3; none answered is a harness error (nothing was tested).
+    pub fn check(&self, what: &str) -> Result<(), Failure> {
+        if !self.refused.is_empty() {
+            return Err(violation(
+                "I2",
+                format!("reads refused across {what}: {self:?}"),
+            ));
+        }
+        if !self.wrong.is_empty() {
+            return Err(violation("I3", format!("{:?}", self.wrong)));
+        }
+        if self.answered == 0 {
+            return Err(Failure::Harness(format!(
+                "no read was answered across {what}: nothing was tested"
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// The writes made so far, and the API.
 pub struct Workload {
     api: Api,
@@ -486,8 +508,37 @@ impl Workload {
             name: REPLICA.into(),
             keep_answering: true,
         };
+        self.replace("replica upgrade --keep-answering", bound, |mut c| async move {
+            c.restart_replica(req).await
+        })
+        .await
+    }
+
+    /// `lockstep replica resize` to `processes` x `workers`
+    /// (`ResizeReplica`), one attempt answered within `bound`; a violation
+    /// of I2 if it fails or is not answered.
+    pub async fn resize(&self, processes: u32, workers: u32, bound: Duration) -> Result<(), Failure> {
+        let req = proto::ResizeReplicaRequest {
+            name: REPLICA.into(),
+            processes,
+            workers_per_process: workers,
+        };
+        let what = format!("replica resize to {processes}x{workers}");
+        self.replace(&what, bound, |mut c| async move { c.resize_replica(req).await })
+            .await
+    }
+
+    /// One call that replaces the replica's processes (`what`), answered
+    /// within `bound`, else a violation of I2.
+    async fn replace<F, Fut>(&self, what: &str, bound: Duration, call: F) -> Result<(), Failure>
+    where
+        F: FnOnce(Client) -> Fut,
+        Fut: std::future::Future<
+            Output = Result<tonic::Response<proto::RestartReplicaResponse>, tonic::Status>,
+        >,
+    {
         let answer = match self.api.client().await {
-            Ok(mut c) => tokio::time::timeout(bound, c.restart_replica(req))
+            Ok(c) => tokio::time::timeout(bound, call(c))
                 .await
                 .map_err(|_| format!("not answered within {} s", bound.as_secs()))
                 .and_then(|r| r.map_err(|s| code(&s))),
@@ -495,7 +546,7 @@ impl Workload {
         };
         answer
             .map(drop)
-            .map_err(|e| violation("I2", format!("replica upgrade --keep-answering: {e}")))
+            .map_err(|e| violation("I2", format!("{what}: {e}")))
     }
 
     /// The reference's rows of `plan` at `t` over every applied write.
