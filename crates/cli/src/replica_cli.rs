@@ -103,6 +103,9 @@ pub(crate) enum ReplicaCommand {
     /// "workers_per_process", "config", "service" (null: none yet),
     /// "service_epoch", "read_holds", "read_hold_span" (open read holds on
     /// its inputs, and the timestamps by which they keep a since back),
+    /// "reconfiguration" (null, or the upgrade or resize under way:
+    /// {"kind", "phase", "target_processes", "target_workers_per_process",
+    /// "elapsed_ms", "standby_frontier_lag"}),
     /// "process_status": [{"index", "pid" (null: none, a
     /// pod), "running", "restarts", "addresses": {NAME: "HOST:PORT"},
     /// "metrics_url",
@@ -310,7 +313,12 @@ pub(crate) async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow
             let before = builds(&find_replica(&mut client, &name).await?);
             let started = std::time::Instant::now();
             let timeout = std::time::Duration::from_secs(timeout);
-            let answered = restart(&mut client, &name, keep_answering).await?;
+            let answered = with_progress(
+                &client,
+                &name,
+                restart(&mut client.clone(), &name, keep_answering),
+            )
+            .await?;
             let restarted = replica_of(&answered)?;
             let pids: Vec<u32> = restarted.process_status.iter().map(|p| p.pid).collect();
             let after = loop {
@@ -364,16 +372,19 @@ pub(crate) async fn client(server: ServerArg, command: ReplicaCommand) -> anyhow
             workers,
         } => {
             let before = find_replica(&mut client, &name).await?;
-            let answered = client
-                .resize_replica(proto::ResizeReplicaRequest {
-                    name: name.clone(),
-                    processes,
-                    workers_per_process: workers,
-                })
+            let request = proto::ResizeReplicaRequest {
+                name: name.clone(),
+                processes,
+                workers_per_process: workers,
+            };
+            let answered = with_progress(&client, &name, client.clone().resize_replica(request))
                 .await
                 .map_err(status_err)?
                 .into_inner();
-            let after = replica_of(&answered)?;
+            let after = answered
+                .replica
+                .as_ref()
+                .ok_or_else(|| anyhow::anyhow!("ResizeReplica answered without the replica"))?;
             println!(
                 "replica {name} resized: {}x{} -> {}x{} (processes x workers); reads answered throughout (standby caught up after {:.2} s, answered the replica's reads for {:.2} s)",
                 before.processes,
@@ -450,7 +461,32 @@ async fn restart(
         .into_inner())
 }
 
-/// The replica as RestartReplica or ResizeReplica left it.
+/// Runs `call`, printing replica `name`'s reconfiguration on stderr once a
+/// second meanwhile (`r: resize to 4x2: hydrating for 2.0 s, standby lag
+/// 0`), while ListReplicas shows one.
+async fn with_progress<T>(
+    client: &Client,
+    name: &str,
+    call: impl std::future::Future<Output = T>,
+) -> T {
+    let mut poller = client.clone();
+    let progress = async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            if let Ok(r) = find_replica(&mut poller, name).await {
+                if let Some(c) = &r.reconfiguration {
+                    eprintln!("{name}: {}", reconfiguration_line(c));
+                }
+            }
+        }
+    };
+    tokio::select! {
+        out = call => out,
+        never = progress => never,
+    }
+}
+
+/// The replica as RestartReplica restarted it.
 fn replica_of(answer: &proto::RestartReplicaResponse) -> anyhow::Result<&proto::Replica> {
     answer
         .replica
@@ -547,11 +583,38 @@ pub(crate) fn replica_json(r: &proto::Replica) -> serde_json::Value {
         "service_epoch": r.service_epoch,
         "read_holds": r.read_holds,
         "read_hold_span": r.read_hold_span,
+        "reconfiguration": r.reconfiguration.as_ref().map(|c| serde_json::json!({
+            "kind": c.kind,
+            "phase": c.phase,
+            "target_processes": c.target_processes,
+            "target_workers_per_process": c.target_workers_per_process,
+            "elapsed_ms": c.elapsed_ms,
+            "standby_frontier_lag": c.standby_frontier_lag,
+        })),
         "process_status": processes,
     })
 }
 
+/// One line on a reconfiguration under way: what, where, how long, and
+/// how far behind the standby is.
+pub(crate) fn reconfiguration_line(c: &proto::ReplicaReconfiguration) -> String {
+    let lag = c
+        .standby_frontier_lag
+        .map_or_else(|| "?".to_string(), |l| l.to_string());
+    format!(
+        "{} to {}x{}: {} for {:.1} s, standby lag {lag}",
+        c.kind,
+        c.target_processes,
+        c.target_workers_per_process,
+        c.phase,
+        c.elapsed_ms as f64 / 1000.0
+    )
+}
+
 pub(crate) fn print_processes(r: &proto::Replica) {
+    if let Some(c) = &r.reconfiguration {
+        println!("  reconfiguring: {}", reconfiguration_line(c));
+    }
     for p in &r.process_status {
         let addrs: Vec<String> = p
             .addresses

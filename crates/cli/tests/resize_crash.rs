@@ -43,9 +43,14 @@ async fn serve(state: &std::path::Path, port: u16, failpoints: Option<&str>) -> 
         .map(|fp| ("FAILPOINTS".to_string(), fp.into()))
         .into_iter()
         .collect();
-    EnvProcess::serve(std::path::Path::new(env!("CARGO_BIN_EXE_lockstep")), state, &args, &env)
-        .await
-        .unwrap()
+    EnvProcess::serve(
+        std::path::Path::new(env!("CARGO_BIN_EXE_lockstep")),
+        state,
+        &args,
+        &env,
+    )
+    .await
+    .unwrap()
 }
 
 /// Collection 101 after input 1's rows `0..ROWS` and `extra`, sorted.
@@ -121,7 +126,15 @@ async fn killed_at(failpoint: &str, expected: (u32, u32)) {
         .unwrap();
     assert_eq!(peek(&env, 0).await, counts(&[]), "{failpoint}: before");
 
-    let resize = ["replica", "resize", "r", "--processes", "3", "--workers", "1"];
+    let resize = [
+        "replica",
+        "resize",
+        "r",
+        "--processes",
+        "3",
+        "--workers",
+        "1",
+    ];
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
         .args(resize)
         .args(["--server", &url])

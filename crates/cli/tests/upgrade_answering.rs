@@ -174,8 +174,24 @@ async fn subscribe_steadily(
 /// How the replica's processes are replaced, in turn.
 const REPLACEMENTS: [&[&str]; 3] = [
     &["replica", "upgrade", "r", "--keep-answering"],
-    &["replica", "resize", "r", "--processes", "4", "--workers", "2"],
-    &["replica", "resize", "r", "--processes", "1", "--workers", "1"],
+    &[
+        "replica",
+        "resize",
+        "r",
+        "--processes",
+        "4",
+        "--workers",
+        "2",
+    ],
+    &[
+        "replica",
+        "resize",
+        "r",
+        "--processes",
+        "1",
+        "--workers",
+        "1",
+    ],
 ];
 
 /// The replica's shape after each of [`REPLACEMENTS`] (processes, workers).
@@ -202,6 +218,44 @@ async fn shape_of_r(state: &Path, url: &str) -> (u64, u64) {
         r["processes"].as_u64().unwrap(),
         r["workers_per_process"].as_u64().unwrap(),
     )
+}
+
+/// The phases of a reconfiguration, in order (`ListReplicas`).
+const PHASES: [&str; 4] = [
+    "standby-hydrating",
+    "replacing",
+    "hydrating",
+    "dropping-standby",
+];
+
+/// Watches replica r's reconfiguration through ListReplicas until `stop`:
+/// every change of (kind, target, phase) seen, in order.
+async fn watch_phases(mut api: Client, stop: Arc<AtomicBool>) -> Vec<(String, (u32, u32), String)> {
+    let mut seen: Vec<(String, (u32, u32), String)> = Vec::new();
+    while !stop.load(SeqCst) {
+        if let Ok(list) = api
+            .list_replicas(proto::ListReplicasRequest::default())
+            .await
+        {
+            if let Some(c) = list
+                .into_inner()
+                .replicas
+                .first()
+                .and_then(|r| r.reconfiguration.clone())
+            {
+                let now = (
+                    c.kind,
+                    (c.target_processes, c.target_workers_per_process),
+                    c.phase,
+                );
+                if seen.last() != Some(&now) {
+                    seen.push(now);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    seen
 }
 
 async fn replace_under(strategy: &str) {
@@ -256,6 +310,7 @@ async fn replace_under(strategy: &str) {
         written.clone(),
         written_all_rx,
     ));
+    let watcher = tokio::spawn(watch_phases(api.clone(), stop.clone()));
     let reader = tokio::spawn(read_steadily(api, written.clone(), stop.clone()));
     // Writes go on throughout: the standby must take them too.
     let writer = {
@@ -310,6 +365,7 @@ async fn replace_under(strategy: &str) {
         }
     }
     stop.store(true, SeqCst);
+    let phases = watcher.await.unwrap();
     let reads = reader.await.unwrap();
     writer.await.unwrap();
     written_all.send(true).unwrap();
@@ -334,6 +390,26 @@ async fn replace_under(strategy: &str) {
         seen,
         counts_at(last),
         "{strategy}: the subscription's changes up to {last}, consolidated"
+    );
+    // ListReplicas showed each reconfiguration, its kind and target, its
+    // phases in order, and none once it was done.
+    eprintln!("{strategy}: phases seen: {phases:?}");
+    for (kind, target) in [("upgrade", (2, 2)), ("resize", (4, 2)), ("resize", (1, 1))] {
+        let of: Vec<usize> = phases
+            .iter()
+            .filter(|(k, t, _)| k == kind && *t == target)
+            .map(|(_, _, p)| PHASES.iter().position(|x| x == p).expect("a known phase"))
+            .collect();
+        assert!(
+            !of.is_empty() && of.windows(2).all(|w| w[0] < w[1]),
+            "{strategy}: the phases of {kind} to {target:?} in order: {phases:?}"
+        );
+    }
+    let listed = cli_ok(state, &url, &["replica", "list", "-o", "json"]).await;
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    assert!(
+        listed["replicas"][0]["reconfiguration"].is_null(),
+        "{strategy}: no reconfiguration once done: {listed}"
     );
     assert!(
         reads.refused.is_empty(),

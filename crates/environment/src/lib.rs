@@ -110,7 +110,7 @@ use lockstep_orchestrator::{EnsureError, Orchestrator, RestartError, ServiceStat
 use lockstep_policy::{CatalogView, OrphanDecision, OrphanPolicy, PolicyError, Service};
 use tokio::sync::watch;
 
-pub use compute::REPLICA_RESTART_INTERVAL;
+pub use compute::{Reconfiguration, ReconfigurationPhase, REPLICA_RESTART_INTERVAL};
 pub use inputs::{HoldsReport, DEFAULT_READ_HOLD_LIMIT};
 pub use lockstep_launch::ServiceTemplate;
 pub use upgrade::{AnsweredUpgrade, CATCH_UP_BOUND};

@@ -186,6 +186,7 @@ pub fn to_proto(info: &ReplicaInfo) -> proto::Replica {
         // Filled in by `list_replicas`, which asks the environment.
         read_holds: 0,
         read_hold_span: 0,
+        reconfiguration: None,
         process_status: info
             .service
             .iter()
@@ -282,7 +283,7 @@ impl EnvironmentApi for EnvironmentService {
     async fn resize_replica(
         &self,
         request: Request<proto::ResizeReplicaRequest>,
-    ) -> Result<Response<proto::RestartReplicaResponse>, Status> {
+    ) -> Result<Response<proto::ResizeReplicaResponse>, Status> {
         async {
             let r = request.into_inner();
             let done = self
@@ -290,7 +291,7 @@ impl EnvironmentApi for EnvironmentService {
                 .resize_replica_answering(&r.name, r.processes, r.workers_per_process)
                 .await
                 .map_err(compute_status)?;
-            Ok(Response::new(proto::RestartReplicaResponse {
+            Ok(Response::new(proto::ResizeReplicaResponse {
                 replica: Some(to_proto(&done.info)),
                 standby_ready_ms: done.standby_ready.as_millis() as u64,
                 standby_served_ms: done.standby_served.as_millis() as u64,
@@ -313,6 +314,16 @@ impl EnvironmentApi for EnvironmentService {
                 let holds = self.env.read_holds(r.id);
                 r.read_holds = holds.holds as u32;
                 r.read_hold_span = holds.held_span;
+                if let Some(rc) = self.env.reconfiguration(r.id) {
+                    r.reconfiguration = Some(proto::ReplicaReconfiguration {
+                        kind: rc.kind.to_string(),
+                        phase: rc.phase.name().to_string(),
+                        target_processes: rc.target.0,
+                        target_workers_per_process: rc.target.1,
+                        elapsed_ms: rc.started.elapsed().as_millis() as u64,
+                        standby_frontier_lag: self.env.standby_lag(r.id).await,
+                    });
+                }
                 let Some(c) = self.env.replica_controller(&r.name) else {
                     continue;
                 };

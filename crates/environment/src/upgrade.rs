@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use lockstep_controller::Controller;
 
 use super::*;
-use crate::compute::{ComputeError, Generation};
+use crate::compute::{ComputeError, Generation, Reconfiguration, ReconfigurationPhase};
 
 /// How long each generation may take to catch up before the upgrade fails
 /// (twice this stays within the CLI's 60 s bound on a request).
@@ -119,11 +119,12 @@ impl Environment {
         replacement: Replacement,
     ) -> Result<AnsweredUpgrade, ComputeError> {
         let started = Instant::now();
-        let replica = self.start_standby(name).await?;
+        let replica = self.start_standby(name, replacement).await?;
         let result = self
             .serve_from_standby(&replica, replacement, started)
             .await;
         self.compute.route_reads(replica.id, Generation::Own);
+        self.phase(&replica, ReconfigurationPhase::DroppingStandby);
         if result.is_ok()
             && !self
                 .compute
@@ -133,12 +134,42 @@ impl Environment {
             tracing::warn!(replica = %replica.name, "reads the standby owed were cut off");
         }
         self.drop_standby(replica.id).await;
+        self.compute.reconfigured(replica.id);
         result
     }
 
+    /// Replica `replica_id`'s reconfiguration under way, if any.
+    pub fn reconfiguration(&self, replica_id: u64) -> Option<Reconfiguration> {
+        self.compute.reconfiguration(replica_id)
+    }
+
+    /// How many timestamps the slowest export of replica `replica_id`'s
+    /// standby is behind the writes to its inputs; `None` without a
+    /// standby, or until each of its processes reported every export.
+    pub async fn standby_lag(&self, replica_id: u64) -> Option<u64> {
+        let lags = self
+            .compute
+            .standby(replica_id)?
+            .process_lags()
+            .await
+            .ok()?;
+        lags.into_iter().try_fold(0, |m, l| l.map(|l| m.max(l)))
+    }
+
+    /// Replica `replica`'s reconfiguration moved to `phase`.
+    fn phase(&self, replica: &Replica, phase: ReconfigurationPhase) {
+        tracing::info!(replica = %replica.name, phase = phase.name(), "reconfiguration");
+        self.compute.reconfiguration_moved(replica.id, phase);
+    }
+
     /// Step 1: the standby's service and controller, under the lock every
-    /// mutation takes, so the standby misses none.
-    async fn start_standby(&self, name: &str) -> Result<Replica, ComputeError> {
+    /// mutation takes, so the standby misses none. The reconfiguration is
+    /// recorded from here on.
+    async fn start_standby(
+        &self,
+        name: &str,
+        replacement: Replacement,
+    ) -> Result<Replica, ComputeError> {
         let _ops = self.ops.lock().await;
         self.check_not_halted()?;
         let replica = self.replica_named(name)?;
@@ -152,28 +183,51 @@ impl Environment {
                 "an upgrade of replica {name:?} is already under way"
             )));
         }
-        let status = self
-            .orchestrator
-            .ensure_service(self.standby_service_config(&replica))
-            .await
-            .map_err(|e| self.ensure_error(e))?;
-        let history = self.history_of(replica.id)?;
-        let controller = self
-            .compute
-            .controller_for(
-                &replica,
-                &status,
-                history,
-                (
-                    self.standby_command_log(replica.id),
-                    self.session_key(replica.id),
-                ),
-                self.epoch,
-            )
-            .map_err(ComputeError::Unavailable)?;
+        let (kind, target) = match replacement {
+            Replacement::Restart => (
+                "upgrade",
+                (replica.config.processes, replica.config.workers_per_process),
+            ),
+            Replacement::Resize {
+                processes,
+                workers_per_process,
+            } => ("resize", (processes, workers_per_process)),
+        };
+        self.compute.reconfiguring(replica.id, kind, target);
+        let started = async {
+            let status = self
+                .orchestrator
+                .ensure_service(self.standby_service_config(&replica))
+                .await
+                .map_err(|e| self.ensure_error(e))?;
+            let history = self.history_of(replica.id)?;
+            self.compute
+                .controller_for(
+                    &replica,
+                    &status,
+                    history,
+                    (
+                        self.standby_command_log(replica.id),
+                        self.session_key(replica.id),
+                    ),
+                    self.epoch,
+                )
+                .map_err(ComputeError::Unavailable)
+        };
+        let controller = match started.await {
+            Ok(c) => c,
+            Err(e) => {
+                self.compute.reconfigured(replica.id);
+                return Err(e);
+            }
+        };
         self.compute.add_standby(replica.id, controller);
         fail::fail_point!("upgrade_after_standby_started");
-        tracing::info!(replica = %replica.name, service = %status.name, "standby generation started");
+        tracing::info!(
+            replica = %replica.name,
+            service = %ServiceTemplate::standby_service_name(replica.id),
+            "standby generation started"
+        );
         Ok(replica)
     }
 
@@ -197,6 +251,7 @@ impl Environment {
         // A mutation the standby could not take removed it.
         self.compute.standby(replica.id).ok_or_else(missing)?;
         self.compute.route_reads(replica.id, Generation::Standby);
+        self.phase(replica, ReconfigurationPhase::Replacing);
         let standby_ready = started.elapsed();
         tracing::info!(replica = %replica.name, "standby caught up; it answers reads");
         if !self
@@ -217,6 +272,7 @@ impl Environment {
                     .await?
             }
         };
+        self.phase(replica, ReconfigurationPhase::Hydrating);
         let own = self.compute.controller(replica.id).ok_or_else(missing)?;
         self.catch_up(replica, &standby, &own, "the restarted replica")
             .await?;
@@ -277,10 +333,7 @@ impl Environment {
             .addrs_for(
                 &resized,
                 &status,
-                (
-                    self.command_log(resized.id),
-                    self.session_key(resized.id),
-                ),
+                (self.command_log(resized.id), self.session_key(resized.id)),
             )
             .map_err(ComputeError::Unavailable)?;
         let own = self.compute.controller(resized.id).ok_or_else(|| {

@@ -445,6 +445,39 @@ mod tests {
     }
 
     #[test]
+    fn a_resized_replica_s_session_checks_every_new_worker_with_a_new_nonce() {
+        let mut s = ControllerSession::new(2, replica(2));
+        s.connect();
+        let first = s.connected(2).unwrap();
+        s.rehydrated(0);
+        s.reported(0, first, d(1));
+        s.reported(1, first, d(1));
+        s.check_histories(0, 5_000);
+        s.serving(0);
+        s.disconnected(10);
+        s.reshape(3, 3);
+        let second = s.connected(3).unwrap();
+        assert!(second > first, "a new session's nonce");
+        s.rehydrated(20);
+        s.reported(0, second, d(1));
+        s.reported(1, second, d(1));
+        assert_eq!(
+            s.check_histories(30, 5_000),
+            HistoryStep::Wait,
+            "two reports of three workers"
+        );
+        s.reported(2, second, d(1));
+        assert_eq!(
+            s.check_histories(40, 5_000),
+            HistoryStep::Complete {
+                collective: false,
+                checked: true
+            }
+        );
+        assert_eq!(s.replica.processes, 3);
+    }
+
+    #[test]
     fn crashed_is_final() {
         let mut s = ControllerSession::new(1, replica(1));
         s.connect();

@@ -43,6 +43,7 @@ mod writes;
 pub use requests::decode_dataflow;
 pub(crate) use requests::decode_write;
 pub(crate) use standby::Generation;
+pub use standby::{Reconfiguration, ReconfigurationPhase};
 use watcher::*;
 pub(crate) use writes::PendingWrites;
 
@@ -132,6 +133,9 @@ pub struct Compute {
     /// Each replica's standby generation during an upgrade that keeps
     /// answering, by replica ID.
     standbys: Mutex<BTreeMap<u64, standby::Standby>>,
+    /// The reconfigurations under way (upgrades that keep answering,
+    /// resizes), by replica ID.
+    reconfigurations: Mutex<BTreeMap<u64, Reconfiguration>>,
     /// The reads in flight, per replica and the generation they went to.
     reads: Mutex<BTreeMap<(u64, Generation), Arc<()>>>,
 }
@@ -216,6 +220,7 @@ impl Default for Compute {
             allow_naive: false.into(),
             restarts: Arc::new(true.into()),
             standbys: Mutex::new(BTreeMap::new()),
+            reconfigurations: Mutex::new(BTreeMap::new()),
             reads: Mutex::new(BTreeMap::new()),
         }
     }

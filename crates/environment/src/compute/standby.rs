@@ -26,10 +26,95 @@ pub(crate) enum Generation {
     Standby,
 }
 
+/// A reconfiguration of a replica under way: an upgrade that keeps
+/// answering or a resize (`crate::upgrade`), shown by `ListReplicas`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reconfiguration {
+    /// `upgrade` or `resize`.
+    pub kind: &'static str,
+    /// The shape it goes to: processes, workers per process.
+    pub target: (u32, u32),
+    /// Where it is.
+    pub phase: ReconfigurationPhase,
+    /// When it started.
+    pub started: Instant,
+}
+
+/// The phases of a reconfiguration, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReconfigurationPhase {
+    /// The standby generation is started and catching up with the
+    /// replica; reads go to the replica.
+    StandbyHydrating,
+    /// Reads go to the standby; the replica's processes are being
+    /// restarted or replaced.
+    Replacing,
+    /// Reads go to the standby; the replica's new processes are catching
+    /// up with it.
+    Hydrating,
+    /// Reads went back to the replica; the standby is being dropped.
+    DroppingStandby,
+}
+
+impl ReconfigurationPhase {
+    /// Its name in `ListReplicas` and on the CLI.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReconfigurationPhase::StandbyHydrating => "standby-hydrating",
+            ReconfigurationPhase::Replacing => "replacing",
+            ReconfigurationPhase::Hydrating => "hydrating",
+            ReconfigurationPhase::DroppingStandby => "dropping-standby",
+        }
+    }
+}
+
 /// Held by a read while it waits for its answer.
 pub(crate) struct ReadToken(#[allow(dead_code)] Arc<()>);
 
 impl Compute {
+    /// Records that a reconfiguration of replica `replica_id` started (its
+    /// standby hydrating).
+    pub(crate) fn reconfiguring(&self, replica_id: u64, kind: &'static str, target: (u32, u32)) {
+        self.reconfigurations.lock().expect("poisoned").insert(
+            replica_id,
+            Reconfiguration {
+                kind,
+                target,
+                phase: ReconfigurationPhase::StandbyHydrating,
+                started: Instant::now(),
+            },
+        );
+    }
+
+    /// Replica `replica_id`'s reconfiguration moved to `phase`.
+    pub(crate) fn reconfiguration_moved(&self, replica_id: u64, phase: ReconfigurationPhase) {
+        if let Some(r) = self
+            .reconfigurations
+            .lock()
+            .expect("poisoned")
+            .get_mut(&replica_id)
+        {
+            r.phase = phase;
+        }
+    }
+
+    /// Replica `replica_id`'s reconfiguration ended.
+    pub(crate) fn reconfigured(&self, replica_id: u64) {
+        self.reconfigurations
+            .lock()
+            .expect("poisoned")
+            .remove(&replica_id);
+    }
+
+    /// Replica `replica_id`'s reconfiguration under way, if any.
+    pub fn reconfiguration(&self, replica_id: u64) -> Option<Reconfiguration> {
+        self.reconfigurations
+            .lock()
+            .expect("poisoned")
+            .get(&replica_id)
+            .cloned()
+    }
+
     /// Registers `controller` as replica `replica_id`'s standby (reads stay
     /// with the replica's own until [`route_reads`](Self::route_reads)).
     pub(crate) fn add_standby(&self, replica_id: u64, controller: Controller) {

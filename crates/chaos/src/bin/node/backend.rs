@@ -65,9 +65,7 @@ pub async fn resized(setting: &Setting, w: &mut Workload) -> Result<(), Failure>
         let what = format!("replica resize to {processes}x{workers}");
         eprintln!("node: reads across {what}: {reads:?}");
         reads.check(&what)?;
-        setting
-            .one_generation_of(processes as usize, &[])
-            .await?;
+        setting.one_generation_of(processes as usize, &[]).await?;
         let standby = lockstep_launch::ServiceTemplate::standby_service_name(1);
         pods::until(RECOVERY, Duration::from_millis(200), || {
             let left = pods::pods(&setting.cluster, &setting.ns, &standby)
@@ -75,7 +73,12 @@ pub async fn resized(setting: &Setting, w: &mut Workload) -> Result<(), Failure>
             Ok(left.is_empty().then_some(()))
         })
         .await?
-        .ok_or_else(|| violation("O2", format!("after {what} the standby's pods are still there")))?;
+        .ok_or_else(|| {
+            violation(
+                "O2",
+                format!("after {what} the standby's pods are still there"),
+            )
+        })?;
     }
     w.write_and_check(RECOVERY, "I2").await
 }

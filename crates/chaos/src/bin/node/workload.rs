@@ -508,34 +508,43 @@ impl Workload {
             name: REPLICA.into(),
             keep_answering: true,
         };
-        self.replace("replica upgrade --keep-answering", bound, |mut c| async move {
-            c.restart_replica(req).await
-        })
+        self.replace(
+            "replica upgrade --keep-answering",
+            bound,
+            |mut c| async move { c.restart_replica(req).await },
+        )
         .await
     }
 
     /// `lockstep replica resize` to `processes` x `workers`
     /// (`ResizeReplica`), one attempt answered within `bound`; a violation
     /// of I2 if it fails or is not answered.
-    pub async fn resize(&self, processes: u32, workers: u32, bound: Duration) -> Result<(), Failure> {
+    pub async fn resize(
+        &self,
+        processes: u32,
+        workers: u32,
+        bound: Duration,
+    ) -> Result<(), Failure> {
         let req = proto::ResizeReplicaRequest {
             name: REPLICA.into(),
             processes,
             workers_per_process: workers,
         };
         let what = format!("replica resize to {processes}x{workers}");
-        self.replace(&what, bound, |mut c| async move { c.resize_replica(req).await })
-            .await
+        self.replace(
+            &what,
+            bound,
+            |mut c| async move { c.resize_replica(req).await },
+        )
+        .await
     }
 
     /// One call that replaces the replica's processes (`what`), answered
     /// within `bound`, else a violation of I2.
-    async fn replace<F, Fut>(&self, what: &str, bound: Duration, call: F) -> Result<(), Failure>
+    async fn replace<F, Fut, R>(&self, what: &str, bound: Duration, call: F) -> Result<(), Failure>
     where
         F: FnOnce(Client) -> Fut,
-        Fut: std::future::Future<
-            Output = Result<tonic::Response<proto::RestartReplicaResponse>, tonic::Status>,
-        >,
+        Fut: std::future::Future<Output = Result<tonic::Response<R>, tonic::Status>>,
     {
         let answer = match self.api.client().await {
             Ok(c) => tokio::time::timeout(bound, call(c))
