@@ -221,10 +221,11 @@ async fn shape_of_r(state: &Path, url: &str) -> (u64, u64) {
 }
 
 /// The phases of a reconfiguration, in order (`ListReplicas`).
-const PHASES: [&str; 4] = [
+const PHASES: [&str; 5] = [
     "standby-hydrating",
     "replacing",
     "hydrating",
+    "rolling-back",
     "dropping-standby",
 ];
 

@@ -125,11 +125,10 @@ impl Environment {
             .await;
         self.compute.route_reads(replica.id, Generation::Own);
         self.phase(&replica, ReconfigurationPhase::DroppingStandby);
-        if result.is_ok()
-            && !self
-                .compute
-                .drain_reads(replica.id, Generation::Standby, DRAIN_BOUND)
-                .await
+        if !self
+            .compute
+            .drain_reads(replica.id, Generation::Standby, DRAIN_BOUND)
+            .await
         {
             tracing::warn!(replica = %replica.name, "reads the standby owed were cut off");
         }
@@ -263,19 +262,25 @@ impl Environment {
         }
         let serving = Instant::now();
         let info = match replacement {
-            Replacement::Restart => self.restart_replica(&replica.name).await?,
+            Replacement::Restart => {
+                let info = self.restart_replica(&replica.name).await?;
+                self.phase(replica, ReconfigurationPhase::Hydrating);
+                let own = self.compute.controller(replica.id).ok_or_else(missing)?;
+                self.catch_up(replica, &standby, &own, "the restarted replica")
+                    .await?;
+                info
+            }
             Replacement::Resize {
                 processes,
                 workers_per_process,
             } => {
-                self.resize_own(replica, processes, workers_per_process)
-                    .await?
+                let target = (processes, workers_per_process);
+                match self.resized_and_caught_up(replica, target, &standby).await {
+                    Ok(info) => info,
+                    Err(e) => return Err(self.roll_back(replica, &standby, e).await),
+                }
             }
         };
-        self.phase(replica, ReconfigurationPhase::Hydrating);
-        let own = self.compute.controller(replica.id).ok_or_else(missing)?;
-        self.catch_up(replica, &standby, &own, "the restarted replica")
-            .await?;
         self.compute.standby(replica.id).ok_or_else(missing)?;
         let standby_served = serving.elapsed();
         tracing::info!(
@@ -288,6 +293,66 @@ impl Environment {
             standby_ready,
             standby_served,
         })
+    }
+
+    /// Step 3 of a resize, then the replica's new processes caught up with
+    /// `standby`.
+    async fn resized_and_caught_up(
+        &self,
+        replica: &Replica,
+        (processes, workers_per_process): (u32, u32),
+        standby: &Controller,
+    ) -> Result<ReplicaInfo, ComputeError> {
+        let info = self
+            .resize_own(replica, processes, workers_per_process)
+            .await?;
+        let own = self.compute.controller(replica.id).ok_or_else(|| {
+            ComputeError::Unavailable(format!(
+                "replica {:?}'s controller went away during the resize",
+                replica.name
+            ))
+        })?;
+        self.phase(replica, ReconfigurationPhase::Hydrating);
+        self.catch_up(replica, standby, &own, "the replica's new processes")
+            .await?;
+        Ok(info)
+    }
+
+    /// A resize whose new processes failed (`failed`): the replica goes
+    /// back to its old shape while `standby` keeps answering its reads, and
+    /// catches up with it again. Returns the error the call answers: the
+    /// failure and that it was rolled back, or what failed in the roll-back.
+    async fn roll_back(
+        &self,
+        replica: &Replica,
+        standby: &Controller,
+        failed: ComputeError,
+    ) -> ComputeError {
+        let (processes, workers) = (replica.config.processes, replica.config.workers_per_process);
+        tracing::warn!(
+            replica = %replica.name,
+            "the resize failed ({failed}): rolling back to {processes}x{workers}"
+        );
+        self.phase(replica, ReconfigurationPhase::RollingBack);
+        let back = async {
+            self.resize_own(replica, processes, workers).await?;
+            let own = self.compute.controller(replica.id).ok_or_else(|| {
+                ComputeError::Unavailable(format!(
+                    "replica {:?}'s controller went away during the roll-back",
+                    replica.name
+                ))
+            })?;
+            self.catch_up(replica, standby, &own, "the rolled-back replica")
+                .await
+        };
+        match back.await {
+            Ok(()) => ComputeError::Unavailable(format!(
+                "{failed}; rolled back to {processes}x{workers} (processes x workers), reads answered throughout"
+            )),
+            Err(e) => ComputeError::Unavailable(format!(
+                "{failed}; the roll-back to {processes}x{workers} failed too: {e}"
+            )),
+        }
     }
 
     /// Step 3 of a resize: the new shape in the catalog, the replica's
@@ -328,7 +393,7 @@ impl Environment {
             .await
             .map_err(|e| self.ensure_error(e))?;
         fail::fail_point!("resize_after_replaced");
-        let addrs = self
+        let mut addrs = self
             .compute
             .addrs_for(
                 &resized,
@@ -342,6 +407,14 @@ impl Environment {
                 replica.name
             ))
         })?;
+        // The new processes out of the controller's reach: the roll-back's
+        // test (`resize_new_processes_unreachable=1*return`, the first
+        // resize only).
+        if fail::eval("resize_new_processes_unreachable", |_| ()).is_some() {
+            for p in &mut addrs.processes {
+                *p = std::net::SocketAddr::from(([127, 0, 0, 1], 1)).into();
+            }
+        }
         own.reshape(addrs)?;
         Ok(ReplicaInfo {
             replica: resized,
@@ -359,10 +432,16 @@ impl Environment {
         behind: &Controller,
         what: &str,
     ) -> Result<(), ComputeError> {
-        let deadline = tokio::time::Instant::now() + CATCH_UP_BOUND;
+        // Shorter in the roll-back's test (`resize_catch_up_bound_ms`).
+        let bound = fail::eval("resize_catch_up_bound_ms", |ms| {
+            ms.and_then(|ms| ms.parse().ok()).map(Duration::from_millis)
+        })
+        .flatten()
+        .unwrap_or(CATCH_UP_BOUND);
+        let deadline = tokio::time::Instant::now() + bound;
         let late = || {
             ComputeError::Unavailable(format!(
-                "{what} of replica {:?} did not catch up within {CATCH_UP_BOUND:?}",
+                "{what} of replica {:?} did not catch up within {bound:?}",
                 replica.name
             ))
         };

@@ -107,7 +107,7 @@ const RECOVERY: Duration = Duration::from_secs(60);
 /// ([`backend`]) under [`STUCK_UNDER`] only.
 fn scenarios(variant: &str) -> usize {
     if variant == STUCK_UNDER {
-        11
+        12
     } else {
         8
     }

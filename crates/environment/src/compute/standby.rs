@@ -52,6 +52,9 @@ pub enum ReconfigurationPhase {
     /// Reads go to the standby; the replica's new processes are catching
     /// up with it.
     Hydrating,
+    /// The replica's new processes failed (a resize's): reads go to the
+    /// standby while the replica goes back to its old shape and catches up.
+    RollingBack,
     /// Reads went back to the replica; the standby is being dropped.
     DroppingStandby,
 }
@@ -63,6 +66,7 @@ impl ReconfigurationPhase {
             ReconfigurationPhase::StandbyHydrating => "standby-hydrating",
             ReconfigurationPhase::Replacing => "replacing",
             ReconfigurationPhase::Hydrating => "hydrating",
+            ReconfigurationPhase::RollingBack => "rolling-back",
             ReconfigurationPhase::DroppingStandby => "dropping-standby",
         }
     }
