@@ -103,9 +103,13 @@ pub(crate) enum ReplicaCommand {
     /// "workers_per_process", "config", "service" (null: none yet),
     /// "service_epoch", "read_holds", "read_hold_span" (open read holds on
     /// its inputs, and the timestamps by which they keep a since back),
-    /// "reconfiguration" (null, or the upgrade or resize under way:
-    /// {"kind", "phase", "target_processes", "target_workers_per_process",
-    /// "elapsed_ms", "standby_frontier_lag"}),
+    /// "live_dataflows", "dataflows_caught_up" (its dataflows, and those
+    /// caught up with the writes to their inputs; null without a
+    /// controller), "reconfiguration" (null, or the upgrade or resize under
+    /// way: {"kind", "phase", "target_processes",
+    /// "target_workers_per_process", "elapsed_ms", "phase_elapsed_ms",
+    /// "standby_frontier_lag", "standby_dataflows_caught_up",
+    /// "estimated_ms_left"}),
     /// "process_status": [{"index", "pid" (null: none, a
     /// pod), "running", "restarts", "addresses": {NAME: "HOST:PORT"},
     /// "metrics_url",
@@ -462,8 +466,8 @@ async fn restart(
 }
 
 /// Runs `call`, printing replica `name`'s reconfiguration on stderr once a
-/// second meanwhile (`r: resize to 4x2: hydrating for 2.0 s, standby lag
-/// 0`), while ListReplicas shows one.
+/// second meanwhile ([`reconfiguration_line`]), while ListReplicas shows
+/// one.
 async fn with_progress<T>(
     client: &Client,
     name: &str,
@@ -475,7 +479,7 @@ async fn with_progress<T>(
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
             if let Ok(r) = find_replica(&mut poller, name).await {
                 if let Some(c) = &r.reconfiguration {
-                    eprintln!("{name}: {}", reconfiguration_line(c));
+                    eprintln!("{name}: {}", reconfiguration_line(&r, c));
                 }
             }
         }
@@ -583,37 +587,61 @@ pub(crate) fn replica_json(r: &proto::Replica) -> serde_json::Value {
         "service_epoch": r.service_epoch,
         "read_holds": r.read_holds,
         "read_hold_span": r.read_hold_span,
+        "live_dataflows": r.live_dataflows,
+        "dataflows_caught_up": r.dataflows_caught_up,
         "reconfiguration": r.reconfiguration.as_ref().map(|c| serde_json::json!({
             "kind": c.kind,
             "phase": c.phase,
             "target_processes": c.target_processes,
             "target_workers_per_process": c.target_workers_per_process,
             "elapsed_ms": c.elapsed_ms,
+            "phase_elapsed_ms": c.phase_elapsed_ms,
             "standby_frontier_lag": c.standby_frontier_lag,
+            "standby_dataflows_caught_up": c.standby_dataflows_caught_up,
+            "estimated_ms_left": c.estimated_ms_left,
         })),
         "process_status": processes,
     })
 }
 
-/// One line on a reconfiguration under way: what, where, how long, and
-/// how far behind the standby is.
-pub(crate) fn reconfiguration_line(c: &proto::ReplicaReconfiguration) -> String {
+/// One line on a reconfiguration of replica `r` under way: what, where,
+/// how long, how far each generation has caught up, and the estimate.
+pub(crate) fn reconfiguration_line(
+    r: &proto::Replica,
+    c: &proto::ReplicaReconfiguration,
+) -> String {
+    let of = |n: Option<u32>| {
+        let total = r
+            .live_dataflows
+            .map_or_else(|| "?".to_string(), |t| t.to_string());
+        format!(
+            "{}/{total}",
+            n.map_or_else(|| "?".to_string(), |n| n.to_string())
+        )
+    };
     let lag = c
         .standby_frontier_lag
         .map_or_else(|| "?".to_string(), |l| l.to_string());
+    let left = c
+        .estimated_ms_left
+        .map(|ms| format!(", about {:.1} s left", ms as f64 / 1000.0))
+        .unwrap_or_default();
     format!(
-        "{} to {}x{}: {} for {:.1} s, standby lag {lag}",
+        "{} to {}x{}: {} ({:.1} s, {:.1} s in all); dataflows caught up: standby {}, replica {}; standby lag {lag}{left}",
         c.kind,
         c.target_processes,
         c.target_workers_per_process,
         c.phase,
-        c.elapsed_ms as f64 / 1000.0
+        c.phase_elapsed_ms as f64 / 1000.0,
+        c.elapsed_ms as f64 / 1000.0,
+        of(c.standby_dataflows_caught_up),
+        of(r.dataflows_caught_up),
     )
 }
 
 pub(crate) fn print_processes(r: &proto::Replica) {
     if let Some(c) = &r.reconfiguration {
-        println!("  reconfiguring: {}", reconfiguration_line(c));
+        println!("  reconfiguring: {}", reconfiguration_line(r, c));
     }
     for p in &r.process_status {
         let addrs: Vec<String> = p

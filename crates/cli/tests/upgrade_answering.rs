@@ -230,9 +230,14 @@ const PHASES: [&str; 5] = [
 ];
 
 /// Watches replica r's reconfiguration through ListReplicas until `stop`:
-/// every change of (kind, target, phase) seen, in order.
-async fn watch_phases(mut api: Client, stop: Arc<AtomicBool>) -> Vec<(String, (u32, u32), String)> {
+/// every change of (kind, target, phase) seen, in order, and whether a
+/// standby's count of dataflows caught up was ever reported.
+async fn watch_phases(
+    mut api: Client,
+    stop: Arc<AtomicBool>,
+) -> (Vec<(String, (u32, u32), String)>, bool) {
     let mut seen: Vec<(String, (u32, u32), String)> = Vec::new();
+    let mut standby_reported = false;
     while !stop.load(SeqCst) {
         if let Ok(list) = api
             .list_replicas(proto::ListReplicasRequest::default())
@@ -244,6 +249,13 @@ async fn watch_phases(mut api: Client, stop: Arc<AtomicBool>) -> Vec<(String, (u
                 .first()
                 .and_then(|r| r.reconfiguration.clone())
             {
+                // A standby, once it has a controller, reports how far it
+                // caught up, out of the one dataflow.
+                assert!(
+                    c.standby_dataflows_caught_up.is_none_or(|n| n <= 1),
+                    "{c:?}"
+                );
+                standby_reported |= c.standby_dataflows_caught_up.is_some();
                 let now = (
                     c.kind,
                     (c.target_processes, c.target_workers_per_process),
@@ -256,7 +268,7 @@ async fn watch_phases(mut api: Client, stop: Arc<AtomicBool>) -> Vec<(String, (u
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    seen
+    (seen, standby_reported)
 }
 
 async fn replace_under(strategy: &str) {
@@ -366,7 +378,11 @@ async fn replace_under(strategy: &str) {
         }
     }
     stop.store(true, SeqCst);
-    let phases = watcher.await.unwrap();
+    let (phases, standby_reported) = watcher.await.unwrap();
+    assert!(
+        standby_reported,
+        "{strategy}: a standby's dataflows caught up shown"
+    );
     let reads = reader.await.unwrap();
     writer.await.unwrap();
     written_all.send(true).unwrap();
@@ -406,12 +422,27 @@ async fn replace_under(strategy: &str) {
             "{strategy}: the phases of {kind} to {target:?} in order: {phases:?}"
         );
     }
-    let listed = cli_ok(state, &url, &["replica", "list", "-o", "json"]).await;
-    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
-    assert!(
-        listed["replicas"][0]["reconfiguration"].is_null(),
-        "{strategy}: no reconfiguration once done: {listed}"
-    );
+    // None once done, and the replica's one dataflow caught up with the
+    // last write (bounded).
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let listed = cli_ok(state, &url, &["replica", "list", "-o", "json"]).await;
+        let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+        let r = &listed["replicas"][0];
+        assert!(
+            r["reconfiguration"].is_null(),
+            "{strategy}: no reconfiguration once done: {listed}"
+        );
+        assert_eq!(r["live_dataflows"], 1, "{strategy}: {listed}");
+        if r["dataflows_caught_up"] == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{strategy}: the dataflow never caught up: {listed}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert!(
         reads.refused.is_empty(),
         "{strategy}: refused reads: {reads:?}"

@@ -184,11 +184,25 @@ pub(crate) enum Request {
     ProcessLags {
         reply: oneshot::Sender<Vec<Option<u64>>>,
     },
+    CaughtUp {
+        reply: oneshot::Sender<CaughtUp>,
+    },
     ProcessVersions {
         reply: oneshot::Sender<Vec<Option<ProcessVersion>>>,
     },
     Reconnect,
     Shutdown,
+}
+
+/// How many of a replica's live dataflows have caught up: every export's
+/// frontier, on every process, at or past the upper of every input the
+/// dataflow reads (what the controller was told so far).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CaughtUp {
+    /// The live dataflows.
+    pub dataflows: usize,
+    /// Those caught up.
+    pub caught_up: usize,
 }
 
 /// What a replica process speaks, as agreed in the current session.
@@ -508,6 +522,19 @@ impl Controller {
         self.ask(
             "the frontier lags",
             |reply| Request::ProcessLags { reply },
+            self.timeouts.request,
+        )
+        .await
+    }
+
+    /// How many of the replica's live dataflows have caught up with the
+    /// writes to their inputs (see [`CaughtUp`]): a generation being
+    /// rebuilt counts up to all of them. Answered from what the controller
+    /// holds: no replica round trip.
+    pub async fn caught_up(&self) -> Result<CaughtUp, ControllerError> {
+        self.ask(
+            "the dataflows caught up",
+            |reply| Request::CaughtUp { reply },
             self.timeouts.request,
         )
         .await

@@ -113,7 +113,7 @@ use tokio::sync::watch;
 pub use compute::{Reconfiguration, ReconfigurationPhase, REPLICA_RESTART_INTERVAL};
 pub use inputs::{HoldsReport, DEFAULT_READ_HOLD_LIMIT};
 pub use lockstep_launch::ServiceTemplate;
-pub use upgrade::{AnsweredUpgrade, CATCH_UP_BOUND};
+pub use upgrade::{AnsweredUpgrade, ReconfigurationStatus, CATCH_UP_BOUND};
 
 /// Concurrent streams (and calls) one API connection may have open.
 pub const API_MAX_STREAMS: u32 = 256;

@@ -187,6 +187,8 @@ pub fn to_proto(info: &ReplicaInfo) -> proto::Replica {
         read_holds: 0,
         read_hold_span: 0,
         reconfiguration: None,
+        live_dataflows: None,
+        dataflows_caught_up: None,
         process_status: info
             .service
             .iter()
@@ -314,19 +316,29 @@ impl EnvironmentApi for EnvironmentService {
                 let holds = self.env.read_holds(r.id);
                 r.read_holds = holds.holds as u32;
                 r.read_hold_span = holds.held_span;
-                if let Some(rc) = self.env.reconfiguration(r.id) {
+                if let Some(rs) = self.env.reconfiguration(r.id).await {
+                    let rc = &rs.reconfiguration;
                     r.reconfiguration = Some(proto::ReplicaReconfiguration {
                         kind: rc.kind.to_string(),
                         phase: rc.phase.name().to_string(),
                         target_processes: rc.target.0,
                         target_workers_per_process: rc.target.1,
                         elapsed_ms: rc.started.elapsed().as_millis() as u64,
-                        standby_frontier_lag: self.env.standby_lag(r.id).await,
+                        standby_frontier_lag: rs.standby_lag,
+                        standby_dataflows_caught_up: rs
+                            .standby_caught_up
+                            .map(|c| c.caught_up as u32),
+                        phase_elapsed_ms: rc.phase_started.elapsed().as_millis() as u64,
+                        estimated_ms_left: rs.estimated_left.map(|d| d.as_millis() as u64),
                     });
                 }
                 let Some(c) = self.env.replica_controller(&r.name) else {
                     continue;
                 };
+                if let Ok(caught_up) = c.caught_up().await {
+                    r.live_dataflows = Some(caught_up.dataflows as u32);
+                    r.dataflows_caught_up = Some(caught_up.caught_up as u32);
+                }
                 if let Ok(lags) = c.process_lags().await {
                     for (p, lag) in r.process_status.iter_mut().zip(lags) {
                         p.frontier_lag = lag;

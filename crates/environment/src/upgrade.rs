@@ -56,6 +56,25 @@ pub struct AnsweredUpgrade {
     pub standby_served: Duration,
 }
 
+/// A reconfiguration under way as `ListReplicas` shows it.
+#[derive(Clone, Debug)]
+pub struct ReconfigurationStatus {
+    /// What, where, since when.
+    pub reconfiguration: Reconfiguration,
+    /// How many timestamps the standby's slowest export is behind the
+    /// writes to its inputs; `None` without a standby, or until each of
+    /// its processes reported every export.
+    pub standby_lag: Option<u64>,
+    /// The standby's dataflows caught up, if it has a controller.
+    pub standby_caught_up: Option<lockstep_controller::CaughtUp>,
+    /// The replica's own dataflows caught up.
+    pub own_caught_up: Option<lockstep_controller::CaughtUp>,
+    /// At the rate the generation this phase waits for has caught up its
+    /// dataflows so far, the time left until all are; `None` before the
+    /// first, or in a phase that waits for no rebuild.
+    pub estimated_left: Option<Duration>,
+}
+
 /// What step 3 does to the replica's own processes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Replacement {
@@ -137,22 +156,49 @@ impl Environment {
         result
     }
 
-    /// Replica `replica_id`'s reconfiguration under way, if any.
-    pub fn reconfiguration(&self, replica_id: u64) -> Option<Reconfiguration> {
-        self.compute.reconfiguration(replica_id)
-    }
-
-    /// How many timestamps the slowest export of replica `replica_id`'s
-    /// standby is behind the writes to its inputs; `None` without a
-    /// standby, or until each of its processes reported every export.
-    pub async fn standby_lag(&self, replica_id: u64) -> Option<u64> {
-        let lags = self
-            .compute
-            .standby(replica_id)?
-            .process_lags()
-            .await
-            .ok()?;
-        lags.into_iter().try_fold(0, |m, l| l.map(|l| m.max(l)))
+    /// Replica `replica_id`'s reconfiguration under way, if any, with how
+    /// far each generation has caught up.
+    pub async fn reconfiguration(&self, replica_id: u64) -> Option<ReconfigurationStatus> {
+        let reconfiguration = self.compute.reconfiguration(replica_id)?;
+        let standby = self.compute.standby(replica_id);
+        let (standby_lag, standby_caught_up) = match &standby {
+            Some(s) => (
+                s.process_lags()
+                    .await
+                    .ok()
+                    .and_then(|lags| lags.into_iter().try_fold(0, |m, l| l.map(|l| m.max(l)))),
+                s.caught_up().await.ok(),
+            ),
+            None => (None, None),
+        };
+        let own_caught_up = match self.compute.controller(replica_id) {
+            Some(c) => c.caught_up().await.ok(),
+            None => None,
+        };
+        // The generation this phase waits for, and its rate so far.
+        let hydrating = match reconfiguration.phase {
+            ReconfigurationPhase::StandbyHydrating => standby_caught_up,
+            ReconfigurationPhase::Hydrating | ReconfigurationPhase::RollingBack => own_caught_up,
+            ReconfigurationPhase::Replacing | ReconfigurationPhase::DroppingStandby => None,
+        };
+        let estimated_left = hydrating.and_then(|h| {
+            let left = h.dataflows.checked_sub(h.caught_up)?;
+            if left == 0 {
+                return Some(Duration::ZERO);
+            }
+            let per = reconfiguration
+                .phase_started
+                .elapsed()
+                .checked_div(u32::try_from(h.caught_up).ok().filter(|n| *n > 0)?)?;
+            per.checked_mul(u32::try_from(left).ok()?)
+        });
+        Some(ReconfigurationStatus {
+            reconfiguration,
+            standby_lag,
+            standby_caught_up,
+            own_caught_up,
+            estimated_left,
+        })
     }
 
     /// Replica `replica`'s reconfiguration moved to `phase`.

@@ -112,6 +112,9 @@ impl Actor {
             Request::ProcessLags { reply } => {
                 let _ = reply.send(self.process_lags());
             }
+            Request::CaughtUp { reply } => {
+                let _ = reply.send(self.caught_up());
+            }
             Request::ProcessVersions { reply } => {
                 let mut versions = self.versions.clone();
                 versions.resize(self.replica.processes.len(), None);
@@ -175,6 +178,29 @@ impl Actor {
             }
         }
         lags
+    }
+
+    /// See [`crate::Controller::caught_up`].
+    pub(super) fn caught_up(&self) -> crate::CaughtUp {
+        let live = self.history.live_dataflows();
+        let caught_up = live
+            .iter()
+            .filter(|d| {
+                let written = d.inputs.iter().map(|c| self.history.input_upper(*c)).min();
+                d.exports
+                    .iter()
+                    .all(|e| match self.frontier_of(e.collection_id) {
+                        None => false,
+                        // Complete: nothing more to come.
+                        Some(None) => true,
+                        Some(Some(t)) => written.is_none_or(|w| t >= w),
+                    })
+            })
+            .count();
+        crate::CaughtUp {
+            dataflows: live.len(),
+            caught_up,
+        }
     }
 
     /// The meet of a collection's frontier over all processes, once every

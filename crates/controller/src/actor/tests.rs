@@ -154,20 +154,7 @@ async fn frontiers_of_too_many_unknown_collections_end_the_session() {
     let mut h = connected(1, 1).await;
     h.actor.limits.unknown_frontiers = 10;
     // Known collections do not count.
-    h.actor.send(CommandKind::CreateDataflow(
-        lockstep_protocol::DataflowDescription {
-            id: 1,
-            as_of: 0,
-            inputs: vec![1],
-            exports: vec![lockstep_protocol::Export {
-                collection_id: 1001,
-                // The built-in family's `get(1)`; the controller never reads it.
-                description: vec![0x0a, 0x02, 0x08, 0x01],
-            }],
-            debug_name: "d".into(),
-            format: lockstep_protocol::DEFAULT_FORMAT.into(),
-        },
-    ));
+    h.actor.send(dataflow_1());
     h.answer(
         0,
         ResponseKind::Frontiers(vec![(1, Some(1)), (1001, Some(1))]),
@@ -372,4 +359,73 @@ async fn a_subscription_held_back_past_the_bound_ends_the_session() {
         "the subscription ends with an error"
     );
     assert!(h.actor.subs.is_empty());
+}
+
+/// A dataflow reading input 1 and exporting collection 1001.
+fn dataflow_1() -> CommandKind {
+    CommandKind::CreateDataflow(lockstep_protocol::DataflowDescription {
+        id: 1,
+        as_of: 0,
+        inputs: vec![1],
+        exports: vec![lockstep_protocol::Export {
+            collection_id: 1001,
+            // The built-in family's `get(1)`; the controller never reads it.
+            description: vec![0x0a, 0x02, 0x08, 0x01],
+        }],
+        debug_name: "d".into(),
+        format: lockstep_protocol::DEFAULT_FORMAT.into(),
+    })
+}
+
+#[tokio::test]
+async fn a_dataflow_is_caught_up_once_every_process_reported_its_exports_there() {
+    let mut h = connected(2, 1).await;
+    assert_eq!(h.actor.caught_up(), crate::CaughtUp::default());
+    h.actor.send(dataflow_1());
+    let none = crate::CaughtUp {
+        dataflows: 1,
+        caught_up: 0,
+    };
+    assert_eq!(h.actor.caught_up(), none, "nothing reported");
+    h.answer(0, ResponseKind::Frontiers(vec![(1001, Some(1))]));
+    assert_eq!(h.actor.caught_up(), none, "one process of two");
+    h.answer(1, ResponseKind::Frontiers(vec![(1001, None)]));
+    assert_eq!(
+        h.actor.caught_up(),
+        crate::CaughtUp {
+            dataflows: 1,
+            caught_up: 1
+        },
+        "both, one of them complete"
+    );
+}
+
+#[tokio::test]
+async fn a_reshaped_controller_sizes_its_books_for_the_new_processes_and_reconnects() {
+    let mut h = connected(2, 1).await;
+    h.actor.send(dataflow_1());
+    let (sink, _rx) = mpsc::channel(4);
+    h.actor.on_request(Request::Subscribe {
+        collection: 1001,
+        as_of: 0,
+        sink,
+    });
+    let mut replica = h.actor.replica.clone();
+    replica.processes.push(replica.processes[0].clone());
+    replica.workers_per_process = 2;
+    h.actor.on_request(Request::Reshape(replica));
+    assert_eq!(h.actor.conns.len(), 3);
+    assert_eq!(h.actor.replica.total_workers(), 6);
+    assert!(
+        matches!(h.actor.phase(), Phase::Connecting { .. }),
+        "a new session: {:?}",
+        h.actor.phase()
+    );
+    assert_eq!(h.actor.subs.len(), 1, "the subscription goes on");
+    // Another replica's reshape is refused.
+    let mut other = h.actor.replica.clone();
+    other.replica_id = 2;
+    other.processes.truncate(1);
+    h.actor.on_request(Request::Reshape(other));
+    assert_eq!(h.actor.conns.len(), 3);
 }

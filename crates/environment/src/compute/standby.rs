@@ -38,6 +38,8 @@ pub struct Reconfiguration {
     pub phase: ReconfigurationPhase,
     /// When it started.
     pub started: Instant,
+    /// When it entered its phase.
+    pub phase_started: Instant,
 }
 
 /// The phases of a reconfiguration, in order.
@@ -86,6 +88,7 @@ impl Compute {
                 target,
                 phase: ReconfigurationPhase::StandbyHydrating,
                 started: Instant::now(),
+                phase_started: Instant::now(),
             },
         );
     }
@@ -99,6 +102,7 @@ impl Compute {
             .get_mut(&replica_id)
         {
             r.phase = phase;
+            r.phase_started = Instant::now();
         }
     }
 
