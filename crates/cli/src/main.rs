@@ -87,14 +87,18 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// A one-screen summary of a running environment: its epoch, orphan
     /// rule and the dataflow format its replicas build, and per replica its
-    /// shape, processes, restarts and whether it serves (answers a ping).
+    /// shape, processes, restarts, lag, read holds, dataflows caught up and
+    /// whether it serves (answers a ping); a line per reconfiguration under
+    /// way.
     ///
     /// `-o json`: `{"server", "epoch", "orphan_rule", "format" (null: an
     /// environment too old to say), "orphans_removed": [NAME],
     /// "replicas": [{"name", "id", "processes", "workers_per_process",
     /// "running", "restarts", "frontier_lag": [N or null per process],
-    /// "serving": "SERVING" | "NOT_SERVING" | "UNKNOWN" | null (not checked
-    /// yet)}]}`.
+    /// "read_holds", "read_hold_span", "live_dataflows",
+    /// "dataflows_caught_up" (null: no controller), "reconfiguration" (the
+    /// phase, or null), "serving": "SERVING" | "NOT_SERVING" | "UNKNOWN" |
+    /// null (not checked yet)}]}`.
     Status {
         #[command(flatten)]
         server: ServerArg,

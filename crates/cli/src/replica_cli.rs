@@ -190,6 +190,9 @@ pub(crate) async fn status_summary(server: ServerArg, output: OutputArg) -> anyh
                     "frontier_lag": r.process_status.iter().map(|p| p.frontier_lag).collect::<Vec<_>>(),
                     "read_holds": r.read_holds,
                     "read_hold_span": r.read_hold_span,
+                    "live_dataflows": r.live_dataflows,
+                    "dataflows_caught_up": r.dataflows_caught_up,
+                    "reconfiguration": r.reconfiguration.as_ref().map(|c| &c.phase),
                     "serving": serving,
                 })
             })
@@ -225,6 +228,7 @@ pub(crate) async fn status_summary(server: ServerArg, output: OutputArg) -> anyh
         ("RESTARTS", Align::Right),
         ("LAG", Align::Right),
         ("HOLDS", Align::Right),
+        ("CAUGHT UP", Align::Right),
         ("SERVING", Align::Left),
     ]);
     for (r, serving) in &rows {
@@ -254,10 +258,20 @@ pub(crate) async fn status_summary(server: ServerArg, output: OutputArg) -> anyh
                 0 => "0".to_string(),
                 n => format!("{n} ({} behind)", r.read_hold_span),
             },
+            // Its dataflows caught up with the writes, of its live ones.
+            match (r.dataflows_caught_up, r.live_dataflows) {
+                (Some(c), Some(n)) => format!("{c}/{n}"),
+                _ => "?".to_string(),
+            },
             serving,
         ]);
     }
     table.print();
+    for (r, _) in &rows {
+        if let Some(c) = &r.reconfiguration {
+            println!("{}: {}", r.name, reconfiguration_line(r, c));
+        }
+    }
     Ok(())
 }
 

@@ -252,6 +252,11 @@ async fn every_list_and_status_command_prints_json_and_tables_fit_their_content(
         v["replicas"][0]["frontier_lag"].as_array().map(Vec::len),
         Some(2)
     );
+    assert!(v["replicas"][0]["reconfiguration"].is_null(), "{v}");
+    assert!(
+        v["replicas"][0]["live_dataflows"].as_u64().is_some(),
+        "its controller counts its dataflows: {v}"
+    );
 
     // dataflow list -o json.
     let v = json(&api, &["dataflow", "list"]).await;

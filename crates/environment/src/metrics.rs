@@ -50,6 +50,29 @@ pub struct ProcessLabels {
     pub process: String,
 }
 
+/// The generations [`GenerationLabels`] names.
+pub const GENERATIONS: [&str; 2] = ["own", "standby"];
+
+/// A replica and a phase of its reconfiguration
+/// ([`crate::ReconfigurationPhase::name`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    /// The replica's name.
+    pub replica: String,
+    /// The phase.
+    pub phase: String,
+}
+
+/// A replica and one of its generations: `own` (its processes) or
+/// `standby` (during a reconfiguration).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GenerationLabels {
+    /// The replica's name.
+    pub replica: String,
+    /// `own` or `standby`.
+    pub generation: String,
+}
+
 /// The label of this build.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
@@ -107,6 +130,13 @@ pub struct Metrics {
     /// writes to its inputs ([`lockstep_controller::Controller::process_lags`]);
     /// absent while the process has not reported every export.
     pub frontier_lag: Family<ProcessLabels, Gauge>,
+    /// 1 for the phase of the replica's reconfiguration under way (an
+    /// upgrade that keeps answering, a resize); no series without one.
+    pub reconfiguration_phase: Family<PhaseLabels, Gauge>,
+    /// Per generation of the replica (`own`, and `standby` while there is
+    /// one), its live dataflows caught up with the writes to their inputs
+    /// ([`lockstep_controller::Controller::caught_up`]).
+    pub dataflows_caught_up: Family<GenerationLabels, Gauge>,
     /// The epoch this environment owns.
     pub epoch: Gauge,
     /// Catalog transactions that stored input writes (one per group
@@ -141,6 +171,8 @@ impl Metrics {
         let read_holds = Family::<ReplicaLabel, Gauge>::default();
         let read_hold_span = Family::<ReplicaLabel, Gauge>::default();
         let frontier_lag = Family::<ProcessLabels, Gauge>::default();
+        let reconfiguration_phase = Family::<PhaseLabels, Gauge>::default();
+        let dataflows_caught_up = Family::<GenerationLabels, Gauge>::default();
         let epoch = Gauge::default();
         let input_commits = Counter::default();
         let input_writes_stored = Counter::default();
@@ -217,6 +249,16 @@ impl Metrics {
             "Timestamps the process's slowest export is behind the writes to its inputs",
             frontier_lag.clone(),
         );
+        registry.register(
+            "reconfiguration_phase",
+            "1 for the phase of the replica's reconfiguration under way",
+            reconfiguration_phase.clone(),
+        );
+        registry.register(
+            "dataflows_caught_up",
+            "Live dataflows of a generation of the replica caught up with the writes to their inputs",
+            dataflows_caught_up.clone(),
+        );
         registry.register("epoch", "The epoch this environment owns", epoch.clone());
         registry.register(
             "input_commits",
@@ -246,6 +288,8 @@ impl Metrics {
             read_holds,
             read_hold_span,
             frontier_lag,
+            reconfiguration_phase,
+            dataflows_caught_up,
             epoch,
             input_commits,
             input_writes_stored,
@@ -277,6 +321,44 @@ impl Metrics {
             });
         }
         self.forget_processes(name, 0..processes);
+        self.reconfiguring(name, None);
+        for generation in GENERATIONS {
+            self.caught_up(name, generation, None);
+        }
+    }
+
+    /// Replica `name`'s reconfiguration is in `phase` (`None`: none).
+    pub fn reconfiguring(&self, name: &str, phase: Option<&str>) {
+        for p in crate::ReconfigurationPhase::ALL.map(crate::ReconfigurationPhase::name) {
+            let labels = PhaseLabels {
+                replica: name.to_string(),
+                phase: p.to_string(),
+            };
+            if Some(p) == phase {
+                self.reconfiguration_phase.get_or_create(&labels).set(1);
+            } else {
+                self.reconfiguration_phase.remove(&labels);
+            }
+        }
+    }
+
+    /// Replica `name`'s `generation` (one of [`GENERATIONS`]) has
+    /// `caught_up` dataflows caught up (`None`: not known, no series).
+    pub fn caught_up(&self, name: &str, generation: &str, caught_up: Option<usize>) {
+        let labels = GenerationLabels {
+            replica: name.to_string(),
+            generation: generation.to_string(),
+        };
+        match caught_up {
+            Some(n) => {
+                self.dataflows_caught_up
+                    .get_or_create(&labels)
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
+            }
+            None => {
+                self.dataflows_caught_up.remove(&labels);
+            }
+        }
     }
 
     /// Forgets the per-process series of processes `indexes` of replica
@@ -530,6 +612,9 @@ mod tests {
                     })
                     .set(0);
             }
+            m.reconfiguring(r, Some("hydrating"));
+            m.caught_up(r, "own", Some(1));
+            m.caught_up(r, "standby", Some(0));
         }
         let before = m.encode();
         assert!(before.contains("replica=\"gone\""), "{before}");
@@ -539,7 +624,37 @@ mod tests {
         // Every series of the other replica is still there.
         let kept = |text: &str| text.matches("replica=\"kept\"").count();
         assert_eq!(kept(&after), kept(&before));
-        assert!(kept(&after) >= 8 + 3 + 2, "{after}");
+        assert!(kept(&after) >= 8 + 3 + 2 + 3, "{after}");
+    }
+
+    #[test]
+    fn a_reconfiguration_shows_its_one_phase_and_each_generation_caught_up() {
+        let m = Metrics::new();
+        m.reconfiguring("r", Some("standby-hydrating"));
+        m.reconfiguring("r", Some("hydrating"));
+        m.caught_up("r", "own", Some(2));
+        m.caught_up("r", "standby", Some(3));
+        let text = m.encode();
+        assert!(
+            text.contains(
+                "lockstep_environment_reconfiguration_phase{replica=\"r\",phase=\"hydrating\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("phase=\"standby-hydrating\""), "{text}");
+        assert!(
+            text.contains(
+                "lockstep_environment_dataflows_caught_up{replica=\"r\",generation=\"standby\"} 3"
+            ),
+            "{text}"
+        );
+        // Done: no phase, no standby.
+        m.reconfiguring("r", None);
+        m.caught_up("r", "standby", None);
+        let text = m.encode();
+        assert!(!text.contains("reconfiguration_phase{"), "{text}");
+        assert!(!text.contains("generation=\"standby\""), "{text}");
+        assert!(text.contains("generation=\"own\"} 2"), "{text}");
     }
 
     #[test]

@@ -385,6 +385,34 @@ impl Environment {
                     .dataflows
                     .get_or_create(&label)
                     .set(dataflows as i64);
+                let reconfiguration =
+                    tokio::time::timeout(HEALTH_INTERVAL, self.reconfiguration(r.id))
+                        .await
+                        .ok()
+                        .flatten();
+                let own = match (&reconfiguration, &controller) {
+                    (Some(rs), _) => rs.own_caught_up,
+                    (None, Some(c)) => tokio::time::timeout(HEALTH_INTERVAL, c.caught_up())
+                        .await
+                        .ok()
+                        .and_then(Result::ok),
+                    (None, None) => None,
+                };
+                metrics.caught_up(&r.name, "own", own.map(|c| c.caught_up));
+                metrics.caught_up(
+                    &r.name,
+                    "standby",
+                    reconfiguration
+                        .as_ref()
+                        .and_then(|rs| rs.standby_caught_up)
+                        .map(|c| c.caught_up),
+                );
+                metrics.reconfiguring(
+                    &r.name,
+                    reconfiguration
+                        .as_ref()
+                        .map(|rs| rs.reconfiguration.phase.name()),
+                );
             }
             for (gone, (replica, processes)) in &known {
                 if !now.contains_key(gone) {

@@ -62,6 +62,15 @@ pub enum ReconfigurationPhase {
 }
 
 impl ReconfigurationPhase {
+    /// Every phase, in order.
+    pub const ALL: [ReconfigurationPhase; 5] = [
+        ReconfigurationPhase::StandbyHydrating,
+        ReconfigurationPhase::Replacing,
+        ReconfigurationPhase::Hydrating,
+        ReconfigurationPhase::RollingBack,
+        ReconfigurationPhase::DroppingStandby,
+    ];
+
     /// Its name in `ListReplicas` and on the CLI.
     pub fn name(self) -> &'static str {
         match self {
