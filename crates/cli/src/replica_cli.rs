@@ -550,6 +550,7 @@ pub(crate) async fn wait_serving(
     let started = std::time::Instant::now();
     let mut health = connect_health(server).await?;
     let mut last = "not checked yet".to_string();
+    let mut shown = started;
     loop {
         match health
             .check(HealthCheckRequest {
@@ -565,6 +566,15 @@ pub(crate) async fn wait_serving(
         if started.elapsed() >= timeout {
             anyhow::bail!(
                 "replica {name} did not serve within {} s (health: {last})",
+                timeout.as_secs()
+            );
+        }
+        // Progress, once a second, on stderr.
+        if shown.elapsed() >= std::time::Duration::from_secs(1) {
+            shown = std::time::Instant::now();
+            eprintln!(
+                "{name}: waiting to serve ({:.0} s of {} s; health: {last})",
+                started.elapsed().as_secs_f64(),
                 timeout.as_secs()
             );
         }
