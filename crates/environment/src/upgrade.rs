@@ -225,7 +225,7 @@ impl Environment {
         }
         if self.compute.standby(replica.id).is_some() {
             return Err(ComputeError::Unavailable(format!(
-                "an upgrade of replica {name:?} is already under way"
+                "an upgrade or a resize of replica {name:?} is already under way"
             )));
         }
         let (kind, target) = match replacement {
