@@ -426,6 +426,9 @@ enum Backend {
 }
 
 /// Calls the same method on whichever backend this is.
+/// The settings key of a replica's reconfiguration record, before its ID.
+const RECONFIGURATION_PREFIX: &str = "reconfiguration/";
+
 macro_rules! dispatch {
     ($self:ident, $b:ident => $e:expr) => {
         match &mut $self.0 {
@@ -614,6 +617,33 @@ impl Catalog {
     /// Drops a dataflow.
     pub fn drop_dataflow(&mut self, id: u64) -> Result<(), WriteError> {
         dispatch!(self, c => c.drop_dataflow(id))
+    }
+
+    /// Records what replica `replica_id`'s reconfiguration under way is
+    /// (an opaque text the environment writes; `None`: none, the record
+    /// removed), fenced like every write.
+    pub fn record_reconfiguration(
+        &mut self,
+        replica_id: u64,
+        record: Option<&str>,
+    ) -> Result<(), WriteError> {
+        let key = format!("{RECONFIGURATION_PREFIX}{replica_id}");
+        match record {
+            Some(r) => dispatch!(self, c => c.set_setting(&key, r)),
+            None => dispatch!(self, c => c.clear_setting(&key)),
+        }
+    }
+
+    /// Every reconfiguration record, by replica ID.
+    pub fn reconfigurations(&mut self) -> Result<Vec<(u64, String)>, ReadError> {
+        let rows = dispatch!(self, c => c.settings_under(RECONFIGURATION_PREFIX))?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let id = k.strip_prefix(RECONFIGURATION_PREFIX)?.parse().ok()?;
+                Some((id, v))
+            })
+            .collect())
     }
 
     /// The SQLite connection (tests that doctor the file).

@@ -549,6 +549,27 @@ impl SqliteCatalog {
         })
     }
 
+    /// Every environment setting whose key starts with `prefix`, by key.
+    pub fn settings_under(&mut self, prefix: &str) -> Result<Vec<(String, String)>, ReadError> {
+        let mut stmt = self
+            .conn
+            .prepare("SELECT key, value FROM settings WHERE substr(key, 1, ?2) = ?1 ORDER BY key")?;
+        let rows = stmt
+            .query_map(params![prefix, prefix.len() as i64], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })?
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(rows)
+    }
+
+    /// Removes an environment setting, if there is one.
+    pub fn clear_setting(&mut self, key: &str) -> Result<(), WriteError> {
+        self.write(|tx| {
+            tx.execute("DELETE FROM settings WHERE key = ?1", [key])?;
+            Ok(())
+        })
+    }
+
     /// Drops a dataflow.
     pub fn drop_dataflow(&mut self, id: u64) -> Result<(), WriteError> {
         self.write(|tx| {

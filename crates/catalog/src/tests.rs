@@ -584,7 +584,34 @@ lockstep_pgtest::on_both_backends!(
     a_stale_handle_is_fenced_and_writes_nothing,
     a_panicking_describe_writes_nothing,
     a_resize_keeps_everything_but_the_shape_and_is_checked_and_fenced,
+    reconfiguration_records_are_kept_removed_and_fenced,
 );
+
+/// A replica's reconfiguration record is kept across a reopen, replaced,
+/// listed by replica and removed; a fenced-out handle writes none.
+fn reconfiguration_records_are_kept_removed_and_fenced(s: &TestStore) {
+    let mut c = s.open();
+    c.record_reconfiguration(7, Some("a")).unwrap();
+    c.record_reconfiguration(12, Some("b")).unwrap();
+    c.record_reconfiguration(7, Some("c")).unwrap();
+    c.record_format("f").unwrap();
+    drop(c);
+    let mut c = s.open();
+    assert_eq!(
+        c.reconfigurations().unwrap(),
+        vec![(12, "b".to_string()), (7, "c".to_string())]
+    );
+    c.record_reconfiguration(12, None).unwrap();
+    c.record_reconfiguration(99, None).unwrap();
+    assert_eq!(c.reconfigurations().unwrap(), vec![(7, "c".to_string())]);
+    let _newer = s.open();
+    assert!(matches!(
+        c.record_reconfiguration(7, None),
+        Err(WriteError::Fenced(_))
+    ));
+    assert_eq!(s.open().reconfigurations().unwrap().len(), 1);
+    assert_eq!(s.open().format().unwrap().as_deref(), Some("f"));
+}
 
 /// A resize changes the shape alone (config, dataflows and inputs stay),
 /// survives a reopen, refuses a shape creation would refuse and an unknown

@@ -93,6 +93,8 @@ enum Command {
     ///
     /// `-o json`: `{"server", "epoch", "orphan_rule", "format" (null: an
     /// environment too old to say), "orphans_removed": [NAME],
+    /// "reconfigurations_settled": [LINE] (interrupted upgrades and resizes
+    /// this environment settled at its start),
     /// "replicas": [{"name", "id", "processes", "workers_per_process",
     /// "running", "restarts", "frontier_lag": [N or null per process],
     /// "read_holds", "read_hold_span", "live_dataflows",

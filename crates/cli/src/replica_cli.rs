@@ -203,6 +203,7 @@ pub(crate) async fn status_summary(server: ServerArg, output: OutputArg) -> anyh
             "orphan_rule": status.orphan_rule,
             "format": (!status.format.is_empty()).then_some(&status.format),
             "orphans_removed": status.orphans_removed,
+            "reconfigurations_settled": status.reconfigurations_settled,
             "replicas": replicas,
         }));
     }
@@ -267,6 +268,9 @@ pub(crate) async fn status_summary(server: ServerArg, output: OutputArg) -> anyh
         ]);
     }
     table.print();
+    for line in &status.reconfigurations_settled {
+        println!("settled at start: {line}");
+    }
     for (r, _) in &rows {
         if let Some(c) = &r.reconfiguration {
             println!("{}: {}", r.name, reconfiguration_line(r, c));

@@ -9,7 +9,9 @@
 //! at the shape its catalog names (the old one before the commit point,
 //! the new one after it) with that many processes, and answer a peek
 //! right, a write made after the restart included: nothing lost, nothing
-//! doubled (O2, I3).
+//! doubled (O2, I3). The record of the resize it left is settled at that
+//! start and said by `lockstep status` (completed after the commit point,
+//! rolled back before it).
 //!
 //! New processes that never catch up (out of the controller's reach): the
 //! resize is rolled back to the old shape while the standby keeps
@@ -197,8 +199,9 @@ async fn only_own_running(sandbox: &Sandbox, id: u64, processes: usize, what: &s
 
 /// Kills the environment at `failpoint` during a resize of r from 2x1 to
 /// 3x1 and checks the next environment's replica (see the module docs):
-/// `expected` is the shape it must have (processes, workers).
-async fn killed_at(failpoint: &str, expected: (u64, u64)) {
+/// `expected` is the shape it must have (processes, workers), and the
+/// record it settled at its start must say `outcome`.
+async fn killed_at(failpoint: &str, expected: (u64, u64), outcome: &str) {
     let sandbox = Sandbox::new().unwrap();
     let state = sandbox.path();
     let (port, url) = common::free_port_url();
@@ -223,21 +226,41 @@ async fn killed_at(failpoint: &str, expected: (u64, u64)) {
     let (id, shape) = listed(state, &url).await;
     assert_eq!(shape, expected, "{failpoint}: the shape the catalog names");
     only_own_running(&sandbox, id, expected.0 as usize, failpoint).await;
+    // The record the killed environment left, settled and said.
+    let settled = settled(state, &url).await;
+    assert!(
+        settled.len() == 1 && settled[0].contains(outcome),
+        "{failpoint}: settled at start {settled:?}, not {outcome:?}"
+    );
+}
+
+/// The reconfigurations the environment at `url` settled at its start
+/// (`lockstep status -o json`).
+async fn settled(state: &Path, url: &str) -> Vec<String> {
+    let v: serde_json::Value =
+        serde_json::from_str(&common::cli_ok(state, url, &["status", "-o", "json"]).await)
+            .unwrap();
+    v["reconfigurations_settled"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"))
+        .iter()
+        .map(|l| l.as_str().unwrap().to_string())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_with_the_standby_started_the_replica_keeps_its_old_shape() {
-    killed_at("upgrade_after_standby_started", (2, 1)).await;
+    killed_at("upgrade_after_standby_started", (2, 1), "rolled back").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_after_the_catalog_names_the_new_shape_the_replica_takes_it() {
-    killed_at("resize_after_catalog", (3, 1)).await;
+    killed_at("resize_after_catalog", (3, 1), "completed").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_with_the_processes_replaced_the_replica_keeps_the_new_shape() {
-    killed_at("resize_after_replaced", (3, 1)).await;
+    killed_at("resize_after_replaced", (3, 1), "completed").await;
 }
 
 /// What a steady reader saw.
@@ -297,4 +320,10 @@ async fn new_processes_that_never_catch_up_are_rolled_back_and_reads_go_on() {
     only_own_running(&sandbox, id, 2, "rolled back").await;
     common::write_to_r(state, &url, &format!("{ROWS},{}@1", ROWS % GROUPS), 2).await;
     assert_eq!(peek(&env, 1).await, counts(&[ROWS]), "after the roll-back");
+    // The failed resize removed its record: the next start settles none.
+    let mut env = env;
+    env.kill().await.unwrap();
+    let env = serve(state, port, None).await;
+    assert_eq!(settled(state, &url).await, Vec::<String>::new());
+    assert_eq!(peek(&env, 1).await, counts(&[ROWS]), "after a restart");
 }

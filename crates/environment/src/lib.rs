@@ -92,6 +92,7 @@ mod replicas;
 pub mod rpc_metrics;
 mod serve;
 pub mod server;
+mod reconfiguration;
 mod startup;
 mod upgrade;
 
@@ -473,6 +474,8 @@ pub struct Environment {
     epoch: u64,
     halt: watch::Sender<Option<String>>,
     orphans_removed: Mutex<Vec<String>>,
+    /// The reconfiguration records settled at start (`reconfiguration.rs`).
+    reconfigurations_settled: Mutex<Vec<String>>,
     /// Serializes mutations and orphan removal, so that a background orphan
     /// removal never classifies against a half-applied create or drop.
     ops: tokio::sync::Mutex<()>,

@@ -368,6 +368,7 @@ impl EnvironmentApi for EnvironmentService {
                 epoch: self.env.epoch(),
                 orphan_rule: self.env.orphan_rule(),
                 orphans_removed: self.env.orphans_removed(),
+                reconfigurations_settled: self.env.reconfigurations_settled(),
                 format: self.env.compute.format(),
             }))
         }

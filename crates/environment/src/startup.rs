@@ -169,6 +169,7 @@ impl Environment {
             epoch,
             halt: watch::channel(None).0,
             orphans_removed: Mutex::new(Vec::new()),
+            reconfigurations_settled: Mutex::new(Vec::new()),
             ops: tokio::sync::Mutex::new(()),
             pending_writes: Default::default(),
             compute,
@@ -360,6 +361,7 @@ impl Environment {
         env.ensure_replicas().await?;
         env.remove_orphans().await?;
         env.drop_leftover_standbys().await?;
+        env.settle_reconfigurations()?;
         env.start_compute().await?;
         Ok(Arc::new(env))
     }

@@ -152,6 +152,7 @@ impl Environment {
             tracing::warn!(replica = %replica.name, "reads the standby owed were cut off");
         }
         self.drop_standby(replica.id).await;
+        self.clear_reconfiguration(replica.id);
         self.compute.reconfigured(replica.id);
         result
     }
@@ -205,6 +206,11 @@ impl Environment {
     fn phase(&self, replica: &Replica, phase: ReconfigurationPhase) {
         tracing::info!(replica = %replica.name, phase = phase.name(), "reconfiguration");
         self.compute.reconfiguration_moved(replica.id, phase);
+        if let Some(rc) = self.compute.reconfiguration(replica.id) {
+            if let Err(e) = self.record_reconfiguration(replica, &rc) {
+                tracing::warn!(replica = %replica.name, "the reconfiguration record was not updated: {e}");
+            }
+        }
     }
 
     /// Step 1: the standby's service and controller, under the lock every
@@ -239,6 +245,15 @@ impl Environment {
             } => ("resize", (processes, workers_per_process)),
         };
         self.compute.reconfiguring(replica.id, kind, target);
+        // Stored before anything starts.
+        let recorded = self
+            .compute
+            .reconfiguration(replica.id)
+            .map(|rc| self.record_reconfiguration(&replica, &rc));
+        if let Some(Err(e)) = recorded {
+            self.compute.reconfigured(replica.id);
+            return Err(e);
+        }
         let started = async {
             let status = self
                 .orchestrator
@@ -262,6 +277,7 @@ impl Environment {
         let controller = match started.await {
             Ok(c) => c,
             Err(e) => {
+                self.clear_reconfiguration(replica.id);
                 self.compute.reconfigured(replica.id);
                 return Err(e);
             }
