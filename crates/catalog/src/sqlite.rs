@@ -551,9 +551,9 @@ impl SqliteCatalog {
 
     /// Every environment setting whose key starts with `prefix`, by key.
     pub fn settings_under(&mut self, prefix: &str) -> Result<Vec<(String, String)>, ReadError> {
-        let mut stmt = self
-            .conn
-            .prepare("SELECT key, value FROM settings WHERE substr(key, 1, ?2) = ?1 ORDER BY key")?;
+        let mut stmt = self.conn.prepare(
+            "SELECT key, value FROM settings WHERE substr(key, 1, ?2) = ?1 ORDER BY key",
+        )?;
         let rows = stmt
             .query_map(params![prefix, prefix.len() as i64], |r| {
                 Ok((r.get(0)?, r.get(1)?))

@@ -238,8 +238,7 @@ async fn killed_at(failpoint: &str, expected: (u64, u64), outcome: &str) {
 /// (`lockstep status -o json`).
 async fn settled(state: &Path, url: &str) -> Vec<String> {
     let v: serde_json::Value =
-        serde_json::from_str(&common::cli_ok(state, url, &["status", "-o", "json"]).await)
-            .unwrap();
+        serde_json::from_str(&common::cli_ok(state, url, &["status", "-o", "json"]).await).unwrap();
     v["reconfigurations_settled"]
         .as_array()
         .unwrap_or_else(|| panic!("{v}"))

@@ -88,11 +88,11 @@ mod inputs;
 pub mod metrics;
 pub mod policies;
 pub mod private;
+mod reconfiguration;
 mod replicas;
 pub mod rpc_metrics;
 mod serve;
 pub mod server;
-mod reconfiguration;
 mod startup;
 mod upgrade;
 

@@ -60,7 +60,10 @@ impl Environment {
     pub(crate) fn clear_reconfiguration(&self, replica_id: u64) {
         let mut catalog = self.catalog.lock().expect("poisoned");
         if let Err(e) = catalog.record_reconfiguration(replica_id, None) {
-            tracing::warn!(replica = replica_id, "the reconfiguration record was left: {e}");
+            tracing::warn!(
+                replica = replica_id,
+                "the reconfiguration record was left: {e}"
+            );
         }
     }
 
@@ -94,7 +97,13 @@ impl Environment {
 
     /// What replica `id`'s record `text` settles to, in a line.
     fn settled_line(&self, id: u64, text: &str) -> String {
-        let replica = self.view.lock().expect("poisoned").replicas.get(&id).cloned();
+        let replica = self
+            .view
+            .lock()
+            .expect("poisoned")
+            .replicas
+            .get(&id)
+            .cloned();
         let Some(replica) = replica else {
             return format!("a reconfiguration of replica {id}, which was dropped since, was interrupted: nothing to settle");
         };
@@ -107,12 +116,18 @@ impl Environment {
         let phase = record.get("phase").and_then(|k| k.as_str()).unwrap_or("?");
         let now = (replica.config.processes, replica.config.workers_per_process);
         let outcome = match (kind, shape("from"), shape("to")) {
-            ("resize", _, Some(to)) if to == now => "completed: the catalog names the new shape".to_string(),
+            ("resize", _, Some(to)) if to == now => {
+                "completed: the catalog names the new shape".to_string()
+            }
             ("resize", _, Some((p, w))) => {
-                format!("rolled back: the catalog still names {}x{}, not {p}x{w}", now.0, now.1)
+                format!(
+                    "rolled back: the catalog still names {}x{}, not {p}x{w}",
+                    now.0, now.1
+                )
             }
             ("upgrade", ..) => {
-                "not completed: its processes may not have been restarted; upgrade it again".to_string()
+                "not completed: its processes may not have been restarted; upgrade it again"
+                    .to_string()
             }
             _ => format!("unreadable record {text:?}: the replica is as its catalog names it"),
         };
