@@ -319,24 +319,9 @@ impl SqliteCatalog {
         workers_per_process: u32,
     ) -> Result<Replica, WriteError> {
         self.write(|tx| {
-            let replica = tx
-                .query_row(
-                    "SELECT id, config FROM replicas WHERE name = ?1",
-                    [name],
-                    |r| {
-                        Ok(Replica {
-                            id: r.get::<_, i64>(0)? as u64,
-                            name: name.to_string(),
-                            config: ReplicaConfig {
-                                processes,
-                                workers_per_process,
-                                config: r.get(1)?,
-                            },
-                        })
-                    },
-                )
-                .optional()?
-                .ok_or_else(|| WriteError::NoSuchReplica(name.to_string()))?;
+            let mut replica = replica_named(tx, name)?;
+            replica.config.processes = processes;
+            replica.config.workers_per_process = workers_per_process;
             check_replica(name, &replica.config).map_err(WriteError::Invalid)?;
             tx.execute(
                 "UPDATE replicas SET processes = ?1, workers_per_process = ?2 WHERE id = ?3",
@@ -352,24 +337,7 @@ impl SqliteCatalog {
             return Err(WriteError::Invalid("a replica needs a name".into()));
         }
         self.write(|tx| {
-            let replica = tx
-                .query_row(
-                    "SELECT id, processes, workers_per_process, config FROM replicas WHERE name = ?1",
-                    [name],
-                    |r| {
-                        Ok(Replica {
-                            id: r.get::<_, i64>(0)? as u64,
-                            name: name.to_string(),
-                            config: ReplicaConfig {
-                                processes: r.get(1)?,
-                                workers_per_process: r.get(2)?,
-                                config: r.get(3)?,
-                            },
-                        })
-                    },
-                )
-                .optional()?
-                .ok_or_else(|| WriteError::NoSuchReplica(name.to_string()))?;
+            let replica = replica_named(tx, name)?;
             tx.execute(
                 "DELETE FROM dataflows WHERE replica_id = ?1",
                 [replica.id as i64],
@@ -725,4 +693,25 @@ fn classify_open_error(path: &Path, e: rusqlite::Error) -> OpenError {
             source: e,
         },
     }
+}
+
+/// The replica named `name`, read in transaction `tx`.
+fn replica_named(tx: &rusqlite::Transaction<'_>, name: &str) -> Result<Replica, WriteError> {
+    tx.query_row(
+        "SELECT id, processes, workers_per_process, config FROM replicas WHERE name = ?1",
+        [name],
+        |r| {
+            Ok(Replica {
+                id: r.get::<_, i64>(0)? as u64,
+                name: name.to_string(),
+                config: ReplicaConfig {
+                    processes: r.get(1)?,
+                    workers_per_process: r.get(2)?,
+                    config: r.get(3)?,
+                },
+            })
+        },
+    )
+    .optional()?
+    .ok_or_else(|| WriteError::NoSuchReplica(name.to_string()))
 }

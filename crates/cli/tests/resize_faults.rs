@@ -159,22 +159,6 @@ async fn resize_to_3x1(state: &Path, url: &str) -> std::process::Output {
     tokio::time::timeout(WAIT, out).await.unwrap().unwrap()
 }
 
-/// Replica r's ID and shape (processes, workers) as `replica list` shows
-/// it.
-async fn listed(state: &Path, url: &str) -> (u64, (u64, u64)) {
-    let v: serde_json::Value =
-        serde_json::from_str(&common::cli_ok(state, url, &["replica", "list", "-o", "json"]).await)
-            .unwrap();
-    let r = &v["replicas"][0];
-    (
-        r["id"].as_u64().unwrap(),
-        (
-            r["processes"].as_u64().unwrap(),
-            r["workers_per_process"].as_u64().unwrap(),
-        ),
-    )
-}
-
 /// Waits (bounded) until the only service is replica `id`'s own, with
 /// `processes` processes running: no standby left.
 async fn only_own_running(sandbox: &Sandbox, id: u64, processes: usize, what: &str) {
@@ -223,7 +207,7 @@ async fn killed_at(failpoint: &str, expected: (u64, u64), outcome: &str) {
         counts(&[ROWS]),
         "{failpoint}: the replica's answer after the restart"
     );
-    let (id, shape) = listed(state, &url).await;
+    let (id, shape) = common::listed_r(state, &url).await;
     assert_eq!(shape, expected, "{failpoint}: the shape the catalog names");
     only_own_running(&sandbox, id, expected.0 as usize, failpoint).await;
     // The record the killed environment left, settled and said.
@@ -314,7 +298,7 @@ async fn new_processes_that_never_catch_up_are_rolled_back_and_reads_go_on() {
         reads.refused.is_empty() && reads.wrong == 0 && reads.answered >= 10,
         "reads across the roll-back: {reads:?}"
     );
-    let (id, shape) = listed(state, &url).await;
+    let (id, shape) = common::listed_r(state, &url).await;
     assert_eq!(shape, (2, 1), "rolled back to the old shape");
     only_own_running(&sandbox, id, 2, "rolled back").await;
     common::write_to_r(state, &url, &format!("{ROWS},{}@1", ROWS % GROUPS), 2).await;

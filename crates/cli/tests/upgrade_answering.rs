@@ -208,18 +208,6 @@ fn standby_served(out: &str) -> f64 {
         .unwrap_or_else(|| panic!("no time the standby served in {out:?}"))
 }
 
-/// Replica r's shape as `replica list` shows it.
-async fn shape_of_r(state: &Path, url: &str) -> (u64, u64) {
-    let v: serde_json::Value =
-        serde_json::from_str(&cli_ok(state, url, &["replica", "list", "-o", "json"]).await)
-            .unwrap();
-    let r = &v["replicas"][0];
-    (
-        r["processes"].as_u64().unwrap(),
-        r["workers_per_process"].as_u64().unwrap(),
-    )
-}
-
 /// The phases of a reconfiguration, in order (`ListReplicas`).
 const PHASES: [&str; 5] = [
     "standby-hydrating",
@@ -356,7 +344,7 @@ async fn replace_under(strategy: &str) {
         );
         shortest_served = shortest_served.min(standby_served(&out));
         assert_eq!(
-            shape_of_r(state, &url).await,
+            common::listed_r(state, &url).await.1,
             shape,
             "{strategy}: the shape after {command:?}"
         );

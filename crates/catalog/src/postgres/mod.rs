@@ -213,22 +213,9 @@ impl PgCatalog {
         let name = name.to_string();
         self.write(move |c| {
             Box::pin(async move {
-                let row = c
-                    .query_opt(
-                        "SELECT id, config FROM catalog_replicas WHERE name = $1",
-                        &[&name],
-                    )
-                    .await?
-                    .ok_or_else(|| WriteError::NoSuchReplica(name.clone()))?;
-                let replica = Replica {
-                    id: row.get::<_, i64>(0) as u64,
-                    config: ReplicaConfig {
-                        processes,
-                        workers_per_process,
-                        config: row.get(1),
-                    },
-                    name,
-                };
+                let mut replica = replica_named(c, name).await?;
+                replica.config.processes = processes;
+                replica.config.workers_per_process = workers_per_process;
                 check_replica(&replica.name, &replica.config).map_err(WriteError::Invalid)?;
                 c.execute(
                     "UPDATE catalog_replicas SET processes = $1, workers_per_process = $2 \
@@ -253,23 +240,7 @@ impl PgCatalog {
         let name = name.to_string();
         self.write(move |c| {
             Box::pin(async move {
-                let row = c
-                    .query_opt(
-                        "SELECT id, processes, workers_per_process, config \
-                         FROM catalog_replicas WHERE name = $1",
-                        &[&name],
-                    )
-                    .await?
-                    .ok_or_else(|| WriteError::NoSuchReplica(name.clone()))?;
-                let replica = Replica {
-                    id: row.get::<_, i64>(0) as u64,
-                    name,
-                    config: ReplicaConfig {
-                        processes: row.get::<_, i32>(1) as u32,
-                        workers_per_process: row.get::<_, i32>(2) as u32,
-                        config: row.get(3),
-                    },
-                };
+                let replica = replica_named(c, name).await?;
                 let id = replica.id as i64;
                 c.execute(
                     "DELETE FROM catalog_dataflows WHERE replica_id = $1",
@@ -770,5 +741,26 @@ async fn insert_input(
         replica_id,
         collection_id,
         write,
+    })
+}
+
+/// The replica named `name`, read on `c` (in the write's transaction).
+async fn replica_named(c: &Client, name: String) -> Result<Replica, WriteError> {
+    let row = c
+        .query_opt(
+            "SELECT id, processes, workers_per_process, config \
+             FROM catalog_replicas WHERE name = $1",
+            &[&name],
+        )
+        .await?
+        .ok_or_else(|| WriteError::NoSuchReplica(name.clone()))?;
+    Ok(Replica {
+        id: row.get::<_, i64>(0) as u64,
+        name,
+        config: ReplicaConfig {
+            processes: row.get::<_, i32>(1) as u32,
+            workers_per_process: row.get::<_, i32>(2) as u32,
+            config: row.get(3),
+        },
     })
 }

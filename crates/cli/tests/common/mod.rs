@@ -423,6 +423,22 @@ pub async fn pids_of_r(state: &Path, url: &str) -> Vec<u64> {
         .collect()
 }
 
+/// Replica r's ID and shape (processes, workers) as `replica list -o json`
+/// shows it (r must be the only replica).
+pub async fn listed_r(state: &Path, url: &str) -> (u64, (u64, u64)) {
+    let v: serde_json::Value =
+        serde_json::from_str(&cli_ok(state, url, &["replica", "list", "-o", "json"]).await)
+            .unwrap();
+    let r = &v["replicas"][0];
+    (
+        r["id"].as_u64().unwrap(),
+        (
+            r["processes"].as_u64().unwrap(),
+            r["workers_per_process"].as_u64().unwrap(),
+        ),
+    )
+}
+
 /// Creates replica r (`--processes P --workers W`, waiting until it
 /// serves) and on it a dataflow reading input 1 and exporting
 /// `101=EXPORT`, through the CLI.
