@@ -118,24 +118,7 @@ async fn peek(env: &EnvProcess, t: u64) -> Vec<(Vec<i64>, i64)> {
 /// `url`, answered once before this returns.
 async fn replica_with_rows(state: &Path, url: &str, env: &EnvProcess) {
     common::replica_r_with(state, url, 2, 1, "reduce(get(1), [#1], count)").await;
-    let updates = (0..ROWS).map(|i| {
-        lockstep_protocol::proto::Update::from(lockstep_protocol::Update {
-            row: lockstep_plan::rows::encode(&[i, i % GROUPS]),
-            time: 0,
-            diff: 1,
-        })
-    });
-    env.client()
-        .await
-        .unwrap()
-        .write_input(proto::WriteInputRequest {
-            replica: "r".into(),
-            collection_id: 1,
-            updates: updates.collect(),
-            upper: 1,
-        })
-        .await
-        .unwrap();
+    common::write_grouped_to_r(&mut env.client().await.unwrap(), ROWS, GROUPS).await;
     assert_eq!(peek(env, 0).await, counts(&[]), "before");
 }
 

@@ -275,21 +275,7 @@ async fn replace_under(strategy: &str) {
         .unwrap();
     let mut api =
         EnvironmentClient::with_interceptor(channel, Bearer::new(Some(token.trim())).unwrap());
-    let updates = (0..ROWS).map(|i| {
-        lockstep_protocol::proto::Update::from(lockstep_protocol::Update {
-            row: lockstep_plan::rows::encode(&[i, i % GROUPS]),
-            time: 0,
-            diff: 1,
-        })
-    });
-    api.write_input(proto::WriteInputRequest {
-        replica: "r".into(),
-        collection_id: 1,
-        updates: updates.collect(),
-        upper: 1,
-    })
-    .await
-    .unwrap();
+    common::write_grouped_to_r(&mut api, ROWS, GROUPS).await;
     // Every row counted before the load starts (a peek waits for it).
     api.peek(proto::PeekRequest {
         replica: "r".into(),

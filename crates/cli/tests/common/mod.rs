@@ -423,6 +423,30 @@ pub async fn pids_of_r(state: &Path, url: &str) -> Vec<u64> {
         .collect()
 }
 
+/// Writes rows `(i, i % groups)` for `i` in `0..rows` to input 1 of
+/// replica r at time 0 (upper 1) through `api`.
+pub async fn write_grouped_to_r(
+    api: &mut lockstep_chaos::environment::Client,
+    rows: i64,
+    groups: i64,
+) {
+    let updates = (0..rows).map(|i| {
+        lockstep_protocol::proto::Update::from(lockstep_protocol::Update {
+            row: lockstep_plan::rows::encode(&[i, i % groups]),
+            time: 0,
+            diff: 1,
+        })
+    });
+    api.write_input(lockstep_environment::proto::WriteInputRequest {
+        replica: "r".into(),
+        collection_id: 1,
+        updates: updates.collect(),
+        upper: 1,
+    })
+    .await
+    .unwrap();
+}
+
 /// Replica r's ID and shape (processes, workers) as `replica list -o json`
 /// shows it (r must be the only replica).
 pub async fn listed_r(state: &Path, url: &str) -> (u64, (u64, u64)) {
