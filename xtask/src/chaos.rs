@@ -213,8 +213,9 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
 /// failpoints, the shipped distribution policies if missing, and a `naive`
 /// policy for the negative control; runs the variants (default:
 /// broadcast barrier log log@postgres, log@hosts where simulated hosts can
-/// be made, naive, and barrier+no-holds: compaction that ignores read
-/// holds, I5's negative control).
+/// be made, naive, barrier+no-holds: compaction that ignores read holds,
+/// I5's negative control, and barrier+reconfigure: resizes and upgrades
+/// that keep answering among the operations, with faults part-way).
 fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
     build_with_environment("lockstep-chaos-campaign")?;
     let shipped = crate::policies::out_dir();
@@ -233,6 +234,7 @@ fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
     }
     defaults.push("naive".into());
     defaults.push("barrier+no-holds".into());
+    defaults.push("barrier+reconfigure".into());
     let strategies = if strategies.is_empty() {
         &defaults[..]
     } else {

@@ -69,12 +69,13 @@
 //! the check finds as a change missed or delivered twice (I3, I5).
 //!
 //! Usage: `lockstep-chaos-campaign [--seeds A..B | --seed S] [--steps N]
-//! [--strategy X[@postgres|@hosts][+no-holds] ...] [--keep I,J,...] [--shrink]`
+//! [--strategy X[@postgres|@hosts][+no-holds][+reconfigure] ...] [--keep I,J,...] [--shrink]`
 //! (default, the quick set `cargo xtask test` runs: seeds [`QUICK_SEEDS`] ×
 //! [`QUICK_STEPS`] operations and the shrunk [`REGRESSIONS`] for broadcast
 //! barrier log, seeds [`QUICK_PLACE_SEEDS`] for the `@postgres` and `@hosts`
-//! variants, seeds [`QUICK_NAIVE_SEEDS`] for naive and
-//! [`QUICK_NO_HOLDS_SEEDS`] for `+no-holds`). Prints one line per seed,
+//! variants, seeds [`QUICK_NAIVE_SEEDS`] for naive,
+//! [`QUICK_NO_HOLDS_SEEDS`] for `+no-holds` and [`QUICK_RECONFIGURE_SEEDS`]
+//! for `+reconfigure`). Prints one line per seed,
 //! the replay command of a failing one, then the reporting contract's JSON
 //! line per strategy (suite `campaign`). Exits non-zero if a strategy that
 //! must pass had a violation, any seed had a harness error, or `naive` (the
@@ -104,6 +105,8 @@ mod follow;
 mod model;
 #[path = "campaign/ops.rs"]
 mod ops;
+#[path = "campaign/reconfigure.rs"]
+mod reconfigure;
 #[path = "campaign/resume.rs"]
 mod resume;
 #[path = "campaign/run.rs"]
@@ -173,6 +176,11 @@ async fn run_seed(
     history_file: &Path,
 ) -> (Result<(), Failure>, String) {
     let plan = model::with_place_fault(model::generate(seed, steps), seed, variant.place_fault());
+    let plan = if variant.reconfigure {
+        model::with_reconfigurations(plan, seed)
+    } else {
+        plan
+    };
     let started = Instant::now();
     let mut run = match Run::setup(seed, variant, store, plan.processes, plan.workers).await {
         Ok(r) => r,
@@ -372,6 +380,12 @@ const QUICK_NAIVE_SEEDS: std::ops::RangeInclusive<u64> = 1..=10;
 /// 23, 24, 25, 31, 33, 34, 36, 37), seed 6 in every run so far.
 const QUICK_NO_HOLDS_SEEDS: [u64; 8] = [6, 7, 10, 23, 24, 25, 31, 33];
 
+/// The quick set's seeds for the `+reconfigure` variants (resizes and
+/// upgrades that keep answering, with faults part-way): seeds 1–3 of
+/// `barrier+reconfigure` and 1–2 of `broadcast+reconfigure` and
+/// `log+reconfigure` drew 3 to 6 of them each, every one checked.
+const QUICK_RECONFIGURE_SEEDS: [u64; 2] = [1, 2];
+
 /// The quick set's operations per seed.
 const QUICK_STEPS: usize = 60;
 
@@ -504,6 +518,8 @@ fn main() {
         let mut tally = Tally::default();
         let seeds: Vec<u64> = if args.regressions && strategy.holds_off {
             QUICK_NO_HOLDS_SEEDS.to_vec()
+        } else if args.regressions && strategy.reconfigure {
+            QUICK_RECONFIGURE_SEEDS.to_vec()
         } else if args.regressions && negative {
             QUICK_NAIVE_SEEDS.collect()
         } else if args.regressions && strategy.place != Place::Embedded {
@@ -515,7 +531,11 @@ fn main() {
             .iter()
             .map(|&seed| (seed, args.steps, args.keep.clone()))
             .collect();
-        if args.regressions && !negative && strategy.place == Place::Embedded {
+        if args.regressions
+            && !negative
+            && !strategy.reconfigure
+            && strategy.place == Place::Embedded
+        {
             cases.extend(
                 REGRESSIONS.iter().map(|&(seed, steps, keep)| {
                     (seed, steps, Some(keep.iter().copied().collect()))

@@ -95,6 +95,9 @@ pub enum Op {
     /// Cut a simulated host's control or mesh link for a while, then heal
     /// it (`@hosts` variants only).
     CutLink,
+    /// Resize the replica or upgrade it keeping its reads answered, with a
+    /// fault part-way (`+reconfigure` variants only).
+    Reconfigure,
 }
 
 impl Op {
@@ -110,6 +113,7 @@ impl Op {
                 | Op::RestartReplica
                 | Op::RestartStore
                 | Op::CutLink
+                | Op::Reconfigure
         )
     }
 }
@@ -184,6 +188,18 @@ pub fn with_place_fault(mut plan: Plan0, seed: u64, place_fault: Option<Op>) -> 
             if r.below(16) == 0 {
                 *op = fault;
             }
+        }
+    }
+    plan
+}
+
+/// [`Op::Reconfigure`] in place of about one operation in 12 of `plan`,
+/// drawn from a stream of its own (the `+reconfigure` variants).
+pub fn with_reconfigurations(mut plan: Plan0, seed: u64) -> Plan0 {
+    let mut r = Rng::new(seed ^ 0x5851_f42d_4c95_7f2d);
+    for op in plan.ops.iter_mut() {
+        if r.below(12) == 0 {
+            *op = Op::Reconfigure;
         }
     }
     plan

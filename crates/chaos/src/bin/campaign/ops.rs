@@ -145,6 +145,7 @@ impl Run {
             }
             Op::RestartStore => self.restart_store(i, &mut r).await?,
             Op::CutLink => self.cut_link(i, &mut r).await?,
+            Op::Reconfigure => self.reconfigure(i, &mut r).await?,
             Op::SwapPolicy => {
                 let to = if self.strategy == "naive" {
                     "naive".to_string()

@@ -7,6 +7,8 @@
 //! [`Op::CutLink`] cuts. `STRATEGY+no-holds` is a negative control:
 //! the environment compacts its inputs ignoring read holds (failpoint
 //! `read_holds_off`), under a compaction lag drawn from the small ones.
+//! `STRATEGY+reconfigure` draws resizes and upgrades that keep answering,
+//! with faults part-way ([`Op::Reconfigure`], `reconfigure.rs`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -27,6 +29,9 @@ pub(super) struct Variant {
     pub(super) place: Place,
     /// The negative control of read holds (I5): compaction ignores them.
     pub(super) holds_off: bool,
+    /// Resizes and upgrades that keep answering drawn among the operations
+    /// ([`Op::Reconfigure`]).
+    pub(super) reconfigure: bool,
 }
 
 /// Where a variant's environment runs.
@@ -51,13 +56,20 @@ impl std::fmt::Display for Variant {
         if self.holds_off {
             f.write_str("+no-holds")?;
         }
+        if self.reconfigure {
+            f.write_str("+reconfigure")?;
+        }
         Ok(())
     }
 }
 
 impl Variant {
-    /// Parses `STRATEGY[@postgres|@hosts][+no-holds]`.
+    /// Parses `STRATEGY[@postgres|@hosts][+no-holds][+reconfigure]`.
     pub(super) fn parse(s: &str) -> Result<Variant, String> {
+        let (s, reconfigure) = match s.strip_suffix("+reconfigure") {
+            Some(s) => (s, true),
+            None => (s, false),
+        };
         let (s, holds_off) = match s.strip_suffix("+no-holds") {
             Some(s) => (s, true),
             None => (s, false),
@@ -81,6 +93,7 @@ impl Variant {
             strategy: strategy.to_string(),
             place,
             holds_off,
+            reconfigure,
         })
     }
 
