@@ -29,11 +29,13 @@ use lockstep_pg::tokio_postgres::{Client, IsolationLevel};
 use lockstep_pg::{BoxFuture, Conn, Options, PgError, Session};
 
 use crate::{
-    check_replica, CatalogState, Dataflow, Fenced, InputWrite, OpenError, ReadError, Replica,
-    ReplicaConfig, StoredPolicy, WriteError,
+    CatalogState, Dataflow, Fenced, InputWrite, OpenError, ReadError, Replica, ReplicaConfig,
+    StoredPolicy, WriteError,
 };
 
+mod replicas;
 mod schema;
+mod settings;
 
 use schema::open_transaction;
 
@@ -167,96 +169,6 @@ impl PgCatalog {
     /// Checks the fence without writing.
     pub(crate) fn check_fence(&mut self) -> Result<(), WriteError> {
         self.write(|_| Box::pin(async { Ok(()) }))
-    }
-
-    /// Creates a replica, allocating its ID.
-    pub(crate) fn create_replica(
-        &mut self,
-        name: &str,
-        config: ReplicaConfig,
-    ) -> Result<Replica, WriteError> {
-        check_replica(name, &config).map_err(WriteError::Invalid)?;
-        let name = name.to_string();
-        self.write(move |c| {
-            Box::pin(async move {
-                let taken = c
-                    .query_opt("SELECT id FROM catalog_replicas WHERE name = $1", &[&name])
-                    .await?;
-                if taken.is_some() {
-                    return Err(WriteError::ReplicaExists(name));
-                }
-                let id = allocate(c, "next_replica_id").await?;
-                c.execute(
-                    "INSERT INTO catalog_replicas (id, name, processes, workers_per_process, config) \
-                     VALUES ($1, $2, $3, $4, $5)",
-                    &[
-                        &(id as i64),
-                        &name,
-                        &(config.processes as i32),
-                        &(config.workers_per_process as i32),
-                        &config.config,
-                    ],
-                )
-                .await?;
-                Ok(Replica { id, name, config })
-            })
-        })
-    }
-
-    /// See [`crate::Catalog::resize_replica`].
-    pub(crate) fn resize_replica(
-        &mut self,
-        name: &str,
-        processes: u32,
-        workers_per_process: u32,
-    ) -> Result<Replica, WriteError> {
-        let name = name.to_string();
-        self.write(move |c| {
-            Box::pin(async move {
-                let mut replica = replica_named(c, name).await?;
-                replica.config.processes = processes;
-                replica.config.workers_per_process = workers_per_process;
-                check_replica(&replica.name, &replica.config).map_err(WriteError::Invalid)?;
-                c.execute(
-                    "UPDATE catalog_replicas SET processes = $1, workers_per_process = $2 \
-                     WHERE id = $3",
-                    &[
-                        &(processes as i32),
-                        &(workers_per_process as i32),
-                        &(replica.id as i64),
-                    ],
-                )
-                .await?;
-                Ok(replica)
-            })
-        })
-    }
-
-    /// Drops the replica with this name, and its dataflows and inputs.
-    pub(crate) fn drop_replica(&mut self, name: &str) -> Result<Replica, WriteError> {
-        if name.is_empty() {
-            return Err(WriteError::Invalid("a replica needs a name".into()));
-        }
-        let name = name.to_string();
-        self.write(move |c| {
-            Box::pin(async move {
-                let replica = replica_named(c, name).await?;
-                let id = replica.id as i64;
-                c.execute(
-                    "DELETE FROM catalog_dataflows WHERE replica_id = $1",
-                    &[&id],
-                )
-                .await?;
-                c.execute(
-                    "DELETE FROM catalog_input_writes WHERE replica_id = $1",
-                    &[&id],
-                )
-                .await?;
-                c.execute("DELETE FROM catalog_replicas WHERE id = $1", &[&id])
-                    .await?;
-                Ok(replica)
-            })
-        })
     }
 
     /// Records a dataflow, allocating its ID and passing it to `describe`.
@@ -547,69 +459,6 @@ impl PgCatalog {
         })
     }
 
-    /// The value of an environment setting, if it was ever recorded.
-    pub(crate) fn setting(&mut self, key: &str) -> Result<Option<String>, ReadError> {
-        let key = key.to_string();
-        self.conn.run(move |s: &mut Session| {
-            Box::pin(async move {
-                let row = s
-                    .client
-                    .query_opt("SELECT value FROM catalog_settings WHERE key = $1", &[&key])
-                    .await?;
-                Ok(row.map(|r| r.get(0)))
-            })
-        })
-    }
-
-    /// Every environment setting whose key starts with `prefix`, by key.
-    pub(crate) fn settings_under(
-        &mut self,
-        prefix: &str,
-    ) -> Result<Vec<(String, String)>, ReadError> {
-        let prefix = prefix.to_string();
-        self.conn.run(move |s: &mut Session| {
-            Box::pin(async move {
-                let rows = s
-                    .client
-                    .query(
-                        "SELECT key, value FROM catalog_settings \
-                         WHERE left(key, length($1)) = $1 ORDER BY key",
-                        &[&prefix],
-                    )
-                    .await?;
-                Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
-            })
-        })
-    }
-
-    /// Removes an environment setting, if there is one.
-    pub(crate) fn clear_setting(&mut self, key: &str) -> Result<(), WriteError> {
-        let key = key.to_string();
-        self.write(move |c| {
-            Box::pin(async move {
-                c.execute("DELETE FROM catalog_settings WHERE key = $1", &[&key])
-                    .await?;
-                Ok(())
-            })
-        })
-    }
-
-    /// Records an environment setting (replacing any value).
-    pub(crate) fn set_setting(&mut self, key: &str, value: &str) -> Result<(), WriteError> {
-        let (key, value) = (key.to_string(), value.to_string());
-        self.write(move |c| {
-            Box::pin(async move {
-                c.execute(
-                    "INSERT INTO catalog_settings (key, value) VALUES ($1, $2) \
-                     ON CONFLICT (key) DO UPDATE SET value = $2",
-                    &[&key, &value],
-                )
-                .await?;
-                Ok(())
-            })
-        })
-    }
-
     /// Drops a dataflow.
     pub(crate) fn drop_dataflow(&mut self, id: u64) -> Result<(), WriteError> {
         self.write(move |c| {
@@ -741,26 +590,5 @@ async fn insert_input(
         replica_id,
         collection_id,
         write,
-    })
-}
-
-/// The replica named `name`, read on `c` (in the write's transaction).
-async fn replica_named(c: &Client, name: String) -> Result<Replica, WriteError> {
-    let row = c
-        .query_opt(
-            "SELECT id, processes, workers_per_process, config \
-             FROM catalog_replicas WHERE name = $1",
-            &[&name],
-        )
-        .await?
-        .ok_or_else(|| WriteError::NoSuchReplica(name.clone()))?;
-    Ok(Replica {
-        id: row.get::<_, i64>(0) as u64,
-        name,
-        config: ReplicaConfig {
-            processes: row.get::<_, i32>(1) as u32,
-            workers_per_process: row.get::<_, i32>(2) as u32,
-            config: row.get(3),
-        },
     })
 }
