@@ -70,13 +70,13 @@ impl Environment {
     /// Settles every reconfiguration record an earlier environment left
     /// (see the module docs): called at start, after the leftover standbys
     /// are dropped. Returns what it settled, one line each.
-    pub fn settle_reconfigurations(&self) -> Result<Vec<String>, EnvError> {
+    pub fn settle_reconfigurations(&self) -> anyhow::Result<Vec<String>> {
         let records = self
             .catalog
             .lock()
             .expect("poisoned")
             .reconfigurations()
-            .map_err(|e| EnvError::Catalog(WriteError::Invalid(e.to_string())))?;
+            .map_err(|e| anyhow::anyhow!("reading the reconfiguration records: {e}"))?;
         let mut settled = Vec::new();
         for (id, text) in records {
             let line = self.settled_line(id, &text);

@@ -316,7 +316,8 @@ impl EnvironmentApi for EnvironmentService {
                 let holds = self.env.read_holds(r.id);
                 r.read_holds = holds.holds as u32;
                 r.read_hold_span = holds.held_span;
-                if let Some(rs) = self.env.reconfiguration(r.id).await {
+                let reconfiguration = self.env.reconfiguration(r.id).await;
+                if let Some(rs) = &reconfiguration {
                     let rc = &rs.reconfiguration;
                     r.reconfiguration = Some(proto::ReplicaReconfiguration {
                         kind: rc.kind.to_string(),
@@ -335,7 +336,12 @@ impl EnvironmentApi for EnvironmentService {
                 let Some(c) = self.env.replica_controller(&r.name) else {
                     continue;
                 };
-                if let Ok(caught_up) = c.caught_up().await {
+                // Asked once: a reconfiguration's status holds it already.
+                let caught_up = match reconfiguration {
+                    Some(rs) => rs.own_caught_up,
+                    None => c.caught_up().await.ok(),
+                };
+                if let Some(caught_up) = caught_up {
                     r.live_dataflows = Some(caught_up.dataflows as u32);
                     r.dataflows_caught_up = Some(caught_up.caught_up as u32);
                 }

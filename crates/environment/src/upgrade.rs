@@ -327,7 +327,7 @@ impl Environment {
             Replacement::Restart => {
                 let info = self.restart_replica(&replica.name).await?;
                 self.phase(replica, ReconfigurationPhase::Hydrating);
-                let own = self.compute.controller(replica.id).ok_or_else(missing)?;
+                let own = self.own_controller(replica, "the upgrade")?;
                 self.catch_up(replica, &standby, &own, "the restarted replica")
                     .await?;
                 info
@@ -337,7 +337,15 @@ impl Environment {
                 workers_per_process,
             } => {
                 let target = (processes, workers_per_process);
-                match self.resized_and_caught_up(replica, target, &standby).await {
+                let resized = self
+                    .resized_and_caught_up(
+                        replica,
+                        target,
+                        &standby,
+                        ReconfigurationPhase::Hydrating,
+                    )
+                    .await;
+                match resized {
                     Ok(info) => info,
                     Err(e) => return Err(self.roll_back(replica, &standby, e).await),
                 }
@@ -357,24 +365,20 @@ impl Environment {
         })
     }
 
-    /// Step 3 of a resize, then the replica's new processes caught up with
-    /// `standby`.
+    /// Step 3 of a resize to `target` (processes, workers), then, in
+    /// `phase`, the replica's new processes caught up with `standby`.
     async fn resized_and_caught_up(
         &self,
         replica: &Replica,
         (processes, workers_per_process): (u32, u32),
         standby: &Controller,
+        phase: ReconfigurationPhase,
     ) -> Result<ReplicaInfo, ComputeError> {
         let info = self
             .resize_own(replica, processes, workers_per_process)
             .await?;
-        let own = self.compute.controller(replica.id).ok_or_else(|| {
-            ComputeError::Unavailable(format!(
-                "replica {:?}'s controller went away during the resize",
-                replica.name
-            ))
-        })?;
-        self.phase(replica, ReconfigurationPhase::Hydrating);
+        let own = self.own_controller(replica, "the resize")?;
+        self.phase(replica, phase);
         self.catch_up(replica, standby, &own, "the replica's new processes")
             .await?;
         Ok(info)
@@ -390,31 +394,34 @@ impl Environment {
         standby: &Controller,
         failed: ComputeError,
     ) -> ComputeError {
-        let (processes, workers) = (replica.config.processes, replica.config.workers_per_process);
+        let old = (replica.config.processes, replica.config.workers_per_process);
+        let (processes, workers) = old;
         tracing::warn!(
             replica = %replica.name,
             "the resize failed ({failed}): rolling back to {processes}x{workers}"
         );
-        self.phase(replica, ReconfigurationPhase::RollingBack);
-        let back = async {
-            self.resize_own(replica, processes, workers).await?;
-            let own = self.compute.controller(replica.id).ok_or_else(|| {
-                ComputeError::Unavailable(format!(
-                    "replica {:?}'s controller went away during the roll-back",
-                    replica.name
-                ))
-            })?;
-            self.catch_up(replica, standby, &own, "the rolled-back replica")
-                .await
-        };
-        match back.await {
-            Ok(()) => ComputeError::Unavailable(format!(
+        let back = self
+            .resized_and_caught_up(replica, old, standby, ReconfigurationPhase::RollingBack)
+            .await;
+        match back {
+            Ok(_) => ComputeError::Unavailable(format!(
                 "{failed}; rolled back to {processes}x{workers} (processes x workers), reads answered throughout"
             )),
             Err(e) => ComputeError::Unavailable(format!(
                 "{failed}; the roll-back to {processes}x{workers} failed too: {e}"
             )),
         }
+    }
+
+    /// Replica `replica`'s own controller, or UNAVAILABLE: it went away
+    /// during `what`.
+    fn own_controller(&self, replica: &Replica, what: &str) -> Result<Controller, ComputeError> {
+        self.compute.controller(replica.id).ok_or_else(|| {
+            ComputeError::Unavailable(format!(
+                "replica {:?}'s controller went away during {what}",
+                replica.name
+            ))
+        })
     }
 
     /// Step 3 of a resize: the new shape in the catalog, the replica's
@@ -428,27 +435,30 @@ impl Environment {
     ) -> Result<ReplicaInfo, ComputeError> {
         let _ops = self.ops.lock().await;
         self.check_not_halted()?;
-        let resized = {
+        // The shape it had: the old one, or the new one when rolling back.
+        let (resized, before) = {
             let mut catalog = self.catalog.lock().expect("poisoned");
             let resized = catalog
                 .resize_replica(&replica.name, processes, workers_per_process)
                 .map_err(|e| self.catalog_error(e))?;
-            self.view
+            let before = self
+                .view
                 .lock()
                 .expect("poisoned")
                 .replicas
-                .insert(resized.id, resized.clone());
-            resized
+                .insert(resized.id, resized.clone())
+                .map_or(replica.config.clone(), |r| r.config);
+            (resized, before)
         };
         fail::fail_point!("resize_after_catalog");
         tracing::info!(
             replica = %replica.name,
-            from = %format!("{}x{}", replica.config.processes, replica.config.workers_per_process),
+            from = %format!("{}x{}", before.processes, before.workers_per_process),
             to = %format!("{processes}x{workers_per_process}"),
             "resizing: the new shape is in the catalog"
         );
         self.metrics()
-            .forget_processes(&replica.name, processes..replica.config.processes);
+            .forget_processes(&replica.name, processes..before.processes);
         let status = self
             .orchestrator
             .ensure_service(self.service_config(&resized))
@@ -463,12 +473,7 @@ impl Environment {
                 (self.command_log(resized.id), self.session_key(resized.id)),
             )
             .map_err(ComputeError::Unavailable)?;
-        let own = self.compute.controller(resized.id).ok_or_else(|| {
-            ComputeError::Unavailable(format!(
-                "replica {:?}'s controller went away during the resize",
-                replica.name
-            ))
-        })?;
+        let own = self.own_controller(replica, "the resize")?;
         // The new processes out of the controller's reach: the roll-back's
         // test (`resize_new_processes_unreachable=1*return`, the first
         // resize only).
