@@ -214,8 +214,10 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
 /// policy for the negative control; runs the variants (default:
 /// broadcast barrier log log@postgres, log@hosts where simulated hosts can
 /// be made, naive, barrier+no-holds: compaction that ignores read holds,
-/// I5's negative control, and barrier+reconfigure: resizes and upgrades
-/// that keep answering among the operations, with faults part-way).
+/// I5's negative control, barrier+reconfigure: resizes and upgrades
+/// that keep answering among the operations, with faults part-way, and
+/// barrier+early-switch: reads sent to a standby before it has caught up,
+/// I6's negative control).
 fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
     build_with_environment("lockstep-chaos-campaign")?;
     let shipped = crate::policies::out_dir();
@@ -235,6 +237,7 @@ fn campaign(strategies: &[String], args: &CampaignArgs) -> anyhow::Result<()> {
     defaults.push("naive".into());
     defaults.push("barrier+no-holds".into());
     defaults.push("barrier+reconfigure".into());
+    defaults.push("barrier+early-switch".into());
     let strategies = if strategies.is_empty() {
         &defaults[..]
     } else {

@@ -305,6 +305,11 @@ impl Environment {
         let mut config =
             self.service_config_with_log(replica, self.standby_command_log(replica.id));
         config.name = ServiceTemplate::standby_service_name(replica.id);
+        // The standby's processes' own failpoints (the campaign starts them
+        // late: `standby_failpoints=return(replica_start=sleep(MS))`).
+        if let Some(Some(failpoints)) = fail::eval("standby_failpoints", |arg| arg) {
+            config.env.insert("FAILPOINTS".into(), failpoints);
+        }
         config
     }
 

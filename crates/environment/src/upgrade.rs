@@ -307,6 +307,11 @@ impl Environment {
         };
         let standby = self.compute.standby(replica.id).ok_or_else(missing)?;
         let own = self.compute.controller(replica.id).ok_or_else(missing)?;
+        // The campaign's negative control: reads switched before the lag
+        // closes (`reads_switch_early`).
+        if fail::eval("reads_switch_early", |_| ()).is_some() {
+            self.compute.route_reads(replica.id, Generation::Standby);
+        }
         self.catch_up(replica, &own, &standby, "the standby")
             .await?;
         // A mutation the standby could not take removed it.

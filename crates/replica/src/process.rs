@@ -212,6 +212,9 @@ impl Builder {
         // Test hooks: FAILPOINTS="name=actions;..." (feature `failpoints` only).
         #[cfg(feature = "failpoints")]
         std::mem::forget(fail::FailScenario::setup());
+        // A process that starts late (the campaign's standbys:
+        // `replica_start=sleep(MS)`).
+        fail::fail_point!("replica_start");
         if args.peers.len() != args.processes as usize {
             eprintln!(
                 "lockstep-replica: error: --peers lists {} addresses but --processes is {}",

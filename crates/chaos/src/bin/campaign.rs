@@ -68,18 +68,23 @@
 //! continues a following subscription from inputs compacted past it, which
 //! the check finds as a change missed or delivered twice (I3, I5).
 //!
+//! The `+reconfigure` variants draw resizes and upgrades that keep
+//! answering (`reconfigure.rs`) with a reader peeking throughout; their
+//! negative control `STRATEGY+early-switch` sends reads to a standby
+//! before it has caught up, which holds a read up for seconds (I6).
+//!
 //! Usage: `lockstep-chaos-campaign [--seeds A..B | --seed S] [--steps N]
-//! [--strategy X[@postgres|@hosts][+no-holds][+reconfigure] ...] [--keep I,J,...] [--shrink]`
+//! [--strategy X[@postgres|@hosts][+no-holds][+reconfigure|+early-switch] ...] [--keep I,J,...] [--shrink]`
 //! (default, the quick set `cargo xtask test` runs: seeds [`QUICK_SEEDS`] ×
 //! [`QUICK_STEPS`] operations and the shrunk [`REGRESSIONS`] for broadcast
 //! barrier log, seeds [`QUICK_PLACE_SEEDS`] for the `@postgres` and `@hosts`
 //! variants, seeds [`QUICK_NAIVE_SEEDS`] for naive,
 //! [`QUICK_NO_HOLDS_SEEDS`] for `+no-holds` and [`QUICK_RECONFIGURE_SEEDS`]
-//! for `+reconfigure`). Prints one line per seed,
+//! for `+reconfigure` and `+early-switch`). Prints one line per seed,
 //! the replay command of a failing one, then the reporting contract's JSON
 //! line per strategy (suite `campaign`). Exits non-zero if a strategy that
-//! must pass had a violation, any seed had a harness error, or `naive` (the
-//! negative control) was not caught.
+//! must pass had a violation, any seed had a harness error, or a negative
+//! control (`naive`, `+no-holds`, `+early-switch`) was not caught.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -161,6 +166,9 @@ struct Run {
     /// The failpoints of every environment the seed starts (a negative
     /// control's).
     failpoints: Option<&'static str>,
+    /// The negative control of reconfigurations (`+early-switch`): every
+    /// reconfiguration without a fault, so that its reads are checked.
+    reads_switch_early: bool,
     /// The subscriptions that follow each input through the whole seed.
     follows: Vec<follow::Follow>,
 }

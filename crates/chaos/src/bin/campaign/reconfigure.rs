@@ -7,6 +7,17 @@
 //! is what every seed checks (the answers, the processes, the services).
 //! The replica's shape afterwards is read back: its processes are checked
 //! against it.
+//!
+//! Unless the environment is killed, a reader peeks the live dataflows
+//! throughout (one every [`READ_EVERY`]); every answer is checked against
+//! the reference (I3). A reconfiguration with no fault must refuse no read
+//! and hold none up for longer than [`READ_HOLD_BOUND`] (I6). The
+//! `+reconfigure` variants start each standby's processes
+//! [`STANDBY_DELAY`] late (the environment's failpoint `standby_failpoints`
+//! gives them the replica's `replica_start=sleep(MS)`), so a standby that
+//! answered reads before its lag closed would hold them up for seconds:
+//! the negative control `+early-switch` (failpoint `reads_switch_early`)
+//! does, and reconfigures with no fault so that every one is checked.
 
 use super::*;
 use env::*;
@@ -17,18 +28,55 @@ use model::Rng;
 /// hang).
 const ANSWER_BOUND: Duration = Duration::from_secs(150);
 
+/// How often the reader peeks during a reconfiguration.
+const READ_EVERY: Duration = Duration::from_millis(20);
+
+/// The longest a peek may wait during a reconfiguration with no fault
+/// (I6). A peek of a caught-up generation takes tens of milliseconds here
+/// (docs/environment.md); one sent to a standby whose processes have not
+/// started waits at least [`STANDBY_DELAY`], twice this.
+const READ_HOLD_BOUND: Duration = Duration::from_millis(STANDBY_DELAY.as_millis() as u64 / 2);
+
+/// How late each standby's processes start in the `+reconfigure` variants.
+pub(super) const STANDBY_DELAY: Duration = Duration::from_millis(3000);
+
+/// A peek the reader sent during a reconfiguration: the dataflow (its index
+/// in the world), the time, how long the answer took and the answer.
+type Read = (
+    usize,
+    u64,
+    Duration,
+    Result<lockstep_plan::reference::Multiset, tonic::Status>,
+);
+
 impl Run {
     /// Runs [`Op::Reconfigure`] (see the module docs).
     pub(super) async fn reconfigure(&mut self, i: usize, r: &mut Rng) -> Result<(), Failure> {
         let resize = r.below(3) != 0;
         let (p, w) = (r.range(1, 4) as u32, r.range(1, 2) as u32);
-        let fault = r.below(3);
+        // The negative control is checked on every reconfiguration.
+        let fault = if self.reads_switch_early {
+            2
+        } else {
+            r.below(3)
+        };
         let delay = Duration::from_millis(r.range(0, 1500));
         let what = if resize {
             format!("resize to {p}x{w}")
         } else {
             "upgrade --keep-answering".to_string()
         };
+        // Reads are held to I6 only in a reconfiguration with no fault, of a
+        // replica that answers every read before it starts (not one still
+        // rebuilding after the last operation's fault, nor one whose
+        // environment runs with its controller crashed).
+        let targets = self.read_targets();
+        let checked = fault == 2 && self.crashed_for.is_none() && self.answers_all(&targets).await;
+        if fault == 2 && !checked {
+            self.world.log(format!(
+                "{i} {what}: the replica does not answer every read before it: its reads are not held to I6"
+            ));
+        }
         let mut client = self.client.clone();
         let task = tokio::spawn(async move {
             if resize {
@@ -73,7 +121,10 @@ impl Run {
                         ));
                     }
                 }
-                let res = match tokio::time::timeout(ANSWER_BOUND, task).await {
+                let (answered, reads) = self
+                    .reading(&targets, tokio::time::timeout(ANSWER_BOUND, task))
+                    .await;
+                let res = match answered {
                     Ok(Ok(res)) => res,
                     Ok(Err(e)) => return Err(Failure::Harness(format!("{what}: task: {e}"))),
                     Err(_) => {
@@ -84,6 +135,7 @@ impl Run {
                     }
                 };
                 self.world.log(format!("{i} {what}: {}", outcome(&res)));
+                self.check_reads(i, &what, reads, checked)?;
                 res
             }
         };
@@ -105,6 +157,136 @@ impl Run {
             self.processes = replica.processes;
         }
         Ok(())
+    }
+}
+
+impl Run {
+    /// What the reader peeks: each live dataflow (its index in the world
+    /// and collection) at its newest readable time.
+    fn read_targets(&self) -> Vec<(usize, u64, u64)> {
+        self.world
+            .live_dataflows(true)
+            .into_iter()
+            .filter_map(|k| {
+                let d = &self.world.dataflows[k];
+                Some((k, d.collection, self.world.read_time(&d.inputs)?))
+            })
+            .collect()
+    }
+
+    /// Whether every target is answered, each within [`CALL`].
+    async fn answers_all(&self, targets: &[(usize, u64, u64)]) -> bool {
+        let mut client = self.client.clone();
+        for &(_, collection, t) in targets {
+            let peek = client.peek(proto::PeekRequest {
+                replica: REPLICA.into(),
+                collection_id: collection,
+                timestamp: t,
+            });
+            if !matches!(tokio::time::timeout(CALL, peek).await, Ok(Ok(_))) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Awaits `call` while peeking `targets` every [`READ_EVERY`]: its
+    /// output and the reads answered meanwhile (a read in flight when the
+    /// call ends is dropped).
+    async fn reading<T>(
+        &self,
+        targets: &[(usize, u64, u64)],
+        call: impl std::future::Future<Output = T>,
+    ) -> (T, Vec<Read>) {
+        let mut reads = Vec::new();
+        if targets.is_empty() {
+            return (call.await, reads);
+        }
+        let mut client = self.client.clone();
+        let reader = async {
+            for &(k, collection, t) in targets.iter().cycle() {
+                let sent = Instant::now();
+                let res = client
+                    .peek(proto::PeekRequest {
+                        replica: REPLICA.into(),
+                        collection_id: collection,
+                        timestamp: t,
+                    })
+                    .await
+                    .map(|rows| {
+                        model::multiset(
+                            rows.into_inner()
+                                .rows
+                                .into_iter()
+                                .map(|r| (r.values, r.diff)),
+                        )
+                    });
+                reads.push((k, t, sent.elapsed(), res));
+                tokio::time::sleep(READ_EVERY).await;
+            }
+        };
+        let out = tokio::select! {
+            out = call => out,
+            () = reader => unreachable!("the reader cycles over a non-empty list"),
+        };
+        (out, reads)
+    }
+
+    /// Checks the reads sent during reconfiguration `i` (`what`): every
+    /// answer against the reference (I3, at the seed's end); with no fault
+    /// (`unfaulted`), none refused and none held up longer than
+    /// [`READ_HOLD_BOUND`] (I6).
+    fn check_reads(
+        &mut self,
+        i: usize,
+        what: &str,
+        reads: Vec<Read>,
+        unfaulted: bool,
+    ) -> Result<(), Failure> {
+        let (mut answered, mut refused, mut longest) = (0, 0, Duration::ZERO);
+        let mut broken = None;
+        for (k, t, took, res) in reads {
+            let d = self.world.dataflows[k].clone();
+            longest = longest.max(took);
+            match res {
+                Ok(rows) => {
+                    answered += 1;
+                    self.world.answers.push(model::Answer {
+                        op: i,
+                        how: "peek during a reconfiguration",
+                        collection: d.collection,
+                        plan: d.plan.clone(),
+                        time: t,
+                        rows,
+                    });
+                    if unfaulted && took > READ_HOLD_BOUND && broken.is_none() {
+                        broken = Some(format!(
+                            "op {i}: {what} with no fault held a peek of {} at {t} up for {} ms",
+                            d.collection,
+                            took.as_millis()
+                        ));
+                    }
+                }
+                Err(s) => {
+                    refused += 1;
+                    if unfaulted && broken.is_none() {
+                        broken = Some(format!(
+                            "op {i}: {what} with no fault refused a peek of {} at {t}: {}",
+                            d.collection,
+                            code(&s)
+                        ));
+                    }
+                }
+            }
+        }
+        self.world.log(format!(
+            "{i}  reads during it: {answered} answered, {refused} refused, the longest {} ms",
+            longest.as_millis()
+        ));
+        match broken {
+            Some(what) => Err(violation("I6", what)),
+            None => Ok(()),
+        }
     }
 }
 

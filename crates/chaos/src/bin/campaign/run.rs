@@ -56,6 +56,7 @@ impl Run {
             log_read: 0,
             partial_drops: 0,
             failpoints: variant.failpoints(),
+            reads_switch_early: variant.early_switch,
             follows: Vec::new(),
         };
         run.set_policy(strategy)

@@ -8,7 +8,9 @@
 //! the environment compacts its inputs ignoring read holds (failpoint
 //! `read_holds_off`), under a compaction lag drawn from the small ones.
 //! `STRATEGY+reconfigure` draws resizes and upgrades that keep answering,
-//! with faults part-way ([`Op::Reconfigure`], `reconfigure.rs`).
+//! with faults part-way ([`Op::Reconfigure`], `reconfigure.rs`);
+//! `STRATEGY+early-switch` is their negative control: reads go to the
+//! standby before its lag closes (failpoint `reads_switch_early`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,6 +34,17 @@ pub(super) struct Variant {
     /// Resizes and upgrades that keep answering drawn among the operations
     /// ([`Op::Reconfigure`]).
     pub(super) reconfigure: bool,
+    /// The negative control of reconfigurations (I6): reads switch to a
+    /// standby before it has caught up. Implies `reconfigure`.
+    pub(super) early_switch: bool,
+}
+
+/// A reconfiguring variant's failpoint: each standby's processes start
+/// [`reconfigure::STANDBY_DELAY`] late.
+macro_rules! standby_late {
+    () => {
+        "standby_failpoints=return(replica_start=sleep(3000))"
+    };
 }
 
 /// Where a variant's environment runs.
@@ -56,7 +69,9 @@ impl std::fmt::Display for Variant {
         if self.holds_off {
             f.write_str("+no-holds")?;
         }
-        if self.reconfigure {
+        if self.early_switch {
+            f.write_str("+early-switch")?;
+        } else if self.reconfigure {
             f.write_str("+reconfigure")?;
         }
         Ok(())
@@ -64,11 +79,15 @@ impl std::fmt::Display for Variant {
 }
 
 impl Variant {
-    /// Parses `STRATEGY[@postgres|@hosts][+no-holds][+reconfigure]`.
+    /// Parses `STRATEGY[@postgres|@hosts][+no-holds][+reconfigure|+early-switch]`.
     pub(super) fn parse(s: &str) -> Result<Variant, String> {
-        let (s, reconfigure) = match s.strip_suffix("+reconfigure") {
+        let (s, early_switch) = match s.strip_suffix("+early-switch") {
             Some(s) => (s, true),
             None => (s, false),
+        };
+        let (s, reconfigure) = match s.strip_suffix("+reconfigure") {
+            Some(s) => (s, true),
+            None => (s, early_switch),
         };
         let (s, holds_off) = match s.strip_suffix("+no-holds") {
             Some(s) => (s, true),
@@ -94,18 +113,28 @@ impl Variant {
             place,
             holds_off,
             reconfigure,
+            early_switch,
         })
     }
 
-    /// Whether this is a negative control (naive delivery, or compaction
-    /// that ignores read holds).
+    /// Whether this is a negative control (naive delivery, compaction
+    /// that ignores read holds, or reads switched to a standby early).
     pub(super) fn negative(&self) -> bool {
-        self.strategy == "naive" || self.holds_off
+        self.strategy == "naive" || self.holds_off || self.early_switch
     }
 
-    /// The failpoints of every environment this variant starts.
+    /// The failpoints of every environment this variant starts: a
+    /// reconfiguring variant's standbys start
+    /// [`reconfigure::STANDBY_DELAY`] late (`standby_failpoints`, the
+    /// `FAILPOINTS` of a standby's processes).
     pub(super) fn failpoints(&self) -> Option<&'static str> {
-        self.holds_off.then_some("read_holds_off=return")
+        match (self.holds_off, self.reconfigure, self.early_switch) {
+            (false, false, _) => None,
+            (true, false, _) => Some("read_holds_off=return"),
+            (true, true, _) => Some(concat!("read_holds_off=return;", standby_late!())),
+            (false, true, false) => Some(standby_late!()),
+            (false, true, true) => Some(concat!(standby_late!(), ";reads_switch_early=return")),
+        }
     }
 
     /// The fault only this variant's place has, if any.
@@ -273,5 +302,14 @@ impl Run {
         self.world
             .log(format!("{i}  healed host {k}'s {link:?} link"));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_reconfiguring_variant_delays_its_standbys_by_standby_delay() {
+        let ms = super::reconfigure::STANDBY_DELAY.as_millis();
+        assert!(standby_late!().ends_with(&format!("replica_start=sleep({ms}))")));
     }
 }
