@@ -40,12 +40,12 @@ use lockstep_protocol::{CodecError, SessionKey};
 /// The Noise protocol every secured session uses.
 pub const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
 
-/// The longest Noise message.
-const MAX_RECORD: usize = 65535;
+/// The longest Noise message: the most a record's 2-byte length announces.
+pub const MAX_RECORD: usize = 65535;
 /// The authentication tag of every record.
-const TAG_LEN: usize = 16;
+pub const TAG_LEN: usize = 16;
 /// The most plaintext one record carries.
-const MAX_RECORD_PLAIN: usize = MAX_RECORD - TAG_LEN;
+pub const MAX_RECORD_PLAIN: usize = MAX_RECORD - TAG_LEN;
 /// The longest handshake message accepted (an ephemeral key, a tag and an
 /// empty payload are 48 bytes).
 const MAX_HANDSHAKE_MESSAGE: usize = 256;
@@ -85,41 +85,114 @@ fn noise(e: snow::Error) -> SecureError {
     SecureError::Malformed(e.to_string())
 }
 
-/// A Noise builder of [`NOISE_PARAMS`] with `key` as the pre-shared key
-/// and `prologue` bound: the controller sessions' and the timely mesh
-/// links' (`lockstep_replica::cluster`) one way to set up a session.
-pub fn builder<'a>(
-    key: &'a [u8; 32],
-    prologue: &'a [u8],
-) -> Result<snow::Builder<'a>, SecureError> {
-    let params: snow::params::NoiseParams = NOISE_PARAMS.parse().map_err(noise)?;
-    snow::Builder::new(params)
-        .prologue(prologue)
-        .map_err(noise)?
-        .psk(0, key)
-        .map_err(noise)
+/// A Noise handshake of [`NOISE_PARAMS`], with no I/O of its own: the
+/// controller sessions' ([`initiate`], [`respond`], async) and the timely
+/// mesh links' (`lockstep_replica::cluster`, blocking) one way to set up a
+/// session. The driver sends each [`HandshakeStep::Send`] as it is,
+/// reads a message for each [`HandshakeStep::Receive`] (its 2-byte length
+/// checked by [`Handshake::message_len`], then [`Handshake::receive`]),
+/// and stops at [`HandshakeStep::Done`].
+pub struct Handshake {
+    state: snow::HandshakeState,
+    /// Whether this side writes the next message.
+    writes: bool,
 }
 
-async fn write_message<S: AsyncWrite + Unpin>(s: &mut S, message: &[u8]) -> io::Result<()> {
-    let mut out = Vec::with_capacity(2 + message.len());
-    out.extend_from_slice(&(message.len() as u16).to_be_bytes());
-    out.extend_from_slice(message);
-    s.write_all(&out).await?;
-    s.flush().await
-}
-
-async fn read_message<S: AsyncRead + Unpin>(s: &mut S) -> Result<Vec<u8>, SecureError> {
-    let mut len = [0u8; 2];
-    s.read_exact(&mut len).await?;
-    let len = u16::from_be_bytes(len) as usize;
-    if len > MAX_HANDSHAKE_MESSAGE {
-        return Err(SecureError::Malformed(format!(
-            "a handshake message of {len} bytes (at most {MAX_HANDSHAKE_MESSAGE})"
-        )));
+impl std::fmt::Debug for Handshake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Handshake(..)")
     }
-    let mut message = vec![0u8; len];
-    s.read_exact(&mut message).await?;
-    Ok(message)
+}
+
+/// What a [`Handshake`]'s driver does next.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HandshakeStep {
+    /// Send these bytes (a message with its 2-byte big-endian length).
+    Send(Vec<u8>),
+    /// Read the other side's next message.
+    Receive,
+    /// The handshake is done: take its transport keys.
+    Done,
+}
+
+impl Handshake {
+    /// A handshake with `key` as the pre-shared key and `prologue` bound;
+    /// the initiator writes the first message.
+    pub fn new(key: &[u8; 32], prologue: &[u8], initiator: bool) -> Result<Handshake, SecureError> {
+        let params: snow::params::NoiseParams = NOISE_PARAMS.parse().map_err(noise)?;
+        let builder = snow::Builder::new(params)
+            .prologue(prologue)
+            .map_err(noise)?
+            .psk(0, key)
+            .map_err(noise)?;
+        let state = if initiator {
+            builder.build_initiator()
+        } else {
+            builder.build_responder()
+        }
+        .map_err(noise)?;
+        Ok(Handshake {
+            state,
+            writes: initiator,
+        })
+    }
+
+    /// The next step; a `Send` is taken as sent.
+    pub fn next_step(&mut self) -> Result<HandshakeStep, SecureError> {
+        if self.state.is_handshake_finished() {
+            return Ok(HandshakeStep::Done);
+        }
+        if !self.writes {
+            return Ok(HandshakeStep::Receive);
+        }
+        let mut out = vec![0u8; 2 + MAX_HANDSHAKE_MESSAGE];
+        let n = self
+            .state
+            .write_message(&[], &mut out[2..])
+            .map_err(noise)?;
+        out[..2].copy_from_slice(&(n as u16).to_be_bytes());
+        out.truncate(2 + n);
+        self.writes = false;
+        Ok(HandshakeStep::Send(out))
+    }
+
+    /// The length of the message a 2-byte prefix announces; a length no
+    /// handshake message has is [`SecureError::Malformed`], before
+    /// anything is read or kept.
+    pub fn message_len(prefix: [u8; 2]) -> Result<usize, SecureError> {
+        let len = u16::from_be_bytes(prefix) as usize;
+        if len > MAX_HANDSHAKE_MESSAGE {
+            return Err(SecureError::Malformed(format!(
+                "a handshake message of {len} bytes (at most {MAX_HANDSHAKE_MESSAGE})"
+            )));
+        }
+        Ok(len)
+    }
+
+    /// Takes the other side's message: [`SecureError::NotProven`] if it
+    /// does not authenticate (another key, replica, process or link).
+    pub fn receive(&mut self, message: &[u8]) -> Result<(), SecureError> {
+        let mut buf = [0u8; MAX_HANDSHAKE_MESSAGE];
+        self.state
+            .read_message(message, &mut buf)
+            .map_err(|_| SecureError::NotProven)?;
+        self.writes = true;
+        Ok(())
+    }
+
+    /// The transport keys of a finished handshake, a counter nonce kept
+    /// per direction.
+    pub fn into_session(self) -> Result<Session, SecureError> {
+        Ok(Session(Box::new(
+            self.state.into_transport_mode().map_err(noise)?,
+        )))
+    }
+
+    /// The transport keys of a finished handshake, the nonce given with
+    /// each record (two threads, one per direction, share them).
+    pub fn into_stateless(self) -> Result<snow::StatelessTransportState, SecureError> {
+        self.state.into_stateless_transport_mode().map_err(noise)
+    }
 }
 
 /// The controller's side: proves the key to process `process_index` of
@@ -145,9 +218,7 @@ pub async fn respond<S: AsyncRead + AsyncWrite + Unpin>(
     handshake(s, key, replica_id, process_index, false).await
 }
 
-/// Both sides of the handshake: the initiator writes the first message and
-/// reads the second, the responder the other way round. A message that
-/// does not authenticate is [`SecureError::NotProven`].
+/// Drives a [`Handshake`] over `s`.
 async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     key: &SessionKey,
@@ -155,26 +226,23 @@ async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     process_index: u32,
     initiator: bool,
 ) -> Result<Session, SecureError> {
-    let prologue = prologue(replica_id, process_index);
-    let builder = builder(key.bytes(), &prologue)?;
-    let mut hs = if initiator {
-        builder.build_initiator()
-    } else {
-        builder.build_responder()
-    }
-    .map_err(noise)?;
-    let mut buf = [0u8; MAX_HANDSHAKE_MESSAGE];
-    for writes in [initiator, !initiator] {
-        if writes {
-            let n = hs.write_message(&[], &mut buf).map_err(noise)?;
-            write_message(s, &buf[..n]).await?;
-        } else {
-            let message = read_message(s).await?;
-            hs.read_message(&message, &mut buf)
-                .map_err(|_| SecureError::NotProven)?;
+    let mut hs = Handshake::new(key.bytes(), &prologue(replica_id, process_index), initiator)?;
+    loop {
+        match hs.next_step()? {
+            HandshakeStep::Send(message) => {
+                s.write_all(&message).await?;
+                s.flush().await?;
+            }
+            HandshakeStep::Receive => {
+                let mut len = [0u8; 2];
+                s.read_exact(&mut len).await?;
+                let mut message = vec![0u8; Handshake::message_len(len)?];
+                s.read_exact(&mut message).await?;
+                hs.receive(&message)?;
+            }
+            HandshakeStep::Done => return hs.into_session(),
         }
     }
-    Ok(Session(Box::new(hs.into_transport_mode().map_err(noise)?)))
 }
 
 /// A codec that encrypts what `C` encodes and decrypts what `C` decodes,
@@ -410,6 +478,46 @@ mod tests {
         let r = tokio::spawn(async move { respond(&mut b, &key(1), 7, 1).await });
         a.write_all(&u16::MAX.to_be_bytes()).await.unwrap();
         assert!(matches!(r.await.unwrap(), Err(SecureError::Malformed(_))));
+    }
+
+    /// Runs two handshakes against each other, message by message.
+    fn drive(a: &mut Handshake, b: &mut Handshake) -> Result<(), SecureError> {
+        loop {
+            match (a.next_step()?, b.next_step()?) {
+                (HandshakeStep::Done, HandshakeStep::Done) => return Ok(()),
+                (HandshakeStep::Send(m), HandshakeStep::Receive) => {
+                    let len = Handshake::message_len([m[0], m[1]])?;
+                    assert_eq!(len, m.len() - 2);
+                    b.receive(&m[2..])?;
+                }
+                (HandshakeStep::Receive, HandshakeStep::Send(m)) => a.receive(&m[2..])?,
+                steps => panic!("out of turn: {steps:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_handshake_machine_takes_turns_and_its_stateless_keys_interoperate() {
+        // The mesh's use: prologues bind the link; the higher index initiates.
+        let mut a = Handshake::new(&[3; 32], b"link 0-1", true).unwrap();
+        let mut b = Handshake::new(&[3; 32], b"link 0-1", false).unwrap();
+        drive(&mut a, &mut b).unwrap();
+        let (a, b) = (a.into_stateless().unwrap(), b.into_stateless().unwrap());
+        let mut record = [0u8; 64];
+        let n = a.write_message(0, b"timely bytes", &mut record).unwrap();
+        let mut plain = [0u8; 64];
+        let m = b.read_message(0, &record[..n], &mut plain).unwrap();
+        assert_eq!(&plain[..m], b"timely bytes");
+        // Another link's prologue, or another key: not proven.
+        for (key, prologue) in [([3; 32], &b"link 0-2"[..]), ([4; 32], &b"link 0-1"[..])] {
+            let mut a = Handshake::new(&[3; 32], b"link 0-1", true).unwrap();
+            let mut b = Handshake::new(&key, prologue, false).unwrap();
+            assert!(matches!(drive(&mut a, &mut b), Err(SecureError::NotProven)));
+        }
+        assert!(matches!(
+            Handshake::message_len(257u16.to_be_bytes()),
+            Err(SecureError::Malformed(_))
+        ));
     }
 
     #[test]

@@ -23,17 +23,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lockstep_protocol::SessionKey;
+use lockstep_transport::secure::{
+    Handshake, HandshakeStep, SecureError, MAX_RECORD, MAX_RECORD_PLAIN,
+};
 
 use super::{read_exact_by, ClusterError, MeshId};
-
-/// The longest Noise message.
-const MAX_RECORD: usize = 65_535;
-/// The authentication tag of every record.
-const TAG_LEN: usize = 16;
-/// The most plaintext one record carries.
-const MAX_RECORD_PLAIN: usize = MAX_RECORD - TAG_LEN;
-/// The longest handshake message (an ephemeral key and a tag are 48 bytes).
-const MAX_HANDSHAKE_MESSAGE: usize = 256;
 
 fn prologue(id: MeshId, a: usize, b: usize) -> Vec<u8> {
     let mut p = b"lockstep timely mesh v1".to_vec();
@@ -44,11 +38,8 @@ fn prologue(id: MeshId, a: usize, b: usize) -> Vec<u8> {
     p
 }
 
-fn noise(e: snow::Error) -> std::io::Error {
-    std::io::Error::other(format!("mesh session: {e}"))
-}
-
-/// The Noise handshake with `peer` over `s`, within `deadline`.
+/// The Noise handshake with `peer` over `s`, within `deadline`: the
+/// transport crate's [`Handshake`], driven by blocking reads and writes.
 fn handshake(
     s: &mut TcpStream,
     key: &SessionKey,
@@ -57,42 +48,31 @@ fn handshake(
     peer: usize,
     deadline: Instant,
 ) -> std::io::Result<snow::StatelessTransportState> {
-    let prologue = prologue(id, me, peer);
-    let builder = lockstep_transport::secure::builder(key.bytes(), &prologue)
-        .map_err(|e| std::io::Error::other(format!("mesh session: {e}")))?;
-    let initiator = me > peer;
-    let mut hs = if initiator {
-        builder.build_initiator()
-    } else {
-        builder.build_responder()
-    }
-    .map_err(noise)?;
-    let mut buf = [0u8; MAX_HANDSHAKE_MESSAGE];
-    for writes in [initiator, !initiator] {
-        if writes {
-            let n = hs.write_message(&[], &mut buf[2..]).map_err(noise)?;
-            buf[..2].copy_from_slice(&(n as u16).to_be_bytes());
-            s.write_all(&buf[..2 + n])?;
-        } else {
-            let mut len = [0u8; 2];
-            read_exact_by(s, &mut len, deadline)?;
-            let len = u16::from_be_bytes(len) as usize;
-            if len > MAX_HANDSHAKE_MESSAGE {
-                return Err(std::io::Error::other(format!(
-                    "mesh session: a handshake message of {len} bytes from process {peer}"
-                )));
+    let failed = |e: SecureError| match e {
+        SecureError::NotProven => std::io::Error::other(format!(
+            "mesh session: process {peer} did not prove the replica's key"
+        )),
+        SecureError::Io(e) => e,
+        SecureError::Malformed(m) => {
+            std::io::Error::other(format!("mesh session with process {peer}: {m}"))
+        }
+    };
+    let mut hs = Handshake::new(key.bytes(), &prologue(id, me, peer), me > peer).map_err(failed)?;
+    loop {
+        match hs.next_step().map_err(failed)? {
+            HandshakeStep::Send(message) => s.write_all(&message)?,
+            HandshakeStep::Receive => {
+                let mut len = [0u8; 2];
+                read_exact_by(s, &mut len, deadline)?;
+                let mut message = vec![0u8; Handshake::message_len(len).map_err(failed)?];
+                read_exact_by(s, &mut message, deadline)?;
+                hs.receive(&message).map_err(failed)?;
             }
-            let mut message = vec![0u8; len];
-            read_exact_by(s, &mut message, deadline)?;
-            hs.read_message(&message, &mut buf).map_err(|_| {
-                std::io::Error::other(format!(
-                    "mesh session: process {peer} did not prove the replica's key"
-                ))
-            })?;
+            HandshakeStep::Done => break,
         }
     }
     s.set_read_timeout(None)?;
-    hs.into_stateless_transport_mode().map_err(noise)
+    hs.into_stateless().map_err(failed)
 }
 
 /// A loopback connection: the end timely gets and the end the relay keeps.
