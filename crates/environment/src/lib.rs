@@ -81,7 +81,7 @@
 //! `drop_replica`. The `lockstep` binary turns a panic into an abort, so a
 //! `panic` action crashes the whole controller as a real crash would.
 
-pub mod admission;
+pub mod listeners;
 pub mod compute;
 mod health;
 mod inputs;

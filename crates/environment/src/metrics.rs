@@ -275,7 +275,7 @@ impl Metrics {
         );
         let budget = lockstep_admission::BudgetMetrics::default();
         budget.register(registry);
-        budget.set(crate::admission::process_budget());
+        budget.set(crate::listeners::process_budget());
         Metrics {
             budget,
             registry: root,

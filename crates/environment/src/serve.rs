@@ -58,16 +58,16 @@ impl Environment {
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
         grace: std::time::Duration,
     ) -> Result<(), EnvError> {
-        // Bounded acceptance (`admission`, R1): a small pool of unproven
+        // Bounded acceptance (`listeners`, R1): a small pool of unproven
         // connections with one handshake deadline (the oldest closed
         // first), proven slots only for a request whose credential was
         // checked, an accept loop that backs off on EMFILE and never ends.
         // TCP_NODELAY is set on each (without it a small response waits for
         // the client's delayed ACK).
-        let incoming = tokio_stream::wrappers::ReceiverStream::new(admission::accept(
+        let incoming = tokio_stream::wrappers::ReceiverStream::new(listeners::accept(
             listener,
-            admission::api_pool(&self.metrics()),
-            admission::unproven_read_bytes(),
+            listeners::api_pool(&self.metrics()),
+            listeners::unproven_read_bytes(),
         ));
         let logger = self.log_service_events();
         // grpc.health.v1: the API, and each replica as `replica/NAME`,
@@ -75,7 +75,7 @@ impl Environment {
         // holder only: `health`). Open to token-less callers: requests of a
         // few bytes only.
         let (health, _) = tonic_health::server::health_reporter();
-        let open_limit = admission::open_max_request_bytes();
+        let open_limit = listeners::open_max_request_bytes();
         let health_service =
             tonic_health::pb::health_server::HealthServer::new(crate::health::HealthGate::new(
                 tonic_health::server::HealthService::from_health_reporter(health.clone()),
@@ -131,8 +131,8 @@ impl Environment {
         // and HTTP/2 keepalive so that dead peers are found.
         let builder = || {
             tonic::transport::Server::builder()
-                .initial_connection_window_size(admission::API_CONNECTION_WINDOW)
-                .initial_stream_window_size(admission::API_CONNECTION_WINDOW)
+                .initial_connection_window_size(listeners::API_CONNECTION_WINDOW)
+                .initial_stream_window_size(listeners::API_CONNECTION_WINDOW)
                 .max_concurrent_streams(Some(API_MAX_STREAMS))
                 .concurrency_limit_per_connection(API_MAX_STREAMS as usize)
                 .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
@@ -148,7 +148,7 @@ impl Environment {
                 .layer(tower::util::MapRequestLayer::new(
                     move |request: http::Request<tonic::body::Body>| {
                         if open_api {
-                            admission::prove_request(request.extensions());
+                            listeners::prove_request(request.extensions());
                         }
                         request
                     },
@@ -162,7 +162,7 @@ impl Environment {
         };
         let local_server = local.map(|local| {
             routes(builder()).serve_with_incoming_shutdown(
-                tokio_stream::wrappers::ReceiverStream::new(admission::accept_local(local)),
+                tokio_stream::wrappers::ReceiverStream::new(listeners::accept_local(local)),
                 shutdown.clone(),
             )
         });

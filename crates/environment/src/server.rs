@@ -89,7 +89,7 @@ impl tonic::service::Interceptor for TokenCheck {
         let given = authorization(request.metadata());
         if constant_time_eq(given, &self.expected) {
             // A checked credential is what proves a connection (R1).
-            if crate::admission::prove_request(request.extensions()) {
+            if crate::listeners::prove_request(request.extensions()) {
                 Ok(request)
             } else {
                 Err(Status::resource_exhausted(

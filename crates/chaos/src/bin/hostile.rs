@@ -145,7 +145,7 @@ const ENV_SLACK_MIB: f64 = 32.0;
 /// the pool admits holding its whole budget, in MiB
 /// (`API_UNPROVEN` x `API_UNPROVEN_READ_BYTES`, 64 x 2 MiB).
 fn env_budget_mib() -> f64 {
-    use lockstep_environment::admission::{API_UNPROVEN, API_UNPROVEN_READ_BYTES};
+    use lockstep_environment::listeners::{API_UNPROVEN, API_UNPROVEN_READ_BYTES};
     (API_UNPROVEN * API_UNPROVEN_READ_BYTES) as f64 / f64::from(1u32 << 20)
 }
 /// A replica process's peak resident memory (`VmHWM`) a seed may reach
@@ -451,7 +451,7 @@ fn main() {
     // The attackers hold thousands of sockets: this process's soft
     // descriptor limit goes up to its hard one (what the budget of a
     // lockstep process does first).
-    let _ = lockstep_environment::admission::process_budget();
+    let _ = lockstep_environment::listeners::process_budget();
     match env::descriptor_limit("self") {
         Some(n) if n >= 8192 => {}
         other => {

@@ -9,7 +9,7 @@ use super::Metrics;
 /// Serves the metrics endpoint on `listener` until the task is dropped
 /// ([`lockstep_metrics_http`]: anything but a known `GET` gets 404, the
 /// request head within 5 s, keep-alive off); connections are bounded as the
-/// API's are ([`crate::admission`]):
+/// API's are ([`crate::listeners`]):
 ///
 /// - `GET /metrics`: these metrics;
 /// - `GET /healthz` (to anyone, no token): 200 while the API serves, 503
@@ -37,10 +37,10 @@ pub async fn serve(
     let at: Arc<str> = listener
         .local_addr()
         .map_or_else(|_| "localhost".into(), |a| a.to_string().into());
-    let mut incoming = crate::admission::accept(
+    let mut incoming = crate::listeners::accept(
         listener,
-        crate::admission::metrics_pool(&metrics),
-        crate::admission::METRICS_UNPROVEN_READ_BYTES,
+        crate::listeners::metrics_pool(&metrics),
+        crate::listeners::METRICS_UNPROVEN_READ_BYTES,
     );
     let token: Option<Arc<str>> = token.map(Arc::from);
     let handler: lockstep_metrics_http::Handler = Arc::new(move |path: String| {

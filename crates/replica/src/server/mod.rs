@@ -47,12 +47,12 @@ use crate::cluster;
 use crate::metrics::Counted;
 use crate::worker::{run_worker, session_of, FromWorker};
 
-mod admission;
+mod unproven;
 mod connection;
 mod outbox;
 
-use admission::*;
-pub use admission::{
+use unproven::*;
+pub use unproven::{
     controller_share, HELLO_DEADLINE, MAX_PROVEN_CONNECTIONS, MAX_UNPROVEN_CONNECTIONS,
     REFUSAL_LOG_INTERVAL,
 };

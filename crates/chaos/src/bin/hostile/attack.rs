@@ -43,11 +43,11 @@ impl PortWatch {
     pub(crate) fn new(port: Port, addr: SocketAddr) -> PortWatch {
         let (cap, deadline) = match port {
             Port::Api => (
-                lockstep_environment::admission::API_UNPROVEN,
-                lockstep_environment::admission::API_HANDSHAKE_DEADLINE,
+                lockstep_environment::listeners::API_UNPROVEN,
+                lockstep_environment::listeners::API_HANDSHAKE_DEADLINE,
             ),
             Port::Metrics => (
-                lockstep_environment::admission::METRICS_UNPROVEN,
+                lockstep_environment::listeners::METRICS_UNPROVEN,
                 METRICS_HEAD_TIMEOUT,
             ),
             Port::Controller(_) => (

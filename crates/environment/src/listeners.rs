@@ -1,6 +1,7 @@
-//! Admission of the API's and the metrics endpoint's connections (R1), on
-//! [`lockstep_admission`]: the environment's descriptor budget, one pool
-//! per port, and the proof of an API connection.
+//! The environment's listeners (R1): which connections of the API and the
+//! metrics endpoint are admitted, on [`lockstep_admission`]: the
+//! environment's descriptor budget, one pool per port, and the proof of an
+//! API connection.
 //!
 //! - The budget ([`process_budget`]): the soft descriptor limit raised to
 //!   the hard one, [`ENVIRONMENT_RESERVE`] (or a quarter of the limit) kept
