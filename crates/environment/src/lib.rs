@@ -81,10 +81,10 @@
 //! `drop_replica`. The `lockstep` binary turns a panic into an abort, so a
 //! `panic` action crashes the whole controller as a real crash would.
 
-pub mod listeners;
 pub mod compute;
 mod health;
 mod inputs;
+pub mod listeners;
 pub mod metrics;
 pub mod policies;
 pub mod private;

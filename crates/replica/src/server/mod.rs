@@ -47,18 +47,18 @@ use crate::cluster;
 use crate::metrics::Counted;
 use crate::worker::{run_worker, session_of, FromWorker};
 
-mod unproven;
 mod connection;
 mod outbox;
+mod unproven;
 
+use connection::*;
+use outbox::Outbox;
+pub use outbox::MAX_PENDING_RESPONSES;
 use unproven::*;
 pub use unproven::{
     controller_share, HELLO_DEADLINE, MAX_PROVEN_CONNECTIONS, MAX_UNPROVEN_CONNECTIONS,
     REFUSAL_LOG_INTERVAL,
 };
-use connection::*;
-use outbox::Outbox;
-pub use outbox::MAX_PENDING_RESPONSES;
 
 /// How a replica process is started.
 #[derive(Clone, Debug)]
