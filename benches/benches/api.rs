@@ -169,6 +169,28 @@ impl Drop for Fixture {
 }
 
 impl Fixture {
+    /// The environment (this process) and the replica's processes: a name
+    /// and a PID each.
+    async fn processes(&self) -> Vec<(String, u32)> {
+        let listed = self
+            .client
+            .clone()
+            .list_replicas(lockstep_environment::proto::ListReplicasRequest::default())
+            .await
+            .expect("list replicas")
+            .into_inner();
+        let mut processes = vec![(
+            "the environment (this process)".to_string(),
+            std::process::id(),
+        )];
+        for r in listed.replicas.iter().filter(|r| r.name == REPLICA) {
+            for (i, p) in r.process_status.iter().enumerate() {
+                processes.push((format!("replica process {i}"), p.pid));
+            }
+        }
+        processes
+    }
+
     /// The next (time, upper) to write `collection` at.
     fn tick(&self, collection: u64) -> (u64, u64) {
         let t = self.next[collection as usize].fetch_add(1, Ordering::Relaxed);
@@ -273,6 +295,33 @@ fn differential_ingest(iters: u64) -> Duration {
 /// four workers take the two cores from the writer). Not a criterion
 /// measurement: criterion reports each sample's mean, and this is the
 /// spread.
+/// The CPU time each of `processes` (name, PID) has used so far.
+fn cpu_times(processes: &[(String, u32)]) -> Vec<Option<Duration>> {
+    processes
+        .iter()
+        .map(|(_, pid)| lockstep_orchestrator::process::cpu_time(*pid))
+        .collect()
+}
+
+/// Prints the CPU time each of `processes` used per batch since `before`
+/// (over every batch of the measurement, warm-up included) and its
+/// resident memory now.
+fn report_cpu(name: &str, processes: &[(String, u32)], before: &[Option<Duration>], batches: u64) {
+    let after = cpu_times(processes);
+    for (((what, pid), before), after) in processes.iter().zip(before).zip(after) {
+        let per_batch = match (before, after) {
+            (Some(b), Some(a)) if batches > 0 => {
+                format!("{:.2} ms", (a - *b).as_secs_f64() * 1e3 / batches as f64)
+            }
+            _ => "unknown".to_string(),
+        };
+        println!(
+            "api/{name}/cpu: {what}: {per_batch} CPU a batch ({batches} batches), RSS {:.0} MiB",
+            lockstep_orchestrator::process::rss_mib(*pid)
+        );
+    }
+}
+
 fn write_latencies(rt: &Runtime, f: &Fixture) {
     let quick = std::env::var_os("LOCKSTEP_BENCH_QUICK").is_some();
     let targets: &[u64] = if quick {
@@ -418,8 +467,12 @@ fn api(c: &mut Criterion) {
             })
         })
     });
+    let processes = rt.block_on(f.processes());
+    let cpu_before = cpu_times(&processes);
+    let mut core_batches = 0u64;
     group.bench_function("ingest_10k/core", |b| {
         b.iter_custom(|iters| {
+            core_batches += iters;
             rt.block_on(async {
                 let start = Instant::now();
                 for _ in 0..iters {
@@ -430,8 +483,16 @@ fn api(c: &mut Criterion) {
             })
         })
     });
+    report_cpu("ingest_10k/core", &processes, &cpu_before, core_batches);
+    let bench_process = [(
+        "the floor's 2x2 (this process)".to_string(),
+        std::process::id(),
+    )];
+    let cpu_before = cpu_times(&bench_process);
+    let mut floor_batches = 0u64;
     group.bench_function("ingest_10k/floor_2x2", |b| {
         b.iter_custom(|iters| {
+            floor_batches += iters;
             let start = Instant::now();
             for _ in 0..iters {
                 let t = floor_next;
@@ -449,6 +510,12 @@ fn api(c: &mut Criterion) {
             start.elapsed()
         })
     });
+    report_cpu(
+        "ingest_10k/floor_2x2",
+        &bench_process,
+        &cpu_before,
+        floor_batches,
+    );
     group.bench_function("ingest_10k/differential", |b| {
         b.iter_custom(differential_ingest)
     });

@@ -108,7 +108,7 @@ mod supervisor;
 use launch::*;
 pub use launch::{LISTEN_FDS_ENV, RELEASE_PORTS_ENV};
 use procfs::*;
-pub use procfs::{peak_rss_mib, rss_mib, strays, ORCHESTRATOR_ENV};
+pub use procfs::{cpu_time, peak_rss_mib, rss_mib, strays, ORCHESTRATOR_ENV};
 pub use state::kill_all_services;
 use state::*;
 

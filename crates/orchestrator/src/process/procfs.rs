@@ -318,6 +318,25 @@ pub fn peak_rss_mib(pid: u32) -> f64 {
     status_mib(pid, "VmHWM:")
 }
 
+/// The CPU time process `pid` has used so far, user and system
+/// (fields 14 and 15 of `/proc/PID/stat`, in clock ticks: 10 ms at the
+/// usual 100 Hz); `None` if it is gone.
+pub fn cpu_time(pid: u32) -> Option<std::time::Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name (which may hold spaces and parentheses):
+    // field 3 (the state) is the first.
+    let mut fields = stat.get(stat.rfind(')')? + 2..)?.split(' ');
+    let utime: u64 = fields.nth(11)?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .filter(|&hz| hz > 0)? as u64;
+    Some(std::time::Duration::from_millis(
+        (utime + stime) * 1000 / hz,
+    ))
+}
+
 /// A `kB` figure of `/proc/PID/status` (its line starting with `field`) in
 /// MiB; 0 if it cannot be read.
 fn status_mib(pid: u32, field: &str) -> f64 {
@@ -335,6 +354,26 @@ fn status_mib(pid: u32, field: &str) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A process's CPU time grows as it works (within a bound however
+    /// loaded the machine), and a gone one has none.
+    #[test]
+    fn cpu_time_counts_this_process_s_work() {
+        let me = std::process::id();
+        let before = cpu_time(me).expect("this process");
+        let start = std::time::Instant::now();
+        let mut x = 0u64;
+        while cpu_time(me).expect("this process") < before + std::time::Duration::from_millis(50) {
+            for _ in 0..1_000_000 {
+                x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+            }
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(60),
+                "no CPU time counted in 60 s of work"
+            );
+        }
+        assert_eq!(cpu_time(u32::MAX), None);
+    }
 
     /// A pidfd shows its own process running, and gone once it exits.
     #[test]
