@@ -420,14 +420,7 @@ impl Run {
         let Some(t) = self.world.read_time(&d.inputs) else {
             return Ok(false);
         };
-        let res = self
-            .client
-            .peek(proto::PeekRequest {
-                replica: REPLICA.into(),
-                collection_id: d.collection,
-                timestamp: t,
-            })
-            .await;
+        let res = self.client.peek(peek_request(d.collection, t)).await;
         match res {
             Ok(rows) => {
                 let rows = multiset(
@@ -540,5 +533,14 @@ async fn read_through(
             }
             _ => return None,
         }
+    }
+}
+
+/// A peek of the replica's `collection` at `t`.
+pub(super) fn peek_request(collection: u64, t: u64) -> proto::PeekRequest {
+    proto::PeekRequest {
+        replica: REPLICA.into(),
+        collection_id: collection,
+        timestamp: t,
     }
 }

@@ -178,11 +178,7 @@ impl Run {
     async fn answers_all(&self, targets: &[(usize, u64, u64)]) -> bool {
         let mut client = self.client.clone();
         for &(_, collection, t) in targets {
-            let peek = client.peek(proto::PeekRequest {
-                replica: REPLICA.into(),
-                collection_id: collection,
-                timestamp: t,
-            });
+            let peek = client.peek(ops::peek_request(collection, t));
             if !matches!(tokio::time::timeout(CALL, peek).await, Ok(Ok(_))) {
                 return false;
             }
@@ -207,11 +203,7 @@ impl Run {
             for &(k, collection, t) in targets.iter().cycle() {
                 let sent = Instant::now();
                 let res = client
-                    .peek(proto::PeekRequest {
-                        replica: REPLICA.into(),
-                        collection_id: collection,
-                        timestamp: t,
-                    })
+                    .peek(ops::peek_request(collection, t))
                     .await
                     .map(|rows| {
                         model::multiset(
