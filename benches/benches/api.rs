@@ -285,16 +285,6 @@ fn differential_ingest(iters: u64) -> Duration {
     lockstep_benches::differential_ingest::<Vec<i64>>(batches, 0, true)
 }
 
-/// A writer's latency as the collection grows: 100 writes of 10,000 rows,
-/// each until acknowledged (durable in the catalog and sent), once the
-/// collection stored 1M rows and (outside quick mode) 10M; p50, p99 and
-/// max, printed as one line each (`api/write_10k_latency/at_1M/paced:
-/// ...`). `paced`: each write after the replica applied the one before (a
-/// writer at a rate the replica sustains); `back_to_back`: the next write
-/// as soon as this one is acknowledged (the replica falls behind and its
-/// four workers take the two cores from the writer). Not a criterion
-/// measurement: criterion reports each sample's mean, and this is the
-/// spread.
 /// The CPU time each of `processes` (name, PID) has used so far.
 fn cpu_times(processes: &[(String, u32)]) -> Vec<Option<Duration>> {
     processes
@@ -322,6 +312,16 @@ fn report_cpu(name: &str, processes: &[(String, u32)], before: &[Option<Duration
     }
 }
 
+/// A writer's latency as the collection grows: 100 writes of 10,000 rows,
+/// each until acknowledged (durable in the catalog and sent), once the
+/// collection stored 1M rows and (outside quick mode) 10M; p50, p99 and
+/// max, printed as one line each (`api/write_10k_latency/at_1M/paced:
+/// ...`). `paced`: each write after the replica applied the one before (a
+/// writer at a rate the replica sustains); `back_to_back`: the next write
+/// as soon as this one is acknowledged (the replica falls behind and its
+/// four workers take the two cores from the writer). Not a criterion
+/// measurement: criterion reports each sample's mean, and this is the
+/// spread.
 fn write_latencies(rt: &Runtime, f: &Fixture) {
     let quick = std::env::var_os("LOCKSTEP_BENCH_QUICK").is_some();
     let targets: &[u64] = if quick {

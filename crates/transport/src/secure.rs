@@ -43,7 +43,7 @@ pub const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
 /// The longest Noise message: the most a record's 2-byte length announces.
 pub const MAX_RECORD: usize = 65535;
 /// The authentication tag of every record.
-pub const TAG_LEN: usize = 16;
+const TAG_LEN: usize = 16;
 /// The most plaintext one record carries.
 pub const MAX_RECORD_PLAIN: usize = MAX_RECORD - TAG_LEN;
 /// The longest handshake message accepted (an ephemeral key, a tag and an

@@ -199,40 +199,47 @@ impl Run {
     }
 
     /// Awaits `call` while peeking `targets` every [`READ_EVERY`]: its
-    /// output and the reads answered meanwhile (a read in flight when the
-    /// call ends is dropped).
+    /// output and every read sent meanwhile (the last one finished after
+    /// the call ends, so that no read goes unjudged; each bounded by
+    /// [`CALL`], past which it counts as refused).
     async fn reading<T>(
         &self,
         targets: &[(usize, u64, u64)],
         call: impl std::future::Future<Output = T>,
     ) -> (T, Vec<Read>) {
         let mut reads = Vec::new();
-        if targets.is_empty() {
-            return (call.await, reads);
-        }
+        let done = std::cell::Cell::new(false);
+        let call = async {
+            let out = call.await;
+            done.set(true);
+            out
+        };
         let mut client = self.client.clone();
         let reader = async {
             for &(k, collection, t) in targets.iter().cycle() {
+                if done.get() {
+                    break;
+                }
                 let sent = Instant::now();
-                let res = client
-                    .peek(ops::peek_request(collection, t))
-                    .await
-                    .map(|rows| {
+                let peek = client.peek(ops::peek_request(collection, t));
+                let res = match tokio::time::timeout(CALL, peek).await {
+                    Ok(res) => res.map(|rows| {
                         model::multiset(
                             rows.into_inner()
                                 .rows
                                 .into_iter()
                                 .map(|r| (r.values, r.diff)),
                         )
-                    });
+                    }),
+                    Err(_) => Err(tonic::Status::deadline_exceeded(format!(
+                        "no answer within {CALL:?}"
+                    ))),
+                };
                 reads.push((k, t, sent.elapsed(), res));
                 tokio::time::sleep(READ_EVERY).await;
             }
         };
-        let out = tokio::select! {
-            out = call => out,
-            () = reader => unreachable!("the reader cycles over a non-empty list"),
-        };
+        let (out, ()) = tokio::join!(call, reader);
         (out, reads)
     }
 
@@ -250,7 +257,7 @@ impl Run {
         let (mut answered, mut refused, mut longest) = (0, 0, Duration::ZERO);
         let mut broken = None;
         for (k, t, took, res) in reads {
-            let d = self.world.dataflows[k].clone();
+            let d = &self.world.dataflows[k];
             longest = longest.max(took);
             match res {
                 Ok(rows) => {
