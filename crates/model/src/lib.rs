@@ -178,12 +178,23 @@ impl Report {
     }
 }
 
+/// Threads for a variant that must pass (no shortest trace to keep).
+const MUST_PASS_THREADS: usize = 2;
+
 /// The first violating path found for each property, by name.
 type FirstPaths<M> =
     Arc<Mutex<BTreeMap<&'static str, Path<<M as Model>::State, <M as Model>::Action>>>>;
 
-/// Checks `model` exhaustively (breadth first, one thread, so every
-/// counterexample is a shortest one) and reports.
+/// Checks `model` exhaustively, breadth first, and reports.
+///
+/// A negative control is checked on one thread with a visitor that records
+/// the first violating path of each property, so its counterexample is a
+/// shortest one. A variant that must pass explores the same states on two
+/// threads with no visitor: the visitor replays each state's whole path from
+/// the start (stateright rebuilds a [`Path`] per state), which cost more
+/// than the check itself, and it serves only the trace of a violation. Should
+/// such a variant fail, its trace is stateright's own discovery (a
+/// counterexample, not necessarily a shortest one).
 pub fn check<M>(model: M, variant: &'static str, bounds: String, negative_control: bool) -> Report
 where
     M: Model + Explain + Clone + Send + Sync + 'static,
@@ -213,14 +224,15 @@ where
             }
         }
     };
-    let checker = model
+    let builder = model
         .clone()
         .checker()
-        .threads(1)
-        .visitor(visitor)
-        .finish_when(HasDiscoveries::AllFailures)
-        .spawn_bfs()
-        .join();
+        .finish_when(HasDiscoveries::AllFailures);
+    let checker = if negative_control {
+        builder.threads(1).visitor(visitor).spawn_bfs().join()
+    } else {
+        builder.threads(MUST_PASS_THREADS).spawn_bfs().join()
+    };
     let discoveries = checker.discoveries();
     let first = first.lock().expect("visitor lock poisoned").clone();
     let mut violations = Vec::new();
