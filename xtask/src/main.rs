@@ -95,7 +95,7 @@ enum Task {
         #[arg(long, requires = "out")]
         sdk_git: Option<String>,
     },
-    /// Build the reachability family from a scratch directory outside the
+    /// Check (`cargo check`) the reachability family from a scratch directory outside the
     /// checkout, as an adopter's repository would (part of `test`).
     OutsideFamily,
     /// Rewrite the checked-in standalone policy templates

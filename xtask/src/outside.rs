@@ -3,24 +3,29 @@
 //! the reachability example's sources in a scratch directory with a
 //! `Cargo.toml` of its own (its own `[workspace]`, lockstep's crates by
 //! path where an adopter gives a git revision, timely and differential at
-//! the versions `Coll` is made of), built there, and its replica binary
-//! run. It fails if the example needs anything from this workspace that
-//! the guide does not list.
+//! the versions `Coll` is made of), checked there (`cargo check`: every
+//! crate compiled as the adopter's build resolves it, features unified
+//! over that crate alone, with no code generated; a full build of that
+//! tree cost about 4 minutes of CI, shared with nothing else the test
+//! builds). It fails if the example needs anything from this workspace
+//! that the guide does not list. That the family's binary reports its own
+//! version is `lockstep-replica`'s unit test
+//! (`version_reports_the_family_version`).
 
 use std::process::Command;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 
 use crate::util::{root, run, step, target_dir};
 
-/// The binary the scratch crate builds (not the workspace's own name, so
-/// the two never overwrite each other in the shared target directory).
+/// The binary the scratch crate names (not the workspace's own name, so
+/// the two never meet in the shared target directory).
 const BIN: &str = "outside-family-replica";
 
-/// Builds the reachability family from a scratch directory outside the
-/// checkout and runs its binary's `--version`.
+/// Checks the reachability family from a scratch directory outside the
+/// checkout.
 pub fn check_family() -> anyhow::Result<()> {
-    step("a family crate built outside the checkout (docs/embedding.md's dependencies)");
+    step("a family crate checked outside the checkout (docs/embedding.md's dependencies)");
     let scratch = crate::util::scratch_outside("lockstep-outside-family-")?;
     let dir = scratch.path().join("my-family");
     std::fs::create_dir_all(dir.join("src"))?;
@@ -69,28 +74,10 @@ opt-level = 1
     std::fs::copy(root().join("Cargo.lock"), dir.join("Cargo.lock"))?;
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.current_dir(&dir)
-        .args(["build", "--quiet", "--bins"])
+        .args(["check", "--quiet", "--bins"])
         .arg("--target-dir")
         .arg(target_dir());
     run(cmd)?;
-    let bin = target_dir().join("debug").join(BIN);
-    let out = Command::new(&bin)
-        .arg("--version")
-        .output()
-        .with_context(|| format!("running {}", bin.display()))?;
-    let said = String::from_utf8_lossy(&out.stdout);
-    // The scratch crate is version 0.1.0, and the example's `main` gives
-    // `Builder::version` its own crate's version: that, not lockstep's.
-    if !out.status.success() || !said.contains("0.1.0") {
-        bail!(
-            "{} --version said {said:?} ({}): the family's own version should be reported",
-            bin.display(),
-            out.status
-        );
-    }
-    eprintln!(
-        "xtask: outside family: built, and it reports {}",
-        said.trim()
-    );
+    eprintln!("xtask: outside family: checked");
     Ok(())
 }

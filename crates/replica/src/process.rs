@@ -178,12 +178,19 @@ impl Builder {
         self
     }
 
+    /// The command line this process parses: `lockstep-replica`'s
+    /// arguments, reporting [`version`](Self::version) for `--version`.
+    fn command(&self) -> clap::Command {
+        use clap::CommandFactory;
+        Args::command().version(self.version)
+    }
+
     /// Parses this process's command line, sets up its logs, and runs it
     /// until it ends: exits with 2 on bad arguments, 1 on an error, 0
     /// otherwise (it never returns).
     pub fn main(self) -> ! {
-        use clap::{CommandFactory, FromArgMatches};
-        let args = Args::command().version(self.version).get_matches();
+        use clap::FromArgMatches;
+        let args = self.command().get_matches();
         let args = Args::from_arg_matches(&args).unwrap_or_else(|e| e.exit());
         let family = match self.family_for(&args.replica_config) {
             Ok(f) => f,
@@ -304,5 +311,25 @@ mod tests {
         // A fixed family takes no configuration.
         let fixed = Builder::new().family(PlanFamily);
         assert!(fixed.family_for("anything").is_ok());
+    }
+
+    #[test]
+    fn version_reports_the_family_version() {
+        assert_eq!(
+            Builder::new().command().render_version().trim(),
+            format!("lockstep-replica {}", env!("CARGO_PKG_VERSION"))
+        );
+        let family = Builder::new().version("9.8.7");
+        assert_eq!(
+            family.command().render_version().trim(),
+            "lockstep-replica 9.8.7"
+        );
+        // What the process parses: `--version` is the family's.
+        let err = family
+            .command()
+            .try_get_matches_from(["my-family", "--version"])
+            .unwrap_err();
+        assert_eq!(err.kind(), clap::error::ErrorKind::DisplayVersion);
+        assert!(err.to_string().contains("9.8.7"), "{err}");
     }
 }
