@@ -96,6 +96,20 @@ pub fn build_bins(packages: &[&str], features: Option<&str>) -> Command {
     cmd
 }
 
+/// `cargo build --bins` of `packages`, which take no test feature: within
+/// `cargo xtask test` (after [`after_workspace_tests`]) the test build's
+/// own units ([`build_bins`] with the test features, which then builds
+/// nothing), else the packages alone. Built alone inside the test, their
+/// dependencies get another feature set (`lockstep-kube-double`'s tree
+/// cost 69 s of a full run).
+pub fn build_plain_bins(packages: &[&str]) -> Command {
+    if WORKSPACE_TESTS_BUILT.load(Relaxed) {
+        build_bins(packages, Some(crate::tasks::TEST_FEATURES))
+    } else {
+        build_bins(packages, None)
+    }
+}
+
 /// Runs a command, echoing it, and fails with its exit status.
 pub fn run(mut cmd: Command) -> anyhow::Result<()> {
     eprintln!("xtask: $ {}", show(&cmd));

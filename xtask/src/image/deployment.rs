@@ -22,7 +22,7 @@ use super::{
     check_then_stop, client, container_name, output, poll, random_token, running, Cleanup, Engine,
     Removal, IMAGE, IMAGE_UID,
 };
-use crate::util::{build_bins, root, run, target_dir};
+use crate::util::{build_plain_bins, root, run, target_dir};
 
 /// The environment pod's name here (the double holds it, controlled by a
 /// ReplicaSet of the Deployment, as in a cluster).
@@ -168,7 +168,7 @@ pub(super) fn run_check(engine: &Engine) -> anyhow::Result<()> {
     }
 
     // The API double, holding the Deployment (the owner of every object).
-    run(build_bins(&["lockstep-kube-double"], None))?;
+    run(build_plain_bins(&["lockstep-kube-double"]))?;
     let dir = tempfile::tempdir()?;
     let kubeconfig = dir.path().join("kubeconfig");
     let mut double = Command::new(target_dir().join("debug/lockstep-kube-double"));
