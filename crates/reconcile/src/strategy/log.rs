@@ -83,7 +83,7 @@ impl StrategyRules for Log {
 /// The command log as one worker tails it: `log`'s part of a
 /// [`WorkerSession`]'s state.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct LogTail<C> {
+pub struct LogCursor<C> {
     /// Whether the worker tails a command log.
     pub(crate) tails: bool,
     /// The newest session whose marker the worker read from the log.
@@ -99,9 +99,9 @@ pub struct LogTail<C> {
     pub(crate) hold_mutant: LogHoldMutant,
 }
 
-impl<C> Default for LogTail<C> {
+impl<C> Default for LogCursor<C> {
     fn default() -> Self {
-        LogTail {
+        LogCursor {
             tails: false,
             fence: 0,
             next: None,

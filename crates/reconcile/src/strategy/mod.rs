@@ -16,7 +16,7 @@
 //!   session reconciles collectively, and the strategy's part of
 //!   [`crate::WorkerSession`] (per-worker reconciliation in [`naive`], the
 //!   barrier rounds in [`barrier`], the log's reading, hold and cut in
-//!   [`log`], with its state in one [`log::LogTail`]).
+//!   [`log`], with its state in one [`log::LogCursor`]).
 //!
 //! [`rules`] is the one place a strategy is registered. A new strategy is
 //! one module here plus its line in [`rules`] (and its wire name in

@@ -22,7 +22,7 @@
 //!
 //! Each strategy's part of the machine is in its module of
 //! [`crate::strategy`] (where its commands come from, what gates them, how
-//! it reconciles; the log's state is one [`LogTail`] field). Taking the
+//! it reconciles; the log's state is one [`LogCursor`] field). Taking the
 //! commands from their [`crate::Source`] (the socket, the sequencer on the
 //! mesh, the command log) is the shell's part.
 
@@ -30,7 +30,7 @@ use std::collections::VecDeque;
 
 use lockstep_protocol::{Command, CommandKind, Strategy};
 
-use crate::strategy::log::LogTail;
+use crate::strategy::log::LogCursor;
 use crate::strategy::{rules, SourceMarkers};
 use crate::{
     session_of, Announcement, BarrierDecision, DataflowKey, Digest, Report, RoundBook, Session,
@@ -248,7 +248,7 @@ pub struct WorkerSession<C> {
     pub(crate) out: VecDeque<Action<C>>,
     pub(crate) halted: bool,
     /// The command log as this worker tails it (`log`'s state).
-    pub(crate) log: LogTail<C>,
+    pub(crate) log: LogCursor<C>,
 }
 
 impl<C: SessionCommand> WorkerSession<C> {
@@ -267,7 +267,7 @@ impl<C: SessionCommand> WorkerSession<C> {
             rounds: RoundBook::new(peers),
             out: VecDeque::new(),
             halted: false,
-            log: LogTail::default(),
+            log: LogCursor::default(),
         }
     }
 

@@ -49,7 +49,7 @@ const LOG_BATCH: usize = 256;
 
 /// A worker's command log (its position in it is the session machine's:
 /// `WorkerSession::log_position`).
-pub(crate) struct LogTail {
+pub(crate) struct LogReader {
     log: AnyLog,
     /// A socket copy of a log command arrived, or a newer session waits for
     /// its marker: read the log now.
@@ -63,7 +63,7 @@ pub(crate) struct LogTail {
     copy_arrived: Option<std::time::Instant>,
 }
 
-impl LogTail {
+impl LogReader {
     /// How long the worker may park before its next unprompted read.
     pub(crate) fn park(&self) -> Duration {
         match self.log {
@@ -93,7 +93,7 @@ impl WorkerState {
                 mesh.send(0, MeshMessage::LogStart { offset: start });
             }
         }
-        self.log = Some(LogTail {
+        self.log = Some(LogReader {
             log,
             poked: false,
             last_read: std::time::Instant::now(),

@@ -64,7 +64,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::family::{prepare, Family};
 use crate::metrics::{ReplicaMetrics, WorkerLabel, METRICS};
-use crate::order::log::LogTail;
+use crate::order::log::LogReader;
 
 pub use crate::order::log::LOG_POLL;
 
@@ -229,7 +229,7 @@ pub struct WorkerState {
     pub(crate) machine: WorkerSession<Command>,
     /// The machine's clock.
     started: Instant,
-    pub(crate) log: Option<LogTail>,
+    pub(crate) log: Option<LogReader>,
 }
 
 /// What a worker runs, as its session machine sees it.
@@ -549,7 +549,7 @@ pub fn run_worker(
             let park = state
                 .log
                 .as_ref()
-                .map_or(Duration::from_millis(5), LogTail::park);
+                .map_or(Duration::from_millis(5), LogReader::park);
             worker.step_or_park(Some(park));
         }
         state.maintain();
