@@ -154,6 +154,7 @@ fn main() {
             if !only.is_empty() && !only.split(',').any(|o| o == name) {
                 continue;
             }
+            let started = std::time::Instant::now();
             let result = runtime.block_on(async {
                 match tokio::time::timeout(
                     Duration::from_secs(90),
@@ -170,9 +171,10 @@ fn main() {
             });
             fail::remove(FAILPOINT);
             let line = tally.record(&result);
+            let took = started.elapsed().as_secs_f64();
             match result {
-                Ok(()) => eprintln!("distribution/{s}/{name}: {line}"),
-                Err(_) => println!("distribution/{s}/{name}: {line}"),
+                Ok(()) => eprintln!("distribution/{s}/{name}: {line} ({took:.1} s)"),
+                Err(_) => println!("distribution/{s}/{name}: {line} ({took:.1} s)"),
             }
         }
         let negative_control = s.strategy == Strategy::Naive && !s.check_reconciles;
