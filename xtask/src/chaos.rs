@@ -62,7 +62,7 @@ pub struct CampaignArgs {
     /// For `campaign`: shrink a failing seed's history (drop operations while it still fails).
     #[arg(long)]
     pub shrink: bool,
-    /// For `hostile`: the long run (seeds 1..=200 of `bounded`, 1..=20 of each control) instead of the quick set.
+    /// For `hostile`: the long run (seeds 1..=200 of `bounded`, 1..=20 of each control) instead of the quick set; for `distribution`: every scenario of a negative control, not only up to its first violation.
     #[arg(long)]
     pub long: bool,
 }
@@ -76,7 +76,7 @@ pub fn run_suite_with(
     campaign_args: &CampaignArgs,
 ) -> anyhow::Result<()> {
     match suite {
-        "distribution" => distribution(strategies),
+        "distribution" => distribution(strategies, campaign_args.long),
         "campaign" => campaign(strategies, campaign_args),
         "hostile" => hostile(strategies, campaign_args),
         other => run_suite(other),
@@ -87,7 +87,7 @@ pub fn run_suite_with(
 pub fn run_suite(suite: &str) -> anyhow::Result<()> {
     match suite {
         "orphans" => orphans(),
-        "distribution" => distribution(&[]),
+        "distribution" => distribution(&[], false),
         "security" => security(),
         "campaign" => campaign(&[], &CampaignArgs::default()),
         "hostile" => hostile(&[], &CampaignArgs::default()),
@@ -166,8 +166,9 @@ fn security() -> anyhow::Result<()> {
     run_suite_binary(bin, &[], "security", 3)
 }
 
-/// The distribution fault suite.
-fn distribution(strategies: &[String]) -> anyhow::Result<()> {
+/// The distribution fault suite; `every_scenario`: a negative control
+/// runs every scenario rather than stopping at its first violation.
+fn distribution(strategies: &[String], every_scenario: bool) -> anyhow::Result<()> {
     build_with_environment("lockstep-chaos-distribution")?;
     let bin = target_dir()
         .join("debug")
@@ -204,7 +205,10 @@ fn distribution(strategies: &[String]) -> anyhow::Result<()> {
     } else {
         strategies
     };
-    let args: Vec<&str> = strategies.iter().map(String::as_str).collect();
+    let mut args: Vec<&str> = strategies.iter().map(String::as_str).collect();
+    if every_scenario {
+        args.insert(0, "--every-scenario");
+    }
     run_suite_binary(bin, &args, "distribution", strategies.len())
 }
 
