@@ -203,11 +203,16 @@ where
 {
     let start = Instant::now();
     let properties = model.properties();
-    // stateright keeps the *last* violating path it meets for a property, so
-    // the first one (the shortest, since the search is breadth first on one
-    // thread) is recorded here, by a visitor that sees every state in order.
     let first: FirstPaths<M> = Arc::default();
-    let visitor = {
+    let builder = model
+        .clone()
+        .checker()
+        .finish_when(HasDiscoveries::AllFailures);
+    let checker = if negative_control {
+        // stateright keeps the *last* violating path it meets for a
+        // property, so the first one (the shortest, since the search is
+        // breadth first on one thread) is recorded here, by a visitor that
+        // sees every state in order.
         let first = Arc::clone(&first);
         let model = model.clone();
         let failures: Vec<Property<M>> = properties
@@ -215,20 +220,14 @@ where
             .filter(|p| p.expectation != Expectation::Sometimes)
             .cloned()
             .collect();
-        move |path: Path<M::State, M::Action>| {
+        let visitor = move |path: Path<M::State, M::Action>| {
             let mut first = first.lock().expect("visitor lock poisoned");
             for p in &failures {
                 if !first.contains_key(p.name) && !(p.condition)(&model, path.last_state()) {
                     first.insert(p.name, path.clone());
                 }
             }
-        }
-    };
-    let builder = model
-        .clone()
-        .checker()
-        .finish_when(HasDiscoveries::AllFailures);
-    let checker = if negative_control {
+        };
         builder.threads(1).visitor(visitor).spawn_bfs().join()
     } else {
         builder.threads(MUST_PASS_THREADS).spawn_bfs().join()
